@@ -1,0 +1,383 @@
+"""BlockManager: per-sequence block tables over the radix tree, with copy-on-write forks.
+
+The engine talks to the cache only through this class. Life of a sequence::
+
+    alloc = bm.allocate(seq, prompt_tokens, ns)   # match cached prefix, lock it, allocate the rest
+    run alloc.moves (promotions/demotions), compute tokens [alloc.num_cached_tokens, len)
+    bm.commit(seq, len(prompt))                   # full computed blocks join the tree
+    loop: s = bm.append_slot(seq, token)          # slot for the new token's KV (+ CoW copy)
+          run s.moves, s.copy, compute the token; bm.commit(seq, n)
+    bm.fork(seq, child)                           # n samples / beams share every block
+    bm.free(seq)                                  # full blocks stay cached, the rest is freed
+
+Conventions: a *block table* lists device block ids, one per ``block_size`` tokens; the last
+block may be partial and belongs to the sequence (and its forks) only. Full blocks whose KV is
+computed are *committed* into the tree and may then be shared by any request. A block's device
+refcount is the number of live sequences whose table holds it. A sequence never writes into a
+block with refcount > 1: ``append_slot`` copies a shared partial block first.
+
+Every public method validates its arguments and capacity before mutating anything, so an
+exception (always a ``RadixKVError``) leaves the manager, tree and pool exactly as they were.
+Pure Python: imports no torch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from radixkv.core.hashing import TOKEN_BYTES, Namespace, hash_blocks, token_bytes
+from radixkv.core.pool import BlockPool
+from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
+from radixkv.errors import (
+    InvalidBlockError, InvalidTokensError, OutOfBlocks, SequenceExistsError, UnknownSequenceError,
+)
+
+SeqId = Hashable
+
+
+class CopyOp(NamedTuple):
+    """Copy device block ``src`` onto device block ``dst`` (copy-on-write of a shared tail)."""
+
+    src: int
+    dst: int
+
+
+class SlotAssignment(NamedTuple):
+    """Where the KV of a sequence's newest token goes, and what must run before writing it.
+
+    ``slot = block_id * block_size + offset``. ``moves`` (tier demotions caused by allocating a
+    new block) run first, then ``copy`` (if the tail block was shared), then the write.
+    """
+
+    slot: int
+    copy: CopyOp | None
+    moves: tuple[MoveOp, ...]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Result of ``allocate``: the sequence's block table and what the cache already holds.
+
+    ``num_cached_tokens`` tokens (whole blocks) have valid KV once ``moves`` have run;
+    ``cached_tokens_per_tier[t]`` says how many of them came from tier t (0 = device).
+    """
+
+    seq_id: SeqId
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    cached_tokens_per_tier: tuple[int, ...]
+    moves: tuple[MoveOp, ...]
+
+
+class _Seq:
+    __slots__ = ("seed", "tokens", "blocks", "hashes", "nodes", "num_computed")
+
+    def __init__(self, seed: bytes, tokens: list[int], blocks: list[int], hashes: list[bytes],
+                 nodes: list[Node], num_computed: int) -> None:
+        self.seed = seed
+        self.tokens = tokens            # every token id of the sequence so far
+        self.blocks = blocks            # device block ids, ceil(len(tokens) / B) of them
+        self.hashes = hashes            # chain hashes of the committed blocks
+        self.nodes = nodes              # tree nodes of the committed blocks (same length)
+        self.num_computed = num_computed  # tokens whose KV is written
+
+
+class BlockManager:
+    """Block tables, copy-on-write and prefix reuse for live sequences.
+
+    Args:
+        tree: the radix tree (which owns the device pool and any slower tiers).
+    """
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.pool: BlockPool = tree._pools[DEVICE]
+        self.block_size = tree.block_size
+        self._seqs: dict[SeqId, _Seq] = {}
+
+    @classmethod
+    def create(cls, num_blocks: int, block_size: int = 16, policy: str = "lru",
+               lower_tier_blocks: Sequence[int] = (), **tree_kwargs) -> BlockManager:
+        """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities)."""
+        tree = RadixTree(block_size, BlockPool(num_blocks),
+                         [BlockPool(n) for n in lower_tier_blocks], policy=policy, **tree_kwargs)
+        return cls(tree)
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def _seq(self, seq_id: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(
+                f"sequence {seq_id!r} is not live (never allocated, or already freed)") from None
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's device block ids (a copy). Runtime complexity: O(blocks)."""
+        return list(self._seq(seq_id).blocks)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return len(self._seq(seq_id).tokens)
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_computed
+
+    def token_ids(self, seq_id: SeqId) -> list[int]:
+        return list(self._seq(seq_id).tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could obtain now: free plus evictable cached blocks. O(1)."""
+        return self.pool.num_free + self.tree.num_evictable(DEVICE)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ allocation
+    def _match(self, tok: bytes, seed: bytes, num_tokens: int) -> tuple[list[Node], list[bytes]]:
+        # Match at most (n-1)//B blocks: at least one prompt token must be computed to produce
+        # logits, and the block holding it must be private (no write into a shared block).
+        limit = (num_tokens - 1) // self.block_size
+        hashes = hash_blocks(tok, self.block_size, seed, 0, limit)
+        nodes = self.tree.match(hashes, tok)
+        return nodes, hashes[:len(nodes)]
+
+    def _check_capacity(self, need: int, matched: Sequence[Node]) -> None:
+        # Locking a matched unreferenced device node takes it out of the evictable count.
+        refs = self.pool.ref_counts
+        locked_now = sum(1 for n in matched if n.tier == DEVICE and refs[n.slot] == 0)
+        evictable = self.tree.num_evictable(DEVICE) - locked_now
+        if need > self.pool.num_free + evictable:
+            raise OutOfBlocks(need, self.pool.num_free, evictable)
+
+    def _take_blocks(self, n: int, moves: list[MoveOp]) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0:
+            moves.extend(self.tree.evict(DEVICE, short))
+        return self.pool.allocate(n)
+
+    def can_allocate(self, token_ids: Sequence[int], namespace: Namespace) -> bool:
+        """Whether ``allocate`` would succeed now (no side effects). O(prompt blocks)."""
+        tok = token_bytes(token_ids)
+        n = len(tok) // TOKEN_BYTES
+        nodes, _ = self._match(tok, namespace.seed, n)
+        on_device = sum(1 for x in nodes if x.tier == DEVICE)
+        try:
+            self._check_capacity(self._blocks_for(n) - on_device, nodes)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], namespace: Namespace) -> Allocation:
+        """Start a sequence: reuse its longest cached prefix and allocate blocks for the rest.
+
+        Matched device blocks are locked; matched host/disk blocks are promoted into fresh
+        device blocks (their loads are in ``moves``, after any demotions that made room).
+        All-or-nothing: raises SequenceExistsError, InvalidTokensError or OutOfBlocks without
+        changing anything. Runtime complexity: O(prompt tokens + evictions * log n).
+        """
+        if seq_id in self._seqs:
+            raise SequenceExistsError(f"sequence {seq_id!r} is already live; free it first")
+        tok = token_bytes(token_ids)
+        n = len(tok) // TOKEN_BYTES
+        nodes, hashes = self._match(tok, namespace.seed, n)
+        on_device = [x for x in nodes if x.tier == DEVICE]
+        need = self._blocks_for(n) - len(on_device)
+        self._check_capacity(need, nodes)
+        # --- no exception past this point ---
+        tree = self.tree
+        for x in on_device:
+            tree.lock(x)
+        per_tier = [0] * tree.num_tiers
+        for x in on_device:
+            per_tier[DEVICE] += self.block_size
+        moves: list[MoveOp] = []
+        blocks = [x.slot for x in on_device]
+        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
+        kept = list(on_device)
+        for x in nodes[len(on_device):]:
+            [b] = self._take_blocks(1, moves)
+            if tree.get(x.block_hash) is not x or (x.parent is not None and x.parent.tier != DEVICE):
+                # Making room dropped this block from the slow tiers: recompute from here.
+                self.pool.free([b])
+                break
+            tier = x.tier
+            moves.append(tree.promote(x, b))  # type: ignore[arg-type]
+            tree.lock(x)
+            per_tier[tier] += self.block_size
+            blocks.append(b)
+            kept.append(x)
+        fresh = self._take_blocks(self._blocks_for(n) - len(blocks), moves)
+        refs = self.pool.ref_counts
+        for b in fresh:
+            refs[b] += 1
+        blocks.extend(fresh)
+        num_cached = len(kept) * self.block_size
+        self._seqs[seq_id] = _Seq(namespace.seed, list(array("i", tok)), blocks,
+                                  list(hashes[:len(kept)]), kept, num_cached)
+        return Allocation(seq_id, tuple(blocks), num_cached, tuple(per_tier), tuple(moves))
+
+    # ------------------------------------------------------------------ decode
+    def blocks_needed_to_append(self, seq_id: SeqId) -> int:
+        """Device blocks the next ``append_slot`` takes: 1 at a block boundary or CoW, else 0."""
+        s = self._seq(seq_id)
+        if len(s.tokens) % self.block_size == 0:
+            return 1
+        return 1 if self.pool.ref_counts[s.blocks[-1]] > 1 else 0
+
+    def append_slot(self, seq_id: SeqId, token_id: int) -> SlotAssignment:
+        """Append one token and return the slot for its KV (plus a CoW copy if needed).
+
+        A new block is taken at a block boundary; a shared partial tail (after ``fork``) is
+        copied first so that this sequence never writes into a block others read.
+        All-or-nothing (OutOfBlocks changes nothing). Runtime complexity: O(1) amortised.
+        """
+        s = self._seq(seq_id)
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
+            raise InvalidTokensError(f"token id must be an int in [0, 2**31), got {token_id!r}")
+        bs = self.block_size
+        pos = len(s.tokens)
+        off = pos % bs
+        refs = self.pool.ref_counts
+        if off == 0 or refs[s.blocks[-1]] > 1:
+            if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0:
+                raise OutOfBlocks(1, 0, 0, "preempt a sequence (free it and recompute later)")
+            moves: list[MoveOp] = []
+            [b] = self._take_blocks(1, moves)
+            refs[b] += 1
+            copy = None
+            if off:
+                old = s.blocks[-1]
+                refs[old] -= 1   # was > 1: still referenced by a fork, never freed here
+                s.blocks[-1] = b
+                copy = CopyOp(old, b)
+            else:
+                s.blocks.append(b)
+            s.tokens.append(token_id)
+            return SlotAssignment(b * bs + off, copy, tuple(moves))
+        s.tokens.append(token_id)
+        return SlotAssignment(s.blocks[-1] * bs + off, None, ())
+
+    def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:
+        """Record that KV of tokens [0, num_computed_tokens) is written; cache full blocks.
+
+        Each newly full block joins the tree under its chain hash. If the tree already caches
+        that hash on the device (another sequence computed it), this sequence switches to the
+        cached block and frees its duplicate; if it caches it in a slower tier, the recomputed
+        block becomes that node's device copy. Returns the number of blocks newly cached.
+        Runtime complexity: O(new blocks * log n).
+        """
+        s = self._seq(seq_id)
+        if not isinstance(num_computed_tokens, int) or not s.num_computed <= num_computed_tokens <= len(s.tokens):
+            raise InvalidTokensError(
+                f"num_computed_tokens must be in [{s.num_computed}, {len(s.tokens)}] for sequence "
+                f"{seq_id!r}, got {num_computed_tokens!r}")
+        s.num_computed = num_computed_tokens
+        bs, tree, refs = self.block_size, self.tree, self.pool.ref_counts
+        first, last = len(s.nodes), num_computed_tokens // bs
+        if last <= first:
+            return 0
+        tok = array("i", s.tokens[first * bs:last * bs]).tobytes()
+        width = bs * TOKEN_BYTES
+        parent = s.nodes[-1] if s.nodes else None
+        h = s.hashes[-1] if s.hashes else s.seed
+        added = 0
+        for i in range(first, last):
+            chunk = tok[(i - first) * width:(i - first + 1) * width]
+            h = hash_blocks(chunk, bs, h)[0]
+            b = s.blocks[i]
+            node = tree.get(h)
+            if node is not None and (node.parent is not parent or node.tokens != chunk):
+                node = None  # collision: keep this block private, stop caching this chain
+                break
+            if node is None:
+                node = tree.insert(parent, h, chunk, b)
+                added += 1
+            elif node.tier == DEVICE and node.slot != b:
+                tree.lock(node)              # share the cached copy, free the duplicate
+                refs[b] -= 1
+                if refs[b] == 0:
+                    self.pool.free_one(b)
+                s.blocks[i] = node.slot
+            elif node.tier != DEVICE:
+                tree.promote(node, b, copy=False)
+                added += 1
+            s.nodes.append(node)
+            s.hashes.append(h)
+            parent = node
+        return added
+
+    # ------------------------------------------------------------------ fork / free
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (n samples, beams). O(blocks)."""
+        p = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExistsError(f"sequence {child_id!r} is already live")
+        self._ref_blocks(p.blocks, +1)
+        self._seqs[child_id] = _Seq(p.seed, list(p.tokens), list(p.blocks), list(p.hashes),
+                                    list(p.nodes), p.num_computed)
+
+    def free(self, seq_id: SeqId) -> None:
+        """End a sequence: committed blocks stay cached (evictable once unreferenced), its
+        private blocks return to the pool. Raises UnknownSequenceError on a double free.
+        Runtime complexity: O(blocks * log n)."""
+        s = self._seq(seq_id)
+        del self._seqs[seq_id]
+        self._ref_blocks(s.blocks[::-1], -1)
+
+    def _ref_blocks(self, blocks: Sequence[int], delta: int) -> None:
+        # A block is cached (a tree node: lock/release keep the evictable sets right) or
+        # private (plain refcount; freed at zero). A block private when this sequence took it
+        # may since have been committed by a fork sibling, so decide per block, now.
+        tree, refs = self.tree, self.pool.ref_counts
+        for b in blocks:
+            node = tree.device_node(b)
+            if node is not None:
+                tree.lock(node) if delta > 0 else tree.release(node)
+            else:
+                refs[b] += delta
+                if refs[b] == 0:
+                    self.pool.free_one(b)
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Pool, tree and tables agree: refcounts = table occurrences; every device block is
+        exactly one of free, cached, or held privately; tables cover their tokens."""
+        self.pool.check_invariants()
+        self.tree.check_invariants()
+        bs = self.block_size
+        held = [0] * self.pool.num_blocks
+        for sid, s in self._seqs.items():
+            assert len(s.blocks) == self._blocks_for(len(s.tokens)), (
+                f"seq {sid!r}: {len(s.blocks)} blocks for {len(s.tokens)} tokens")
+            assert len(set(s.blocks)) == len(s.blocks), f"seq {sid!r} holds a block twice"
+            assert len(s.nodes) == len(s.hashes) <= s.num_computed // bs, (
+                f"seq {sid!r}: {len(s.nodes)} nodes, {len(s.hashes)} hashes, {s.num_computed} computed")
+            assert s.num_computed <= len(s.tokens)
+            for i, node in enumerate(s.nodes):
+                assert node.tier == DEVICE and node.slot == s.blocks[i], (
+                    f"seq {sid!r} block {i}: table has {s.blocks[i]}, node {node}")
+                assert self.tree.get(node.block_hash) is node, f"seq {sid!r} holds an uncached node"
+            for b in s.blocks:
+                held[b] += 1
+        for b in range(self.pool.num_blocks):
+            refs = self.pool.ref_counts[b]
+            assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
+            free = self.pool.is_free(b)
+            cached = self.tree.device_node(b) is not None
+            assert free + cached + (refs > 0 and not cached) == 1 or (cached and refs > 0 and not free), (
+                f"block {b}: free={free} cached={cached} refs={refs}")
+            assert not (free and (cached or refs)), f"block {b} is free but cached={cached} refs={refs}"
+            assert free or cached or refs, f"block {b} leaked: not free, not cached, no references"

@@ -1,0 +1,124 @@
+"""Eviction policies: strategy objects that turn a cached node into a sort key.
+
+The tree keeps, per tier, the *evictable leaves* (unreferenced nodes with no child in that tier)
+in a ``sortedcontainers.SortedList`` of ``(*policy.key(node, hints), block_hash)``; the smallest
+entry is evicted first. The trailing hash makes entries unique and deterministic. A policy's key
+may only read fields that the tree changes while the node is *out* of the sorted list
+(``last_access``, ``hits``, the node's hints): the tree removes a node, mutates it, re-adds it.
+
+Because a parent is accessed whenever a child is, ``parent.last_access >= child.last_access``
+always holds, so evicting leaves in LRU order is exactly LRU over the whole tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from radixkv.core.tree import Node
+
+
+@dataclass(frozen=True)
+class NodeHints:
+    """Per-node scheduling hints set by callers (e.g. pin a system prompt).
+
+    ``priority``: higher survives longer under PriorityPolicy (default 0).
+    ``ttl``: seconds a block is kept after its last use under TTLPolicy (None: the policy's).
+    """
+
+    priority: int = 0
+    ttl: float | None = None
+
+
+DEFAULT_HINTS = NodeHints()
+
+
+class EvictionPolicy(Protocol):
+    """Order of eviction among evictable leaves: smallest key first."""
+
+    name: str
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        """Sort key of an evictable node. Must be cheap: called on every (re)insertion."""
+        ...
+
+    def expired(self, key: tuple, now: float) -> bool:
+        """Whether an entry with this key may be dropped with no memory pressure at ``now``."""
+        ...
+
+
+class LRUPolicy:
+    """Least recently used first (the default). Key: ``(last_access,)``."""
+
+    name = "lru"
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (node.last_access,)
+
+    def expired(self, key: tuple, now: float) -> bool:
+        return False
+
+
+class LFUPolicy:
+    """Least frequently used first, ties by LRU. Key: ``(hits, last_access)``."""
+
+    name = "lfu"
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (node.hits, node.last_access)
+
+    def expired(self, key: tuple, now: float) -> bool:
+        return False
+
+
+class PriorityPolicy:
+    """Lowest caller priority first, ties by LRU. Key: ``(priority, last_access)``.
+
+    Give a system prompt or popular documents a high priority to keep them cached under
+    pressure; hard pinning (never evict) is a lock, see ``RadixTree.lock``.
+    """
+
+    name = "priority"
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (hints.priority, node.last_access)
+
+    def expired(self, key: tuple, now: float) -> bool:
+        return False
+
+
+class TTLPolicy:
+    """Keep each block for ``ttl`` seconds after its last use; evict soonest expiry first.
+
+    Key: ``(last_access + ttl,)`` with a per-node override from hints (like hosted prompt
+    caches' 5-minute and 1-hour tiers). ``RadixTree.evict_expired(now)`` drops expired blocks
+    even without memory pressure.
+    """
+
+    name = "ttl"
+
+    def __init__(self, ttl: float = 300.0) -> None:
+        if not (ttl > 0 and math.isfinite(ttl)):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl}")
+        self.ttl = ttl
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (node.last_access + (self.ttl if hints.ttl is None else hints.ttl),)
+
+    def expired(self, key: tuple, now: float) -> bool:
+        return key[0] <= now
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "priority": PriorityPolicy, "ttl": TTLPolicy}
+
+
+def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
+    """A policy by name (``lru``, ``lfu``, ``priority``, ``ttl``) or an instance passed through."""
+    if not isinstance(name, str):
+        return name
+    try:
+        return POLICIES[name](**kwargs)
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None

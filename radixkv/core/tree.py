@@ -1,0 +1,467 @@
+"""RadixTree: cached KV blocks keyed by chain hash, with per-tier residency and eviction.
+
+One node per cached full block. A node is reached through a hash index (``dict``), not by
+walking children: block ``i`` of a request is looked up by ``h[i]``, and the match checks that
+its parent is the node matched for block ``i-1`` and that its stored tokens equal the request's
+(so a hash collision is a miss, never a wrong block).
+
+Tiers: tier 0 is the device (slots are device block ids from a ``BlockPool`` whose refcounts are
+the sequences' references), tiers 1.. are slower stores (host RAM, disk) with slots from their own
+pools. Each node lives in exactly one tier (write-back). Residency is *prefix-closed per tier
+prefix*: the parent of a node in tier t is in a tier <= t. So the device set is a subtree, the
+device+host set is a subtree, and the whole tree is prefix-closed.
+
+Eviction is leaf-first per tier: a node is *evictable in its tier* when it is unreferenced
+(device: refcount 0) and has no child in its own tier (children can only live in the same or
+slower tiers). Each tier keeps its evictable nodes in a ``SortedList`` ordered by the eviction
+policy, so choosing a victim costs O(log n), independent of how many blocks are cached.
+Evicting from tier t demotes the node into tier t+1 (making room there first, recursively) or,
+from the last tier, drops it. Every change of residency is returned as a ``MoveOp`` for the
+storage layer to execute *in order* before the freed slots are reused.
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+from sortedcontainers import SortedList
+
+from radixkv.core.hashing import TOKEN_BYTES, chain_hash
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, NodeHints, make_policy
+from radixkv.core.pool import BlockPool
+from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
+
+DEVICE = 0
+_CBITS = 20                      # child counts of one tier are packed in 20 bits of one int
+_CMASK = (1 << _CBITS) - 1
+MAX_TIERS = 3
+
+
+class Node:
+    """One cached full block. ``slot`` is its block id in ``tier``'s pool.
+
+    ``children`` packs the number of children per tier (20 bits each) into one int, which costs
+    no memory for the common small values; ``last_access`` and ``hits`` feed the policies.
+    """
+
+    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access", "hits")
+
+    def __init__(self, block_hash: bytes, parent: Node | None, tokens: bytes, tier: int,
+                 slot: int, now: float) -> None:
+        self.block_hash = block_hash
+        self.parent = parent
+        self.tokens = tokens
+        self.tier = tier
+        self.slot = slot
+        self.children = 0
+        self.last_access = now
+        self.hits = 0
+
+    def num_children(self, tier: int) -> int:
+        return (self.children >> (_CBITS * tier)) & _CMASK
+
+    def __repr__(self) -> str:
+        return (f"Node({self.block_hash.hex()[:8]}, tier={self.tier}, slot={self.slot}, "
+                f"children={[self.num_children(t) for t in range(MAX_TIERS)]})")
+
+
+class MoveOp(NamedTuple):
+    """A change of residency, to be executed in list order by the storage layer.
+
+    ``dst_tier is None`` means the block was dropped from the cache (no copy needed).
+    """
+
+    block_hash: bytes
+    src_tier: int
+    src_slot: int
+    dst_tier: int | None
+    dst_slot: int | None
+
+
+class TreeStats:
+    """Counters since construction (per tier lists are indexed by tier)."""
+
+    __slots__ = ("inserted", "evicted", "demoted_in", "promoted", "dropped", "collisions",
+                 "adopted", "expired")
+
+    def __init__(self, num_tiers: int) -> None:
+        self.inserted = 0
+        self.evicted = [0] * num_tiers       # left the tier under eviction
+        self.demoted_in = [0] * num_tiers    # arrived in the tier by demotion
+        self.promoted = [0] * num_tiers      # left the tier upwards to the device
+        self.dropped = 0                     # left the cache altogether
+        self.collisions = 0                  # hash matched, tokens did not
+        self.adopted = 0                     # slow-tier node given a recomputed device block
+        self.expired = 0
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class RadixTree:
+    """Hash-indexed tree of cached blocks over one device pool and optional slower tiers.
+
+    Args:
+        block_size: tokens per block.
+        device_pool: the device tier's BlockPool; its refcounts are the sequences' references.
+        lower_pools: pools of the slower tiers, fastest first (host, then disk), each sized
+            to that tier's capacity in blocks.
+        policy: eviction policy name or instance (``lru`` default, ``lfu``, ``priority``, ``ttl``).
+        clock: seconds, monotonic; injected so tests can pin the eviction order.
+    """
+
+    def __init__(self, block_size: int, device_pool: BlockPool,
+                 lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = "lru",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        if len(lower_pools) + 1 > MAX_TIERS:
+            raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
+        self.block_size = block_size
+        self.policy = make_policy(policy)
+        self.clock = clock
+        self._pools: list[BlockPool] = [device_pool, *lower_pools]
+        self.num_tiers = len(self._pools)
+        self._refs = device_pool.ref_counts
+        self._index: dict[bytes, Node] = {}
+        self._evictable: list[SortedList] = [SortedList() for _ in self._pools]
+        self._resident = [0] * self.num_tiers
+        self._unreferenced = 0                      # device nodes with refcount 0
+        self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
+        self._hints: dict[bytes, NodeHints] = {}
+        self.stats = TreeStats(self.num_tiers)
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, block_hash: bytes) -> Node | None:
+        """The node cached under ``block_hash``, if any. Runtime complexity: O(1)."""
+        return self._index.get(block_hash)
+
+    def device_node(self, block_id: int) -> Node | None:
+        """The node whose KV lives in device block ``block_id`` (None: uncached block)."""
+        return self._device_nodes[block_id]
+
+    def num_resident(self, tier: int = DEVICE) -> int:
+        """Cached blocks resident in ``tier``. Runtime complexity: O(1)."""
+        return self._resident[tier]
+
+    def num_evictable(self, tier: int = DEVICE) -> int:
+        """Blocks of ``tier`` that eviction can free (now or after their children go).
+
+        On the device these are the unreferenced cached blocks (their descendants are
+        unreferenced too, since a sequence holds a whole prefix); slower tiers hold no
+        references, so all their blocks are evictable. Runtime complexity: O(1).
+        """
+        return self._unreferenced if tier == DEVICE else self._resident[tier]
+
+    def match(self, block_hashes: Sequence[bytes], tok_bytes: bytes) -> list[Node]:
+        """Longest cached chain of full blocks for a request, in any tier. No side effects.
+
+        ``block_hashes[i]`` is the chain hash of block i of the request and ``tok_bytes`` its
+        token ids (``hashing.token_bytes``). Matching stops at the first block that is absent,
+        whose parent is not the previous match, or whose stored tokens differ (a collision,
+        counted in ``stats.collisions``). The nodes returned may live in different tiers, in
+        non-decreasing tier order along the chain.
+        Runtime complexity: O(number of matched blocks).
+        """
+        width = self.block_size * TOKEN_BYTES
+        index = self._index
+        out: list[Node] = []
+        prev: Node | None = None
+        start = 0
+        for h in block_hashes:
+            node = index.get(h)
+            if node is None or node.parent is not prev:
+                break
+            end = start + width
+            if node.tokens != tok_bytes[start:end]:
+                self.stats.collisions += 1
+                break
+            out.append(node)
+            prev = node
+            start = end
+        return out
+
+    def hints(self, node: Node) -> NodeHints:
+        return self._hints.get(node.block_hash, DEFAULT_HINTS)
+
+    # ------------------------------------------------------------------ evictable set
+    def _is_evictable(self, node: Node) -> bool:
+        t = node.tier
+        if (node.children >> (_CBITS * t)) & _CMASK:
+            return False
+        return t != DEVICE or self._refs[node.slot] == 0
+
+    def _entry(self, node: Node) -> tuple:
+        return (*self.policy.key(node, self._hints.get(node.block_hash, DEFAULT_HINTS)),
+                node.block_hash)
+
+    def _discard(self, node: Node) -> None:
+        """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
+        if self._is_evictable(node):
+            self._evictable[node.tier].remove(self._entry(node))
+
+    def _consider(self, node: Node) -> None:
+        """Put ``node`` into its tier's evictable set if it qualifies (after a mutation)."""
+        if self._is_evictable(node):
+            self._evictable[node.tier].add(self._entry(node))
+
+    def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
+        # parent's own-tier count may cross zero: re-file it around the change
+        own = parent.tier == tier
+        if own:
+            self._discard(parent)
+        parent.children += delta << (_CBITS * tier)
+        assert parent.children >= 0 and parent.num_children(tier) <= _CMASK, parent
+        if own:
+            self._consider(parent)
+
+    # ------------------------------------------------------------------ mutations
+    def insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int) -> Node:
+        """Cache device block ``block_id`` (whose KV is computed) as the child of ``parent``.
+
+        The caller keeps its references; the block becomes evictable once they drop to 0.
+        Raises InvalidBlockError (changing nothing) if the hash is already cached, the block is
+        already cached, or the parent is not on the device. Runtime complexity: O(log n).
+        """
+        if block_hash in self._index:
+            raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
+        if self._device_nodes[block_id] is not None:
+            raise InvalidBlockError(f"device block {block_id} already caches another hash")
+        if self._pools[DEVICE].is_free(block_id):
+            raise InvalidBlockError(f"device block {block_id} is free; allocate it first")
+        if parent is not None and (parent.tier != DEVICE or self._index.get(parent.block_hash) is not parent):
+            raise InvalidBlockError("the parent of a new block must be cached on the device")
+        if len(tokens) != self.block_size * TOKEN_BYTES:
+            raise InvalidBlockError(f"a block holds {self.block_size} tokens, got {len(tokens) // TOKEN_BYTES}")
+        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), self.clock())
+        if parent is not None:
+            self._add_child_count(parent, DEVICE, 1)
+        self._index[block_hash] = node
+        self._device_nodes[block_id] = node
+        self._resident[DEVICE] += 1
+        if self._refs[block_id] == 0:
+            self._unreferenced += 1
+        self._consider(node)
+        self.stats.inserted += 1
+        return node
+
+    def lock(self, node: Node) -> None:
+        """Take one reference on a device node (a sequence now uses it). O(log n)."""
+        assert node.tier == DEVICE, f"lock() of a node in tier {node.tier}: promote it first"
+        self._discard(node)
+        refs = self._refs
+        if refs[node.slot] == 0:
+            self._unreferenced -= 1
+        refs[node.slot] += 1
+        node.last_access = self.clock()
+        node.hits += 1
+
+    def release(self, node: Node) -> None:
+        """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n)."""
+        refs = self._refs
+        assert node.tier == DEVICE and refs[node.slot] > 0, f"release() of unreferenced {node}"
+        refs[node.slot] -= 1
+        if refs[node.slot] == 0:
+            self._unreferenced += 1
+            node.last_access = self.clock()
+            self._consider(node)
+
+    def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
+        """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
+
+        With ``copy`` the returned MoveOp tells the storage layer to load the bytes; without
+        it the block already holds the same KV (recomputed) and nothing moves ("adoption").
+        The parent must already be on the device. Runtime complexity: O(log n).
+        """
+        t = node.tier
+        assert t != DEVICE, f"promote() of a device node {node}"
+        parent = node.parent
+        assert parent is None or parent.tier == DEVICE, f"promote() under a non-device parent {parent}"
+        assert self._device_nodes[block_id] is None, f"device block {block_id} caches another node"
+        old_slot = node.slot
+        self._discard(node)
+        self._set_tier(node, DEVICE, self._pools[DEVICE].canonical(block_id))
+        self._pools[t].free_one(old_slot)
+        self._device_nodes[block_id] = node
+        if self._refs[block_id] == 0:
+            self._unreferenced += 1
+        self._consider(node)
+        self.stats.promoted[t] += 1
+        if not copy:
+            self.stats.adopted += 1
+            return None
+        return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id)
+
+    def _set_tier(self, node: Node, tier: int, slot: int) -> None:
+        """Re-home ``node`` (already out of every evictable set) and fix its parent's counts."""
+        old = node.tier
+        parent = node.parent
+        if parent is not None:
+            self._add_child_count(parent, old, -1)
+            self._add_child_count(parent, tier, 1)
+        self._resident[old] -= 1
+        self._resident[tier] += 1
+        node.tier = tier
+        node.slot = slot
+
+    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
+        """Evict ``num_blocks`` blocks from ``tier`` in policy order, leaves first.
+
+        Device evictions free device blocks into the device pool. Each victim is demoted into
+        the next tier (room is made there first, recursively) or, from the last tier, dropped.
+        All-or-nothing: raises OutOfBlocks, changing nothing, if fewer blocks are evictable.
+        Runtime complexity: O(num_blocks * tiers * log n).
+        """
+        available = self.num_evictable(tier)
+        if num_blocks > available:
+            raise OutOfBlocks(num_blocks, self._pools[tier].num_free, available,
+                              "every cached block of this tier is in use by a live sequence")
+        moves: list[MoveOp] = []
+        for _ in range(num_blocks):
+            self._evict_one(tier, moves)
+        return moves
+
+    def _evict_one(self, tier: int, moves: list[MoveOp]) -> None:
+        entries = self._evictable[tier]
+        assert entries, (f"tier {tier}: nothing evictable with {self._resident[tier]} resident, "
+                         f"{self.num_evictable(tier)} counted evictable")
+        node = self._index[entries.pop(0)[-1]]
+        self._move_out(node, moves)
+
+    def _move_out(self, node: Node, moves: list[MoveOp]) -> None:
+        """Demote or drop an evictable node (already popped from its tier's set)."""
+        t, old_slot = node.tier, node.slot
+        self.stats.evicted[t] += 1
+        if t == DEVICE:
+            self._unreferenced -= 1
+            self._device_nodes[old_slot] = None
+        if t + 1 < self.num_tiers:
+            dst = self._pools[t + 1]
+            if dst.num_free == 0:
+                self._evict_one(t + 1, moves)
+            new_slot = dst.allocate_one()
+            self._set_tier(node, t + 1, new_slot)
+            self._consider(node)
+            self.stats.demoted_in[t + 1] += 1
+            moves.append(MoveOp(node.block_hash, t, old_slot, t + 1, new_slot))
+        else:
+            assert node.children == 0, f"dropping {node} would orphan its children"
+            self._drop(node)
+            moves.append(MoveOp(node.block_hash, t, old_slot, None, None))
+        self._pools[t].free_one(old_slot)
+
+    def _drop(self, node: Node) -> None:
+        del self._index[node.block_hash]
+        self._hints.pop(node.block_hash, None)
+        self._resident[node.tier] -= 1
+        if node.parent is not None:
+            self._add_child_count(node.parent, node.tier, -1)
+        self.stats.dropped += 1
+
+    def evict_expired(self, now: float | None = None) -> list[MoveOp]:
+        """Evict every block whose policy key says it expired at ``now`` (TTL), fastest tier first.
+
+        Expired blocks are demoted like any victim, so they leave the cache through the slower
+        tiers, where they are expired in turn. Returns the moves. O(expired * log n).
+        """
+        now = self.clock() if now is None else now
+        moves: list[MoveOp] = []
+        for tier in range(self.num_tiers):
+            entries = self._evictable[tier]
+            while entries and self.policy.expired(entries[0], now):
+                self.stats.expired += 1
+                self._move_out(self._index[entries.pop(0)[-1]], moves)
+        return moves
+
+    def set_hints(self, nodes: Iterable[Node], priority: int | None = None,
+                  ttl: float | None = None) -> None:
+        """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain)."""
+        for node in nodes:
+            if self._index.get(node.block_hash) is not node:
+                raise InvalidBlockError(f"{node} is no longer cached")
+            old = self.hints(node)
+            new = NodeHints(old.priority if priority is None else int(priority),
+                            old.ttl if ttl is None else float(ttl))
+            self._discard(node)
+            if new == DEFAULT_HINTS:
+                self._hints.pop(node.block_hash, None)
+            else:
+                self._hints[node.block_hash] = new
+            self._consider(node)
+
+    def insert_lower(self, parent: Node | None, block_hash: bytes, tokens: bytes, tier: int) -> Node | None:
+        """Cache a block that already lives in slower tier ``tier`` (e.g. found on disk at start).
+
+        Returns None (changing nothing) if the tier is full or the hash is cached. The parent
+        must be in a tier <= ``tier``. Runtime complexity: O(log n).
+        """
+        assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"
+        if block_hash in self._index or self._pools[tier].num_free == 0:
+            return None
+        assert parent is None or parent.tier <= tier, "parent must be in a faster or equal tier"
+        node = Node(block_hash, parent, tokens, tier, self._pools[tier].allocate_one(), self.clock())
+        if parent is not None:
+            self._add_child_count(parent, tier, 1)
+        self._index[block_hash] = node
+        self._resident[tier] += 1
+        self._consider(node)
+        return node
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails.
+
+        Checks: index/slot consistency, per-tier prefix closure, packed child counts, chain
+        hashes of non-root nodes, refcount monotonicity along chains, the evictable sets
+        (exactly the qualifying nodes, with their current keys), residency and capacity.
+        Runtime complexity: O(n log n); for tests.
+        """
+        counts: dict[int, list[int]] = {}
+        resident = [0] * self.num_tiers
+        unref = 0
+        for h, node in self._index.items():
+            assert node.block_hash == h, f"index key {h.hex()} maps to {node}"
+            t = node.tier
+            resident[t] += 1
+            pool = self._pools[t]
+            assert not pool.is_free(node.slot), f"{node} sits in free slot {node.slot} of tier {t}"
+            if t == DEVICE:
+                assert self._device_nodes[node.slot] is node, f"device block {node.slot} not mapped to {node}"
+                if self._refs[node.slot] == 0:
+                    unref += 1
+            p = node.parent
+            if p is not None:
+                assert self._index.get(p.block_hash) is p, f"parent of {node} is not cached"
+                assert p.tier <= t, f"{node} in tier {t} under parent in slower tier {p.tier}"
+                assert chain_hash(p.block_hash, node.tokens) == h, f"{node}: hash is not chain(parent, tokens)"
+                counts.setdefault(id(p), [0] * MAX_TIERS)[t] += 1
+                if t == DEVICE:
+                    assert self._refs[p.slot] >= self._refs[node.slot], (
+                        f"parent refs {self._refs[p.slot]} < child refs {self._refs[node.slot]}")
+        for node in self._index.values():
+            want = counts.get(id(node), [0] * MAX_TIERS)
+            got = [node.num_children(t) for t in range(MAX_TIERS)]
+            assert got == want, f"{node}: packed child counts {got} != actual {want}"
+        assert resident == self._resident, f"resident per tier {self._resident} != actual {resident}"
+        assert unref == self._unreferenced, f"unreferenced {self._unreferenced} != actual {unref}"
+        for b, node in enumerate(self._device_nodes):
+            assert node is None or (node.tier == DEVICE and node.slot == b), f"device map {b} -> {node}"
+        for t, entries in enumerate(self._evictable):
+            want_entries = sorted(self._entry(n) for n in self._index.values()
+                                  if n.tier == t and self._is_evictable(n))
+            assert list(entries) == want_entries, (
+                f"tier {t}: evictable set has {len(entries)} entries, expected {len(want_entries)}")
+            if t > DEVICE:
+                pool = self._pools[t]
+                used = pool.num_blocks - pool.num_free
+                assert used == resident[t], f"tier {t}: {used} slots used, {resident[t]} resident"
+            assert resident[t] <= self._pools[t].num_blocks, f"tier {t} over capacity"
+        for h in self._hints:
+            assert h in self._index, f"hints kept for uncached block {h.hex()}"
