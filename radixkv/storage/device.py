@@ -1,0 +1,97 @@
+"""The device tier: one KV tensor in the layout the attention kernels read.
+
+``kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` lives on CUDA when
+present, else on the CPU (tests, CPU-only serving). Per layer ``k_cache = kv_cache[l, 0]`` and
+``v_cache = kv_cache[l, 1]`` are views of shape ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+Moving blocks in and out goes through a block-major staging tensor
+``[n, num_layers, 2, block_size, kv_heads, head_dim]`` (the host pool's and the disk payload's
+layout), so one gather/scatter moves n whole blocks. This pool owns the bytes only; which block
+id is free, cached or pinned is the block pool's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from radixkv.errors import ConfigError
+from radixkv.storage.buffers import check_blocks, index_tensor, torch_dtype
+from radixkv.storage.layout import KVLayout
+
+
+def default_device() -> torch.device:
+    """CUDA device 0 when available, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _gather(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[n, L, 2, bs, h, d]`` copy of blocks ``ids`` (int64 on kv_cache's device).
+
+    Plain torch indexing until ``radixkv.kernels.gather_blocks`` lands; same contract.
+    """
+    return kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def _scatter(kv_cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Write ``blocks [n, L, 2, bs, h, d]`` into block slots ``ids`` (unique) of kv_cache."""
+    kv_cache.index_copy_(2, ids, blocks.permute(1, 2, 0, 3, 4, 5))
+
+
+class DevicePool:
+    """Byte storage of the device tier: ``num_blocks`` blocks of ``layout`` in one tensor.
+
+    Args:
+        layout: block geometry and dtype.
+        num_blocks: capacity in blocks (block ids are ``0 .. num_blocks-1``).
+        device: torch device; default CUDA when available, else CPU.
+        zero: fill with zeros (default) rather than leaving memory uninitialised.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str | None = None,
+                 zero: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"DevicePool needs num_blocks > 0, got {num_blocks!r}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = torch.device(device) if device is not None else default_device()
+        alloc = torch.zeros if zero else torch.empty
+        self.kv_cache = alloc(layout.cache_shape(num_blocks), dtype=torch_dtype(layout.dtype),
+                              device=self.device)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by ``kv_cache``."""
+        return self.num_blocks * self.layout.bytes_per_block
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)`` views of one layer, each ``[num_blocks, block_size, h, d]``."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ConfigError(f"layer {layer} outside [0, {self.layout.num_layers})")
+        return self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of blocks ``block_ids`` as ``[n, L, 2, block_size, h, d]`` on ``self.device``.
+
+        Runtime: one gather of ``n * bytes_per_block`` bytes on the current stream.
+        """
+        ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device)
+        return _gather(self.kv_cache, ids)
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write ``blocks [n, L, 2, block_size, h, d]`` (any device) into block ids ``block_ids``
+        (distinct). Validates everything before writing anything."""
+        ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device,
+                           unique=True)
+        check_blocks(blocks, self.layout, len(ids), "DevicePool.write_blocks")
+        _scatter(self.kv_cache, ids, blocks.to(self.device, non_blocking=True))
+
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Device-to-device copy of blocks ``src_ids`` into ``dst_ids`` (copy-on-write, tests)."""
+        if len(src_ids) != len(dst_ids):
+            raise ConfigError(f"{len(src_ids)} sources for {len(dst_ids)} destinations")
+        self.write_blocks(dst_ids, self.read_blocks(src_ids))
+
+
+__all__ = ["DevicePool", "default_device"]

@@ -1,0 +1,543 @@
+"""The disk tier: one checksummed file per KV block under ``<root>/<namespace hex>/``.
+
+Layout on disk::
+
+    <root>/<namespace hex (32)>/<hash hex[:2]>/<hash hex (32)>.kvb     a block (disk_format.py)
+    <root>/<namespace hex>/<xx>/.<hash hex>.<host>-<pid>-<n>.tmp       a write in progress
+    <root>/<namespace hex>/quarantine/                                 corrupt files (optional)
+
+Why one file per block (not slabs): a block is 0.1-2 MB for real models, so the per-file cost
+(open, rename, unlink) is small next to the payload; a file is the unit the kernel makes atomic
+(``os.replace``) and removable without compaction; concurrent writers in other processes need
+no shared allocator or lock. docs/tiers.md has the numbers.
+
+Fault model (what each failure becomes):
+  * a write that fails (ENOSPC, EIO, EDQUOT...) -> ``put`` returns False, a rate-limited warning,
+    ``stats().put_failures`` + 1; the temporary file is unlinked, nothing becomes visible.
+  * a process killed mid-write -> only a dot-named ``.tmp`` file remains; it is never read and
+    ``scan`` removes it once its writer is dead (same host) or it is older than ``stale_tmp_s``.
+  * a corrupt file (garbage, truncated, flipped bytes, wrong name) -> ``get`` returns None
+    (a miss), ``stats().corrupt`` + 1, the file is removed (or moved to ``quarantine/``).
+  * a foreign file (other format version / namespace / layout) -> a miss, ``stats().foreign``
+    + 1, left in place: another version or model may own it.
+
+Concurrency: every file becomes visible only by an atomic rename of a complete file, so a reader
+(thread or process) sees either no file or a whole one; an unlink or replace under a reader
+leaves its open descriptor on the old, whole inode. The in-memory index is per process and may
+lag other processes: ``get`` always asks the file system, ``contains`` only the index.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import torch
+import xxhash
+
+from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
+from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
+                                         check_header, decode_header, encode_header,
+                                         header_len_for)
+from radixkv.storage.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+_FSYNC_MODES = {False: "none", None: "none", "none": "none", "data": "data", True: "all",
+                "all": "all"}
+_WARN_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """What the tree needs to re-insert a block found on disk (``num_bytes``: file size)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    """Result of ``DiskStore.scan``: valid entries, parents before children, and what was skipped.
+
+    ``entries`` is in topological order: an entry whose parent is also on disk comes after it;
+    entries whose parent is not on disk come first (the tree decides whether they are roots).
+    """
+
+    entries: tuple[DiskEntry, ...]
+    corrupt: int        # removed / quarantined
+    foreign: int        # skipped, left in place
+    stale_tmp: int      # leftovers of killed writers, removed
+    seconds: float
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the valid files."""
+        return sum(e.num_bytes for e in self.entries)
+
+
+@dataclass
+class DiskStats:
+    """Counters of one DiskStore (a snapshot copy is returned by ``stats()``). Bytes are file
+    bytes (header + payload)."""
+
+    puts: int = 0
+    put_failures: int = 0
+    put_existing: int = 0       # put of a hash already on disk: skipped
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0             # absent files
+    corrupt: int = 0
+    foreign: int = 0
+    read_errors: int = 0        # EIO and friends on read
+    removed: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    failures_by_errno: dict[str, int] = field(default_factory=dict)
+
+
+class DiskStore:
+    """Block files of one namespace under ``root``; thread- and process-safe.
+
+    Args:
+        root: directory (created if missing); may be shared by several namespaces and processes.
+        layout: block geometry; files of another layout are foreign.
+        namespace: 16-byte fingerprint (``KVLayout.fingerprint``); other namespaces' files are
+            never served.
+        fsync: ``False``/"none" (default; a crash may lose recent blocks, and a torn file is
+            caught by its checksum), "data" (fdatasync each file before the rename: blocks
+            survive power loss once visible) or ``True``/"all" ("data" + fsync of the directory
+            after the rename: a put that returned True survives power loss).
+        on_corrupt: "remove" (default) or "quarantine" (move to ``<ns dir>/quarantine/``).
+        scan: rebuild the index at construction (``scan()``); else start empty.
+        scan_threads: threads reading headers during a scan.
+        stale_tmp_s: age after which a temporary file of a live or unknown writer is removed.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], layout: KVLayout, namespace: bytes,
+                 fsync: bool | str = False, on_corrupt: str = "remove", scan: bool = True,
+                 scan_threads: int = 4, stale_tmp_s: float = 600.0) -> None:
+        if not isinstance(namespace, bytes) or len(namespace) != HASH_BYTES:
+            raise ConfigError(f"namespace must be {HASH_BYTES} bytes, got {namespace!r}")
+        if fsync not in _FSYNC_MODES:
+            raise ConfigError(f"fsync must be False, 'data' or True/'all', got {fsync!r}")
+        if on_corrupt not in ("remove", "quarantine"):
+            raise ConfigError(f"on_corrupt must be 'remove' or 'quarantine', got {on_corrupt!r}")
+        if header_len_for(layout.block_size) > MAX_HEADER_LEN:
+            raise ConfigError(f"block_size {layout.block_size} too large for the disk header")
+        self.layout, self.namespace = layout, namespace
+        self.fsync = _FSYNC_MODES[fsync]
+        self.on_corrupt, self.scan_threads, self.stale_tmp_s = on_corrupt, scan_threads, stale_tmp_s
+        self.root = Path(root)
+        self.dir = self.root / namespace.hex()
+        self._header_len = header_len_for(layout.block_size)
+        self._file_len = self._header_len + layout.bytes_per_block
+        self._lock = threading.Lock()
+        self._index: dict[bytes, DiskEntry] = {}
+        self._bytes_used = 0
+        self._stats = DiskStats()
+        self._last_warn: dict[str, float] = {}
+        self._seq = count()
+        self._host = f"{xxhash.xxh32_intdigest(socket.gethostname().encode()):08x}"
+        try:
+            for i in range(256):
+                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create the disk tier directory {self.dir}: {e}") from e
+        if scan:
+            self.scan()
+
+    # ---- paths -----------------------------------------------------------------------------
+    def path_of(self, block_hash: bytes) -> Path:
+        """File path of a block (exists only if the block is on disk)."""
+        h = block_hash.hex()
+        return self.dir / h[:2] / (h + SUFFIX)
+
+    def _check_hash(self, block_hash: bytes, what: str = "block_hash") -> None:
+        if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
+            raise InvalidBlockError(f"{what} must be {HASH_BYTES} bytes, got {block_hash!r}")
+
+    # ---- write -----------------------------------------------------------------------------
+    def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Iterable[int],
+            block: torch.Tensor) -> bool:
+        """Store one block ``[L, 2, block_size, h, d]`` (layout dtype, any device) atomically.
+
+        Returns True once the file is in place (or already was), False when the write failed
+        (disk full, I/O error): the failure is counted and warned about, nothing is left visible.
+        Raises ``InvalidBlockError`` for a wrong hash length or tensor shape/dtype (caller bugs).
+        """
+        self._check_hash(block_hash)
+        if parent_hash is not None:
+            self._check_hash(parent_hash, "parent_hash")
+        tokens = tuple(int(t) for t in token_ids)
+        check_blocks(block, self.layout, None, "DiskStore.put")
+        path = self.path_of(block_hash)
+        if self.contains(block_hash) and path.exists():  # content-addressed: same hash, same bytes
+            with self._lock:
+                self._stats.put_existing += 1
+                self._remember(DiskEntry(block_hash, parent_hash, tokens, self._file_len))
+            return True
+        payload = byte_view(block.detach().to("cpu").contiguous())
+        header = encode_header(self.namespace, block_hash, parent_hash, tokens, self.layout,
+                               xxhash.xxh3_64_intdigest(payload))
+        tmp = path.with_name(f".{path.stem}.{self._host}-{os.getpid()}-{next(self._seq)}.tmp")
+        try:
+            self._write_file(tmp, path, header, payload)
+        except OSError as e:
+            self._drop_tmp(tmp)
+            self._fail("put", e)
+            return False
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.bytes_written += len(header) + len(payload)
+            self._remember(DiskEntry(block_hash, parent_hash, tokens, len(header) + len(payload)))
+        return True
+
+    def _write_file(self, tmp: Path, path: Path, header: bytes, payload: memoryview) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            for buf in (memoryview(header), payload):
+                while buf:  # os.write may write less than asked
+                    buf = buf[os.write(fd, buf):]
+            if self.fsync != "none":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if self.fsync == "all":
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def _drop_tmp(self, tmp: Path) -> None:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # left as a hidden .tmp; the next scan removes it
+            log.warning("could not remove temporary file %s: %s", tmp, e)
+
+    def _fail(self, op: str, e: OSError) -> None:
+        name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        now = time.monotonic()
+        with self._lock:
+            if op == "put":
+                self._stats.put_failures += 1
+            else:
+                self._stats.read_errors += 1
+            by = self._stats.failures_by_errno
+            by[name] = by.get(name, 0) + 1
+            warn = now - self._last_warn.get(name, -_WARN_EVERY_S) >= _WARN_EVERY_S
+            if warn:
+                self._last_warn[name] = now
+        if warn:
+            log.warning("disk tier %s failed (%s: %s) in %s; degrading to a miss "
+                        "(further %s warnings muted for %.0f s)", op, name, e.strerror,
+                        self.dir, name, _WARN_EVERY_S)
+
+    def _remember(self, entry: DiskEntry) -> None:  # caller holds the lock
+        old = self._index.get(entry.block_hash)
+        self._bytes_used += entry.num_bytes - (old.num_bytes if old else 0)
+        self._index[entry.block_hash] = entry
+
+    def _forget(self, block_hash: bytes) -> None:  # caller holds the lock
+        old = self._index.pop(block_hash, None)
+        if old is not None:
+            self._bytes_used -= old.num_bytes
+
+    # ---- read ------------------------------------------------------------------------------
+    def get(self, block_hash: bytes) -> torch.Tensor | None:
+        """The block ``[L, 2, block_size, h, d]`` (CPU, layout dtype), or None on a miss
+        (absent, corrupt, foreign or unreadable: never wrong bytes)."""
+        out = torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout.dtype))
+        return out if self.read_into(block_hash, out) else None
+
+    def read_into(self, block_hash: bytes, out: torch.Tensor) -> bool:
+        """Read one block into ``out`` (contiguous CPU ``[L, 2, block_size, h, d]``, e.g. a host
+        slot). True when ``out`` now holds the verified block; on False ``out`` may hold
+        garbage and must not be used. One ``preadv`` syscall for header + payload."""
+        self._check_hash(block_hash)
+        check_blocks(out, self.layout, None, "DiskStore.read_into(out=)")
+        dst = byte_view(out)
+        path = self.path_of(block_hash)
+        with self._lock:
+            self._stats.gets += 1
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            with self._lock:
+                self._stats.misses += 1
+                self._forget(block_hash)
+            return False
+        except OSError as e:
+            self._fail("get", e)
+            return False
+        try:
+            st = os.fstat(fd)
+            head = bytearray(self._header_len)
+            got = os.preadv(fd, [head, dst], 0)
+            if got != self._file_len and got >= self._header_len:
+                got += _read_rest(fd, dst, got - self._header_len, self._header_len)
+            hdr = self._decode(fd, head)
+            check_header(hdr, self.namespace, self.layout, block_hash, st.st_size)
+            if got != st.st_size:
+                raise BadBlockFile("corrupt", f"read {got} of {st.st_size} bytes")
+            if xxhash.xxh3_64_intdigest(dst) != hdr.payload_checksum:
+                raise BadBlockFile("corrupt", "payload checksum mismatch")
+        except BadBlockFile as bad:
+            self._bad_file(path, bad, st)
+            return False
+        except OSError as e:
+            self._fail("get", e)
+            return False
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += st.st_size
+            if block_hash not in self._index:
+                self._remember(DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size))
+        return True
+
+    def _decode(self, fd: int, head: bytearray) -> BlockHeader:
+        """Decode a header; a file whose header is longer than ours (another block size) is
+        re-read with its own length so that it is classified foreign, not corrupt."""
+        try:
+            return decode_header(head)
+        except BadBlockFile as bad:
+            if bad.kind != "corrupt" or len(head) < 12:
+                raise
+            want = int.from_bytes(head[10:12], "little")
+            if head[:8] != b"RDXKVBLK" or want <= len(head):
+                raise
+            return decode_header(os.pread(fd, want, 0))
+
+    def _bad_file(self, path: Path, bad: BadBlockFile, st: os.stat_result | None) -> None:
+        """Count a bad file; remove/quarantine it if corrupt and still the same inode."""
+        with self._lock:
+            if bad.kind == "foreign":
+                self._stats.foreign += 1
+            else:
+                self._stats.corrupt += 1
+            if _is_hex_name(path):
+                self._forget(bytes.fromhex(path.stem))
+        log.info("skipping %s block file %s: %s", bad.kind, path, bad.reason)
+        if bad.kind != "corrupt":
+            return
+        try:
+            now = os.stat(path)
+            if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                return  # replaced by a writer meanwhile: the new file is not ours to judge
+            if self.on_corrupt == "quarantine":
+                qdir = self.dir / "quarantine"
+                qdir.mkdir(exist_ok=True)
+                os.replace(path, qdir / f"{path.name}.{time.time_ns()}")
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove corrupt block file %s: %s", path, e)
+
+    # ---- index -----------------------------------------------------------------------------
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether this process's index lists the block. O(1). A listed block may still miss
+        (removed by another process, corrupted); an unlisted one may exist (written by another
+        process since the last scan)."""
+        with self._lock:
+            return block_hash in self._index
+
+    __contains__ = contains
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the block files in the index (headers included)."""
+        with self._lock:
+            return self._bytes_used
+
+    def entries(self) -> list[DiskEntry]:
+        """Snapshot of the index (any order)."""
+        with self._lock:
+            return list(self._index.values())
+
+    def remove(self, block_hash: bytes) -> bool:
+        """Delete a block's file; True if a file was removed. I/O errors are warned, not raised."""
+        self._check_hash(block_hash)
+        with self._lock:
+            self._forget(block_hash)
+        try:
+            self.path_of(block_hash).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._fail("remove", e)
+            return False
+        with self._lock:
+            self._stats.removed += 1
+        return True
+
+    def stats(self) -> DiskStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            s = DiskStats(**{k: v for k, v in vars(self._stats).items()})
+            s.failures_by_errno = dict(self._stats.failures_by_errno)
+            return s
+
+    def scan(self, verify_payload: bool = False) -> ScanReport:
+        """Rebuild the index from the files on disk; returns what was found.
+
+        Reads only each file's header (one ``pread`` of header_len bytes), unless
+        ``verify_payload`` (then every payload checksum too: as slow as reading the whole tier).
+        Corrupt files are removed/quarantined, foreign ones counted and left, temporary files of
+        dead writers removed. Runtime: O(files) syscalls, spread over ``scan_threads`` threads.
+        """
+        t0 = time.perf_counter()
+        subdirs = [self.dir / f"{i:02x}" for i in range(256)]
+        tally: dict[str, int] = defaultdict(int)
+        with ThreadPoolExecutor(max(1, self.scan_threads)) as pool:
+            parts = list(pool.map(lambda d: self._scan_dir(d, verify_payload), subdirs))
+        found: list[DiskEntry] = []
+        for entries, counts in parts:
+            found.extend(entries)
+            for k, v in counts.items():
+                tally[k] += v
+        with self._lock:
+            self._index = {e.block_hash: e for e in found}
+            self._bytes_used = sum(e.num_bytes for e in found)
+        return ScanReport(_parents_first(found), tally["corrupt"], tally["foreign"],
+                          tally["stale_tmp"], time.perf_counter() - t0)
+
+    def _scan_dir(self, d: Path, verify_payload: bool) -> tuple[list[DiskEntry], dict[str, int]]:
+        entries: list[DiskEntry] = []
+        counts: dict[str, int] = defaultdict(int)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return entries, counts
+        for name in names:
+            path = d / name
+            if name.endswith(".tmp"):
+                counts["stale_tmp"] += self._maybe_drop_tmp(path)
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            if not _is_hex_name(path):
+                self._bad_file(path, BadBlockFile("corrupt", "not a block file name"), None)
+                counts["corrupt"] += 1
+                continue
+            try:
+                entry = self._read_entry(path, verify_payload)
+            except BadBlockFile as bad:
+                counts[bad.kind] += 1
+                continue
+            except OSError as e:
+                self._fail("scan", e)
+                continue
+            if entry is not None:
+                entries.append(entry)
+        return entries, counts
+
+    def _read_entry(self, path: Path, verify_payload: bool) -> DiskEntry | None:
+        """Index entry of one file from its header (and payload checksum if asked)."""
+        block_hash = bytes.fromhex(path.stem)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # removed meanwhile
+        try:
+            st = os.fstat(fd)
+            try:
+                hdr = self._decode(fd, bytearray(os.pread(fd, self._header_len, 0)))
+                check_header(hdr, self.namespace, self.layout, block_hash, st.st_size)
+                if verify_payload:
+                    payload = os.pread(fd, hdr.payload_len, hdr.header_len)
+                    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_checksum:
+                        raise BadBlockFile("corrupt", "payload checksum mismatch")
+            except BadBlockFile as bad:
+                self._bad_file(path, bad, st)
+                raise
+        finally:
+            os.close(fd)
+        return DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size)
+
+    def _maybe_drop_tmp(self, path: Path) -> int:
+        """Remove a temporary file whose writer is dead (same host) or that is stale."""
+        try:
+            _, _, writer = path.name.split(".")[:3]
+            host, pid = writer.split("-")[:2]
+            dead = host == self._host and not _pid_alive(int(pid))
+            if dead or time.time() - path.stat().st_mtime > self.stale_tmp_s:
+                path.unlink()
+                return 1
+        except (ValueError, FileNotFoundError):
+            pass
+        except OSError as e:
+            log.warning("could not remove stale temporary file %s: %s", path, e)
+        return 0
+
+
+def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
+    """Continue a short ``preadv`` into ``dst[have:]`` until EOF or full; bytes added."""
+    added = 0
+    while have + added < len(dst):
+        n = os.preadv(fd, [dst[have + added:]], offset + have + added)
+        if n == 0:
+            break
+        added += n
+    return added
+
+
+def _is_hex_name(path: Path) -> bool:
+    stem = path.stem
+    return len(stem) == 2 * HASH_BYTES and all(c in "0123456789abcdef" for c in stem)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parents_first(entries: list[DiskEntry]) -> tuple[DiskEntry, ...]:
+    """Topological order: entries whose parent is absent first, then children breadth-first."""
+    by_hash = {e.block_hash: e for e in entries}
+    children: dict[bytes, list[DiskEntry]] = defaultdict(list)
+    order: list[DiskEntry] = []
+    for e in entries:
+        if e.parent_hash is not None and e.parent_hash in by_hash and e.parent_hash != e.block_hash:
+            children[e.parent_hash].append(e)
+        else:
+            order.append(e)
+    i = 0
+    while i < len(order):
+        order.extend(children.pop(order[i].block_hash, ()))
+        i += 1
+    # entries on a parent cycle (impossible with chain hashes) are never reached: dropped
+    return tuple(order)
+
+
+__all__ = ["DiskStore", "DiskEntry", "DiskStats", "ScanReport"]

@@ -1,0 +1,471 @@
+"""Block moves between the device, host and disk tiers, off the critical path.
+
+The bookkeeping layer decides *what* moves (``Move(DeviceBlock(17), HostSlot(5))``); this engine
+moves the bytes on a worker thread (and its own CUDA stream on a GPU) and reports, per move,
+whether it happened. Protocol (two-phase, after vLLM's offloading connector)::
+
+    batch  = engine.prepare(moves)  # 1. validate + reserve; raises, reserving nothing, on a
+                                    #    bad id or a conflict with a batch in flight. The caller
+                                    #    has pinned the blocks/slots involved (refcount) first.
+    engine.submit(batch)            # 2. queue (bounded: blocks while full); returns at once
+    ...                             #    compute goes on; sources stay pinned, targets invisible
+    result = engine.wait(batch)     # 3. or engine.poll() (every finished batch) or
+                                    #    engine.complete(batch) (non-blocking, one batch)
+    for move, ok in zip(result.moves, result.ok):
+        commit(move) if ok else roll_back(move)   # caller: publish target / free target slot
+
+Reservations: while a batch is prepared or running, its sources are *read*-reserved and its
+targets *write*-reserved. A new batch may not write anything reserved, nor read anything
+write-reserved; reads may overlap (write-through: one device block to host and disk). Inside one
+batch no location is both read and written, so the order of its moves does not matter.
+
+Failures never escape the worker: a disk put/get that fails is one failed move, an exception in
+a device/host copy fails the moves of that copy group, and the batch still completes. A failed
+move's target holds garbage and must not be published; its source is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.buffers import torch_dtype
+from radixkv.storage.device import DevicePool
+from radixkv.storage.disk import DiskStore
+from radixkv.storage.host import HostPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """A block id of the device pool."""
+
+    block_id: int
+
+
+@dataclass(frozen=True)
+class HostSlot:
+    """A slot of the host pool."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class DiskBlock:
+    """A block file, by content hash; parent hash and token ids are needed to *write* one."""
+
+    block_hash: bytes
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+Location = Union[DeviceBlock, HostSlot, DiskBlock]
+_TIER = {DeviceBlock: "device", HostSlot: "host", DiskBlock: "disk"}
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy one block from ``src`` to ``dst`` (the source keeps its copy)."""
+
+    src: Location
+    dst: Location
+
+    @property
+    def direction(self) -> str:
+        """``"device->host"``, ``"host->disk"``, ...: the key of ``TransferStats``."""
+        return f"{_TIER[type(self.src)]}->{_TIER[type(self.dst)]}"
+
+
+def _key(loc: Location) -> tuple[str, object]:
+    if isinstance(loc, DeviceBlock):
+        return ("device", loc.block_id)
+    if isinstance(loc, HostSlot):
+        return ("host", loc.slot)
+    return ("disk", loc.block_hash)
+
+
+@dataclass
+class Batch:
+    """A prepared batch of moves; the handle passed to submit/complete/wait."""
+
+    id: int
+    moves: tuple[Move, ...]
+    state: str = "prepared"  # prepared -> queued -> done -> completed (or aborted)
+    ready_event: object = None  # torch.cuda.Event recorded on the caller's stream at submit
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """Per-move outcome of a batch: ``ok[i]`` is True when ``moves[i]`` landed intact;
+    ``errors[i]`` says why not. ``seconds``: worker time for the batch."""
+
+    batch_id: int
+    moves: tuple[Move, ...]
+    ok: tuple[bool, ...]
+    errors: tuple[str | None, ...]
+    seconds: float
+
+    @property
+    def all_ok(self) -> bool:
+        """Whether every move succeeded."""
+        return all(self.ok)
+
+    @property
+    def failed(self) -> tuple[Move, ...]:
+        """The moves the caller must roll back."""
+        return tuple(m for m, ok in zip(self.moves, self.ok) if not ok)
+
+
+@dataclass
+class TransferStats:
+    """Counters of one engine. ``bytes_moved``/``seconds`` keyed by ``Move.direction``;
+    bytes are payload bytes of successful moves."""
+
+    batches: int = 0
+    moves_ok: int = 0
+    moves_failed: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def gbps(self, direction: str) -> float:
+        """Achieved GB/s (1e9 bytes/s) of a direction, worker time only."""
+        s = self.seconds.get(direction, 0.0)
+        return self.bytes_moved.get(direction, 0) / s / 1e9 if s > 0 else 0.0
+
+
+_STOP = object()
+
+
+class TransferEngine:
+    """Executes batches of moves between ``device``, ``host`` and ``disk`` on a worker thread.
+
+    Args:
+        device, host, disk: the tiers (any may be None if no move uses it).
+        queue_depth: batches that may wait for the worker; ``submit`` blocks beyond that.
+        io_threads: threads doing the per-block disk reads/writes of one batch in parallel.
+    """
+
+    def __init__(self, device: DevicePool | None = None, host: HostPool | None = None,
+                 disk: DiskStore | None = None, queue_depth: int = 8, io_threads: int = 4) -> None:
+        if queue_depth <= 0 or io_threads <= 0:
+            raise ConfigError(f"queue_depth and io_threads must be > 0, got {queue_depth}, "
+                              f"{io_threads}")
+        layouts = {t.layout for t in (device, host, disk) if t is not None}
+        if len(layouts) > 1:
+            raise ConfigError(f"tiers disagree on the block layout: {layouts}")
+        self.device, self.host, self.disk = device, host, disk
+        self._cuda = device is not None and device.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device.device) if self._cuda else None
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_depth)
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="radixkv-io")
+        self._cond = threading.Condition()
+        self._reads: Counter[tuple[str, object]] = Counter()
+        self._writes: set[tuple[str, object]] = set()
+        self._batches: dict[int, Batch] = {}
+        self._results: dict[int, BatchResult] = {}
+        self._ids = itertools.count()
+        self._stats = TransferStats()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="radixkv-transfer", daemon=True)
+        self._worker.start()
+
+    # ---- phase 1: prepare --------------------------------------------------------------------
+    def prepare(self, moves: Sequence[Move]) -> Batch:
+        """Validate ``moves`` and reserve their locations. Raises ``InvalidBlockError`` (bad id,
+        a conflict inside the batch or with a batch in flight) or ``ConfigError`` (a tier
+        missing) and then reserves nothing. Runtime: O(len(moves))."""
+        moves = tuple(moves)
+        for m in moves:
+            self._check_move(m)
+        reads = [_key(m.src) for m in moves]
+        writes = [_key(m.dst) for m in moves]
+        if len(set(writes)) != len(writes):
+            raise InvalidBlockError(f"two moves write the same location: "
+                                    f"{[k for k, n in Counter(writes).items() if n > 1][:5]}")
+        if set(writes) & set(reads):
+            raise InvalidBlockError(f"locations both read and written in one batch: "
+                                    f"{sorted(set(writes) & set(reads), key=str)[:5]}")
+        with self._cond:
+            if self._closed:
+                raise StorageError("TransferEngine is closed")
+            busy = [k for k in writes if k in self._writes or k in self._reads]
+            busy += [k for k in reads if k in self._writes]
+            if busy:
+                raise InvalidBlockError(f"locations in flight in another batch: {busy[:5]}; "
+                                        "wait for it before moving them again")
+            self._reads.update(reads)
+            self._writes.update(writes)
+            batch = Batch(next(self._ids), moves)
+            self._batches[batch.id] = batch
+        return batch
+
+    def _check_move(self, m: Move) -> None:
+        if not isinstance(m, Move):
+            raise InvalidBlockError(f"not a Move: {m!r}")
+        for loc in (m.src, m.dst):
+            if isinstance(loc, DeviceBlock):
+                if self.device is None:
+                    raise ConfigError(f"{m}: no device pool")
+                if not 0 <= loc.block_id < self.device.num_blocks:
+                    raise InvalidBlockError(f"device block {loc.block_id} outside "
+                                            f"[0, {self.device.num_blocks})")
+            elif isinstance(loc, HostSlot):
+                if self.host is None:
+                    raise ConfigError(f"{m}: no host pool")
+                if not 0 <= loc.slot < self.host.num_slots:
+                    raise InvalidBlockError(f"host slot {loc.slot} outside "
+                                            f"[0, {self.host.num_slots})")
+            elif isinstance(loc, DiskBlock):
+                if self.disk is None:
+                    raise ConfigError(f"{m}: no disk store")
+                if not isinstance(loc.block_hash, bytes) or len(loc.block_hash) != 16:
+                    raise InvalidBlockError(f"disk block hash must be 16 bytes: {loc}")
+            else:
+                raise InvalidBlockError(f"unknown location {loc!r}")
+        if isinstance(m.src, DiskBlock) and isinstance(m.dst, DiskBlock):
+            raise ConfigError("disk->disk moves are not supported")
+
+    def abort(self, batch: Batch) -> None:
+        """Release a prepared batch that will not be submitted."""
+        with self._cond:
+            if batch.state != "prepared":
+                raise InvalidBlockError(f"batch {batch.id} is {batch.state}, cannot abort")
+            batch.state = "aborted"
+            self._release(batch)
+
+    # ---- phase 2: submit ---------------------------------------------------------------------
+    def submit(self, batch: Batch, timeout: float | None = None) -> Batch:
+        """Queue a prepared batch for the worker; blocks while the queue is full (up to
+        ``timeout`` s, then raises ``StorageError`` and the batch stays prepared)."""
+        if batch.state != "prepared":
+            raise InvalidBlockError(f"batch {batch.id} is {batch.state}, not prepared")
+        if self._cuda:  # the worker's stream must see what compute wrote to source blocks
+            batch.ready_event = torch.cuda.Event()
+            batch.ready_event.record(torch.cuda.current_stream(self.device.device))
+        try:
+            batch.state = "queued"
+            self._queue.put(batch, timeout=timeout)
+        except queue.Full:
+            batch.state = "prepared"
+            raise StorageError(f"transfer queue full ({self._queue.maxsize} batches) after "
+                               f"{timeout} s; poll() results or raise queue_depth") from None
+        return batch
+
+    # ---- phase 3: complete ---------------------------------------------------------------------
+    def complete(self, batch: Batch) -> BatchResult | None:
+        """The batch's result if it has finished (releasing its reservations), else None.
+        A result is handed out once."""
+        with self._cond:
+            return self._take(batch.id)
+
+    def poll(self) -> list[BatchResult]:
+        """Results of every finished batch not yet collected (non-blocking), oldest first."""
+        with self._cond:
+            return [r for r in (self._take(i) for i in sorted(self._results)) if r is not None]
+
+    def wait(self, batch: Batch, timeout: float | None = None) -> BatchResult | None:
+        """Block until the batch finishes (None after ``timeout`` s); then as ``complete``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while batch.id not in self._results:
+                if batch.state in ("completed", "aborted", "prepared"):
+                    raise InvalidBlockError(f"batch {batch.id} is {batch.state}: nothing to wait")
+                if not self._worker.is_alive():
+                    raise StorageError("transfer worker died; see the log")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(0.1 if left is None else min(left, 0.1))
+            return self._take(batch.id)
+
+    def drain(self) -> list[BatchResult]:
+        """Wait for every submitted batch; return all uncollected results."""
+        with self._cond:
+            queued = [b for b in self._batches.values() if b.state in ("queued", "done")]
+        for b in queued:
+            while b.state == "queued":
+                with self._cond:
+                    self._cond.wait(0.05)
+        return self.poll()
+
+    def _take(self, batch_id: int) -> BatchResult | None:  # caller holds the lock
+        result = self._results.pop(batch_id, None)
+        if result is not None:
+            batch = self._batches.pop(batch_id)
+            batch.state = "completed"
+            self._release(batch)
+        return result
+
+    def _release(self, batch: Batch) -> None:  # caller holds the lock
+        self._reads.subtract(_key(m.src) for m in batch.moves)
+        self._reads = +self._reads  # drop zero counts
+        self._writes.difference_update(_key(m.dst) for m in batch.moves)
+        self._batches.pop(batch.id, None)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches prepared, queued or finished but not yet collected."""
+        with self._cond:
+            return len(self._batches)
+
+    def stats(self) -> TransferStats:
+        """A snapshot of the counters."""
+        with self._cond:
+            s = self._stats
+            return TransferStats(s.batches, s.moves_ok, s.moves_failed, dict(s.bytes_moved),
+                                 dict(s.seconds))
+
+    def close(self) -> None:
+        """Finish queued batches and stop the worker (results stay collectable)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(_STOP)
+        self._worker.join()
+        self._io.shutdown(wait=True)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is _STOP:
+                return
+            assert isinstance(batch, Batch)
+            t0 = time.perf_counter()
+            ok: list[bool] = [False] * len(batch.moves)
+            errors: list[str | None] = ["not executed"] * len(batch.moves)
+            timing: dict[str, float] = {}
+            try:
+                self._execute(batch, ok, errors, timing)
+            except Exception as e:  # a bug must fail the batch, never kill the worker
+                log.exception("transfer batch %d failed", batch.id)
+                for i, done in enumerate(ok):
+                    if not done:
+                        errors[i] = f"{type(e).__name__}: {e}"
+            result = BatchResult(batch.id, batch.moves, tuple(ok),
+                                 tuple(None if o else e for o, e in zip(ok, errors)),
+                                 time.perf_counter() - t0)
+            self._record(batch, result, timing)
+
+    def _record(self, batch: Batch, result: BatchResult, timing: dict[str, float]) -> None:
+        nbytes = self._block_bytes()
+        with self._cond:
+            s = self._stats
+            s.batches += 1
+            for m, ok in zip(batch.moves, result.ok):
+                if ok:
+                    s.moves_ok += 1
+                    s.bytes_moved[m.direction] = s.bytes_moved.get(m.direction, 0) + nbytes
+                else:
+                    s.moves_failed += 1
+            for d, t in timing.items():
+                s.seconds[d] = s.seconds.get(d, 0.0) + t
+            self._results[batch.id] = result
+            batch.state = "done"
+            self._cond.notify_all()
+
+    def _block_bytes(self) -> int:
+        tier = self.device or self.host or self.disk
+        return tier.layout.bytes_per_block if tier is not None else 0
+
+    def _execute(self, batch: Batch, ok: list[bool], errors: list[str | None],
+                 timing: dict[str, float]) -> None:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, m in enumerate(batch.moves):
+            groups[m.direction].append(i)
+        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+        with stream_ctx:
+            if self._cuda and batch.ready_event is not None:
+                self._stream.wait_event(batch.ready_event)
+            for direction, idx in groups.items():
+                t0 = time.perf_counter()
+                moves = [batch.moves[i] for i in idx]
+                try:
+                    results = self._copy_group(direction, moves)
+                    if self._cuda:
+                        self._stream.synchronize()  # done means visible to every stream
+                except Exception as e:
+                    log.warning("transfer %s of %d blocks failed: %s", direction, len(idx), e)
+                    results = [f"{type(e).__name__}: {e}"] * len(idx)
+                timing[direction] = time.perf_counter() - t0
+                for i, r in zip(idx, results):
+                    ok[i], errors[i] = r is None, r
+
+    def _copy_group(self, direction: str, moves: list[Move]) -> list[str | None]:
+        """Execute moves of one direction; per move None (ok) or the reason it failed."""
+        dev, host, disk = self.device, self.host, self.disk
+        src = [_key(m.src)[1] for m in moves]
+        dst = [_key(m.dst)[1] for m in moves]
+        if direction == "device->host":
+            host.write_slots(dst, dev.read_blocks(src).to("cpu"))
+        elif direction == "host->device":
+            dev.write_blocks(dst, host.read_slots(src))
+        elif direction == "device->device":
+            dev.copy_blocks(src, dst)
+        elif direction == "host->host":
+            host.write_slots(dst, host.read_slots(src))
+        elif direction == "host->disk":
+            return self._puts(moves, [host.slot_view(s) for s in src])
+        elif direction == "device->disk":
+            staged = dev.read_blocks(src).to("cpu")
+            return self._puts(moves, list(staged))
+        elif direction == "disk->host":
+            return self._gets(moves, [host.slot_view(s) for s in dst])
+        elif direction == "disk->device":
+            staged = torch.empty((len(moves), *dev.layout.block_shape),
+                                 dtype=torch_dtype(dev.layout.dtype),
+                                 pin_memory=self._cuda)
+            res = self._gets(moves, list(staged))
+            good = [i for i, r in enumerate(res) if r is None]
+            if good:
+                dev.write_blocks([dst[i] for i in good], staged[good])
+            return res
+        else:
+            raise ConfigError(f"unsupported move direction {direction}")
+        return [None] * len(moves)
+
+    def _puts(self, moves: list[Move], blocks: list[torch.Tensor]) -> list[str | None]:
+        def one(i: int) -> str | None:
+            d = moves[i].dst
+            assert isinstance(d, DiskBlock)
+            try:
+                good = self.disk.put(d.block_hash, d.parent_hash, d.token_ids, blocks[i])
+            except Exception as e:  # reported per move; the worker must go on
+                return f"{type(e).__name__}: {e}"
+            return None if good else "disk write failed (disk full or I/O error; see log)"
+        return list(self._io.map(one, range(len(moves))))
+
+    def _gets(self, moves: list[Move], outs: list[torch.Tensor]) -> list[str | None]:
+        def one(i: int) -> str | None:
+            s = moves[i].src
+            assert isinstance(s, DiskBlock)
+            try:
+                good = self.disk.read_into(s.block_hash, outs[i])
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            return None if good else "disk block missing, corrupt or unreadable"
+        return list(self._io.map(one, range(len(moves))))
+
+
+__all__ = ["TransferEngine", "Move", "DeviceBlock", "HostSlot", "DiskBlock", "Location",
+           "Batch", "BatchResult", "TransferStats"]
