@@ -1,0 +1,134 @@
+"""radixkv's attention as a transformers ``AttentionInterface`` function.
+
+How the hook works (verified against transformers 5.23 for Llama, Qwen2 and Mistral):
+
+* ``AttentionInterface.register(name, fn)`` adds ``fn`` to a class-level mapping shared by every
+  model; ``model.set_attn_implementation(name)`` stores ``name`` in
+  ``config._attn_implementation``, and each ``*Attention.forward`` looks the function up per call
+  and invokes ``fn(module, query, key, value, attention_mask, dropout=..., scaling=...,
+  [sliding_window=...], **kwargs)`` after rotary embedding, with ``query`` ``[1, Hq, T, D]`` and
+  ``key``/``value`` ``[1, Hkv, T, D]``. It expects ``(out [1, T, Hq, D], weights)`` back.
+* Extra keyword arguments given to ``model(...)`` travel unchanged through the CausalLM, the base
+  model and every decoder layer into ``**kwargs`` here. That is how :class:`PagedAttentionContext`
+  arrives: an explicit argument, no module-level state (STYLE habit 7).
+* ``masking_utils.create_causal_mask`` returns ``None`` without building anything when the
+  implementation's name is not in ``AttentionMaskInterface`` (the path meant for vLLM/TGI-style
+  backends). We therefore register no mask function on purpose: no dense ``[T, T]`` mask is ever
+  built, and causality comes from ``cu_seqlens_q``/``seq_lens`` inside the kernels. The function
+  below refuses a non-``None`` mask so a later registration cannot silently change the semantics.
+
+Registering mutates transformers' global table; it is idempotent and holds a pure function, so it
+is safe to do from any number of runners (see :func:`register`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixkv.engine.batch import AttentionMode, ForwardBatch
+
+#: The name under which the attention function is registered with transformers.
+ATTN_IMPLEMENTATION = "radixkv_paged"
+#: The keyword argument of ``model(...)`` that carries the :class:`PagedAttentionContext`.
+CONTEXT_KWARG = "radixkv_context"
+
+
+@dataclass(frozen=True)
+class PagedAttentionContext:
+    """Everything the attention layers need for one forward pass.
+
+    Attributes:
+        batch: packing and paging metadata of this step.
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer ``l``
+            reads and writes ``kv_cache[l, 0]`` (K) and ``kv_cache[l, 1]`` (V).
+    """
+
+    batch: ForwardBatch
+    kv_cache: torch.Tensor
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write this step's K/V into the paged cache of ``module.layer_idx``, then attend.
+
+    Args:
+        module: the model's attention module; ``module.layer_idx`` picks the cache layer.
+        query: ``[1, Hq, T, D]`` after rotary embedding (T = all sequences' new tokens, packed).
+        key, value: ``[1, Hkv, T, D]``, this step's new K/V only (no HF cache is used).
+        attention_mask: must be ``None``; causality and packing come from the context.
+        scaling: softmax scale chosen by the model (``head_dim ** -0.5`` for Llama).
+        sliding_window: the layer's window; sequences must not exceed it (no window support).
+        kwargs: must hold ``radixkv_context`` (a :class:`PagedAttentionContext`).
+
+    Returns:
+        ``(out, None)`` with ``out`` ``[1, T, Hq, D]``, the layout of transformers' sdpa path.
+    """
+    ctx = kwargs.get(CONTEXT_KWARG)
+    if not isinstance(ctx, PagedAttentionContext):
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} needs model(..., "
+            f"{CONTEXT_KWARG}=PagedAttentionContext(...)); call the model through "
+            "radixkv.engine.model_runner.ModelRunner, or set_attn_implementation('sdpa') to use "
+            "it as an ordinary transformers model")
+    if attention_mask is not None:
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} got a {tuple(attention_mask.shape)} attention mask: do not "
+            "pass attention_mask to the model nor register a mask function for this "
+            "implementation; the kernels derive causality from the batch metadata")
+    if softcap is not None or (dropout and module.training):
+        raise NotImplementedError(
+            f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention dropout")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} only supports causal attention")
+    batch = ctx.batch
+    if sliding_window is not None and batch.max_seq_len > sliding_window:
+        raise NotImplementedError(
+            f"a sequence of {batch.max_seq_len} tokens exceeds layer {module.layer_idx}'s sliding "
+            f"window of {sliding_window}; radixkv's kernels attend to the whole sequence")
+
+    from radixkv import kernels  # imported late: the package may pick a backend on import
+
+    t = batch.num_tokens
+    if query.shape[0] != 1 or query.shape[2] != t:
+        raise RuntimeError(
+            f"expected packed query [1, Hq, {t}, D], got {tuple(query.shape)}: the model must "
+            "be called with batch size 1 (ModelRunner does this)")
+    # [1, H, T, D] -> [T, H, D]: the packed varlen layout the kernels take.
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
+    v_cache = ctx.kv_cache[module.layer_idx, 1]
+    kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    if batch.mode is AttentionMode.DECODE:
+        out = kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling)
+    else:
+        out = kernels.paged_prefill_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
+            scale=scaling)
+    return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+
+
+def register() -> str:
+    """Register :func:`paged_attention_forward` with transformers; return its name.
+
+    Idempotent. Deliberately registers nothing in ``AttentionMaskInterface`` (see module doc).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

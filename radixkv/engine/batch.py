@@ -1,0 +1,236 @@
+"""The forward-batch metadata: where lists of ints from the scheduler become tensors, once.
+
+The scheduler and block manager are pure Python (no torch). For one model step they hand the
+runner one :class:`SequenceChunk` per sequence: the tokens to compute now, where they start, the
+sequence's block table and the slot each new token's K/V goes to. :meth:`ForwardBatch.build`
+validates those lists and turns them into the tensors the model and the paged kernels read.
+Nothing else in radixkv converts scheduler lists to tensors (STYLE habit 1).
+
+Packing (varlen, batch size 1). Sequences are concatenated along one token axis; a worked example
+with ``block_size = 4`` and two sequences::
+
+    seq 0: 6 tokens cached, computes 3 more   start_position=6  token_ids=[a, b, c]
+           block_table=[7, 2, 5]   (positions 0-3 in block 7, 4-7 in block 2, 8 in block 5)
+           slot_mapping=[10, 11, 20]   (2*4+2, 2*4+3, 5*4+0)
+    seq 1: nothing cached, computes 2         start_position=0  token_ids=[x, y]
+           block_table=[3], slot_mapping=[12, 13]
+
+    input_ids     [[a, b, c, x, y]]          int64 [1, num_tokens]
+    position_ids  [[6, 7, 8, 0, 1]]          int64 [1, num_tokens]
+    slot_mapping  [10, 11, 20, 12, 13]       int64 [num_tokens]
+    cu_seqlens_q  [0, 3, 5]                  int32 [num_seqs + 1]
+    seq_lens      [9, 2]                     int32 [num_seqs]   (cached + new tokens)
+    block_tables  [[7, 2, 5], [3, 0, 0]]     int32 [num_seqs, max_blocks]  (padding never read)
+    logits_indices [2, 4]                    int64 [num_logits] (rows of the packed axis)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.errors import InvalidBlockError, InvalidTokensError
+
+#: Value written into the unused tail of a block-table row. The kernels read a row only up to
+#: ``ceil(seq_len / block_size)`` entries, so the value is never dereferenced; 0 keeps it a valid
+#: block id should a kernel bug ever read it (a wrong answer the tests catch, not a fault).
+BLOCK_TABLE_PAD = 0
+
+
+class AttentionMode(enum.Enum):
+    """Which paged kernel the attention layers call for a batch."""
+
+    #: ``paged_prefill_attention``: any number of new tokens per sequence (chunked prefill too).
+    PREFILL = "prefill"
+    #: ``paged_decode_attention``: exactly one new token per sequence.
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """The work for one sequence in one model step, as plain Python lists.
+
+    Attributes:
+        token_ids: tokens whose K/V and hidden states are computed now (``num_new >= 1``).
+        start_position: number of tokens of this sequence already in the KV cache; also the
+            position of ``token_ids[0]``.
+        block_table: block ids holding positions ``[0, start_position + num_new)`` in order;
+            entry ``j`` covers positions ``[j * block_size, (j + 1) * block_size)``.
+        slot_mapping: for each new token, ``block_id * block_size + offset`` where its K/V goes;
+            it must agree with ``block_table`` (checked in :meth:`ForwardBatch.build`).
+        logit_offsets: offsets into ``token_ids`` whose next-token logits are wanted; ``None``
+            means the last token only (ordinary generation), ``()`` means none (a prefill chunk
+            that does not end the prompt).
+    """
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    slot_mapping: Sequence[int]
+    logit_offsets: Sequence[int] | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache once this chunk is written: cached prefix + new tokens."""
+        return self.start_position + len(self.token_ids)
+
+    def resolved_logit_offsets(self) -> tuple[int, ...]:
+        """``logit_offsets`` with ``None`` resolved to the last token."""
+        if self.logit_offsets is None:
+            return (len(self.token_ids) - 1,)
+        return tuple(self.logit_offsets)
+
+
+def _check_chunk(index: int, chunk: SequenceChunk, block_size: int) -> None:
+    """Raise with the numbers that disagree if ``chunk`` is not internally consistent.
+
+    Runtime complexity: O(num_new_tokens + len(block_table)).
+    """
+    n = len(chunk.token_ids)
+    if n == 0:
+        raise InvalidTokensError(f"sequence {index}: no tokens to compute")
+    if chunk.start_position < 0:
+        raise InvalidTokensError(f"sequence {index}: start_position {chunk.start_position} < 0")
+    if len(chunk.slot_mapping) != n:
+        raise InvalidBlockError(
+            f"sequence {index}: {n} new tokens but {len(chunk.slot_mapping)} slots")
+    blocks_needed = -(-chunk.seq_len // block_size)
+    if len(chunk.block_table) < blocks_needed:
+        raise InvalidBlockError(
+            f"sequence {index}: {chunk.seq_len} tokens need {blocks_needed} blocks of "
+            f"{block_size}, block table has {len(chunk.block_table)}")
+    for i, slot in enumerate(chunk.slot_mapping):
+        pos = chunk.start_position + i
+        want = chunk.block_table[pos // block_size] * block_size + pos % block_size
+        if slot != want:
+            raise InvalidBlockError(
+                f"sequence {index}: token {i} (position {pos}) maps to slot {slot}, but block "
+                f"table entry {pos // block_size} = block {chunk.block_table[pos // block_size]} "
+                f"puts it at slot {want}")
+    for off in chunk.resolved_logit_offsets():
+        if not 0 <= off < n:
+            raise InvalidTokensError(
+                f"sequence {index}: logit offset {off} outside the chunk's {n} tokens")
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Device tensors and host-side sizes for one packed model step (see the module docstring).
+
+    Attributes (``T`` = num_tokens, ``S`` = num_seqs, ``R`` = num_logits):
+        mode: which paged attention kernel the layers call.
+        input_ids: int64 ``[1, T]``, all sequences' new tokens concatenated.
+        position_ids: int64 ``[1, T]``, each token's position within its own sequence.
+        slot_mapping: int64 ``[T]``, the KV-cache slot each new token is written to.
+        cu_seqlens_q: int32 ``[S + 1]``, sequence ``s`` owns packed rows
+            ``[cu_seqlens_q[s], cu_seqlens_q[s+1])``.
+        seq_lens: int32 ``[S]``, tokens in the cache per sequence after this step.
+        block_tables: int32 ``[S, max_blocks]``, rows padded with ``BLOCK_TABLE_PAD``.
+        logits_indices: int64 ``[R]``, packed rows whose logits the caller wants, in sequence
+            order and, within a sequence, in the order of its ``logit_offsets``.
+        logits_per_seq: ``R`` split by sequence (host ints), to map logits rows back.
+        block_size: tokens per block the slots and tables were computed with.
+        num_tokens, num_seqs, max_seq_len, max_block_id, max_token_id, min_token_id: host ints
+            so the runner and the attention function validate without a device sync.
+    """
+
+    mode: AttentionMode
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    logits_per_seq: tuple[int, ...]
+    block_size: int
+    num_tokens: int
+    num_seqs: int
+    max_seq_len: int
+    max_block_id: int
+    max_token_id: int
+    min_token_id: int
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
+
+    @classmethod
+    def build(cls, chunks: Sequence[SequenceChunk], block_size: int,
+              device: torch.device | str = "cpu",
+              mode: AttentionMode | None = None) -> ForwardBatch:
+        """Validate the per-sequence lists and pack them into tensors on ``device``.
+
+        ``mode=None`` picks DECODE when every sequence computes exactly one token, else PREFILL.
+        Asking for DECODE with a multi-token chunk raises; PREFILL is always allowed (a decode
+        step through the prefill kernel gives the same result, which the tests check).
+
+        Runtime complexity: O(T + S * max_blocks) Python work, one host-to-device copy per tensor.
+        """
+        if not chunks:
+            raise InvalidTokensError("a forward batch needs at least one sequence")
+        if block_size <= 0:
+            raise InvalidBlockError(f"block_size {block_size} must be positive")
+        for i, chunk in enumerate(chunks):
+            _check_chunk(i, chunk, block_size)
+        all_single = all(len(c.token_ids) == 1 for c in chunks)
+        if mode is None:
+            mode = AttentionMode.DECODE if all_single else AttentionMode.PREFILL
+        elif mode is AttentionMode.DECODE and not all_single:
+            sizes = [len(c.token_ids) for c in chunks]
+            raise InvalidTokensError(f"decode mode needs one token per sequence, got {sizes}")
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        logits_per_seq: list[int] = []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables: list[list[int]] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            row0 = cu_seqlens[-1]
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.start_position + n))
+            slots.extend(chunk.slot_mapping)
+            cu_seqlens.append(row0 + n)
+            seq_lens.append(chunk.seq_len)
+            offsets = chunk.resolved_logit_offsets()
+            logits_indices.extend(row0 + off for off in offsets)
+            logits_per_seq.append(len(offsets))
+            table = list(chunk.block_table)
+            tables.append(table + [BLOCK_TABLE_PAD] * (max_blocks - len(table)))
+
+        dev = torch.device(device)
+
+        def to_dev(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            # Built on the host, copied once; pinned memory would let this overlap on CUDA.
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        return cls(
+            mode=mode,
+            input_ids=to_dev([input_ids], torch.int64),
+            position_ids=to_dev([positions], torch.int64),
+            slot_mapping=to_dev(slots, torch.int64),
+            cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(tables, torch.int32),
+            logits_indices=to_dev(logits_indices, torch.int64),
+            logits_per_seq=tuple(logits_per_seq),
+            block_size=block_size,
+            num_tokens=len(input_ids),
+            num_seqs=len(chunks),
+            max_seq_len=max(seq_lens),
+            max_block_id=max(max(c.block_table[: -(-c.seq_len // block_size)]) for c in chunks),
+            max_token_id=max(input_ids),
+            min_token_id=min(input_ids),
+        )

@@ -1,0 +1,212 @@
+"""Run a Hugging Face causal LM with its K/V in radixkv's paged block pool.
+
+The model's own code (Llama, Qwen2, Mistral, ... anything that dispatches attention through
+transformers' ``AttentionInterface``) runs unchanged; only its attention function is swapped for
+:func:`radixkv.engine.attention.paged_attention_forward`. Every step packs all sequences into one
+row (batch size 1, explicit ``position_ids``), so there is no padding and no HF cache object: the
+paged ``kv_cache`` tensor is the only KV state, and the block manager decides what lives where.
+
+KV-cache tensor (one for the whole model)::
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+              layer l: K = kv_cache[l, 0], V = kv_cache[l, 1]
+              token at slot s = block_id * block_size + offset lives at [l, :, block_id, offset]
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixkv.engine import attention
+from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
+from radixkv.errors import ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's K/V looks like for a model, derived from its config by :func:`kv_layout`.
+
+    Attributes:
+        num_layers: decoder layers, each with its own K and V.
+        num_q_heads: query heads (``num_attention_heads``).
+        num_kv_heads: key/value heads (< num_q_heads under GQA).
+        head_dim: per-head width (from ``config.head_dim`` or ``hidden_size // heads``).
+        dtype: element type of the cache; the model's parameter dtype.
+        sliding_window: smallest attention window of any layer, ``None`` if every layer is global.
+            The kernels have no window, so sequences may not grow beyond it.
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    sliding_window: int | None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the whole-model cache tensor for ``num_blocks`` blocks of ``block_size``."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block occupies across all layers, K and V (to size a pool from memory)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_layout(config: Any, dtype: torch.dtype) -> KVLayout:
+    """The single place that reads KV geometry out of a transformers config.
+
+    Handles configs without ``head_dim`` (``hidden_size // num_attention_heads``), without
+    ``num_key_value_heads`` (plain multi-head attention) and multimodal configs (their text part).
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_q_heads = int(cfg.num_attention_heads)
+    num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_q_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads
+    if num_q_heads % num_kv_heads:
+        raise ConfigError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    return KVLayout(num_layers=int(cfg.num_hidden_layers), num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, head_dim=int(head_dim), dtype=dtype,
+                    sliding_window=int(window) if window else None)
+
+
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, block_size: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed cache tensor ``layout.cache_shape(num_blocks, block_size)`` on ``device``."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ConfigError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+    return torch.zeros(layout.cache_shape(num_blocks, block_size), dtype=layout.dtype,
+                       device=device)
+
+
+class ModelRunner:
+    """Executes :class:`ForwardBatch` steps of one model against one paged KV cache.
+
+    The runner switches ``model``'s attention implementation to radixkv's (the model object is
+    shared, not copied); to use it as a plain transformers model again, call
+    ``model.set_attn_implementation("sdpa")``.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+        """Wrap a ready model and a cache tensor allocated for it.
+
+        Args:
+            model: a transformers ``*ForCausalLM`` in eval mode whose ``forward`` accepts
+                ``logits_to_keep`` and whose attention goes through ``AttentionInterface``.
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` on the
+                model's device, in the model's dtype (see :func:`allocate_kv_cache`).
+        """
+        param = next(model.parameters())
+        self.model = model
+        self.layout = kv_layout(model.config, param.dtype)
+        self.device = param.device
+        if kv_cache.dim() != 6:
+            raise ConfigError(f"kv_cache must have 6 dims, got shape {tuple(kv_cache.shape)}")
+        want = self.layout.cache_shape(kv_cache.shape[2], kv_cache.shape[3])
+        if tuple(kv_cache.shape) != want:
+            raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit the model: "
+                              f"expected [L, 2, blocks, block_size, Hkv, D] = {want}")
+        if kv_cache.dtype != param.dtype or kv_cache.device != param.device:
+            raise ConfigError(f"kv_cache is {kv_cache.dtype} on {kv_cache.device}, the model is "
+                              f"{param.dtype} on {param.device}")
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            raise ConfigError(f"{type(model).__name__}.forward has no logits_to_keep argument")
+        self.kv_cache = kv_cache
+        name = attention.register()
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            # transformers only logs a warning for models that hard-code their attention.
+            raise ConfigError(f"{type(model).__name__} does not dispatch attention through "
+                              "transformers' AttentionInterface; radixkv cannot page its KV")
+        model.eval()
+        self._vocab_rows = model.get_input_embeddings().num_embeddings
+
+    # -- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> ModelRunner:
+        """Allocate a cache of ``num_blocks`` blocks for ``model`` (its dtype and device)."""
+        param = next(model.parameters())
+        layout = kv_layout(model.config, param.dtype)
+        return cls(model, allocate_kv_cache(layout, num_blocks, block_size, param.device))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | None = None, gguf_file: str | None = None, *,
+                        num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                        device: str | None = None) -> ModelRunner:
+        """Load a model with :func:`radixkv.models.load_model` (default: the embedded SmolLM2)
+        and allocate its cache."""
+        from radixkv.models import load_model
+
+        model = load_model(model_dir, gguf_file, dtype=dtype, device=device)
+        return cls.for_model(model, num_blocks, block_size)
+
+    # -- geometry -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_cache.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_cache.shape[3])
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits rows :meth:`execute` returns."""
+        return int(self.model.get_output_embeddings().out_features)
+
+    # -- execution ------------------------------------------------------------------------
+
+    def build_batch(self, chunks: Sequence[SequenceChunk],
+                    mode: AttentionMode | None = None) -> ForwardBatch:
+        """:meth:`ForwardBatch.build` with this runner's block size and device."""
+        return ForwardBatch.build(chunks, self.block_size, self.device, mode)
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step: write every chunk's K/V into the cache, return the requested logits.
+
+        Returns:
+            float32 ``[batch.num_logits, vocab_size]``; row ``r`` is the next-token distribution
+            (unnormalised) after packed token ``batch.logits_indices[r]``.
+        """
+        self._check(batch)
+        ctx = attention.PagedAttentionContext(batch=batch, kv_cache=self.kv_cache)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=batch.input_ids,           # [1, T]
+                position_ids=batch.position_ids,     # [1, T]
+                use_cache=False,
+                logits_to_keep=batch.logits_indices,  # [R] -> logits [1, R, V]
+                **{attention.CONTEXT_KWARG: ctx},
+            )
+        return out.logits[0].float()
+
+    def _check(self, batch: ForwardBatch) -> None:
+        """Reject a batch that would index outside the model or the cache (host ints only)."""
+        if batch.block_size != self.block_size:
+            raise InvalidBlockError(f"batch built for block size {batch.block_size}, "
+                                    f"the cache has {self.block_size}")
+        if batch.max_block_id >= self.num_blocks:
+            raise InvalidBlockError(f"block id {batch.max_block_id} outside the cache's "
+                                    f"{self.num_blocks} blocks")
+        if batch.min_token_id < 0 or batch.max_token_id >= self._vocab_rows:
+            raise InvalidTokensError(
+                f"token ids span [{batch.min_token_id}, {batch.max_token_id}], the model's "
+                f"embedding has {self._vocab_rows} rows")
+        window = self.layout.sliding_window
+        if window is not None and batch.max_seq_len > window:
+            raise InvalidRequestError(
+                f"a sequence reaches {batch.max_seq_len} tokens, beyond the model's sliding "
+                f"window of {window}; radixkv's kernels attend to whole sequences")
+        if batch.input_ids.device != self.device:
+            raise ConfigError(f"batch on {batch.input_ids.device}, model on {self.device}")
