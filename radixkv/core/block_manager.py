@@ -36,6 +36,7 @@ from radixkv.errors import (
 )
 
 SeqId = Hashable
+_tuple_new = tuple.__new__
 
 
 class CopyOp(NamedTuple):
@@ -149,10 +150,7 @@ class BlockManager:
     def _match(self, tok: bytes, seed: bytes, num_tokens: int) -> tuple[list[Node], list[bytes]]:
         # Match at most (n-1)//B blocks: at least one prompt token must be computed to produce
         # logits, and the block holding it must be private (no write into a shared block).
-        limit = (num_tokens - 1) // self.block_size
-        hashes = hash_blocks(tok, self.block_size, seed, 0, limit)
-        nodes = self.tree.match(hashes, tok)
-        return nodes, hashes[:len(nodes)]
+        return self.tree.match_tokens(tok, seed, (num_tokens - 1) // self.block_size)
 
     def _check_capacity(self, need: int, matched: Sequence[Node]) -> None:
         # Locking a matched unreferenced device node takes it out of the evictable count.
@@ -198,8 +196,9 @@ class BlockManager:
         self._check_capacity(need, nodes)
         # --- no exception past this point ---
         tree = self.tree
+        now = tree.clock()
         for x in on_device:
-            tree.lock(x)
+            tree.lock(x, now)
         per_tier = [0] * tree.num_tiers
         for x in on_device:
             per_tier[DEVICE] += self.block_size
@@ -215,7 +214,7 @@ class BlockManager:
                 break
             tier = x.tier
             moves.append(tree.promote(x, b))  # type: ignore[arg-type]
-            tree.lock(x)
+            tree.lock(x, now)
             per_tier[tier] += self.block_size
             blocks.append(b)
             kept.append(x)
@@ -243,32 +242,70 @@ class BlockManager:
         A new block is taken at a block boundary; a shared partial tail (after ``fork``) is
         copied first so that this sequence never writes into a block others read.
         All-or-nothing (OutOfBlocks changes nothing). Runtime complexity: O(1) amortised.
+        This is the per-token hot path of decoding: it allocates one tuple in the common case.
+        """
+        try:
+            s = self._seqs[seq_id]
+        except (KeyError, TypeError):
+            s = self._seq(seq_id)  # raises UnknownSequenceError
+        if type(token_id) is not int or not 0 <= token_id <= 0x7FFFFFFF:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
+                raise InvalidTokensError(f"token id must be an int in [0, 2**31), got {token_id!r}")
+        bs = self.block_size
+        tokens = s.tokens
+        off = len(tokens) % bs
+        refs = self.pool.ref_counts
+        if off and refs[s.blocks[-1]] == 1:
+            tokens.append(token_id)
+            return _tuple_new(SlotAssignment, (s.blocks[-1] * bs + off, None, ()))
+        if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0:
+            raise OutOfBlocks(1, 0, 0, "preempt a sequence (free it and recompute later)")
+        moves: list[MoveOp] = []
+        [b] = self._take_blocks(1, moves)
+        refs[b] += 1
+        copy = None
+        if off:
+            old = s.blocks[-1]
+            refs[old] -= 1   # was > 1: still referenced by a fork, never freed here
+            s.blocks[-1] = b
+            copy = CopyOp(old, b)
+        else:
+            s.blocks.append(b)
+        tokens.append(token_id)
+        return SlotAssignment(b * bs + off, copy, tuple(moves))
+
+    def append_slots(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[list[int], CopyOp | None, tuple[MoveOp, ...]]:
+        """Append several tokens at once (a chunk, a replayed reply, speculative tokens).
+
+        Returns ``(slots, copy, moves)``: one KV slot per token, the CoW copy of a shared tail
+        (if any) and the demotions that made room; same contract as ``append_slot``.
+        All-or-nothing. Runtime complexity: O(tokens + new blocks * log n).
         """
         s = self._seq(seq_id)
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
-            raise InvalidTokensError(f"token id must be an int in [0, 2**31), got {token_id!r}")
-        bs = self.block_size
+        tok = token_bytes(token_ids)  # validates
+        n = len(tok) // TOKEN_BYTES
+        bs, refs = self.block_size, self.pool.ref_counts
         pos = len(s.tokens)
-        off = pos % bs
-        refs = self.pool.ref_counts
-        if off == 0 or refs[s.blocks[-1]] > 1:
-            if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0:
-                raise OutOfBlocks(1, 0, 0, "preempt a sequence (free it and recompute later)")
-            moves: list[MoveOp] = []
-            [b] = self._take_blocks(1, moves)
+        cow = pos % bs != 0 and refs[s.blocks[-1]] > 1
+        new_blocks = self._blocks_for(pos + n) - len(s.blocks) + (1 if cow else 0)
+        if new_blocks > self.num_available_blocks:
+            raise OutOfBlocks(new_blocks, self.pool.num_free, self.tree.num_evictable(DEVICE),
+                              "preempt a sequence (free it and recompute later)")
+        moves: list[MoveOp] = []
+        fresh = self._take_blocks(new_blocks, moves)
+        for b in fresh:
             refs[b] += 1
-            copy = None
-            if off:
-                old = s.blocks[-1]
-                refs[old] -= 1   # was > 1: still referenced by a fork, never freed here
-                s.blocks[-1] = b
-                copy = CopyOp(old, b)
-            else:
-                s.blocks.append(b)
-            s.tokens.append(token_id)
-            return SlotAssignment(b * bs + off, copy, tuple(moves))
-        s.tokens.append(token_id)
-        return SlotAssignment(s.blocks[-1] * bs + off, None, ())
+        copy = None
+        if cow:
+            old, b = s.blocks[-1], fresh.pop(0)
+            refs[old] -= 1
+            s.blocks[-1] = b
+            copy = CopyOp(old, b)
+        s.blocks.extend(fresh)
+        s.tokens.extend(array("i", tok))
+        blocks = s.blocks
+        slots = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + n)]
+        return slots, copy, tuple(moves)
 
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:
         """Record that KV of tokens [0, num_computed_tokens) is written; cache full blocks.
@@ -294,6 +331,7 @@ class BlockManager:
         parent = s.nodes[-1] if s.nodes else None
         h = s.hashes[-1] if s.hashes else s.seed
         added = 0
+        now = tree.clock()
         for i in range(first, last):
             chunk = tok[(i - first) * width:(i - first + 1) * width]
             h = hash_blocks(chunk, bs, h)[0]
@@ -303,10 +341,10 @@ class BlockManager:
                 node = None  # collision: keep this block private, stop caching this chain
                 break
             if node is None:
-                node = tree.insert(parent, h, chunk, b)
+                node = tree.insert(parent, h, chunk, b, now)
                 added += 1
             elif node.tier == DEVICE and node.slot != b:
-                tree.lock(node)              # share the cached copy, free the duplicate
+                tree.lock(node, now)         # share the cached copy, free the duplicate
                 refs[b] -= 1
                 if refs[b] == 0:
                     self.pool.free_one(b)
@@ -342,10 +380,12 @@ class BlockManager:
         # private (plain refcount; freed at zero). A block private when this sequence took it
         # may since have been committed by a fork sibling, so decide per block, now.
         tree, refs = self.tree, self.pool.ref_counts
+        now = tree.clock()
+        device_nodes = tree._device_nodes
         for b in blocks:
-            node = tree.device_node(b)
+            node = device_nodes[b]
             if node is not None:
-                tree.lock(node) if delta > 0 else tree.release(node)
+                tree.lock(node, now) if delta > 0 else tree.release(node, now)
             else:
                 refs[b] += delta
                 if refs[b] == 0:

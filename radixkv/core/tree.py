@@ -30,8 +30,10 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
+import xxhash
+
 from radixkv.core.hashing import TOKEN_BYTES, chain_hash
-from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, NodeHints, make_policy
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
 
@@ -39,6 +41,8 @@ DEVICE = 0
 _CBITS = 20                      # child counts of one tier are packed in 20 bits of one int
 _CMASK = (1 << _CBITS) - 1
 MAX_TIERS = 3
+_xxh3_128 = xxhash.xxh3_128_digest
+_tuple_new = tuple.__new__
 
 
 class Node:
@@ -123,6 +127,7 @@ class RadixTree:
             raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
         self.block_size = block_size
         self.policy = make_policy(policy)
+        self._lru = type(self.policy) is LRUPolicy  # fast path: entry = (last_access, hash)
         self.clock = clock
         self._pools: list[BlockPool] = [device_pool, *lower_pools]
         self.num_tiers = len(self._pools)
@@ -188,6 +193,38 @@ class RadixTree:
             start = end
         return out
 
+    def match_tokens(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
+                     ) -> tuple[list[Node], list[bytes]]:
+        """Hash and match in one pass: ``(nodes, their hashes)`` for the longest cached chain.
+
+        Same result as ``match(hash_blocks(...), tok_bytes)`` but hashes only as far as the
+        chain matches, and slices each block's bytes once. ``seed`` is the namespace seed.
+        Runtime complexity: O(matched tokens).
+        """
+        width = self.block_size * TOKEN_BYTES
+        n = len(tok_bytes) // width
+        if max_blocks is not None and max_blocks < n:
+            n = max_blocks
+        index_get = self._index.get
+        xxh = _xxh3_128
+        nodes: list[Node] = []
+        hashes: list[bytes] = []
+        prev: Node | None = None
+        h = seed
+        for start in range(0, n * width, width):
+            chunk = tok_bytes[start:start + width]
+            h = xxh(h + chunk)
+            node = index_get(h)
+            if node is None or node.parent is not prev:
+                break
+            if node.tokens != chunk:
+                self.stats.collisions += 1
+                break
+            nodes.append(node)
+            hashes.append(h)
+            prev = node
+        return nodes, hashes
+
     def hints(self, node: Node) -> NodeHints:
         return self._hints.get(node.block_hash, DEFAULT_HINTS)
 
@@ -199,6 +236,9 @@ class RadixTree:
         return t != DEVICE or self._refs[node.slot] == 0
 
     def _entry(self, node: Node) -> tuple:
+        """Sorted-set entry: the policy key plus the hash (unique, deterministic tie-break)."""
+        if self._lru:
+            return (node.last_access, node.block_hash)
         return (*self.policy.key(node, self._hints.get(node.block_hash, DEFAULT_HINTS)),
                 node.block_hash)
 
@@ -223,7 +263,8 @@ class RadixTree:
             self._consider(parent)
 
     # ------------------------------------------------------------------ mutations
-    def insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int) -> Node:
+    def insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
+               now: float | None = None) -> Node:
         """Cache device block ``block_id`` (whose KV is computed) as the child of ``parent``.
 
         The caller keeps its references; the block becomes evictable once they drop to 0.
@@ -240,7 +281,8 @@ class RadixTree:
             raise InvalidBlockError("the parent of a new block must be cached on the device")
         if len(tokens) != self.block_size * TOKEN_BYTES:
             raise InvalidBlockError(f"a block holds {self.block_size} tokens, got {len(tokens) // TOKEN_BYTES}")
-        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), self.clock())
+        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id),
+                    self.clock() if now is None else now)
         if parent is not None:
             self._add_child_count(parent, DEVICE, 1)
         self._index[block_hash] = node
@@ -252,7 +294,7 @@ class RadixTree:
         self.stats.inserted += 1
         return node
 
-    def lock(self, node: Node) -> None:
+    def lock(self, node: Node, now: float | None = None) -> None:
         """Take one reference on a device node (a sequence now uses it). O(log n)."""
         assert node.tier == DEVICE, f"lock() of a node in tier {node.tier}: promote it first"
         self._discard(node)
@@ -260,17 +302,20 @@ class RadixTree:
         if refs[node.slot] == 0:
             self._unreferenced -= 1
         refs[node.slot] += 1
-        node.last_access = self.clock()
+        node.last_access = self.clock() if now is None else now
         node.hits += 1
 
-    def release(self, node: Node) -> None:
-        """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n)."""
+    def release(self, node: Node, now: float | None = None) -> None:
+        """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n).
+
+        ``now`` lets a caller releasing a whole chain share one timestamp object.
+        """
         refs = self._refs
         assert node.tier == DEVICE and refs[node.slot] > 0, f"release() of unreferenced {node}"
         refs[node.slot] -= 1
         if refs[node.slot] == 0:
             self._unreferenced += 1
-            node.last_access = self.clock()
+            node.last_access = self.clock() if now is None else now
             self._consider(node)
 
     def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
@@ -350,11 +395,11 @@ class RadixTree:
             self._set_tier(node, t + 1, new_slot)
             self._consider(node)
             self.stats.demoted_in[t + 1] += 1
-            moves.append(MoveOp(node.block_hash, t, old_slot, t + 1, new_slot))
+            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, t + 1, new_slot)))
         else:
             assert node.children == 0, f"dropping {node} would orphan its children"
             self._drop(node)
-            moves.append(MoveOp(node.block_hash, t, old_slot, None, None))
+            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, None, None)))
         self._pools[t].free_one(old_slot)
 
     def _drop(self, node: Node) -> None:

@@ -1,0 +1,279 @@
+"""``radixkv bench core``: cost of the pure-Python bookkeeping, on a real trace and synthetic ones.
+
+Questions answered (issue 2, point 8), each against a floor measured in the same run:
+  * match / insert throughput in tokens/s at block size 16 (floor: xxh3-128 + dict lookup alone);
+  * append_slot cost per sequence per decode step, fork and free cost;
+  * eviction cost per block at 10^3 .. 10^6 cached blocks (must not grow with the tree);
+  * metadata bytes per cached block (tracemalloc);
+  * the whole bookkeeping of the real ShareGPT chat trace per request (hash, match, allocate,
+    commit prompt, append + commit reply, free, evictions under a device capacity of half the
+    working set).
+Targets on a 2-core machine: match >= 20 M tok/s, insert >= 5 M tok/s, append_slot <= 1.5 us,
+eviction <= 5 us/block at 10^6 blocks, <= 300 B/block, chat trace <= 50 us/request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+import tracemalloc
+from array import array
+
+import xxhash
+
+from radixkv.benchmarks._common import print_table, run_header, time_median, write_results
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
+from radixkv.core.pool import BlockPool
+from radixkv.core.tree import DEVICE, RadixTree
+
+BS = 16
+NS = Namespace("bench-core")
+
+
+def synthetic_requests(num_convs: int, turns: int, seed: int = 0) -> list[list[int]]:
+    """Multi-turn chats: each turn re-sends the history plus ~120 new tokens (vocab 49k)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_convs):
+        hist: list[int] = [1] + [rng.randrange(49152) for _ in range(rng.randrange(20, 200))]
+        for _ in range(turns):
+            hist = hist + [rng.randrange(49152) for _ in range(rng.randrange(40, 200))]
+            out.append(list(hist))
+    return out
+
+
+def floor_ns_per_block(prompts: list[list[int]]) -> float:
+    """xxh3-128 of (16-byte parent + 64 token bytes) + one dict lookup per block: the floor."""
+    table: dict[bytes, int] = {}
+    blobs = [token_bytes(p) for p in prompts]
+    width = BS * 4
+
+    def run() -> int:
+        n = 0
+        for tok in blobs:
+            h = NS.seed
+            for i in range(len(tok) // width):
+                h = xxhash.xxh3_128_digest(h + tok[i * width:(i + 1) * width])
+                table.get(h)
+                n += 1
+        return n
+
+    nblocks = run()
+    return time_median(run, repeat=3) / nblocks * 1e9
+
+
+def build_tree(prompts: list[list[int]], num_blocks: int) -> tuple[BlockManager, int]:
+    bm = BlockManager.create(num_blocks, BS)
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p, NS)
+        bm.commit(i, len(p))
+        bm.free(i)
+    return bm, len(bm.tree)
+
+
+def bench_match_insert(prompts: list[list[int]]) -> dict:
+    total_blocks = sum(len(p) // BS + 1 for p in prompts)
+    bm, _ = build_tree(prompts, total_blocks + 16)
+    tree = bm.tree
+    blobs = [token_bytes(p) for p in prompts]
+    matched_tokens = 0
+
+    def match_all() -> None:
+        nonlocal matched_tokens
+        matched_tokens = 0
+        for tok in blobs:
+            nodes, _ = tree.match_tokens(tok, NS.seed)
+            matched_tokens += len(nodes) * BS
+
+    t_match = time_median(match_all, repeat=3)
+    match_tok_s = matched_tokens / t_match
+
+    # insert = BlockManager.commit of freshly computed prompts (hash + dedupe + tree insert), the
+    # path the engine uses; allocation and free are done outside the timed region.
+    def insert_all() -> float:
+        bm2 = BlockManager.create(total_blocks + 16, BS)
+        spent = 0.0
+        for i, p in enumerate(prompts):
+            bm2.allocate(i, p, NS)
+            t0 = time.perf_counter()
+            bm2.commit(i, len(p))
+            spent += time.perf_counter() - t0
+            bm2.free(i)
+        return spent
+
+    inserted = sum(len(p) // BS * BS for p in prompts)
+    t_insert = min(insert_all() for _ in range(3))
+    return {"match_tok_per_s": match_tok_s, "insert_tok_per_s": inserted / t_insert,
+            "matched_tokens": matched_tokens, "cached_blocks": len(tree)}
+
+
+def bench_append_fork_free(num_seqs: int = 64, steps: int = 512) -> dict:
+    bm = BlockManager.create(num_seqs * (steps // BS + 8) * 2, BS)
+    rng = random.Random(1)
+    for s in range(num_seqs):
+        bm.allocate(s, [rng.randrange(1000) for _ in range(100)], NS)
+        bm.commit(s, 100)
+    toks = [rng.randrange(1000) for _ in range(steps)]
+    t0 = time.perf_counter()
+    for t in toks:
+        for s in range(num_seqs):
+            bm.append_slot(s, t)
+    t_append = (time.perf_counter() - t0) / (steps * num_seqs)
+    t0 = time.perf_counter()
+    for s in range(num_seqs):
+        bm.commit(s, bm.num_tokens(s) - 1)
+    t_commit = (time.perf_counter() - t0) / (steps * num_seqs)
+    blocks_per_seq = len(bm.block_table(0))
+    t0 = time.perf_counter()
+    for s in range(num_seqs):
+        bm.fork(s, ("f", s))
+    t_fork = (time.perf_counter() - t0) / num_seqs
+    t0 = time.perf_counter()
+    for s in range(num_seqs):
+        bm.free(("f", s))
+    t_free = (time.perf_counter() - t0) / num_seqs
+    bm.check_invariants()
+    return {"append_slot_us": t_append * 1e6, "commit_us_per_token": t_commit * 1e6,
+            "fork_us": t_fork * 1e6, "free_us": t_free * 1e6, "blocks_per_seq": blocks_per_seq}
+
+
+def _chains(num_blocks: int, chain_blocks: int = 32, seed: int = 2) -> list[list[int]]:
+    rng = random.Random(seed)
+    n_chains = max(1, num_blocks // chain_blocks)
+    return [[rng.randrange(49152) for _ in range(chain_blocks * BS)] for _ in range(n_chains)]
+
+
+def bench_eviction(sizes: list[int], evict_n: int = 2000) -> list[dict]:
+    rows = []
+    for n in sizes:
+        prompts = _chains(n)
+        bm, cached = build_tree([p + [0] for p in prompts], n + 64)
+        k = min(evict_n, cached // 2)
+        gc.collect()
+        t0 = time.perf_counter()
+        bm.tree.evict(DEVICE, k)
+        dt = time.perf_counter() - t0
+        rows.append({"cached_blocks": cached, "evicted": k, "us_per_block": dt / k * 1e6})
+        del bm
+        gc.collect()
+    return rows
+
+
+def bench_memory(num_blocks: int = 100_000) -> dict:
+    """Bytes traced per cached block when chains are cached through the real commit path."""
+    prompts = [p + [0] for p in _chains(num_blocks)]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    bm = BlockManager.create(num_blocks + 64, BS)
+    after_pool = tracemalloc.get_traced_memory()[0]
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p, NS)
+        bm.commit(i, len(p))
+        bm.free(i)
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    n = len(bm.tree)
+    return {"cached_blocks": n, "bytes_per_block": (used - base) / n,
+            "tree_bytes_per_block": (used - after_pool) / n,
+            "floor_bytes_per_block": 16 + 64,
+            "note": "bytes_per_block includes the pool's per-block arrays; the floor is the "
+                    "16-byte hash plus 16 int32 token ids that every cached block must keep"}
+
+
+def bench_trace(requests, device_fraction: float = 0.5) -> dict:
+    """Replay prompt+reply of every request through the manager; capacity = fraction of WS."""
+    distinct: set[bytes] = set()
+    for r in requests:
+        tok = token_bytes(r.prompt + r.reply)
+        distinct.update(hash_blocks(tok, BS, NS.seed))
+    ws = len(distinct)
+    max_req = max(len(r.prompt) + len(r.reply) for r in requests) // BS + 2
+    cap = max(int(ws * device_fraction), max_req + 1)
+    bm = BlockManager.create(cap, BS)
+    requested = served = 0
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    for i, r in enumerate(requests):
+        a = bm.allocate(i, r.prompt, NS)
+        bm.commit(i, len(r.prompt))
+        if r.reply:
+            bm.append_slots(i, r.reply)
+            bm.commit(i, bm.num_tokens(i))
+        bm.free(i)
+        requested += len(r.prompt)
+        served += a.num_cached_tokens
+    dt = time.perf_counter() - t0
+    gc.enable()
+    bm.check_invariants()
+    return {"requests": len(requests), "prompt_tokens": requested,
+            "working_set_blocks": ws, "device_blocks": cap,
+            "hit_rate": served / requested, "us_per_request": dt / len(requests) * 1e6,
+            "evictions": bm.tree.stats.evicted[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="radixkv bench core", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    ap.add_argument("--synthetic-only", action="store_true", help="skip the ShareGPT trace")
+    args = ap.parse_args(argv)
+    random.seed(0)
+    header = run_header(seed=0, block_size=BS, quick=args.quick)
+    print("radixkv bench core", {k: header[k] for k in ("commit", "python", "cpu_count")})
+    results: dict = {}
+
+    synth = synthetic_requests(60 if args.quick else 400, 5)
+    floor = floor_ns_per_block(synth)
+    mi = bench_match_insert(synth)
+    results["synthetic"] = {**mi, "floor_ns_per_block": floor,
+                            "floor_tok_per_s": BS / floor * 1e9}
+    results["decode"] = bench_append_fork_free(16 if args.quick else 64, 128 if args.quick else 512)
+    sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
+    results["eviction"] = bench_eviction(sizes)
+    results["memory"] = bench_memory(10_000 if args.quick else 100_000)
+
+    trace = None
+    if not args.synthetic_only:
+        try:
+            from radixkv.benchmarks.traces import load_trace
+            trace = load_trace("chat", quick=args.quick)
+        except Exception as exc:  # noqa: BLE001 - the trace needs optional packages; say why
+            print(f"(skipping the ShareGPT trace: {type(exc).__name__}: {exc})")
+    if trace is not None:
+        prompts = [r.prompt for r in trace]
+        floor_real = floor_ns_per_block(prompts)
+        mi_real = bench_match_insert(prompts)
+        results["sharegpt"] = {**mi_real, "floor_ns_per_block": floor_real,
+                               "floor_tok_per_s": BS / floor_real * 1e9,
+                               "trace": bench_trace(trace)}
+
+    rows = []
+    for name in ("synthetic", "sharegpt"):
+        if name in results:
+            r = results[name]
+            rows.append({"trace": name, "match Mtok/s": r["match_tok_per_s"] / 1e6,
+                         "insert Mtok/s": r["insert_tok_per_s"] / 1e6,
+                         "floor Mtok/s (xxh3+dict)": r["floor_tok_per_s"] / 1e6,
+                         "match/floor": r["match_tok_per_s"] / r["floor_tok_per_s"]})
+    print_table(rows, title="match / insert throughput, block size 16 (targets 20 / 5 Mtok/s)")
+    d = results["decode"]
+    print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}],
+                title="decode bookkeeping per sequence per step (target append_slot <= 1.5 us)")
+    print_table(results["eviction"], title="eviction cost per block (target <= 5 us at 10^6)")
+    m = results["memory"]
+    print_table([{k: m[k] for k in ("cached_blocks", "bytes_per_block", "tree_bytes_per_block",
+                                     "floor_bytes_per_block")}],
+                title="metadata per cached block (target <= 300 B)")
+    if "sharegpt" in results:
+        print_table([results["sharegpt"]["trace"]],
+                    title="ShareGPT chat trace, whole bookkeeping per request (target <= 50 us)")
+    write_results("core_quick" if args.quick else "core", header, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
