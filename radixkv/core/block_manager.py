@@ -344,6 +344,11 @@ class BlockManager:
                 node = tree.insert(parent, h, chunk, b, now)
                 added += 1
             elif node.tier == DEVICE and node.slot != b:
+                if refs[b] > 1:
+                    # A fork sibling shares our duplicate and would keep it: caching our later
+                    # blocks under the cached copy would leave the sibling holding a child
+                    # without its parent (breaking refcount monotonicity). Stop this chain.
+                    break
                 tree.lock(node, now)         # share the cached copy, free the duplicate
                 refs[b] -= 1
                 if refs[b] == 0:
