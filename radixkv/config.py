@@ -1,0 +1,175 @@
+"""Engine configuration: frozen dataclasses passed to constructors (no module-level state).
+
+``CacheConfig`` says how much KV the engine may keep and where (device blocks, optional host and
+disk tiers, eviction policy); ``EngineConfig`` says how much work one step may do and on which
+device. Both validate in ``__post_init__`` and raise :class:`radixkv.errors.ConfigError` with the
+value that is wrong, so a bad configuration fails at construction, not in the middle of serving.
+
+Sizes may be given in blocks or as memory strings (``"512MiB"``, ``"2GB"``, ``"1048576"``); memory
+is turned into blocks once the model's KV layout is known (:meth:`CacheConfig.resolve_blocks`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from radixkv.errors import ConfigError
+
+#: Device KV memory used when neither ``num_device_blocks`` nor ``device_memory`` is given.
+DEFAULT_DEVICE_MEMORY = "512MiB"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: str | int) -> int:
+    """Bytes in a memory size: an int, or a string such as ``"512MiB"``, ``"1.5GB"``, ``"4096"``.
+
+    >>> parse_memory("512MiB"), parse_memory("2GB"), parse_memory(100)
+    (536870912, 2000000000, 100)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"memory size must be an int or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"memory size must be >= 0 bytes, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot parse memory size {value!r}: use e.g. '512MiB', '2GB' or bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _check_count(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError(f"CacheConfig.{name} must be a non-negative int or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where KV blocks live and how many.
+
+    Attributes:
+        block_size: tokens per KV block (a power of two; only full blocks are shared).
+        num_device_blocks / device_memory: device pool size, in blocks or bytes (blocks win);
+            both None means ``DEFAULT_DEVICE_MEMORY``.
+        host_blocks / host_memory: CPU-RAM tier capacity (0/None: no host tier).
+        disk_dir, disk_blocks / disk_memory: NVMe tier directory and capacity (None: no disk tier).
+        policy: eviction policy name (``lru``, ``lfu``, ``priority``, ``ttl``).
+        enable_prefix_caching: False makes every request its own namespace, so nothing is ever
+            reused across requests (the "no cache" baseline; forks still share within a request).
+    """
+
+    block_size: int = 16
+    num_device_blocks: int | None = None
+    device_memory: str | None = None
+    host_blocks: int | None = 0
+    host_memory: str | None = None
+    disk_dir: str | None = None
+    disk_blocks: int | None = 0
+    disk_memory: str | None = None
+    policy: str = "lru"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs & (bs - 1):
+            raise ConfigError(f"CacheConfig.block_size must be a positive power of 2, got {bs!r}")
+        for name in ("num_device_blocks", "host_blocks", "disk_blocks"):
+            _check_count(name, getattr(self, name))
+        if self.num_device_blocks == 0:
+            raise ConfigError("CacheConfig.num_device_blocks must be > 0 (or None to size from memory)")
+        for name in ("device_memory", "host_memory", "disk_memory"):
+            v = getattr(self, name)
+            if v is not None:
+                parse_memory(v)
+        if (self.disk_blocks or self.disk_memory) and not self.disk_dir:
+            raise ConfigError("a disk tier needs CacheConfig.disk_dir")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ConfigError(f"CacheConfig.policy must be a policy name, got {self.policy!r}")
+
+    def resolve_blocks(self, bytes_per_block: int) -> tuple[int, int, int]:
+        """(device, host, disk) capacities in blocks for a model whose block takes
+        ``bytes_per_block`` bytes (all layers, K and V). Raises ConfigError if the device gets 0."""
+        if bytes_per_block <= 0:
+            raise ConfigError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+
+        def blocks(n: int | None, mem: str | None, default: str | None) -> int:
+            if n:
+                return n
+            mem = mem if mem is not None else default
+            return parse_memory(mem) // bytes_per_block if mem is not None else 0
+
+        device = blocks(self.num_device_blocks, self.device_memory, DEFAULT_DEVICE_MEMORY)
+        if device <= 0:
+            raise ConfigError(
+                f"device memory {self.device_memory!r} holds no block of {bytes_per_block} bytes: "
+                "raise device_memory or lower block_size")
+        host = blocks(self.host_blocks, self.host_memory, None)
+        disk = blocks(self.disk_blocks, self.disk_memory, None) if self.disk_dir else 0
+        return device, host, disk
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How much one engine step may do, and where the model runs.
+
+    Attributes:
+        max_num_seqs: live sequences per step (each sample of ``n`` and each beam counts).
+        max_num_batched_tokens: tokens computed per forward (prefill chunks + one per decode).
+            Prompts longer than this are prefilled in chunks over several steps.
+        device: ``"auto"`` (CUDA when available, else CPU), or any torch device string.
+        dtype: model/KV dtype (``torch.dtype`` or a name like ``"float16"``); None keeps the
+            model's own.
+        max_model_len: longest sequence (prompt + output) allowed; None takes the model's
+            ``max_position_embeddings``.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    device: str = "auto"
+    dtype: object = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
+            raise ConfigError(f"EngineConfig.max_model_len must be an int > 1, got {self.max_model_len!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"EngineConfig.device must be a device string, got {self.device!r}")
+
+    def torch_device(self):
+        """The torch device to run on (``auto``: CUDA if available, else CPU)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"EngineConfig.device {self.device!r} is not a torch device") from exc
+
+    def torch_dtype(self, default):
+        """The dtype to run in: ``dtype`` resolved (strings like ``"bfloat16"``), else ``default``."""
+        import torch
+
+        if self.dtype is None:
+            return default
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        dt = getattr(torch, str(self.dtype).replace("torch.", ""), None)
+        if not isinstance(dt, torch.dtype):
+            raise ConfigError(f"EngineConfig.dtype {self.dtype!r} is not a torch dtype")
+        return dt
+
+
+__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "DEFAULT_DEVICE_MEMORY"]

@@ -1,0 +1,79 @@
+"""What the engine returns to callers after each step (plain dataclasses, no tensors).
+
+A ``RequestOutput`` is a snapshot of one request: every completion so far (``text`` and
+``token_ids`` are cumulative) plus what is new since the previous snapshot of that request
+(``delta_text`` / ``delta_token_ids``, for streaming). ``finished`` is True exactly once, in the
+last snapshot. Cache figures (``num_cached_tokens``, ``cached_tokens_per_tier``) describe the
+request's first admission: how many prompt tokens were served from the cache instead of computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Values of ``CompletionOutput.finish_reason``.
+FINISH_STOP = "stop"      # an end-of-sequence token, a stop token or a stop string
+FINISH_LENGTH = "length"  # max_tokens, max_model_len, or the KV pool cannot hold the sequence
+FINISH_ABORT = "abort"    # abort_request
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (a sample of ``n``, or one of the best beams).
+
+    Attributes:
+        index: which completion of the request (0-based; beams: 0 = best score).
+        text: detokenized output so far (stop string removed unless asked to keep it);
+            empty when the engine has no tokenizer.
+        token_ids: output token ids so far, including a final stop/eos token.
+        finish_reason: None while running, else ``"stop"``, ``"length"`` or ``"abort"``.
+        cumulative_logprob: sum of the model's log-probabilities of ``token_ids``.
+        delta_text, delta_token_ids: what was added since the previous output of this request.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Snapshot of one request after an engine step.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt as given.
+        outputs: the completions (``n`` of them; beam search: the best ``n`` once finished).
+        finished: True when every completion is finished (sent once).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        cached_tokens_per_tier: the same split by tier (0 = device, 1 = host, 2 = disk).
+        ttft: seconds from ``add_request`` to the first generated token (None before it).
+        num_preemptions: times the request was preempted (and recomputed) so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    cached_tokens_per_tier: tuple[int, ...] = ()
+    ttft: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        """Per completion, the token ids added since the previous snapshot."""
+        return [o.delta_token_ids for o in self.outputs]
+
+
+__all__ = ["CompletionOutput", "RequestOutput", "FINISH_STOP", "FINISH_LENGTH", "FINISH_ABORT"]

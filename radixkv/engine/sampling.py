@@ -1,0 +1,205 @@
+"""Sampling parameters and the token choice from one step's logits.
+
+``SamplingParams`` is the per-request contract (validated at construction so a bad request never
+reaches the scheduler). The functions below turn logits rows into tokens:
+
+* greedy: ``torch.argmax`` (ties go to the lowest token id, as in transformers' greedy search);
+* random: temperature, then top-k, then top-p, then one draw from the request's own
+  ``torch.Generator``. Each row is drawn with its own generator, so a seeded request produces the
+  same tokens whatever else is in the batch.
+
+Log-probabilities reported to users (``cumulative_logprob``) are those of the *raw* model
+distribution, ``log_softmax(logits)``, before temperature/top-k/top-p: they measure how likely
+the model found the text, independent of the sampling knobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from radixkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch is imported inside the functions: the scheduler imports this module
+    import torch
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request.
+
+    Attributes:
+        max_tokens: new tokens at most (>= 1).
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set whose probability reaches top_p (1.0 = all).
+        seed: seeds this request's generator (sample i of ``n`` uses ``seed + i``); None = random.
+        stop_token_ids: tokens that end a sequence (kept in ``token_ids``, dropped from the text).
+        stop: strings that end a sequence; the text is cut before them unless
+            ``include_stop_str_in_output``.
+        n: samples per prompt; they share the prompt's KV blocks (fork + copy-on-write).
+        beam_width: > 1 runs beam search with that many beams (returns the best ``n`` <= width);
+            deterministic, so temperature must be 0.
+        length_penalty, early_stopping: beam search knobs with transformers' semantics
+            (score = sum of logprobs / generated_len ** length_penalty; early_stopping in
+            {True, False, "never"}).
+        ignore_eos: keep generating past the model's end-of-sequence token.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs to tuples (frozen: set through object.__setattr__).
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids)):
+            try:
+                object.__setattr__(self, name, tuple(value))
+            except TypeError:
+                raise InvalidRequestError(f"{name} must be a list, got {value!r}") from None
+        bad = _first_error(self)
+        if bad:
+            raise InvalidRequestError(f"invalid sampling parameters: {bad}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_seqs(self) -> int:
+        """Live sequences this request will hold at once (samples or beams)."""
+        return max(self.n, self.beam_width)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
+        """Build from user JSON/kwargs; an unknown key raises InvalidRequestError naming it.
+
+        >>> SamplingParams.from_dict({"max_tokens": 4}).max_tokens
+        4
+        >>> SamplingParams.from_dict({"max_token": 4})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        radixkv.errors.InvalidRequestError: unknown sampling option 'max_token' (known: ...)
+        """
+        if not isinstance(d, Mapping):
+            raise InvalidRequestError(f"sampling options must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in d if k not in known]
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling option {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**d)  # type: ignore[arg-type]
+
+
+def _first_error(p: SamplingParams) -> str | None:
+    """The first thing wrong with ``p``, as a message for the user, or None."""
+    if not _is_int(p.max_tokens) or p.max_tokens < 1:
+        return f"max_tokens must be an int >= 1, got {p.max_tokens!r}"
+    if not isinstance(p.temperature, (int, float)) or isinstance(p.temperature, bool) \
+            or not p.temperature >= 0 or p.temperature == float("inf"):
+        return f"temperature must be a finite number >= 0, got {p.temperature!r}"
+    if not _is_int(p.top_k) or p.top_k < 0:
+        return f"top_k must be an int >= 0 (0 disables it), got {p.top_k!r}"
+    if not isinstance(p.top_p, (int, float)) or isinstance(p.top_p, bool) or not 0 < p.top_p <= 1:
+        return f"top_p must be in (0, 1], got {p.top_p!r}"
+    if p.seed is not None and not _is_int(p.seed):
+        return f"seed must be an int or None, got {p.seed!r}"
+    if not all(_is_int(t) and t >= 0 for t in p.stop_token_ids):
+        return f"stop_token_ids must be non-negative ints, got {list(p.stop_token_ids)!r}"
+    if not all(isinstance(s, str) and s for s in p.stop):
+        return f"stop must be non-empty strings, got {list(p.stop)!r}"
+    if not _is_int(p.n) or p.n < 1:
+        return f"n must be an int >= 1, got {p.n!r}"
+    if not _is_int(p.beam_width) or p.beam_width < 1:
+        return f"beam_width must be an int >= 1, got {p.beam_width!r}"
+    if not isinstance(p.length_penalty, (int, float)) or isinstance(p.length_penalty, bool):
+        return f"length_penalty must be a number, got {p.length_penalty!r}"
+    if p.early_stopping not in (True, False, "never"):
+        return f"early_stopping must be True, False or 'never', got {p.early_stopping!r}"
+    if p.beam_width > 1:
+        if p.temperature != 0 or p.top_k or p.top_p != 1.0:
+            return "beam search is deterministic: leave temperature at 0, top_k at 0, top_p at 1"
+        if p.n > p.beam_width:
+            return f"n ({p.n}) must be <= beam_width ({p.beam_width}) with beam search"
+        if p.stop:
+            return "stop strings are not supported with beam search (use stop_token_ids)"
+    return None
+
+
+# ----------------------------------------------------------------------------- token choice
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator for one sequence: seeded when ``seed`` is given, else from fresh entropy."""
+    import torch
+
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of ``[R, V]`` logits; ties resolve to the lowest token id."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
+    """log_softmax(logits)[r, tokens[r]] for each row: the model's own log-probability."""
+    import torch
+
+    idx = torch.tensor(list(tokens), device=logits.device, dtype=torch.long)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(1, idx[:, None])[:, 0].tolist()
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities ``[V]`` after temperature, top-k and top-p for one row (sum to 1)."""
+    import torch
+
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Drop a token when the tokens before it already reach top_p; the top token always stays.
+        drop = (sorted_p.cumsum(0) - sorted_p) >= params.top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One draw from ``filtered_probs`` with the sequence's own generator."""
+    import torch
+
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+__all__ = ["SamplingParams", "make_generator", "greedy_tokens", "raw_logprobs",
+           "filtered_probs", "sample_token"]
