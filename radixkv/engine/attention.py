@@ -106,10 +106,7 @@ def paged_attention_forward(
         raise RuntimeError(
             f"expected packed query [1, Hq, {t}, D], got {tuple(query.shape)}: the model must "
             "be called with batch size 1 (ModelRunner does this)")
-    # [1, H, T, D] -> [T, H, D]: the packed varlen layout the kernels take.
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    q, k, v = _token_major(query), _token_major(key), _token_major(value)
     k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = ctx.kv_cache[module.layer_idx, 1]
     kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -121,6 +118,18 @@ def paged_attention_forward(
             q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
             scale=scaling)
     return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` -> contiguous ``[T, H, D]``, the packed layout the kernels take.
+
+    The models build K/V as ``proj(x).view(1, T, H, D).transpose(1, 2)``, so the transpose back
+    is usually free. With one head (MQA) ``contiguous()`` keeps a meaningless stride on the
+    size-1 axis that strict stride checks reject, so the strides are restated (no copy).
+    """
+    y = x[0].transpose(0, 1).contiguous()
+    t, h, d = y.shape
+    return y.as_strided((t, h, d), (h * d, d, 1))
 
 
 def register() -> str:

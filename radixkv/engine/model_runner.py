@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,67 +24,38 @@ import torch
 from radixkv.engine import attention
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError
+from radixkv.storage.device import DevicePool
+from radixkv.storage.layout import KVLayout
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """What one token's K/V looks like for a model, derived from its config by :func:`kv_layout`.
+def model_kv_layout(model: torch.nn.Module, block_size: int) -> KVLayout:
+    """The single place the runner reads KV geometry: the model's (text) config and dtype.
 
-    Attributes:
-        num_layers: decoder layers, each with its own K and V.
-        num_q_heads: query heads (``num_attention_heads``).
-        num_kv_heads: key/value heads (< num_q_heads under GQA).
-        head_dim: per-head width (from ``config.head_dim`` or ``hidden_size // heads``).
-        dtype: element type of the cache; the model's parameter dtype.
-        sliding_window: smallest attention window of any layer, ``None`` if every layer is global.
-            The kernels have no window, so sequences may not grow beyond it.
+    Delegates to :meth:`KVLayout.from_model_config` (``head_dim`` absent from the config falls
+    back to ``hidden_size // num_attention_heads``; ``num_key_value_heads`` absent means no GQA);
+    the dtype is the model's parameter dtype, which is what its K/V projections produce.
     """
-
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    sliding_window: int | None
-
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the whole-model cache tensor for ``num_blocks`` blocks of ``block_size``."""
-        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block occupies across all layers, K and V (to size a pool from memory)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
+    return KVLayout.from_model_config(_text_config(model.config), block_size,
+                                      dtype=next(model.parameters()).dtype)
 
 
-def kv_layout(config: Any, dtype: torch.dtype) -> KVLayout:
-    """The single place that reads KV geometry out of a transformers config.
+def sliding_window(config: Any) -> int | None:
+    """Smallest attention window of any layer, ``None`` when every layer attends globally.
 
-    Handles configs without ``head_dim`` (``hidden_size // num_attention_heads``), without
-    ``num_key_value_heads`` (plain multi-head attention) and multimodal configs (their text part).
+    Qwen2 keeps ``sliding_window`` set but marks layers ``full_attention`` unless
+    ``use_sliding_window``; Mistral applies its window to every layer.
     """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    num_q_heads = int(cfg.num_attention_heads)
-    num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_q_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads
-    if num_q_heads % num_kv_heads:
-        raise ConfigError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    cfg = _text_config(config)
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
-        window = None
-    return KVLayout(num_layers=int(cfg.num_hidden_layers), num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads, head_dim=int(head_dim), dtype=dtype,
-                    sliding_window=int(window) if window else None)
+        return None
+    return int(window) if window else None
 
 
-def allocate_kv_cache(layout: KVLayout, num_blocks: int, block_size: int,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed cache tensor ``layout.cache_shape(num_blocks, block_size)`` on ``device``."""
-    if num_blocks <= 0 or block_size <= 0:
-        raise ConfigError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
-    return torch.zeros(layout.cache_shape(num_blocks, block_size), dtype=layout.dtype,
-                       device=device)
+def _text_config(config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class ModelRunner:
@@ -96,31 +66,34 @@ class ModelRunner:
     ``model.set_attn_implementation("sdpa")``.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
-        """Wrap a ready model and a cache tensor allocated for it.
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | DevicePool) -> None:
+        """Wrap a ready model and a cache allocated for it.
 
         Args:
-            model: a transformers ``*ForCausalLM`` in eval mode whose ``forward`` accepts
-                ``logits_to_keep`` and whose attention goes through ``AttentionInterface``.
-            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` on the
-                model's device, in the model's dtype (see :func:`allocate_kv_cache`).
+            model: a transformers ``*ForCausalLM`` whose ``forward`` accepts ``logits_to_keep``
+                and whose attention goes through ``AttentionInterface``; put in eval mode.
+            kv_cache: the device tier's :class:`DevicePool`, or its tensor
+                ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, on the
+                model's device in the model's dtype.
         """
+        tensor = kv_cache.kv_cache if isinstance(kv_cache, DevicePool) else kv_cache
         param = next(model.parameters())
+        if tensor.dim() != 6:
+            raise ConfigError(f"kv_cache must have 6 dims, got shape {tuple(tensor.shape)}")
         self.model = model
-        self.layout = kv_layout(model.config, param.dtype)
+        self.layout = model_kv_layout(model, int(tensor.shape[3]))
+        self.sliding_window = sliding_window(model.config)
         self.device = param.device
-        if kv_cache.dim() != 6:
-            raise ConfigError(f"kv_cache must have 6 dims, got shape {tuple(kv_cache.shape)}")
-        want = self.layout.cache_shape(kv_cache.shape[2], kv_cache.shape[3])
-        if tuple(kv_cache.shape) != want:
-            raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit the model: "
+        want = self.layout.cache_shape(int(tensor.shape[2]))
+        if tuple(tensor.shape) != want:
+            raise ConfigError(f"kv_cache shape {tuple(tensor.shape)} does not fit the model: "
                               f"expected [L, 2, blocks, block_size, Hkv, D] = {want}")
-        if kv_cache.dtype != param.dtype or kv_cache.device != param.device:
-            raise ConfigError(f"kv_cache is {kv_cache.dtype} on {kv_cache.device}, the model is "
+        if tensor.dtype != param.dtype or tensor.device != param.device:
+            raise ConfigError(f"kv_cache is {tensor.dtype} on {tensor.device}, the model is "
                               f"{param.dtype} on {param.device}")
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ConfigError(f"{type(model).__name__}.forward has no logits_to_keep argument")
-        self.kv_cache = kv_cache
+        self.kv_cache = tensor
         name = attention.register()
         model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
@@ -134,10 +107,11 @@ class ModelRunner:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> ModelRunner:
-        """Allocate a cache of ``num_blocks`` blocks for ``model`` (its dtype and device)."""
+        """Allocate a zeroed :class:`DevicePool` of ``num_blocks`` blocks for ``model`` (its
+        dtype, on its device) and wrap both."""
         param = next(model.parameters())
-        layout = kv_layout(model.config, param.dtype)
-        return cls(model, allocate_kv_cache(layout, num_blocks, block_size, param.device))
+        pool = DevicePool(model_kv_layout(model, block_size), num_blocks, device=param.device)
+        return cls(model, pool)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | None = None, gguf_file: str | None = None, *,
@@ -203,7 +177,7 @@ class ModelRunner:
             raise InvalidTokensError(
                 f"token ids span [{batch.min_token_id}, {batch.max_token_id}], the model's "
                 f"embedding has {self._vocab_rows} rows")
-        window = self.layout.sliding_window
+        window = self.sliding_window
         if window is not None and batch.max_seq_len > window:
             raise InvalidRequestError(
                 f"a sequence reaches {batch.max_seq_len} tokens, beyond the model's sliding "

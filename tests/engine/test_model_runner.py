@@ -17,8 +17,11 @@ import torch
 from radixkv import kernels
 from radixkv.engine import attention
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
-from radixkv.engine.model_runner import ModelRunner, allocate_kv_cache, kv_layout
-from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
+from radixkv.engine.model_runner import ModelRunner, model_kv_layout, sliding_window
+from radixkv.storage.device import DevicePool
+from radixkv.errors import (
+    ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError,
+)
 
 ATOL = RTOL = 1e-4
 ARCHS = ["llama", "qwen2", "mistral", "llama_hd32"]
@@ -212,13 +215,15 @@ def test_no_logits_requested(tiny_model, toy_pager):
 # -- geometry, validation, misuse ----------------------------------------------------------
 
 def test_kv_layout_from_configs(tiny_model):
-    lay = {a: kv_layout(tiny_model(a, num_layers=2).config, torch.float32) for a in ARCHS}
+    models = {a: tiny_model(a, num_layers=2) for a in ARCHS}
+    lay = {a: model_kv_layout(m, block_size=4) for a, m in models.items()}
     assert (lay["llama"].num_kv_heads, lay["llama"].head_dim) == (2, 16)
     assert (lay["qwen2"].num_kv_heads, lay["qwen2"].head_dim) == (1, 16)  # no head_dim field
     assert lay["llama_hd32"].head_dim == 32  # head_dim != hidden / heads
-    assert lay["mistral"].sliding_window == 256 and lay["qwen2"].sliding_window is None
-    assert lay["llama"].cache_shape(10, 4) == (2, 2, 10, 4, 2, 16)
-    assert lay["llama"].bytes_per_block(4) == 2 * 2 * 4 * 2 * 16 * 4
+    assert lay["llama"].dtype == "float32"
+    assert lay["llama"].cache_shape(10) == (2, 2, 10, 4, 2, 16)
+    assert sliding_window(models["mistral"].config) == 256
+    assert sliding_window(models["qwen2"].config) is None  # window set, but no sliding layers
 
 
 def test_forward_batch_packing():
@@ -251,16 +256,21 @@ def test_forward_batch_rejects(chunk, mode, error, match):
 
 def test_runner_rejects_bad_input(tiny_model):
     model = tiny_model("mistral", num_layers=1)
-    layout = kv_layout(model.config, torch.float32)
+    pool = DevicePool(model_kv_layout(model, block_size=4), num_blocks=8, device="cpu")
     with pytest.raises(ConfigError, match="does not fit"):
-        ModelRunner(model, allocate_kv_cache(layout, 8, 4)[:, :, :, :, :1])
-    runner = ModelRunner(model, allocate_kv_cache(layout, 8, 4))
+        ModelRunner(model, pool.kv_cache[:, :, :, :, :1])
+    with pytest.raises(ConfigError, match="float64"):
+        ModelRunner(model, pool.kv_cache.double())
+    runner = ModelRunner(model, pool)
     with pytest.raises(InvalidBlockError, match="block id 8"):
         runner.execute(runner.build_batch([SequenceChunk([1], 0, [8], [32])]))
     with pytest.raises(InvalidTokensError, match="256 rows"):
         runner.execute(runner.build_batch([SequenceChunk([256], 0, [1], [4])]))
     with pytest.raises(InvalidBlockError, match="block size 2"):
         runner.execute(ForwardBatch.build([SequenceChunk([1], 0, [1], [2])], block_size=2))
+    with pytest.raises(InvalidRequestError, match="sliding window of 256"):
+        # position 300 of a sequence whose (repeated) block 0 is just a placeholder
+        runner.execute(runner.build_batch([SequenceChunk([1], 300, [0] * 76, [0])]))
     with pytest.raises(RuntimeError, match="radixkv_context"):
         model(torch.tensor([[1, 2]]))  # the hijacked model used without a runner
     model.set_attn_implementation("sdpa")  # ...and handed back to plain transformers
