@@ -1,0 +1,290 @@
+"""Public, checked launchers of the paged KV-cache operations. See docs/kernels.md.
+
+Layout (one device pool for all layers)::
+
+    kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (contiguous)
+    k_cache = kv_cache[layer, 0]   v_cache = kv_cache[layer, 1]
+              [num_blocks, block_size, num_kv_heads, head_dim]                   (contiguous)
+    slot = block_id * block_size + offset          PAD_SLOT = -1: skipped by write_kv
+
+Block table of a sequence of ``seq_len`` tokens: position ``pos`` lives in block
+``block_tables[seq, pos // block_size]`` at offset ``pos % block_size``. Entries at columns
+``>= ceil(seq_len / block_size)`` are garbage and are never read.
+
+Every launcher checks its arguments (raising ``InvalidRequestError``) before it touches data, then
+dispatches to a backend (see :mod:`radixkv.kernels.backend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks, reference, torch_path
+from .backend import resolve_backend
+from .checks import fail
+from .reference import PAD_SLOT
+
+_INT = (torch.int32, torch.int64)
+
+
+def _triton_attention():
+    from . import triton_attention  # imported on first use: importing triton takes seconds
+    return triton_attention
+
+
+def _triton_cache():
+    from . import triton_cache
+    return triton_cache
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        fail(f"scale must be a positive number, got {scale!r}")
+    return float(scale)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+             backend: str | None = None) -> None:
+    """Scatter new K/V rows into their cache slots.
+
+    key, value:   [num_tokens, num_kv_heads, head_dim], cache dtype; each token's
+                  [num_kv_heads, head_dim] must be contiguous (a token stride is allowed, so
+                  slices of a fused QKV projection can be passed as they are).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    slot_mapping: int64 [num_tokens]; slot = block_id * block_size + offset, or PAD_SLOT (-1)
+                  to skip the token. Non-PAD slots must be distinct and < num_blocks * block_size.
+
+    Example: block_size 16, a token at position 37 of a sequence whose block table is
+    [7, 2, 9] goes to slot 9 * 16 + 37 % 16 = 149.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        checks.check_tensor(name, t, ndim=3, dtypes=(k_cache.dtype,), contiguous=False)
+        if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            fail(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got "
+                 f"{tuple(t.shape)}")
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            fail(f"{name}: each token's [num_kv_heads, head_dim] must be contiguous, got "
+                 f"strides {t.stride()}")
+    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
+    if not (key.shape[0] == value.shape[0] == slot_mapping.shape[0]):
+        fail(f"key ({key.shape[0]}), value ({value.shape[0]}) and slot_mapping "
+             f"({slot_mapping.shape[0]}) must have the same number of tokens")
+    device = checks.check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                                      slot_mapping=slot_mapping)
+    if device.type == "cpu" and slot_mapping.numel():
+        live = slot_mapping[slot_mapping != PAD_SLOT]
+        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_blocks * block_size):
+            fail(f"slot_mapping entries must be PAD_SLOT ({PAD_SLOT}) or lie in "
+                 f"[0, {num_blocks * block_size}), got min {int(live.min())} "
+                 f"max {int(live.max())}")
+        if live.unique().numel() != live.numel():
+            fail("slot_mapping has duplicate non-PAD slots: two tokens cannot share a slot")
+    if slot_mapping.numel() == 0:
+        return
+    name = resolve_backend(backend, device)
+    if name == "triton":
+        _triton_cache().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif name == "torch":
+        torch_path.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+                           scale: float | None = None, out: torch.Tensor | None = None,
+                           backend: str | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One new query token per sequence attends to the sequence's cached tokens.
+
+    q:            [num_seqs, num_q_heads, head_dim], dtype of the cache, contiguous;
+                  num_q_heads = G * num_kv_heads (query head h reads KV head h // G).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; only the first
+                  ceil(seq_len / block_size) entries of a row are read.
+    seq_lens:     int32 [num_seqs], in [1, max_blocks_per_seq * block_size]: tokens to attend
+                  to, the current token included (its K/V written with write_kv first).
+    scale:        softmax scale, default head_dim ** -0.5.
+    out:          optional [num_seqs, num_q_heads, head_dim] (q's dtype) to write into.
+    num_splits:   Triton only: programs per (sequence, KV head) along the context (split-K);
+                  None picks one that fills the GPU.
+    Returns out:  [num_seqs, num_q_heads, head_dim].
+
+    out[s, h] = softmax(scale * q[s, h] . K[s, :, h // G]) @ V[s, :, h // G], where K[s, t] is the
+    token at position t < seq_lens[s] read through block_tables[s].
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache)
+    q = checks.check_query(q, k_cache.dtype, num_kv_heads, head_dim, "num_seqs")
+    checks.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    num_seqs = q.shape[0]
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        fail(f"q ({num_seqs}), block_tables ({block_tables.shape[0]}) and seq_lens "
+             f"({seq_lens.shape[0]}) must have one row per sequence")
+    if block_tables.shape[1] < 1:
+        fail("block_tables must have at least one column")
+    device = checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache,
+                                      block_tables=block_tables, seq_lens=seq_lens)
+    checks.check_out(out, q)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        fail(f"num_splits must be a positive int or None, got {num_splits!r}")
+    checks.check_seq_lens(seq_lens, block_tables, block_size)
+    checks.check_used_block_tables(block_tables, seq_lens, block_size, num_blocks)
+    sc = _scale(scale, head_dim)
+    name = resolve_backend(backend, device)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if name == "triton":
+        return _triton_attention().paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, sc, out, num_splits)
+    if name == "torch":
+        return torch_path.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                 sc, out)
+    out.copy_(reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sc))
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, *, scale: float | None = None,
+                            out: torch.Tensor | None = None,
+                            backend: str | None = None) -> torch.Tensor:
+    """A chunk of new tokens per sequence attends causally to its cached prefix and itself.
+
+    q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
+                  rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]); dtype of the cache, contiguous.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
+                  holding the chunk's K/V (written with write_kv before the call).
+    block_tables: int32 [num_seqs, max_blocks_per_seq].
+    cu_seqlens_q: int32 [num_seqs + 1], non-decreasing, cu[0] = 0, cu[-1] = total_q_tokens.
+    seq_lens:     int32 [num_seqs]: tokens of each sequence INCLUDING the chunk, so
+                  cached_len = seq_len - q_len >= 0.
+    Returns out:  [total_q_tokens, num_q_heads, head_dim].
+
+    Query i (0-based within its chunk) attends to keys [0, cached_len + i]. Example: a sequence
+    with 5 cached tokens and a chunk of 3 has seq_len 8; its queries see keys [0, 5], [0, 6],
+    [0, 7].
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache)
+    q = checks.check_query(q, k_cache.dtype, num_kv_heads, head_dim, "total_q_tokens")
+    checks.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
+        fail(f"block_tables ({block_tables.shape[0]} rows) and seq_lens ({num_seqs}) need one "
+             f"row per sequence and cu_seqlens_q num_seqs + 1 entries "
+             f"(got {cu_seqlens_q.shape[0]})")
+    if block_tables.shape[1] < 1:
+        fail("block_tables must have at least one column")
+    device = checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache,
+                                      block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                                      seq_lens=seq_lens)
+    checks.check_out(out, q)
+    if device.type == "cpu":
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0] or \
+                (num_seqs and int(q_lens.min()) < 0):
+            fail(f"cu_seqlens_q must rise from 0 to total_q_tokens ({q.shape[0]}), got "
+                 f"{cu_seqlens_q.tolist()[:8]}{'...' if num_seqs > 7 else ''}")
+        if num_seqs and bool((seq_lens < q_lens).any()):
+            fail("seq_lens must include the chunk: seq_len >= q_len for every sequence")
+        checks.check_seq_lens(seq_lens, block_tables, block_size, min_len=0)
+        checks.check_used_block_tables(block_tables, seq_lens, block_size, num_blocks)
+    sc = _scale(scale, head_dim)
+    name = resolve_backend(backend, device)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    if name == "triton":
+        return _triton_attention().paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out)
+    if name == "torch":
+        return torch_path.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                  cu_seqlens_q, seq_lens, sc, out)
+    out.copy_(reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                cu_seqlens_q, seq_lens, sc))
+    return out
+
+
+def _check_pool(kv_cache: object) -> torch.Tensor:
+    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous."""
+    t = checks.check_tensor("kv_cache", kv_cache, ndim=6, dtypes=checks.FLOAT_DTYPES)
+    if t.shape[1] != 2:
+        fail(f"kv_cache dim 1 must be 2 (K and V), got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_block_ids(name: str, ids: object, kv_cache: torch.Tensor) -> torch.Tensor:
+    t = checks.check_tensor(name, ids, ndim=1, dtypes=(torch.int64,))
+    checks.check_same_device(kv_cache=kv_cache, **{name: t})
+    checks.check_block_ids_in_range(name, t, kv_cache.shape[2])
+    return t
+
+
+def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
+                dst_block_ids: torch.Tensor, *, backend: str | None = None) -> None:
+    """Copy every layer's K and V of block src[i] onto block dst[i] (copy-on-write).
+
+    kv_cache:      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    src_block_ids, dst_block_ids: int64 [n], in [0, num_blocks). Destinations must be distinct
+                   and must not also be sources (the copies run in parallel). Reads the ids
+                   (a host sync on CUDA) to check that.
+    """
+    kv = _check_pool(kv_cache)
+    src = _check_block_ids("src_block_ids", src_block_ids, kv)
+    dst = _check_block_ids("dst_block_ids", dst_block_ids, kv)
+    if src.shape != dst.shape:
+        fail(f"src_block_ids ({src.shape[0]}) and dst_block_ids ({dst.shape[0]}) must pair up")
+    if dst.numel() == 0:
+        return
+    if dst.unique().numel() != dst.numel():
+        fail("dst_block_ids must be distinct")
+    if bool(torch.isin(dst, src).any()):
+        fail("a block cannot be both a source and a destination of one copy_blocks call")
+    name = resolve_backend(backend, kv.device)
+    if name == "triton":
+        _triton_cache().copy_blocks(kv, src, dst)
+    elif name == "torch":
+        torch_path.copy_blocks(kv, src, dst)
+    else:
+        reference.copy_blocks(kv, src, dst)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Stage blocks for a tier move: one contiguous buffer, block-major.
+
+    kv_cache:  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    block_ids: int64 [n], in [0, num_blocks), on kv_cache's device.
+    Returns:   [n, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous, with
+               result[i] == kv_cache[:, :, block_ids[i]] (so result[i] is one block's bytes).
+    """
+    kv = _check_pool(kv_cache)
+    ids = _check_block_ids("block_ids", block_ids, kv)
+    return torch_path.gather_blocks(kv, ids)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                   blocks: torch.Tensor) -> None:
+    """Inverse of gather_blocks: kv_cache[:, :, block_ids[i]] = blocks[i].
+
+    blocks:    [n, num_layers, 2, block_size, num_kv_heads, head_dim], kv_cache's dtype and
+               device (any strides); block_ids: int64 [n], distinct, in [0, num_blocks).
+    """
+    kv = _check_pool(kv_cache)
+    ids = _check_block_ids("block_ids", block_ids, kv)
+    checks.check_tensor("blocks", blocks, ndim=6, dtypes=(kv.dtype,), contiguous=False)
+    expected = (ids.shape[0], kv.shape[0], 2, *kv.shape[3:])
+    if tuple(blocks.shape) != expected:
+        fail(f"blocks must be {expected}, got {tuple(blocks.shape)}")
+    checks.check_same_device(kv_cache=kv, blocks=blocks)
+    if ids.unique().numel() != ids.numel():
+        fail("block_ids must be distinct")
+    torch_path.scatter_blocks(kv, ids, blocks)
