@@ -153,9 +153,8 @@ class DiskStore:
         self._last_warn: dict[str, float] = {}
         self._seq = count()
         self._host = f"{xxhash.xxh32_intdigest(socket.gethostname().encode()):08x}"
-        try:
-            for i in range(256):
-                (self.dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+        try:  # the 256 fan-out subdirectories are created on first use
+            self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create the disk tier directory {self.dir}: {e}") from e
         if scan:
@@ -208,7 +207,12 @@ class DiskStore:
         return True
 
     def _write_file(self, tmp: Path, path: Path, header: bytes, payload: memoryview) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # first block of this fan-out subdirectory
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
         try:
             for buf in (memoryview(header), payload):
                 while buf:  # os.write may write less than asked
@@ -412,7 +416,10 @@ class DiskStore:
         dead writers removed. Runtime: O(files) syscalls, spread over ``scan_threads`` threads.
         """
         t0 = time.perf_counter()
-        subdirs = [self.dir / f"{i:02x}" for i in range(256)]
+        try:
+            subdirs = [self.dir / n for n in os.listdir(self.dir) if len(n) == 2]
+        except FileNotFoundError:
+            subdirs = []
         tally: dict[str, int] = defaultdict(int)
         with ThreadPoolExecutor(max(1, self.scan_threads)) as pool:
             parts = list(pool.map(lambda d: self._scan_dir(d, verify_payload), subdirs))

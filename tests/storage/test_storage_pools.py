@@ -1,0 +1,85 @@
+"""Device and host pools: round trips, layout contract, validation before mutation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.errors import ConfigError, InvalidBlockError
+from radixkv.storage.device import DevicePool
+from radixkv.storage.host import HostPool
+from radixkv.storage.layout import KVLayout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_device_round_trip_and_layout(dtype):
+    lay = KVLayout(3, 2, 4, 4, dtype)
+    pool = DevicePool(lay, num_blocks=6, device="cpu")
+    assert pool.kv_cache.shape == (3, 2, 6, 4, 2, 4)
+    blocks = torch.randn(2, *lay.block_shape).to(getattr(torch, dtype))
+    pool.write_blocks([4, 1], blocks)
+    assert torch.equal(pool.read_blocks([4, 1]), blocks)
+    # the kernels' view: k_cache[block, token, head, dim] of layer l is blocks[i, l, 0]
+    for l in range(3):
+        k, v = pool.layer(l)
+        assert k.shape == (6, 4, 2, 4)
+        assert torch.equal(k[4], blocks[0, l, 0]) and torch.equal(v[1], blocks[1, l, 1])
+        assert k.data_ptr() == pool.kv_cache[l, 0].data_ptr()  # a view, not a copy
+    assert torch.count_nonzero(pool.read_blocks([0, 2, 3, 5])) == 0  # others untouched
+    pool.copy_blocks([4], [0])
+    assert torch.equal(pool.read_blocks([0])[0], blocks[0])
+
+
+def test_device_validates_before_writing(layout):
+    pool = DevicePool(layout, 4, device="cpu")
+    good = torch.ones(2, *layout.block_shape)
+    with pytest.raises(InvalidBlockError):
+        pool.write_blocks([1, 4], good)            # out of range
+    with pytest.raises(InvalidBlockError):
+        pool.write_blocks([1, 1], good)            # duplicate target
+    with pytest.raises(InvalidBlockError):
+        pool.write_blocks([1, 2], good.half())     # wrong dtype
+    with pytest.raises(InvalidBlockError):
+        pool.write_blocks([1], good)               # wrong count
+    with pytest.raises(ConfigError):
+        DevicePool(layout, 0, device="cpu")
+    assert torch.count_nonzero(pool.kv_cache) == 0
+
+
+def test_host_round_trip_views_and_pinning(layout):
+    pool = HostPool(layout, 5)
+    assert pool.pinned == torch.cuda.is_available()
+    assert pool.blocks.shape == (5, *layout.block_shape) and pool.blocks.is_contiguous()
+    blocks = torch.randn(3, *layout.block_shape)
+    pool.write_slots([2, 0, 4], blocks)
+    assert torch.equal(pool.read_slots([2, 0, 4]), blocks)
+    out = torch.empty(2, *layout.block_shape)
+    assert pool.read_slots([4, 2], out=out) is out and torch.equal(out, blocks[[2, 0]])
+    pool.slot_view(1).fill_(7.0)                   # a live view writes into the pool
+    assert torch.all(pool.read_slots([1]) == 7.0)
+    with pytest.raises(InvalidBlockError):
+        pool.write_slots([0, 0, 1], blocks)
+    with pytest.raises(InvalidBlockError):
+        pool.read_slots([5])
+    assert pool.num_bytes == 5 * layout.bytes_per_block
+
+
+def test_device_to_host_via_staging(layout):
+    dev, host = DevicePool(layout, 8, device="cpu"), HostPool(layout, 8)
+    dev.kv_cache.normal_()
+    host.write_slots([3, 6], dev.read_blocks([7, 2]))
+    dev2 = DevicePool(layout, 8, device="cpu")
+    dev2.write_blocks([0, 1], host.read_slots([3, 6]))
+    assert torch.equal(dev2.read_blocks([0, 1]), dev.read_blocks([7, 2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_round_trip(layout):
+    dev = DevicePool(layout, 8)
+    host = HostPool(layout, 4)
+    assert dev.kv_cache.is_cuda and host.pinned
+    blocks = torch.randn(2, *layout.block_shape)
+    dev.write_blocks([5, 3], blocks)
+    host.write_slots([0, 1], dev.read_blocks([5, 3]))
+    assert torch.equal(host.read_slots([0, 1]), blocks)
