@@ -1,0 +1,433 @@
+"""LLMEngine: requests in, one scheduled forward per ``step()``, ``RequestOutput`` snapshots out.
+
+A step is three moves (nano-vllm's shape): ``schedule`` (pure Python: who computes which tokens,
+which blocks move), ``run`` (KV moves and copies through the mover, then ONE packed forward of
+every prefill chunk and decode token together), ``postprocess`` (commit the computed blocks to
+the prefix cache, sample, detect stops, fork/free sequences, build outputs).
+
+Why one mixed forward rather than separate prefill and decode forwards: decodes never wait behind
+a long prefill (the chunk budget bounds the step), and the model runs once per step. The model
+runner picks its decode kernel when every sequence computes one token.
+
+Commit happens strictly after the forward that wrote the KV, so a block is visible to other
+requests only once its bytes are valid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence as Seq
+from typing import Any
+
+import torch
+
+from radixkv.config import CacheConfig, EngineConfig
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace
+from radixkv.core.tree import RadixTree
+from radixkv.engine.batch import SequenceChunk
+from radixkv.engine.beam_search import BeamSearch
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
+from radixkv.engine.model_runner import ModelRunner, model_kv_layout
+from radixkv.engine.outputs import (
+    FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
+)
+from radixkv.engine.sampling import SamplingParams, make_generator, sample_token
+from radixkv.engine.scheduler import Scheduler, SchedulerOutput
+from radixkv.engine.sequence import Request, RequestStatus, Sequence
+from radixkv.errors import ConfigError, InvalidRequestError
+
+
+def model_fingerprint(model_id: str, layout: Any) -> str:
+    """Namespace string: model id + dtype + KV layout + block size (blocks of different models,
+    precisions or geometries can never match)."""
+    return (f"{model_id}|{layout.dtype}|L{layout.num_layers}-kv{layout.num_kv_heads}"
+            f"-d{layout.head_dim}|B{layout.block_size}")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
+
+
+class LLMEngine:
+    """Continuous-batching engine over a transformers model with a prefix-cached paged KV pool.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (moved to ``engine_config``'s device/dtype).
+        tokenizer: its tokenizer (for text and stop strings), or None (token ids only).
+        cache_config, engine_config: see :mod:`radixkv.config`.
+        model_id: name used in the cache namespace (with dtype and KV layout).
+        kv_mover: a :class:`KVMover`, or a callable ``kv_cache -> KVMover`` (a tiered mover is
+            built around the engine's cache tensor); None = :class:`DeviceOnlyMover`.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cache_config: CacheConfig,
+                 engine_config: EngineConfig, model_id: str,
+                 kv_mover: KVMover | Callable[[torch.Tensor], KVMover] | None = None) -> None:
+        if not isinstance(model_id, str) or not model_id:
+            raise ConfigError("model_id must be a non-empty string")
+        param = next(model.parameters())
+        device = engine_config.torch_device()
+        dtype = engine_config.torch_dtype(param.dtype)
+        if param.device != device or param.dtype != dtype:
+            model = model.to(device=device, dtype=dtype)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        self.engine_config = engine_config
+        self.model_id = model_id
+        bs = cache_config.block_size
+        layout = model_kv_layout(model, bs)
+        n_dev, n_host, n_disk = cache_config.resolve_blocks(layout.bytes_per_block)
+        lower = [n for n in (n_host, n_disk) if n]
+        if lower and kv_mover is None:
+            raise ConfigError("host/disk tiers are configured but no tiered kv_mover was given; "
+                              "pass LLMEngine(kv_mover=...) or set host_blocks/disk_blocks to 0")
+        self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower)
+        self._runner = ModelRunner.for_model(model, n_dev, bs)
+        if kv_mover is None:
+            kv_mover = DeviceOnlyMover(self._runner.kv_cache)
+        elif not isinstance(kv_mover, KVMover) and callable(kv_mover):
+            kv_mover = kv_mover(self._runner.kv_cache)
+        self.kv_mover: KVMover = kv_mover  # type: ignore[assignment]
+        self._namespace = Namespace(model_fingerprint(model_id, layout))
+        self._eos = _eos_ids(model, tokenizer)
+        limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
+        self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
+                                    engine_config.max_num_batched_tokens)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
+        self._num_forwards = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def block_manager(self) -> BlockManager:
+        return self._bm
+
+    @property
+    def tree(self) -> RadixTree:
+        return self._bm.tree
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._runner
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | Mapping[str, Any] | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request. Everything is validated first: a bad request raises
+        InvalidRequestError and leaves the engine (and requests in flight) untouched."""
+        params = self._check_request(request_id, prompt_token_ids, params, cache_salt)
+        ns = self._namespace.with_salt(cache_salt)
+        if not self.cache_config.enable_prefix_caching:
+            ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
+        req = Request(request_id, list(prompt_token_ids), params, ns)
+        n_first = 1 if params.n > 1 or params.use_beam_search else params.n
+        for i in range(n_first):
+            req.seqs.append(self._new_seq(req, i, list(req.prompt_token_ids)))
+        if params.use_beam_search:
+            max_new = min(params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
+            req.beam = BeamSearch(params.beam_width, max_new, sorted(eos), params.length_penalty,
+                                  params.early_stopping)
+        self._requests[request_id] = req
+        self._scheduler.add(req)
+
+    def _check_request(self, request_id: Any, prompt: Any, params: Any, salt: Any) -> SamplingParams:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request {request_id!r} is already in flight")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        if salt is not None and not isinstance(salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Seq):
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids "
+                                      f"(tokenize text first), got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None or any(isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError(f"token id {bad!r} is not in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate")
+        blocks = -(-len(prompt) // self._bm.block_size)
+        if blocks > self._bm.pool.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {blocks} KV blocks; the device pool has "
+                f"{self._bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
+        if params.num_seqs > self.engine_config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "
+                f"{self.engine_config.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        return params
+
+    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        p = req.params
+        gen = None
+        if not p.greedy:
+            gen = make_generator(None if p.seed is None else p.seed + index,
+                                 self._runner.device)
+        return Sequence(next(self._ids), index, token_ids, len(req.prompt_token_ids),
+                        IncrementalDetokenizer(self.tokenizer, p.stop), gen)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its final output (finish_reason "abort") comes from the next
+        ``step()``. Unknown or finished ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self._scheduler.remove(req)
+        for seq in req.seqs:
+            seq.finish_reason = FINISH_ABORT
+            req.done.append(seq)
+        req.seqs = []
+        if req.beam is not None:
+            req.beam = None  # no finished hypotheses to report; outputs are the aborted beams
+        self._pending.append(self._output(req, finished=True))
+        del self._requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self._scheduler.has_unfinished() or bool(self._pending)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; return the outputs of requests that changed."""
+        outputs, self._pending = self._pending, []
+        sched = self._scheduler.schedule()
+        for req in sched.unschedulable:
+            self._finish_all(req, FINISH_LENGTH)
+            outputs.append(self._output(req, finished=True))
+        run_kv_ops(self.kv_mover, sched.kv_ops)
+        if sched.chunks:
+            logits = self._run(sched)
+            outputs.extend(self._postprocess(sched, logits))
+        return outputs
+
+    def _run(self, sched: SchedulerOutput) -> torch.Tensor:
+        bm, bs = self._bm, self._bm.block_size
+        chunks = []
+        for c in sched.chunks:
+            table = bm.block_table(c.seq.seq_id)
+            end = c.start + c.num_tokens
+            slots = [table[p // bs] * bs + p % bs for p in range(c.start, end)]
+            chunks.append(SequenceChunk(c.seq.token_ids[c.start:end], c.start, table, slots,
+                                        None if c.wants_logits else ()))
+        self._num_forwards += 1
+        return self._runner.execute(self._runner.build_batch(chunks))
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        rows: dict[int, int] = {}
+        reqs: dict[str, Request] = {}
+        for c in sched.chunks:
+            self._bm.commit(c.seq.seq_id, c.start + c.num_tokens)
+            if c.wants_logits:
+                rows[c.seq.seq_id] = len(rows)
+                reqs[c.request.request_id] = c.request
+        if not rows:
+            return []
+        argmax = logits.argmax(dim=-1).tolist()       # greedy: ties -> lowest id
+        logp = torch.log_softmax(logits, dim=-1)
+        now = time.perf_counter()
+        outputs = []
+        for req in reqs.values():
+            if req.first_token_time is None:
+                req.first_token_time = now
+            idx = [rows[s.seq_id] for s in req.seqs]
+            if req.beam is not None:
+                self._beam_step(req, logits[idx])
+            else:
+                self._sample_step(req, idx, logits, argmax, logp)
+            if not req.seqs:
+                self._scheduler.remove(req)
+                del self._requests[req.request_id]
+                outputs.append(self._output(req, finished=True))
+            elif req.beam is None:
+                outputs.append(self._output(req, finished=False))
+        return outputs
+
+    # ------------------------------------------------------------------ sampling
+    def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,
+                argmax: list[int]) -> int:
+        if req.params.greedy:
+            return argmax[row]
+        return sample_token(logits[row], req.params, seq.generator)
+
+    def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
+                     argmax: list[int], logp: torch.Tensor) -> None:
+        p = req.params
+        if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
+            # First token of n samples: one prompt forward, then fork n-1 children that share
+            # every prompt block (the partial tail is copied on the first append: CoW).
+            parent, row = req.seqs[0], idx[0]
+            picks = [(parent, self._choose(req, parent, row, logits, argmax))]
+            for i in range(1, p.n):
+                child = self._new_seq(req, i, list(parent.token_ids))
+                self._scheduler.fork(req, parent, child)
+                picks.append((child, self._choose(req, child, row, logits, argmax)))
+            rows_for = [row] * p.n
+        else:
+            picks = [(s, self._choose(req, s, r, logits, argmax)) for s, r in zip(req.seqs, idx)]
+            rows_for = idx
+        for (seq, tok), row in zip(picks, rows_for):
+            seq.cumulative_logprob += float(logp[row, tok])
+            seq.token_ids.append(tok)
+            self._check_stop(req, seq, tok)
+            if seq.finished:
+                self._scheduler.free_seq(req, seq)
+                req.done.append(seq)
+
+    def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
+        p = req.params
+        new_text = seq.detok.append(tok)
+        if not p.ignore_eos and tok in self._eos:
+            seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
+        elif tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
+        else:
+            hit = seq.detok.find_stop(len(new_text))
+            if hit is not None:
+                s, i = hit
+                seq.detok.truncate(i + len(s) if p.include_stop_str_in_output else i)
+                seq.finish_reason, seq.stop_reason = FINISH_STOP, s
+            elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                seq.finish_reason = FINISH_LENGTH
+
+    def _beam_step(self, req: Request, logits: torch.Tensor) -> None:
+        step = req.beam.step(logits)
+        old = req.seqs
+        if step.done:
+            for seq in old:
+                self._scheduler.bm.free(seq.seq_id)
+            req.seqs = []
+            return
+        used: set[int] = set()
+        new: list[Sequence] = []
+        for parent_i in step.parents:
+            parent = old[parent_i]
+            if parent_i not in used:
+                used.add(parent_i)
+                new.append(parent)
+            else:
+                child = self._new_seq(req, 0, list(parent.token_ids))
+                self._bm.fork(parent.seq_id, child.seq_id)
+                new.append(child)
+        for i, seq in enumerate(old):
+            if i not in used:
+                self._bm.free(seq.seq_id)
+        for seq, tok, score in zip(new, step.tokens, step.raw_scores):
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob = score
+        req.seqs = new
+
+    def _finish_all(self, req: Request, reason: str) -> None:
+        for seq in req.seqs:
+            seq.finish_reason = reason
+            req.done.append(seq)
+        req.seqs = []
+        req.beam = None
+        self._requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ outputs
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
+        if req.beam is not None:
+            comps = []
+            for i, (toks, _score, raw) in enumerate(req.beam.best(req.params.n)):
+                text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer else ""
+                reason = FINISH_STOP if toks and toks[-1] in req.beam.eos else FINISH_LENGTH
+                comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
+        else:
+            comps = []
+            for seq in sorted(req.seqs + req.done, key=lambda s: s.index):
+                emit = seq.detok.emittable_len(seq.finished)
+                text = seq.detok.text[:emit]
+                out_ids = seq.output_token_ids
+                comps.append(CompletionOutput(
+                    seq.index, text, list(out_ids), seq.finish_reason, seq.cumulative_logprob,
+                    text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason))
+                seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
+                             req.num_cached_tokens, req.cached_tokens_per_tier, req.ttft,
+                             req.num_preemptions)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """Cache and scheduling figures since construction (see docs/api.md)."""
+        c = self._scheduler.counters
+        tree_stats = self.tree.stats
+        tiers = self.tree.num_tiers
+        stored, slots = self._kv_utilization()
+        return {
+            "prompt_tokens": c.prompt_tokens,
+            "cached_prompt_tokens": c.cached_prompt_tokens,
+            "cached_prompt_tokens_per_tier": list(c.cached_tokens_per_tier),
+            "hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "hit_rate_per_tier": [n / c.prompt_tokens if c.prompt_tokens else 0.0
+                                  for n in c.cached_tokens_per_tier],
+            "prompt_tokens_saved": c.cached_prompt_tokens,
+            "prefill_tokens_computed": c.prefill_tokens,
+            "tokens_computed": c.computed_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
+            "preemptions": c.preemptions,
+            "evictions": list(tree_stats.evicted),
+            "promotions": list(tree_stats.promoted),
+            "demotions": list(tree_stats.demoted_in),
+            "dropped": tree_stats.dropped,
+            "cached_blocks_per_tier": [self.tree.num_resident(t) for t in range(tiers)],
+            "device_blocks": self._bm.pool.num_blocks,
+            "device_blocks_free": self._bm.num_free_blocks,
+            "kv_tokens_stored": stored,
+            "kv_slots_allocated": slots,
+            "kv_utilization": stored / slots if slots else None,
+            "num_running": self._scheduler.num_running_seqs,
+            "num_running_requests": len(self._scheduler.running),
+            "num_waiting": len(self._scheduler.waiting),
+            "steps": c.steps,
+            "forwards": self._num_forwards,
+        }
+
+    def _kv_utilization(self) -> tuple[int, int]:
+        """(tokens stored, slots allocated) over the blocks live sequences hold; a block shared
+        by forks counts once."""
+        bm, bs = self._bm, self._bm.block_size
+        fill: dict[int, int] = {}
+        for req in self._scheduler.running:
+            for seq in req.seqs:
+                n = bm.num_computed_tokens(seq.seq_id)
+                for j, b in enumerate(bm.block_table(seq.seq_id)):
+                    fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))
+        return sum(fill.values()), len(fill) * bs
+
+
+__all__ = ["LLMEngine", "model_fingerprint"]

@@ -1,0 +1,126 @@
+"""Per-request state: a ``Request`` (what the caller asked) holding live ``Sequence`` objects.
+
+A request starts with one sequence (its prompt). ``n`` samples fork it into n sequences after
+the prompt's forward; beam search keeps ``beam_width`` live beams, forking survivors and freeing
+losers each step. The scheduler moves whole requests between *waiting* and *running*: every live
+sequence of a request is scheduled, preempted and resumed together (beams must step in lockstep).
+
+A sequence's tokens are ``prompt + output``. Relative to the block manager a live sequence is in
+one of three states (the scheduler brings it to the last one every step):
+
+    not allocated        new, or preempted (recompute: all its tokens are re-prefilled, mostly
+                         served from the prefix cache)
+    one token pending    the last sampled token has no KV slot yet (``append_slot`` gives one)
+    synced               the manager holds every token; KV of [num_computed, len) is to compute
+
+Pure Python (no torch): the scheduler imports this module.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from radixkv.core.hashing import Namespace
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One output stream: a sample of ``n``, a beam, or the prompt before it forks.
+
+    ``seq_id`` is the block manager's id (unique for the engine's lifetime, never reused).
+    """
+
+    __slots__ = ("seq_id", "index", "prompt_len", "token_ids", "cumulative_logprob",
+                 "finish_reason", "stop_reason", "detok", "generator", "sent_text_len",
+                 "sent_num_tokens")
+
+    def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
+                 detok: IncrementalDetokenizer, generator: Any = None) -> None:
+        self.seq_id = seq_id
+        self.index = index                    # output index (sample number)
+        self.prompt_len = prompt_len
+        self.token_ids = token_ids            # prompt + output
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.detok = detok
+        self.generator = generator            # torch.Generator for seeded sampling, or None
+        self.sent_text_len = 0                # streaming: text already returned in a delta
+        self.sent_num_tokens = 0              # streaming: output tokens already returned
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, index={self.index}, len={len(self.token_ids)}, "
+                f"out={self.num_output_tokens}, finish={self.finish_reason})")
+
+
+class Request:
+    """A caller's request and its live and finished sequences.
+
+    Attributes:
+        seqs: live sequences, in a stable order (beam search: HF's running-beam order).
+        done: finished sequences (samples that stopped; for beams, unused).
+        num_cached_tokens / cached_tokens_per_tier: prompt tokens served from the cache at the
+            first admission (resumptions after preemption are not counted again).
+        beam: the beam-search state (``radixkv.engine.beam_search.BeamSearch``) or None.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 namespace: Namespace, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.namespace = namespace
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.status = RequestStatus.WAITING
+        self.seqs: list[Sequence] = []
+        self.done: list[Sequence] = []
+        self.admitted = False
+        self.num_cached_tokens = 0
+        self.cached_tokens_per_tier: tuple[int, ...] = ()
+        self.num_preemptions = 0
+        self.beam: Any = None
+        self.finished_outputs_sent = False
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Live sequences this request may hold at once (for ``max_num_seqs``)."""
+        return self.params.num_seqs
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, live={len(self.seqs)}, "
+                f"done={len(self.done)})")
+
+
+__all__ = ["Request", "RequestStatus", "Sequence"]
