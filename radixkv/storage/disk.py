@@ -183,6 +183,8 @@ class DiskStore:
         if parent_hash is not None:
             self._check_hash(parent_hash, "parent_hash")
         tokens = tuple(int(t) for t in token_ids)
+        if header_len_for(len(tokens)) > MAX_HEADER_LEN:
+            raise InvalidBlockError(f"{len(tokens)} token ids do not fit in a block header")
         check_blocks(block, self.layout, None, "DiskStore.put")
         path = self.path_of(block_hash)
         if self.contains(block_hash) and path.exists():  # content-addressed: same hash, same bytes
@@ -300,6 +302,8 @@ class DiskStore:
                 got += _read_rest(fd, dst, got - self._header_len, self._header_len)
             hdr = self._decode(fd, head)
             check_header(hdr, self.namespace, self.layout, block_hash, st.st_size)
+            if hdr.header_len != self._header_len:  # fewer tokens than block_size: re-read
+                got = hdr.header_len + _read_rest(fd, dst, 0, hdr.header_len)
             if got != st.st_size:
                 raise BadBlockFile("corrupt", f"read {got} of {st.st_size} bytes")
             if xxhash.xxh3_64_intdigest(dst) != hdr.payload_checksum:

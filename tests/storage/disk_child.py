@@ -1,9 +1,6 @@
-"""Child process for the multi-process disk tests (run as a script, not collected by pytest).
+"""Child process of the restart test (run as a script, not collected by pytest).
 
-    python disk_child.py write ROOT N            write a chain of N blocks, print their hashes
-    python disk_child.py loop ROOT               write blocks 0,1,2... forever (to be SIGKILLed)
-    python disk_child.py churn ROOT SECONDS ID   random put/get/remove on 16 shared hashes,
-                                                 exit 3 if a get ever returns wrong bytes
+    python disk_child.py write ROOT N      write a chain of N blocks, print their hashes, exit
 
 Block i has hash ``block_hash(i)`` and content ``block_of(i, layout)``, so any process can tell
 what the right bytes for a hash are.
@@ -11,9 +8,7 @@ what the right bytes for a hash are.
 
 from __future__ import annotations
 
-import random
 import sys
-import time
 
 import torch
 import xxhash
@@ -22,8 +17,6 @@ from radixkv.storage.disk import DiskStore
 from radixkv.storage.layout import KVLayout
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
-# 256 KiB payload: large enough that a SIGKILL often lands inside a write
-BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32")
 MODEL = "test-model@rev0"
 
 
@@ -46,45 +39,14 @@ def open_store(root: str, layout: KVLayout) -> DiskStore:
 
 def main(argv: list[str]) -> int:
     mode, root = argv[0], argv[1]
-    if mode == "write":
-        store = open_store(root, SMALL)
-        for i in range(int(argv[2])):
-            parent = block_hash(i - 1) if i else None
-            assert store.put(block_hash(i), parent, tokens_of(i, SMALL), block_of(i, SMALL))
-            print(block_hash(i).hex(), flush=True)
-        return 0
-    if mode == "loop":
-        store = open_store(root, BIG)
-        i = 0
-        while True:
-            store.put(block_hash(i), None, tokens_of(i, BIG), block_of(i, BIG))
-            i += 1
-            if i == 5:
-                print("started", flush=True)
-    if mode == "churn":
-        store = open_store(root, SMALL)
-        rng = random.Random(int(argv[3]))
-        expected = {block_hash(i): block_of(i, SMALL) for i in range(16)}
-        deadline = time.monotonic() + float(argv[2])
-        served = 0
-        while time.monotonic() < deadline:
-            i = rng.randrange(16)
-            op = rng.random()
-            if op < 0.4:
-                store.put(block_hash(i), None, tokens_of(i, SMALL), expected[block_hash(i)])
-            elif op < 0.9:
-                got = store.get(block_hash(i))
-                if got is not None:
-                    served += 1
-                    if not torch.equal(got, expected[block_hash(i)]):
-                        print(f"WRONG BYTES for block {i}", flush=True)
-                        return 3
-            else:
-                store.remove(block_hash(i))
-        s = store.stats()
-        print(f"served={served} corrupt={s.corrupt} put_failures={s.put_failures}", flush=True)
-        return 0 if s.corrupt == 0 else 4
-    return 2
+    if mode != "write":
+        return 2
+    store = open_store(root, SMALL)
+    for i in range(int(argv[2])):
+        parent = block_hash(i - 1) if i else None
+        assert store.put(block_hash(i), parent, tokens_of(i, SMALL), block_of(i, SMALL))
+        print(block_hash(i).hex(), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

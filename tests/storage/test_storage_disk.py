@@ -86,6 +86,17 @@ def test_scan_orders_parents_first(store, make_block):
     assert order == chain
 
 
+@pytest.mark.parametrize("num_tokens", [0, 1, 4])
+def test_token_ids_of_any_length_round_trip(store, layout, num_tokens):
+    # the header length depends on the number of token ids; the payload must still be found
+    block, h = torch.randn(layout.block_shape), os.urandom(16)
+    assert store.put(h, None, range(num_tokens), block)
+    assert torch.equal(store.get(h), block)
+    fresh = DiskStore(store.root, layout, store.namespace)
+    assert fresh.entries()[0].token_ids == tuple(range(num_tokens))
+    assert torch.equal(fresh.get(h), block) and fresh.stats().corrupt == 0
+
+
 @pytest.mark.parametrize("fsync", [False, "data", True])
 def test_fsync_modes_round_trip(tmp_path, layout, namespace, make_block, fsync):
     store = DiskStore(tmp_path, layout, namespace, fsync=fsync)
