@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixkv.kernels import paged_decode_attention, paged_prefill_attention
+
 # Stated tolerances (absolute and relative) of a kernel against the float32 reference.
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -95,3 +97,40 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert not torch.isnan(actual).any(), f"{what}: {int(torch.isnan(actual).sum())} NaN"
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype],
                                msg=lambda m: f"{what}: {m}")
+
+
+def check_decode(backend: str, case, q: torch.Tensor, dtype: torch.dtype, **kw) -> None:
+    """backend vs reference, and both vs dense SDPA per sequence; output poisoned first."""
+    out = poisoned_like(q)
+    got = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                 case.seq_lens, out=out, backend=backend, **kw)
+    assert got is out
+    ref = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                 case.seq_lens, backend="reference")
+    assert_close(got, ref, dtype, f"{backend} vs reference")
+    for s in range(q.shape[0]):
+        k, v = gathered_kv(case, s)
+        dense = dense_sdpa(q[s:s + 1], k, v, cached_len=k.shape[0] - 1)
+        assert_close(ref[s:s + 1], dense, dtype, f"reference vs dense SDPA, seq {s}")
+        assert_close(got[s:s + 1], dense, dtype, f"{backend} vs dense SDPA, seq {s}")
+
+
+def check_prefill(backend: str, case, q_lens: list[int], num_q_heads: int,
+                  dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Fresh random queries for the given chunk lengths; checked as in check_decode."""
+    head_dim = case.k_cache.shape[3]
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = poisoned_like(q)
+    got = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
+                                  case.seq_lens, out=out, backend=backend)
+    assert got is out
+    ref = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
+                                  case.seq_lens, backend="reference")
+    assert_close(got, ref, dtype, f"{backend} vs reference")
+    for s, q_len in enumerate(q_lens):
+        k, v = gathered_kv(case, s)
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        dense = dense_sdpa(q[rows], k, v, cached_len=k.shape[0] - q_len)
+        assert_close(ref[rows], dense, dtype, f"reference vs dense SDPA, seq {s}")
+        assert_close(got[rows], dense, dtype, f"{backend} vs dense SDPA, seq {s}")

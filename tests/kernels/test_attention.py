@@ -10,48 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import (GARBAGE_BLOCK_ID, assert_close, dense_sdpa, gathered_kv, make_case,
-                          poisoned_like)
+from kernel_cases import (GARBAGE_BLOCK_ID, assert_close, check_decode, check_prefill,
+                          dense_sdpa, gathered_kv, make_case)
 from radixkv.errors import InvalidRequestError
 from radixkv.kernels import paged_decode_attention, paged_prefill_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GQA = [(2, 1), (3, 3), (1, 8)]  # (num_kv_heads, q heads per kv head)
-
-
-def _check_decode(backend: str, case, q: torch.Tensor, dtype: torch.dtype, **kw) -> None:
-    out = poisoned_like(q)
-    got = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
-                                 case.seq_lens, out=out, backend=backend, **kw)
-    assert got is out
-    ref = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
-                                 case.seq_lens, backend="reference")
-    assert_close(got, ref, dtype, f"{backend} vs reference")
-    for s in range(q.shape[0]):
-        k, v = gathered_kv(case, s)
-        dense = dense_sdpa(q[s:s + 1], k, v, cached_len=k.shape[0] - 1)
-        assert_close(ref[s:s + 1], dense, dtype, f"reference vs dense SDPA, seq {s}")
-        assert_close(got[s:s + 1], dense, dtype, f"{backend} vs dense SDPA, seq {s}")
-
-
-def _check_prefill(backend: str, case, q_lens: list[int], num_q_heads: int,
-                   dtype: torch.dtype, gen: torch.Generator) -> None:
-    head_dim = case.k_cache.shape[3]
-    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = poisoned_like(q)
-    got = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
-                                  case.seq_lens, out=out, backend=backend)
-    assert got is out
-    ref = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
-                                  case.seq_lens, backend="reference")
-    assert_close(got, ref, dtype, f"{backend} vs reference")
-    for s, q_len in enumerate(q_lens):
-        k, v = gathered_kv(case, s)
-        rows = slice(int(cu[s]), int(cu[s + 1]))
-        dense = dense_sdpa(q[rows], k, v, cached_len=k.shape[0] - q_len)
-        assert_close(ref[rows], dense, dtype, f"reference vs dense SDPA, seq {s}")
-        assert_close(got[rows], dense, dtype, f"{backend} vs dense SDPA, seq {s}")
 
 
 # ---------------------------------------------------------------- torch path: the wide grid
@@ -68,7 +33,7 @@ def test_decode_torch(dtype, gqa, head_dim, block_size):
     case = make_case(lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                      dtype=dtype, gen=gen)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
-    _check_decode("torch", case, q, dtype)
+    check_decode("torch", case, q, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,7 +45,7 @@ def test_decode_torch_shared_prefix_and_grouping(dtype):
                      share_prefix=2, gen=gen)
     assert torch.equal(case.block_tables[0, :2], case.block_tables[1, :2])
     q = torch.randn(len(lens), 9, 64, generator=gen).to(dtype)
-    _check_decode("torch", case, q, dtype)
+    check_decode("torch", case, q, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +60,7 @@ def test_prefill_torch(dtype, gqa, block_size):
     lens = [c + n for c, n in zip(cached, q_lens)]
     case = make_case(lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=64,
                      dtype=dtype, gen=gen)
-    _check_prefill("torch", case, q_lens, kv_heads * group, dtype, gen)
+    check_prefill("torch", case, q_lens, kv_heads * group, dtype, gen)
 
 
 def test_prefill_torch_shared_prefix_head_dim_128():
@@ -104,7 +69,7 @@ def test_prefill_torch_shared_prefix_head_dim_128():
     lens = [c + n for c, n in zip(cached, q_lens)]
     case = make_case(lens, block_size=16, num_kv_heads=1, head_dim=128, share_prefix=2,
                      gen=gen)
-    _check_prefill("torch", case, q_lens, 8, torch.float32, gen)
+    check_prefill("torch", case, q_lens, 8, torch.float32, gen)
 
 
 @pytest.mark.slow
@@ -114,8 +79,8 @@ def test_torch_long_context(dtype):
     lens = [6000, 4097, 1]
     case = make_case(lens, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, gen=gen)
     q = torch.randn(len(lens), 9, 64, generator=gen).to(dtype)
-    _check_decode("torch", case, q, dtype)
-    _check_prefill("torch", case, [700, 97, 1], 9, dtype, gen)
+    check_decode("torch", case, q, dtype)
+    check_prefill("torch", case, [700, 97, 1], 9, dtype, gen)
 
 
 # ---------------------------------------------------------------- default backend, scale
