@@ -101,3 +101,9 @@ class ToyPager:
 def toy_pager() -> type[ToyPager]:
     """The :class:`ToyPager` class: ``toy_pager(num_blocks, block_size, seed)``."""
     return ToyPager
+
+
+@pytest.fixture(scope="session")
+def make_tiny() -> Callable[..., torch.nn.Module]:
+    """Session-scoped :func:`make_tiny_model`, for module-scoped fixtures (engine tests)."""
+    return make_tiny_model

@@ -1,0 +1,325 @@
+"""LLMEngine end to end against transformers' own ``generate`` on tiny random-weight models.
+
+Every greedy/beam comparison is token-exact. The tiny models (``conftest.make_tiny_model``) use a
+wide init range so top-1/top-2 logit gaps are far above the ~1e-5 difference between paged and
+sdpa attention; ``_assert_no_ties`` would flag a seed where that is not so.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from radixkv.config import CacheConfig, EngineConfig
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import ConfigError, InvalidRequestError
+
+
+
+@pytest.fixture(scope="module")
+def hf_llama(make_tiny):
+    return make_tiny("llama")
+
+
+def _engine(hf, num_blocks=128, block_size=4, max_num_seqs=8, max_tokens=256, tokenizer=None,
+            **cache_kw):
+    return LLMEngine(copy.deepcopy(hf), tokenizer,
+                     CacheConfig(block_size=block_size, num_device_blocks=num_blocks, **cache_kw),
+                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens),
+                     model_id="tiny")
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf(hf, prompt, max_new, **kw):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                      pad_token_id=0, **({"do_sample": False} | kw))
+    return out[0, len(prompt):].tolist()
+
+
+def _run(engine, requests):
+    """Add (id, prompt, params) requests, step to completion; final RequestOutput per id."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    final = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    engine.block_manager.check_invariants()
+    return final
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n)
+
+
+# ----------------------------------------------------------------------------- greedy vs HF
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_batch_of_mixed_lengths_matches_hf(arch, make_tiny):
+    hf = make_tiny(arch)
+    prompts = _prompts([3, 9, 17, 30])
+    want = [_hf(hf, p, 12) for p in prompts]
+    out = _run(_engine(hf), [(f"r{i}", p, _greedy(12)) for i, p in enumerate(prompts)])
+    for i, w in enumerate(want):
+        o = out[f"r{i}"]
+        assert o.outputs[0].token_ids == w, f"prompt {i}"
+        assert o.outputs[0].finish_reason == "length"
+        assert o.num_cached_tokens == 0 and o.ttft is not None and o.ttft > 0
+
+
+def test_cache_hit_same_prompt_and_extension(hf_llama):
+    [p] = _prompts([22])
+    eng = _engine(hf_llama)
+    first = _run(eng, [("a", p, _greedy(10))])["a"]
+    assert first.outputs[0].token_ids == _hf(hf_llama, p, 10)
+    again = _run(eng, [("b", p, _greedy(10))])["b"]
+    assert again.num_cached_tokens == 20            # (22 - 1) // 4 full blocks
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # Next "turn": prompt + reply + new user tokens; the reply's blocks were committed too.
+    turn2 = p + first.outputs[0].token_ids + _prompts([7], seed=5)[0]
+    t2 = _run(eng, [("c", turn2, _greedy(10))])["c"]
+    assert t2.num_cached_tokens == 28               # 31 computed tokens -> 7 full blocks
+    assert t2.outputs[0].token_ids == _hf(hf_llama, turn2, 10)
+
+
+def test_chunked_prefill_matches_hf(hf_llama):
+    prompts = _prompts([29, 6])
+    eng = _engine(hf_llama, max_num_seqs=2, max_tokens=8)   # 29-token prompt: 4+ chunks
+    out = _run(eng, [(f"r{i}", p, _greedy(9)) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 9)
+    assert eng.stats()["prefill_tokens_computed"] == 35
+
+
+def test_preemption_resumes_with_identical_output(hf_llama):
+    prompts = _prompts([10, 13, 7, 11])
+    # 4 requests x (prompt + 20 tokens) need ~26 blocks of 4; the pool has 16.
+    eng = _engine(hf_llama, num_blocks=16)
+    out = _run(eng, [(f"r{i}", p, _greedy(20)) for i, p in enumerate(prompts)])
+    st = eng.stats()
+    assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0
+    assert any(o.num_preemptions for o in out.values())
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 20), f"request {i}"
+
+
+def test_request_that_outgrows_the_pool_finishes_with_length(hf_llama):
+    [p] = _prompts([6])
+    eng = _engine(hf_llama, num_blocks=3)            # 12 token slots
+    o = _run(eng, [("a", p, _greedy(30))])["a"]
+    assert o.outputs[0].finish_reason == "length"
+    assert o.outputs[0].token_ids == _hf(hf_llama, p, 30)[:len(o.outputs[0].token_ids)]
+    assert not eng.has_unfinished_requests()
+
+
+# ----------------------------------------------------------------------------- beam search
+
+@pytest.mark.parametrize("k,lp,es,eos_step", [
+    (2, 1.0, False, None), (3, 1.0, True, 2), (4, 0.5, False, 1), (3, 2.0, "never", 3),
+    (2, -1.0, True, 0),
+])
+def test_beam_search_matches_hf(hf_llama, k, lp, es, eos_step):
+    prompts = _prompts([7, 12], seed=3)
+    eng = _engine(hf_llama)
+    reqs, want = [], []
+    for i, p in enumerate(prompts):
+        kw = dict(num_beams=k, length_penalty=lp, early_stopping=es)
+        stop = ()
+        if eos_step is not None:  # an eos that the search meets: the greedy token at eos_step
+            eos = _hf(hf_llama, p, eos_step + 1)[eos_step]
+            kw["eos_token_id"], stop = eos, (eos,)
+        want.append(_hf(hf_llama, p, 10, **kw))
+        reqs.append((f"b{i}", p, SamplingParams(max_tokens=10, beam_width=k, length_penalty=lp,
+                                                 early_stopping=es, stop_token_ids=stop)))
+    out = _run(eng, reqs)
+    for i, w in enumerate(want):
+        assert out[f"b{i}"].outputs[0].token_ids == w, f"prompt {i}"
+    assert eng.block_manager.num_free_blocks + eng.tree.num_evictable() == 128
+
+
+def test_beam_search_survives_preemption(hf_llama):
+    prompts = _prompts([9, 14, 5], seed=4)
+    eng = _engine(hf_llama, num_blocks=12, max_num_seqs=9)   # 3 x 3 beams, 48 token slots
+    reqs = [(f"b{i}", p, SamplingParams(max_tokens=14, beam_width=3)) for i, p in enumerate(prompts)]
+    out = _run(eng, reqs)
+    assert eng.stats()["preemptions"] > 0
+    for i, p in enumerate(prompts):
+        assert out[f"b{i}"].outputs[0].token_ids == _hf(hf_llama, p, 14, num_beams=3), f"prompt {i}"
+
+
+# ----------------------------------------------------------------------------- n samples
+
+def test_n_samples_seeded_reproducible_and_distinct(hf_llama):
+    [p, other] = _prompts([10, 6], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=123, n=4)
+    eng = _engine(hf_llama)
+    a = _run(eng, [("a", p, params)])["a"]
+    copies_after_a = eng.kv_mover.num_copies
+    assert copies_after_a >= 3                       # children CoW the shared partial tail
+    # Same request again, this time batched with another request: same samples.
+    b = _run(eng, [("x", other, SamplingParams(max_tokens=5, temperature=0.7, seed=9)),
+                   ("b", p, params)])["b"]
+    toks_a = [o.token_ids for o in a.outputs]
+    assert toks_a == [o.token_ids for o in b.outputs]
+    assert len({tuple(t) for t in toks_a}) == 4, "samples with different seeds should differ"
+    assert [o.index for o in a.outputs] == [0, 1, 2, 3]
+    assert all(o.cumulative_logprob < 0 for o in a.outputs)
+
+
+def test_topk1_sampling_equals_greedy(hf_llama):
+    [p] = _prompts([8])
+    out = _run(_engine(hf_llama), [("s", p, SamplingParams(max_tokens=8, temperature=0.8, top_k=1))])
+    assert out["s"].outputs[0].token_ids == _hf(hf_llama, p, 8)
+
+
+# ----------------------------------------------------------------------------- stops
+
+class CharTokenizer:
+    """Token t decodes to one character; 0 is a special token (skipped)."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids if not (skip_special_tokens and t == 0))
+
+
+def test_stop_token_ids_and_stop_strings(hf_llama):
+    [p] = _prompts([9], seed=11)
+    full = _hf(hf_llama, p, 12)
+    text = CharTokenizer().decode(full)
+    eng = _engine(hf_llama, tokenizer=CharTokenizer())
+    stop_tok = full[4]
+    n_tok = full.index(stop_tok) + 1
+    stop_str = text[5:7]
+    cut = text.index(stop_str)
+    out = _run(eng, [
+        ("tok", p, SamplingParams(max_tokens=12, stop_token_ids=[stop_tok])),
+        ("str", p, SamplingParams(max_tokens=12, stop=[stop_str])),
+        ("keep", p, SamplingParams(max_tokens=12, stop=[stop_str], include_stop_str_in_output=True)),
+    ])
+    o = out["tok"].outputs[0]
+    assert o.token_ids == full[:n_tok] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    o = out["str"].outputs[0]
+    assert o.text == text[:cut] and o.finish_reason == "stop" and o.stop_reason == stop_str
+    assert o.token_ids == full[:cut + 2]
+    assert out["keep"].outputs[0].text == text[:cut + 2]
+
+
+def test_streaming_deltas_add_up(hf_llama):
+    [p] = _prompts([9], seed=11)
+    eng = _engine(hf_llama, tokenizer=CharTokenizer())
+    eng.add_request("s", p, SamplingParams(max_tokens=12, stop=["zz"]))
+    text, toks = "", []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            text += o.outputs[0].delta_text
+            toks += o.outputs[0].delta_token_ids
+            last = o
+    assert text == last.outputs[0].text and toks == last.outputs[0].token_ids
+    assert toks == _hf(hf_llama, p, 12)
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+def test_bad_requests_do_not_disturb_requests_in_flight(hf_llama):
+    [p] = _prompts([11])
+    eng = _engine(hf_llama)
+    eng.add_request("good", p, _greedy(10))
+    eng.step()
+    eng.step()
+    bad = [
+        ("empty", [], _greedy(4), "empty"),
+        ("long", [1] * 512, _greedy(4), "context"),
+        ("oov", [1, 999], _greedy(4), "999"),
+        ("dup", p, _greedy(4), "already"),
+    ]
+    for rid, prompt, params, msg in bad:
+        with pytest.raises(InvalidRequestError, match=msg):
+            eng.add_request("good" if rid == "dup" else rid, prompt, params)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        eng.add_request("neg", p, SamplingParams(max_tokens=-1))
+    with pytest.raises(InvalidRequestError, match="'temprature'"):
+        eng.add_request("typo", p, {"temprature": 0.5})
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        eng.add_request("stop", p, SamplingParams(stop=["x"]))
+    final = _run(eng, [])
+    assert final["good"].outputs[0].token_ids == _hf(hf_llama, p, 10)
+    assert eng.stats()["prompt_tokens"] == 11
+
+
+def test_abort(hf_llama):
+    prompts = _prompts([8, 8], seed=2)
+    eng = _engine(hf_llama)
+    eng.add_request("a", prompts[0], _greedy(20))
+    eng.add_request("b", prompts[1], _greedy(5))
+    eng.step()
+    eng.abort_request("a")
+    eng.abort_request("nope")
+    final = _run(eng, [])
+    assert final["a"].outputs[0].finish_reason == "abort"
+    assert final["b"].outputs[0].token_ids == _hf(hf_llama, prompts[1], 5)
+    assert eng.stats()["num_running"] == 0
+
+
+# ----------------------------------------------------------------------------- stats, namespaces
+
+def test_stats_hit_rate_exact(hf_llama):
+    [p, q] = _prompts([12, 9], seed=8)
+    eng = _engine(hf_llama)
+    _run(eng, [("a", p, _greedy(3))])
+    _run(eng, [("b", p, _greedy(3)), ("c", q, _greedy(3))])
+    st = eng.stats()
+    # a: 12 computed; b: (12-1)//4 = 2 blocks = 8 tokens cached; c: cold.
+    assert st["prompt_tokens"] == 33 and st["cached_prompt_tokens"] == 8
+    assert st["hit_rate"] == pytest.approx(8 / 33)
+    assert st["cached_prompt_tokens_per_tier"] == [8]
+    assert st["prefill_tokens_computed"] == 12 + 4 + 9
+    assert st["preemptions"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
+
+
+def test_kv_utilization_counts_shared_blocks_once(hf_llama):
+    [p] = _prompts([10])
+    eng = _engine(hf_llama)
+    eng.add_request("a", p, SamplingParams(max_tokens=8, temperature=1.0, seed=0, n=3))
+    eng.step()      # prefill + fork: 3 sequences share 3 blocks (2 full + partial tail of 2)
+    st = eng.stats()
+    assert st["kv_slots_allocated"] == 12 and st["kv_tokens_stored"] == 10
+    assert st["kv_utilization"] == pytest.approx(10 / 12)
+
+
+def test_cache_salt_and_disabled_prefix_cache(hf_llama):
+    [p] = _prompts([13])
+    eng = _engine(hf_llama)
+    eng.add_request("a", p, _greedy(2), cache_salt="tenant-1")
+    _run(eng, [])
+    eng.add_request("b", p, _greedy(2), cache_salt="tenant-2")
+    eng.add_request("c", p, _greedy(2), cache_salt="tenant-1")
+    out = _run(eng, [])
+    assert out["b"].num_cached_tokens == 0 and out["c"].num_cached_tokens == 12
+    off = _engine(hf_llama, enable_prefix_caching=False)
+    _run(off, [("a", p, _greedy(2))])
+    assert _run(off, [("b", p, _greedy(2))])["b"].num_cached_tokens == 0
+
+
+def test_config_errors(hf_llama):
+    with pytest.raises(ConfigError):
+        CacheConfig(block_size=6)
+    with pytest.raises(ConfigError):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ConfigError, match="tier"):
+        _engine(hf_llama, host_blocks=8)
+    eng = LLMEngine(copy.deepcopy(hf_llama), None, CacheConfig(device_memory="1MiB"),
+                    EngineConfig(), "tiny")
+    # 3 layers x 2 x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 12 KiB per block
+    assert eng.block_manager.pool.num_blocks == (1 << 20) // (3 * 2 * 16 * 2 * 16 * 4)
