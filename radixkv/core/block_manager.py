@@ -114,6 +114,20 @@ class BlockManager:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    @staticmethod
+    def _check_new_id(seq_id: SeqId) -> None:
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise InvalidTokensError(
+                f"sequence ids must be hashable (str, int, tuple), got {type(seq_id).__name__}") from None
+
+    @staticmethod
+    def _check_namespace(namespace: Namespace) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidTokensError(
+                f"namespace must be a radixkv.core.hashing.Namespace, got {type(namespace).__name__}")
+
     def _seq(self, seq_id: SeqId) -> _Seq:
         try:
             return self._seqs[seq_id]
@@ -168,6 +182,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Sequence[int], namespace: Namespace) -> bool:
         """Whether ``allocate`` would succeed now (no side effects). O(prompt blocks)."""
+        self._check_namespace(namespace)
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
         nodes, _ = self._match(tok, namespace.seed, n)
@@ -186,6 +201,8 @@ class BlockManager:
         All-or-nothing: raises SequenceExistsError, InvalidTokensError or OutOfBlocks without
         changing anything. Runtime complexity: O(prompt tokens + evictions * log n).
         """
+        self._check_new_id(seq_id)
+        self._check_namespace(namespace)
         if seq_id in self._seqs:
             raise SequenceExistsError(f"sequence {seq_id!r} is already live; free it first")
         tok = token_bytes(token_ids)
@@ -317,7 +334,7 @@ class BlockManager:
         Runtime complexity: O(new blocks * log n).
         """
         s = self._seq(seq_id)
-        if not isinstance(num_computed_tokens, int) or not s.num_computed <= num_computed_tokens <= len(s.tokens):
+        if type(num_computed_tokens) is not int or not s.num_computed <= num_computed_tokens <= len(s.tokens):
             raise InvalidTokensError(
                 f"num_computed_tokens must be in [{s.num_computed}, {len(s.tokens)}] for sequence "
                 f"{seq_id!r}, got {num_computed_tokens!r}")
@@ -366,6 +383,7 @@ class BlockManager:
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (n samples, beams). O(blocks)."""
         p = self._seq(parent_id)
+        self._check_new_id(child_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id!r} is already live")
         self._ref_blocks(p.blocks, +1)

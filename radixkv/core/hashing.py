@@ -91,7 +91,7 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     >>> token_bytes([1, 2]).hex()
     '0100000002000000'
     """
-    if isinstance(tokens, (str, bytes)):
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
         raise InvalidTokensError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
     try:
         arr = array("i", tokens)

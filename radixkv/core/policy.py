@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from radixkv.errors import ConfigError
+
 if TYPE_CHECKING:
     from radixkv.core.tree import Node
 
@@ -100,8 +102,8 @@ class TTLPolicy:
     name = "ttl"
 
     def __init__(self, ttl: float = 300.0) -> None:
-        if not (ttl > 0 and math.isfinite(ttl)):
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl}")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (ttl > 0 and math.isfinite(ttl)):
+            raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self.ttl = ttl
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
@@ -118,7 +120,9 @@ def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
     """A policy by name (``lru``, ``lfu``, ``priority``, ``ttl``) or an instance passed through."""
     if not isinstance(name, str):
         return name
+    if name not in POLICIES:
+        raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
     try:
         return POLICIES[name](**kwargs)
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    except TypeError as exc:
+        raise ConfigError(f"bad options for the {name!r} policy: {exc}") from None

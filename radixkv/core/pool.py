@@ -52,8 +52,8 @@ class BlockPool:
         Eviction is the caller's job (the tree frees evicted blocks into the pool).
         Runtime complexity: O(num_blocks).
         """
-        if num_blocks < 0:
-            raise InvalidBlockError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise InvalidBlockError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_blocks > len(self._free):
             raise OutOfBlocks(num_blocks, len(self._free), 0)
         if num_blocks == 0:

@@ -24,6 +24,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -121,7 +122,7 @@ class RadixTree:
     def __init__(self, block_size: int, device_pool: BlockPool,
                  lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = "lru",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
+        if type(block_size) is not int or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
         if len(lower_pools) + 1 > MAX_TIERS:
             raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
@@ -364,6 +365,10 @@ class RadixTree:
         All-or-nothing: raises OutOfBlocks, changing nothing, if fewer blocks are evictable.
         Runtime complexity: O(num_blocks * tiers * log n).
         """
+        if type(tier) is not int or not 0 <= tier < self.num_tiers:
+            raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise InvalidBlockError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         available = self.num_evictable(tier)
         if num_blocks > available:
             raise OutOfBlocks(num_blocks, self._pools[tier].num_free, available,
@@ -427,12 +432,24 @@ class RadixTree:
 
     def set_hints(self, nodes: Iterable[Node], priority: int | None = None,
                   ttl: float | None = None) -> None:
-        """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain)."""
+        """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain).
+
+        ``priority`` is an int (higher survives longer under the priority policy); ``ttl`` a
+        finite number of seconds >= 0. All-or-nothing: every node and value is validated first.
+        Runtime complexity: O(len(nodes) * log n).
+        """
+        if priority is not None and (type(priority) is not int):
+            raise ConfigError(f"priority must be an int, got {priority!r}")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl < 0:
+                raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
+        nodes = list(nodes)
         for node in nodes:
-            if self._index.get(node.block_hash) is not node:
-                raise InvalidBlockError(f"{node} is no longer cached")
+            if not isinstance(node, Node) or self._index.get(node.block_hash) is not node:
+                raise InvalidBlockError(f"{node!r} is not a cached node of this tree")
+        for node in nodes:
             old = self.hints(node)
-            new = NodeHints(old.priority if priority is None else int(priority),
+            new = NodeHints(old.priority if priority is None else priority,
                             old.ttl if ttl is None else float(ttl))
             self._discard(node)
             if new == DEFAULT_HINTS:
