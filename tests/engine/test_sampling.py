@@ -1,0 +1,97 @@
+"""SamplingParams validation, the token-choice functions and incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.sampling import (
+    SamplingParams, filtered_probs, greedy_tokens, make_generator, raw_logprobs, sample_token,
+)
+from radixkv.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"n": 0}, "n must"), ({"beam_width": 0}, "beam_width"),
+    ({"seed": 1.5}, "seed"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"early_stopping": "sometimes"}, "early_stopping"),
+    ({"beam_width": 2, "temperature": 0.5}, "deterministic"),
+    ({"beam_width": 2, "n": 3}, "n \\(3\\)"),
+    ({"beam_width": 2, "stop": ["x"]}, "stop strings"),
+])
+def test_invalid_params_raise_invalid_request(kw, msg):
+    with pytest.raises(InvalidRequestError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_from_dict_names_unknown_key_and_normalises_lists():
+    with pytest.raises(InvalidRequestError, match="'max_new_tokens'"):
+        SamplingParams.from_dict({"max_new_tokens": 3})
+    p = SamplingParams.from_dict({"stop": ["a", "b"], "stop_token_ids": [1]})
+    assert p.stop == ("a", "b") and p.stop_token_ids == (1,)
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert hash(p) is not None                      # frozen and hashable
+
+
+def test_greedy_ties_lowest_id_and_logprobs():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    assert greedy_tokens(logits) == [1, 0]
+    lp = raw_logprobs(logits, [1, 3])
+    assert lp[1] == pytest.approx(-torch.log(torch.tensor(4.0)).item())
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))     # 0.5 + 0.3 reaches 0.8
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert (p > 0).sum() == 3
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.1))
+    assert torch.equal(p, torch.tensor([1.0, 0, 0, 0]))               # top token always stays
+    cold = filtered_probs(logits, SamplingParams(temperature=0.1))
+    assert cold[0] > 0.99
+
+
+def test_seeded_generator_is_reproducible():
+    logits = torch.zeros(50)
+    params = SamplingParams(temperature=1.0, seed=5)
+    draw = lambda: [sample_token(logits, params, g) for g in [make_generator(5, torch.device("cpu"))]
+                    for _ in range(20)]
+    assert draw() == draw()
+    g = make_generator(6, torch.device("cpu"))
+    assert [sample_token(logits, params, g) for _ in range(20)] != draw()
+
+
+class Chars:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Utf8Bytes:
+    """Token i = byte i: multi-byte characters span several tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_incremental_text_and_stop_search():
+    d = IncrementalDetokenizer(Chars(), stop=["cd", "zz"])
+    news = [d.append(t) for t in [0, 1, 2]]
+    assert news == ["a", "b", "c"] and d.find_stop(1) is None
+    assert d.emittable_len(False) == 2                # "c" might start "cd": held back
+    d.append(3)
+    assert d.find_stop(1) == ("cd", 2)
+
+
+def test_detokenizer_waits_for_complete_utf8():
+    d = IncrementalDetokenizer(Utf8Bytes())
+    e = "é".encode()                                   # two bytes
+    assert d.append(ord("x")) == "x"
+    assert d.append(e[0]) == ""
+    assert d.append(e[1]) == "é"
+    assert d.text == "xé"

@@ -1,0 +1,142 @@
+"""The scheduler alone, over a real BlockManager and no model: a fake "forward" commits the
+scheduled tokens and appends a made-up next token, so the order of admission, chunking,
+preemption and resumption can be pinned exactly (vLLM-style scenario tests)."""
+
+from __future__ import annotations
+
+import sys
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace
+from radixkv.engine.sampling import SamplingParams
+from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.sequence import Request, RequestStatus, Sequence
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+
+NS = Namespace("toy")
+_ids = iter(range(10**6))
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int = 100, base: int = 0) -> Request:
+    prompt = [(base + i) % 50 + 1 for i in range(prompt_len)]
+    r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), NS)
+    r.seqs.append(Sequence(next(_ids), 0, list(prompt), prompt_len, IncrementalDetokenizer(None)))
+    return r
+
+
+def _sched(num_blocks=16, block_size=4, max_seqs=8, max_tokens=64) -> Scheduler:
+    return Scheduler(BlockManager.create(num_blocks, block_size), max_seqs, max_tokens)
+
+
+def _fake_step(s: Scheduler) -> list:
+    """Schedule, 'compute' (commit), and append token 7 to every sequence that got logits."""
+    out = s.schedule()
+    for c in out.chunks:
+        s.bm.commit(c.seq.seq_id, c.start + c.num_tokens)
+        if c.wants_logits:
+            c.seq.token_ids.append(7)
+    for req in list(s.running):
+        for seq in list(req.seqs):
+            if seq.num_output_tokens >= req.params.max_tokens:
+                s.free_seq(req, seq)
+        if not req.seqs:
+            s.remove(req)
+    s.bm.check_invariants()
+    return out
+
+
+def test_scheduler_imports_no_torch():
+    import subprocess  # a fresh interpreter: other tests load torch into this one
+    code = "import sys, radixkv.engine.scheduler; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
+
+
+def test_fcfs_admission_and_batched_decode():
+    s = _sched()
+    for rid, n in (("a", 5), ("b", 6), ("c", 3)):
+        s.add(_req(rid, n, max_tokens=3, base=ord(rid)))
+    out = _fake_step(s)
+    assert [(c.request.request_id, c.start, c.num_tokens, c.wants_logits) for c in out.chunks] == [
+        ("a", 0, 5, True), ("b", 0, 6, True), ("c", 0, 3, True)]
+    out = _fake_step(s)   # one decode token per sequence, in admission order
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 1)]
+    _fake_step(s)
+    assert not s.has_unfinished()
+
+
+def test_prefix_hit_prefills_only_the_suffix():
+    s = _sched()
+    s.add(_req("a", 10, max_tokens=1))
+    _fake_step(s)
+    s.add(_req("b", 10, max_tokens=1))
+    out = _fake_step(s)
+    [c] = out.chunks
+    assert (c.start, c.num_tokens) == (8, 2)          # (10 - 1) // 4 = 2 cached blocks
+    assert s.running == [] and s.counters.cached_prompt_tokens == 8
+
+
+def test_chunked_prefill_respects_budget_and_withholds_logits():
+    s = _sched(max_seqs=2, max_tokens=4)
+    s.add(_req("a", 10, max_tokens=2))
+    got = []
+    for _ in range(4):
+        out = _fake_step(s)
+        got.append([(c.start, c.num_tokens, c.wants_logits) for c in out.chunks])
+    # Budget 4: [0,4) [4,8) then the last 2 tokens together (logits), then one decode token.
+    assert got == [[(0, 4, False)], [(4, 4, False)], [(8, 2, True)], [(10, 1, True)]]
+
+
+def test_preemption_takes_newest_puts_it_first_and_resumes_from_cache():
+    s = _sched(num_blocks=6, block_size=4)
+    a, b = _req("a", 8, max_tokens=8), _req("b", 8, max_tokens=8, base=20)
+    s.add(a)
+    s.add(b)
+    preempted_at = None
+    for step in range(30):
+        out = _fake_step(s)
+        if out.preempted and preempted_at is None:
+            preempted_at = step
+            assert out.preempted == [b]              # newest running request
+            assert s.waiting[0] is b and b.status is RequestStatus.WAITING
+            assert [c.request for c in out.chunks] == [a]   # no admission in a preempting step
+        if not s.has_unfinished():
+            break
+    assert preempted_at is not None and b.num_preemptions >= 1
+    assert a.seqs == [] and b.seqs == [] and s.counters.recomputed_tokens > 0
+    assert not s.has_unfinished()
+
+
+def test_head_of_queue_is_not_overtaken():
+    s = _sched(num_blocks=5, block_size=4)
+    s.add(_req("a", 12, max_tokens=4))
+    s.add(_req("big", 16, max_tokens=1, base=9))     # needs 4 blocks: waits for a
+    s.add(_req("small", 2, max_tokens=1, base=30))   # would fit now, must not overtake
+    out = _fake_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["a"]
+    order = []
+    while s.has_unfinished():
+        for c in _fake_step(s).chunks:
+            if c.request.request_id not in order:
+                order.append(c.request.request_id)
+    assert order == ["a", "big", "small"]
+
+
+def test_max_num_seqs_counts_future_samples():
+    s = _sched(max_seqs=4)
+    r = _req("n3", 4)
+    r.params = SamplingParams(max_tokens=4, n=3, temperature=1.0)
+    s.add(r)
+    s.add(_req("x", 4, base=5))
+    s.add(_req("y", 4, base=9))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["n3", "x"]   # 3 + 1 slots
+
+
+def test_request_too_big_for_the_pool_is_unschedulable():
+    s = _sched(num_blocks=2, block_size=4)
+    r = _req("a", 4)
+    r.seqs[0].token_ids += [1] * 6                  # 10 tokens > 8 slots, as after a preemption
+    s.add(r)
+    out = s.schedule()
+    assert out.unschedulable == [r] and not s.has_unfinished()
