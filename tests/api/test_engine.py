@@ -1,0 +1,134 @@
+"""Engine: generate / stream / submit over a tiny random model with the SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv import InvalidRequestError, SamplingParams
+
+GREEDY8 = SamplingParams(max_tokens=8)
+
+
+def test_generate_accepts_text_ids_and_lists_and_keeps_order(make_engine):
+    e = make_engine()
+    ids = list(range(100, 140))
+    [a] = e.generate("Hello world", GREEDY8)
+    [b] = e.generate(ids, GREEDY8)
+    outs = e.generate(["Hello world", ids], GREEDY8)
+    assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids, b.outputs[0].token_ids]
+    assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert outs[1].prompt_token_ids == ids
+    assert e.generate([], GREEDY8) == []
+
+
+def test_second_request_hits_the_cache_and_gives_the_same_tokens(make_engine):
+    e = make_engine()
+    prompt = list(range(1000, 1050))                 # 50 tokens: 3 full blocks of 16
+    [cold] = e.generate(prompt, GREEDY8)
+    [warm] = e.generate(prompt, GREEDY8)
+    assert cold.num_cached_tokens == 0
+    assert warm.num_cached_tokens == 48
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert e.cached_prefix_tokens(prompt) == 48
+    assert e.stats()["cached_prompt_tokens"] == 48
+
+
+def test_params_as_dict_and_per_prompt(make_engine):
+    e = make_engine()
+    outs = e.generate(["a b c", "d e f"], [{"max_tokens": 3}, {"max_tokens": 5}])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(InvalidRequestError):
+        e.generate("x", {"max_tokens": 3, "no_such_option": 1})
+    with pytest.raises(InvalidRequestError):
+        e.generate(["a", "b"], [GREEDY8])
+
+
+def test_bad_request_runs_nothing_and_leaves_engine_clean(make_engine):
+    e = make_engine()
+    with pytest.raises(InvalidRequestError):
+        e.generate(["fine prompt", []], GREEDY8)     # second prompt empty
+    st = e.stats()                                   # the first prompt was aborted, not run
+    assert st["num_waiting"] == st["num_running"] == st["prompt_tokens"] == 0
+    with pytest.raises(InvalidRequestError):
+        e.generate([{"not": "a prompt"}], GREEDY8)
+    [ok] = e.generate("still works", GREEDY8)
+    assert ok.finished
+
+
+def test_stream_deltas_add_up_and_interleave_with_generate(make_engine):
+    e = make_engine()
+    stream = e.stream("Once upon a time", SamplingParams(max_tokens=12))
+    first = next(stream)
+    assert first.ttft is not None and first.ttft > 0
+    # A generate call while the stream is open must not steal the stream's outputs.
+    [other] = e.generate("Another prompt", GREEDY8)
+    assert other.finished
+    rest = list(stream)
+    snaps = [first, *rest]
+    assert snaps[-1].finished and not any(s.finished for s in snaps[:-1])
+    toks = [t for s in snaps for t in s.outputs[0].delta_token_ids]
+    assert toks == snaps[-1].outputs[0].token_ids and len(toks) == 12
+    assert "".join(s.outputs[0].delta_text for s in snaps) == snaps[-1].outputs[0].text
+
+
+def test_closing_a_stream_early_aborts_its_request(make_engine):
+    e = make_engine()
+    stream = e.stream("abc def", SamplingParams(max_tokens=50))
+    next(stream)
+    stream.close()
+    # the abort's final output is drained by the next step; nothing keeps running
+    [ok] = e.generate("after", GREEDY8)
+    assert ok.finished and e.stats()["num_running"] == 0
+
+
+def test_cache_salts_never_share_blocks(make_engine):
+    e = make_engine()
+    prompt = list(range(2000, 2064))
+    [a1] = e.generate(prompt, GREEDY8, cache_salt="tenant-a")
+    [b1] = e.generate(prompt, GREEDY8, cache_salt="tenant-b")
+    [a2] = e.generate(prompt, GREEDY8, cache_salt="tenant-a")
+    [n1] = e.generate(prompt, GREEDY8)
+    assert (a1.num_cached_tokens, b1.num_cached_tokens, n1.num_cached_tokens) == (0, 0, 0)
+    assert a2.num_cached_tokens == 48                 # (64 - 1) // 16 blocks: one token computed
+    assert e.cached_prefix_tokens(prompt, "tenant-b") == 64
+    assert e.cached_prefix_tokens(prompt, "tenant-c") == 0
+    # the same content is stored once per tenant: no block is shared across namespaces
+    blocks = {s: {n.slot for n in e.cached_prefix_nodes(prompt, s)} for s in ("tenant-a", "tenant-b", None)}
+    assert not (blocks["tenant-a"] & blocks["tenant-b"]) and not (blocks["tenant-a"] & blocks[None])
+
+
+def test_caching_disabled_engine_never_hits(make_engine):
+    e = make_engine(enable_prefix_caching=False)
+    prompt = list(range(3000, 3050))
+    outs = [e.generate(prompt, GREEDY8)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_prefix_hints_protect_a_prefix_under_priority_policy(make_engine):
+    e = make_engine(num_device_blocks=24, policy="priority")
+    keep = list(range(4000, 4065))                   # 4 full blocks + 1
+    e.generate(keep, SamplingParams(max_tokens=1))
+    assert e.set_prefix_hints(keep, priority=10) == 4
+    for i in range(6):                               # 6 x 4 blocks of other prompts
+        e.generate(list(range(5000 + 100 * i, 5065 + 100 * i)), SamplingParams(max_tokens=1))
+    assert e.stats()["evictions"][0] > 0
+    assert e.cached_prefix_tokens(keep) == 64
+
+
+def test_stats_and_metrics_text(make_engine):
+    import re
+
+    e = make_engine()
+    e.generate(list(range(10, 60)), GREEDY8)
+    e.generate(list(range(10, 60)), GREEDY8)
+    st = e.stats()
+    assert st["prompt_tokens"] == 100 and st["cached_prompt_tokens"] == 48
+    text = e.metrics_text()
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? '
+                        r'[-+0-9.eEInfNa]+$')
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
+    assert 'radixkv_hit_rate{model="tiny-llama-test"} 0.48' in text
+    assert 'radixkv_cached_prompt_tokens_total{model="tiny-llama-test"} 48' in text
+    assert "# TYPE radixkv_evictions_total counter" in text
