@@ -5,9 +5,11 @@ Model (the same one the replay through the real radixkv structures uses):
 * Requests are served one at a time, in trace order. Request j's prompt P_j and reply R_j are cut
   into blocks of B tokens; only **full** blocks are cached. Block i of a sequence is named by the
   chained hash of blocks 0..i, so a cached block implies its whole prefix chain (a radix tree).
-* **Hit** of request j = B x (number of leading full blocks of P_j that are cached when j
-  arrives). **Hit rate** = sum of hits / sum of len(P_j) (prompt tokens served from cache / prompt
-  tokens requested; a partial last block is never a hit).
+* **Hit** of request j = B x (number of leading *matchable* blocks of P_j cached when j arrives),
+  where the matchable blocks are the first (len(P_j) - 1) // B: as in ``BlockManager.allocate``,
+  at least one prompt token is always computed (to produce logits), and a partial last block is
+  never shared. **Hit rate** = sum of hits / sum of len(P_j) (prompt tokens served from cache /
+  prompt tokens requested).
 * While j is served, every full block of P_j + R_j is resident and **locked** (an engine holds
   the KV of the whole sequence), plus one transient slot for the partial tail block if
   len(P_j + R_j) is not a multiple of B. After j, its full blocks stay cached and unlocked.
@@ -34,9 +36,9 @@ Policies simulated here (per victim choice, among unlocked leaves):
 ``infinite``
     No eviction: the most any cache can hit on the trace.
 
-Block hashing: a chained ``xxh3_128`` over (parent digest, the block's token ids as little-endian
-int32), rooted in a seed; any collision-free chain hash gives identical figures. TODO: switch
-to ``radixkv.core.hashing`` once it lands (no effect on the numbers).
+Block hashing: ``radixkv.core.hashing`` (chained ``xxh3_128`` over the parent hash and the block's
+token ids as little-endian int32, rooted in a namespace seed), the same hashes the replay's tree
+uses; any collision-free chain hash would give identical figures.
 
 Runtime: O(total blocks referenced x log(cached blocks)); the 2,000-conversation chat trace
 (about 5 M prompt tokens) prepares in a few seconds and simulates in a few seconds per capacity.
@@ -46,12 +48,11 @@ from __future__ import annotations
 
 import heapq
 import sys
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import xxhash
+from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
 
 INF = sys.maxsize
 
@@ -61,29 +62,22 @@ class HasTokens(Protocol):
     reply: Sequence[int]
 
 
-def _le_int32_bytes(tokens: Sequence[int]) -> bytes:
-    a = array("i", tokens)
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
+#: Namespace of the hit-rate benchmarks (bounds and replay hash with the same seed).
+NAMESPACE = Namespace("smollm2-135m-instruct/hit-rate-bench")
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, seed: bytes = b"radixkv-bounds") -> list[bytes]:
-    """Chained 16-byte digests of the full blocks of ``tokens``.
+def chain_hashes(tokens: Sequence[int], block_size: int,
+                 namespace: Namespace = NAMESPACE) -> list[bytes]:
+    """Chained 16-byte hashes of the full blocks of ``tokens`` (``radixkv.core.hashing``).
 
     >>> len(chain_hashes(list(range(40)), 16))
     2
     >>> chain_hashes([1, 2, 3, 4], 2)[0] == chain_hashes([1, 2, 9, 9], 2)[0]
     True
     """
-    data = _le_int32_bytes(tokens)
-    step = 4 * block_size
-    h = xxhash.xxh3_128_digest(seed)
-    out = []
-    for off in range(0, (len(tokens) // block_size) * step, step):
-        h = xxhash.xxh3_128_digest(h + data[off:off + step])
-        out.append(h)
-    return out
+    if len(tokens) < block_size:
+        return []
+    return hash_blocks(token_bytes(tokens), block_size, namespace.seed)
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,7 @@ class BlockTrace:
     """A trace turned into block ids, ready for the simulators (built by :func:`prepare`).
 
     ``chains[j]``: dense ids of the full blocks of prompt+reply of request j (root first);
-    ``n_prompt_blocks[j]``: how many of them lie inside the prompt; ``tails[j]``: 1 if the
+    ``n_prompt_blocks[j]``: how many of them can be hits ((len(prompt) - 1) // B); ``tails[j]``: 1 if the
     sequence has a partial last block; ``prompt_tokens[j]``: len(prompt);
     ``next_use[j][i]``: the next request index > j whose prompt contains chains[j][i] (INF if none);
     ``parent[b]``/``depth[b]``: the chain predecessor (-1 for a root block) and its depth.
@@ -145,7 +139,7 @@ def prepare(requests: Iterable[HasTokens], block_size: int) -> BlockTrace:
             chain.append(b)
             prev = b
         chains.append(chain)
-        npb.append(len(r.prompt) // block_size)
+        npb.append(max(len(r.prompt) - 1, 0) // block_size)
         tails.append(1 if len(seq) % block_size else 0)
         ptoks.append(len(r.prompt))
     # Next prompt use of each referenced block, scanning backwards.

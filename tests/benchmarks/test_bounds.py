@@ -5,21 +5,15 @@ No dataset and no tokenizer: tokens are small integers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hitrate_strategies import R, traces
+
 from radixkv.benchmarks.bounds import (
     chain_hashes, exhaustive_optimum, infinite, prepare, simulate,
 )
-
-
-@dataclass
-class R:
-    prompt: list[int]
-    reply: list[int] = field(default_factory=list)
 
 
 def rates(reqs, block_size, cap):
@@ -29,11 +23,19 @@ def rates(reqs, block_size, cap):
 
 
 def test_cyclic_pages_belady_beats_lru_by_known_amount():
-    # Block size 1, one-token prompts a b c a b c, two slots: LRU always evicts the page needed
-    # next (0 hits); Belady keeps a at t=2 (hits a at t=3), evicts a at t=4 (hits c at t=5).
-    reqs = [R([x]) for x in [1, 2, 3, 1, 2, 3]]
-    inf, bel, lru = rates(reqs, 1, 2)
-    assert (inf, bel, lru) == (3, 2, 0)
+    # Block size 2, prompts [x, x, 0] for x = a b c a b c: one matchable full block per request
+    # plus a transient tail slot, capacity 3 = two cached blocks, the classic cycle over three
+    # pages with two frames. LRU always evicts the page needed next (0 hits); Belady evicts b at
+    # t=2 (hits a at t=3), then a at t=4 (hits c at t=5). Infinite hits a, b, c at t=3..5.
+    reqs = [R([x, x, 0]) for x in [1, 2, 3, 1, 2, 3]]
+    inf, bel, lru = rates(reqs, 2, 3)
+    assert (inf, bel, lru) == (6, 4, 0)
+
+
+def test_last_prompt_token_is_always_computed():
+    # As in BlockManager.allocate: a prompt of exactly k blocks can hit at most k - 1 of them.
+    reqs = [R([1, 2, 3, 4]), R([1, 2, 3, 4])]
+    assert infinite(prepare(reqs, 2)).hit_tokens == 2
 
 
 def test_partial_blocks_never_hit_and_tail_slot_counts():
@@ -75,26 +77,6 @@ def test_chain_hash_depends_on_parent():
     b = chain_hashes([9, 9, 3, 4], 2)
     assert a[1] != b[1] and len(a) == 2
     assert chain_hashes([1, 2, 3], 2) == a[:1]
-
-
-# A strategy for small traces with real sharing: each prompt extends or branches an earlier
-# sequence (like chat turns, shared system prompts or sampling), over a tiny alphabet.
-@st.composite
-def traces(draw, max_requests=8, max_len=8):
-    seqs: list[list[int]] = []
-    reqs = []
-    for _ in range(draw(st.integers(1, max_requests))):
-        if seqs and draw(st.booleans()):
-            base = draw(st.sampled_from(seqs))
-            cut = draw(st.integers(0, len(base)))
-            prompt = base[:cut] + draw(st.lists(st.integers(0, 2), max_size=3))
-        else:
-            prompt = draw(st.lists(st.integers(0, 2), min_size=1, max_size=max_len))
-        prompt = prompt[:max_len] or [0]
-        reply = draw(st.lists(st.integers(0, 2), max_size=3))
-        seqs.append(prompt + reply)
-        reqs.append(R(prompt, reply))
-    return reqs
 
 
 @given(traces(max_requests=20, max_len=24), st.sampled_from([1, 2, 4]), st.integers(0, 30))

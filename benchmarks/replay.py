@@ -1,0 +1,183 @@
+"""Replay a trace through the real radixkv bookkeeping (BlockManager, RadixTree, BlockPool, tiers).
+
+For each request, in trace order and one at a time, the replay does what an engine that
+generated the trace's reply would do::
+
+    alloc = bm.allocate(seq, prompt, ns)    # match the cached prefix (any tier), lock it,
+                                            # promote host/disk hits, allocate the rest
+    bm.commit(seq, len(prompt))             # the prompt's full blocks join the tree
+    bm.append_slots(seq, reply)             # the generated tokens' slots
+    bm.commit(seq, len(prompt) + len(reply))
+    bm.free(seq)                            # full blocks stay cached, the partial tail is freed
+
+and counts ``alloc.num_cached_tokens`` (split per tier by ``alloc.cached_tokens_per_tier``) as
+hits. The tree's clock is the trace's time (seconds), so TTL policies see real think times.
+This is the same model as ``benchmarks/bounds.py`` (the tests check that the block-level LRU there
+and the real tree's LRU agree), so every figure can be set against the infinite-cache and
+Belady bounds at the same device capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace
+from radixkv.core.policy import EvictionPolicy, make_policy
+from radixkv.core.pool import BlockPool
+from radixkv.core.tree import RadixTree
+
+from radixkv.benchmarks.bounds import NAMESPACE
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One replay: device capacity and block size, the eviction policy, optional slower tiers.
+
+    ``policy``: ``lru`` (default), ``lfu``, ``priority`` (leading ``priority_tokens(request)``
+    tokens of each prompt get priority 1, e.g. a shared system prompt), ``ttl`` (blocks expire
+    ``ttl_s`` seconds after their last use, dropped even without memory pressure, like hosted
+    prompt caches' 5-minute tier) or an ``EvictionPolicy`` instance.
+    ``host_blocks``/``disk_blocks``: capacities of the slower tiers (0 = absent).
+    """
+
+    block_size: int
+    device_blocks: int
+    policy: str | EvictionPolicy = "lru"
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    ttl_s: float = 300.0
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy if isinstance(self.policy, str) else self.policy.name
+
+    @property
+    def tiers(self) -> str:
+        return "+".join(["device"] + (["host"] if self.host_blocks else [])
+                        + (["disk"] if self.disk_blocks else []))
+
+
+@dataclass
+class ReplayResult:
+    """Counters of one replay. Token counts are prompt tokens; tiers are device, host, disk."""
+
+    config: ReplayConfig
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_per_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
+    requests: int = 0
+    evictions_per_tier: list[int] = field(default_factory=list)
+    promotions_per_tier: list[int] = field(default_factory=list)
+    dropped: int = 0
+    expired: int = 0
+    inserted: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.config
+        pt = max(self.prompt_tokens, 1)
+        return {
+            "policy": c.policy_name, "block_size": c.block_size, "device_blocks": c.device_blocks,
+            "host_blocks": c.host_blocks, "disk_blocks": c.disk_blocks, "tiers": c.tiers,
+            "hit_rate": self.hit_rate,
+            "hit_rate_per_tier": [h / pt for h in self.hit_tokens_per_tier],
+            "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
+            "prefill_tokens_saved": self.hit_tokens,
+            "hit_tokens_per_tier": self.hit_tokens_per_tier,
+            "evictions_per_tier": self.evictions_per_tier,
+            "promotions_per_tier": self.promotions_per_tier,
+            "dropped": self.dropped, "expired": self.expired, "inserted": self.inserted,
+            "requests": self.requests, "wall_s": self.wall_s,
+            "us_per_request": 1e6 * self.wall_s / max(self.requests, 1),
+        }
+
+
+class _TraceClock:
+    """The tree's clock: the current request's arrival time (seconds)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager:
+    lower = [BlockPool(n) for n in (cfg.host_blocks, cfg.disk_blocks) if n]
+    if cfg.disk_blocks and not cfg.host_blocks:
+        raise ValueError("a disk tier needs a host tier in front of it")
+    policy: str | EvictionPolicy = cfg.policy
+    if policy == "ttl":
+        policy = make_policy("ttl", ttl=cfg.ttl_s)
+    tree = RadixTree(cfg.block_size, BlockPool(cfg.device_blocks), lower, policy=policy,
+                     clock=clock)
+    return BlockManager(tree)
+
+
+def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NAMESPACE,
+           priority_tokens: Callable[[Any], int] | None = None, progress: Any = None,
+           check_every: int = 0) -> ReplayResult:
+    """Replay ``requests`` (objects with ``t``, ``prompt``, ``reply``) through a fresh manager.
+
+    ``progress``: an object with ``update(n)`` (a tqdm bar), called every 256 requests.
+    ``check_every``: run ``BlockManager.check_invariants`` every that many requests (tests).
+    Raises OutOfBlocks if one request does not fit in ``device_blocks``.
+    """
+    clock = _TraceClock()
+    bm = build_manager(cfg, clock)
+    tree = bm.tree
+    res = ReplayResult(cfg)
+    per_tier = res.hit_tokens_per_tier
+    use_priority = cfg.policy == "priority" and priority_tokens is not None
+    expire = cfg.policy == "ttl"
+    bs = cfg.block_size
+    t0 = time.perf_counter()
+    for j, r in enumerate(requests):
+        clock.now = r.t
+        if expire:
+            tree.evict_expired(r.t)
+        prompt, reply = r.prompt, r.reply
+        alloc = bm.allocate(j, prompt, namespace)
+        res.hit_tokens += alloc.num_cached_tokens
+        for t, n in enumerate(alloc.cached_tokens_per_tier):
+            per_tier[t] += n
+        res.prompt_tokens += len(prompt)
+        bm.commit(j, len(prompt))
+        if use_priority:
+            k = priority_tokens(r) // bs  # type: ignore[misc]
+            if k:
+                nodes = bm._seq(j).nodes[:k]
+                tree.set_hints([n for n in nodes if tree.hints(n).priority != 1], priority=1)
+        if reply:
+            bm.append_slots(j, reply)
+            bm.commit(j, len(prompt) + len(reply))
+        bm.free(j)
+        if check_every and j % check_every == 0:
+            bm.check_invariants()
+        if progress is not None and j % 256 == 255:
+            progress.update(256)
+    if progress is not None:
+        progress.update(len(requests) % 256)
+    res.wall_s = time.perf_counter() - t0
+    res.requests = len(requests)
+    st = tree.stats
+    res.evictions_per_tier = list(st.evicted)
+    res.promotions_per_tier = list(st.promoted)
+    res.dropped, res.expired, res.inserted = st.dropped, st.expired, st.inserted
+    return res
+
+
+def system_prefix_tokens(header: dict[str, Any]) -> Callable[[Any], int]:
+    """For a ``system`` trace: the length of the request's shared prefix (for priority hints)."""
+    lengths = header.get("stats", {}).get("prefix_lengths", [])
+    return lambda r: lengths[r.meta["prefix"]] if "prefix" in r.meta and lengths else 0
