@@ -59,26 +59,29 @@ def _group_by_cost(costs: list[int], padded_cost) -> list[list[int]]:
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               lens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                          torch.Tensor | None]:
-    """Gather K/V of n sequences, padded to max_len rounded up to whole blocks.
+               lens: torch.Tensor, lens_list: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor | None]:
+    """Gather K/V of n sequences, padded to the longest rounded up to whole blocks.
 
-    block_tables: [n, >= nb]; lens: int64 [n] (>= 1, on the cache's device).
+    block_tables: [n, >= nb]; lens: int64 [n] (>= 1, on the cache's device), lens_list the same
+    on the host (decisions below are taken on host ints, not by syncing on tensors).
     Returns k, v: [n, nb * block_size, kv_heads, head_dim] (rows >= lens zeroed) and
     valid: bool [n, nb * block_size] (None when no row is padding).
     """
     n = block_tables.shape[0]
     block_size = k_cache.shape[1]
-    nb = -(-max_len // block_size)
+    nb = -(-max(lens_list) // block_size)
     padded_len = nb * block_size
     ids = block_tables[:, :nb].long()
-    used_blocks = (lens + block_size - 1) // block_size
-    cols = torch.arange(nb, device=ids.device)
-    ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1]).reshape(-1)
+    if min(lens_list) <= (nb - 1) * block_size:   # some row has garbage entries within nb
+        used_blocks = (lens + block_size - 1) // block_size
+        cols = torch.arange(nb, device=ids.device)
+        ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1])
+    ids = ids.reshape(-1)
     k = k_cache.index_select(0, ids).view(n, padded_len, *k_cache.shape[2:])
     v = v_cache.index_select(0, ids).view(n, padded_len, *v_cache.shape[2:])
     valid = None
-    if bool((lens != padded_len).any()):
+    if min(lens_list) != padded_len:
         valid = torch.arange(padded_len, device=ids.device)[None, :] < lens[:, None]
         pad_rows = (~valid).reshape(-1).nonzero().squeeze(1)
         k.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
@@ -115,7 +118,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         idx = None if whole else torch.tensor(members, device=q.device)
         sel = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
         k, v, valid = _gather_kv(k_cache, v_cache, sel(block_tables), sel(lens),
-                                 lens_list[members[0]])
+                                 [lens_list[s] for s in members])
         n = k.shape[0]
         qg = sel(q).view(n, num_kv_heads, group, head_dim)
         mask = None if valid is None else valid[:, None, None, :]
@@ -154,7 +157,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         members = [live[i] for i in group]
         # Members are sorted by decreasing cost, not length: take the maxima explicitly.
         max_q = max(q_lens[s] for s in members)
-        max_len = max(lens_list[s] for s in members)
         m = torch.tensor(members, device=dev)
         lens = seq_lens.index_select(0, m).long()
         qlen = torch.tensor([q_lens[s] for s in members], device=dev)
@@ -162,7 +164,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rows = torch.arange(max_q, device=dev)
         src = start[:, None] + torch.minimum(rows[None, :], (qlen - 1)[:, None])
         qg = q.index_select(0, src.reshape(-1)).view(len(members), max_q, num_q_heads, head_dim)
-        k, v, _ = _gather_kv(k_cache, v_cache, block_tables.index_select(0, m), lens, max_len)
+        k, v, _ = _gather_kv(k_cache, v_cache, block_tables.index_select(0, m), lens,
+                             [lens_list[s] for s in members])
         key_pos = torch.arange(k.shape[1], device=dev)
         cached = (lens - qlen)[:, None, None]
         allowed = (key_pos[None, None, :] <= cached + rows[None, :, None]) & \
@@ -180,7 +183,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
                 dst_block_ids: torch.Tensor) -> None:
     """kv_cache[:, :, dst] = kv_cache[:, :, src] (all sources read before any write)."""
-    kv_cache[:, :, dst_block_ids] = kv_cache[:, :, src_block_ids]
+    kv_cache.index_copy_(2, dst_block_ids, kv_cache.index_select(2, src_block_ids))
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

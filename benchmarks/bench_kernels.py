@@ -1,0 +1,222 @@
+"""How fast are the paged KV kernels compared with dense attention on the same K/V?
+
+On the CPU (the engine's torch path): paged decode / prefill time vs ``scaled_dot_product_attention``
+on the same K/V laid out densely (baseline measured in the same run), and vs the plain reference.
+On CUDA (Triton): decode achieved bandwidth (K/V bytes read / time) against a device-to-device
+copy measured in the same run, and against dense SDPA; prefill TFLOP/s against dense SDPA of the
+same shape; copy_blocks GB/s.
+
+Formulas (in the code below): decode bytes = sum(seq_len) * kv_heads * head_dim * 2 (K and V) *
+element size; attention FLOPs = 4 * q_heads * head_dim * (number of (query, key) pairs attended);
+copy GB/s = bytes read + bytes written, over time.
+
+Usage: ``radixkv bench kernels [--quick] [--threads N] [--seed S]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.kernels import copy_blocks, paged_decode_attention, paged_prefill_attention, write_kv
+
+from ._common import print_table, run_header, time_median, write_results
+
+# The embedded model's attention shape (SmolLM2: 9 query heads, 3 KV heads, head_dim 64).
+MODEL = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, head_dim,
+           block_size):
+    """Random K/V for sequences of the given lengths, scattered over shuffled blocks, plus the
+    same K/V as dense padded [num_seqs, kv_heads, max_len, head_dim] tensors."""
+    nbs = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nbs) + 8
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+    pos = 0
+    for s, nb in enumerate(nbs):
+        bt[s, :nb] = perm[pos:pos + nb].int()
+        pos += nb
+    bt = bt.to(device)
+    max_len = max(lens)
+    dense_k = torch.zeros(len(lens), num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+    dense_v = torch.zeros_like(dense_k)
+    for s, n in enumerate(lens):
+        ids = bt[s, :nbs[s]].long()
+        dense_k[s] = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
+        dense_v[s] = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return k_cache, v_cache, bt, seq_lens, dense_k, dense_v
+
+
+def _timer(device: torch.device, quick: bool):
+    repeat = 3 if quick else 7
+
+    def run(fn) -> float:
+        if device.type == "cuda":
+            def synced():
+                fn()
+                torch.cuda.synchronize()
+            return time_median(synced, repeat=repeat * 3, warmup=3)
+        return time_median(fn, repeat=repeat, warmup=1)
+    return run
+
+
+def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+    rows = []
+    for name, lens in cases:
+        for dtype in dtypes:
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
+            n, hq, hkv, d = len(lens), MODEL["num_q_heads"], MODEL["num_kv_heads"], \
+                MODEL["head_dim"]
+            q = torch.randn(n, hq, d, generator=gen).to(dtype).to(device)
+            out = torch.empty_like(q)
+            ragged = len(set(lens)) > 1
+            mask = (torch.arange(max(lens), device=device)[None, :] <
+                    seq_lens[:, None].long())[:, None, None, :] if ragged else None
+            qg = q.view(n, hkv, hq // hkv, d)
+            t_dense = timer(lambda: F.scaled_dot_product_attention(qg, dk, dv, attn_mask=mask))
+            t_paged = timer(lambda: paged_decode_attention(q, k_cache, v_cache, bt, seq_lens,
+                                                           out=out))
+            kv_bytes = sum(lens) * hkv * d * 2 * q.element_size()
+            row: dict[str, Any] = dict(
+                op="decode", case=name, dtype=str(dtype).replace("torch.", ""),
+                dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
+                paged_GBps=kv_bytes / t_paged / 1e9)
+            if with_reference:
+                t_ref = timer(lambda: paged_decode_attention(q, k_cache, v_cache, bt, seq_lens,
+                                                             backend="reference"))
+                row["reference_ms"] = t_ref * 1e3
+                row["reference_over_paged"] = t_ref / t_paged
+            rows.append(row)
+    return rows
+
+
+def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+    rows = []
+    for name, cached, chunk, num_seqs in cases:
+        for dtype in dtypes:
+            lens = [cached + chunk] * num_seqs
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
+            hq, d = MODEL["num_q_heads"], MODEL["head_dim"]
+            q = torch.randn(num_seqs * chunk, hq, d, generator=gen).to(dtype).to(device)
+            cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * chunk
+            out = torch.empty_like(q)
+            qd = q.view(num_seqs, chunk, hq, d).transpose(1, 2)
+            key_pos = torch.arange(cached + chunk, device=device)
+            allowed = key_pos[None, :] <= cached + torch.arange(chunk, device=device)[:, None]
+            t_dense = timer(lambda: F.scaled_dot_product_attention(
+                qd, dk, dv, attn_mask=allowed, enable_gqa=True))
+            t_paged = timer(lambda: paged_prefill_attention(q, k_cache, v_cache, bt, cu,
+                                                            seq_lens, out=out))
+            pairs = num_seqs * (chunk * cached + chunk * (chunk + 1) // 2)
+            flops = 4 * hq * d * pairs
+            row: dict[str, Any] = dict(
+                op="prefill", case=name, dtype=str(dtype).replace("torch.", ""),
+                dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
+                paged_TFLOPs=flops / t_paged / 1e12, dense_TFLOPs=flops / t_dense / 1e12)
+            if with_reference:
+                t_ref = timer(lambda: paged_prefill_attention(q, k_cache, v_cache, bt, cu,
+                                                              seq_lens, backend="reference"))
+                row["reference_ms"] = t_ref * 1e3
+                row["reference_over_paged"] = t_ref / t_paged
+            rows.append(row)
+    return rows
+
+
+def bench_copies(device, gen, timer, quick: bool) -> list[dict]:
+    """write_kv and copy_blocks GB/s, and a plain tensor copy of the same bytes as baseline."""
+    layers, blocks, bs, hkv, d = (4 if quick else 30), 512, 16, 3, 64
+    dtype = torch.bfloat16
+    pool = torch.randn(layers, 2, blocks, bs, hkv, d, generator=gen).to(dtype).to(device)
+    n = 64
+    src = torch.arange(0, n, device=device)
+    dst = torch.arange(blocks - n, blocks, device=device)
+    block_bytes = pool[:, :, 0].numel() * pool.element_size()
+    t_copy = timer(lambda: copy_blocks(pool, src, dst))
+    flat = pool[:, :, :n].contiguous()
+    flat_dst = torch.empty_like(flat)
+    t_base = timer(lambda: flat_dst.copy_(flat))
+    tokens = 2048
+    key = torch.randn(tokens, hkv, d, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens].to(device)
+    t_write = timer(lambda: write_kv(key, key, pool[0, 0], pool[0, 1], slots))
+    moved = 2 * n * block_bytes
+    written = 2 * 2 * tokens * hkv * d * pool.element_size()
+    return [
+        dict(op="copy_blocks", case=f"{n} blocks x {layers} layers", GBps=moved / t_copy / 1e9,
+             baseline_GBps=moved / t_base / 1e9, ms=t_copy * 1e3),
+        dict(op="write_kv", case=f"{tokens} tokens", GBps=written / t_write / 1e9,
+             ms=t_write * 1e3),
+    ]
+
+
+def bench_device_copy(device, timer) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() / t / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixkv bench kernels", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    header = run_header(seed=args.seed, quick=args.quick, torch_threads=torch.get_num_threads(),
+                        backend="triton" if device.type == "cuda" else "torch", model_shape=MODEL)
+    print(header)
+    timer = _timer(device, args.quick)
+    results: dict[str, Any] = {}
+    if device.type == "cuda":
+        copy_bw = bench_device_copy(device, timer)
+        decode_cases = [("64 x 4096", [4096] * 64), ("8 x 32768", [32768] * 8),
+                        ("1 x 131072", [131072])]
+        prefill_cases = [("1 x (8192 cached + 2048 new)", 8192, 2048, 1),
+                         ("8 x (2048 cached + 512 new)", 2048, 512, 8)]
+        if args.quick:
+            decode_cases, prefill_cases = decode_cases[:1], prefill_cases[1:]
+        dtypes = [torch.bfloat16]
+        decode = bench_decode(decode_cases, dtypes, device, gen, timer, False)
+        for r in decode:
+            r["copy_GBps"] = copy_bw
+            r["fraction_of_copy_bw"] = r["paged_GBps"] / copy_bw
+        prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, False)
+    else:
+        rng = torch.Generator().manual_seed(args.seed + 1)
+        ragged = [int(x) for x in torch.randint(128, 1024, (16,), generator=rng)]
+        decode_cases = [("4 x 64", [64] * 4), ("8 x 1024", [1024] * 8),
+                        ("1 x 4096", [4096]), ("16 ragged 128..1024", ragged)]
+        prefill_cases = [("1 x (1536 cached + 512 new)", 1536, 512, 1),
+                         ("1 x (0 cached + 1024 new)", 0, 1024, 1),
+                         ("4 x (1024 cached + 64 new)", 1024, 64, 4)]
+        if args.quick:
+            decode_cases = [("4 x 64", [64] * 4), ("4 x 512", [512] * 4)]
+            prefill_cases = [("1 x (256 cached + 128 new)", 256, 128, 1)]
+        dtypes = [torch.float32, torch.bfloat16]
+        decode = bench_decode(decode_cases, dtypes, device, gen, timer, True)
+        prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, args.quick)
+    copies = bench_copies(device, gen, timer, args.quick)
+    print_table(decode, title="decode: paged vs dense SDPA on the same K/V")
+    print_table(prefill, title="prefill over a cached prefix: paged vs dense SDPA (same shape)")
+    print_table(copies, title="block copies and KV writes")
+    results.update(decode=decode, prefill=prefill, copies=copies)
+    write_results("kernels", header, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
