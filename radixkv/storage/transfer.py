@@ -149,6 +149,13 @@ class TransferStats:
 _STOP = object()
 
 
+def _as_range(ids: list) -> slice | None:
+    """``slice(a, b)`` when ids are ``a, a+1, ..., b-1`` (a view instead of a gather)."""
+    if ids and all(b == a + 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return None
+
+
 class TransferEngine:
     """Executes batches of moves between ``device``, ``host`` and ``disk`` on a worker thread.
 
@@ -417,9 +424,15 @@ class TransferEngine:
         src = [_key(m.src)[1] for m in moves]
         dst = [_key(m.dst)[1] for m in moves]
         if direction == "device->host":
-            host.write_slots(dst, dev.read_blocks(src).to("cpu"))
+            staged = dev.read_blocks(src, contiguous=False)
+            run = _as_range(dst)
+            if run is not None:  # consecutive slots: one copy (one DMA on a GPU) into place
+                host.blocks[run].copy_(staged, non_blocking=self._cuda)
+            else:
+                host.write_slots(dst, staged)
         elif direction == "host->device":
-            dev.write_blocks(dst, host.read_slots(src))
+            run = _as_range(src)
+            dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_slots(src))
         elif direction == "device->device":
             dev.copy_blocks(src, dst)
         elif direction == "host->host":

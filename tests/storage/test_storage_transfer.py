@@ -105,7 +105,7 @@ def test_exception_in_a_copy_fails_the_group_and_the_worker_lives(tiers, monkeyp
         raise RuntimeError("injected DMA failure")
     monkeypatch.setattr(host, "write_slots", broken)
     monkeypatch.setattr(disk, "put", broken)
-    r = _run(eng, [Move(DeviceBlock(0), HostSlot(0)), Move(DeviceBlock(1), HostSlot(1)),
+    r = _run(eng, [Move(DeviceBlock(0), HostSlot(0)), Move(DeviceBlock(1), HostSlot(2)),
                    Move(HostSlot(5), DiskBlock(os.urandom(16))),
                    Move(DeviceBlock(2), DeviceBlock(3))])
     assert r.ok == (False, False, False, True)
@@ -143,12 +143,12 @@ def test_prepare_validates_and_reserves(tiers):
 def test_poll_complete_and_bounded_queue(tiers):
     dev, host, disk, eng = tiers
     gate = threading.Event()
-    real = host.write_slots
+    real = dev.read_blocks
 
     def slow(*a, **k):
         gate.wait(10)
         return real(*a, **k)
-    host.write_slots = slow
+    dev.read_blocks = slow
     batches = [eng.submit(eng.prepare([Move(DeviceBlock(i), HostSlot(i))])) for i in range(3)]
     assert eng.complete(batches[0]) is None and eng.poll() == []
     with pytest.raises(StorageError):  # worker busy with #0, #1 and #2 queued: depth 2 full
@@ -159,7 +159,7 @@ def test_poll_complete_and_bounded_queue(tiers):
     results = eng.drain()
     assert [r.batch_id for r in results] == [batches[1].id, batches[2].id]
     assert eng.complete(batches[1]) is None  # handed out once
-    host.write_slots = real
+    dev.read_blocks = real
 
 
 def test_tiers_must_share_a_layout(tmp_path, layout):

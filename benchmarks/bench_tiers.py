@@ -1,0 +1,278 @@
+"""How close do the storage tiers come to the raw bandwidth of the same bytes, and how long does
+the disk index take to rebuild at 10^5 blocks?
+
+Three questions, each against a baseline measured in the same run:
+
+1. host<->disk: ``TransferEngine`` moves (HostSlot <-> DiskBlock through ``DiskStore``: header,
+   checksums, temp file + rename) vs plain file I/O of the same bytes (one ``open/write/close``
+   per block, and one big slab file), warm (page cache) and cold (``fadvise(DONTNEED)`` before
+   reading). Target: >= 70% of raw per-file I/O.
+2. device<->host: ``TransferEngine`` moves (DeviceBlock <-> HostSlot: gather/scatter + copy) vs a
+   single contiguous ``torch`` copy of the same number of bytes between the same devices.
+3. index rebuild: ``DiskStore.scan()`` over 10^5 block files (headers only) vs a bare
+   ``listdir + open + pread + close`` of the same files.
+
+Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s). The hit-rate part of the
+tiers benchmark (ShareGPT, tier capacities vs an infinite cache) needs the tree and lands later.
+
+    radixkv bench tiers [--blocks N] [--rebuild-blocks N] [--quick] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixkv.benchmarks._common import print_table, run_header, time_median, write_results
+from radixkv.storage.buffers import byte_view
+from radixkv.storage.device import DevicePool, default_device
+from radixkv.storage.disk import DiskStore
+from radixkv.storage.host import HostPool
+from radixkv.storage.layout import KVLayout
+from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+
+# SmolLM2-135M (the embedded model) in fp32, 16-token blocks: 720 KiB per block
+SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+# for the rebuild: the header is what a scan reads, so a small payload keeps 10^5 files cheap
+TINY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=16, dtype="float16")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _evict_page_cache(paths: list[Path]) -> None:
+    """Drop the page-cache pages of these files only (flushing them first), so the next read
+    comes from the device; other processes' caches are left alone."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _run_batch(eng: TransferEngine, moves: list[Move]) -> None:
+    result = eng.wait(eng.submit(eng.prepare(moves)))
+    assert result is not None and result.all_ok, result and result.errors[:3]
+
+
+def _median_with_setup(fn, setup, repeat: int) -> float:
+    """Median seconds of fn() over ``repeat`` runs (after one warm-up), setup() untimed."""
+    samples = []
+    for i in range(repeat + 1):
+        setup()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
+    """host->disk (fsync none / data) and disk->host (warm / cold), store vs raw files/slab."""
+    lay = SMOLLM2
+    host = HostPool(lay, n)
+    host.blocks.normal_()
+    nbytes = n * lay.bytes_per_block
+    hashes = [os.urandom(16) for _ in range(n)]
+    raw_dir = root / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    raw_files = [raw_dir / f"{i}.bin" for i in range(n)]
+    rows: list[dict[str, Any]] = []
+    tokens = tuple(range(lay.block_size))
+
+    for fsync in (False, "data"):
+        store = DiskStore(root / "store", lay, lay.fingerprint("bench"), fsync=fsync, scan=False)
+        eng = TransferEngine(host=host, disk=store, io_threads=4)
+
+        def clear() -> None:  # untimed: every timed write creates fresh files
+            for h in hashes:
+                store.remove(h)
+            for p in raw_dir.iterdir():
+                p.unlink()
+
+        def engine_write() -> None:
+            _run_batch(eng, [Move(HostSlot(i), DiskBlock(hashes[i], None, tokens))
+                             for i in range(n)])
+
+        def raw_files_write() -> None:
+            for i in range(n):
+                fd = os.open(raw_files[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.write(fd, byte_view(host.blocks[i]))
+                if fsync:
+                    os.fdatasync(fd)
+                os.close(fd)
+
+        def raw_slab_write() -> None:
+            fd = os.open(raw_dir / "slab.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            view, off = byte_view(host.blocks), 0
+            while off < len(view):
+                off += os.write(fd, view[off:off + (64 << 20)])
+            if fsync:
+                os.fdatasync(fd)
+            os.close(fd)
+
+        for name, fn in [("raw files", raw_files_write), ("raw slab", raw_slab_write),
+                         ("DiskStore+engine", engine_write)]:
+            t = _median_with_setup(fn, clear, repeat)
+            rows.append({"direction": "host->disk", "mode": f"fsync={fsync or 'none'}",
+                         "path": name, "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+        eng.close()
+
+    # reads: the files of the last write round (engine) stay; the raw ones are rewritten
+    assert all(store.put(h, None, tokens, host.blocks[i]) for i, h in enumerate(hashes))
+    raw_files_write()
+    raw_slab_write()
+    dst = HostPool(lay, n)
+    eng = TransferEngine(host=dst, disk=store, io_threads=4)
+
+    def engine_read() -> None:
+        _run_batch(eng, [Move(DiskBlock(hashes[i]), HostSlot(i)) for i in range(n)])
+
+    def raw_files_read() -> None:
+        for i in range(n):
+            with open(raw_files[i], "rb", buffering=0) as f:
+                f.readinto(byte_view(dst.blocks[i]))
+
+    def raw_slab_read() -> None:
+        with open(raw_dir / "slab.bin", "rb", buffering=0) as f:
+            f.readinto(byte_view(dst.blocks))
+
+    for cold in (False, True):
+        for name, fn, files in [("raw files", raw_files_read, raw_files),
+                                ("raw slab", raw_slab_read, [raw_dir / "slab.bin"]),
+                                ("DiskStore+engine", engine_read,
+                                 [store.path_of(h) for h in hashes])]:
+            t = _median_with_setup(fn, (lambda f=files: _evict_page_cache(f)) if cold
+                                   else (lambda: None), repeat)
+            rows.append({"direction": "disk->host", "mode": "cold" if cold else "warm",
+                         "path": name, "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+    assert torch.equal(dst.blocks, host.blocks), "bytes read back differ from bytes written"
+    eng.close()
+    return rows
+
+
+def bench_device_host(n: int, repeat: int) -> list[dict[str, Any]]:
+    lay = SMOLLM2
+    dev = DevicePool(lay, n, device=default_device())
+    dev.kv_cache.normal_()
+    host = HostPool(lay, n)
+    nbytes = n * lay.bytes_per_block
+    eng = TransferEngine(device=dev, host=host)
+    src_flat = torch.empty(nbytes // lay.element_size, dtype=dev.kv_cache.dtype,
+                           device=dev.device).normal_()
+    dst_flat = torch.empty_like(src_flat, device="cpu", pin_memory=host.pinned)
+    sync = torch.cuda.synchronize if dev.device.type == "cuda" else (lambda: None)
+    ids = list(range(n))
+    # scattered ids: what a real demotion looks like (every other block, then the rest)
+    scattered = ids[::2] + ids[1::2]
+    rows = []
+
+    def torch_d2h() -> None:
+        dst_flat.copy_(src_flat, non_blocking=False)
+        sync()
+
+    def torch_h2d() -> None:
+        src_flat.copy_(dst_flat, non_blocking=host.pinned)
+        sync()
+
+    cases = [
+        ("device->host", "torch copy", torch_d2h),
+        ("device->host", "engine", lambda: _run_batch(
+            eng, [Move(DeviceBlock(b), HostSlot(i)) for i, b in enumerate(scattered)])),
+        ("host->device", "torch copy", torch_h2d),
+        ("host->device", "engine", lambda: _run_batch(
+            eng, [Move(HostSlot(i), DeviceBlock(b)) for i, b in enumerate(scattered)])),
+    ]
+    for direction, name, fn in cases:
+        t = time_median(fn, repeat=repeat, warmup=1)
+        rows.append({"direction": direction, "mode": str(dev.device), "path": name,
+                     "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+    eng.close()
+    return rows
+
+
+def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
+    lay = TINY
+    ns = lay.fingerprint("bench-rebuild")
+    store = DiskStore(root / "rebuild", lay, ns, scan=False)
+    block = torch.randn(lay.block_shape).to(torch.float16)
+    t0 = time.perf_counter()
+    parent = None
+    for i in range(n):
+        h = i.to_bytes(16, "little")
+        assert store.put(h, parent, range(i * 16, i * 16 + 16), block)
+        parent = h if i % 64 else None  # chains of 64 blocks
+    t_fill = time.perf_counter() - t0
+    paths = [store.path_of(i.to_bytes(16, "little")) for i in range(n)]
+    hl = store._header_len
+
+    def bare() -> None:
+        for sub in os.listdir(store.dir):
+            d = store.dir / sub
+            for name in os.listdir(d):
+                fd = os.open(d / name, os.O_RDONLY)
+                os.pread(fd, hl, 0)
+                os.close(fd)
+
+    rows = [{"what": "fill (put)", "blocks": n, "threads": 1, "s": t_fill,
+             "us/block": t_fill / n * 1e6}]
+    t = time_median(bare, repeat=3, warmup=1)
+    rows.append({"what": "bare listdir+open+pread", "blocks": n, "threads": 1, "s": t,
+                 "us/block": t / n * 1e6})
+    for threads in (1, 4, 8):
+        fresh = DiskStore(root / "rebuild", lay, ns, scan=False, scan_threads=threads)
+        reports = []
+        t = time_median(lambda: reports.append(fresh.scan()), repeat=3, warmup=1)
+        assert len(reports[-1].entries) == n and reports[-1].corrupt == 0
+        rows.append({"what": "DiskStore.scan", "blocks": n, "threads": threads, "s": t,
+                     "us/block": t / n * 1e6})
+    del paths
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="radixkv bench tiers", description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=256, help="blocks per bandwidth batch (720 KiB each)")
+    ap.add_argument("--rebuild-blocks", type=int, default=100_000)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
+                                                "temporary directory under $TMPDIR)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
+    root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
+    header = run_header(seed=None, blocks=args.blocks, rebuild_blocks=args.rebuild_blocks,
+                        block_bytes=SMOLLM2.bytes_per_block, dir=str(root))
+    print("radixkv bench tiers", header)
+    try:
+        bw = bench_host_disk(root, args.blocks, args.repeat)
+        bw += bench_device_host(args.blocks, args.repeat)
+        for r in bw:
+            base = next(b for b in bw if b["direction"] == r["direction"]
+                        and b["mode"] == r["mode"] and b["path"] in ("raw files", "torch copy"))
+            r["vs raw"] = r["GB/s"] / base["GB/s"]
+        print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "vs raw"],
+                    title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
+        rb = bench_rebuild(root, args.rebuild_blocks)
+        print_table(rb, title=f"disk index rebuild, {args.rebuild_blocks} block files")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_results("tiers_quick" if args.quick else "tiers", header,
+                  {"bandwidth": bw, "rebuild": rb})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
