@@ -14,7 +14,6 @@ import copy
 import pytest
 import torch
 
-from radixkv import kernels
 from radixkv.engine import attention
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout, sliding_window
@@ -25,45 +24,6 @@ from radixkv.errors import (
 
 ATOL = RTOL = 1e-4
 ARCHS = ["llama", "qwen2", "mistral", "llama_hd32"]
-
-
-# -- a private torch reference, used only until radixkv.kernels provides the real ones --------
-
-def _ref_write_kv(key, value, k_cache, v_cache, slot_mapping):
-    keep = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = key[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = value[keep]
-
-
-def _ref_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None):
-    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    scale = d ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    for s in range(seq_lens.shape[0]):
-        q0, q1, n_kv = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]), int(seq_lens[s])
-        pos = torch.arange(n_kv)
-        slots = block_tables[s].long()[pos // bs] * bs + pos % bs
-        k = k_cache.reshape(-1, hkv, d)[slots].repeat_interleave(q.shape[1] // hkv, 1)
-        v = v_cache.reshape(-1, hkv, d)[slots].repeat_interleave(q.shape[1] // hkv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * scale
-        q_pos = torch.arange(n_kv - (q1 - q0), n_kv)
-        scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
-    return out
-
-
-def _ref_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None):
-    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return _ref_prefill(q, k_cache, v_cache, block_tables, cu, seq_lens, scale=scale)
-
-
-@pytest.fixture(autouse=True)
-def _kernels_or_reference(monkeypatch):
-    """Use radixkv.kernels where it exists; otherwise this file's reference."""
-    for name, ref in [("write_kv", _ref_write_kv), ("paged_prefill_attention", _ref_prefill),
-                      ("paged_decode_attention", _ref_decode)]:
-        if not hasattr(kernels, name):
-            monkeypatch.setattr(kernels, name, ref, raising=False)
 
 
 # -- helpers ------------------------------------------------------------------------------
