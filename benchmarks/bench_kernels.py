@@ -50,8 +50,8 @@ def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, he
     dense_v = torch.zeros_like(dense_k)
     for s, n in enumerate(lens):
         ids = bt[s, :nbs[s]].long()
-        dense_k[s] = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
-        dense_v[s] = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
+        dense_k[s, :, :n] = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
+        dense_v[s, :, :n] = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, bt, seq_lens, dense_k, dense_v
 
