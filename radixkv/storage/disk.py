@@ -407,6 +407,14 @@ class DiskStore:
             self._stats.removed += 1
         return True
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the numbers, if the index disagrees with itself."""
+        with self._lock:
+            total = sum(e.num_bytes for e in self._index.values())
+            assert total == self._bytes_used, f"bytes_used {self._bytes_used} != {total} indexed"
+            bad = [h for h, e in self._index.items() if e.block_hash != h]
+            assert not bad, f"{len(bad)} index keys differ from their entries' hashes"
+
     def stats(self) -> DiskStats:
         """A snapshot of the counters."""
         with self._lock:

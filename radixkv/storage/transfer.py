@@ -328,6 +328,17 @@ class TransferEngine:
         with self._cond:
             return len(self._batches)
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the numbers, unless the reservations are exactly those of
+        the batches prepared, queued or finished-but-uncollected."""
+        with self._cond:
+            live = [b for b in self._batches.values() if b.state != "aborted"]
+            reads = Counter(_key(m.src) for b in live for m in b.moves)
+            writes = {_key(m.dst) for b in live for m in b.moves}
+            assert reads == self._reads, f"read reservations {dict(self._reads)} != {dict(reads)}"
+            assert writes == self._writes, f"write reservations {len(self._writes)} != " \
+                                           f"{len(writes)} of {len(live)} live batches"
+
     def stats(self) -> TransferStats:
         """A snapshot of the counters."""
         with self._cond:
@@ -450,7 +461,9 @@ class TransferEngine:
                                  pin_memory=self._cuda)
             res = self._gets(moves, list(staged))
             good = [i for i, r in enumerate(res) if r is None]
-            if good:
+            if len(good) == len(moves):
+                dev.write_blocks(dst, staged)  # pinned staging: an asynchronous DMA on a GPU
+            elif good:
                 dev.write_blocks([dst[i] for i in good], staged[good])
             return res
         else:

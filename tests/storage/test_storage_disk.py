@@ -60,6 +60,7 @@ def test_index_contains_remove_and_bytes_used(store, make_block, layout):
     assert store.put(hashes[1], None, (4, 5, 6, 7), make_block(1))  # already there: skipped
     s = store.stats()
     assert (s.puts, s.put_existing, s.removed, s.misses) == (5, 1, 1, 1)
+    store.check_invariants()
 
 
 def test_put_rejects_caller_bugs(store, layout):
@@ -396,6 +397,7 @@ def test_threads_reading_writing_removing_never_see_wrong_bytes(store, make_bloc
     for t in threads:
         t.join()
     assert wrong == [] and served[0] > 50
+    store.check_invariants()
     assert store.stats().corrupt == 0 and store.stats().put_failures == 0
     assert not list(store.dir.rglob("*.tmp"))
     on_disk = {e.block_hash for e in DiskStore(store.root, store.layout, store.namespace)

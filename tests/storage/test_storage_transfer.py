@@ -29,8 +29,10 @@ def tiers(tmp_path, layout, namespace):
 
 def _run(eng, moves):
     batch = eng.submit(eng.prepare(moves))
+    eng.check_invariants()
     result = eng.wait(batch, timeout=30)
     assert result is not None, "batch did not finish"
+    eng.check_invariants()
     return result
 
 
@@ -134,7 +136,9 @@ def test_prepare_validates_and_reserves(tiers):
     with pytest.raises(InvalidBlockError):
         eng.prepare([Move(HostSlot(3), DeviceBlock(0))])             # overwrites a source
     b = eng.prepare([Move(DeviceBlock(0), HostSlot(1))])             # shared read: fine
+    eng.check_invariants()
     eng.abort(b)
+    eng.check_invariants()
     eng.submit(a)
     assert eng.wait(a).all_ok and eng.in_flight == 0
     eng.prepare([Move(HostSlot(0), DeviceBlock(4))])                 # released
