@@ -12,8 +12,8 @@ replies at that block size), never below the largest single request. Each replay
     radixkv bench hit-rate [--trace chat|rag|system|sampling] [--quick] [--jobs N]
     radixkv bench hit-rate --plot-only          # redraw docs/img from the committed JSON
 
-Writes ``benchmarks/results/hit_rate_<trace>[_quick].json`` and (unless --no-plots) PNGs under
-``docs/img/``.
+Writes ``benchmarks/results/hit_rate_<trace>[_quick].json`` and, for full runs (unless
+--no-plots), PNGs under ``docs/img/``.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                     default=[8, 16, 32, 64])
     ap.add_argument("--policies", type=lambda s: s.split(","), default=None)
     ap.add_argument("--no-tiers", action="store_true")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true",
+                    help="skip the PNGs (a --quick run never draws them)")
     ap.add_argument("--plot-only", action="store_true",
                     help="only redraw the PNGs from the JSON results")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     header["wall_s"] = round(time.perf_counter() - t_start, 1)
     path = write_results(name, header, {"bounds": list(bounds.values()), "replays": results,
                                         "targets": summary})
-    if not args.no_plots:
+    if not (args.no_plots or args.quick):
         plot(path)
     return 0
 
