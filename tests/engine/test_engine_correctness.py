@@ -323,3 +323,50 @@ def test_config_errors(hf_llama):
                     EngineConfig(), "tiny")
     # 3 layers x 2 x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 12 KiB per block
     assert eng.block_manager.pool.num_blocks == (1 << 20) // (3 * 2 * 16 * 2 * 16 * 4)
+
+
+# ----------------------------------------------------------------------------- embedded model
+
+@pytest.fixture(scope="module")
+def smol():
+    from radixkv.models import load_model, load_tokenizer
+
+    tok = load_tokenizer()
+    model = load_model()  # one copy (loading is the slow part): the reference toggles sdpa
+    eng = LLMEngine(model, tok, CacheConfig(num_device_blocks=256),
+                    EngineConfig(max_num_seqs=4), model_id="SmolLM2-135M-Instruct")
+    return model, tok, eng
+
+
+def _hf_sdpa(model, prompt, max_new):
+    """transformers' generate on the engine's own model object, with its sdpa attention."""
+    from radixkv.engine.attention import ATTN_IMPLEMENTATION
+
+    model.set_attn_implementation("sdpa")
+    try:
+        return _hf(model, prompt, max_new)
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+@pytest.mark.model
+def test_embedded_model_greedy_and_two_turn_chat_hits_cache(smol):
+    hf, tok, eng = smol
+    msgs = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name three primary colors."}]
+    p1 = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    p1 = list(p1["input_ids"] if isinstance(p1, dict) or hasattr(p1, "keys") else p1)
+    r1 = _run(eng, [("t1", p1, SamplingParams(max_tokens=16))])["t1"]
+    assert r1.outputs[0].token_ids == _hf_sdpa(hf, p1, 16)
+    assert r1.num_cached_tokens == 0 and r1.outputs[0].text
+    # Turn 2 at the token level: history + reply ids + the next user message.
+    nxt = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "x"},
+                                          {"role": "user", "content": "And secondary?"}],
+                                  add_generation_prompt=True)
+    nxt = list(nxt["input_ids"] if hasattr(nxt, "keys") else nxt)
+    tail = nxt[nxt.index(tok.convert_tokens_to_ids("<|im_end|>"), len(p1)):]
+    p2 = p1 + r1.outputs[0].token_ids + tail
+    r2 = _run(eng, [("t2", p2, SamplingParams(max_tokens=16))])["t2"]
+    assert r2.num_cached_tokens >= (len(p1) + len(r1.outputs[0].token_ids) - 1) // 16 * 16
+    assert r2.outputs[0].token_ids == _hf_sdpa(hf, p2, 16)
+    assert eng.stats()["hit_rate"] > 0.4
