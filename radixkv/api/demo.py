@@ -75,7 +75,8 @@ def _fmt_row(row: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def print_rows(rows: Iterable[dict[str, Any]], file: TextIO = sys.stdout) -> None:
+def print_rows(rows: Iterable[dict[str, Any]], file: TextIO | None = None) -> None:
+    file = file or sys.stdout
     cells = [_fmt_row(r) for r in rows]
     widths = {c: max(len(c), *(len(r[c]) for r in cells)) for c in COLUMNS}
     print("  ".join(c.ljust(widths[c]) for c in COLUMNS), file=file)
