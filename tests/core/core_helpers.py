@@ -1,0 +1,86 @@
+"""Shared helpers of the core property tests (imported by the test modules and conftest.py).
+
+``snapshot_manager`` / ``snapshot_tree`` / ``snapshot_pool`` capture *every* piece of state a
+failed operation could corrupt (block tables, refcounts, free list order, the tree index with
+parents/tiers/slots/child counts/access stamps, evictable sets, residency, hints), as plain
+values, so a test can assert that an operation that raised changed nothing.
+"""
+
+from __future__ import annotations
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.pool import BlockPool
+from radixkv.core.tree import RadixTree
+
+
+class FakeClock:
+    """A deterministic monotonic clock: time moves only when a test calls ``advance``."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float = 1.0) -> float:
+        assert seconds >= 0
+        self.now += seconds
+        return self.now
+
+
+class StepCounter:
+    """Counts state-machine steps across the session (reported in the terminal summary)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+        self.programs: dict[str, int] = {}
+
+    def step(self, name: str) -> None:
+        self.steps[name] = self.steps.get(name, 0) + 1
+
+    def program(self, name: str) -> None:
+        self.programs[name] = self.programs.get(name, 0) + 1
+
+
+STEPS = StepCounter()
+
+
+def snapshot_pool(pool: BlockPool) -> tuple:
+    return (pool.num_blocks, tuple(pool.ref_counts), tuple(pool._free), bytes(pool._is_free))
+
+
+def snapshot_tree(tree: RadixTree) -> tuple:
+    nodes = tuple(sorted(
+        (h, None if n.parent is None else n.parent.block_hash, n.tokens, n.tier, n.slot,
+         n.children, n.last_access, n.hits)
+        for h, n in tree._index.items()))
+    return (
+        nodes,
+        tuple(tuple(e) for e in tree._evictable),
+        tuple(tree._resident),
+        tree._unreferenced,
+        tuple(None if n is None else n.block_hash for n in tree._device_nodes),
+        tuple(sorted(tree._hints.items())),
+        tuple(snapshot_pool(p) for p in tree._pools),
+    )
+
+
+def snapshot_manager(bm: BlockManager) -> tuple:
+    seqs = tuple(sorted(
+        ((repr(sid), tuple(s.tokens), tuple(s.blocks), tuple(s.hashes),
+          tuple(n.block_hash for n in s.nodes), s.num_computed, s.seed)
+         for sid, s in bm._seqs.items())))
+    return (seqs, snapshot_tree(bm.tree))
+
+
+def assert_unchanged(before: tuple, after: tuple, what: str) -> None:
+    """Fail with the first differing component (readable for big snapshots)."""
+    if before == after:
+        return
+    def diff(a, b, path):
+        if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    return diff(x, y, f"{path}[{i}]")
+        return f"{path}: {a!r} -> {b!r}"
+    raise AssertionError(f"{what} raised but changed state at {diff(before, after, 'state')}")

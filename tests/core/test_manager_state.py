@@ -1,0 +1,376 @@
+"""Model-based test of BlockManager (with 1, 2 and 3 tiers) and of the KV *content* it implies.
+
+Beside the real manager runs a naive model: the live sequences' token lists, and a content map
+``(tier, slot) -> [payload per token position]`` standing in for the KV bytes of each device
+block, host slot and disk slot. The payload of position ``p`` of a sequence is
+``(namespace seed, tokens[:p+1])`` (KV depends on the namespace and on every earlier token).
+The test does what the engine and storage layer would do with every result: it executes each
+``MoveOp`` (demotion, promotion, drop) in order, then each ``CopyOp``, then writes the new
+tokens' payloads into the slots it was given, asserting that it never writes into a block
+whose refcount is > 1. After every step it checks that every position of every live sequence
+reads back exactly its own payload through the block table, and that every cached block in
+every tier holds exactly the payload of its prefix: a wrong-block serve, a write into a shared
+block, a reference lost or a move executed in the wrong order all show up as wrong content.
+
+Operations that must raise (unknown or freed sequence, existing id, bad tokens, bad commit
+range, OutOfBlocks) are run with a snapshot of the whole state before and after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import hypothesis.strategies as st
+import pytest
+from core_helpers import STEPS, FakeClock, assert_unchanged, snapshot_manager
+from hypothesis import settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, invariant, precondition, rule,
+)
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace, hash_token_blocks
+from radixkv.core.tree import DEVICE, MoveOp
+from radixkv.errors import (
+    InvalidTokensError, OutOfBlocks, RadixKVError, SequenceExistsError, UnknownSequenceError,
+)
+
+B = 2
+NAMESPACES = [Namespace("m"), Namespace("m", cache_salt="t2"), Namespace("m2")]
+PREFIXES = [[], [0, 1, 0, 1], [1, 1, 2, 2, 0, 0], [2, 2, 2]]
+ALPHABET = st.integers(0, 2)
+# Few distinct prompts, so that identical and overlapping requests (hits, duplicates computed
+# concurrently, dedupe on commit) are common.
+PROMPTS = st.builds(lambda p, tail: p + tail, st.sampled_from(PREFIXES),
+                    st.lists(st.integers(0, 1), max_size=3)).filter(bool)
+BAD_TOKENS = st.sampled_from([[], [-1], [1, -3], [2**31], [1.5], ["a"], "abc", b"\x01", [None],
+                              [1, 2**40]])
+
+
+@dataclass
+class MSeq:
+    tokens: list[int]
+    ns: Namespace
+    computed: int      # what we told the manager with commit()
+    cached: int = 0    # leading blocks committed into the tree (the manager's s.nodes)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    num_tiers = 1
+
+    @initialize(dev=st.integers(3, 10), low=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+                policy=st.sampled_from(["lru", "lfu", "priority", "ttl"]))
+    def setup(self, dev, low, policy) -> None:
+        self.name = f"manager[{self.num_tiers} tiers]"
+        STEPS.program(self.name)
+        self.clock = FakeClock()
+        self.caps = [dev, *low[:self.num_tiers - 1]]
+        self.bm = BlockManager.create(dev, block_size=B, policy=policy,
+                                      lower_tier_blocks=self.caps[1:], clock=self.clock)
+        self.tree, self.pool = self.bm.tree, self.bm.pool
+        self.seqs: dict[int, MSeq] = {}
+        self.freed: list[int] = []
+        self.next_id = 0
+        self.content: dict[tuple[int, int], list] = {}
+        self.hash_content: dict[bytes, list] = {}
+        self.prompts: list[tuple[list[int], Namespace]] = []
+
+    # ------------------------------------------------------------------ model helpers
+    @staticmethod
+    def payload(ns: Namespace, tokens: list[int], p: int) -> tuple:
+        return (ns.seed, tuple(tokens[:p + 1]))
+
+    def block_payload(self, ns: Namespace, tokens: list[int], i: int) -> list:
+        return [self.payload(ns, tokens, p) for p in range(i * B, (i + 1) * B)]
+
+    def held(self) -> set[int]:
+        return {b for sid in self.seqs for b in self.bm.block_table(sid)}
+
+    def run_moves(self, moves, held_before: set[int]) -> None:
+        for op in moves:
+            assert isinstance(op, MoveOp)
+            src = (op.src_tier, op.src_slot)
+            if op.src_tier == DEVICE:
+                assert op.src_slot not in held_before, (
+                    f"{op}: evicted device block {op.src_slot} is referenced by a live sequence")
+            assert self.content.get(src) == self.hash_content.get(op.block_hash), (
+                f"{op}: source holds {self.content.get(src)}, "
+                f"expected {self.hash_content.get(op.block_hash)}")
+            if op.dst_tier is not None:
+                self.content[(op.dst_tier, op.dst_slot)] = list(self.content[src])
+
+    def write(self, sid: int, p: int, block: int) -> None:
+        s = self.seqs[sid]
+        refs = self.pool.ref_counts[block]
+        assert refs == 1, f"seq {sid} writes position {p} into block {block} with refcount {refs}"
+        self.content.setdefault((DEVICE, block), [None] * B)[p % B] = self.payload(s.ns, s.tokens, p)
+
+    def raises(self, exc, fn, *args):
+        before = snapshot_manager(self.bm)
+        with pytest.raises(exc) as info:
+            fn(*args)
+        assert_unchanged(before, snapshot_manager(self.bm), f"{fn.__name__}{args!r}")
+        assert isinstance(info.value, RadixKVError) and str(info.value)
+        return info.value
+
+    def evictable_device_blocks(self, exclude=()) -> int:
+        """Cached device blocks no live table holds (counted from the outside)."""
+        held = self.held()
+        return sum(1 for b in range(self.pool.num_blocks)
+                   if self.tree.device_node(b) is not None and b not in held and b not in exclude)
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    # ------------------------------------------------------------------ rules
+    @rule(tokens=PROMPTS, ns=st.sampled_from(NAMESPACES), commit=st.booleans(), data=st.data())
+    def allocate(self, tokens, ns, commit, data) -> None:
+        STEPS.step(self.name)
+        if self.prompts and data.draw(st.booleans(), label="repeat a live prompt"):
+            # the same request again while the first is live: duplicates computed concurrently
+            tokens, ns = data.draw(st.sampled_from(self.prompts))
+        self.prompts.append((list(tokens), ns))
+        sid = self.new_id()
+        n = len(tokens)
+        hashes = hash_token_blocks(tokens, B, ns)[:(n - 1) // B]
+        matched = self.tree.match(hashes, bytes(0) if not hashes else
+                                  b"".join(x.to_bytes(4, "little") for x in tokens))
+        on_dev = [x for x in matched if x.tier == DEVICE]
+        need = -(-n // B) - len(on_dev)
+        avail = self.pool.num_free + self.evictable_device_blocks({x.slot for x in on_dev})
+        assert self.bm.can_allocate(tokens, ns) == (need <= avail)
+        if need > avail:
+            err = self.raises(OutOfBlocks, self.bm.allocate, sid, tokens, ns)
+            assert err.needed == need
+            return
+        held_before = self.held()
+        a = self.bm.allocate(sid, tokens, ns)
+        assert a.seq_id == sid and len(a.block_ids) == -(-n // B)
+        assert a.num_cached_tokens % B == 0 and a.num_cached_tokens <= len(matched) * B
+        assert sum(a.cached_tokens_per_tier) == a.num_cached_tokens
+        assert a.cached_tokens_per_tier[DEVICE] == len(on_dev) * B
+        assert list(a.block_ids) == self.bm.block_table(sid)
+        self.seqs[sid] = MSeq(list(tokens), ns, a.num_cached_tokens, a.num_cached_tokens // B)
+        self.run_moves(a.moves, held_before)
+        # the served prefix must already hold exactly this request's KV
+        for p in range(a.num_cached_tokens):
+            got = self.content.get((DEVICE, a.block_ids[p // B]), [None] * B)[p % B]
+            assert got == self.payload(ns, tokens, p), f"cached position {p} serves {got}"
+        for p in range(a.num_cached_tokens, n):       # the prefill of the rest
+            self.write(sid, p, a.block_ids[p // B])
+        if commit:
+            self._commit(sid, n)
+
+    def _commit(self, sid: int, k: int) -> None:
+        s = self.seqs[sid]
+        hashes = hash_token_blocks(s.tokens, B, s.ns)[:k // B]
+        # Expected: every full computed block joins the tree, except that a chain stops at a
+        # block the tree already caches elsewhere on the device while a fork sibling still
+        # shares our duplicate (dedupe would leave the sibling holding a child without its
+        # parent; regression of core bug 1, see test_known_bugs.py).
+        table, refs = self.bm.block_table(sid), self.pool.ref_counts
+        stop = len(hashes)
+        for i in range(s.cached, len(hashes)):
+            node = self.tree.get(hashes[i])
+            if node is not None and node.tier == DEVICE and node.slot != table[i] \
+                    and refs[table[i]] > 1:
+                stop = i
+                break
+        self.bm.commit(sid, k)
+        s.computed = k
+        s.cached = max(s.cached, stop)
+        for i, h in enumerate(hashes[:s.cached]):
+            self.hash_content[h] = self.block_payload(s.ns, s.tokens, i)
+            node = self.tree.get(h)
+            # matching after insert: every committed block is cached, on the device, in the table
+            assert node is not None and node.tier == DEVICE, f"committed block {i} of {sid} missing"
+            assert self.bm.block_table(sid)[i] == node.slot
+        assert len(self.bm._seqs[sid].nodes) == s.cached
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        s = self.seqs[sid]
+        self._commit(sid, data.draw(st.integers(s.computed, len(s.tokens))))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), token=ALPHABET, commit=st.booleans())
+    def append(self, data, token, commit) -> None:
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._append(sid, token)
+        if commit:
+            self._commit(sid, len(self.seqs[sid].tokens))
+
+    def _append(self, sid: int, token: int) -> bool:
+        s = self.seqs[sid]
+        table = self.bm.block_table(sid)
+        pos = len(s.tokens)
+        needs_block = pos % B == 0 or self.pool.ref_counts[table[-1]] > 1
+        assert self.bm.blocks_needed_to_append(sid) == int(needs_block)
+        if needs_block and self.pool.num_free + self.evictable_device_blocks() == 0:
+            self.raises(OutOfBlocks, self.bm.append_slot, sid, token)
+            return False
+        held_before = self.held()
+        r = self.bm.append_slot(sid, token)
+        s.tokens.append(token)
+        new_table = self.bm.block_table(sid)
+        assert r.slot // B == new_table[-1] and r.slot % B == pos % B, (r, new_table)
+        self.run_moves(r.moves, held_before)
+        if r.copy is not None:
+            assert pos % B and r.copy.src == table[-1] and r.copy.dst == new_table[-1]
+            assert self.pool.ref_counts[r.copy.dst] == 1
+            self.content[(DEVICE, r.copy.dst)] = list(self.content[(DEVICE, r.copy.src)])
+        else:
+            assert not (pos % B) or new_table == table
+        self.write(sid, pos, r.slot // B)
+        return True
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        child = self.new_id()
+        self.bm.fork(sid, child)
+        p = self.seqs[sid]
+        self.seqs[child] = MSeq(list(p.tokens), p.ns, p.computed, p.cached)
+        assert self.bm.block_table(child) == self.bm.block_table(sid)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._free(sid)
+
+    def _free(self, sid: int) -> None:
+        s = self.seqs.pop(sid)
+        self.bm.free(sid)
+        self.freed.append(sid)
+        # its committed blocks stay cached (nothing was evicted by a free)
+        hashes = hash_token_blocks(s.tokens, B, s.ns)[:s.computed // B]
+        got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in s.tokens))
+        assert len(got) >= s.cached, f"freed seq {sid}: {len(got)}/{s.cached} blocks cached"
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), width=st.integers(2, 3), tokens=st.lists(ALPHABET, min_size=3, max_size=3))
+    def beam_step(self, data, width, tokens) -> None:
+        """One beam-search step: fork the survivor into ``width`` beams, free the old beam,
+        each beam appends its own token and commits; then the worst beam is dropped."""
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        beams = []
+        for _ in range(width):
+            c = self.new_id()
+            self.bm.fork(sid, c)
+            p = self.seqs[sid]
+            self.seqs[c] = MSeq(list(p.tokens), p.ns, p.computed, p.cached)
+            beams.append(c)
+        self._free(sid)
+        for c, t in zip(beams, tokens):
+            if self._append(c, t):
+                self._commit(c, len(self.seqs[c].tokens))
+        self._free(beams[data.draw(st.integers(0, width - 1))])
+
+    @rule(dt=st.sampled_from([0.0, 1.0, 400.0]))
+    def tick(self, dt) -> None:
+        self.clock.advance(dt)
+
+    @precondition(lambda self: self.tree.num_tiers > 0)
+    @rule(tokens=PROMPTS, ns=st.sampled_from(NAMESPACES))
+    def probe(self, tokens, ns) -> None:
+        """Query only: matching serves exactly this namespace's content, changes nothing."""
+        STEPS.step(self.name)
+        before = snapshot_manager(self.bm)
+        self.bm.can_allocate(tokens, ns)
+        hashes = hash_token_blocks(tokens, B, ns)
+        got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in tokens))
+        assert_unchanged(before, snapshot_manager(self.bm), "probe")
+        for i, node in enumerate(got):
+            assert self.content.get((node.tier, node.slot)) == self.block_payload(ns, tokens, i), (
+                f"match serves wrong content for block {i} ({node})")
+
+    @rule(data=st.data(), kind=st.sampled_from(["unknown", "freed"]),
+          op=st.sampled_from(["append", "fork", "free", "commit", "table"]))
+    def unknown_sequence(self, data, kind, op) -> None:
+        STEPS.step(self.name)
+        sid = 10**6 + self.next_id if kind == "unknown" or not self.freed else \
+            data.draw(st.sampled_from(self.freed))
+        fn, args = {"append": (self.bm.append_slot, (sid, 1)),
+                    "fork": (self.bm.fork, (sid, 10**7)),
+                    "free": (self.bm.free, (sid,)),
+                    "commit": (self.bm.commit, (sid, 0)),
+                    "table": (self.bm.block_table, (sid,))}[op]
+        err = self.raises(UnknownSequenceError, fn, *args)
+        assert repr(sid) in str(err)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tokens=PROMPTS)
+    def existing_id(self, data, tokens) -> None:
+        STEPS.step(self.name)
+        a, b = data.draw(st.sampled_from(sorted(self.seqs))), data.draw(st.sampled_from(sorted(self.seqs)))
+        self.raises(SequenceExistsError, self.bm.allocate, a, tokens, NAMESPACES[0])
+        self.raises(SequenceExistsError, self.bm.fork, a, b)
+
+    @rule(bad=BAD_TOKENS)
+    def bad_tokens(self, bad) -> None:
+        STEPS.step(self.name)
+        self.raises(InvalidTokensError, self.bm.allocate, 10**6 + self.next_id, bad, NAMESPACES[0])
+        if self.seqs:
+            sid = min(self.seqs)
+            if bad == []:
+                return
+            tok = bad[-1] if isinstance(bad, list) else bad   # the invalid element
+            self.raises(InvalidTokensError, self.bm.append_slot, sid, tok)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), delta=st.sampled_from([-1, 1, 5]))
+    def bad_commit(self, data, delta) -> None:
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        s = self.seqs[sid]
+        k = s.computed - 1 if delta < 0 else len(s.tokens) + delta
+        if k < s.computed or k > len(s.tokens):
+            self.raises(InvalidTokensError, self.bm.commit, sid, k)
+        self.raises(InvalidTokensError, self.bm.commit, sid, 1.0)
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def consistent(self) -> None:
+        bm, pool, tree = self.bm, self.pool, self.tree
+        bm.check_invariants()
+        assert len(bm) == len(self.seqs) and all(sid in bm for sid in self.seqs)
+        held: dict[int, int] = {}
+        for sid, s in self.seqs.items():
+            assert bm.token_ids(sid) == s.tokens and bm.num_computed_tokens(sid) == s.computed
+            table = bm.block_table(sid)
+            assert len(table) == -(-len(s.tokens) // B)
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+            # every position reads back its own KV through the table
+            for p in range(len(s.tokens)):
+                got = self.content.get((DEVICE, table[p // B]), [None] * B)[p % B]
+                assert got == self.payload(s.ns, s.tokens, p), (
+                    f"seq {sid} position {p} (block {table[p // B]}) reads {got}")
+        for b in range(pool.num_blocks):
+            refs = pool.ref_counts[b]
+            assert refs == held.get(b, 0), f"block {b}: refcount {refs}, held by {held.get(b, 0)}"
+            cached = tree.device_node(b) is not None
+            free = pool.is_free(b)
+            assert free == (not cached and refs == 0), f"block {b}: free={free} cached={cached} refs={refs}"
+        per_tier = [0] * tree.num_tiers
+        for h, node in tree._index.items():
+            per_tier[node.tier] += 1
+            assert self.content.get((node.tier, node.slot)) == self.hash_content[h], (
+                f"cached {node} holds the wrong content")
+        for t, c in enumerate(per_tier):
+            assert c == tree.num_resident(t) <= self.caps[t], f"tier {t}: {c} > {self.caps[t]}"
+
+
+TestManager1Tier = type("Manager1", (ManagerMachine,), {"num_tiers": 1}).TestCase
+TestManager2Tiers = type("Manager2", (ManagerMachine,), {"num_tiers": 2}).TestCase
+TestManager3Tiers = type("Manager3", (ManagerMachine,), {"num_tiers": 3}).TestCase
