@@ -28,12 +28,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import xxhash
 
-from radixkv.benchmarks._common import print_table, run_header, time_median, write_results
+from radixkv.benchmarks._common import print_table, run_header, write_results
 from radixkv.storage.buffers import byte_view
 from radixkv.storage.device import DevicePool, default_device
 from radixkv.storage.disk import DiskStore
@@ -68,16 +69,39 @@ def _run_batch(eng: TransferEngine, moves: list[Move]) -> None:
     assert result is not None and result.all_ok, result and result.errors[:3]
 
 
-def _median_with_setup(fn, setup, repeat: int) -> float:
-    """Median seconds of fn() over ``repeat`` runs (after one warm-up), setup() untimed."""
-    samples = []
-    for i in range(repeat + 1):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+Case = tuple[str, Callable[[], Any], Callable[[], Any]]  # (path name, timed fn, untimed setup)
+
+
+def _interleaved(cases: list[Case], repeat: int, nbytes: int, **labels: Any
+                 ) -> list[dict[str, Any]]:
+    """Run the cases round-robin (``repeat`` rounds after one warm-up round), so that a busy
+    machine slows every path alike. Per path: median wall time -> GB/s, median CPU time of this
+    process (all threads; robust to other load), and ``vs raw``: the median over rounds of
+    (fastest raw path's time / this path's time) in the same round."""
+    wall: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    for rnd in range(repeat + 1):
+        for name, fn, setup in cases:
+            setup()
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            w1, c1 = time.perf_counter(), time.process_time()
+            if rnd:
+                wall[name].append(w1 - w0)
+                cpu[name].append(c1 - c0)
+    raw = [n for n in wall if n.startswith("raw files") or n == "torch copy"]
+    best = max(raw, key=lambda n: -statistics.median(wall[n]))
+    rows = []
+    for name in wall:
+        t = statistics.median(wall[name])
+        ratio = statistics.median(b / x for b, x in zip(wall[best], wall[name]))
+        rows.append({**labels, "path": name, "GB/s": _gbps(nbytes, t), "ms": t * 1e3,
+                     "cpu ms": statistics.median(cpu[name]) * 1e3, "vs raw": ratio})
+    return rows
+
+
+def _nothing() -> None:
+    return None
 
 
 def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
@@ -128,11 +152,10 @@ def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
                 os.fdatasync(fd)
             os.close(fd)
 
-        for name, fn in [("raw files", raw_files_write), ("raw files x4", raw_files_write_mt),
-                         ("raw slab", raw_slab_write), ("DiskStore+engine", engine_write)]:
-            t = _median_with_setup(fn, clear, repeat)
-            rows.append({"direction": "host->disk", "mode": f"fsync={fsync or 'none'}",
-                         "path": name, "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+        rows += _interleaved(
+            [("raw files", raw_files_write, clear), ("raw files x4", raw_files_write_mt, clear),
+             ("raw slab", raw_slab_write, clear), ("DiskStore+engine", engine_write, clear)],
+            repeat, nbytes, direction="host->disk", mode=f"fsync={fsync or 'none'}")
         eng.close()
 
     # reads: the files of the last write round (engine) stay; the raw ones are rewritten
@@ -160,16 +183,16 @@ def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
         with open(raw_dir / "slab.bin", "rb", buffering=0) as f:
             f.readinto(byte_view(dst.blocks))
 
+    store_files = [store.path_of(h) for h in hashes]
     for cold in (False, True):
-        for name, fn, files in [("raw files", raw_files_read, raw_files),
-                                ("raw files x4", raw_files_read_mt, raw_files),
-                                ("raw slab", raw_slab_read, [raw_dir / "slab.bin"]),
-                                ("DiskStore+engine", engine_read,
-                                 [store.path_of(h) for h in hashes])]:
-            t = _median_with_setup(fn, (lambda f=files: _evict_page_cache(f)) if cold
-                                   else (lambda: None), repeat)
-            rows.append({"direction": "disk->host", "mode": "cold" if cold else "warm",
-                         "path": name, "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+        def evict(files: list[Path]) -> Callable[[], None]:
+            return (lambda: _evict_page_cache(files)) if cold else _nothing
+        rows += _interleaved(
+            [("raw files", raw_files_read, evict(raw_files)),
+             ("raw files x4", raw_files_read_mt, evict(raw_files)),
+             ("raw slab", raw_slab_read, evict([raw_dir / "slab.bin"])),
+             ("DiskStore+engine", engine_read, evict(store_files))],
+            repeat, nbytes, direction="disk->host", mode="cold" if cold else "warm")
     assert torch.equal(dst.blocks, host.blocks), "bytes read back differ from bytes written"
     eng.close()
     pool.shutdown()
@@ -210,18 +233,14 @@ def bench_device_host(n: int, repeat: int) -> list[dict[str, Any]]:
         src_flat.copy_(dst_flat, non_blocking=host.pinned)
         sync()
 
-    cases = [
-        ("device->host", "torch copy", torch_d2h),
-        ("device->host", "engine", lambda: _run_batch(
-            eng, [Move(DeviceBlock(b), HostSlot(i)) for i, b in enumerate(scattered)])),
-        ("host->device", "torch copy", torch_h2d),
-        ("host->device", "engine", lambda: _run_batch(
-            eng, [Move(HostSlot(i), DeviceBlock(b)) for i, b in enumerate(scattered)])),
-    ]
-    for direction, name, fn in cases:
-        t = time_median(fn, repeat=repeat, warmup=1)
-        rows.append({"direction": direction, "mode": str(dev.device), "path": name,
-                     "GB/s": _gbps(nbytes, t), "ms": t * 1e3})
+    d2h = [Move(DeviceBlock(b), HostSlot(i)) for i, b in enumerate(scattered)]
+    h2d = [Move(HostSlot(i), DeviceBlock(b)) for i, b in enumerate(scattered)]
+    for direction, cases in [
+            ("device->host", [("torch copy", torch_d2h, _nothing),
+                              ("engine", lambda: _run_batch(eng, d2h), _nothing)]),
+            ("host->device", [("torch copy", torch_h2d, _nothing),
+                              ("engine", lambda: _run_batch(eng, h2d), _nothing)])]:
+        rows += _interleaved(cases, repeat, nbytes, direction=direction, mode=str(dev.device))
     eng.close()
     return rows
 
@@ -246,21 +265,34 @@ def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
             d = store.dir / sub
             for name in os.listdir(d):
                 fd = os.open(d / name, os.O_RDONLY)
+                os.fstat(fd)
                 os.pread(fd, hl, 0)
                 os.close(fd)
 
     rows = [{"what": "fill (put)", "blocks": n, "threads": 1, "s": t_fill,
-             "us/block": t_fill / n * 1e6}]
-    t = time_median(bare, repeat=3, warmup=1)
-    rows.append({"what": "bare listdir+open+pread", "blocks": n, "threads": 1, "s": t,
-                 "us/block": t / n * 1e6})
+             "us/block": t_fill / n * 1e6, "cpu us/block": float("nan")}]
+
+    def timed(what: str, threads: int, fn: Callable[[], Any]) -> None:
+        fn()  # warm-up: dentries, inodes and headers in the page cache
+        wall, cpu = [], []
+        for _ in range(3):
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall.append(time.perf_counter() - w0)
+            cpu.append(time.process_time() - c0)
+        t, c = statistics.median(wall), statistics.median(cpu)
+        rows.append({"what": what, "blocks": n, "threads": threads, "s": t,
+                     "us/block": t / n * 1e6, "cpu us/block": c / n * 1e6})
+
+    timed("bare listdir+open+fstat+pread", 1, bare)
     for threads in (1, 4, 8):
         fresh = DiskStore(root / "rebuild", lay, ns, scan=False, scan_threads=threads)
-        reports = []
-        t = time_median(lambda: reports.append(fresh.scan()), repeat=3, warmup=1)
-        assert len(reports[-1].entries) == n and reports[-1].corrupt == 0
-        rows.append({"what": "DiskStore.scan", "blocks": n, "threads": threads, "s": t,
-                     "us/block": t / n * 1e6})
+
+        def scan(fresh: DiskStore = fresh) -> None:
+            report = fresh.scan()
+            assert len(report.entries) == n and report.corrupt == 0
+
+        timed("DiskStore.scan", threads, scan)
     del paths
     return rows
 
@@ -283,12 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bw = bench_host_disk(root, args.blocks, args.repeat)
         bw += bench_device_host(args.blocks, args.repeat)
-        for r in bw:  # baseline: the faster raw per-file path (1 or 4 threads), or torch
-            base = max(b["GB/s"] for b in bw if b["direction"] == r["direction"]
-                       and b["mode"] == r["mode"]
-                       and b["path"] in ("raw files", "raw files x4", "torch copy"))
-            r["vs raw"] = r["GB/s"] / base
-        print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "vs raw"],
+        print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "cpu ms", "vs raw"],
                     title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
         rb = bench_rebuild(root, args.rebuild_blocks)
         print_table(rb, title=f"disk index rebuild, {args.rebuild_blocks} block files")

@@ -27,17 +27,16 @@ def default_device() -> torch.device:
 
 
 def _gather(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[n, L, 2, bs, h, d]`` copy of blocks ``ids`` (int64 on kv_cache's device), as a
-    block-major *view* of a ``[L, 2, n, ...]`` gather (one copy; ``.contiguous()`` is a second).
-
-    Plain torch indexing until ``radixkv.kernels.gather_blocks`` lands; same contract.
-    """
-    return kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+    """``[n, L, 2, bs, h, d]`` contiguous copy of blocks ``ids`` (int64 on kv_cache's device):
+    the kernels' ``gather_blocks`` (a Triton/torch kernel behind a checked launcher)."""
+    from radixkv.kernels import gather_blocks  # lazy: keeps `import radixkv.storage` light
+    return gather_blocks(kv_cache, ids)
 
 
 def _scatter(kv_cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:
-    """Write ``blocks [n, L, 2, bs, h, d]`` into block slots ``ids`` (unique) of kv_cache."""
-    kv_cache.index_copy_(2, ids, blocks.permute(1, 2, 0, 3, 4, 5))
+    """Write ``blocks [n, L, 2, bs, h, d]`` (same device) into block slots ``ids`` (distinct)."""
+    from radixkv.kernels import scatter_blocks
+    scatter_blocks(kv_cache, ids, blocks)
 
 
 class DevicePool:
@@ -72,16 +71,12 @@ class DevicePool:
             raise ConfigError(f"layer {layer} outside [0, {self.layout.num_layers})")
         return self.kv_cache[layer, 0], self.kv_cache[layer, 1]
 
-    def read_blocks(self, block_ids: Sequence[int], contiguous: bool = True) -> torch.Tensor:
-        """Copy of blocks ``block_ids`` as ``[n, L, 2, block_size, h, d]`` on ``self.device``.
-
-        ``contiguous=False`` returns a strided view of the gathered copy (saves one copy when
-        the caller copies it onward anyway, as the transfer engine does).
-        Runtime: one or two copies of ``n * bytes_per_block`` bytes on the current stream.
-        """
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of blocks ``block_ids`` as contiguous ``[n, L, 2, block_size, h, d]`` on
+        ``self.device``. Runtime: one gather of ``n * bytes_per_block`` bytes on the current
+        stream."""
         ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device)
-        blocks = _gather(self.kv_cache, ids)
-        return blocks.contiguous() if contiguous else blocks
+        return _gather(self.kv_cache, ids)
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write ``blocks [n, L, 2, block_size, h, d]`` (any device) into block ids ``block_ids``

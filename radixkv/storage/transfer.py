@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Union
@@ -177,6 +177,7 @@ class TransferEngine:
         self._cuda = device is not None and device.device.type == "cuda"
         self._stream = torch.cuda.Stream(device.device) if self._cuda else None
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_depth)
+        self.io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="radixkv-io")
         self._cond = threading.Condition()
         self._reads: Counter[tuple[str, object]] = Counter()
@@ -435,7 +436,7 @@ class TransferEngine:
         src = [_key(m.src)[1] for m in moves]
         dst = [_key(m.dst)[1] for m in moves]
         if direction == "device->host":
-            staged = dev.read_blocks(src, contiguous=False)
+            staged = dev.read_blocks(src)
             run = _as_range(dst)
             if run is not None:  # consecutive slots: one copy (one DMA on a GPU) into place
                 host.blocks[run].copy_(staged, non_blocking=self._cuda)
@@ -479,7 +480,7 @@ class TransferEngine:
             except Exception as e:  # reported per move; the worker must go on
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"
-        return list(self._io.map(one, range(len(moves))))
+        return self._spread(one, len(moves))
 
     def _gets(self, moves: list[Move], outs: list[torch.Tensor]) -> list[str | None]:
         def one(i: int) -> str | None:
@@ -490,8 +491,15 @@ class TransferEngine:
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk block missing, corrupt or unreadable"
-        return list(self._io.map(one, range(len(moves))))
+        return self._spread(one, len(moves))
 
-
-__all__ = ["TransferEngine", "Move", "DeviceBlock", "HostSlot", "DiskBlock", "Location",
-           "Batch", "BatchResult", "TransferStats"]
+    def _spread(self, one: Callable[[int], str | None], n: int) -> list[str | None]:
+        """Run one(0..n-1) over the I/O threads in ``io_threads`` contiguous chunks (one
+        hand-off per thread, not per block; file I/O and xxhash release the GIL)."""
+        k = min(self.io_threads, n)
+        if k <= 1:
+            return [one(i) for i in range(n)]
+        bounds = [n * j // k for j in range(k + 1)]
+        parts = self._io.map(lambda j: [one(i) for i in range(bounds[j], bounds[j + 1])],
+                             range(k))
+        return [r for part in parts for r in part]
