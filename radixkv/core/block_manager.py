@@ -28,6 +28,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import xxhash
+
 from radixkv.core.hashing import TOKEN_BYTES, Namespace, hash_blocks, token_bytes
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
@@ -36,6 +38,7 @@ from radixkv.errors import (
 )
 
 SeqId = Hashable
+_xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
 
 
@@ -320,8 +323,15 @@ class BlockManager:
             copy = CopyOp(old, b)
         s.blocks.extend(fresh)
         s.tokens.extend(array("i", tok))
-        blocks = s.blocks
-        slots = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + n)]
+        # Slots block by block: one range per block instead of a divmod per token.
+        slots: list[int] = []
+        blocks, end = s.blocks, pos + n
+        p = pos
+        while p < end:
+            base = blocks[p // bs] * bs
+            stop = min(end, (p // bs + 1) * bs)
+            slots.extend(range(base + p % bs, base + p % bs + (stop - p)))
+            p = stop
         return slots, copy, tuple(moves)
 
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:
@@ -351,14 +361,14 @@ class BlockManager:
         now = tree.clock()
         for i in range(first, last):
             chunk = tok[(i - first) * width:(i - first + 1) * width]
-            h = hash_blocks(chunk, bs, h)[0]
+            h = _xxh3_128(h + chunk)
             b = s.blocks[i]
             node = tree.get(h)
             if node is not None and (node.parent is not parent or node.tokens != chunk):
                 node = None  # collision: keep this block private, stop caching this chain
                 break
             if node is None:
-                node = tree.insert(parent, h, chunk, b, now)
+                node = tree._insert(parent, h, chunk, b, now)
                 added += 1
             elif node.tier == DEVICE and node.slot != b:
                 if refs[b] > 1:

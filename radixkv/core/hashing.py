@@ -103,11 +103,14 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
         raise InvalidTokensError(f"token ids must be in [0, {MAX_TOKEN_ID}]: {exc}") from exc
     if len(arr) == 0:
         raise InvalidTokensError("token ids must not be empty")
-    if min(arr) < 0:
-        raise InvalidTokensError(f"token ids must be >= 0, got {min(arr)}")
     if _NEED_BYTESWAP:
         arr.byteswap()
-    return arr.tobytes()
+    raw = arr.tobytes()
+    # A negative int32 has the high bit of its last little-endian byte set: check all of them
+    # in C (bytes.isascii) instead of a Python-level min() over the ids.
+    if not raw[3::4].isascii():
+        raise InvalidTokensError(f"token ids must be >= 0, got {min(arr)}")
+    return raw
 
 
 def chain_hash(parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> BlockHash:

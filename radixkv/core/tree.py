@@ -254,14 +254,17 @@ class RadixTree:
             self._evictable[node.tier].add(self._entry(node))
 
     def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
-        # parent's own-tier count may cross zero: re-file it around the change
-        own = parent.tier == tier
-        if own:
-            self._discard(parent)
-        parent.children += delta << (_CBITS * tier)
-        assert parent.children >= 0 and parent.num_children(tier) <= _CMASK, parent
-        if own:
-            self._consider(parent)
+        shift = _CBITS * tier
+        if parent.tier == tier:
+            before = (parent.children >> shift) & _CMASK
+            if (before == 0) != (before + delta == 0):
+                # the parent's own-tier count crosses zero: re-file it around the change
+                self._discard(parent)
+                parent.children += delta << shift
+                self._consider(parent)
+                return
+        parent.children += delta << shift
+        assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent
 
     # ------------------------------------------------------------------ mutations
     def insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
@@ -282,8 +285,12 @@ class RadixTree:
             raise InvalidBlockError("the parent of a new block must be cached on the device")
         if len(tokens) != self.block_size * TOKEN_BYTES:
             raise InvalidBlockError(f"a block holds {self.block_size} tokens, got {len(tokens) // TOKEN_BYTES}")
-        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id),
-                    self.clock() if now is None else now)
+        return self._insert(parent, block_hash, tokens, block_id, self.clock() if now is None else now)
+
+    def _insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
+                now: float) -> Node:
+        """``insert`` without argument checks, for the block manager's commit path."""
+        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), now)
         if parent is not None:
             self._add_child_count(parent, DEVICE, 1)
         self._index[block_hash] = node
@@ -291,7 +298,7 @@ class RadixTree:
         self._resident[DEVICE] += 1
         if self._refs[block_id] == 0:
             self._unreferenced += 1
-        self._consider(node)
+            self._consider(node)
         self.stats.inserted += 1
         return node
 
