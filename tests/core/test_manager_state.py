@@ -230,6 +230,37 @@ class ManagerMachine(RuleBasedStateMachine):
         return True
 
     @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tokens=st.lists(ALPHABET, min_size=1, max_size=5), commit=st.booleans())
+    def append_many(self, data, tokens, commit) -> None:
+        """``append_slots``: a chunk of tokens at once (same contract as append_slot)."""
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        s = self.seqs[sid]
+        table = self.bm.block_table(sid)
+        pos = len(s.tokens)
+        cow = pos % B != 0 and self.pool.ref_counts[table[-1]] > 1
+        need = -(-(pos + len(tokens)) // B) - len(table) + cow
+        if need > self.pool.num_free + self.evictable_device_blocks():
+            self.raises(OutOfBlocks, self.bm.append_slots, sid, tokens)
+            return
+        held_before = self.held()
+        slots, copy, moves = self.bm.append_slots(sid, tokens)
+        s.tokens.extend(tokens)
+        new_table = self.bm.block_table(sid)
+        assert len(slots) == len(tokens)
+        assert slots == [new_table[p // B] * B + p % B for p in range(pos, pos + len(tokens))]
+        self.run_moves(moves, held_before)
+        if copy is not None:
+            assert cow and copy.src == table[-1] and copy.dst == new_table[len(table) - 1]
+            self.content[(DEVICE, copy.dst)] = list(self.content[(DEVICE, copy.src)])
+        else:
+            assert not cow and new_table[:len(table)] == table
+        for p, slot in zip(range(pos, pos + len(tokens)), slots):
+            self.write(sid, p, slot // B)
+        if commit:
+            self._commit(sid, len(s.tokens))
+
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data) -> None:
         STEPS.step(self.name)
