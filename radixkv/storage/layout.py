@@ -100,7 +100,7 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """Device pool shape: ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``."""
+        """Device pool shape: ``(num_layers, 2, num_blocks, block_size, kv_heads, head_dim)``."""
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property

@@ -436,12 +436,11 @@ class TransferEngine:
         src = [_key(m.src)[1] for m in moves]
         dst = [_key(m.dst)[1] for m in moves]
         if direction == "device->host":
-            staged = dev.read_blocks(src)
             run = _as_range(dst)
-            if run is not None:  # consecutive slots: one copy (one DMA on a GPU) into place
-                host.blocks[run].copy_(staged, non_blocking=self._cuda)
+            if run is not None:  # consecutive slots: straight into place (one DMA on a GPU)
+                dev.read_blocks_into(src, host.blocks[run])
             else:
-                host.write_slots(dst, staged)
+                host.write_slots(dst, dev.read_blocks(src))
         elif direction == "host->device":
             run = _as_range(src)
             dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_slots(src))

@@ -64,6 +64,15 @@ def test_host_round_trip_views_and_pinning(layout):
     assert pool.num_bytes == 5 * layout.bytes_per_block
 
 
+def test_read_blocks_into_a_view(layout):
+    dev, host = DevicePool(layout, 8, device="cpu"), HostPool(layout, 8)
+    dev.kv_cache.normal_()
+    dev.read_blocks_into([6, 1, 3], host.blocks[2:5])
+    assert torch.equal(host.read_slots([2, 3, 4]), dev.read_blocks([6, 1, 3]))
+    with pytest.raises(InvalidBlockError):
+        dev.read_blocks_into([1, 2], host.blocks[0:3])
+
+
 def test_device_to_host_via_staging(layout):
     dev, host = DevicePool(layout, 8, device="cpu"), HostPool(layout, 8)
     dev.kv_cache.normal_()

@@ -147,12 +147,12 @@ def test_prepare_validates_and_reserves(tiers):
 def test_poll_complete_and_bounded_queue(tiers):
     dev, host, disk, eng = tiers
     gate = threading.Event()
-    real = dev.read_blocks
+    real = dev.read_blocks_into
 
-    def slow(*a, **k):
+    def slow(*a, **k):  # the worker blocks inside the first batch until the gate opens
         gate.wait(10)
         return real(*a, **k)
-    dev.read_blocks = slow
+    dev.read_blocks_into = slow
     batches = [eng.submit(eng.prepare([Move(DeviceBlock(i), HostSlot(i))])) for i in range(3)]
     assert eng.complete(batches[0]) is None and eng.poll() == []
     with pytest.raises(StorageError):  # worker busy with #0, #1 and #2 queued: depth 2 full
@@ -163,7 +163,7 @@ def test_poll_complete_and_bounded_queue(tiers):
     results = eng.drain()
     assert [r.batch_id for r in results] == [batches[1].id, batches[2].id]
     assert eng.complete(batches[1]) is None  # handed out once
-    dev.read_blocks = real
+    dev.read_blocks_into = real
 
 
 def test_tiers_must_share_a_layout(tmp_path, layout):
