@@ -47,15 +47,19 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-             backend: str | None = None) -> None:
+             backend: str | None = None, check: bool = True) -> None:
     """Scatter new K/V rows into their cache slots.
 
     key, value:   [num_tokens, num_kv_heads, head_dim], cache dtype; each token's
                   [num_kv_heads, head_dim] must be contiguous (a token stride is allowed, so
-                  slices of a fused QKV projection can be passed as they are).
+                  slices of a fused QKV projection can be passed as they are). Strides of
+                  size-1 axes are ignored (one KV head: any stride on that axis).
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
     slot_mapping: int64 [num_tokens]; slot = block_id * block_size + offset, or PAD_SLOT (-1)
                   to skip the token. Non-PAD slots must be distinct and < num_blocks * block_size.
+    check:        False skips the value checks of slot_mapping (range, distinct), for a caller
+                  that validated it already (the engine's ForwardBatch, once per step, not once
+                  per layer); shapes, dtypes, devices and strides are always checked.
 
     Example: block_size 16, a token at position 37 of a sequence whose block table is
     [7, 2, 9] goes to slot 9 * 16 + 37 % 16 = 149.
@@ -66,7 +70,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             fail(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got "
                  f"{tuple(t.shape)}")
-        if t.stride(2) != 1 or t.stride(1) != head_dim:
+        if (head_dim > 1 and t.stride(2) != 1) or (num_kv_heads > 1 and t.stride(1) != head_dim):
             fail(f"{name}: each token's [num_kv_heads, head_dim] must be contiguous, got "
                  f"strides {t.stride()}")
     checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
@@ -75,13 +79,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              f"({slot_mapping.shape[0]}) must have the same number of tokens")
     device = checks.check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
                                       slot_mapping=slot_mapping)
-    if device.type == "cpu" and slot_mapping.numel():
+    if check and device.type == "cpu" and slot_mapping.numel():
         live = slot_mapping[slot_mapping != PAD_SLOT]
-        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_blocks * block_size):
-            fail(f"slot_mapping entries must be PAD_SLOT ({PAD_SLOT}) or lie in "
-                 f"[0, {num_blocks * block_size}), got min {int(live.min())} "
-                 f"max {int(live.max())}")
-        if live.unique().numel() != live.numel():
+        if live.numel():
+            lo, hi = (int(x) for x in torch.aminmax(live))
+            if lo < 0 or hi >= num_blocks * block_size:
+                fail(f"slot_mapping entries must be PAD_SLOT ({PAD_SLOT}) or lie in "
+                     f"[0, {num_blocks * block_size}), got min {lo} max {hi}")
+        if live.numel() > 1 and live.unique().numel() != live.numel():
             fail("slot_mapping has duplicate non-PAD slots: two tokens cannot share a slot")
     if slot_mapping.numel() == 0:
         return
@@ -98,7 +103,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
                            scale: float | None = None, out: torch.Tensor | None = None,
                            backend: str | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, check: bool = True) -> torch.Tensor:
     """One new query token per sequence attends to the sequence's cached tokens.
 
     q:            [num_seqs, num_q_heads, head_dim], dtype of the cache, contiguous;
@@ -112,6 +117,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out:          optional [num_seqs, num_q_heads, head_dim] (q's dtype) to write into.
     num_splits:   Triton only: programs per (sequence, KV head) along the context (split-K);
                   None picks one that fills the GPU.
+    check:        False skips the value checks (seq_lens range, used table entries in the pool)
+                  for a caller that validated the batch already; structure is always checked.
     Returns out:  [num_seqs, num_q_heads, head_dim].
 
     out[s, h] = softmax(scale * q[s, h] . K[s, :, h // G]) @ V[s, :, h // G], where K[s, t] is the
@@ -132,8 +139,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     checks.check_out(out, q)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         fail(f"num_splits must be a positive int or None, got {num_splits!r}")
-    checks.check_seq_lens(seq_lens, block_tables, block_size)
-    checks.check_used_block_tables(block_tables, seq_lens, block_size, num_blocks)
+    if check and device.type == "cpu":
+        _check_tables(block_tables, seq_lens.tolist(), block_size, num_blocks, min_len=1)
     sc = _scale(scale, head_dim)
     name = resolve_backend(backend, device)
     if out is None:
@@ -154,7 +161,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, *, scale: float | None = None,
                             out: torch.Tensor | None = None,
-                            backend: str | None = None) -> torch.Tensor:
+                            backend: str | None = None, check: bool = True) -> torch.Tensor:
     """A chunk of new tokens per sequence attends causally to its cached prefix and itself.
 
     q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
@@ -165,6 +172,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cu_seqlens_q: int32 [num_seqs + 1], non-decreasing, cu[0] = 0, cu[-1] = total_q_tokens.
     seq_lens:     int32 [num_seqs]: tokens of each sequence INCLUDING the chunk, so
                   cached_len = seq_len - q_len >= 0.
+    check:        False skips the value checks (cu_seqlens_q, seq_lens, used table entries)
+                  for a caller that validated the batch already; structure is always checked.
     Returns out:  [total_q_tokens, num_q_heads, head_dim].
 
     Query i (0-based within its chunk) attends to keys [0, cached_len + i]. Example: a sequence
@@ -187,16 +196,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                       block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                                       seq_lens=seq_lens)
     checks.check_out(out, q)
-    if device.type == "cpu":
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0] or \
-                (num_seqs and int(q_lens.min()) < 0):
+    if check and device.type == "cpu":
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(cu, cu[1:])]
+        if cu[0] != 0 or cu[-1] != q.shape[0] or (num_seqs and min(q_lens) < 0):
             fail(f"cu_seqlens_q must rise from 0 to total_q_tokens ({q.shape[0]}), got "
-                 f"{cu_seqlens_q.tolist()[:8]}{'...' if num_seqs > 7 else ''}")
-        if num_seqs and bool((seq_lens < q_lens).any()):
+                 f"{cu[:8]}{'...' if num_seqs > 7 else ''}")
+        lens = seq_lens.tolist()
+        if any(n < m for n, m in zip(lens, q_lens)):
             fail("seq_lens must include the chunk: seq_len >= q_len for every sequence")
-        checks.check_seq_lens(seq_lens, block_tables, block_size, min_len=0)
-        checks.check_used_block_tables(block_tables, seq_lens, block_size, num_blocks)
+        _check_tables(block_tables, lens, block_size, num_blocks, min_len=0)
     sc = _scale(scale, head_dim)
     name = resolve_backend(backend, device)
     if out is None:
@@ -212,6 +221,35 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out.copy_(reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                 cu_seqlens_q, seq_lens, sc))
     return out
+
+
+def _check_tables(block_tables: torch.Tensor, lens: list[int], block_size: int,
+                  num_blocks: int, *, min_len: int) -> None:
+    """Value checks (CPU): min_len <= lens <= table capacity; used table entries in the pool.
+
+    Same errors as ``checks.check_seq_lens`` / ``checks.check_used_block_tables``, with the
+    lengths read once as host ints and one ``aminmax`` over the used columns.
+    """
+    if not lens:
+        return
+    capacity = block_tables.shape[1] * block_size
+    lo, hi = min(lens), max(lens)
+    if lo < min_len or hi > capacity:
+        fail(f"seq_lens must lie in [{min_len}, {capacity}] (max_blocks_per_seq "
+             f"{block_tables.shape[1]} x block_size {block_size}), got min {lo} max {hi}")
+    nb = -(-hi // block_size)
+    if nb == 0:
+        return
+    used = block_tables[:, :nb]
+    if -(-lo // block_size) < nb:   # ragged: entries past a row's used blocks are garbage
+        used_blocks = torch.tensor([-(-n // block_size) for n in lens])
+        keep = torch.arange(nb)[None, :] < used_blocks[:, None]
+        used = used[keep]
+    if used.numel():
+        b_lo, b_hi = (int(x) for x in torch.aminmax(used))
+        if b_lo < 0 or b_hi >= num_blocks:
+            fail(f"block_tables (entries within seq_lens) must lie in [0, {num_blocks}), got "
+                 f"min {b_lo} max {b_hi}")
 
 
 def _check_pool(kv_cache: object) -> torch.Tensor:

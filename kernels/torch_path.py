@@ -1,31 +1,51 @@
 """The efficient torch path: batched block gather + ``scaled_dot_product_attention``.
 
 This is what the engine runs on machines without a GPU, so it is written for speed: no Python loop
-over tokens or blocks, one gather per group of sequences of similar length, and attention through
-SDPA (which on the CPU runs a fused flash kernel).
+over tokens or blocks, no mask wherever the shapes make one unnecessary (a mask sends CPU SDPA to a
+kernel that computes every (query, key) pair), and GQA without repeating K/V.
 
-How a group of sequences is attended (decode and prefill alike)::
+Gathering the K/V of n sequences that all hold L tokens (decode and prefill alike)::
 
-    block_tables[g, :nb]  --where(col < used_blocks, entry, first entry)-->  ids [n, nb]
-    k_cache.index_select(0, ids)  ->  k [n, nb * block_size, kv_heads, head_dim]
-    rows at positions >= seq_len  ->  zeroed (they hold garbage, maybe NaN; a masked score times
-                                      a NaN value would still be NaN)
-    SDPA(q, k^T-view, v^T-view, attn_mask = allowed)
+    block_tables[:, :nb]  (nb = ceil(L / block_size))  ->  ids [n * nb]
+    k_cache.index_select(0, ids).view(n, nb * block_size, kv_heads, head_dim)[:, :L]
 
-Block-table entries past a sequence's used blocks are garbage and are never used as indices (they
-are replaced by the sequence's first entry, which is valid since seq_len >= 1). Sequences are
-grouped by length so that the padding to the longest sequence of a group costs at most
-``_MAX_PADDING`` of the real work (or a few thousand tokens, below which one more SDPA call costs
-more than the padding).
+The slice is a view: the unread tail of a ragged last block (garbage, maybe NaN) is simply not part
+of the result, so no mask and no zeroing. Sequences of different lengths are grouped by length
+(padding to the longest of a group costs at most ``_MAX_PADDING`` of the real work, or a few
+thousand tokens); a group whose lengths differ is padded, its padding rows zeroed (a masked score
+times a NaN value would still be NaN) and attended with a boolean mask. Block-table entries past a
+sequence's used blocks are garbage and are never used as indices (they are replaced by the
+sequence's first entry, which is valid since seq_len >= 1).
 
-GQA in decode: the G = num_q_heads // num_kv_heads query heads that share one KV head become G
-query rows of that KV head (q viewed as [n, kv_heads, G, head_dim]), so K/V are never repeated.
-In prefill, SDPA's ``enable_gqa`` does the same.
+Decode: the G = num_q_heads // num_kv_heads query heads that share one KV head become G query rows
+of that KV head (q viewed as [n, kv_heads, G, head_dim]), so K/V are never repeated.
+
+Prefill: sequences with the same (cached_len, q_len) are attended together, without any mask:
+
+* no cached prefix (cached_len == 0): ``SDPA(is_causal=True, enable_gqa=True)`` (CPU flash kernel,
+  which also skips the key tiles above the diagonal);
+* with a cached prefix, split in two and merged by log-sum-exp::
+
+      prefix part: q vs keys [0, cached_len), no mask; GQA folded into rows
+                   (q as [n, kv_heads, G * q_len, head_dim]: K/V read once per KV head)
+      self part:   q vs keys [cached_len, seq_len), causal (top-left = bottom-right, square)
+      out = (o1 * e^(l1 - m) + o2 * e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)),  m = max(l1, l2)
+
+  Both parts come from ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns each
+  row's log-sum-exp with the output (``_flash_with_lse``); where it is missing the masked path
+  below is used instead.
+
+Many small sequences of distinct shapes would cost several SDPA calls each; they go (as all
+sequences did before) through the masked path: padded to the group's longest, one SDPA per group
+with ``allowed[s, i, j] = j < seq_len_s and j <= cached_len_s + i``. The split is taken for a
+shape when there are at most ``_MAX_EXACT_SHAPES`` shapes in the batch or the shape's
+q_len * seq_len is at least ``_MIN_EXACT_PAIRS``.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +54,38 @@ from .reference import PAD_SLOT
 
 _MAX_PADDING = 1.25       # padded work / real work allowed within one group
 _MIN_WASTE = 2048         # padded-away tokens (or token pairs / 64 in prefill) always tolerated
+_MAX_EXACT_SHAPES = 8     # prefill: distinct (cached_len, q_len) shapes always attended unmasked
+_MIN_EXACT_PAIRS = 1 << 16  # prefill: q_len * seq_len from which a shape is attended unmasked
+
+
+_WORKSPACE_MAX_BYTES = 256 << 20  # larger gathers get a fresh tensor instead of the workspace
+_workspace = threading.local()
+
+
+def _gather_rows(cache: torch.Tensor, ids: torch.Tensor, which: int) -> torch.Tensor:
+    """cache.index_select(0, ids) written into a per-thread, reused CPU workspace.
+
+    A fresh multi-megabyte tensor per call is returned to the OS when freed (glibc trims the heap)
+    and page-faulted back in on the next call, which costs more than the copy itself. The result
+    is only valid until the next gather of the same ``which`` (0: K, 1: V) on this thread.
+    """
+    shape = (ids.shape[0], *cache.shape[1:])
+    numel = math.prod(shape)
+    if cache.device.type != "cpu" or numel * cache.element_size() > _WORKSPACE_MAX_BYTES:
+        return cache.index_select(0, ids)
+    bufs = getattr(_workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = {}
+    key = (which, cache.dtype)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=cache.dtype)
+    return torch.index_select(cache, 0, ids, out=buf[:numel].view(shape))
+
+
+def _flash_with_lse():
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (returns (out, logsumexp)) or None."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _group_by_cost(costs: list[int], padded_cost) -> list[list[int]]:
@@ -58,6 +110,24 @@ def _group_by_cost(costs: list[int], padded_cost) -> list[list[int]]:
     return groups
 
 
+def _gather_uniform(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of n sequences that all hold ``length`` tokens: [n, length, kv_heads, head_dim].
+
+    One index_select per cache; the result is cut at ``length`` by a view (no mask needed).
+    """
+    n = block_tables.shape[0]
+    block_size = k_cache.shape[1]
+    nb = -(-length // block_size)
+    ids = block_tables[:, :nb].reshape(-1).long()
+    shape = (n, nb * block_size, *k_cache.shape[2:])
+    k = _gather_rows(k_cache, ids, 0).view(shape)
+    v = _gather_rows(v_cache, ids, 1).view(shape)
+    if nb * block_size != length:
+        k, v = k[:, :length], v[:, :length]
+    return k, v
+
+
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                lens: torch.Tensor, lens_list: list[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                               torch.Tensor | None]:
@@ -78,8 +148,8 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch
         cols = torch.arange(nb, device=ids.device)
         ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1])
     ids = ids.reshape(-1)
-    k = k_cache.index_select(0, ids).view(n, padded_len, *k_cache.shape[2:])
-    v = v_cache.index_select(0, ids).view(n, padded_len, *v_cache.shape[2:])
+    k = _gather_rows(k_cache, ids, 0).view(n, padded_len, *k_cache.shape[2:])
+    v = _gather_rows(v_cache, ids, 1).view(n, padded_len, *v_cache.shape[2:])
     valid = None
     if min(lens_list) != padded_len:
         valid = torch.arange(padded_len, device=ids.device)[None, :] < lens[:, None]
@@ -111,17 +181,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     lens_list = seq_lens.tolist()
+    if min(lens_list) == max(lens_list):   # the common case: no grouping, no mask
+        k, v = _gather_uniform(k_cache, v_cache, block_tables, lens_list[0])
+        o = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, group, head_dim),
+                                           k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        out.view(num_seqs, num_kv_heads, group, head_dim).copy_(o)
+        return out
     groups = _group_by_cost(lens_list, lambda g: len(g) * lens_list[g[0]])
     lens = seq_lens.to(torch.long)
     for members in groups:
         whole = len(groups) == 1
         idx = None if whole else torch.tensor(members, device=q.device)
         sel = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
-        k, v, valid = _gather_kv(k_cache, v_cache, sel(block_tables), sel(lens),
-                                 [lens_list[s] for s in members])
-        n = k.shape[0]
+        member_lens = [lens_list[s] for s in members]
+        n = len(members)
         qg = sel(q).view(n, num_kv_heads, group, head_dim)
-        mask = None if valid is None else valid[:, None, None, :]
+        if min(member_lens) == max(member_lens):
+            k, v = _gather_uniform(k_cache, v_cache, sel(block_tables), member_lens[0])
+            mask = None
+        else:
+            k, v, valid = _gather_kv(k_cache, v_cache, sel(block_tables), sel(lens), member_lens)
+            mask = None if valid is None else valid[:, None, None, :]
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=scale)
         o = o.reshape(n, num_q_heads, head_dim)
@@ -132,51 +212,115 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor) -> torch.Tensor:
-    """Extend-case prefill through SDPA; q packed [total_q, num_q_heads, head_dim] -> out.
+def _prefill_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, members: list[int], starts: list[int],
+                   cached: int, q_len: int, scale: float, out: torch.Tensor, flash) -> None:
+    """Sequences that all have ``cached`` cached tokens and a chunk of ``q_len``: no mask."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    n = len(members)
+    dev = q.device
+    if n == 1:
+        rows = None
+        qs = q[starts[0]:starts[0] + q_len].unsqueeze(0)               # [1, m, Hq, D] view
+        bt = block_tables[members[0]:members[0] + 1]
+    else:
+        rows = (torch.tensor(starts, device=dev)[:, None]
+                + torch.arange(q_len, device=dev)[None, :]).reshape(-1)
+        qs = q.index_select(0, rows).view(n, q_len, num_q_heads, head_dim)
+        bt = block_tables.index_select(0, torch.tensor(members, device=dev))
+    k, v = _gather_uniform(k_cache, v_cache, bt, cached + q_len)       # [n, L, Hkv, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                        # [n, Hkv, L, D] views
+    if cached == 0:
+        o = F.scaled_dot_product_attention(qs.transpose(1, 2), k, v, is_causal=True,
+                                           scale=scale, enable_gqa=True)  # [n, Hq, m, D]
+    else:
+        # Prefix part: the G query heads of a KV head are G * q_len rows of one attention.
+        qf = qs.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)             .reshape(n, num_kv_heads, group * q_len, head_dim)
+        o1, l1 = flash(qf, k[:, :, :cached], v[:, :, :cached], 0.0, False, scale=scale)
+        o1 = o1.reshape(n, num_q_heads, q_len, head_dim)
+        l1 = l1.reshape(n, num_q_heads, q_len, 1)
+        o2, l2 = flash(qs.transpose(1, 2), k[:, :, cached:], v[:, :, cached:], 0.0, True,
+                       scale=scale)
+        l2 = l2.reshape(n, num_q_heads, q_len, 1)
+        m = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+        o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    o = o.transpose(1, 2)                                              # [n, m, Hq, D]
+    if rows is None:
+        out[starts[0]:starts[0] + q_len].copy_(o[0])
+    else:
+        out.index_copy_(0, rows, o.reshape(-1, num_q_heads, head_dim).to(out.dtype))
 
-    Per group of n sequences, queries are padded to the longest chunk (padding rows repeat the
-    chunk's last query and are dropped afterwards) and keys to the longest sequence:
+
+def _prefill_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, members: list[int],
+                    cu: list[int], q_lens: list[int], lens_list: list[int], scale: float,
+                    out: torch.Tensor) -> None:
+    """One padded, masked SDPA over a group of sequences of different shapes.
+
+    Queries are padded to the longest chunk (padding rows repeat the chunk's last query and are
+    dropped afterwards) and keys to the longest sequence:
 
         qg [n, Lq_pad, Hq, D]       row i of sequence s = packed row cu[s] + min(i, q_len_s - 1)
         allowed[s, i, j] = j < seq_len_s and j <= cached_len_s + i
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
+    dev = q.device
+    max_q = max(q_lens[s] for s in members)
+    m = torch.tensor(members, device=dev)
+    lens = seq_lens.index_select(0, m).long()
+    qlen = torch.tensor([q_lens[s] for s in members], device=dev)
+    start = torch.tensor([cu[s] for s in members], device=dev)
+    rows = torch.arange(max_q, device=dev)
+    src = start[:, None] + torch.minimum(rows[None, :], (qlen - 1)[:, None])
+    qg = q.index_select(0, src.reshape(-1)).view(len(members), max_q, num_q_heads, head_dim)
+    k, v, _ = _gather_kv(k_cache, v_cache, block_tables.index_select(0, m), lens,
+                         [lens_list[s] for s in members])
+    key_pos = torch.arange(k.shape[1], device=dev)
+    cached = (lens - qlen)[:, None, None]
+    allowed = (key_pos[None, None, :] <= cached + rows[None, :, None]) & \
+              (key_pos[None, None, :] < lens[:, None, None])
+    o = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)  # [n, max_q, Hq, D]
+    keep = (rows[None, :] < qlen[:, None]).reshape(-1)
+    dst = (start[:, None] + rows[None, :]).reshape(-1)[keep]
+    out.index_copy_(0, dst, o.reshape(-1, num_q_heads, head_dim)[keep])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            out: torch.Tensor) -> torch.Tensor:
+    """Extend-case prefill; q packed [total_q, num_q_heads, head_dim] -> out (see module doc)."""
     cu = cu_seqlens_q.tolist()
     lens_list = seq_lens.tolist()
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens_list))]
     live = [s for s in range(len(lens_list)) if q_lens[s] > 0]
-    costs = [max(1, q_lens[s] * lens_list[s] // 64) for s in live]
-    groups = _group_by_cost(costs, lambda g: len(g) * max(q_lens[live[i]] for i in g)
-                            * max(lens_list[live[i]] for i in g) // 64)
-    dev = q.device
+    flash = _flash_with_lse()
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for s in live:
+        shapes.setdefault((lens_list[s] - q_lens[s], q_lens[s]), []).append(s)
+    masked: list[int] = []
+    for (cached, q_len), members in shapes.items():
+        if (cached > 0 and flash is None) or (
+                len(shapes) > _MAX_EXACT_SHAPES and q_len * (cached + q_len) < _MIN_EXACT_PAIRS):
+            masked.extend(members)
+            continue
+        _prefill_exact(q, k_cache, v_cache, block_tables, members, [cu[s] for s in members],
+                       cached, q_len, scale, out, flash)
+    if not masked:
+        return out
+    masked.sort()
+    costs = [max(1, q_lens[s] * lens_list[s] // 64) for s in masked]
+    groups = _group_by_cost(costs, lambda g: len(g) * max(q_lens[masked[i]] for i in g)
+                            * max(lens_list[masked[i]] for i in g) // 64)
     for group in groups:
-        members = [live[i] for i in group]
-        # Members are sorted by decreasing cost, not length: take the maxima explicitly.
-        max_q = max(q_lens[s] for s in members)
-        m = torch.tensor(members, device=dev)
-        lens = seq_lens.index_select(0, m).long()
-        qlen = torch.tensor([q_lens[s] for s in members], device=dev)
-        start = torch.tensor([cu[s] for s in members], device=dev)
-        rows = torch.arange(max_q, device=dev)
-        src = start[:, None] + torch.minimum(rows[None, :], (qlen - 1)[:, None])
-        qg = q.index_select(0, src.reshape(-1)).view(len(members), max_q, num_q_heads, head_dim)
-        k, v, _ = _gather_kv(k_cache, v_cache, block_tables.index_select(0, m), lens,
-                             [lens_list[s] for s in members])
-        key_pos = torch.arange(k.shape[1], device=dev)
-        cached = (lens - qlen)[:, None, None]
-        allowed = (key_pos[None, None, :] <= cached + rows[None, :, None]) & \
-                  (key_pos[None, None, :] < lens[:, None, None])
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2)  # [n, max_q, Hq, D]
-        keep = (rows[None, :] < qlen[:, None]).reshape(-1)
-        dst = (start[:, None] + rows[None, :]).reshape(-1)[keep]
-        out.index_copy_(0, dst, o.reshape(-1, num_q_heads, head_dim)[keep])
+        _prefill_masked(q, k_cache, v_cache, block_tables, seq_lens, [masked[i] for i in group],
+                        cu, q_lens, lens_list, scale, out)
     return out
 
 
