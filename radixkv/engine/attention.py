@@ -109,14 +109,17 @@ def paged_attention_forward(
     q, k, v = _token_major(query), _token_major(key), _token_major(value)
     k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = ctx.kv_cache[module.layer_idx, 1]
-    kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
+    # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
+    # dtypes and devices, but skip re-reading tensor values on every layer.
+    kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, check=False)
     if batch.mode is AttentionMode.DECODE:
         out = kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling)
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling, check=False)
     else:
         out = kernels.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
-            scale=scaling)
+            scale=scaling, check=False)
     return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
 
 
