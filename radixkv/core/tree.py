@@ -465,6 +465,46 @@ class RadixTree:
                 self._hints[node.block_hash] = new
             self._consider(node)
 
+    def invalidate(self, node: Node) -> list[MoveOp]:
+        """Drop ``node`` and every descendant, in any tier (its bytes proved bad, e.g. a disk
+        block that failed its checksum on load). Returns drop MoveOps (dst None), deepest first.
+
+        Everything dropped must be unreferenced (raises InvalidBlockError, changing nothing,
+        otherwise). Descendants are found by scanning the index: O(n), for the rare fault path.
+        """
+        if self._index.get(node.block_hash) is not node:
+            raise InvalidBlockError(f"{node!r} is not a cached node of this tree")
+        doomed = {id(node): node}
+        changed = True
+        while changed:  # fixed point over parent links (the index has no child lists)
+            changed = False
+            for other in self._index.values():
+                if id(other) not in doomed and other.parent is not None and id(other.parent) in doomed:
+                    doomed[id(other)] = other
+                    changed = True
+        refs = self._refs
+        held = [n for n in doomed.values() if n.tier == DEVICE and refs[n.slot] > 0]
+        if held:
+            raise InvalidBlockError(f"cannot invalidate: {len(held)} of its blocks are in use")
+
+        def depth(n: Node) -> int:
+            d = 0
+            while n.parent is not None:
+                n, d = n.parent, d + 1
+            return d
+
+        moves: list[MoveOp] = []
+        for n in sorted(doomed.values(), key=depth, reverse=True):
+            self._discard(n)
+            t, slot = n.tier, n.slot
+            if t == DEVICE:
+                self._unreferenced -= 1
+                self._device_nodes[slot] = None
+            self._drop(n)
+            self._pools[t].free_one(slot)
+            moves.append(_tuple_new(MoveOp, (n.block_hash, t, slot, None, None)))
+        return moves
+
     def insert_lower(self, parent: Node | None, block_hash: bytes, tokens: bytes, tier: int) -> Node | None:
         """Cache a block that already lives in slower tier ``tier`` (e.g. found on disk at start).
 
