@@ -58,7 +58,7 @@ def run_header(seed: int | None = None, **extra: Any) -> dict[str, Any]:
     for mod in ("torch", "triton", "transformers", "xxhash", "sortedcontainers"):
         m = sys.modules.get(mod)
         if m is not None:
-            header[f"{mod}_version"] = getattr(m, "__version__", "?")
+            header[f"{mod}_version"] = getattr(m, "__version__", getattr(m, "VERSION", "?"))
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         header["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
