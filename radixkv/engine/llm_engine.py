@@ -67,7 +67,10 @@ class LLMEngine:
         cache_config, engine_config: see :mod:`radixkv.config`.
         model_id: name used in the cache namespace (with dtype and KV layout).
         kv_mover: a :class:`KVMover`, or a callable ``kv_cache -> KVMover`` (a tiered mover is
-            built around the engine's cache tensor); None = :class:`DeviceOnlyMover`.
+            built around the engine's cache tensor); None = :class:`DeviceOnlyMover`, or, when
+            ``cache_config`` has host/disk tiers, a
+            :class:`~radixkv.engine.tiered_mover.TieredKVMover` over a ``HostPool`` and a
+            ``DiskStore`` built here (the tree is then rebuilt from the disk tier's files).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: CacheConfig,
@@ -89,12 +92,15 @@ class LLMEngine:
         layout = model_kv_layout(model, bs)
         n_dev, n_host, n_disk = cache_config.resolve_blocks(layout.bytes_per_block)
         lower = [n for n in (n_host, n_disk) if n]
-        if lower and kv_mover is None:
-            raise ConfigError("host/disk tiers are configured but no tiered kv_mover was given; "
-                              "pass LLMEngine(kv_mover=...) or set host_blocks/disk_blocks to 0")
+        self.layout = layout
+        self.tier_names = ["device"] + (["host"] if n_host else []) + (["disk"] if n_disk else [])
+        self.tier_capacity_blocks = [n_dev, *lower]
         self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower)
         self._runner = ModelRunner.for_model(model, n_dev, bs)
-        if kv_mover is None:
+        self.restore_report: dict[str, Any] | None = None
+        if kv_mover is None and lower:
+            kv_mover = self._tiered_mover(n_host, n_disk, model_id)
+        elif kv_mover is None:
             kv_mover = DeviceOnlyMover(self._runner.kv_cache)
         elif not isinstance(kv_mover, KVMover) and callable(kv_mover):
             kv_mover = kv_mover(self._runner.kv_cache)
@@ -105,11 +111,98 @@ class LLMEngine:
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
-                                    engine_config.max_num_batched_tokens)
+                                    engine_config.max_num_batched_tokens, run_ops=self._run_ops)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
+
+    # ------------------------------------------------------------------ tiers
+    def _tiered_mover(self, n_host: int, n_disk: int, model_id: str) -> KVMover:
+        """HostPool/DiskStore for the configured lower tiers, the mover over them, and the tree
+        rebuilt from the disk tier's files (a previous process's blocks are hits)."""
+        from radixkv.engine.tiered_mover import TieredKVMover
+        from radixkv.storage.disk import DiskStore
+        from radixkv.storage.host import HostPool
+
+        host = HostPool(self.layout, n_host) if n_host else None
+        disk = None
+        if n_disk:
+            # Namespace = model fingerprint (model id, dtype, KV layout); cache salts are inside
+            # the chain hashes, so tenants share the directory but never each other's blocks.
+            disk = DiskStore(self.cache_config.disk_dir, self.layout,
+                             self.layout.fingerprint(model_id), scan=False)
+        mover = TieredKVMover(self._runner.kv_cache, self.layout, host, disk, self._bm.tree)
+        if disk is not None:
+            self.restore_report = self._restore_from_disk(disk, mover.disk_tier)
+        return mover
+
+    def _restore_from_disk(self, disk: Any, tier: int) -> dict[str, Any]:
+        """Insert the disk tier's valid files into the tree, parents first.
+
+        A file written for a root block has no parent hash and becomes a root. A file whose
+        parent hash names a block that is not cached (its parent was still on the device or
+        host when the writer exited, or its file was corrupt) is an *orphan*: no request can
+        reach it, and as a root it would be worse than useless (a request recomputing the
+        chain could not cache its own block under that hash until the orphan is evicted), so
+        it is skipped. Skipped files -- orphans, entries beyond the tier's capacity, entries
+        whose tokens do not chain-hash to their name -- are removed: the files on disk are
+        exactly the disk tier's blocks."""
+        from array import array
+
+        from radixkv.core.hashing import TOKEN_BYTES, chain_hash
+
+        tree = self._bm.tree
+        report = disk.scan()
+        width = self.cache_config.block_size * TOKEN_BYTES
+        restored = orphans = skipped = 0
+        for e in report.entries:
+            tokens = array("i", e.token_ids).tobytes()
+            parent = None
+            if e.parent_hash is not None:
+                parent = tree.get(e.parent_hash)
+                if parent is None:
+                    orphans += 1
+                    disk.remove(e.block_hash)
+                    continue
+            ok = len(tokens) == width and (
+                parent is None or chain_hash(parent.block_hash, tokens) == e.block_hash)
+            node = tree.insert_lower(parent, e.block_hash, tokens, tier) if ok else None
+            if node is None:
+                skipped += 1
+                disk.remove(e.block_hash)
+            else:
+                restored += 1
+        return {"restored_blocks": restored, "orphan_files": orphans, "skipped_files": skipped,
+                "corrupt_files": report.corrupt, "foreign_files": report.foreign,
+                "stale_tmp_files": report.stale_tmp, "scan_s": report.seconds}
+
+    def _run_ops(self, ops: Seq[Any]) -> list[bytes]:
+        """The scheduler's executor: run KV ops now; hashes of failed promotions."""
+        run_kv_ops(self.kv_mover, ops)
+        take = getattr(self.kv_mover, "take_failed_loads", None)
+        return take() if take is not None else []
+
+    def persist(self) -> int:
+        """Demote every unreferenced cached block to the slowest tier (disk when configured),
+        so that another process on the same ``disk_dir`` gets them as hits. Blocks that do not
+        fit there are dropped, oldest first (the tier's eviction order). Call between steps;
+        blocks of running sequences stay where they are. Returns the blocks moved."""
+        tree = self._bm.tree
+        if tree.num_tiers == 1:
+            return 0  # nowhere slower to go: demoting would drop the cache
+        moves = tree.evict(0, tree.num_evictable(0))
+        for t in range(1, tree.num_tiers - 1):
+            moves += tree.evict(t, tree.num_evictable(t))
+        failed = self._run_ops(moves)
+        assert not failed, "demotions cannot fail a load"
+        return sum(1 for m in moves if m.dst_tier is not None)
+
+    def close(self) -> None:
+        """Stop the mover's worker threads (the engine is unusable afterwards)."""
+        close = getattr(self.kv_mover, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -415,7 +508,35 @@ class LLMEngine:
             "num_waiting": len(self._scheduler.waiting),
             "steps": c.steps,
             "forwards": self._num_forwards,
+            **self._tier_stats(),
         }
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """Per-tier figures: names, capacities, residency; mover traffic and faults."""
+        c = self._scheduler.counters
+        out: dict[str, Any] = {
+            "tiers": list(self.tier_names),
+            "tier_capacity_blocks": list(self.tier_capacity_blocks),
+            "load_failures": c.load_failures,
+            "load_retries": c.load_retries,
+        }
+        ms = getattr(self.kv_mover, "stats", None)
+        if ms is not None and hasattr(ms, "as_dict"):
+            m = ms.as_dict()
+            out.update(bytes_moved=m["bytes_moved"], blocks_moved=m["moves"],
+                       write_failures=m["write_failures"],
+                       mover_load_failures=m["load_failures"],
+                       write_failure_drops=m["invalidated_blocks"],
+                       skipped_writes=m["skipped_writes"])
+        disk = getattr(self.kv_mover, "disk", None)
+        if disk is not None:
+            d = disk.stats()
+            out["disk"] = {"files": len(disk), "bytes_used": disk.bytes_used,
+                           "corrupt": d.corrupt, "foreign": d.foreign,
+                           "read_errors": d.read_errors, "put_failures": d.put_failures,
+                           "failures_by_errno": dict(d.failures_by_errno),
+                           **(self.restore_report or {})}
+        return out
 
     def _kv_utilization(self) -> tuple[int, int]:
         """(tokens stored, slots allocated) over the blocks live sequences hold; a block shared

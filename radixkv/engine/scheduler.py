@@ -21,7 +21,13 @@ step, so a request is sampled as a whole; when a group does not fit the budget e
 sequence advances by at most ``remaining - 1`` tokens.
 
 KV operations (tier moves from allocation/eviction and copy-on-write copies) are returned in the
-order the block manager produced them; the engine runs them before the forward.
+order the block manager produced them; the engine runs them before the forward. With a
+``run_ops`` executor (the engine passes one) they run *during* scheduling instead, in the same
+order: the pending ops before each allocation, and each allocation's moves right after it. That
+is what makes a failed promotion safe: when loading a block from a slower tier fails
+(``run_ops`` returns its hash), the request's sequences are freed, the node and its subtree are
+invalidated, and the request is allocated again (its match now stops before the bad block, so
+it recomputes) -- before any later request of the same step can match and lock that node.
 
 Pure Python: imports no torch.
 """
@@ -29,6 +35,7 @@ Pure Python: imports no torch.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 from radixkv.core.block_manager import BlockManager, CopyOp
@@ -73,14 +80,23 @@ class SchedulerCounters:
     recomputed_tokens: int = 0                # re-prefilled after preemption
     preemptions: int = 0
     steps: int = 0
+    load_failures: int = 0                    # blocks whose promotion failed (recomputed)
+    load_retries: int = 0                     # allocations redone after a failed promotion
+
+
+#: Executes KV ops now, in order; returns the hashes of blocks whose promotion failed.
+RunOps = Callable[[Seq["MoveOp | CopyOp"]], Seq[bytes]]
+
+_MAX_LOAD_RETRIES = 64
 
 
 class Scheduler:
     """FCFS continuous batching over a :class:`BlockManager` (see module docstring)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, run_ops: RunOps | None = None) -> None:
         self.bm = block_manager
+        self.run_ops = run_ops
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -131,12 +147,32 @@ class Scheduler:
                     out.kv_ops.extend(s.moves)
                     if s.copy is not None:
                         out.kv_ops.append(s.copy)
+        self._flush(out)
         budget = self.max_num_batched_tokens
         for req in self.running:
             budget -= self._schedule_tokens(req, budget, out)
         if not out.preempted:
             self._admit(budget, out)
+        self._flush(out)
         return out
+
+    def _flush(self, out: SchedulerOutput) -> list[bytes]:
+        """Run the pending KV ops now (with an executor); hashes of failed promotions."""
+        if self.run_ops is None or not out.kv_ops:
+            return []
+        ops, out.kv_ops = out.kv_ops, []
+        return list(self.run_ops(ops))
+
+    def _invalidate(self, failed: Seq[bytes], out: SchedulerOutput) -> None:
+        """Drop blocks whose promotion failed (and their subtrees) from the cache."""
+        tree = self.bm.tree
+        for h in failed:
+            node = tree.get(h)
+            if node is not None:
+                out.kv_ops.extend(tree.invalidate(node))
+        self.counters.load_failures += len(failed)
+        more = self._flush(out)
+        assert not more, "dropping blocks cannot load any"
 
     def _pending(self, seq: Sequence) -> bool:
         return self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
@@ -203,28 +239,62 @@ class Scheduler:
             budget -= self._schedule_tokens(req, budget, out)
 
     def _allocate(self, req: Request, out: SchedulerOutput) -> bool:
-        """Allocate every live sequence of ``req`` or none (moves of evictions are kept)."""
-        done = []
-        try:
-            for seq in req.seqs:
-                a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace)
-                out.kv_ops.extend(a.moves)
-                done.append(a)
-        except OutOfBlocks:
+        """Allocate every live sequence of ``req`` or none (moves of evictions are kept).
+
+        With an executor, each allocation's moves run at once; if a promotion failed, every
+        sequence of the request is freed, the bad blocks are invalidated and the request is
+        allocated again (see the module docstring)."""
+        self._flush(out)
+        first_per_tier: tuple[int, ...] | None = None
+        for _attempt in range(_MAX_LOAD_RETRIES):
+            done = []
+            failed: list[bytes] = []
+            try:
+                for seq in req.seqs:
+                    a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace)
+                    out.kv_ops.extend(a.moves)
+                    done.append(a)
+                    failed = self._flush(out)
+                    if failed:
+                        break
+            except OutOfBlocks:
+                for a in done:
+                    self.bm.free(a.seq_id)
+                return False
+            if first_per_tier is None:
+                first_per_tier = done[0].cached_tokens_per_tier
+            if not failed:
+                break
             for a in done:
                 self.bm.free(a.seq_id)
-            return False
+            self._invalidate(failed, out)
+            self.counters.load_retries += 1
+        else:
+            raise AssertionError(f"{_MAX_LOAD_RETRIES} failed promotions in a row for {req}")
         if not req.admitted:
             req.admitted = True
             a = done[0]
+            per_tier = _prefix_per_tier(first_per_tier, a.num_cached_tokens)
             req.num_cached_tokens = a.num_cached_tokens
-            req.cached_tokens_per_tier = a.cached_tokens_per_tier
+            req.cached_tokens_per_tier = per_tier
             c = self.counters
             c.prompt_tokens += len(req.prompt_token_ids)
             c.cached_prompt_tokens += a.num_cached_tokens
-            for t, n in enumerate(a.cached_tokens_per_tier):
+            for t, n in enumerate(per_tier):
                 c.cached_tokens_per_tier[t] += n
         return True
+
+
+def _prefix_per_tier(per_tier: tuple[int, ...], num_cached: int) -> tuple[int, ...]:
+    """Per-tier split of the first ``num_cached`` tokens of a chain whose first attempt found
+    ``per_tier`` (tiers are non-decreasing along a chain). After a failed promotion the retry
+    keeps a prefix of the first match, whose blocks it finds already promoted to the device:
+    they are still counted in the tier they were loaded from."""
+    out, left = [], num_cached
+    for n in per_tier:
+        out.append(min(n, left))
+        left -= out[-1]
+    return tuple(out)
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk", "SchedulerCounters"]

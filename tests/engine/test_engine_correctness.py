@@ -317,8 +317,8 @@ def test_config_errors(hf_llama):
         CacheConfig(block_size=6)
     with pytest.raises(ConfigError):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
-    with pytest.raises(ConfigError, match="tier"):
-        _engine(hf_llama, host_blocks=8)
+    with pytest.raises(ConfigError, match="disk_dir"):
+        _engine(hf_llama, disk_blocks=8)
     eng = LLMEngine(copy.deepcopy(hf_llama), None, CacheConfig(device_memory="1MiB"),
                     EngineConfig(), "tiny")
     # 3 layers x 2 x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 12 KiB per block

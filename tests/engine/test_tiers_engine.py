@@ -1,0 +1,218 @@
+"""The engine over device + host + disk tiers, end to end, on tiny random-weight models.
+
+* greedy output equals transformers' ``generate`` while a tiny device pool makes the tree demote
+  and promote blocks constantly (and hits come from the host and disk tiers);
+* restart: one process caches a conversation's prefix to disk and exits; a fresh interpreter on
+  the same directory gets those blocks as disk hits, with byte-identical KV;
+* faults: a file corrupted between two engines is a counted miss (recomputed, same output); a
+  disk that fails every write (ENOSPC) degrades to misses, never a crash or a wrong block.
+
+After every run the files on disk are exactly the disk tier's blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixkv.config import CacheConfig, EngineConfig
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
+from radixkv.engine.tiered_mover import TieredKVMover
+
+CHILD = Path(__file__).with_name("tiers_child.py")
+sys.path.insert(0, str(CHILD.parent))
+import tiers_child  # noqa: E402  (conversation and engine config shared with the child)
+
+BS = 4
+GEN = 6
+
+
+@pytest.fixture(scope="module")
+def hf_llama(make_tiny):
+    return make_tiny("llama")
+
+
+def _engine(hf, tmp_path, device=16, host=6, disk=64, max_num_seqs=4, **kw) -> LLMEngine:
+    return LLMEngine(copy.deepcopy(hf), None,
+                     CacheConfig(block_size=BS, num_device_blocks=device, host_blocks=host,
+                                 disk_dir=str(tmp_path / "kv") if disk else None,
+                                 disk_blocks=disk, **kw),
+                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128),
+                     model_id="tiny")
+
+
+def _hf(hf, prompt, max_new=GEN):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _serve(eng, batch):
+    """Add [(rid, prompt)], step to completion; rid -> final RequestOutput."""
+    for rid, prompt in batch:
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=GEN))
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    check_tiers(eng)
+    return final
+
+
+def check_tiers(eng: LLMEngine) -> None:
+    """Tree, pools and tables agree; disk files == disk-resident nodes."""
+    eng.block_manager.check_invariants()
+    mover = eng.kv_mover
+    if not isinstance(mover, TieredKVMover) or mover.disk is None:
+        return
+    on_disk = {h for h, n in eng.tree._index.items() if n.tier == mover.disk_tier}
+    indexed = {e.block_hash for e in mover.disk.entries()}
+    files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
+    assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
+
+
+def _rand(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _conversations(hf, eng, n_conv=3, turns=3, batched_last=True):
+    """Interleaved multi-turn conversations: every turn's prompt extends the previous turn's
+    prompt + reply, so its prefix was computed turns ago and sank through the tiers meanwhile.
+    Checks every reply against HF; returns the final outputs."""
+    prompts = [_rand(21, 100 + c) for c in range(n_conv)]
+    outs = {}
+    for t in range(turns):
+        batch = [(f"c{c}t{t}", prompts[c]) for c in range(n_conv)]
+        if batched_last and t == turns - 1:
+            outs.update(_serve(eng, batch))
+        else:
+            for item in batch:
+                outs.update(_serve(eng, [item]))
+        for c in range(n_conv):
+            got = outs[f"c{c}t{t}"].outputs[0].token_ids
+            assert got == _hf(hf, prompts[c]), f"conversation {c} turn {t}"
+            prompts[c] = prompts[c] + list(got) + _rand(5, 1000 * t + c)
+    return outs
+
+
+@pytest.mark.parametrize("tiers", ["host+disk", "disk"])
+def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, tiers):
+    host = 6 if tiers == "host+disk" else 0
+    eng = _engine(hf_llama, tmp_path, device=16, host=host, disk=64)
+    assert eng.tier_names == ["device", *(["host"] if host else []), "disk"]
+    outs = _conversations(hf_llama, eng)
+    st = eng.stats()
+    disk_t = len(eng.tier_names) - 1
+    # blocks went down and came back up through every lower tier, and requests hit them there
+    assert all(st["demotions"][t] > 0 and st["promotions"][t] > 0 for t in range(1, disk_t + 1))
+    assert all(st["cached_prompt_tokens_per_tier"][t] > 0 for t in range(1, disk_t + 1)), st
+    assert sum(o.num_cached_tokens for o in outs.values()) == st["cached_prompt_tokens"] > 0
+    assert st["bytes_moved"]["disk->device"] > 0
+    assert st["bytes_moved"][f"{eng.tier_names[disk_t - 1]}->disk"] > 0
+    assert st["load_failures"] == st["write_failures"] == 0
+    assert st["tiers"] == eng.tier_names and st["tier_capacity_blocks"][0] == 16
+    assert st["cached_blocks_per_tier"][disk_t] == st["disk"]["files"]
+    eng.close()
+
+
+def test_restart_second_process_gets_disk_hits_with_identical_kv(tmp_path):
+    """Process 1 serves a conversation prefix, persists its cache to disk and exits; a fresh
+    interpreter on the same directory gets the prefix from the disk tier, and the KV it loads
+    into its device pool is byte-identical to what process 1 computed."""
+    kv_dir = tmp_path / "kv"
+    res = {}
+    for mode in ("write", "read"):
+        out = tmp_path / f"{mode}.pt"
+        child = subprocess.run([sys.executable, str(CHILD), mode, str(kv_dir), str(out)],
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0, child.stderr[-3000:]
+        res[mode] = torch.load(out)
+    first, second = res["write"], res["read"]
+    n_blocks = (tiers_child.PROMPT_LEN - 1) // tiers_child.BLOCK
+    assert first["num_cached"] == 0 and first["disk_files"] >= n_blocks
+    assert second["restored"] == first["disk_files"]
+    assert second["num_cached"] == n_blocks * tiers_child.BLOCK
+    assert second["per_tier"] == [0, 0, n_blocks * tiers_child.BLOCK]   # all from disk
+    assert second["tokens"] == first["tokens"]
+    assert second["hashes"] == first["hashes"] and len(first["hashes"]) == n_blocks
+    assert first["kv"].abs().sum() > 0
+    assert torch.equal(second["kv"], first["kv"])   # bit for bit
+    assert second["load_failures"] == 0
+
+
+@pytest.mark.parametrize("fault", ["flip payload byte", "truncate"])
+def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fault):
+    prompt = tiers_child.conversation()
+    want = _hf(hf_llama, prompt)
+    a = _engine(hf_llama, tmp_path, device=32, host=8, disk=64)
+    assert _serve(a, [("r", prompt)])["r"].outputs[0].token_ids == want
+    a.persist()
+    check_tiers(a)
+    bad = 4  # the 5th block of the prompt's chain
+    from radixkv.core.hashing import token_bytes
+    _, hashes = a.tree.match_tokens(token_bytes(prompt), a.namespace.seed)
+    path = a.kv_mover.disk.path_of(hashes[bad])
+    a.close()
+    data = bytearray(path.read_bytes())
+    if fault == "truncate":
+        path.write_bytes(data[:len(data) // 2])
+    else:
+        data[-3] ^= 0x40
+        path.write_bytes(data)
+
+    b = _engine(hf_llama, tmp_path, device=32, host=8, disk=64)
+    check_tiers(b)
+    out = _serve(b, [("r", prompt)])["r"]
+    assert out.outputs[0].token_ids == want               # recomputed, not garbage
+    assert out.num_cached_tokens == bad * BS              # hit up to the bad block only
+    assert list(out.cached_tokens_per_tier) == [0, 0, bad * BS]
+    st = b.stats()
+    assert st["disk"]["corrupt"] == 1
+    if fault == "truncate":   # caught by the index rebuild: never inserted, nor its subtree
+        assert st["disk"]["restored_blocks"] == bad and st["load_failures"] == 0
+        assert st["disk"]["orphan_files"] == len(hashes) + 1 - bad - 1
+    else:                      # caught by the payload checksum on load: invalidated, retried
+        assert st["load_failures"] == 1 == st["load_retries"]
+    assert not path.exists()
+    # the block is cached again (recomputed), and a second request hits the whole prefix
+    out2 = _serve(b, [("r2", prompt)])["r2"]
+    assert out2.outputs[0].token_ids == want and out2.num_cached_tokens == len(hashes) * BS
+    b.close()
+
+
+def test_failing_disk_writes_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
+    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
+    disk = eng.kv_mover.disk
+
+    def enospc(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk, "_write_file", enospc)
+    _conversations(hf_llama, eng)             # outputs checked against HF inside
+    st = eng.stats()
+    assert st["write_failures"] > 0 and st["disk"]["put_failures"] == st["write_failures"]
+    assert st["disk"]["failures_by_errno"] == {"ENOSPC": st["write_failures"]}
+    assert st["cached_blocks_per_tier"][2] == 0 and st["disk"]["files"] == 0
+    assert st["cached_prompt_tokens_per_tier"][2] == 0
+    # a block whose write failed may be promoted later in the same move list (its load then
+    # fails too and the request recomputes it): counted as a load failure, never served
+    assert st["load_failures"] == st["mover_load_failures"] <= st["write_failures"]
+    assert st["cached_prompt_tokens_per_tier"][1] > 0   # the host tier still works
+    # the disk recovers: demotions land again and later requests hit the disk tier
+    monkeypatch.undo()
+    eng2 = _engine(hf_llama, tmp_path / "again", device=16, host=6, disk=64)
+    _conversations(hf_llama, eng2, n_conv=2, turns=2, batched_last=False)
+    assert eng2.stats()["write_failures"] == 0
+    eng.close()
+    eng2.close()
