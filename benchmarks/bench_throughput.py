@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--naive-max-len", type=int, default=None,
                     help="reserved tokens per request in the naive allocation "
                          "(default: the model's context length)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
     args = ap.parse_args(argv)
     batch = args.batch or (8 if args.quick else 16)
     max_tokens = args.max_tokens or (32 if args.quick else 64)
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.config import CacheConfig, EngineConfig
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts = pick_prompts(load_trace("chat", quick=True, progress=False), batch, args.max_prompt)
     engine = Engine.from_pretrained(
         cache_config=CacheConfig(device_memory="2GiB"),
@@ -182,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_outputs_identical_to_hf": f"{same}/{batch}",
     }
     print_table([{"metric": k, "value": v} for k, v in summary.items()], title="summary")
-    write_results("throughput" + ("-quick" if args.quick else ""), header,
+    name = "throughput" + ("-quick" if args.quick else "")
+    if args.batch or args.max_tokens:          # non-default shapes get their own file
+        name += f"-b{batch}-t{max_tokens}"
+    write_results(name, header,
                   {"summary": summary, "rows": rows,
                    "engine_runs": [{k: v for k, v in x.items() if k not in ("tokens", "util")}
                                    for x in eng_runs],

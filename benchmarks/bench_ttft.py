@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt", type=int, default=None,
                     help="skip turns with longer prompts (default 2048 tokens)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
     args = ap.parse_args(argv)
     n_turns = args.turns or (8 if args.quick else 24)
     max_prompt = args.max_prompt or (1024 if args.quick else 2048)
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.engine.sampling import SamplingParams
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     trace = load_trace("chat", quick=True, progress=False)
     pairs = select_turns(trace, max_prompt, n_turns)
     ec = EngineConfig(max_num_seqs=8, max_num_batched_tokens=4096, device="auto")

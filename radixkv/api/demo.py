@@ -63,6 +63,15 @@ RAG_QUESTIONS = (
 COLUMNS = ("step", "prompt_tok", "cached_tok", "hit_rate", "ttft_ms", "ttft_nocache_ms", "speedup")
 
 
+def set_threads(n: int | None) -> None:
+    """Set torch's intra-op CPU threads (None: leave torch's default). On a CPU shared with
+    other busy processes, 1 thread avoids OpenMP threads spinning against each other."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _fmt_row(row: dict[str, Any]) -> dict[str, str]:
     out = {"step": row["step"], "prompt_tok": str(row["prompt_tok"]),
            "cached_tok": str(row["cached_tok"]), "hit_rate": f"{row['hit_rate']:.0%}",
@@ -139,9 +148,15 @@ def run_chat(engine: Any, baseline: Any | None, script: Iterable[str], max_token
     rows = []
     for i, message in enumerate(script, 1):
         prompt = session.next_prompt_ids(message)
+        naive = session.naive_prompt_ids(message)
+        common = next((j for j, (a, b) in enumerate(zip(prompt, naive)) if a != b),
+                      min(len(prompt), len(naive)))
         reply = session.send(message, params)
         base_ttft = nocache_ttft(baseline, prompt) if baseline is not None else None
         say(f"  user: {message}\n  bot:  {reply.text.strip()[:200]}")
+        if i > 1:
+            say(f"        (re-rendering the history as text would give a prompt sharing "
+                f"{common} of {len(prompt)} tokens with the session's)")
         rows.append(_row(f"chat turn {i}", reply.prompt_tokens, reply.cached_tokens, reply.ttft,
                          base_ttft))
     return rows
@@ -173,7 +188,10 @@ def main(argv: list[str] | None = None, *, engine: Any = None, baseline: Any = N
     ap.add_argument("--quick", action="store_true", help="3 chat turns, 2 RAG questions")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the no-cache engine (no baseline TTFT column)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     if engine is None:
         engine, baseline = load_engines(compare=not args.no_compare)
     elif args.no_compare:
@@ -205,7 +223,9 @@ def chat_main(argv: list[str] | None = None, *, engine: Any = None, baseline: An
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-compare", action="store_true",
                     help="do not measure the no-cache TTFT of each turn")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     stdin = stdin or sys.stdin
     out = stdout or sys.stdout
     if engine is None:

@@ -54,8 +54,21 @@ def tiny_model_shared(smol_tokenizer: Any) -> Any:
     return make_tiny_vocab_model(len(smol_tokenizer))
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    """Tiny models run fastest on one torch thread (and two threads spinning against other busy
+    processes made these tests ~10x slower on the shared 2-core machine); restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
-def make_engine(smol_tokenizer: Any, tiny_model_shared: Any) -> Callable[..., Any]:
+def make_engine(smol_tokenizer: Any, tiny_model_shared: Any, one_thread: Any
+                ) -> Callable[..., Any]:
     """``make_engine(num_device_blocks=256, policy="lru", enable_prefix_caching=True, **ec)``:
     a fresh Engine over the shared tiny model (a fresh KV pool each call)."""
     from radixkv import CacheConfig
