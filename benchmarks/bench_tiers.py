@@ -1,7 +1,8 @@
-"""How close do the storage tiers come to the raw bandwidth of the same bytes, and how long does
-the disk index take to rebuild at 10^5 blocks?
+"""How close do the storage tiers come to the raw bandwidth of the same bytes, how long does the
+disk index take to rebuild at 10^5 blocks, and how much of the infinite-cache hit rate do the
+tiers recover on a real chat trace?
 
-Three questions, each against a baseline measured in the same run:
+Four questions, each against a baseline measured in the same run:
 
 1. host<->disk: ``TransferEngine`` moves (HostSlot <-> DiskBlock through ``DiskStore``: header,
    checksums, temp file + rename) vs plain file I/O of the same bytes (one ``open/write/close``
@@ -12,10 +13,16 @@ Three questions, each against a baseline measured in the same run:
 3. index rebuild: ``DiskStore.scan()`` over 10^5 block files (headers only) vs a bare
    ``listdir + open + pread + close`` of the same files.
 
-Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s). The hit-rate part of the
-tiers benchmark (ShareGPT, tier capacities vs an infinite cache) needs the tree and lands later.
+4. hit rate: the ShareGPT chat trace (``traces.load_trace("chat")``) replayed through the real
+   tree and block manager (``benchmarks/replay.py``, LRU, 16-token blocks) with a small device
+   tier, device + host, and device + host + disk whose total capacity equals the working set,
+   vs the infinite cache (every repeated full block a hit). Target: three tiers >= 98% of
+   infinite. Capacities are fractions of the working set (distinct full prompt blocks).
 
-    radixkv bench tiers [--blocks N] [--rebuild-blocks N] [--quick] [--dir PATH]
+Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s).
+
+    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate] [--blocks N] [--rebuild-blocks N]
+                        [--quick] [--dir PATH]
 """
 
 from __future__ import annotations
@@ -295,6 +302,48 @@ def bench_rebuild(root: Path, n: int) -> list[dict[str, Any]]:
     return rows
 
 
+#: device tiers (fractions of the working set; "min" = the largest request + 2 blocks), the
+#: host tier's fraction, and the disk tier sized so that the three tiers hold the working set
+HIT_DEVICE_FRACTIONS = ("min", 0.01, 0.05)
+HIT_HOST_FRACTION = 0.10
+
+
+def bench_hit_rate(quick: bool = False, block_size: int = 16) -> dict[str, Any]:
+    """Hit rate of tier configurations on the chat trace vs the infinite cache."""
+    from radixkv.benchmarks.bounds import infinite, prepare
+    from radixkv.benchmarks.replay import ReplayConfig, replay
+    from radixkv.benchmarks.traces import Trace, load_trace
+
+    trace = load_trace("chat", progress=False)
+    if quick:
+        trace = Trace(trace[:800], trace.header)
+    bt = prepare(trace, block_size)
+    work = bt.num_blocks
+    inf = infinite(bt).hit_rate
+    rows: list[dict[str, Any]] = []
+    for frac in HIT_DEVICE_FRACTIONS:
+        dev = bt.min_capacity + 2 if frac == "min" else max(int(frac * work), bt.min_capacity + 2)
+        host = int(HIT_HOST_FRACTION * work)
+        disk = max(work - dev - host, 1)
+        for h, d in ((0, 0), (host, 0), (host, disk)):
+            res = replay(trace, ReplayConfig(block_size, dev, "lru", h, d))
+            r = res.as_dict()
+            rows.append({"tiers": r["tiers"], "device": frac, "device_blocks": dev,
+                         "host_blocks": h, "disk_blocks": d,
+                         "capacity/working set": (dev + h + d) / work,
+                         "hit_rate": r["hit_rate"], "of_infinite": r["hit_rate"] / inf,
+                         "device/host/disk": "/".join(f"{x:.3f}" for x in r["hit_rate_per_tier"]),
+                         "hit_rate_per_tier": r["hit_rate_per_tier"],
+                         "promotions_per_tier": r["promotions_per_tier"],
+                         "evictions_per_tier": r["evictions_per_tier"], "replay_s": r["wall_s"]})
+    three = [r for r in rows if r["tiers"] == "device+host+disk"]
+    return {"trace": "chat", "requests": len(trace), "prompt_tokens": bt.total_prompt_tokens,
+            "block_size": block_size, "working_set_blocks": work,
+            "min_capacity_blocks": bt.min_capacity, "infinite": inf, "rows": rows,
+            "three_tier_min_of_infinite": min(r["of_infinite"] for r in three),
+            "three_tier_ge_98pct_of_infinite": min(r["of_infinite"] for r in three) >= 0.98}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench tiers", description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=256,
@@ -302,27 +351,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--parts", default="bandwidth,rebuild,hit-rate",
+                    help="comma-separated subset of bandwidth, rebuild, hit-rate")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
                                                 "temporary directory under $TMPDIR)")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    bad = parts - {"bandwidth", "rebuild", "hit-rate"}
+    if bad:
+        ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
     header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks,
                         rebuild_blocks=args.rebuild_blocks, block_bytes=SMOLLM2.bytes_per_block,
-                        dir=str(root))
+                        dir=str(root), parts=sorted(parts))
     print("radixkv bench tiers", header)
+    results: dict[str, Any] = {}
     try:
-        bw = bench_host_disk(root, args.blocks, args.repeat)
-        bw += bench_device_host(args.blocks, args.repeat)
-        print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "cpu ms", "vs raw"],
-                    title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
-        rb = bench_rebuild(root, args.rebuild_blocks)
-        print_table(rb, title=f"disk index rebuild, {args.rebuild_blocks} block files")
+        if "bandwidth" in parts:
+            bw = bench_host_disk(root, args.blocks, args.repeat)
+            bw += bench_device_host(args.blocks, args.repeat)
+            print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "cpu ms", "vs raw"],
+                        title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
+            results["bandwidth"] = bw
+        if "rebuild" in parts:
+            rb = bench_rebuild(root, args.rebuild_blocks)
+            print_table(rb, title=f"disk index rebuild, {args.rebuild_blocks} block files")
+            results["rebuild"] = rb
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    write_results("tiers_quick" if args.quick else "tiers", header,
-                  {"bandwidth": bw, "rebuild": rb})
+    if "hit-rate" in parts:
+        hr = bench_hit_rate(args.quick)
+        print_table(hr["rows"], ["tiers", "device", "device_blocks", "host_blocks", "disk_blocks",
+                                 "capacity/working set", "hit_rate", "device/host/disk",
+                                 "of_infinite"],
+                    title=f"chat trace hit rate ({hr['requests']} requests, working set "
+                          f"{hr['working_set_blocks']} blocks, infinite {hr['infinite']:.4f})")
+        results["hit_rate"] = hr
+    name = "tiers_quick" if args.quick else "tiers"
+    if parts != {"bandwidth", "rebuild", "hit-rate"}:
+        name += "_" + "_".join(sorted(parts))
+    write_results(name, header, results)
     return 0
 
 
