@@ -21,7 +21,9 @@ BLOCK_SIZE = 16
 def smol_tokenizer(request: pytest.FixtureRequest) -> Any:
     from transformers import AutoTokenizer
 
-    folder = request.config.cache.mkdir("radixkv-smollm2-tokenizer")
+    cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
+    folder = (cache.mkdir("radixkv-smollm2-tokenizer") if cache is not None
+              else request.getfixturevalue("tmp_path_factory").mktemp("smollm2-tokenizer"))
     if (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(folder))
     try:
