@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from radixkv.core.tree import Node
+    from radixkv.core.node import Node
 
 
 @dataclass(frozen=True)
