@@ -124,6 +124,8 @@ class EngineConfig:
             model's own.
         max_model_len: longest sequence (prompt + output) allowed; None takes the model's
             ``max_position_embeddings``.
+        prefetch_requests: with host and disk tiers, the first this many waiting requests get
+            their matched disk-tier blocks loaded disk -> host ahead of scheduling (0: off).
     """
 
     max_num_seqs: int = 32
@@ -131,12 +133,16 @@ class EngineConfig:
     device: str = "auto"
     dtype: object = None
     max_model_len: int | None = None
+    prefetch_requests: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        v = self.prefetch_requests
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"EngineConfig.prefetch_requests must be an int >= 0, got {v!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

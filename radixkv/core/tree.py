@@ -288,6 +288,48 @@ class RadixTree:
             return None
         return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id)
 
+    def promote_lower(self, node: Node, tier: int) -> list[MoveOp]:
+        """Move a node from a slower tier into the faster *non-device* ``tier`` (a prefetch:
+        disk -> host), making room there by evicting leaf-first like any eviction.
+
+        The node's parent must already be in a tier <= ``tier`` (prefix closure); it is kept
+        out of the victims, and so is the node itself. The node's old slot is freed before
+        room is made, so a victim demoted into the node's tier takes that slot instead of
+        evicting further (the node's bytes are still read from its old slot: the storage layer
+        must run the returned moves in order). ``last_access`` is touched, so the policy keeps
+        the node for the request that is about to use it.
+
+        Returns the MoveOps, demotions first, then the node's own load; ``[]`` (changing
+        nothing) if no room can be made in ``tier``. Runtime complexity: O(tiers * log n).
+        """
+        t = node.tier
+        assert self._index.get(node.block_hash) is node, f"promote_lower() of uncached {node}"
+        assert DEVICE < tier < t, f"promote_lower() of a tier-{t} node into tier {tier}"
+        parent = node.parent
+        assert parent is None or parent.tier <= tier, \
+            f"promote_lower() into tier {tier} under a parent in tier {parent.tier}"
+        dst = self._pools[tier]
+        guard = parent if parent is not None and parent.tier == tier and \
+            self._is_evictable(parent) else None
+        if dst.num_free == 0 and len(self._evictable[tier]) - (guard is not None) <= 0:
+            return []
+        moves: list[MoveOp] = []
+        old_slot = node.slot
+        self._discard(node)
+        if guard is not None:
+            self._discard(guard)
+        self._pools[t].free_one(old_slot)   # a victim demoted into tier t may take this slot
+        if dst.num_free == 0:
+            self._evict_one(tier, moves)
+        if guard is not None:
+            self._consider(guard)
+        new_slot = dst.allocate_one()
+        self._set_tier(node, tier, new_slot)
+        node.last_access = self.clock()
+        self._consider(node)
+        moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, tier, new_slot)))
+        return moves
+
     def _set_tier(self, node: Node, tier: int, slot: int) -> None:
         """Re-home ``node`` (already out of every evictable set) and fix its parent's counts."""
         old = node.tier

@@ -24,7 +24,7 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace
+from radixkv.core.hashing import Namespace, token_bytes
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.engine.beam_search import BeamSearch
@@ -191,11 +191,13 @@ class LLMEngine:
         tree = self._bm.tree
         if tree.num_tiers == 1:
             return 0  # nowhere slower to go: demoting would drop the cache
+        self._drain_kv()   # settle batches in flight before the tree changes
         moves = tree.evict(0, tree.num_evictable(0))
         for t in range(1, tree.num_tiers - 1):
             moves += tree.evict(t, tree.num_evictable(t))
         failed = self._run_ops(moves)
         assert not failed, "demotions cannot fail a load"
+        self._drain_kv()   # the files are written when this returns
         return sum(1 for m in moves if m.dst_tier is not None)
 
     def close(self) -> None:
@@ -318,15 +320,65 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; return the outputs of requests that changed."""
         outputs, self._pending = self._pending, []
+        # Settle last step's write-behind/prefetch batches before the scheduler touches the
+        # tree: their failures are then filed against nodes that are still where they went.
+        self._drain_kv()
         sched = self._scheduler.schedule()
         for req in sched.unschedulable:
             self._finish_all(req, FINISH_LENGTH)
             outputs.append(self._output(req, finished=True))
         run_kv_ops(self.kv_mover, sched.kv_ops)
+        self._prefetch()   # disk -> host loads for waiting requests, while the forward runs
         if sched.chunks:
             logits = self._run(sched)
             outputs.extend(self._postprocess(sched, logits))
+        if not self.has_unfinished_requests():
+            self._drain_kv()   # idle: the disk tier's files are exactly its blocks
         return outputs
+
+    def _drain_kv(self) -> None:
+        drain = getattr(self.kv_mover, "drain", None)
+        if drain is not None:
+            drain()
+
+    def _prefetch(self) -> None:
+        """Best effort: the disk-tier blocks matched by the first ``prefetch_requests``
+        waiting requests are moved disk -> host (``RadixTree.promote_lower``) as a batch that
+        runs behind the step; the request's allocation later promotes them host -> device.
+        At most the host tier's capacity per step."""
+        k = self.engine_config.prefetch_requests
+        mover = self.kv_mover
+        waiting = self._scheduler.waiting
+        names = self.tier_names
+        if not k or not waiting or "host" not in names or "disk" not in names:
+            return
+        from radixkv.engine.tiered_mover import TieredKVMover
+        if not isinstance(mover, TieredKVMover):
+            return   # a mover passed in may not do disk -> host loads
+        host_t, disk_t = names.index("host"), names.index("disk")
+        tree, bs = self.tree, self._bm.block_size
+        budget = self.tier_capacity_blocks[host_t]
+        moves: list[Any] = []
+        for req in itertools.islice(waiting, k):
+            for seq in req.seqs:
+                ids = seq.token_ids
+                nodes, _ = tree.match_tokens(token_bytes(ids), req.namespace.seed,
+                                             (len(ids) - 1) // bs)
+                for x in nodes:
+                    if budget <= 0:
+                        break
+                    if x.tier < disk_t:
+                        continue
+                    if tree.get(x.block_hash) is not x or x.tier != disk_t or (
+                            x.parent is not None and x.parent.tier > host_t):
+                        break   # dropped or left behind by an earlier prefetch's eviction
+                    ms = tree.promote_lower(x, host_t)
+                    if not ms:
+                        break
+                    moves.extend(ms)
+                    budget -= 1
+        if moves:
+            mover.apply_moves(moves)
 
     def _run(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, bs = self._bm, self._bm.block_size
@@ -527,7 +579,11 @@ class LLMEngine:
                        write_failures=m["write_failures"],
                        mover_load_failures=m["load_failures"],
                        write_failure_drops=m["invalidated_blocks"],
-                       skipped_writes=m["skipped_writes"])
+                       skipped_writes=m["skipped_writes"],
+                       async_batches=m["async_batches"],
+                       prefetched_blocks=m["prefetched_blocks"],
+                       prefetch_hits=m["prefetch_hits"],
+                       prefetch_failures=m["prefetch_failures"])
         disk = getattr(self.kv_mover, "disk", None)
         if disk is not None:
             d = disk.stats()

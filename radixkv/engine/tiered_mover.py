@@ -4,10 +4,26 @@ The tree decides residency and returns ``MoveOp(block_hash, src_tier, src_slot, 
 dst_slot)``; this mover makes the bytes follow, in list order, before anything reads them.
 Tier indices are the tree's: 0 is the device, then the configured lower tiers fastest first
 (host, disk; a disk tier without a host tier is tier 1). Each consecutive run of moves with the
-same direction becomes one :class:`~radixkv.storage.transfer.TransferEngine` batch (one
-gather/scatter for device<->host, ``io_threads`` parallel file operations for disk), submitted
-and waited for at once: a slot vacated by one move may be refilled by a later move of the same
-list, so a run must land before the next one starts.
+same direction becomes one batch: a :class:`~radixkv.storage.transfer.TransferEngine` batch
+(one gather/scatter for device<->host, ``io_threads`` parallel file reads for disk loads), or a
+batch of staged file writes for demotions to disk. A slot vacated by one move may be refilled by
+a later move of the same list, so a run must land before the next one that touches the same
+memory starts.
+
+Off the critical path (write-behind and prefetch):
+
+* **Writes to disk** (host/device -> disk) copy their source blocks into a staging buffer at
+  once (so the host slot or device block is free for reuse when ``apply_moves`` returns) and
+  write the files on the mover's I/O threads; they are *pending* until :meth:`drain`. The next
+  group drains them only if it reads or removes a file (a load from disk, a drop of a disk
+  block); device/host copies and further writes go on. The engine drains at the start of each
+  step and when it goes idle, so the writes overlap the forward pass.
+* **Prefetch loads** (disk -> host, from ``RadixTree.promote_lower``) are transfer-engine
+  batches left running too; they write host slots, so any later group drains them first.
+* At drain, failures are filed exactly as for synchronous moves (below); a prefetch load that
+  failed drops its node (still on the host, unreferenced) with its subtree. Should the tree have
+  moved that node meanwhile, its host copy is *poisoned*: its next move out of the host fails
+  (a load failure or a failed write) instead of copying garbage on.
 
 What each move does:
 
@@ -29,7 +45,7 @@ Faults (the disk is the only tier that fails at run time):
   hash goes to :meth:`take_failed_loads`; the caller must free the sequences that reference it,
   ``tree.invalidate`` the node and allocate again (the scheduler does this right after the
   allocation, before any other sequence can lock the node). The file is removed too.
-* a **write** that fails (ENOSPC, EIO): at the end of the list, if the tree still places the
+* a **write** that fails (ENOSPC, EIO): when it is drained, if the tree still places the
   block on disk, the node (and its subtree, all on disk and unreferenced) is invalidated, so the
   bookkeeping never claims a block the disk does not hold; counted, warned by the store.
 
@@ -42,7 +58,9 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -54,9 +72,18 @@ from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.storage.transfer import (
+    Batch, DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine,
+)
 
 log = logging.getLogger(__name__)
+
+
+class _Outcome(NamedTuple):
+    """Per-move outcome of a batch of staged file writes (like ``BatchResult``)."""
+
+    ok: tuple[bool, ...]
+    errors: tuple[str | None, ...]
 
 
 def wrap_device_pool(kv_cache: torch.Tensor, layout: KVLayout) -> DevicePool:
@@ -87,6 +114,10 @@ class MoverStats:
     skipped_writes: int = 0      # demotions of blocks dropped later in the same list
     invalidated_blocks: int = 0  # nodes dropped because of a failed write (with subtrees)
     copies: int = 0
+    async_batches: int = 0       # batches left running past apply_moves (write-behind, prefetch)
+    prefetched_blocks: int = 0   # blocks loaded disk -> host ahead of their request
+    prefetch_hits: int = 0       # prefetched blocks later promoted host -> device
+    prefetch_failures: int = 0   # prefetch loads that failed (block dropped, recomputed)
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -117,14 +148,25 @@ class TieredKVMover:
         self.disk_tier = self.kinds.index("disk") if disk is not None else None
         self.device = wrap_device_pool(kv_cache, layout)
         self.engine = TransferEngine(self.device, host, disk, io_threads=io_threads)
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="radixkv-write")
         self._cow = DeviceOnlyMover(kv_cache)
         self._failed_loads: list[bytes] = []
+        # batches left running: a transfer-engine Batch (prefetch) or the futures of staged
+        # file writes, with their MoveOps and direction
+        self._pending: list[tuple[Batch | list[Future], list[MoveOp], str]] = []
+        self._prefetched: set[bytes] = set()   # loaded disk -> host, not yet moved on
+        self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
 
     # ------------------------------------------------------------------ KVMover protocol
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
-        """Execute ``moves`` in order (consecutive moves of one direction as one batch)."""
+        """Execute ``moves`` in order (consecutive moves of one direction as one batch).
+
+        Writes to disk and disk -> host prefetch loads are left running (see the module
+        docstring); a later group that could touch what they touch drains them first
+        (:meth:`drain`). Nothing but moves reads or writes host slots or block files, so the
+        order is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
         i = 0
         while i < len(moves):
@@ -132,10 +174,53 @@ class TieredKVMover:
             j = i + 1
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == key:
                 j += 1
+            if self._must_drain(key):
+                self.drain()
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
             self._drop_failed_writes(failed_writes)
+
+    def drain(self) -> None:
+        """Wait for the batches left running by :meth:`apply_moves` and settle their outcome:
+        a failed write drops its node (as :meth:`apply_moves` does for a synchronous one), a
+        failed prefetch load (disk -> host) drops the node it was loading. The engine drains
+        before the scheduler touches the tree, so these nodes are still where the moves put
+        them; if one was moved meanwhile, its host copy is *poisoned* (never copied on)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        failed_writes: list[MoveOp] = []
+        failed_loads: list[MoveOp] = []
+        for batch, ops, direction in pending:
+            if isinstance(batch, list):   # staged file writes
+                errors = [f.result() for f in batch]
+                result = _Outcome(tuple(e is None for e in errors), tuple(errors))
+            else:
+                result = self.engine.wait(batch)
+            if result is None:  # wait() without timeout only returns a result
+                raise StorageError(f"transfer batch of {len(ops)} {direction} moves vanished")
+            self._settle(ops, result, failed_writes, failed_loads)
+        if failed_writes:
+            self._drop_failed_writes(failed_writes)
+        if failed_loads:
+            self._drop_failed_prefetches(failed_loads)
+
+    def _must_drain(self, key: tuple[int, int | None]) -> bool:
+        """Whether the next group may touch what a pending batch touches: a pending prefetch
+        writes host slots (drain before anything); a pending write only its own file (drain
+        before a load or removal of a file; writes, device/host copies and drops go on)."""
+        if not self._pending:
+            return False
+        disk = self.disk_tier
+        if key[0] == disk:
+            return True
+        return any(not isinstance(p[0], list) for p in self._pending)
+
+    @property
+    def num_pending(self) -> int:
+        """Batches submitted and not yet drained."""
+        return len(self._pending)
 
     def copy_blocks(self, copies: Sequence[CopyOp]) -> None:
         self._cow.copy_blocks(copies)
@@ -149,8 +234,12 @@ class TieredKVMover:
         return out
 
     def close(self) -> None:
-        """Stop the transfer worker threads."""
-        self.engine.close()
+        """Finish the batches in flight, then stop the transfer worker threads."""
+        try:
+            self.drain()
+        finally:
+            self.engine.close()
+            self._io.shutdown(wait=True)
 
     # ------------------------------------------------------------------ internals
     def _loc(self, tier: int, slot: int, block_hash: bytes, writing: bool) -> object:
@@ -168,41 +257,117 @@ class TieredKVMover:
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
         m0 = group[0]
         src_kind = self.kinds[m0.src_tier]
+        ops = list(group)
+        if src_kind == "host" and (self._poisoned or self._prefetched):
+            ops = self._host_sources(ops, failed_writes)
+            if not ops:
+                return
         if m0.dst_tier is None:
-            self.stats.drops += len(group)
+            self.stats.drops += len(ops)
             if src_kind == "disk":
-                for m in group:
+                for m in ops:
                     self.stats.files_removed += self.disk.remove(m.block_hash)
             return
         dst_kind = self.kinds[m0.dst_tier]
         direction = f"{src_kind}->{dst_kind}"
-        ops = list(group)
         if dst_kind == "disk":  # a block dropped later in this list is not worth writing
             keep = [m for m in ops if self.tree.get(m.block_hash) is not None]
             self.stats.skipped_writes += len(ops) - len(keep)
             ops = keep
             if not ops:
                 return
+        if dst_kind == "disk":
+            self._write_behind(ops, src_kind, direction)
+            return
         batch = [Move(self._loc(m.src_tier, m.src_slot, m.block_hash, False),
-                      self._loc(m.dst_tier, m.dst_slot, m.block_hash, dst_kind == "disk"))
-                 for m in ops]
+                      self._loc(m.dst_tier, m.dst_slot, m.block_hash, False)) for m in ops]
         eng = self.engine
-        result = eng.wait(eng.submit(eng.prepare(batch)))
+        submitted = eng.submit(eng.prepare(batch))
         self.stats.batches += 1
+        if direction == "disk->host":
+            # A prefetch: it writes host slots only, which only later moves read (and they
+            # drain first); it runs while the step computes.
+            self._pending.append((submitted, ops, direction))
+            self.stats.async_batches += 1
+            return
+        result = eng.wait(submitted)
         if result is None:  # wait() without timeout only returns a result
             raise StorageError(f"transfer batch of {len(batch)} {direction} moves vanished")
+        self._settle(ops, result, failed_writes, None)
+
+    def _write_behind(self, ops: list[MoveOp], src_kind: str, direction: str) -> None:
+        """Copy the sources to a staging buffer now (the slots are free for reuse when this
+        returns), then write the files on the I/O threads while the step goes on."""
+        src = [m.src_slot for m in ops]
+        if src_kind == "host":
+            staged = self.host.read_slots(src)
+        else:  # the device block may be rewritten by the next forward: copy it out first
+            staged = self.device.read_blocks(src).to("cpu")
+        disk = self.disk
+        # parent hash and tokens are read from the tree here, never on the I/O threads
+        locs = [self._loc(m.dst_tier, m.dst_slot, m.block_hash, True) for m in ops]
+
+        def put(i: int) -> str | None:
+            loc = locs[i]
+            try:
+                good = disk.put(loc.block_hash, loc.parent_hash, loc.token_ids, staged[i])
+            except Exception as e:  # reported per move, like the transfer engine does
+                return f"{type(e).__name__}: {e}"
+            return None if good else "disk write failed (disk full or I/O error; see log)"
+
+        futures = [self._io.submit(put, i) for i in range(len(ops))]
+        self._pending.append((futures, ops, direction))
+        self.stats.batches += 1
+        self.stats.async_batches += 1
+
+    def _host_sources(self, ops: list[MoveOp], failed_writes: list[MoveOp]) -> list[MoveOp]:
+        """Moves out of the host tier: count prefetch hits; fail (never copy) poisoned slots."""
+        keep = []
+        for m in ops:
+            h = m.block_hash
+            if h in self._prefetched:
+                self._prefetched.discard(h)
+                if m.dst_tier == DEVICE:
+                    self.stats.prefetch_hits += 1
+            if h not in self._poisoned:
+                keep.append(m)
+                continue
+            self._poisoned.discard(h)
+            if m.dst_tier == DEVICE:     # the request must recompute it (scheduler retries)
+                self.stats.load_failures += 1
+                self._failed_loads.append(h)
+            elif m.dst_tier is not None:  # never write garbage under a valid checksum
+                self.stats.write_failures += 1
+                failed_writes.append(m)
+        return keep
+
+    def _settle(self, ops: Sequence[MoveOp], result: object, failed_writes: list[MoveOp],
+                failed_prefetches: list[MoveOp] | None) -> None:
+        """Account a finished batch; file its failures (see the module docstring)."""
+        m0 = ops[0]
+        src_kind, dst_kind = self.kinds[m0.src_tier], self.kinds[m0.dst_tier]
+        direction = f"{src_kind}->{dst_kind}"
         ok_n = 0
         for m, ok, err in zip(ops, result.ok, result.errors):
             if ok:
                 ok_n += 1
                 if src_kind == "disk":  # promoted: the disk tier no longer holds it
                     self.stats.files_removed += self.disk.remove(m.block_hash)
+                    if dst_kind == "host":
+                        self._prefetched.add(m.block_hash)
+                        self.stats.prefetched_blocks += 1
             elif src_kind == "disk":
-                self.stats.load_failures += 1
+                if dst_kind == "host":
+                    self.stats.prefetch_failures += 1
+                else:
+                    self.stats.load_failures += 1
                 log.warning("loading KV block %s from disk failed (%s); it will be recomputed",
                             m.block_hash.hex()[:16], err)
                 self.disk.remove(m.block_hash)  # corrupt ones are gone already
-                self._failed_loads.append(m.block_hash)
+                if dst_kind == "host" and failed_prefetches is not None:
+                    failed_prefetches.append(m)
+                else:
+                    self._failed_loads.append(m.block_hash)
             elif dst_kind == "disk":
                 self.stats.write_failures += 1
                 failed_writes.append(m)
@@ -212,6 +377,25 @@ class TieredKVMover:
         self.stats.moves[direction] = self.stats.moves.get(direction, 0) + ok_n
         self.stats.bytes_moved[direction] = (self.stats.bytes_moved.get(direction, 0)
                                              + ok_n * self._block_bytes)
+
+    def _drop_failed_prefetches(self, failed: list[MoveOp]) -> None:
+        """Prefetch loads (disk -> host) that failed: the host slot holds garbage. A node still
+        there is dropped with its subtree (host/disk, unreferenced); one the tree moved since
+        is poisoned, so its next move out of the host fails instead of copying garbage."""
+        tree = self.tree
+        for m in failed:
+            node = tree.get(m.block_hash)
+            if node is None:
+                continue
+            if node.tier == m.dst_tier and node.slot == m.dst_slot:
+                drops = tree.invalidate(node)
+                self.stats.invalidated_blocks += len(drops)
+                for d in drops:
+                    self._prefetched.discard(d.block_hash)
+                    if self.kinds[d.src_tier] == "disk":
+                        self.stats.files_removed += self.disk.remove(d.block_hash)
+            else:
+                self._poisoned.add(m.block_hash)
 
     def _drop_failed_writes(self, failed: list[MoveOp]) -> None:
         """Nodes the tree still places on disk although their file was never written: drop

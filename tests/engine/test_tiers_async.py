@@ -1,0 +1,206 @@
+"""Tier moves off the critical path: write-behind disk writes and disk -> host prefetch.
+
+* with tiny device/host pools and a disk tier, host -> disk writes run behind the step (batches
+  are still in flight while the forward runs) and greedy output still equals transformers';
+* a request waiting in the queue gets its disk blocks loaded into the host tier before it is
+  scheduled, so its hit comes from the host tier;
+* a disk that fails every write (ENOSPC) under write-behind, and a prefetch whose file is
+  corrupt, degrade to misses with the right output.
+
+After every run the files on disk are exactly the disk tier's blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+
+import pytest
+import torch
+
+from radixkv.config import CacheConfig, EngineConfig
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.engine.sampling import SamplingParams
+from radixkv.engine.tiered_mover import TieredKVMover
+
+BS = 4
+GEN = 6
+
+
+@pytest.fixture(scope="module")
+def hf_llama(make_tiny):
+    return make_tiny("llama")
+
+
+def _engine(hf, tmp_path, device=16, host=6, disk=64, max_num_seqs=4, prefetch=4):
+    return LLMEngine(copy.deepcopy(hf), None,
+                     CacheConfig(block_size=BS, num_device_blocks=device, host_blocks=host,
+                                 disk_dir=str(tmp_path / "kv"), disk_blocks=disk),
+                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128,
+                                  prefetch_requests=prefetch),
+                     model_id="tiny")
+
+
+def _hf(hf, prompt, max_new=GEN):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _rand(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def check_tiers(eng: LLMEngine) -> None:
+    eng.block_manager.check_invariants()
+    mover = eng.kv_mover
+    assert isinstance(mover, TieredKVMover) and mover.num_pending == 0   # idle: drained
+    on_disk = {h for h, n in eng.tree._index.items() if n.tier == mover.disk_tier}
+    indexed = {e.block_hash for e in mover.disk.entries()}
+    files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
+    assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
+
+
+def _serve(eng, batch, max_tokens=GEN, in_flight=None):
+    for rid, prompt in batch:
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        if in_flight is not None:
+            in_flight.append(eng.kv_mover.num_pending)
+    check_tiers(eng)
+    return final
+
+
+def _conversations(hf, eng, n_conv=3, turns=3, in_flight=None):
+    prompts = [_rand(21, 100 + c) for c in range(n_conv)]
+    for t in range(turns):
+        for c in range(n_conv):
+            out = _serve(eng, [(f"c{c}t{t}", prompts[c])], in_flight=in_flight)[f"c{c}t{t}"]
+            got = out.outputs[0].token_ids
+            assert got == _hf(hf, prompts[c]), f"conversation {c} turn {t}"
+            prompts[c] = prompts[c] + list(got) + _rand(5, 1000 * t + c)
+
+
+def test_write_behind_overlaps_steps_and_matches_hf(hf_llama, tmp_path):
+    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
+    in_flight: list[int] = []
+    _conversations(hf_llama, eng, in_flight=in_flight)
+    st = eng.stats()
+    assert st["async_batches"] > 0 and st["bytes_moved"]["host->disk"] > 0
+    assert max(in_flight) > 0          # writes not yet drained when step() returned (overlap)
+    assert st["cached_prompt_tokens_per_tier"][2] > 0 and st["bytes_moved"]["disk->device"] > 0
+    assert st["load_failures"] == st["write_failures"] == 0
+    assert st["cached_blocks_per_tier"][2] == st["disk"]["files"]
+    eng.close()
+
+
+def _prefetch_scenario(hf, tmp_path, prefetch, corrupt=None):
+    """Cache prompt P, persist it to disk; then a long request A runs alone
+    (max_num_seqs=1) while B (P plus a tail) waits; B is scheduled once A is done."""
+    eng = _engine(hf, tmp_path, device=32, host=8, disk=64, max_num_seqs=1, prefetch=prefetch)
+    p = _rand(33, 7)
+    _serve(eng, [("warm", p)])
+    assert eng.persist() > 0 and eng.tree.num_resident(0) == 0
+    check_tiers(eng)
+    if corrupt is not None:
+        from radixkv.core.hashing import token_bytes
+        _, hashes = eng.tree.match_tokens(token_bytes(p), eng.namespace.seed)
+        path = eng.kv_mover.disk.path_of(hashes[corrupt])
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40
+        path.write_bytes(data)
+    b_prompt = p + _rand(3, 8)
+    outs = _serve(eng, [("A", _rand(9, 9)), ("B", b_prompt)], max_tokens=GEN)
+    assert outs["B"].outputs[0].token_ids == _hf(hf, b_prompt)
+    return eng, outs["B"]
+
+
+def test_waiting_request_is_prefetched_disk_to_host(hf_llama, tmp_path):
+    eng, b = _prefetch_scenario(hf_llama, tmp_path, prefetch=4)
+    n = 32 // BS   # blocks of B's prefix cached on disk
+    assert b.num_cached_tokens == n * BS
+    assert list(b.cached_tokens_per_tier) == [0, n * BS, 0]     # served from the host tier
+    st = eng.stats()
+    assert st["prefetched_blocks"] == n == st["prefetch_hits"]
+    assert st["bytes_moved"]["disk->host"] > 0 and "disk->device" not in st["bytes_moved"]
+    eng.close()
+    # without prefetch the same request hits the disk tier
+    eng0, b0 = _prefetch_scenario(hf_llama, tmp_path / "off", prefetch=0)
+    assert list(b0.cached_tokens_per_tier) == [0, 0, n * BS]
+    assert eng0.stats()["prefetched_blocks"] == 0
+    eng0.close()
+
+
+def test_corrupt_block_under_prefetch_is_a_miss(hf_llama, tmp_path):
+    bad = 3
+    eng, b = _prefetch_scenario(hf_llama, tmp_path, prefetch=4, corrupt=bad)
+    assert b.num_cached_tokens == bad * BS                  # hit up to the bad block only
+    assert list(b.cached_tokens_per_tier) == [0, bad * BS, 0]
+    st = eng.stats()
+    assert st["prefetch_failures"] == 1 and st["disk"]["corrupt"] == 1
+    assert st["mover_load_failures"] == st["load_failures"] == 0
+    # the blocks after the bad one were loaded too, then dropped with its subtree
+    assert st["prefetched_blocks"] == 32 // BS - 1 and st["prefetch_hits"] == bad
+    eng.close()
+
+
+def test_failing_writes_behind_the_step_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
+    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
+    disk = eng.kv_mover.disk
+
+    def enospc(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk, "_write_file", enospc)
+    _conversations(hf_llama, eng)             # outputs checked against HF inside
+    st = eng.stats()
+    assert st["async_batches"] > 0 and st["write_failures"] > 0
+    assert st["disk"]["put_failures"] == st["write_failures"]
+    assert st["cached_blocks_per_tier"][2] == 0 and st["disk"]["files"] == 0
+    assert st["cached_prompt_tokens_per_tier"][2] == 0
+    assert st["cached_prompt_tokens_per_tier"][1] > 0
+    eng.close()
+
+
+def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_path, monkeypatch):
+    """Mover level: a prefetch load fails, but the tree promoted the node host -> device before
+    the drain (the engine never does this; the mover must still not copy garbage). The host
+    copy is poisoned: the promotion is reported as a failed load, the device block untouched."""
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace
+    from radixkv.storage.disk import DiskStore
+    from radixkv.storage.host import HostPool
+    from radixkv.storage.layout import KVLayout
+
+    layout = KVLayout(1, 1, 2, BS, "float32")
+    bm = BlockManager.create(4, BS, lower_tier_blocks=[2, 4])
+    tree = bm.tree
+    kv = torch.zeros(layout.cache_shape(4), dtype=torch.float32)
+    mover = TieredKVMover(kv, layout, HostPool(layout, 2),
+                          DiskStore(tmp_path / "kv", layout, b"n" * 16, scan=False), tree)
+    ns = Namespace("m")
+    bm.allocate("a", [1, 2, 3, 4, 5], ns)
+    kv[:, :, bm.block_table("a")[0]] = 7.0
+    bm.commit("a", 5)
+    bm.free("a")
+    moves = tree.evict(0, tree.num_evictable(0)) + tree.evict(1, tree.num_evictable(1))
+    mover.apply_moves(moves)                   # device -> host -> disk (a pending write)
+    mover.drain()
+    node = next(iter(tree._index.values()))
+    assert node.tier == 2 and mover.num_pending == 0
+    monkeypatch.setattr(mover.disk, "read_into", lambda h, out: False)
+    mover.apply_moves(tree.promote_lower(node, 1))       # prefetch left running
+    assert mover.num_pending == 1
+    kv[:, :, 3] = -1.0
+    mover.apply_moves([tree.promote(node, 3)])          # moved before the drain
+    assert mover.take_failed_loads() == [node.block_hash]
+    assert torch.all(kv[:, :, 3] == -1.0)                # garbage never copied on
+    assert mover.stats.prefetch_failures == 1 and mover.stats.load_failures == 1
+    mover.close()
