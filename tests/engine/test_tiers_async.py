@@ -151,24 +151,6 @@ def test_corrupt_block_under_prefetch_is_a_miss(hf_llama, tmp_path):
     eng.close()
 
 
-def test_failing_writes_behind_the_step_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
-    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
-    disk = eng.kv_mover.disk
-
-    def enospc(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(disk, "_write_file", enospc)
-    _conversations(hf_llama, eng)             # outputs checked against HF inside
-    st = eng.stats()
-    assert st["async_batches"] > 0 and st["write_failures"] > 0
-    assert st["disk"]["put_failures"] == st["write_failures"]
-    assert st["cached_blocks_per_tier"][2] == 0 and st["disk"]["files"] == 0
-    assert st["cached_prompt_tokens_per_tier"][2] == 0
-    assert st["cached_prompt_tokens_per_tier"][1] > 0
-    eng.close()
-
-
 def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_path, monkeypatch):
     """Mover level: a prefetch load fails, but the tree promoted the node host -> device before
     the drain (the engine never does this; the mover must still not copy garbage). The host
