@@ -19,15 +19,13 @@ import gc
 import random
 import time
 import tracemalloc
-from array import array
 
 import xxhash
 
 from radixkv.benchmarks._common import print_table, run_header, time_median, write_results
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
-from radixkv.core.pool import BlockPool
-from radixkv.core.tree import DEVICE, RadixTree
+from radixkv.core.tree import DEVICE
 
 BS = 16
 NS = Namespace("bench-core")

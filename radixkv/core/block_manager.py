@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 import xxhash
 
-from radixkv.core.hashing import TOKEN_BYTES, Namespace, hash_blocks, token_bytes
+from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
 from radixkv.errors import (
-    InvalidBlockError, InvalidTokensError, OutOfBlocks, SequenceExistsError, UnknownSequenceError,
+    InvalidTokensError, OutOfBlocks, SequenceExistsError, UnknownSequenceError,
 )
 
 SeqId = Hashable

@@ -36,7 +36,7 @@ from radixkv.engine.outputs import (
 )
 from radixkv.engine.sampling import SamplingParams, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
-from radixkv.engine.sequence import Request, RequestStatus, Sequence
+from radixkv.engine.sequence import Request, Sequence
 from radixkv.errors import ConfigError, InvalidRequestError
 
 

@@ -432,7 +432,7 @@ class TransferEngine:
 
     def _copy_group(self, direction: str, moves: list[Move]) -> list[str | None]:
         """Execute moves of one direction; per move None (ok) or the reason it failed."""
-        dev, host, disk = self.device, self.host, self.disk
+        dev, host = self.device, self.host
         src = [_key(m.src)[1] for m in moves]
         dst = [_key(m.dst)[1] for m in moves]
         if direction == "device->host":

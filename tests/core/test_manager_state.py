@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import hypothesis.strategies as st
 import pytest
 from core_helpers import STEPS, FakeClock, assert_unchanged, snapshot_manager
-from hypothesis import settings
 from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, precondition, rule,
 )

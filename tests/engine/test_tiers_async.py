@@ -13,8 +13,6 @@ After every run the files on disk are exactly the disk tier's blocks.
 from __future__ import annotations
 
 import copy
-import errno
-import os
 
 import pytest
 import torch
