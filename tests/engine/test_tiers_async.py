@@ -12,18 +12,17 @@ After every run the files on disk are exactly the disk tier's blocks.
 
 from __future__ import annotations
 
-import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from radixkv.config import CacheConfig, EngineConfig
-from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.tiered_mover import TieredKVMover
 
-BS = 4
-GEN = 6
+sys.path.insert(0, str(Path(__file__).parent))
+from tiers_helpers import BS, GEN, check_tiers, hf_greedy, make_engine, rand_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,35 +30,12 @@ def hf_llama(make_tiny):
     return make_tiny("llama")
 
 
-def _engine(hf, tmp_path, device=16, host=6, disk=64, max_num_seqs=4, prefetch=4):
-    return LLMEngine(copy.deepcopy(hf), None,
-                     CacheConfig(block_size=BS, num_device_blocks=device, host_blocks=host,
-                                 disk_dir=str(tmp_path / "kv"), disk_blocks=disk),
-                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128,
-                                  prefetch_requests=prefetch),
-                     model_id="tiny")
 
 
-def _hf(hf, prompt, max_new=GEN):
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                      do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
-def _rand(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def check_tiers(eng: LLMEngine) -> None:
-    eng.block_manager.check_invariants()
-    mover = eng.kv_mover
-    assert isinstance(mover, TieredKVMover) and mover.num_pending == 0   # idle: drained
-    on_disk = {h for h, n in eng.tree._index.items() if n.tier == mover.disk_tier}
-    indexed = {e.block_hash for e in mover.disk.entries()}
-    files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
-    assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
 
 
 def _serve(eng, batch, max_tokens=GEN, in_flight=None):
@@ -77,17 +53,17 @@ def _serve(eng, batch, max_tokens=GEN, in_flight=None):
 
 
 def _conversations(hf, eng, n_conv=3, turns=3, in_flight=None):
-    prompts = [_rand(21, 100 + c) for c in range(n_conv)]
+    prompts = [rand_tokens(21, 100 + c) for c in range(n_conv)]
     for t in range(turns):
         for c in range(n_conv):
             out = _serve(eng, [(f"c{c}t{t}", prompts[c])], in_flight=in_flight)[f"c{c}t{t}"]
             got = out.outputs[0].token_ids
-            assert got == _hf(hf, prompts[c]), f"conversation {c} turn {t}"
-            prompts[c] = prompts[c] + list(got) + _rand(5, 1000 * t + c)
+            assert got == hf_greedy(hf, prompts[c]), f"conversation {c} turn {t}"
+            prompts[c] = prompts[c] + list(got) + rand_tokens(5, 1000 * t + c)
 
 
 def test_write_behind_overlaps_steps_and_matches_hf(hf_llama, tmp_path):
-    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
+    eng = make_engine(hf_llama, tmp_path, device=16, host=6, disk=64)
     in_flight: list[int] = []
     _conversations(hf_llama, eng, in_flight=in_flight)
     st = eng.stats()
@@ -102,8 +78,8 @@ def test_write_behind_overlaps_steps_and_matches_hf(hf_llama, tmp_path):
 def _prefetch_scenario(hf, tmp_path, prefetch, corrupt=None):
     """Cache prompt P, persist it to disk; then a long request A runs alone
     (max_num_seqs=1) while B (P plus a tail) waits; B is scheduled once A is done."""
-    eng = _engine(hf, tmp_path, device=32, host=8, disk=64, max_num_seqs=1, prefetch=prefetch)
-    p = _rand(33, 7)
+    eng = make_engine(hf, tmp_path, device=32, host=8, disk=64, max_num_seqs=1, prefetch=prefetch)
+    p = rand_tokens(33, 7)
     _serve(eng, [("warm", p)])
     assert eng.persist() > 0 and eng.tree.num_resident(0) == 0
     check_tiers(eng)
@@ -114,9 +90,9 @@ def _prefetch_scenario(hf, tmp_path, prefetch, corrupt=None):
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x40
         path.write_bytes(data)
-    b_prompt = p + _rand(3, 8)
-    outs = _serve(eng, [("A", _rand(9, 9)), ("B", b_prompt)], max_tokens=GEN)
-    assert outs["B"].outputs[0].token_ids == _hf(hf, b_prompt)
+    b_prompt = p + rand_tokens(3, 8)
+    outs = _serve(eng, [("A", rand_tokens(9, 9)), ("B", b_prompt)], max_tokens=GEN)
+    assert outs["B"].outputs[0].token_ids == hf_greedy(hf, b_prompt)
     return eng, outs["B"]
 
 

@@ -12,7 +12,6 @@ After every run the files on disk are exactly the disk tier's blocks.
 
 from __future__ import annotations
 
-import copy
 import errno
 import os
 import subprocess
@@ -22,17 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.config import CacheConfig, EngineConfig
-from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
-from radixkv.engine.tiered_mover import TieredKVMover
 
 CHILD = Path(__file__).with_name("tiers_child.py")
 sys.path.insert(0, str(CHILD.parent))
 import tiers_child  # noqa: E402  (conversation and engine config shared with the child)
+from tiers_helpers import BS, GEN, check_tiers, hf_greedy, make_engine, rand_tokens  # noqa: E402
 
-BS = 4
-GEN = 6
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +35,8 @@ def hf_llama(make_tiny):
     return make_tiny("llama")
 
 
-def _engine(hf, tmp_path, device=16, host=6, disk=64, max_num_seqs=4, **kw) -> LLMEngine:
-    return LLMEngine(copy.deepcopy(hf), None,
-                     CacheConfig(block_size=BS, num_device_blocks=device, host_blocks=host,
-                                 disk_dir=str(tmp_path / "kv") if disk else None,
-                                 disk_blocks=disk, **kw),
-                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128),
-                     model_id="tiny")
 
 
-def _hf(hf, prompt, max_new=GEN):
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                      do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _serve(eng, batch):
@@ -69,28 +52,15 @@ def _serve(eng, batch):
     return final
 
 
-def check_tiers(eng: LLMEngine) -> None:
-    """Tree, pools and tables agree; disk files == disk-resident nodes."""
-    eng.block_manager.check_invariants()
-    mover = eng.kv_mover
-    if not isinstance(mover, TieredKVMover) or mover.disk is None:
-        return
-    on_disk = {h for h, n in eng.tree._index.items() if n.tier == mover.disk_tier}
-    indexed = {e.block_hash for e in mover.disk.entries()}
-    files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
-    assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
 
 
-def _rand(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
 def _conversations(hf, eng, n_conv=3, turns=3, batched_last=True):
     """Interleaved multi-turn conversations: every turn's prompt extends the previous turn's
     prompt + reply, so its prefix was computed turns ago and sank through the tiers meanwhile.
     Checks every reply against HF; returns the final outputs."""
-    prompts = [_rand(21, 100 + c) for c in range(n_conv)]
+    prompts = [rand_tokens(21, 100 + c) for c in range(n_conv)]
     outs = {}
     for t in range(turns):
         batch = [(f"c{c}t{t}", prompts[c]) for c in range(n_conv)]
@@ -101,15 +71,15 @@ def _conversations(hf, eng, n_conv=3, turns=3, batched_last=True):
                 outs.update(_serve(eng, [item]))
         for c in range(n_conv):
             got = outs[f"c{c}t{t}"].outputs[0].token_ids
-            assert got == _hf(hf, prompts[c]), f"conversation {c} turn {t}"
-            prompts[c] = prompts[c] + list(got) + _rand(5, 1000 * t + c)
+            assert got == hf_greedy(hf, prompts[c]), f"conversation {c} turn {t}"
+            prompts[c] = prompts[c] + list(got) + rand_tokens(5, 1000 * t + c)
     return outs
 
 
 @pytest.mark.parametrize("tiers", ["host+disk", "disk"])
 def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, tiers):
     host = 6 if tiers == "host+disk" else 0
-    eng = _engine(hf_llama, tmp_path, device=16, host=host, disk=64)
+    eng = make_engine(hf_llama, tmp_path, device=16, host=host, disk=64)
     assert eng.tier_names == ["device", *(["host"] if host else []), "disk"]
     outs = _conversations(hf_llama, eng)
     st = eng.stats()
@@ -154,8 +124,8 @@ def test_restart_second_process_gets_disk_hits_with_identical_kv(tmp_path):
 @pytest.mark.parametrize("fault", ["flip payload byte", "truncate"])
 def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fault):
     prompt = tiers_child.conversation()
-    want = _hf(hf_llama, prompt)
-    a = _engine(hf_llama, tmp_path, device=32, host=8, disk=64)
+    want = hf_greedy(hf_llama, prompt)
+    a = make_engine(hf_llama, tmp_path, device=32, host=8, disk=64)
     assert _serve(a, [("r", prompt)])["r"].outputs[0].token_ids == want
     a.persist()
     check_tiers(a)
@@ -171,7 +141,7 @@ def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fa
         data[-3] ^= 0x40
         path.write_bytes(data)
 
-    b = _engine(hf_llama, tmp_path, device=32, host=8, disk=64)
+    b = make_engine(hf_llama, tmp_path, device=32, host=8, disk=64)
     check_tiers(b)
     out = _serve(b, [("r", prompt)])["r"]
     assert out.outputs[0].token_ids == want               # recomputed, not garbage
@@ -192,7 +162,7 @@ def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fa
 
 
 def test_failing_disk_writes_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
-    eng = _engine(hf_llama, tmp_path, device=16, host=6, disk=64)
+    eng = make_engine(hf_llama, tmp_path, device=16, host=6, disk=64)
     disk = eng.kv_mover.disk
 
     def enospc(*args, **kwargs):
@@ -213,7 +183,7 @@ def test_failing_disk_writes_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
     assert st["cached_prompt_tokens_per_tier"][1] > 0   # the host tier still works
     # the disk recovers: demotions land again and later requests hit the disk tier
     monkeypatch.undo()
-    eng2 = _engine(hf_llama, tmp_path / "again", device=16, host=6, disk=64)
+    eng2 = make_engine(hf_llama, tmp_path / "again", device=16, host=6, disk=64)
     _conversations(hf_llama, eng2, n_conv=2, turns=2, batched_last=False)
     assert eng2.stats()["write_failures"] == 0
     eng.close()
