@@ -5,6 +5,7 @@ The engine talks to the cache only through this class. Life of a sequence::
     alloc = bm.allocate(seq, prompt_tokens, ns)   # match cached prefix, lock it, allocate the rest
     run alloc.moves (promotions/demotions), compute tokens [alloc.num_cached_tokens, len)
     bm.commit(seq, len(prompt))                   # full computed blocks join the tree
+    run bm.take_moves()                           # write-through copies of what was committed
     loop: s = bm.append_slot(seq, token)          # slot for the new token's KV (+ CoW copy)
           run s.moves, s.copy, compute the token; bm.commit(seq, n)
     bm.fork(seq, child)                           # n samples / beams share every block
@@ -15,6 +16,12 @@ block may be partial and belongs to the sequence (and its forks) only. Full bloc
 computed are *committed* into the tree and may then be shared by any request. A block's device
 refcount is the number of live sequences whose table holds it. A sequence never writes into a
 block with refcount > 1: ``append_slot`` copies a shared partial block first.
+
+With write-through tiers (``RadixTree(write_through=...)``) committing a block also copies it
+into those tiers: the MoveOps (copies, ``keep_src=True``, and the evictions that made room) are
+queued and returned by ``take_moves()``, to be run after the step's commits and before the next
+allocation (``allocate`` puts any that were not taken first in its own moves, so running every
+returned list in order is always right).
 
 Every public method validates its arguments and capacity before mutating anything, so an
 exception (always a ``RadixKVError``) leaves the manager, tree and pool exactly as they were.
@@ -104,11 +111,20 @@ class BlockManager:
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int = 16, policy: str = "lru",
-               lower_tier_blocks: Sequence[int] = (), **tree_kwargs) -> BlockManager:
-        """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities)."""
+               lower_tier_blocks: Sequence[int] = (), write_through: Sequence[int] = (),
+               **tree_kwargs) -> BlockManager:
+        """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities);
+        ``write_through`` lists the slower tiers that get a copy of every committed block."""
         tree = RadixTree(block_size, BlockPool(num_blocks),
-                         [BlockPool(n) for n in lower_tier_blocks], policy=policy, **tree_kwargs)
+                         [BlockPool(n) for n in lower_tier_blocks], policy=policy,
+                         write_through=write_through, **tree_kwargs)
         return cls(tree)
+
+    def take_moves(self) -> list[MoveOp]:
+        """The MoveOps of write-through copies made by ``commit`` (and of the evictions that
+        made room for them), in execution order; clears them. Empty without write-through.
+        Runtime complexity: O(1)."""
+        return self.tree.take_moves()
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -222,7 +238,7 @@ class BlockManager:
         per_tier = [0] * tree.num_tiers
         for x in on_device:
             per_tier[DEVICE] += self.block_size
-        moves: list[MoveOp] = []
+        moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
         blocks = [x.slot for x in on_device]
         # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
         kept = list(on_device)
@@ -340,7 +356,9 @@ class BlockManager:
         Each newly full block joins the tree under its chain hash. If the tree already caches
         that hash on the device (another sequence computed it), this sequence switches to the
         cached block and frees its duplicate; if it caches it in a slower tier, the recomputed
-        block becomes that node's device copy. Returns the number of blocks newly cached.
+        block becomes that node's device copy (keeping the slower one as a copy if that tier is
+        write-through). Write-through copies of the new blocks are queued for ``take_moves``.
+        Returns the number of blocks newly cached.
         Runtime complexity: O(new blocks * log n).
         """
         s = self._seq(seq_id)

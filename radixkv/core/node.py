@@ -42,7 +42,13 @@ class Node:
 class MoveOp(NamedTuple):
     """A change of residency, to be executed in list order by the storage layer.
 
-    ``dst_tier is None`` means the block was dropped from the cache (no copy needed).
+    ``dst_tier is None`` means the residency ``(src_tier, src_slot)`` was dropped (a block
+    leaving the cache, or one of its copies going away): nothing to copy, the slot or file is
+    released. Otherwise the bytes of ``(src_tier, src_slot)`` are copied to
+    ``(dst_tier, dst_slot)``; the source is then released, unless ``keep_src`` is true: the
+    source stays a valid residency of the block (a write-through copy made from the primary, or
+    a promotion out of a write-through tier that keeps the slower copy, whose file the storage
+    layer must then *not* remove).
     """
 
     block_hash: bytes
@@ -50,13 +56,15 @@ class MoveOp(NamedTuple):
     src_slot: int
     dst_tier: int | None
     dst_slot: int | None
+    keep_src: bool = False
 
 
 class TreeStats:
     """Counters since construction (per tier lists are indexed by tier)."""
 
     __slots__ = ("inserted", "evicted", "demoted_in", "promoted", "dropped", "collisions",
-                 "adopted", "expired")
+                 "adopted", "expired", "copies_made", "copies_skipped", "copies_dropped",
+                 "free_demotions")
 
     def __init__(self, num_tiers: int) -> None:
         self.inserted = 0
@@ -67,6 +75,10 @@ class TreeStats:
         self.collisions = 0                  # hash matched, tokens did not
         self.adopted = 0                     # slow-tier node given a recomputed device block
         self.expired = 0
+        self.copies_made = 0                 # write-through copies, and sources kept by promotions
+        self.copies_skipped = 0              # write-through copies given up: no room in the tier
+        self.copies_dropped = 0              # copies evicted, invalidated or dropped (drop_copy)
+        self.free_demotions = 0              # demotions onto an existing copy: no bytes moved
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}

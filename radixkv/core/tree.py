@@ -7,9 +7,17 @@ its parent is the node matched for block ``i-1`` and that its stored tokens equa
 
 Tiers: tier 0 is the device (slots are device block ids from a ``BlockPool`` whose refcounts are
 the sequences' references), tiers 1.. are slower stores (host RAM, disk) with slots from their own
-pools. Each node lives in exactly one tier (write-back). Residency is *prefix-closed per tier
-prefix*: the parent of a node in tier t is in a tier <= t. So the device set is a subtree, the
-device+host set is a subtree, and the whole tree is prefix-closed.
+pools. Each node has one *primary* residency (its tier and slot), where ``match`` finds it.
+Residency is *prefix-closed per tier prefix*: the parent of a node in tier t is in a tier <= t.
+So the device set is a subtree, the device+host set is a subtree, and the whole tree is
+prefix-closed. By default that is all (write-back: a block moves down only when evicted). With
+``write_through`` tiers a node may also hold *copies* in slower tiers (an inclusive hierarchy;
+KV blocks are immutable, so a copy stays valid): every block inserted on the device is copied
+into each write-through tier, a promotion out of such a tier keeps its source as a copy, and a
+demotion onto an existing copy moves no bytes. Copies take slots of their tier's pool, compete
+with the primaries for them by the same policy key, are always evictable (dropping one loses
+nothing) and do not count for prefix closure. The tier-side operations and the copy machinery
+live in ``tiers.py``.
 
 Eviction is leaf-first per tier: a node is *evictable in its tier* when it is unreferenced
 (device: refcount 0) and has no child in its own tier (children can only live in the same or
@@ -17,7 +25,11 @@ slower tiers). Each tier keeps its evictable nodes in a ``SortedList`` ordered b
 policy, so choosing a victim costs O(log n), independent of how many blocks are cached.
 Evicting from tier t demotes the node into tier t+1 (making room there first, recursively) or,
 from the last tier, drops it. Every change of residency is returned as a ``MoveOp`` for the
-storage layer to execute *in order* before the freed slots are reused.
+storage layer to execute *in order* before the freed slots are reused. The MoveOps of
+write-through copies are made inside ``insert`` (which returns a node) and queued: take them
+with ``take_moves()``; ``evict``, ``evict_expired``, ``invalidate`` and a successful
+``promote_lower`` return any queued ones first, so concatenating what the tree returns always
+gives the execution order.
 
 Pure Python: this module imports no torch.
 """
@@ -31,10 +43,11 @@ from collections.abc import Callable, Iterable, Sequence
 import xxhash
 from sortedcontainers import SortedList
 
-from radixkv.core.hashing import TOKEN_BYTES, chain_hash
+from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
+from radixkv.core.tiers import TierOps
 from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
 
 __all__ = ["DEVICE", "MAX_TIERS", "MoveOp", "Node", "RadixTree", "TreeStats"]
@@ -43,7 +56,7 @@ _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
 
 
-class RadixTree:
+class RadixTree(TierOps):
     """Hash-indexed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -53,15 +66,26 @@ class RadixTree:
             to that tier's capacity in blocks.
         policy: eviction policy name or instance (``lru`` default, ``lfu``, ``priority``, ``ttl``).
         clock: seconds, monotonic; injected so tests can pin the eviction order.
+        write_through: slower tiers (each in ``1 .. num_tiers-1``) that receive a copy of every
+            block inserted on the device; empty (default) is write-back. See ``tiers.py``.
     """
 
     def __init__(self, block_size: int, device_pool: BlockPool,
                  lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = "lru",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 write_through: Sequence[int] = ()) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
         if len(lower_pools) + 1 > MAX_TIERS:
             raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
+        try:
+            wt = tuple(write_through)
+        except TypeError:
+            raise ConfigError(f"write_through must be a sequence of tiers, got {write_through!r}") from None
+        if any(type(u) is not int or not 1 <= u <= len(lower_pools) for u in wt) or \
+                len(set(wt)) != len(wt):
+            raise ConfigError(f"write_through must list distinct slower tiers in "
+                              f"1..{len(lower_pools)}, got {write_through!r}")
         self.block_size = block_size
         self.policy = make_policy(policy)
         self._lru = type(self.policy) is LRUPolicy  # fast path: entry = (last_access, hash)
@@ -76,6 +100,10 @@ class RadixTree:
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
         self._hints: dict[bytes, NodeHints] = {}
         self.stats = TreeStats(self.num_tiers)
+        self.write_through: tuple[int, ...] = tuple(sorted(wt))
+        self._wt = self.write_through               # falsy: write-back, no copy bookkeeping
+        self._copy_slots: list[dict[bytes, int]] = [{} for _ in self._pools]  # tier: hash -> slot
+        self._pending: list[MoveOp] = []            # write-through moves of inserts, not taken yet
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -98,9 +126,20 @@ class RadixTree:
 
         On the device these are the unreferenced cached blocks (their descendants are
         unreferenced too, since a sequence holds a whole prefix); slower tiers hold no
-        references, so all their blocks are evictable. Runtime complexity: O(1).
+        references, so all their blocks are evictable, primaries and copies.
+        Runtime complexity: O(1).
         """
-        return self._unreferenced if tier == DEVICE else self._resident[tier]
+        if tier == DEVICE:
+            return self._unreferenced
+        return self._resident[tier] + len(self._copy_slots[tier])
+
+    def take_moves(self) -> list[MoveOp]:
+        """The queued MoveOps of write-through copies made by ``insert`` (and of the evictions
+        that made room for them), in execution order; clears the queue. Run them before any
+        later move. Always ``[]`` without write-through. Runtime complexity: O(1)."""
+        moves = self._pending
+        self._pending = []
+        return moves
 
     def match(self, block_hashes: Sequence[bytes], tok_bytes: bytes) -> list[Node]:
         """Longest cached chain of full blocks for a request, in any tier. No side effects.
@@ -208,7 +247,9 @@ class RadixTree:
         """Cache device block ``block_id`` (whose KV is computed) as the child of ``parent``.
 
         The caller keeps its references; the block becomes evictable once they drop to 0.
-        Raises InvalidBlockError (changing nothing) if the hash is already cached, the block is
+        With write-through, the block is also copied into each write-through tier (making room
+        there by eviction; skipped if none can be made): those MoveOps are queued for
+        ``take_moves``. Raises InvalidBlockError (changing nothing) if the hash is already cached, the block is
         already cached, or the parent is not on the device. Runtime complexity: O(log n).
         """
         if block_hash in self._index:
@@ -236,18 +277,23 @@ class RadixTree:
             self._unreferenced += 1
             self._consider(node)
         self.stats.inserted += 1
+        if self._wt:
+            self._write_through(node)
         return node
 
     def lock(self, node: Node, now: float | None = None) -> None:
         """Take one reference on a device node (a sequence now uses it). O(log n)."""
         assert node.tier == DEVICE, f"lock() of a node in tier {node.tier}: promote it first"
         self._discard(node)
+        copies = self._unfile_copies(node) if self._wt else None
         refs = self._refs
         if refs[node.slot] == 0:
             self._unreferenced -= 1
         refs[node.slot] += 1
         node.last_access = self.clock() if now is None else now
         node.hits += 1
+        if copies:
+            self._file_copies(node, copies)
 
     def release(self, node: Node, now: float | None = None) -> None:
         """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n).
@@ -259,25 +305,37 @@ class RadixTree:
         refs[node.slot] -= 1
         if refs[node.slot] == 0:
             self._unreferenced += 1
+            copies = self._unfile_copies(node) if self._wt else None
             node.last_access = self.clock() if now is None else now
             self._consider(node)
+            if copies:
+                self._file_copies(node, copies)
 
     def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
         """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
 
         With ``copy`` the returned MoveOp tells the storage layer to load the bytes; without
         it the block already holds the same KV (recomputed) and nothing moves ("adoption").
-        The parent must already be on the device. Runtime complexity: O(log n).
+        If the node's tier is a write-through tier, its old slot stays as a copy (``keep_src``;
+        adoption keeps it too). The parent must already be on the device; with write-through,
+        take the queued moves (``take_moves``) first. Runtime complexity: O(log n).
         """
         t = node.tier
         assert t != DEVICE, f"promote() of a device node {node}"
         parent = node.parent
         assert parent is None or parent.tier == DEVICE, f"promote() under a non-device parent {parent}"
         assert self._device_nodes[block_id] is None, f"device block {block_id} caches another node"
+        assert not (copy and self._pending), "promote() with write-through moves queued: take_moves() first"
         old_slot = node.slot
         self._discard(node)
         self._set_tier(node, DEVICE, self._pools[DEVICE].canonical(block_id))
-        self._pools[t].free_one(old_slot)
+        keep = t in self._wt
+        if keep:
+            self._copy_slots[t][node.block_hash] = old_slot
+            self._evictable[t].add(self._entry(node))
+            self.stats.copies_made += 1
+        else:
+            self._pools[t].free_one(old_slot)
         self._device_nodes[block_id] = node
         if self._refs[block_id] == 0:
             self._unreferenced += 1
@@ -286,49 +344,7 @@ class RadixTree:
         if not copy:
             self.stats.adopted += 1
             return None
-        return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id)
-
-    def promote_lower(self, node: Node, tier: int) -> list[MoveOp]:
-        """Move a node from a slower tier into the faster *non-device* ``tier`` (a prefetch:
-        disk -> host), making room there by evicting leaf-first like any eviction.
-
-        The node's parent must already be in a tier <= ``tier`` (prefix closure); it is kept
-        out of the victims, and so is the node itself. The node's old slot is freed before
-        room is made, so a victim demoted into the node's tier takes that slot instead of
-        evicting further (the node's bytes are still read from its old slot: the storage layer
-        must run the returned moves in order). ``last_access`` is touched, so the policy keeps
-        the node for the request that is about to use it.
-
-        Returns the MoveOps, demotions first, then the node's own load; ``[]`` (changing
-        nothing) if no room can be made in ``tier``. Runtime complexity: O(tiers * log n).
-        """
-        t = node.tier
-        assert self._index.get(node.block_hash) is node, f"promote_lower() of uncached {node}"
-        assert DEVICE < tier < t, f"promote_lower() of a tier-{t} node into tier {tier}"
-        parent = node.parent
-        assert parent is None or parent.tier <= tier, \
-            f"promote_lower() into tier {tier} under a parent in tier {parent.tier}"
-        dst = self._pools[tier]
-        guard = parent if parent is not None and parent.tier == tier and \
-            self._is_evictable(parent) else None
-        if dst.num_free == 0 and len(self._evictable[tier]) - (guard is not None) <= 0:
-            return []
-        moves: list[MoveOp] = []
-        old_slot = node.slot
-        self._discard(node)
-        if guard is not None:
-            self._discard(guard)
-        self._pools[t].free_one(old_slot)   # a victim demoted into tier t may take this slot
-        if dst.num_free == 0:
-            self._evict_one(tier, moves)
-        if guard is not None:
-            self._consider(guard)
-        new_slot = dst.allocate_one()
-        self._set_tier(node, tier, new_slot)
-        node.last_access = self.clock()
-        self._consider(node)
-        moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, tier, new_slot)))
-        return moves
+        return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id, keep)
 
     def _set_tier(self, node: Node, tier: int, slot: int) -> None:
         """Re-home ``node`` (already out of every evictable set) and fix its parent's counts."""
@@ -346,7 +362,9 @@ class RadixTree:
         """Evict ``num_blocks`` blocks from ``tier`` in policy order, leaves first.
 
         Device evictions free device blocks into the device pool. Each victim is demoted into
-        the next tier (room is made there first, recursively) or, from the last tier, dropped.
+        the next tier (room is made there first, recursively; onto its copy there, if it has
+        one, moving nothing) or, from the last tier, dropped; a victim that is a copy is
+        dropped. Queued write-through moves come first in the result.
         All-or-nothing: raises OutOfBlocks, changing nothing, if fewer blocks are evictable.
         Runtime complexity: O(num_blocks * tiers * log n).
         """
@@ -358,7 +376,8 @@ class RadixTree:
         if num_blocks > available:
             raise OutOfBlocks(num_blocks, self._pools[tier].num_free, available,
                               "every cached block of this tier is in use by a live sequence")
-        moves: list[MoveOp] = []
+        moves = self._pending    # queued write-through moves run first
+        self._pending = []
         for _ in range(num_blocks):
             self._evict_one(tier, moves)
         return moves
@@ -368,7 +387,10 @@ class RadixTree:
         assert entries, (f"tier {tier}: nothing evictable with {self._resident[tier]} resident, "
                          f"{self.num_evictable(tier)} counted evictable")
         node = self._index[entries.pop(0)[-1]]
-        self._move_out(node, moves)
+        if node.tier == tier:
+            self._move_out(node, moves)
+        else:
+            self._drop_popped_copy(node, tier, moves)
 
     def _move_out(self, node: Node, moves: list[MoveOp]) -> None:
         """Demote or drop an evictable node (already popped from its tier's set)."""
@@ -377,19 +399,27 @@ class RadixTree:
         if t == DEVICE:
             self._unreferenced -= 1
             self._device_nodes[old_slot] = None
-        if t + 1 < self.num_tiers:
-            dst = self._pools[t + 1]
-            if dst.num_free == 0:
-                self._evict_one(t + 1, moves)
-            new_slot = dst.allocate_one()
-            self._set_tier(node, t + 1, new_slot)
+        u = t + 1
+        if u < self.num_tiers:
+            copies = self._copy_slots[u]
+            new_slot = copies.pop(node.block_hash, None) if copies else None
+            if new_slot is not None:
+                # its copy in tier u becomes the primary: no bytes move (a free demotion)
+                self._evictable[u].remove(self._entry(node))
+                self.stats.free_demotions += 1
+            else:
+                dst = self._pools[u]
+                if dst.num_free == 0:
+                    self._evict_one(u, moves)
+                new_slot = dst.allocate_one()
+                moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, u, new_slot, False)))
+            self._set_tier(node, u, new_slot)
             self._consider(node)
-            self.stats.demoted_in[t + 1] += 1
-            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, t + 1, new_slot)))
+            self.stats.demoted_in[u] += 1
         else:
             assert node.children == 0, f"dropping {node} would orphan its children"
             self._drop(node)
-            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, None, None)))
+            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, None, None, False)))
         self._pools[t].free_one(old_slot)
 
     def _drop(self, node: Node) -> None:
@@ -404,15 +434,21 @@ class RadixTree:
         """Evict every block whose policy key says it expired at ``now`` (TTL), fastest tier first.
 
         Expired blocks are demoted like any victim, so they leave the cache through the slower
-        tiers, where they are expired in turn. Returns the moves. O(expired * log n).
+        tiers, where they are expired in turn; expired copies are dropped. Returns the moves
+        (queued write-through moves first). O(expired * log n).
         """
         now = self.clock() if now is None else now
-        moves: list[MoveOp] = []
+        moves = self._pending
+        self._pending = []
         for tier in range(self.num_tiers):
             entries = self._evictable[tier]
             while entries and self.policy.expired(entries[0], now):
                 self.stats.expired += 1
-                self._move_out(self._index[entries.pop(0)[-1]], moves)
+                node = self._index[entries.pop(0)[-1]]
+                if node.tier == tier:
+                    self._move_out(node, moves)
+                else:
+                    self._drop_popped_copy(node, tier, moves)
         return moves
 
     def set_hints(self, nodes: Iterable[Node], priority: int | None = None,
@@ -437,118 +473,11 @@ class RadixTree:
             new = NodeHints(old.priority if priority is None else priority,
                             old.ttl if ttl is None else float(ttl))
             self._discard(node)
+            copies = self._unfile_copies(node) if self._wt else None
             if new == DEFAULT_HINTS:
                 self._hints.pop(node.block_hash, None)
             else:
                 self._hints[node.block_hash] = new
             self._consider(node)
-
-    def invalidate(self, node: Node) -> list[MoveOp]:
-        """Drop ``node`` and every descendant, in any tier (its bytes proved bad, e.g. a disk
-        block that failed its checksum on load). Returns drop MoveOps (dst None), deepest first.
-
-        Everything dropped must be unreferenced (raises InvalidBlockError, changing nothing,
-        otherwise). Descendants are found by scanning the index: O(n), for the rare fault path.
-        """
-        if self._index.get(node.block_hash) is not node:
-            raise InvalidBlockError(f"{node!r} is not a cached node of this tree")
-        doomed = {id(node): node}
-        changed = True
-        while changed:  # fixed point over parent links (the index has no child lists)
-            changed = False
-            for other in self._index.values():
-                if id(other) not in doomed and other.parent is not None and id(other.parent) in doomed:
-                    doomed[id(other)] = other
-                    changed = True
-        refs = self._refs
-        held = [n for n in doomed.values() if n.tier == DEVICE and refs[n.slot] > 0]
-        if held:
-            raise InvalidBlockError(f"cannot invalidate: {len(held)} of its blocks are in use")
-
-        def depth(n: Node) -> int:
-            d = 0
-            while n.parent is not None:
-                n, d = n.parent, d + 1
-            return d
-
-        moves: list[MoveOp] = []
-        for n in sorted(doomed.values(), key=depth, reverse=True):
-            self._discard(n)
-            t, slot = n.tier, n.slot
-            if t == DEVICE:
-                self._unreferenced -= 1
-                self._device_nodes[slot] = None
-            self._drop(n)
-            self._pools[t].free_one(slot)
-            moves.append(_tuple_new(MoveOp, (n.block_hash, t, slot, None, None)))
-        return moves
-
-    def insert_lower(self, parent: Node | None, block_hash: bytes, tokens: bytes, tier: int) -> Node | None:
-        """Cache a block that already lives in slower tier ``tier`` (e.g. found on disk at start).
-
-        Returns None (changing nothing) if the tier is full or the hash is cached. The parent
-        must be in a tier <= ``tier``. Runtime complexity: O(log n).
-        """
-        assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"
-        if block_hash in self._index or self._pools[tier].num_free == 0:
-            return None
-        assert parent is None or parent.tier <= tier, "parent must be in a faster or equal tier"
-        node = Node(block_hash, parent, tokens, tier, self._pools[tier].allocate_one(), self.clock())
-        if parent is not None:
-            self._add_child_count(parent, tier, 1)
-        self._index[block_hash] = node
-        self._resident[tier] += 1
-        self._consider(node)
-        return node
-
-    # ------------------------------------------------------------------ invariants
-    def check_invariants(self) -> None:
-        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails.
-
-        Checks: index/slot consistency, per-tier prefix closure, packed child counts, chain
-        hashes of non-root nodes, refcount monotonicity along chains, the evictable sets
-        (exactly the qualifying nodes, with their current keys), residency and capacity.
-        Runtime complexity: O(n log n); for tests.
-        """
-        counts: dict[int, list[int]] = {}
-        resident = [0] * self.num_tiers
-        unref = 0
-        for h, node in self._index.items():
-            assert node.block_hash == h, f"index key {h.hex()} maps to {node}"
-            t = node.tier
-            resident[t] += 1
-            pool = self._pools[t]
-            assert not pool.is_free(node.slot), f"{node} sits in free slot {node.slot} of tier {t}"
-            if t == DEVICE:
-                assert self._device_nodes[node.slot] is node, f"device block {node.slot} not mapped to {node}"
-                if self._refs[node.slot] == 0:
-                    unref += 1
-            p = node.parent
-            if p is not None:
-                assert self._index.get(p.block_hash) is p, f"parent of {node} is not cached"
-                assert p.tier <= t, f"{node} in tier {t} under parent in slower tier {p.tier}"
-                assert chain_hash(p.block_hash, node.tokens) == h, f"{node}: hash is not chain(parent, tokens)"
-                counts.setdefault(id(p), [0] * MAX_TIERS)[t] += 1
-                if t == DEVICE:
-                    assert self._refs[p.slot] >= self._refs[node.slot], (
-                        f"parent refs {self._refs[p.slot]} < child refs {self._refs[node.slot]}")
-        for node in self._index.values():
-            want = counts.get(id(node), [0] * MAX_TIERS)
-            got = [node.num_children(t) for t in range(MAX_TIERS)]
-            assert got == want, f"{node}: packed child counts {got} != actual {want}"
-        assert resident == self._resident, f"resident per tier {self._resident} != actual {resident}"
-        assert unref == self._unreferenced, f"unreferenced {self._unreferenced} != actual {unref}"
-        for b, node in enumerate(self._device_nodes):
-            assert node is None or (node.tier == DEVICE and node.slot == b), f"device map {b} -> {node}"
-        for t, entries in enumerate(self._evictable):
-            want_entries = sorted(self._entry(n) for n in self._index.values()
-                                  if n.tier == t and self._is_evictable(n))
-            assert list(entries) == want_entries, (
-                f"tier {t}: evictable set has {len(entries)} entries, expected {len(want_entries)}")
-            if t > DEVICE:
-                pool = self._pools[t]
-                used = pool.num_blocks - pool.num_free
-                assert used == resident[t], f"tier {t}: {used} slots used, {resident[t]} resident"
-            assert resident[t] <= self._pools[t].num_blocks, f"tier {t} over capacity"
-        for h in self._hints:
-            assert h in self._index, f"hints kept for uncached block {h.hex()}"
+            if copies:
+                self._file_copies(node, copies)

@@ -111,7 +111,7 @@ class TreeMachine(RuleBasedStateMachine):
             assert not any(c.parent == h for c in self.m.values()), "dropping a parent"
             assert ops, f"expected the drop of {h.hex()[:8]}, got no more ops"
             op = ops.pop(0)
-            assert op == (h, t, n.slot, None, None), f"expected drop of {h.hex()[:8]}, got {op}"
+            assert op == MoveOp(h, t, n.slot, None, None), f"expected drop of {h.hex()[:8]}, got {op}"
             self._run_op(op)
             del self.m[h]
 
