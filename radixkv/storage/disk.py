@@ -32,17 +32,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import socket
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import xxhash
@@ -52,45 +48,14 @@ from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
 from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
                                          check_header, decode_header, encode_header,
                                          header_len_for)
+from radixkv.storage.disk_scan import BLOCK_NAME, SUFFIX, DiskEntry, ScanReport, scan_store
 from radixkv.storage.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kvb"
-_BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb\Z")
 _FSYNC_MODES = {False: "none", None: "none", "none": "none", "data": "data", True: "all",
                 "all": "all"}
 _WARN_EVERY_S = 10.0
-
-
-class DiskEntry(NamedTuple):
-    """What the tree needs to re-insert a block found on disk (``num_bytes``: file size).
-    A NamedTuple rather than a dataclass: a rebuild makes 10^5 of them."""
-
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class ScanReport:
-    """Result of ``DiskStore.scan``: valid entries, parents before children, and what was skipped.
-
-    ``entries`` is in topological order: an entry whose parent is also on disk comes after it;
-    entries whose parent is not on disk come first (the tree decides whether they are roots).
-    """
-
-    entries: tuple[DiskEntry, ...]
-    corrupt: int        # removed / quarantined
-    foreign: int        # skipped, left in place
-    stale_tmp: int      # leftovers of killed writers, removed
-    seconds: float
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of the valid files."""
-        return sum(e.num_bytes for e in self.entries)
 
 
 @dataclass
@@ -430,93 +395,13 @@ class DiskStore:
         Corrupt files are removed/quarantined, foreign ones counted and left, temporary files of
         dead writers removed. Runtime: O(files) syscalls, spread over ``scan_threads`` threads.
         """
-        t0 = time.perf_counter()
-        try:
-            subdirs = [self.dir / n for n in os.listdir(self.dir) if len(n) == 2]
-        except FileNotFoundError:
-            subdirs = []
-        tally: dict[str, int] = defaultdict(int)
-        with ThreadPoolExecutor(max(1, self.scan_threads)) as pool:
-            parts = list(pool.map(lambda d: self._scan_dir(d, verify_payload), subdirs))
-        found: list[DiskEntry] = []
-        for entries, counts in parts:
-            found.extend(entries)
-            for k, v in counts.items():
-                tally[k] += v
+        return scan_store(self, verify_payload)
+
+    def _reset_index(self, found: list[DiskEntry]) -> None:
+        """Replace the index by the entries a scan found (disk_scan.py)."""
         with self._lock:
             self._index = {e.block_hash: e for e in found}
             self._bytes_used = sum(e.num_bytes for e in found)
-        return ScanReport(_parents_first(found), tally["corrupt"], tally["foreign"],
-                          tally["stale_tmp"], time.perf_counter() - t0)
-
-    def _scan_dir(self, d: Path, verify_payload: bool) -> tuple[list[DiskEntry], dict[str, int]]:
-        """Entries of one fan-out directory. The hot loop works on str paths: at 10^5 files,
-        pathlib objects alone would cost about a second."""
-        entries: list[DiskEntry] = []
-        counts: dict[str, int] = defaultdict(int)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return entries, counts
-        prefix = f"{d}{os.sep}"
-        for name in names:
-            if not _BLOCK_NAME.match(name):
-                if name.endswith(".tmp"):
-                    counts["stale_tmp"] += self._maybe_drop_tmp(d / name)
-                elif name.endswith(SUFFIX):
-                    self._bad_file(d / name, BadBlockFile("corrupt", "not a block file name"),
-                                   None)
-                    counts["corrupt"] += 1
-                continue
-            try:
-                entry = self._read_entry(prefix + name, name, verify_payload)
-            except BadBlockFile as bad:
-                counts[bad.kind] += 1
-                continue
-            except OSError as e:
-                self._fail("scan", e)
-                continue
-            if entry is not None:
-                entries.append(entry)
-        return entries, counts
-
-    def _read_entry(self, path: str, name: str, verify_payload: bool) -> DiskEntry | None:
-        """Index entry of one file from its header (and payload checksum if asked)."""
-        block_hash = bytes.fromhex(name[:2 * HASH_BYTES])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None  # removed meanwhile
-        try:
-            st = os.fstat(fd)
-            try:
-                hdr = self._decode(fd, os.pread(fd, self._header_len, 0))
-                check_header(hdr, self.namespace, self.layout, block_hash, st.st_size)
-                if verify_payload:
-                    payload = os.pread(fd, hdr.payload_len, hdr.header_len)
-                    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_checksum:
-                        raise BadBlockFile("corrupt", "payload checksum mismatch")
-            except BadBlockFile as bad:
-                self._bad_file(Path(path), bad, st)
-                raise
-        finally:
-            os.close(fd)
-        return DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size)
-
-    def _maybe_drop_tmp(self, path: Path) -> int:
-        """Remove a temporary file whose writer is dead (same host) or that is stale."""
-        try:
-            _, _, writer = path.name.split(".")[:3]
-            host, pid = writer.split("-")[:2]
-            dead = host == self._host and not _pid_alive(int(pid))
-            if dead or time.time() - path.stat().st_mtime > self.stale_tmp_s:
-                path.unlink()
-                return 1
-        except (ValueError, FileNotFoundError):
-            pass
-        except OSError as e:
-            log.warning("could not remove stale temporary file %s: %s", path, e)
-        return 0
 
 
 def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
@@ -531,35 +416,7 @@ def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
 
 
 def _is_hex_name(path: Path) -> bool:
-    return _BLOCK_NAME.match(path.name) is not None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _parents_first(entries: list[DiskEntry]) -> tuple[DiskEntry, ...]:
-    """Topological order: entries whose parent is absent first, then children breadth-first."""
-    by_hash = {e.block_hash: e for e in entries}
-    children: dict[bytes, list[DiskEntry]] = defaultdict(list)
-    order: list[DiskEntry] = []
-    for e in entries:
-        if e.parent_hash is not None and e.parent_hash in by_hash and e.parent_hash != e.block_hash:
-            children[e.parent_hash].append(e)
-        else:
-            order.append(e)
-    i = 0
-    while i < len(order):
-        order.extend(children.pop(order[i].block_hash, ()))
-        i += 1
-    # entries on a parent cycle (impossible with chain hashes) are never reached: dropped
-    return tuple(order)
+    return BLOCK_NAME.match(path.name) is not None
 
 
 __all__ = ["DiskStore", "DiskEntry", "DiskStats", "ScanReport"]
