@@ -13,8 +13,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", f"core state machines: {total} rule steps in "
                                         f"{sum(STEPS.programs.values())} programs")
         for name in sorted(STEPS.steps):
+            ev = STEPS.events.get(name)
+            extra = ("; " + ", ".join(f"{k} {v}" for k, v in sorted(ev.items()))) if ev else ""
             terminalreporter.write_line(
-                f"  {name}: {STEPS.steps[name]} steps, {STEPS.programs.get(name, 0)} programs")
+                f"  {name}: {STEPS.steps[name]} steps, {STEPS.programs.get(name, 0)} programs{extra}")
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 ``snapshot_manager`` / ``snapshot_tree`` / ``snapshot_pool`` capture *every* piece of state a
 failed operation could corrupt (block tables, refcounts, free list order, the tree index with
-parents/tiers/slots/child counts/access stamps, evictable sets, residency, hints), as plain
+parents/tiers/slots/child counts/access stamps, evictable sets, residency, hints, copies and
+queued write-through moves), as plain
 values, so a test can assert that an operation that raised changed nothing.
 """
 
@@ -34,12 +35,18 @@ class StepCounter:
     def __init__(self) -> None:
         self.steps: dict[str, int] = {}
         self.programs: dict[str, int] = {}
+        self.events: dict[str, dict[str, int]] = {}
 
     def step(self, name: str) -> None:
         self.steps[name] = self.steps.get(name, 0) + 1
 
     def program(self, name: str) -> None:
         self.programs[name] = self.programs.get(name, 0) + 1
+
+    def event(self, name: str, what: str, count: int = 1) -> None:
+        """Count something a machine did (e.g. free demotions), to show the rules reach it."""
+        ev = self.events.setdefault(name, {})
+        ev[what] = ev.get(what, 0) + count
 
 
 STEPS = StepCounter()
@@ -62,6 +69,8 @@ def snapshot_tree(tree: RadixTree) -> tuple:
         tuple(None if n is None else n.block_hash for n in tree._device_nodes),
         tuple(sorted(tree._hints.items())),
         tuple(snapshot_pool(p) for p in tree._pools),
+        tuple(tuple(sorted(c.items())) for c in tree._copy_slots),
+        tuple(tree._pending),
     )
 
 
