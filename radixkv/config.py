@@ -126,6 +126,9 @@ class EngineConfig:
             ``max_position_embeddings``.
         prefetch_requests: with host and disk tiers, the first this many waiting requests get
             their matched disk-tier blocks loaded disk -> host ahead of scheduling (0: off).
+        async_loads: with host/disk tiers, promotions into the device run while other
+            requests compute; the request whose blocks are loading joins the batch once they
+            have landed (False: the scheduler waits for each promotion).
     """
 
     max_num_seqs: int = 32
@@ -134,6 +137,7 @@ class EngineConfig:
     dtype: object = None
     max_model_len: int | None = None
     prefetch_requests: int = 4
+    async_loads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -143,6 +147,8 @@ class EngineConfig:
         v = self.prefetch_requests
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"EngineConfig.prefetch_requests must be an int >= 0, got {v!r}")
+        if not isinstance(self.async_loads, bool):
+            raise ConfigError(f"EngineConfig.async_loads must be a bool, got {self.async_loads!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -24,9 +24,10 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace, token_bytes
+from radixkv.core.hashing import Namespace
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
+from radixkv.engine import tiering
 from radixkv.engine.beam_search import BeamSearch
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
@@ -110,8 +111,10 @@ class LLMEngine:
         limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        loads = tiering.MoverLoads(kv_mover) if getattr(kv_mover, "async_loads", False) else None
         self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
-                                    engine_config.max_num_batched_tokens, run_ops=self._run_ops)
+                                    engine_config.max_num_batched_tokens, run_ops=self._run_ops,
+                                    loads=loads)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
@@ -119,63 +122,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tiers
     def _tiered_mover(self, n_host: int, n_disk: int, model_id: str) -> KVMover:
-        """HostPool/DiskStore for the configured lower tiers, the mover over them, and the tree
-        rebuilt from the disk tier's files (a previous process's blocks are hits)."""
-        from radixkv.engine.tiered_mover import TieredKVMover
-        from radixkv.storage.disk import DiskStore
-        from radixkv.storage.host import HostPool
-
-        host = HostPool(self.layout, n_host) if n_host else None
-        disk = None
-        if n_disk:
-            # Namespace = model fingerprint (model id, dtype, KV layout); cache salts are inside
-            # the chain hashes, so tenants share the directory but never each other's blocks.
-            disk = DiskStore(self.cache_config.disk_dir, self.layout,
-                             self.layout.fingerprint(model_id), scan=False)
-        mover = TieredKVMover(self._runner.kv_cache, self.layout, host, disk, self._bm.tree)
-        if disk is not None:
-            self.restore_report = self._restore_from_disk(disk, mover.disk_tier)
+        mover, self.restore_report = tiering.build_mover(self, n_host, n_disk, model_id)
         return mover
-
-    def _restore_from_disk(self, disk: Any, tier: int) -> dict[str, Any]:
-        """Insert the disk tier's valid files into the tree, parents first.
-
-        A file written for a root block has no parent hash and becomes a root. A file whose
-        parent hash names a block that is not cached (its parent was still on the device or
-        host when the writer exited, or its file was corrupt) is an *orphan*: no request can
-        reach it, and as a root it would be worse than useless (a request recomputing the
-        chain could not cache its own block under that hash until the orphan is evicted), so
-        it is skipped. Skipped files -- orphans, entries beyond the tier's capacity, entries
-        whose tokens do not chain-hash to their name -- are removed: the files on disk are
-        exactly the disk tier's blocks."""
-        from array import array
-
-        from radixkv.core.hashing import TOKEN_BYTES, chain_hash
-
-        tree = self._bm.tree
-        report = disk.scan()
-        width = self.cache_config.block_size * TOKEN_BYTES
-        restored = orphans = skipped = 0
-        for e in report.entries:
-            tokens = array("i", e.token_ids).tobytes()
-            parent = None
-            if e.parent_hash is not None:
-                parent = tree.get(e.parent_hash)
-                if parent is None:
-                    orphans += 1
-                    disk.remove(e.block_hash)
-                    continue
-            ok = len(tokens) == width and (
-                parent is None or chain_hash(parent.block_hash, tokens) == e.block_hash)
-            node = tree.insert_lower(parent, e.block_hash, tokens, tier) if ok else None
-            if node is None:
-                skipped += 1
-                disk.remove(e.block_hash)
-            else:
-                restored += 1
-        return {"restored_blocks": restored, "orphan_files": orphans, "skipped_files": skipped,
-                "corrupt_files": report.corrupt, "foreign_files": report.foreign,
-                "stale_tmp_files": report.stale_tmp, "scan_s": report.seconds}
 
     def _run_ops(self, ops: Seq[Any]) -> list[bytes]:
         """The scheduler's executor: run KV ops now; hashes of failed promotions."""
@@ -322,7 +270,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         # Settle last step's write-behind/prefetch batches before the scheduler touches the
         # tree: their failures are then filed against nodes that are still where they went.
-        self._drain_kv()
+        # Promotions still running stay so (their requests are loading; the scheduler knows).
+        self._drain_kv(loads=False)
         sched = self._scheduler.schedule()
         for req in sched.unschedulable:
             self._finish_all(req, FINISH_LENGTH)
@@ -336,49 +285,16 @@ class LLMEngine:
             self._drain_kv()   # idle: the disk tier's files are exactly its blocks
         return outputs
 
-    def _drain_kv(self) -> None:
+    def _drain_kv(self, loads: bool = True) -> None:
         drain = getattr(self.kv_mover, "drain", None)
         if drain is not None:
-            drain()
+            if getattr(self.kv_mover, "async_loads", False):
+                drain(loads=loads)
+            else:
+                drain()
 
     def _prefetch(self) -> None:
-        """Best effort: the disk-tier blocks matched by the first ``prefetch_requests``
-        waiting requests are moved disk -> host (``RadixTree.promote_lower``) as a batch that
-        runs behind the step; the request's allocation later promotes them host -> device.
-        At most the host tier's capacity per step."""
-        k = self.engine_config.prefetch_requests
-        mover = self.kv_mover
-        waiting = self._scheduler.waiting
-        names = self.tier_names
-        if not k or not waiting or "host" not in names or "disk" not in names:
-            return
-        from radixkv.engine.tiered_mover import TieredKVMover
-        if not isinstance(mover, TieredKVMover):
-            return   # a mover passed in may not do disk -> host loads
-        host_t, disk_t = names.index("host"), names.index("disk")
-        tree, bs = self.tree, self._bm.block_size
-        budget = self.tier_capacity_blocks[host_t]
-        moves: list[Any] = []
-        for req in itertools.islice(waiting, k):
-            for seq in req.seqs:
-                ids = seq.token_ids
-                nodes, _ = tree.match_tokens(token_bytes(ids), req.namespace.seed,
-                                             (len(ids) - 1) // bs)
-                for x in nodes:
-                    if budget <= 0:
-                        break
-                    if x.tier < disk_t:
-                        continue
-                    if tree.get(x.block_hash) is not x or x.tier != disk_t or (
-                            x.parent is not None and x.parent.tier > host_t):
-                        break   # dropped or left behind by an earlier prefetch's eviction
-                    ms = tree.promote_lower(x, host_t)
-                    if not ms:
-                        break
-                    moves.extend(ms)
-                    budget -= 1
-        if moves:
-            mover.apply_moves(moves)
+        tiering.prefetch(self)
 
     def _run(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, bs = self._bm, self._bm.block_size
@@ -389,6 +305,7 @@ class LLMEngine:
             slots = [table[p // bs] * bs + p % bs for p in range(c.start, end)]
             chunks.append(SequenceChunk(c.seq.token_ids[c.start:end], c.start, table, slots,
                                         None if c.wants_logits else ()))
+        tiering.fence(self.kv_mover, self.tree, chunks)
         self._num_forwards += 1
         return self._runner.execute(self._runner.build_batch(chunks))
 
@@ -560,39 +477,8 @@ class LLMEngine:
             "num_waiting": len(self._scheduler.waiting),
             "steps": c.steps,
             "forwards": self._num_forwards,
-            **self._tier_stats(),
+            **tiering.tier_stats(self),
         }
-
-    def _tier_stats(self) -> dict[str, Any]:
-        """Per-tier figures: names, capacities, residency; mover traffic and faults."""
-        c = self._scheduler.counters
-        out: dict[str, Any] = {
-            "tiers": list(self.tier_names),
-            "tier_capacity_blocks": list(self.tier_capacity_blocks),
-            "load_failures": c.load_failures,
-            "load_retries": c.load_retries,
-        }
-        ms = getattr(self.kv_mover, "stats", None)
-        if ms is not None and hasattr(ms, "as_dict"):
-            m = ms.as_dict()
-            out.update(bytes_moved=m["bytes_moved"], blocks_moved=m["moves"],
-                       write_failures=m["write_failures"],
-                       mover_load_failures=m["load_failures"],
-                       write_failure_drops=m["invalidated_blocks"],
-                       skipped_writes=m["skipped_writes"],
-                       async_batches=m["async_batches"],
-                       prefetched_blocks=m["prefetched_blocks"],
-                       prefetch_hits=m["prefetch_hits"],
-                       prefetch_failures=m["prefetch_failures"])
-        disk = getattr(self.kv_mover, "disk", None)
-        if disk is not None:
-            d = disk.stats()
-            out["disk"] = {"files": len(disk), "bytes_used": disk.bytes_used,
-                           "corrupt": d.corrupt, "foreign": d.foreign,
-                           "read_errors": d.read_errors, "put_failures": d.put_failures,
-                           "failures_by_errno": dict(d.failures_by_errno),
-                           **(self.restore_report or {})}
-        return out
 
     def _kv_utilization(self) -> tuple[int, int]:
         """(tokens stored, slots allocated) over the blocks live sequences hold; a block shared
@@ -605,6 +491,10 @@ class LLMEngine:
                 for j, b in enumerate(bm.block_table(seq.seq_id)):
                     fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))
         return sum(fill.values()), len(fill) * bs
+
+
+
+
 
 
 __all__ = ["LLMEngine", "model_fingerprint"]

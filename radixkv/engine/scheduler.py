@@ -29,6 +29,19 @@ is what makes a failed promotion safe: when loading a block from a slower tier f
 invalidated, and the request is allocated again (its match now stops before the bad block, so
 it recomputes) -- before any later request of the same step can match and lock that node.
 
+Asynchronous promotions (``loads``, the engine passes one when its mover supports them): a
+promotion into the device is left running, and every request that holds a device block still
+being written -- the one that allocated it, another that matched the freshly promoted node in
+the same step, or a running sequence whose commit switched to that node -- is *loading*: it
+keeps its blocks and its place among the running requests but computes nothing until the load
+lands (vLLM's "waiting for remote KVs"). Other requests' forwards run meanwhile. Each step
+first settles the loads that finished; a failed one frees every holder of the bad block
+(they go back to the front of the waiting queue, in order), invalidates the node and its
+subtree, and the holders are allocated again (their match stops before the bad block). If a
+step would compute nothing but requests are loading, it waits for the loads instead of
+spinning. A loading request that is aborted or preempted waits for its loads before its blocks
+are freed (a block must not be reused while a copy still writes it).
+
 Pure Python: imports no torch.
 """
 
@@ -37,6 +50,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixkv.core.block_manager import BlockManager, CopyOp
 from radixkv.core.tree import MoveOp
@@ -82,10 +96,29 @@ class SchedulerCounters:
     steps: int = 0
     load_failures: int = 0                    # blocks whose promotion failed (recomputed)
     load_retries: int = 0                     # allocations redone after a failed promotion
+    loading_steps: int = 0                    # request-steps spent waiting for a promotion
+    load_waits: int = 0                       # steps that blocked on promotions (nothing else)
 
 
 #: Executes KV ops now, in order; returns the hashes of blocks whose promotion failed.
 RunOps = Callable[[Seq["MoveOp | CopyOp"]], Seq[bytes]]
+
+
+class Loads(Protocol):
+    """Promotions in flight (the engine adapts its mover). Each call that settles loads
+    returns the hashes of the blocks whose promotion failed since the last call."""
+
+    def poll(self) -> Seq[bytes]:
+        """Settle the promotions that finished, without blocking."""
+        ...
+
+    def wait(self) -> Seq[bytes]:
+        """Block until every promotion in flight is settled."""
+        ...
+
+    def inflight(self) -> frozenset[int]:
+        """Device blocks still being written by a promotion."""
+        ...
 
 _MAX_LOAD_RETRIES = 64
 
@@ -94,9 +127,15 @@ class Scheduler:
     """FCFS continuous batching over a :class:`BlockManager` (see module docstring)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, run_ops: RunOps | None = None) -> None:
+                 max_num_batched_tokens: int, run_ops: RunOps | None = None,
+                 loads: Loads | None = None) -> None:
         self.bm = block_manager
         self.run_ops = run_ops
+        self.loads = loads
+        self.loading: set[str] = set()          # ids of running requests waiting for loads
+        self._failed: list[bytes] = []          # failed promotions not yet recovered
+        self._fresh: set[str] = set()           # admitted, loading, nothing computed yet
+        self._first_tiers: dict[str, tuple[int, ...]] = {}   # see _undo_admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -119,11 +158,21 @@ class Scheduler:
         """Take a request out of the queues and free its live sequences (finish or abort)."""
         if req in self.running:
             self.running.remove(req)
-            for seq in req.seqs:
-                self.bm.free(seq.seq_id)
+            self._free_request(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
+
+    def _free_request(self, req: Request) -> None:
+        """Free every live sequence of ``req``; a loading request first waits for its loads
+        (their failures are recovered before the next allocation)."""
+        self._fresh.discard(req.request_id)
+        self._first_tiers.pop(req.request_id, None)
+        if req.request_id in self.loading:
+            self.loading.discard(req.request_id)
+            self._failed.extend(self.loads.wait())
+        for seq in req.seqs:
+            self.bm.free(seq.seq_id)
 
     def free_seq(self, req: Request, seq: Sequence) -> None:
         """A sequence of a running request ended (finished sample, losing beam)."""
@@ -139,7 +188,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.counters.steps += 1
+        if self.loads is not None:
+            self._settle_loads(out, wait=False)
         self._reserve_appends(out)
+        self._recover_failed(out)
         for req in self.running:
             for seq in req.seqs:
                 if self.bm.num_tokens(seq.seq_id) < len(seq.token_ids):
@@ -150,18 +202,74 @@ class Scheduler:
         self._flush(out)
         budget = self.max_num_batched_tokens
         for req in self.running:
-            budget -= self._schedule_tokens(req, budget, out)
+            if req.request_id not in self.loading:
+                budget -= self._schedule_tokens(req, budget, out)
         if not out.preempted:
-            self._admit(budget, out)
+            budget = self._admit(budget, out)
         self._flush(out)
+        if self.loading and not out.chunks:
+            # Nothing else to compute: wait for the loads rather than return an empty step.
+            self.counters.load_waits += 1
+            ready = [r for r in self.running if r.request_id in self.loading]
+            self._settle_loads(out, wait=True)
+            for req in ready:
+                if req in self.running and req.request_id not in self.loading:
+                    budget -= self._schedule_tokens(req, budget, out)
+            self._flush(out)
+        self.counters.loading_steps += len(self.loading)
         return out
 
+    def _holds(self, req: Request, blocks: frozenset[int] | set[int]) -> bool:
+        bm = self.bm
+        return any(b in blocks for seq in req.seqs for b in bm.block_table(seq.seq_id))
+
+    def _settle_loads(self, out: SchedulerOutput, wait: bool) -> None:
+        """Settle finished (or, with ``wait``, all) promotions: recover failed ones, then mark
+        which running requests still hold a block being written (see the module docstring)."""
+        self._failed.extend(self.loads.wait() if wait else self.loads.poll())
+        self._recover_failed(out)
+        inflight = self.loads.inflight()
+        if not inflight:
+            self.loading.clear()
+            return
+        for req in self.running:
+            if self._holds(req, inflight):
+                self.loading.add(req.request_id)
+            else:
+                self.loading.discard(req.request_id)
+
+    def _recover_failed(self, out: SchedulerOutput) -> None:
+        """Blocks whose promotion failed: free every running request that holds one (back to
+        the front of the waiting queue, in order; they recompute from the bad block) and
+        invalidate the nodes. Runs before any allocation can match those nodes."""
+        tree = self.bm.tree
+        while self._failed:
+            failed = list(dict.fromkeys(self._failed))
+            self._failed = []
+            bad = {n.slot for n in (tree.get(h) for h in failed) if n is not None and n.tier == 0}
+            holders = [r for r in self.running if self._holds(r, bad)] if bad else []
+            for req in holders:
+                self.running.remove(req)
+                self.loading.discard(req.request_id)
+                for seq in req.seqs:
+                    self.bm.free(seq.seq_id)
+                req.status = RequestStatus.WAITING
+                self.counters.load_retries += 1
+                if req.request_id in self._fresh:   # never computed: count it at re-admission
+                    self._undo_admission(req)
+            self.waiting.extendleft(reversed(holders))
+            self._invalidate(failed, out)
+
     def _flush(self, out: SchedulerOutput) -> list[bytes]:
-        """Run the pending KV ops now (with an executor); hashes of failed promotions."""
+        """Run the pending KV ops now (with an executor). Returns the hashes of failed
+        promotions it learnt of, which are also kept for :meth:`_recover_failed` (a wait forced
+        by a conflict may settle another request's load)."""
         if self.run_ops is None or not out.kv_ops:
             return []
         ops, out.kv_ops = out.kv_ops, []
-        return list(self.run_ops(ops))
+        failed = list(self.run_ops(ops))
+        self._failed.extend(failed)
+        return failed
 
     def _invalidate(self, failed: Seq[bytes], out: SchedulerOutput) -> None:
         """Drop blocks whose promotion failed (and their subtrees) from the cache."""
@@ -171,8 +279,7 @@ class Scheduler:
             if node is not None:
                 out.kv_ops.extend(tree.invalidate(node))
         self.counters.load_failures += len(failed)
-        more = self._flush(out)
-        assert not more, "dropping blocks cannot load any"
+        self._flush(out)   # drops; a wait they force may report more failed loads
 
     def _pending(self, seq: Sequence) -> bool:
         return self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
@@ -186,16 +293,31 @@ class Scheduler:
             if need <= bm.num_available_blocks:
                 return
             victim = self.running.pop()
-            for seq in victim.seqs:
-                bm.free(seq.seq_id)
+            self._free_request(victim)
             victim.status = RequestStatus.WAITING
             victim.num_preemptions += 1
             self.counters.preemptions += 1
             self.waiting.appendleft(victim)
             out.preempted.append(victim)
 
+    def _undo_admission(self, req: Request) -> None:
+        """Take back the prompt/cache counters of a request sent back before it computed (its
+        first match counted a block whose load then failed); counted again at re-admission."""
+        self._fresh.discard(req.request_id)
+        c = self.counters
+        c.prompt_tokens -= len(req.prompt_token_ids)
+        c.cached_prompt_tokens -= req.num_cached_tokens
+        for t, n in enumerate(req.cached_tokens_per_tier):
+            c.cached_tokens_per_tier[t] -= n
+        req.admitted = False
+        # the blocks that did land are device hits now; they still count in their first tier
+        self._first_tiers[req.request_id] = req.cached_tokens_per_tier
+        req.num_cached_tokens = 0
+        req.cached_tokens_per_tier = ()
+
     def _schedule_tokens(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Add ``req``'s chunks within ``budget`` tokens; return the tokens used."""
+        self._fresh.discard(req.request_id)
         rems = []
         for seq in req.seqs:
             computed = self.bm.num_computed_tokens(seq.seq_id)
@@ -218,25 +340,35 @@ class Scheduler:
                 self.counters.recomputed_tokens += min(n, len(seq.token_ids) - 1 - computed)
         return used
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting requests FCFS; returns the token budget left."""
         num_seqs = sum(r.num_seq_slots for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if num_seqs + req.num_seq_slots > self.max_num_seqs and self.running:
-                return
+                return budget
+            self.waiting.popleft()
+            left = len(self.waiting)
             if not self._allocate(req, out):
                 if not self.running:
                     # Nothing else holds blocks: this request can never fit the pool.
-                    self.waiting.popleft()
                     req.status = RequestStatus.FINISHED
                     out.unschedulable.append(req)
                     continue
-                return
-            self.waiting.popleft()
+                # back to the head, behind requests a failed load sent back meanwhile
+                self.waiting.insert(len(self.waiting) - left, req)
+                return budget
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += req.num_seq_slots
+            inflight = self.loads.inflight() if self.loads is not None else None
+            if inflight and self._holds(req, inflight):
+                self.loading.add(req.request_id)   # computes once its blocks have landed
+                if req.num_preemptions == 0 and not req.done and req.first_token_time is None:
+                    self._fresh.add(req.request_id)
+                continue
             budget -= self._schedule_tokens(req, budget, out)
+        return budget
 
     def _allocate(self, req: Request, out: SchedulerOutput) -> bool:
         """Allocate every live sequence of ``req`` or none (moves of evictions are kept).
@@ -245,6 +377,7 @@ class Scheduler:
         sequence of the request is freed, the bad blocks are invalidated and the request is
         allocated again (see the module docstring)."""
         self._flush(out)
+        self._recover_failed(out)
         first_per_tier: tuple[int, ...] | None = None
         for _attempt in range(_MAX_LOAD_RETRIES):
             done = []
@@ -262,12 +395,13 @@ class Scheduler:
                     self.bm.free(a.seq_id)
                 return False
             if first_per_tier is None:
-                first_per_tier = done[0].cached_tokens_per_tier
+                first_per_tier = self._first_tiers.pop(req.request_id, None) \
+                    or done[0].cached_tokens_per_tier
             if not failed:
                 break
             for a in done:
                 self.bm.free(a.seq_id)
-            self._invalidate(failed, out)
+            self._recover_failed(out)   # also other requests' loads a forced wait reported
             self.counters.load_retries += 1
         else:
             raise AssertionError(f"{_MAX_LOAD_RETRIES} failed promotions in a row for {req}")

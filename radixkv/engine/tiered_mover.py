@@ -20,6 +20,13 @@ Off the critical path (write-behind and prefetch):
   step and when it goes idle, so the writes overlap the forward pass.
 * **Prefetch loads** (disk -> host, from ``RadixTree.promote_lower``) are transfer-engine
   batches left running too; they write host slots, so any later group drains them first.
+* **Promotions into the device** (host/disk -> device), with ``async_loads``, are left running
+  too: :meth:`inflight_device_blocks` names the device blocks they write, and the caller (the
+  engine's scheduler) keeps every sequence holding one of them out of the forward until
+  :meth:`poll_loads` (non-blocking) or :meth:`wait_loads` settles it. A later group that would
+  rewrite a host slot such a load still reads (a demotion into the slot the promotion freed),
+  or touch one of its device blocks, waits for it first. ``drain(loads=False)`` settles
+  everything else and leaves unfinished promotions running.
 * At drain, failures are filed exactly as for synchronous moves (below); a prefetch load that
   failed drops its node (still on the host, unreferenced) with its subtree. Should the tree have
   moved that node meanwhile, its host copy is *poisoned*: its next move out of the host fails
@@ -86,6 +93,21 @@ class _Outcome(NamedTuple):
     errors: tuple[str | None, ...]
 
 
+@dataclass
+class _Pending:
+    """A batch left running past ``apply_moves``: ``kind`` is ``"write"`` (staged file writes:
+    ``batch`` is their futures), ``"prefetch"`` (disk -> host) or ``"load"`` (host/disk ->
+    device, with ``async_loads``; ``dev``/``host_src``: device blocks it writes, host slots it
+    reads)."""
+
+    batch: Batch | list[Future]
+    ops: list[MoveOp]
+    direction: str
+    kind: str
+    dev: frozenset[int] = frozenset()
+    host_src: frozenset[int] = frozenset()
+
+
 def wrap_device_pool(kv_cache: torch.Tensor, layout: KVLayout) -> DevicePool:
     """A :class:`DevicePool` over an existing cache tensor (the model runner's), no copy."""
     want = layout.cache_shape(int(kv_cache.shape[2]))
@@ -118,6 +140,7 @@ class MoverStats:
     prefetched_blocks: int = 0   # blocks loaded disk -> host ahead of their request
     prefetch_hits: int = 0       # prefetched blocks later promoted host -> device
     prefetch_failures: int = 0   # prefetch loads that failed (block dropped, recomputed)
+    async_loads: int = 0         # promotion batches left running past apply_moves
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -134,10 +157,16 @@ class TieredKVMover:
         tree: the radix tree whose moves this mover executes (read for parent hashes and
             tokens of blocks written to disk; mutated only to invalidate failed writes).
         io_threads: parallel file operations per disk batch.
+        async_loads: leave promotions into the device (host/disk -> device) running past
+            ``apply_moves``; the caller must not read or free their device blocks before
+            :meth:`poll_loads` / :meth:`wait_loads` settles them (see
+            :meth:`inflight_device_blocks`). The engine's scheduler does this; False waits for
+            every promotion inside ``apply_moves``.
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: HostPool | None,
-                 disk: DiskStore | None, tree: RadixTree, io_threads: int = 4) -> None:
+                 disk: DiskStore | None, tree: RadixTree, io_threads: int = 4,
+                 async_loads: bool = False) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.host, self.disk, self.tree = host, disk, tree
@@ -151,9 +180,8 @@ class TieredKVMover:
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="radixkv-write")
         self._cow = DeviceOnlyMover(kv_cache)
         self._failed_loads: list[bytes] = []
-        # batches left running: a transfer-engine Batch (prefetch) or the futures of staged
-        # file writes, with their MoveOps and direction
-        self._pending: list[tuple[Batch | list[Future], list[MoveOp], str]] = []
+        self.async_loads = bool(async_loads)
+        self._pending: list[_Pending] = []     # batches left running (write, prefetch, load)
         self._prefetched: set[bytes] = set()   # loaded disk -> host, not yet moved on
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
@@ -163,10 +191,10 @@ class TieredKVMover:
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         """Execute ``moves`` in order (consecutive moves of one direction as one batch).
 
-        Writes to disk and disk -> host prefetch loads are left running (see the module
-        docstring); a later group that could touch what they touch drains them first
-        (:meth:`drain`). Nothing but moves reads or writes host slots or block files, so the
-        order is the same as waiting for each batch at once."""
+        Writes to disk, disk -> host prefetch loads and (with ``async_loads``) promotions into
+        the device are left running (see the module docstring); a later group that could touch
+        what they touch waits for them first. Nothing but moves reads or writes host slots or
+        block files, so the result is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
         i = 0
         while i < len(moves):
@@ -174,48 +202,111 @@ class TieredKVMover:
             j = i + 1
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == key:
                 j += 1
-            if self._must_drain(key):
-                self.drain()
+            self._wait_conflicts(moves[i:j])
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
             self._drop_failed_writes(failed_writes)
 
-    def drain(self) -> None:
+    def drain(self, loads: bool = True) -> None:
         """Wait for the batches left running by :meth:`apply_moves` and settle their outcome:
         a failed write drops its node (as :meth:`apply_moves` does for a synchronous one), a
-        failed prefetch load (disk -> host) drops the node it was loading. The engine drains
-        before the scheduler touches the tree, so these nodes are still where the moves put
-        them; if one was moved meanwhile, its host copy is *poisoned* (never copied on)."""
+        failed prefetch load (disk -> host) drops the node it was loading, a failed promotion
+        goes to :meth:`take_failed_loads`. The engine drains before the scheduler touches the
+        tree, so these nodes are still where the moves put them; if one was moved meanwhile,
+        its host copy is *poisoned* (never copied on).
+
+        ``loads=False`` leaves unfinished promotions running (settling the finished ones): the
+        scheduler keeps their requests out of the forward until they land."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
+        if loads:
+            pending, self._pending = self._pending, []
+        else:
+            pending = [p for p in self._pending if p.kind != "load"]
+            self._pending = [p for p in self._pending if p.kind == "load"]
+        self._settle_pending(pending, block=True)
+        if not loads:
+            self.poll_loads()
+
+    def poll_loads(self) -> None:
+        """Settle the promotions that have finished (non-blocking)."""
+        done = []
+        for p in self._pending:
+            if p.kind == "load":
+                result = self.engine.complete(p.batch)
+                if result is not None:
+                    done.append((p, result))
+        if done:
+            ids = {id(p) for p, _ in done}
+            self._pending = [p for p in self._pending if id(p) not in ids]
+            failed: list[MoveOp] = []
+            for p, result in done:
+                self._settle(p.ops, result, failed, None)
+            assert not failed, "a promotion cannot fail a write"
+
+    def wait_loads(self) -> None:
+        """Block until every promotion in flight has landed or failed, and settle them."""
+        loads = [p for p in self._pending if p.kind == "load"]
+        if loads:
+            self._pending = [p for p in self._pending if p.kind != "load"]
+            self._settle_pending(loads, block=True)
+
+    def inflight_device_blocks(self) -> frozenset[int]:
+        """Device blocks that promotions in flight are writing: nothing may read, free or
+        overwrite them until :meth:`poll_loads`/:meth:`wait_loads` settles the load."""
+        loads = [p.dev for p in self._pending if p.kind == "load"]
+        if not loads:
+            return frozenset()
+        return loads[0] if len(loads) == 1 else frozenset().union(*loads)
+
+    @property
+    def failed_loads(self) -> tuple[bytes, ...]:
+        """Hashes of failed promotions not yet taken by :meth:`take_failed_loads`."""
+        return tuple(self._failed_loads)
+
+    def _settle_pending(self, pending: list[_Pending], block: bool) -> None:
         failed_writes: list[MoveOp] = []
         failed_loads: list[MoveOp] = []
-        for batch, ops, direction in pending:
-            if isinstance(batch, list):   # staged file writes
-                errors = [f.result() for f in batch]
+        for p in pending:
+            if p.kind == "write":
+                errors = [f.result() for f in p.batch]
                 result = _Outcome(tuple(e is None for e in errors), tuple(errors))
             else:
-                result = self.engine.wait(batch)
+                result = self.engine.wait(p.batch)
             if result is None:  # wait() without timeout only returns a result
-                raise StorageError(f"transfer batch of {len(ops)} {direction} moves vanished")
-            self._settle(ops, result, failed_writes, failed_loads)
+                raise StorageError(f"transfer batch of {len(p.ops)} {p.direction} moves vanished")
+            self._settle(p.ops, result, failed_writes, failed_loads)
         if failed_writes:
             self._drop_failed_writes(failed_writes)
         if failed_loads:
             self._drop_failed_prefetches(failed_loads)
 
-    def _must_drain(self, key: tuple[int, int | None]) -> bool:
-        """Whether the next group may touch what a pending batch touches: a pending prefetch
-        writes host slots (drain before anything); a pending write only its own file (drain
-        before a load or removal of a file; writes, device/host copies and drops go on)."""
+    def _wait_conflicts(self, group: Sequence[MoveOp]) -> None:
+        """Wait for the pending batches the next group may touch. A pending prefetch writes
+        host slots (drain everything first); a pending write only its own file (drain before a
+        load or removal of a file); a pending promotion reads its host slots (wait before one
+        of them is rewritten) and writes its device blocks (wait before one is read or
+        written)."""
         if not self._pending:
-            return False
-        disk = self.disk_tier
-        if key[0] == disk:
-            return True
-        return any(not isinstance(p[0], list) for p in self._pending)
+            return
+        m0 = group[0]
+        if m0.src_tier == self.disk_tier or any(p.kind == "prefetch" for p in self._pending):
+            self.drain()
+            return
+        if m0.dst_tier is None or not any(p.kind == "load" for p in self._pending):
+            return
+        dst_kind = self.kinds[m0.dst_tier]
+        if dst_kind == "host":
+            busy = frozenset().union(*(p.host_src for p in self._pending if p.kind == "load"))
+            if any(m.dst_slot in busy for m in group):
+                self.wait_loads()
+                return
+        dev = self.inflight_device_blocks()
+        touched = [m.dst_slot for m in group if m.dst_tier == DEVICE] + \
+            [m.src_slot for m in group if m.src_tier == DEVICE]
+        if any(b in dev for b in touched):
+            self.wait_loads()
 
     @property
     def num_pending(self) -> int:
@@ -223,6 +314,9 @@ class TieredKVMover:
         return len(self._pending)
 
     def copy_blocks(self, copies: Sequence[CopyOp]) -> None:
+        dev = self.inflight_device_blocks()
+        if dev and any(c.src in dev or c.dst in dev for c in copies):
+            self.wait_loads()
         self._cow.copy_blocks(copies)
         self.stats.copies += len(copies)
 
@@ -287,8 +381,17 @@ class TieredKVMover:
         if direction == "disk->host":
             # A prefetch: it writes host slots only, which only later moves read (and they
             # drain first); it runs while the step computes.
-            self._pending.append((submitted, ops, direction))
+            self._pending.append(_Pending(submitted, ops, direction, "prefetch"))
             self.stats.async_batches += 1
+            return
+        if dst_kind == "device" and self.async_loads:
+            # A promotion: the caller keeps its device blocks out of every forward until it
+            # is settled (poll_loads/wait_loads); it runs while other requests compute.
+            host_src = frozenset(m.src_slot for m in ops) if src_kind == "host" else frozenset()
+            self._pending.append(_Pending(submitted, ops, direction, "load",
+                                          frozenset(m.dst_slot for m in ops), host_src))
+            self.stats.async_batches += 1
+            self.stats.async_loads += 1
             return
         result = eng.wait(submitted)
         if result is None:  # wait() without timeout only returns a result
@@ -316,7 +419,7 @@ class TieredKVMover:
             return None if good else "disk write failed (disk full or I/O error; see log)"
 
         futures = [self._io.submit(put, i) for i in range(len(ops))]
-        self._pending.append((futures, ops, direction))
+        self._pending.append(_Pending(futures, ops, direction, "write"))
         self.stats.batches += 1
         self.stats.async_batches += 1
 

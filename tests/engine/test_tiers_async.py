@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixkv.core.hashing import token_bytes
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.tiered_mover import TieredKVMover
 
@@ -159,4 +160,94 @@ def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_pa
     assert mover.take_failed_loads() == [node.block_hash]
     assert torch.all(kv[:, :, 3] == -1.0)                # garbage never copied on
     assert mover.stats.prefetch_failures == 1 and mover.stats.load_failures == 1
+    mover.close()
+
+
+def _loading_scenario(hf, tmp_path, tails, corrupt=None):
+    """Cache prompt P and persist it to disk; a long request A decodes while requests
+    P + tail (for each tail) arrive: their disk -> device loads run while A computes."""
+    p = rand_tokens(32, 7)
+    eng = make_engine(hf, tmp_path, device=48, host=8, disk=64, prefetch=0)
+    _serve(eng, [("warm", p)])
+    eng.persist()
+    if corrupt is not None:
+        _, hashes = eng.tree.match_tokens(token_bytes(p), eng.namespace.seed)
+        path = eng.kv_mover.disk.path_of(hashes[corrupt])
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10
+        path.write_bytes(data)
+    a_prompt = rand_tokens(9, 8)
+    eng.add_request("A", a_prompt, SamplingParams(max_tokens=12))
+    eng.step()                                     # A prefills
+    prompts = {f"B{i}": p + tail for i, tail in enumerate(tails)}
+    for rid, q in prompts.items():
+        eng.add_request(rid, q, SamplingParams(max_tokens=GEN))
+    eng.step()                                     # A decodes; the B's are admitted, loading
+    loading = set(eng.scheduler.loading)
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    check_tiers(eng)
+    assert final["A"].outputs[0].token_ids == hf_greedy(hf, a_prompt, 12)
+    for rid, q in prompts.items():
+        assert final[rid].outputs[0].token_ids == hf_greedy(hf, q), rid
+    return eng, final, loading
+
+
+def test_promotions_run_while_another_request_computes(hf_llama, tmp_path):
+    eng, final, loading = _loading_scenario(hf_llama, tmp_path, [[5, 6, 7]])
+    assert loading == {"B0"}                       # held out of the forward A ran in
+    assert list(final["B0"].cached_tokens_per_tier) == [0, 0, 32]
+    st = eng.stats()
+    assert st["async_load_batches"] > 0 and st["loading_request_steps"] >= 1
+    assert st["bytes_moved"]["disk->device"] > 0 and st["load_failures"] == 0
+    eng.close()
+
+
+def test_corrupt_block_under_an_async_load_sends_both_holders_back(hf_llama, tmp_path):
+    """B0 promotes P's blocks, B1 matches them in the same step; block 2's file is corrupt:
+    both are sent back and recompute from block 2, and the outputs are still HF's."""
+    eng, final, loading = _loading_scenario(hf_llama, tmp_path, [[5, 6, 7], [9, 9]], corrupt=2)
+    assert loading == {"B0", "B1"}
+    st = eng.stats()
+    assert st["load_failures"] == 1 and st["disk"]["corrupt"] == 1
+    assert st["load_retries"] >= 2
+    assert final["B0"].num_cached_tokens == 2 * BS
+    assert list(final["B0"].cached_tokens_per_tier) == [0, 0, 2 * BS]
+    eng.close()
+
+
+def test_async_load_is_waited_for_before_its_host_slot_is_rewritten(tmp_path):
+    """Mover level: an allocation promotes x host -> device (left running: it reads host slot
+    0) and, to make room for its tail, demotes y device -> host into that same slot. The
+    demotion must wait for the load, or x would be promoted with y's bytes."""
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace
+    from radixkv.storage.host import HostPool
+    from radixkv.storage.layout import KVLayout
+
+    layout = KVLayout(1, 1, 2, BS, "float32")
+    bm = BlockManager.create(3, BS, lower_tier_blocks=[1])
+    tree = bm.tree
+    kv = torch.zeros(layout.cache_shape(3), dtype=torch.float32)
+    host = HostPool(layout, 1)
+    mover = TieredKVMover(kv, layout, host, None, tree, async_loads=True)
+    ns = Namespace("m")
+    for sid, tok, val in (("x", [1, 2, 3, 4], 3.0), ("y", [5, 6, 7, 8], 5.0)):
+        bm.allocate(sid, tok + [9], ns)
+        kv[:, :, bm.block_table(sid)[0]] = val
+        bm.commit(sid, 4)
+        bm.free(sid)
+    mover.apply_moves(tree.evict(0, 1))            # LRU x -> host slot 0 (a sync copy)
+    a = bm.allocate("x2", [1, 2, 3, 4] + [9] * 5, ns)   # 3 blocks: x host -> device, and
+    # y device -> host slot 0 to make room for the tail
+    kinds = [(m.src_tier, m.dst_tier, m.src_slot if m.src_tier else m.dst_slot) for m in a.moves]
+    assert kinds == [(1, 0, 0), (0, 1, 0)], kinds
+    mover.apply_moves(a.moves)
+    assert not mover.inflight_device_blocks()      # the demotion waited for the load
+    assert torch.all(kv[:, :, bm.block_table("x2")[0]] == 3.0)
+    assert torch.all(host.blocks[0] == 5.0)
+    assert mover.stats.async_loads == 1 and mover.take_failed_loads() == []
     mover.close()

@@ -76,10 +76,13 @@ def _conversations(hf, eng, n_conv=3, turns=3, batched_last=True):
     return outs
 
 
-@pytest.mark.parametrize("tiers", ["host+disk", "disk"])
-def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, tiers):
+@pytest.mark.parametrize("tiers,async_loads", [("host+disk", True), ("disk", True),
+                                               ("host+disk", False)])
+def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, tiers,
+                                                           async_loads):
     host = 6 if tiers == "host+disk" else 0
-    eng = make_engine(hf_llama, tmp_path, device=16, host=host, disk=64)
+    eng = make_engine(hf_llama, tmp_path, device=16, host=host, disk=64,
+                      async_loads=async_loads)
     assert eng.tier_names == ["device", *(["host"] if host else []), "disk"]
     outs = _conversations(hf_llama, eng)
     st = eng.stats()
@@ -93,6 +96,8 @@ def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, t
     assert st["load_failures"] == st["write_failures"] == 0
     assert st["tiers"] == eng.tier_names and st["tier_capacity_blocks"][0] == 16
     assert st["cached_blocks_per_tier"][disk_t] == st["disk"]["files"]
+    # promotions ran behind the step (async) or inside the scheduler (sync)
+    assert (st["async_load_batches"] > 0) == async_loads
     eng.close()
 
 
