@@ -112,6 +112,7 @@ class DiskStore:
         self.on_corrupt, self.scan_threads, self.stale_tmp_s = on_corrupt, scan_threads, stale_tmp_s
         self.root = Path(root)
         self.dir = self.root / namespace.hex()
+        self._dir_s = f"{self.dir}{os.sep}"  # the hot paths build str paths: pathlib costs ~10 us
         self._header_len = header_len_for(layout.block_size)
         self._file_len = self._header_len + layout.bytes_per_block
         self._lock = threading.Lock()
@@ -131,8 +132,28 @@ class DiskStore:
     # ---- paths -----------------------------------------------------------------------------
     def path_of(self, block_hash: bytes) -> Path:
         """File path of a block (exists only if the block is on disk)."""
-        h = block_hash.hex()
-        return self.dir / h[:2] / (h + SUFFIX)
+        return Path(self._path_str(block_hash.hex()))
+
+    def _path_str(self, h: str) -> str:
+        return f"{self._dir_s}{h[:2]}{os.sep}{h}{SUFFIX}"
+
+    def _payload_view(self, block: torch.Tensor | memoryview, what: str) -> memoryview:
+        """Flat byte view of one block: a tensor ``[L, 2, block_size, h, d]`` of the layout
+        dtype (any device: copied to the CPU when needed), or a bytes-like object of exactly
+        ``bytes_per_block`` bytes (the transfer engine passes slices of a pool's byte view, so
+        no per-block tensor->bytes conversion is made)."""
+        if isinstance(block, torch.Tensor):
+            check_blocks(block, self.layout, None, what)
+            if block.device.type != "cpu" or not block.is_contiguous():
+                block = block.detach().to("cpu").contiguous()
+            return byte_view(block)
+        view = memoryview(block)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if view.nbytes != self.layout.bytes_per_block or not view.c_contiguous:
+            raise InvalidBlockError(f"{what}: expected {self.layout.bytes_per_block} contiguous "
+                                    f"bytes, got {view.nbytes}")
+        return view
 
     def _check_hash(self, block_hash: bytes, what: str = "block_hash") -> None:
         if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
@@ -140,8 +161,9 @@ class DiskStore:
 
     # ---- write -----------------------------------------------------------------------------
     def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Iterable[int],
-            block: torch.Tensor) -> bool:
-        """Store one block ``[L, 2, block_size, h, d]`` (layout dtype, any device) atomically.
+            block: torch.Tensor | memoryview) -> bool:
+        """Store one block ``[L, 2, block_size, h, d]`` (layout dtype, any device; or its
+        ``bytes_per_block`` raw bytes as a bytes-like object) atomically.
 
         Returns True once the file is in place (or already was), False when the write failed
         (disk full, I/O error): the failure is counted and warned about, nothing is left visible.
@@ -153,35 +175,38 @@ class DiskStore:
         tokens = tuple(int(t) for t in token_ids)
         if header_len_for(len(tokens)) > MAX_HEADER_LEN:
             raise InvalidBlockError(f"{len(tokens)} token ids do not fit in a block header")
-        check_blocks(block, self.layout, None, "DiskStore.put")
-        path = self.path_of(block_hash)
-        if self.contains(block_hash) and path.exists():  # content-addressed: same hash, same bytes
+        payload = self._payload_view(block, "DiskStore.put")
+        h = block_hash.hex()
+        path = self._path_str(h)
+        if self.contains(block_hash) and os.path.exists(path):  # content-addressed: same bytes
             with self._lock:
                 self._stats.put_existing += 1
                 self._remember(DiskEntry(block_hash, parent_hash, tokens, self._file_len))
             return True
-        payload = byte_view(block.detach().to("cpu").contiguous())
         header = encode_header(self.namespace, block_hash, parent_hash, tokens, self.layout,
                                xxhash.xxh3_64_intdigest(payload))
-        tmp = path.with_name(f".{path.stem}.{self._host}-{os.getpid()}-{next(self._seq)}.tmp")
+        tmp = f"{self._dir_s}{h[:2]}{os.sep}.{h}.{self._host}-{os.getpid()}-{next(self._seq)}.tmp"
         try:
             self._write_file(tmp, path, header, payload)
         except OSError as e:
             self._drop_tmp(tmp)
             self._fail("put", e)
             return False
+        nbytes = len(header) + payload.nbytes
         with self._lock:
             self._stats.puts += 1
-            self._stats.bytes_written += len(header) + len(payload)
-            self._remember(DiskEntry(block_hash, parent_hash, tokens, len(header) + len(payload)))
+            self._stats.bytes_written += nbytes
+            self._remember(DiskEntry(block_hash, parent_hash, tokens, nbytes))
         return True
 
-    def _write_file(self, tmp: Path, path: Path, header: bytes, payload: memoryview) -> None:
+    def _write_file(self, tmp: str, path: str, header: bytes, payload: memoryview) -> None:
+        """Write ``header || payload`` to ``tmp``, sync it as ``fsync`` asks, rename it to
+        ``path``. The fan-out subdirectory is created on the first ENOENT only."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:  # first block of this fan-out subdirectory
-            tmp.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
         try:
             for buf in (memoryview(header), payload):
@@ -193,15 +218,15 @@ class DiskStore:
             os.close(fd)
         os.replace(tmp, path)
         if self.fsync == "all":
-            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
 
-    def _drop_tmp(self, tmp: Path) -> None:
+    def _drop_tmp(self, tmp: str) -> None:
         try:
-            tmp.unlink()
+            os.unlink(tmp)
         except FileNotFoundError:
             pass
         except OSError as e:  # left as a hidden .tmp; the next scan removes it
@@ -242,26 +267,33 @@ class DiskStore:
         out = torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout.dtype))
         return out if self.read_into(block_hash, out) else None
 
-    def read_into(self, block_hash: bytes, out: torch.Tensor) -> bool:
+    def read_into(self, block_hash: bytes, out: torch.Tensor | memoryview) -> bool:
         """Read one block into ``out`` (contiguous CPU ``[L, 2, block_size, h, d]``, e.g. a host
-        slot). True when ``out`` now holds the verified block; on False ``out`` may hold
-        garbage and must not be used. One ``preadv`` syscall for header + payload."""
+        slot, or a writable bytes-like object of ``bytes_per_block`` bytes). True when ``out``
+        now holds the verified block (header and payload checksums checked); on False ``out``
+        may hold garbage and must not be used. One ``preadv`` syscall for header + payload."""
         self._check_hash(block_hash)
-        check_blocks(out, self.layout, None, "DiskStore.read_into(out=)")
-        dst = byte_view(out)
-        path = self.path_of(block_hash)
-        with self._lock:
-            self._stats.gets += 1
+        if isinstance(out, torch.Tensor):
+            check_blocks(out, self.layout, None, "DiskStore.read_into(out=)")
+            dst = byte_view(out)
+        else:
+            dst = self._payload_view(out, "DiskStore.read_into(out=)")
+            if dst.readonly:
+                raise InvalidBlockError("DiskStore.read_into(out=) needs a writable buffer")
+        path = self._path_str(block_hash.hex())
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             with self._lock:
+                self._stats.gets += 1
                 self._stats.misses += 1
                 self._forget(block_hash)
             return False
         except OSError as e:
+            self._count_get()
             self._fail("get", e)
             return False
+        st = None
         try:
             st = os.fstat(fd)
             head = bytearray(self._header_len)
@@ -274,22 +306,30 @@ class DiskStore:
                 got = hdr.header_len + _read_rest(fd, dst, 0, hdr.header_len)
             if got != st.st_size:
                 raise BadBlockFile("corrupt", f"read {got} of {st.st_size} bytes")
-            if xxhash.xxh3_64_intdigest(dst) != hdr.payload_checksum:
+            if xxhash.xxh3_64_intdigest(dst) != hdr.payload_checksum:  # dst is cache-hot here
                 raise BadBlockFile("corrupt", "payload checksum mismatch")
         except BadBlockFile as bad:
-            self._bad_file(path, bad, st)
+            self._count_get()
+            self._bad_file(Path(path), bad, st)
             return False
         except OSError as e:
+            self._count_get()
             self._fail("get", e)
             return False
         finally:
             os.close(fd)
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.bytes_read += st.st_size
+        with self._lock:  # one lock round trip per successful read
+            s = self._stats
+            s.gets += 1
+            s.hits += 1
+            s.bytes_read += st.st_size
             if block_hash not in self._index:
                 self._remember(DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size))
         return True
+
+    def _count_get(self) -> None:
+        with self._lock:
+            self._stats.gets += 1
 
     def _decode(self, fd: int, head: bytes | bytearray) -> BlockHeader:
         """Decode a header; a file whose header is longer than ours (another block size) is

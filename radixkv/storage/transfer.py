@@ -41,7 +41,7 @@ from typing import Union
 import torch
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
-from radixkv.storage.buffers import torch_dtype
+from radixkv.storage.buffers import byte_view, torch_dtype
 from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
@@ -149,6 +149,13 @@ class TransferStats:
 _STOP = object()
 
 
+def _block_bytes(staged: torch.Tensor) -> list[memoryview]:
+    """Per-block byte views of a contiguous CPU staging tensor ``[n, L, 2, bs, h, d]``."""
+    view = byte_view(staged)
+    n = view.nbytes // staged.shape[0] if staged.shape[0] else 0
+    return [view[i * n:(i + 1) * n] for i in range(staged.shape[0])]
+
+
 def _as_range(ids: list) -> slice | None:
     """``slice(a, b)`` when ids are ``a, a+1, ..., b-1`` (a view instead of a gather)."""
     if ids and all(b == a + 1 for a, b in zip(ids, ids[1:])):
@@ -162,11 +169,14 @@ class TransferEngine:
     Args:
         device, host, disk: the tiers (any may be None if no move uses it).
         queue_depth: batches that may wait for the worker; ``submit`` blocks beyond that.
-        io_threads: threads doing the per-block disk reads/writes of one batch in parallel.
+        io_threads: threads doing the per-block disk reads/writes of one batch in parallel
+            (``None``: 4).
     """
 
     def __init__(self, device: DevicePool | None = None, host: HostPool | None = None,
-                 disk: DiskStore | None = None, queue_depth: int = 8, io_threads: int = 4) -> None:
+                 disk: DiskStore | None = None, queue_depth: int = 8, io_threads: int | None = None) -> None:
+        if io_threads is None:
+            io_threads = 4
         if queue_depth <= 0 or io_threads <= 0:
             raise ConfigError(f"queue_depth and io_threads must be > 0, got {queue_depth}, "
                               f"{io_threads}")
@@ -449,17 +459,17 @@ class TransferEngine:
         elif direction == "host->host":
             host.write_slots(dst, host.read_slots(src))
         elif direction == "host->disk":
-            return self._puts(moves, [host.slot_view(s) for s in src])
+            return self._puts(moves, [host.slot_bytes(s) for s in src])
         elif direction == "device->disk":
             staged = dev.read_blocks(src).to("cpu")
-            return self._puts(moves, list(staged))
+            return self._puts(moves, _block_bytes(staged))
         elif direction == "disk->host":
-            return self._gets(moves, [host.slot_view(s) for s in dst])
+            return self._gets(moves, [host.slot_bytes(s) for s in dst])
         elif direction == "disk->device":
             staged = torch.empty((len(moves), *dev.layout.block_shape),
                                  dtype=torch_dtype(dev.layout.dtype),
                                  pin_memory=self._cuda)
-            res = self._gets(moves, list(staged))
+            res = self._gets(moves, _block_bytes(staged))
             good = [i for i, r in enumerate(res) if r is None]
             if len(good) == len(moves):
                 dev.write_blocks(dst, staged)  # pinned staging: an asynchronous DMA on a GPU
@@ -470,7 +480,7 @@ class TransferEngine:
             raise ConfigError(f"unsupported move direction {direction}")
         return [None] * len(moves)
 
-    def _puts(self, moves: list[Move], blocks: list[torch.Tensor]) -> list[str | None]:
+    def _puts(self, moves: list[Move], blocks: list[memoryview]) -> list[str | None]:
         def one(i: int) -> str | None:
             d = moves[i].dst
             assert isinstance(d, DiskBlock)
@@ -481,7 +491,7 @@ class TransferEngine:
             return None if good else "disk write failed (disk full or I/O error; see log)"
         return self._spread(one, len(moves))
 
-    def _gets(self, moves: list[Move], outs: list[torch.Tensor]) -> list[str | None]:
+    def _gets(self, moves: list[Move], outs: list[memoryview]) -> list[str | None]:
         def one(i: int) -> str | None:
             s = moves[i].src
             assert isinstance(s, DiskBlock)

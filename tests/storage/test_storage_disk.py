@@ -49,6 +49,27 @@ def test_round_trip_every_dtype(tmp_path, dtype):
     assert entry.num_bytes == header_len_for(4) + lay.bytes_per_block == store.bytes_used
 
 
+def test_put_and_read_into_take_raw_bytes_too(store, make_block, layout):
+    """The transfer engine hands the store byte views of pool slots (no tensor per block):
+    same files, same checks, same results as with tensors."""
+    block = make_block(7)
+    raw = bytearray(block.numpy().tobytes())
+    h1, h2 = os.urandom(16), os.urandom(16)
+    assert store.put(h1, None, (1, 2), memoryview(raw)) and store.put(h2, None, (1, 2), block)
+    assert store.path_of(h1).read_bytes()[-len(raw):] == store.path_of(h2).read_bytes()[-len(raw):]
+    out = bytearray(layout.bytes_per_block)
+    assert store.read_into(h1, memoryview(out)) and out == raw
+    assert torch.equal(store.get(h1), block)
+    with pytest.raises(InvalidBlockError):
+        store.put(os.urandom(16), None, (), raw[:-4])
+    with pytest.raises(InvalidBlockError):
+        store.read_into(h1, bytes(layout.bytes_per_block))  # read-only buffer
+    flipped = bytearray(store.path_of(h1).read_bytes())
+    flipped[-1] ^= 0xFF
+    store.path_of(h1).write_bytes(flipped)
+    assert not store.read_into(h1, memoryview(out)) and store.stats().corrupt == 1
+
+
 def test_index_contains_remove_and_bytes_used(store, make_block, layout):
     hashes = [_put(store, make_block, i) for i in range(5)]
     file_len = header_len_for(layout.block_size) + layout.bytes_per_block

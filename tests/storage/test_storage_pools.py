@@ -92,3 +92,34 @@ def test_cuda_pool_round_trip(layout):
     dev.write_blocks([5, 3], blocks)
     host.write_slots([0, 1], dev.read_blocks([5, 3]))
     assert torch.equal(host.read_slots([0, 1]), blocks)
+
+
+def test_cpu_write_blocks_runs_and_scattered_ids_match_the_reference(layout):
+    """The CPU path copies one run of consecutive ids at a time: mixed runs, single ids and
+    a non-contiguous source all land exactly where kv_cache[:, :, id] says."""
+    dev = DevicePool(layout, 12, device="cpu")
+    ids = [3, 4, 5, 0, 9, 10, 7]
+    blocks = torch.randn((len(ids), *layout.block_shape))
+    dev.write_blocks(ids, blocks)
+    for i, b in enumerate(ids):
+        assert torch.equal(dev.kv_cache[:, :, b], blocks[i])
+    untouched = [b for b in range(12) if b not in ids]
+    assert not dev.kv_cache[:, :, untouched].any()
+    strided = torch.randn((2 * len(ids), *layout.block_shape))[::2]  # not contiguous
+    dev.write_blocks(ids, strided)
+    assert torch.equal(dev.read_blocks(ids), strided)
+    out = torch.empty((len(ids), *layout.block_shape))[:, :, :, :2]  # wrong shape: rejected
+    with pytest.raises(InvalidBlockError):
+        dev.read_blocks_into(ids, out)
+
+
+def test_host_slot_bytes_alias_the_pool(layout):
+    host = HostPool(layout, 3)
+    view = host.slot_bytes(1)
+    assert view.nbytes == layout.bytes_per_block and not view.readonly
+    view[:] = bytes(range(256)) * (layout.bytes_per_block // 256)
+    assert torch.equal(host.slot_view(1).reshape(-1).view(torch.uint8)[:256],
+                       torch.arange(256, dtype=torch.uint8))
+    assert not host.slot_view(0).any() and not host.slot_view(2).any()
+    with pytest.raises(ConfigError):
+        host.slot_bytes(3)
