@@ -82,24 +82,47 @@ class DevicePool:
         """Copy blocks ``block_ids`` into ``out [n, L, 2, block_size, h, d]`` (any device, e.g.
         a run of pinned host slots), asynchronously on the current stream when ``out`` is pinned.
 
-        On CUDA: one gather kernel, then one DMA. On the CPU: one strided copy per block straight
-        into ``out`` (measured ~8x faster than gather + copy there: a single pass over memory).
+        On CUDA: one gather kernel, then one DMA. On the CPU: one ``index_select`` over the
+        block axis of a block-major view, written straight into ``out`` (a single pass over
+        memory; per-block copies cost a dispatch each and a temporary + copy costs two passes).
         """
         ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device)
         check_blocks(out, self.layout, len(ids), "DevicePool.read_blocks_into(out=)")
         if self.device.type == "cpu":
-            for i, b in enumerate(ids.tolist()):
-                out[i].copy_(self.kv_cache[:, :, b])
+            if out.device.type == "cpu" and out.is_contiguous():
+                torch.index_select(self._block_major(), 0, ids, out=out)
+            else:
+                for i, b in enumerate(ids.tolist()):
+                    out[i].copy_(self.kv_cache[:, :, b])
         else:
             out.copy_(_gather(self.kv_cache, ids), non_blocking=out.is_pinned())
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write ``blocks [n, L, 2, block_size, h, d]`` (any device) into block ids ``block_ids``
-        (distinct). Validates everything before writing anything."""
+        (distinct). Validates everything before writing anything.
+
+        On the CPU: one strided copy per run of consecutive block ids, straight from ``blocks``
+        (measured faster there than ``index_copy_``, which moves one element at a time)."""
         ids = index_tensor(block_ids, self.num_blocks, "device block ids", self.device,
                            unique=True)
         check_blocks(blocks, self.layout, len(ids), "DevicePool.write_blocks")
-        _scatter(self.kv_cache, ids, blocks.to(self.device, non_blocking=True))
+        if self.device.type == "cpu":
+            blocks = blocks.to("cpu")
+            dst = self._block_major()
+            id_list = ids.tolist()
+            i = 0
+            while i < len(id_list):
+                j = i + 1
+                while j < len(id_list) and id_list[j] == id_list[j - 1] + 1:
+                    j += 1
+                dst[id_list[i]:id_list[i] + j - i].copy_(blocks[i:j])
+                i = j
+        else:
+            _scatter(self.kv_cache, ids, blocks.to(self.device, non_blocking=True))
+
+    def _block_major(self) -> torch.Tensor:
+        """``kv_cache`` viewed as ``[num_blocks, L, 2, block_size, h, d]`` (a view, no copy)."""
+        return self.kv_cache.permute(2, 0, 1, 3, 4, 5)
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Device-to-device copy of blocks ``src_ids`` into ``dst_ids`` (copy-on-write, tests)."""
