@@ -59,6 +59,12 @@ class CacheConfig:
         policy: eviction policy name (``lru``, ``lfu``, ``priority``, ``ttl``).
         enable_prefix_caching: False makes every request its own namespace, so nothing is ever
             reused across requests (the "no cache" baseline; forks still share within a request).
+        write_through: lower tiers (``"host"``, ``"disk"``) that get a copy of every block as
+            soon as it is computed, instead of only when it is evicted (write-back, the
+            default ``()``). A copy makes the block's later demotion free and, on disk, makes
+            it survive a crash without ``persist()``; it costs the copy traffic and capacity
+            (copies compete with other blocks for the tier). Best effort: a copy that finds
+            no room, or whose write fails, is skipped.
     """
 
     block_size: int = 16
@@ -71,6 +77,7 @@ class CacheConfig:
     disk_memory: str | None = None
     policy: str = "lru"
     enable_prefix_caching: bool = True
+    write_through: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -88,6 +95,18 @@ class CacheConfig:
             raise ConfigError("a disk tier needs CacheConfig.disk_dir")
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"CacheConfig.policy must be a policy name, got {self.policy!r}")
+        wt = self.write_through
+        if isinstance(wt, str) or not isinstance(wt, (tuple, list)) or \
+                any(t not in ("host", "disk") for t in wt) or len(set(wt)) != len(wt):
+            raise ConfigError("CacheConfig.write_through must be a tuple of distinct tier names "
+                              f"from ('host', 'disk'), got {wt!r}")
+        object.__setattr__(self, "write_through", tuple(wt))
+        has = {"host": bool(self.host_blocks or self.host_memory),
+               "disk": bool(self.disk_blocks or self.disk_memory)}
+        missing = [t for t in self.write_through if not has[t]]
+        if missing:
+            raise ConfigError(f"CacheConfig.write_through names tier(s) {missing} that are not "
+                              "configured (set host_blocks/host_memory, disk_dir + disk_blocks)")
 
     def resolve_blocks(self, bytes_per_block: int) -> tuple[int, int, int]:
         """(device, host, disk) capacities in blocks for a model whose block takes

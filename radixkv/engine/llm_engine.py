@@ -96,7 +96,10 @@ class LLMEngine:
         self.layout = layout
         self.tier_names = ["device"] + (["host"] if n_host else []) + (["disk"] if n_disk else [])
         self.tier_capacity_blocks = [n_dev, *lower]
-        self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower)
+        wt = [self.tier_names.index(t) for t in cache_config.write_through
+              if t in self.tier_names]
+        self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower,
+                                       write_through=wt)
         self._runner = ModelRunner.for_model(model, n_dev, bs)
         self.restore_report: dict[str, Any] | None = None
         if kv_mover is None and lower:
@@ -317,6 +320,9 @@ class LLMEngine:
             if c.wants_logits:
                 rows[c.seq.seq_id] = len(rows)
                 reqs[c.request.request_id] = c.request
+        copies = self._bm.take_moves()   # write-through copies of the blocks just committed
+        if copies:
+            run_kv_ops(self.kv_mover, copies)
         if not rows:
             return []
         argmax = logits.argmax(dim=-1).tolist()       # greedy: ties -> lowest id

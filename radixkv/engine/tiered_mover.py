@@ -40,8 +40,11 @@ host/device -> disk    ``DiskStore.put`` with the node's parent hash and token i
                        process can rebuild the tree); skipped if the tree no longer caches the
                        block (it was dropped later in the same list)
 host/disk -> device    copy into the device block (a promotion); a disk file is removed once
-                       loaded (write-back: a block lives in one tier, so the disk holds exactly
-                       the disk tier's blocks)
+                       loaded (write-back: the disk holds exactly the disk tier's blocks),
+                       unless the move keeps its source (``keep_src``: a write-through tier
+                       keeps the block's copy, so its later demotion moves no bytes)
+copy (``keep_src``)    the same copies for write-through: device -> host / disk right after a
+                       block is committed; the source stays where it is
 drop (dst None)        disk: remove the file (a dropped block is never served, not even after
                        a restart); device/host: nothing to do
 =====================  =====================================================================
@@ -54,7 +57,8 @@ Faults (the disk is the only tier that fails at run time):
   allocation, before any other sequence can lock the node). The file is removed too.
 * a **write** that fails (ENOSPC, EIO): when it is drained, if the tree still places the
   block on disk, the node (and its subtree, all on disk and unreferenced) is invalidated, so the
-  bookkeeping never claims a block the disk does not hold; counted, warned by the store.
+  bookkeeping never claims a block the disk does not hold; counted, warned by the store. If the
+  write was a write-through copy (the node lives in a faster tier), only the copy is dropped.
 
 Device <-> device copies (copy-on-write of a shared tail) run on the cache tensor as in
 :class:`~radixkv.engine.kv_mover.DeviceOnlyMover`.
@@ -141,6 +145,7 @@ class MoverStats:
     prefetch_hits: int = 0       # prefetched blocks later promoted host -> device
     prefetch_failures: int = 0   # prefetch loads that failed (block dropped, recomputed)
     async_loads: int = 0         # promotion batches left running past apply_moves
+    dropped_copies: int = 0      # write-through copies dropped because their write failed
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -199,8 +204,13 @@ class TieredKVMover:
         i = 0
         while i < len(moves):
             key = (moves[i].src_tier, moves[i].dst_tier)
+            writes = {moves[i].dst_slot}
             j = i + 1
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == key:
+                dst = moves[j].dst_slot   # a slot written twice in the run (freed by a move
+                if dst is not None and dst in writes:   # that emits no op): a new group
+                    break
+                writes.add(dst)
                 j += 1
             self._wait_conflicts(moves[i:j])
             self._run_group(moves[i:j], failed_writes)
@@ -291,8 +301,19 @@ class TieredKVMover:
         if not self._pending:
             return
         m0 = group[0]
-        if m0.src_tier == self.disk_tier or any(p.kind == "prefetch" for p in self._pending):
+        if any(p.kind == "prefetch" for p in self._pending):
             self.drain()
+            return
+        if m0.src_tier == self.disk_tier:
+            # reading or removing files: their writes must have landed; promotions reading
+            # other files go on, one reading a file about to be removed is waited for
+            if any(p.kind == "write" for p in self._pending):
+                self.drain(loads=False)
+            if m0.dst_tier is None:
+                hashes = {m.block_hash for m in group}
+                if any(m.block_hash in hashes for p in self._pending if p.kind == "load"
+                       for m in p.ops):
+                    self.wait_loads()
             return
         if m0.dst_tier is None or not any(p.kind == "load" for p in self._pending):
             return
@@ -454,7 +475,7 @@ class TieredKVMover:
         for m, ok, err in zip(ops, result.ok, result.errors):
             if ok:
                 ok_n += 1
-                if src_kind == "disk":  # promoted: the disk tier no longer holds it
+                if src_kind == "disk" and not m.keep_src:  # promoted: the disk no longer holds it
                     self.stats.files_removed += self.disk.remove(m.block_hash)
                     if dst_kind == "host":
                         self._prefetched.add(m.block_hash)
@@ -506,8 +527,15 @@ class TieredKVMover:
         tree = self.tree
         for m in failed:
             node = tree.get(m.block_hash)
-            if node is None or node.tier != m.dst_tier or node.slot != m.dst_slot:
-                continue  # promoted (its load failed too, handled there) or dropped since
+            if node is None:
+                continue
+            if node.tier != m.dst_tier or node.slot != m.dst_slot:
+                # a write-through copy: drop just the copy (the node lives on faster up);
+                # otherwise promoted (its load failed too, handled there) or dropped since
+                if tree.copy_slot(node, m.dst_tier) == m.dst_slot:
+                    tree.drop_copy(node, m.dst_tier)
+                    self.stats.dropped_copies += 1
+                continue
             drops = tree.invalidate(node)
             self.stats.invalidated_blocks += len(drops)
             for d in drops:  # descendants on disk: remove their files

@@ -142,11 +142,19 @@ def tier_stats(engine: LLMEngine) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tiers": list(engine.tier_names),
         "tier_capacity_blocks": list(engine.tier_capacity_blocks),
+        "write_through": list(engine.cache_config.write_through),
         "load_failures": c.load_failures,
         "load_retries": c.load_retries,
         "loading_request_steps": c.loading_steps,
         "load_waits": c.load_waits,
     }
+    tree = engine.tree
+    if tree.write_through:
+        ts = tree.stats
+        out.update(copies_per_tier=[tree.num_copies(t) if t else 0
+                                    for t in range(tree.num_tiers)],
+                   copies_made=ts.copies_made, copies_skipped=ts.copies_skipped,
+                   copies_dropped=ts.copies_dropped, free_demotions=ts.free_demotions)
     ms = getattr(engine.kv_mover, "stats", None)
     if ms is not None and hasattr(ms, "as_dict"):
         m = ms.as_dict()
@@ -157,6 +165,7 @@ def tier_stats(engine: LLMEngine) -> dict[str, Any]:
                    skipped_writes=m["skipped_writes"],
                    async_batches=m["async_batches"],
                    async_load_batches=m["async_loads"],
+                   failed_copy_writes=m["dropped_copies"],
                    prefetched_blocks=m["prefetched_blocks"],
                    prefetch_hits=m["prefetch_hits"],
                    prefetch_failures=m["prefetch_failures"])

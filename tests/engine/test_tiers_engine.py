@@ -126,6 +126,68 @@ def test_restart_second_process_gets_disk_hits_with_identical_kv(tmp_path):
     assert second["load_failures"] == 0
 
 
+def test_write_through_to_disk_survives_a_process_exit_without_persist(tmp_path):
+    """With write_through=("disk",) every computed block is copied to disk as soon as it is
+    committed: a process that serves the conversation and dies (os._exit, no persist(), no
+    close()) leaves the prefix on disk, and a fresh interpreter loads it bit-identically."""
+    kv_dir = tmp_path / "kv"
+    res = {}
+    for mode in ("wt-exit", "read"):
+        out = tmp_path / f"{mode}.pt"
+        child = subprocess.run([sys.executable, str(CHILD), mode, str(kv_dir), str(out)],
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0, child.stderr[-3000:]
+        res[mode] = torch.load(out)
+    first, second = res["wt-exit"], res["read"]
+    n_blocks = (tiers_child.PROMPT_LEN - 1) // tiers_child.BLOCK
+    assert first["num_cached"] == 0 and first["disk_files"] >= n_blocks
+    assert second["restored"] == first["disk_files"]
+    assert second["per_tier"] == [0, 0, n_blocks * tiers_child.BLOCK]
+    assert second["tokens"] == first["tokens"]
+    assert torch.equal(second["kv"], first["kv"])
+
+
+@pytest.mark.parametrize("wt", [("host",), ("host", "disk")])
+def test_write_through_matches_hf_with_free_demotions(hf_llama, tmp_path, wt):
+    eng = make_engine(hf_llama, tmp_path, device=16, host=6, disk=64, write_through=wt)
+    outs = _conversations(hf_llama, eng)
+    st = eng.stats()
+    assert st["write_through"] == list(wt)
+    assert st["copies_made"] > 0 and st["free_demotions"] > 0
+    assert st["bytes_moved"]["device->host"] > 0
+    if "disk" in wt:
+        assert st["bytes_moved"]["device->disk"] > 0    # copies written straight from the device
+    assert st["load_failures"] == st["write_failures"] == 0
+    assert sum(o.num_cached_tokens for o in outs.values()) == st["cached_prompt_tokens"] > 0
+    assert all(st["cached_prompt_tokens_per_tier"][t] > 0 for t in (1, 2)), st
+    eng.close()
+
+
+def test_write_through_copy_whose_write_fails_is_dropped(hf_llama, tmp_path, monkeypatch):
+    eng = make_engine(hf_llama, tmp_path, device=16, host=6, disk=64, write_through=("disk",))
+
+    def enospc(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(eng.kv_mover.disk, "_write_file", enospc)
+    _conversations(hf_llama, eng, n_conv=2, turns=2)    # outputs checked against HF inside
+    st = eng.stats()
+    assert st["failed_copy_writes"] > 0 and st["copies_per_tier"][2] == 0
+    assert st["disk"]["files"] == 0 and st["cached_prompt_tokens_per_tier"][2] == 0
+    eng.close()
+
+
+def test_write_through_config_is_validated():
+    from radixkv.config import CacheConfig
+    from radixkv.errors import ConfigError
+    for bad in ("host", ("gpu",), ("host", "host"), 1):
+        with pytest.raises(ConfigError):
+            CacheConfig(host_blocks=4, write_through=bad)
+    with pytest.raises(ConfigError, match="not configured"):
+        CacheConfig(host_blocks=4, write_through=("disk",))
+    assert CacheConfig(host_blocks=4, write_through=["host"]).write_through == ("host",)
+
+
 @pytest.mark.parametrize("fault", ["flip payload byte", "truncate"])
 def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fault):
     prompt = tiers_child.conversation()

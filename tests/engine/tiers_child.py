@@ -2,6 +2,8 @@
 
     python tiers_child.py write DIR OUT   serve the conversation, save its prompt's KV, persist
     python tiers_child.py read DIR OUT    fresh engine on DIR: serve it again, save what it loaded
+    python tiers_child.py wt-exit DIR OUT  write-through to disk: serve, save, then os._exit(0)
+                                           (no persist(), no close(): a process that dies)
 
 Both write ``OUT`` (``torch.save`` of plain tensors and lists): the output tokens, the cache hit
 figures, and the KV bytes ``[n_blocks, L, 2, block_size, h, d]`` of the prompt's cached blocks
@@ -11,6 +13,7 @@ as they sit in the device pool (process 1: computed; process 2: loaded from disk
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -42,10 +45,10 @@ def conversation() -> list[int]:
     return torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist()
 
 
-def make_engine(disk_dir: str) -> LLMEngine:
+def make_engine(disk_dir: str, write_through: tuple[str, ...] = ()) -> LLMEngine:
     return LLMEngine(_engine_conftest().make_tiny_model("llama"), None,
                      CacheConfig(block_size=BLOCK, num_device_blocks=32, host_blocks=8,
-                                 disk_dir=disk_dir, disk_blocks=64),
+                                 disk_dir=disk_dir, disk_blocks=64, write_through=write_through),
                      EngineConfig(max_num_seqs=4, max_num_batched_tokens=128), model_id="tiny")
 
 
@@ -69,7 +72,7 @@ def prompt_kv(eng: LLMEngine, prompt: list[int]) -> tuple[list[bytes], torch.Ten
 
 def main(argv: list[str]) -> int:
     mode, disk_dir, out = argv
-    eng = make_engine(disk_dir)
+    eng = make_engine(disk_dir, ("disk",) if mode == "wt-exit" else ())
     prompt = conversation()
     res = serve(eng, "conv", prompt)
     hashes, kv = prompt_kv(eng, prompt)
@@ -82,6 +85,8 @@ def main(argv: list[str]) -> int:
                 "restored": (eng.restore_report or {}).get("restored_blocks"),
                 "disk_files": stats["disk"]["files"], "load_failures": stats["load_failures"]},
                out)
+    if mode == "wt-exit":
+        os._exit(0)   # the engine is idle, so its write-through writes have landed
     eng.close()
     return 0
 

@@ -50,7 +50,9 @@ def check_tiers(eng: LLMEngine) -> None:
     assert mover.num_pending == 0, f"{mover.num_pending} disk batches pending while idle"
     if mover.disk is None:
         return
-    on_disk = {h for h, n in eng.tree._index.items() if n.tier == mover.disk_tier}
+    tree, disk_t = eng.tree, mover.disk_tier
+    on_disk = {h for h, n in tree._index.items()      # primaries and write-through copies
+               if n.tier == disk_t or tree.copy_slot(n, disk_t) is not None}
     indexed = {e.block_hash for e in mover.disk.entries()}
     files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
     assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
