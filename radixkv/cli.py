@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hit-rate": ("radixkv.benchmarks.bench_hit_rate", "main"),
     "ttft": ("radixkv.benchmarks.bench_ttft", "main"),
     "throughput": ("radixkv.benchmarks.bench_throughput", "main"),
+    "async-loads": ("radixkv.benchmarks.bench_async_loads", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),

@@ -145,9 +145,10 @@ class EngineConfig:
             ``max_position_embeddings``.
         prefetch_requests: with host and disk tiers, the first this many waiting requests get
             their matched disk-tier blocks loaded disk -> host ahead of scheduling (0: off).
-        async_loads: with host/disk tiers, promotions into the device run while other
+        async_loads: with a disk tier, promotions from disk into the device run while other
             requests compute; the request whose blocks are loading joins the batch once they
-            have landed (False: the scheduler waits for each promotion).
+            have landed (False: the scheduler waits for each promotion). Host -> device
+            promotions (memory copies) are always waited for.
     """
 
     max_num_seqs: int = 32

@@ -20,7 +20,8 @@ Off the critical path (write-behind and prefetch):
   step and when it goes idle, so the writes overlap the forward pass.
 * **Prefetch loads** (disk -> host, from ``RadixTree.promote_lower``) are transfer-engine
   batches left running too; they write host slots, so any later group drains them first.
-* **Promotions into the device** (host/disk -> device), with ``async_loads``, are left running
+* **Promotions into the device** (disk -> device with ``async_loads``, host -> device with
+  ``async_host_loads``) are left running
   too: :meth:`inflight_device_blocks` names the device blocks they write, and the caller (the
   engine's scheduler) keeps every sequence holding one of them out of the forward until
   :meth:`poll_loads` (non-blocking) or :meth:`wait_loads` settles it. A later group that would
@@ -162,16 +163,20 @@ class TieredKVMover:
         tree: the radix tree whose moves this mover executes (read for parent hashes and
             tokens of blocks written to disk; mutated only to invalidate failed writes).
         io_threads: parallel file operations per disk batch.
-        async_loads: leave promotions into the device (host/disk -> device) running past
+        async_loads: leave promotions from disk into the device running past
             ``apply_moves``; the caller must not read or free their device blocks before
             :meth:`poll_loads` / :meth:`wait_loads` settles them (see
             :meth:`inflight_device_blocks`). The engine's scheduler does this; False waits for
             every promotion inside ``apply_moves``.
+        async_host_loads: the same for promotions from the host tier. Off by default: a host
+            -> device copy is a memory copy (a DMA on a GPU) far shorter than a step, and
+            leaving it running costs the request a step of time to first token
+            (docs/benchmarks.md, "Asynchronous promotions").
     """
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: HostPool | None,
                  disk: DiskStore | None, tree: RadixTree, io_threads: int = 4,
-                 async_loads: bool = False) -> None:
+                 async_loads: bool = False, async_host_loads: bool = False) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.host, self.disk, self.tree = host, disk, tree
@@ -185,7 +190,10 @@ class TieredKVMover:
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="radixkv-write")
         self._cow = DeviceOnlyMover(kv_cache)
         self._failed_loads: list[bytes] = []
-        self.async_loads = bool(async_loads)
+        self.async_loads = bool(async_loads or async_host_loads)
+        self._async_src = {"disk"} if async_loads else set()
+        if async_host_loads:
+            self._async_src.add("host")
         self._pending: list[_Pending] = []     # batches left running (write, prefetch, load)
         self._prefetched: set[bytes] = set()   # loaded disk -> host, not yet moved on
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
@@ -405,7 +413,7 @@ class TieredKVMover:
             self._pending.append(_Pending(submitted, ops, direction, "prefetch"))
             self.stats.async_batches += 1
             return
-        if dst_kind == "device" and self.async_loads:
+        if dst_kind == "device" and src_kind in self._async_src:
             # A promotion: the caller keeps its device blocks out of every forward until it
             # is settled (poll_loads/wait_loads); it runs while other requests compute.
             host_src = frozenset(m.src_slot for m in ops) if src_kind == "host" else frozenset()

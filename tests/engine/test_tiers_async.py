@@ -233,7 +233,7 @@ def test_async_load_is_waited_for_before_its_host_slot_is_rewritten(tmp_path):
     tree = bm.tree
     kv = torch.zeros(layout.cache_shape(3), dtype=torch.float32)
     host = HostPool(layout, 1)
-    mover = TieredKVMover(kv, layout, host, None, tree, async_loads=True)
+    mover = TieredKVMover(kv, layout, host, None, tree, async_host_loads=True)
     ns = Namespace("m")
     for sid, tok, val in (("x", [1, 2, 3, 4], 3.0), ("y", [5, 6, 7, 8], 5.0)):
         bm.allocate(sid, tok + [9], ns)
