@@ -1,4 +1,5 @@
-"""Model-based test of BlockManager (with 1, 2 and 3 tiers) and of the KV *content* it implies.
+"""Model-based test of BlockManager (with 1, 2 and 3 tiers, write-back and write-through) and of
+the KV *content* it implies.
 
 Beside the real manager runs a naive model: the live sequences' token lists, and a content map
 ``(tier, slot) -> [payload per token position]`` standing in for the KV bytes of each device
@@ -11,6 +12,11 @@ whose refcount is > 1. After every step it checks that every position of every l
 reads back exactly its own payload through the block table, and that every cached block in
 every tier holds exactly the payload of its prefix: a wrong-block serve, a write into a shared
 block, a reference lost or a move executed in the wrong order all show up as wrong content.
+With write-through tiers every residency of a cached block counts: its primary and each copy
+(``RadixTree.copy_slot``) must hold exactly its payload. The write-through moves of a commit are
+run right after it (``take_moves``), or, in half of the programs, left queued until a
+``take_moves`` rule or the next returned move list, which must start with them (until then their
+destinations are not checked). A copy whose write "failed" is dropped with ``drop_copy``.
 
 Operations that must raise (unknown or freed sequence, existing id, bad tokens, bad commit
 range, OutOfBlocks) are run with a snapshot of the whole state before and after.
@@ -56,16 +62,23 @@ class MSeq:
 
 class ManagerMachine(RuleBasedStateMachine):
     num_tiers = 1
+    write_through: tuple[int, ...] = ()
 
     @initialize(dev=st.integers(3, 10), low=st.tuples(st.integers(1, 4), st.integers(1, 4)),
-                policy=st.sampled_from(["lru", "lfu", "priority", "ttl"]))
-    def setup(self, dev, low, policy) -> None:
-        self.name = f"manager[{self.num_tiers} tiers]"
+                policy=st.sampled_from(["lru", "lfu", "priority", "ttl"]), take=st.booleans(),
+                big=st.booleans())
+    def setup(self, dev, low, policy, take, big) -> None:
+        wt = f", wt={list(self.write_through)}" if self.write_through else ""
+        self.name = f"manager[{self.num_tiers} tiers{wt}]"
         STEPS.program(self.name)
         self.clock = FakeClock()
-        self.caps = [dev, *low[:self.num_tiers - 1]]
+        # slower tiers larger than the device too (the usual shape; copies then survive until
+        # their block is demoted, so demotions onto copies are common)
+        self.caps = [dev, *(x * (3 if big else 1) for x in low[:self.num_tiers - 1])]
         self.bm = BlockManager.create(dev, block_size=B, policy=policy,
-                                      lower_tier_blocks=self.caps[1:], clock=self.clock)
+                                      lower_tier_blocks=self.caps[1:], clock=self.clock,
+                                      write_through=self.write_through)
+        self.take = take      # run write-through moves right after each commit
         self.tree, self.pool = self.bm.tree, self.bm.pool
         self.seqs: dict[int, MSeq] = {}
         self.freed: list[int] = []
@@ -89,7 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for op in moves:
             assert isinstance(op, MoveOp)
             src = (op.src_tier, op.src_slot)
-            if op.src_tier == DEVICE:
+            if op.src_tier == DEVICE and not op.keep_src:
                 assert op.src_slot not in held_before, (
                     f"{op}: evicted device block {op.src_slot} is referenced by a live sequence")
             assert self.content.get(src) == self.hash_content.get(op.block_hash), (
@@ -186,6 +199,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert node is not None and node.tier == DEVICE, f"committed block {i} of {sid} missing"
             assert self.bm.block_table(sid)[i] == node.slot
         assert len(self.bm._seqs[sid].nodes) == s.cached
+        if self.take:
+            self.take_moves()
+
+    def queued(self) -> set[tuple[int, int]]:
+        """Residencies that queued (untaken) write-through moves have not written yet."""
+        return {(op.dst_tier, op.dst_slot) for op in self.tree._pending if op.dst_tier is not None}
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -320,7 +339,10 @@ class ManagerMachine(RuleBasedStateMachine):
         hashes = hash_token_blocks(tokens, B, ns)
         got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in tokens))
         assert_unchanged(before, snapshot_manager(self.bm), "probe")
+        queued = self.queued()
         for i, node in enumerate(got):
+            if (node.tier, node.slot) in queued:
+                continue
             assert self.content.get((node.tier, node.slot)) == self.block_payload(ns, tokens, i), (
                 f"match serves wrong content for block {i} ({node})")
 
@@ -368,6 +390,48 @@ class ManagerMachine(RuleBasedStateMachine):
             self.raises(InvalidTokensError, self.bm.commit, sid, k)
         self.raises(InvalidTokensError, self.bm.commit, sid, 1.0)
 
+    @rule(tier=st.integers(0, 2), k=st.integers(1, 3))
+    def evict(self, tier, k) -> None:
+        """Memory pressure from outside the manager (e.g. the engine freeing room ahead):
+        demotions, free demotions onto copies, copy drops."""
+        STEPS.step(self.name)
+        tier %= self.tree.num_tiers
+        k = min(k, self.tree.num_evictable(tier))
+        self.run_moves(self.tree.evict(tier, k), self.held())
+
+    @precondition(lambda self: self.write_through)
+    @rule()
+    def take_moves(self) -> None:
+        """The engine runs the write-through moves of a step's commits."""
+        STEPS.step(self.name)
+        moves = self.bm.take_moves()
+        assert all(op.keep_src and op.src_tier == DEVICE for op in moves
+                   if op.dst_tier is not None and op.dst_tier > op.src_tier + 1), moves
+        self.run_moves(moves, self.held())
+        assert self.bm.take_moves() == []
+
+    @precondition(lambda self: self.write_through)
+    @rule(data=st.data())
+    def drop_copy(self, data) -> None:
+        """A write-through write failed: the storage layer drops that copy (after the moves)."""
+        STEPS.step(self.name)
+        self.run_moves(self.bm.take_moves(), self.held())
+        copies = sorted((h, u, slot) for h, node in self.tree._index.items()
+                        for u in self.write_through
+                        if (slot := self.tree.copy_slot(node, u)) is not None)
+        if not copies:
+            return
+        h, u, slot = data.draw(st.sampled_from(copies))
+        node = self.tree.get(h)
+        assert self.tree.drop_copy(node, u) == MoveOp(h, u, slot, None, None)
+        assert self.tree.copy_slot(node, u) is None and self.tree.drop_copy(node, u) is None
+        STEPS.event(self.name, "drop_copy")
+
+    def teardown(self) -> None:
+        if hasattr(self, "tree") and self.write_through:
+            for k in ("copies_made", "copies_dropped", "free_demotions", "copies_skipped"):
+                STEPS.event(self.name, k, getattr(self.tree.stats, k))
+
     # ------------------------------------------------------------------ invariants
     @invariant()
     def consistent(self) -> None:
@@ -393,14 +457,31 @@ class ManagerMachine(RuleBasedStateMachine):
             free = pool.is_free(b)
             assert free == (not cached and refs == 0), f"block {b}: free={free} cached={cached} refs={refs}"
         per_tier = [0] * tree.num_tiers
+        queued = self.queued()
         for h, node in tree._index.items():
             per_tier[node.tier] += 1
-            assert self.content.get((node.tier, node.slot)) == self.hash_content[h], (
-                f"cached {node} holds the wrong content")
+            residencies = [(node.tier, node.slot)]
+            for u in range(1, tree.num_tiers):
+                slot = tree.copy_slot(node, u)
+                if slot is not None:
+                    assert u in self.write_through and u > node.tier, (node, u)
+                    residencies.append((u, slot))
+                    per_tier[u] += 1
+            for r in residencies:   # the primary and every copy hold exactly this block
+                if r not in queued:
+                    assert self.content.get(r) == self.hash_content[h], (
+                        f"cached {node}: tier {r[0]} slot {r[1]} holds the wrong content")
         for t, c in enumerate(per_tier):
-            assert c == tree.num_resident(t) <= self.caps[t], f"tier {t}: {c} > {self.caps[t]}"
+            assert c == tree.num_resident(t) + tree.num_copies(t) <= self.caps[t], (
+                f"tier {t}: {c} > {self.caps[t]}")
 
 
 TestManager1Tier = type("Manager1", (ManagerMachine,), {"num_tiers": 1}).TestCase
 TestManager2Tiers = type("Manager2", (ManagerMachine,), {"num_tiers": 2}).TestCase
 TestManager3Tiers = type("Manager3", (ManagerMachine,), {"num_tiers": 3}).TestCase
+TestManager2TiersWT1 = type("Manager2WT1", (ManagerMachine,),
+                            {"num_tiers": 2, "write_through": (1,)}).TestCase
+TestManager3TiersWT12 = type("Manager3WT12", (ManagerMachine,),
+                             {"num_tiers": 3, "write_through": (1, 2)}).TestCase
+TestManager3TiersWT2 = type("Manager3WT2", (ManagerMachine,),
+                            {"num_tiers": 3, "write_through": (2,)}).TestCase
