@@ -445,7 +445,10 @@ class TransferEngine:
         dev, host = self.device, self.host
         src = [_key(m.src)[1] for m in moves]
         dst = [_key(m.dst)[1] for m in moves]
-        if direction == "device->host":
+        if direction in ("device->host", "host->device") and dev.device.type == "cpu" \
+                and host.blocks.device.type == "cpu":
+            self._cpu_copies(direction, src, dst)
+        elif direction == "device->host":
             run = _as_range(dst)
             if run is not None:  # consecutive slots: straight into place (one DMA on a GPU)
                 dev.read_blocks_into(src, host.blocks[run])
@@ -502,13 +505,37 @@ class TransferEngine:
             return None if good else "disk block missing, corrupt or unreadable"
         return self._spread(one, len(moves))
 
+    def _cpu_copies(self, direction: str, src: list[int], dst: list[int]) -> None:
+        """device<->host when the device tier is the CPU: one strided copy per block through
+        NumPy views, spread over the I/O threads (NumPy releases the GIL for the copy).
+
+        Why not one torch op: the scatter side has no single-pass torch op (``index_copy_`` and
+        ``index_put_`` move one element at a time), and per-block torch copies each open an
+        OpenMP parallel region, which collapses when other processes hold the cores. Ids were
+        range-checked by ``prepare``, and a batch never writes one location twice."""
+        kv = self.device.kv_cache.view(torch.uint8).numpy()  # [L, 2, N, bs, h, d * esize]
+        hb = self.host.blocks.view(torch.uint8).numpy()      # [slots, L, 2, bs, h, d * esize]
+        if direction == "device->host":
+            def part(a: int, b: int) -> None:
+                for i in range(a, b):
+                    hb[dst[i]] = kv[:, :, src[i]]
+        else:
+            def part(a: int, b: int) -> None:
+                for i in range(a, b):
+                    kv[:, :, dst[i]] = hb[src[i]]
+        self._chunks(part, len(src))
+
+    def _chunks(self, part: Callable[[int, int], object], n: int) -> list[object]:
+        """``part(a, b)`` over ``min(io_threads, n)`` contiguous chunks of ``range(n)`` on the
+        I/O threads (one hand-off per thread, not per block); results in chunk order."""
+        k = min(self.io_threads, n)
+        if k <= 1:
+            return [part(0, n)]
+        bounds = [n * j // k for j in range(k + 1)]
+        return list(self._io.map(lambda j: part(bounds[j], bounds[j + 1]), range(k)))
+
     def _spread(self, one: Callable[[int], str | None], n: int) -> list[str | None]:
         """Run one(0..n-1) over the I/O threads in ``io_threads`` contiguous chunks (one
         hand-off per thread, not per block; file I/O and xxhash release the GIL)."""
-        k = min(self.io_threads, n)
-        if k <= 1:
-            return [one(i) for i in range(n)]
-        bounds = [n * j // k for j in range(k + 1)]
-        parts = self._io.map(lambda j: [one(i) for i in range(bounds[j], bounds[j + 1])],
-                             range(k))
+        parts = self._chunks(lambda a, b: [one(i) for i in range(a, b)], n)
         return [r for part in parts for r in part]

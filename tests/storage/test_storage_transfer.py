@@ -106,6 +106,7 @@ def test_exception_in_a_copy_fails_the_group_and_the_worker_lives(tiers, monkeyp
     def broken(*a, **k):
         raise RuntimeError("injected DMA failure")
     monkeypatch.setattr(host, "write_slots", broken)
+    monkeypatch.setattr(eng, "_cpu_copies", broken)  # the device<->host path of a CPU device
     monkeypatch.setattr(disk, "put", broken)
     r = _run(eng, [Move(DeviceBlock(0), HostSlot(0)), Move(DeviceBlock(1), HostSlot(2)),
                    Move(HostSlot(5), DiskBlock(os.urandom(16))),
@@ -147,12 +148,12 @@ def test_prepare_validates_and_reserves(tiers):
 def test_poll_complete_and_bounded_queue(tiers):
     dev, host, disk, eng = tiers
     gate = threading.Event()
-    real = dev.read_blocks_into
+    real = eng._copy_group
 
     def slow(*a, **k):  # the worker blocks inside the first batch until the gate opens
         gate.wait(10)
         return real(*a, **k)
-    dev.read_blocks_into = slow
+    eng._copy_group = slow
     batches = [eng.submit(eng.prepare([Move(DeviceBlock(i), HostSlot(i))])) for i in range(3)]
     assert eng.complete(batches[0]) is None and eng.poll() == []
     with pytest.raises(StorageError):  # worker busy with #0, #1 and #2 queued: depth 2 full
@@ -163,7 +164,7 @@ def test_poll_complete_and_bounded_queue(tiers):
     results = eng.drain()
     assert [r.batch_id for r in results] == [batches[1].id, batches[2].id]
     assert eng.complete(batches[1]) is None  # handed out once
-    dev.read_blocks_into = real
+    eng._copy_group = real
 
 
 def test_tiers_must_share_a_layout(tmp_path, layout):
@@ -187,3 +188,25 @@ def test_cuda_stream_round_trip(tmp_path, layout, namespace):
         assert _run(eng, [Move(HostSlot(0), DeviceBlock(5)),
                           Move(DiskBlock(h), DeviceBlock(6))]).all_ok
         assert torch.equal(dev.read_blocks([5, 6]).cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_device_host_copies_scattered_both_ways(tmp_path, dtype):
+    """A CPU device tier copies block by block over the I/O threads (NumPy byte views, any
+    dtype): scattered ids on both sides land exactly, nothing else is touched."""
+    from radixkv.storage.layout import KVLayout
+    lay = KVLayout(2, 2, 8, 4, dtype)
+    dev, host = DevicePool(lay, 16, device="cpu"), HostPool(lay, 16)
+    dev.kv_cache.copy_(torch.randn(dev.kv_cache.shape))
+    with TransferEngine(dev, host, io_threads=3) as eng:
+        ids, slots = [9, 2, 15, 4, 3, 0, 11], [5, 6, 1, 12, 0, 8, 7]
+        assert _run(eng, [Move(DeviceBlock(b), HostSlot(s)) for b, s in zip(ids, slots)]).all_ok
+        assert torch.equal(host.read_slots(slots), dev.read_blocks(ids))
+        assert not host.blocks[[s for s in range(16) if s not in slots]].any()
+        dev2 = DevicePool(lay, 16, device="cpu")
+        with TransferEngine(dev2, host, io_threads=2) as eng2:
+            back = [14, 1, 7, 8, 10, 3, 2]
+            assert _run(eng2, [Move(HostSlot(s), DeviceBlock(b))
+                               for s, b in zip(slots, back)]).all_ok
+        assert torch.equal(dev2.read_blocks(back), dev.read_blocks(ids))
+        assert not dev2.kv_cache[:, :, [b for b in range(16) if b not in back]].any()
