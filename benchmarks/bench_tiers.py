@@ -111,7 +111,8 @@ def _nothing() -> None:
     return None
 
 
-def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
+def bench_host_disk(root: Path, n: int, repeat: int, threads: int | None = None
+                    ) -> list[dict[str, Any]]:
     """host->disk (fsync none / data) and disk->host (warm / cold), store vs raw files/slab."""
     lay = SMOLLM2
     host = HostPool(lay, n)
@@ -127,7 +128,7 @@ def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
 
     for fsync in (False, "data"):
         store = DiskStore(root / "store", lay, lay.fingerprint("bench"), fsync=fsync, scan=False)
-        eng = TransferEngine(host=host, disk=store, io_threads=4)
+        eng = TransferEngine(host=host, disk=store, io_threads=threads)
 
         def clear() -> None:  # untimed: every timed write creates fresh files
             for h in hashes:
@@ -147,7 +148,7 @@ def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
                     os.fdatasync(fd)
                 os.close(fd)
 
-        def raw_files_write_mt() -> None:  # same parallelism as the engine's io_threads
+        def raw_files_write_mt() -> None:  # 4 threads, whatever the engine's io_threads
             list(pool.map(lambda i: _raw_write(raw_files[i], host.blocks[i], fsync), range(n)))
 
         def raw_slab_write() -> None:
@@ -170,7 +171,7 @@ def bench_host_disk(root: Path, n: int, repeat: int) -> list[dict[str, Any]]:
     raw_files_write()
     raw_slab_write()
     dst = HostPool(lay, n)
-    eng = TransferEngine(host=dst, disk=store, io_threads=4)
+    eng = TransferEngine(host=dst, disk=store, io_threads=threads)
 
     def engine_read() -> None:
         _run_batch(eng, [Move(DiskBlock(hashes[i]), HostSlot(i)) for i in range(n)])
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="blocks per bandwidth batch (720 KiB each)")
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the engine's io_threads for host<->disk (default: the engine's "
+                         "default); the raw baseline always runs 1 and 4 threads")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--parts", default="bandwidth,rebuild,hit-rate",
                     help="comma-separated subset of bandwidth, rebuild, hit-rate")
@@ -364,13 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
     header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks,
-                        rebuild_blocks=args.rebuild_blocks, block_bytes=SMOLLM2.bytes_per_block,
+                        rebuild_blocks=args.rebuild_blocks, io_threads=args.threads, block_bytes=SMOLLM2.bytes_per_block,
                         dir=str(root), parts=sorted(parts))
     print("radixkv bench tiers", header)
     results: dict[str, Any] = {}
     try:
         if "bandwidth" in parts:
-            bw = bench_host_disk(root, args.blocks, args.repeat)
+            bw = bench_host_disk(root, args.blocks, args.repeat, args.threads)
             bw += bench_device_host(args.blocks, args.repeat)
             print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "cpu ms", "vs raw"],
                         title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
