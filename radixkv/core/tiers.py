@@ -21,8 +21,9 @@ immutable, so a copy stays valid for as long as the node is cached. Copies are m
 A copy sits in its tier's evictable ``SortedList`` under the node's own policy key (so copies
 and primaries compete for the tier by the same order) and is *always* evictable: evicting it is
 a drop op ``MoveOp(h, u, copy_slot, None, None)``. When the node's key changes (lock, release,
-hints, a prefetch's touch) its copy entries are re-filed around the change; a node without
-copies pays nothing, and a write-back tree (``write_through=()``) never looks. Demoting a primary
+hints, a prefetch's touch) its copy entries are re-filed around the change (a write-through
+tree's ``lock``/``release`` are the ``_refiling`` variants, bound at construction); a node
+without copies pays two dict lookups, and a write-back tree (``write_through=()``) nothing. Demoting a primary
 from t onto its copy in t+1 turns the copy into the primary and moves no bytes
 (``stats.free_demotions``). ``invalidate`` drops copies with their node; ``drop_copy`` drops one
 copy (a write-through write that failed).
@@ -76,6 +77,8 @@ class TierOps:
         def _set_tier(self, node: Node, tier: int, slot: int) -> None: ...
         def _add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
         def _drop(self, node: Node) -> None: ...
+        def lock(self, node: Node, now: float | None = None) -> None: ...
+        def release(self, node: Node, now: float | None = None) -> None: ...
 
     # ------------------------------------------------------------------ copies: queries
     def copy_slot(self, node: Node, tier: int) -> int | None:
@@ -124,6 +127,24 @@ class TierOps:
         entry = self._entry(node)
         for u in tiers:
             self._evictable[u].add(entry)
+
+    def _lock_refiling(self, node: Node, now: float | None = None) -> None:
+        """``lock`` of a write-through tree: re-files the node's copies around the change."""
+        copies = self._unfile_copies(node)
+        type(self).lock(self, node, now)
+        if copies:
+            self._file_copies(node, copies)
+
+    def _release_refiling(self, node: Node, now: float | None = None) -> None:
+        """``release`` of a write-through tree: the key changes only when the last reference
+        goes, so only then are the node's copies re-filed."""
+        if self._refs[node.slot] != 1:
+            type(self).release(self, node, now)
+            return
+        copies = self._unfile_copies(node)
+        type(self).release(self, node, now)
+        if copies:
+            self._file_copies(node, copies)
 
     def _drop_popped_copy(self, node: Node, tier: int, moves: list[MoveOp]) -> None:
         """Free ``node``'s copy in ``tier`` (its entry already out of the set); emit the drop."""

@@ -104,6 +104,12 @@ class RadixTree(TierOps):
         self._wt = self.write_through               # falsy: write-back, no copy bookkeeping
         self._copy_slots: list[dict[bytes, int]] = [{} for _ in self._pools]  # tier: hash -> slot
         self._pending: list[MoveOp] = []            # write-through moves of inserts, not taken yet
+        if self._wt:
+            # Copies are filed under their node's policy key, which lock/release change: use
+            # the variants that re-file them (tiers.py). Write-back trees keep the plain
+            # methods, so the per-block hot path pays nothing for the option.
+            self.lock = self._lock_refiling         # type: ignore[method-assign]
+            self.release = self._release_refiling   # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -285,15 +291,12 @@ class RadixTree(TierOps):
         """Take one reference on a device node (a sequence now uses it). O(log n)."""
         assert node.tier == DEVICE, f"lock() of a node in tier {node.tier}: promote it first"
         self._discard(node)
-        copies = self._unfile_copies(node) if self._wt else None
         refs = self._refs
         if refs[node.slot] == 0:
             self._unreferenced -= 1
         refs[node.slot] += 1
         node.last_access = self.clock() if now is None else now
         node.hits += 1
-        if copies:
-            self._file_copies(node, copies)
 
     def release(self, node: Node, now: float | None = None) -> None:
         """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n).
@@ -305,11 +308,8 @@ class RadixTree(TierOps):
         refs[node.slot] -= 1
         if refs[node.slot] == 0:
             self._unreferenced += 1
-            copies = self._unfile_copies(node) if self._wt else None
             node.last_access = self.clock() if now is None else now
             self._consider(node)
-            if copies:
-                self._file_copies(node, copies)
 
     def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
         """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
