@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
     header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks,
-                        rebuild_blocks=args.rebuild_blocks, io_threads=args.threads, block_bytes=SMOLLM2.bytes_per_block,
+                        rebuild_blocks=args.rebuild_blocks, io_threads=args.threads,
+                        block_bytes=SMOLLM2.bytes_per_block,
                         dir=str(root), parts=sorted(parts))
     print("radixkv bench tiers", header)
     results: dict[str, Any] = {}

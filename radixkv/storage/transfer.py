@@ -174,7 +174,8 @@ class TransferEngine:
     """
 
     def __init__(self, device: DevicePool | None = None, host: HostPool | None = None,
-                 disk: DiskStore | None = None, queue_depth: int = 8, io_threads: int | None = None) -> None:
+                 disk: DiskStore | None = None, queue_depth: int = 8,
+                 io_threads: int | None = None) -> None:
         if io_threads is None:
             io_threads = 4
         if queue_depth <= 0 or io_threads <= 0:
