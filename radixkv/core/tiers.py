@@ -94,6 +94,7 @@ class TierOps:
 
     def drop_copy(self, node: Node, tier: int) -> MoveOp | None:
         """Drop ``node``'s copy in ``tier`` (e.g. its write-through write failed): free the slot.
+        Call it after the moves that were returned or queued before it have run.
 
         Returns the drop op ``MoveOp(h, tier, slot, None, None)``, or None (changing nothing) if
         the node has no copy there (never made, evicted since, or become the primary).

@@ -255,8 +255,9 @@ class RadixTree(TierOps):
         The caller keeps its references; the block becomes evictable once they drop to 0.
         With write-through, the block is also copied into each write-through tier (making room
         there by eviction; skipped if none can be made): those MoveOps are queued for
-        ``take_moves``. Raises InvalidBlockError (changing nothing) if the hash is already cached, the block is
-        already cached, or the parent is not on the device. Runtime complexity: O(log n).
+        ``take_moves``. Raises InvalidBlockError (changing nothing) if the hash is already
+        cached, the block is already cached, or the parent is not on the device.
+        Runtime complexity: O(log n) (+ O(tiers * log n) per write-through tier).
         """
         if block_hash in self._index:
             raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
