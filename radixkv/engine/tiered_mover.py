@@ -70,86 +70,21 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, MoveOp, RadixTree
 from radixkv.engine.kv_mover import DeviceOnlyMover
+from radixkv.engine.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
 from radixkv.errors import ConfigError, StorageError
-from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import (
-    Batch, DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine,
-)
+from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
 
 log = logging.getLogger(__name__)
-
-
-class _Outcome(NamedTuple):
-    """Per-move outcome of a batch of staged file writes (like ``BatchResult``)."""
-
-    ok: tuple[bool, ...]
-    errors: tuple[str | None, ...]
-
-
-@dataclass
-class _Pending:
-    """A batch left running past ``apply_moves``: ``kind`` is ``"write"`` (staged file writes:
-    ``batch`` is their futures), ``"prefetch"`` (disk -> host) or ``"load"`` (host/disk ->
-    device, with ``async_loads``; ``dev``/``host_src``: device blocks it writes, host slots it
-    reads)."""
-
-    batch: Batch | list[Future]
-    ops: list[MoveOp]
-    direction: str
-    kind: str
-    dev: frozenset[int] = frozenset()
-    host_src: frozenset[int] = frozenset()
-
-
-def wrap_device_pool(kv_cache: torch.Tensor, layout: KVLayout) -> DevicePool:
-    """A :class:`DevicePool` over an existing cache tensor (the model runner's), no copy."""
-    want = layout.cache_shape(int(kv_cache.shape[2]))
-    if tuple(kv_cache.shape) != want:
-        raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not match {want}")
-    pool = DevicePool.__new__(DevicePool)
-    pool.layout = layout
-    pool.num_blocks = int(kv_cache.shape[2])
-    pool.device = kv_cache.device
-    pool.kv_cache = kv_cache
-    return pool
-
-
-@dataclass
-class MoverStats:
-    """Counters of a TieredKVMover. Directions are ``"device->host"``, ``"disk->device"``, ...;
-    bytes are block payload bytes of moves that landed."""
-
-    moves: dict[str, int] = field(default_factory=dict)
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    batches: int = 0
-    drops: int = 0
-    files_removed: int = 0
-    load_failures: int = 0       # promotions from disk whose read failed (block recomputed)
-    write_failures: int = 0      # demotions to disk whose write failed (block dropped)
-    skipped_writes: int = 0      # demotions of blocks dropped later in the same list
-    invalidated_blocks: int = 0  # nodes dropped because of a failed write (with subtrees)
-    copies: int = 0
-    async_batches: int = 0       # batches left running past apply_moves (write-behind, prefetch)
-    prefetched_blocks: int = 0   # blocks loaded disk -> host ahead of their request
-    prefetch_hits: int = 0       # prefetched blocks later promoted host -> device
-    prefetch_failures: int = 0   # prefetch loads that failed (block dropped, recomputed)
-    async_loads: int = 0         # promotion batches left running past apply_moves
-    dropped_copies: int = 0      # write-through copies dropped because their write failed
-
-    def as_dict(self) -> dict:
-        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 
 class TieredKVMover:
