@@ -127,6 +127,19 @@ def _host_resident_prompt(s, mover) -> list[int]:
     return p
 
 
+def _hit_loading_beside_busy():
+    """A request "busy" decodes while "hit" (whose prefix sits in the host tier) was admitted
+    and is loading; returns (scheduler, mover, hit's prompt, hit)."""
+    s, mover = _setup()
+    p = _host_resident_prompt(s, mover)
+    s.add(_req("busy", _prompt(50, 5), max_tokens=10))
+    _step(s, mover)
+    hit = _req("hit", p)
+    s.add(hit)
+    _step(s, mover)
+    return s, mover, p, hit
+
+
 def _chunks(out):
     return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
 
@@ -202,13 +215,7 @@ def test_step_with_nothing_else_to_do_waits_for_the_loads():
 
 
 def test_aborting_a_loading_request_waits_for_its_loads_then_frees():
-    s, mover = _setup()
-    p = _host_resident_prompt(s, mover)
-    s.add(_req("busy", _prompt(50, 5), max_tokens=10))
-    _step(s, mover)
-    hit = _req("hit", p)
-    s.add(hit)
-    _step(s, mover)
+    s, mover, p, hit = _hit_loading_beside_busy()
     assert s.loading == {"hit"} and mover.flight
     free_before = s.bm.num_free_blocks
     s.remove(hit)
@@ -221,13 +228,7 @@ def test_aborting_a_loading_request_waits_for_its_loads_then_frees():
 
 
 def test_failure_seen_while_aborting_is_recovered_before_any_allocation():
-    s, mover = _setup()
-    p = _host_resident_prompt(s, mover)
-    s.add(_req("busy", _prompt(50, 5), max_tokens=10))
-    _step(s, mover)
-    hit = _req("hit", p)
-    s.add(hit)
-    _step(s, mover)
+    s, mover, p, hit = _hit_loading_beside_busy()
     _, hashes = s.bm.tree.match_tokens(token_bytes(p), NS.seed)
     mover.fail.add(hashes[0])
     s.remove(hit)                 # waits: the failure is filed, the block is unreferenced

@@ -101,19 +101,24 @@ def test_greedy_matches_hf_while_blocks_move_through_tiers(hf_llama, tmp_path, t
     eng.close()
 
 
+def _two_processes(tmp_path, first_mode: str) -> tuple[dict, dict]:
+    """Run tiers_child.py in ``first_mode`` then in "read" mode on the same directory, each in
+    a fresh interpreter; their saved results."""
+    res = []
+    for mode in (first_mode, "read"):
+        out = tmp_path / f"{mode}.pt"
+        child = subprocess.run([sys.executable, str(CHILD), mode, str(tmp_path / "kv"), str(out)],
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0, child.stderr[-3000:]
+        res.append(torch.load(out))
+    return res[0], res[1]
+
+
 def test_restart_second_process_gets_disk_hits_with_identical_kv(tmp_path):
     """Process 1 serves a conversation prefix, persists its cache to disk and exits; a fresh
     interpreter on the same directory gets the prefix from the disk tier, and the KV it loads
     into its device pool is byte-identical to what process 1 computed."""
-    kv_dir = tmp_path / "kv"
-    res = {}
-    for mode in ("write", "read"):
-        out = tmp_path / f"{mode}.pt"
-        child = subprocess.run([sys.executable, str(CHILD), mode, str(kv_dir), str(out)],
-                               capture_output=True, text=True, timeout=120)
-        assert child.returncode == 0, child.stderr[-3000:]
-        res[mode] = torch.load(out)
-    first, second = res["write"], res["read"]
+    first, second = _two_processes(tmp_path, "write")
     n_blocks = (tiers_child.PROMPT_LEN - 1) // tiers_child.BLOCK
     assert first["num_cached"] == 0 and first["disk_files"] >= n_blocks
     assert second["restored"] == first["disk_files"]
@@ -130,15 +135,7 @@ def test_write_through_to_disk_survives_a_process_exit_without_persist(tmp_path)
     """With write_through=("disk",) every computed block is copied to disk as soon as it is
     committed: a process that serves the conversation and dies (os._exit, no persist(), no
     close()) leaves the prefix on disk, and a fresh interpreter loads it bit-identically."""
-    kv_dir = tmp_path / "kv"
-    res = {}
-    for mode in ("wt-exit", "read"):
-        out = tmp_path / f"{mode}.pt"
-        child = subprocess.run([sys.executable, str(CHILD), mode, str(kv_dir), str(out)],
-                               capture_output=True, text=True, timeout=120)
-        assert child.returncode == 0, child.stderr[-3000:]
-        res[mode] = torch.load(out)
-    first, second = res["wt-exit"], res["read"]
+    first, second = _two_processes(tmp_path, "wt-exit")
     n_blocks = (tiers_child.PROMPT_LEN - 1) // tiers_child.BLOCK
     assert first["num_cached"] == 0 and first["disk_files"] >= n_blocks
     assert second["restored"] == first["disk_files"]
