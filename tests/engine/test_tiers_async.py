@@ -23,7 +23,9 @@ from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.tiered_mover import TieredKVMover
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiers_helpers import BS, GEN, check_tiers, hf_greedy, make_engine, rand_tokens  # noqa: E402
+from tiers_helpers import (  # noqa: E402
+    BS, GEN, check_tiers, hf_greedy, make_engine, rand_tokens, serve,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +41,7 @@ def hf_llama(make_tiny):
 
 
 
-def _serve(eng, batch, max_tokens=GEN, in_flight=None):
-    for rid, prompt in batch:
-        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        if in_flight is not None:
-            in_flight.append(eng.kv_mover.num_pending)
-    check_tiers(eng)
-    return final
+_serve = serve
 
 
 def _conversations(hf, eng, n_conv=3, turns=3, in_flight=None):

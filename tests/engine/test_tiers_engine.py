@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.engine.sampling import SamplingParams
 
 CHILD = Path(__file__).with_name("tiers_child.py")
 sys.path.insert(0, str(CHILD.parent))
 import tiers_child  # noqa: E402  (conversation and engine config shared with the child)
-from tiers_helpers import BS, GEN, check_tiers, hf_greedy, make_engine, rand_tokens  # noqa: E402
+from tiers_helpers import (  # noqa: E402
+    BS, check_tiers, hf_greedy, make_engine, rand_tokens, serve,
+)
 
 
 
@@ -39,17 +40,7 @@ def hf_llama(make_tiny):
 
 
 
-def _serve(eng, batch):
-    """Add [(rid, prompt)], step to completion; rid -> final RequestOutput."""
-    for rid, prompt in batch:
-        eng.add_request(rid, prompt, SamplingParams(max_tokens=GEN))
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-    check_tiers(eng)
-    return final
+_serve = serve
 
 
 

@@ -56,3 +56,21 @@ def check_tiers(eng: LLMEngine) -> None:
     indexed = {e.block_hash for e in mover.disk.entries()}
     files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
     assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
+
+
+def serve(eng: LLMEngine, batch, max_tokens=GEN, in_flight=None) -> dict:
+    """Add [(rid, prompt)], step to completion; rid -> final RequestOutput. ``in_flight`` (a
+    list) collects the mover's pending batch count after each step. Checks the tiers at the end."""
+    from radixkv.engine.sampling import SamplingParams
+
+    for rid, prompt in batch:
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        if in_flight is not None:
+            in_flight.append(eng.kv_mover.num_pending)
+    check_tiers(eng)
+    return final
