@@ -35,7 +35,7 @@ from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
 )
-from radixkv.engine.sampling import SamplingParams, make_generator, sample_token
+from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.sequence import Request, Sequence
 from radixkv.errors import ConfigError, InvalidRequestError
@@ -46,17 +46,6 @@ def model_fingerprint(model_id: str, layout: Any) -> str:
     precisions or geometries can never match)."""
     return (f"{model_id}|{layout.dtype}|L{layout.num_layers}-kv{layout.num_kv_heads}"
             f"-d{layout.head_dim}|B{layout.block_size}")
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
 class LLMEngine:
@@ -110,7 +99,7 @@ class LLMEngine:
             kv_mover = kv_mover(self._runner.kv_cache)
         self.kv_mover: KVMover = kv_mover  # type: ignore[assignment]
         self._namespace = Namespace(model_fingerprint(model_id, layout))
-        self._eos = _eos_ids(model, tokenizer)
+        self._eos = eos_token_ids(model, tokenizer)
         limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings

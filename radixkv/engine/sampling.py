@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.errors import InvalidRequestError
 
@@ -201,5 +201,18 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-__all__ = ["SamplingParams", "make_generator", "greedy_tokens", "raw_logprobs",
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence token ids (generation config, then model config, then the
+    tokenizer); empty if none is known."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
+
+
+__all__ = ["SamplingParams", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
            "filtered_probs", "sample_token"]
