@@ -33,7 +33,7 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
-    FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
+    FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
 )
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -266,7 +266,7 @@ class LLMEngine:
         self._drain_kv(loads=False)
         sched = self._scheduler.schedule()
         for req in sched.unschedulable:
-            self._finish_all(req, FINISH_LENGTH)
+            self._finish_all(req, FINISH_CAPACITY)
             outputs.append(self._output(req, finished=True))
         run_kv_ops(self.kv_mover, sched.kv_ops)
         self._prefetch()   # disk -> host loads for waiting requests, while the forward runs
@@ -457,6 +457,8 @@ class LLMEngine:
             "tokens_computed": c.computed_tokens,
             "recomputed_tokens": c.recomputed_tokens,
             "preemptions": c.preemptions,
+            "unschedulable": c.unschedulable,
+            "held_admissions": c.held_admissions,
             "evictions": list(tree_stats.evicted),
             "promotions": list(tree_stats.promoted),
             "demotions": list(tree_stats.demoted_in),
@@ -482,6 +484,8 @@ class LLMEngine:
         fill: dict[int, int] = {}
         for req in self._scheduler.running:
             for seq in req.seqs:
+                if seq.seq_id not in bm:
+                    continue   # staged: joins once its leader computed the shared prefix
                 n = bm.num_computed_tokens(seq.seq_id)
                 for j, b in enumerate(bm.block_table(seq.seq_id)):
                     fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 #: Values of ``CompletionOutput.finish_reason``.
 FINISH_STOP = "stop"      # an end-of-sequence token, a stop token or a stop string
-FINISH_LENGTH = "length"  # max_tokens, max_model_len, or the KV pool cannot hold the sequence
+FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"    # abort_request
+#: The request cannot fit the device KV pool even with nothing else running (the output holds
+#: what was generated before it outgrew the pool); counted in ``stats()["unschedulable"]``.
+FINISH_CAPACITY = "capacity"
 
 
 @dataclass
@@ -26,7 +29,8 @@ class CompletionOutput:
         text: detokenized output so far (stop string removed unless asked to keep it);
             empty when the engine has no tokenizer.
         token_ids: output token ids so far, including a final stop/eos token.
-        finish_reason: None while running, else ``"stop"``, ``"length"`` or ``"abort"``.
+        finish_reason: None while running, else ``"stop"``, ``"length"``, ``"abort"`` or
+            ``"capacity"`` (the KV pool cannot hold the request, see ``FINISH_CAPACITY``).
         cumulative_logprob: sum of the model's log-probabilities of ``token_ids``.
         delta_text, delta_token_ids: what was added since the previous output of this request.
         stop_reason: the stop string or stop token id that ended it, if any.

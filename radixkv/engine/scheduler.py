@@ -14,7 +14,17 @@ Every step the scheduler, in this order,
 3. admits waiting requests first-come-first-served while blocks, ``max_num_seqs`` and the token
    budget allow. Admission stops at the first request that does not fit (no overtaking, so the
    head of the queue is never starved), and is skipped in a step that had to preempt (else the
-   victim would be re-admitted at once and thrash).
+   victim would be re-admitted at once and thrash). A waiting request that shares a prefix
+   with a running sequence still prefilling it is *held* (skipped, not blocking the queue)
+   until that prefix is committed, so a shared new prefix is computed once
+   (:mod:`radixkv.engine.shared_prefix`).
+
+A request with several live sequences (n samples or beams resumed after a preemption) is
+allocated *staged*: its first sequence alone, the others once the first has computed the
+blocks they share (otherwise each would need the whole prompt again, and a request that ran
+fine could look too large for the pool). A request that cannot fit an empty pool even so is
+finished as *unschedulable* (``SchedulerOutput.unschedulable``; the engine reports finish reason
+``"capacity"``), never silently truncated.
 
 Group rule: all live sequences of a request (n samples, beams) get their logits in the same
 step, so a request is sampled as a whole; when a group does not fit the budget entirely, each
@@ -48,77 +58,16 @@ Pure Python: imports no torch.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence as Seq
 
-from radixkv.core.block_manager import BlockManager, CopyOp
-from radixkv.core.tree import MoveOp
+from radixkv.core.block_manager import BlockManager
+from radixkv.engine.schedule_types import (
+    Loads, RunOps, ScheduledChunk, SchedulerCounters, SchedulerOutput,
+)
 from radixkv.engine.sequence import Request, RequestStatus, Sequence
+from radixkv.engine.shared_prefix import blocks_to_wait_for, share_target
 from radixkv.errors import OutOfBlocks
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute KV of ``seq.token_ids[start : start + num_tokens]``; logits for the last one
-    iff ``wants_logits`` (that is, iff the chunk reaches the end of the sequence)."""
-
-    request: Request
-    seq: Sequence
-    start: int
-    num_tokens: int
-    wants_logits: bool
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    kv_ops: list[MoveOp | CopyOp] = field(default_factory=list)   # run in order, before forward
-    preempted: list[Request] = field(default_factory=list)
-    unschedulable: list[Request] = field(default_factory=list)  # can never fit the pool
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-@dataclass
-class SchedulerCounters:
-    """Counters since construction (read by ``LLMEngine.stats``)."""
-
-    prompt_tokens: int = 0                    # prompt tokens of admitted requests (first time)
-    cached_prompt_tokens: int = 0
-    cached_tokens_per_tier: list[int] = field(default_factory=list)
-    computed_tokens: int = 0                  # every token whose KV a forward computed
-    prefill_tokens: int = 0                   # of which in prefill chunks (incl. recompute)
-    recomputed_tokens: int = 0                # re-prefilled after preemption
-    preemptions: int = 0
-    steps: int = 0
-    load_failures: int = 0                    # blocks whose promotion failed (recomputed)
-    load_retries: int = 0                     # allocations redone after a failed promotion
-    loading_steps: int = 0                    # request-steps spent waiting for a promotion
-    load_waits: int = 0                       # steps that blocked on promotions (nothing else)
-
-
-#: Executes KV ops now, in order; returns the hashes of blocks whose promotion failed.
-RunOps = Callable[[Seq["MoveOp | CopyOp"]], Seq[bytes]]
-
-
-class Loads(Protocol):
-    """Promotions in flight (the engine adapts its mover). Each call that settles loads
-    returns the hashes of the blocks whose promotion failed since the last call."""
-
-    def poll(self) -> Seq[bytes]:
-        """Settle the promotions that finished, without blocking."""
-        ...
-
-    def wait(self) -> Seq[bytes]:
-        """Block until every promotion in flight is settled."""
-        ...
-
-    def inflight(self) -> frozenset[int]:
-        """Device blocks still being written by a promotion."""
-        ...
 
 _MAX_LOAD_RETRIES = 64
 
@@ -136,6 +85,9 @@ class Scheduler:
         self._failed: list[bytes] = []          # failed promotions not yet recovered
         self._fresh: set[str] = set()           # admitted, loading, nothing computed yet
         self._first_tiers: dict[str, tuple[int, ...]] = {}   # see _undo_admission
+        # request id -> its sequences not allocated yet (they join once seqs[0] computed the
+        # blocks they share; see the module docstring)
+        self._staged: dict[str, list[Sequence]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -171,8 +123,14 @@ class Scheduler:
         if req.request_id in self.loading:
             self.loading.discard(req.request_id)
             self._failed.extend(self.loads.wait())
+        self._free_seqs(req)
+
+    def _free_seqs(self, req: Request) -> None:
+        """Free the allocated sequences of ``req`` (staged ones hold nothing yet)."""
+        self._staged.pop(req.request_id, None)
         for seq in req.seqs:
-            self.bm.free(seq.seq_id)
+            if seq.seq_id in self.bm:
+                self.bm.free(seq.seq_id)
 
     def free_seq(self, req: Request, seq: Sequence) -> None:
         """A sequence of a running request ended (finished sample, losing beam)."""
@@ -194,12 +152,14 @@ class Scheduler:
         self._recover_failed(out)
         for req in self.running:
             for seq in req.seqs:
-                if self.bm.num_tokens(seq.seq_id) < len(seq.token_ids):
+                if self._pending(seq):
                     s = self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
                     out.kv_ops.extend(s.moves)
                     if s.copy is not None:
                         out.kv_ops.append(s.copy)
         self._flush(out)
+        if self._staged:
+            self._join_staged(out)
         budget = self.max_num_batched_tokens
         for req in self.running:
             if req.request_id not in self.loading:
@@ -221,7 +181,8 @@ class Scheduler:
 
     def _holds(self, req: Request, blocks: frozenset[int] | set[int]) -> bool:
         bm = self.bm
-        return any(b in blocks for seq in req.seqs for b in bm.block_table(seq.seq_id))
+        return any(b in blocks for seq in req.seqs if seq.seq_id in bm
+                   for b in bm.block_table(seq.seq_id))
 
     def _settle_loads(self, out: SchedulerOutput, wait: bool) -> None:
         """Settle finished (or, with ``wait``, all) promotions: recover failed ones, then mark
@@ -251,8 +212,7 @@ class Scheduler:
             for req in holders:
                 self.running.remove(req)
                 self.loading.discard(req.request_id)
-                for seq in req.seqs:
-                    self.bm.free(seq.seq_id)
+                self._free_seqs(req)
                 req.status = RequestStatus.WAITING
                 self.counters.load_retries += 1
                 if req.request_id in self._fresh:   # never computed: count it at re-admission
@@ -282,7 +242,8 @@ class Scheduler:
         self._flush(out)   # drops; a wait they force may report more failed loads
 
     def _pending(self, seq: Sequence) -> bool:
-        return self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
+        """An allocated sequence whose last sampled token has no KV slot yet."""
+        return seq.seq_id in self.bm and self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
 
     def _reserve_appends(self, out: SchedulerOutput) -> None:
         """Preempt newest-first until every running sequence's pending token has a slot."""
@@ -318,14 +279,17 @@ class Scheduler:
     def _schedule_tokens(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Add ``req``'s chunks within ``budget`` tokens; return the tokens used."""
         self._fresh.discard(req.request_id)
+        staged = req.request_id in self._staged
         rems = []
         for seq in req.seqs:
+            if staged and seq.seq_id not in self.bm:
+                continue
             computed = self.bm.num_computed_tokens(seq.seq_id)
             rem = len(seq.token_ids) - computed
             assert rem >= 1, f"live {seq} of {req} has nothing to compute ({computed} computed)"
             rems.append((seq, computed, rem))
         total = sum(r for _, _, r in rems)
-        whole = total <= budget
+        whole = total <= budget and not staged   # staged: logits once the whole group is in
         used = 0
         for seq, computed, rem in rems:
             n = rem if whole else min(rem - 1, budget - used)
@@ -341,23 +305,30 @@ class Scheduler:
         return used
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
-        """Admit waiting requests FCFS; returns the token budget left."""
+        """Admit waiting requests FCFS (held ones are skipped, see
+        :meth:`_held`); returns the token budget left."""
         num_seqs = sum(r.num_seq_slots for r in self.running)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        i = 0   # position in the queue: requests before it are held
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
             if num_seqs + req.num_seq_slots > self.max_num_seqs and self.running:
                 return budget
-            self.waiting.popleft()
-            left = len(self.waiting)
+            if self._held(req):
+                self.counters.held_admissions += 1
+                i += 1
+                continue
+            del self.waiting[i]
+            left = len(self.waiting) - i
             if not self._allocate(req, out):
                 if not self.running:
                     # Nothing else holds blocks: this request can never fit the pool.
-                    req.status = RequestStatus.FINISHED
-                    out.unschedulable.append(req)
+                    self._unschedulable(req, out)
+                    i = len(self.waiting) - left
                     continue
-                # back to the head, behind requests a failed load sent back meanwhile
+                # back in its place, behind requests a failed load sent back meanwhile
                 self.waiting.insert(len(self.waiting) - left, req)
                 return budget
+            i = len(self.waiting) - left
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += req.num_seq_slots
@@ -370,12 +341,63 @@ class Scheduler:
             budget -= self._schedule_tokens(req, budget, out)
         return budget
 
-    def _allocate(self, req: Request, out: SchedulerOutput) -> bool:
-        """Allocate every live sequence of ``req`` or none (moves of evictions are kept).
+    def _unschedulable(self, req: Request, out: SchedulerOutput) -> None:
+        req.status = RequestStatus.FINISHED
+        self.counters.unschedulable += 1
+        out.unschedulable.append(req)
 
-        With an executor, each allocation's moves run at once; if a promotion failed, every
-        sequence of the request is freed, the bad blocks are invalidated and the request is
-        allocated again (see the module docstring)."""
+    def _held(self, req: Request) -> bool:
+        """Whether ``req`` should wait for a running sequence that is still computing blocks it
+        could share (see :mod:`radixkv.engine.shared_prefix`). O(running prefills x shared
+        prefix)."""
+        toks, bs, bm = req.seqs[0].token_ids, self.bm.block_size, self.bm
+        for r in self.running:
+            if r.namespace != req.namespace:
+                continue
+            for s in r.seqs:
+                if s.seq_id in bm and blocks_to_wait_for(
+                        toks, s.token_ids, bm.num_computed_tokens(s.seq_id), bs):
+                    return True
+        return False
+
+    def _join_staged(self, out: SchedulerOutput) -> None:
+        """Allocate the staged sequences of running requests whose leader has computed the
+        blocks they share. A request alone in the pool whose followers still do not fit is
+        unschedulable; with others running it waits (they finish or are preempted)."""
+        bs = self.bm.block_size
+        for req in list(self.running):
+            followers = self._staged.get(req.request_id)
+            if followers is None or req.request_id in self.loading:
+                continue
+            leader = req.seqs[0]
+            computed = self.bm.num_computed_tokens(leader.seq_id)
+            if any(share_target(f.token_ids, leader.token_ids, bs) > computed
+                   for f in followers):
+                continue
+            got = self._allocate_seqs(req, followers, out)
+            if got is None:
+                if self.running == [req]:
+                    self.running.remove(req)
+                    self._free_request(req)
+                    self._unschedulable(req, out)
+                continue
+            if req not in self.running:
+                continue   # a failed promotion sent it back to the queue (all freed)
+            del self._staged[req.request_id]
+            self.counters.staged_joins += len(followers)
+            inflight = self.loads.inflight() if self.loads is not None else None
+            if inflight and self._holds(req, inflight):
+                self.loading.add(req.request_id)
+
+    def _allocate_seqs(self, req: Request, seqs: Seq[Sequence], out: SchedulerOutput
+                       ) -> tuple[list, tuple[int, ...]] | None:
+        """Allocate ``seqs`` of ``req`` all or none; None when out of blocks (moves of
+        evictions are kept). Also returns the per-tier split of the first sequence's match
+        at the first attempt.
+
+        With an executor, each allocation's moves run at once; if a promotion failed, the
+        sequences are freed, the bad blocks are invalidated and they are allocated again (their
+        match now stops before the bad block; see the module docstring)."""
         self._flush(out)
         self._recover_failed(out)
         first_per_tier: tuple[int, ...] | None = None
@@ -383,7 +405,7 @@ class Scheduler:
             done = []
             failed: list[bytes] = []
             try:
-                for seq in req.seqs:
+                for seq in seqs:
                     a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace)
                     out.kv_ops.extend(a.moves)
                     done.append(a)
@@ -393,21 +415,35 @@ class Scheduler:
             except OutOfBlocks:
                 for a in done:
                     self.bm.free(a.seq_id)
-                return False
+                return None
             if first_per_tier is None:
-                first_per_tier = self._first_tiers.pop(req.request_id, None) \
-                    or done[0].cached_tokens_per_tier
+                first_per_tier = done[0].cached_tokens_per_tier
             if not failed:
-                break
+                return done, first_per_tier
             for a in done:
                 self.bm.free(a.seq_id)
             self._recover_failed(out)   # also other requests' loads a forced wait reported
             self.counters.load_retries += 1
-        else:
-            raise AssertionError(f"{_MAX_LOAD_RETRIES} failed promotions in a row for {req}")
+        raise AssertionError(f"{_MAX_LOAD_RETRIES} failed promotions in a row for {req}")
+
+    def _allocate(self, req: Request, out: SchedulerOutput) -> bool:
+        """Allocate every live sequence of ``req`` or none. The first is allocated alone; the
+        others too if they share no block with it that is not cached yet, else they are staged
+        (allocated by :meth:`_join_staged` once the first has computed those blocks)."""
+        got = self._allocate_seqs(req, req.seqs[:1], out)
+        if got is None:
+            return False
+        [a], first_per_tier = got
+        rest = req.seqs[1:]
+        staged = self._to_stage(req, a.num_cached_tokens) if rest else []
+        if rest and not staged and self._allocate_seqs(req, rest, out) is None:
+            self.bm.free(a.seq_id)
+            return False
+        if staged:
+            self._staged[req.request_id] = staged
         if not req.admitted:
             req.admitted = True
-            a = done[0]
+            first_per_tier = self._first_tiers.pop(req.request_id, None) or first_per_tier
             per_tier = _prefix_per_tier(first_per_tier, a.num_cached_tokens)
             req.num_cached_tokens = a.num_cached_tokens
             req.cached_tokens_per_tier = per_tier
@@ -417,6 +453,15 @@ class Scheduler:
             for t, n in enumerate(per_tier):
                 c.cached_tokens_per_tier[t] += n
         return True
+
+    def _to_stage(self, req: Request, leader_cached: int) -> list[Sequence]:
+        """The sequences after the first one, if any of them shares blocks with it that are
+        not cached yet (they then wait for the first to compute them); else []."""
+        leader, bs = req.seqs[0], self.bm.block_size
+        rest = req.seqs[1:]
+        if any(share_target(f.token_ids, leader.token_ids, bs) > leader_cached for f in rest):
+            return list(rest)
+        return []
 
 
 def _prefix_per_tier(per_tier: tuple[int, ...], num_cached: int) -> tuple[int, ...]:
@@ -431,4 +476,4 @@ def _prefix_per_tier(per_tier: tuple[int, ...], num_cached: int) -> tuple[int, .
     return tuple(out)
 
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk", "SchedulerCounters"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk", "SchedulerCounters", "Loads", "RunOps"]

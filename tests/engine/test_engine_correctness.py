@@ -114,11 +114,12 @@ def test_preemption_resumes_with_identical_output(hf_llama):
         assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 20), f"request {i}"
 
 
-def test_request_that_outgrows_the_pool_finishes_with_length(hf_llama):
+def test_request_that_outgrows_the_pool_finishes_with_capacity(hf_llama):
     [p] = _prompts([6])
     eng = _engine(hf_llama, num_blocks=3)            # 12 token slots
     o = _run(eng, [("a", p, _greedy(30))])["a"]
-    assert o.outputs[0].finish_reason == "length"
+    assert o.outputs[0].finish_reason == "capacity"   # never "length": max_tokens was not hit
+    assert eng.stats()["unschedulable"] == 1
     assert o.outputs[0].token_ids == _hf(hf_llama, p, 30)[:len(o.outputs[0].token_ids)]
     assert not eng.has_unfinished_requests()
 
