@@ -11,8 +11,9 @@ is turned into blocks once the model's KV layout is known (:meth:`CacheConfig.re
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixkv.errors import ConfigError
 
@@ -65,6 +66,12 @@ class CacheConfig:
             it survive a crash without ``persist()``; it costs the copy traffic and capacity
             (copies compete with other blocks for the tier). Best effort: a copy that finds
             no room, or whose write fails, is skipped.
+        disk_secret: makes the disk tier *authenticated*: every block file is signed with a
+            keyed BLAKE2b MAC of its header and payload, verified on every read; a block that
+            fails (tampered, unsigned, another key) is a miss, counted, never served. None
+            reads the environment variable ``RADIXKV_KV_SECRET`` (unset: checksums only, which
+            catch accidents, not a writer who recomputes them). At least 16 bytes; share it
+            between the processes that share ``disk_dir``. Never printed (``repr`` hides it).
     """
 
     block_size: int = 16
@@ -78,6 +85,7 @@ class CacheConfig:
     policy: str = "lru"
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()
+    disk_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -91,8 +99,19 @@ class CacheConfig:
             v = getattr(self, name)
             if v is not None:
                 parse_memory(v)
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.fspath(self.disk_dir):
+                raise ConfigError("CacheConfig.disk_dir must be a directory path (str or "
+                                  f"os.PathLike), got {self.disk_dir!r}")
+            object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
+            if not isinstance(self.disk_dir, str):
+                raise ConfigError(f"CacheConfig.disk_dir must be a text path, got {self.disk_dir!r}")
         if (self.disk_blocks or self.disk_memory) and not self.disk_dir:
             raise ConfigError("a disk tier needs CacheConfig.disk_dir")
+        if self.disk_secret is not None:
+            from radixkv.storage.integrity import BlockSigner
+
+            BlockSigner(self.disk_secret)   # raises ConfigError for a weak/odd secret
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"CacheConfig.policy must be a policy name, got {self.policy!r}")
         wt = self.write_through

@@ -17,6 +17,7 @@ from radixkv.engine.tiered_mover import TieredKVMover
 from radixkv.errors import StorageError
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
+from radixkv.storage.integrity import signer_from
 
 if TYPE_CHECKING:
     from radixkv.engine.llm_engine import LLMEngine
@@ -32,7 +33,8 @@ def build_mover(engine: LLMEngine, n_host: int, n_disk: int, model_id: str
         # Namespace = model fingerprint (model id, dtype, KV layout); cache salts are inside
         # the chain hashes, so tenants share the directory but never each other's blocks.
         disk = DiskStore(engine.cache_config.disk_dir, engine.layout,
-                         engine.layout.fingerprint(model_id), scan=False)
+                         engine.layout.fingerprint(model_id), scan=False,
+                         signer=signer_from(engine.cache_config.disk_secret))
     mover = TieredKVMover(engine.model_runner.kv_cache, engine.layout, host, disk, engine.tree,
                           async_loads=engine.engine_config.async_loads)
     report = None
@@ -76,6 +78,7 @@ def restore_from_disk(tree: RadixTree, disk: DiskStore, tier: int, block_size: i
             restored += 1
     return {"restored_blocks": restored, "orphan_files": orphans, "skipped_files": skipped,
             "corrupt_files": report.corrupt, "foreign_files": report.foreign,
+            "forged_files": report.forged,
             "stale_tmp_files": report.stale_tmp, "scan_s": report.seconds}
 
 
@@ -173,7 +176,7 @@ def tier_stats(engine: LLMEngine) -> dict[str, Any]:
     if disk is not None:
         d = disk.stats()
         out["disk"] = {"files": len(disk), "bytes_used": disk.bytes_used,
-                       "corrupt": d.corrupt, "foreign": d.foreign,
+                       "corrupt": d.corrupt, "foreign": d.foreign, "forged": d.forged,
                        "read_errors": d.read_errors, "put_failures": d.put_failures,
                        "failures_by_errno": dict(d.failures_by_errno),
                        **(engine.restore_report or {})}

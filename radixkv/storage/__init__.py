@@ -17,7 +17,7 @@ _LAZY = {
     "DiskStore": "disk", "DiskEntry": "disk", "DiskStats": "disk", "ScanReport": "disk",
     "TransferEngine": "transfer", "Move": "transfer", "DeviceBlock": "transfer",
     "HostSlot": "transfer", "DiskBlock": "transfer", "BatchResult": "transfer",
-    "TransferStats": "transfer",
+    "TransferStats": "transfer", "BlockSigner": "integrity",
 }
 
 

@@ -18,6 +18,12 @@ Fault model (what each failure becomes):
     ``scan`` removes it once its writer is dead (same host) or it is older than ``stale_tmp_s``.
   * a corrupt file (garbage, truncated, flipped bytes, wrong name) -> ``get`` returns None
     (a miss), ``stats().corrupt`` + 1, the file is removed (or moved to ``quarantine/``).
+  * a non-regular file under a block name (FIFO, socket, device, directory) -> foreign: files
+    are opened non-blocking and their type checked before any read, so a FIFO never hangs a
+    scan or a read.
+  * with a ``signer`` (authenticated store): a block whose MAC does not match (payload or header
+    swapped and checksums recomputed) -> a miss, ``stats().forged`` + 1, removed like a corrupt
+    file; an unsigned block or one signed with another key -> foreign (never served).
   * a foreign file (other format version / namespace / layout) -> a miss, ``stats().foreign``
     + 1, left in place: another version or model may own it.
 
@@ -46,9 +52,11 @@ import xxhash
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
 from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
 from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
-                                         check_header, decode_header, encode_header,
+                                         check_header, check_mac, decode_header, encode_header,
                                          header_len_for)
-from radixkv.storage.disk_scan import BLOCK_NAME, SUFFIX, DiskEntry, ScanReport, scan_store
+from radixkv.storage.integrity import BlockSigner
+from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport,
+                                       open_block_file, scan_store)
 from radixkv.storage.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -71,6 +79,7 @@ class DiskStats:
     misses: int = 0             # absent files
     corrupt: int = 0
     foreign: int = 0
+    forged: int = 0             # signed store: MAC mismatch (tampered), never served
     read_errors: int = 0        # EIO and friends on read
     removed: int = 0
     bytes_written: int = 0
@@ -94,18 +103,25 @@ class DiskStore:
         scan: rebuild the index at construction (``scan()``); else start empty.
         scan_threads: threads reading headers during a scan.
         stale_tmp_s: age after which a temporary file of a live or unknown writer is removed.
+        signer: a :class:`~radixkv.storage.integrity.BlockSigner` makes the store
+            authenticated: blocks are written signed (format version 2) and a block is served
+            only if its MAC, over header and payload, verifies under this key.
     """
 
     def __init__(self, root: str | os.PathLike[str], layout: KVLayout, namespace: bytes,
                  fsync: bool | str = False, on_corrupt: str = "remove", scan: bool = True,
-                 scan_threads: int = 4, stale_tmp_s: float = 600.0) -> None:
+                 scan_threads: int = 4, stale_tmp_s: float = 600.0,
+                 signer: BlockSigner | None = None) -> None:
         if not isinstance(namespace, bytes) or len(namespace) != HASH_BYTES:
             raise ConfigError(f"namespace must be {HASH_BYTES} bytes, got {namespace!r}")
         if fsync not in _FSYNC_MODES:
             raise ConfigError(f"fsync must be False, 'data' or True/'all', got {fsync!r}")
         if on_corrupt not in ("remove", "quarantine"):
             raise ConfigError(f"on_corrupt must be 'remove' or 'quarantine', got {on_corrupt!r}")
-        if header_len_for(layout.block_size) > MAX_HEADER_LEN:
+        if signer is not None and not isinstance(signer, BlockSigner):
+            raise ConfigError(f"signer must be a BlockSigner or None, got {type(signer).__name__}")
+        self.signer = signer
+        if header_len_for(layout.block_size, signer is not None) > MAX_HEADER_LEN:
             raise ConfigError(f"block_size {layout.block_size} too large for the disk header")
         self.layout, self.namespace = layout, namespace
         self.fsync = _FSYNC_MODES[fsync]
@@ -113,7 +129,7 @@ class DiskStore:
         self.root = Path(root)
         self.dir = self.root / namespace.hex()
         self._dir_s = f"{self.dir}{os.sep}"  # the hot paths build str paths: pathlib costs ~10 us
-        self._header_len = header_len_for(layout.block_size)
+        self._header_len = header_len_for(layout.block_size, signer is not None)
         self._file_len = self._header_len + layout.bytes_per_block
         self._lock = threading.Lock()
         self._index: dict[bytes, DiskEntry] = {}
@@ -173,7 +189,7 @@ class DiskStore:
         if parent_hash is not None:
             self._check_hash(parent_hash, "parent_hash")
         tokens = tuple(int(t) for t in token_ids)
-        if header_len_for(len(tokens)) > MAX_HEADER_LEN:
+        if header_len_for(len(tokens), self.signer is not None) > MAX_HEADER_LEN:
             raise InvalidBlockError(f"{len(tokens)} token ids do not fit in a block header")
         payload = self._payload_view(block, "DiskStore.put")
         h = block_hash.hex()
@@ -184,7 +200,7 @@ class DiskStore:
                 self._remember(DiskEntry(block_hash, parent_hash, tokens, self._file_len))
             return True
         header = encode_header(self.namespace, block_hash, parent_hash, tokens, self.layout,
-                               xxhash.xxh3_64_intdigest(payload))
+                               xxhash.xxh3_64_intdigest(payload), self.signer, payload)
         tmp = f"{self._dir_s}{h[:2]}{os.sep}.{h}.{self._host}-{os.getpid()}-{next(self._seq)}.tmp"
         try:
             self._write_file(tmp, path, header, payload)
@@ -282,32 +298,35 @@ class DiskStore:
                 raise InvalidBlockError("DiskStore.read_into(out=) needs a writable buffer")
         path = self._path_str(block_hash.hex())
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = open_block_file(path)
         except FileNotFoundError:
             with self._lock:
                 self._stats.gets += 1
                 self._stats.misses += 1
                 self._forget(block_hash)
             return False
+        except BadBlockFile as bad:   # a FIFO, socket, device or directory: not ours
+            self._count_get()
+            self._bad_file(Path(path), bad, None)
+            return False
         except OSError as e:
             self._count_get()
             self._fail("get", e)
             return False
-        st = None
         try:
-            st = os.fstat(fd)
             head = bytearray(self._header_len)
             got = os.preadv(fd, [head, dst], 0)
             if got != self._file_len and got >= self._header_len:
                 got += _read_rest(fd, dst, got - self._header_len, self._header_len)
             hdr = self._decode(fd, head)
-            check_header(hdr, self.namespace, self.layout, block_hash, st.st_size)
+            check_header(hdr, self.namespace, self.layout, block_hash, st.st_size, self.signer)
             if hdr.header_len != self._header_len:  # fewer tokens than block_size: re-read
                 got = hdr.header_len + _read_rest(fd, dst, 0, hdr.header_len)
             if got != st.st_size:
                 raise BadBlockFile("corrupt", f"read {got} of {st.st_size} bytes")
             if xxhash.xxh3_64_intdigest(dst) != hdr.payload_checksum:  # dst is cache-hot here
                 raise BadBlockFile("corrupt", "payload checksum mismatch")
+            check_mac(hdr, dst, self.signer)
         except BadBlockFile as bad:
             self._count_get()
             self._bad_file(Path(path), bad, st)
@@ -349,13 +368,15 @@ class DiskStore:
         with self._lock:
             if bad.kind == "foreign":
                 self._stats.foreign += 1
+            elif bad.kind == "forged":
+                self._stats.forged += 1
             else:
                 self._stats.corrupt += 1
             if _is_hex_name(path):
                 self._forget(bytes.fromhex(path.stem))
         log.info("skipping %s block file %s: %s", bad.kind, path, bad.reason)
-        if bad.kind != "corrupt":
-            return
+        if bad.kind == "foreign":
+            return   # not ours: left in place (forged and corrupt files are removed)
         try:
             now = os.stat(path)
             if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
-from radixkv.storage.disk_format import HASH_BYTES, BadBlockFile, check_header
+from radixkv.storage.disk_format import HASH_BYTES, BadBlockFile, check_header, check_mac
 
 if TYPE_CHECKING:
     from radixkv.storage.disk import DiskStore
@@ -53,11 +54,34 @@ class ScanReport:
     foreign: int        # skipped, left in place
     stale_tmp: int      # leftovers of killed writers, removed
     seconds: float
+    forged: int = 0     # signed store, deep scan: MAC mismatch, removed
 
     @property
     def num_bytes(self) -> int:
         """Bytes of the valid files."""
         return sum(e.num_bytes for e in self.entries)
+
+
+#: Flags every block-file read uses. O_NONBLOCK: opening a FIFO (or a device) that sits under a
+#: block-file name must not wait for a writer; it is judged by its type right after the open.
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def open_block_file(path: str) -> tuple[int, os.stat_result]:
+    """Open a block file for reading without ever blocking; returns ``(fd, fstat)``.
+
+    Raises ``FileNotFoundError`` (absent), another ``OSError`` (unreadable) or
+    ``BadBlockFile("foreign")`` for anything but a regular file (FIFO, socket, device,
+    directory): it is not ours, so it is skipped and left in place, never read."""
+    fd = os.open(path, READ_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadBlockFile("foreign", f"not a regular file (mode {stat.filemode(st.st_mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def scan_store(store: DiskStore, verify_payload: bool) -> ScanReport:
@@ -77,7 +101,7 @@ def scan_store(store: DiskStore, verify_payload: bool) -> ScanReport:
             tally[k] += v
     store._reset_index(found)
     return ScanReport(_parents_first(found), tally["corrupt"], tally["foreign"],
-                      tally["stale_tmp"], time.perf_counter() - t0)
+                      tally["stale_tmp"], time.perf_counter() - t0, tally["forged"])
 
 
 def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
@@ -117,18 +141,22 @@ def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
     """Index entry of one file from its header (and payload checksum if asked)."""
     block_hash = bytes.fromhex(name[:2 * HASH_BYTES])
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = open_block_file(path)
     except FileNotFoundError:
         return None  # removed meanwhile
+    except BadBlockFile as bad:
+        store._bad_file(Path(path), bad, None)
+        raise
     try:
-        st = os.fstat(fd)
         try:
             hdr = store._decode(fd, os.pread(fd, store._header_len, 0))
-            check_header(hdr, store.namespace, store.layout, block_hash, st.st_size)
+            check_header(hdr, store.namespace, store.layout, block_hash, st.st_size,
+                         store.signer)
             if verify_payload:
                 payload = os.pread(fd, hdr.payload_len, hdr.header_len)
                 if xxhash.xxh3_64_intdigest(payload) != hdr.payload_checksum:
                     raise BadBlockFile("corrupt", "payload checksum mismatch")
+                check_mac(hdr, payload, store.signer)
         except BadBlockFile as bad:
             store._bad_file(Path(path), bad, st)
             raise
@@ -181,4 +209,5 @@ def _parents_first(entries: list[DiskEntry]) -> tuple[DiskEntry, ...]:
     return tuple(order)
 
 
-__all__ = ["DiskEntry", "ScanReport", "scan_store", "SUFFIX", "BLOCK_NAME"]
+__all__ = ["DiskEntry", "ScanReport", "scan_store", "open_block_file", "READ_FLAGS", "SUFFIX",
+           "BLOCK_NAME"]

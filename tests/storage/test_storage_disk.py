@@ -224,7 +224,7 @@ def test_foreign_version_file_is_skipped_not_deleted(store, make_block):
     h = _put(store, make_block, 1)
     path = store.path_of(h)
     data = bytearray(path.read_bytes())
-    struct.pack_into("<H", data, 8, FORMAT_VERSION + 1)  # a future format
+    struct.pack_into("<H", data, 8, FORMAT_VERSION + 2)  # a future format (2 = signed)
     path.write_bytes(bytes(data))
     fresh = DiskStore(store.root, store.layout, store.namespace)
     assert fresh.get(h) is None and path.exists()
