@@ -105,7 +105,8 @@ class CacheConfig:
                                   f"os.PathLike), got {self.disk_dir!r}")
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
             if not isinstance(self.disk_dir, str):
-                raise ConfigError(f"CacheConfig.disk_dir must be a text path, got {self.disk_dir!r}")
+                raise ConfigError(
+                    f"CacheConfig.disk_dir must be a text path, got {self.disk_dir!r}")
         if (self.disk_blocks or self.disk_memory) and not self.disk_dir:
             raise ConfigError("a disk tier needs CacheConfig.disk_dir")
         if self.disk_secret is not None:
@@ -197,6 +198,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.max_model_len must be an int > 1, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"EngineConfig.device must be a device string, got {self.device!r}")
+        if self.dtype is not None:
+            self.torch_dtype(None)   # raises ConfigError for a non-float or unknown dtype
 
     def torch_device(self):
         """The torch device to run on (``auto``: CUDA if available, else CPU)."""
@@ -216,10 +219,16 @@ class EngineConfig:
         if self.dtype is None:
             return default
         if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        dt = getattr(torch, str(self.dtype).replace("torch.", ""), None)
+            dt = self.dtype
+        elif isinstance(self.dtype, str):
+            dt = getattr(torch, self.dtype.replace("torch.", ""), None)
+        else:
+            dt = None
         if not isinstance(dt, torch.dtype):
             raise ConfigError(f"EngineConfig.dtype {self.dtype!r} is not a torch dtype")
+        if not dt.is_floating_point:
+            raise ConfigError(f"EngineConfig.dtype {self.dtype!r} is not a floating-point dtype: "
+                              "the model and its KV run in float32, float16 or bfloat16")
         return dt
 
 

@@ -30,6 +30,24 @@ class UnknownSequenceError(RadixKVError, KeyError):
         return str(self.args[0]) if self.args else "unknown sequence"
 
 
+class UnknownRequestError(RadixKVError, KeyError):
+    """A request id the engine does not know: never submitted, or finished and returned."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class UnknownDocumentError(RadixKVError, KeyError):
+    """A document id the RAG helper does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown document"
+
+
+class EngineClosedError(RadixKVError, RuntimeError):
+    """The engine was closed (its tier worker threads are stopped); build a new one."""
+
+
 class SequenceExistsError(RadixKVError, ValueError):
     """Allocating or forking into a sequence id that is already live."""
 
@@ -58,5 +76,5 @@ class StorageError(RadixKVError):
 __all__ = [
     "RadixKVError", "ConfigError", "InvalidTokensError", "InvalidRequestError",
     "UnknownSequenceError", "SequenceExistsError", "InvalidBlockError", "OutOfBlocks",
-    "StorageError",
+    "StorageError", "UnknownRequestError", "UnknownDocumentError", "EngineClosedError",
 ]

@@ -157,6 +157,11 @@ class ChatSession:
 
     def __init__(self, engine: Engine, system: str | None = None, cache_salt: str | None = None,
                  params: SamplingParams | dict | None = None) -> None:
+        if system is not None and not isinstance(system, str):
+            raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(
+                f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         self.engine = engine
         self.template = engine.chat_template
         self.cache_salt = cache_salt

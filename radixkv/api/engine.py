@@ -22,7 +22,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
-from radixkv.errors import InvalidRequestError
+from radixkv.errors import (
+    ConfigError, InvalidRequestError, InvalidTokensError, UnknownRequestError,
+)
 
 if TYPE_CHECKING:
     from radixkv.api.chat import ChatSession, ChatTemplate
@@ -95,6 +97,7 @@ class Engine:
         from radixkv.config import CacheConfig, EngineConfig
         from radixkv.engine.llm_engine import LLMEngine
 
+        _check_args(model, cache_config, engine_config, model_id)
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache_config if cache_config is not None else CacheConfig()
@@ -142,6 +145,14 @@ class Engine:
         """Token ids of a plain-text prompt (the tokenizer's special tokens, e.g. BOS, added)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"expected a str prompt, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:   # a lone surrogate: no tokenizer can take it
+            raise InvalidRequestError(
+                f"the prompt is not valid Unicode text ({exc.reason} at position {exc.start}); "
+                "decode input bytes with errors='replace' first") from None
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: pass token ids")
         return [int(t) for t in self.tokenizer(text)["input_ids"]]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -187,7 +198,11 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Stop a request in flight (its cached blocks stay cached)."""
+        """Stop a request in flight (its cached blocks stay cached). An id that is not in
+        flight (finished, already aborted) is ignored: aborting is idempotent."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(
+                f"request_id must be a str, got {type(request_id).__name__}")
         if self._queues.pop(request_id, None) is not None:
             self._submitted.pop(request_id, None)
             self.core.abort_request(request_id)
@@ -204,8 +219,9 @@ class Engine:
 
     def stream_request(self, request_id: str) -> Iterator[RequestOutput]:
         """Yield the outputs of a submitted request until it finishes, stepping the engine as
-        needed (other requests in the batch progress too). Closing early aborts the request."""
-        q = self._queues[request_id]
+        needed (other requests in the batch progress too). Closing early aborts the request.
+        An id that is not in flight raises UnknownRequestError (on the first iteration)."""
+        q = self._queue_of(request_id)
         finished = False
         try:
             while not finished:
@@ -223,8 +239,17 @@ class Engine:
             else:
                 self.abort(request_id)
 
+    def _queue_of(self, request_id: str) -> deque[RequestOutput]:
+        q = self._queues.get(request_id) if isinstance(request_id, str) else None
+        if q is None:
+            raise UnknownRequestError(
+                f"request {request_id!r} is not in flight: never submitted here, aborted, or "
+                "finished and its final output already returned")
+        return q
+
     def wait(self, request_id: str) -> RequestOutput:
-        """Step until the request finishes; return its final output."""
+        """Step until the request finishes; return its final output (UnknownRequestError for
+        an id that is not in flight, including one whose final output was returned)."""
         last = None
         for last in self.stream_request(request_id):
             pass
@@ -308,6 +333,11 @@ class Engine:
         No side effects (does not touch LRU order). O(matched tokens)."""
         from radixkv.core.hashing import token_bytes
 
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise InvalidTokensError(
+                f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+        if not token_ids:
+            return []
         tree = self.core.tree
         nodes, _ = tree.match_tokens(token_bytes(list(token_ids)),
                                      self.namespace(cache_salt).seed)
@@ -365,6 +395,28 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.has_unfinished_requests())
+
+    def close(self) -> None:
+        """Stop the tier worker threads; the engine refuses work afterwards
+        (EngineClosedError). Idempotent."""
+        self.core.close()
+
+
+def _check_args(model: Any, cache_config: Any, engine_config: Any, model_id: Any) -> None:
+    """ConfigError for constructor arguments of the wrong kind (before anything is built)."""
+    from radixkv.config import CacheConfig, EngineConfig
+
+    if not callable(getattr(model, "parameters", None)) or getattr(model, "config", None) is None:
+        raise ConfigError("model must be a transformers causal LM (a torch module with a "
+                          f".config), got {type(model).__name__}")
+    if cache_config is not None and not isinstance(cache_config, CacheConfig):
+        raise ConfigError(f"cache_config must be a CacheConfig or None, got "
+                          f"{type(cache_config).__name__} (pass configs by keyword)")
+    if engine_config is not None and not isinstance(engine_config, EngineConfig):
+        raise ConfigError(f"engine_config must be an EngineConfig or None, got "
+                          f"{type(engine_config).__name__}")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError(f"model_id must be a non-empty str or None, got {model_id!r}")
 
 
 def _set_ttft(out: Any, seconds: float) -> None:

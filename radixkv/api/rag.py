@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixkv.errors import InvalidRequestError
+from radixkv.errors import InvalidRequestError, UnknownDocumentError
 
 if TYPE_CHECKING:
     from radixkv.api.engine import Engine, ParamsLike
@@ -126,6 +126,9 @@ class RAGHelper:
         return len(ids)
 
     def remove_document(self, doc_id: str) -> None:
+        """Forget a document (its cached blocks age out). UnknownDocumentError if absent."""
+        if not isinstance(doc_id, str) or doc_id not in self._docs:
+            raise UnknownDocumentError(f"no document {doc_id!r} (known: {self.doc_ids})")
         self._docs.pop(doc_id)
         self._texts.pop(doc_id, None)
         self._priority.pop(doc_id, None)
@@ -136,6 +139,8 @@ class RAGHelper:
 
     def num_tokens(self, doc_id: str) -> int:
         """Tokens of a document's segment (with format and padding)."""
+        if not isinstance(doc_id, str) or doc_id not in self._docs:
+            raise UnknownDocumentError(f"no document {doc_id!r} (known: {self.doc_ids})")
         return len(self._docs[doc_id])
 
     # ------------------------------------------------------------------ layout

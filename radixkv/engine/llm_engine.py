@@ -38,7 +38,7 @@ from radixkv.engine.outputs import (
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.sequence import Request, Sequence
-from radixkv.errors import ConfigError, InvalidRequestError
+from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 
 def model_fingerprint(model_id: str, layout: Any) -> str:
@@ -111,6 +111,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ tiers
     def _tiered_mover(self, n_host: int, n_disk: int, model_id: str) -> KVMover:
@@ -141,7 +142,10 @@ class LLMEngine:
         return sum(1 for m in moves if m.dst_tier is not None)
 
     def close(self) -> None:
-        """Stop the mover's worker threads (the engine is unusable afterwards)."""
+        """Stop the mover's threads; add_request/step then raise EngineClosedError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         close = getattr(self.kv_mover, "close", None)
         if close is not None:
             close()
@@ -190,6 +194,8 @@ class LLMEngine:
         self._scheduler.add(req)
 
     def _check_request(self, request_id: Any, prompt: Any, params: Any, salt: Any) -> SamplingParams:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; build a new one")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
@@ -259,6 +265,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; return the outputs of requests that changed."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed; build a new one")
         outputs, self._pending = self._pending, []
         # Settle last step's write-behind/prefetch batches before the scheduler touches the
         # tree: their failures are then filed against nodes that are still where they went.
@@ -457,8 +465,7 @@ class LLMEngine:
             "tokens_computed": c.computed_tokens,
             "recomputed_tokens": c.recomputed_tokens,
             "preemptions": c.preemptions,
-            "unschedulable": c.unschedulable,
-            "held_admissions": c.held_admissions,
+            "unschedulable": c.unschedulable, "held_admissions": c.held_admissions,
             "evictions": list(tree_stats.evicted),
             "promotions": list(tree_stats.promoted),
             "demotions": list(tree_stats.demoted_in),
@@ -483,17 +490,11 @@ class LLMEngine:
         bm, bs = self._bm, self._bm.block_size
         fill: dict[int, int] = {}
         for req in self._scheduler.running:
-            for seq in req.seqs:
-                if seq.seq_id not in bm:
-                    continue   # staged: joins once its leader computed the shared prefix
+            for seq in (s for s in req.seqs if s.seq_id in bm):   # staged ones hold nothing
                 n = bm.num_computed_tokens(seq.seq_id)
                 for j, b in enumerate(bm.block_table(seq.seq_id)):
                     fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))
         return sum(fill.values()), len(fill) * bs
-
-
-
-
 
 
 __all__ = ["LLMEngine", "model_fingerprint"]

@@ -16,6 +16,7 @@ the model found the text, independent of the sampling knobs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,13 @@ from radixkv.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # torch is imported inside the functions: the scheduler imports this module
     import torch
+
+
+#: Temperatures below this sample as greedy (vLLM's choice too): logits / 1e-300 overflow to
+#: inf, and softmax of inf is nan, so such a request crashed the step instead of sampling.
+MIN_TEMPERATURE = 1e-5
+#: Seeds are used modulo 2**64 (torch generators take 64-bit seeds; sample i uses seed + i).
+SEED_MODULUS = 2**64
 
 
 def _is_int(v: object) -> bool:
@@ -36,10 +44,13 @@ class SamplingParams:
 
     Attributes:
         max_tokens: new tokens at most (>= 1).
-        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature). Values below
+            ``MIN_TEMPERATURE`` (1e-5) are set to 0: their limit is greedy, and dividing logits by
+            them overflows.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches top_p (1.0 = all).
-        seed: seeds this request's generator (sample i of ``n`` uses ``seed + i``); None = random.
+        seed: seeds this request's generator (sample i of ``n`` uses ``seed + i``); any int,
+            used modulo 2**64; None = random.
         stop_token_ids: tokens that end a sequence (kept in ``token_ids``, dropped from the text).
         stop: strings that end a sequence; the text is cut before them unless
             ``include_stop_str_in_output``.
@@ -77,6 +88,8 @@ class SamplingParams:
         bad = _first_error(self)
         if bad:
             raise InvalidRequestError(f"invalid sampling parameters: {bad}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -133,8 +146,9 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"n must be an int >= 1, got {p.n!r}"
     if not _is_int(p.beam_width) or p.beam_width < 1:
         return f"beam_width must be an int >= 1, got {p.beam_width!r}"
-    if not isinstance(p.length_penalty, (int, float)) or isinstance(p.length_penalty, bool):
-        return f"length_penalty must be a number, got {p.length_penalty!r}"
+    if not isinstance(p.length_penalty, (int, float)) or isinstance(p.length_penalty, bool) \
+            or not math.isfinite(p.length_penalty):
+        return f"length_penalty must be a finite number, got {p.length_penalty!r}"
     if p.early_stopping not in (True, False, "never"):
         return f"early_stopping must be True, False or 'never', got {p.early_stopping!r}"
     if p.beam_width > 1:
@@ -150,14 +164,15 @@ def _first_error(p: SamplingParams) -> str | None:
 # ----------------------------------------------------------------------------- token choice
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator for one sequence: seeded when ``seed`` is given, else from fresh entropy."""
+    """A generator for one sequence: seeded when ``seed`` is given (any int, taken modulo
+    2**64, the range torch accepts), else from fresh entropy."""
     import torch
 
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % SEED_MODULUS)
     return g
 
 

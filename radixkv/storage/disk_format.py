@@ -226,5 +226,6 @@ def check_mac(hdr: BlockHeader, payload: bytes | memoryview, signer: BlockSigner
         raise BadBlockFile("forged", "MAC mismatch: header or payload altered")
 
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "SIGNED_VERSION", "HASH_BYTES", "check_mac", "BlockHeader", "BadBlockFile",
+__all__ = ["MAGIC", "FORMAT_VERSION", "SIGNED_VERSION", "HASH_BYTES", "check_mac",
+           "BlockHeader", "BadBlockFile",
            "encode_header", "decode_header", "check_header", "header_len_for", "peek_header_len"]
