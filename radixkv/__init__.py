@@ -7,8 +7,9 @@ The bookkeeping layer (``radixkv.core``) imports no torch; the engine and API im
 from __future__ import annotations
 
 from radixkv.errors import (
-    ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError, OutOfBlocks,
-    RadixKVError, SequenceExistsError, StorageError, UnknownSequenceError,
+    ConfigError, EngineClosedError, InvalidBlockError, InvalidRequestError, InvalidTokensError,
+    OutOfBlocks, RadixKVError, SequenceExistsError, StorageError, UnknownDocumentError,
+    UnknownRequestError, UnknownSequenceError,
 )
 
 __version__ = "0.1.0"
@@ -34,5 +35,5 @@ def __getattr__(name: str):
 __all__ = [
     "RadixKVError", "ConfigError", "InvalidTokensError", "InvalidRequestError",
     "UnknownSequenceError", "SequenceExistsError", "InvalidBlockError", "OutOfBlocks",
-    "StorageError", *_LAZY,
+    "StorageError", "UnknownRequestError", "UnknownDocumentError", "EngineClosedError", *_LAZY,
 ]
