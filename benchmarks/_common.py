@@ -1,7 +1,9 @@
 """What every benchmark shares: a run header, a median timer, a table printer, JSON results.
 
 A benchmark answers one question, measures a baseline in the same run, and reports ratios.
-Results go to ``benchmarks/results/<name>.json`` (override the folder with RADIXKV_RESULTS_DIR).
+Results go to ``benchmarks/results/<name>.json`` (override the folder with RADIXKV_RESULTS_DIR);
+``--quick`` smoke runs go to a temporary folder instead (printed), so they never leave files
+in the checkout.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +30,31 @@ def results_dir() -> Path:
     path = Path(env) if env else REPO_ROOT / "benchmarks" / "results"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def quick_results_dir() -> Path:
+    """Folder for ``--quick`` runs: $RADIXKV_RESULTS_DIR, else ``<tmp>/radixkv-bench-quick``
+    (smoke runs are not results worth committing)."""
+    env = os.environ.get("RADIXKV_RESULTS_DIR")
+    path = Path(env) if env else Path(tempfile.gettempdir()) / "radixkv-bench-quick"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def is_quick(name: str, header: dict[str, Any]) -> bool:
+    """Whether a result comes from a ``--quick`` run (its header says so, or its name)."""
+    return bool(header.get("quick")) or re.search(r"[-_]quick\Z", name) is not None
+
+
+def plain_doc(doc: str | None) -> str:
+    """A module docstring's first paragraph as plain text for ``--help`` (no RST markup).
+
+    >>> plain_doc("``radixkv bench x``: what :mod:`a.b` costs.\n\nMore.")
+    'radixkv bench x: what a.b costs.'
+    """
+    first = (doc or "").strip().split("\n\n")[0]
+    first = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", first)
+    return " ".join(first.replace("``", "").split())
 
 
 def cache_dir() -> Path:
@@ -103,8 +132,11 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
 
 
 def write_results(name: str, header: dict[str, Any], results: Any) -> Path:
-    """Write ``{"header": ..., "results": ...}`` to results_dir()/<name>.json; return the path."""
-    path = results_dir() / f"{name}.json"
+    """Write ``{"header": ..., "results": ...}`` to results_dir()/<name>.json (a quick run:
+    quick_results_dir()); return the path."""
+    quick = is_quick(name, header)
+    path = (quick_results_dir() if quick else results_dir()) / f"{name}.json"
     path.write_text(json.dumps({"header": header, "results": results}, indent=2, default=str))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path}" + (" (a --quick run: kept out of benchmarks/results)" if quick
+                               else ""))
     return path

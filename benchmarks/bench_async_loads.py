@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -113,7 +113,7 @@ def _one_mode(model: Any, disk_dir: str, docs: list[list[int]], args: argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench async-loads",
-                                 description=__doc__.splitlines()[0])
+                                 description=plain_doc(__doc__))
     ap.add_argument("--docs", type=int, default=6)
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--decoders", type=int, default=4)
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     disk_dir = os.path.join(root, "kv")
     header = run_header(seed=0, benchmark="async-loads", docs=args.docs,
                         doc_tokens=args.doc_tokens, decoders=args.decoders, every=args.every,
-                        cold=args.cold, torch_threads=torch.get_num_threads())
+                        cold=args.cold, quick=args.quick,
+                        torch_threads=torch.get_num_threads())
     print(header)
     try:
         docs = [_tokens(args.doc_tokens, i, vocab) for i in range(args.docs)]

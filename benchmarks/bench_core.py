@@ -22,7 +22,9 @@ import tracemalloc
 
 import xxhash
 
-from radixkv.benchmarks._common import print_table, run_header, time_median, write_results
+from radixkv.benchmarks._common import (
+    plain_doc, print_table, run_header, time_median, write_results,
+)
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
 from radixkv.core.tree import DEVICE
@@ -235,7 +237,7 @@ def bench_trace(requests, device_fraction: float = 0.5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench core", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="radixkv bench core", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--synthetic-only", action="store_true", help="skip the ShareGPT trace")
     args = ap.parse_args(argv)

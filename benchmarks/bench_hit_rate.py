@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.benchmarks._common import (
-    REPO_ROOT, print_table, results_dir, run_header, write_results,
+    REPO_ROOT, plain_doc, print_table, results_dir, run_header, write_results,
 )
 from radixkv.benchmarks.bounds import infinite, prepare, simulate
 from radixkv.benchmarks.replay import ReplayConfig, replay, system_prefix_tokens
@@ -115,7 +115,7 @@ def _bounds(bs: int, fractions: list[float]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench hit-rate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="radixkv bench hit-rate", description=plain_doc(__doc__))
     ap.add_argument("--trace", choices=KINDS, default="chat")
     ap.add_argument("--quick", action="store_true", help="small trace and sweep (CI, seconds)")
     ap.add_argument("--seed", type=int, default=0)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from radixkv.kernels import copy_blocks, paged_decode_attention, paged_prefill_attention, write_kv
 
-from ._common import print_table, run_header, time_median, write_results
+from ._common import plain_doc, print_table, run_header, time_median, write_results
 
 # The embedded model's attention shape (SmolLM2: 9 query heads, 3 KV heads, head_dim 64).
 MODEL = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
@@ -172,7 +172,7 @@ def bench_device_copy(device, timer) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixkv bench kernels", description=__doc__)
+    parser = argparse.ArgumentParser(prog="radixkv bench kernels", description=plain_doc(__doc__))
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 
 def pick_prompts(trace: Any, n: int, max_prompt: int) -> list[list[int]]:
@@ -96,7 +96,7 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench throughput",
-                                 description=__doc__.splitlines()[0])
+                                 description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true", help="batch 8, 32 new tokens, 1 repeat")
     ap.add_argument("--batch", type=int, default=None, help="requests (default 16)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens each (default 64)")

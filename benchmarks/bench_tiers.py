@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import xxhash
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 from radixkv.storage.buffers import byte_view
 from radixkv.storage.device import DevicePool, default_device
 from radixkv.storage.disk import DiskStore
@@ -346,7 +346,7 @@ def bench_hit_rate(quick: bool = False, block_size: int = 16) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench tiers", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="radixkv bench tiers", description=plain_doc(__doc__))
     ap.add_argument("--blocks", type=int, default=256,
                     help="blocks per bandwidth batch (720 KiB each)")
     ap.add_argument("--rebuild-blocks", type=int, default=100_000)

@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 
 def select_turns(trace: Any, max_prompt: int, max_turns: int) -> list[tuple[Any, Any]]:
@@ -91,7 +91,7 @@ def hf_new_tokens_ttft(model: Any, prompt: list[int], num_cached: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench ttft", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="radixkv bench ttft", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true", help="8 turns of prompts <= 1024 tokens")
     ap.add_argument("--turns", type=int, default=None, help="turns to measure (default 24)")
     ap.add_argument("--max-prompt", type=int, default=None,

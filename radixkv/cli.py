@@ -10,6 +10,10 @@ import argparse
 import importlib
 import sys
 
+#: ``radixkv --help`` text (plain: argparse prints it as is).
+DESCRIPTION = ("radixkv: a prefix-caching LLM inference engine. Run 'radixkv COMMAND --help' "
+               "for a command's options.")
+
 # name -> (module, function). Each function takes argv (list[str]) and returns an exit code.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "core": ("radixkv.benchmarks.bench_core", "main"),
@@ -32,15 +36,26 @@ def _run(target: tuple[str, str], argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from radixkv import __version__
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="radixkv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="radixkv", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"radixkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
-    bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    # add_help=False: `radixkv bench NAME --help` reaches the benchmark's own parser
+    bench = sub.add_parser("bench", add_help=False, usage="radixkv bench NAME [options]",
+                           help="run a benchmark: " + ", ".join(BENCHMARKS),
+                           description="Run a benchmark; 'radixkv bench NAME --help' lists "
+                                       "its options.")
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), metavar="NAME",
+                       help="one of: " + ", ".join(sorted(BENCHMARKS)))
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
+        if args.name is None:
+            bench.print_help()
+            return 0 if {"-h", "--help"} & set(rest) else 2
         return _run(BENCHMARKS[args.name], rest)
     module, func, _ = COMMANDS[args.command]
     return _run((module, func), rest)

@@ -38,8 +38,9 @@ Prompt = Union[str, Sequence[int]]
 ParamsLike = Union["SamplingParams", dict, None]
 
 
-def model_fingerprint(model: Any) -> str:
-    """A namespace string for a model: name or path, dtype and KV geometry.
+def model_fingerprint(model: Any, dtype: Any = None) -> str:
+    """A namespace string for a model: name or path, dtype and KV geometry. ``dtype`` (the
+    dtype the engine will run in, when it converts the model) overrides the weights' own.
 
     Two engines that compute different K/V for the same tokens must get different fingerprints
     when they share a disk tier; pass ``model_id`` explicitly for fine-tuned weights that keep
@@ -48,7 +49,8 @@ def model_fingerprint(model: Any) -> str:
     cfg = getattr(model, "config", None)
     name = getattr(cfg, "_name_or_path", "") or type(model).__name__
     try:
-        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        dtype = str(dtype if dtype is not None else next(model.parameters()).dtype)
+        dtype = dtype.replace("torch.", "")
     except (StopIteration, AttributeError, TypeError):
         dtype = "?"
     geo = ""
@@ -102,7 +104,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config if cache_config is not None else CacheConfig()
         self.engine_config = engine_config if engine_config is not None else EngineConfig()
-        self.model_id = model_id or model_fingerprint(model)
+        self.model_id = model_id or model_fingerprint(
+            model, self.engine_config.torch_dtype(None))   # the dtype it will run in
         self.core = LLMEngine(model, tokenizer, self.cache_config, self.engine_config,
                               model_id=self.model_id, kv_mover=kv_mover)
         self._ids = itertools.count()
