@@ -3,15 +3,19 @@ payloads were swapped (checksums recomputed) recomputes them instead of serving 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import xxhash
 
-from radixkv.errors import ConfigError
 from radixkv.config import CacheConfig
 from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import ConfigError
 from radixkv.storage.disk_format import decode_header, encode_header
 
-from tiers_helpers import check_tiers, hf_greedy, make_engine, rand_tokens
+sys.path.insert(0, str(Path(__file__).parent))
+from tiers_helpers import check_tiers, hf_greedy, make_engine, rand_tokens  # noqa: E402
 
 SECRET = "a shared secret for the test"
 
