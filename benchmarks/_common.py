@@ -47,7 +47,7 @@ def is_quick(name: str, header: dict[str, Any]) -> bool:
 
 
 def plain_doc(doc: str | None) -> str:
-    """A module docstring's first paragraph as plain text for ``--help`` (no RST markup).
+    r"""A module docstring's first paragraph as plain text for ``--help`` (no RST markup).
 
     >>> plain_doc("``radixkv bench x``: what :mod:`a.b` costs.\n\nMore.")
     'radixkv bench x: what a.b costs.'
