@@ -77,8 +77,8 @@ def set_threads(n: int | None) -> None:
 
 #: Printed under the table: what the speed-up column means, and why a cold turn has none.
 LEGEND = ("speedup = TTFT of the same prompt with caching disabled / TTFT with the cache "
-          "(same run).\n'cold' = nothing of that prompt was cached yet: both engines compute all of it, so a "
-          "ratio there would only measure timing noise.")
+          "(same run).\n'cold'  = nothing of that prompt was cached yet: both engines compute "
+          "all of it,\n         so a ratio there would only measure timing noise.")
 
 
 def _fmt_row(row: dict[str, Any]) -> dict[str, str]:
