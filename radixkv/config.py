@@ -67,7 +67,7 @@ class CacheConfig:
             (copies compete with other blocks for the tier). Best effort: a copy that finds
             no room, or whose write fails, is skipped.
         disk_secret: makes the disk tier *authenticated*: every block file is signed with a
-            keyed BLAKE2b MAC of its header and payload, verified on every read; a block that
+            HMAC-SHA256 of its header and payload, verified on every read; a block that
             fails (tampered, unsigned, another key) is a miss, counted, never served. None
             reads the environment variable ``RADIXKV_KV_SECRET`` (unset: checksums only, which
             catch accidents, not a writer who recomputes them). At least 16 bytes; share it

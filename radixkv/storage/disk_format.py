@@ -31,7 +31,7 @@ Version 2 is a *signed* block (``DiskStore(signer=...)``, see ``integrity.py``):
 flag bit 1 set, and after the token ids::
 
     112+8T    8  key id of the signer (public; tells "another key" from "forged")
-    120+8T   32  MAC: keyed BLAKE2b of bytes [0, 120+8T) followed by the payload
+    120+8T   32  MAC: HMAC-SHA256 of bytes [0, 120+8T) followed by the payload
     152+8T    8  header checksum: xxh3_64 of bytes [0, 152+8T) (u64)
     160+8T  ...  zero padding up to header_len
 

@@ -4,7 +4,7 @@ Checksums (xxh3) catch accidents: torn writes, bit rot, truncation. They do not 
 who can recompute them: swap the payloads of two block files, fix both checksums, and a restart
 serves wrong KV. Any store more than one process can write (the disk tier; a remote tier shared
 by replicas) therefore has an option for authenticity: every block record carries
-``BLAKE2b(key, record)``, verified on every read; a record that fails is a miss, never served.
+``HMAC-SHA256(key, record)``, verified on every read; a record that fails is a miss, never served.
 
 One :class:`BlockSigner` per secret, independent of where the bytes live: the disk format
 (``disk_format.py``, version 2 headers) calls :meth:`BlockSigner.mac` over its header fields
@@ -13,10 +13,13 @@ signer carries a short public ``key_id`` (derived from the key, not the key itse
 reader can tell "signed with another key" (someone else's block: skipped, left alone) from
 "signed with my key but altered" (forged: a miss, counted, removed).
 
-Keyed BLAKE2b rather than HMAC-SHA256: it is a MAC by construction (no HMAC wrapper), in the
-standard library, and faster than SHA-256 on CPUs without SHA extensions. The secret comes
-from the configuration or an environment variable (:func:`signer_from`); it is never written
-anywhere.
+HMAC-SHA256 rather than keyed BLAKE2b: both are standard-library MACs, and on CPUs with SHA
+extensions (most x86 since Zen / Ice Lake, ARMv8 with crypto) SHA-256 is the faster one. Measured
+on the project's 2-core machine over one 720 KiB SmolLM2 block: HMAC-SHA256 0.88 GB/s, keyed
+BLAKE2b 0.47 GB/s, xxh3_64 (the checksum) 37 GB/s (cache-hot), so a signed read costs about
+0.8 ms of hashing per such block more than an unsigned one; hashlib releases the GIL, so the
+tier's I/O threads hash in parallel. The secret comes from the configuration or an environment
+variable (:func:`signer_from`); it is never written anywhere.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ MIN_SECRET_BYTES = 16
 
 
 class BlockSigner:
-    """Keyed BLAKE2b-256 over a block record's bytes.
+    """HMAC-SHA256 over a block record's bytes.
 
     Args:
         secret: at least 16 bytes (a str is UTF-8 encoded). It is stretched into a 32-byte key
@@ -49,7 +52,7 @@ class BlockSigner:
     (8, False)
     """
 
-    __slots__ = ("_key", "key_id")
+    __slots__ = ("_key", "_hmac", "key_id")
 
     def __init__(self, secret: str | bytes) -> None:
         if isinstance(secret, str):
@@ -59,12 +62,13 @@ class BlockSigner:
                               "bytes (str or bytes)")
         self._key = hashlib.blake2b(bytes(secret), digest_size=32,
                                     person=b"radixkv-kv-key").digest()
+        self._hmac = hmac.new(self._key, digestmod=hashlib.sha256)   # copied per MAC
         self.key_id = hashlib.blake2b(self._key, digest_size=KEY_ID_BYTES,
                                       person=b"radixkv-key-id").digest()
 
     def mac(self, *parts: bytes | bytearray | memoryview) -> bytes:
         """The MAC (``MAC_BYTES``) of the concatenation of ``parts``."""
-        h = hashlib.blake2b(key=self._key, digest_size=MAC_BYTES, person=b"radixkv-kv-blk")
+        h = self._hmac.copy()   # the keyed inner/outer pads are computed once
         for p in parts:
             h.update(p)
         return h.digest()
