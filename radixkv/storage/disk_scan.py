@@ -114,6 +114,9 @@ def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
         names = os.listdir(d)
     except FileNotFoundError:
         return entries, counts
+    except NotADirectoryError:   # a file or FIFO with a 2-character name: not ours
+        counts["foreign"] += 1
+        return entries, counts
     prefix = f"{d}{os.sep}"
     for name in names:
         if not BLOCK_NAME.match(name):

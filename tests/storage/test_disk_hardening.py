@@ -54,6 +54,17 @@ def test_fifo_under_a_block_name_does_not_hang_scan_or_read(store, make_block, r
     assert torch.equal(fresh.get(good), make_block(1))
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_non_directories_among_the_fan_out_folders_are_skipped(store, make_block, rand_hash):
+    good = rand_hash()
+    assert store.put(good, None, range(4), make_block(1))
+    os.mkfifo(store.dir / "zz")                 # a FIFO and a file where a fan-out folder goes
+    (store.dir / "yy").write_bytes(b"x")
+    fresh = _in_thread(lambda: DiskStore(store.root, store.layout, store.namespace))
+    assert [e.block_hash for e in fresh.entries()] == [good]
+    assert (store.dir / "zz").exists() and (store.dir / "yy").exists()
+
+
 def test_directory_under_a_block_name_is_skipped(store, rand_hash):
     h = rand_hash()
     store.path_of(h).mkdir(parents=True)
