@@ -38,7 +38,7 @@ TIER_NAMES = ("device", "host", "disk")
 #: Substrings of a stat name that mark a monotonic count (a Prometheus counter).
 COUNTER_WORDS = ("hits", "misses", "evictions", "promotions", "demotions", "preemptions",
                  "requests", "tokens", "saved", "steps", "forwards", "collisions", "dropped",
-                 "aborted", "finished")
+                 "aborted", "finished", "unschedulable", "admissions", "forged")
 #: Substrings that override COUNTER_WORDS: these are instantaneous values (gauges).
 GAUGE_WORDS = ("rate", "ratio", "utilization", "running", "waiting", "free", "resident",
                "num_", "blocks", "stored", "allocated", "capacity")
