@@ -18,7 +18,7 @@ immutable, so a copy stays valid for as long as the node is cached. Copies are m
 * **kept sources**: ``promote`` / ``promote_lower`` out of a write-through tier keep the old slot
   as a copy (``keep_src=True`` on the load: the storage layer must not remove the source).
 
-A copy sits in its tier's evictable ``SortedList`` under the node's own policy key (so copies
+A copy sits in its tier's eviction index under the node's own policy key (so copies
 and primaries compete for the tier by the same order) and is *always* evictable: evicting it is
 a drop op ``MoveOp(h, u, copy_slot, None, None)``. When the node's key changes (lock, release,
 hints, a prefetch's touch) its copy entries are re-filed around the change (a write-through
@@ -36,8 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sortedcontainers import SortedList
-
+from radixkv.core.evict_index import EvictionIndex
 from radixkv.core.hashing import chain_hash
 from radixkv.core.node import DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
@@ -59,7 +58,7 @@ class TierOps:
     _pools: list[BlockPool]
     _refs: list[int]
     _index: dict[bytes, Node]
-    _evictable: list[SortedList]
+    _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
     _device_nodes: list[Node | None]

@@ -41,8 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
-from sortedcontainers import SortedList
-
+from radixkv.core.evict_index import EvictionIndex, SortedIndex
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
@@ -94,7 +93,8 @@ class RadixTree(TierOps):
         self.num_tiers = len(self._pools)
         self._refs = device_pool.ref_counts
         self._index: dict[bytes, Node] = {}
-        self._evictable: list[SortedList] = [SortedList() for _ in self._pools]
+        new_index = getattr(self.policy, "new_index", SortedIndex)  # optional policy hook
+        self._evictable: list[EvictionIndex] = [new_index() for _ in self._pools]
         self._resident = [0] * self.num_tiers
         self._unreferenced = 0                      # device nodes with refcount 0
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
@@ -387,7 +387,7 @@ class RadixTree(TierOps):
         entries = self._evictable[tier]
         assert entries, (f"tier {tier}: nothing evictable with {self._resident[tier]} resident, "
                          f"{self.num_evictable(tier)} counted evictable")
-        node = self._index[entries.pop(0)[-1]]
+        node = self._index[entries.pop_min()[-1]]
         if node.tier == tier:
             self._move_out(node, moves)
         else:
@@ -443,9 +443,9 @@ class RadixTree(TierOps):
         self._pending = []
         for tier in range(self.num_tiers):
             entries = self._evictable[tier]
-            while entries and self.policy.expired(entries[0], now):
+            while entries and self.policy.expired(entries.min(), now):
                 self.stats.expired += 1
-                node = self._index[entries.pop(0)[-1]]
+                node = self._index[entries.pop_min()[-1]]
                 if node.tier == tier:
                     self._move_out(node, moves)
                 else:
