@@ -233,8 +233,7 @@ class BlockManager:
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
-        for x in on_device:
-            tree.lock(x, now)
+        tree.lock_nodes(on_device, now)
         per_tier = [0] * tree.num_tiers
         for x in on_device:
             per_tier[DEVICE] += self.block_size
@@ -414,7 +413,7 @@ class BlockManager:
         self._check_new_id(child_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id!r} is already live")
-        self._ref_blocks(p.blocks, +1)
+        self.tree.lock_blocks(p.blocks)
         self._seqs[child_id] = _Seq(p.seed, list(p.tokens), list(p.blocks), list(p.hashes),
                                     list(p.nodes), p.num_computed)
 
@@ -424,23 +423,7 @@ class BlockManager:
         Runtime complexity: O(blocks * log n)."""
         s = self._seq(seq_id)
         del self._seqs[seq_id]
-        self._ref_blocks(s.blocks[::-1], -1)
-
-    def _ref_blocks(self, blocks: Sequence[int], delta: int) -> None:
-        # A block is cached (a tree node: lock/release keep the evictable sets right) or
-        # private (plain refcount; freed at zero). A block private when this sequence took it
-        # may since have been committed by a fork sibling, so decide per block, now.
-        tree, refs = self.tree, self.pool.ref_counts
-        now = tree.clock()
-        device_nodes = tree._device_nodes
-        for b in blocks:
-            node = device_nodes[b]
-            if node is not None:
-                tree.lock(node, now) if delta > 0 else tree.release(node, now)
-            else:
-                refs[b] += delta
-                if refs[b] == 0:
-                    self.pool.free_one(b)
+        self.tree.release_blocks(s.blocks[::-1])
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

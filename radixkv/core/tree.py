@@ -276,7 +276,10 @@ class RadixTree(TierOps):
         """``insert`` without argument checks, for the block manager's commit path."""
         node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), now)
         if parent is not None:
-            self._add_child_count(parent, DEVICE, 1)
+            c = parent.children
+            if not c & _CMASK and self._refs[parent.slot] == 0:
+                self._evictable[DEVICE].remove(self._entry(parent))  # no longer a leaf
+            parent.children = c + 1
         self._index[block_hash] = node
         self._device_nodes[block_id] = node
         self._resident[DEVICE] += 1
@@ -311,6 +314,75 @@ class RadixTree(TierOps):
             self._unreferenced += 1
             node.last_access = self.clock() if now is None else now
             self._consider(node)
+
+    # ------------------------------------------------------------------ batched references
+    # The block manager's per-request paths: one pass over a request's blocks, each block a
+    # few list and attribute operations. A node enters or leaves the evictable index only where
+    # its refcount crosses zero *and* it is a leaf in the device tier, which in a chain is at
+    # most its deepest node, so the index is touched O(1) times per request. Write-through
+    # trees take the per-node ``lock``/``release`` (their copies are re-filed around the change).
+    def lock_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
+        """Take one reference on each device block: ``lock`` for cached ones, a plain refcount
+        for private ones (a fork sharing a sequence's blocks). Every block must be allocated.
+        Runtime complexity: O(blocks), plus O(1) index work per block whose node was evictable
+        (O(log n) under a ``SortedIndex`` policy)."""
+        now = self.clock() if now is None else now
+        refs, nodes = self._refs, self._device_nodes
+        if self._wt:
+            for b in block_ids:
+                node = nodes[b]
+                if node is None:
+                    refs[b] += 1
+                else:
+                    self.lock(node, now)
+            return
+        index, entry = self._evictable[DEVICE], self._entry
+        unref = 0
+        for b in block_ids:
+            node = nodes[b]
+            r = refs[b]
+            if node is not None:
+                if r == 0:
+                    unref += 1
+                    if not node.children & _CMASK:
+                        index.remove(entry(node))   # leaves the index before its key changes
+                node.last_access = now
+                node.hits += 1
+            refs[b] = r + 1
+        self._unreferenced -= unref
+
+    def lock_nodes(self, nodes: Iterable[Node], now: float | None = None) -> None:
+        """``lock`` every node of ``nodes`` (all on the device) in one pass. O(nodes)."""
+        self.lock_blocks([x.slot for x in nodes], now)
+
+    def release_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
+        """Drop one reference on each device block: ``release`` for cached ones; a private
+        block is freed into the device pool when its count reaches 0. Pass a sequence's blocks
+        deepest first. Runtime complexity: O(blocks), plus O(1) index work per node that
+        becomes evictable (O(log n) under a ``SortedIndex`` policy)."""
+        now = self.clock() if now is None else now
+        refs, nodes, pool = self._refs, self._device_nodes, self._pools[DEVICE]
+        wt = self._wt
+        index, entry = self._evictable[DEVICE], self._entry
+        unref = 0
+        for b in block_ids:
+            node = nodes[b]
+            r = refs[b] - 1
+            assert r >= 0, f"release of unreferenced device block {b}"
+            if node is None:
+                refs[b] = r
+                if r == 0:
+                    pool.free_one(b)
+            elif wt:
+                self.release(node, now)
+            else:
+                refs[b] = r
+                if r == 0:
+                    unref += 1
+                    node.last_access = now
+                    if not node.children & _CMASK:
+                        index.add(entry(node))
+        self._unreferenced += unref
 
     def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
         """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
@@ -379,9 +451,44 @@ class RadixTree(TierOps):
                               "every cached block of this tier is in use by a live sequence")
         moves = self._pending    # queued write-through moves run first
         self._pending = []
+        if self.num_tiers == 1:
+            self._drop_device(num_blocks, moves)
+            return moves
         for _ in range(num_blocks):
             self._evict_one(tier, moves)
         return moves
+
+    def _drop_device(self, num_blocks: int, moves: list[MoveOp]) -> None:
+        """``evict`` of a device-only tree in one loop: each victim leaves the cache.
+
+        The same steps as ``_evict_one`` -> ``_move_out`` -> ``_drop`` for this case, without
+        the calls: pop the policy's minimum, unmap it, re-file its parent if that became an
+        unreferenced leaf, free the block. O(1) per block with a ``RecencyIndex``.
+        """
+        entries, index, hints = self._evictable[DEVICE], self._index, self._hints
+        device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
+        free_one = self._pools[DEVICE].free_one
+        append = moves.append
+        for _ in range(num_blocks):
+            h = entries.pop_min()[-1]
+            node = index.pop(h)
+            slot = node.slot
+            assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
+            device_nodes[slot] = None
+            if hints:
+                hints.pop(h, None)
+            p = node.parent
+            if p is not None:
+                c = p.children - 1
+                p.children = c
+                if not c and refs[p.slot] == 0:
+                    entries.add(entry(p))        # the parent is now an evictable leaf
+            free_one(slot)
+            append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
+        self._resident[DEVICE] -= num_blocks
+        self._unreferenced -= num_blocks
+        self.stats.evicted[DEVICE] += num_blocks
+        self.stats.dropped += num_blocks
 
     def _evict_one(self, tier: int, moves: list[MoveOp]) -> None:
         entries = self._evictable[tier]
