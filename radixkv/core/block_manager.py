@@ -86,10 +86,10 @@ class Allocation:
 class _Seq:
     __slots__ = ("seed", "tokens", "blocks", "hashes", "nodes", "num_computed")
 
-    def __init__(self, seed: bytes, tokens: list[int], blocks: list[int], hashes: list[bytes],
+    def __init__(self, seed: bytes, tokens: array, blocks: list[int], hashes: list[bytes],
                  nodes: list[Node], num_computed: int) -> None:
         self.seed = seed
-        self.tokens = tokens            # every token id of the sequence so far
+        self.tokens = tokens            # every token id so far (array('i'): no int objects)
         self.blocks = blocks            # device block ids, ceil(len(tokens) / B) of them
         self.hashes = hashes            # chain hashes of the committed blocks
         self.nodes = nodes              # tree nodes of the committed blocks (same length)
@@ -259,7 +259,7 @@ class BlockManager:
             refs[b] += 1
         blocks.extend(fresh)
         num_cached = len(kept) * self.block_size
-        self._seqs[seq_id] = _Seq(namespace.seed, list(array("i", tok)), blocks,
+        self._seqs[seq_id] = _Seq(namespace.seed, array("i", tok), blocks,
                                   list(hashes[:len(kept)]), kept, num_cached)
         return Allocation(seq_id, tuple(blocks), num_cached, tuple(per_tier), tuple(moves))
 
@@ -370,41 +370,65 @@ class BlockManager:
         first, last = len(s.nodes), num_computed_tokens // bs
         if last <= first:
             return 0
-        tok = array("i", s.tokens[first * bs:last * bs]).tobytes()
+        tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
         parent = s.nodes[-1] if s.nodes else None
         h = s.hashes[-1] if s.hashes else s.seed
         added = 0
         now = tree.clock()
-        for i in range(first, last):
-            chunk = tok[(i - first) * width:(i - first + 1) * width]
-            h = _xxh3_128(h + chunk)
-            b = s.blocks[i]
-            node = tree.get(h)
-            if node is not None and (node.parent is not parent or node.tokens != chunk):
-                node = None  # collision: keep this block private, stop caching this chain
-                break
+        index_get = tree._index.get
+        blocks = s.blocks
+        i = first
+        while i < last:
+            off = (i - first) * width
+            chunk = tok[off:off + width]
+            hi = _xxh3_128(h + chunk)
+            node = index_get(hi)
             if node is None:
-                node = tree._insert(parent, h, chunk, b, now)
-                added += 1
-            elif node.tier == DEVICE and node.slot != b:
-                if refs[b] > 1:
-                    # A fork sibling shares our duplicate and would keep it: caching our later
-                    # blocks under the cached copy would leave the sibling holding a child
-                    # without its parent (breaking refcount monotonicity). Stop this chain.
+                # Everything from here is new (a cached block's parent is cached): one pass.
+                run = tree.insert_run(parent, h, tok[off:], blocks[i:last], now)
+                if run:
+                    s.nodes.extend(run)
+                    s.hashes.extend([x.block_hash for x in run])
+                    added += len(run)
+                    i += len(run)
+                    parent, h = run[-1], run[-1].block_hash
+                    continue
+                node = index_get(hi)   # unreachable unless a hash collides with the index
+                if node is None:
                     break
-                tree.lock(node, now)         # share the cached copy, free the duplicate
-                refs[b] -= 1
-                if refs[b] == 0:
-                    self.pool.free_one(b)
-                s.blocks[i] = node.slot
+            b = blocks[i]
+            if node.parent is not parent or node.tokens != chunk:
+                tree.stats.collisions += 1   # keep this block private, stop caching the chain
+                break
+            if node.tier == DEVICE and node.slot != b:
+                # Another sequence computed this block first: share its copy, free ours. Fork
+                # siblings holding our duplicate switch too (same block id, same position), so
+                # the chain stays cached for all of them and nobody holds a child without its
+                # parent (refcount monotonicity).
+                self._switch_to_cached(i, b, node, now)
             elif node.tier != DEVICE:
                 tree.promote(node, b, copy=False)
                 added += 1
             s.nodes.append(node)
-            s.hashes.append(h)
-            parent = node
+            s.hashes.append(hi)
+            parent, h = node, hi
+            i += 1
         return added
+
+    def _switch_to_cached(self, i: int, b: int, node: Node, now: float) -> None:
+        """Every live sequence holding private device block ``b`` at position ``i`` (the
+        committing one and its fork siblings) takes a reference on cached ``node`` instead;
+        ``b`` is freed. O(live sequences): the rare path of two computations of one block."""
+        refs = self.pool.ref_counts
+        holders = [q for q in self._seqs.values() if len(q.blocks) > i and q.blocks[i] == b]
+        assert len(holders) == refs[b] and self.tree.device_node(b) is None, (
+            f"block {b}: {len(holders)} holders at position {i}, refcount {refs[b]}")
+        for q in holders:
+            self.tree.lock(node, now)
+            q.blocks[i] = node.slot
+        refs[b] = 0
+        self.pool.free_one(b)
 
     # ------------------------------------------------------------------ fork / free
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -414,7 +438,7 @@ class BlockManager:
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id!r} is already live")
         self.tree.lock_blocks(p.blocks)
-        self._seqs[child_id] = _Seq(p.seed, list(p.tokens), list(p.blocks), list(p.hashes),
+        self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(p.blocks), list(p.hashes),
                                     list(p.nodes), p.num_computed)
 
     def free(self, seq_id: SeqId) -> None:

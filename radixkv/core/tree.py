@@ -148,12 +148,15 @@ class RadixTree(TierOps):
         return moves
 
     def match(self, block_hashes: Sequence[bytes], tok_bytes: bytes) -> list[Node]:
-        """Longest cached chain of full blocks for a request, in any tier. No side effects.
+        """Longest cached chain of full blocks for a request, in any tier. A pure read: it
+        changes nothing (not the policy's keys, not a counter); use the block manager's
+        ``allocate`` (``lock_nodes``) to take and touch what it returns.
 
         ``block_hashes[i]`` is the chain hash of block i of the request and ``tok_bytes`` its
         token ids (``hashing.token_bytes``). Matching stops at the first block that is absent,
-        whose parent is not the previous match, or whose stored tokens differ (a collision,
-        counted in ``stats.collisions``). The nodes returned may live in different tiers, in
+        whose parent is not the previous match, or whose stored tokens differ (a hash collision:
+        a miss, never a wrong block; the commit that meets it counts it in ``stats.collisions``).
+        The nodes returned may live in different tiers, in
         non-decreasing tier order along the chain.
         Runtime complexity: O(number of matched blocks).
         """
@@ -168,7 +171,6 @@ class RadixTree(TierOps):
                 break
             end = start + width
             if node.tokens != tok_bytes[start:end]:
-                self.stats.collisions += 1
                 break
             out.append(node)
             prev = node
@@ -200,7 +202,6 @@ class RadixTree(TierOps):
             if node is None or node.parent is not prev:
                 break
             if node.tokens != chunk:
-                self.stats.collisions += 1
                 break
             nodes.append(node)
             hashes.append(h)
@@ -290,6 +291,65 @@ class RadixTree(TierOps):
         if self._wt:
             self._write_through(node)
         return node
+
+    def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
+                   block_ids: Sequence[int], now: float) -> list[Node]:
+        """Cache consecutive computed device blocks as a chain under ``parent`` in one pass.
+
+        ``tok_bytes`` holds the blocks' tokens (``len(block_ids)`` full blocks) and
+        ``prev_hash`` is the chain hash of ``parent`` (the namespace seed at the root). Each
+        block is hashed and inserted as the child of the previous one, as ``insert`` would,
+        until one whose hash is already cached: the nodes inserted before it are returned
+        (the caller decides what to do with that block). The blocks must be held by the caller
+        (refcount > 0) and uncached; the parent must be on the device (the block manager's
+        commit guarantees both, so they are not re-checked here).
+        Runtime complexity: O(blocks) (+ the write-through copies' evictions).
+        """
+        if self._wt:
+            out = []
+            width = self.block_size * TOKEN_BYTES
+            h = prev_hash
+            for k, b in enumerate(block_ids):
+                chunk = tok_bytes[k * width:(k + 1) * width]
+                h = _xxh3_128(h + chunk)
+                if h in self._index:
+                    break
+                parent = self._insert(parent, h, chunk, b, now)
+                out.append(parent)
+            return out
+        width = self.block_size * TOKEN_BYTES
+        index, device_nodes, refs = self._index, self._device_nodes, self._refs
+        canonical = self._pools[DEVICE]._ids
+        xxh = _xxh3_128
+        out: list[Node] = []
+        append = out.append
+        h = prev_hash
+        start = 0
+        for b in block_ids:
+            chunk = tok_bytes[start:start + width]
+            start += width
+            h = xxh(h + chunk)
+            if h in index:
+                break
+            assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
+            node = Node(h, parent, chunk, DEVICE, canonical[b], now)
+            index[h] = node
+            device_nodes[b] = node
+            append(node)
+            parent = node
+        n = len(out)
+        if n:
+            first_parent = out[0].parent
+            if first_parent is not None:
+                c = first_parent.children
+                if not c & _CMASK and refs[first_parent.slot] == 0:
+                    self._evictable[DEVICE].remove(self._entry(first_parent))
+                first_parent.children = c + 1
+            for node in out[:-1]:
+                node.children = 1        # its child in the run, on the device
+            self._resident[DEVICE] += n
+            self.stats.inserted += n
+        return out
 
     def lock(self, node: Node, now: float | None = None) -> None:
         """Take one reference on a device node (a sequence now uses it). O(log n)."""
