@@ -296,6 +296,7 @@ class TierOps:
         node = Node(block_hash, parent, tokens, tier, self._pools[tier].allocate_one(), self.clock())
         if parent is not None:
             self._add_child_count(parent, tier, 1)
+            parent.child = node
         self._index[block_hash] = node
         self._resident[tier] += 1
         self._consider(node)
@@ -330,6 +331,9 @@ class TierOps:
                 assert self._device_nodes[node.slot] is node, f"device block {node.slot} not mapped to {node}"
                 if self._refs[node.slot] == 0:
                     unref += 1
+            c = node.child
+            assert c is None or (c.parent is node and self._index.get(c.block_hash) is c), (
+                f"{node}: followed child {c} is not a cached child of it")
             p = node.parent
             if p is not None:
                 assert self._index.get(p.block_hash) is p, f"parent of {node} is not cached"

@@ -181,9 +181,12 @@ class RadixTree(TierOps):
                      ) -> tuple[list[Node], list[bytes]]:
         """Hash and match in one pass: ``(nodes, their hashes)`` for the longest cached chain.
 
-        Same result as ``match(hash_blocks(...), tok_bytes)`` but hashes only as far as the
-        chain matches, and slices each block's bytes once. ``seed`` is the namespace seed.
-        Runtime complexity: O(matched tokens).
+        Same result as ``match(hash_blocks(...), tok_bytes)`` (a pure read too) but hashes only
+        where it must: block i+1 is first compared with the child that block i's node followed
+        last (``Node.child``); only if their tokens differ is the chain hash computed and looked
+        up. So a request that continues the way the previous one went pays one hash for its
+        whole matched prefix. ``seed`` is the namespace seed. Runtime complexity: O(matched
+        tokens), the hashing only for blocks off the followed path.
         """
         width = self.block_size * TOKEN_BYTES
         n = len(tok_bytes) // width
@@ -192,21 +195,30 @@ class RadixTree(TierOps):
         index_get = self._index.get
         xxh = _xxh3_128
         nodes: list[Node] = []
-        hashes: list[bytes] = []
+        append = nodes.append
         prev: Node | None = None
-        h = seed
-        for start in range(0, n * width, width):
+        end = n * width
+        start = 0
+        chunk = tok_bytes[:width]
+        if n:   # the first block has no parent node to follow: hash it
+            node = index_get(xxh(seed + chunk))
+            if node is not None and node.parent is None and node.tokens == chunk:
+                append(node)
+                prev = node
+                start = width
+            else:
+                end = 0
+        while start < end:
             chunk = tok_bytes[start:start + width]
-            h = xxh(h + chunk)
-            node = index_get(h)
-            if node is None or node.parent is not prev:
-                break
-            if node.tokens != chunk:
-                break
-            nodes.append(node)
-            hashes.append(h)
+            node = prev.child   # type: ignore[union-attr]
+            if node is None or node.tokens != chunk:
+                node = index_get(xxh(prev.block_hash + chunk))   # type: ignore[union-attr]
+                if node is None or node.parent is not prev or node.tokens != chunk:
+                    break
+            append(node)
             prev = node
-        return nodes, hashes
+            start += width
+        return nodes, [x.block_hash for x in nodes]
 
     def hints(self, node: Node) -> NodeHints:
         return self._hints.get(node.block_hash, DEFAULT_HINTS)
@@ -281,6 +293,7 @@ class RadixTree(TierOps):
             if not c & _CMASK and self._refs[parent.slot] == 0:
                 self._evictable[DEVICE].remove(self._entry(parent))  # no longer a leaf
             parent.children = c + 1
+            parent.child = node
         self._index[block_hash] = node
         self._device_nodes[block_id] = node
         self._resident[DEVICE] += 1
@@ -333,6 +346,8 @@ class RadixTree(TierOps):
                 break
             assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
             node = Node(h, parent, chunk, DEVICE, canonical[b], now)
+            if parent is not None:
+                parent.child = node
             index[h] = node
             device_nodes[b] = node
             append(node)
@@ -539,6 +554,8 @@ class RadixTree(TierOps):
                 hints.pop(h, None)
             p = node.parent
             if p is not None:
+                if p.child is node:
+                    p.child = None
                 c = p.children - 1
                 p.children = c
                 if not c and refs[p.slot] == 0:
@@ -595,6 +612,8 @@ class RadixTree(TierOps):
         self._hints.pop(node.block_hash, None)
         self._resident[node.tier] -= 1
         if node.parent is not None:
+            if node.parent.child is node:
+                node.parent.child = None
             self._add_child_count(node.parent, node.tier, -1)
         self.stats.dropped += 1
 
