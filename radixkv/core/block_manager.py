@@ -187,9 +187,12 @@ class BlockManager:
 
     def _check_capacity(self, need: int, matched: Sequence[Node]) -> None:
         # Locking a matched unreferenced device node takes it out of the evictable count.
+        evictable = self.tree.num_evictable(DEVICE)
+        if need <= self.pool.num_free + evictable - len(matched):
+            return   # fits even if every matched block were evictable now: skip the count
         refs = self.pool.ref_counts
         locked_now = sum(1 for n in matched if n.tier == DEVICE and refs[n.slot] == 0)
-        evictable = self.tree.num_evictable(DEVICE) - locked_now
+        evictable -= locked_now
         if need > self.pool.num_free + evictable:
             raise OutOfBlocks(need, self.pool.num_free, evictable)
 
@@ -227,21 +230,25 @@ class BlockManager:
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
         nodes, hashes = self._match(tok, namespace.seed, n)
-        on_device = [x for x in nodes if x.tier == DEVICE]
-        need = self._blocks_for(n) - len(on_device)
+        tree = self.tree
+        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
+        k = len(nodes)
+        if tree.num_tiers > 1:
+            k = next((i for i, x in enumerate(nodes) if x.tier != DEVICE), k)
+        need = self._blocks_for(n) - k
         self._check_capacity(need, nodes)
         # --- no exception past this point ---
-        tree = self.tree
         now = tree.clock()
-        tree.lock_nodes(on_device, now)
+        blocks = [x.slot for x in nodes[:k]] if k < len(nodes) else [x.slot for x in nodes]
+        tree.lock_blocks(blocks, now)
         per_tier = [0] * tree.num_tiers
-        for x in on_device:
-            per_tier[DEVICE] += self.block_size
+        per_tier[DEVICE] = k * self.block_size
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
-        blocks = [x.slot for x in on_device]
-        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
-        kept = list(on_device)
-        for x in nodes[len(on_device):]:
+        if k == len(nodes):
+            kept = nodes
+        else:
+            kept = nodes[:k]
+        for x in nodes[k:]:
             [b] = self._take_blocks(1, moves)
             if tree.get(x.block_hash) is not x or (x.parent is not None and x.parent.tier != DEVICE):
                 # Making room dropped this block from the slow tiers: recompute from here.
@@ -260,7 +267,8 @@ class BlockManager:
         blocks.extend(fresh)
         num_cached = len(kept) * self.block_size
         self._seqs[seq_id] = _Seq(namespace.seed, array("i", tok), blocks,
-                                  list(hashes[:len(kept)]), kept, num_cached)
+                                  hashes if len(kept) == len(hashes) else hashes[:len(kept)],
+                                  kept, num_cached)
         return Allocation(seq_id, tuple(blocks), num_cached, tuple(per_tier), tuple(moves))
 
     # ------------------------------------------------------------------ decode
