@@ -69,11 +69,12 @@ class RecencyIndex:
     when the entry is (or goes) at an end of the run, O(log m) for the side list's m entries.
     """
 
-    __slots__ = ("_run", "_side")
+    __slots__ = ("_run", "_side", "_nside")
 
     def __init__(self) -> None:
         self._run: OrderedDict[tuple, None] = OrderedDict()
         self._side = SortedList()
+        self._nside = 0     # len(self._side), kept here: SortedList.__len__ is a Python call
 
     def add(self, entry: tuple) -> None:
         run = self._run
@@ -84,6 +85,7 @@ class RecencyIndex:
             run.move_to_end(entry, last=False)
         else:
             self._side.add(entry)
+            self._nside += 1
 
     def remove(self, entry: tuple) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
@@ -91,24 +93,26 @@ class RecencyIndex:
             del self._run[entry]
         except KeyError:
             self._side.remove(entry)
+            self._nside -= 1
 
     def pop_min(self) -> tuple:
-        run, side = self._run, self._side
-        if side and (not run or side[0] < next(iter(run))):
-            return side.pop(0)
+        run = self._run
+        if self._nside and (not run or self._side[0] < next(iter(run))):
+            self._nside -= 1
+            return self._side.pop(0)
         return run.popitem(last=False)[0]
 
     def min(self) -> tuple:
-        run, side = self._run, self._side
-        if side and (not run or side[0] < next(iter(run))):
-            return side[0]
+        run = self._run
+        if self._nside and (not run or self._side[0] < next(iter(run))):
+            return self._side[0]
         return next(iter(run))
 
     def __contains__(self, entry: tuple) -> bool:
         return entry in self._run or entry in self._side
 
     def __len__(self) -> int:
-        return len(self._run) + len(self._side)
+        return len(self._run) + self._nside
 
     def __iter__(self) -> Iterator[tuple]:
         return merge(self._run, self._side)
@@ -117,6 +121,7 @@ class RecencyIndex:
         run = list(self._run)
         assert all(a < b for a, b in zip(run, run[1:])), "run out of order"
         assert not set(run) & set(self._side), "an entry is both in the run and the side list"
+        assert self._nside == len(self._side), f"side count {self._nside} != {len(self._side)}"
 
 
 EvictionIndex = SortedIndex | RecencyIndex

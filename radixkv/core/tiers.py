@@ -361,6 +361,9 @@ class TierOps:
         for b, node in enumerate(self._device_nodes):
             assert node is None or (node.tier == DEVICE and node.slot == b), f"device map {b} -> {node}"
         for t, entries in enumerate(self._evictable):
+            own_check = getattr(entries, "check_invariants", None)   # an index's own order
+            if own_check is not None:
+                own_check()
             want_entries = sorted([entry(n) for n in self._index.values()
                                    if n.tier == t and is_evictable(n)]
                                   + [entry(self._index[h]) for h in self._copy_slots[t]])

@@ -542,10 +542,12 @@ class RadixTree(TierOps):
         """
         entries, index, hints = self._evictable[DEVICE], self._index, self._hints
         device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
+        lru = self._lru
+        pop_min, add = entries.pop_min, entries.add
         free_one = self._pools[DEVICE].free_one
         append = moves.append
         for _ in range(num_blocks):
-            h = entries.pop_min()[-1]
+            h = pop_min()[-1]
             node = index.pop(h)
             slot = node.slot
             assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
@@ -558,8 +560,8 @@ class RadixTree(TierOps):
                     p.child = None
                 c = p.children - 1
                 p.children = c
-                if not c and refs[p.slot] == 0:
-                    entries.add(entry(p))        # the parent is now an evictable leaf
+                if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
+                    add((p.last_access, p.block_hash) if lru else entry(p))
             free_one(slot)
             append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
         self._resident[DEVICE] -= num_blocks
