@@ -3,7 +3,7 @@
 Each test states the correct behaviour. While a bug is open its test is marked
 ``xfail(strict=True)`` (the suite stays green; the day it is fixed the test XPASSes, which fails
 the run and tells whoever fixed it to drop the marker). Fixed bugs stay as regression tests:
-BUG 1 fixed in 053618a, BUGs 2 and 3 in 2028b62, BUG 4 (issue 14) with the batched commit.
+BUG 1 fixed in 053618a, BUGs 2 and 3 in 2028b62, BUG 5 (issue 14) with the batched commit.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def test_bug3_set_hints_rejects_bad_priority() -> None:
         bm.tree.set_hints(nodes, priority="high")
 
 
-def test_bug4_fork_siblings_keep_reuse_on_dedupe() -> None:
-    """BUG 4 (issue 14 review): when a fork sibling committed a block that was cached elsewhere
+def test_bug5_fork_siblings_keep_reuse_on_dedupe() -> None:
+    """BUG 5 (issue 14 review): when a fork sibling committed a block that was cached elsewhere
     while the other sibling shared its duplicate, commit() stopped caching the chain there, so
     the rest of the conversation was never reused. Now every holder switches to the cached copy
     and the chain goes on under it."""
