@@ -3,8 +3,8 @@ before/after columns).
 
 ``load_core(commit)`` copies ``radixkv/core/*.py`` as of ``commit`` (``git show``) into a temporary
 package ``radixkv_core_<commit>``, with its ``radixkv.core.`` imports pointed at that package, and
-returns its ``BlockManager`` class. ``radixkv.core.hashing`` and ``radixkv.errors`` stay shared. So one process
-times the old and the new bookkeeping on the same trace, machine and load. Needs a git checkout;
+returns its ``BlockManager`` class. ``radixkv.core.hashing`` and ``radixkv.errors`` stay shared.
+So one process times the old and the new bookkeeping on the same trace, machine and load. Needs a git checkout;
 returns None (and says why) without one.
 """
 
@@ -27,7 +27,8 @@ def load_core(commit: str) -> tuple[Any, str] | None:
     """``(BlockManager class, package name)`` of ``radixkv/core`` at ``commit``, or None."""
     try:
         names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:radixkv/core"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True)
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                               check=True)
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"(no baseline: cannot read radixkv/core at {commit}: {exc})")
         return None
@@ -40,7 +41,8 @@ def load_core(commit: str) -> tuple[Any, str] | None:
         src = subprocess.run(["git", "show", f"{commit}:radixkv/core/{name}"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=30, check=True).stdout
         # hashing stays shared: the Namespace type (and the hashes) must be the same objects
-        src = src.replace("radixkv.core.", f"{pkg}.").replace(f"{pkg}.hashing", "radixkv.core.hashing")
+        src = src.replace("radixkv.core.", f"{pkg}.")
+        src = src.replace(f"{pkg}.hashing", "radixkv.core.hashing")
         (root / pkg / name).write_text(src)
     sys.path.insert(0, str(root))
     try:

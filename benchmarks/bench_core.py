@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                 title="metadata per cached block (target <= 200 B)")
     if "sharegpt" in results:
         print_table(results["sharegpt"]["trace"],
-                    title="ShareGPT chat trace, whole loop per request, CPU us (target <= 2x floor)")
+                    title="ShareGPT chat trace, whole loop per request, CPU us "
+                          "(target <= 2x floor)")
     write_results("core_quick" if args.quick else "core", header, results)
     return 0
 

@@ -162,8 +162,9 @@ class RecencyIndex:
         alive = [e for e, g in q if self._live.get(e) == g]
         assert len(alive) == len(self._live), (
             f"{len(self._live)} live entries, {len(alive)} of them queued")
-        assert len(q) - len(alive) == self._dead, f"dead count {self._dead} != {len(q) - len(alive)}"
-        assert not self._live.keys() & set(self._side), "an entry is both queued and in the side list"
+        dead = len(q) - len(alive)
+        assert dead == self._dead, f"dead count {self._dead} != {dead}"
+        assert not self._live.keys() & set(self._side), "an entry both queued and in the side list"
         assert self._nside == len(self._side), f"side count {self._nside} != {len(self._side)}"
 
 

@@ -22,8 +22,8 @@ class Node:
     A child with equal tokens has the request's chain hash by construction (invariant 5).
     """
 
-    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access", "hits",
-                 "child")
+    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access",
+                 "hits", "child")
 
     def __init__(self, block_hash: bytes, parent: Node | None, tokens: bytes, tier: int,
                  slot: int, now: float) -> None:

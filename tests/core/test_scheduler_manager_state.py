@@ -168,7 +168,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif holders[b]:
                 held += 1
             else:
-                assert tree.device_node(b) is not None, f"block {b} leaked (not free, cached or held)"
+                assert tree.device_node(b) is not None, f"block {b} leaked: not free, cached, held"
                 cached_idle += 1
         assert free + held + cached_idle == pool.num_blocks
         assert tree.num_evictable(DEVICE) == cached_idle, (
@@ -178,7 +178,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 n = bm.num_tokens(seq.seq_id)
                 assert bm.num_computed_tokens(seq.seq_id) <= n <= len(seq.token_ids)
         for rid, req in self.live.items():
-            assert (req in self.s.running) != (req in self.s.waiting), f"{rid} lost by the scheduler"
+            assert (req in self.s.running) != (req in self.s.waiting), f"{rid} lost"
 
 
 TestSchedulerManager = SchedulerMachine.TestCase
