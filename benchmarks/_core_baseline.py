@@ -4,8 +4,8 @@ before/after columns).
 ``load_core(commit)`` copies ``radixkv/core/*.py`` as of ``commit`` (``git show``) into a temporary
 package ``radixkv_core_<commit>``, with its ``radixkv.core.`` imports pointed at that package, and
 returns its ``BlockManager`` class. ``radixkv.core.hashing`` and ``radixkv.errors`` stay shared.
-So one process times the old and the new bookkeeping on the same trace, machine and load. Needs a git checkout;
-returns None (and says why) without one.
+So one process times the old and the new bookkeeping on the same trace, machine and load.
+Needs a git checkout; returns None (and says why) without one.
 """
 
 from __future__ import annotations
