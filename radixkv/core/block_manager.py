@@ -394,7 +394,7 @@ class BlockManager:
             node = index_get(hi)
             if node is None:
                 # Everything from here is new (a cached block's parent is cached): one pass.
-                run = tree.insert_run(parent, h, tok[off:], blocks[i:last], now)
+                run = tree.insert_run(parent, h, tok[off:], blocks[i:last], now, hi)
                 if run:
                     s.nodes.extend(run)
                     s.hashes.extend([x.block_hash for x in run])

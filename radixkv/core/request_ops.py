@@ -118,7 +118,8 @@ class RequestOps:
         self._unreferenced += unref
 
     def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
-                   block_ids: Sequence[int], now: float) -> list[Node]:
+                   block_ids: Sequence[int], now: float,
+                   first_hash: bytes | None = None) -> list[Node]:
         """Cache consecutive computed device blocks as a chain under ``parent`` in one pass.
 
         ``tok_bytes`` holds the blocks' tokens (``len(block_ids)`` full blocks) and
@@ -127,7 +128,8 @@ class RequestOps:
         until one whose hash is already cached: the nodes inserted before it are returned
         (the caller decides what to do with that block). The blocks must be held by the caller
         (refcount > 0) and uncached; the parent must be on the device (the block manager's
-        commit guarantees both, so they are not re-checked here).
+        commit guarantees both, so they are not re-checked here). ``first_hash``: the first
+        block's chain hash, if the caller has it already (it is not hashed again).
         Runtime complexity: O(blocks) (+ the write-through copies' evictions).
         """
         if self._wt:
@@ -153,7 +155,10 @@ class RequestOps:
         for b in block_ids:
             chunk = tok_bytes[start:start + width]
             start += width
-            h = xxh(h + chunk)
+            if first_hash is None:
+                h = xxh(h + chunk)
+            else:
+                h, first_hash = first_hash, None
             if h in index:
                 break
             assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
@@ -189,7 +194,8 @@ class RequestOps:
         device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
         lru = self._lru
         pop_min, add = entries.pop_min, entries.add
-        free_one = self._pools[DEVICE].free_one
+        pool = self._pools[DEVICE]
+        is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
         append = moves.append
         for _ in range(num_blocks):
             h = pop_min()[-1]
@@ -207,7 +213,8 @@ class RequestOps:
                 p.children = c
                 if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
                     add((p.last_access, p.block_hash) if lru else entry(p))
-            free_one(slot)
+            is_free[slot] = 1                    # BlockPool.free_one, inlined
+            free_append(ids[slot])
             append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
         self._resident[DEVICE] -= num_blocks
         self._unreferenced -= num_blocks
