@@ -5,7 +5,8 @@ evicted first and the trailing hash makes entries unique and the order determini
 index keeps exactly that order; they differ only in what they are fast at.
 
 ``SortedIndex`` is a ``sortedcontainers.SortedList``: O(log n) for everything, right for keys
-that arrive in any order (LFU, priority, a cost-aware score).
+that arrive in any order (priority, a cost-aware score). ``FrequencyIndex`` (LFU) keeps one
+``RecencyIndex`` per hit count and a sorted list of the counts in use.
 
 ``RecencyIndex`` is for keys that are mostly *times*: LRU's ``(last_access,)`` and TTL's
 ``(last_access + ttl,)``. A block becomes evictable either when its last reference goes (its
@@ -168,5 +169,73 @@ class RecencyIndex:
         assert self._nside == len(self._side), f"side count {self._nside} != {len(self._side)}"
 
 
-EvictionIndex = SortedIndex | RecencyIndex
+class FrequencyIndex:
+    """LFU's entries ``(hits, last_access, hash)`` in frequency buckets.
+
+    One ``RecencyIndex`` per hit count (within a bucket entries are ordered by time, so they
+    mostly arrive at an end: O(1)), and a ``SortedList`` of the non-empty buckets' hit counts
+    (there are few distinct counts: O(log b) for b buckets when a bucket opens or empties). The
+    order is exactly the ``SortedIndex`` order of the same entries.
+    Runtime complexity: O(1) amortised per operation within a bucket, O(log b) when a bucket
+    opens or empties.
+    """
+
+    __slots__ = ("_buckets", "_counts", "_n")
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, RecencyIndex] = {}
+        self._counts = SortedList()
+        self._n = 0
+
+    def add(self, entry: tuple) -> None:
+        b = self._buckets.get(entry[0])
+        if b is None:
+            b = self._buckets[entry[0]] = RecencyIndex()
+            self._counts.add(entry[0])
+        b.add(entry)
+        self._n += 1
+
+    def remove(self, entry: tuple) -> None:
+        """Remove ``entry`` (must be present; KeyError or ValueError otherwise)."""
+        b = self._buckets[entry[0]]
+        b.remove(entry)
+        self._n -= 1
+        if not len(b):
+            del self._buckets[entry[0]]
+            self._counts.remove(entry[0])
+
+    def pop_min(self) -> tuple:
+        hits = self._counts[0]
+        b = self._buckets[hits]
+        entry = b.pop_min()
+        self._n -= 1
+        if not len(b):
+            del self._buckets[hits]
+            self._counts.remove(hits)
+        return entry
+
+    def min(self) -> tuple:
+        return self._buckets[self._counts[0]].min()
+
+    def __contains__(self, entry: tuple) -> bool:
+        b = self._buckets.get(entry[0])
+        return b is not None and entry in b
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[tuple]:
+        for hits in self._counts:
+            yield from self._buckets[hits]
+
+    def check_invariants(self) -> None:
+        assert list(self._counts) == sorted(self._buckets), "bucket list != buckets"
+        assert sum(len(b) for b in self._buckets.values()) == self._n, "entry count"
+        for hits, b in self._buckets.items():
+            assert len(b), f"empty bucket {hits} kept"
+            b.check_invariants()
+            assert all(e[0] == hits for e in b), f"bucket {hits} holds another count"
+
+
+EvictionIndex = SortedIndex | RecencyIndex | FrequencyIndex
 """The index types the tree accepts (any object with the same methods works)."""

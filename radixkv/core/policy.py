@@ -2,10 +2,11 @@
 
 The tree keeps, per tier, the *evictable leaves* (unreferenced nodes with no child in that tier)
 in an eviction index (``evict_index.py``) of ``(*policy.key(node, hints), block_hash)``; the
-smallest entry is evicted first. LRU and TTL use the O(1) ``RecencyIndex``, the others a
-``SortedIndex`` (O(log n)). The trailing hash makes entries unique and deterministic. A policy's key
-may only read fields that the tree changes while the node is *out* of the sorted list
-(``last_access``, ``hits``, the node's hints): the tree removes a node, mutates it, re-adds it.
+smallest entry is evicted first. LRU and TTL use the O(1) ``RecencyIndex``, LFU a
+``FrequencyIndex`` (buckets of those), the others a ``SortedIndex`` (O(log n)). The trailing
+hash makes entries unique and deterministic. A policy's key may only read fields that the tree
+changes while the node is *out* of the index (``last_access``, ``hits``, the node's hints): the
+tree removes a node, mutates it, re-adds it.
 
 Because a parent is accessed whenever a child is, ``parent.last_access >= child.last_access``
 always holds, so evicting leaves in LRU order is exactly LRU over the whole tree.
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from radixkv.core.evict_index import RecencyIndex, SortedIndex
+from radixkv.core.evict_index import FrequencyIndex, RecencyIndex, SortedIndex
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ class LFUPolicy:
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (node.hits, node.last_access)
+
+    def new_index(self) -> FrequencyIndex:
+        """Frequency buckets, each in time order: O(1) within a bucket."""
+        return FrequencyIndex()
 
     def expired(self, key: tuple, now: float) -> bool:
         return False

@@ -8,13 +8,13 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from radixkv.core.evict_index import RecencyIndex, SortedIndex
+from radixkv.core.evict_index import FrequencyIndex, RecencyIndex, SortedIndex
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "add", "remove", "pop"]),
                          st.integers(0, 40), st.integers(0, 3)), max_size=200)
 
 
-@pytest.mark.parametrize("cls", [RecencyIndex, SortedIndex])
+@pytest.mark.parametrize("cls", [RecencyIndex, SortedIndex, FrequencyIndex])
 @given(ops=OPS)
 def test_index_matches_a_sorted_list(cls, ops) -> None:
     idx, model = cls(), []
@@ -24,6 +24,8 @@ def test_index_matches_a_sorted_list(cls, ops) -> None:
             # mostly increasing times (a release), sometimes an old one (a parent made a leaf)
             clock += 1
             e = (clock if t % 3 else t, bytes([h]))
+            if cls is FrequencyIndex:
+                e = (t % 4, *e)            # (hits, last_access, hash)
             if e in model:
                 continue
             idx.add(e)
