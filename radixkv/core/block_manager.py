@@ -86,10 +86,10 @@ class Allocation:
 class _Seq:
     __slots__ = ("seed", "tokens", "blocks", "hashes", "nodes", "num_computed")
 
-    def __init__(self, seed: bytes, tokens: list[int], blocks: list[int], hashes: list[bytes],
+    def __init__(self, seed: bytes, tokens: array, blocks: list[int], hashes: list[bytes],
                  nodes: list[Node], num_computed: int) -> None:
         self.seed = seed
-        self.tokens = tokens            # every token id of the sequence so far
+        self.tokens = tokens            # every token id so far (array('i'): no int objects)
         self.blocks = blocks            # device block ids, ceil(len(tokens) / B) of them
         self.hashes = hashes            # chain hashes of the committed blocks
         self.nodes = nodes              # tree nodes of the committed blocks (same length)
@@ -187,9 +187,12 @@ class BlockManager:
 
     def _check_capacity(self, need: int, matched: Sequence[Node]) -> None:
         # Locking a matched unreferenced device node takes it out of the evictable count.
+        evictable = self.tree.num_evictable(DEVICE)
+        if need <= self.pool.num_free + evictable - len(matched):
+            return   # fits even if every matched block were evictable now: skip the count
         refs = self.pool.ref_counts
         locked_now = sum(1 for n in matched if n.tier == DEVICE and refs[n.slot] == 0)
-        evictable = self.tree.num_evictable(DEVICE) - locked_now
+        evictable -= locked_now
         if need > self.pool.num_free + evictable:
             raise OutOfBlocks(need, self.pool.num_free, evictable)
 
@@ -227,22 +230,25 @@ class BlockManager:
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
         nodes, hashes = self._match(tok, namespace.seed, n)
-        on_device = [x for x in nodes if x.tier == DEVICE]
-        need = self._blocks_for(n) - len(on_device)
+        tree = self.tree
+        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
+        k = len(nodes)
+        if tree.num_tiers > 1:
+            k = next((i for i, x in enumerate(nodes) if x.tier != DEVICE), k)
+        need = self._blocks_for(n) - k
         self._check_capacity(need, nodes)
         # --- no exception past this point ---
-        tree = self.tree
         now = tree.clock()
-        for x in on_device:
-            tree.lock(x, now)
+        blocks = [x.slot for x in nodes[:k]] if k < len(nodes) else [x.slot for x in nodes]
+        tree.lock_blocks(blocks, now)
         per_tier = [0] * tree.num_tiers
-        for x in on_device:
-            per_tier[DEVICE] += self.block_size
+        per_tier[DEVICE] = k * self.block_size
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
-        blocks = [x.slot for x in on_device]
-        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
-        kept = list(on_device)
-        for x in nodes[len(on_device):]:
+        if k == len(nodes):
+            kept = nodes
+        else:
+            kept = nodes[:k]
+        for x in nodes[k:]:
             [b] = self._take_blocks(1, moves)
             if tree.get(x.block_hash) is not x or (x.parent is not None and x.parent.tier != DEVICE):
                 # Making room dropped this block from the slow tiers: recompute from here.
@@ -260,8 +266,9 @@ class BlockManager:
             refs[b] += 1
         blocks.extend(fresh)
         num_cached = len(kept) * self.block_size
-        self._seqs[seq_id] = _Seq(namespace.seed, list(array("i", tok)), blocks,
-                                  list(hashes[:len(kept)]), kept, num_cached)
+        self._seqs[seq_id] = _Seq(namespace.seed, array("i", tok), blocks,
+                                  hashes if len(kept) == len(hashes) else hashes[:len(kept)],
+                                  kept, num_cached)
         return Allocation(seq_id, tuple(blocks), num_cached, tuple(per_tier), tuple(moves))
 
     # ------------------------------------------------------------------ decode
@@ -371,41 +378,65 @@ class BlockManager:
         first, last = len(s.nodes), num_computed_tokens // bs
         if last <= first:
             return 0
-        tok = array("i", s.tokens[first * bs:last * bs]).tobytes()
+        tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
         parent = s.nodes[-1] if s.nodes else None
         h = s.hashes[-1] if s.hashes else s.seed
         added = 0
         now = tree.clock()
-        for i in range(first, last):
-            chunk = tok[(i - first) * width:(i - first + 1) * width]
-            h = _xxh3_128(h + chunk)
-            b = s.blocks[i]
-            node = tree.get(h)
-            if node is not None and (node.parent is not parent or node.tokens != chunk):
-                node = None  # collision: keep this block private, stop caching this chain
-                break
+        index_get = tree._index.get
+        blocks = s.blocks
+        i = first
+        while i < last:
+            off = (i - first) * width
+            chunk = tok[off:off + width]
+            hi = _xxh3_128(h + chunk)
+            node = index_get(hi)
             if node is None:
-                node = tree._insert(parent, h, chunk, b, now)
-                added += 1
-            elif node.tier == DEVICE and node.slot != b:
-                if refs[b] > 1:
-                    # A fork sibling shares our duplicate and would keep it: caching our later
-                    # blocks under the cached copy would leave the sibling holding a child
-                    # without its parent (breaking refcount monotonicity). Stop this chain.
+                # Everything from here is new (a cached block's parent is cached): one pass.
+                run = tree.insert_run(parent, h, tok[off:], blocks[i:last], now, hi)
+                if run:
+                    s.nodes.extend(run)
+                    s.hashes.extend([x.block_hash for x in run])
+                    added += len(run)
+                    i += len(run)
+                    parent, h = run[-1], run[-1].block_hash
+                    continue
+                node = index_get(hi)   # unreachable unless a hash collides with the index
+                if node is None:
                     break
-                tree.lock(node, now)         # share the cached copy, free the duplicate
-                refs[b] -= 1
-                if refs[b] == 0:
-                    self.pool.free_one(b)
-                s.blocks[i] = node.slot
+            b = blocks[i]
+            if node.parent is not parent or node.tokens != chunk:
+                tree.stats.collisions += 1   # keep this block private, stop caching the chain
+                break
+            if node.tier == DEVICE and node.slot != b:
+                # Another sequence computed this block first: share its copy, free ours. Fork
+                # siblings holding our duplicate switch too (same block id, same position), so
+                # the chain stays cached for all of them and nobody holds a child without its
+                # parent (refcount monotonicity).
+                self._switch_to_cached(i, b, node, now)
             elif node.tier != DEVICE:
                 tree.promote(node, b, copy=False)
                 added += 1
             s.nodes.append(node)
-            s.hashes.append(h)
-            parent = node
+            s.hashes.append(hi)
+            parent, h = node, hi
+            i += 1
         return added
+
+    def _switch_to_cached(self, i: int, b: int, node: Node, now: float) -> None:
+        """Every live sequence holding private device block ``b`` at position ``i`` (the
+        committing one and its fork siblings) takes a reference on cached ``node`` instead;
+        ``b`` is freed. O(live sequences): the rare path of two computations of one block."""
+        refs = self.pool.ref_counts
+        holders = [q for q in self._seqs.values() if len(q.blocks) > i and q.blocks[i] == b]
+        assert len(holders) == refs[b] and self.tree.device_node(b) is None, (
+            f"block {b}: {len(holders)} holders at position {i}, refcount {refs[b]}")
+        for q in holders:
+            self.tree.lock(node, now)
+            q.blocks[i] = node.slot
+        refs[b] = 0
+        self.pool.free_one(b)
 
     # ------------------------------------------------------------------ fork / free
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -414,8 +445,8 @@ class BlockManager:
         self._check_new_id(child_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id!r} is already live")
-        self._ref_blocks(p.blocks, +1)
-        self._seqs[child_id] = _Seq(p.seed, list(p.tokens), list(p.blocks), list(p.hashes),
+        self.tree.lock_blocks(p.blocks)
+        self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(p.blocks), list(p.hashes),
                                     list(p.nodes), p.num_computed)
 
     def free(self, seq_id: SeqId) -> None:
@@ -424,23 +455,7 @@ class BlockManager:
         Runtime complexity: O(blocks * log n)."""
         s = self._seq(seq_id)
         del self._seqs[seq_id]
-        self._ref_blocks(s.blocks[::-1], -1)
-
-    def _ref_blocks(self, blocks: Sequence[int], delta: int) -> None:
-        # A block is cached (a tree node: lock/release keep the evictable sets right) or
-        # private (plain refcount; freed at zero). A block private when this sequence took it
-        # may since have been committed by a fork sibling, so decide per block, now.
-        tree, refs = self.tree, self.pool.ref_counts
-        now = tree.clock()
-        device_nodes = tree._device_nodes
-        for b in blocks:
-            node = device_nodes[b]
-            if node is not None:
-                tree.lock(node, now) if delta > 0 else tree.release(node, now)
-            else:
-                refs[b] += delta
-                if refs[b] == 0:
-                    self.pool.free_one(b)
+        self.tree.release_blocks(s.blocks[::-1])
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

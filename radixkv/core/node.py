@@ -16,9 +16,14 @@ class Node:
 
     ``children`` packs the number of children per tier (20 bits each) into one int, which costs
     no memory for the common small values; ``last_access`` and ``hits`` feed the policies.
+    ``child`` is the child inserted last under this node, or None (cleared when it leaves the
+    cache): matching follows it and compares tokens before hashing, so a request that goes on
+    the way the last one went (a conversation's next turn) pays no hash for the blocks it hits.
+    A child with equal tokens has the request's chain hash by construction (invariant 5).
     """
 
-    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access", "hits")
+    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access",
+                 "hits", "child")
 
     def __init__(self, block_hash: bytes, parent: Node | None, tokens: bytes, tier: int,
                  slot: int, now: float) -> None:
@@ -30,6 +35,7 @@ class Node:
         self.children = 0
         self.last_access = now
         self.hits = 0
+        self.child: Node | None = None
 
     def num_children(self, tier: int) -> int:
         return (self.children >> (_CBITS * tier)) & _CMASK

@@ -1,10 +1,12 @@
 """Eviction policies: strategy objects that turn a cached node into a sort key.
 
 The tree keeps, per tier, the *evictable leaves* (unreferenced nodes with no child in that tier)
-in a ``sortedcontainers.SortedList`` of ``(*policy.key(node, hints), block_hash)``; the smallest
-entry is evicted first. The trailing hash makes entries unique and deterministic. A policy's key
-may only read fields that the tree changes while the node is *out* of the sorted list
-(``last_access``, ``hits``, the node's hints): the tree removes a node, mutates it, re-adds it.
+in an eviction index (``evict_index.py``) of ``(*policy.key(node, hints), block_hash)``; the
+smallest entry is evicted first. LRU and TTL use the O(1) ``RecencyIndex``, LFU a
+``FrequencyIndex`` (buckets of those), the others a ``SortedIndex`` (O(log n)). The trailing
+hash makes entries unique and deterministic. A policy's key may only read fields that the tree
+changes while the node is *out* of the index (``last_access``, ``hits``, the node's hints): the
+tree removes a node, mutates it, re-adds it.
 
 Because a parent is accessed whenever a child is, ``parent.last_access >= child.last_access``
 always holds, so evicting leaves in LRU order is exactly LRU over the whole tree.
@@ -16,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from radixkv.core.evict_index import FrequencyIndex, RecencyIndex, SortedIndex
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,6 +53,9 @@ class EvictionPolicy(Protocol):
         """Whether an entry with this key may be dropped with no memory pressure at ``now``."""
         ...
 
+    # Optional: ``new_index() -> EvictionIndex``, the per-tier ordered set the tree keeps this
+    # policy's entries in (``evict_index.py``). Without it the tree uses a ``SortedIndex``.
+
 
 class LRUPolicy:
     """Least recently used first (the default). Key: ``(last_access,)``."""
@@ -58,6 +64,10 @@ class LRUPolicy:
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (node.last_access,)
+
+    def new_index(self) -> RecencyIndex:
+        """Keys are times that mostly arrive in order: O(1) adds, removes and evictions."""
+        return RecencyIndex()
 
     def expired(self, key: tuple, now: float) -> bool:
         return False
@@ -70,6 +80,10 @@ class LFUPolicy:
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (node.hits, node.last_access)
+
+    def new_index(self) -> FrequencyIndex:
+        """Frequency buckets, each in time order: O(1) within a bucket."""
+        return FrequencyIndex()
 
     def expired(self, key: tuple, now: float) -> bool:
         return False
@@ -108,6 +122,10 @@ class TTLPolicy:
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (node.last_access + (self.ttl if hints.ttl is None else hints.ttl),)
+
+    def new_index(self) -> RecencyIndex:
+        """Expiry times arrive in order while TTLs are equal; per-node TTLs go to the side list."""
+        return RecencyIndex()
 
     def expired(self, key: tuple, now: float) -> bool:
         return key[0] <= now

@@ -18,7 +18,7 @@ immutable, so a copy stays valid for as long as the node is cached. Copies are m
 * **kept sources**: ``promote`` / ``promote_lower`` out of a write-through tier keep the old slot
   as a copy (``keep_src=True`` on the load: the storage layer must not remove the source).
 
-A copy sits in its tier's evictable ``SortedList`` under the node's own policy key (so copies
+A copy sits in its tier's eviction index under the node's own policy key (so copies
 and primaries compete for the tier by the same order) and is *always* evictable: evicting it is
 a drop op ``MoveOp(h, u, copy_slot, None, None)``. When the node's key changes (lock, release,
 hints, a prefetch's touch) its copy entries are re-filed around the change (a write-through
@@ -36,8 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sortedcontainers import SortedList
-
+from radixkv.core.evict_index import EvictionIndex
 from radixkv.core.hashing import chain_hash
 from radixkv.core.node import DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
@@ -59,7 +58,7 @@ class TierOps:
     _pools: list[BlockPool]
     _refs: list[int]
     _index: dict[bytes, Node]
-    _evictable: list[SortedList]
+    _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
     _device_nodes: list[Node | None]
@@ -297,6 +296,7 @@ class TierOps:
         node = Node(block_hash, parent, tokens, tier, self._pools[tier].allocate_one(), self.clock())
         if parent is not None:
             self._add_child_count(parent, tier, 1)
+            parent.child = node
         self._index[block_hash] = node
         self._resident[tier] += 1
         self._consider(node)
@@ -331,6 +331,9 @@ class TierOps:
                 assert self._device_nodes[node.slot] is node, f"device block {node.slot} not mapped to {node}"
                 if self._refs[node.slot] == 0:
                     unref += 1
+            c = node.child
+            assert c is None or (c.parent is node and self._index.get(c.block_hash) is c), (
+                f"{node}: followed child {c} is not a cached child of it")
             p = node.parent
             if p is not None:
                 assert self._index.get(p.block_hash) is p, f"parent of {node} is not cached"
@@ -358,6 +361,9 @@ class TierOps:
         for b, node in enumerate(self._device_nodes):
             assert node is None or (node.tier == DEVICE and node.slot == b), f"device map {b} -> {node}"
         for t, entries in enumerate(self._evictable):
+            own_check = getattr(entries, "check_invariants", None)   # an index's own order
+            if own_check is not None:
+                own_check()
             want_entries = sorted([entry(n) for n in self._index.values()
                                    if n.tier == t and is_evictable(n)]
                                   + [entry(self._index[h]) for h in self._copy_slots[t]])

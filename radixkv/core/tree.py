@@ -21,8 +21,10 @@ live in ``tiers.py``.
 
 Eviction is leaf-first per tier: a node is *evictable in its tier* when it is unreferenced
 (device: refcount 0) and has no child in its own tier (children can only live in the same or
-slower tiers). Each tier keeps its evictable nodes in a ``SortedList`` ordered by the eviction
-policy, so choosing a victim costs O(log n), independent of how many blocks are cached.
+slower tiers). Each tier keeps its evictable nodes in an eviction index ordered by the eviction
+policy (``evict_index.py``): O(1) per operation for LRU and TTL, O(log n) for the others,
+independent of how many blocks are cached. The block manager's per-request paths (lock, release,
+insert a run, the device-only eviction loop) live in ``request_ops.py``: one pass per request.
 Evicting from tier t demotes the node into tier t+1 (making room there first, recursively) or,
 from the last tier, drops it. Every change of residency is returned as a ``MoveOp`` for the
 storage layer to execute *in order* before the freed slots are reused. The MoveOps of
@@ -41,12 +43,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
-from sortedcontainers import SortedList
-
+from radixkv.core.evict_index import EvictionIndex, SortedIndex
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
+from radixkv.core.request_ops import RequestOps
 from radixkv.core.tiers import TierOps
 from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
 
@@ -56,7 +58,7 @@ _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
 
 
-class RadixTree(TierOps):
+class RadixTree(RequestOps, TierOps):
     """Hash-indexed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -94,7 +96,8 @@ class RadixTree(TierOps):
         self.num_tiers = len(self._pools)
         self._refs = device_pool.ref_counts
         self._index: dict[bytes, Node] = {}
-        self._evictable: list[SortedList] = [SortedList() for _ in self._pools]
+        new_index = getattr(self.policy, "new_index", SortedIndex)  # optional policy hook
+        self._evictable: list[EvictionIndex] = [new_index() for _ in self._pools]
         self._resident = [0] * self.num_tiers
         self._unreferenced = 0                      # device nodes with refcount 0
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
@@ -148,12 +151,15 @@ class RadixTree(TierOps):
         return moves
 
     def match(self, block_hashes: Sequence[bytes], tok_bytes: bytes) -> list[Node]:
-        """Longest cached chain of full blocks for a request, in any tier. No side effects.
+        """Longest cached chain of full blocks for a request, in any tier. A pure read: it
+        changes nothing (not the policy's keys, not a counter); use the block manager's
+        ``allocate`` (``lock_nodes``) to take and touch what it returns.
 
         ``block_hashes[i]`` is the chain hash of block i of the request and ``tok_bytes`` its
         token ids (``hashing.token_bytes``). Matching stops at the first block that is absent,
-        whose parent is not the previous match, or whose stored tokens differ (a collision,
-        counted in ``stats.collisions``). The nodes returned may live in different tiers, in
+        whose parent is not the previous match, or whose stored tokens differ (a hash collision:
+        a miss, never a wrong block; the commit that meets it counts it in ``stats.collisions``).
+        The nodes returned may live in different tiers, in
         non-decreasing tier order along the chain.
         Runtime complexity: O(number of matched blocks).
         """
@@ -168,7 +174,6 @@ class RadixTree(TierOps):
                 break
             end = start + width
             if node.tokens != tok_bytes[start:end]:
-                self.stats.collisions += 1
                 break
             out.append(node)
             prev = node
@@ -179,9 +184,12 @@ class RadixTree(TierOps):
                      ) -> tuple[list[Node], list[bytes]]:
         """Hash and match in one pass: ``(nodes, their hashes)`` for the longest cached chain.
 
-        Same result as ``match(hash_blocks(...), tok_bytes)`` but hashes only as far as the
-        chain matches, and slices each block's bytes once. ``seed`` is the namespace seed.
-        Runtime complexity: O(matched tokens).
+        Same result as ``match(hash_blocks(...), tok_bytes)`` (a pure read too) but hashes only
+        where it must: block i+1 is first compared with the child that block i's node followed
+        last (``Node.child``); only if their tokens differ is the chain hash computed and looked
+        up. So a request that continues the way the previous one went pays one hash for its
+        whole matched prefix. ``seed`` is the namespace seed. Runtime complexity: O(matched
+        tokens), the hashing only for blocks off the followed path.
         """
         width = self.block_size * TOKEN_BYTES
         n = len(tok_bytes) // width
@@ -190,22 +198,30 @@ class RadixTree(TierOps):
         index_get = self._index.get
         xxh = _xxh3_128
         nodes: list[Node] = []
-        hashes: list[bytes] = []
+        append = nodes.append
         prev: Node | None = None
-        h = seed
-        for start in range(0, n * width, width):
+        end = n * width
+        start = 0
+        chunk = tok_bytes[:width]
+        if n:   # the first block has no parent node to follow: hash it
+            node = index_get(xxh(seed + chunk))
+            if node is not None and node.parent is None and node.tokens == chunk:
+                append(node)
+                prev = node
+                start = width
+            else:
+                end = 0
+        while start < end:
             chunk = tok_bytes[start:start + width]
-            h = xxh(h + chunk)
-            node = index_get(h)
-            if node is None or node.parent is not prev:
-                break
-            if node.tokens != chunk:
-                self.stats.collisions += 1
-                break
-            nodes.append(node)
-            hashes.append(h)
+            node = prev.child   # type: ignore[union-attr]
+            if node is None or node.tokens != chunk:
+                node = index_get(xxh(prev.block_hash + chunk))   # type: ignore[union-attr]
+                if node is None or node.parent is not prev or node.tokens != chunk:
+                    break
+            append(node)
             prev = node
-        return nodes, hashes
+            start += width
+        return nodes, [x.block_hash for x in nodes]
 
     def hints(self, node: Node) -> NodeHints:
         return self._hints.get(node.block_hash, DEFAULT_HINTS)
@@ -276,7 +292,11 @@ class RadixTree(TierOps):
         """``insert`` without argument checks, for the block manager's commit path."""
         node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), now)
         if parent is not None:
-            self._add_child_count(parent, DEVICE, 1)
+            c = parent.children
+            if not c & _CMASK and self._refs[parent.slot] == 0:
+                self._evictable[DEVICE].remove(self._entry(parent))  # no longer a leaf
+            parent.children = c + 1
+            parent.child = node
         self._index[block_hash] = node
         self._device_nodes[block_id] = node
         self._resident[DEVICE] += 1
@@ -379,6 +399,9 @@ class RadixTree(TierOps):
                               "every cached block of this tier is in use by a live sequence")
         moves = self._pending    # queued write-through moves run first
         self._pending = []
+        if self.num_tiers == 1:
+            self._drop_device(num_blocks, moves)
+            return moves
         for _ in range(num_blocks):
             self._evict_one(tier, moves)
         return moves
@@ -387,7 +410,7 @@ class RadixTree(TierOps):
         entries = self._evictable[tier]
         assert entries, (f"tier {tier}: nothing evictable with {self._resident[tier]} resident, "
                          f"{self.num_evictable(tier)} counted evictable")
-        node = self._index[entries.pop(0)[-1]]
+        node = self._index[entries.pop_min()[-1]]
         if node.tier == tier:
             self._move_out(node, moves)
         else:
@@ -428,6 +451,8 @@ class RadixTree(TierOps):
         self._hints.pop(node.block_hash, None)
         self._resident[node.tier] -= 1
         if node.parent is not None:
+            if node.parent.child is node:
+                node.parent.child = None
             self._add_child_count(node.parent, node.tier, -1)
         self.stats.dropped += 1
 
@@ -443,9 +468,9 @@ class RadixTree(TierOps):
         self._pending = []
         for tier in range(self.num_tiers):
             entries = self._evictable[tier]
-            while entries and self.policy.expired(entries[0], now):
+            while entries and self.policy.expired(entries.min(), now):
                 self.stats.expired += 1
-                node = self._index[entries.pop(0)[-1]]
+                node = self._index[entries.pop_min()[-1]]
                 if node.tier == tier:
                     self._move_out(node, moves)
                 else:

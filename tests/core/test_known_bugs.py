@@ -3,7 +3,7 @@
 Each test states the correct behaviour. While a bug is open its test is marked
 ``xfail(strict=True)`` (the suite stays green; the day it is fixed the test XPASSes, which fails
 the run and tells whoever fixed it to drop the marker). Fixed bugs stay as regression tests:
-BUG 1 fixed in 053618a, BUGs 2 and 3 in 2028b62.
+BUG 1 fixed in 053618a, BUGs 2 and 3 in 2028b62, BUG 5 (issue 14) with the batched commit.
 """
 
 from __future__ import annotations
@@ -88,3 +88,20 @@ def test_bug3_set_hints_rejects_bad_priority() -> None:
     nodes = _cached_chain(bm, [1, 1, 2], "a")
     with pytest.raises(RadixKVError):
         bm.tree.set_hints(nodes, priority="high")
+
+
+def test_bug5_fork_siblings_keep_reuse_on_dedupe() -> None:
+    """BUG 5 (issue 14 review): when a fork sibling committed a block that was cached elsewhere
+    while the other sibling shared its duplicate, commit() stopped caching the chain there, so
+    the rest of the conversation was never reused. Now every holder switches to the cached copy
+    and the chain goes on under it."""
+    bm = _bug1_state()
+    cached0 = bm.tree.get(bm._seqs["s"].hashes[0]) if bm._seqs["s"].hashes else None
+    assert cached0 is None                                  # s itself never committed
+    table = bm.block_table("s")
+    node0 = bm.tree.device_node(table[0])
+    assert node0 is not None, "the sibling's duplicate of block 0 was not switched to the copy"
+    bm.free("s")
+    a = bm.allocate("x", [1, 1, 2, 2, 3], NS)
+    assert a.num_cached_tokens == 4                         # was 2: block 1 never cached
+    bm.check_invariants()

@@ -95,6 +95,21 @@ class ManagerMachine(RuleBasedStateMachine):
     def block_payload(self, ns: Namespace, tokens: list[int], i: int) -> list:
         return [self.payload(ns, tokens, p) for p in range(i * B, (i + 1) * B)]
 
+    def naive_match(self, tokens: list[int], ns: Namespace, max_blocks: int | None = None) -> list:
+        """The model's own matcher (not ``RadixTree.match``): block i of the request is served
+        iff the tree caches a block under the request's i-th chain hash (computed here, from the
+        tokens) whose parent is block i-1's node and whose tokens are block i's."""
+        hashes = hash_token_blocks(tokens, B, ns)[:max_blocks]
+        out, prev = [], None
+        for i, h in enumerate(hashes):
+            node = self.tree.get(h)
+            if node is None or node.parent is not prev or \
+                    node.tokens != b"".join(x.to_bytes(4, "little") for x in tokens[i * B:(i + 1) * B]):
+                break
+            out.append(node)
+            prev = node
+        return out
+
     def held(self) -> set[int]:
         return {b for sid in self.seqs for b in self.bm.block_table(sid)}
 
@@ -145,9 +160,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.prompts.append((list(tokens), ns))
         sid = self.new_id()
         n = len(tokens)
-        hashes = hash_token_blocks(tokens, B, ns)[:(n - 1) // B]
-        matched = self.tree.match(hashes, bytes(0) if not hashes else
-                                  b"".join(x.to_bytes(4, "little") for x in tokens))
+        matched = self.naive_match(tokens, ns, (n - 1) // B)
         on_dev = [x for x in matched if x.tier == DEVICE]
         need = -(-n // B) - len(on_dev)
         avail = self.pool.num_free + self.evictable_device_blocks({x.slot for x in on_dev})
@@ -177,18 +190,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def _commit(self, sid: int, k: int) -> None:
         s = self.seqs[sid]
         hashes = hash_token_blocks(s.tokens, B, s.ns)[:k // B]
-        # Expected: every full computed block joins the tree, except that a chain stops at a
-        # block the tree already caches elsewhere on the device while a fork sibling still
-        # shares our duplicate (dedupe would leave the sibling holding a child without its
-        # parent; regression of core bug 1, see test_known_bugs.py).
-        table, refs = self.bm.block_table(sid), self.pool.ref_counts
+        # Expected: every full computed block joins the tree. A block the tree already caches
+        # elsewhere on the device is shared instead, by this sequence and by every fork sibling
+        # that holds the same duplicate (core bug 1's regression; reuse is no longer lost).
         stop = len(hashes)
-        for i in range(s.cached, len(hashes)):
-            node = self.tree.get(hashes[i])
-            if node is not None and node.tier == DEVICE and node.slot != table[i] \
-                    and refs[table[i]] > 1:
-                stop = i
-                break
         self.bm.commit(sid, k)
         s.computed = k
         s.cached = max(s.cached, stop)
@@ -301,8 +306,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.bm.free(sid)
         self.freed.append(sid)
         # its committed blocks stay cached (nothing was evicted by a free)
-        hashes = hash_token_blocks(s.tokens, B, s.ns)[:s.computed // B]
-        got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in s.tokens))
+        got = self.naive_match(s.tokens, s.ns, s.computed // B)
         assert len(got) >= s.cached, f"freed seq {sid}: {len(got)}/{s.cached} blocks cached"
 
     @precondition(lambda self: self.seqs)
@@ -338,7 +342,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.bm.can_allocate(tokens, ns)
         hashes = hash_token_blocks(tokens, B, ns)
         got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in tokens))
-        assert_unchanged(before, snapshot_manager(self.bm), "probe")
+        got_tokens, _ = self.tree.match_tokens(
+            b"".join(x.to_bytes(4, "little") for x in tokens), ns.seed)
+        assert_unchanged(before, snapshot_manager(self.bm), "probe")   # reads change nothing
+        assert got == got_tokens == self.naive_match(tokens, ns), "match disagrees with the model"
         queued = self.queued()
         for i, node in enumerate(got):
             if (node.tier, node.slot) in queued:

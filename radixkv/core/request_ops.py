@@ -1,0 +1,222 @@
+"""The block manager's per-request paths through the ``RadixTree``: one pass per request.
+
+``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_blocks`` / ``lock_nodes``
+(allocate, fork), ``release_blocks`` (free), ``insert_run`` (commit) and ``_drop_device`` (the
+eviction loop of a device-only tree). Each does, for a whole request, what the per-node methods
+(``lock``, ``release``, ``insert``, ``_evict_one``) do one block at a time, with the same result,
+but each block costs a few list and attribute operations and no method-call chain. A node
+enters or leaves its tier's eviction index only where its refcount crosses zero *and* it is a
+leaf in its tier; in a sequence's chain that is at most its deepest node, so the index is
+touched O(1) times per request. This is what path compression would buy (lock, release and
+touch O(1) per request), kept with one node per block, which the tiers need (architecture.md).
+Write-through trees take the per-node methods (their copies are re-filed around each change).
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.hashing import TOKEN_BYTES
+from radixkv.core.node import _CMASK, DEVICE, MoveOp, Node, TreeStats
+from radixkv.core.pool import BlockPool
+
+_xxh3_128 = xxhash.xxh3_128_digest
+_tuple_new = tuple.__new__
+
+
+class RequestOps:
+    """Batched per-request operations of ``RadixTree`` (a mixin; see the module docstring)."""
+
+    block_size: int
+    clock: Callable[[], float]
+    stats: TreeStats
+    _pools: list[BlockPool]
+    _refs: list[int]
+    _index: dict[bytes, Node]
+    _evictable: list[EvictionIndex]
+    _resident: list[int]
+    _unreferenced: int
+    _device_nodes: list[Node | None]
+    _hints: dict
+    _wt: tuple[int, ...]
+    _lru: bool
+
+    if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _entry(self, node: Node) -> tuple: ...
+        def _insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
+                    now: float) -> Node: ...
+        def lock(self, node: Node, now: float | None = None) -> None: ...
+        def release(self, node: Node, now: float | None = None) -> None: ...
+
+    def lock_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
+        """Take one reference on each device block: ``lock`` for cached ones, a plain refcount
+        for private ones (a fork sharing a sequence's blocks). Every block must be allocated.
+        Runtime complexity: O(blocks), plus O(1) index work per block whose node was evictable
+        (O(log n) under a ``SortedIndex`` policy)."""
+        now = self.clock() if now is None else now
+        refs, nodes = self._refs, self._device_nodes
+        if self._wt:
+            for b in block_ids:
+                node = nodes[b]
+                if node is None:
+                    refs[b] += 1
+                else:
+                    self.lock(node, now)
+            return
+        index, entry = self._evictable[DEVICE], self._entry
+        unref = 0
+        for b in block_ids:
+            node = nodes[b]
+            r = refs[b]
+            if node is not None:
+                if r == 0:
+                    unref += 1
+                    if not node.children & _CMASK:
+                        index.remove(entry(node))   # leaves the index before its key changes
+                node.last_access = now
+                node.hits += 1
+            refs[b] = r + 1
+        self._unreferenced -= unref
+
+    def lock_nodes(self, nodes: Iterable[Node], now: float | None = None) -> None:
+        """``lock`` every node of ``nodes`` (all on the device) in one pass. O(nodes)."""
+        self.lock_blocks([x.slot for x in nodes], now)
+
+    def release_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
+        """Drop one reference on each device block: ``release`` for cached ones; a private
+        block is freed into the device pool when its count reaches 0. Pass a sequence's blocks
+        deepest first. Runtime complexity: O(blocks), plus O(1) index work per node that
+        becomes evictable (O(log n) under a ``SortedIndex`` policy)."""
+        now = self.clock() if now is None else now
+        refs, nodes, pool = self._refs, self._device_nodes, self._pools[DEVICE]
+        wt = self._wt
+        index, entry = self._evictable[DEVICE], self._entry
+        unref = 0
+        for b in block_ids:
+            node = nodes[b]
+            r = refs[b] - 1
+            assert r >= 0, f"release of unreferenced device block {b}"
+            if node is None:
+                refs[b] = r
+                if r == 0:
+                    pool.free_one(b)
+            elif wt:
+                self.release(node, now)
+            else:
+                refs[b] = r
+                if r == 0:
+                    unref += 1
+                    node.last_access = now
+                    if not node.children & _CMASK:
+                        index.add(entry(node))
+        self._unreferenced += unref
+
+    def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
+                   block_ids: Sequence[int], now: float,
+                   first_hash: bytes | None = None) -> list[Node]:
+        """Cache consecutive computed device blocks as a chain under ``parent`` in one pass.
+
+        ``tok_bytes`` holds the blocks' tokens (``len(block_ids)`` full blocks) and
+        ``prev_hash`` is the chain hash of ``parent`` (the namespace seed at the root). Each
+        block is hashed and inserted as the child of the previous one, as ``insert`` would,
+        until one whose hash is already cached: the nodes inserted before it are returned
+        (the caller decides what to do with that block). The blocks must be held by the caller
+        (refcount > 0) and uncached; the parent must be on the device (the block manager's
+        commit guarantees both, so they are not re-checked here). ``first_hash``: the first
+        block's chain hash, if the caller has it already (it is not hashed again).
+        Runtime complexity: O(blocks) (+ the write-through copies' evictions).
+        """
+        if self._wt:
+            out = []
+            width = self.block_size * TOKEN_BYTES
+            h = prev_hash
+            for k, b in enumerate(block_ids):
+                chunk = tok_bytes[k * width:(k + 1) * width]
+                h = _xxh3_128(h + chunk)
+                if h in self._index:
+                    break
+                parent = self._insert(parent, h, chunk, b, now)
+                out.append(parent)
+            return out
+        width = self.block_size * TOKEN_BYTES
+        index, device_nodes, refs = self._index, self._device_nodes, self._refs
+        canonical = self._pools[DEVICE]._ids
+        xxh = _xxh3_128
+        out: list[Node] = []
+        append = out.append
+        h = prev_hash
+        start = 0
+        for b in block_ids:
+            chunk = tok_bytes[start:start + width]
+            start += width
+            if first_hash is None:
+                h = xxh(h + chunk)
+            else:
+                h, first_hash = first_hash, None
+            if h in index:
+                break
+            assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
+            node = Node(h, parent, chunk, DEVICE, canonical[b], now)
+            if parent is not None:
+                parent.child = node
+            index[h] = node
+            device_nodes[b] = node
+            append(node)
+            parent = node
+        n = len(out)
+        if n:
+            first_parent = out[0].parent
+            if first_parent is not None:
+                c = first_parent.children
+                if not c & _CMASK and refs[first_parent.slot] == 0:
+                    self._evictable[DEVICE].remove(self._entry(first_parent))
+                first_parent.children = c + 1
+            for node in out[:-1]:
+                node.children = 1        # its child in the run, on the device
+            self._resident[DEVICE] += n
+            self.stats.inserted += n
+        return out
+
+    def _drop_device(self, num_blocks: int, moves: list[MoveOp]) -> None:
+        """``evict`` of a device-only tree in one loop: each victim leaves the cache.
+
+        The same steps as ``_evict_one`` -> ``_move_out`` -> ``_drop`` for this case, without
+        the calls: pop the policy's minimum, unmap it, re-file its parent if that became an
+        unreferenced leaf, free the block. O(1) per block with a ``RecencyIndex``.
+        """
+        entries, index, hints = self._evictable[DEVICE], self._index, self._hints
+        device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
+        lru = self._lru
+        pop_min, add = entries.pop_min, entries.add
+        pool = self._pools[DEVICE]
+        is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
+        append = moves.append
+        for _ in range(num_blocks):
+            h = pop_min()[-1]
+            node = index.pop(h)
+            slot = node.slot
+            assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
+            device_nodes[slot] = None
+            if hints:
+                hints.pop(h, None)
+            p = node.parent
+            if p is not None:
+                if p.child is node:
+                    p.child = None
+                c = p.children - 1
+                p.children = c
+                if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
+                    add((p.last_access, p.block_hash) if lru else entry(p))
+            is_free[slot] = 1                    # BlockPool.free_one, inlined
+            free_append(ids[slot])
+            append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
+        self._resident[DEVICE] -= num_blocks
+        self._unreferenced -= num_blocks
+        self.stats.evicted[DEVICE] += num_blocks
+        self.stats.dropped += num_blocks

@@ -1,0 +1,58 @@
+"""The eviction indexes against a plain sorted list: every add, remove and pop_min in any order
+(entries arriving in order, out of order, re-added after removal, duplicates of dead entries)
+gives the same minimum, the same length and the same iteration order."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from radixkv.core.evict_index import FrequencyIndex, RecencyIndex, SortedIndex
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "add", "remove", "pop"]),
+                         st.integers(0, 40), st.integers(0, 3)), max_size=200)
+
+
+@pytest.mark.parametrize("cls", [RecencyIndex, SortedIndex, FrequencyIndex])
+@given(ops=OPS)
+def test_index_matches_a_sorted_list(cls, ops) -> None:
+    idx, model = cls(), []
+    clock = 0
+    for op, t, h in ops:
+        if op == "add":
+            # mostly increasing times (a release), sometimes an old one (a parent made a leaf)
+            clock += 1
+            e = (clock if t % 3 else t, bytes([h]))
+            if cls is FrequencyIndex:
+                e = (t % 4, *e)            # (hits, last_access, hash)
+            if e in model:
+                continue
+            idx.add(e)
+            model.append(e)
+        elif op == "remove" and model:
+            e = model[t % len(model)]
+            idx.remove(e)
+            model.remove(e)
+        elif op == "pop" and model:
+            model.sort()
+            assert idx.min() == model[0]
+            assert idx.pop_min() == model.pop(0)
+        model.sort()
+        assert len(idx) == len(model)
+        if hasattr(idx, "check_invariants"):
+            idx.check_invariants()
+    assert list(idx) == sorted(model)
+    assert all(e in idx for e in model)
+
+
+def test_recency_index_reuses_a_removed_entry() -> None:
+    """An entry removed (lazily) and added again is live once, not twice."""
+    idx = RecencyIndex()
+    idx.add((1.0, b"a"))
+    idx.add((2.0, b"b"))
+    idx.remove((1.0, b"a"))
+    idx.add((3.0, b"c"))
+    idx.add((1.0, b"a"))          # before the head: at the front again
+    assert [idx.pop_min() for _ in range(3)] == [(1.0, b"a"), (2.0, b"b"), (3.0, b"c")]
+    assert len(idx) == 0 and list(idx) == []
