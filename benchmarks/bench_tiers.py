@@ -25,8 +25,8 @@ Four questions, each against a baseline measured in the same run:
 
 Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s).
 
-    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate,remote] [--blocks N] [--rebuild-blocks N]
-                        [--quick] [--dir PATH]
+    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate,remote] [--blocks N]
+                        [--rebuild-blocks N] [--quick] [--dir PATH]
 """
 
 from __future__ import annotations

@@ -38,9 +38,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+try:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the remote tier needs the 'redis' package: "
+                      "pip install 'radixkv[remote]'") from e
 
 from radixkv.errors import ConfigError, InvalidBlockError
 from radixkv.storage.layout import KVLayout

@@ -59,17 +59,12 @@ def parse_url(url: str, cluster: bool = False) -> RemoteURL:
 
 def make_client(remote: RemoteURL, socket_timeout: float, connect_timeout: float,
                 max_connections: int) -> Any:
-    """A ``redis.Redis`` (or ``redis.cluster.RedisCluster``) for ``remote``; raises ImportError
-    with the install hint when the ``redis`` package is missing. A cluster client connects at
-    construction (it reads the slot map), so it raises ``redis.exceptions.RedisError`` when no
-    node answers; a plain client connects lazily."""
-    try:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the remote tier needs the 'redis' package: "
-                          "pip install 'radixkv[remote]'") from e
+    """A ``redis.Redis`` (or ``redis.cluster.RedisCluster``) for ``remote``. A cluster client
+    connects at construction (it reads the slot map), so it raises
+    ``redis.exceptions.RedisError`` when no node answers; a plain client connects lazily."""
+    import redis  # remote.py already checked that it is installed
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
     kw: dict[str, Any] = dict(socket_timeout=socket_timeout,
                               socket_connect_timeout=connect_timeout,
                               retry=Retry(NoBackoff(), 0), health_check_interval=0)
