@@ -99,13 +99,15 @@ class RemoteStore:
         queue_blocks: values the background writer may hold; a put beyond it is dropped.
         write_batch: values per pipelined SET batch.
         backoff_s: (first, max) seconds between reconnect attempts while the server is down.
+        max_connections: sockets the client may open (one per concurrent call); more threads
+            than this calling at once would see "too many connections", counted as an outage.
     """
 
     def __init__(self, url: str, layout: KVLayout, namespace: bytes, *,
                  signer: Signer | None = None, ttl_s: float | None = None,
                  prefix: str = "rdxkv", cluster: bool = False, socket_timeout: float = 2.0,
                  connect_timeout: float = 0.5, queue_blocks: int = 64, write_batch: int = 16,
-                 backoff_s: tuple[float, float] = (0.05, 5.0), max_connections: int = 16) -> None:
+                 backoff_s: tuple[float, float] = (0.05, 5.0), max_connections: int = 64) -> None:
         if not isinstance(namespace, bytes) or len(namespace) != HASH_BYTES:
             raise ConfigError(f"namespace must be {HASH_BYTES} bytes, got {namespace!r}")
         if ttl_s is not None and not ttl_s > 0:

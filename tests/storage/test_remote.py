@@ -324,3 +324,31 @@ def test_single_node_cluster(make_redis, open_store, layout):
     assert [bytes(g.payload) for g in got[:20]] == [block(layout, i) for i in range(20)]
     assert got[20] is None and store.contains_many(hs[:3]) == [True] * 3
     assert store.delete_many(hs[:2]) == 2 and store.get_many(hs[:2]) == [None, None]
+
+
+def test_threads_share_one_store(open_store, layout):
+    """Four threads putting (queued and waited) and reading overlapping blocks: every hit is
+    the exact block, the counters add up."""
+    import threading
+    store = open_store()
+    hs = chain(24, salt=11)
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for rnd in range(6):
+            mine = [(t * 6 + i) % 24 for i in range(6)]
+            store.put_many([(hs[i], None, [i], block(layout, i)) for i in mine],
+                           wait=rnd % 2 == 0)
+            for i, got in zip(range(24), store.get_many(hs)):
+                if got is not None and bytes(got.payload) != block(layout, i):
+                    errors.append(f"thread {t} read a wrong block {i}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert store.flush(10) and not errors
+    assert all(g is not None for g in store.get_many(hs))
+    s = store.stats()
+    assert s.corrupt == 0 and s.put_failures == 0 and s.hits + s.misses == s.gets
