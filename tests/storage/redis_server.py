@@ -30,10 +30,23 @@ def server_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also ``port + 10000`` (its cluster bus), which
+    redis-server requires to be <= 65535."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
 
 
 class RedisServer:
@@ -43,7 +56,7 @@ class RedisServer:
     def __init__(self, workdir: Path, *args: str, port: int | None = None) -> None:
         self.workdir, self.args = Path(workdir), args
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or free_port(cluster="--cluster-enabled" in args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
