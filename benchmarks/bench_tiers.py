@@ -19,10 +19,14 @@ Four questions, each against a baseline measured in the same run:
    vs the infinite cache (every repeated full block a hit). Target: three tiers >= 98% of
    infinite. Capacities are fractions of the working set (distinct full prompt blocks).
 
+5. remote (``--parts remote``, not in the default set): ``RemoteStore`` puts/gets against a
+   redis-server this run starts on loopback vs the raw ``redis`` client's pipelined SET/GET
+   (and MGET) of the same bytes (``benchmarks/bench_remote.py``). Target: >= 70% of raw.
+
 Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s).
 
-    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate] [--blocks N] [--rebuild-blocks N]
-                        [--quick] [--dir PATH]
+    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate,remote] [--blocks N]
+                        [--rebuild-blocks N] [--quick] [--dir PATH]
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def _interleaved(cases: list[Case], repeat: int, nbytes: int, **labels: Any
             if rnd:
                 wall[name].append(w1 - w0)
                 cpu[name].append(c1 - c0)
-    raw = [n for n in wall if n.startswith("raw files") or n == "torch copy"]
+    raw = [n for n in wall if n.startswith(("raw files", "raw redis")) or n == "torch copy"]
     best = max(raw, key=lambda n: -statistics.median(wall[n]))
     rows = []
     for name in wall:
@@ -356,14 +360,14 @@ def main(argv: list[str] | None = None) -> int:
                          "default); the raw baseline always runs 1 and 4 threads")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--parts", default="bandwidth,rebuild,hit-rate",
-                    help="comma-separated subset of bandwidth, rebuild, hit-rate")
+                    help="comma-separated subset of bandwidth, rebuild, hit-rate, remote")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
                                                 "temporary directory under $TMPDIR)")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    bad = parts - {"bandwidth", "rebuild", "hit-rate"}
+    bad = parts - {"bandwidth", "rebuild", "hit-rate", "remote"}
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
@@ -386,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
             results["rebuild"] = rb
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if "remote" in parts:
+        from radixkv.benchmarks.bench_remote import bench_remote  # needs the 'remote' extra
+        rm, facts = bench_remote(SMOLLM2, args.blocks, args.repeat, _interleaved)
+        header.update(facts)
+        print_table(rm, ["direction", "path", "GB/s", "ms", "cpu ms", "vs raw"],
+                    title=f"remote (redis-server {facts['redis_server']}, loopback), "
+                          f"{args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
+        results["remote"] = rm
     if "hit-rate" in parts:
         hr = bench_hit_rate(args.quick)
         print_table(hr["rows"], ["tiers", "device", "device_blocks", "host_blocks", "disk_blocks",

