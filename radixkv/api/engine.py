@@ -237,14 +237,13 @@ class Engine:
                 raise InvalidRequestError(f"{len(plist)} SamplingParams for {len(items)} prompts")
         else:
             plist = [params] * len(items)
-        rids: list[str] = []
-        try:
-            for p, sp in zip(items, plist):
-                rids.append(self.submit(p, sp, cache_salt=cache_salt))
-        except BaseException:
-            for rid in rids:
-                self.abort(rid)
-            raise
+        # Everything is converted first and added in one loop operation, so an invalid prompt
+        # means nothing ran (the loop cannot step between two of these adds).
+        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), as_params(sp), cache_salt)
+                 for p, sp in zip(items, plist)]
+        rids = [b[0] for b in batch]
+        for rid, stream in zip(rids, self.loop.submit_many(batch)):
+            self._streams[rid] = stream
         final: dict[str, RequestOutput] = {}
         try:
             for rid in rids:   # all run together in the loop; collect in input order

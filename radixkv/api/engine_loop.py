@@ -167,6 +167,26 @@ class EngineLoop:
         """Add a request from any thread; returns its stream once the engine accepted it."""
         return self.call(self.add_request(request_id, prompt_token_ids, params, cache_salt))
 
+    def submit_many(self, requests: list[tuple[str, list[int], Any, str | None]]
+                    ) -> list[RequestStream]:
+        """Add several requests in one operation, all or nothing: if one is refused, those
+        already added are aborted before any step runs, and the error is raised here."""
+        ops = [self.add_request(*r) for r in requests]
+
+        def op() -> list[RequestStream]:
+            streams: list[RequestStream] = []
+            try:
+                for add in ops:
+                    streams.append(add())
+            except BaseException:
+                for stream in streams:
+                    del self._streams[stream.request_id]
+                    self.core.abort_request(stream.request_id)
+                raise
+            return streams
+
+        return self.call(op)
+
     def abort_op(self, request_id: str) -> Callable[[], bool]:
         """The operation that aborts a request; True if it was in flight here. Its stream
         receives a final ``finish_reason="abort"`` output from the next step."""

@@ -120,3 +120,26 @@ def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(make_engine)
     st = e.stats()
     assert st["num_running_requests"] == 0
     assert st["device_blocks_free"] + st["cached_blocks_per_tier"][0] >= free0
+
+
+def test_a_failing_step_reaches_every_caller_and_the_loop_serves_the_next_request(
+        make_engine, monkeypatch):
+    import pytest
+
+    e = make_engine()
+    real_step = e.core.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(e.core, "step", flaky_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.generate(list(range(300, 340)), GREEDY)
+    out = e.generate(list(range(300, 340)), GREEDY)[0]   # the loop is alive and serves
+    assert out.finished and out.outputs[0].finish_reason in ("stop", "length")
+    st = e.stats()
+    assert st["num_running_requests"] == 0 and st["num_waiting"] == 0
