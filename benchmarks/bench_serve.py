@@ -126,7 +126,8 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                 with lock:
                     records.append({
                         "conv": i, "turn": turn, "ttft": (first or end) - t0, "e2e": end - t0,
-                        "engine_ttft": ext["ttft_s"], "prompt_tokens": usage.prompt_tokens,
+                        "engine_ttft": ext["ttft_s"], "pre_engine": ext["queue_and_tokenize_s"],
+                        "prompt_tokens": usage.prompt_tokens,
                         "cached_tokens": usage.prompt_tokens_details.cached_tokens,
                         "output_tokens": usage.completion_tokens})
 
@@ -158,6 +159,7 @@ def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
         "cached_share": sum(r["cached_tokens"] for r in allr) /
         max(1, sum(r["prompt_tokens"] for r in allr)),
         "overhead_p50_s": statistics.median(over) if over else None,
+        "pre_engine_p50_s": statistics.median(r["pre_engine"] for r in recs),
         "overhead_share_of_p50_ttft": (statistics.median(over) / p50) if over else None,
     }
 
@@ -191,23 +193,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=800, help="cut user messages to this")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of cache/nocache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="4 conversations, 2 turns; results to a temp dir")
     args = ap.parse_args(argv)
     if args.quick:
-        args.conversations, args.turns, args.max_tokens = 4, 2, 8
+        args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
     convs = conversations(args.conversations, args.turns, args.max_chars)
     header = run_header(args.seed, benchmark="serve",
                         **{k: v for k, v in vars(args).items() if k != "seed"})
     print(json.dumps(header))
-    runs: dict[str, dict[str, Any]] = {}
-    for mode, extra in (("cache", []), ("nocache", ["--no-prefix-caching"])):
-        proc, base = start_server(extra, args.threads, max(8, args.clients))
-        try:
-            runs[mode] = run_clients(base, convs, args)
-        finally:
+    # Both servers are loaded before anything is timed; the modes then take turns over
+    # --rounds disjoint slices of the conversations (cache, nocache, cache, ...), so a change
+    # in the machine's load during the run hits both modes alike. An idle server costs no CPU.
+    modes = (("cache", []), ("nocache", ["--no-prefix-caching"]))
+    servers = {m: start_server(extra, args.threads, max(8, args.clients)) for m, extra in modes}
+    runs: dict[str, dict[str, Any]] = {m: {"wall_s": 0.0, "requests": []} for m, _ in modes}
+    try:
+        for r in range(args.rounds):
+            part = convs[r::args.rounds]
+            for mode, _ in modes:
+                got = run_clients(servers[mode][1], part, args)
+                runs[mode]["wall_s"] += got["wall_s"]
+                runs[mode]["requests"] += [{**x, "round": r} for x in got["requests"]]
+                print(f"round {r} {mode}: {len(got['requests'])} requests in "
+                      f"{got['wall_s']:.1f} s", flush=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
     rows = [summarize(m, r) for m, r in runs.items()]
