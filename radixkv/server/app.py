@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -181,7 +182,11 @@ def _routes(api: FastAPI, state: ServerState) -> None:
                          "content": m.text()} for m in req.messages]
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        ids = await asyncio.to_thread(eng.chat_template.prompt_ids, messages)
+        try:
+            ids = await asyncio.to_thread(eng.chat_template.prompt_ids, messages)
+        except TemplateError as exc:   # the model's template refuses these messages
+            raise APIError(400, f"the chat template rejected the messages: {exc}",
+                           param="messages") from None
         return await _serve(state, request, req, [ids], chat=True)
 
     @api.post("/v1/completions")
