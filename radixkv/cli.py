@@ -1,4 +1,5 @@
-"""The ``radixkv`` command line: ``radixkv demo``, ``radixkv chat``, ``radixkv bench NAME``.
+"""The ``radixkv`` command line: ``radixkv demo``, ``radixkv chat``, ``radixkv serve``,
+``radixkv bench NAME``.
 
 Subcommands are resolved lazily (module path + function) so ``radixkv bench core`` never imports
 torch and ``radixkv --help`` is instant.
@@ -23,10 +24,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ttft": ("radixkv.benchmarks.bench_ttft", "main"),
     "throughput": ("radixkv.benchmarks.bench_throughput", "main"),
     "async-loads": ("radixkv.benchmarks.bench_async_loads", "main"),
+    "serve": ("radixkv.benchmarks.bench_serve", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),
     "chat": ("radixkv.api.demo", "chat_main", "interactive streaming chat with per-turn cache figures"),
+    "serve": ("radixkv.server.cli", "main", "OpenAI-compatible HTTP server (docs/serve.md)"),
 }
 
 

@@ -5,8 +5,12 @@ text in, text out, with every prompt's cached prefix reused. It adds tokenizatio
 ``generate`` (continuous batching: all prompts are admitted, then the engine steps until they are
 done), streaming, chat sessions, a RAG helper, and Prometheus text metrics.
 
-Several iterators (``stream``) and ``generate`` calls may be interleaved in one thread: each step's
-outputs are routed to the request that produced them, so no caller loses another's tokens.
+Threading model: one background thread (:class:`radixkv.api.engine_loop.EngineLoop`) owns the
+core engine and steps it while any request runs; ``submit``/``generate``/``stream``/chat calls
+from any number of threads queue their work to it and wait for their own outputs, so they batch
+together (continuous batching across threads). Several iterators (``stream``) and ``generate``
+calls may also be interleaved in one thread: each step's outputs are routed to the request that
+produced them, so no caller loses another's tokens.
 
 >>> # import radixkv
 >>> # engine = radixkv.Engine.from_pretrained()          # embedded SmolLM2-135M-Instruct
@@ -17,11 +21,10 @@ outputs are routed to the request that produced them, so no caller loses another
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+from radixkv.api.engine_loop import EngineLoop, RequestStream
 from radixkv.errors import (
     ConfigError, InvalidRequestError, InvalidTokensError, UnknownRequestError,
 )
@@ -109,9 +112,10 @@ class Engine:
         self.core = LLMEngine(model, tokenizer, self.cache_config, self.engine_config,
                               model_id=self.model_id, kv_mover=kv_mover)
         self._ids = itertools.count()
-        # request id -> outputs not yet consumed by its caller (only for requests made here)
-        self._queues: dict[str, deque[RequestOutput]] = {}
-        self._submitted: dict[str, float] = {}   # request id -> perf_counter at submission
+        # The only thread that steps self.core; callers submit to it (see engine_loop.py).
+        self.loop = EngineLoop(self.core)
+        # request id -> its output stream (only for requests made here, until consumed)
+        self._streams: dict[str, RequestStream] = {}
         self._chat_template: ChatTemplate | None = None
 
     # ------------------------------------------------------------------ construction
@@ -186,18 +190,13 @@ class Engine:
     def submit(self, prompt: Prompt, params: ParamsLike = None, *,
                cache_salt: str | None = None, request_id: str | None = None) -> str:
         """Add one request to the running batch; returns its id. Outputs come from
-        :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it)."""
+        :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it).
+        Thread-safe: the request joins the batch the engine loop is stepping."""
         ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._queues:
+        if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
-        self._submitted[rid] = time.perf_counter()
-        try:
-            self.core.add_request(rid, ids, as_params(params), cache_salt=cache_salt)
-        except BaseException:
-            self._submitted.pop(rid, None)
-            raise
-        self._queues[rid] = deque()
+        self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -206,52 +205,36 @@ class Engine:
         if not isinstance(request_id, str):
             raise InvalidRequestError(
                 f"request_id must be a str, got {type(request_id).__name__}")
-        if self._queues.pop(request_id, None) is not None:
-            self._submitted.pop(request_id, None)
-            self.core.abort_request(request_id)
-
-    def _step(self) -> None:
-        """One engine step; route each output to its request's queue."""
-        if not self.core.has_unfinished_requests():
-            raise RuntimeError("radixkv engine has no unfinished requests but a caller is "
-                               "still waiting for output (request aborted elsewhere?)")
-        for out in self.core.step():
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.append(out)
+        if self._streams.pop(request_id, None) is not None:
+            self.loop.abort(request_id)
 
     def stream_request(self, request_id: str) -> Iterator[RequestOutput]:
-        """Yield the outputs of a submitted request until it finishes, stepping the engine as
-        needed (other requests in the batch progress too). Closing early aborts the request.
-        An id that is not in flight raises UnknownRequestError (on the first iteration)."""
-        q = self._queue_of(request_id)
+        """Yield the outputs of a submitted request until it finishes (the engine loop steps
+        the whole batch meanwhile). Closing early aborts the request. An id that is not in
+        flight raises UnknownRequestError (on the first iteration)."""
+        stream = self._stream_of(request_id)
         finished = False
         try:
             while not finished:
-                while not q:
-                    self._step()
-                out = q.popleft()
+                out = stream.get()
                 finished = bool(out.finished)
-                if out.ttft is None and out.outputs and out.outputs[0].token_ids:
-                    _set_ttft(out, time.perf_counter() - self._submitted[request_id])
                 yield out
         finally:
             if finished:
-                self._queues.pop(request_id, None)
-                self._submitted.pop(request_id, None)
+                self._streams.pop(request_id, None)
             else:
                 self.abort(request_id)
 
-    def _queue_of(self, request_id: str) -> deque[RequestOutput]:
-        q = self._queues.get(request_id) if isinstance(request_id, str) else None
-        if q is None:
+    def _stream_of(self, request_id: str) -> RequestStream:
+        stream = self._streams.get(request_id) if isinstance(request_id, str) else None
+        if stream is None:
             raise UnknownRequestError(
                 f"request {request_id!r} is not in flight: never submitted here, aborted, or "
                 "finished and its final output already returned")
-        return q
+        return stream
 
     def wait(self, request_id: str) -> RequestOutput:
-        """Step until the request finishes; return its final output (UnknownRequestError for
+        """Block until the request finishes; return its final output (UnknownRequestError for
         an id that is not in flight, including one whose final output was returned)."""
         last = None
         for last in self.stream_request(request_id):
@@ -282,34 +265,26 @@ class Engine:
                 raise InvalidRequestError(f"{len(plist)} SamplingParams for {len(items)} prompts")
         else:
             plist = [params] * len(items)
-        rids: list[str] = []
+        # Everything is converted first and added in one loop operation, so an invalid prompt
+        # means nothing ran (the loop cannot step between two of these adds).
+        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), as_params(sp), cache_salt)
+                 for p, sp in zip(items, plist)]
+        rids = [b[0] for b in batch]
+        for rid, stream in zip(rids, self.loop.submit_many(batch)):
+            self._streams[rid] = stream
+        final: dict[str, RequestOutput] = {}
         try:
-            for p, sp in zip(items, plist):
-                rids.append(self.submit(p, sp, cache_salt=cache_salt))
+            for rid in rids:   # all run together in the loop; collect in input order
+                out = self._streams[rid].get()
+                while not out.finished:
+                    out = self._streams[rid].get()
+                final[rid] = out
+                self._streams.pop(rid, None)
         except BaseException:
             for rid in rids:
-                self.abort(rid)
+                if rid not in final:
+                    self.abort(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        pending = set(rids)
-        try:
-            while pending:
-                for rid in list(pending):
-                    q = self._queues[rid]
-                    while q:
-                        out = q.popleft()
-                        if out.finished:
-                            final[rid] = out
-                            pending.discard(rid)
-                if pending:
-                    self._step()
-        except BaseException:
-            for rid in pending:
-                self.abort(rid)
-            raise
-        for rid in rids:
-            self._queues.pop(rid, None)
-            self._submitted.pop(rid, None)
         return [final[rid] for rid in rids]
 
     def stream(self, prompt: Prompt, params: ParamsLike = None, *,
@@ -342,9 +317,8 @@ class Engine:
         if not token_ids:
             return []
         tree = self.core.tree
-        nodes, _ = tree.match_tokens(token_bytes(list(token_ids)),
-                                     self.namespace(cache_salt).seed)
-        return nodes
+        key, seed = token_bytes(list(token_ids)), self.namespace(cache_salt).seed
+        return self.loop.call(lambda: tree.match_tokens(key, seed)[0])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of ``token_ids`` are cached now (a multiple of block size)."""
@@ -358,7 +332,7 @@ class Engine:
         ``policy="ttl"``. Returns the number of blocks hinted (only cached ones can be).
         """
         nodes = self.cached_prefix_nodes(token_ids, cache_salt)
-        self.core.tree.set_hints(nodes, priority=priority, ttl=ttl)
+        self.loop.call(lambda: self.core.tree.set_hints(nodes, priority=priority, ttl=ttl))
         return len(nodes)
 
     # ------------------------------------------------------------------ apps
@@ -388,7 +362,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """The core engine's counters (hit rate overall and per tier, tokens saved, evictions,
         promotions, preemptions, KV pool utilization); see ``LLMEngine.stats``."""
-        return dict(self.core.stats())
+        return dict(self.loop.call(self.core.stats))
 
     def metrics_text(self, prefix: str = "radixkv") -> str:
         """:meth:`stats` in the Prometheus text exposition format (version 0.0.4)."""
@@ -400,8 +374,9 @@ class Engine:
         return bool(self.core.has_unfinished_requests())
 
     def close(self) -> None:
-        """Stop the tier worker threads; the engine refuses work afterwards
-        (EngineClosedError). Idempotent."""
+        """Stop the engine loop and the tier worker threads; the engine refuses work
+        afterwards (EngineClosedError). Idempotent."""
+        self.loop.stop()
         self.core.close()
 
 
@@ -420,11 +395,3 @@ def _check_args(model: Any, cache_config: Any, engine_config: Any, model_id: Any
                           f"{type(engine_config).__name__}")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigError(f"model_id must be a non-empty str or None, got {model_id!r}")
-
-
-def _set_ttft(out: Any, seconds: float) -> None:
-    """Fill in ``ttft`` when the core did not (outputs may be frozen dataclasses)."""
-    try:
-        out.ttft = seconds
-    except (AttributeError, TypeError):
-        object.__setattr__(out, "ttft", seconds)

@@ -117,18 +117,19 @@ def test_prefix_hints_protect_a_prefix_under_priority_policy(make_engine):
 
 
 def test_stats_and_metrics_text(make_engine):
-    import re
-
     e = make_engine()
     e.generate(list(range(10, 60)), GREEDY8)
     e.generate(list(range(10, 60)), GREEDY8)
     st = e.stats()
     assert st["prompt_tokens"] == 100 and st["cached_prompt_tokens"] == 48
     text = e.metrics_text()
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? '
-                        r'[-+0-9.eEInfNa]+$')
-    for line in text.splitlines():
-        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
-    assert 'radixkv_hit_rate{model="tiny-llama-test"} 0.48' in text
-    assert 'radixkv_cached_prompt_tokens_total{model="tiny-llama-test"} 48' in text
-    assert "# TYPE radixkv_evictions_total counter" in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["radixkv_hit_rate"].type == "gauge"
+    assert fams["radixkv_hit_rate"].samples[0].value == 0.48
+    assert fams["radixkv_hit_rate"].samples[0].labels == {"model": "tiny-llama-test"}
+    assert fams["radixkv_cached_prompt_tokens"].type == "counter"
+    assert fams["radixkv_cached_prompt_tokens"].samples[0].value == 48
+    assert fams["radixkv_evictions"].type == "counter"
+    assert {s.labels["tier"] for s in fams["radixkv_evictions"].samples} == {"device"}

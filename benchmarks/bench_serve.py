@@ -1,0 +1,240 @@
+"""``radixkv bench serve``: multi-turn chat clients against the real server, cache on vs off.
+
+Question: served over HTTP to concurrent OpenAI clients, how much time to first token does the
+prefix cache save on multi-turn chat, and how much does the server itself (HTTP, tokenization,
+queueing) add on top of the engine?
+
+Workload: the first ``--conversations`` ShareGPT conversations with >= 2 turns (user messages cut
+to ``--max-chars``), replayed by clients that arrive as a Poisson process (``--rate``
+conversations/s); each client sends its turns one after another with an exponential think time
+(mean ``--think`` s) between them, re-sending the whole history (with the model's own replies)
+each turn, streamed, ``temperature=0``, ``max_tokens=--max-tokens``. At most ``--clients``
+conversations run at once. The same schedule (same seed) runs against two servers started in
+turn by this benchmark: ``cache`` (default flags) and ``nocache`` (``--no-prefix-caching``).
+
+Per request the client measures TTFT (first content chunk) and end-to-end latency; the server
+reports the engine's TTFT and the cached prompt tokens in ``usage``. Server overhead = client
+TTFT - engine TTFT (HTTP, JSON, chat templating and tokenization, waiting for the loop thread).
+Targets (issue 11): p50 TTFT cache <= 0.5x nocache; server overhead <= 5% of p50 TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from radixkv.benchmarks._common import REPO_ROOT, print_table, run_header, write_results
+
+
+def conversations(n: int, turns: int, max_chars: int) -> list[list[str]]:
+    """User messages of the first ``n`` ShareGPT conversations with >= 2 usable turns."""
+    from radixkv.benchmarks.traces import clean_conversation, iter_sharegpt
+
+    out: list[list[str]] = []
+    for obj in iter_sharegpt():
+        pairs = clean_conversation(obj.get("conversations", []))
+        users = [q[:max_chars] for q, _ in pairs[:turns] if q.strip()]
+        if len(users) >= 2:
+            out.append(users)
+        if len(out) >= n:
+            break
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str], threads: int, max_seqs: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
+           "--max-num-seqs", str(max_seqs), "--threads", str(threads), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("server did not become ready")
+
+
+def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    from radixkv.models import EMBEDDED_NAME
+
+    rng = random.Random(args.seed)
+    arrivals, t = [], 0.0
+    for _ in convs:
+        arrivals.append(t)
+        t += rng.expovariate(args.rate)
+    thinks = [[rng.expovariate(1 / args.think) if args.think > 0 else 0.0 for _ in c]
+              for c in convs]
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    slots = threading.Semaphore(args.clients)
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        delay = arrivals[i] - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        with slots:
+            api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                timeout=600)
+            msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+            for turn, text in enumerate(convs[i]):
+                if turn:
+                    time.sleep(thinks[i][turn])
+                msgs.append({"role": "user", "content": text})
+                t0 = time.perf_counter()
+                first, reply, usage = None, [], None
+                for chunk in api.chat.completions.create(
+                        model=EMBEDDED_NAME, messages=msgs, temperature=0,
+                        max_tokens=args.max_tokens, stream=True,
+                        stream_options={"include_usage": True}):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first or time.perf_counter()
+                        reply.append(chunk.choices[0].delta.content)
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                end = time.perf_counter()
+                msgs.append({"role": "assistant", "content": "".join(reply)})
+                ext = usage.model_extra["radixkv"]
+                with lock:
+                    records.append({
+                        "conv": i, "turn": turn, "ttft": (first or end) - t0, "e2e": end - t0,
+                        "engine_ttft": ext["ttft_s"], "pre_engine": ext["queue_and_tokenize_s"],
+                        "prompt_tokens": usage.prompt_tokens,
+                        "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "output_tokens": usage.completion_tokens})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "requests": records}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
+    recs = [r for r in run["requests"] if r["turn"] > 0]   # later turns: what a cache can help
+    allr = run["requests"]
+    ttft = [r["ttft"] for r in recs]
+    over = [r["ttft"] - r["engine_ttft"] for r in recs if r["engine_ttft"] is not None]
+    p50 = statistics.median(ttft)
+    return {
+        "mode": mode, "requests": len(allr), "later_turns": len(recs),
+        "ttft_p50_s": p50, "ttft_p99_s": _pct(ttft, 0.99),
+        "e2e_p50_s": statistics.median(r["e2e"] for r in recs),
+        "output_tok_s": sum(r["output_tokens"] for r in allr) / run["wall_s"],
+        "cached_share": sum(r["cached_tokens"] for r in allr) /
+        max(1, sum(r["prompt_tokens"] for r in allr)),
+        "overhead_p50_s": statistics.median(over) if over else None,
+        "pre_engine_p50_s": statistics.median(r["pre_engine"] for r in recs),
+        "overhead_share_of_p50_ttft": (statistics.median(over) / p50) if over else None,
+    }
+
+
+def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for mode, run in runs.items():
+        xs = sorted(r["ttft"] for r in run["requests"] if r["turn"] > 0)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=mode)
+    ax.set_xlabel("time to first token, later chat turns (s, client side)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("radixkv serve: cache on vs off (same schedule)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="radixkv bench serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation at most")
+    ap.add_argument("--clients", type=int, default=4, help="conversations running at once")
+    ap.add_argument("--rate", type=float, default=0.5, help="conversation arrivals per second")
+    ap.add_argument("--think", type=float, default=1.0, help="mean think time between turns")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-chars", type=int, default=800, help="cut user messages to this")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of cache/nocache")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="4 conversations, 2 turns; results to a temp dir")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
+        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
+    convs = conversations(args.conversations, args.turns, args.max_chars)
+    header = run_header(args.seed, benchmark="serve",
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    # Both servers are loaded before anything is timed; the modes then take turns over
+    # --rounds disjoint slices of the conversations (cache, nocache, cache, ...), so a change
+    # in the machine's load during the run hits both modes alike. An idle server costs no CPU.
+    modes = (("cache", []), ("nocache", ["--no-prefix-caching"]))
+    servers = {m: start_server(extra, args.threads, max(8, args.clients)) for m, extra in modes}
+    runs: dict[str, dict[str, Any]] = {m: {"wall_s": 0.0, "requests": []} for m, _ in modes}
+    try:
+        for r in range(args.rounds):
+            part = convs[r::args.rounds]
+            for mode, _ in modes:
+                got = run_clients(servers[mode][1], part, args)
+                runs[mode]["wall_s"] += got["wall_s"]
+                runs[mode]["requests"] += [{**x, "round": r} for x in got["requests"]]
+                print(f"round {r} {mode}: {len(got['requests'])} requests in "
+                      f"{got['wall_s']:.1f} s", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    rows = [summarize(m, r) for m, r in runs.items()]
+    print_table(rows, title="radixkv serve (later turns; client-side TTFT)")
+    ratio = rows[0]["ttft_p50_s"] / rows[1]["ttft_p50_s"]
+    print(f"\np50 TTFT cache / nocache = {ratio:.2f} (target <= 0.5); server overhead = "
+          f"{rows[0]['overhead_share_of_p50_ttft']:.1%} of cached p50 TTFT (target <= 5%)")
+    results = {"summary": rows, "ttft_p50_ratio": ratio, "runs": runs}
+    write_results("serve" + ("-quick" if args.quick else ""), header, results)
+    if not args.quick:
+        plot(runs, REPO_ROOT / "docs" / "img" / "bench_serve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

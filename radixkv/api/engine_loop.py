@@ -1,0 +1,296 @@
+"""One stepping thread owns an ``LLMEngine``; any number of threads and event loops submit to it.
+
+Why a loop thread: the core engine (scheduler, block manager, radix tree, model runner) is plain
+single-threaded Python. Two threads that each call ``step()`` interleave half-finished steps and
+corrupt the per-sequence token counts (issue 18: ``InvalidTokensError: num_computed_tokens must
+be in [34, 36] ... got 33``). Locking every call would work but makes callers take turns at
+stepping; here exactly one thread ever touches the core, and everybody else talks to it:
+
+* **Operations** (add a request, abort one, read stats, anything that touches the core) are
+  closures queued with :meth:`EngineLoop.call`. The loop thread runs them *between* steps, in
+  submission order, and hands back the result or the exception through a
+  ``concurrent.futures.Future``: a sync caller blocks on it, an asyncio handler awaits
+  ``asyncio.wrap_future`` (:meth:`EngineLoop.acall`) without blocking its event loop. A
+  validation error raised by ``add_request`` therefore reaches the caller's thread with the engine
+  unchanged, exactly as before.
+* **Outputs** of each request go to its own :class:`RequestStream`, a small thread-safe queue
+  that can be read with :meth:`RequestStream.get` (blocking) or :meth:`RequestStream.aget`
+  (awaitable; the loop thread wakes the event loop with ``call_soon_threadsafe``).
+* **Stepping**: while any request is unfinished the thread alternates "run queued operations,
+  one ``step()``, route outputs". When there is nothing to do it waits on a condition variable
+  and, after ``idle_exit_s`` without work, exits; the next operation starts a fresh thread. So
+  an idle engine holds no thread, and a process never exits with the loop in the middle of a
+  step unless a request is still running.
+
+Failure model: an exception from ``step()`` is delivered to every request in flight (their
+callers re-raise it) and those requests are aborted, so the loop never spins on a broken batch
+and later requests still run.
+
+Lock order: ``EngineLoop._cv`` may be held while taking a ``RequestStream._cv`` (routing), never
+the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from radixkv.errors import EngineClosedError, InvalidRequestError
+
+T = TypeVar("T")
+
+
+class EngineLoopClosed(EngineClosedError):
+    """The engine loop was stopped (the engine was closed): raised to calls made afterwards and
+    to requests that were still running. An :class:`EngineClosedError`, as the public API
+    documents for a closed engine."""
+
+
+class RequestStream:
+    """Outputs of one request, written by the loop thread, read by one consumer.
+
+    Items are ``RequestOutput`` snapshots in step order; an exception item ends the stream
+    with that error. ``submitted`` is the ``perf_counter`` at submission (for TTFT).
+    """
+
+    def __init__(self, request_id: str, submitted: float) -> None:
+        self.request_id = request_id
+        self.submitted = submitted
+        self._cv = threading.Condition()
+        self._items: deque[Any] = deque()
+        self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def put(self, item: Any) -> None:
+        """Append an output (or an exception). Called on the loop thread."""
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+            aio = self._aio
+        if aio is not None:
+            try:
+                aio[0].call_soon_threadsafe(aio[1].set)
+            except RuntimeError:   # the consumer's event loop is closed: nobody is listening
+                pass
+
+    def _pop(self) -> Any:
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next output, blocking until the loop thread delivers it.
+        Raises the step's exception if the request failed; TimeoutError after ``timeout``."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: bool(self._items), timeout):
+                raise TimeoutError(f"no output for {self.request_id!r} in {timeout} s")
+            return self._pop()
+
+    async def aget(self) -> Any:
+        """The next output, awaited without blocking the running event loop."""
+        while True:
+            with self._cv:
+                if self._items:
+                    return self._pop()
+                if self._aio is None:
+                    self._aio = (asyncio.get_running_loop(), asyncio.Event())
+                event = self._aio[1]
+                event.clear()   # cleared under the lock: a put() after this check sets it again
+            await event.wait()
+
+
+class EngineLoop:
+    """The only thread that calls into ``core`` (an ``LLMEngine``); see the module docstring.
+
+    Args:
+        core: the engine to own. Nothing else may call it while this loop has work.
+        idle_exit_s: seconds without work after which the thread exits (restarted on demand).
+    """
+
+    def __init__(self, core: Any, idle_exit_s: float = 2.0) -> None:
+        self.core = core
+        self.idle_exit_s = idle_exit_s
+        self._cv = threading.Condition()
+        self._ops: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._streams: dict[str, RequestStream] = {}   # touched on the loop thread only
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # True after a step raised: do not step again until a new operation arrives (a broken
+        # batch is not retried in a hot loop; the aborts of the failed requests are flushed by
+        # the next step anyone asks for).
+        self._stalled = False
+
+    # ------------------------------------------------------------------ operations
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the loop thread between two steps; return its result (or raise its
+        exception) in the calling thread. Called on the loop thread itself, runs inline."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self.call_future(fn).result()
+
+    async def acall(self, fn: Callable[[], T]) -> T:
+        """:meth:`call` for asyncio handlers: awaits without blocking the event loop."""
+        return await asyncio.wrap_future(self.call_future(fn))
+
+    def call_future(self, fn: Callable[[], T]) -> Future:
+        """Queue ``fn`` for the loop thread; the future holds its result."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise EngineLoopClosed("the engine loop is stopped (the engine was closed)")
+            self._ops.append((fn, fut))
+            self._ensure_thread()
+            self._cv.notify_all()
+        return fut
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    cache_salt: str | None = None) -> Callable[[], RequestStream]:
+        """The operation that adds a request and registers its stream (run it with
+        :meth:`call` / :meth:`acall`). Validation errors leave the engine unchanged."""
+        submitted = time.perf_counter()
+
+        def op() -> RequestStream:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+            self.core.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+            stream = RequestStream(request_id, submitted)
+            self._streams[request_id] = stream
+            return stream
+
+        return op
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any,
+               cache_salt: str | None = None) -> RequestStream:
+        """Add a request from any thread; returns its stream once the engine accepted it."""
+        return self.call(self.add_request(request_id, prompt_token_ids, params, cache_salt))
+
+    def submit_many(self, requests: list[tuple[str, list[int], Any, str | None]]
+                    ) -> list[RequestStream]:
+        """Add several requests in one operation, all or nothing: if one is refused, those
+        already added are aborted before any step runs, and the error is raised here."""
+        ops = [self.add_request(*r) for r in requests]
+
+        def op() -> list[RequestStream]:
+            streams: list[RequestStream] = []
+            try:
+                for add in ops:
+                    streams.append(add())
+            except BaseException:
+                for stream in streams:
+                    del self._streams[stream.request_id]
+                    self.core.abort_request(stream.request_id)
+                raise
+            return streams
+
+        return self.call(op)
+
+    def abort_op(self, request_id: str) -> Callable[[], bool]:
+        """The operation that aborts a request; True if it was in flight here. Its stream
+        receives a final ``finish_reason="abort"`` output from the next step."""
+        def op() -> bool:
+            if request_id not in self._streams:
+                return False
+            self.core.abort_request(request_id)
+            return True
+
+        return op
+
+    def abort(self, request_id: str) -> bool:
+        return self.call(self.abort_op(request_id))
+
+    def is_running(self, request_id: str) -> bool:
+        return self.call(lambda: request_id in self._streams)
+
+    def num_in_flight(self) -> int:
+        """Requests submitted here and not finished (approximate when read off-thread)."""
+        return len(self._streams)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread: requests still running get :class:`EngineLoopClosed`. Idempotent."""
+        with self._cv:
+            self._closed = True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _ensure_thread(self) -> None:
+        # Called with self._cv held.
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                idle_since = time.monotonic()
+                while not self._ops and not self._closed and not self._busy():
+                    left = self.idle_exit_s - (time.monotonic() - idle_since)
+                    if left <= 0:
+                        self._thread = None   # the next call_future starts a new thread
+                        return
+                    self._cv.wait(left)
+                ops = list(self._ops)
+                self._ops.clear()
+                closed = self._closed
+                if ops:
+                    self._stalled = False
+            for fn, fut in ops:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:   # delivered to the caller, who re-raises it
+                    fut.set_exception(exc)
+            if closed:
+                self._fail_all(EngineLoopClosed("the engine loop was stopped"))
+                with self._cv:
+                    self._thread = None
+                return
+            if self._busy():
+                self._step()
+
+    def _busy(self) -> bool:
+        return not self._stalled and bool(self.core.has_unfinished_requests())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:   # every caller in flight gets it; the loop goes on
+            self._stalled = True
+            self._fail_all(exc)
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue   # a request added to the core directly, not through this loop
+            if out.ttft is None and out.outputs and out.outputs[0].token_ids:
+                _set_ttft(out, now - stream.submitted)
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            self.core.abort_request(rid)
+            stream.put(exc)
+
+
+def _set_ttft(out: Any, seconds: float) -> None:
+    """Fill in ``ttft`` when the core did not (outputs may be frozen dataclasses)."""
+    try:
+        out.ttft = seconds
+    except (AttributeError, TypeError):
+        object.__setattr__(out, "ttft", seconds)
+
+
+__all__ = ["EngineLoop", "RequestStream", "EngineLoopClosed"]

@@ -1,0 +1,158 @@
+"""``radixkv serve``: start the OpenAI-compatible server (see docs/serve.md for every flag).
+
+The HTTP socket opens first and ``/health`` answers 503 while the model loads in a background
+thread (progress on stderr every few seconds); then 200, and the endpoints serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="radixkv serve", description="OpenAI-compatible HTTP server over a radixkv engine "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this bearer key (repeatable); each key is its own cache tenant")
+    g.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                   help="file with one API key per line (repeatable)")
+    g.add_argument("--salt-secret", default=None, help="secret that derives each key's cache "
+                   "salt (default: random per start; set it to reuse a disk cache across "
+                   "restarts)")
+    g.add_argument("--max-queued", type=int, default=256, metavar="N",
+                   help="requests that may wait beyond a full batch; past it: 429 (default 256)")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens when a request gives none (default: the rest of the context)")
+    g.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, metavar="DIR",
+                   help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    m.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the model's name)")
+    m.add_argument("--device", default="auto", help="torch device (default auto)")
+    m.add_argument("--dtype", default=None, help="model/KV dtype, e.g. float16 (default: "
+                   "float32 on CPU)")
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    c = p.add_argument_group("cache (CacheConfig)")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    c.add_argument("--device-blocks", type=int, default=None, help="device pool size in blocks")
+    c.add_argument("--device-memory", default=None, help="device pool size, e.g. 512MiB")
+    c.add_argument("--host-blocks", type=int, default=0, help="host (CPU RAM) tier, blocks")
+    c.add_argument("--host-memory", default=None, help="host tier size, e.g. 2GiB")
+    c.add_argument("--disk-dir", default=None, help="disk tier directory")
+    c.add_argument("--disk-blocks", type=int, default=0, help="disk tier size in blocks")
+    c.add_argument("--disk-memory", default=None, help="disk tier size, e.g. 20GiB")
+    c.add_argument("--policy", default="lru", help="eviction policy: lru, lfu, priority, ttl")
+    c.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse blocks across requests (the no-cache baseline)")
+    c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
+                   help="tier that gets a copy of every block as it is computed (repeatable)")
+    e = p.add_argument_group("engine (EngineConfig)")
+    e.add_argument("--max-num-seqs", type=int, default=32, help="live sequences per step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens computed per forward")
+    e.add_argument("--max-model-len", type=int, default=None, help="context limit")
+    e.add_argument("--prefetch-requests", type=int, default=4,
+                   help="waiting requests whose disk blocks are prefetched to host")
+    e.add_argument("--no-async-loads", action="store_true",
+                   help="wait for disk -> device promotions instead of overlapping them")
+    return p
+
+
+def configs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(CacheConfig, EngineConfig) from the parsed flags (ConfigError on a bad combination)."""
+    from radixkv.config import CacheConfig, EngineConfig
+
+    cc = CacheConfig(block_size=args.block_size, num_device_blocks=args.device_blocks,
+                     device_memory=args.device_memory, host_blocks=args.host_blocks,
+                     host_memory=args.host_memory, disk_dir=args.disk_dir,
+                     disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
+                     policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
+                     write_through=tuple(args.write_through))
+    ec = EngineConfig(max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                      dtype=args.dtype, max_model_len=args.max_model_len,
+                      prefetch_requests=args.prefetch_requests,
+                      async_loads=not args.no_async_loads)
+    return cc, ec
+
+
+def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
+    def load() -> Any:
+        import radixkv
+
+        what = args.model or "the embedded SmolLM2-135M-Instruct"
+        t0 = time.perf_counter()
+        done = threading.Event()
+
+        def progress() -> None:
+            while not done.wait(5.0):
+                print(f"radixkv serve: loading {what} ... {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+
+        print(f"radixkv serve: loading {what} (about 20-60 s on a small CPU)", file=sys.stderr,
+              flush=True)
+        threading.Thread(target=progress, daemon=True).start()
+        try:
+            engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec)
+            engine.chat_template   # analyse the chat template now, not in the first request
+        finally:
+            done.set()
+        print(f"radixkv serve: ready in {time.perf_counter() - t0:.1f} s "
+              f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks)",
+              file=sys.stderr, flush=True)
+        return engine
+
+    return load
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from radixkv.errors import ConfigError
+
+    try:
+        import uvicorn
+
+        from radixkv.server.app import create_app
+        from radixkv.server.tenants import read_keys
+    except ImportError as exc:
+        print(f"radixkv serve needs the serve extra ({exc}): pip install 'radixkv[serve]'",
+              file=sys.stderr)
+        return 2
+    try:
+        cc, ec = configs(args)
+        keys = read_keys(args.api_key, args.api_key_file)
+        if args.max_queued < 0:
+            raise ConfigError(f"--max-queued must be >= 0, got {args.max_queued}")
+    except ConfigError as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.served_model_name is None and args.model is None:
+        from radixkv.models import EMBEDDED_NAME
+
+        args.served_model_name = EMBEDDED_NAME
+    name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
+                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
+                     salt_secret=args.salt_secret)
+    print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
+          f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The server's Prometheus metrics (``prometheus-client``), named like vLLM's where they mean the
+same thing (``vllm:prefix_cache_hits`` -> ``radixkv_prefix_cache_hits_total`` ...).
+
+Everything lives in one :class:`ServerMetrics` per app, on its own ``CollectorRegistry`` (no
+module-level state: two apps in one process, e.g. in tests, do not share counters).
+
+Two sources:
+
+* **Request latencies** are observed by the HTTP layer as requests finish (histograms with
+  explicit buckets): TTFT, end-to-end latency, inter-token latency; plus request and token
+  counters.
+* **Engine state** comes from ``engine.stats()``: a snapshot taken on the engine loop by the
+  ``/metrics`` handler just before rendering (:meth:`ServerMetrics.render`), exposed by a custom
+  collector: prefix-cache queries and hits (tokens, hits per tier), running/waiting requests,
+  cache usage per tier, evictions/promotions/demotions per tier, preemptions; and, under
+  ``radixkv_engine_*``, every other engine stat (see :mod:`radixkv.api.metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from radixkv.api.metrics import TIER_NAMES, StatsCollector
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """vLLM-named families over the latest engine stats snapshot."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Any]:
+        st, lab = self.owner.snapshot, self.owner.labels
+        if not st:
+            return
+        names, values = list(lab), list(lab.values())
+        tiers = list(st.get("tiers") or TIER_NAMES[:len(st.get("cached_blocks_per_tier", [1]))])
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, doc, labels=names)
+            fam.add_metric(values, float(value))
+            return fam
+
+        def per_tier(cls: Any, name: str, doc: str, per: list[float]) -> Any:
+            fam = cls(name, doc, labels=[*names, "tier"])
+            for t, v in zip(tiers, per):
+                fam.add_metric([*values, t], float(v))
+            return fam
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(name, doc, labels=names)
+            fam.add_metric(values, float(value))
+            return fam
+
+        yield counter("radixkv_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache (vllm:prefix_cache_queries).", st["prompt_tokens"])
+        yield counter("radixkv_prefix_cache_hits", "Prompt tokens served from the prefix cache, "
+                      "all tiers (vllm:prefix_cache_hits).", st["cached_prompt_tokens"])
+        yield per_tier(CounterMetricFamily, "radixkv_prefix_cache_hits_by_tier",
+                       "Prompt tokens served from the prefix cache, by the tier they were in.",
+                       st["cached_prompt_tokens_per_tier"])
+        yield gauge("radixkv_num_requests_running", "Requests in the running batch.",
+                    st["num_running_requests"])
+        yield gauge("radixkv_num_requests_waiting", "Requests waiting to be scheduled.",
+                    st["num_waiting"])
+        caps = list(st.get("tier_capacity_blocks") or [st["device_blocks"]])
+        used = [st["device_blocks"] - st["device_blocks_free"],
+                *st["cached_blocks_per_tier"][1:]]
+        yield per_tier(GaugeMetricFamily, "radixkv_kv_cache_usage_perc",
+                       "Fraction of each tier's KV blocks in use (device: held or cached; "
+                       "host/disk: cached).", [u / c if c else 0.0 for u, c in zip(used, caps)])
+        for key, doc in (("evictions", "Blocks evicted out of each tier."),
+                         ("promotions", "Blocks promoted into the device from each tier."),
+                         ("demotions", "Blocks demoted into each tier.")):
+            yield per_tier(CounterMetricFamily, f"radixkv_{key}", doc, st[key])
+        yield counter("radixkv_num_preemptions", "Requests preempted (vllm:num_preemptions).",
+                      st["preemptions"])
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+class ServerMetrics:
+    """All metrics of one server app. ``labels``: constant labels (``model_name``)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.snapshot: Mapping[str, Any] = {}
+        names = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("radixkv_time_to_first_token_seconds",
+                              "Time to first token, measured in the engine.", names,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.e2e = Histogram("radixkv_e2e_request_latency_seconds",
+                             "Request latency from arrival at the server to its last token.",
+                             names, buckets=E2E_BUCKETS, registry=reg)
+        self.itl = Histogram("radixkv_inter_token_latency_seconds",
+                             "Time between two output tokens of a request (streamed requests).",
+                             names, buckets=ITL_BUCKETS, registry=reg)
+        self.success = Counter("radixkv_request_success", "Finished requests by finish reason.",
+                               [*names, "finished_reason"], registry=reg)
+        self.prompt_tokens = Counter("radixkv_prompt_tokens", "Prompt tokens of served "
+                                     "requests.", names, registry=reg)
+        self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.",
+                                         names, registry=reg)
+        self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
+                                "before reaching the engine, by HTTP status.",
+                                [*names, "status"], registry=reg)
+        reg.register(_EngineCollector(self))
+        reg.register(StatsCollector(lambda: self.snapshot, prefix="radixkv_engine",
+                                    labels=self.labels))
+
+    def label(self) -> dict[str, str]:
+        return self.labels
+
+    def render(self, snapshot: Mapping[str, Any]) -> bytes:
+        """The text exposition with ``snapshot`` (``engine.stats()``) as the engine state."""
+        self.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+__all__ = ["ServerMetrics"]

@@ -1,0 +1,168 @@
+"""From an OpenAI request to engine requests and back: prompts, sampling, outputs, usage.
+
+One code path serves both endpoints and both modes: :func:`run` submits a request to the engine
+loop and yields its ``RequestOutput`` snapshots as they come; the endpoint turns them into one
+JSON body or into Server-Sent Events (``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``, exactly
+what OpenAI's clients parse). A request that ends early (client gone, task cancelled) is aborted
+in ``run``'s ``finally``, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.api.metrics import TIER_NAMES
+from radixkv.server.errors import APIError
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+
+# Seeds: sample i of n uses seed + i (radixkv.engine.sampling); keep the sum inside torch's range.
+MAX_SEED = 2**63 - 1 - 256
+
+
+@dataclass
+class Timing:
+    """Per-request clock readings (``perf_counter`` seconds) for metrics and usage."""
+
+    arrived: float
+    submitted: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def request_salt(req: Any) -> str | None:
+    """The request's own namespace narrowing: vLLM's ``cache_salt``, OpenAI's
+    ``prompt_cache_key``, or both."""
+    parts = [p for p in (req.cache_salt, req.prompt_cache_key) if p]
+    return "|".join(parts) or None
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
+                    max_model_len: int, default_max_tokens: int | None) -> Any:
+    """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens.
+    Raises :class:`APIError` (400) naming the field for anything the engine cannot honour."""
+    from radixkv.engine.sampling import SamplingParams
+
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; "
+                       f"the prompt has {prompt_len} tokens (at least one must be left to "
+                       "generate)", param="messages" if isinstance(req, ChatCompletionRequest)
+                       else "prompt", code="context_length_exceeded")
+    room = max_model_len - prompt_len
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) \
+        else "max_tokens"
+    if asked is not None and asked > room:
+        raise APIError(400, f"{param}={asked} is past the context: this model's maximum context "
+                       f"length is {max_model_len} tokens and the prompt has {prompt_len}, so "
+                       f"at most {room} can be generated", param=param,
+                       code="context_length_exceeded")
+    max_tokens = asked if asked is not None else min(room, default_max_tokens or room)
+    if req.logprobs or getattr(req, "top_logprobs", None):
+        raise APIError(400, "per-token logprobs are not available in radixkv; each choice's "
+                       "total log-probability is in usage.radixkv.cumulative_logprobs",
+                       param="logprobs", code="unsupported_parameter")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise APIError(400, f"seed must be in [0, {MAX_SEED}], got {req.seed}", param="seed")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    kwargs: dict[str, Any] = dict(
+        max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
+        ignore_eos=req.ignore_eos)
+    if req.use_beam_search:
+        if temperature != 0:
+            raise APIError(400, "use_beam_search is deterministic: set temperature to 0",
+                           param="temperature")
+        kwargs.update(temperature=0.0, beam_width=max(req.n, req.best_of or req.n),
+                      length_penalty=req.length_penalty)
+    else:
+        if temperature < 1e-5 and temperature != 0:   # below fp32's useful range: greedy
+            temperature = 0.0
+        kwargs.update(temperature=temperature)
+    return SamplingParams(**kwargs)
+
+
+async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
+              cache_salt: str | None, timing: Timing, http_request: Any = None
+              ) -> AsyncIterator[Any]:
+    """Submit one request to the engine loop and yield its outputs until it finishes.
+
+    ``http_request``: poll it for a client disconnect while waiting (non-streaming answers; a
+    streaming response learns of it from its failed writes). Whatever ends the iteration early
+    aborts the request; a finished request is recorded in the metrics.
+    """
+    loop = state.engine.loop
+    stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt))
+    timing.submitted = time.perf_counter()
+    finished = False
+    try:
+        while not finished:
+            try:
+                out = await asyncio.wait_for(stream.aget(), 0.5)
+            except asyncio.TimeoutError:
+                if http_request is not None and await http_request.is_disconnected():
+                    return
+                continue
+            now = time.perf_counter()
+            if any(o.delta_token_ids for o in out.outputs):
+                if timing.first_token is None:
+                    timing.first_token = now
+                elif timing.last_token is not None:
+                    timing.gaps.append(now - timing.last_token)
+                timing.last_token = now
+            finished = bool(out.finished)
+            if finished:
+                state.observe_finished(out, timing)
+            yield out
+    finally:
+        if not finished:   # fire and forget: the loop aborts it between two steps
+            loop.call_future(loop.abort_op(request_id))
+            state.metrics.success.labels(state.model_name, "abort").inc()
+
+
+def usage(outs: Sequence[Any], timing: Timing) -> dict[str, Any]:
+    """OpenAI's usage object plus ``radixkv``: cached tokens per tier, TTFT, logprobs."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    per_tier = [0] * len(TIER_NAMES)
+    for o in outs:
+        for t, n in enumerate(o.cached_tokens_per_tier):
+            if t < len(per_tier):
+                per_tier[t] += n
+    engine_ttft = [o.ttft for o in outs if o.ttft is not None]
+    server_ttft = (timing.first_token - timing.arrived) if timing.first_token else None
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "radixkv": {
+            "cached_tokens_per_tier": dict(zip(TIER_NAMES, per_tier)),
+            "ttft_s": max(engine_ttft) if engine_ttft else None,
+            "server_ttft_s": server_ttft,
+            "queue_and_tokenize_s": timing.submitted - timing.arrived,
+            "cumulative_logprobs": [c.cumulative_logprob for o in outs for c in o.outputs],
+            "num_preemptions": sum(o.num_preemptions for o in outs),
+        },
+    }
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+__all__ = ["sampling_params", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
+           "request_salt"]

@@ -1,0 +1,145 @@
+"""One Engine used from several threads at once (issue 18, item 3).
+
+Before the engine loop, every thread stepped the core itself and the interleaved half-steps
+failed with ``InvalidTokensError: num_computed_tokens must be in [...]``. Now one loop thread
+steps; the threads' requests batch together and each gets exactly its own tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from radixkv import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12)
+
+
+def _prompts(k: int) -> list[list[int]]:
+    # Shared 32-token prefix (two blocks) so requests from different threads hit each other's
+    # cache while they run.
+    return [list(range(100, 132)) + list(range(1000 + 40 * i, 1000 + 40 * i + 9 + i))
+            for i in range(k)]
+
+
+def test_generate_stream_and_chat_from_many_threads_match_one_thread(make_engine):
+    prompts = _prompts(6)
+    expected = [o.outputs[0].token_ids for o in make_engine().generate(prompts, GREEDY)]
+
+    e = make_engine()
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(7)
+
+    def gen(i: int) -> None:
+        start.wait()
+        results[f"gen{i}"] = e.generate(prompts[i], GREEDY)[0].outputs[0].token_ids
+
+    def stream(i: int) -> None:
+        start.wait()
+        toks: list[int] = []
+        for out in e.stream(prompts[i], GREEDY):
+            toks.extend(out.outputs[0].delta_token_ids)
+        results[f"stream{i}"] = toks
+
+    def chat() -> None:
+        start.wait()
+        session = e.chat(system="Be brief.", params={"max_tokens": 4})
+        results["chat1"] = session.send("hello").token_ids
+        results["chat2"] = session.send("again").token_ids
+
+    def guard(fn, *args):
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # re-raised in the main thread below
+                errors.append(exc)
+        return threading.Thread(target=run)
+
+    threads = [guard(gen, i) for i in range(4)] + [guard(stream, i) for i in (4, 5)]
+    threads += [guard(chat)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for i in range(4):
+        assert results[f"gen{i}"] == expected[i]
+    for i in (4, 5):
+        assert results[f"stream{i}"] == expected[i]
+    assert len(results["chat1"]) >= 1 and len(results["chat2"]) >= 1
+    st = e.stats()
+    assert st["num_running_requests"] == 0 and st["num_waiting"] == 0
+    assert st["device_blocks_free"] + st["cached_blocks_per_tier"][0] == st["device_blocks"]
+
+
+def test_asyncio_callers_await_without_blocking_the_event_loop(make_engine):
+    e = make_engine()
+    prompts = _prompts(3)
+    expected = [o.outputs[0].token_ids for o in e.generate(prompts, GREEDY)]
+    ticks = 0
+
+    async def ticker(stop: asyncio.Event) -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    async def one(p: list[int]) -> list[int]:
+        stream = await e.loop.acall(e.loop.add_request(f"a{p[-1]}", p, GREEDY))
+        toks: list[int] = []
+        while True:
+            out = await stream.aget()
+            toks.extend(out.outputs[0].delta_token_ids)
+            if out.finished:
+                return toks
+
+    async def main() -> list[list[int]]:
+        stop = asyncio.Event()
+        tick = asyncio.create_task(ticker(stop))
+        got = await asyncio.gather(*(one(p) for p in prompts))
+        stop.set()
+        await tick
+        return list(got)
+
+    assert asyncio.run(main()) == expected
+    assert ticks > 3   # the event loop kept running while the engine stepped
+
+
+def test_abort_from_another_thread_ends_the_stream_and_frees_blocks(make_engine):
+    e = make_engine()
+    free0 = e.stats()["device_blocks_free"]
+    rid = e.submit(list(range(200, 260)), {"max_tokens": 400, "ignore_eos": True})
+    it = e.stream_request(rid)
+    next(it)
+    t = threading.Thread(target=e.abort, args=(rid,))
+    t.start()
+    t.join()
+    outs = list(it)
+    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    st = e.stats()
+    assert st["num_running_requests"] == 0
+    assert st["device_blocks_free"] + st["cached_blocks_per_tier"][0] >= free0
+
+
+def test_a_failing_step_reaches_every_caller_and_the_loop_serves_the_next_request(
+        make_engine, monkeypatch):
+    import pytest
+
+    e = make_engine()
+    real_step = e.core.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(e.core, "step", flaky_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.generate(list(range(300, 340)), GREEDY)
+    out = e.generate(list(range(300, 340)), GREEDY)[0]   # the loop is alive and serves
+    assert out.finished and out.outputs[0].finish_reason in ("stop", "length")
+    st = e.stats()
+    assert st["num_running_requests"] == 0 and st["num_waiting"] == 0

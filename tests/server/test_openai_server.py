@@ -1,0 +1,375 @@
+"""The real server (``radixkv serve`` as a subprocess on 127.0.0.1) driven by the official
+``openai`` client (issue 11). One server for the whole module keeps CI to one model load.
+
+The server runs with two API keys (one from the command line, one from a file), so every test
+also exercises authentication; a batch of 8 sequences plus 8 queued requests bounds admission.
+The test process loads the same model once to compare greedy text with ``Engine.generate``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+KEY_A, KEY_B = "key-alpha", "key-bravo"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_SEQS, MAX_QUEUED = 8, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, port: int, proc: subprocess.Popen) -> None:
+        self.port, self.proc = port, proc
+        self.base = f"http://127.0.0.1:{port}"
+
+    def client(self, key: str = KEY_A) -> Any:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0,
+                             timeout=300)
+
+    def raw(self, method: str, path: str, body: Any = None, key: str | None = KEY_A,
+            raw_body: bytes | None = None) -> tuple[int, Any]:
+        data = raw_body if raw_body is not None else (
+            None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                text = r.read().decode()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            text, status = e.read().decode(), e.code
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def metrics(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(fams: dict, name: str, **labels: str) -> float:
+    total = 0.0
+    for s in fams[name].samples:
+        if s.name in (name, name + "_total") and all(s.labels.get(k) == v
+                                                     for k, v in labels.items()):
+            total += s.value
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keyfile.write_text(f"# tenants\n{KEY_B}\n")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--api-key", KEY_A,
+           "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS), "--max-queued",
+           str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    srv = Server(port, proc)
+    try:
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def ready(server: Server, engine: Any) -> Server:
+    """The server once /health says 200 (it says 503 while loading: checked on the way)."""
+    seen = set()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited: {server.proc.stdout.read()}")
+        try:
+            status, _ = server.raw("GET", "/health", key=None)
+        except (ConnectionError, urllib.error.URLError):
+            time.sleep(0.5)
+            continue
+        seen.add(status)
+        if status == 200:
+            break
+        assert status == 503
+        time.sleep(0.5)
+    else:
+        raise TimeoutError("server not ready in 600 s")
+    return server
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    """The same model in this process, for greedy equality with Engine.generate."""
+    import torch
+
+    import radixkv
+    from radixkv.config import CacheConfig, EngineConfig
+
+    torch.set_num_threads(1)
+    try:
+        return radixkv.Engine.from_pretrained(
+            cache_config=CacheConfig(num_device_blocks=256),
+            engine_config=EngineConfig(device="cpu"))
+    except radixkv.ConfigError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"embedded model unavailable: {exc}")
+
+
+def _chat(client: Any, messages: list[dict], **kw: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+
+def test_health_models_and_auth(ready: Server) -> None:
+    assert ready.raw("GET", "/health", key=None)[0] == 200
+    models = ready.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        ready.client("wrong-key").models.list()
+    status, body = ready.raw("GET", "/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert ready.client(KEY_B).models.list().data[0].id == MODEL   # key from the file
+
+
+def test_two_chat_turns_reuse_the_cache_and_match_engine_generate(ready: Server, engine: Any
+                                                                  ) -> None:
+    from radixkv import SamplingParams
+
+    client = ready.client()
+    msgs = [{"role": "system", "content": "You are a terse assistant for a test suite."},
+            {"role": "user", "content": "Name one primary colour."}]
+    r1 = _chat(client, msgs, temperature=0, max_tokens=12)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    reply = r1.choices[0].message.content
+    msgs2 = msgs + [{"role": "assistant", "content": reply},
+                    {"role": "user", "content": "And another one?"}]
+    r2 = _chat(client, msgs2, temperature=0, max_tokens=12)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    ext = r2.usage.model_extra["radixkv"]
+    assert ext["cached_tokens_per_tier"]["device"] == r2.usage.prompt_tokens_details.cached_tokens
+    assert ext["ttft_s"] > 0 and ext["server_ttft_s"] >= ext["ttft_s"]
+    ids = engine.chat_template.prompt_ids(msgs2)
+    assert r2.usage.prompt_tokens == len(ids)
+    ref = engine.generate(ids, SamplingParams(max_tokens=12))[0].outputs[0]
+    assert r2.choices[0].message.content == ref.text
+    assert r2.choices[0].finish_reason == ref.finish_reason
+
+
+def test_streaming_with_usage_matches_the_plain_answer(ready: Server) -> None:
+    client = ready.client()
+    msgs = [{"role": "user", "content": "Count from one to five."}]
+    plain = _chat(client, msgs, temperature=0, max_tokens=10)
+    chunks = list(_chat(client, msgs, temperature=0, max_tokens=10, stream=True,
+                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == plain.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0   # same prompt as the plain request
+
+
+def test_n2_and_text_and_token_prompts_and_beam_search(ready: Server) -> None:
+    client = ready.client()
+    r = _chat(client, [{"role": "user", "content": "Say something."}], n=2, temperature=0.9,
+              seed=7, max_tokens=6)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens >= 2   # both samples are counted
+    c1 = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                   max_tokens=5, temperature=0)
+    ids = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 504, 3575, 282],
+                                                "max_tokens": 3, "temperature": 0})
+    assert ids[0] == 200 and ids[1]["usage"]["prompt_tokens"] == 4
+    assert c1.choices[0].text and c1.usage.prompt_tokens > 0
+    status, beam = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+        "n": 2, "use_beam_search": True})
+    assert status == 200 and len(beam["choices"]) == 2
+
+
+def test_sixteen_concurrent_clients(ready: Server) -> None:
+    def one(i: int) -> Any:
+        return _chat(ready.client(), [{"role": "user", "content": f"Give me fact number {i}."}],
+                     temperature=0, max_tokens=6)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(16)))
+    assert all(o.choices[0].message.content is not None for o in outs)
+    assert all(o.usage.completion_tokens >= 1 for o in outs)
+
+
+def _held_blocks(fams: dict) -> float:
+    total = _value(fams, "radixkv_engine_device_blocks")
+    free = _value(fams, "radixkv_engine_device_blocks_free")
+    cached = _value(fams, "radixkv_engine_cached_blocks_per_tier", tier="device")
+    return total - free - cached
+
+
+def test_disconnect_mid_stream_aborts_and_releases_blocks(ready: Server) -> None:
+    before = ready.metrics()
+    assert _held_blocks(before) == 0
+    conn = http.client.HTTPConnection("127.0.0.1", ready.port, timeout=120)
+    body = json.dumps({"model": MODEL, "prompt": "Write a long story about a lighthouse.",
+                       "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                   "Authorization": f"Bearer {KEY_A}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    got = b""
+    while got.count(b"data:") < 3:
+        got += resp.read1(4096)
+    held = _held_blocks(ready.metrics())
+    assert held > 0   # the request is running and holds blocks
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        fams = ready.metrics()
+        if _value(fams, "radixkv_num_requests_running") == 0 and _held_blocks(fams) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"blocks still held after the disconnect: {_held_blocks(fams)}")
+    assert _value(fams, "radixkv_request_success", finished_reason="abort") >= 1
+
+
+BAD = [
+    # (body or raw bytes, endpoint, status, param)
+    (b"{not json", "chat", 400, None),
+    ({"model": MODEL}, "chat", 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "chat", 400, "model"),
+    ({"model": MODEL, "messages": "hello"}, "chat", 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+     "chat", 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     "chat", 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+     "chat", 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0},
+     "chat", 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+     "chat", 400, "temperature"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, "chat", 404, "model"),
+    ({"model": MODEL, "messages": []}, "chat", 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "chat", 400,
+     "messages"),
+    ({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 1}, "completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 10**9]}, "completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, "completions", 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "completions", 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True, "temperature": 0.7},
+     "completions", 400, "temperature"),
+]
+
+
+def test_every_bad_input_is_a_4xx_with_openai_error_json_and_changes_nothing(ready: Server
+                                                                            ) -> None:
+    before = ready.metrics()
+    for body, endpoint, status, param in BAD:
+        raw = body if isinstance(body, bytes) else None
+        got, err = ready.raw("POST", f"/v1/{endpoint}" if endpoint == "completions"
+                             else "/v1/chat/completions", None if raw else body, raw_body=raw)
+        assert got == status, (body if raw else str(body)[:120], got, err)
+        assert set(err["error"]) == {"message", "type", "param", "code"}, err
+        assert err["error"]["message"]
+        if param is not None:
+            assert (err["error"]["param"] or "").split(".")[0] == param, (str(body)[:80], err)
+    status, err = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * 9000})
+    assert "8192" in err["error"]["message"]   # the limit is stated
+    with pytest.raises(openai.BadRequestError):
+        _chat(ready.client(), [{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        ready.client().chat.completions.create(model="nope",
+                                               messages=[{"role": "user", "content": "hi"}])
+    after = ready.metrics()
+    for name in ("radixkv_prefix_cache_queries", "radixkv_prefix_cache_hits"):
+        assert _value(after, name) == _value(before, name), name
+    assert ready.raw("GET", "/health", key=None)[0] == 200   # still alive
+
+
+def test_api_keys_are_isolated_cache_namespaces(ready: Server) -> None:
+    msgs = [{"role": "system", "content": "Tenant isolation check: " + "lorem ipsum " * 20},
+            {"role": "user", "content": "Reply with OK."}]
+    a1 = _chat(ready.client(KEY_A), msgs, temperature=0, max_tokens=2)
+    a2 = _chat(ready.client(KEY_A), msgs, temperature=0, max_tokens=2)
+    b1 = _chat(ready.client(KEY_B), msgs, temperature=0, max_tokens=2)
+    assert a1.usage.prompt_tokens_details.cached_tokens == 0
+    assert a2.usage.prompt_tokens_details.cached_tokens > 0
+    assert b1.usage.prompt_tokens_details.cached_tokens == 0
+    # a request's own salt narrows further within one key
+    s1 = _chat(ready.client(KEY_A), msgs, temperature=0, max_tokens=2,
+               extra_body={"cache_salt": "user-1"})
+    s2 = _chat(ready.client(KEY_A), msgs, temperature=0, max_tokens=2,
+               extra_body={"prompt_cache_key": "user-1"})
+    s3 = _chat(ready.client(KEY_A), msgs, temperature=0, max_tokens=2,
+               extra_body={"cache_salt": "user-2"})
+    assert s1.usage.prompt_tokens_details.cached_tokens == 0
+    # cache_salt (vLLM) and prompt_cache_key (OpenAI) name the same narrowing
+    assert s2.usage.prompt_tokens_details.cached_tokens > 0
+    assert s3.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_parse_with_prometheus_client(ready: Server) -> None:
+    fams = ready.metrics()
+    for name, kind in (("radixkv_prefix_cache_queries", "counter"),
+                       ("radixkv_prefix_cache_hits", "counter"),
+                       ("radixkv_prefix_cache_hits_by_tier", "counter"),
+                       ("radixkv_time_to_first_token_seconds", "histogram"),
+                       ("radixkv_e2e_request_latency_seconds", "histogram"),
+                       ("radixkv_inter_token_latency_seconds", "histogram"),
+                       ("radixkv_num_requests_running", "gauge"),
+                       ("radixkv_num_requests_waiting", "gauge"),
+                       ("radixkv_kv_cache_usage_perc", "gauge"),
+                       ("radixkv_evictions", "counter"), ("radixkv_promotions", "counter"),
+                       ("radixkv_demotions", "counter")):
+        assert fams[name].type == kind, name
+    assert _value(fams, "radixkv_prefix_cache_hits") > 0
+    assert _value(fams, "radixkv_prefix_cache_hits") <= _value(fams,
+                                                               "radixkv_prefix_cache_queries")
+    count = [s for s in fams["radixkv_time_to_first_token_seconds"].samples
+             if s.name.endswith("_count")]
+    assert count and count[0].value > 0
+
+
+def test_past_max_queued_the_server_answers_429(ready: Server) -> None:
+    def one(i: int) -> int:
+        return ready.raw("POST", "/v1/completions", {
+            "model": MODEL, "prompt": f"Burst {i}", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True})[0]
+
+    n = MAX_SEQS + MAX_QUEUED + 8
+    with cf.ThreadPoolExecutor(n) as pool:
+        codes = list(pool.map(one, range(n)))
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) >= 1 and codes.count(200) >= MAX_SEQS + MAX_QUEUED - 4, codes
