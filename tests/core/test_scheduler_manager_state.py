@@ -57,9 +57,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         return Sequence(self.next, 0, list(tokens), prompt_len, IncrementalDetokenizer(None))
 
     def _held(self) -> dict[int, set[int]]:
-        """Live sequence id -> device blocks its table holds (running requests only)."""
+        """Live sequence id -> device blocks its table holds (running requests only; a staged
+        follower of a resumed n>1 group holds nothing until it joins its leader)."""
         return {seq.seq_id: set(self.bm.block_table(seq.seq_id))
-                for r in self.s.running for seq in r.seqs}
+                for r in self.s.running for seq in r.seqs if seq.seq_id in self.bm}
 
     # ------------------------------------------------------------------ rules
     @rule(prompt=PROMPTS, max_tokens=st.integers(1, 6))
@@ -151,8 +152,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         bm, pool, tree = self.bm, self.bm.pool, self.bm.tree
         bm.check_invariants()
-        live_seqs = {seq.seq_id for r in self.s.running for seq in r.seqs}
-        assert {sid for sid in live_seqs if sid in bm} == live_seqs and len(bm) == len(live_seqs), (
+        # A resumed n>1 group runs staged: its leader (seqs[0]) is allocated, the followers
+        # join once the leader computed the shared prefix and hold nothing until then.
+        live_seqs = {seq.seq_id for r in self.s.running for seq in r.seqs if seq.seq_id in bm}
+        for r in self.s.running:
+            assert not r.seqs or r.seqs[0].seq_id in bm, f"{r.request_id}: leader not allocated"
+        assert len(bm) == len(live_seqs), (
             f"manager holds {len(bm)} sequences, running requests own {len(live_seqs)}")
         holders = [0] * pool.num_blocks
         for sid in live_seqs:
@@ -175,6 +180,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             f"{tree.num_evictable(DEVICE)} evictable, {cached_idle} cached blocks nobody holds")
         for r in self.s.running:
             for seq in r.seqs:
+                if seq.seq_id not in bm:
+                    continue                      # a staged follower
                 n = bm.num_tokens(seq.seq_id)
                 assert bm.num_computed_tokens(seq.seq_id) <= n <= len(seq.token_ids)
         for rid, req in self.live.items():
