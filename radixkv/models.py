@@ -172,6 +172,21 @@ def resolve_source(model_dir: str | os.PathLike | None = None,
     return _from_hub_cache(name, gguf, allow_download)
 
 
+def prepare_source(model_dir: str | os.PathLike | None = None,
+                   gguf_file: str | os.PathLike | None = None, *, allow_download: bool = False,
+                   cache_converted: bool = True, progress: bool = True,
+                   create: bool = True) -> ModelSource:
+    """:func:`resolve_source`, then, for a GGUF file, its converted copy in the local cache
+    (made now if missing and ``create``; see :mod:`radixkv.load_cache`) unless
+    ``cache_converted=False``."""
+    from radixkv.load_cache import cached_source
+
+    source = resolve_source(model_dir, gguf_file, allow_download=allow_download)
+    if not cache_converted:
+        return source
+    return cached_source(source, progress=progress, create=create)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
@@ -180,23 +195,32 @@ def _load_tokenizer(source: ModelSource) -> Any:
 
 
 def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None, *,
-                   allow_download: bool = False) -> Any:
-    """The tokenizer of the model :func:`resolve_source` finds (default: the embedded model's);
-    cached per process."""
-    return _load_tokenizer(resolve_source(model_dir, gguf_file, allow_download=allow_download))
+                   allow_download: bool = False, cache_converted: bool = True,
+                   source: ModelSource | None = None) -> Any:
+    """The tokenizer of the model :func:`prepare_source` finds (default: the embedded model's),
+    or of ``source``; cached per process."""
+    if source is None:
+        source = prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                cache_converted=cache_converted, progress=False, create=False)
+    return _load_tokenizer(source)
 
 
 def load_model(model_dir: str | None = None, gguf_file: str | None = None,
                dtype: Any = None, device: str | None = None, *,
-               allow_download: bool = False) -> Any:
-    """Load a causal LM from what :func:`resolve_source` finds (default: the embedded model).
+               allow_download: bool = False, cache_converted: bool = True,
+               source: ModelSource | None = None) -> Any:
+    """Load a causal LM from what :func:`prepare_source` finds (default: the embedded model),
+    or from ``source``, in ``dtype`` (float32 by default) on ``device`` (default CPU).
 
-    GGUF weights are de-quantized to ``dtype`` (float32 by default).
+    A GGUF file is de-quantized once and its converted copy loaded on later calls (see
+    :mod:`radixkv.load_cache`; ``cache_converted=False`` reads the GGUF file every time).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    source = resolve_source(model_dir, gguf_file, allow_download=allow_download)
+    if source is None:
+        source = prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                cache_converted=cache_converted)
     model = AutoModelForCausalLM.from_pretrained(
         source.name_or_path, dtype=dtype or torch.float32, **source.hf_kwargs())
     if device is not None:

