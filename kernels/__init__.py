@@ -14,8 +14,9 @@ from .ops import (
     write_kv,
 )
 from .reference import PAD_SLOT
+from .windowed import paged_attention_windowed
 
 __all__ = [
     "PAD_SLOT", "write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
-    "gather_blocks", "scatter_blocks",
+    "gather_blocks", "scatter_blocks", "paged_attention_windowed",
 ]

@@ -237,7 +237,14 @@ def _prefill_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                                            scale=scale, enable_gqa=True)  # [n, Hq, m, D]
     else:
         # Prefix part: the G query heads of a KV head are G * q_len rows of one attention.
-        qf = qs.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)             .reshape(n, num_kv_heads, group * q_len, head_dim)
+        # Half precision: the two parts are computed and merged in float32 and rounded once,
+        # as one fused kernel (transformers' sdpa path) rounds once. Rounding o1 and o2 to
+        # bf16 before the merge doubled the rounding error of every cached-prefix chunk (the
+        # bf16 "cached vs uncached" divergences of issue 17; bench numerics measures it).
+        if qs.dtype in (torch.bfloat16, torch.float16):
+            qs, k, v = qs.float(), k.float(), v.float()
+        qf = qs.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4) \
+            .reshape(n, num_kv_heads, group * q_len, head_dim)
         o1, l1 = flash(qf, k[:, :, :cached], v[:, :, :cached], 0.0, False, scale=scale)
         o1 = o1.reshape(n, num_q_heads, q_len, head_dim)
         l1 = l1.reshape(n, num_q_heads, q_len, 1)

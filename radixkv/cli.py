@@ -25,6 +25,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("radixkv.benchmarks.bench_throughput", "main"),
     "async-loads": ("radixkv.benchmarks.bench_async_loads", "main"),
     "serve": ("radixkv.benchmarks.bench_serve", "main"),
+    "numerics": ("radixkv.benchmarks.bench_numerics", "main"),
+    "engine": ("radixkv.benchmarks.bench_engine", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),

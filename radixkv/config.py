@@ -150,6 +150,71 @@ class CacheConfig:
         return device, host, disk
 
 
+def resolve_device(spec: object, what: str = "device"):
+    """``spec`` as a ``torch.device`` that exists on this machine; ``"auto"`` is CUDA when
+    available, else the CPU.
+
+    Raises ConfigError naming the device when it is not a device string, its backend is not
+    available (``"cuda"`` on a machine without CUDA, where torch would otherwise fail with an
+    AssertionError deep inside the first tensor allocation) or its index is out of range.
+    """
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = spec if isinstance(spec, torch.device) else torch.device(spec)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} {spec!r} is not a torch device ('auto', 'cpu', 'cuda', "
+                          "'cuda:1', ...)") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ConfigError(f"{what} {spec!r}: the meta device holds no data; use 'cpu' or 'cuda'")
+    backend = getattr(torch, dev.type, None)
+    if dev.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        hint = ""
+        if dev.type == "cuda":
+            hint = (f" (torch {torch.__version__} is built without CUDA)" if torch.version.cuda
+                    is None else " (no GPU is visible to torch)")
+        raise ConfigError(f"{what} {spec!r}: {dev.type} is not available on this machine"
+                          f"{hint}; use device='cpu' or 'auto'")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ConfigError(f"{what} {spec!r}: this machine has {count()} {dev.type} device(s)")
+    return dev
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16 in
+    ``/proc/cpuinfo``); elsewhere torch emulates bf16 matmuls through float32 conversions, which
+    is slower than float32 itself. False where ``/proc/cpuinfo`` cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        return False
+    return False
+
+
+def default_dtype(device: object):
+    """The dtype :meth:`radixkv.Engine.from_pretrained` loads a model in when none is given:
+    bfloat16 on a CPU with native bf16 (its bf16 agrees with float32 as often as transformers'
+    own bf16 does: ``radixkv bench numerics``), else float32."""
+    import torch
+
+    dev = resolve_device(device, "device")
+    if dev.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How much one engine step may do, and where the model runs.
@@ -160,7 +225,8 @@ class EngineConfig:
             Prompts longer than this are prefilled in chunks over several steps.
         device: ``"auto"`` (CUDA when available, else CPU), or any torch device string.
         dtype: model/KV dtype (``torch.dtype`` or a name like ``"float16"``); None keeps the
-            model's own.
+            model's own (``Engine.from_pretrained``: :func:`default_dtype`, bfloat16 on CPUs
+            with native bf16, else float32).
         max_model_len: longest sequence (prompt + output) allowed; None takes the model's
             ``max_position_embeddings``.
         prefetch_requests: with host and disk tiers, the first this many waiting requests get
@@ -200,17 +266,13 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.device must be a device string, got {self.device!r}")
         if self.dtype is not None:
             self.torch_dtype(None)   # raises ConfigError for a non-float or unknown dtype
+        if self.device != "auto":
+            resolve_device(self.device, "EngineConfig.device")  # fail here, not 11 frames deep
 
     def torch_device(self):
-        """The torch device to run on (``auto``: CUDA if available, else CPU)."""
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            return torch.device(self.device)
-        except RuntimeError as exc:
-            raise ConfigError(f"EngineConfig.device {self.device!r} is not a torch device") from exc
+        """The torch device to run on (``auto``: CUDA if available, else CPU); see
+        :func:`resolve_device`."""
+        return resolve_device(self.device, "EngineConfig.device")
 
     def torch_dtype(self, default):
         """The dtype to run in: ``dtype`` resolved (strings like ``"bfloat16"``), else ``default``."""
@@ -232,4 +294,5 @@ class EngineConfig:
         return dt
 
 
-__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "DEFAULT_DEVICE_MEMORY"]
+__all__ = ["CacheConfig", "EngineConfig", "parse_memory", "resolve_device", "default_dtype",
+           "cpu_has_native_bf16", "DEFAULT_DEVICE_MEMORY"]

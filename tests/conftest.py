@@ -18,3 +18,22 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True)
 settings.load_profile(os.environ.get("RADIXKV_PROFILE", "ci"))
+
+
+
+def pytest_configure(config) -> None:
+    """Converted copies of GGUF models (radixkv.load_cache) go to a per-run temp folder, never
+    the user's ~/.cache, unless the caller chose a folder."""
+    import tempfile
+
+    config.radixkv_model_cache = None
+    if "RADIXKV_MODEL_CACHE_DIR" not in os.environ:
+        config.radixkv_model_cache = tempfile.mkdtemp(prefix="radixkv-test-models-")
+        os.environ["RADIXKV_MODEL_CACHE_DIR"] = config.radixkv_model_cache
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    if getattr(config, "radixkv_model_cache", None):
+        shutil.rmtree(config.radixkv_model_cache, ignore_errors=True)

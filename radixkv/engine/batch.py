@@ -139,6 +139,8 @@ class ForwardBatch:
         block_size: tokens per block the slots and tables were computed with.
         num_tokens, num_seqs, max_seq_len, max_block_id, max_token_id, min_token_id: host ints
             so the runner and the attention function validate without a device sync.
+        host_cu_seqlens_q, host_seq_lens: ``cu_seqlens_q`` and ``seq_lens`` as host ints, for
+            the paths that decide per sequence (windowed / soft-capped attention).
     """
 
     mode: AttentionMode
@@ -157,6 +159,8 @@ class ForwardBatch:
     max_block_id: int
     max_token_id: int
     min_token_id: int
+    host_cu_seqlens_q: tuple[int, ...] = ()
+    host_seq_lens: tuple[int, ...] = ()
 
     @property
     def num_logits(self) -> int:
@@ -233,4 +237,6 @@ class ForwardBatch:
             max_block_id=max(max(c.block_table[: -(-c.seq_len // block_size)]) for c in chunks),
             max_token_id=max(input_ids),
             min_token_id=min(input_ids),
+            host_cu_seqlens_q=tuple(cu_seqlens),
+            host_seq_lens=tuple(seq_lens),
         )

@@ -23,7 +23,7 @@ import torch
 
 from radixkv.engine import attention
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
-from radixkv.errors import ConfigError, InvalidBlockError, InvalidRequestError, InvalidTokensError
+from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
 from radixkv.storage.layout import KVLayout
 
@@ -51,6 +51,27 @@ def sliding_window(config: Any) -> int | None:
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window) if window else None
+
+
+def unsupported_features(config: Any) -> list[str]:
+    """What a model's config asks of attention that the paged kernels do not do (empty: none).
+
+    Sliding windows (Mistral, Qwen2 with ``use_sliding_window``, Gemma local layers) and
+    Gemma-2's logit soft-capping are supported; these are not.
+    """
+    cfg = _text_config(config)
+    missing = []
+    if getattr(cfg, "attention_chunk_size", None):
+        missing.append(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
+    if getattr(cfg, "alibi", False) or getattr(cfg, "use_alibi", False):
+        missing.append("ALiBi position biases")
+    if getattr(cfg, "is_encoder_decoder", False):
+        missing.append("an encoder-decoder (cross) attention")
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    odd = sorted(kinds - {"full_attention", "sliding_attention"})
+    if odd:
+        missing.append(f"attention layer types {odd}")
+    return missing
 
 
 def _text_config(config: Any) -> Any:
@@ -91,6 +112,10 @@ class ModelRunner:
         if tensor.dtype != param.dtype or tensor.device != param.device:
             raise ConfigError(f"kv_cache is {tensor.dtype} on {tensor.device}, the model is "
                               f"{param.dtype} on {param.device}")
+        missing = unsupported_features(model.config)
+        if missing:
+            raise ConfigError(f"{type(model).__name__} needs {'; '.join(missing)}, which "
+                              "radixkv's paged attention does not implement")
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ConfigError(f"{type(model).__name__}.forward has no logits_to_keep argument")
         self.kv_cache = tensor
@@ -177,10 +202,5 @@ class ModelRunner:
             raise InvalidTokensError(
                 f"token ids span [{batch.min_token_id}, {batch.max_token_id}], the model's "
                 f"embedding has {self._vocab_rows} rows")
-        window = self.sliding_window
-        if window is not None and batch.max_seq_len > window:
-            raise InvalidRequestError(
-                f"a sequence reaches {batch.max_seq_len} tokens, beyond the model's sliding "
-                f"window of {window}; radixkv's kernels attend to whole sequences")
         if batch.input_ids.device != self.device:
             raise ConfigError(f"batch on {batch.input_ids.device}, model on {self.device}")

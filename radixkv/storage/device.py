@@ -39,6 +39,23 @@ def _scatter(kv_cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) ->
     scatter_blocks(kv_cache, ids, blocks)
 
 
+def lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages are committed only when first written.
+
+    ``torch.zeros`` writes every byte, so a 512 MiB pool made the process 512 MiB larger at
+    construction even for a job that uses ten blocks. ``calloc`` (numpy's ``zeros``) of a large
+    size maps fresh zero pages from the kernel without touching them: resident memory then grows
+    with the blocks actually written. The tensor shares the numpy buffer (kept alive by it).
+    """
+    import math
+
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(max(nbytes, 1), dtype=np.uint8))[:nbytes]
+    return raw.view(dtype).view(shape)
+
+
 class DevicePool:
     """Byte storage of the device tier: ``num_blocks`` blocks of ``layout`` in one tensor.
 
@@ -46,7 +63,9 @@ class DevicePool:
         layout: block geometry and dtype.
         num_blocks: capacity in blocks (block ids are ``0 .. num_blocks-1``).
         device: torch device; default CUDA when available, else CPU.
-        zero: fill with zeros (default) rather than leaving memory uninitialised.
+        zero: fill with zeros (default) rather than leaving memory uninitialised. On the CPU
+            the pool is always zeros, mapped lazily: memory becomes resident as blocks are
+            written, not at construction (see :func:`lazy_cpu_zeros`).
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str | None = None,
@@ -56,9 +75,12 @@ class DevicePool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device) if device is not None else default_device()
-        alloc = torch.zeros if zero else torch.empty
-        self.kv_cache = alloc(layout.cache_shape(num_blocks), dtype=torch_dtype(layout.dtype),
-                              device=self.device)
+        shape, dtype = layout.cache_shape(num_blocks), torch_dtype(layout.dtype)
+        if self.device.type == "cpu":
+            self.kv_cache = lazy_cpu_zeros(shape, dtype)
+        else:
+            alloc = torch.zeros if zero else torch.empty
+            self.kv_cache = alloc(shape, dtype=dtype, device=self.device)
 
     @property
     def num_bytes(self) -> int:

@@ -1,0 +1,142 @@
+"""A converted copy of a GGUF model on local disk, so that only the first start pays for it.
+
+transformers de-quantizes every tensor of a GGUF file on every load (and builds its tokenizer
+from the GGUF vocabulary): for the embedded SmolLM2 that was 17-20 s per start on a 2-core CPU.
+The first load of a GGUF file therefore saves the converted model (float32 safetensors, exactly
+the de-quantized weights) and its tokenizer under the user's cache folder, keyed by the GGUF
+file's SHA-256; later starts load that checkpoint (memory-mapped safetensors) instead.
+
+Where: :func:`models_root` (``$RADIXKV_MODEL_CACHE_DIR``, ``$RADIXKV_CACHE_DIR/models``,
+``$XDG_CACHE_HOME/radixkv/models`` or ``~/.cache/radixkv/models``, the first that is set). A folder is published only when complete (written under a temporary
+name, then renamed), so a crash mid-write or a second process converting at the same time never
+leaves a half copy that a later start would load. Hashing a 100 MB file takes a fraction of a
+second; the digest is remembered per (path, size, mtime) in ``digests.json`` beside the copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.models import ModelSource
+
+_COMPLETE = "radixkv-converted.json"   # written last: its presence means the copy is whole
+
+
+def models_root() -> Path:
+    """Folder of converted copies: ``$RADIXKV_MODEL_CACHE_DIR``, else
+    ``$RADIXKV_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/radixkv/models``, else
+    ``~/.cache/radixkv/models``."""
+    env = os.environ.get("RADIXKV_MODEL_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    env = os.environ.get("RADIXKV_CACHE_DIR")
+    if env:
+        return Path(env).expanduser() / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "radixkv" / "models"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of ``path``'s bytes, remembered per (path, size, mtime) in ``digests.json``."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = models_root() / "digests.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(key), str):
+        return index[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    index = index if isinstance(index, dict) else {}
+    index[key] = digest
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, index_path)
+    except OSError as exc:  # a read-only cache only costs the next start a re-hash
+        _say(f"could not record the digest in {index_path}: {exc}")
+    return digest
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the converted copy of GGUF file ``gguf`` lives (whether or not it exists yet)."""
+    return models_root() / f"{gguf.stem}-{file_digest(gguf)[:16]}"
+
+
+def _say(msg: str) -> None:
+    print(f"radixkv: {msg}", file=sys.stderr, flush=True)
+
+
+def cached_source(source: ModelSource, *, progress: bool = True,
+                  create: bool = True) -> ModelSource:
+    """``source`` itself, or for a GGUF file the local converted checkpoint, made on first use
+    (``create=False``: used only if it exists; a tokenizer alone is not worth converting for).
+
+    Never raises for a cache problem (a full or read-only disk): it says so and returns
+    ``source`` unchanged, so the model loads from the GGUF file as before.
+    """
+    from radixkv.models import ModelSource
+
+    gguf = source.gguf_path
+    if gguf is None:
+        return source
+    target = converted_dir(gguf)
+    if (target / _COMPLETE).is_file():
+        if progress:
+            _say(f"loading {gguf.name} from its converted copy in {target}")
+        return ModelSource(str(target), embedded=source.embedded)
+    if not create:
+        return source
+    if progress:
+        _say(f"first load of {gguf.name}: de-quantizing the GGUF file and saving a converted "
+             f"copy to {target} (once; later starts load that copy in seconds)")
+    try:
+        _convert(source, gguf, target)
+    except OSError as exc:
+        _say(f"could not save the converted copy ({exc}); loading from the GGUF file")
+        return source
+    return ModelSource(str(target), embedded=source.embedded)
+
+
+def _convert(source: ModelSource, gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        kwargs = source.hf_kwargs()
+        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=torch.float32,
+                                                     **kwargs)
+        # The weights are plain float32 now; transformers still marks the model as "quantized
+        # with gguf" and refuses to save it, so drop the marker (nothing else depends on it).
+        model.hf_quantizer = None
+        if "quantization_config" in model.config.__dict__:
+            delattr(model.config, "quantization_config")
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE).write_text(json.dumps(
+            {"gguf": str(gguf), "sha256": file_digest(gguf), "dtype": "float32"}))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / _COMPLETE).is_file():   # not another process's finished copy
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
