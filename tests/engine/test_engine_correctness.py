@@ -7,6 +7,9 @@ sdpa attention; ``_assert_no_ties`` would flag a seed where that is not so.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import copy
 
 import pytest
@@ -16,6 +19,9 @@ from radixkv.config import CacheConfig, EngineConfig
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.errors import ConfigError, InvalidRequestError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import hf_generate, run_requests  # noqa: E402
 
 
 
@@ -37,26 +43,8 @@ def _prompts(lengths, seed=1):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def _hf(hf, prompt, max_new, **kw):
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                      pad_token_id=0, **({"do_sample": False} | kw))
-    return out[0, len(prompt):].tolist()
-
-
-def _run(engine, requests):
-    """Add (id, prompt, params) requests, step to completion; final RequestOutput per id."""
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    final = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    engine.block_manager.check_invariants()
-    return final
+_hf = hf_generate
+_run = run_requests
 
 
 def _greedy(n):

@@ -10,6 +10,9 @@ Gemma-2 soft-caps its attention logits (cap lowered to 10 so it bites on these w
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import copy
 
 import pytest
@@ -20,6 +23,9 @@ from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.model_runner import ModelRunner, unsupported_features
 from radixkv.engine.sampling import SamplingParams
 from radixkv.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import hf_generate, run_requests  # noqa: E402
 
 WINDOW = 8
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -53,22 +59,12 @@ def make_family_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def _hf(model, prompt, max_new):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_hf = hf_generate
 
 
 def _run(engine, prompts, max_new, tag):
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_new))
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    engine.block_manager.check_invariants()
+    final = run_requests(engine, [(f"{tag}{i}", p, SamplingParams(max_tokens=max_new))
+                                  for i, p in enumerate(prompts)])
     return [final[f"{tag}{i}"] for i in range(len(prompts))]
 
 

@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import copy
 
 import pytest
@@ -25,6 +28,9 @@ from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence
 from radixkv.engine.shared_prefix import blocks_to_wait_for, common_prefix_len, share_target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import hf_generate, run_requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +49,7 @@ def _prompts(n, length, seed=1):
     return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _run(engine, requests):
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    engine.block_manager.check_invariants()
-    return final
+_run = run_requests
 
 
 def _tokens(out):
