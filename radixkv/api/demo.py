@@ -167,7 +167,7 @@ def load_engines(compare: bool = True, max_tokens: int = 48,
 
     model_dir, gguf_file = model_source(model)
     t0 = time.perf_counter()
-    name = model or "the embedded SmolLM2-135M-Instruct (de-quantizing its GGUF weights)"
+    name = model or "the embedded SmolLM2-135M-Instruct"
     with progress(f"loading {name}"):
         engine = Engine.from_pretrained(model_dir, gguf_file)
     base = None
