@@ -41,7 +41,7 @@ def test_real_two_turn_chat_hits_prompt_and_reply(engine):
     r2 = s.send(msg, SamplingParams(max_tokens=32))
     assert r2.cached_tokens == (r1.prompt_tokens + len(r1.token_ids) - 1) // bs * bs
     assert r2.cached_tokens >= r1.prompt_tokens // bs * bs
-    assert r2.ttft < r1.ttft * 2  # not a timing claim, just sanity (see bench ttft)
+    assert 0 < r1.ttft and 0 < r2.ttft   # reported; how much the cache saves: bench ttft
     print(f"\nturn 1: {r1.prompt_tokens} prompt tok, reply {len(r1.token_ids)} tok "
           f"({r1.finish_reason}) {r1.text!r}"
           f"\nturn 2: {r2.prompt_tokens} prompt tok, {r2.cached_tokens} cached; "
