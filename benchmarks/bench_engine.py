@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import Any
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 #: Issue 17's side-by-side figures (2-core machine, one thread each).
 BASELINES = {
@@ -147,8 +147,7 @@ def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="radixkv bench engine", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true",
                     help="fp32, 1 thread, 256-token prefill, 16 decode tokens; temp folder")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])

@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any
 
-from radixkv.benchmarks._common import print_table, run_header, write_results
+from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 SYSTEM = "You are a helpful assistant."
 PAIRS = [
@@ -148,8 +148,7 @@ def summarize(runs: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixkv bench numerics", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="radixkv bench numerics", description=plain_doc(__doc__))
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=40)
