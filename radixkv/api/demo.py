@@ -238,14 +238,19 @@ def run_rag(engine: Any, baseline: Any | None, questions: Iterable[str], max_tok
     return rows
 
 
+def add_model_arg(ap: argparse.ArgumentParser) -> None:
+    """``--model PATH``, shared by ``radixkv demo`` and ``radixkv chat``."""
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a transformers model directory or a .gguf file (default: the "
+                         "embedded SmolLM2-135M-Instruct)")
+
+
 def main(argv: list[str] | None = None, *, engine: Any = None, baseline: Any = None) -> int:
     """``radixkv demo``: scripted chat + RAG round with per-turn cache figures."""
     ap = argparse.ArgumentParser(prog="radixkv demo",
                                  description="Scripted multi-turn chat and RAG round, with "
                                              "per-turn cache figures.")
-    ap.add_argument("--model", default=None, metavar="PATH",
-                    help="a transformers model directory or a .gguf file (default: the "
-                         "embedded SmolLM2-135M-Instruct)")
+    add_model_arg(ap)
     ap.add_argument("--max-tokens", type=int, default=40, help="reply length cap (tokens)")
     ap.add_argument("--quick", action="store_true", help="3 chat turns, 2 RAG questions")
     ap.add_argument("--no-compare", action="store_true",
@@ -285,9 +290,7 @@ def chat_main(argv: list[str] | None = None, *, engine: Any = None, baseline: An
     ap = argparse.ArgumentParser(prog="radixkv chat",
                                  description="Interactive streaming chat with per-turn cache "
                                              "figures.")
-    ap.add_argument("--model", default=None, metavar="PATH",
-                    help="a transformers model directory or a .gguf file (default: the "
-                         "embedded SmolLM2-135M-Instruct)")
+    add_model_arg(ap)
     ap.add_argument("--system", default=None, help="system message")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -34,7 +34,7 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.core.evict_index import EvictionIndex
 from radixkv.core.hashing import chain_hash
@@ -66,6 +66,7 @@ class TierOps:
     _wt: tuple[int, ...]
     _copy_slots: list[dict[bytes, int]]
     _pending: list[MoveOp]
+    policy: Any
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _entry(self, node: Node) -> tuple: ...
@@ -78,6 +79,7 @@ class TierOps:
         def _drop(self, node: Node) -> None: ...
         def lock(self, node: Node, now: float | None = None) -> None: ...
         def release(self, node: Node, now: float | None = None) -> None: ...
+        def _move_out(self, node: Node, moves: list[MoveOp]) -> None: ...
 
     # ------------------------------------------------------------------ copies: queries
     def copy_slot(self, node: Node, tier: int) -> int | None:
@@ -378,3 +380,24 @@ class TierOps:
             assert held <= pool.num_blocks, f"tier {t} over capacity"
         for h in self._hints:
             assert h in self._index, f"hints kept for uncached block {h.hex()}"
+
+    def evict_expired(self, now: float | None = None) -> list[MoveOp]:
+        """Evict every block whose policy key says it expired at ``now`` (TTL), fastest tier first.
+
+        Expired blocks are demoted like any victim, so they leave the cache through the slower
+        tiers, where they are expired in turn; expired copies are dropped. Returns the moves
+        (queued write-through moves first). O(expired * log n).
+        """
+        now = self.clock() if now is None else now
+        moves = self._pending
+        self._pending = []
+        for tier in range(self.num_tiers):
+            entries = self._evictable[tier]
+            while entries and self.policy.expired(entries.min(), now):
+                self.stats.expired += 1
+                node = self._index[entries.pop_min()[-1]]
+                if node.tier == tier:
+                    self._move_out(node, moves)
+                else:
+                    self._drop_popped_copy(node, tier, moves)
+        return moves

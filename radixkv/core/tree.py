@@ -456,27 +456,6 @@ class RadixTree(RequestOps, TierOps):
             self._add_child_count(node.parent, node.tier, -1)
         self.stats.dropped += 1
 
-    def evict_expired(self, now: float | None = None) -> list[MoveOp]:
-        """Evict every block whose policy key says it expired at ``now`` (TTL), fastest tier first.
-
-        Expired blocks are demoted like any victim, so they leave the cache through the slower
-        tiers, where they are expired in turn; expired copies are dropped. Returns the moves
-        (queued write-through moves first). O(expired * log n).
-        """
-        now = self.clock() if now is None else now
-        moves = self._pending
-        self._pending = []
-        for tier in range(self.num_tiers):
-            entries = self._evictable[tier]
-            while entries and self.policy.expired(entries.min(), now):
-                self.stats.expired += 1
-                node = self._index[entries.pop_min()[-1]]
-                if node.tier == tier:
-                    self._move_out(node, moves)
-                else:
-                    self._drop_popped_copy(node, tier, moves)
-        return moves
-
     def set_hints(self, nodes: Iterable[Node], priority: int | None = None,
                   ttl: float | None = None) -> None:
         """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain).
