@@ -127,6 +127,8 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                     records.append({
                         "conv": i, "turn": turn, "ttft": (first or end) - t0, "e2e": end - t0,
                         "engine_ttft": ext["ttft_s"], "pre_engine": ext["queue_and_tokenize_s"],
+                        "server_ttft": ext.get("server_ttft_s"),
+                        "delivery": ext.get("delivery_s"),
                         "prompt_tokens": usage.prompt_tokens,
                         "cached_tokens": usage.prompt_tokens_details.cached_tokens,
                         "output_tokens": usage.completion_tokens})
@@ -145,6 +147,11 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _median(xs: list[Any]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
     recs = [r for r in run["requests"] if r["turn"] > 0]   # later turns: what a cache can help
     allr = run["requests"]
@@ -160,6 +167,9 @@ def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
         max(1, sum(r["prompt_tokens"] for r in allr)),
         "overhead_p50_s": statistics.median(over) if over else None,
         "pre_engine_p50_s": statistics.median(r["pre_engine"] for r in recs),
+        "delivery_p50_s": _median([r["delivery"] for r in recs]),
+        "outside_server_p50_s": _median([r["ttft"] - r["server_ttft"] for r in recs
+                                         if r["server_ttft"] is not None]),
         "overhead_share_of_p50_ttft": (statistics.median(over) / p50) if over else None,
     }
 

@@ -157,7 +157,8 @@ class EngineLoop:
         def op() -> RequestStream:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-            self.core.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+            self.core.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                                  arrival_time=submitted)
             stream = RequestStream(request_id, submitted)
             self._streams[request_id] = stream
             return stream

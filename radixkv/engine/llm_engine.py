@@ -174,14 +174,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | Mapping[str, Any] | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request. Everything is validated first: a bad request raises
-        InvalidRequestError and leaves the engine (and requests in flight) untouched."""
+        InvalidRequestError and leaves the engine (and requests in flight) untouched.
+
+        ``arrival_time`` (``perf_counter`` seconds, default now) starts the request's TTFT
+        clock: a caller that queued the request while a step was running passes the time it
+        asked, so the wait for that step counts as engine time, as vLLM's TTFT does."""
         params = self._check_request(request_id, prompt_token_ids, params, cache_salt)
         ns = self._namespace.with_salt(cache_salt)
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
-        req = Request(request_id, list(prompt_token_ids), params, ns)
+        req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):
             req.seqs.append(self._new_seq(req, i, list(req.prompt_token_ids)))

@@ -32,6 +32,9 @@ class Timing:
     arrived: float
     submitted: float = 0.0
     first_token: float | None = None
+    #: When the engine loop produced the first token (``perf_counter``, same process): the gap
+    #: to ``first_token`` is the hand-over from the loop thread to this event loop.
+    engine_first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
 
@@ -118,6 +121,9 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
             if any(o.delta_token_ids for o in out.outputs):
                 if timing.first_token is None:
                     timing.first_token = now
+                    ttft = getattr(out, "ttft", None)
+                    if ttft is not None:
+                        timing.engine_first_token = stream.submitted + ttft
                 elif timing.last_token is not None:
                     timing.gaps.append(now - timing.last_token)
                 timing.last_token = now
@@ -152,6 +158,8 @@ def usage(outs: Sequence[Any], timing: Timing) -> dict[str, Any]:
             "ttft_s": max(engine_ttft) if engine_ttft else None,
             "server_ttft_s": server_ttft,
             "queue_and_tokenize_s": timing.submitted - timing.arrived,
+            "delivery_s": (timing.first_token - timing.engine_first_token)
+            if timing.first_token and timing.engine_first_token else None,
             "cumulative_logprobs": [c.cumulative_logprob for o in outs for c in o.outputs],
             "num_preemptions": sum(o.num_preemptions for o in outs),
         },

@@ -143,3 +143,20 @@ def test_a_failing_step_reaches_every_caller_and_the_loop_serves_the_next_reques
     assert out.finished and out.outputs[0].finish_reason in ("stop", "length")
     st = e.stats()
     assert st["num_running_requests"] == 0 and st["num_waiting"] == 0
+
+
+def test_ttft_clock_starts_when_the_request_is_queued_not_when_the_loop_gets_to_it(make_engine):
+    """A request queued while a step runs waits for that step; that wait is the engine's (the
+    server's overhead figure in bench serve subtracts the engine's TTFT and relied on it).
+    Before the fix the clock started inside the loop's operation, so this queued wait vanished
+    from ``ttft`` and showed up as server overhead instead."""
+    import time
+
+    e = make_engine()
+    op = e.loop.add_request("queued", _prompts(1)[0], SamplingParams(max_tokens=2))
+    time.sleep(0.3)   # the loop is "busy" for 0.3 s before it runs the operation
+    stream = e.loop.call(op)
+    out = stream.get(timeout=60)
+    while not out.finished:
+        out = stream.get(timeout=60)
+    assert out.ttft is not None and out.ttft >= 0.3
