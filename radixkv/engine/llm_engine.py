@@ -34,6 +34,7 @@ from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
+    TokenLogprob,
 )
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -244,8 +245,11 @@ class LLMEngine:
         if not p.greedy:
             gen = make_generator(None if p.seed is None else p.seed + index,
                                  self._runner.device)
-        return Sequence(next(self._ids), index, token_ids, len(req.prompt_token_ids),
-                        IncrementalDetokenizer(self.tokenizer, p.stop), gen)
+        seq = Sequence(next(self._ids), index, token_ids, len(req.prompt_token_ids),
+                       IncrementalDetokenizer(self.tokenizer, p.stop), gen)
+        if p.logprobs is not None:
+            seq.logprobs = []
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its final output (finish_reason "abort") comes from the next
@@ -369,8 +373,16 @@ class LLMEngine:
         else:
             picks = [(s, self._choose(req, s, r, logits, argmax)) for s, r in zip(req.seqs, idx)]
             rows_for = idx
+        top = None
+        if p.logprobs:   # the k most likely tokens of each row, one topk for the request
+            rows = sorted(set(rows_for))
+            vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
+            top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            seq.cumulative_logprob += float(logp[row, tok])
+            lp = float(logp[row, tok])
+            seq.cumulative_logprob += lp
+            if seq.logprobs is not None:
+                seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
             seq.token_ids.append(tok)
             self._check_stop(req, seq, tok)
             if seq.finished:
@@ -442,9 +454,12 @@ class LLMEngine:
                 emit = seq.detok.emittable_len(seq.finished)
                 text = seq.detok.text[:emit]
                 out_ids = seq.output_token_ids
+                lps = seq.logprobs
                 comps.append(CompletionOutput(
                     seq.index, text, list(out_ids), seq.finish_reason, seq.cumulative_logprob,
-                    text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason))
+                    text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason,
+                    None if lps is None else list(lps),
+                    None if lps is None else lps[seq.sent_num_tokens:]))
                 seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
                              req.num_cached_tokens, req.cached_tokens_per_tier, req.ttft,

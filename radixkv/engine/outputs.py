@@ -20,6 +20,17 @@ FINISH_ABORT = "abort"    # abort_request
 FINISH_CAPACITY = "capacity"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one output token and the ``k`` most likely tokens at its position
+    (raw model distribution, before temperature/top-k/top-p), when the request asked for
+    ``SamplingParams.logprobs = k``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     """One completion (a sample of ``n``, or one of the best beams).
@@ -34,6 +45,8 @@ class CompletionOutput:
         cumulative_logprob: sum of the model's log-probabilities of ``token_ids``.
         delta_text, delta_token_ids: what was added since the previous output of this request.
         stop_reason: the stop string or stop token id that ended it, if any.
+        logprobs, delta_logprobs: one :class:`TokenLogprob` per entry of ``token_ids`` /
+            ``delta_token_ids`` when the request asked for them, else None.
     """
 
     index: int
@@ -44,6 +57,8 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -80,4 +95,5 @@ class RequestOutput:
         return [o.delta_token_ids for o in self.outputs]
 
 
-__all__ = ["CompletionOutput", "RequestOutput", "FINISH_STOP", "FINISH_LENGTH", "FINISH_ABORT"]
+__all__ = ["CompletionOutput", "RequestOutput", "TokenLogprob", "FINISH_STOP", "FINISH_LENGTH",
+           "FINISH_ABORT", "FINISH_CAPACITY"]

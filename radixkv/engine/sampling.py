@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # torch is imported inside the functions: the scheduler impor
 #: Temperatures below this sample as greedy (vLLM's choice too): logits / 1e-300 overflow to
 #: inf, and softmax of inf is nan, so such a request crashed the step instead of sampling.
 MIN_TEMPERATURE = 1e-5
+#: Most alternatives per position a request may ask for (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
 #: Seeds are used modulo 2**64 (torch generators take 64-bit seeds; sample i uses seed + i).
 SEED_MODULUS = 2**64
 
@@ -61,6 +63,10 @@ class SamplingParams:
             (score = sum of logprobs / generated_len ** length_penalty; early_stopping in
             {True, False, "never"}).
         ignore_eos: keep generating past the model's end-of-sequence token.
+        logprobs: None = no per-token log-probabilities; k in [0, MAX_LOGPROBS] = each output
+            token's own log-probability plus the k most likely tokens at that position
+            (``CompletionOutput.logprobs``). Raw model distribution, like
+            ``cumulative_logprob``. Not with beam search (its tokens are re-ranked at the end).
     """
 
     max_tokens: int = 64
@@ -76,6 +82,7 @@ class SamplingParams:
     early_stopping: bool | str = False
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples (frozen: set through object.__setattr__).
@@ -151,7 +158,12 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"length_penalty must be a finite number, got {p.length_penalty!r}"
     if p.early_stopping not in (True, False, "never"):
         return f"early_stopping must be True, False or 'never', got {p.early_stopping!r}"
+    if p.logprobs is not None and (not _is_int(p.logprobs)
+                                   or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
     if p.beam_width > 1:
+        if p.logprobs is not None:
+            return "per-token logprobs are not available with beam search"
         if p.temperature != 0 or p.top_k or p.top_p != 1.0:
             return "beam search is deterministic: leave temperature at 0, top_k at 0, top_p at 1"
         if p.n > p.beam_width:
@@ -229,5 +241,5 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
-__all__ = ["SamplingParams", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
            "filtered_probs", "sample_token"]

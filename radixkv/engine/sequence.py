@@ -41,7 +41,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "index", "prompt_len", "token_ids", "cumulative_logprob",
                  "finish_reason", "stop_reason", "detok", "generator", "sent_text_len",
-                 "sent_num_tokens")
+                 "sent_num_tokens", "logprobs")
 
     def __init__(self, seq_id: int, index: int, token_ids: list[int], prompt_len: int,
                  detok: IncrementalDetokenizer, generator: Any = None) -> None:
@@ -56,6 +56,7 @@ class Sequence:
         self.generator = generator            # torch.Generator for seeded sampling, or None
         self.sent_text_len = 0                # streaming: text already returned in a delta
         self.sent_num_tokens = 0              # streaming: output tokens already returned
+        self.logprobs: list[Any] | None = None  # TokenLogprob per output token, when asked
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -241,7 +241,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             if not chat and getattr(req, "echo", False):
                 text = eng.decode(out.prompt_token_ids) + text
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
-                                      "logprobs": None}
+                                      "logprobs": _logprobs(eng, chat, c.logprobs, 0)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -251,6 +251,16 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         "id": rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": state.model_name, "choices": choices,
         "usage": serving.usage(outs, timing)})
+
+
+def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | None:
+    """``choice.logprobs`` in the endpoint's format (None when the request did not ask)."""
+    def decode(tid: int) -> str:
+        return eng.decode([tid], skip_special_tokens=False)
+
+    if chat:
+        return serving.chat_logprobs(decode, items)
+    return serving.completion_logprobs(decode, items, offset)
 
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
@@ -276,13 +286,22 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
             body["usage"] = None
         return serving.sse(body)
 
-    def choice(index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+    offsets: dict[int, int] = {}   # completions' text_offset: characters of tokens sent
+
+    def choice(index: int, text: str | None, finish: str | None, role: bool = False,
+               lps: list | None = None) -> dict:
+        logprobs = None
+        if lps is not None:
+            logprobs = _logprobs(state.engine, chat, lps, offsets.get(index, 0))
+            if not chat:
+                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     try:
         if chat:
@@ -297,8 +316,8 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
                 if c.index in done:
                     continue
                 text = c.text if beam else c.delta_text
-                if text or c.finish_reason:
-                    parts.append(choice(c.index, text, c.finish_reason))
+                if text or c.finish_reason or c.delta_logprobs:
+                    parts.append(choice(c.index, text, c.finish_reason, lps=c.delta_logprobs))
                 if c.finish_reason:
                     done.add(c.index)
             if parts:

@@ -71,10 +71,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                        f"at most {room} can be generated", param=param,
                        code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(room, default_max_tokens or room)
-    if req.logprobs or getattr(req, "top_logprobs", None):
-        raise APIError(400, "per-token logprobs are not available in radixkv; each choice's "
-                       "total log-probability is in usage.radixkv.cumulative_logprobs",
-                       param="logprobs", code="unsupported_parameter")
+    top_logprobs = logprobs_asked(req)
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise APIError(400, f"seed must be in [0, {MAX_SEED}], got {req.seed}", param="seed")
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -82,8 +79,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
-        ignore_eos=req.ignore_eos)
+        ignore_eos=req.ignore_eos, logprobs=top_logprobs)
     if req.use_beam_search:
+        if top_logprobs is not None:
+            raise APIError(400, "logprobs are not available with use_beam_search (beams are "
+                           "re-ranked at the end)", param="logprobs")
         if temperature != 0:
             raise APIError(400, "use_beam_search is deterministic: set temperature to 0",
                            param="temperature")
@@ -94,6 +94,62 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
             temperature = 0.0
         kwargs.update(temperature=temperature)
     return SamplingParams(**kwargs)
+
+
+def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many alternatives per token the request wants (None = no logprobs), by OpenAI's
+    rules: chat has ``logprobs: bool`` + ``top_logprobs: 0..20``, completions ``logprobs: int``.
+    Raises :class:`APIError` (400) for a combination OpenAI also refuses."""
+    from radixkv.engine.sampling import MAX_LOGPROBS
+
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise APIError(400, "logprobs must be a boolean in chat completions (the number "
+                           "of alternatives goes in top_logprobs)", param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}] in completions",
+                       param="logprobs")
+    if req.echo:
+        raise APIError(400, "echo with logprobs would need the prompt's logprobs, which "
+                       "radixkv does not compute", param="echo",
+                       code="unsupported_parameter")
+    return req.logprobs
+
+
+def chat_logprobs(decode: Any, items: Sequence[Any] | None) -> dict[str, Any] | None:
+    """OpenAI's chat ``choice.logprobs`` for ``TokenLogprob`` items (None when not asked)."""
+    if items is None:
+        return None
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        text = decode(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token_id, t.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in t.top]} for t in items],
+            "refusal": None}
+
+
+def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int
+                        ) -> dict[str, Any] | None:
+    """OpenAI's legacy completions ``choice.logprobs`` (token strings, their logprobs, the top
+    alternatives as ``{token: logprob}``, and each token's character offset from ``offset``)."""
+    if items is None:
+        return None
+    tokens, offsets = [], []
+    for t in items:
+        offsets.append(offset)
+        text = decode(t.token_id)
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{decode(i): v for i, v in t.top} for t in items],
+            "text_offset": offsets}
 
 
 async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
@@ -172,5 +228,5 @@ def sse(obj: Any) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
-__all__ = ["sampling_params", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
+__all__ = ["sampling_params", "logprobs_asked", "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
            "request_salt"]

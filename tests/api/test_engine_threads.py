@@ -160,3 +160,39 @@ def test_ttft_clock_starts_when_the_request_is_queued_not_when_the_loop_gets_to_
     while not out.finished:
         out = stream.get(timeout=60)
     assert out.ttft is not None and out.ttft >= 0.3
+
+
+def test_per_token_logprobs_follow_each_sample_through_the_fork(make_engine):
+    """``SamplingParams.logprobs=k``: one entry per output token (the forked samples of n=3
+    each get their own), matching the token ids, summing to ``cumulative_logprob``; streamed
+    deltas add up to the final list; beam search refuses it."""
+    import math
+
+    import pytest
+
+    from radixkv import InvalidRequestError
+
+    e = make_engine()
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=7, n=3, logprobs=2,
+                            ignore_eos=True)
+    out = e.generate(_prompts(1)[0], params)[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert [t.token_id for t in c.logprobs] == c.token_ids
+        assert math.isclose(sum(t.logprob for t in c.logprobs), c.cumulative_logprob,
+                            abs_tol=1e-4)
+        for t in c.logprobs:
+            assert len(t.top) == 2 and t.top[0][1] >= t.top[1][1]
+            assert t.logprob <= t.top[0][1] + 1e-6   # the first alternative is the most likely
+    deltas: dict[int, list] = {}
+    for snap in e.stream(_prompts(1)[0], params):
+        for c in snap.outputs:
+            deltas.setdefault(c.index, []).extend(c.delta_logprobs)
+    assert {i: [t.token_id for t in v] for i, v in deltas.items()} == \
+        {c.index: c.token_ids for c in out.outputs}   # same seed, same samples
+    assert e.generate(_prompts(1)[0], SamplingParams(max_tokens=2))[0].outputs[0].logprobs \
+        is None
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(beam_width=2, logprobs=1)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logprobs=21)

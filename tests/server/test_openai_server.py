@@ -287,7 +287,14 @@ BAD = [
     ({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 1}, "completions", 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, "completions", 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, "completions", 400, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "completions", 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, "completions", 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "completions", 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "chat", 400, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
+     "chat", 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 1, "use_beam_search": True, "temperature": 0},
+     "completions", 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "use_beam_search": True, "temperature": 0.7},
      "completions", 400, "temperature"),
 ]
@@ -373,3 +380,45 @@ def test_past_max_queued_the_server_answers_429(ready: Server) -> None:
         codes = list(pool.map(one, range(n)))
     assert set(codes) <= {200, 429}, codes
     assert codes.count(429) >= 1 and codes.count(200) >= MAX_SEQS + MAX_QUEUED - 4, codes
+
+
+def test_logprobs_per_token_chat_stream_and_completions(ready: Server) -> None:
+    """Per-token logprobs in OpenAI's shapes: greedy picks the most likely token, so each
+    token's logprob equals its first alternative's; they sum to the choice's total; streamed
+    deltas carry the same entries as the whole answer."""
+    api = ready.client()
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    r = api.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=6,
+                                    logprobs=True, top_logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-5
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert bytes(e.bytes).decode("utf-8") == e.token
+    total = r.usage.model_extra["radixkv"]["cumulative_logprobs"][0]
+    assert abs(sum(e.logprob for e in content) - total) < 1e-3
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+
+    streamed = []
+    for chunk in api.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                             max_tokens=6, logprobs=True, top_logprobs=3,
+                                             stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == \
+        [(e.token, round(e.logprob, 4)) for e in content]
+
+    c = api.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                               max_tokens=5, logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(5)]
+    assert all(len(t) <= 2 and max(t.values()) >= v - 1e-5
+               for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    plain = _chat(api, msgs, temperature=0, max_tokens=2)
+    assert plain.choices[0].logprobs is None   # not asked, not sent
