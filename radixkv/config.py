@@ -47,6 +47,13 @@ def _check_count(name: str, value: int | None) -> None:
         raise ConfigError(f"CacheConfig.{name} must be a non-negative int or None, got {value!r}")
 
 
+#: Write policies of the remote tier (``CacheConfig.remote_write``).
+REMOTE_WRITE_POLICIES = ("write_back", "write_through", "read_only")
+#: Host-tier blocks added for a remote tier when no host tier is configured: its hits land
+#: there before they are promoted into the device.
+REMOTE_STAGING_BLOCKS = 64
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Where KV blocks live and how many.
@@ -72,6 +79,21 @@ class CacheConfig:
             reads the environment variable ``RADIXKV_KV_SECRET`` (unset: checksums only, which
             catch accidents, not a writer who recomputes them). At least 16 bytes; share it
             between the processes that share ``disk_dir``. Never printed (``repr`` hides it).
+        remote_url: a Redis (>= 6) or Valkey server shared by replicas, the slowest tier
+            (``redis://host:port/db``, ``rediss://``, ``valkey://``, ``redis+cluster://``);
+            None: no remote tier. Blocks leave the host tier for it (write-back) and a new
+            request's blocks missing locally are looked up there in one round trip before it
+            is scheduled; hits land in the host tier (one of ``REMOTE_STAGING_BLOCKS`` blocks
+            is added when none is configured). A server that is down at start or dies later
+            only costs misses (see docs/tiers.md). Keys are namespaced by model fingerprint,
+            KV layout and tenant salt, values verified on every read; ``disk_secret`` signs
+            them too.
+        remote_write: ``"write_back"`` (default: a block is written when it leaves the host
+            tier, demoted or dropped), ``"write_through"`` (also as soon as it is computed,
+            so other replicas see it at once) or ``"read_only"``.
+        remote_ttl_s: optional key TTL on the server (refreshed by every write of a block).
+        remote_timeout_s: how long a new request waits for its remote lookup before it is
+            scheduled without it; also bounds every call to the server.
     """
 
     block_size: int = 16
@@ -86,6 +108,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()
     disk_secret: str | bytes | None = field(default=None, repr=False)
+    remote_url: str | None = field(default=None, repr=False)   # may carry a password
+    remote_write: str = "write_back"
+    remote_ttl_s: float | None = None
+    remote_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -127,6 +153,26 @@ class CacheConfig:
         if missing:
             raise ConfigError(f"CacheConfig.write_through names tier(s) {missing} that are not "
                               "configured (set host_blocks/host_memory, disk_dir + disk_blocks)")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        if self.remote_url is not None:
+            from radixkv.storage.remote_client import parse_url
+
+            if not isinstance(self.remote_url, str) or not self.remote_url:
+                raise ConfigError(f"CacheConfig.remote_url must be a URL string, got "
+                                  f"{type(self.remote_url).__name__}")
+            parse_url(self.remote_url)   # raises ConfigError naming what is wrong
+        if self.remote_write not in REMOTE_WRITE_POLICIES:
+            raise ConfigError(f"CacheConfig.remote_write must be one of "
+                              f"{REMOTE_WRITE_POLICIES}, got {self.remote_write!r}")
+        ttl = self.remote_ttl_s
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not 0 < ttl < float("inf")):
+            raise ConfigError(f"CacheConfig.remote_ttl_s must be > 0 seconds or None, got {ttl!r}")
+        t = self.remote_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 60:
+            raise ConfigError(f"CacheConfig.remote_timeout_s must be in (0, 60] seconds, got {t!r}")
 
     def resolve_blocks(self, bytes_per_block: int) -> tuple[int, int, int]:
         """(device, host, disk) capacities in blocks for a model whose block takes
@@ -146,6 +192,8 @@ class CacheConfig:
                 f"device memory {self.device_memory!r} holds no block of {bytes_per_block} bytes: "
                 "raise device_memory or lower block_size")
         host = blocks(self.host_blocks, self.host_memory, None)
+        if self.remote_url is not None and host == 0:
+            host = REMOTE_STAGING_BLOCKS   # remote hits land in the host tier
         disk = blocks(self.disk_blocks, self.disk_memory, None) if self.disk_dir else 0
         return device, host, disk
 

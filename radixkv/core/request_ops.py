@@ -46,6 +46,8 @@ class RequestOps:
     _hints: dict
     _wt: tuple[int, ...]
     _lru: bool
+    drop_listener: Callable[[Node], None] | None
+    insert_listener: Callable[[list[Node]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _entry(self, node: Node) -> tuple: ...
@@ -143,6 +145,8 @@ class RequestOps:
                     break
                 parent = self._insert(parent, h, chunk, b, now)
                 out.append(parent)
+            if out and self.insert_listener is not None:
+                self.insert_listener(out)
             return out
         width = self.block_size * TOKEN_BYTES
         index, device_nodes, refs = self._index, self._device_nodes, self._refs
@@ -181,6 +185,8 @@ class RequestOps:
                 node.children = 1        # its child in the run, on the device
             self._resident[DEVICE] += n
             self.stats.inserted += n
+            if self.insert_listener is not None:
+                self.insert_listener(out)
         return out
 
     def _drop_device(self, num_blocks: int, moves: list[MoveOp]) -> None:
@@ -197,8 +203,11 @@ class RequestOps:
         pool = self._pools[DEVICE]
         is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
         append = moves.append
+        listener = self.drop_listener
         for _ in range(num_blocks):
             h = pop_min()[-1]
+            if listener is not None:
+                listener(index[h])
             node = index.pop(h)
             slot = node.slot
             assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"

@@ -103,6 +103,13 @@ class RadixTree(RequestOps, TierOps):
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
         self._hints: dict[bytes, NodeHints] = {}
         self.stats = TreeStats(self.num_tiers)
+        #: Called with each node about to leave the cache altogether (still linked: its
+        #: parent, tokens, tier and slot are readable). The engine's remote tier uses it to
+        #: write back a block dropped from the host tier. Must not touch the tree.
+        self.drop_listener: Callable[[Node], None] | None = None
+        #: Called with the nodes of each run of computed blocks ``insert_run`` caches (write-
+        #: through to the remote tier). Must not touch the tree.
+        self.insert_listener: Callable[[list[Node]], None] | None = None
         self.write_through: tuple[int, ...] = tuple(sorted(wt))
         self._wt = self.write_through               # falsy: write-back, no copy bookkeeping
         self._copy_slots: list[dict[bytes, int]] = [{} for _ in self._pools]  # tier: hash -> slot
@@ -447,6 +454,8 @@ class RadixTree(RequestOps, TierOps):
         self._pools[t].free_one(old_slot)
 
     def _drop(self, node: Node) -> None:
+        if self.drop_listener is not None:
+            self.drop_listener(node)
         del self._index[node.block_hash]
         self._hints.pop(node.block_hash, None)
         self._resident[node.tier] -= 1

@@ -99,6 +99,10 @@ class LLMEngine:
         elif not isinstance(kv_mover, KVMover) and callable(kv_mover):
             kv_mover = kv_mover(self._runner.kv_cache)
         self.kv_mover: KVMover = kv_mover  # type: ignore[assignment]
+        self._remote = tiering.build_remote(self, model_id)   # None without remote_url
+        #: Names of ``RequestOutput.cached_tokens_per_tier``'s entries: the tree's tiers, then
+        #: "remote" when a remote tier is configured.
+        self.output_tier_names = self.tier_names + (["remote"] if self._remote else [])
         self._namespace = Namespace(model_fingerprint(model_id, layout))
         self._eos = eos_token_ids(model, tokenizer)
         limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
@@ -150,6 +154,8 @@ class LLMEngine:
         close = getattr(self.kv_mover, "close", None)
         if close is not None:
             close()
+        if self._remote is not None:
+            self._remote.close()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -196,7 +202,10 @@ class LLMEngine:
             req.beam = BeamSearch(params.beam_width, max_new, sorted(eos), params.length_penalty,
                                   params.early_stopping)
         self._requests[request_id] = req
-        self._scheduler.add(req)
+        if self._remote is not None and self.cache_config.enable_prefix_caching:
+            self._remote.lookup(req)   # scheduled once its lookup is done (or timed out)
+        else:
+            self._scheduler.add(req)
 
     def _check_request(self, request_id: Any, prompt: Any, params: Any, salt: Any) -> SamplingParams:
         if self._closed:
@@ -257,6 +266,8 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return
+        if self._remote is not None:
+            self._remote.forget(request_id)
         self._scheduler.remove(req)
         for seq in req.seqs:
             seq.finish_reason = FINISH_ABORT
@@ -268,7 +279,8 @@ class LLMEngine:
         del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self._scheduler.has_unfinished() or bool(self._pending)
+        return self._scheduler.has_unfinished() or bool(self._pending) or (
+            self._remote is not None and self._remote.has_arrivals())
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -280,6 +292,10 @@ class LLMEngine:
         # tree: their failures are then filed against nodes that are still where they went.
         # Promotions still running stay so (their requests are loading; the scheduler knows).
         self._drain_kv(loads=False)
+        if self._remote is not None:   # requests whose remote lookup is done join the queue
+            for req in self._remote.admit(self._run_ops, not self._scheduler.has_unfinished()):
+                req.remote_tokens = self._remote.take_remote_tokens(req.request_id)
+                self._scheduler.add(req)
         sched = self._scheduler.schedule()
         for req in sched.unschedulable:
             self._finish_all(req, FINISH_CAPACITY)
@@ -289,6 +305,8 @@ class LLMEngine:
         if sched.chunks:
             logits = self._run(sched)
             outputs.extend(self._postprocess(sched, logits))
+        if self._remote is not None:
+            self._remote.after_step()   # write-through of the blocks computed this step
         if not self.has_unfinished_requests():
             self._drain_kv()   # idle: the disk tier's files are exactly its blocks
         return outputs
@@ -462,8 +480,19 @@ class LLMEngine:
                     None if lps is None else lps[seq.sent_num_tokens:]))
                 seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
-                             req.num_cached_tokens, req.cached_tokens_per_tier, req.ttft,
+                             req.num_cached_tokens, self._per_tier(req), req.ttft,
                              req.num_preemptions)
+
+    def _per_tier(self, req: Request) -> tuple[int, ...]:
+        """``cached_tokens_per_tier`` by ``output_tier_names``: the blocks a remote lookup put
+        in the host tier count as remote."""
+        if self._remote is None:
+            return req.cached_tokens_per_tier
+        per = list(req.cached_tokens_per_tier) or [0] * len(self.tier_names)
+        host = self.tier_names.index("host")
+        moved = min(req.remote_tokens, per[host])
+        per[host] -= moved
+        return (*per, moved)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class Request:
         self.admitted = False
         self.num_cached_tokens = 0
         self.cached_tokens_per_tier: tuple[int, ...] = ()
+        self.remote_tokens = 0   # of the cached tokens, those the remote tier supplied
         self.num_preemptions = 0
         self.beam: Any = None
         self.finished_outputs_sent = False

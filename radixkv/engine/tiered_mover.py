@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -134,6 +134,14 @@ class TieredKVMover:
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
+        #: Called with every move list before it runs (the remote tier's write-back reads the
+        #: host slots of blocks leaving the host tier while they still hold them).
+        self.before_moves: Callable[[Sequence[MoveOp]], None] | None = None
+
+    def unsafe_host_block(self, block_hash: bytes) -> bool:
+        """True while the host copy of ``block_hash`` may not hold its bytes: a prefetch load
+        still in flight (or landed but not yet settled), or a failed one (poisoned)."""
+        return block_hash in self._prefetched or block_hash in self._poisoned
 
     # ------------------------------------------------------------------ KVMover protocol
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
@@ -143,6 +151,8 @@ class TieredKVMover:
         the device are left running (see the module docstring); a later group that could touch
         what they touch waits for them first. Nothing but moves reads or writes host slots or
         block files, so the result is the same as waiting for each batch at once."""
+        if self.before_moves is not None and moves:
+            self.before_moves(moves)
         failed_writes: list[MoveOp] = []
         i = 0
         while i < len(moves):

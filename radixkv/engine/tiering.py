@@ -14,7 +14,7 @@ from radixkv.core.hashing import TOKEN_BYTES, chain_hash, token_bytes
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.engine.tiered_mover import TieredKVMover
-from radixkv.errors import StorageError
+from radixkv.errors import ConfigError, StorageError
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.integrity import signer_from
@@ -42,6 +42,31 @@ def build_mover(engine: LLMEngine, n_host: int, n_disk: int, model_id: str
         report = restore_from_disk(engine.tree, disk, mover.disk_tier,
                                    engine.cache_config.block_size)
     return mover, report
+
+
+def build_remote(engine: LLMEngine, model_id: str) -> Any:
+    """The engine's remote tier (``CacheConfig.remote_url``), or None. The store connects in
+    the background: a server that is down now only costs misses until it is back."""
+    cc = engine.cache_config
+    if cc.remote_url is None:
+        return None
+    from radixkv.engine.remote_tier import RemoteTier
+    from radixkv.storage.remote import RemoteStore
+
+    mover = engine.kv_mover
+    if not isinstance(mover, TieredKVMover) or mover.host is None:
+        raise ConfigError("the remote tier needs the engine's own tiered mover with a host "
+                          "tier (do not pass kv_mover together with remote_url)")
+    store = RemoteStore(cc.remote_url, engine.layout, engine.layout.fingerprint(model_id),
+                        signer=signer_from(cc.disk_secret), ttl_s=cc.remote_ttl_s,
+                        socket_timeout=cc.remote_timeout_s,
+                        connect_timeout=min(0.5, cc.remote_timeout_s), queue_blocks=1024)
+    remote = RemoteTier(store, engine.tree, mover.host, engine.tier_names.index("host"),
+                        engine.model_runner.kv_cache, cc.block_size, cc.remote_write,
+                        cc.remote_timeout_s, unsafe=mover.unsafe_host_block)
+    if cc.remote_write != "read_only":
+        mover.before_moves = remote.before_moves
+    return remote
 
 
 def restore_from_disk(tree: RadixTree, disk: DiskStore, tier: int, block_size: int
@@ -172,6 +197,9 @@ def tier_stats(engine: LLMEngine) -> dict[str, Any]:
                    prefetched_blocks=m["prefetched_blocks"],
                    prefetch_hits=m["prefetch_hits"],
                    prefetch_failures=m["prefetch_failures"])
+    remote = getattr(engine, "_remote", None)
+    if remote is not None:
+        out["remote"] = remote.stats()
     disk = getattr(engine.kv_mover, "disk", None)
     if disk is not None:
         d = disk.stats()
@@ -201,4 +229,4 @@ class MoverLoads:
         return self._mover.inflight_device_blocks()
 
 
-__all__ = ["MoverLoads", "build_mover", "fence", "prefetch", "restore_from_disk", "tier_stats"]
+__all__ = ["MoverLoads", "build_mover", "build_remote", "fence", "prefetch", "restore_from_disk", "tier_stats"]
