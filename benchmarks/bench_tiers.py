@@ -360,14 +360,15 @@ def main(argv: list[str] | None = None) -> int:
                          "default); the raw baseline always runs 1 and 4 threads")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--parts", default="bandwidth,rebuild,hit-rate",
-                    help="comma-separated subset of bandwidth, rebuild, hit-rate, remote")
+                    help="comma-separated subset of bandwidth, rebuild, hit-rate, remote, "
+                         "remote-engines")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
                                                 "temporary directory under $TMPDIR)")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    bad = parts - {"bandwidth", "rebuild", "hit-rate", "remote"}
+    bad = parts - {"bandwidth", "rebuild", "hit-rate", "remote", "remote-engines"}
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
@@ -398,6 +399,17 @@ def main(argv: list[str] | None = None) -> int:
                     title=f"remote (redis-server {facts['redis_server']}, loopback), "
                           f"{args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
         results["remote"] = rm
+    if "remote-engines" in parts:
+        from radixkv.benchmarks.bench_remote_engines import bench_remote_engines
+        re_ = bench_remote_engines(args.quick)
+        print_table(re_["rows"], ["run", "engines", "device_blocks_each", "host_blocks_each",
+                                  "hit_rate", "remote_share", "of_single", "of_single+remote",
+                                  "seconds"],
+                    title=f"replicas sharing a remote tier: chat trace, {re_['requests']} "
+                          f"requests, working set {re_['working_set_blocks']} blocks, infinite "
+                          f"{re_['infinite']:.4f}")
+        print(f"pair+remote / single = {re_['pair_remote_of_single']:.3f} (target >= 0.98)")
+        results["remote_engines"] = re_
     if "hit-rate" in parts:
         hr = bench_hit_rate(args.quick)
         print_table(hr["rows"], ["tiers", "device", "device_blocks", "host_blocks", "disk_blocks",

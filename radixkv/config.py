@@ -84,7 +84,8 @@ class CacheConfig:
             None: no remote tier. Blocks leave the host tier for it (write-back) and a new
             request's blocks missing locally are looked up there in one round trip before it
             is scheduled; hits land in the host tier (one of ``REMOTE_STAGING_BLOCKS`` blocks
-            is added when none is configured). A server that is down at start or dies later
+            or a quarter of the device's blocks, whichever is more, is added when none is
+            configured; it bounds how many remote blocks one request can take). A server that is down at start or dies later
             only costs misses (see docs/tiers.md). Keys are namespaced by model fingerprint,
             KV layout and tenant salt, values verified on every read; ``disk_secret`` signs
             them too.
@@ -193,7 +194,8 @@ class CacheConfig:
                 "raise device_memory or lower block_size")
         host = blocks(self.host_blocks, self.host_memory, None)
         if self.remote_url is not None and host == 0:
-            host = REMOTE_STAGING_BLOCKS   # remote hits land in the host tier
+            # remote hits land in the host tier: room for a long prompt's run of them
+            host = max(REMOTE_STAGING_BLOCKS, device // 4)
         disk = blocks(self.disk_blocks, self.disk_memory, None) if self.disk_dir else 0
         return device, host, disk
 

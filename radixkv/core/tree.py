@@ -247,6 +247,18 @@ class RadixTree(RequestOps, TierOps):
         return (*self.policy.key(node, self._hints.get(node.block_hash, DEFAULT_HINTS)),
                 node.block_hash)
 
+    def touch(self, node: Node, now: float | None = None) -> None:
+        """Mark ``node`` and its ancestors as used now (their policy keys move, as a hit's
+        would): e.g. the parent of blocks about to be installed below it from the remote tier,
+        so that making room for them does not evict it first. O(depth * log n)."""
+        now = self.clock() if now is None else now
+        n: Node | None = node
+        while n is not None:
+            self._discard(n)
+            n.last_access = now
+            self._consider(n)
+            n = n.parent
+
     def _discard(self, node: Node) -> None:
         """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
         if self._is_evictable(node):

@@ -61,6 +61,7 @@ class RemoteCounters:
     blocks_found: int = 0         # blocks the server had (leading run, verified)
     blocks_installed: int = 0     # of those, placed in the host tier
     blocks_not_installed: int = 0  # no room / parent gone / already cached meanwhile
+    parent_lost: int = 0          # lookups whose local parent left (or sits on disk) meanwhile
     hit_tokens: int = 0           # prompt tokens served from the remote tier (first admission)
     blocks_written: int = 0       # writes queued to the server
     writes_skipped: int = 0       # slot rewritten earlier in its move list, or queue full
@@ -204,6 +205,9 @@ class RemoteTier:
         if not blocks:
             return
         tree, t = self.tree, self.host_tier
+        parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
+        if parent is not None:
+            tree.touch(parent)   # making room below must not evict the chain's own parent
         # Make room in the host tier by its own eviction (demotions/drops run now, before the
         # slots are written: the tree hands out the freed slots).
         free = self.host.num_slots - tree.num_resident(t) - tree.num_copies(t)
@@ -214,6 +218,7 @@ class RemoteTier:
                 run_ops(moves)
         parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
         if a.parent_hash is not None and (parent is None or parent.tier > t):
+            self.counters.parent_lost += 1
             self.counters.blocks_not_installed += len(blocks)
             return
         installed = 0
@@ -246,36 +251,38 @@ class RemoteTier:
                 None if parent is None else parent.block_hash, node.tokens)
 
     def before_moves(self, moves: Sequence[MoveOp]) -> None:
-        """Write back the blocks leaving the host tier in ``moves`` (called by the mover
-        before it runs them: their host slots still hold them)."""
+        """Write back the blocks leaving the host tier in ``moves``, a group of one direction
+        that the mover is about to run (the groups before it have landed, so each source
+        slot holds exactly its block)."""
         t = self.host_tier
-        written: set[int] = set()
+        if not moves or moves[0].src_tier != t:
+            return
         items = []
         for m in moves:
-            if m.src_tier == t and not m.keep_src and (m.dst_tier is None or m.dst_tier > t):
-                meta = self._dropped.pop(m.block_hash, None)
-                if meta is None:
-                    node = self.tree.get(m.block_hash)
-                    if node is None:
-                        continue
-                    meta = (None if node.parent is None else node.parent.block_hash,
-                            node.tokens)
-                if m.src_slot in written or self._unsafe(m.block_hash):
-                    self.counters.writes_skipped += 1
+            if m.keep_src or not (m.dst_tier is None or m.dst_tier > t):
+                continue
+            meta = self._dropped.pop(m.block_hash, None)
+            if meta is None:
+                node = self.tree.get(m.block_hash)
+                if node is None:
                     continue
-                items.append((m.block_hash, meta[0], _ids(meta[1]),
-                              self.host.slot_bytes(m.src_slot)))
-            if m.dst_tier == t and m.dst_slot is not None:
-                written.add(m.dst_slot)
-        self._dropped.clear()
+                meta = (None if node.parent is None else node.parent.block_hash, node.tokens)
+            if self._unsafe(m.block_hash):
+                self.counters.writes_skipped += 1
+                continue
+            items.append((m.block_hash, meta[0], _ids(meta[1]),
+                          self.host.slot_bytes(m.src_slot)))
         if items:
             self._put(items)
 
     def after_step(self) -> None:
-        """Write-through: queue the blocks computed this step (copied off the device)."""
+        """Write-through: queue the blocks computed this step (copied off the device).
+        Forget drop records no move list used (blocks invalidated, never written)."""
+        self._dropped.clear()
         if not self._computed:
             return
-        nodes, self._computed = self._computed, []
+        nodes = list(self._computed)
+        self._computed.clear()   # in place: the tree's listener is this list's extend
         nodes = [n for n in nodes if n.tier == 0 and self.tree.get(n.block_hash) is n]
         if not nodes:
             return

@@ -134,8 +134,9 @@ class TieredKVMover:
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
-        #: Called with every move list before it runs (the remote tier's write-back reads the
-        #: host slots of blocks leaving the host tier while they still hold them).
+        #: Called with each group of a move list right before it runs, after the groups before
+        #: it have landed (the remote tier's write-back reads the host slots of blocks leaving
+        #: the host tier: at that moment they hold exactly those blocks).
         self.before_moves: Callable[[Sequence[MoveOp]], None] | None = None
 
     def unsafe_host_block(self, block_hash: bytes) -> bool:
@@ -151,8 +152,6 @@ class TieredKVMover:
         the device are left running (see the module docstring); a later group that could touch
         what they touch waits for them first. Nothing but moves reads or writes host slots or
         block files, so the result is the same as waiting for each batch at once."""
-        if self.before_moves is not None and moves:
-            self.before_moves(moves)
         failed_writes: list[MoveOp] = []
         i = 0
         while i < len(moves):
@@ -166,6 +165,8 @@ class TieredKVMover:
                 writes.add(dst)
                 j += 1
             self._wait_conflicts(moves[i:j])
+            if self.before_moves is not None:   # earlier groups have landed: slots are exact
+                self.before_moves(moves[i:j])
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:

@@ -250,7 +250,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": state.model_name, "choices": choices,
-        "usage": serving.usage(outs, timing)})
+        "usage": serving.usage(outs, timing, eng.core.output_tier_names)})
 
 
 def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | None:
@@ -325,7 +325,8 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
         if include_usage and last is not None:
             yield serving.sse({"id": rid, "object": kind, "created": created,
                                "model": state.model_name, "choices": [],
-                               "usage": serving.usage([last], timing)})
+                               "usage": serving.usage([last], timing,
+                                                     state.engine.core.output_tier_names)})
         yield serving.SSE_DONE
     finally:
         state.release()

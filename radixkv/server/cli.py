@@ -56,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
+    c.add_argument("--remote-url", default=None, metavar="URL",
+                   help="remote tier shared by replicas: redis://host:port/db, rediss://, "
+                        "valkey://, redis+cluster:// (default: none)")
+    c.add_argument("--remote-write", default="write_back",
+                   choices=["write_back", "write_through", "read_only"],
+                   help="when blocks are written to the remote tier (default write_back: as "
+                        "they leave the host tier)")
+    c.add_argument("--remote-ttl", type=float, default=None, metavar="SECONDS",
+                   help="key TTL on the remote server (default: none)")
+    c.add_argument("--remote-timeout", type=float, default=1.0, metavar="SECONDS",
+                   help="bound on a request's remote lookup and on every server call")
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="live sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -77,7 +88,9 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      host_memory=args.host_memory, disk_dir=args.disk_dir,
                      disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
                      policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
-                     write_through=tuple(args.write_through))
+                     write_through=tuple(args.write_through), remote_url=args.remote_url,
+                     remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
+                     remote_timeout_s=args.remote_timeout)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,

@@ -193,12 +193,14 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
             state.metrics.success.labels(state.model_name, "abort").inc()
 
 
-def usage(outs: Sequence[Any], timing: Timing) -> dict[str, Any]:
-    """OpenAI's usage object plus ``radixkv``: cached tokens per tier, TTFT, logprobs."""
+def usage(outs: Sequence[Any], timing: Timing,
+          tier_names: Sequence[str] = TIER_NAMES) -> dict[str, Any]:
+    """OpenAI's usage object plus ``radixkv``: cached tokens per tier (``tier_names``: the
+    engine's ``output_tier_names``), TTFT, logprobs."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
-    per_tier = [0] * len(TIER_NAMES)
+    per_tier = [0] * len(tier_names)
     for o in outs:
         for t, n in enumerate(o.cached_tokens_per_tier):
             if t < len(per_tier):
@@ -210,7 +212,7 @@ def usage(outs: Sequence[Any], timing: Timing) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
         "radixkv": {
-            "cached_tokens_per_tier": dict(zip(TIER_NAMES, per_tier)),
+            "cached_tokens_per_tier": dict(zip(tier_names, per_tier)),
             "ttft_s": max(engine_ttft) if engine_ttft else None,
             "server_ttft_s": server_ttft,
             "queue_and_tokenize_s": timing.submitted - timing.arrived,

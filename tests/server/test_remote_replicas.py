@@ -1,0 +1,83 @@
+"""Two ``radixkv serve`` replicas sharing one real ``redis-server`` (issue 12): a conversation
+prefilled on replica A is a remote hit on replica B, reported in ``usage`` under "remote", with
+the same greedy answer. Both servers load the model in parallel (one load's time)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("redis")
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "storage"))
+from redis_server import RedisServer, free_port  # noqa: E402
+
+pytestmark = pytest.mark.model
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _start(port: int, url: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
+           "--threads", "1", "--device-blocks", "256", "--remote-url", url,
+           "--remote-write", "write_through", "--remote-timeout", "5"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not ready")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> Any:
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    ports = [free_port(), free_port()]
+    procs = [_start(p, srv.url) for p in ports]
+    try:
+        for p, proc in zip(ports, procs):
+            _wait_ready(p, proc)
+        yield [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="none",
+                             max_retries=0, timeout=300) for p in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        srv.stop()
+
+
+def test_replica_b_is_served_from_what_replica_a_computed(replicas) -> None:
+    a, b = replicas
+    msgs = [{"role": "system", "content": "You answer questions about a long manual. " * 12},
+            {"role": "user", "content": "What is the first step?"}]
+    ra = a.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    assert ra.usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(0.5)   # the write-through queue drains in the background
+    rb = b.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    tiers = rb.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
+    assert tiers["remote"] > 0 and tiers["remote"] == rb.usage.prompt_tokens_details.cached_tokens
+    assert rb.choices[0].message.content == ra.choices[0].message.content
+    # and the next turn on B is a device hit there, as on a single server
+    rb2 = b.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    assert rb2.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] > 0
