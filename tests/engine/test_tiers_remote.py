@@ -197,3 +197,26 @@ def test_a_remote_tier_without_a_host_tier_gets_a_staging_host_tier(hf_llama, ur
     assert eng.output_tier_names == ["device", "host", "remote"]
     assert eng.tier_capacity_blocks[1] == REMOTE_STAGING_BLOCKS
     eng.close()
+
+
+def test_a_hung_server_delays_a_request_by_the_timeout_at_most(hf_llama, tmp_path):
+    srv = RedisServer(tmp_path / "hung").start()
+    eng = LLMEngine(copy.deepcopy(hf_llama), None,
+                    CacheConfig(block_size=BS, num_device_blocks=16, host_blocks=8,
+                                remote_url=srv.url, remote_timeout_s=0.5),
+                    EngineConfig(max_num_seqs=4, max_num_batched_tokens=128), model_id="tiny")
+    try:
+        srv.pause()                               # accepts, never answers
+        prompt = rand_tokens(21, 50)
+        t0 = time.monotonic()
+        out = serve(eng, [("h", prompt)])["h"]
+        assert time.monotonic() - t0 < 10
+        assert out.outputs[0].token_ids == hf_greedy(hf_llama, prompt)
+        st = eng.stats()["remote"]
+        # the lookup was abandoned at its deadline, or the store's own socket timeout (the same
+        # bound) answered first with a miss: either way a bounded wait, counted
+        assert st["lookup_timeouts"] + st["server"]["timeouts"] >= 1
+    finally:
+        srv.resume()
+        srv.stop()
+        eng.close()
