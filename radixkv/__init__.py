@@ -18,6 +18,7 @@ _LAZY = {
     # name -> module that defines it (imported on first attribute access; pulls in torch)
     "Engine": "radixkv.api.engine",
     "SamplingParams": "radixkv.engine.sampling",
+    "CachePoint": "radixkv.engine.cache_points",
     "CacheConfig": "radixkv.config",
     "ChatSession": "radixkv.api.chat",
     "RAGHelper": "radixkv.api.rag",

@@ -204,15 +204,18 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: ParamsLike = None, *,
-               cache_salt: str | None = None, request_id: str | None = None) -> str:
+               cache_salt: str | None = None, request_id: str | None = None,
+               cache_points: Sequence[Any] | None = None) -> str:
         """Add one request to the running batch; returns its id. Outputs come from
         :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it).
-        Thread-safe: the request joins the batch the engine loop is stepping."""
+        Thread-safe: the request joins the batch the engine loop is stepping.
+        ``cache_points``: prefixes to keep with a TTL/priority (``radixkv.CachePoint``)."""
         ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
-        self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt)
+        self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt,
+                                              cache_points)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -304,7 +307,8 @@ class Engine:
         return [final[rid] for rid in rids]
 
     def stream(self, prompt: Prompt, params: ParamsLike = None, *,
-               cache_salt: str | None = None) -> Iterator[RequestOutput]:
+               cache_salt: str | None = None, cache_points: Sequence[Any] | None = None
+               ) -> Iterator[RequestOutput]:
         """Stream one prompt: yields a :class:`RequestOutput` per step with new tokens.
 
         Each output's ``outputs[i].delta_text`` / ``delta_token_ids`` hold what is new since the
@@ -313,7 +317,7 @@ class Engine:
         >>> # for out in engine.stream("Once upon a time", {"max_tokens": 20}):
         >>> #     print(out.outputs[0].delta_text, end="", flush=True)
         """
-        rid = self.submit(prompt, params, cache_salt=cache_salt)
+        rid = self.submit(prompt, params, cache_salt=cache_salt, cache_points=cache_points)
         return self.stream_request(rid)
 
     # ------------------------------------------------------------------ cache queries

@@ -120,6 +120,12 @@ class BlockManager:
                          write_through=write_through, **tree_kwargs)
         return cls(tree)
 
+    def expire(self, now: float | None = None) -> list[MoveOp]:
+        """Blocks whose TTL ran out at ``now`` (the TTL policy's, or a per-block ``ttl`` hint
+        under any policy, e.g. a cache breakpoint's) leave their tier: the moves to run.
+        Runtime complexity: O(expired * log n)."""
+        return self.tree.evict_expired(now)
+
     def take_moves(self) -> list[MoveOp]:
         """The MoveOps of write-through copies made by ``commit`` (and of the evictions that
         made room for them), in execution order; clears them. Empty without write-through.

@@ -33,6 +33,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class TierOps:
     _pools: list[BlockPool]
     _refs: list[int]
     _index: dict[bytes, Node]
+    _ttl_heap: list[tuple[float, bytes]]
     _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
@@ -382,11 +384,15 @@ class TierOps:
             assert h in self._index, f"hints kept for uncached block {h.hex()}"
 
     def evict_expired(self, now: float | None = None) -> list[MoveOp]:
-        """Evict every block whose policy key says it expired at ``now`` (TTL), fastest tier first.
+        """Evict every block whose TTL has run out at ``now``, fastest tier first.
 
-        Expired blocks are demoted like any victim, so they leave the cache through the slower
-        tiers, where they are expired in turn; expired copies are dropped. Returns the moves
-        (queued write-through moves first). O(expired * log n).
+        Two sources of TTLs: the policy's own (``TTLPolicy``: every block, in key order) and,
+        under *any* policy, a per-block ``ttl`` hint (``set_hints``, e.g. a request's cache
+        breakpoint "5m"): those are kept in a heap of due times, checked lazily here (a block
+        used since is re-armed, one still referenced or with children in its tier is
+        re-checked later). Expired blocks are demoted like any victim, so they leave the cache
+        through the slower tiers, where they are expired in turn; expired copies are dropped.
+        Returns the moves (queued write-through moves first). O(expired * log n).
         """
         now = self.clock() if now is None else now
         moves = self._pending
@@ -400,4 +406,47 @@ class TierOps:
                     self._move_out(node, moves)
                 else:
                     self._drop_popped_copy(node, tier, moves)
+        self._expire_hinted(now, moves)
         return moves
+
+    def next_expiry(self) -> float | None:
+        """The earliest due time of a per-block TTL hint (None: none set): when calling
+        ``evict_expired`` can next do something for hinted blocks."""
+        return self._ttl_heap[0][0] if self._ttl_heap else None
+
+    def _expire_hinted(self, now: float, moves: list[MoveOp]) -> None:
+        """Hinted blocks whose TTL ran out move out of their tier, at most once each per call,
+        in ``(due, hash)`` order, in passes until one moves nothing: an expired leaf's going
+        can make its expired parent evictable, which the next pass takes, so a whole expired
+        chain leaves in one call. A block that is held (or keeps an unexpired child) stays
+        due and is tried again at the next call. A demoted block leaves its next tier at a
+        later call."""
+        heap = self._ttl_heap
+        moved: set[bytes] = set()
+        while True:
+            progressed = False
+            later: list[tuple[float, bytes]] = []
+            popped: set[bytes] = set()
+            while heap and heap[0][0] <= now:
+                armed, h = heapq.heappop(heap)
+                node = self._index.get(h)
+                hint = self._hints.get(h)
+                if node is None or hint is None or hint.ttl is None or h in popped:
+                    continue   # gone, TTL lifted, or a duplicate entry: lazy deletion
+                due = node.last_access + hint.ttl
+                if due != armed:
+                    heapq.heappush(heap, (due, h))   # used (or re-hinted) since: its real turn
+                    continue
+                popped.add(h)
+                if h not in moved and self._is_evictable(node):
+                    self.stats.expired += 1
+                    self._evictable[node.tier].remove(self._entry(node))
+                    self._move_out(node, moves)   # as _evict_one: demote (onto a copy) or drop
+                    moved.add(h)
+                    progressed = True
+                if self._index.get(h) is node:   # still cached (held, inner, or demoted)
+                    later.append((due, h))
+            for item in later:
+                heapq.heappush(heap, item)
+            if not progressed:
+                return

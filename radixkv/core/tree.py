@@ -38,6 +38,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -102,6 +103,7 @@ class RadixTree(RequestOps, TierOps):
         self._unreferenced = 0                      # device nodes with refcount 0
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
         self._hints: dict[bytes, NodeHints] = {}
+        self._ttl_heap: list[tuple[float, bytes]] = []   # (due, hash) of per-block TTL hints
         self.stats = TreeStats(self.num_tiers)
         #: Called with each node about to leave the cache altogether (still linked: its
         #: parent, tokens, tier and slot are readable). The engine's remote tier uses it to
@@ -504,6 +506,8 @@ class RadixTree(RequestOps, TierOps):
                 self._hints.pop(node.block_hash, None)
             else:
                 self._hints[node.block_hash] = new
+                if new.ttl is not None:
+                    heapq.heappush(self._ttl_heap, (node.last_access + new.ttl, node.block_hash))
             self._consider(node)
             if copies:
                 self._file_copies(node, copies)

@@ -24,12 +24,14 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace
+from radixkv.core.hashing import Namespace, token_bytes
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.engine import tiering
 from radixkv.engine.beam_search import BeamSearch
+from radixkv.engine.cache_points import check_points
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.engine_stats import engine_stats
 from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
@@ -38,8 +40,9 @@ from radixkv.engine.outputs import (
 )
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
+from radixkv.engine.validation import check_request
 from radixkv.engine.sequence import Request, Sequence
-from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
+from radixkv.errors import ConfigError, EngineClosedError
 
 
 def model_fingerprint(model_id: str, layout: Any) -> str:
@@ -47,6 +50,10 @@ def model_fingerprint(model_id: str, layout: Any) -> str:
     precisions or geometries can never match)."""
     return (f"{model_id}|{layout.dtype}|L{layout.num_layers}-kv{layout.num_kv_heads}"
             f"-d{layout.head_dim}|B{layout.block_size}")
+
+
+#: Seconds between two TTL expiry passes of a step (expiry is lazy: an idle engine does none).
+EXPIRY_PERIOD_S = 1.0
 
 
 class LLMEngine:
@@ -116,6 +123,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
+        self._next_expiry = float("-inf")   # the next time _expire may run
         self._closed = False
 
     # ------------------------------------------------------------------ tiers
@@ -181,18 +189,23 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | Mapping[str, Any] | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    cache_points: Seq[Any] | None = None) -> None:
         """Queue a request. Everything is validated first: a bad request raises
         InvalidRequestError and leaves the engine (and requests in flight) untouched.
 
         ``arrival_time`` (``perf_counter`` seconds, default now) starts the request's TTFT
         clock: a caller that queued the request while a step was running passes the time it
-        asked, so the wait for that step counts as engine time, as vLLM's TTFT does."""
-        params = self._check_request(request_id, prompt_token_ids, params, cache_salt)
+        asked, so the wait for that step counts as engine time, as vLLM's TTFT does.
+        ``cache_points``: :class:`~radixkv.engine.cache_points.CachePoint` s (or dicts) marking
+        prefixes of the prompt to keep with a TTL and/or priority once it is computed."""
+        params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
+        points = check_points(cache_points, len(prompt_token_ids))
         ns = self._namespace.with_salt(cache_salt)
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
+        req.cache_points = points
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):
             req.seqs.append(self._new_seq(req, i, list(req.prompt_token_ids)))
@@ -206,47 +219,6 @@ class LLMEngine:
             self._remote.lookup(req)   # scheduled once its lookup is done (or timed out)
         else:
             self._scheduler.add(req)
-
-    def _check_request(self, request_id: Any, prompt: Any, params: Any, salt: Any) -> SamplingParams:
-        if self._closed:
-            raise EngineClosedError("the engine is closed; build a new one")
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request {request_id!r} is already in flight")
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, Mapping):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
-        if salt is not None and not isinstance(salt, str):
-            raise InvalidRequestError(f"cache_salt must be a string or None, got {type(salt).__name__}")
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Seq):
-            raise InvalidRequestError("prompt_token_ids must be a list of token ids "
-                                      f"(tokenize text first), got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < self.vocab_size), None)
-        if bad is not None or any(isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError(f"token id {bad!r} is not in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate")
-        blocks = -(-len(prompt) // self._bm.block_size)
-        if blocks > self._bm.pool.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt needs {blocks} KV blocks; the device pool has "
-                f"{self._bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
-        if params.num_seqs > self.engine_config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "
-                f"{self.engine_config.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
-        return params
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         p = req.params
@@ -292,6 +264,7 @@ class LLMEngine:
         # tree: their failures are then filed against nodes that are still where they went.
         # Promotions still running stay so (their requests are loading; the scheduler knows).
         self._drain_kv(loads=False)
+        self._expire()
         if self._remote is not None:   # requests whose remote lookup is done join the queue
             for req in self._remote.admit(self._run_ops, not self._scheduler.has_unfinished()):
                 req.remote_tokens = self._remote.take_remote_tokens(req.request_id)
@@ -310,6 +283,18 @@ class LLMEngine:
         if not self.has_unfinished_requests():
             self._drain_kv()   # idle: the disk tier's files are exactly its blocks
         return outputs
+
+    def _expire(self) -> None:
+        """TTLs are driven lazily, here: at most every ``EXPIRY_PERIOD_S`` under the TTL
+        policy, and when a per-block TTL hint is due under any other."""
+        tree = self.tree
+        now = tree.clock()
+        if now < self._next_expiry:
+            return
+        due = tree.next_expiry()
+        if tree.policy.name == "ttl" or (due is not None and due <= now):
+            self._next_expiry = now + EXPIRY_PERIOD_S
+            self._run_ops(self._bm.expire(now))
 
     def _drain_kv(self, loads: bool = True) -> None:
         drain = getattr(self.kv_mover, "drain", None)
@@ -355,18 +340,57 @@ class LLMEngine:
         for req in reqs.values():
             if req.first_token_time is None:
                 req.first_token_time = now
+                self._prefilled(req)
             idx = [rows[s.seq_id] for s in req.seqs]
             if req.beam is not None:
                 self._beam_step(req, logits[idx])
             else:
                 self._sample_step(req, idx, logits, argmax, logp)
             if not req.seqs:
+                for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
+                    self._inherit_ttl(self._cached_chain(req, seq.token_ids))
                 self._scheduler.remove(req)
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
             elif req.beam is None:
                 outputs.append(self._output(req, finished=False))
         return outputs
+
+    def _prefilled(self, req: Request) -> None:
+        """The prompt is computed: count what it wrote to the cache, apply its cache points."""
+        if not self.cache_config.enable_prefix_caching:
+            return
+        bs, tree = self._bm.block_size, self.tree
+        ids = req.prompt_token_ids
+        nodes = self._cached_chain(req, ids)
+        req.cache_write_tokens = max(0, len(nodes) * bs - req.num_cached_tokens)
+        for p in req.cache_points:
+            k = min(p.position // bs, len(nodes))
+            if k and (p.ttl is not None or p.priority is not None):
+                tree.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
+        self._inherit_ttl(nodes)
+
+    def _cached_chain(self, req: Request, ids: list[int]) -> list[Any]:
+        """The cached nodes of ``ids``' full blocks in ``req``'s namespace (a pure read)."""
+        bs = self._bm.block_size
+        return self.tree.match_tokens(token_bytes(ids), req.namespace.seed, len(ids) // bs)[0]
+
+    def _inherit_ttl(self, nodes: list[Any]) -> None:
+        """Blocks cached below a prefix with a TTL get that TTL unless they have their own: a
+        prefix cannot leave the cache before its descendants (prefix closure), so unmarked
+        blocks under it would otherwise keep an expired prefix alive indefinitely."""
+        tree = self.tree
+        if tree.next_expiry() is None:
+            return   # no TTL hint anywhere: nothing to inherit
+        ttl, groups = None, {}
+        for n in nodes:
+            own = tree.hints(n).ttl
+            if own is not None:
+                ttl = own
+            elif ttl is not None:
+                groups.setdefault(ttl, []).append(n)
+        for t, group in groups.items():
+            tree.set_hints(group, ttl=t)
 
     # ------------------------------------------------------------------ sampling
     def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,
@@ -481,7 +505,7 @@ class LLMEngine:
                 seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
                              req.num_cached_tokens, self._per_tier(req), req.ttft,
-                             req.num_preemptions)
+                             req.num_preemptions, req.cache_write_tokens)
 
     def _per_tier(self, req: Request) -> tuple[int, ...]:
         """``cached_tokens_per_tier`` by ``output_tier_names``: the blocks a remote lookup put
@@ -497,52 +521,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Cache and scheduling figures since construction (see docs/api.md)."""
-        c = self._scheduler.counters
-        tree_stats = self.tree.stats
-        tiers = self.tree.num_tiers
-        stored, slots = self._kv_utilization()
-        return {
-            "prompt_tokens": c.prompt_tokens,
-            "cached_prompt_tokens": c.cached_prompt_tokens,
-            "cached_prompt_tokens_per_tier": list(c.cached_tokens_per_tier),
-            "hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "hit_rate_per_tier": [n / c.prompt_tokens if c.prompt_tokens else 0.0
-                                  for n in c.cached_tokens_per_tier],
-            "prompt_tokens_saved": c.cached_prompt_tokens,
-            "prefill_tokens_computed": c.prefill_tokens,
-            "tokens_computed": c.computed_tokens,
-            "recomputed_tokens": c.recomputed_tokens,
-            "preemptions": c.preemptions,
-            "unschedulable": c.unschedulable, "held_admissions": c.held_admissions,
-            "evictions": list(tree_stats.evicted),
-            "promotions": list(tree_stats.promoted),
-            "demotions": list(tree_stats.demoted_in),
-            "dropped": tree_stats.dropped,
-            "cached_blocks_per_tier": [self.tree.num_resident(t) for t in range(tiers)],
-            "device_blocks": self._bm.pool.num_blocks,
-            "device_blocks_free": self._bm.num_free_blocks,
-            "kv_tokens_stored": stored,
-            "kv_slots_allocated": slots,
-            "kv_utilization": stored / slots if slots else None,
-            "num_running": self._scheduler.num_running_seqs,
-            "num_running_requests": len(self._scheduler.running),
-            "num_waiting": len(self._scheduler.waiting),
-            "steps": c.steps,
-            "forwards": self._num_forwards,
-            **tiering.tier_stats(self),
-        }
-
-    def _kv_utilization(self) -> tuple[int, int]:
-        """(tokens stored, slots allocated) over the blocks live sequences hold; a block shared
-        by forks counts once."""
-        bm, bs = self._bm, self._bm.block_size
-        fill: dict[int, int] = {}
-        for req in self._scheduler.running:
-            for seq in (s for s in req.seqs if s.seq_id in bm):   # staged ones hold nothing
-                n = bm.num_computed_tokens(seq.seq_id)
-                for j, b in enumerate(bm.block_table(seq.seq_id)):
-                    fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))
-        return sum(fill.values()), len(fill) * bs
+        return engine_stats(self)
 
 
 __all__ = ["LLMEngine", "model_fingerprint"]

@@ -78,6 +78,9 @@ class RequestOutput:
         cached_tokens_per_tier: the same split by tier (0 = device, 1 = host, 2 = disk).
         ttft: seconds from ``add_request`` to the first generated token (None before it).
         num_preemptions: times the request was preempted (and recomputed) so far.
+        cache_write_tokens: prompt tokens the request's prefill added to the cache (full blocks
+            that were not cached before it); with ``num_cached_tokens`` (read), what hosted
+            prompt caches report as cache writes and reads. Set once the prompt is computed.
     """
 
     request_id: str
@@ -88,6 +91,12 @@ class RequestOutput:
     cached_tokens_per_tier: tuple[int, ...] = ()
     ttft: float | None = None
     num_preemptions: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def cache_read_tokens(self) -> int:
+        """Prompt tokens read from the cache (= ``num_cached_tokens``)."""
+        return self.num_cached_tokens
 
     @property
     def new_token_ids(self) -> list[list[int]]:

@@ -101,6 +101,8 @@ class Request:
         self.num_cached_tokens = 0
         self.cached_tokens_per_tier: tuple[int, ...] = ()
         self.remote_tokens = 0   # of the cached tokens, those the remote tier supplied
+        self.cache_points: tuple[Any, ...] = ()   # CachePoints applied once prefilled
+        self.cache_write_tokens = 0   # prompt tokens its prefill added to the cache
         self.num_preemptions = 0
         self.beam: Any = None
         self.finished_outputs_sent = False

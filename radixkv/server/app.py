@@ -184,10 +184,17 @@ def _routes(api: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(exc), param="messages") from None
         try:
             ids = await asyncio.to_thread(eng.chat_template.prompt_ids, messages)
+            marks = [m.cache_control for m in req.messages]
+            points = None
+            if any(marks) or req.prompt_cache_retention:
+                points = await asyncio.to_thread(
+                    serving.cache_points, eng.chat_template, messages, marks, len(ids),
+                    req.prompt_cache_retention)
         except TemplateError as exc:   # the model's template refuses these messages
             raise APIError(400, f"the chat template rejected the messages: {exc}",
                            param="messages") from None
-        return await _serve(state, request, req, [ids], chat=True)
+        return await _serve(state, request, req, [ids], chat=True,
+                            points=None if points is None else [points])
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -200,12 +207,18 @@ def _routes(api: FastAPI, state: ServerState) -> None:
             else list(p)
         ids = [await asyncio.to_thread(eng.encode, x) if isinstance(x, str) else list(x)
                for x in prompts]
-        return await _serve(state, request, req, ids, chat=False)
+        points = None
+        if req.prompt_cache_retention:
+            ttl = serving.RETENTION_TTL_S[req.prompt_cache_retention]
+            points = [[{"position": len(x), "ttl": ttl}] for x in ids]
+        return await _serve(state, request, req, ids, chat=False, points=points)
 
 
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
-                 chat: bool) -> Any:
-    """Validate every prompt, then answer with one body or an SSE stream."""
+                 chat: bool, points: list[Any] | None = None) -> Any:
+    """Validate every prompt, then answer with one body or an SSE stream. ``points``: per
+    prompt, its cache points (breakpoints, retention) or None."""
+    points = points or [None] * len(prompts)
     eng = state.engine
     vocab = eng.core.vocab_size
     params = []
@@ -224,11 +237,11 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     state.acquire()
     if req.stream:
         return StreamingResponse(_events(state, req, rid, prompts[0], params[0], salt, timing,
-                                         chat), media_type="text/event-stream")
+                                         chat, points[0]), media_type="text/event-stream")
     try:
         outs = await asyncio.gather(*(
-            _final(state, f"{rid}-{i}", ids, sp, salt, timing, request)
-            for i, (ids, sp) in enumerate(zip(prompts, params))))
+            _final(state, f"{rid}-{i}", ids, sp, salt, timing, request, pts)
+            for i, (ids, sp, pts) in enumerate(zip(prompts, params, points))))
     finally:
         state.release()
     if any(o is None for o in outs):
@@ -264,15 +277,16 @@ def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | N
 
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
-                 timing: serving.Timing, request: Request) -> Any:
+                 timing: serving.Timing, request: Request, points: Any = None) -> Any:
     last = None
-    async for last in serving.run(state, rid, ids, params, salt, timing, request):
+    async for last in serving.run(state, rid, ids, params, salt, timing, request, points):
         pass
     return last if last is not None and last.finished else None
 
 
 async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params: Any,
-                  salt: str | None, timing: serving.Timing, chat: bool) -> Any:
+                  salt: str | None, timing: serving.Timing, chat: bool, points: Any = None
+                  ) -> Any:
     """Server-Sent Events of one request, OpenAI's chunk format."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -307,7 +321,8 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
         if chat:
             yield chunk([choice(i, "", None, role=True) for i in range(req.n)])
         last, done = None, set()
-        async for out in serving.run(state, rid, ids, params, salt, timing):
+        async for out in serving.run(state, rid, ids, params, salt, timing,
+                                     cache_points=points):
             last = out
             if beam and not out.finished:
                 continue   # beams reorder until the end: only the final best n are sent

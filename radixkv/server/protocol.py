@@ -40,6 +40,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     length_penalty: float = 1.0
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     prompt_cache_key: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
@@ -60,11 +62,33 @@ class _SamplingFields(BaseModel):
         return v
 
 
+class CacheControl(BaseModel):
+    """Anthropic-style cache breakpoint on a message: keep the conversation up to and
+    including it for ``ttl`` ("5m" default, "1h", or seconds) after its last use."""
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: Optional[Union[str, float]] = None
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl(cls, v: Any) -> Any:
+        if v is not None:
+            from radixkv.engine.cache_points import parse_ttl
+            from radixkv.errors import InvalidRequestError
+
+            try:
+                parse_ttl(v)
+            except InvalidRequestError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
+    cache_control: Optional[CacheControl] = None
 
     def text(self) -> str:
         """The message's text; OpenAI's list-of-parts form keeps its ``text`` parts."""
@@ -103,4 +127,4 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = ["CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]

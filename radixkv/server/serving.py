@@ -121,6 +121,29 @@ def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None
     return req.logprobs
 
 
+#: ``prompt_cache_retention`` -> the TTL of a cache point at the end of the prompt (OpenAI:
+#: in-memory retention keeps a prefix for minutes of inactivity, "24h" for up to a day).
+RETENTION_TTL_S = {"in_memory": 600.0, "24h": 86400.0}
+
+
+def cache_points(template: Any, messages: list[dict[str, str]], marks: list[Any],
+                 prompt_len: int, retention: str | None) -> list[Any]:
+    """Cache points of a chat request: one at the end of each message that carries
+    ``cache_control`` (its token position in the rendered conversation, TTL from the mark,
+    default 5 minutes as Anthropic's), and one at the end of the prompt for
+    ``prompt_cache_retention``."""
+    from radixkv.engine.cache_points import CachePoint
+
+    points = []
+    for k, mark in enumerate(marks):
+        if mark is not None:
+            pos = len(template.encode(template.render(messages[:k + 1], False)))
+            points.append(CachePoint(max(1, min(pos, prompt_len)), ttl=mark.ttl or "5m"))
+    if retention is not None:
+        points.append(CachePoint(prompt_len, ttl=RETENTION_TTL_S[retention]))
+    return points
+
+
 def chat_logprobs(decode: Any, items: Sequence[Any] | None) -> dict[str, Any] | None:
     """OpenAI's chat ``choice.logprobs`` for ``TokenLogprob`` items (None when not asked)."""
     if items is None:
@@ -153,8 +176,8 @@ def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int
 
 
 async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
-              cache_salt: str | None, timing: Timing, http_request: Any = None
-              ) -> AsyncIterator[Any]:
+              cache_salt: str | None, timing: Timing, http_request: Any = None,
+              cache_points: Any = None) -> AsyncIterator[Any]:
     """Submit one request to the engine loop and yield its outputs until it finishes.
 
     ``http_request``: poll it for a client disconnect while waiting (non-streaming answers; a
@@ -162,7 +185,8 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     aborts the request; a finished request is recorded in the metrics.
     """
     loop = state.engine.loop
-    stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt))
+    stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
+                                               cache_points))
     timing.submitted = time.perf_counter()
     finished = False
     try:
@@ -215,6 +239,8 @@ def usage(outs: Sequence[Any], timing: Timing,
             "cached_tokens_per_tier": dict(zip(tier_names, per_tier)),
             "ttft_s": max(engine_ttft) if engine_ttft else None,
             "server_ttft_s": server_ttft,
+            "cache_read_tokens": cached,
+            "cache_write_tokens": sum(getattr(o, "cache_write_tokens", 0) for o in outs),
             "queue_and_tokenize_s": timing.submitted - timing.arrived,
             "delivery_s": (timing.first_token - timing.engine_first_token)
             if timing.first_token and timing.engine_first_token else None,
@@ -230,5 +256,5 @@ def sse(obj: Any) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
-__all__ = ["sampling_params", "logprobs_asked", "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
+__all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked", "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
            "request_salt"]

@@ -339,6 +339,23 @@ class TreeMachine(RuleBasedStateMachine):
             # nothing unexpired that is unreferenced... and nothing expired left behind
             for t in range(self.num_tiers):
                 assert all(self._key(h)[0] > now for h in self._entries(t))
+        else:
+            # Per-block TTL hints expire under any policy: each hinted primary whose TTL ran
+            # out leaves its tier at most once per call, in (due, hash) order, if eviction
+            # could take it at that moment (an unreferenced leaf of its tier); passes repeat
+            # until one moves nothing (a parent freed by its expired child goes too).
+            moved: set[bytes] = set()
+            progressed = True
+            while progressed:
+                progressed = False
+                due = sorted((n.last_access + n.ttl, h) for h, n in self.m.items()
+                             if n.ttl is not None and n.last_access + n.ttl <= now)
+                for _, h in due:
+                    n = self.m.get(h)
+                    if n is not None and h not in moved and h in self._evictable(n.tier):
+                        self._expect_entry_out(n.tier, h, ops)
+                        moved.add(h)
+                        progressed = True
         assert not ops, f"unexpected moves {ops}"
         self.stale.extend(node for h, node in dropped.items() if h not in self.m)
 

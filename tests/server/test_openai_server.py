@@ -289,6 +289,11 @@ BAD = [
     ({"model": MODEL, "prompt": ""}, "completions", 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, "completions", 400, "echo"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "completions", 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi",
+                                    "cache_control": {"type": "ephemeral", "ttl": "soon"}}]},
+     "chat", 400, "messages"),
+    ({"model": MODEL, "prompt": "hi", "prompt_cache_retention": "forever"}, "completions", 400,
+     "prompt_cache_retention"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "chat", 400, "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
@@ -422,3 +427,24 @@ def test_logprobs_per_token_chat_stream_and_completions(ready: Server) -> None:
                for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     plain = _chat(api, msgs, temperature=0, max_tokens=2)
     assert plain.choices[0].logprobs is None   # not asked, not sent
+
+
+def test_cache_breakpoints_and_cache_read_write_usage(ready: Server) -> None:
+    """``cache_control`` on a message (Anthropic's breakpoint) and ``prompt_cache_retention``
+    (OpenAI's) are accepted; usage reports the tokens each request wrote to and read from the
+    cache (what hosted prompt caches bill separately)."""
+    api = ready.client()
+    system = {"role": "system", "content": "Breakpoint test. " + "Policy text. " * 30,
+              "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    first = _chat(api, [system, {"role": "user", "content": "First question?"}],
+                  temperature=0, max_tokens=2)
+    ext = first.usage.model_extra["radixkv"]
+    assert ext["cache_read_tokens"] == 0 and ext["cache_write_tokens"] > 0
+    second = _chat(api, [system, {"role": "user", "content": "A different question?"}],
+                   temperature=0, max_tokens=2, extra_body={"prompt_cache_retention": "24h"})
+    ext2 = second.usage.model_extra["radixkv"]
+    assert ext2["cache_read_tokens"] == second.usage.prompt_tokens_details.cached_tokens > 0
+    assert ext2["cache_read_tokens"] + ext2["cache_write_tokens"] <= second.usage.prompt_tokens
+    c = api.completions.create(model=MODEL, prompt="Retention " * 40, max_tokens=1,
+                               temperature=0, extra_body={"prompt_cache_retention": "in_memory"})
+    assert c.usage.model_extra["radixkv"]["cache_write_tokens"] > 0

@@ -1,0 +1,92 @@
+"""Cache breakpoints: a request marks the end of a prefix to keep, with a TTL and/or priority.
+
+Hosted prompt caches let a client say which prefix matters and for how long (Anthropic's
+``cache_control: {"type": "ephemeral", "ttl": "1h"}`` on a message, OpenAI's
+``prompt_cache_retention``). Here a :class:`CachePoint` names a token position of the prompt;
+once the request's prompt is computed, the full blocks up to that position get the point's hints
+(``RadixTree.set_hints``): ``ttl`` makes them expire that long after their last use under any
+eviction policy (``LLMEngine`` drives expiry lazily), ``priority`` ranks them under the priority
+policy. Blocks are whole: a point inside a block covers the blocks before it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from radixkv.errors import InvalidRequestError
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_ttl(value: float | int | str) -> float:
+    """Seconds from ``300``, ``"300"``, ``"30s"``, ``"5m"``, ``"1h"`` or ``"1d"``.
+
+    >>> parse_ttl("5m"), parse_ttl("1h"), parse_ttl(90)
+    (300.0, 3600.0, 90.0)
+    """
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"a TTL must be seconds or like '5m'/'1h', got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", value)
+        if m is None:
+            raise InvalidRequestError(f"a TTL must be seconds or like '5m'/'1h', got {value!r}")
+        seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    else:
+        raise InvalidRequestError(f"a TTL must be seconds or like '5m'/'1h', got {value!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidRequestError(f"a TTL must be a positive, finite time, got {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class CachePoint:
+    """Keep the prompt's first ``position`` tokens (whole blocks of them) with these hints.
+
+    ``ttl``: seconds (or ``"5m"``, ``"1h"``) after the last use at which the blocks expire;
+    None keeps the policy's default. ``priority``: an int for the priority policy; None keeps it.
+    """
+
+    position: int
+    ttl: float | str | None = None
+    priority: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.position, int) or isinstance(self.position, bool) \
+                or self.position < 1:
+            raise InvalidRequestError(
+                f"CachePoint.position must be an int >= 1 (a prompt length), got {self.position!r}")
+        if self.ttl is not None:
+            object.__setattr__(self, "ttl", parse_ttl(self.ttl))
+        if self.priority is not None and (not isinstance(self.priority, int)
+                                          or isinstance(self.priority, bool)):
+            raise InvalidRequestError(f"CachePoint.priority must be an int, got {self.priority!r}")
+
+
+def check_points(points: object, prompt_len: int) -> tuple[CachePoint, ...]:
+    """``points`` as a tuple of CachePoints within a prompt of ``prompt_len`` tokens (dicts
+    are accepted: ``{"position": 120, "ttl": "1h"}``)."""
+    if points is None:
+        return ()
+    if isinstance(points, (str, bytes, dict)) or not hasattr(points, "__iter__"):
+        raise InvalidRequestError("cache_points must be a list of CachePoint (or dicts)")
+    out = []
+    for p in points:
+        if isinstance(p, dict):
+            try:
+                p = CachePoint(**p)
+            except TypeError as exc:
+                raise InvalidRequestError(f"bad cache point {p!r}: {exc}") from None
+        if not isinstance(p, CachePoint):
+            raise InvalidRequestError(f"cache_points items must be CachePoint, got {p!r}")
+        if p.position > prompt_len:
+            raise InvalidRequestError(
+                f"cache point at token {p.position} is past the prompt ({prompt_len} tokens)")
+        out.append(p)
+    return tuple(out)
+
+
+__all__ = ["CachePoint", "parse_ttl", "check_points"]

@@ -1,0 +1,59 @@
+"""Validation of ``LLMEngine.add_request``: every check runs before anything changes, so a bad
+request raises a typed error and leaves the engine (and requests in flight) untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence as Seq
+from typing import Any
+
+from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import EngineClosedError, InvalidRequestError
+
+
+def check_request(engine: Any, request_id: Any, prompt: Any, params: Any, salt: Any
+                  ) -> SamplingParams:
+    """Validate one ``add_request`` call against ``engine`` (an ``LLMEngine``) without
+    changing anything; returns the request's ``SamplingParams``. Raises the typed errors the
+API documents (``InvalidRequestError``, ``EngineClosedError``)."""
+    if engine._closed:
+        raise EngineClosedError("the engine is closed; build a new one")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+    if request_id in engine._requests:
+        raise InvalidRequestError(f"request {request_id!r} is already in flight")
+    if params is None:
+        params = SamplingParams()
+    elif isinstance(params, Mapping):
+        params = SamplingParams.from_dict(params)
+    elif not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidRequestError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Seq):
+        raise InvalidRequestError("prompt_token_ids must be a list of token ids "
+                                  f"(tokenize text first), got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise InvalidRequestError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
+                or not 0 <= t < engine.vocab_size), None)
+    if bad is not None or any(isinstance(t, bool) for t in prompt):
+        raise InvalidRequestError(f"token id {bad!r} is not in [0, {engine.vocab_size})")
+    if len(prompt) >= engine.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {engine.max_model_len} "
+            "tokens and at least one must be left to generate")
+    blocks = -(-len(prompt) // engine._bm.block_size)
+    if blocks > engine._bm.pool.num_blocks:
+        raise InvalidRequestError(
+            f"the prompt needs {blocks} KV blocks; the device pool has "
+            f"{engine._bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
+    if params.num_seqs > engine.engine_config.max_num_seqs:
+        raise InvalidRequestError(
+            f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "
+            f"{engine.engine_config.max_num_seqs}")
+    if params.stop and engine.tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+    return params
+
+
+__all__ = ["check_request"]
