@@ -67,9 +67,27 @@ class _EngineCollector:
                       "cache (vllm:prefix_cache_queries).", st["prompt_tokens"])
         yield counter("radixkv_prefix_cache_hits", "Prompt tokens served from the prefix cache, "
                       "all tiers (vllm:prefix_cache_hits).", st["cached_prompt_tokens"])
-        yield per_tier(CounterMetricFamily, "radixkv_prefix_cache_hits_by_tier",
-                       "Prompt tokens served from the prefix cache, by the tier they were in.",
-                       st["cached_prompt_tokens_per_tier"])
+        hits = CounterMetricFamily(
+            "radixkv_prefix_cache_hits_by_tier",
+            "Prompt tokens served from the prefix cache, by the tier they were in (remote: "
+            "looked up in the shared server).", labels=[*names, "tier"])
+        per_hit = list(st["cached_prompt_tokens_per_tier"])
+        remote = st.get("remote")
+        if remote is not None and "host" in tiers:   # remote hits were staged in the host tier
+            h = tiers.index("host")
+            per_hit[h] -= min(per_hit[h], remote["hit_tokens"])
+        for t, v in zip(tiers, per_hit):
+            hits.add_metric([*values, t], float(v))
+        if remote is not None:
+            hits.add_metric([*values, "remote"], float(remote["hit_tokens"]))
+        yield hits
+        if remote is not None:
+            yield counter("radixkv_remote_blocks_written", "Blocks queued to the remote tier.",
+                          remote["blocks_written"])
+            yield counter("radixkv_remote_lookup_timeouts", "Remote lookups abandoned at their "
+                          "deadline (the request was computed).", remote["lookup_timeouts"])
+            yield gauge("radixkv_remote_available", "1 while the remote server answers.",
+                        1.0 if remote["available"] else 0.0)
         yield gauge("radixkv_num_requests_running", "Requests in the running batch.",
                     st["num_running_requests"])
         yield gauge("radixkv_num_requests_waiting", "Requests waiting to be scheduled.",

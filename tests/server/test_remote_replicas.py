@@ -81,3 +81,13 @@ def test_replica_b_is_served_from_what_replica_a_computed(replicas) -> None:
     # and the next turn on B is a device hit there, as on a single server
     rb2 = b.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
     assert rb2.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] > 0
+    # and /metrics tells the remote hits apart from host ones
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = str(b.base_url).rstrip("/").removesuffix("/v1")
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    remote_hits = [s.value for s in fams["radixkv_prefix_cache_hits_by_tier"].samples
+                   if s.labels.get("tier") == "remote"]
+    assert remote_hits and remote_hits[0] == tiers["remote"]
+    assert [s.value for s in fams["radixkv_remote_available"].samples] == [1.0]
