@@ -42,12 +42,14 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.core.hashing import TOKEN_BYTES, token_bytes
 from radixkv.core.node import MoveOp, Node
 from radixkv.core.tree import RadixTree
+from radixkv.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class RemoteCounters:
 
     lookups: int = 0              # requests looked up
     lookup_timeouts: int = 0      # lookups abandoned at their deadline
+    lookup_failures: int = 0      # lookups whose job failed (I/O error): computed instead
     blocks_found: int = 0         # blocks the server had (leading run, verified)
     blocks_installed: int = 0     # of those, placed in the host tier
     blocks_not_installed: int = 0  # no room / parent gone / already cached meanwhile
@@ -172,7 +175,9 @@ class RemoteTier:
             if first.future is not None and not first.future.done():
                 try:
                     first.future.result(max(0.0, first.deadline - time.perf_counter()))
-                except Exception:   # noqa: BLE001 - timeout or failure: handled below
+                except FuturesTimeout:   # past its deadline: abandoned below
+                    pass
+                except (OSError, StorageError):   # the job's failure: logged in _install
                     pass
         now = time.perf_counter()
         ready = []
@@ -195,10 +200,10 @@ class RemoteTier:
             return
         try:
             blocks = a.future.result()
-        except Exception as exc:   # noqa: BLE001 - a failed lookup is a miss, logged and counted
+        except (OSError, StorageError) as exc:   # a failed lookup is a miss, logged, counted
             log.warning("remote lookup failed (%s: %s); computing the request",
                         type(exc).__name__, exc)
-            self.counters.lookup_timeouts += 1
+            self.counters.lookup_failures += 1
             return
         self.counters.lookup_seconds += time.perf_counter() - a.started
         self.counters.blocks_found += len(blocks)
