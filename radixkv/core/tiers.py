@@ -383,6 +383,18 @@ class TierOps:
         for h in self._hints:
             assert h in self._index, f"hints kept for uncached block {h.hex()}"
 
+    def touch(self, node: Node, now: float | None = None) -> None:
+        """Mark ``node`` and its ancestors as used now (their policy keys move, as a hit's
+        would): e.g. the parent of blocks about to be installed below it from the remote tier,
+        so that making room for them does not evict it first. O(depth * log n)."""
+        now = self.clock() if now is None else now
+        n: Node | None = node
+        while n is not None:
+            self._discard(n)
+            n.last_access = now
+            self._consider(n)
+            n = n.parent
+
     def evict_expired(self, now: float | None = None) -> list[MoveOp]:
         """Evict every block whose TTL has run out at ``now``, fastest tier first.
 

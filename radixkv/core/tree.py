@@ -105,12 +105,9 @@ class RadixTree(RequestOps, TierOps):
         self._hints: dict[bytes, NodeHints] = {}
         self._ttl_heap: list[tuple[float, bytes]] = []   # (due, hash) of per-block TTL hints
         self.stats = TreeStats(self.num_tiers)
-        #: Called with each node about to leave the cache altogether (still linked: its
-        #: parent, tokens, tier and slot are readable). The engine's remote tier uses it to
-        #: write back a block dropped from the host tier. Must not touch the tree.
+        #: Listeners (must not touch the tree), for the engine's remote tier: a node about to
+        #: leave the cache (still linked), and each run of computed blocks ``insert_run`` caches.
         self.drop_listener: Callable[[Node], None] | None = None
-        #: Called with the nodes of each run of computed blocks ``insert_run`` caches (write-
-        #: through to the remote tier). Must not touch the tree.
         self.insert_listener: Callable[[list[Node]], None] | None = None
         self.write_through: tuple[int, ...] = tuple(sorted(wt))
         self._wt = self.write_through               # falsy: write-back, no copy bookkeeping
@@ -248,18 +245,6 @@ class RadixTree(RequestOps, TierOps):
             return (node.last_access, node.block_hash)
         return (*self.policy.key(node, self._hints.get(node.block_hash, DEFAULT_HINTS)),
                 node.block_hash)
-
-    def touch(self, node: Node, now: float | None = None) -> None:
-        """Mark ``node`` and its ancestors as used now (their policy keys move, as a hit's
-        would): e.g. the parent of blocks about to be installed below it from the remote tier,
-        so that making room for them does not evict it first. O(depth * log n)."""
-        now = self.clock() if now is None else now
-        n: Node | None = node
-        while n is not None:
-            self._discard(n)
-            n.last_access = now
-            self._consider(n)
-            n = n.parent
 
     def _discard(self, node: Node) -> None:
         """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
