@@ -47,6 +47,8 @@ def _check_count(name: str, value: int | None) -> None:
         raise ConfigError(f"CacheConfig.{name} must be a non-negative int or None, got {value!r}")
 
 
+#: KV storage dtypes: the model's own, or int8 rows with a per-row fp16 scale (kv_quant).
+KV_DTYPES = ("auto", "int8")
 #: Write policies of the remote tier (``CacheConfig.remote_write``).
 REMOTE_WRITE_POLICIES = ("write_back", "write_through", "read_only")
 #: Host-tier blocks added for a remote tier when no host tier is configured: its hits land
@@ -79,6 +81,11 @@ class CacheConfig:
             reads the environment variable ``RADIXKV_KV_SECRET`` (unset: checksums only, which
             catch accidents, not a writer who recomputes them). At least 16 bytes; share it
             between the processes that share ``disk_dir``. Never printed (``repr`` hides it).
+        kv_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: every K/V row is quantized once
+            when written (symmetric, one fp16 scale per token and head stored in the row), so a
+            block takes (head_dim + 2) / (2 head_dim) of its bf16 bytes in every tier, and
+            attention reads it dequantized. Part of the cache namespace: never mixed with
+            blocks of another dtype (engine/kv_quant.py, docs/quantization.md).
         remote_url: a Redis (>= 6) or Valkey server shared by replicas, the slowest tier
             (``redis://host:port/db``, ``rediss://``, ``valkey://``, ``redis+cluster://``);
             None: no remote tier. Blocks leave the host tier for it (write-back) and a new
@@ -109,6 +116,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()
     disk_secret: str | bytes | None = field(default=None, repr=False)
+    kv_dtype: str = "auto"
     remote_url: str | None = field(default=None, repr=False)   # may carry a password
     remote_write: str = "write_back"
     remote_ttl_s: float | None = None
@@ -155,6 +163,9 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.write_through names tier(s) {missing} that are not "
                               "configured (set host_blocks/host_memory, disk_dir + disk_blocks)")
         self._check_remote()
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"CacheConfig.kv_dtype must be one of {KV_DTYPES}, got "
+                              f"{self.kv_dtype!r}")
 
     def _check_remote(self) -> None:
         if self.remote_url is not None:

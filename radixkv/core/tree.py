@@ -342,7 +342,9 @@ class RadixTree(RequestOps, TierOps):
         """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
 
         With ``copy`` the returned MoveOp tells the storage layer to load the bytes; without
-        it the block already holds the same KV (recomputed) and nothing moves ("adoption").
+        it the block already holds the same KV (recomputed) and nothing moves ("adoption"); the
+        old residency's release is then queued as a drop (``take_moves``), so that a disk file
+        does not outlive the tier's claim on it.
         If the node's tier is a write-through tier, its old slot stays as a copy (``keep_src``;
         adoption keeps it too). The parent must already be on the device; with write-through,
         take the queued moves (``take_moves``) first. Runtime complexity: O(log n).
@@ -370,6 +372,8 @@ class RadixTree(RequestOps, TierOps):
         self.stats.promoted[t] += 1
         if not copy:
             self.stats.adopted += 1
+            if not keep:   # the old residency is released: a disk file must go (queued)
+                self._pending.append(MoveOp(node.block_hash, t, old_slot, None, None, False))
             return None
         return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id, keep)
 

@@ -23,7 +23,7 @@ is safe to do from any number of runners (see :func:`register`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -56,6 +56,19 @@ class PagedAttentionContext:
 
     batch: ForwardBatch
     kv_cache: torch.Tensor
+    _scratch: list = field(default_factory=list, repr=False, compare=False)
+
+    def scratch_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids the batch reads, block tables renumbered into them): computed once per
+        forward, shared by every layer (quantized KV only)."""
+        if not self._scratch:
+            tables = self.batch.block_tables.long()
+            used = torch.unique(tables.clamp(min=0))
+            remap = torch.zeros(int(self.kv_cache.shape[2]), dtype=torch.long,
+                                device=tables.device)
+            remap[used] = torch.arange(used.numel(), device=tables.device)
+            self._scratch.extend([used, remap[tables.clamp(min=0)].to(torch.int32)])
+        return self._scratch[0], self._scratch[1]
 
 
 def paged_attention_forward(
@@ -122,6 +135,9 @@ def paged_attention_forward(
     q, k, v = _token_major(query), _token_major(key), _token_major(value)
     k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = ctx.kv_cache[module.layer_idx, 1]
+    if k_cache.dtype == torch.int8:   # quantized KV: write int8 rows, attend over dequantized
+        return _quantized(ctx, kernels, q, k, v, k_cache, v_cache, scaling, sliding_window,
+                          softcap)
     # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
     # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
     # dtypes and devices, but skip re-reading tensor values on every layer.
@@ -141,6 +157,37 @@ def paged_attention_forward(
             q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
             scale=scaling, check=False)
     return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+
+
+def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scaling: float | None, sliding_window: int | None, softcap: float | None
+               ) -> tuple[torch.Tensor, None]:
+    """Attention over an int8 cache (``engine/kv_quant.py``): this step's K/V are quantized as
+    they are written (once), then the blocks the batch reads are dequantized into a compact
+    scratch cache and the ordinary kernels run on it with remapped block tables. The
+    dequantization is a gather the torch path does anyway (it copies each sequence's K/V per
+    layer); Triton kernels that read int8 blocks in place would avoid the scratch copy."""
+    from radixkv.engine.kv_quant import dequantize_rows, write_quantized
+
+    batch = ctx.batch
+    write_quantized(k, v, k_cache, v_cache, batch.slot_mapping)
+    used, tables = ctx.scratch_tables()
+    ks = dequantize_rows(k_cache.index_select(0, used), q.dtype)
+    vs = dequantize_rows(v_cache.index_select(0, used), q.dtype)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    windowed = sliding_window is not None and batch.max_seq_len > sliding_window
+    if windowed or softcap is not None:
+        out = kernels.paged_attention_windowed(
+            q, ks, vs, tables, batch.host_cu_seqlens_q, batch.host_seq_lens, scale,
+            torch.empty_like(q), window=sliding_window if windowed else None, softcap=softcap)
+    elif batch.mode is AttentionMode.DECODE:
+        out = kernels.paged_decode_attention(q, ks, vs, tables, batch.seq_lens, scale=scale,
+                                             check=False)
+    else:
+        out = kernels.paged_prefill_attention(q, ks, vs, tables, batch.cu_seqlens_q,
+                                              batch.seq_lens, scale=scale, check=False)
+    return out.unsqueeze(0), None
 
 
 def _token_major(x: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ class LLMEngine:
         self.engine_config = engine_config
         self.model_id = model_id
         bs = cache_config.block_size
-        layout = model_kv_layout(model, bs)
+        layout = model_kv_layout(model, bs, cache_config.kv_dtype)
         n_dev, n_host, n_disk = cache_config.resolve_blocks(layout.bytes_per_block)
         lower = [n for n in (n_host, n_disk) if n]
         self.layout = layout
@@ -97,7 +97,7 @@ class LLMEngine:
               if t in self.tier_names]
         self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower,
                                        write_through=wt)
-        self._runner = ModelRunner.for_model(model, n_dev, bs)
+        self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
         self.restore_report: dict[str, Any] | None = None
         if kv_mover is None and lower:
             kv_mover = self._tiered_mover(n_host, n_disk, model_id)

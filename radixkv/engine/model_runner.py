@@ -28,15 +28,16 @@ from radixkv.storage.device import DevicePool
 from radixkv.storage.layout import KVLayout
 
 
-def model_kv_layout(model: torch.nn.Module, block_size: int) -> KVLayout:
+def model_kv_layout(model: torch.nn.Module, block_size: int, kv_dtype: str = "auto"
+                    ) -> KVLayout:
     """The single place the runner reads KV geometry: the model's (text) config and dtype.
 
     Delegates to :meth:`KVLayout.from_model_config` (``head_dim`` absent from the config falls
     back to ``hidden_size // num_attention_heads``; ``num_key_value_heads`` absent means no GQA);
     the dtype is the model's parameter dtype, which is what its K/V projections produce.
     """
-    return KVLayout.from_model_config(_text_config(model.config), block_size,
-                                      dtype=next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype if kv_dtype == "auto" else kv_dtype
+    return KVLayout.from_model_config(_text_config(model.config), block_size, dtype=dtype)
 
 
 def sliding_window(config: Any) -> int | None:
@@ -102,14 +103,16 @@ class ModelRunner:
         if tensor.dim() != 6:
             raise ConfigError(f"kv_cache must have 6 dims, got shape {tuple(tensor.shape)}")
         self.model = model
-        self.layout = model_kv_layout(model, int(tensor.shape[3]))
+        quantized = tensor.dtype == torch.int8   # int8 rows + per-row scales (kv_quant)
+        self.layout = model_kv_layout(model, int(tensor.shape[3]),
+                                      "int8" if quantized else "auto")
         self.sliding_window = sliding_window(model.config)
         self.device = param.device
         want = self.layout.cache_shape(int(tensor.shape[2]))
         if tuple(tensor.shape) != want:
             raise ConfigError(f"kv_cache shape {tuple(tensor.shape)} does not fit the model: "
                               f"expected [L, 2, blocks, block_size, Hkv, D] = {want}")
-        if tensor.dtype != param.dtype or tensor.device != param.device:
+        if (tensor.dtype != param.dtype and not quantized) or tensor.device != param.device:
             raise ConfigError(f"kv_cache is {tensor.dtype} on {tensor.device}, the model is "
                               f"{param.dtype} on {param.device}")
         missing = unsupported_features(model.config)
@@ -131,11 +134,13 @@ class ModelRunner:
     # -- construction helpers -------------------------------------------------------------
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> ModelRunner:
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
+                  kv_dtype: str = "auto") -> ModelRunner:
         """Allocate a zeroed :class:`DevicePool` of ``num_blocks`` blocks for ``model`` (its
-        dtype, on its device) and wrap both."""
+        dtype, or ``kv_dtype="int8"``: quantized rows, on its device) and wrap both."""
         param = next(model.parameters())
-        pool = DevicePool(model_kv_layout(model, block_size), num_blocks, device=param.device)
+        pool = DevicePool(model_kv_layout(model, block_size, kv_dtype), num_blocks,
+                          device=param.device)
         return cls(model, pool)
 
     @classmethod

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
+    c.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV block storage: the model's dtype, or int8 with a per-row scale "
+                        "(about half the bytes in every tier)")
     c.add_argument("--remote-url", default=None, metavar="URL",
                    help="remote tier shared by replicas: redis://host:port/db, rediss://, "
                         "valkey://, redis+cluster:// (default: none)")
@@ -88,7 +91,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      host_memory=args.host_memory, disk_dir=args.disk_dir,
                      disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
                      policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
-                     write_through=tuple(args.write_through), remote_url=args.remote_url,
+                     write_through=tuple(args.write_through), kv_dtype=args.kv_dtype,
+                     remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
                      remote_timeout_s=args.remote_timeout)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,

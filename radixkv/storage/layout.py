@@ -36,9 +36,13 @@ from radixkv.errors import ConfigError
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1,   # quantized: rows of head_dim int8 values + a 2-byte fp16 scale (engine/kv_quant)
 }
+#: Dtypes whose rows carry a per-row scale after ``head_dim`` values (``KVLayout.row_dim``).
+QUANTIZED: dict[str, int] = {"int8": 2}
 DTYPE_CODES: dict[str, int] = {
     "float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "float8_e4m3fn": 5, "float8_e5m2": 6,
+    "int8": 7,
 }
 _DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -95,13 +99,19 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def row_dim(self) -> int:
+        """Elements per (token, head) row: ``head_dim``, plus the per-row scale's bytes for a
+        quantized dtype (``int8``: ``head_dim + 2``)."""
+        return self.head_dim + QUANTIZED.get(self.dtype, 0)
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Staging shape of one block: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Staging shape of one block: ``(num_layers, 2, block_size, num_kv_heads, row_dim)``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_dim)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """Device pool shape: ``(num_layers, 2, num_blocks, block_size, kv_heads, head_dim)``."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """Device pool shape: ``(num_layers, 2, num_blocks, block_size, kv_heads, row_dim)``."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_dim)
 
     @property
     def elements_per_block(self) -> int:
@@ -114,7 +124,7 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+        return 2 * self.num_layers * self.num_kv_heads * self.row_dim * self.element_size
 
     @property
     def bytes_per_block(self) -> int:

@@ -243,3 +243,16 @@ def test_failing_disk_writes_degrade_to_misses(hf_llama, tmp_path, monkeypatch):
     assert eng2.stats()["write_failures"] == 0
     eng.close()
     eng2.close()
+
+
+def test_adopting_a_recomputed_disk_block_removes_its_file(hf_llama, tmp_path):
+    """Regression (found in session 4): a block that was on disk and then recomputed on the
+    device (adopted, no load) left its file behind: the files on disk were no longer exactly
+    the disk tier's blocks, and the store's usage grew past the tier. The adoption now queues
+    a drop of the old residency."""
+    eng = make_engine(hf_llama, tmp_path, device=12, host=6, disk=64, prefetch=0,
+                      async_loads=False)
+    convs = [rand_tokens(21, 100 + c) for c in range(4)]
+    for rnd in range(2):
+        serve(eng, [(f"r{rnd}{i}", p) for i, p in enumerate(convs)], max_tokens=8)  # checks
+    assert eng.tree.stats.adopted > 0   # the scenario really adopted blocks

@@ -56,7 +56,8 @@ def test_validation_and_dtype_names():
     with pytest.raises(ConfigError):
         KVLayout(0, 1, 1, 1, "float16")
     with pytest.raises(ConfigError):
-        KVLayout(1, 1, 1, 1, "int8")
+        KVLayout(1, 1, 1, 1, "int4")   # int8 is a KV dtype now (quantized rows, kv_quant)
+    assert KVLayout(2, 1, 8, 4, "int8").block_shape == (2, 2, 4, 1, 10)   # + a 2-byte scale
 
 
 def test_fingerprint_separates_models_layouts_and_salts():
