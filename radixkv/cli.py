@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("radixkv.benchmarks.bench_serve", "main"),
     "numerics": ("radixkv.benchmarks.bench_numerics", "main"),
     "engine": ("radixkv.benchmarks.bench_engine", "main"),
+    "kv-quant": ("radixkv.benchmarks.bench_kv_quant", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),

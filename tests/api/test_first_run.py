@@ -36,6 +36,8 @@ def test_bench_name_help_shows_the_benchmarks_own_flags(capsys):
     assert code == 0 and "--synthetic-only" in text and "``" not in text
     assert cli.main(["bench", "--help"]) == 0
     assert "NAME" in capsys.readouterr().out
+    code, text = _cli(capsys, "bench", "kv-quant", "--help")
+    assert code == 0 and "--tokens" in text and "``" not in text
 
 
 @pytest.mark.parametrize("command", ["demo", "chat"])
