@@ -141,7 +141,7 @@ def test_too_many_tiers() -> None:
 
 
 @bug4("an unknown policy name / bad TTL raise a bare ValueError, not ConfigError")
-@pytest.mark.parametrize("make", [lambda: make_policy("mru"), lambda: TTLPolicy(-1),
+@pytest.mark.parametrize("make", [lambda: make_policy("mfu"), lambda: TTLPolicy(-1),
                                   lambda: TTLPolicy(math.inf),
                                   lambda: BlockManager.create(4, policy="bogus")])
 def test_bad_policy_is_config_error(make) -> None:
@@ -150,8 +150,8 @@ def test_bad_policy_is_config_error(make) -> None:
 
 
 def test_bad_policy_message() -> None:
-    with pytest.raises(ValueError, match=r"choose one of \['lfu', 'lru', 'priority', 'ttl'\]"):
-        make_policy("mru")
+    with pytest.raises(ValueError, match=r"choose one of \['lfu', 'lru', 'mru', 'priority', 'ttl'\]"):
+        make_policy("mfu")
     with pytest.raises(ValueError, match="positive number of seconds"):
         TTLPolicy(0)
 

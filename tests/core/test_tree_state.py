@@ -89,6 +89,8 @@ class TreeMachine(RuleBasedStateMachine):
             return (n.hits, n.last_access, h)
         if self.policy == "priority":
             return (n.priority, n.last_access, h)
+        if self.policy == "mru":
+            return (-n.last_access, h)
         return (n.last_access + (DEFAULT_TTL if n.ttl is None else n.ttl), h)
 
     def _evictable(self, tier: int) -> list[bytes]:
@@ -585,7 +587,7 @@ def _machine(num_tiers: int, policy: str, write_through: tuple[int, ...] = ()):
 
 
 for _t in (1, 2, 3):
-    for _p in ("lru", "lfu", "priority", "ttl"):
+    for _p in ("lru", "lfu", "mru", "priority", "ttl"):
         globals()[f"TestTree{_t}Tier{_p.upper()}"] = _machine(_t, _p)
 # write-through: host (2 tiers), host and disk (3 tiers) with every policy; host only and disk
 # only (3 tiers) with LRU and LFU (where a fresh copy ranks first in line to go)
