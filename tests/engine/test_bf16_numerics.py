@@ -77,5 +77,6 @@ def test_default_dtype_follows_native_bf16(monkeypatch):
     assert config.default_dtype("cpu") == torch.bfloat16
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     assert config.default_dtype("cpu") == torch.float32
+    monkeypatch.undo()   # the real detection, against /proc/cpuinfo
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
     assert config.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)

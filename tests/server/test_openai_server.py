@@ -89,7 +89,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--api-key", KEY_A,
            "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS), "--max-queued",
-           str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1", "--device", "cpu"]
+           str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1", "--device", "cpu",
+           # float32: greedy equality with Engine.generate below (a CPU with native bf16
+           # would default to bf16, whose cached and cold continuations may differ)
+           "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     srv = Server(port, proc)
     try:
@@ -137,7 +140,7 @@ def engine() -> Any:
     try:
         return radixkv.Engine.from_pretrained(
             cache_config=CacheConfig(num_device_blocks=256),
-            engine_config=EngineConfig(device="cpu"))
+            engine_config=EngineConfig(device="cpu", dtype="float32"))
     except radixkv.ConfigError as exc:
         if os.environ.get("CI"):
             raise
