@@ -81,6 +81,23 @@ def as_params(params: ParamsLike) -> SamplingParams:
     return params
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain-text prompt with ``tokenizer`` (its special tokens, e.g. BOS, added);
+    :class:`InvalidRequestError` for what no tokenizer can take. Shared by :meth:`Engine.encode`
+    and the fleet's HTTP process, which tokenizes without an engine."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"expected a str prompt, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:   # a lone surrogate: no tokenizer can take it
+        raise InvalidRequestError(
+            f"the prompt is not valid Unicode text ({exc.reason} at position {exc.start}); "
+            "decode input bytes with errors='replace' first") from None
+    if tokenizer is None:
+        raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
 class Engine:
     """A prefix-caching inference engine over a Hugging Face causal LM.
 
@@ -166,17 +183,7 @@ class Engine:
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (the tokenizer's special tokens, e.g. BOS, added)."""
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"expected a str prompt, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:   # a lone surrogate: no tokenizer can take it
-            raise InvalidRequestError(
-                f"the prompt is not valid Unicode text ({exc.reason} at position {exc.start}); "
-                "decode input bytes with errors='replace' first") from None
-        if self.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+        return encode_text(self.tokenizer, text)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

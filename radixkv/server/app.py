@@ -1,10 +1,10 @@
-"""The FastAPI app: OpenAI-compatible endpoints over one :class:`radixkv.Engine`.
+"""The FastAPI app: OpenAI-compatible endpoints over a :class:`~radixkv.server.backend.Backend`.
 
-Build it with :func:`create_app` from an engine you already have, or from a loader that
-:func:`radixkv.server.cli.main` runs in the background while ``/health`` answers 503. Handlers
-never step the engine: they submit to its loop thread (:mod:`radixkv.api.engine_loop`) and await
-their outputs, so the event loop keeps serving while the batch computes. Tokenization and chat
-templating run in worker threads for the same reason.
+Build it with :func:`create_app` from an engine you already have, from a loader that
+:func:`radixkv.server.cli.main` runs in the background while ``/health`` answers 503, or from a
+backend (the fleet's: :mod:`radixkv.fleet`). Handlers never step an engine: they submit to it and
+await their outputs, so the event loop keeps serving while the batch computes. Tokenization and
+chat templating run in worker threads for the same reason.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixkv.server import serving
+from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -30,11 +31,11 @@ from radixkv.server.tenants import Tenants
 
 
 class ServerState:
-    """What the handlers share: the engine (once loaded), tenants, limits, metrics."""
+    """What the handlers share: the backend (once loaded), tenants, limits, metrics."""
 
     def __init__(self, model_name: str, tenants: Tenants, max_queued: int,
                  default_max_tokens: int | None) -> None:
-        self.engine: Any = None
+        self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
         self.tenants = tenants
@@ -45,7 +46,7 @@ class ServerState:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ admission
-    def ready_engine(self) -> Any:
+    def ready_engine(self) -> Backend:
         if self.engine is None:
             why = f"the model failed to load: {self.load_error}" if self.load_error else \
                 "the model is still loading"
@@ -55,7 +56,7 @@ class ServerState:
     @property
     def capacity(self) -> int:
         """Requests held at once: a full running batch plus ``max_queued`` waiting."""
-        return self.engine.engine_config.max_num_seqs + self.max_queued
+        return self.engine.max_num_seqs + self.max_queued
 
     def acquire(self) -> None:
         if self.in_flight >= self.capacity:
@@ -115,13 +116,18 @@ class _Gate:
 def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                model_name: str | None = None, api_keys: list[str] | None = None,
                max_queued: int = 256, default_max_tokens: int | None = None,
-               salt_secret: str | None = None) -> Any:
-    """The ASGI app serving ``engine`` (or the engine ``load()`` returns, loaded in a thread at
-    start-up; ``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
-    (default: the engine's ``model_id``). Returns the app wrapped in its gate middleware; the
+               salt_secret: str | None = None,
+               extra_metrics: Callable[[], Awaitable[bytes]] | None = None) -> Any:
+    """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
+    :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
+    start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
+    (default: the engine's ``model_id``). ``extra_metrics``: awaited for more Prometheus text appended to
+    ``/metrics`` (the fleet's router). Returns the app wrapped in its gate middleware; the
     FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
+    if engine is not None:
+        engine = _backend(engine)
     name = model_name or (engine.model_id if engine is not None else "radixkv")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens)
@@ -135,25 +141,30 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              daemon=True).start()
         yield
         if state.engine is not None:
-            state.engine.loop.stop(timeout=5)
+            state.engine.close()
 
     api = FastAPI(title="radixkv", lifespan=lifespan)
     install_handlers(api)
-    _routes(api, state)
+    _routes(api, state, extra_metrics)
     gate = _Gate(api, state)
     gate.fastapi, gate.state = api, state  # type: ignore[attr-defined]
     return gate
 
 
+def _backend(engine: Any) -> Backend:
+    return engine if isinstance(engine, Backend) else LocalBackend(engine)
+
+
 def _load(state: ServerState, load: Callable[[], Any]) -> None:
     try:
-        state.engine = load()
+        state.engine = _backend(load())
     except Exception as exc:   # reported by /health and every endpoint (503), and on stderr
         state.load_error = f"{type(exc).__name__}: {exc}"
         print(f"radixkv serve: {state.load_error}", file=sys.stderr, flush=True)
 
 
-def _routes(api: FastAPI, state: ServerState) -> None:
+def _routes(api: FastAPI, state: ServerState,
+            extra_metrics: Callable[[], Awaitable[bytes]] | None = None) -> None:
     @api.get("/health")
     async def health() -> Any:
         state.ready_engine()
@@ -161,17 +172,20 @@ def _routes(api: FastAPI, state: ServerState) -> None:
 
     @api.get("/metrics")
     async def metrics() -> Response:
-        snap: dict = {}
+        snaps: list = []
         if state.engine is not None:
-            snap = await state.engine.loop.acall(state.engine.core.stats)
-        return Response(state.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
+            snaps = await state.engine.snapshots()
+        body = state.metrics.render(snaps)
+        if extra_metrics is not None:
+            body += await extra_metrics()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models() -> Any:
         eng = state.ready_engine()
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "radixkv", "max_model_len": eng.core.max_model_len}]}
+            "owned_by": "radixkv", "max_model_len": eng.max_model_len}]}
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
@@ -220,13 +234,13 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     prompt, its cache points (breakpoints, retention) or None."""
     points = points or [None] * len(prompts)
     eng = state.engine
-    vocab = eng.core.vocab_size
+    vocab = eng.vocab_size
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
-        params.append(serving.sampling_params(req, len(ids), eng.core.max_model_len,
+        params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
                                               state.default_max_tokens))
     if req.stream and len(prompts) > 1:
         raise APIError(400, "stream one prompt per request", param="prompt")
@@ -263,7 +277,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()), "model": state.model_name, "choices": choices,
-        "usage": serving.usage(outs, timing, eng.core.output_tier_names)})
+        "usage": serving.usage(outs, timing, eng.output_tier_names)})
 
 
 def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | None:
@@ -341,7 +355,10 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
             yield serving.sse({"id": rid, "object": kind, "created": created,
                                "model": state.model_name, "choices": [],
                                "usage": serving.usage([last], timing,
-                                                     state.engine.core.output_tier_names)})
+                                                     state.engine.output_tier_names)})
+        yield serving.SSE_DONE
+    except APIError as exc:   # e.g. the fleet replica serving it died after sending tokens
+        yield serving.sse(exc.body())
         yield serving.SSE_DONE
     finally:
         state.release()

@@ -79,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
                    help="wait for disk -> device promotions instead of overlapping them")
+    f = p.add_argument_group("fleet (Ray Serve; needs the cluster extra, see docs/fleet.md)")
+    f.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N engine replicas on Ray Serve behind this endpoint")
+    f.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="deploy onto this Ray cluster (e.g. ray://head:10001 or auto) instead "
+                        "of a local Ray instance")
+    f.add_argument("--ray-cpus", type=int, default=None,
+                   help="CPUs of the local Ray instance (default: this machine's)")
+    f.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica (default 1; also its torch threads "
+                        "unless --threads)")
+    f.add_argument("--router", default="kv", choices=["kv", "pow2"],
+                   help="kv: route by cached prefix and load (default); pow2: Ray Serve's "
+                        "default power-of-two-choices router")
+    f.add_argument("--route-load-tokens", type=int, default=None, metavar="T",
+                   help="prefill tokens one in-flight request is worth when the router "
+                        "weighs a cached prefix against load (default 256)")
     return p
 
 
@@ -162,6 +179,18 @@ def main(argv: list[str] | None = None) -> int:
 
         args.served_model_name = EMBEDDED_NAME
     name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    if args.replicas is not None or args.ray_address:
+        try:
+            from radixkv.fleet.deploy import run as run_fleet
+        except ImportError as exc:
+            print(f"radixkv serve --replicas needs the cluster extra ({exc}): "
+                  "pip install 'radixkv[cluster]'", file=sys.stderr)
+            return 2
+        try:
+            return run_fleet(args, cc, ec, keys, name)
+        except ConfigError as exc:
+            print(f"radixkv serve: {exc}", file=sys.stderr)
+            return 2
     app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret)

@@ -18,7 +18,7 @@ Two sources:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,9 +41,12 @@ class _EngineCollector:
         self.owner = owner
 
     def collect(self) -> Iterator[Any]:
-        st, lab = self.owner.snapshot, self.owner.labels
+        yield from _merged(self._families(extra, st) for extra, st in self.owner.snapshots)
+
+    def _families(self, extra: Mapping[str, str], st: Mapping[str, Any]) -> Iterator[Any]:
         if not st:
             return
+        lab = {**self.owner.labels, **extra}
         names, values = list(lab), list(lab.values())
         tiers = list(st.get("tiers") or TIER_NAMES[:len(st.get("cached_blocks_per_tier", [1]))])
 
@@ -109,13 +112,44 @@ class _EngineCollector:
         return []
 
 
+def _merged(groups: Iterable[Iterable[Any]]) -> list[Any]:
+    """Families of several engines (a fleet's replicas) as one family per name: the text
+    format allows a name once, so the samples of each replica join the first family's."""
+    out: dict[str, Any] = {}
+    for fams in groups:
+        for fam in fams:
+            if fam.name in out:
+                out[fam.name].samples.extend(fam.samples)
+            else:
+                out[fam.name] = fam
+    return list(out.values())
+
+
+class _GenericCollector:
+    """Every number of ``engine.stats()`` as ``radixkv_engine_*``, per engine."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Any]:
+        lab = self.owner.labels
+        yield from _merged(
+            StatsCollector(lambda st=st: st, prefix="radixkv_engine",
+                           labels={**lab, **extra}).collect()
+            for extra, st in self.owner.snapshots if st)
+
+    def describe(self) -> list[Any]:
+        return []
+
+
 class ServerMetrics:
     """All metrics of one server app. ``labels``: constant labels (``model_name``)."""
 
     def __init__(self, model_name: str) -> None:
         self.labels = {"model_name": model_name}
         self.registry = CollectorRegistry(auto_describe=False)
-        self.snapshot: Mapping[str, Any] = {}
+        #: ``(extra labels, engine.stats())`` per engine, set by :meth:`render`.
+        self.snapshots: list[tuple[Mapping[str, str], Mapping[str, Any]]] = []
         names = ["model_name"]
         reg = self.registry
         self.ttft = Histogram("radixkv_time_to_first_token_seconds",
@@ -137,15 +171,18 @@ class ServerMetrics:
                                 "before reaching the engine, by HTTP status.",
                                 [*names, "status"], registry=reg)
         reg.register(_EngineCollector(self))
-        reg.register(StatsCollector(lambda: self.snapshot, prefix="radixkv_engine",
-                                    labels=self.labels))
+        reg.register(_GenericCollector(self))
 
     def label(self) -> dict[str, str]:
         return self.labels
 
-    def render(self, snapshot: Mapping[str, Any]) -> bytes:
-        """The text exposition with ``snapshot`` (``engine.stats()``) as the engine state."""
-        self.snapshot = snapshot
+    def render(self, snapshots: Sequence[tuple[Mapping[str, str], Mapping[str, Any]]]
+               | Mapping[str, Any]) -> bytes:
+        """The text exposition with ``snapshots`` as the engines' state: ``(extra labels,
+        engine.stats())`` per engine, or one ``engine.stats()`` for a single engine."""
+        if isinstance(snapshots, Mapping):
+            snapshots = [({}, snapshots)]
+        self.snapshots = list(snapshots)
         return generate_latest(self.registry)
 
 

@@ -184,9 +184,7 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     streaming response learns of it from its failed writes). Whatever ends the iteration early
     aborts the request; a finished request is recorded in the metrics.
     """
-    loop = state.engine.loop
-    stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
-                                               cache_points))
+    stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points)
     timing.submitted = time.perf_counter()
     finished = False
     try:
@@ -212,8 +210,8 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
                 state.observe_finished(out, timing)
             yield out
     finally:
-        if not finished:   # fire and forget: the loop aborts it between two steps
-            loop.call_future(loop.abort_op(request_id))
+        if not finished:   # fire and forget: the engine aborts it between two steps
+            stream.abort()
             state.metrics.success.labels(state.model_name, "abort").inc()
 
 

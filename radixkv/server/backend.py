@@ -1,0 +1,122 @@
+"""What the HTTP layer needs from whatever computes: one seam for the single server and the fleet.
+
+The routes in :mod:`radixkv.server.app` are written once against :class:`Backend`. The single
+server (``radixkv serve``) uses :class:`LocalBackend`, an :class:`radixkv.Engine` in this
+process; the fleet (:mod:`radixkv.fleet`) implements the same protocol over Ray Serve replicas.
+So both answer with the same routes, fields and errors, and a fix in one is a fix in both.
+
+A backend owns tokenization (the chat template, encode/decode: they run in the HTTP process so
+that a fleet's router can hash a request's blocks before choosing a replica), the model's limits,
+request streams, and the engine statistics that ``/metrics`` renders.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class RequestHandle(abc.ABC):
+    """One submitted request's outputs, consumed by one reader on the event loop."""
+
+    #: ``perf_counter`` when the request was submitted (the engine's TTFT is measured from it).
+    submitted: float
+
+    @abc.abstractmethod
+    async def aget(self) -> Any:
+        """The next ``RequestOutput`` (its last one has ``finished``). Raises the request's
+        error, e.g. :class:`radixkv.server.errors.APIError` when the replica serving it died."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stop the request (fire and forget; called when the client is gone)."""
+
+
+class Backend(abc.ABC):
+    """The compute behind the routes. Attributes are read-only facts of the served model."""
+
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    #: Tier names of ``RequestOutput.cached_tokens_per_tier`` (e.g. device, host, disk, remote).
+    output_tier_names: Sequence[str]
+    #: Requests one engine runs at once (admission holds this many plus ``--max-queued``).
+    max_num_seqs: int
+
+    @property
+    @abc.abstractmethod
+    def chat_template(self) -> Any:
+        """The model's :class:`radixkv.api.chat.ChatTemplate`."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    @abc.abstractmethod
+    async def open(self, request_id: str, prompt_ids: list[int], params: Any,
+                   cache_salt: str | None, cache_points: Any = None) -> RequestHandle:
+        """Submit one validated request; its outputs come from the returned handle."""
+
+    @abc.abstractmethod
+    async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
+        """Engine statistics for ``/metrics``: ``(extra labels, engine.stats())`` per engine
+        (one with no labels for the single server; one per replica, labelled, for a fleet)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (at server shutdown)."""
+
+
+class _LocalHandle(RequestHandle):
+    def __init__(self, loop: Any, stream: Any, request_id: str) -> None:
+        self._loop, self._stream, self._rid = loop, stream, request_id
+        self.submitted = stream.submitted
+
+    async def aget(self) -> Any:
+        return await self._stream.aget()
+
+    def abort(self) -> None:
+        self._loop.call_future(self._loop.abort_op(self._rid))
+
+
+class LocalBackend(Backend):
+    """An :class:`radixkv.Engine` in this process, stepped by its loop thread (handlers never
+    step it: they submit to the loop and await outputs)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        core = engine.core
+        self.model_id = engine.model_id
+        self.vocab_size = core.vocab_size
+        self.max_model_len = core.max_model_len
+        self.output_tier_names = core.output_tier_names
+        self.max_num_seqs = engine.engine_config.max_num_seqs
+
+    @property
+    def chat_template(self) -> Any:
+        return self.engine.chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    async def open(self, request_id: str, prompt_ids: list[int], params: Any,
+                   cache_salt: str | None, cache_points: Any = None) -> RequestHandle:
+        loop = self.engine.loop
+        stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
+                                                   cache_points))
+        return _LocalHandle(loop, stream, request_id)
+
+    async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
+        loop = self.engine.loop
+        return [({}, await loop.acall(self.engine.core.stats))]
+
+    def close(self) -> None:
+        self.engine.loop.stop(timeout=5)
+
+
+__all__ = ["Backend", "LocalBackend", "RequestHandle"]
