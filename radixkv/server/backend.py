@@ -57,8 +57,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
-                   cache_salt: str | None, cache_points: Any = None) -> RequestHandle:
-        """Submit one validated request; its outputs come from the returned handle."""
+                   cache_salt: str | None, cache_points: Any = None,
+                   restartable: bool = False) -> RequestHandle:
+        """Submit one validated request; its outputs come from the returned handle.
+        ``restartable``: nothing of it reaches the client before it finishes (a non-streamed
+        answer), so a backend may run it again from the start after a failure."""
 
     @abc.abstractmethod
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
@@ -105,7 +108,8 @@ class LocalBackend(Backend):
         return self.engine.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
-                   cache_salt: str | None, cache_points: Any = None) -> RequestHandle:
+                   cache_salt: str | None, cache_points: Any = None,
+                   restartable: bool = False) -> RequestHandle:
         loop = self.engine.loop
         stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
                                                    cache_points))

@@ -184,7 +184,9 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     streaming response learns of it from its failed writes). Whatever ends the iteration early
     aborts the request; a finished request is recorded in the metrics.
     """
-    stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points)
+    # a non-streamed answer (http_request given) reaches the client only when finished
+    stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
+                                     restartable=http_request is not None)
     timing.submitted = time.perf_counter()
     finished = False
     try:

@@ -1,0 +1,190 @@
+"""The fleet's HTTP front: the single server's app over a backend that calls replicas.
+
+:class:`FleetIngress` is a Ray Serve ingress deployment whose ASGI app is
+:func:`radixkv.server.app.create_app` (the same routes, fields and errors as ``radixkv serve``)
+built over :class:`FleetBackend`. The backend tokenizes here, hashes the prompt's blocks in the
+engines' namespace (so the router can match them against what each replica caches) and streams
+each request from the engine deployment through a Serve handle whose router is
+:class:`~radixkv.fleet.router.KVAwareRouter` (or Serve's default, for comparison).
+
+Failure: a request whose replica dies is sent again to another replica (the router no longer
+offers the dead one; the prompt is recomputed, or read from the shared remote tier) when nothing
+of it has reached the client: a non-streamed request always, a streamed one until its first
+token. A stream that already sent tokens ends with an ``error`` event (503 ``replica_failed``):
+tokens delivered cannot be taken back, and a second sample would not continue them. Attempts are
+bounded by :data:`FAILOVER_ATTEMPTS`; past them the answer is the same 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from radixkv.server.backend import Backend, RequestHandle
+from radixkv.server.errors import APIError
+
+log = logging.getLogger("radixkv.fleet")
+
+#: Times one request is sent again after its replica died before answering.
+FAILOVER_ATTEMPTS = 2
+
+
+def _replica_failures() -> tuple[type[BaseException], ...]:
+    """Exceptions meaning "the replica is gone", as Ray raises them to a caller."""
+    import ray.exceptions as rex
+
+    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+             "NodeDiedError")
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
+
+
+class _FleetHandle(RequestHandle):
+    """Pumps one request's stream from a replica into a queue; fails over while nothing was
+    delivered."""
+
+    def __init__(self, backend: FleetBackend, args: tuple, route: dict[str, Any],
+                 restartable: bool) -> None:
+        self.submitted = time.perf_counter()
+        self._backend, self._args, self._route = backend, args, route
+        self._restartable = restartable
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        failures = _replica_failures()
+        handle = self._backend.handle.options(stream=True)
+        delivered = False
+        for attempt in range(FAILOVER_ATTEMPTS + 1):
+            try:
+                gen = handle.generate.remote(*self._args, route=self._route)
+                async for out in gen:
+                    delivered = True
+                    self._queue.put_nowait(out)
+                return
+            except asyncio.CancelledError:
+                raise
+            except failures as exc:
+                self._backend.failovers += 1
+                if (delivered and not self._restartable) or attempt == FAILOVER_ATTEMPTS:
+                    log.warning("radixkv fleet: request %s lost its replica (%s)",
+                                self._args[0], type(exc).__name__)
+                    self._queue.put_nowait(APIError(
+                        503, "the replica serving this request failed"
+                        + (" after it had sent tokens" if delivered else "") + "; retry it",
+                        code="replica_failed"))
+                    return
+                log.warning("radixkv fleet: replica failed before answering %s (%s); routing "
+                            "it again", self._args[0], type(exc).__name__)
+            except Exception as exc:   # an engine error: the single server's behaviour
+                self._queue.put_nowait(exc)
+                return
+
+    async def aget(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def abort(self) -> None:
+        self._task.cancel()   # cancels the replica's generator: it aborts the request
+
+
+class FleetBackend(Backend):
+    """:class:`~radixkv.server.backend.Backend` over the engine deployment's handle."""
+
+    def __init__(self, handle: Any, tokenizer: Any, info: Mapping[str, Any], bus: Any) -> None:
+        from radixkv.core.hashing import Namespace
+
+        self.handle, self.tokenizer, self.bus = handle, tokenizer, bus
+        self.model_id = info["model_id"]
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+        self.output_tier_names = list(info["output_tier_names"])
+        self.max_num_seqs = info["max_num_seqs"] * max(1, info.get("num_replicas", 1))
+        self.block_size = info["block_size"]
+        self.hash_prefixes = bool(info.get("prefix_caching", True))
+        self._namespace = Namespace(info["namespace_model"])
+        self._template: Any = None
+        self.failovers = 0
+
+    @property
+    def chat_template(self) -> Any:
+        if self._template is None:
+            from radixkv.api.chat import ChatTemplate
+
+            self._template = ChatTemplate(self.tokenizer)
+        return self._template
+
+    def encode(self, text: str) -> list[int]:
+        from radixkv.api.engine import encode_text
+
+        return encode_text(self.tokenizer, text)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """The chain hashes the engines give this prompt's full blocks."""
+        from radixkv.core.hashing import hash_token_blocks
+
+        if not self.hash_prefixes:
+            return []
+        return hash_token_blocks(prompt_ids, self.block_size,
+                                 self._namespace.with_salt(cache_salt))
+
+    async def open(self, request_id: str, prompt_ids: list[int], params: Any,
+                   cache_salt: str | None, cache_points: Any = None,
+                   restartable: bool = False) -> RequestHandle:
+        route = {"hashes": self.block_hashes(prompt_ids, cache_salt)}
+        return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points),
+                            route, restartable)
+
+    async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
+        if self.bus is None:
+            return []
+        stats = await self.bus.replica_stats.remote()
+        return [({"replica": r}, st) for r, st in sorted(stats.items())]
+
+
+class FleetIngress:
+    """The ingress deployment's class: builds the app once the engines answer (Serve calls
+    ``__serve_build_asgi_app__`` after the constructor, and awaits it)."""
+
+    def __init__(self, engines: Any, options: dict[str, Any]) -> None:
+        self._engines, self._options = engines, options
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        import ray
+
+        from radixkv.fleet.router import RouterStats
+        from radixkv.models import load_tokenizer
+        from radixkv.server.app import create_app
+
+        o = self._options
+        info = dict(await self._engines.info.remote())
+        info["num_replicas"] = o.get("num_replicas", 1)
+        tokenizer = await asyncio.to_thread(load_tokenizer, o.get("model"), o.get("gguf_file"))
+        bus = ray.get_actor(o["bus_name"], namespace=o["bus_namespace"]) \
+            if o.get("bus_name") else None
+        backend = FleetBackend(self._engines, tokenizer, info, bus)
+        self.backend = backend
+
+        async def extra() -> bytes:
+            text = b""
+            if bus is not None and o.get("router") == "kv":
+                text = RouterStats.total(await bus.router_reports.remote()).prometheus()
+            return text + (
+                "# HELP radixkv_fleet_failovers Requests sent again after their replica died.\n"
+                "# TYPE radixkv_fleet_failovers counter\n"
+                f"radixkv_fleet_failovers_total {backend.failovers}\n").encode()
+
+        return create_app(backend, model_name=o.get("model_name") or info["model_id"],
+                          api_keys=o.get("api_keys") or [], max_queued=o.get("max_queued", 256),
+                          default_max_tokens=o.get("default_max_tokens"),
+                          salt_secret=o.get("salt_secret"), extra_metrics=extra)
+
+
+__all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

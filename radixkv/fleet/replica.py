@@ -1,0 +1,147 @@
+"""One engine replica of the fleet: a Ray Serve deployment around a :class:`radixkv.Engine`.
+
+The replica does what ``radixkv serve`` does below HTTP: it owns an engine and its loop thread
+and streams a request's outputs back (``generate``, an async generator Serve streams to the
+caller). HTTP, tokenization and validation happen once, in the ingress
+(:mod:`radixkv.fleet.ingress`), with the single server's code.
+
+It also publishes, every :data:`~radixkv.fleet.events.PUBLISH_PERIOD_S`, the block hashes that
+entered and left its cache, and about once a second its engine stats (for the fleet's
+``/metrics``), to the fleet's :class:`~radixkv.fleet.events.KVEventBus`. Its first batch is a
+reset: a replica starts with an empty cache (or what its own disk tier restored), whatever an
+earlier replica of the same name held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.fleet.events import PUBLISH_PERIOD_S, EventRecorder
+
+log = logging.getLogger("radixkv.fleet")
+
+#: Engine stats are shipped to the bus at most this often (seconds).
+STATS_PERIOD_S = 1.0
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica builds: the model and the engine's configs (plain, picklable)."""
+
+    model: str | None = None
+    gguf_file: str | None = None
+    cache_config: Any = None
+    engine_config: Any = None
+    threads: int | None = None
+    bus_name: str = ""
+    bus_namespace: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineReplica:
+    """The engine deployment's class (Serve instantiates one per replica)."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import ray
+        from ray import serve
+
+        import radixkv
+
+        if spec.threads:
+            import torch
+
+            torch.set_num_threads(spec.threads)
+        t0 = time.perf_counter()
+        self.engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file,
+                                                     spec.cache_config, spec.engine_config)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.load_s = time.perf_counter() - t0
+        self._recorder = EventRecorder(self.engine.core.tree)
+        self._bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \
+            if spec.bus_name else None
+        self._stop = threading.Event()
+        if self._bus is not None:
+            threading.Thread(target=self._publish_loop, name="radixkv-kv-events",
+                             daemon=True).start()
+        log.info("radixkv replica %s ready in %.1f s", self.replica_id, self.load_s)
+
+    # ------------------------------------------------------------------ events
+    def _publish_loop(self) -> None:
+        """Ship events (and now and then stats) to the bus; the first batch resets this
+        replica's entry. A failed publish keeps its events for the next one."""
+        import ray
+
+        reset, pending_add, pending_rm = True, {}, {}
+        next_stats = 0.0
+        while not self._stop.wait(PUBLISH_PERIOD_S):
+            added, removed = self._recorder.drain()
+            for h in added:
+                if pending_rm.pop(h, None) is None:
+                    pending_add[h] = None
+            for h in removed:
+                if pending_add.pop(h, None) is None:
+                    pending_rm[h] = None
+            stats = None
+            now = time.monotonic()
+            if now >= next_stats:
+                next_stats = now + STATS_PERIOD_S
+                stats = self.stats()
+            if not (pending_add or pending_rm or reset or stats):
+                continue
+            try:
+                ray.get(self._bus.publish.remote(self.replica_id, list(pending_add),
+                                                 list(pending_rm), reset, stats), timeout=5)
+            except Exception as exc:   # the bus is restarting: keep the batch, try again
+                log.warning("radixkv replica %s: publishing KV events failed (%s)",
+                            self.replica_id, exc)
+                continue
+            reset, pending_add, pending_rm = False, {}, {}
+
+    # ------------------------------------------------------------------ calls
+    def info(self) -> dict[str, Any]:
+        """Facts the ingress needs to validate and hash requests as this engine does."""
+        eng, core = self.engine, self.engine.core
+        return {"model_id": eng.model_id, "vocab_size": core.vocab_size,
+                "max_model_len": core.max_model_len,
+                "output_tier_names": list(core.output_tier_names),
+                "max_num_seqs": eng.engine_config.max_num_seqs,
+                "block_size": eng.cache_config.block_size,
+                "namespace_model": core.namespace.model,
+                "prefix_caching": eng.cache_config.enable_prefix_caching,
+                "replica_id": self.replica_id, "pid": os.getpid(), "load_s": self.load_s}
+
+    def stats(self) -> dict[str, Any]:
+        st = self.engine.loop.call(self.engine.core.stats)
+        st["replica_pid"] = os.getpid()
+        return st
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: Any,
+                       cache_salt: str | None, cache_points: Any = None,
+                       route: dict[str, Any] | None = None) -> Any:
+        """Stream one request's outputs. ``route`` is for the router only. If the caller
+        goes away (Serve cancels this generator) the request is aborted in the engine."""
+        loop = self.engine.loop
+        stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
+                                                   cache_points))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.aget()
+                finished = bool(out.finished)
+                yield out
+        finally:
+            if not finished:
+                loop.call_future(loop.abort_op(request_id))
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+
+__all__ = ["EngineReplica", "ReplicaSpec"]

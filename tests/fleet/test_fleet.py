@@ -1,0 +1,229 @@
+"""The fleet for real: ``radixkv serve --replicas 2`` on a local Ray instance (2 CPUs), the KV-aware
+router, a real ``redis-server`` as the shared remote tier, driven by the unchanged ``openai``
+client. One fleet for the module (Ray and two model loads take ~30 s); the replica-kill test runs
+last. Deselect locally with ``-m 'not fleet'``; CI runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve")
+pytest.importorskip("redis")
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "storage"))
+from redis_server import RedisServer, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.fleet, pytest.mark.model]
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = ("You are a careful assistant for a test of a serving fleet. Answer briefly and "
+          "stay on topic. ") * 6
+
+
+class Fleet:
+    def __init__(self, port: int, proc: subprocess.Popen, log: Path) -> None:
+        self.port, self.proc, self.log = port, proc, log
+
+    def client(self, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
+                             max_retries=0, timeout=300, **kw)
+
+    def metrics(self) -> dict[tuple[str, str | None], float]:
+        """``(name, replica label or None) -> value`` of the fleet's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[tuple[str, str | None], float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            m = re.match(r'^([a-z_:]+)(\{[^}]*\})?\s+(\S+)$', line)
+            if not m:
+                continue
+            rep = re.search(r'replica="([^"]+)"', m.group(2) or "")
+            labels = m.group(2) or ""
+            if "tier=" in labels and 'tier="device"' not in labels:
+                continue
+            choice = re.search(r'choice="([^"]+)"', labels)
+            name = m.group(1) + (f":{choice.group(1)}" if choice else "")
+            out[(name, rep.group(1) if rep else None)] = float(m.group(3))
+        return out
+
+    def per_replica(self, name: str) -> dict[str, float]:
+        return {r: v for (n, r), v in self.metrics().items() if n == name and r}
+
+
+def _wait_ready(fleet: Fleet, timeout: float = 420) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fleet.proc.poll() is not None:
+            raise RuntimeError(f"fleet exited:\n{fleet.log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"fleet not ready:\n{fleet.log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    port = free_port()
+    log = tmp_path_factory.mktemp("fleet") / "fleet.log"
+    cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),
+           "--ray-cpus", "2", "--replica-cpus", "1", "--device", "cpu", "--dtype", "float32",
+           "--device-blocks", "128", "--max-num-seqs", "4", "--remote-url", redis_srv.url,
+           "--remote-write", "write_through", "--remote-timeout", "5"]
+    with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    f = Fleet(port, proc, log)
+    try:
+        _wait_ready(f)
+        yield f
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever Ray left in the session
+        except ProcessLookupError:
+            pass
+        redis_srv.stop()
+
+
+def _chat(client: Any, msgs: list[dict], **kw: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, **kw)
+
+
+def _eventually(cond: Any, timeout: float = 10) -> None:
+    """Fleet metrics lag by up to a second (stats and router reports are shipped periodically)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.3)
+
+
+def _replica_of(fleet: Fleet, before: dict[str, float], prompt_tokens: int) -> str:
+    """The replica whose prompt-token counter grew by ``prompt_tokens`` (stats lag <= 1 s)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = fleet.per_replica("radixkv_prefix_cache_queries_total")
+        grew = [r for r, v in after.items() if v - before.get(r, 0.0) >= prompt_tokens]
+        if len(grew) == 1:
+            return grew[0]
+        time.sleep(0.3)
+    raise AssertionError(f"no single replica served the request: {before} -> {after}")
+
+
+def test_a_conversation_sticks_to_its_replica_and_reports_cached_tokens(fleet: Fleet) -> None:
+    client = fleet.client()
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Name one primary colour."}]
+    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    r1 = _chat(client, msgs, max_tokens=10)
+    first = _replica_of(fleet, before, r1.usage.prompt_tokens)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And one more?"}]
+    time.sleep(0.3)                                   # the replica's KV events reach the router
+    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    r2 = _chat(client, msgs, max_tokens=10)
+    assert _replica_of(fleet, before, r2.usage.prompt_tokens) == first
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens - 16      # the whole first turn, block-aligned
+    assert r2.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] == cached
+    # the router chose the replica with the whole first turn cached
+    _eventually(lambda: fleet.metrics()[("radixkv_router_hit_tokens_total:chosen", None)]
+                >= cached)
+
+
+def test_two_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
+    client = fleet.client()
+    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def long_one() -> None:
+        try:
+            s = _chat(client, [{"role": "user", "content": "Count slowly from one to fifty."}],
+                      max_tokens=64, stream=True)
+            for _ in s:
+                started.set()
+        except BaseException as exc:   # reported below
+            errors.append(exc)
+            started.set()
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    assert started.wait(120)
+    _chat(client, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
+    t.join(300)
+    assert not errors
+    time.sleep(1.5)
+    after = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    grew = [r for r, v in after.items() if v > before.get(r, 0.0)]
+    assert len(grew) == 2, (before, after)
+
+
+def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
+    client = fleet.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    c = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                                  logprobs=2)
+    assert c.choices[0].text and len(c.choices[0].logprobs.tokens) == 5
+    chunks = list(_chat(client, [{"role": "user", "content": "Say hi."}], max_tokens=6,
+                        stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, [{"role": "user", "content": "x"}], max_tokens=-1)
+
+
+def test_metrics_are_labelled_per_replica_with_the_routers_decisions(fleet: Fleet) -> None:
+    m = fleet.metrics()
+    replicas = {r for (n, r) in m if n == "radixkv_num_requests_running" and r}
+    assert len(replicas) == 2
+    assert m[("radixkv_router_index_replicas", None)] == 2
+    assert m[("radixkv_router_index_blocks", None)] > 0
+    routed = {r for (n, r) in m if n == "radixkv_router_routed_total" and r}
+    assert routed == replicas        # the router's replica ids are the replicas' own
+
+
+def test_killing_a_replica_leaves_the_endpoint_answering_with_remote_hits(fleet: Fleet) -> None:
+    """The replica holding a conversation is killed (SIGKILL): the next turn is served by the
+    survivor, which reads the first turn's blocks from the shared remote tier."""
+    client = fleet.client()
+    msgs = [{"role": "system", "content": SYSTEM + " Mind the failover."},
+            {"role": "user", "content": "Name a planet."}]
+    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    r1 = _chat(client, msgs, max_tokens=8)
+    victim = _replica_of(fleet, before, r1.usage.prompt_tokens)
+    pid = int(fleet.per_replica("radixkv_engine_replica_pid")[victim])
+    os.kill(pid, signal.SIGKILL)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And another planet?"}]
+    r2 = _chat(client, msgs, max_tokens=8)          # fails over if routed to the dead one
+    per_tier = r2.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
+    assert per_tier["remote"] >= r1.usage.prompt_tokens - 32, per_tier
+    assert r2.choices[0].message.content
+    for _ in range(3):                               # and it keeps answering
+        assert _chat(client, [{"role": "user", "content": "ping"}], max_tokens=2).choices
