@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("radixkv.benchmarks.bench_throughput", "main"),
     "async-loads": ("radixkv.benchmarks.bench_async_loads", "main"),
     "serve": ("radixkv.benchmarks.bench_serve", "main"),
+    "fleet": ("radixkv.benchmarks.bench_fleet", "main"),
     "numerics": ("radixkv.benchmarks.bench_numerics", "main"),
     "engine": ("radixkv.benchmarks.bench_engine", "main"),
     "kv-quant": ("radixkv.benchmarks.bench_kv_quant", "main"),
