@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-blocks", type=int, default=96, help="per replica")
     ap.add_argument("--max-seqs", type=int, default=4)
     ap.add_argument("--configs", default="single,pow2,kv,kv+remote")
+    ap.add_argument("--load-tokens", type=int, default=None,
+                    help="the KV router's --route-load-tokens (default: the server's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="6 conversations, 2 turns; temp dir")
     args = ap.parse_args(argv)
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     blocks = str(args.device_blocks)
     fleet = ["--replicas", "2", "--ray-cpus", "2", "--replica-cpus", "1", "--device-blocks",
              blocks]
+    lt = ["--route-load-tokens", str(args.load_tokens)] if args.load_tokens is not None else []
     configs = {
         "single": ["--device-blocks", str(2 * args.device_blocks), "--threads", "1"],
         "pow2": [*fleet, "--router", "pow2"],
-        "kv": [*fleet, "--router", "kv"],
-        "kv+remote": [*fleet, "--router", "kv", "--remote-timeout", "5"],
+        "kv": [*fleet, "--router", "kv", *lt],
+        "kv+remote": [*fleet, "--router", "kv", *lt, "--remote-timeout", "5"],
     }
     rows, runs = [], {}
     for name in args.configs.split(","):

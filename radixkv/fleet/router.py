@@ -42,7 +42,7 @@ from radixkv.fleet.index import PrefixIndex
 log = logging.getLogger("radixkv.fleet")
 
 #: Default prefill tokens one request in flight is worth when weighing cache against load.
-LOAD_TOKENS = 256
+LOAD_TOKENS = 64
 
 
 @dataclass

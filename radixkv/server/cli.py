@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default power-of-two-choices router")
     f.add_argument("--route-load-tokens", type=int, default=None, metavar="T",
                    help="prefill tokens one in-flight request is worth when the router "
-                        "weighs a cached prefix against load (default 256)")
+                        "weighs a cached prefix against load (default 64)")
     return p
 
 
