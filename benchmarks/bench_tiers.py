@@ -51,7 +51,7 @@ from radixkv.storage.device import DevicePool, default_device
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
 
 # SmolLM2-135M (the embedded model) in fp32, 16-token blocks: 720 KiB per block
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")

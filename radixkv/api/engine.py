@@ -359,7 +359,8 @@ class Engine:
         ``policy="ttl"``. Returns the number of blocks hinted (only cached ones can be).
         """
         nodes = self.cached_prefix_nodes(token_ids, cache_salt)
-        self.loop.call(lambda: self.core.tree.set_hints(nodes, priority=priority, ttl=ttl))
+        self.loop.call(lambda: self.core.block_manager.set_hints(nodes, priority=priority,
+                                                               ttl=ttl))
         return len(nodes)
 
     # ------------------------------------------------------------------ apps

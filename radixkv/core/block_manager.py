@@ -132,6 +132,48 @@ class BlockManager:
         Runtime complexity: O(1)."""
         return self.tree.take_moves()
 
+    # ------------------------------------------------------------------ tier plans
+    # The block manager is the only writer of the tree: the tier components (the mover's
+    # fault handling, disk restore and prefetch, the remote tier's installs, the engine's cache
+    # hints) ask it for plans and execute the MoveOps it returns; they only read the tree.
+    def get(self, block_hash: bytes) -> Node | None:
+        """The cached node of ``block_hash`` (read only). Runtime complexity: O(1)."""
+        return self.tree.get(block_hash)
+
+    def install_lower(self, parent: Node | None, block_hash: bytes, tokens: bytes,
+                      tier: int) -> Node | None:
+        """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
+        found at start, a remote block fetched into the host); None if it cannot be placed.
+        Runtime complexity: O(1) (+ the tier's evictions)."""
+        return self.tree.insert_lower(parent, block_hash, tokens, tier)
+
+    def promote_lower(self, node: Node, tier: int) -> list[MoveOp]:
+        """Plan moving ``node`` up into slower tier ``tier`` (a prefetch): its moves."""
+        return self.tree.promote_lower(node, tier)
+
+    def invalidate(self, node: Node) -> list[MoveOp]:
+        """``node`` and its subtree leave the cache (their bytes are bad or lost): the drops
+        to run. Runtime complexity: O(subtree)."""
+        return self.tree.invalidate(node)
+
+    def drop_copy(self, node: Node, tier: int) -> MoveOp | None:
+        """Forget ``node``'s write-through copy in ``tier`` (its write failed)."""
+        return self.tree.drop_copy(node, tier)
+
+    def touch(self, node: Node, now: float | None = None) -> None:
+        """Mark ``node`` used now (so making room next to it does not evict it)."""
+        self.tree.touch(node, now)
+
+    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
+        """Make room: ``num_blocks`` unreferenced blocks leave ``tier`` by the policy's order
+        (demoted when a slower tier exists, else dropped); the moves to run."""
+        return self.tree.evict(tier, num_blocks)
+
+    def set_hints(self, nodes: Sequence[Node], priority: int | None = None,
+                  ttl: float | None = None) -> None:
+        """Eviction hints (priority, TTL) for cached blocks (cache breakpoints)."""
+        self.tree.set_hints(nodes, priority=priority, ttl=ttl)
+
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixkv.engine.tiering import tier_stats
+from radixkv.tiers.mover import TieredKVMover
 
 
 def engine_stats(engine: Any) -> dict[str, Any]:
@@ -60,3 +60,49 @@ def _kv_utilization(engine: Any) -> tuple[int, int]:
 
 
 __all__ = ["engine_stats"]
+
+
+def tier_stats(engine: Any) -> dict[str, Any]:
+    """Per-tier figures: names, capacities, residency; mover traffic and faults."""
+    c = engine.scheduler.counters
+    out: dict[str, Any] = {
+        "tiers": list(engine.tier_names),
+        "tier_capacity_blocks": list(engine.tier_capacity_blocks),
+        "write_through": list(engine.cache_config.write_through),
+        "load_failures": c.load_failures,
+        "load_retries": c.load_retries,
+        "loading_request_steps": c.loading_steps,
+        "load_waits": c.load_waits,
+    }
+    tree = engine.tree
+    if tree.write_through:
+        ts = tree.stats
+        out.update(copies_per_tier=[tree.num_copies(t) if t else 0
+                                    for t in range(tree.num_tiers)],
+                   copies_made=ts.copies_made, copies_skipped=ts.copies_skipped,
+                   copies_dropped=ts.copies_dropped, free_demotions=ts.free_demotions)
+    m = engine.kv_mover.counters()
+    if m is not None:
+        out.update(bytes_moved=m["bytes_moved"], blocks_moved=m["moves"],
+                   write_failures=m["write_failures"],
+                   mover_load_failures=m["load_failures"],
+                   write_failure_drops=m["invalidated_blocks"],
+                   skipped_writes=m["skipped_writes"],
+                   async_batches=m["async_batches"],
+                   async_load_batches=m["async_loads"],
+                   failed_copy_writes=m["dropped_copies"],
+                   prefetched_blocks=m["prefetched_blocks"],
+                   prefetch_hits=m["prefetch_hits"],
+                   prefetch_failures=m["prefetch_failures"])
+    remote = engine.remote_tier
+    if remote is not None:
+        out["remote"] = remote.stats()
+    disk = engine.kv_mover.disk if isinstance(engine.kv_mover, TieredKVMover) else None
+    if disk is not None:
+        d = disk.stats()
+        out["disk"] = {"files": len(disk), "bytes_used": disk.bytes_used,
+                       "corrupt": d.corrupt, "foreign": d.foreign, "forged": d.forged,
+                       "read_errors": d.read_errors, "put_failures": d.put_failures,
+                       "failures_by_errno": dict(d.failures_by_errno),
+                       **(engine.restore_report or {})}
+    return out

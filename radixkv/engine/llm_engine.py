@@ -27,12 +27,12 @@ from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, token_bytes
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
-from radixkv.engine import tiering
+from radixkv.tiers import setup as tiering
 from radixkv.engine.beam_search import BeamSearch
 from radixkv.engine.cache_points import check_points
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.engine_stats import engine_stats
-from radixkv.engine.kv_mover import DeviceOnlyMover, KVMover, run_kv_ops
+from radixkv.tiers.protocol import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
@@ -67,7 +67,7 @@ class LLMEngine:
         kv_mover: a :class:`KVMover`, or a callable ``kv_cache -> KVMover`` (a tiered mover is
             built around the engine's cache tensor); None = :class:`DeviceOnlyMover`, or, when
             ``cache_config`` has host/disk tiers, a
-            :class:`~radixkv.engine.tiered_mover.TieredKVMover` over a ``HostPool`` and a
+            :class:`~radixkv.tiers.mover.TieredKVMover` over a ``HostPool`` and a
             ``DiskStore`` built here (the tree is then rebuilt from the disk tier's files).
     """
 
@@ -105,8 +105,13 @@ class LLMEngine:
             kv_mover = DeviceOnlyMover(self._runner.kv_cache)
         elif not isinstance(kv_mover, KVMover) and callable(kv_mover):
             kv_mover = kv_mover(self._runner.kv_cache)
-        self.kv_mover: KVMover = kv_mover  # type: ignore[assignment]
-        self._remote = tiering.build_remote(self, model_id)   # None without remote_url
+        if not isinstance(kv_mover, KVMover):
+            raise ConfigError(f"kv_mover must be a radixkv.tiers.KVMover (or a callable "
+                              f"returning one), got {type(kv_mover).__name__}")
+        self.kv_mover: KVMover = kv_mover
+        self._remote = tiering.build_remote(   # None without remote_url
+            cache_config, layout, self._bm, kv_mover, self.tier_names,
+            self._runner.kv_cache, model_id)
         #: Names of ``RequestOutput.cached_tokens_per_tier``'s entries: the tree's tiers, then
         #: "remote" when a remote tier is configured.
         self.output_tier_names = self.tier_names + (["remote"] if self._remote else [])
@@ -115,7 +120,7 @@ class LLMEngine:
         limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        loads = tiering.MoverLoads(kv_mover) if getattr(kv_mover, "async_loads", False) else None
+        loads = tiering.MoverLoads(kv_mover) if kv_mover.async_loads else None
         self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
                                     engine_config.max_num_batched_tokens, run_ops=self._run_ops,
                                     loads=loads)
@@ -128,14 +133,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tiers
     def _tiered_mover(self, n_host: int, n_disk: int, model_id: str) -> KVMover:
-        mover, self.restore_report = tiering.build_mover(self, n_host, n_disk, model_id)
+        mover, self.restore_report = tiering.build_mover(
+            self._runner.kv_cache, self.layout, self.cache_config, self._bm,
+            self.engine_config.async_loads, n_host, n_disk, model_id)
         return mover
 
     def _run_ops(self, ops: Seq[Any]) -> list[bytes]:
         """The scheduler's executor: run KV ops now; hashes of failed promotions."""
         run_kv_ops(self.kv_mover, ops)
-        take = getattr(self.kv_mover, "take_failed_loads", None)
-        return take() if take is not None else []
+        return self.kv_mover.take_failed_loads()
 
     def persist(self) -> int:
         """Demote every unreferenced cached block to the slowest tier (disk when configured),
@@ -146,9 +152,9 @@ class LLMEngine:
         if tree.num_tiers == 1:
             return 0  # nowhere slower to go: demoting would drop the cache
         self._drain_kv()   # settle batches in flight before the tree changes
-        moves = tree.evict(0, tree.num_evictable(0))
+        moves = self._bm.evict(0, tree.num_evictable(0))
         for t in range(1, tree.num_tiers - 1):
-            moves += tree.evict(t, tree.num_evictable(t))
+            moves += self._bm.evict(t, tree.num_evictable(t))
         failed = self._run_ops(moves)
         assert not failed, "demotions cannot fail a load"
         self._drain_kv()   # the files are written when this returns
@@ -159,13 +165,16 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        close = getattr(self.kv_mover, "close", None)
-        if close is not None:
-            close()
+        self.kv_mover.close()
         if self._remote is not None:
             self._remote.close()
 
     # ------------------------------------------------------------------ properties
+    @property
+    def remote_tier(self) -> Any:
+        """The remote tier (:class:`radixkv.tiers.remote.RemoteTier`), or None."""
+        return self._remote
+
     @property
     def block_manager(self) -> BlockManager:
         return self._bm
@@ -256,33 +265,48 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; return the outputs of requests that changed."""
+        """One engine step: settle the tiers, schedule, apply the plan, run the model,
+        postprocess. Returns the outputs of requests that changed."""
         if self._closed:
             raise EngineClosedError("the engine is closed; build a new one")
         outputs, self._pending = self._pending, []
-        # Settle last step's write-behind/prefetch batches before the scheduler touches the
-        # tree: their failures are then filed against nodes that are still where they went.
-        # Promotions still running stay so (their requests are loading; the scheduler knows).
+        self._settle_tiers()
+        sched = self._scheduler.schedule()
+        outputs.extend(self._apply_plan(sched))
+        if sched.chunks:
+            logits = self._run(sched)
+            outputs.extend(self._postprocess(sched, logits))
+        self._after_step()
+        return outputs
+
+    def _settle_tiers(self) -> None:
+        """Before the scheduler touches the tree: settle last step's write-behind/prefetch
+        batches (their failures are then filed against nodes that are still where they went;
+        promotions still running stay so, their requests are loading and the scheduler knows),
+        expire TTLs, and queue the requests whose remote lookup is done."""
         self._drain_kv(loads=False)
         self._expire()
-        if self._remote is not None:   # requests whose remote lookup is done join the queue
+        if self._remote is not None:
             for req in self._remote.admit(self._run_ops, not self._scheduler.has_unfinished()):
                 req.remote_tokens = self._remote.take_remote_tokens(req.request_id)
                 self._scheduler.add(req)
-        sched = self._scheduler.schedule()
+
+    def _apply_plan(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Make the schedule so: finish what can never fit, run the KV moves and copies it
+        planned (the mover), start prefetches that overlap the forward."""
+        outputs = []
         for req in sched.unschedulable:
             self._finish_all(req, FINISH_CAPACITY)
             outputs.append(self._output(req, finished=True))
         run_kv_ops(self.kv_mover, sched.kv_ops)
         self._prefetch()   # disk -> host loads for waiting requests, while the forward runs
-        if sched.chunks:
-            logits = self._run(sched)
-            outputs.extend(self._postprocess(sched, logits))
+        return outputs
+
+    def _after_step(self) -> None:
         if self._remote is not None:
             self._remote.after_step()   # write-through of the blocks computed this step
         if not self.has_unfinished_requests():
             self._drain_kv()   # idle: the disk tier's files are exactly its blocks
-        return outputs
 
     def _expire(self) -> None:
         """TTLs are driven lazily, here: at most every ``EXPIRY_PERIOD_S`` under the TTL
@@ -297,15 +321,12 @@ class LLMEngine:
             self._run_ops(self._bm.expire(now))
 
     def _drain_kv(self, loads: bool = True) -> None:
-        drain = getattr(self.kv_mover, "drain", None)
-        if drain is not None:
-            if getattr(self.kv_mover, "async_loads", False):
-                drain(loads=loads)
-            else:
-                drain()
+        # a mover without async loads has no promotion in flight: drain everything
+        self.kv_mover.drain(loads=loads or not self.kv_mover.async_loads)
 
     def _prefetch(self) -> None:
-        tiering.prefetch(self)
+        tiering.prefetch(self._bm, self.kv_mover, self._scheduler.waiting, self.tier_names,
+                         self.tier_capacity_blocks, self.engine_config.prefetch_requests)
 
     def _run(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, bs = self._bm, self._bm.block_size
@@ -360,14 +381,14 @@ class LLMEngine:
         """The prompt is computed: count what it wrote to the cache, apply its cache points."""
         if not self.cache_config.enable_prefix_caching:
             return
-        bs, tree = self._bm.block_size, self.tree
+        bs = self._bm.block_size
         ids = req.prompt_token_ids
         nodes = self._cached_chain(req, ids)
         req.cache_write_tokens = max(0, len(nodes) * bs - req.num_cached_tokens)
         for p in req.cache_points:
             k = min(p.position // bs, len(nodes))
             if k and (p.ttl is not None or p.priority is not None):
-                tree.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
+                self._bm.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
         self._inherit_ttl(nodes)
 
     def _cached_chain(self, req: Request, ids: list[int]) -> list[Any]:
@@ -390,7 +411,7 @@ class LLMEngine:
             elif ttl is not None:
                 groups.setdefault(ttl, []).append(n)
         for t, group in groups.items():
-            tree.set_hints(group, ttl=t)
+            self._bm.set_hints(group, ttl=t)
 
     # ------------------------------------------------------------------ sampling
     def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,

@@ -237,7 +237,7 @@ class Scheduler:
         for h in failed:
             node = tree.get(h)
             if node is not None:
-                out.kv_ops.extend(tree.invalidate(node))
+                out.kv_ops.extend(self.bm.invalidate(node))
         self.counters.load_failures += len(failed)
         self._flush(out)   # drops; a wait they force may report more failed loads
 

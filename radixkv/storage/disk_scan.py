@@ -16,19 +16,38 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
 
 from radixkv.storage.disk_format import HASH_BYTES, BadBlockFile, check_header, check_mac
 
-if TYPE_CHECKING:
-    from radixkv.storage.disk import DiskStore
-
 log = logging.getLogger("radixkv.storage.disk")
 
 SUFFIX = ".kvb"
 BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb\Z")
+
+
+class DiskStore(Protocol):
+    """What the scan uses of :class:`radixkv.storage.disk.DiskStore` (declared here so that
+    this module does not import disk.py, which imports it)."""
+
+    dir: Path
+    scan_threads: int
+    stale_tmp_s: float
+    namespace: bytes
+    layout: Any
+    signer: Any
+    _host: str
+    _header_len: int
+
+    def _reset_index(self, found: list[DiskEntry]) -> None: ...
+
+    def _bad_file(self, path: Path, bad: BadBlockFile, st: os.stat_result | None) -> Any: ...
+
+    def _fail(self, op: str, exc: BaseException) -> Any: ...
+
+    def _decode(self, fd: int, raw: bytes) -> Any: ...
 
 
 class DiskEntry(NamedTuple):

@@ -4,7 +4,7 @@ The tree decides residency and returns ``MoveOp(block_hash, src_tier, src_slot, 
 dst_slot)``; this mover makes the bytes follow, in list order, before anything reads them.
 Tier indices are the tree's: 0 is the device, then the configured lower tiers fastest first
 (host, disk; a disk tier without a host tier is tier 1). Each consecutive run of moves with the
-same direction becomes one batch: a :class:`~radixkv.storage.transfer.TransferEngine` batch
+same direction becomes one batch: a :class:`~radixkv.tiers.transfer.TransferEngine` batch
 (one gather/scatter for device<->host, ``io_threads`` parallel file reads for disk loads), or a
 batch of staged file writes for demotions to disk. A slot vacated by one move may be refilled by
 a later move of the same list, so a run must land before the next one that touches the same
@@ -62,7 +62,7 @@ Faults (the disk is the only tier that fails at run time):
   write was a write-through copy (the node lives in a faster tier), only the copy is dropped.
 
 Device <-> device copies (copy-on-write of a shared tail) run on the cache tensor as in
-:class:`~radixkv.engine.kv_mover.DeviceOnlyMover`.
+:class:`~radixkv.tiers.protocol.DeviceOnlyMover`.
 """
 
 from __future__ import annotations
@@ -70,24 +70,26 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, MoveOp, RadixTree
-from radixkv.engine.kv_mover import DeviceOnlyMover
-from radixkv.engine.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
+from radixkv.tiers.protocol import DeviceOnlyMover, KVMover
+from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
 from radixkv.errors import ConfigError, StorageError
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import (IO_ERRORS, DeviceBlock, DiskBlock, HostSlot, Move,
+                                     TransferEngine)
 
 log = logging.getLogger(__name__)
 
 
-class TieredKVMover:
+class TieredKVMover(KVMover):
     """KVMover over a device cache tensor plus optional host and disk tiers.
 
     Args:
@@ -96,7 +98,7 @@ class TieredKVMover:
         host: the host tier (tree tier 1), or None.
         disk: the disk tier (the last tree tier), or None.
         tree: the radix tree whose moves this mover executes (read for parent hashes and
-            tokens of blocks written to disk; mutated only to invalidate failed writes).
+            tokens of blocks written to disk; read only).
         io_threads: parallel file operations per disk batch.
         async_loads: leave promotions from disk into the device running past
             ``apply_moves``; the caller must not read or free their device blocks before
@@ -111,10 +113,14 @@ class TieredKVMover:
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: HostPool | None,
                  disk: DiskStore | None, tree: RadixTree, io_threads: int = 4,
-                 async_loads: bool = False, async_host_loads: bool = False) -> None:
+                 async_loads: bool = False, async_host_loads: bool = False,
+                 writer: Any = None) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.host, self.disk, self.tree = host, disk, tree
+        # who changes the tree when a move fails (the engine's block manager, the tree's only
+        # writer; unit tests may pass none and let the tree itself take the calls)
+        self._writer = writer if writer is not None else tree
         self.kinds = ["device"] + (["host"] if host is not None else []) \
             + (["disk"] if disk is not None else [])
         if len(self.kinds) != tree.num_tiers:
@@ -137,7 +143,13 @@ class TieredKVMover:
         #: Called with each group of a move list right before it runs, after the groups before
         #: it have landed (the remote tier's write-back reads the host slots of blocks leaving
         #: the host tier: at that moment they hold exactly those blocks).
-        self.before_moves: Callable[[Sequence[MoveOp]], None] | None = None
+        self._observers: list[Callable[[Sequence[MoveOp]], None]] = []
+
+    def add_observer(self, fn: Callable[[Sequence[MoveOp]], None]) -> None:
+        self._observers.append(fn)
+
+    def counters(self) -> dict[str, Any]:
+        return self.stats.as_dict()
 
     def unsafe_host_block(self, block_hash: bytes) -> bool:
         """True while the host copy of ``block_hash`` may not hold its bytes: a prefetch load
@@ -165,8 +177,8 @@ class TieredKVMover:
                 writes.add(dst)
                 j += 1
             self._wait_conflicts(moves[i:j])
-            if self.before_moves is not None:   # earlier groups have landed: slots are exact
-                self.before_moves(moves[i:j])
+            for observe in self._observers:   # earlier groups have landed: slots are exact
+                observe(moves[i:j])
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
@@ -389,7 +401,7 @@ class TieredKVMover:
             loc = locs[i]
             try:
                 good = disk.put(loc.block_hash, loc.parent_hash, loc.token_ids, staged[i])
-            except Exception as e:  # reported per move, like the transfer engine does
+            except IO_ERRORS as e:  # reported per move, like the transfer engine does
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"
 
@@ -466,7 +478,7 @@ class TieredKVMover:
             if node is None:
                 continue
             if node.tier == m.dst_tier and node.slot == m.dst_slot:
-                drops = tree.invalidate(node)
+                drops = self._writer.invalidate(node)
                 self.stats.invalidated_blocks += len(drops)
                 for d in drops:
                     self._prefetched.discard(d.block_hash)
@@ -487,10 +499,10 @@ class TieredKVMover:
                 # a write-through copy: drop just the copy (the node lives on faster up);
                 # otherwise promoted (its load failed too, handled there) or dropped since
                 if tree.copy_slot(node, m.dst_tier) == m.dst_slot:
-                    tree.drop_copy(node, m.dst_tier)
+                    self._writer.drop_copy(node, m.dst_tier)
                     self.stats.dropped_copies += 1
                 continue
-            drops = tree.invalidate(node)
+            drops = self._writer.invalidate(node)
             self.stats.invalidated_blocks += len(drops)
             for d in drops:  # descendants on disk: remove their files
                 if self.kinds[d.src_tier] == "disk" and d.block_hash != m.block_hash:

@@ -14,7 +14,7 @@ from radixkv.core.tree import MoveOp
 from radixkv.errors import ConfigError
 from radixkv.storage.device import DevicePool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import Batch
+from radixkv.tiers.transfer import Batch
 
 
 class _Outcome(NamedTuple):

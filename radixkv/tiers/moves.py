@@ -101,6 +101,7 @@ class TransferStats:
     moves_failed: int = 0
     bytes_moved: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    batch_errors: int = 0   # batches failed by a bug (not an I/O error): logged with traceback
 
     def gbps(self, direction: str) -> float:
         """Achieved GB/s (1e9 bytes/s) of a direction, worker time only."""

@@ -1,23 +1,43 @@
-"""The engine's hook into KV storage: run the block manager's moves and copies on real memory.
+"""The tier protocol: one contract for everything that moves KV blocks between tiers.
 
-The bookkeeping layer decides *what* happens to blocks; a ``KVMover`` makes it so, before the
-forward that depends on it. The engine calls it with operations in the exact order the block
-manager produced them (tier moves of an allocation or append first, then its copy-on-write copy):
+The bookkeeping (block manager, radix tree) decides *what* happens to blocks and returns a plan:
+``MoveOp(block_hash, src_tier, src_slot, dst_tier, dst_slot, keep_src)`` tier moves and
+``CopyOp(src, dst)`` device copies, in the order they must happen. A :class:`KVMover` makes the
+bytes follow. Every mover -- :class:`DeviceOnlyMover` (the device alone), the tiered mover over
+host RAM and disk (:mod:`radixkv.tiers.mover`), and the remote tier
+(:mod:`radixkv.tiers.remote`), which sees every plan first -- implements this one contract:
 
-* ``apply_moves(moves)``: ``MoveOp(block_hash, src_tier, src_slot, dst_tier, dst_slot)``;
-  ``dst_tier None`` means the block left the cache (nothing to copy). Device -> host/disk is a
-  demotion, host/disk -> device a promotion (the device block must hold the bytes on return).
-* ``copy_blocks(copies)``: ``CopyOp(src, dst)`` device block copies (copy-on-write of a shared
-  partial tail after ``fork``).
+**Order.** Ops are applied in list order; a slot vacated by one op may be refilled by a later op
+of the same list, so a mover lands each op before a later one touches the same memory.
 
-``DeviceOnlyMover`` is the mover of an engine without host/disk tiers. A tiered mover (host RAM,
-NVMe) implements the same protocol over ``radixkv.storage``.
+**Ownership during a move.** When ``apply_moves`` returns, every *source* slot it vacated is free
+for reuse (a mover that writes in the background has copied the bytes out first), and every
+*destination* device block holds its bytes -- except promotions a mover with ``async_loads``
+leaves running: their device blocks are named by :meth:`KVMover.inflight_device_blocks` and
+belong to the mover until :meth:`KVMover.poll_loads` / :meth:`KVMover.wait_loads` settles them;
+nothing may read or write them before (the scheduler keeps their requests out of the forward).
+
+**What is asynchronous.** Demotions to slow tiers (disk, remote) and prefetches may complete
+after ``apply_moves`` returns; :meth:`KVMover.drain` settles them (the engine drains every step
+and when idle). Promotions into the device are synchronous unless ``async_loads``.
+
+**What a failed move means.** A failed *load* is a miss, never a wrong block: its hash is
+reported by :meth:`KVMover.take_failed_loads`, the block manager invalidates the node (and its
+subtree) and the request recomputes it. A failed *write* drops the block from the tier it was
+written to (the bookkeeping never claims bytes a tier does not hold). Both are logged and
+counted (:meth:`KVMover.counters`); I/O errors are caught narrowly (``OSError``, :class:`StorageError`, bad
+blocks), a bug is not swallowed.
+
+Observers: a mover may let another component see each group of moves before it runs
+(:meth:`KVMover.add_observer`): the remote tier writes blocks leaving the host back to the shared
+server while their host slots still hold them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,13 +46,58 @@ from radixkv.core.tree import DEVICE, MoveOp
 from radixkv.errors import ConfigError
 
 
-@runtime_checkable
-class KVMover(Protocol):
-    """Executes block moves and copies on the KV memory (see module docstring)."""
+class KVMover(abc.ABC):
+    """Executes the bookkeeping's moves and copies on real memory (see the module docstring).
 
-    def apply_moves(self, moves: Sequence[MoveOp]) -> None: ...
+    Subclasses implement :meth:`apply_moves` and :meth:`copy_blocks`; the other members have the
+    behaviour of a mover whose every move completes inside ``apply_moves`` (no loads in flight,
+    nothing to drain), so the engine calls them on any mover without probing for them.
+    """
 
-    def copy_blocks(self, copies: Sequence[CopyOp]) -> None: ...
+    #: True if promotions into the device may still run when ``apply_moves`` returns.
+    async_loads: bool = False
+
+    @abc.abstractmethod
+    def apply_moves(self, moves: Sequence[MoveOp]) -> None:
+        """Apply tier moves in order (``dst_tier`` None: the block left the cache)."""
+
+    @abc.abstractmethod
+    def copy_blocks(self, copies: Sequence[CopyOp]) -> None:
+        """Device block copies (copy-on-write of a shared partial tail)."""
+
+    def add_observer(self, fn: Callable[[Sequence[MoveOp]], None]) -> None:
+        """Call ``fn(group)`` before each group of moves runs, while source slots still hold
+        their blocks. A mover without lower tiers has no groups worth observing."""
+
+    def poll_loads(self) -> None:
+        """Settle the promotions that finished (non-blocking)."""
+
+    def wait_loads(self) -> None:
+        """Settle every promotion in flight."""
+
+    def inflight_device_blocks(self) -> frozenset[int]:
+        """Device blocks that promotions in flight are still writing."""
+        return frozenset()
+
+    @property
+    def failed_loads(self) -> tuple[bytes, ...]:
+        """Hashes of failed loads not yet taken (read-only view)."""
+        return ()
+
+    def take_failed_loads(self) -> list[bytes]:
+        """Hashes of blocks whose load failed since the last call (each once)."""
+        return []
+
+    def drain(self, loads: bool = True) -> None:
+        """Settle background work (writes, prefetches; promotions too unless ``loads`` is
+        False), filing its failures."""
+
+    def counters(self) -> dict[str, Any] | None:
+        """Traffic and fault counters, or None for a mover that keeps none."""
+        return None
+
+    def close(self) -> None:
+        """Finish background work and release threads and files."""
 
 
 def _copy_blocks_kernel():
@@ -48,7 +113,7 @@ def _copy_blocks_kernel():
     return fn
 
 
-class DeviceOnlyMover:
+class DeviceOnlyMover(KVMover):
     """Mover for a device-only cache: moves can only be drops; copies run on the pool tensor.
 
     Args:

@@ -20,14 +20,15 @@ Read path (a new request):
    into the device like any host hit. A lookup past its deadline is abandoned: the request runs
    without it (recompute), so a slow or dead server costs time, bounded, never correctness.
 
-Write path:
+Write path (the policy objects of :mod:`radixkv.tiers.write_policy` install these hooks):
 
 * ``write_back`` (default): a block leaving the host tier (demoted to disk or dropped) is
-  written. The mover calls :meth:`before_moves` with each move list before running it: the host
+  written. The mover shows :meth:`apply_moves` each group of moves before running it: the host
   slot of such a move still holds the block (unless an earlier move of the same list wrote the
   slot, then it is skipped). Parent hash and tokens of a dropped block come from
-  ``RadixTree.drop_listener`` (the node is unlinked by the time the list runs).
-* ``write_through``: also every block as soon as it is computed (``RadixTree.insert_listener``),
+  ``RadixTree.drop_listener`` (:meth:`on_drop`; the node is unlinked by the time the group runs).
+* ``write_through``: also every block as soon as it is computed (``RadixTree.insert_listener``,
+  :meth:`on_computed`),
   copied off the device after the step, so another replica finds a conversation at once.
 * Writes are queued to the store's writer thread (never blocking the step); a full queue or a
   server that is down drops the write and counts it (a write is only a future hit).
@@ -50,6 +51,8 @@ from radixkv.core.hashing import TOKEN_BYTES, token_bytes
 from radixkv.core.node import MoveOp, Node
 from radixkv.core.tree import RadixTree
 from radixkv.errors import StorageError
+from radixkv.tiers.protocol import KVMover
+from radixkv.tiers.write_policy import WritePolicy, write_policy
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +88,27 @@ class _Arrival:
     started: float = field(default_factory=time.perf_counter)
 
 
-class RemoteTier:
+class RemoteTier(KVMover):
     """The engine's side of a :class:`~radixkv.storage.remote.RemoteStore` (see the module
-    docstring). Every method runs on the engine's loop thread except the lookup jobs."""
+    docstring). Every method runs on the engine's loop thread except the lookup jobs.
+
+    As a :class:`~radixkv.tiers.protocol.KVMover` it moves blocks from the host tier to the
+    server: the tiered mover shows it each group of moves first (``add_observer``), and
+    :meth:`apply_moves` writes back those leaving the host. Its writes are asynchronous (the
+    store's writer thread) and a failed one is a future miss, counted; its reads are the
+    lookups, whose failures are misses."""
 
     def __init__(self, store: Any, tree: RadixTree, host_pool: Any, host_tier: int,
-                 device_cache: Any, block_size: int, write: str, timeout_s: float,
-                 unsafe: Any = None) -> None:
-        """``unsafe(block_hash)``: True for a host block whose slot may not hold its bytes
+                 device_cache: Any, block_size: int, write: str | WritePolicy,
+                 timeout_s: float, mover: Any, unsafe: Any = None, writer: Any = None) -> None:
+        """``write``: the write policy (or its name), attached here to ``tree`` and ``mover``.
+        ``unsafe(block_hash)``: True for a host block whose slot may not hold its bytes
         (a prefetch load in flight or failed, in the mover): never written back."""
         self.store, self.tree, self.host, self.host_tier = store, tree, host_pool, host_tier
+        self._writer = writer if writer is not None else tree   # the block manager
         self._unsafe = unsafe or (lambda h: False)
-        self.block_size, self.write, self.timeout_s = block_size, write, timeout_s
+        self.block_size, self.timeout_s = block_size, timeout_s
+        self.write = write_policy(write)
         self._device_cache = device_cache
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-remote-lookup")
         self._arrivals: dict[str, _Arrival] = {}
@@ -104,10 +116,7 @@ class RemoteTier:
         self._computed: list[Node] = []
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
-        if write != "read_only":
-            tree.drop_listener = self._on_drop
-        if write == "write_through":
-            tree.insert_listener = self._computed.extend
+        self.write.attach(self, tree, mover)
 
     # ------------------------------------------------------------------ read path
     def lookup(self, req: Any) -> None:
@@ -212,13 +221,13 @@ class RemoteTier:
         tree, t = self.tree, self.host_tier
         parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
         if parent is not None:
-            tree.touch(parent)   # making room below must not evict the chain's own parent
+            self._writer.touch(parent)   # making room below must not evict the chain's parent
         # Make room in the host tier by its own eviction (demotions/drops run now, before the
         # slots are written: the tree hands out the freed slots).
         free = self.host.num_slots - tree.num_resident(t) - tree.num_copies(t)
         short = len(blocks) - free
         if short > 0:
-            moves = tree.evict(t, min(short, tree.num_evictable(t)))
+            moves = self._writer.evict(t, min(short, tree.num_evictable(t)))
             if moves:
                 run_ops(moves)
         parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
@@ -230,7 +239,7 @@ class RemoteTier:
         for block, h, tok in zip(blocks, a.hashes, a.tokens):
             if block.block_hash != h or (parent is not None and block.parent_hash != parent.block_hash):
                 break   # the store verified the value against its key; a chain break ends it
-            node = tree.insert_lower(parent, h, tok, t)
+            node = self._writer.install_lower(parent, h, tok, t)
             if node is None:
                 break
             self.host.slot_bytes(node.slot)[:] = block.payload
@@ -249,13 +258,17 @@ class RemoteTier:
         return n
 
     # ------------------------------------------------------------------ write path
-    def _on_drop(self, node: Node) -> None:
+    def on_computed(self, nodes: list[Node]) -> None:
+        """Blocks just committed (write-through: written after the step)."""
+        self._computed.extend(nodes)
+
+    def on_drop(self, node: Node) -> None:
         if node.tier == self.host_tier:
             parent = node.parent
             self._dropped[node.block_hash] = (
                 None if parent is None else parent.block_hash, node.tokens)
 
-    def before_moves(self, moves: Sequence[MoveOp]) -> None:
+    def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         """Write back the blocks leaving the host tier in ``moves``, a group of one direction
         that the mover is about to run (the groups before it have landed, so each source
         slot holds exactly its block)."""
@@ -287,7 +300,7 @@ class RemoteTier:
         if not self._computed:
             return
         nodes = list(self._computed)
-        self._computed.clear()   # in place: the tree's listener is this list's extend
+        self._computed.clear()
         nodes = [n for n in nodes if n.tier == 0 and self.tree.get(n.block_hash) is n]
         if not nodes:
             return
@@ -305,6 +318,12 @@ class RemoteTier:
         ok = sum(queued)
         self.counters.blocks_written += ok
         self.counters.writes_skipped += len(queued) - ok
+
+    def copy_blocks(self, copies: Sequence[Any]) -> None:
+        """Device copies are not the remote tier's business."""
+
+    def counters(self) -> dict[str, Any]:
+        return self.stats()
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> dict[str, Any]:

@@ -43,11 +43,17 @@ from radixkv.storage.buffers import byte_view, torch_dtype
 from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
-from radixkv.storage.moves import (
+from radixkv.tiers.moves import (
     Batch, BatchResult, DeviceBlock, DiskBlock, HostSlot, Location, Move, TransferStats, _key,
 )
 
 log = logging.getLogger(__name__)
+
+#: What an I/O path catches: the OS's errors, the stores' own (``StorageError``), a block that
+#: fails verification, and torch's RuntimeError of a failed device copy. Anything else is a bug
+#: and is not caught here.
+IO_ERRORS: tuple[type[BaseException], ...] = (OSError, StorageError, InvalidBlockError,
+                                              RuntimeError)
 
 
 _STOP = object()
@@ -260,7 +266,7 @@ class TransferEngine:
         with self._cond:
             s = self._stats
             return TransferStats(s.batches, s.moves_ok, s.moves_failed, dict(s.bytes_moved),
-                                 dict(s.seconds))
+                                 dict(s.seconds), s.batch_errors)
 
     def close(self) -> None:
         """Finish queued batches and stop the worker (results stay collectable)."""
@@ -291,8 +297,12 @@ class TransferEngine:
             timing: dict[str, float] = {}
             try:
                 self._execute(batch, ok, errors, timing)
-            except Exception as e:  # a bug must fail the batch, never kill the worker
-                log.exception("transfer batch %d failed", batch.id)
+            except Exception as e:  # noqa: BLE001 -- not an I/O error: a bug. It fails the
+                # batch loudly (traceback logged, every move reported failed, so no block is
+                # served from it) instead of killing the worker and hanging every later batch.
+                log.exception("transfer batch %d failed (a bug, not an I/O error)", batch.id)
+                with self._cond:
+                    self._stats.batch_errors += 1
                 for i, done in enumerate(ok):
                     if not done:
                         errors[i] = f"{type(e).__name__}: {e}"
@@ -338,7 +348,7 @@ class TransferEngine:
                     results = self._copy_group(direction, moves)
                     if self._cuda:
                         self._stream.synchronize()  # done means visible to every stream
-                except Exception as e:
+                except IO_ERRORS as e:
                     log.warning("transfer %s of %d blocks failed: %s", direction, len(idx), e)
                     results = [f"{type(e).__name__}: {e}"] * len(idx)
                 timing[direction] = time.perf_counter() - t0
@@ -394,7 +404,7 @@ class TransferEngine:
             assert isinstance(d, DiskBlock)
             try:
                 good = self.disk.put(d.block_hash, d.parent_hash, d.token_ids, blocks[i])
-            except Exception as e:  # reported per move; the worker must go on
+            except IO_ERRORS as e:  # reported per move; the worker goes on
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"
         return self._spread(one, len(moves))
@@ -405,7 +415,7 @@ class TransferEngine:
             assert isinstance(s, DiskBlock)
             try:
                 good = self.disk.read_into(s.block_hash, outs[i])
-            except Exception as e:
+            except IO_ERRORS as e:   # a miss: reported, counted, the block is recomputed
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk block missing, corrupt or unreadable"
         return self._spread(one, len(moves))

@@ -20,7 +20,7 @@ import torch
 
 from radixkv.core.hashing import token_bytes
 from radixkv.engine.sampling import SamplingParams
-from radixkv.engine.tiered_mover import TieredKVMover
+from radixkv.tiers.mover import TieredKVMover
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiers_helpers import (  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.engine.llm_engine import LLMEngine
-from radixkv.engine.tiered_mover import TieredKVMover
+from radixkv.tiers.mover import TieredKVMover
 
 BS = 4     # tokens per block: small so a short prompt spans many blocks
 GEN = 6    # tokens generated per request

@@ -20,7 +20,7 @@ from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.storage.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="float32")
 N_DEV, N_HOST, HASHES = 4, 4, [bytes([i]) * 16 for i in range(6)]

@@ -13,7 +13,7 @@ from radixkv.errors import ConfigError, InvalidBlockError, StorageError
 from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
-from radixkv.storage.transfer import (DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine)
+from radixkv.tiers.transfer import (DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine)
 
 
 @pytest.fixture
