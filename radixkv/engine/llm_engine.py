@@ -39,6 +39,7 @@ from radixkv.engine.outputs import (
     TokenLogprob,
 )
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
+from radixkv.engine.schedule_types import drive
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
 from radixkv.engine.sequence import Request, Sequence
@@ -121,9 +122,10 @@ class LLMEngine:
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
         loads = tiering.MoverLoads(kv_mover) if kv_mover.async_loads else None
+        self._loads = loads
         self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
-                                    engine_config.max_num_batched_tokens, run_ops=self._run_ops,
-                                    loads=loads)
+                                    engine_config.max_num_batched_tokens, loads=loads,
+                                    immediate=True)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
@@ -249,7 +251,7 @@ class LLMEngine:
             return
         if self._remote is not None:
             self._remote.forget(request_id)
-        self._scheduler.remove(req)
+        drive(self._scheduler.remove_plan(req), self._run_ops, self._loads)
         for seq in req.seqs:
             seq.finish_reason = FINISH_ABORT
             req.done.append(seq)
@@ -271,7 +273,7 @@ class LLMEngine:
             raise EngineClosedError("the engine is closed; build a new one")
         outputs, self._pending = self._pending, []
         self._settle_tiers()
-        sched = self._scheduler.schedule()
+        sched = drive(self._scheduler.plan(), self._run_ops, self._loads)
         outputs.extend(self._apply_plan(sched))
         if sched.chunks:
             logits = self._run(sched)
@@ -370,7 +372,7 @@ class LLMEngine:
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     self._inherit_ttl(self._cached_chain(req, seq.token_ids))
-                self._scheduler.remove(req)
+                drive(self._scheduler.remove_plan(req), self._run_ops, self._loads)
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
             elif req.beam is None:

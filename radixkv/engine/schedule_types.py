@@ -1,19 +1,23 @@
 """The scheduler's small types: what one step computes (``ScheduledChunk``,
-``SchedulerOutput``), its counters, and the two hooks the engine passes in (``RunOps``,
-``Loads``). Kept apart so ``scheduler.py`` holds only the policy; it re-exports them.
+``SchedulerOutput``), its counters, the two executors (``RunOps``, ``Loads``), and the plan
+protocol: the scheduler's step is a generator (``Plan``) that *yields* the KV work it needs done
+before it can decide further (``IORequest``) and receives the failures back; :func:`drive`, run
+by the engine, executes them. Kept apart so ``scheduler.py`` holds only the policy.
 
 Pure Python: imports no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Generator, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import MoveOp
 from radixkv.engine.sequence import Request, Sequence
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,4 +86,41 @@ class Loads(Protocol):
         ...
 
 
-__all__ = ["ScheduledChunk", "SchedulerOutput", "SchedulerCounters", "RunOps", "Loads"]
+@dataclass(frozen=True)
+class IORequest:
+    """What a scheduler plan asks its driver to do, and get back the hashes of failed
+    promotions for: ``run`` the ops now (in order), ``poll`` the loads in flight, ``wait`` for
+    every load in flight."""
+
+    kind: str
+    ops: tuple = ()
+
+
+POLL = IORequest("poll")
+WAIT = IORequest("wait")
+
+#: A scheduler plan: a generator that yields I/O requests, receives each one's failed hashes,
+#: and returns its result (a ``SchedulerOutput`` for a step).
+Plan = Generator[IORequest, Seq[bytes], T]
+
+
+def drive(plan: Plan[T], run_ops: RunOps | None, loads: Loads | None) -> T:
+    """Run ``plan`` to its result, executing each request it yields with ``run_ops`` /
+    ``loads`` (the engine's mover) and sending back the failed hashes. The scheduler itself
+    never executes anything: this loop, owned by its caller, does."""
+    try:
+        req = next(plan)
+        while True:
+            if req.kind == "run":
+                failed = list(run_ops(req.ops)) if run_ops is not None else []
+            elif req.kind == "poll":
+                failed = list(loads.poll()) if loads is not None else []
+            else:
+                failed = list(loads.wait()) if loads is not None else []
+            req = plan.send(failed)
+    except StopIteration as stop:
+        return stop.value
+
+
+__all__ = ["ScheduledChunk", "SchedulerOutput", "SchedulerCounters", "RunOps", "Loads",
+           "IORequest", "Plan", "drive", "POLL", "WAIT"]

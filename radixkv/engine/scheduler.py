@@ -30,14 +30,17 @@ Group rule: all live sequences of a request (n samples, beams) get their logits 
 step, so a request is sampled as a whole; when a group does not fit the budget entirely, each
 sequence advances by at most ``remaining - 1`` tokens.
 
-KV operations (tier moves from allocation/eviction and copy-on-write copies) are returned in the
-order the block manager produced them; the engine runs them before the forward. With a
-``run_ops`` executor (the engine passes one) they run *during* scheduling instead, in the same
-order: the pending ops before each allocation, and each allocation's moves right after it. That
-is what makes a failed promotion safe: when loading a block from a slower tier fails
-(``run_ops`` returns its hash), the request's sequences are freed, the node and its subtree are
+The scheduler decides and does no I/O. Its step is a *plan* (:meth:`Scheduler.plan`, a
+generator): KV operations (tier moves from allocation/eviction and copy-on-write copies) are
+returned in the order the block manager produced them, for the engine to run before the forward;
+with ``immediate`` (the engine's setting) the plan instead *yields* them as it goes -- the
+pending ops before each allocation, and each allocation's moves right after it -- and the
+engine's driver (:func:`radixkv.engine.schedule_types.drive`) runs them with the mover and sends
+back the hashes of failed promotions. That is what makes a failed promotion safe: when loading a
+block from a slower tier fails, the request's sequences are freed, the node and its subtree are
 invalidated, and the request is allocated again (its match now stops before the bad block, so
 it recomputes) -- before any later request of the same step can match and lock that node.
+Waiting for or polling promotions in flight is yielded the same way.
 
 Asynchronous promotions (``loads``, the engine passes one when its mover supports them): a
 promotion into the device is left running, and every request that holds a device block still
@@ -62,7 +65,8 @@ from collections.abc import Sequence as Seq
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.engine.schedule_types import (
-    Loads, RunOps, ScheduledChunk, SchedulerCounters, SchedulerOutput,
+    POLL, WAIT, IORequest, Loads, Plan, RunOps, ScheduledChunk, SchedulerCounters,
+    SchedulerOutput, drive,
 )
 from radixkv.engine.sequence import Request, RequestStatus, Sequence
 from radixkv.engine.shared_prefix import blocks_to_wait_for, share_target
@@ -77,9 +81,13 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, run_ops: RunOps | None = None,
-                 loads: Loads | None = None) -> None:
+                 loads: Loads | None = None, immediate: bool | None = None) -> None:
         self.bm = block_manager
+        # Executors for the convenience drivers schedule()/remove() only; the plans never call
+        # them. ``immediate``: plans yield each allocation's KV ops to be run at once (default:
+        # when an executor is given).
         self.run_ops = run_ops
+        self.immediate = run_ops is not None if immediate is None else immediate
         self.loads = loads
         self.loading: set[str] = set()          # ids of running requests waiting for loads
         self._failed: list[bytes] = []          # failed promotions not yet recovered
@@ -107,22 +115,26 @@ class Scheduler:
         return sum(len(r.seqs) for r in self.running)
 
     def remove(self, req: Request) -> None:
-        """Take a request out of the queues and free its live sequences (finish or abort)."""
+        """Take a request out of the queues and free its live sequences (finish or abort);
+        :meth:`remove_plan` driven by this scheduler's own executors."""
+        drive(self.remove_plan(req), self.run_ops, self.loads)
+
+    def remove_plan(self, req: Request) -> Plan[None]:
         if req in self.running:
             self.running.remove(req)
-            self._free_request(req)
+            yield from self._free_request(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
 
-    def _free_request(self, req: Request) -> None:
+    def _free_request(self, req: Request) -> Plan[None]:
         """Free every live sequence of ``req``; a loading request first waits for its loads
         (their failures are recovered before the next allocation)."""
         self._fresh.discard(req.request_id)
         self._first_tiers.pop(req.request_id, None)
         if req.request_id in self.loading:
             self.loading.discard(req.request_id)
-            self._failed.extend(self.loads.wait())
+            self._failed.extend((yield WAIT))
         self._free_seqs(req)
 
     def _free_seqs(self, req: Request) -> None:
@@ -144,12 +156,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
+        """One step's decisions: :meth:`plan` driven by this scheduler's own executors (the
+        engine drives :meth:`plan` with its mover itself)."""
+        return drive(self.plan(), self.run_ops, self.loads)
+
+    def plan(self) -> Plan[SchedulerOutput]:
+        """The step as a plan: yields the KV work it needs done before deciding further (see
+        :mod:`radixkv.engine.schedule_types`) and returns the ``SchedulerOutput``."""
         out = SchedulerOutput()
         self.counters.steps += 1
         if self.loads is not None:
-            self._settle_loads(out, wait=False)
-        self._reserve_appends(out)
-        self._recover_failed(out)
+            yield from self._settle_loads(out, wait=False)
+        yield from self._reserve_appends(out)
+        yield from self._recover_failed(out)
         for req in self.running:
             for seq in req.seqs:
                 if self._pending(seq):
@@ -157,25 +176,25 @@ class Scheduler:
                     out.kv_ops.extend(s.moves)
                     if s.copy is not None:
                         out.kv_ops.append(s.copy)
-        self._flush(out)
+        yield from self._flush(out)
         if self._staged:
-            self._join_staged(out)
+            yield from self._join_staged(out)
         budget = self.max_num_batched_tokens
         for req in self.running:
             if req.request_id not in self.loading:
                 budget -= self._schedule_tokens(req, budget, out)
         if not out.preempted:
-            budget = self._admit(budget, out)
-        self._flush(out)
+            budget = yield from self._admit(budget, out)
+        yield from self._flush(out)
         if self.loading and not out.chunks:
             # Nothing else to compute: wait for the loads rather than return an empty step.
             self.counters.load_waits += 1
             ready = [r for r in self.running if r.request_id in self.loading]
-            self._settle_loads(out, wait=True)
+            yield from self._settle_loads(out, wait=True)
             for req in ready:
                 if req in self.running and req.request_id not in self.loading:
                     budget -= self._schedule_tokens(req, budget, out)
-            self._flush(out)
+            yield from self._flush(out)
         self.counters.loading_steps += len(self.loading)
         return out
 
@@ -184,11 +203,11 @@ class Scheduler:
         return any(b in blocks for seq in req.seqs if seq.seq_id in bm
                    for b in bm.block_table(seq.seq_id))
 
-    def _settle_loads(self, out: SchedulerOutput, wait: bool) -> None:
+    def _settle_loads(self, out: SchedulerOutput, wait: bool) -> Plan[None]:
         """Settle finished (or, with ``wait``, all) promotions: recover failed ones, then mark
         which running requests still hold a block being written (see the module docstring)."""
-        self._failed.extend(self.loads.wait() if wait else self.loads.poll())
-        self._recover_failed(out)
+        self._failed.extend((yield WAIT if wait else POLL))
+        yield from self._recover_failed(out)
         inflight = self.loads.inflight()
         if not inflight:
             self.loading.clear()
@@ -199,7 +218,7 @@ class Scheduler:
             else:
                 self.loading.discard(req.request_id)
 
-    def _recover_failed(self, out: SchedulerOutput) -> None:
+    def _recover_failed(self, out: SchedulerOutput) -> Plan[None]:
         """Blocks whose promotion failed: free every running request that holds one (back to
         the front of the waiting queue, in order; they recompute from the bad block) and
         invalidate the nodes. Runs before any allocation can match those nodes."""
@@ -218,20 +237,21 @@ class Scheduler:
                 if req.request_id in self._fresh:   # never computed: count it at re-admission
                     self._undo_admission(req)
             self.waiting.extendleft(reversed(holders))
-            self._invalidate(failed, out)
+            yield from self._invalidate(failed, out)
 
-    def _flush(self, out: SchedulerOutput) -> list[bytes]:
-        """Run the pending KV ops now (with an executor). Returns the hashes of failed
-        promotions it learnt of, which are also kept for :meth:`_recover_failed` (a wait forced
-        by a conflict may settle another request's load)."""
-        if self.run_ops is None or not out.kv_ops:
+    def _flush(self, out: SchedulerOutput) -> Plan[list[bytes]]:
+        """Have the pending KV ops run now (when the driver executes during planning: it was
+        given an executor). Returns the hashes of failed promotions it learnt of, which are also
+        kept for :meth:`_recover_failed` (a wait forced by a conflict may settle another
+        request's load)."""
+        if not self.immediate or not out.kv_ops:
             return []
         ops, out.kv_ops = out.kv_ops, []
-        failed = list(self.run_ops(ops))
+        failed = list((yield IORequest("run", tuple(ops))))
         self._failed.extend(failed)
         return failed
 
-    def _invalidate(self, failed: Seq[bytes], out: SchedulerOutput) -> None:
+    def _invalidate(self, failed: Seq[bytes], out: SchedulerOutput) -> Plan[None]:
         """Drop blocks whose promotion failed (and their subtrees) from the cache."""
         tree = self.bm.tree
         for h in failed:
@@ -239,13 +259,13 @@ class Scheduler:
             if node is not None:
                 out.kv_ops.extend(self.bm.invalidate(node))
         self.counters.load_failures += len(failed)
-        self._flush(out)   # drops; a wait they force may report more failed loads
+        yield from self._flush(out)   # drops; a wait they force may report more failed loads
 
     def _pending(self, seq: Sequence) -> bool:
         """An allocated sequence whose last sampled token has no KV slot yet."""
         return seq.seq_id in self.bm and self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
 
-    def _reserve_appends(self, out: SchedulerOutput) -> None:
+    def _reserve_appends(self, out: SchedulerOutput) -> Plan[None]:
         """Preempt newest-first until every running sequence's pending token has a slot."""
         bm = self.bm
         while self.running:
@@ -254,7 +274,7 @@ class Scheduler:
             if need <= bm.num_available_blocks:
                 return
             victim = self.running.pop()
-            self._free_request(victim)
+            yield from self._free_request(victim)
             victim.status = RequestStatus.WAITING
             victim.num_preemptions += 1
             self.counters.preemptions += 1
@@ -304,7 +324,7 @@ class Scheduler:
                 self.counters.recomputed_tokens += min(n, len(seq.token_ids) - 1 - computed)
         return used
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, out: SchedulerOutput) -> Plan[int]:
         """Admit waiting requests FCFS (held ones are skipped, see
         :meth:`_held`); returns the token budget left."""
         num_seqs = sum(r.num_seq_slots for r in self.running)
@@ -319,7 +339,7 @@ class Scheduler:
                 continue
             del self.waiting[i]
             left = len(self.waiting) - i
-            if not self._allocate(req, out):
+            if not (yield from self._allocate(req, out)):
                 if not self.running:
                     # Nothing else holds blocks: this request can never fit the pool.
                     self._unschedulable(req, out)
@@ -360,7 +380,7 @@ class Scheduler:
                     return True
         return False
 
-    def _join_staged(self, out: SchedulerOutput) -> None:
+    def _join_staged(self, out: SchedulerOutput) -> Plan[None]:
         """Allocate the staged sequences of running requests whose leader has computed the
         blocks they share. A request alone in the pool whose followers still do not fit is
         unschedulable; with others running it waits (they finish or are preempted)."""
@@ -374,11 +394,11 @@ class Scheduler:
             if any(share_target(f.token_ids, leader.token_ids, bs) > computed
                    for f in followers):
                 continue
-            got = self._allocate_seqs(req, followers, out)
+            got = yield from self._allocate_seqs(req, followers, out)
             if got is None:
                 if self.running == [req]:
                     self.running.remove(req)
-                    self._free_request(req)
+                    yield from self._free_request(req)
                     self._unschedulable(req, out)
                 continue
             if req not in self.running:
@@ -390,7 +410,7 @@ class Scheduler:
                 self.loading.add(req.request_id)
 
     def _allocate_seqs(self, req: Request, seqs: Seq[Sequence], out: SchedulerOutput
-                       ) -> tuple[list, tuple[int, ...]] | None:
+                       ) -> Plan[tuple[list, tuple[int, ...]] | None]:
         """Allocate ``seqs`` of ``req`` all or none; None when out of blocks (moves of
         evictions are kept). Also returns the per-tier split of the first sequence's match
         at the first attempt.
@@ -398,8 +418,8 @@ class Scheduler:
         With an executor, each allocation's moves run at once; if a promotion failed, the
         sequences are freed, the bad blocks are invalidated and they are allocated again (their
         match now stops before the bad block; see the module docstring)."""
-        self._flush(out)
-        self._recover_failed(out)
+        yield from self._flush(out)
+        yield from self._recover_failed(out)
         first_per_tier: tuple[int, ...] | None = None
         for _attempt in range(_MAX_LOAD_RETRIES):
             done = []
@@ -409,7 +429,7 @@ class Scheduler:
                     a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace)
                     out.kv_ops.extend(a.moves)
                     done.append(a)
-                    failed = self._flush(out)
+                    failed = yield from self._flush(out)
                     if failed:
                         break
             except OutOfBlocks:
@@ -422,21 +442,21 @@ class Scheduler:
                 return done, first_per_tier
             for a in done:
                 self.bm.free(a.seq_id)
-            self._recover_failed(out)   # also other requests' loads a forced wait reported
+            yield from self._recover_failed(out)   # also other requests' loads a wait reported
             self.counters.load_retries += 1
         raise AssertionError(f"{_MAX_LOAD_RETRIES} failed promotions in a row for {req}")
 
-    def _allocate(self, req: Request, out: SchedulerOutput) -> bool:
+    def _allocate(self, req: Request, out: SchedulerOutput) -> Plan[bool]:
         """Allocate every live sequence of ``req`` or none. The first is allocated alone; the
         others too if they share no block with it that is not cached yet, else they are staged
         (allocated by :meth:`_join_staged` once the first has computed those blocks)."""
-        got = self._allocate_seqs(req, req.seqs[:1], out)
+        got = yield from self._allocate_seqs(req, req.seqs[:1], out)
         if got is None:
             return False
         [a], first_per_tier = got
         rest = req.seqs[1:]
         staged = self._to_stage(req, a.num_cached_tokens) if rest else []
-        if rest and not staged and self._allocate_seqs(req, rest, out) is None:
+        if rest and not staged and (yield from self._allocate_seqs(req, rest, out)) is None:
             self.bm.free(a.seq_id)
             return False
         if staged:
