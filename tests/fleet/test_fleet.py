@@ -208,9 +208,10 @@ def test_metrics_are_labelled_per_replica_with_the_routers_decisions(fleet: Flee
     assert routed == replicas        # the router's replica ids are the replicas' own
 
 
-def test_killing_a_replica_leaves_the_endpoint_answering_with_remote_hits(fleet: Fleet) -> None:
-    """The replica holding a conversation is killed (SIGKILL): the next turn is served by the
-    survivor, which reads the first turn's blocks from the shared remote tier."""
+def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet) -> None:
+    """The replica holding a conversation is killed (SIGKILL) while it generates the next turn:
+    the request (not streamed, so nothing reached the client) is sent again to the survivor,
+    which reads the first turn's blocks from the shared remote tier; the endpoint goes on."""
     client = fleet.client()
     msgs = [{"role": "system", "content": SYSTEM + " Mind the failover."},
             {"role": "user", "content": "Name a planet."}]
@@ -218,12 +219,28 @@ def test_killing_a_replica_leaves_the_endpoint_answering_with_remote_hits(fleet:
     r1 = _chat(client, msgs, max_tokens=8)
     victim = _replica_of(fleet, before, r1.usage.prompt_tokens)
     pid = int(fleet.per_replica("radixkv_engine_replica_pid")[victim])
-    os.kill(pid, signal.SIGKILL)
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
-             {"role": "user", "content": "And another planet?"}]
-    r2 = _chat(client, msgs, max_tokens=8)          # fails over if routed to the dead one
+             {"role": "user", "content": "Now describe every planet of the solar system."}]
+    result: dict[str, Any] = {}
+
+    def turn2() -> None:
+        try:
+            result["r"] = _chat(client, msgs, max_tokens=160)
+        except BaseException as exc:   # asserted below
+            result["e"] = exc
+
+    t = threading.Thread(target=turn2)
+    t.start()
+    # the victim is generating it (its stats say so) -- then it dies
+    _eventually(lambda: fleet.per_replica("radixkv_num_requests_running").get(victim, 0) >= 1,
+                timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    t.join(300)
+    assert "e" not in result, result.get("e")
+    r2 = result["r"]
+    assert r2.choices[0].message.content
     per_tier = r2.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
     assert per_tier["remote"] >= r1.usage.prompt_tokens - 32, per_tier
-    assert r2.choices[0].message.content
+    _eventually(lambda: fleet.metrics()[("radixkv_fleet_failovers_total", None)] >= 1)
     for _ in range(3):                               # and it keeps answering
         assert _chat(client, [{"role": "user", "content": "ping"}], max_tokens=2).choices
