@@ -154,3 +154,78 @@ def test_rank_prefers_the_cached_prefix_until_load_outweighs_it() -> None:
     assert order == ["b", "a"] and kind == "cold"
     seen = {rank({"a": 0, "b": 0}, {}, 16, 256)[0][0] for _ in range(50)}
     assert seen == {"a", "b"}                         # ties spread
+
+
+def test_fleet_handle_fails_over_only_what_the_client_has_not_seen() -> None:
+    """A replica dying mid-request: a non-streamed request (restartable) is sent again and
+    completes; a stream that already delivered output ends with a 503 replica_failed."""
+    import asyncio
+
+    import pytest
+
+    pytest.importorskip("ray")
+    from ray.exceptions import ActorDiedError
+
+    from radixkv.fleet.ingress import FleetBackend, _FleetHandle
+    from radixkv.server.errors import APIError
+
+    class Gen:
+        def __init__(self, items: list[Any]) -> None:
+            self.items = items
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> Any:
+            if not self.items:
+                raise StopAsyncIteration
+            item = self.items.pop(0)
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    class Out:
+        def __init__(self, n: int, finished: bool) -> None:
+            self.n, self.finished = n, finished
+
+    class Handle:
+        """First call: one output, then the replica dies; later calls: a whole answer."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def options(self, **_: Any) -> Any:
+            return self
+
+        @property
+        def generate(self) -> Any:
+            return self
+
+        def remote(self, *args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                return Gen([Out(1, False), ActorDiedError()])
+            return Gen([Out(1, False), Out(2, True)])
+
+    backend = FleetBackend.__new__(FleetBackend)
+    backend.failovers = 0
+
+    async def collect(restartable: bool) -> list[Any]:
+        backend.handle = Handle()
+        h = _FleetHandle(backend, ("r", [1, 2], None, None, None), {"hashes": []}, restartable)
+        got = []
+        while True:
+            try:
+                out = await asyncio.wait_for(h.aget(), 5)
+            except APIError as exc:
+                got.append(exc)
+                return got
+            got.append(out)
+            if out.finished:
+                return got
+
+    got = asyncio.run(collect(restartable=True))
+    assert [o.n for o in got] == [1, 1, 2] and got[-1].finished   # the rerun's outputs follow
+    got = asyncio.run(collect(restartable=False))
+    assert got[0].n == 1 and isinstance(got[-1], APIError) and got[-1].code == "replica_failed"
+    assert backend.failovers == 2
