@@ -10,8 +10,8 @@ where Belady keeps at least half of the infinite cache's hit rate (the *target z
 the tables), and never more than 1 point below LRU at any capacity.
 
 Method. Block size 16, device tier only. Capacities: ``n`` points spaced geometrically between
-the largest request + 2 blocks and the smallest capacity at which Belady reaches 0.99 of the
-infinite cache (found by bisection; Belady's hit rate grows with capacity on these traces).
+the largest request + 2 blocks and the smallest capacity at which Belady reaches 0.99 and LRU
+0.95 of the infinite cache (found by bisection; hit rates grow with capacity on these traces).
 Policies: every name in ``radixkv.core.policy.POLICIES``, replayed through the real
 ``BlockManager``/``RadixTree`` (``benchmarks/replay.py``; ``priority`` gets a priority-1 hint on the
 shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use);
@@ -45,7 +45,7 @@ from radixkv.benchmarks.bounds import BlockTrace, infinite, prepare, simulate
 from radixkv.benchmarks.replay import ReplayConfig, replay, system_prefix_tokens
 
 BLOCK_SIZE = 16
-N_CAPACITIES, QUICK_CAPACITIES = 8, 6
+N_CAPACITIES, QUICK_CAPACITIES = 10, 6
 ZONE_FRACTION = 0.5  # Belady >= this x infinite: the capacities where the 0.8 target applies
 TARGET_OF_BELADY = 0.8
 MAX_POINTS_BELOW_LRU = 1.0
@@ -59,23 +59,31 @@ def core_policies() -> list[str]:
     return list(POLICIES)
 
 
-def capacity_grid(bt: BlockTrace, n: int, reach: float = 0.99) -> list[int]:
-    """``n`` capacities (blocks), geometric from the smallest cache to where Belady reaches
-    ``reach`` x the infinite cache's hit rate."""
-    lo = bt.min_capacity + 2
-    target = reach * infinite(bt).hit_rate
-    a, b = lo, max(lo, bt.num_blocks + 2)
-    if simulate(bt, a, "belady").hit_rate >= target:
-        b = a
-    while b - a > max(1, a // 50):  # bisection to 2%
+def reach_capacity(bt: BlockTrace, policy: str, target: float) -> int:
+    """Smallest capacity (to 2%) at which ``policy``'s block-model hit rate reaches ``target``
+    (bisection: the hit rate grows with capacity on these traces)."""
+    a = bt.min_capacity + 2
+    b = max(a, bt.num_blocks + 2)
+    if simulate(bt, a, policy).hit_rate >= target:
+        return a
+    while b - a > max(1, a // 50):
         mid = (a + b) // 2
-        if simulate(bt, mid, "belady").hit_rate >= target:
+        if simulate(bt, mid, policy).hit_rate >= target:
             b = mid
         else:
             a = mid
-    hi = max(b, lo + n)
-    grid = sorted({round(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)})
-    return grid
+    return b
+
+
+def capacity_grid(bt: BlockTrace, n: int) -> list[int]:
+    """``n`` capacities (blocks), geometric from the smallest cache (largest request + 2) to
+    where both Belady reaches 0.99 and LRU 0.95 of the infinite cache's hit rate (so the
+    grid also covers the capacities where LRU has caught up, for the 'never below LRU' part)."""
+    lo = bt.min_capacity + 2
+    inf = infinite(bt).hit_rate
+    hi = max(reach_capacity(bt, "belady", 0.99 * inf), reach_capacity(bt, "lru", 0.95 * inf),
+             lo + n)
+    return sorted({round(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)})
 
 
 def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequence[int] | None,

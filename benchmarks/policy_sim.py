@@ -30,8 +30,9 @@ Candidates (``CANDIDATES``; each is O(log n) per block, as issue 14's budget ask
     expected gap: its own reuse interval (moving average) once it has been reused, else its
     session's last turn gap (the tree knows which leaf a session extends), else the mean turn
     gap, divided by the measured fraction of requests that have a next turn. Evict the farthest
-    predicted next use (Belady with a forecast), but first any block whose session is
-    ``overdue`` (silent for more than 4 expected gaps: the session has most likely ended).
+    predicted next use (Belady with a forecast), but first any block that is ``overdue``
+    (silent for longer than its forecast gap x the median of the observed return delays /
+    forecast, learned online: the session has probably ended), oldest deadline first.
 ``next-use-cost``
     ``next-use`` whose victim is, of the 8 farthest predicted next uses, the one of least
     cost per second of predicted idleness (cost-aware Belady with a forecast).
@@ -326,7 +327,7 @@ class NextUse(SimPolicy):
 
     name = "next-use"
 
-    def __init__(self, quantile: float = 0.9, slack: float = 1.25, alpha: float = 0.5,
+    def __init__(self, quantile: float = 0.5, slack: float = 1.0, alpha: float = 0.5,
                  cost: bool = False, sample: int = 8) -> None:
         self.quantile, self.slack, self.alpha = quantile, slack, alpha
         self.cost, self.sample = cost, sample
@@ -347,7 +348,7 @@ class NextUse(SimPolicy):
         self.ghost: OrderedDict[int, tuple[float, float]] = OrderedDict()  # b -> (last_t, gap)
         self.ghost_cap = sim.capacity
         self.ratios: list[float] = []  # observed gap / forecast gap of returning sessions
-        self.overdue = 4.0  # forecast gaps of silence after which a session counts as ended
+        self.overdue = 2.0  # gaps of silence after which a session has ended (learned)
         self.requests = self.followups = 0
         self.cur_conv = -1
         bs = sim.bt.block_size
@@ -368,7 +369,9 @@ class NextUse(SimPolicy):
 
     def _observe(self, ratio: float) -> None:
         """Learn how late a session may come back: the ``quantile`` of observed gap / forecast
-        (1.0 for a strict round robin, about 2.3 for exponential think times), x ``slack``."""
+        (1.0 for a strict round robin, about 0.7 for exponential think times at the median),
+        x ``slack``. The median beat the 0.9 quantile on every workload but agents (measured:
+        docs/eviction.md): a session is written off early, and LRU order takes over."""
         r = self.ratios
         r.append(ratio)
         if len(r) >= 64 and len(r) % 32 == 0:
