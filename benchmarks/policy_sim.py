@@ -36,8 +36,16 @@ Candidates (``CANDIDATES``; each is O(log n) per block, as issue 14's budget ask
 ``next-use-cost``
     ``next-use`` whose victim is, of the 8 farthest predicted next uses, the one of least
     cost per second of predicted idleness (cost-aware Belady with a forecast).
+``duel-...``
+    Set dueling: each named policy also runs on a shadow cache (block ids only) and the real
+    cache follows the one with the most recent shadow hits (:class:`Duel`).
+``...+end-hint``
+    Told which request is its session's last turn (a client closing a chat, an agent
+    finishing its task: an API signal such as a cache breakpoint with no TTL left), the blocks of
+    an ended session go first. Not an online policy: it measures what such a hint is worth.
 
-    python -m radixkv.benchmarks.policy_sim --quick      # every candidate on the 4 workloads
+Run them side by side with radixkv's policies: ``radixkv bench hit-rate --workloads
+--candidates all`` (``benchmarks/hit_rate_workloads.py``).
 """
 
 from __future__ import annotations
@@ -84,8 +92,9 @@ class SimPolicy:
     def evicted(self, b: int) -> None:
         """``b`` left the cache."""
 
-    def request(self, req: int, now: float, conv: int, turn: int) -> None:
-        """A request arrives (before its blocks are matched)."""
+    def request(self, req: int, now: float, conv: int, turn: int, last: bool = False) -> None:
+        """A request arrives (before its blocks are matched); ``last``: the client says it is
+        its session's final turn (only ``end_hint`` policies read it)."""
 
 
 class _KeyHeap(SimPolicy):
@@ -328,11 +337,13 @@ class NextUse(SimPolicy):
     name = "next-use"
 
     def __init__(self, quantile: float = 0.5, slack: float = 1.0, alpha: float = 0.5,
-                 cost: bool = False, sample: int = 8) -> None:
+                 cost: bool = False, sample: int = 8, end_hint: bool = False) -> None:
         self.quantile, self.slack, self.alpha = quantile, slack, alpha
-        self.cost, self.sample = cost, sample
+        self.cost, self.sample, self.end_hint = cost, sample, end_hint
         if cost:
             self.name = "next-use-cost"
+        if end_hint:
+            self.name += "+end-hint"
 
     def bind(self, sim: Simulator) -> None:
         super().bind(sim)
@@ -351,12 +362,15 @@ class NextUse(SimPolicy):
         self.overdue = 2.0  # gaps of silence after which a session has ended (learned)
         self.requests = self.followups = 0
         self.cur_conv = -1
+        self.ended: set[int] = set()  # sessions whose client said they are over
         bs = sim.bt.block_size
         self.w = [block_cost(d, bs, sim.l0) for d in sim.depth] if self.cost else None
 
-    def request(self, req: int, now: float, conv: int, turn: int) -> None:
+    def request(self, req: int, now: float, conv: int, turn: int, last: bool = False) -> None:
         self.requests += 1
         self.cur_conv = conv
+        if last and self.end_hint:
+            self.ended.add(conv)
         if conv in self.conv_last:
             self.followups += 1
             g = now - self.conv_last[conv]
@@ -414,8 +428,11 @@ class NextUse(SimPolicy):
 
     def leaf(self, b: int, now: float) -> None:
         self.version[b] += 1
-        g = self._expected_gap(b)
         d, v = -self.sim.depth[b], self.version[b]
+        if self.owner[b] in self.ended:  # its session is over: first to go
+            heapq.heappush(self.due, (float("-inf"), d, b, v))
+            return
+        g = self._expected_gap(b)
         heapq.heappush(self.far, (-(self.last_t[b] + g), d, b, v))
         heapq.heappush(self.due, (self.last_t[b] + self.overdue * g, d, b, v))
 
@@ -472,15 +489,15 @@ class Duel(SimPolicy):
         self.lead = 0
         self.led = [0] * len(self.names)  # requests each policy led (reported)
 
-    def request(self, req: int, now: float, conv: int, turn: int) -> None:
+    def request(self, req: int, now: float, conv: int, turn: int, last: bool = False) -> None:
         for i, sh in enumerate(self.shadows):
-            self.score[i] = self.decay * self.score[i] + sh.step(req, now, conv, turn)
+            self.score[i] = self.decay * self.score[i] + sh.step(req, now, conv, turn, last)
         best = max(range(len(self.score)), key=lambda i: (self.score[i], -i))
         if self.score[best] > self.score[self.lead]:
             self.lead = best
         self.led[self.lead] += 1
         for p in self.real:
-            p.request(req, now, conv, turn)
+            p.request(req, now, conv, turn, last)
 
     def access(self, b: int, now: float, req: int, hit: bool) -> None:
         for p in self.real:
@@ -508,6 +525,9 @@ CANDIDATES = {
     "duel-lru-next": lambda: Duel(["lru", "next-use"]),
     "duel-arc-next": lambda: Duel(["arc", "next-use"]),
     "duel-lru-arc-next": lambda: Duel(["lru", "arc", "next-use"]),
+    # With a client hint on each session's last turn (an API signal, not an online guess):
+    "next-use+end-hint": lambda: NextUse(end_hint=True),
+    "duel-lru-arc-next+end-hint": lambda: Duel(["lru", "arc", "next-use+end-hint"]),
 }
 
 
@@ -532,12 +552,12 @@ class Simulator:
         self.used = self.hit = self.evictions = self.inserted = 0
         self.hit_cost = 0.0
 
-    def step(self, j: int, now: float, conv: int, turn: int) -> int:
+    def step(self, j: int, now: float, conv: int, turn: int, last: bool = False) -> int:
         """Serve request ``j``: match, make room, insert; returns the prompt blocks hit."""
         bt, pol = self.bt, self.policy
         resident, locked, nchild, parent = self.resident, self.locked, self.nchild, bt.parent
         chain = bt.chains[j]
-        pol.request(j, now, conv, turn)
+        pol.request(j, now, conv, turn, last)
         npb = bt.n_prompt_blocks[j]
         r = 0
         while r < len(chain) and resident[chain[r]]:
@@ -580,11 +600,11 @@ class Simulator:
         return h
 
     def run(self, times: Sequence[float], convs: Sequence[int], turns: Sequence[int],
-            check: bool = False) -> SimResult:
+            check: bool = False, lasts: Sequence[bool] | None = None) -> SimResult:
         bt = self.bt
         self.reset_counters()
         for j in range(len(bt.chains)):
-            self.step(j, times[j], convs[j], turns[j])
+            self.step(j, times[j], convs[j], turns[j], bool(lasts and lasts[j]))
             if check:
                 from radixkv.benchmarks.bounds import _check
 
@@ -608,4 +628,6 @@ def run_policy(bt: BlockTrace, capacity: int, name: str, requests: Sequence[Any]
     times = [float(getattr(r, "t", j)) for j, r in enumerate(requests)]
     convs = [getattr(r, "conv", j) for j, r in enumerate(requests)]
     turns = [getattr(r, "turn", 0) for r in requests]
-    return Simulator(bt, capacity, make_candidate(name)).run(times, convs, turns, check)
+    final = {c: j for j, c in enumerate(convs)}
+    lasts = [final[c] == j for j, c in enumerate(convs)]
+    return Simulator(bt, capacity, make_candidate(name)).run(times, convs, turns, check, lasts)

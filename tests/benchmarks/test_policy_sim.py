@@ -93,3 +93,14 @@ def test_scan_resistance():
 def test_unknown_candidate():
     with pytest.raises(ValueError, match="unknown candidate"):
         run_policy(prepare([T(0.0, 0, 0, [1, 2])], 1), 5, "nope", [])
+
+
+def test_end_hint_frees_ended_sessions_first():
+    # Round robin where sessions end at different turns: told which turn is the last, the
+    # forecast policy drops ended sessions at once instead of waiting for them to be overdue.
+    reqs = [r for r in loop(n_conv=6, turns=6) if r.turn <= 1 + r.conv]
+    bt = prepare(reqs, 2)
+    cap = bt.min_capacity + 30
+    plain = run_policy(bt, cap, "next-use", reqs).hit_tokens
+    hinted = run_policy(bt, cap, "next-use+end-hint", reqs, check=True).hit_tokens
+    assert plain < hinted <= simulate(bt, cap, "belady").hit_tokens
