@@ -204,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--markdown", type=lambda s: s.split(","), default=None, metavar="COLS",
+                    help="print the JSON's tables as markdown with these policy columns")
     args = ap.parse_args(argv)
     name = "hit_rate_workloads" + ("_quick" if args.quick else "")
     if args.plot_only:
         return plot(results_dir() / f"{name}.json")
+    if args.markdown:
+        print(markdown(results_dir() / f"{name}.json", args.markdown))
+        return 0
     cands = args.candidates
     if cands == ["all"]:
         from radixkv.benchmarks.policy_sim import CANDIDATES
@@ -240,6 +245,40 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.no_plots or args.quick):
         plot(path)
     return 0
+
+
+def markdown(path: Path, columns: Sequence[str]) -> str:
+    """Hit rate per capacity (ratio to Belady) and the verdicts, as markdown, per workload."""
+    data = json.loads(Path(path).read_text())["results"]["workloads"]
+    out = []
+    for res in data:
+        out.append(f"\n**{res['workload']}** ({res['requests']:,} requests, working set "
+                   f"{res['working_set_blocks']:,} blocks, infinite cache "
+                   f"{res['infinite']:.3f})\n")
+        out.append("| blocks (of working set) | Belady | " + " | ".join(columns) + " |")
+        out.append("|---" * (len(columns) + 2) + "|")
+        for cap in res["capacities"]:
+            rows = {r["policy"]: r for r in res["rows"] if r["capacity_blocks"] == cap}
+            r0 = next(iter(rows.values()))
+            zone = "**" if r0["zone"] else ""
+            cells = [f"{zone}{cap:,} ({r0['of_working_set']:.2%}){zone}", f"{r0['belady']:.3f}"]
+            cells += [f"{rows[c]['hit_rate']:.3f} ({rows[c]['of_belady']:.2f})" if c in rows
+                      else "-" for c in columns]
+            out.append("| " + " | ".join(cells) + " |")
+    out.append("\n| policy | " + " | ".join(r["workload"] for r in data) + " |")
+    out.append("|---" * (len(data) + 1) + "|")
+    for pol in dict.fromkeys(p for r in data for p in r["verdicts"]):
+        cells = []
+        for res in data:
+            v = res["verdicts"].get(pol)
+            if v is None:
+                cells.append("-")
+                continue
+            z = v["min_of_belady_in_zone"]
+            cells.append(f"{'**yes**' if v['meets_target'] else 'no'}: "
+                         f"{'-' if z is None else f'{z:.2f}'} / {v['min_points_vs_lru']:+.1f}")
+        out.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def plot(path: Path) -> int:
