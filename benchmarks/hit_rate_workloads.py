@@ -50,6 +50,10 @@ ZONE_FRACTION = 0.5  # Belady >= this x infinite: the capacities where the 0.8 t
 TARGET_OF_BELADY = 0.8
 MAX_POINTS_BELOW_LRU = 1.0
 IMG = REPO_ROOT / "docs" / "img" / "hit_rate_workloads.png"
+#: Lines drawn (when measured): priority and ttl replay as LRU here, the other candidates sit
+#: between these; the JSON and the tables have them all.
+PLOT_POLICIES = ("lru", "lfu", "mru", "arc", "s3fifo", "lfu-da", "next-use",
+                 "duel-lru-arc-next", "duel-lru-arc-next+end-hint")
 
 
 def core_policies() -> list[str]:
@@ -123,7 +127,8 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
             for name in candidates:
                 t1 = time.perf_counter()
                 res = run_policy(bt, cap, name, requests)
-                out.append({**base, "policy": name, "kind": "candidate",
+                label = f"{name} (sim)" if name in policies else name
+                out.append({**base, "policy": label, "kind": "candidate",
                             "hit_rate": res.hit_rate, "cost_rate": res.cost_rate,
                             "seconds": time.perf_counter() - t1})
         lru = next((r["hit_rate"] for r in out if r["policy"] == "lru"), refs["lru"].hit_rate)
@@ -258,7 +263,10 @@ def markdown(path: Path, columns: Sequence[str]) -> str:
         out.append("| blocks (of working set) | Belady | " + " | ".join(columns) + " |")
         out.append("|---" * (len(columns) + 2) + "|")
         for cap in res["capacities"]:
-            rows = {r["policy"]: r for r in res["rows"] if r["capacity_blocks"] == cap}
+            rows: dict[str, dict[str, Any]] = {}
+            for r in res["rows"]:
+                if r["capacity_blocks"] == cap:
+                    rows.setdefault(r["policy"], r)
             r0 = next(iter(rows.values()))
             zone = "**" if r0["zone"] else ""
             cells = [f"{zone}{cap:,} ({r0['of_working_set']:.2%}){zone}", f"{r0['belady']:.3f}"]
@@ -294,19 +302,21 @@ def plot(path: Path) -> int:
     fig, axes = plt.subplots(rows_n, cols, figsize=(12, 4.2 * rows_n), squeeze=False)
     for ax, res in zip(axes.flat, data):
         caps = res["capacities"]
-        by = {}
-        for r in res["rows"]:
-            by.setdefault(r["policy"], {})[r["capacity_blocks"]] = r
+        by: dict[str, dict[int, dict[str, Any]]] = {}
+        for r in res["rows"]:  # a real replay wins over a simulated candidate of that name
+            by.setdefault(r["policy"], {}).setdefault(r["capacity_blocks"], r)
         first = next(iter(by.values()))
         ax.plot(caps, [res["infinite"]] * len(caps), "k:", label="infinite cache")
         ax.plot(caps, [first[c]["belady"] for c in caps], "k-", lw=2, label="Belady")
         zone = [c for c in caps if first[c]["zone"]]
         if zone:
             ax.axvspan(min(zone), max(zone), color="0.9", zorder=0, label="target zone")
-        for pol, pts in by.items():
+        colors = iter(plt.get_cmap("tab10").colors)
+        for pol in [p for p in PLOT_POLICIES if p in by]:
+            pts = by[pol]
             ls = "--" if pts[caps[0]]["kind"] == "candidate" else "-"
             ax.plot(caps, [pts[c]["hit_rate"] for c in caps], ls, marker="o", ms=3,
-                    label=pol)
+                    color=next(colors), label=pol + (" (sim)" if ls == "--" else ""))
         ax.set_xscale("log")
         ax.set_title(f"{res['workload']} (working set {res['working_set_blocks']:,} blocks)")
         ax.set_xlabel("device capacity (blocks of 16 tokens)")
