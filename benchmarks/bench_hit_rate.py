@@ -9,8 +9,10 @@ Capacities are fractions of the trace's working set (distinct full blocks of all
 replies at that block size), never below the largest single request. Each replay goes through
 ``BlockManager``/``RadixTree``/``BlockPool`` (``benchmarks/replay.py``).
 
-    radixkv bench hit-rate [--trace chat|rag|system|sampling] [--quick] [--jobs N]
+    radixkv bench hit-rate [--trace chat|chat-rr|rag|agent|system|sampling] [--quick] [--jobs N]
     radixkv bench hit-rate --plot-only          # redraw docs/img from the committed JSON
+    radixkv bench hit-rate --workloads [--quick] # issue 15: every policy on the four workloads
+                                                # (benchmarks/hit_rate_workloads.py)
 
 Writes ``benchmarks/results/hit_rate_<trace>[_quick].json`` and, for full runs (unless
 --no-plots), PNGs under ``docs/img/``.
@@ -115,6 +117,10 @@ def _bounds(bs: int, fractions: list[float]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--workloads" in (sys.argv[1:] if argv is None else argv):
+        from radixkv.benchmarks.hit_rate_workloads import main as workloads_main
+
+        return workloads_main(argv)
     ap = argparse.ArgumentParser(prog="radixkv bench hit-rate", description=plain_doc(__doc__))
     ap.add_argument("--trace", choices=KINDS, default="chat")
     ap.add_argument("--quick", action="store_true", help="small trace and sweep (CI, seconds)")
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot-only", action="store_true",
                     help="only redraw the PNGs from the JSON results")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--workloads", action="store_true",
+                    help="issue 15's suite instead: every policy on the four workloads")
     args = ap.parse_args(argv)
     name = f"hit_rate_{args.trace}" + ("_quick" if args.quick else "")
     if args.plot_only:

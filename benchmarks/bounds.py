@@ -33,8 +33,21 @@ Policies simulated here (per victim choice, among unlocked leaves):
     use is keyed by that prompt use, which can keep it longer than needed.
 ``lru``
     Evict the least recently used leaf (last request whose chain contained it); ties deepest first.
+``cost-belady``
+    Belady weighted by recomputation cost (``benchmarks/prefill_cost.py``: a block at depth d
+    costs more than one near the start). At each eviction the ``COST_SAMPLE`` evictable leaves
+    with the farthest next uses are taken from Belady's order and the one with the least cost
+    per request it would stay idle, ``block_cost / (next_use - now)``, is evicted (never used
+    again: cost 0). This is a **heuristic reference, not a bound**: offline caching with
+    non-uniform costs has no simple optimal rule (weighted paging needs a min-cost-flow
+    solution even without prefix chains), and on cost-weighted savings it can fall below plain
+    Belady. Reports therefore use the better of the two as the cost reference, and the tests
+    measure both against an exhaustive cost-weighted search on tiny traces.
 ``infinite``
     No eviction: the most any cache can hit on the trace.
+
+Every result also carries the cost-weighted figures: ``hit_cost`` (prefill cost saved, the sum
+of ``prefix_cost(hit tokens)`` per request) and ``prompt_cost``.
 
 Block hashing: ``radixkv.core.hashing`` (chained ``xxh3_128`` over the parent hash and the block's
 token ids as little-endian int32, rooted in a namespace seed), the same hashes the replay's tree
@@ -52,9 +65,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from radixkv.benchmarks.prefill_cost import SMOLLM2_L0, block_cost, prefix_cost
 from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
 
 INF = sys.maxsize
+#: Candidates (farthest next uses first) the cost-aware Belady weighs at each eviction.
+COST_SAMPLE = 8
+POLICIES = ("belady", "cost-belady", "lru")
 
 
 class HasTokens(Protocol):
@@ -85,8 +102,8 @@ class BlockTrace:
     """A trace turned into block ids, ready for the simulators (built by :func:`prepare`).
 
     ``chains[j]``: dense ids of the full blocks of prompt+reply of request j (root first);
-    ``n_prompt_blocks[j]``: how many of them can be hits ((len(prompt) - 1) // B); ``tails[j]``: 1 if the
-    sequence has a partial last block; ``prompt_tokens[j]``: len(prompt);
+    ``n_prompt_blocks[j]``: how many of them can be hits ((len(prompt) - 1) // B);
+    ``tails[j]``: 1 if the sequence has a partial last block; ``prompt_tokens[j]``: len(prompt);
     ``next_use[j][i]``: the next request index > j whose prompt contains chains[j][i] (INF if none);
     ``parent[b]``/``depth[b]``: the chain predecessor (-1 for a root block) and its depth.
     """
@@ -164,37 +181,53 @@ class SimResult:
     prompt_tokens: int
     evictions: int
     inserted_blocks: int
+    hit_cost: float = 0.0
+    prompt_cost: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def cost_rate(self) -> float:
+        """Fraction of prefill compute saved (``prefill_cost.py``'s model)."""
+        return self.hit_cost / self.prompt_cost if self.prompt_cost else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "block_size": self.block_size,
                 "capacity_blocks": self.capacity_blocks, "hit_rate": self.hit_rate,
-                "hit_tokens": self.hit_tokens, "prompt_tokens": self.prompt_tokens,
-                "evictions": self.evictions, "inserted_blocks": self.inserted_blocks}
+                "cost_rate": self.cost_rate, "hit_tokens": self.hit_tokens,
+                "prompt_tokens": self.prompt_tokens, "hit_cost": self.hit_cost,
+                "prompt_cost": self.prompt_cost, "evictions": self.evictions,
+                "inserted_blocks": self.inserted_blocks}
 
 
-def infinite(bt: BlockTrace) -> SimResult:
-    """Hit rate of a cache that never evicts."""
+def prompt_cost(bt: BlockTrace, l0: float = SMOLLM2_L0) -> float:
+    """Prefill cost of every prompt of the trace with nothing cached."""
+    return sum(prefix_cost(n, l0) for n in bt.prompt_tokens)
+
+
+def infinite(bt: BlockTrace, l0: float = SMOLLM2_L0) -> SimResult:
+    """Hit rate of a cache that never evicts (``l0``: the cost model's, ``prefill_cost.py``)."""
     seen = bytearray(bt.num_blocks)
     hit = inserted = 0
+    hit_cost = 0.0
     for chain, npb in zip(bt.chains, bt.n_prompt_blocks):
         m = 0
         while m < npb and seen[chain[m]]:
             m += 1
         hit += m
+        hit_cost += prefix_cost(m * bt.block_size, l0)
         for b in chain:
             if not seen[b]:
                 seen[b] = 1
                 inserted += 1
     return SimResult("infinite", bt.block_size, None, hit * bt.block_size,
-                     bt.total_prompt_tokens, 0, inserted)
+                     bt.total_prompt_tokens, 0, inserted, hit_cost, prompt_cost(bt, l0))
 
 
 def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
-             check: bool = False) -> SimResult:
+             check: bool = False, l0: float = SMOLLM2_L0) -> SimResult:
     """Simulate a leaves-only cache of ``capacity_blocks`` with ``policy`` ('belady' or 'lru').
 
     ``check=True`` verifies after every request that the cached set is prefix-closed and within
@@ -202,13 +235,16 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
 
     Runtime complexity: O(sum of chain lengths + evictions x log(heap size)).
     """
-    if policy not in ("belady", "lru"):
-        raise ValueError(f"unknown policy {policy!r}: use 'belady' or 'lru'")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
     if capacity_blocks < bt.min_capacity:
         raise ValueError(f"capacity {capacity_blocks} blocks < largest request "
                          f"({bt.min_capacity} blocks at block size {bt.block_size})")
-    belady = policy == "belady"
+    belady = policy != "lru"
+    weigh = policy == "cost-belady"
+    bs = bt.block_size
     n = bt.num_blocks
+    next_use = [INF] * n if weigh else []  # cost-belady: each block's next prompt use
     parent, depth = bt.parent, bt.depth
     resident = bytearray(n)
     locked = bytearray(n)
@@ -218,12 +254,14 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
     heap: list[tuple[int, int, int, int]] = []  # (key, -depth, block, version)
     push, pop = heapq.heappush, heapq.heappop
     used = hit = evictions = inserted = 0
+    hit_cost = 0.0
     for j, chain in enumerate(bt.chains):
         npb = bt.n_prompt_blocks[j]
         r = 0  # resident blocks of the chain form a prefix chain[:r] (prefix-closed cache)
         while r < len(chain) and resident[chain[r]]:
             r += 1
         hit += min(r, npb)
+        hit_cost += prefix_cost(min(r, npb) * bs, l0)
         for b in chain:
             locked[b] = 1
         over = used + (len(chain) - r) + bt.tails[j] - capacity_blocks
@@ -231,6 +269,9 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
             k, _, b, v = pop(heap)  # never empty: capacity >= the largest request
             if v != version[b] or not resident[b] or locked[b] or nchild[b]:
                 continue  # stale entry
+            if weigh and next_use[b] != INF:
+                b = _cheapest(heap, (k, -depth[b], b, v), j, next_use, version, resident,
+                              locked, nchild, depth, bs, l0)
             resident[b] = 0
             used -= 1
             over -= 1
@@ -253,13 +294,39 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
             locked[b] = 0
             key[b] = -nu[i] if belady else j
             version[b] += 1
+            if weigh:
+                next_use[b] = nu[i]
         last = chain[-1] if chain else -1
         if last >= 0 and nchild[last] == 0:
             push(heap, (key[last], -depth[last], last, version[last]))
         if check:
             _check(bt, resident, nchild, used, capacity_blocks)
     return SimResult(policy, bt.block_size, capacity_blocks, hit * bt.block_size,
-                     bt.total_prompt_tokens, evictions, inserted)
+                     bt.total_prompt_tokens, evictions, inserted, hit_cost, prompt_cost(bt, l0))
+
+
+def _cheapest(heap: list, first: tuple, now: int, next_use: list[int], version: list[int],
+              resident: bytearray, locked: bytearray, nchild: list[int], depth: list[int],
+              bs: int, l0: float) -> int:
+    """Cost-aware Belady's victim: of ``first`` and up to COST_SAMPLE - 1 more valid leaves
+    from the heap (farthest next use first), the one of least cost per idle request; the
+    others go back on the heap unchanged."""
+    cands = [first]
+    while heap and len(cands) < COST_SAMPLE:
+        e = heapq.heappop(heap)
+        b = e[2]
+        if e[3] == version[b] and resident[b] and not locked[b] and not nchild[b]:
+            cands.append(e)
+
+    def score(e: tuple) -> float:
+        nu = next_use[e[2]]
+        return 0.0 if nu == INF else block_cost(depth[e[2]], bs, l0) / (nu - now)
+
+    best = min(cands, key=score)
+    for e in cands:
+        if e is not best:
+            heapq.heappush(heap, e)
+    return best[2]
 
 
 def _check(bt: BlockTrace, resident: bytearray, nchild: list[int], used: int, cap: int) -> None:
@@ -279,8 +346,9 @@ def _check(bt: BlockTrace, resident: bytearray, nchild: list[int], used: int, ca
             assert children[b] == nchild[b], f"block {b}: {children[b]} children != {nchild[b]}"
 
 
-def exhaustive_optimum(bt: BlockTrace, capacity_blocks: int) -> int:
-    """Best possible hit tokens over *all* leaves-only eviction sequences (tiny traces only).
+def exhaustive_optimum(bt: BlockTrace, capacity_blocks: int, l0: float | None = None) -> float:
+    """Best possible hit tokens over *all* leaves-only eviction sequences (tiny traces only);
+    with ``l0``, the best prefill cost saved instead (``prefill_cost.prefix_cost``).
 
     Exponential: a depth-first search over every choice of victims, memoised on
     (request index, cached set). Used by the tests to check :func:`simulate` with 'belady'.
@@ -290,7 +358,7 @@ def exhaustive_optimum(bt: BlockTrace, capacity_blocks: int) -> int:
     parent = bt.parent
 
     @lru_cache(maxsize=None)
-    def best(j: int, cached: frozenset[int]) -> int:
+    def best(j: int, cached: frozenset[int]) -> float:
         if j == len(bt.chains):
             return 0
         chain = bt.chains[j]
@@ -298,6 +366,8 @@ def exhaustive_optimum(bt: BlockTrace, capacity_blocks: int) -> int:
         while r < len(chain) and chain[r] in cached:
             r += 1
         gain = min(r, bt.n_prompt_blocks[j])
+        if l0 is not None:
+            gain = prefix_cost(gain * bt.block_size, l0)
         locked = set(chain)
         need = len(cached) + (len(chain) - r) + bt.tails[j] - capacity_blocks
         chain_set = frozenset(chain)
@@ -315,7 +385,7 @@ def exhaustive_optimum(bt: BlockTrace, capacity_blocks: int) -> int:
         evict(cached, need)
         return gain + max((best(j + 1, out | chain_set) for out in set(outcomes)), default=-10**9)
 
-    return best(0, frozenset()) * bt.block_size
+    return best(0, frozenset()) * (bt.block_size if l0 is None else 1)
 
 
 def working_set_blocks(bt: BlockTrace) -> int:

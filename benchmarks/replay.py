@@ -31,6 +31,7 @@ from radixkv.core.pool import BlockPool
 from radixkv.core.tree import RadixTree
 
 from radixkv.benchmarks.bounds import NAMESPACE
+from radixkv.benchmarks.prefill_cost import SMOLLM2_L0, prefix_cost
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,17 @@ class ReplayConfig:
 
 @dataclass
 class ReplayResult:
-    """Counters of one replay. Token counts are prompt tokens; tiers are device, host, disk."""
+    """Counters of one replay. Token counts are prompt tokens; tiers are device, host, disk.
+
+    ``hit_cost``/``prompt_cost``: prefill compute saved / needed with nothing cached, in the
+    units of ``benchmarks/prefill_cost.py`` (a deep block costs more than a shallow one).
+    """
 
     config: ReplayConfig
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    hit_cost: float = 0.0
+    prompt_cost: float = 0.0
     hit_tokens_per_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
     requests: int = 0
     evictions_per_tier: list[int] = field(default_factory=list)
@@ -81,13 +88,19 @@ class ReplayResult:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def cost_rate(self) -> float:
+        """Fraction of prefill compute saved."""
+        return self.hit_cost / self.prompt_cost if self.prompt_cost else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         c = self.config
         pt = max(self.prompt_tokens, 1)
         return {
             "policy": c.policy_name, "block_size": c.block_size, "device_blocks": c.device_blocks,
             "host_blocks": c.host_blocks, "disk_blocks": c.disk_blocks, "tiers": c.tiers,
-            "hit_rate": self.hit_rate,
+            "hit_rate": self.hit_rate, "cost_rate": self.cost_rate,
+            "hit_cost": self.hit_cost, "prompt_cost": self.prompt_cost,
             "hit_rate_per_tier": [h / pt for h in self.hit_tokens_per_tier],
             "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
             "prefill_tokens_saved": self.hit_tokens,
@@ -155,7 +168,7 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager
 
 def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NAMESPACE,
            priority_tokens: Callable[[Any], int] | None = None, progress: Any = None,
-           check_every: int = 0) -> ReplayResult:
+           check_every: int = 0, l0: float = SMOLLM2_L0) -> ReplayResult:
     """Replay ``requests`` (objects with ``t``, ``prompt``, ``reply``) through a fresh manager.
 
     ``progress``: an object with ``update(n)`` (a tqdm bar), called every 256 requests.
@@ -178,6 +191,8 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
         prompt, reply = r.prompt, r.reply
         alloc = bm.allocate(j, prompt, namespace)
         res.hit_tokens += alloc.num_cached_tokens
+        res.hit_cost += prefix_cost(alloc.num_cached_tokens, l0)
+        res.prompt_cost += prefix_cost(len(prompt), l0)
         for t, n in enumerate(alloc.cached_tokens_per_tier):
             per_tier[t] += n
         res.prompt_tokens += len(prompt)
@@ -207,6 +222,11 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
 
 
 def system_prefix_tokens(header: dict[str, Any]) -> Callable[[Any], int]:
-    """For a ``system`` trace: the length of the request's shared prefix (for priority hints)."""
-    lengths = header.get("stats", {}).get("prefix_lengths", [])
+    """The length of a request's shared prefix, for priority hints: a ``system`` trace's
+    few-shot prefix, an ``agent`` trace's system prompt with tools; 0 for other traces."""
+    stats = header.get("stats", {})
+    lengths = stats.get("prefix_lengths", [])
+    if header.get("kind") == "agent" and stats.get("prefix_tokens"):
+        n = int(stats["prefix_tokens"])
+        return lambda r: n
     return lambda r: lengths[r.meta["prefix"]] if "prefix" in r.meta and lengths else 0

@@ -97,3 +97,38 @@ def test_belady_matches_exhaustive_search(reqs, block_size, extra):
     bt = prepare(reqs, block_size)
     cap = bt.min_capacity + extra
     assert simulate(bt, cap, "belady").hit_tokens == exhaustive_optimum(bt, cap)
+
+
+# Cost-weighted savings (benchmarks/prefill_cost.py): a small L0 makes depth matter.
+L0 = 2.0
+
+
+def test_cost_weighted_hits_on_hand_checked_trace():
+    # Block size 2, L0 = 2: a token at position p costs 1 + (p + 1) / 2. Request 2 hits the
+    # first two blocks (4 tokens: 1.5 + 2 + 2.5 + 3 = 9) of its 5-token prompt (cost 12.5).
+    reqs = [R([1, 2, 3, 4, 5]), R([1, 2, 3, 4, 5])]
+    res = infinite(prepare(reqs, 2), l0=L0)
+    assert res.hit_cost == 9.0 and res.prompt_cost == 25.0
+    assert simulate(prepare(reqs, 2), 3, "cost-belady", l0=L0).hit_cost == 9.0
+
+
+@given(traces(max_requests=20, max_len=24), st.sampled_from([1, 2, 4]), st.integers(0, 30))
+def test_cost_belady_within_infinite_and_consistent(reqs, block_size, extra):
+    bt = prepare(reqs, block_size)
+    cap = bt.min_capacity + extra
+    inf = infinite(bt, l0=L0)
+    cb = simulate(bt, cap, "cost-belady", check=True, l0=L0)
+    assert cb.hit_cost <= inf.hit_cost + 1e-9 and cb.hit_tokens <= inf.hit_tokens
+    assert cb.prompt_cost == inf.prompt_cost
+    if cap >= bt.num_blocks + 1:
+        assert cb.hit_cost == inf.hit_cost
+
+
+@settings(max_examples=60)
+@given(traces(max_requests=6, max_len=6), st.sampled_from([1, 2]), st.integers(0, 3))
+def test_no_policy_beats_exhaustive_cost_optimum(reqs, block_size, extra):
+    bt = prepare(reqs, block_size)
+    cap = bt.min_capacity + extra
+    best = exhaustive_optimum(bt, cap, l0=L0)
+    for pol in ("belady", "cost-belady", "lru"):
+        assert simulate(bt, cap, pol, l0=L0).hit_cost <= best + 1e-9

@@ -1,44 +1,17 @@
 """Trace building and file format on synthetic conversations with a fake character tokenizer.
 
 No dataset and no real tokenizer: ``FakeTokenizer`` renders ChatML like SmolLM2's template and
-maps each character to its code point (special tokens to 0 and 1).
+maps each character to its code point (``fake_tokenizer.py``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
+from fake_tokenizer import FakeTokenizer
 
 from radixkv.benchmarks import traces as T
-
-SPECIAL = {"<|im_start|>": 1, "<|im_end|>": 2}
-
-
-class FakeTokenizer:
-    def convert_tokens_to_ids(self, tok):
-        return SPECIAL[tok]
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = ""
-        if messages[0]["role"] != "system":
-            text += "<|im_start|>system\nsys<|im_end|>\n"
-        for m in messages:
-            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-        if add_generation_prompt:
-            text += "<|im_start|>assistant\n"
-        return {"input_ids": self._enc(text)} if tokenize else text
-
-    def _enc(self, text):
-        out = []
-        for piece in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
-            out += [SPECIAL[piece]] if piece in SPECIAL else [ord(c) for c in piece]
-        return out
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [self._enc(t) for t in texts]}
-
 
 CONVS = [[(f"question {i}.{k}", f"answer {i}.{k} " * (k + 1)) for k in range(1 + i % 3)]
          for i in range(30)]
