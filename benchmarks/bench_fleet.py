@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.benchmarks._common import REPO_ROOT, print_table, run_header, write_results
-from radixkv.benchmarks.bench_serve import (_free_port, _pct, conversations, run_clients)
+from radixkv.benchmarks.bench_serve import (_free_port, _pct, conversations, run_clients,
+                                             ttft_cdf)
 
 
 def _start(extra: list[str], args: argparse.Namespace, log: Path) -> tuple[Any, str]:
@@ -100,6 +101,7 @@ def summarize(name: str, run: dict[str, Any], per_replica: dict[str, float]) -> 
     return {
         "config": name, "requests": len(allr), "hit_rate": cached / max(1, prompt),
         "prefill_tokens": prompt - cached, "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_mean_s": sum(ttft) / len(ttft),
         "ttft_p99_s": _pct(ttft, 0.99), "wall_s": run["wall_s"],
         "imbalance": (max(loads) / (sum(loads) / len(loads))) if loads and sum(loads) else 1.0,
         "per_replica_prompt_tokens": per_replica,
@@ -117,13 +119,7 @@ def plot(rows: list[dict[str, Any]], runs: dict[str, Any], path: Path) -> None:
     a1.bar(names, [r["hit_rate"] for r in rows], color="#4c72b0")
     a1.set_ylabel("prompt tokens from cache")
     a1.set_title("hit rate (2 replicas vs one with their memory)")
-    for name, run in runs.items():
-        xs = sorted(r["ttft"] for r in run["requests"] if r["turn"] > 0)
-        a2.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    a2.set_xlabel("time to first token, later turns (s)")
-    a2.set_ylabel("fraction of requests")
-    a2.set_title("TTFT (same schedule)")
-    a2.legend()
+    ttft_cdf(a2, runs, "TTFT (same schedule)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -195,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios["kv_hit_over_single"] = by["kv"]["hit_rate"] / max(1e-9, by["single"]["hit_rate"])
     if "kv" in by and "pow2" in by:
         ratios["kv_ttft_p50_over_pow2"] = by["kv"]["ttft_p50_s"] / by["pow2"]["ttft_p50_s"]
+    if "kv" in by and "pow2" in by:
+        ratios["kv_ttft_mean_over_pow2"] = by["kv"]["ttft_mean_s"] / by["pow2"]["ttft_mean_s"]
     if "pow2" in by and "single" in by:
         ratios["pow2_hit_over_single"] = by["pow2"]["hit_rate"] / max(1e-9,
                                                                       by["single"]["hit_rate"])

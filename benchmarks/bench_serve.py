@@ -174,6 +174,17 @@ def summarize(mode: str, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ttft_cdf(ax: Any, runs: dict[str, dict[str, Any]], title: str) -> None:
+    """The client-side TTFT distribution of later turns, one step line per run."""
+    for mode, run in runs.items():
+        xs = sorted(r["ttft"] for r in run["requests"] if r["turn"] > 0)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=mode)
+    ax.set_xlabel("time to first token, later chat turns (s, client side)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.legend()
+
+
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -181,13 +192,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for mode, run in runs.items():
-        xs = sorted(r["ttft"] for r in run["requests"] if r["turn"] > 0)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=mode)
-    ax.set_xlabel("time to first token, later chat turns (s, client side)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("radixkv serve: cache on vs off (same schedule)")
-    ax.legend()
+    ttft_cdf(ax, runs, "radixkv serve: cache on vs off (same schedule)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
