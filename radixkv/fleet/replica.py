@@ -43,6 +43,18 @@ class ReplicaSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def replica_cache_config(cc: Any, rank: int) -> Any:
+    """The cache config of the replica of ``rank``: its own disk tier directory
+    (``<disk_dir>/replica-<rank>``). A disk tier is one process's (its files are exactly its
+    tree's disk blocks: a second engine in the directory would remove the first's files); the
+    replica that replaces a dead one gets its rank, so it restores what that one wrote."""
+    if cc is None or not getattr(cc, "disk_dir", None):
+        return cc
+    import dataclasses
+
+    return dataclasses.replace(cc, disk_dir=os.path.join(str(cc.disk_dir), f"replica-{rank}"))
+
+
 class EngineReplica:
     """The engine deployment's class (Serve instantiates one per replica)."""
 
@@ -57,9 +69,11 @@ class EngineReplica:
 
             torch.set_num_threads(spec.threads)
         t0 = time.perf_counter()
+        ctx = serve.get_replica_context()
+        cache_config = replica_cache_config(spec.cache_config, ctx.rank.rank)
         self.engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file,
-                                                     spec.cache_config, spec.engine_config)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+                                                     cache_config, spec.engine_config)
+        self.replica_id = ctx.replica_id.unique_id
         self.load_s = time.perf_counter() - t0
         self._recorder = EventRecorder(self.engine.core.tree)
         self._bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \

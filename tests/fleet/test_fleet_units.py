@@ -229,3 +229,16 @@ def test_fleet_handle_fails_over_only_what_the_client_has_not_seen() -> None:
     got = asyncio.run(collect(restartable=False))
     assert got[0].n == 1 and isinstance(got[-1], APIError) and got[-1].code == "replica_failed"
     assert backend.failovers == 2
+
+
+def test_each_replica_gets_its_own_disk_tier_directory(tmp_path: Any) -> None:
+    from radixkv.config import CacheConfig
+    from radixkv.fleet.replica import replica_cache_config
+
+    cc = CacheConfig(disk_dir=str(tmp_path), disk_blocks=8)
+    a, b = replica_cache_config(cc, 0), replica_cache_config(cc, 1)
+    assert a.disk_dir != b.disk_dir and a.disk_dir.startswith(str(tmp_path))
+    assert replica_cache_config(cc, 0).disk_dir == a.disk_dir   # a replacement restores it
+    assert a.disk_blocks == 8 and cc.disk_dir == str(tmp_path)
+    plain = CacheConfig()
+    assert replica_cache_config(plain, 3) is plain
