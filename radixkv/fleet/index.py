@@ -8,11 +8,19 @@ holding its ancestors too. The longest cached prefix on each replica is therefor
 of its first missing hash, found in one pass over the request's hashes for all replicas at
 once: each hash maps to a bitmask of the replicas that hold it.
 
+Routed but not yet computed: when the router sends a request to a replica, the blocks that
+request will compute there are entered at once as *tentative* (:meth:`PrefixIndex.speculate`),
+so that a second request with the same new prefix, arriving before the replica's events, follows
+the first instead of computing the prefix again elsewhere (SGLang's router inserts on routing the
+same way). A tentative entry becomes real when the replica's event confirms the block, and
+disappears at its deadline if none does (the request was aborted, or evicted it first).
+
 Pure Python and single-threaded: the router owns one instance (its event loop thread).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 
@@ -28,6 +36,10 @@ class PrefixIndex:
         self._slot: dict[str, int] = {}          # replica -> bit position
         self._blocks: dict[str, int] = {}        # replica -> blocks it holds (per the events)
         self._free_slots: list[int] = []
+        # tentative entries: replica -> {hash: deadline}, and a heap of (deadline, replica,
+        # hash) with lazy deletion (confirmed or replaced entries are skipped when popped)
+        self._tentative: dict[str, dict[bytes, float]] = {}
+        self._deadlines: list[tuple[float, str, bytes]] = []
 
     # ------------------------------------------------------------------ replicas
     @property
@@ -55,6 +67,7 @@ class PrefixIndex:
         if slot is None:
             return 0
         held = self._blocks.pop(replica, 0)
+        self._tentative.pop(replica, None)
         keep = ~(1 << slot)
         bits = self._bits
         for h in [h for h, b in bits.items() if b >> slot & 1]:
@@ -73,14 +86,19 @@ class PrefixIndex:
         so a batch replayed after a reconnect is harmless."""
         bit = self._bit(replica)
         bits = self._bits
+        tentative = self._tentative.get(replica) or {}
         n = 0
         for h in added:
             b = bits.get(h, 0)
             if not b & bit:
                 bits[h] = b | bit
                 n += 1
+            elif tentative and tentative.pop(h, None) is not None:
+                n += 1                         # a tentative entry confirmed: now it counts
         for h in removed:
             b = bits.get(h, 0)
+            if tentative and tentative.pop(h, None) is not None:
+                n += 1                         # it was never counted: undo the -1 below
             if b & bit:
                 b &= ~bit
                 if b:
@@ -89,6 +107,45 @@ class PrefixIndex:
                     del bits[h]
                 n -= 1
         self._blocks[replica] += n
+
+    def speculate(self, replica: str, hashes: Sequence[bytes], deadline: float) -> int:
+        """Enter the blocks a request routed to ``replica`` will compute there, tentatively
+        until ``deadline`` (see the module docstring). Returns how many were new."""
+        bit = self._bit(replica)
+        bits = self._bits
+        tentative = self._tentative.setdefault(replica, {})
+        new = 0
+        for h in hashes:
+            b = bits.get(h, 0)
+            if b & bit:
+                continue
+            bits[h] = b | bit
+            tentative[h] = deadline
+            heapq.heappush(self._deadlines, (deadline, replica, h))
+            new += 1
+        return new
+
+    def expire(self, now: float) -> int:
+        """Drop the tentative entries whose deadline passed unconfirmed. O(log n) per entry."""
+        dropped = 0
+        q = self._deadlines
+        while q and q[0][0] <= now:
+            deadline, replica, h = heapq.heappop(q)
+            tentative = self._tentative.get(replica)
+            if not tentative or tentative.get(h) != deadline:
+                continue                       # confirmed, re-speculated, or replica gone
+            del tentative[h]
+            slot = self._slot.get(replica)
+            b = self._bits.get(h, 0) & ~(1 << slot) if slot is not None else 0
+            if b:
+                self._bits[h] = b
+            else:
+                self._bits.pop(h, None)
+            dropped += 1
+        return dropped
+
+    def num_tentative(self, replica: str) -> int:
+        return len(self._tentative.get(replica) or ())
 
     # ------------------------------------------------------------------ queries
     def match(self, hashes: Sequence[bytes], replicas: Iterable[str]) -> dict[str, int]:

@@ -18,6 +18,8 @@ the first replica of the first rank that has room (``max_ongoing_requests``). Th
 
 A conversation sticks to its replica because its previous turn's blocks are there; it moves only
 if that replica dies (removed from the index at once) or is ``load_tokens`` per request busier.
+A routed request's blocks count as cached on its replica at once (tentatively, until its events
+confirm them or :data:`SPECULATE_S` passes), so requests sharing a new prefix follow the first.
 
 Each router counts its decisions (:class:`RouterStats`) and reports them to the event bus with
 every poll; the fleet's ``/metrics`` sums the reports. (Not a module global: Serve may load the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from dataclasses import asdict
 from dataclasses import dataclass, field
@@ -43,6 +46,9 @@ log = logging.getLogger("radixkv.fleet")
 
 #: Default prefill tokens one request in flight is worth when weighing cache against load.
 LOAD_TOKENS = 64
+#: Seconds a routed request's blocks count as cached on its replica before its events confirm
+#: them (see :meth:`radixkv.fleet.index.PrefixIndex.speculate`).
+SPECULATE_S = 20.0
 
 
 @dataclass
@@ -137,7 +143,7 @@ class KVAwareRouter(RequestRouter):
         self._block_size, self._load_tokens = block_size, load_tokens
         self._index = PrefixIndex()
         self._inflight: dict[str, int] = {}
-        self._pending_hits: dict[str, tuple[dict[str, int], int]] = {}
+        self._pending_hits: dict[str, tuple[dict[str, int], int, list[bytes]]] = {}
         self._poller: asyncio.Task | None = None
         self.stats = RouterStats()
         self._key = uuid.uuid4().hex[:12]
@@ -209,6 +215,7 @@ class KVAwareRouter(RequestRouter):
         self._ensure_poller()
         if not candidate_replicas:
             return []
+        self._index.expire(time.monotonic())
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         route = pending_request.kwargs.get("route") if pending_request is not None else None
         hashes = (route or {}).get("hashes") or []
@@ -217,7 +224,7 @@ class KVAwareRouter(RequestRouter):
         order, kind = rank(hits, load, self._block_size, self._load_tokens)
         if pending_request is not None:
             self._pending_hits[pending_request.metadata.internal_request_id] = (
-                hits, max(hits.values()))
+                hits, max(hits.values()), hashes)
             self.stats.requests[kind] += 1
         first, rest = by_id[order[0]], [by_id[r] for r in order[1:]]
         return [[first], rest] if rest else [[first]]
@@ -229,9 +236,11 @@ class KVAwareRouter(RequestRouter):
         self.stats.per_replica[rid] = self.stats.per_replica.get(rid, 0) + 1
         got = self._pending_hits.pop(pending_request.metadata.internal_request_id, None)
         if got is not None:
-            hits, best = got
+            hits, best, hashes = got
             self.stats.chosen_hit_tokens += hits.get(rid, 0) * self._block_size
             self.stats.best_hit_tokens += best * self._block_size
+            # what it computes there counts as cached there from now on (tentatively)
+            self._index.speculate(rid, hashes, time.monotonic() + SPECULATE_S)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = replica_id.unique_id
@@ -240,4 +249,4 @@ class KVAwareRouter(RequestRouter):
         self._pending_hits.pop(internal_request_id, None)
 
 
-__all__ = ["KVAwareRouter", "RouterStats", "rank", "LOAD_TOKENS"]
+__all__ = ["KVAwareRouter", "RouterStats", "rank", "LOAD_TOKENS", "SPECULATE_S"]

@@ -35,36 +35,74 @@ def naive_match(sets: dict[str, set[bytes]], hashes: list[bytes], replicas: list
 
 
 class IndexMachine(RuleBasedStateMachine):
-    """PrefixIndex == per-replica sets, under adds, removes, replica removal and slot reuse."""
+    """PrefixIndex == per-replica sets (confirmed by events) plus tentative entries (routed, not
+    yet confirmed, with deadlines), under adds, removes, speculation, expiry, replica removal
+    and slot reuse."""
 
     def __init__(self) -> None:
         super().__init__()
         self.index = PrefixIndex()
         self.model: dict[str, set[bytes]] = {}
+        self.tentative: dict[str, dict[bytes, float]] = {}
+        self.now = 0.0
+
+    def _effective(self) -> dict[str, set[bytes]]:
+        out = {r: set(s) for r, s in self.model.items()}
+        for r, t in self.tentative.items():
+            out.setdefault(r, set()).update(t)
+        return out
 
     @rule(r=st.sampled_from(REPLICAS), add=st.lists(st.sampled_from(HASHES), max_size=6),
           rm=st.lists(st.sampled_from(HASHES), max_size=6))
     def apply(self, r: str, add: list[bytes], rm: list[bytes]) -> None:
         self.index.apply(r, add, rm)
         s = self.model.setdefault(r, set())
+        t = self.tentative.setdefault(r, {})
         s.update(add)
         s.difference_update(rm)
+        for h in [*add, *rm]:
+            t.pop(h, None)
+
+    @rule(r=st.sampled_from(REPLICAS), hs=st.lists(st.sampled_from(HASHES), max_size=6),
+          ttl=st.integers(1, 5))
+    def speculate(self, r: str, hs: list[bytes], ttl: int) -> None:
+        eff = self._effective().get(r, set())
+        new = self.index.speculate(r, hs, self.now + ttl)
+        fresh = {h for h in hs if h not in eff}
+        assert new == len(fresh)
+        self.model.setdefault(r, set())
+        for h in fresh:
+            self.tentative.setdefault(r, {})[h] = self.now + ttl
+
+    @rule(dt=st.integers(0, 4))
+    def tick(self, dt: int) -> None:
+        self.now += dt
+        dropped = self.index.expire(self.now)
+        gone = 0
+        for t in self.tentative.values():
+            for h in [h for h, d in t.items() if d <= self.now]:
+                del t[h]
+                gone += 1
+        assert dropped == gone
 
     @rule(r=st.sampled_from(REPLICAS))
     def remove(self, r: str) -> None:
         held = self.index.remove_replica(r)
         assert held == len(self.model.pop(r, set()))
+        self.tentative.pop(r, None)
 
     @rule(q=st.lists(st.sampled_from(HASHES), max_size=8),
           among=st.lists(st.sampled_from(REPLICAS + ["zz"]), min_size=1, unique=True))
     def match(self, q: list[bytes], among: list[str]) -> None:
-        assert self.index.match(q, among) == naive_match(self.model, q, among)
+        assert self.index.match(q, among) == naive_match(self._effective(), q, among)
 
     @invariant()
     def counts(self) -> None:
         for r, s in self.model.items():
-            assert self.index.num_blocks(r) == len(s)
-        assert len(self.index) == len(set().union(*self.model.values()) if self.model else set())
+            assert self.index.num_blocks(r) == len(s)          # confirmed blocks only
+            assert self.index.num_tentative(r) == len(self.tentative.get(r, {}))
+        eff = self._effective()
+        assert len(self.index) == len(set().union(*eff.values()) if eff else set())
 
 
 TestIndex = IndexMachine.TestCase
