@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=0.5)
     ap.add_argument("--think", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--max-chars", type=int, default=400)
-    ap.add_argument("--device-blocks", type=int, default=96, help="per replica")
+    ap.add_argument("--max-chars", type=int, default=2500)
+    ap.add_argument("--device-blocks", type=int, default=192, help="per replica")
     ap.add_argument("--max-seqs", type=int, default=4)
     ap.add_argument("--configs", default="single,pow2,kv,kv+remote")
     ap.add_argument("--load-tokens", type=int, default=None,
