@@ -89,3 +89,20 @@ def test_the_engine_does_not_probe_its_mover() -> None:
     for path in (ROOT / "tiers").glob("*.py"):
         assert "except Exception" not in path.read_text().replace(
             "except Exception as e:  # noqa: BLE001", ""), path.name
+
+
+def test_a_mover_that_is_not_a_kvmover_is_refused(tiny_model) -> None:
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.engine.llm_engine import LLMEngine
+
+    class Duck:   # the old duck-typed shape: no longer enough
+        def apply_moves(self, moves): ...
+        def copy_blocks(self, copies): ...
+
+    with pytest.raises(ConfigError, match="KVMover"):
+        LLMEngine(tiny_model("llama"), None, CacheConfig(num_device_blocks=16),
+                  EngineConfig(device="cpu"), "tiny", kv_mover=Duck())
+    eng = LLMEngine(tiny_model("llama"), None, CacheConfig(num_device_blocks=16),
+                    EngineConfig(device="cpu"), "tiny", kv_mover=lambda kv: DeviceOnlyMover(kv))
+    assert isinstance(eng.kv_mover, DeviceOnlyMover)
+    eng.close()
