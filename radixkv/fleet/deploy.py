@@ -119,7 +119,14 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
     import ray
     from ray import serve
 
-    replicas = args.replicas or 1
+    from radixkv.errors import ConfigError
+
+    if args.port == 0:
+        raise ConfigError("--port 0 (any free port) is not supported with --replicas: Ray "
+                          "Serve's proxy needs the port up front; give one")
+    replicas = args.replicas if args.replicas is not None else 1
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
     cpus = args.ray_cpus or max(os.cpu_count() or 1, int(replicas * args.replica_cpus + 0.999))
     t0 = time.perf_counter()
     print(f"radixkv serve: starting {replicas} replica(s) on "

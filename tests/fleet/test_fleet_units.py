@@ -280,3 +280,15 @@ def test_each_replica_gets_its_own_disk_tier_directory(tmp_path: Any) -> None:
     assert a.disk_blocks == 8 and cc.disk_dir == str(tmp_path)
     plain = CacheConfig()
     assert replica_cache_config(plain, 3) is plain
+
+
+def test_fleet_flags_that_cannot_work_are_refused_before_ray_starts(capsys: Any) -> None:
+    import pytest
+
+    pytest.importorskip("ray.serve")
+    from radixkv.server.cli import main
+
+    assert main(["--replicas", "2", "--port", "0"]) == 2
+    assert "--port 0" in capsys.readouterr().err
+    assert main(["--replicas", "0", "--port", "8999"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
