@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.evict_index import EvictionIndex, RecencyIndex
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CMASK, DEVICE, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
@@ -194,9 +194,14 @@ class RequestOps:
 
         The same steps as ``_evict_one`` -> ``_move_out`` -> ``_drop`` for this case, without
         the calls: pop the policy's minimum, unmap it, re-file its parent if that became an
-        unreferenced leaf, free the block. O(1) per block with a ``RecencyIndex``.
+        unreferenced leaf, free the block. O(1) per block with a ``RecencyIndex``, whose pop
+        and add are inlined for LRU (``_drop_device_lru``).
         """
-        entries, index, hints = self._evictable[DEVICE], self._index, self._hints
+        entries = self._evictable[DEVICE]
+        if self._lru and type(entries) is RecencyIndex and self.drop_listener is None:
+            self._drop_device_lru(entries, num_blocks, moves)
+            return
+        index, hints = self._index, self._hints
         device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
         lru = self._lru
         pop_min, add = entries.pop_min, entries.add
@@ -225,7 +230,74 @@ class RequestOps:
             is_free[slot] = 1                    # BlockPool.free_one, inlined
             free_append(ids[slot])
             append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
+        self._count_drops(num_blocks)
+
+    def _count_drops(self, num_blocks: int) -> None:
         self._resident[DEVICE] -= num_blocks
         self._unreferenced -= num_blocks
         self.stats.evicted[DEVICE] += num_blocks
         self.stats.dropped += num_blocks
+
+    def _drop_device_lru(self, entries: RecencyIndex, num_blocks: int, moves: list[MoveOp]) -> None:
+        """``_drop_device`` for LRU with no drop listener: ``RecencyIndex.pop_min`` and ``add``
+        inlined (same steps, same order; the index's counters are written back at the end), so
+        a victim costs no Python call. This is the eviction path of every device-only engine."""
+        index, hints = self._index, self._hints
+        device_nodes, refs = self._device_nodes, self._refs
+        pool = self._pools[DEVICE]
+        is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
+        append = moves.append
+        q, live, side = entries._q, entries._live, entries._side
+        popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
+        gen, dead, nside = entries._gen, entries._dead, entries._nside
+        try:
+            for _ in range(num_blocks):
+                # -- RecencyIndex.pop_min: drop dead pairs at the head, then the smaller head
+                while q:
+                    e, g = q[0]
+                    if live.get(e) == g:
+                        if nside and side[0] < e:
+                            e = side.pop(0)
+                            nside -= 1
+                        else:
+                            popleft()
+                            del live[e]
+                        break
+                    popleft()
+                    dead -= 1
+                else:
+                    e = side.pop(0)
+                    nside -= 1
+                h = e[1]
+                node = index.pop(h)
+                slot = node.slot
+                assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
+                device_nodes[slot] = None
+                if hints:
+                    hints.pop(h, None)
+                p = node.parent
+                if p is not None:
+                    if p.child is node:
+                        p.child = None
+                    c = p.children - 1
+                    p.children = c
+                    if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
+                        # -- RecencyIndex.add of its LRU entry
+                        e = (p.last_access, p.block_hash)
+                        if not q or e > q[-1][0]:
+                            gen += 1
+                            live[e] = gen
+                            qappend((e, gen))
+                        elif e < q[0][0]:
+                            gen += 1
+                            live[e] = gen
+                            qappendleft((e, gen))
+                        else:
+                            side.add(e)
+                            nside += 1
+                is_free[slot] = 1                    # BlockPool.free_one, inlined
+                free_append(ids[slot])
+                append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
+        finally:
+            entries._gen, entries._dead, entries._nside = gen, dead, nside
+        self._count_drops(num_blocks)
