@@ -154,38 +154,51 @@ def _chains(num_blocks: int, chain_blocks: int = 32, seed: int = 2) -> list[list
     return [[rng.randrange(49152) for _ in range(chain_blocks * BS)] for _ in range(n_chains)]
 
 
-def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager) -> list[dict]:
+def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
+                   baseline=None, rounds: int = 9) -> list[dict]:
+    """CPU us per evicted block at each tree size: the median of ``rounds`` rounds of
+    ``evict_n / rounds`` evictions; with ``baseline`` (a BlockManager class) its tree of the
+    same size is evicted in alternate rounds, so both see the same load (before/after)."""
     rows = []
     for n in sizes:
         prompts = _chains(n)
-        bm, cached = build_tree([p + [0] for p in prompts], n + 64, bm_cls)
+        impls = {"after": bm_cls, **({"before": baseline} if baseline else {})}
+        trees = {}
+        for name, cls in impls.items():
+            bm, cached = build_tree([p + [0] for p in prompts], n + 64, cls)
+            trees[name] = bm
         k = min(evict_n, cached // 2)
-        rounds = 5
         per = max(1, k // rounds)
         gc.collect()
-        samples = []
-        for _ in range(rounds):  # median of rounds: single timings swing 3x on a shared VM
-            t0 = time.perf_counter()
-            bm.tree.evict(DEVICE, per)
-            samples.append((time.perf_counter() - t0) / per)
-        samples.sort()
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(rounds):  # median of rounds, interleaved: single timings swing on a shared VM
+            for name, bm in trees.items():
+                t0 = time.process_time()
+                bm.tree.evict(DEVICE, per)
+                samples[name].append((time.process_time() - t0) / per)
         # Floor: what every eviction must do at least, in an index of this size: pop the
         # victim's entry from a dict of every cached block and free its slot (a list append).
-        table = {h: None for h in list(bm.tree._index)[:per * rounds]}
-        big = dict.fromkeys(bm.tree._index, None)
+        index = trees["after"].tree._index
+        table = {h: None for h in list(index)[:per * rounds]}
+        big = dict.fromkeys(index, None)
         free: list[int] = []
         keys = list(table)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for h in keys:
             big.pop(h)
             free.append(0)
-        floor = (time.perf_counter() - t0) / len(keys)
-        rows.append({"cached_blocks": cached, "evicted": per * rounds,
-                     "us_per_block": samples[rounds // 2] * 1e6,
-                     "min_us": samples[0] * 1e6, "max_us": samples[-1] * 1e6,
-                     "floor_us": floor * 1e6, "x_floor": samples[rounds // 2] / floor})
-        del table, big, free, keys
-        del bm
+        floor = (time.process_time() - t0) / len(keys)
+        after = sorted(samples["after"])
+        med = after[rounds // 2]
+        row = {"cached_blocks": cached, "evicted": per * rounds, "us_per_block": med * 1e6,
+               "min_us": after[0] * 1e6, "max_us": after[-1] * 1e6,
+               "floor_us": floor * 1e6, "x_floor": med / floor}
+        if baseline:
+            old = sorted(samples["before"])[rounds // 2]
+            row.update(before_us_per_block=old * 1e6, before_x_floor=old / floor,
+                       after_over_before=med / old)
+        rows.append(row)
+        del table, big, free, keys, index, trees
         gc.collect()
     return rows
 
@@ -306,11 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                             "floor_tok_per_s": BS / floor * 1e9}
     results["decode"] = bench_append_fork_free(16 if args.quick else 64, 128 if args.quick else 512)
     sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
-    results["eviction"] = bench_eviction(sizes)
-    if before:
-        for row, old in zip(results["eviction"], bench_eviction(sizes, bm_cls=before)):
-            row["before_us_per_block"] = old["us_per_block"]
-            row["before_x_floor"] = old["x_floor"]
+    results["eviction"] = bench_eviction(sizes, baseline=before)
     n_mem = 10_000 if args.quick else 100_000
     results["memory"] = bench_memory(n_mem)
     if before:

@@ -245,30 +245,30 @@ class RequestOps:
         index, hints = self._index, self._hints
         device_nodes, refs = self._device_nodes, self._refs
         pool = self._pools[DEVICE]
-        is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
+        is_free, free_append = pool._is_free, pool._free.append
         append = moves.append
         q, live, side = entries._q, entries._live, entries._side
         popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
-        gen, dead, nside = entries._gen, entries._dead, entries._nside
+        dead, nside = entries._dead, entries._nside
         try:
             for _ in range(num_blocks):
                 # -- RecencyIndex.pop_min: drop dead pairs at the head, then the smaller head
                 while q:
-                    e, g = q[0]
-                    if live.get(e) == g:
+                    e = q[0]
+                    h = e[1]
+                    if live.get(h) is e:
                         if nside and side[0] < e:
-                            e = side.pop(0)
+                            h = side.pop(0)[1]
                             nside -= 1
                         else:
                             popleft()
-                            del live[e]
+                            del live[h]
                         break
                     popleft()
                     dead -= 1
                 else:
-                    e = side.pop(0)
+                    h = side.pop(0)[1]
                     nside -= 1
-                h = e[1]
                 node = index.pop(h)
                 slot = node.slot
                 assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
@@ -284,20 +284,18 @@ class RequestOps:
                     if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
                         # -- RecencyIndex.add of its LRU entry
                         e = (p.last_access, p.block_hash)
-                        if not q or e > q[-1][0]:
-                            gen += 1
-                            live[e] = gen
-                            qappend((e, gen))
-                        elif e < q[0][0]:
-                            gen += 1
-                            live[e] = gen
-                            qappendleft((e, gen))
+                        if not q or e > q[-1]:
+                            live[e[1]] = e
+                            qappend(e)
+                        elif e < q[0]:
+                            live[e[1]] = e
+                            qappendleft(e)
                         else:
                             side.add(e)
                             nside += 1
-                is_free[slot] = 1                    # BlockPool.free_one, inlined
-                free_append(ids[slot])
+                is_free[slot] = 1      # BlockPool.free_one, inlined (slot is the pool's int)
+                free_append(slot)
                 append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
         finally:
-            entries._gen, entries._dead, entries._nside = gen, dead, nside
+            entries._dead, entries._nside = dead, nside
         self._count_drops(num_blocks)
