@@ -11,8 +11,8 @@ issue 14), loaded from git into the same process: before/after on the same machi
   * append_slot cost per sequence per decode step, fork and free cost;
   * eviction cost per block at 10^3 .. 10^6 cached blocks (target: <= 1 us, flat);
   * metadata bytes per cached block (tracemalloc; target: <= 200 B).
-Times are CPU time of this process (``time.process_time``) where a figure is compared with a
-floor: on a shared machine the wall clock swings with other tenants, CPU time much less.
+Times are CPU time of this process (``time.process_time``): on a shared machine the wall clock
+swings with other tenants, CPU time much less.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tracemalloc
 import xxhash
 
 from radixkv.benchmarks._common import (
-    plain_doc, print_table, run_header, time_median, write_results,
+    plain_doc, print_table, run_header, write_results,
 )
 from radixkv.benchmarks._core_baseline import BEFORE_ISSUE_14, load_core
 from radixkv.core.block_manager import BlockManager
@@ -35,6 +35,19 @@ from radixkv.core.tree import DEVICE
 
 BS = 16
 NS = Namespace("bench-core")
+
+
+def cpu_median(fn, repeat: int = 3) -> float:
+    """Median CPU seconds (``time.process_time``) of ``repeat`` calls of ``fn`` after one warm-up:
+    on a shared machine the wall clock swings with other tenants, this process's CPU time much
+    less (``time_median`` of ``_common`` is wall time)."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        samples.append(time.process_time() - t0)
+    return sorted(samples)[len(samples) // 2]
 
 
 def synthetic_requests(num_convs: int, turns: int, seed: int = 0) -> list[list[int]]:
@@ -70,7 +83,7 @@ def floor_ns_per_block(prompts: list[list[int]]) -> float:
         return n
 
     nblocks = run()
-    return time_median(run, repeat=3) / nblocks * 1e9
+    return cpu_median(run, repeat=3) / nblocks * 1e9
 
 
 def build_tree(prompts: list[list[int]], num_blocks: int, bm_cls=BlockManager) -> tuple:
@@ -96,7 +109,7 @@ def bench_match_insert(prompts: list[list[int]]) -> dict:
             nodes, _ = tree.match_tokens(tok, NS.seed)
             matched_tokens += len(nodes) * BS
 
-    t_match = time_median(match_all, repeat=3)
+    t_match = cpu_median(match_all, repeat=3)
     match_tok_s = matched_tokens / t_match
 
     # insert = BlockManager.commit of freshly computed prompts (hash + dedupe + tree insert), the
@@ -106,9 +119,9 @@ def bench_match_insert(prompts: list[list[int]]) -> dict:
         spent = 0.0
         for i, p in enumerate(prompts):
             bm2.allocate(i, p, NS)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             bm2.commit(i, len(p))
-            spent += time.perf_counter() - t0
+            spent += time.process_time() - t0
             bm2.free(i)
         return spent
 
@@ -125,24 +138,24 @@ def bench_append_fork_free(num_seqs: int = 64, steps: int = 512) -> dict:
         bm.allocate(s, [rng.randrange(1000) for _ in range(100)], NS)
         bm.commit(s, 100)
     toks = [rng.randrange(1000) for _ in range(steps)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for t in toks:
         for s in range(num_seqs):
             bm.append_slot(s, t)
-    t_append = (time.perf_counter() - t0) / (steps * num_seqs)
-    t0 = time.perf_counter()
+    t_append = (time.process_time() - t0) / (steps * num_seqs)
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.commit(s, bm.num_tokens(s) - 1)
-    t_commit = (time.perf_counter() - t0) / (steps * num_seqs)
+    t_commit = (time.process_time() - t0) / (steps * num_seqs)
     blocks_per_seq = len(bm.block_table(0))
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.fork(s, ("f", s))
-    t_fork = (time.perf_counter() - t0) / num_seqs
-    t0 = time.perf_counter()
+    t_fork = (time.process_time() - t0) / num_seqs
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.free(("f", s))
-    t_free = (time.perf_counter() - t0) / num_seqs
+    t_free = (time.process_time() - t0) / num_seqs
     bm.check_invariants()
     return {"append_slot_us": t_append * 1e6, "commit_us_per_token": t_commit * 1e6,
             "fork_us": t_fork * 1e6, "free_us": t_free * 1e6, "blocks_per_seq": blocks_per_seq}
