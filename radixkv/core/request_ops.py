@@ -152,6 +152,7 @@ class RequestOps:
         index, device_nodes, refs = self._index, self._device_nodes, self._refs
         canonical = self._pools[DEVICE]._ids
         xxh = _xxh3_128
+        new_node = object.__new__
         out: list[Node] = []
         append = out.append
         h = prev_hash
@@ -166,7 +167,18 @@ class RequestOps:
             if h in index:
                 break
             assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
-            node = Node(h, parent, chunk, DEVICE, canonical[b], now)
+            # Node(h, parent, chunk, DEVICE, slot, now) field by field: no __init__ frame
+            # (248 -> 168 ns a node here); the same fields as Node.__init__ sets.
+            node = new_node(Node)
+            node.block_hash = h
+            node.parent = parent
+            node.tokens = chunk
+            node.tier = DEVICE
+            node.slot = canonical[b]
+            node.children = 0
+            node.last_access = now
+            node.hits = 0
+            node.child = None
             if parent is not None:
                 parent.child = node
             index[h] = node
