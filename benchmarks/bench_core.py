@@ -184,7 +184,7 @@ def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
         per = max(1, k // rounds)
         gc.collect()
         samples: dict[str, list[float]] = {name: [] for name in impls}
-        for _ in range(rounds):  # median of rounds, interleaved: single timings swing on a shared VM
+        for _ in range(rounds):  # median of interleaved rounds: single timings swing on a shared VM
             for name, bm in trees.items():
                 t0 = time.process_time()
                 bm.tree.evict(DEVICE, per)
@@ -310,11 +310,73 @@ def bench_trace(requests, baseline=None, fractions=FRACTIONS, repeat: int = 2) -
     return rows
 
 
+HIT_FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _lru_replay(bm_cls, requests, device_blocks: int, lower: tuple[int, ...]) -> tuple:
+    """Per-request cached tokens per tier and the tree's final counters of one LRU replay with
+    the trace's arrival times as the clock (as ``radixkv bench hit-rate`` replays it)."""
+    clock = _TraceClock()
+    bm = bm_cls.create(device_blocks, BS, "lru", lower_tier_blocks=lower, clock=clock)
+    per_request = []
+    for j, r in enumerate(requests):
+        clock.now = r.t
+        per_request.append(bm.allocate(j, r.prompt, NS).cached_tokens_per_tier)
+        bm.commit(j, len(r.prompt))
+        if r.reply:
+            bm.append_slots(j, r.reply)
+            bm.commit(j, len(r.prompt) + len(r.reply))
+        bm.free(j)
+    bm.check_invariants()
+    st = bm.tree.stats
+    return per_request, (list(st.evicted), list(st.promoted), st.dropped, st.inserted)
+
+
+class _TraceClock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def check_same_hits(requests, baseline, fractions=HIT_FRACTIONS) -> list[dict]:
+    """LRU hit identity, request by request, between this core and ``baseline`` (a BlockManager
+    class): at each device capacity (a fraction of the working set of prompts + replies),
+    device only and with a host (2x) and disk (4x) tier, every request's cached tokens per tier
+    and the final evictions, promotions, drops and inserts per tier must be equal."""
+    distinct: set[bytes] = set()
+    for r in requests:
+        distinct.update(hash_blocks(token_bytes(r.prompt + r.reply), BS, NS.seed))
+    longest = max(len(r.prompt) + len(r.reply) for r in requests) // BS + 2
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    rows = []
+    for f in fractions:
+        dev = max(int(len(distinct) * f), longest)
+        for lower in ((), (2 * dev, 4 * dev)):
+            after, after_stats = _lru_replay(BlockManager, requests, dev, lower)
+            before, before_stats = _lru_replay(baseline, requests, dev, lower)
+            rows.append({"capacity": f, "device_blocks": dev, "tiers": 1 + len(lower),
+                         "hit_rate": sum(sum(x) for x in after) / prompt_tokens,
+                         "device_hit_rate": sum(x[0] for x in after) / prompt_tokens,
+                         "evictions": after_stats[0][0],
+                         "same_per_request": after == before,
+                         "same_counters": after_stats == before_stats})
+            print_table([rows[-1]], title=None)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench core", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true",
                     help="small sizes (CI smoke run); results go to a temporary folder")
     ap.add_argument("--synthetic-only", action="store_true", help="skip the ShareGPT trace")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each whole-loop replay, interleaved with the baseline's; the "
+                         "best is kept (default 3; 1 with --quick)")
+    ap.add_argument("--check-hits", action="store_true",
+                    help="also replay the chat trace with LRU at 8 capacities, device only and "
+                         "with host+disk tiers, and check every request's hits against the "
+                         "baseline core (a few minutes)")
     ap.add_argument("--baseline", default=BEFORE_ISSUE_14,
                     help="commit whose radixkv/core is timed beside this one ('' for none)")
     args = ap.parse_args(argv)
@@ -354,7 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nShareGPT chat trace, whole bookkeeping per request (CPU us) against the floor")
         results["sharegpt"] = {**mi_real, "floor_ns_per_block": floor_real,
                                "floor_tok_per_s": BS / floor_real * 1e9,
-                               "trace": bench_trace(trace, before, repeat=1 if args.quick else 2)}
+                               "trace": bench_trace(trace, before,
+                                                    repeat=1 if args.quick else args.repeat)}
+        if args.check_hits and before:
+            print("\nLRU hits request by request against the baseline core")
+            results["same_hits"] = check_same_hits(
+                trace, before, HIT_FRACTIONS[3:5] if args.quick else HIT_FRACTIONS)
 
     rows = []
     for name in ("synthetic", "sharegpt"):
@@ -376,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results["sharegpt"]["trace"],
                     title="ShareGPT chat trace, whole loop per request, CPU us "
                           "(target <= 2x floor)")
+    if "same_hits" in results:
+        print_table(results["same_hits"], title="LRU hits request by request vs the baseline core")
     write_results("core_quick" if args.quick else "core", header, results)
     return 0
 

@@ -13,11 +13,13 @@ that arrive in any order (priority, a cost-aware score). ``FrequencyIndex`` (LFU
 key is "now", larger than every entry) or when its last child leaves its tier (its key is
 its child's, or close to it: at the front). So it keeps a sorted ``deque`` of entries, adds at
 either end in O(1) when the new entry belongs there, removes lazily (a dict from block hash to
-the live entry object says which queued entries are still live), and puts the rare entry that belongs in the middle into a
-``SortedList`` beside it. The minimum is the smaller of the two heads. Add, remove and pop-min
-cost amortised O(1) for queued entries and O(log m) for the m side entries (m is 0 on the
-traces we measured). An ``OrderedDict`` run did the same at about twice the cost per operation
-(its iterators and node bookkeeping).
+the live entry object says which queued entries are still live), and puts the rare entry that
+belongs in the middle into a ``SortedList`` beside it. The minimum is the smaller of the two
+heads. Add, remove and pop-min cost amortised O(1) for queued entries and O(log m) for the m
+side entries (m is 0 on the traces we measured). An index holds at most one entry per block
+hash (a node is filed once per tier), which is what lets liveness be keyed by the hash. An
+``OrderedDict`` run did the same at about twice the cost per operation (its iterators and node
+bookkeeping).
 
 The seam for new policies (issue 15): a policy may define ``new_index()`` returning any
 object with this interface (``add``, ``remove``, ``pop_min``, ``min``, ``__len__``,

@@ -23,7 +23,8 @@ B = 2
 
 # A request: a prefix id (shared first blocks) and a tail; the clock advances 0 or 1 between
 # requests (0: equal access times, ordered by hash); then an eviction of some blocks.
-REQUESTS = st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 5), min_size=1, max_size=9),
+REQUESTS = st.lists(st.tuples(st.integers(0, 3),
+                              st.lists(st.integers(0, 5), min_size=1, max_size=9),
                               st.integers(0, 1), st.integers(0, 6), st.booleans()),
                     min_size=1, max_size=40)
 
