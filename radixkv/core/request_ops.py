@@ -23,7 +23,7 @@ import xxhash
 
 from radixkv.core.evict_index import EvictionIndex, RecencyIndex
 from radixkv.core.hashing import TOKEN_BYTES
-from radixkv.core.node import _CMASK, DEVICE, MoveOp, Node, TreeStats
+from radixkv.core.node import _CBITS, _CMASK, DEVICE, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
 
 _xxh3_128 = xxhash.xxh3_128_digest
@@ -48,6 +48,9 @@ class RequestOps:
     _lru: bool
     drop_listener: Callable[[Node], None] | None
     insert_listener: Callable[[list[Node]], None] | None
+    #: Device evictions of a tiered write-back LRU tree take ``_demote_device_lru``; a tree
+    #: with this set to False takes the generic per-node path (for the differential test).
+    _inline_demotion = True
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _entry(self, node: Node) -> tuple: ...
@@ -243,6 +246,89 @@ class RequestOps:
             free_append(ids[slot])
             append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
         self._count_drops(num_blocks)
+
+    def _demote_device_lru(self, num_blocks: int, moves: list[MoveOp]) -> None:
+        """``evict(DEVICE, n)`` of a tiered write-back LRU tree in one loop: each victim moves
+        into tier 1, as ``_evict_one`` -> ``_move_out`` -> ``_set_tier`` -> ``_consider`` do it
+        (same steps, same order, same moves), with the device index's pop and add inlined.
+
+        Making room in tier 1 stays the generic ``_evict_one(1)``: it touches tier 1 and
+        slower tiers only (a parent is re-filed in its own tier, and a demoted node's parent is
+        on the device), never the device index or the device counters this loop keeps in
+        locals. ``_inline_demotion = False`` on a tree sends it through the generic path
+        (the differential test does). O(1) per block, plus the cascade's own cost.
+        """
+        entries = self._evictable[DEVICE]
+        assert type(entries) is RecencyIndex
+        host_index = self._evictable[1]
+        host_add = host_index.add
+        index, device_nodes, refs = self._index, self._device_nodes, self._refs
+        host_pool, dev_pool = self._pools[1], self._pools[DEVICE]
+        host_free, host_is_free = host_pool._free, host_pool._is_free
+        is_free, free_append = dev_pool._is_free, dev_pool._free.append
+        append = moves.append
+        q, live, side = entries._q, entries._live, entries._side
+        popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
+        dead, nside = entries._dead, entries._nside
+        host_shift = _CBITS
+        try:
+            for _ in range(num_blocks):
+                # -- RecencyIndex.pop_min of the device index
+                while q:
+                    e = q[0]
+                    h = e[1]
+                    if live.get(h) is e:
+                        if nside and side[0] < e:
+                            h = side.pop(0)[1]
+                            nside -= 1
+                        else:
+                            popleft()
+                            del live[h]
+                        break
+                    popleft()
+                    dead -= 1
+                else:
+                    h = side.pop(0)[1]
+                    nside -= 1
+                node = index[h]
+                slot = node.slot
+                assert node.tier == DEVICE and not node.children & _CMASK and refs[slot] == 0, (
+                    f"demoting a held or non-leaf {node}")
+                device_nodes[slot] = None
+                if not host_free:
+                    self._evict_one(1, moves)     # make room in tier 1 (generic, cascades)
+                new_slot = host_free.pop()        # BlockPool.allocate_one, inlined
+                host_is_free[new_slot] = 0
+                append(_tuple_new(MoveOp, (h, DEVICE, slot, 1, new_slot, False)))
+                p = node.parent
+                if p is not None:                 # on the device, as its child was
+                    c = p.children - 1            # one device child fewer, one host child more
+                    p.children = c + (1 << host_shift)
+                    if not c & _CMASK and refs[p.slot] == 0:
+                        # -- the parent is now an evictable device leaf: RecencyIndex.add
+                        e = (p.last_access, p.block_hash)
+                        if not q or e > q[-1]:
+                            live[e[1]] = e
+                            qappend(e)
+                        elif e < q[0]:
+                            live[e[1]] = e
+                            qappendleft(e)
+                        else:
+                            side.add(e)
+                            nside += 1
+                node.tier = 1
+                node.slot = new_slot
+                if not (node.children >> host_shift) & _CMASK:   # a leaf of tier 1 too
+                    host_add((node.last_access, h))
+                is_free[slot] = 1                 # BlockPool.free_one, inlined
+                free_append(slot)
+        finally:
+            entries._dead, entries._nside = dead, nside
+        self._resident[DEVICE] -= num_blocks
+        self._resident[1] += num_blocks
+        self._unreferenced -= num_blocks
+        self.stats.evicted[DEVICE] += num_blocks
+        self.stats.demoted_in[1] += num_blocks
 
     def _count_drops(self, num_blocks: int) -> None:
         self._resident[DEVICE] -= num_blocks
