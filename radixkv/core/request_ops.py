@@ -1,8 +1,8 @@
 """The block manager's per-request paths through the ``RadixTree``: one pass per request.
 
 ``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_blocks`` / ``lock_nodes``
-(allocate, fork), ``release_blocks`` (free), ``insert_run`` (commit) and ``_drop_device`` (the
-eviction loop of a device-only tree). Each does, for a whole request, what the per-node methods
+(allocate, fork), ``release_blocks`` (free), ``insert_run`` (commit), and the device eviction
+loops ``_drop_device`` (a device-only tree) and ``_demote_device_lru`` (a tiered LRU tree). Each does, for a whole request, what the per-node methods
 (``lock``, ``release``, ``insert``, ``_evict_one``) do one block at a time, with the same result,
 but each block costs a few list and attribute operations and no method-call chain. A node
 enters or leaves its tier's eviction index only where its refcount crosses zero *and* it is a
@@ -203,6 +203,19 @@ class RequestOps:
             if self.insert_listener is not None:
                 self.insert_listener(out)
         return out
+
+    def _evict_device(self, num_blocks: int, moves: list[MoveOp]) -> bool:
+        """``evict(DEVICE, n)`` in one loop where there is one: a device-only tree drops its
+        victims (``_drop_device``), a tiered write-back LRU tree demotes them into tier 1
+        (``_demote_device_lru``). False (nothing done): take the per-node path."""
+        if self.num_tiers == 1:
+            self._drop_device(num_blocks, moves)
+            return True
+        if self._inline_demotion and not self._wt and self._lru and \
+                type(self._evictable[DEVICE]) is RecencyIndex:
+            self._demote_device_lru(num_blocks, moves)
+            return True
+        return False
 
     def _drop_device(self, num_blocks: int, moves: list[MoveOp]) -> None:
         """``evict`` of a device-only tree in one loop: each victim leaves the cache.

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
-from radixkv.core.evict_index import EvictionIndex, RecencyIndex, SortedIndex
+from radixkv.core.evict_index import EvictionIndex, SortedIndex
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
@@ -409,12 +409,7 @@ class RadixTree(RequestOps, TierOps):
                               "every cached block of this tier is in use by a live sequence")
         moves = self._pending    # queued write-through moves run first
         self._pending = []
-        if self.num_tiers == 1:
-            self._drop_device(num_blocks, moves)
-            return moves
-        if tier == DEVICE and self._inline_demotion and not self._wt and self._lru and \
-                type(self._evictable[DEVICE]) is RecencyIndex:
-            self._demote_device_lru(num_blocks, moves)
+        if tier == DEVICE and self._evict_device(num_blocks, moves):
             return moves
         for _ in range(num_blocks):
             self._evict_one(tier, moves)
