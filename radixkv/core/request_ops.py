@@ -2,14 +2,15 @@
 
 ``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_blocks`` / ``lock_nodes``
 (allocate, fork), ``release_blocks`` (free), ``insert_run`` (commit), and the device eviction
-loops ``_drop_device`` (a device-only tree) and ``_demote_device_lru`` (a tiered LRU tree).
-Each does, for a whole request, what the per-node methods (``lock``, ``release``, ``insert``,
+loops ``_drop_device`` (a device-only tree) and ``_demote_device_lru`` (a tiered LRU tree). Each
+does, for a whole request, what the per-node methods (``lock``, ``release``, ``insert``,
 ``_evict_one``) do one block at a time, with the same result, but each block costs a few list
 and attribute operations and no method-call chain. A node enters or leaves its tier's eviction
-index only where its refcount crosses zero *and* it is a leaf in its tier; in a sequence's
-chain that is at most its deepest node, so the index is touched O(1) times per request. This is what path compression would buy (lock, release and
-touch O(1) per request), kept with one node per block, which the tiers need (architecture.md).
-Write-through trees take the per-node methods (their copies are re-filed around each change).
+index only where its refcount crosses zero *and* it is a leaf in its tier; in a sequence's chain
+that is at most its deepest node, so the index is touched O(1) times per request. This is what
+path compression would buy (lock, release and touch O(1) per request), kept with one node per
+block, which the tiers need (architecture.md). Write-through trees take the per-node methods
+(their copies are re-filed around each change).
 
 Pure Python: this module imports no torch.
 """
