@@ -377,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also replay the chat trace with LRU at 8 capacities, device only and "
                          "with host+disk tiers, and check every request's hits against the "
                          "baseline core (a few minutes)")
+    ap.add_argument("--name", default="core",
+                    help="results file name under benchmarks/results/ (default core; e.g. "
+                         "core_vs_2947032 for a run against another baseline)")
     ap.add_argument("--baseline", default=BEFORE_ISSUE_14,
                     help="commit whose radixkv/core is timed beside this one ('' for none)")
     args = ap.parse_args(argv)
@@ -445,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                           "(target <= 2x floor)")
     if "same_hits" in results:
         print_table(results["same_hits"], title="LRU hits request by request vs the baseline core")
-    write_results("core_quick" if args.quick else "core", header, results)
+    write_results("core_quick" if args.quick else args.name, header, results)
     return 0
 
 
