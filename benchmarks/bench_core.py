@@ -216,6 +216,43 @@ def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
     return rows
 
 
+def bench_demotion(sizes: list[int], evict_n: int = 1800, baseline=None,
+                   rounds: int = 9) -> list[dict]:
+    """CPU us per device eviction of a 3-tier LRU tree (device -> host demotion; host and disk
+    as large as the device, so nothing cascades), median of ``rounds`` interleaved rounds, with
+    ``baseline``'s tree of the same size evicted in alternate rounds."""
+    rows = []
+    for n in sizes:
+        prompts = [p + [0] for p in _chains(n)]
+        impls = {"after": BlockManager, **({"before": baseline} if baseline else {})}
+        trees = {}
+        for name, cls in impls.items():
+            bm = cls.create(n + 64, BS, lower_tier_blocks=(n + 64, n + 64))
+            for i, p in enumerate(prompts):
+                bm.allocate(i, p, NS)
+                bm.commit(i, len(p))
+                bm.free(i)
+            trees[name] = bm
+        cached = len(trees["after"].tree)
+        per = max(1, min(evict_n, cached // 2) // rounds)
+        gc.collect()
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(rounds):
+            for name, bm in trees.items():
+                t0 = time.process_time()
+                bm.tree.evict(DEVICE, per)
+                samples[name].append((time.process_time() - t0) / per)
+        med = sorted(samples["after"])[rounds // 2]
+        row = {"cached_blocks": cached, "demoted": per * rounds, "us_per_block": med * 1e6}
+        if baseline:
+            old = sorted(samples["before"])[rounds // 2]
+            row.update(before_us_per_block=old * 1e6, after_over_before=med / old)
+        rows.append(row)
+        del trees
+        gc.collect()
+    return rows
+
+
 def bench_memory(num_blocks: int = 100_000, bm_cls=BlockManager) -> dict:
     """Bytes traced per cached block when chains are cached through the real commit path."""
     prompts = [p + [0] for p in _chains(num_blocks)]
@@ -398,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     results["decode"] = bench_append_fork_free(16 if args.quick else 64, 128 if args.quick else 512)
     sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
     results["eviction"] = bench_eviction(sizes, baseline=before)
+    results["demotion"] = bench_demotion(sizes[:3], baseline=before)
     n_mem = 10_000 if args.quick else 100_000
     results["memory"] = bench_memory(n_mem)
     if before:
@@ -439,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}],
                 title="decode bookkeeping per sequence per step")
     print_table(results["eviction"], title="eviction cost per block (target <= 1 us at 10^6, flat)")
+    print_table(results["demotion"], title="device -> host demotion per block, 3 tiers (LRU)")
     m = results["memory"]
     print_table([{k: m[k] for k in m if k != "note"}],
                 title="metadata per cached block (target <= 200 B)")
