@@ -35,6 +35,7 @@ class RequestOps:
     """Batched per-request operations of ``RadixTree`` (a mixin; see the module docstring)."""
 
     block_size: int
+    num_tiers: int
     clock: Callable[[], float]
     stats: TreeStats
     _pools: list[BlockPool]
@@ -59,6 +60,7 @@ class RequestOps:
                     now: float) -> Node: ...
         def lock(self, node: Node, now: float | None = None) -> None: ...
         def release(self, node: Node, now: float | None = None) -> None: ...
+        def _drop(self, node: Node) -> None: ...
 
     def lock_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
         """Take one reference on each device block: ``lock`` for cached ones, a plain refcount
@@ -266,11 +268,11 @@ class RequestOps:
         into tier 1, as ``_evict_one`` -> ``_move_out`` -> ``_set_tier`` -> ``_consider`` do it
         (same steps, same order, same moves), with the device index's pop and add inlined.
 
-        Making room in tier 1 stays the generic ``_evict_one(1)``: it touches tier 1 and
-        slower tiers only (a parent is re-filed in its own tier, and a demoted node's parent is
-        on the device), never the device index or the device counters this loop keeps in
-        locals. ``_inline_demotion = False`` on a tree sends it through the generic path
-        (the differential test does). O(1) per block, plus the cascade's own cost.
+        Making room in tier 1 (``_make_room_lru``) touches tier 1 and slower tiers only (a
+        parent is re-filed in its own tier, and a demoted node's parent is on the device), never
+        the device index or the device counters this loop keeps in locals.
+        ``_inline_demotion = False`` on a tree sends it through the generic path (the
+        differential test does). O(1) per block, plus the cascade's own cost.
         """
         entries = self._evictable[DEVICE]
         assert type(entries) is RecencyIndex
@@ -310,7 +312,7 @@ class RequestOps:
                     f"demoting a held or non-leaf {node}")
                 device_nodes[slot] = None
                 if not host_free:
-                    self._evict_one(1, moves)     # make room in tier 1 (generic, cascades)
+                    self._make_room_lru(1, moves)   # make room in tier 1 (cascades)
                 new_slot = host_free.pop()        # BlockPool.allocate_one, inlined
                 host_is_free[new_slot] = 0
                 append(_tuple_new(MoveOp, (h, DEVICE, slot, 1, new_slot, False)))
@@ -343,6 +345,47 @@ class RequestOps:
         self._unreferenced -= num_blocks
         self.stats.evicted[DEVICE] += num_blocks
         self.stats.demoted_in[1] += num_blocks
+
+    def _make_room_lru(self, t: int, moves: list[MoveOp]) -> None:
+        """Evict tier ``t``'s LRU victim (``t >= 1``, write-back: no copies anywhere), as
+        ``_evict_one(t)`` -> ``_move_out`` -> ``_set_tier`` -> ``_consider`` do it, without the
+        call chain: demote it into tier t+1 (making room there first, recursively) or, from
+        the last tier, drop it (``_drop``, with the drop listener). Same steps, same order,
+        same moves. O(1) per tier of the cascade with a ``RecencyIndex``."""
+        node = self._index[self._evictable[t].pop_min()[1]]
+        h, old_slot = node.block_hash, node.slot
+        assert node.tier == t and not (node.children >> (_CBITS * t)) & _CMASK, (
+            f"tier {t}: evicting a non-leaf {node}")
+        stats = self.stats
+        stats.evicted[t] += 1
+        u = t + 1
+        if u < self.num_tiers:
+            dst = self._pools[u]
+            free = dst._free
+            if not free:
+                self._make_room_lru(u, moves)
+            new_slot = free.pop()                 # BlockPool.allocate_one, inlined
+            dst._is_free[new_slot] = 0
+            moves.append(_tuple_new(MoveOp, (h, t, old_slot, u, new_slot, False)))
+            p = node.parent
+            if p is not None:                     # one child fewer in tier t, one more in u
+                shift = _CBITS * t
+                c = p.children - (1 << shift)
+                p.children = c + (1 << (_CBITS * u))
+                if p.tier == t and not (c >> shift) & _CMASK:
+                    self._evictable[t].add((p.last_access, p.block_hash))   # a leaf of t now
+            self._resident[t] -= 1
+            self._resident[u] += 1
+            node.tier = u
+            node.slot = new_slot
+            if not (node.children >> (_CBITS * u)) & _CMASK:
+                self._evictable[u].add((node.last_access, h))
+            stats.demoted_in[u] += 1
+        else:
+            assert node.children == 0, f"dropping {node} would orphan its children"
+            self._drop(node)
+            moves.append(_tuple_new(MoveOp, (h, t, old_slot, None, None, False)))
+        self._pools[t].free_one(old_slot)
 
     def _count_drops(self, num_blocks: int) -> None:
         self._resident[DEVICE] -= num_blocks
