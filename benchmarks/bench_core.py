@@ -11,8 +11,8 @@ issue 14), loaded from git into the same process: before/after on the same machi
   * append_slot cost per sequence per decode step, fork and free cost;
   * eviction cost per block at 10^3 .. 10^6 cached blocks (target: <= 1 us, flat);
   * metadata bytes per cached block (tracemalloc; target: <= 200 B).
-Times are CPU time of this process (``time.process_time``) where a figure is compared with a
-floor: on a shared machine the wall clock swings with other tenants, CPU time much less.
+Times are CPU time of this process (``time.process_time``): on a shared machine the wall clock
+swings with other tenants, CPU time much less.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tracemalloc
 import xxhash
 
 from radixkv.benchmarks._common import (
-    plain_doc, print_table, run_header, time_median, write_results,
+    plain_doc, print_table, run_header, write_results,
 )
 from radixkv.benchmarks._core_baseline import BEFORE_ISSUE_14, load_core
 from radixkv.core.block_manager import BlockManager
@@ -35,6 +35,19 @@ from radixkv.core.tree import DEVICE
 
 BS = 16
 NS = Namespace("bench-core")
+
+
+def cpu_median(fn, repeat: int = 3) -> float:
+    """Median CPU seconds (``time.process_time``) of ``repeat`` calls of ``fn`` after one warm-up:
+    on a shared machine the wall clock swings with other tenants, this process's CPU time much
+    less (``time_median`` of ``_common`` is wall time)."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        samples.append(time.process_time() - t0)
+    return sorted(samples)[len(samples) // 2]
 
 
 def synthetic_requests(num_convs: int, turns: int, seed: int = 0) -> list[list[int]]:
@@ -70,7 +83,7 @@ def floor_ns_per_block(prompts: list[list[int]]) -> float:
         return n
 
     nblocks = run()
-    return time_median(run, repeat=3) / nblocks * 1e9
+    return cpu_median(run, repeat=3) / nblocks * 1e9
 
 
 def build_tree(prompts: list[list[int]], num_blocks: int, bm_cls=BlockManager) -> tuple:
@@ -96,7 +109,7 @@ def bench_match_insert(prompts: list[list[int]]) -> dict:
             nodes, _ = tree.match_tokens(tok, NS.seed)
             matched_tokens += len(nodes) * BS
 
-    t_match = time_median(match_all, repeat=3)
+    t_match = cpu_median(match_all, repeat=3)
     match_tok_s = matched_tokens / t_match
 
     # insert = BlockManager.commit of freshly computed prompts (hash + dedupe + tree insert), the
@@ -106,9 +119,9 @@ def bench_match_insert(prompts: list[list[int]]) -> dict:
         spent = 0.0
         for i, p in enumerate(prompts):
             bm2.allocate(i, p, NS)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             bm2.commit(i, len(p))
-            spent += time.perf_counter() - t0
+            spent += time.process_time() - t0
             bm2.free(i)
         return spent
 
@@ -125,24 +138,24 @@ def bench_append_fork_free(num_seqs: int = 64, steps: int = 512) -> dict:
         bm.allocate(s, [rng.randrange(1000) for _ in range(100)], NS)
         bm.commit(s, 100)
     toks = [rng.randrange(1000) for _ in range(steps)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for t in toks:
         for s in range(num_seqs):
             bm.append_slot(s, t)
-    t_append = (time.perf_counter() - t0) / (steps * num_seqs)
-    t0 = time.perf_counter()
+    t_append = (time.process_time() - t0) / (steps * num_seqs)
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.commit(s, bm.num_tokens(s) - 1)
-    t_commit = (time.perf_counter() - t0) / (steps * num_seqs)
+    t_commit = (time.process_time() - t0) / (steps * num_seqs)
     blocks_per_seq = len(bm.block_table(0))
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.fork(s, ("f", s))
-    t_fork = (time.perf_counter() - t0) / num_seqs
-    t0 = time.perf_counter()
+    t_fork = (time.process_time() - t0) / num_seqs
+    t0 = time.process_time()
     for s in range(num_seqs):
         bm.free(("f", s))
-    t_free = (time.perf_counter() - t0) / num_seqs
+    t_free = (time.process_time() - t0) / num_seqs
     bm.check_invariants()
     return {"append_slot_us": t_append * 1e6, "commit_us_per_token": t_commit * 1e6,
             "fork_us": t_fork * 1e6, "free_us": t_free * 1e6, "blocks_per_seq": blocks_per_seq}
@@ -154,38 +167,88 @@ def _chains(num_blocks: int, chain_blocks: int = 32, seed: int = 2) -> list[list
     return [[rng.randrange(49152) for _ in range(chain_blocks * BS)] for _ in range(n_chains)]
 
 
-def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager) -> list[dict]:
+def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
+                   baseline=None, rounds: int = 9) -> list[dict]:
+    """CPU us per evicted block at each tree size: the median of ``rounds`` rounds of
+    ``evict_n / rounds`` evictions; with ``baseline`` (a BlockManager class) its tree of the
+    same size is evicted in alternate rounds, so both see the same load (before/after)."""
     rows = []
     for n in sizes:
         prompts = _chains(n)
-        bm, cached = build_tree([p + [0] for p in prompts], n + 64, bm_cls)
+        impls = {"after": bm_cls, **({"before": baseline} if baseline else {})}
+        trees = {}
+        for name, cls in impls.items():
+            bm, cached = build_tree([p + [0] for p in prompts], n + 64, cls)
+            trees[name] = bm
         k = min(evict_n, cached // 2)
-        rounds = 5
         per = max(1, k // rounds)
         gc.collect()
-        samples = []
-        for _ in range(rounds):  # median of rounds: single timings swing 3x on a shared VM
-            t0 = time.perf_counter()
-            bm.tree.evict(DEVICE, per)
-            samples.append((time.perf_counter() - t0) / per)
-        samples.sort()
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(rounds):  # median of interleaved rounds: single timings swing on a shared VM
+            for name, bm in trees.items():
+                t0 = time.process_time()
+                bm.tree.evict(DEVICE, per)
+                samples[name].append((time.process_time() - t0) / per)
         # Floor: what every eviction must do at least, in an index of this size: pop the
         # victim's entry from a dict of every cached block and free its slot (a list append).
-        table = {h: None for h in list(bm.tree._index)[:per * rounds]}
-        big = dict.fromkeys(bm.tree._index, None)
+        index = trees["after"].tree._index
+        table = {h: None for h in list(index)[:per * rounds]}
+        big = dict.fromkeys(index, None)
         free: list[int] = []
         keys = list(table)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for h in keys:
             big.pop(h)
             free.append(0)
-        floor = (time.perf_counter() - t0) / len(keys)
-        rows.append({"cached_blocks": cached, "evicted": per * rounds,
-                     "us_per_block": samples[rounds // 2] * 1e6,
-                     "min_us": samples[0] * 1e6, "max_us": samples[-1] * 1e6,
-                     "floor_us": floor * 1e6, "x_floor": samples[rounds // 2] / floor})
-        del table, big, free, keys
-        del bm
+        floor = (time.process_time() - t0) / len(keys)
+        after = sorted(samples["after"])
+        med = after[rounds // 2]
+        row = {"cached_blocks": cached, "evicted": per * rounds, "us_per_block": med * 1e6,
+               "min_us": after[0] * 1e6, "max_us": after[-1] * 1e6,
+               "floor_us": floor * 1e6, "x_floor": med / floor}
+        if baseline:
+            old = sorted(samples["before"])[rounds // 2]
+            row.update(before_us_per_block=old * 1e6, before_x_floor=old / floor,
+                       after_over_before=med / old)
+        rows.append(row)
+        del table, big, free, keys, index, trees
+        gc.collect()
+    return rows
+
+
+def bench_demotion(sizes: list[int], evict_n: int = 1800, baseline=None,
+                   rounds: int = 9) -> list[dict]:
+    """CPU us per device eviction of a 3-tier LRU tree (device -> host demotion; host and disk
+    as large as the device, so nothing cascades), median of ``rounds`` interleaved rounds, with
+    ``baseline``'s tree of the same size evicted in alternate rounds."""
+    rows = []
+    for n in sizes:
+        prompts = [p + [0] for p in _chains(n)]
+        impls = {"after": BlockManager, **({"before": baseline} if baseline else {})}
+        trees = {}
+        for name, cls in impls.items():
+            bm = cls.create(n + 64, BS, lower_tier_blocks=(n + 64, n + 64))
+            for i, p in enumerate(prompts):
+                bm.allocate(i, p, NS)
+                bm.commit(i, len(p))
+                bm.free(i)
+            trees[name] = bm
+        cached = len(trees["after"].tree)
+        per = max(1, min(evict_n, cached // 2) // rounds)
+        gc.collect()
+        samples: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(rounds):
+            for name, bm in trees.items():
+                t0 = time.process_time()
+                bm.tree.evict(DEVICE, per)
+                samples[name].append((time.process_time() - t0) / per)
+        med = sorted(samples["after"])[rounds // 2]
+        row = {"cached_blocks": cached, "demoted": per * rounds, "us_per_block": med * 1e6}
+        if baseline:
+            old = sorted(samples["before"])[rounds // 2]
+            row.update(before_us_per_block=old * 1e6, after_over_before=med / old)
+        rows.append(row)
+        del trees
         gc.collect()
     return rows
 
@@ -284,11 +347,76 @@ def bench_trace(requests, baseline=None, fractions=FRACTIONS, repeat: int = 2) -
     return rows
 
 
+HIT_FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _lru_replay(bm_cls, requests, device_blocks: int, lower: tuple[int, ...]) -> tuple:
+    """Per-request cached tokens per tier and the tree's final counters of one LRU replay with
+    the trace's arrival times as the clock (as ``radixkv bench hit-rate`` replays it)."""
+    clock = _TraceClock()
+    bm = bm_cls.create(device_blocks, BS, "lru", lower_tier_blocks=lower, clock=clock)
+    per_request = []
+    for j, r in enumerate(requests):
+        clock.now = r.t
+        per_request.append(bm.allocate(j, r.prompt, NS).cached_tokens_per_tier)
+        bm.commit(j, len(r.prompt))
+        if r.reply:
+            bm.append_slots(j, r.reply)
+            bm.commit(j, len(r.prompt) + len(r.reply))
+        bm.free(j)
+    bm.check_invariants()
+    st = bm.tree.stats
+    return per_request, (list(st.evicted), list(st.promoted), st.dropped, st.inserted)
+
+
+class _TraceClock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def check_same_hits(requests, baseline, fractions=HIT_FRACTIONS) -> list[dict]:
+    """LRU hit identity, request by request, between this core and ``baseline`` (a BlockManager
+    class): at each device capacity (a fraction of the working set of prompts + replies),
+    device only and with a host (2x) and disk (4x) tier, every request's cached tokens per tier
+    and the final evictions, promotions, drops and inserts per tier must be equal."""
+    distinct: set[bytes] = set()
+    for r in requests:
+        distinct.update(hash_blocks(token_bytes(r.prompt + r.reply), BS, NS.seed))
+    longest = max(len(r.prompt) + len(r.reply) for r in requests) // BS + 2
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    rows = []
+    for f in fractions:
+        dev = max(int(len(distinct) * f), longest)
+        for lower in ((), (2 * dev, 4 * dev)):
+            after, after_stats = _lru_replay(BlockManager, requests, dev, lower)
+            before, before_stats = _lru_replay(baseline, requests, dev, lower)
+            rows.append({"capacity": f, "device_blocks": dev, "tiers": 1 + len(lower),
+                         "hit_rate": sum(sum(x) for x in after) / prompt_tokens,
+                         "device_hit_rate": sum(x[0] for x in after) / prompt_tokens,
+                         "evictions": after_stats[0][0],
+                         "same_per_request": after == before,
+                         "same_counters": after_stats == before_stats})
+            print_table([rows[-1]], title=None)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench core", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true",
                     help="small sizes (CI smoke run); results go to a temporary folder")
     ap.add_argument("--synthetic-only", action="store_true", help="skip the ShareGPT trace")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each whole-loop replay, interleaved with the baseline's; the "
+                         "best is kept (default 3; 1 with --quick)")
+    ap.add_argument("--check-hits", action="store_true",
+                    help="also replay the chat trace with LRU at 8 capacities, device only and "
+                         "with host+disk tiers, and check every request's hits against the "
+                         "baseline core (a few minutes)")
+    ap.add_argument("--name", default="core",
+                    help="results file name under benchmarks/results/ (default core; e.g. "
+                         "core_vs_2947032 for a run against another baseline)")
     ap.add_argument("--baseline", default=BEFORE_ISSUE_14,
                     help="commit whose radixkv/core is timed beside this one ('' for none)")
     args = ap.parse_args(argv)
@@ -306,11 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                             "floor_tok_per_s": BS / floor * 1e9}
     results["decode"] = bench_append_fork_free(16 if args.quick else 64, 128 if args.quick else 512)
     sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
-    results["eviction"] = bench_eviction(sizes)
-    if before:
-        for row, old in zip(results["eviction"], bench_eviction(sizes, bm_cls=before)):
-            row["before_us_per_block"] = old["us_per_block"]
-            row["before_x_floor"] = old["x_floor"]
+    results["eviction"] = bench_eviction(sizes, baseline=before)
+    results["demotion"] = bench_demotion(sizes[:3], baseline=before)
     n_mem = 10_000 if args.quick else 100_000
     results["memory"] = bench_memory(n_mem)
     if before:
@@ -332,7 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nShareGPT chat trace, whole bookkeeping per request (CPU us) against the floor")
         results["sharegpt"] = {**mi_real, "floor_ns_per_block": floor_real,
                                "floor_tok_per_s": BS / floor_real * 1e9,
-                               "trace": bench_trace(trace, before, repeat=1 if args.quick else 2)}
+                               "trace": bench_trace(trace, before,
+                                                    repeat=1 if args.quick else args.repeat)}
+        if args.check_hits and before:
+            print("\nLRU hits request by request against the baseline core")
+            results["same_hits"] = check_same_hits(
+                trace, before, HIT_FRACTIONS[3:5] if args.quick else HIT_FRACTIONS)
 
     rows = []
     for name in ("synthetic", "sharegpt"):
@@ -347,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}],
                 title="decode bookkeeping per sequence per step")
     print_table(results["eviction"], title="eviction cost per block (target <= 1 us at 10^6, flat)")
+    print_table(results["demotion"], title="device -> host demotion per block, 3 tiers (LRU)")
     m = results["memory"]
     print_table([{k: m[k] for k in m if k != "note"}],
                 title="metadata per cached block (target <= 200 B)")
@@ -354,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results["sharegpt"]["trace"],
                     title="ShareGPT chat trace, whole loop per request, CPU us "
                           "(target <= 2x floor)")
-    write_results("core_quick" if args.quick else "core", header, results)
+    if "same_hits" in results:
+        print_table(results["same_hits"], title="LRU hits request by request vs the baseline core")
+    write_results("core_quick" if args.quick else args.name, header, results)
     return 0
 
 

@@ -394,15 +394,26 @@ class BlockManager:
             copy = CopyOp(old, b)
         s.blocks.extend(fresh)
         s.tokens.extend(array("i", tok))
-        # Slots block by block: one range per block instead of a divmod per token.
+        # Slots block by block: one range per block instead of a divmod per token; the partial
+        # head and tail blocks apart, so a full block costs a multiply and a range.
         slots: list[int] = []
-        blocks, end = s.blocks, pos + n
-        p = pos
-        while p < end:
-            base = blocks[p // bs] * bs
-            stop = min(end, (p // bs + 1) * bs)
-            slots.extend(range(base + p % bs, base + p % bs + (stop - p)))
-            p = stop
+        extend = slots.extend
+        blocks = s.blocks
+        i, off = divmod(pos, bs)
+        left = n
+        if off:
+            k = left if left < bs - off else bs - off
+            base = blocks[i] * bs + off
+            extend(range(base, base + k))
+            left -= k
+            i += 1
+        full, tail = divmod(left, bs)
+        for b in blocks[i:i + full]:
+            b *= bs
+            extend(range(b, b + bs))
+        if tail:
+            b = blocks[i + full] * bs
+            extend(range(b, b + tail))
         return slots, copy, tuple(moves)
 
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:

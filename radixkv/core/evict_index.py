@@ -12,12 +12,14 @@ that arrive in any order (priority, a cost-aware score). ``FrequencyIndex`` (LFU
 ``(last_access + ttl,)``. A block becomes evictable either when its last reference goes (its
 key is "now", larger than every entry) or when its last child leaves its tier (its key is
 its child's, or close to it: at the front). So it keeps a sorted ``deque`` of entries, adds at
-either end in O(1) when the new entry belongs there, removes lazily (a dict says which queued
-entries are still live), and puts the rare entry that belongs in the middle into a
-``SortedList`` beside it. The minimum is the smaller of the two heads. Add, remove and pop-min
-cost amortised O(1) for queued entries and O(log m) for the m side entries (m is 0 on the
-traces we measured). An ``OrderedDict`` run did the same at about twice the cost per operation
-(its iterators and node bookkeeping).
+either end in O(1) when the new entry belongs there, removes lazily (a dict from block hash to
+the live entry object says which queued entries are still live), and puts the rare entry that
+belongs in the middle into a ``SortedList`` beside it. The minimum is the smaller of the two
+heads. Add, remove and pop-min cost amortised O(1) for queued entries and O(log m) for the m
+side entries (m is 0 on the traces we measured). An index holds at most one entry per block
+hash (a node is filed once per tier), which is what lets liveness be keyed by the hash. An
+``OrderedDict`` run did the same at about twice the cost per operation (its iterators and node
+bookkeeping).
 
 The seam for new policies (issue 15): a policy may define ``new_index()`` returning any
 object with this interface (``add``, ``remove``, ``pop_min``, ``min``, ``__len__``,
@@ -67,77 +69,77 @@ class SortedIndex:
 class RecencyIndex:
     """Evictable entries as a sorted ``deque`` with lazy deletion, plus a sorted side list.
 
-    ``_q`` holds ``(entry, generation)`` pairs in strictly increasing entry order; a pair is
-    *live* iff ``_live[entry] == generation``. ``remove`` only forgets the entry in ``_live``
-    (O(1)); dead pairs are dropped when they reach the head, and the deque is compacted when
-    they outnumber the live ones (amortised O(1)). The generation tells a re-added entry from
-    its dead copy still queued. Entries that belong in the middle go to the side list.
+    ``_q`` holds entries in strictly increasing order; ``_live`` maps each live queued entry's
+    block hash (its last field, unique in a tier's index) to the entry object itself, so a
+    queued entry is *live* iff ``_live.get(entry[-1]) is entry``: one lookup of a ``bytes`` key
+    (whose hash is cached) instead of hashing a tuple, and no generation pair per entry. An
+    entry removed and added again is a new tuple (the tree builds one per add), so its dead copy
+    still queued is not mistaken for it; ``check_invariants`` would catch an object queued
+    twice. ``remove`` only forgets the entry in ``_live`` (O(1)); dead entries are dropped when
+    they reach the head, and the deque is compacted when they outnumber the live ones
+    (amortised O(1)). Entries that belong in the middle go to the side list.
     Runtime complexity: ``add``/``remove``/``pop_min`` amortised O(1), O(log m) for the side
     list's m entries.
     """
 
-    __slots__ = ("_q", "_live", "_gen", "_dead", "_side", "_nside")
+    __slots__ = ("_q", "_live", "_dead", "_side", "_nside")
 
     def __init__(self) -> None:
-        self._q: deque[tuple[tuple, int]] = deque()
-        self._live: dict[tuple, int] = {}
-        self._gen = 0
-        self._dead = 0      # dead pairs still in _q
+        self._q: deque[tuple] = deque()
+        self._live: dict[bytes, tuple] = {}
+        self._dead = 0      # dead entries still in _q
         self._side = SortedList()
         self._nside = 0     # len(self._side), kept here: SortedList.__len__ is a Python call
 
     def add(self, entry: tuple) -> None:
+        """Add ``entry`` (a tuple not in the index, ending with its unique block hash; pass a
+        new tuple, not one added and removed before)."""
         q = self._q
-        if not q or entry > q[-1][0]:
-            self._gen = g = self._gen + 1
-            self._live[entry] = g
-            q.append((entry, g))
-        elif entry < q[0][0]:
-            self._gen = g = self._gen + 1
-            self._live[entry] = g
-            q.appendleft((entry, g))
+        if not q or entry > q[-1]:
+            self._live[entry[-1]] = entry
+            q.append(entry)
+        elif entry < q[0]:
+            self._live[entry[-1]] = entry
+            q.appendleft(entry)
         else:
             self._side.add(entry)
             self._nside += 1
 
     def remove(self, entry: tuple) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
-        if self._live.pop(entry, None) is None:
+        live = self._live
+        h = entry[-1]
+        queued = live.get(h)
+        if queued is None or queued != entry:
             self._side.remove(entry)
             self._nside -= 1
             return
+        del live[h]
         self._dead = dead = self._dead + 1
-        if dead > 64 and dead > 2 * len(self._live):
-            live = self._live
-            self._q = deque(p for p in self._q if live.get(p[0]) == p[1])
+        if dead > 64 and dead > 2 * len(live):
+            self._q = deque(e for e in self._q if live.get(e[-1]) is e)
             self._dead = 0
 
     def _live_head(self) -> tuple | None:
         q, live = self._q, self._live
         while q:
-            entry, g = q[0]
-            if live.get(entry) == g:
+            entry = q[0]
+            if live.get(entry[-1]) is entry:
                 return entry
             q.popleft()
             self._dead -= 1
         return None
 
     def pop_min(self) -> tuple:
-        q, live = self._q, self._live
-        while q:
-            entry, g = q[0]
-            if live.get(entry) == g:
-                break
-            q.popleft()
-            self._dead -= 1
-        else:
-            entry = None
+        entry = self._live_head()
         if self._nside and (entry is None or self._side[0] < entry):
             self._nside -= 1
             return self._side.pop(0)
-        q.popleft()
-        del live[entry]
-        return entry      # type: ignore[return-value]
+        if entry is None:
+            raise IndexError("pop_min() of an empty index")
+        self._q.popleft()
+        del self._live[entry[-1]]
+        return entry
 
     def min(self) -> tuple:
         entry = self._live_head()
@@ -148,24 +150,25 @@ class RecencyIndex:
         return entry
 
     def __contains__(self, entry: tuple) -> bool:
-        return entry in self._live or entry in self._side
+        return self._live.get(entry[-1]) == entry or entry in self._side
 
     def __len__(self) -> int:
         return len(self._live) + self._nside
 
     def __iter__(self) -> Iterator[tuple]:
         live = self._live
-        return merge((e for e, g in self._q if live.get(e) == g), self._side)
+        return merge((e for e in self._q if live.get(e[-1]) is e), self._side)
 
     def check_invariants(self) -> None:
         q = list(self._q)
-        assert all(a[0] < b[0] for a, b in zip(q, q[1:])), "queue out of order"
-        alive = [e for e, g in q if self._live.get(e) == g]
+        assert all(a < b for a, b in zip(q, q[1:])), "queue out of order"
+        alive = [e for e in q if self._live.get(e[-1]) is e]
         assert len(alive) == len(self._live), (
             f"{len(self._live)} live entries, {len(alive)} of them queued")
         dead = len(q) - len(alive)
         assert dead == self._dead, f"dead count {self._dead} != {dead}"
-        assert not self._live.keys() & set(self._side), "an entry both queued and in the side list"
+        assert not self._live.keys() & {e[-1] for e in self._side}, (
+            "an entry both queued and in the side list")
         assert self._nside == len(self._side), f"side count {self._nside} != {len(self._side)}"
 
 

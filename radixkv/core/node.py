@@ -20,6 +20,8 @@ class Node:
     cache): matching follows it and compares tokens before hashing, so a request that goes on
     the way the last one went (a conversation's next turn) pays no hash for the blocks it hits.
     A child with equal tokens has the request's chain hash by construction (invariant 5).
+    ``RequestOps.insert_run`` builds nodes field by field (no ``__init__`` call on the commit
+    path): a new field must be set there too.
     """
 
     __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access",

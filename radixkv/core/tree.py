@@ -409,8 +409,7 @@ class RadixTree(RequestOps, TierOps):
                               "every cached block of this tier is in use by a live sequence")
         moves = self._pending    # queued write-through moves run first
         self._pending = []
-        if self.num_tiers == 1:
-            self._drop_device(num_blocks, moves)
+        if tier == DEVICE and self._evict_device(num_blocks, moves):
             return moves
         for _ in range(num_blocks):
             self._evict_one(tier, moves)

@@ -1,0 +1,87 @@
+"""The inlined LRU eviction loop (``RequestOps._drop_device_lru``) against the generic one.
+
+A device-only LRU tree evicts through ``_drop_device_lru``, which inlines the
+``RecencyIndex``'s pop and add; with a drop listener set it takes the generic loop
+(``pop_min``/``add`` calls). Two managers fed the same requests, one with a no-op listener, must
+return the same moves and end in the same state after every eviction, including when parents
+land in the index's side list (equal access times make the hash decide the order) and when dead
+pairs sit at the head of its queue.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from core_helpers import FakeClock, snapshot_manager
+from hypothesis import given
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.hashing import Namespace
+from radixkv.core.tree import DEVICE
+
+NS = Namespace("lru-inline")
+B = 2
+
+# A request: a prefix id (shared first blocks) and a tail; the clock advances 0 or 1 between
+# requests (0: equal access times, ordered by hash); then an eviction of some blocks.
+REQUESTS = st.lists(st.tuples(st.integers(0, 3),
+                              st.lists(st.integers(0, 5), min_size=1, max_size=9),
+                              st.integers(0, 1), st.integers(0, 6), st.booleans()),
+                    min_size=1, max_size=40)
+
+
+def _managers() -> tuple[BlockManager, BlockManager, FakeClock]:
+    clock = FakeClock()
+    inline = BlockManager.create(24, B, clock=clock)
+    generic = BlockManager.create(24, B, clock=clock)
+    generic.tree.drop_listener = lambda node: None   # forces the generic loop
+    return inline, generic, clock
+
+
+@given(requests=REQUESTS)
+def test_inlined_lru_eviction_equals_the_generic_loop(requests) -> None:
+    inline, generic, clock = _managers()
+    live: list[int] = []
+    for i, (prefix, tail, tick, evict, keep) in enumerate(requests):
+        clock.advance(tick)
+        prompt = [7, prefix, prefix + 1, 9] + tail
+        for bm in (inline, generic):
+            if not bm.can_allocate(prompt, NS):
+                break
+            bm.allocate(i, prompt, NS)
+            bm.commit(i, len(prompt))
+        else:
+            if keep:
+                live.append(i)       # held: its blocks are not evictable while it lives
+            else:
+                for bm in (inline, generic):
+                    bm.free(i)
+        if len(live) > 2:
+            for bm in (inline, generic):
+                bm.free(live[0])
+            live.pop(0)
+        n = min(evict, inline.tree.num_evictable(DEVICE))
+        assert generic.tree.num_evictable(DEVICE) >= n
+        assert inline.tree.evict(DEVICE, n) == generic.tree.evict(DEVICE, n)
+        assert snapshot_manager(inline) == snapshot_manager(generic)
+        inline.check_invariants()
+    generic.check_invariants()
+
+
+def test_parent_filed_in_the_side_list_is_evicted_in_order() -> None:
+    """Two chains released at the same time: after the first leaf goes, its parent's entry
+    belongs between the queued ones (same time, hash order), i.e. in the side list."""
+    inline, generic, clock = _managers()
+    for bm in (inline, generic):
+        for i, prompt in enumerate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]):
+            bm.allocate(i, prompt, NS)
+            bm.commit(i, len(prompt))
+        for i in range(3):
+            bm.free(i)
+    index = inline.tree._evictable[DEVICE]
+    side_max = index._nside
+    for _ in range(6):
+        assert inline.tree.evict(DEVICE, 1) == generic.tree.evict(DEVICE, 1)
+        side_max = max(side_max, index._nside)
+        assert snapshot_manager(inline) == snapshot_manager(generic)
+    assert side_max >= 1 and len(inline.tree) == 0   # the side list was used
+    inline.check_invariants()
