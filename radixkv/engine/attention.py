@@ -172,8 +172,11 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
     stored rows are Hadamard-rotated and stay so: the query is rotated before the kernel and
     the output after it (``q . k`` and the softmax are unchanged by an orthonormal rotation).
     The scratch is a gather the torch path does anyway (it copies each sequence's K/V per
-    layer); Triton kernels that read the quantized blocks in place would avoid it."""
+    layer). Where the kernels run on Triton, int8 blocks are read in place instead (the
+    kernels dequantize in registers; no scratch), unless a window or a softcap needs the
+    windowed kernel, which reads float caches only."""
     from radixkv.engine.kv_quant import dequantize_rows, format_of, rotate, write_quantized
+    from radixkv.kernels.backend import resolve_backend
 
     batch = ctx.batch
     write_quantized(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -182,6 +185,16 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
         q = rotate(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     windowed = sliding_window is not None and batch.max_seq_len > sliding_window
+    if (k_cache.dtype == torch.int8 and not windowed and softcap is None
+            and resolve_backend(None, q.device) == "triton"):
+        if batch.mode is AttentionMode.DECODE:
+            out = kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
+                                                 batch.seq_lens, scale=scale, check=False)
+        else:
+            out = kernels.paged_prefill_attention(q, k_cache, v_cache, batch.block_tables,
+                                                  batch.cu_seqlens_q, batch.seq_lens,
+                                                  scale=scale, check=False)
+        return (rotate(out) if rotated else out).unsqueeze(0), None
     used, tables = ctx.scratch_tables()
     ks = dequantize_rows(k_cache.index_select(0, used), q.dtype, rotated=True)
     vs = dequantize_rows(v_cache.index_select(0, used), q.dtype, rotated=True)
