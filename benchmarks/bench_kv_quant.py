@@ -19,6 +19,11 @@ K/V, which would swamp the quantization error). Three measurements, each against
    One teacher-forced forward per sequence through ``ModelRunner`` with quantized blocks: every
    position attends over stored (quantized) K/V of all positions before it and itself.
 3. Bytes per block and blocks per GiB (SmolLM2 geometry, block size 16), and a bf16 block.
+
+``--decode-timing`` instead times decode steps only (``kv_quant_decode.json``): ``--batch``
+sequences of ``--context`` random tokens prefilled through ``ModelRunner``, then ``--steps``
+decode steps, per KV dtype, the dtypes interleaved over ``--rounds`` rounds (median step time),
+so that other load on a shared machine hits every dtype alike.
 """
 
 from __future__ import annotations
@@ -121,6 +126,63 @@ def perplexity(model, kv: str, seqs: list[tuple[list[int], list[int]]]) -> float
     return math.exp(nll / count)
 
 
+def decode_step_s(model, kv: str, batch: int, context: int, steps: int) -> float:
+    """Median seconds of one decode step of ``batch`` sequences at ``context`` tokens."""
+    import statistics
+
+    import torch
+
+    from radixkv.engine.batch import SequenceChunk
+    from radixkv.engine.model_runner import ModelRunner
+
+    bs = 16
+    per_seq = -(-(context + steps) // bs)
+    runner = ModelRunner.for_model(model, batch * per_seq, bs, kv)
+    gen = torch.Generator().manual_seed(0)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+
+    def slot(t: list[int], pos: int) -> int:
+        return t[pos // bs] * bs + pos % bs
+
+    for t in tables:                                   # prefill one sequence at a time
+        toks = torch.randint(100, 20000, (context,), generator=gen).tolist()
+        runner.execute(runner.build_batch([SequenceChunk(toks, 0, t, [slot(t, p) for p in
+                                                                     range(context)])]))
+    times = []
+    for step in range(steps):
+        pos = context + step
+        chunks = [SequenceChunk([101 + step], pos, t, [slot(t, pos)]) for t in tables]
+        t0 = time.perf_counter()
+        runner.execute(runner.build_batch(chunks))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_timing(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    from radixkv.models import load_model
+
+    header = run_header(None, benchmark="kv-quant-decode", **vars(args))
+    print(json.dumps(header))
+    model = load_model(dtype=torch.float32)
+    runs: dict[str, list[float]] = {kv: [] for kv in DTYPES}
+    for _ in range(args.rounds):
+        for kv in DTYPES:
+            runs[kv].append(decode_step_s(model, kv, args.batch, args.context, args.steps))
+    base = statistics.median(runs["auto"])
+    rows = [{"kv": "float32 (auto)" if kv == "auto" else kv,
+             "decode_step_ms": round(1e3 * statistics.median(r), 2),
+             "vs_float32": round(statistics.median(r) / base, 3),
+             "rounds_ms": [round(1e3 * x, 2) for x in r]} for kv, r in runs.items()]
+    print_table(rows, title=f"decode step, {args.batch} sequences x {args.context} tokens, "
+                            f"float32 SmolLM2, torch path, {args.threads} thread(s)")
+    write_results("kv_quant_decode" + ("_quick" if args.quick else ""), header, {"rows": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench kv-quant", description=plain_doc(__doc__))
     ap.add_argument("--prompts", type=int, default=32)
@@ -130,12 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=1000, help="usable conversations skipped first")
     ap.add_argument("--reply-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode-timing", action="store_true",
+                    help="only time decode steps per KV dtype (see below)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens; temp results")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.tokens, args.heldout, args.reply_tokens = 4, 16, 4, 64
+        args.batch, args.context, args.steps, args.rounds = 2, 64, 4, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
     import torch
+
+    torch.set_num_threads(args.threads)
+    if args.decode_timing:
+        return decode_timing(args)
 
     from radixkv.benchmarks.bench_serve import conversations
     from radixkv.storage.layout import KVLayout
