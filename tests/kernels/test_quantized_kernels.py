@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import triton_interpreted_here  # noqa: F401  (the fixture's module)
 from kernel_cases import PagedCase, assert_close, make_case, poisoned_like
 from radixkv.errors import InvalidRequestError
 from radixkv.kernels import paged_decode_attention, paged_prefill_attention
