@@ -1,50 +1,195 @@
-"""``radixkv bench kv-quant``: what int8 KV blocks cost in quality, and what they save in bytes.
+"""``radixkv bench kv-quant``: what quantized KV blocks cost in quality, and what they save.
 
-Question: with ``CacheConfig(kv_dtype="int8")``, how often does the embedded SmolLM2 produce
-the same greedy continuation as with its own float32 KV, how far do the two agree, and how many
-bytes does a block take?
+Question: with ``CacheConfig(kv_dtype="int8" | "fp8_e4m3")``, how far does the embedded
+SmolLM2 move from the same model with full-precision KV, and how many blocks fit per GiB?
 
-Workload: the first user message of the first ``--prompts`` ShareGPT conversations (cut to
-``--max-chars``), rendered with the chat template, ``--tokens`` greedy tokens each, batched, on
-one thread; the same engine configuration except ``kv_dtype``. Both runs happen in this
-process, one after the other (ratios, not absolute times, carry over between machines).
-Reports: continuations identical, mean leading tokens in agreement, mean |logprob| difference
-of the tokens both chose identically up to the first divergence, bytes per block, wall time.
+The model always runs in float32 (``EngineConfig(dtype="float32")``), so the only difference
+between rows is how K/V are stored (a bf16 model is itself chaotic under 1-ulp changes of its
+K/V, which would swamp the quantization error). Three measurements, each against float32 KV:
+
+1. Greedy agreement: the first user message of the first ``--prompts`` ShareGPT conversations
+   (cut to ``--max-chars``, the prompts the formats were tuned on), ``--tokens`` greedy tokens
+   each, batched; continuations identical, mean leading tokens in agreement; and continuations
+   identical on the held-back prompts of 2. (``identical_heldout``). A ``bf16 KV`` row
+   (float32 model, each K/V row rounded to bfloat16 as it is written, by wrapping
+   ``kernels.write_kv``) is the bar: what rounding to the ordinary half-precision KV does.
+2. Perplexity on held-back data (ShareGPT conversations after the first ``--skip`` usable ones,
+   never used for tuning): of the real first reply (up to ``--reply-tokens``) after its user
+   message, and of the float32 model's own greedy continuation (``--tokens``) of that message.
+   One teacher-forced forward per sequence through ``ModelRunner`` with quantized blocks: every
+   position attends over stored (quantized) K/V of all positions before it and itself.
+3. Bytes per block and blocks per GiB (SmolLM2 geometry, block size 16), and a bf16 block.
+
+``--decode-timing`` instead times decode steps only (``kv_quant_decode.json``): ``--batch``
+sequences of ``--context`` random tokens prefilled through ``ModelRunner``, then ``--steps``
+decode steps, per KV dtype, the dtypes interleaved over ``--rounds`` rounds (median step wall
+and CPU time), so that other load on a shared machine hits every dtype alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
+DTYPES = ("auto", "int8", "fp8_e4m3")
 
-def _run(kv: str, prompts: list[list[int]] | None, texts: list[str], tokens: int
-         ) -> dict[str, Any]:
+
+@contextlib.contextmanager
+def _bf16_kv() -> Iterator[None]:
+    """Round every K/V row to bfloat16 as it is written (the float32 cache then holds
+    bf16-representable values): the bf16-KV bar, without a bf16 model."""
+    import torch
+
+    from radixkv import kernels
+
+    orig = kernels.write_kv
+
+    def write_kv(key, value, *args, **kw):
+        return orig(key.to(torch.bfloat16).to(key.dtype), value.to(torch.bfloat16).to(value.dtype),
+                    *args, **kw)
+
+    kernels.write_kv = write_kv
+    try:
+        yield
+    finally:
+        kernels.write_kv = orig
+
+
+def _engine(kv: str):
     import radixkv
     from radixkv.config import CacheConfig, EngineConfig
 
-    eng = radixkv.Engine.from_pretrained(
-        cache_config=CacheConfig(num_device_blocks=2048, kv_dtype=kv),
-        engine_config=EngineConfig(device="cpu"))
-    try:
-        ids = [eng.chat_template.prompt_ids([{"role": "user", "content": t}]) for t in texts]
-        t0 = time.perf_counter()
-        outs = eng.generate(ids, radixkv.SamplingParams(max_tokens=tokens, logprobs=0,
-                                                        ignore_eos=True))
-        wall = time.perf_counter() - t0
-        return {"tokens": [o.outputs[0].token_ids for o in outs],
-                "logprobs": [[t.logprob for t in o.outputs[0].logprobs] for o in outs],
-                "wall_s": wall, "bytes_per_block": eng.core.layout.bytes_per_block,
-                "prompt_tokens": sum(map(len, ids))}
-    finally:
-        eng.close()
+    return radixkv.Engine.from_pretrained(
+        cache_config=CacheConfig(num_device_blocks=2048, kv_dtype=kv,
+                                 enable_prefix_caching=False),
+        engine_config=EngineConfig(device="cpu", dtype="float32"))
+
+
+def _greedy(eng, ids: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
+    import radixkv
+
+    t0 = time.perf_counter()
+    outs = eng.generate(ids, radixkv.SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+
+
+def heldout_pairs(n: int, skip: int, max_chars: int) -> list[tuple[str, str]]:
+    """(first user message, its real reply) of ``n`` usable ShareGPT conversations after the
+    first ``skip`` (those before are the tuning prompts' neighbourhood; never scored)."""
+    from radixkv.benchmarks.traces import clean_conversation, iter_sharegpt
+
+    out: list[tuple[str, str]] = []
+    seen = 0
+    for obj in iter_sharegpt():
+        pairs = clean_conversation(obj.get("conversations", []))
+        if not pairs or not pairs[0][0].strip() or len(pairs[0][1].split()) < 20:
+            continue
+        seen += 1
+        if seen > skip:
+            out.append((pairs[0][0][:max_chars], pairs[0][1]))
+        if len(out) >= n:
+            break
+    return out
+
+
+def perplexity(model, kv: str, seqs: list[tuple[list[int], list[int]]]) -> float:
+    """exp(mean NLL) of each ``target`` after its ``context``, teacher-forced in one forward
+    per sequence over a fresh paged cache of ``kv`` blocks."""
+    import torch
+
+    from radixkv.engine.batch import SequenceChunk
+    from radixkv.engine.model_runner import ModelRunner
+
+    bs = 16
+    longest = max(len(c) + len(t) for c, t in seqs)
+    runner = ModelRunner.for_model(model, -(-longest // bs), bs, kv)
+    nll, count = 0.0, 0
+    for ctx, tgt in seqs:
+        toks = list(ctx) + list(tgt)
+        nb = -(-len(toks) // bs)
+        chunk = SequenceChunk(toks, 0, list(range(nb)), list(range(len(toks))),
+                              logit_offsets=list(range(len(ctx) - 1, len(toks) - 1)))
+        logits = runner.execute(runner.build_batch([chunk]))
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        nll -= float(lp[torch.arange(len(tgt)), torch.tensor(tgt)].sum())
+        count += len(tgt)
+    return math.exp(nll / count)
+
+
+def decode_step_s(model, kv: str, batch: int, context: int, steps: int
+                  ) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of one decode step of ``batch`` sequences at ``context``
+    tokens. CPU time (``time.process_time``) is what this process computed; on a shared
+    machine it moves far less than wall time with other jobs' load."""
+    import statistics
+
+    import torch
+
+    from radixkv.engine.batch import SequenceChunk
+    from radixkv.engine.model_runner import ModelRunner
+
+    bs = 16
+    per_seq = -(-(context + steps) // bs)
+    runner = ModelRunner.for_model(model, batch * per_seq, bs, kv)
+    gen = torch.Generator().manual_seed(0)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+
+    def slot(t: list[int], pos: int) -> int:
+        return t[pos // bs] * bs + pos % bs
+
+    for t in tables:                                   # prefill one sequence at a time
+        toks = torch.randint(100, 20000, (context,), generator=gen).tolist()
+        runner.execute(runner.build_batch([SequenceChunk(toks, 0, t, [slot(t, p) for p in
+                                                                     range(context)])]))
+    wall, cpu = [], []
+    for step in range(steps):
+        pos = context + step
+        chunks = [SequenceChunk([101 + step], pos, t, [slot(t, pos)]) for t in tables]
+        t0, c0 = time.perf_counter(), time.process_time()
+        runner.execute(runner.build_batch(chunks))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def decode_timing(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    from radixkv.models import load_model
+
+    header = run_header(None, benchmark="kv-quant-decode", **vars(args))
+    print(json.dumps(header))
+    model = load_model(dtype=torch.float32)
+    runs: dict[str, list[tuple[float, float]]] = {kv: [] for kv in DTYPES}
+    for _ in range(args.rounds):
+        for kv in DTYPES:
+            runs[kv].append(decode_step_s(model, kv, args.batch, args.context, args.steps))
+    base = [statistics.median(x[i] for x in runs["auto"]) for i in (0, 1)]
+    rows = []
+    for kv, r in runs.items():
+        wall, cpu = (statistics.median(x[i] for x in r) for i in (0, 1))
+        rows.append({"kv": "float32 (auto)" if kv == "auto" else kv,
+                     "step_wall_ms": round(1e3 * wall, 2),
+                     "wall_vs_float32": round(wall / base[0], 3),
+                     "step_cpu_ms": round(1e3 * cpu, 2),
+                     "cpu_vs_float32": round(cpu / base[1], 3),
+                     "rounds_cpu_ms": [round(1e3 * x[1], 1) for x in r]})
+    print_table(rows, title=f"decode step, {args.batch} sequences x {args.context} tokens, "
+                            f"float32 SmolLM2, torch path, {args.threads} thread(s)")
+    write_results("kv_quant_decode" + ("_quick" if args.quick else ""), header, {"rows": rows})
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,39 +197,101 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--max-chars", type=int, default=400)
+    ap.add_argument("--heldout", type=int, default=32, help="held-back conversations scored")
+    ap.add_argument("--skip", type=int, default=1000, help="usable conversations skipped first")
+    ap.add_argument("--reply-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode-timing", action="store_true",
+                    help="only time decode steps per KV dtype (see below)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens; temp results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.tokens = 4, 16
+        args.prompts, args.tokens, args.heldout, args.reply_tokens = 4, 16, 4, 64
+        args.batch, args.context, args.steps, args.rounds = 2, 64, 4, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
     import torch
 
+    torch.set_num_threads(args.threads)
+    if args.decode_timing:
+        return decode_timing(args)
+
     from radixkv.benchmarks.bench_serve import conversations
+    from radixkv.storage.layout import KVLayout
 
     torch.set_num_threads(args.threads)
     texts = [c[0] for c in conversations(args.prompts, 2, args.max_chars)]
+    held = heldout_pairs(args.heldout, args.skip, args.max_chars)
     header = run_header(None, benchmark="kv-quant", **vars(args))
     print(json.dumps(header))
-    ref = _run("auto", None, texts, args.tokens)
-    q = _run("int8", None, texts, args.tokens)
-    lead, dlp = [], []
-    for a, b, la, lb in zip(ref["tokens"], q["tokens"], ref["logprobs"], q["logprobs"]):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        lead.append(k)
-        dlp += [abs(x - y) for x, y in zip(la[:k], lb[:k])]
-    n = len(lead)
-    rows = [{"kv_dtype": "auto (float32)", "bytes_per_block": ref["bytes_per_block"],
-             "of_float32": 1.0, "identical": f"{n}/{n}", "mean_leading_agree": args.tokens,
-             "mean_abs_dlogprob": 0.0, "wall_s": ref["wall_s"]},
-            {"kv_dtype": "int8", "bytes_per_block": q["bytes_per_block"],
-             "of_float32": q["bytes_per_block"] / ref["bytes_per_block"],
-             "identical": f"{sum(x == args.tokens for x in lead)}/{n}",
-             "mean_leading_agree": sum(lead) / n,
-             "mean_abs_dlogprob": sum(dlp) / max(1, len(dlp)), "wall_s": q["wall_s"]}]
-    print_table(rows, title=f"int8 KV vs float32 KV: {n} prompts x {args.tokens} greedy tokens")
+
+    engines = {kv: _engine(kv) for kv in DTYPES}
+    ref_eng = engines["auto"]
+    tok = ref_eng.tokenizer
+    ids = [ref_eng.chat_template.prompt_ids([{"role": "user", "content": t}]) for t in texts]
+    held_ctx = [ref_eng.chat_template.prompt_ids([{"role": "user", "content": u}])
+                for u, _ in held]
+    replies = [tok(r, add_special_tokens=False)["input_ids"][:args.reply_tokens]
+               for _, r in held]
+    own, _ = _greedy(ref_eng, held_ctx, args.tokens)   # the float32 model's own continuations
+
+    greedy: dict[str, tuple[list[list[int]], float]] = {}
+    held_greedy: dict[str, list[list[int]]] = {"auto": own}
+    for kv in DTYPES:
+        greedy[kv] = _greedy(engines[kv], ids, args.tokens)
+        if kv != "auto":
+            held_greedy[kv] = _greedy(engines[kv], held_ctx, args.tokens)[0]
+    with _bf16_kv():
+        greedy["bf16 KV"] = _greedy(ref_eng, ids, args.tokens)
+        held_greedy["bf16 KV"] = _greedy(ref_eng, held_ctx, args.tokens)[0]
+
+    model = ref_eng.core.model
+    ppl: dict[str, tuple[float, float]] = {}
+    for kv in DTYPES:
+        ppl[kv] = (perplexity(model, kv, list(zip(held_ctx, replies))),
+                   perplexity(model, kv, list(zip(held_ctx, own))))
+    with _bf16_kv():
+        ppl["bf16 KV"] = (perplexity(model, "auto", list(zip(held_ctx, replies))),
+                          perplexity(model, "auto", list(zip(held_ctx, own))))
+    for e in engines.values():
+        e.close()
+
+    ref_tokens = greedy["auto"][0]
+    geo = ref_eng.core.layout
+    bf16_bytes = KVLayout(geo.num_layers, geo.num_kv_heads, geo.head_dim, 16,
+                          "bfloat16").bytes_per_block
+    rows = []
+    for name in ("auto", "bf16 KV", "int8", "fp8_e4m3"):
+        toks, wall = greedy[name]
+        lead = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), args.tokens)
+                for a, b in zip(ref_tokens, toks)]
+        layout = KVLayout(geo.num_layers, geo.num_kv_heads, geo.head_dim, 16,
+                          {"auto": "float32", "bf16 KV": "bfloat16"}.get(name, name))
+        real, mine = ppl[name]
+        same_held = sum(a == b for a, b in zip(own, held_greedy[name]))
+        rows.append({
+            "kv": "float32 (auto)" if name == "auto" else name,
+            "identical": f"{sum(x == args.tokens for x in lead)}/{len(lead)}",
+            "mean_leading_agree": round(sum(lead) / len(lead), 1),
+            "identical_heldout": f"{same_held}/{len(own)}",
+            "ppl_real_replies": round(real, 4),
+            "ppl_real_vs_fp32_pct": round(100 * (real / ppl["auto"][0] - 1), 3),
+            "ppl_own_greedy": round(mine, 4),
+            "ppl_own_vs_fp32_pct": round(100 * (mine / ppl["auto"][1] - 1), 3),
+            "bytes_per_block": layout.bytes_per_block,
+            "of_bf16": round(layout.bytes_per_block / bf16_bytes, 4),
+            "blocks_per_GiB": layout.blocks_in(1 << 30),
+            "greedy_wall_s": round(wall, 2),
+        })
+    print_table(rows, title=f"KV storage vs float32 KV (float32 SmolLM2): greedy agreement on "
+                            f"{len(ids)} prompts x {args.tokens} tokens; perplexity on "
+                            f"{len(held)} held-back replies ({sum(map(len, replies))} tokens) "
+                            f"and own greedy continuations ({sum(map(len, own))} tokens)")
     write_results("kv_quant" + ("_quick" if args.quick else ""), header,
-                  {"rows": rows, "leading_agree": lead})
+                  {"rows": rows, "heldout_skip": args.skip})
     return 0
 
 

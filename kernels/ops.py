@@ -106,9 +106,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, check: bool = True) -> torch.Tensor:
     """One new query token per sequence attends to the sequence's cached tokens.
 
-    q:            [num_seqs, num_q_heads, head_dim], dtype of the cache, contiguous;
+    q:            [num_seqs, num_q_heads, head_dim], dtype of the cache (any float dtype for
+                  an int8 cache; the output's dtype), contiguous;
                   num_q_heads = G * num_kv_heads (query head h reads KV head h // G).
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or int8
+                  [..., head_dim + 2]: each row's values then its fp16 scale (kv_quant's
+                  int8 rows), read in place by Triton, dequantized by the other backends.
     block_tables: int32 [num_seqs, max_blocks_per_seq]; only the first
                   ceil(seq_len / block_size) entries of a row are read.
     seq_lens:     int32 [num_seqs], in [1, max_blocks_per_seq * block_size]: tokens to attend
@@ -124,7 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out[s, h] = softmax(scale * q[s, h] . K[s, :, h // G]) @ V[s, :, h // G], where K[s, t] is the
     token at position t < seq_lens[s] read through block_tables[s].
     """
-    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache, True)
     q = checks.check_query(q, k_cache.dtype, num_kv_heads, head_dim, "num_seqs")
     checks.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
@@ -150,6 +153,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if name == "triton":
         return _triton_attention().paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, sc, out, num_splits)
+    k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                  sc, out)
@@ -167,7 +171,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
                   rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]); dtype of the cache, contiguous.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
-                  holding the chunk's K/V (written with write_kv before the call).
+                  holding the chunk's K/V (written with write_kv before the call); or int8
+                  rows with their scale, as in :func:`paged_decode_attention`.
     block_tables: int32 [num_seqs, max_blocks_per_seq].
     cu_seqlens_q: int32 [num_seqs + 1], non-decreasing, cu[0] = 0, cu[-1] = total_q_tokens.
     seq_lens:     int32 [num_seqs]: tokens of each sequence INCLUDING the chunk, so
@@ -180,7 +185,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     with 5 cached tokens and a chunk of 3 has seq_len 8; its queries see keys [0, 5], [0, 6],
     [0, 7].
     """
-    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = checks.check_caches(k_cache, v_cache, True)
     q = checks.check_query(q, k_cache.dtype, num_kv_heads, head_dim, "total_q_tokens")
     checks.check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
@@ -215,12 +220,26 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if name == "triton":
         return _triton_attention().paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out)
+    k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                   cu_seqlens_q, seq_lens, sc, out)
     out.copy_(reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                 cu_seqlens_q, seq_lens, sc))
     return out
+
+
+def dequantize_int8_rows(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., d + 2]`` int8 rows (values, then the fp16 scale's bytes) -> ``[..., d]`` values
+    times scale in ``dtype``: what the Triton kernels compute in registers."""
+    scale = cache[..., -checks.QUANT_SCALE_ELEMS:].contiguous().view(torch.float16).float()
+    return (cache[..., :-checks.QUANT_SCALE_ELEMS].float() * scale).to(dtype)
+
+
+def _dequantized(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float cache as it is; an int8 cache dequantized whole (the torch and reference
+    backends' reading of int8 caches: simple, not fast; the engine gathers the used blocks)."""
+    return dequantize_int8_rows(cache, dtype) if cache.dtype == torch.int8 else cache
 
 
 def _check_tables(block_tables: torch.Tensor, lens: list[int], block_size: int,

@@ -7,7 +7,15 @@ cache blocks (block sizes 8..64 all work with the same tile). Table entries and 
 positions >= seq_len are masked out of every load, so garbage there is never read.
 
 Softmax runs online in base 2 (scores pre-multiplied by scale * log2(e)), accumulating in fp32.
-The launchers assume arguments checked by :mod:`radixkv.kernels.ops`.
+The launchers assume arguments checked by :mod:`radixkv.kernels.ops` (or
+:mod:`radixkv.kernels.quantized`).
+
+Quantized caches (``QUANT=1``): int8 caches whose rows are ``ROW = HEAD_DIM + 2`` bytes, the
+values followed by the row's fp16 scale (radixkv/engine/kv_quant.py). The kernels read them in
+place: the int8 tile and the tile's scales (through a float16 view of the same cache, element
+``row * ROW / 2 + HEAD_DIM / 2``) are loaded and multiplied in registers, so no dequantized copy
+of the cache is ever written. Whatever domain the rows are in (kv_quant stores them rotated) is
+the caller's business: the kernels compute plain attention over ``value * scale``.
 """
 
 from __future__ import annotations
@@ -24,10 +32,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+def _load_rows(ptr, scale_ptr, row, d, live, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
+               QUANT: tl.constexpr):
+    # [N, HEAD_DIM] fp32 (QUANT) or cache-dtype values of cache rows ``row``; dead rows read 0.
+    x = tl.load(ptr + row[:, None] * ROW + d[None, :], mask=live[:, None], other=0)
+    if QUANT:
+        sc = tl.load(scale_ptr + row * (ROW // 2) + HEAD_DIM // 2, mask=live, other=0.0)
+        x = x.to(tl.float32) * sc.to(tl.float32)[:, None]
+    return x
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
+                   part_out_ptr, part_lse_ptr,
                    scale_log2, stride_bt, num_kv_heads, tokens_per_split,
                    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
                    HEAD_DIM: tl.constexpr,
+                   ROW: tl.constexpr,          # cache elements per (token, head) row
+                   QUANT: tl.constexpr,        # 1: int8 rows + fp16 scale (ks_ptr/vs_ptr)
                    GROUP: tl.constexpr,        # query heads per KV head
                    BLOCK_G: tl.constexpr,      # GROUP padded to a tl.dot-able power of two
                    BLOCK_N: tl.constexpr,      # tokens per tile
@@ -62,16 +84,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr,
         live = pos < end
         block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
         row = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kvh
-        k = tl.load(k_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],
-                    other=0.0).to(DOT_TY)
+        k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2   # [BLOCK_G, N]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: a tile has >= 1 live token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],
-                    other=0.0).to(DOT_TY)
+        v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -107,9 +127,11 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr, out_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, lens_ptr, out_ptr,
                     scale_log2, stride_bt, num_q_heads, num_kv_heads,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    ROW: tl.constexpr, QUANT: tl.constexpr,   # as in _decode_kernel
+                    GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr,     # queries per tile
                     BLOCK_N: tl.constexpr,     # keys per tile
                     DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
@@ -146,8 +168,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr, out_ptr,
         live = pos < kv_end
         block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
         row = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kvh
-        k = tl.load(k_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],
-                    other=0.0).to(DOT_TY)
+        k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2   # [M, N]
         allowed = live[None, :] & (pos[None, :] <= cached + i[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -155,8 +176,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, lens_ptr, out_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],
-                    other=0.0).to(DOT_TY)
+        v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -195,9 +215,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(want, most, 64))
 
 
+def _rows(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> dict:
+    """Kernel arguments that describe the cache rows: plain, or int8 + fp16 scale (the scale
+    pointers are float16 views of the same caches)."""
+    quant = k_cache.dtype == torch.int8
+    return dict(ks_ptr=k_cache.view(torch.float16) if quant else k_cache,
+                vs_ptr=v_cache.view(torch.float16) if quant else v_cache,
+                ROW=head_dim + 2 if quant else head_dim, QUANT=int(quant))
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                            out: torch.Tensor, num_splits: int | None) -> torch.Tensor:
-    """q [S, Hq, D]; caches [N, bs, Hkv, D]; block_tables int32 [S, M]; seq_lens int32 [S]."""
+    """q [S, Hq, D]; caches [N, bs, Hkv, D] (or int8 [N, bs, Hkv, D + 2]: values + fp16
+    scale); block_tables int32 [S, M]; seq_lens int32 [S]."""
     check_mode(_decode_kernel, q.device)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -216,10 +246,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
                                dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    rows = _rows(k_cache, v_cache, head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, rows.pop("ks_ptr"), rows.pop("vs_ptr"), block_tables, seq_lens,
+        out, part_out, part_lse,
         scale * LOG2E, block_tables.stride(0), num_kv_heads, tokens_per_split,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **_dot_config(q.dtype, q.device))
     if num_splits > 1:
@@ -231,7 +263,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                             scale: float, out: torch.Tensor) -> torch.Tensor:
-    """q [T, Hq, D] packed by cu_seqlens_q int32 [S+1]; seq_lens int32 [S] include the chunk.
+    """q [T, Hq, D] packed by cu_seqlens_q int32 [S+1]; seq_lens int32 [S] include the chunk;
+    caches as in :func:`paged_decode_attention`.
 
     Reads max(q_len) on the host to size the grid (one sync on CUDA).
     """
@@ -245,9 +278,10 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     block_m = 64 if max_q >= 64 else max(16, triton.next_power_of_2(max_q))
     block_n = 64 if head_dim <= 64 else 32
     grid = (triton.cdiv(max_q, block_m), num_seqs, num_q_heads)
+    rows = _rows(k_cache, v_cache, head_dim)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, block_tables.stride(0), num_q_heads, num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=num_q_heads // num_kv_heads,
+        q, k_cache, v_cache, rows.pop("ks_ptr"), rows.pop("vs_ptr"), block_tables, cu_seqlens_q,
+        seq_lens, out, scale * LOG2E, block_tables.stride(0), num_q_heads, num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=num_q_heads // num_kv_heads,
         BLOCK_M=block_m, BLOCK_N=block_n, **_dot_config(q.dtype, q.device))
     return out

@@ -47,8 +47,9 @@ def _check_count(name: str, value: int | None) -> None:
         raise ConfigError(f"CacheConfig.{name} must be a non-negative int or None, got {value!r}")
 
 
-#: KV storage dtypes: the model's own, or int8 rows with a per-row fp16 scale (kv_quant).
-KV_DTYPES = ("auto", "int8")
+#: KV storage dtypes: the model's own, or int8 / fp8 (e4m3) rows with a per-row fp16 scale
+#: (engine/kv_quant.py).
+KV_DTYPES = ("auto", "int8", "fp8_e4m3")
 #: Write policies of the remote tier (``CacheConfig.remote_write``).
 REMOTE_WRITE_POLICIES = ("write_back", "write_through", "read_only")
 #: Host-tier blocks added for a remote tier when no host tier is configured: its hits land
@@ -81,11 +82,12 @@ class CacheConfig:
             reads the environment variable ``RADIXKV_KV_SECRET`` (unset: checksums only, which
             catch accidents, not a writer who recomputes them). At least 16 bytes; share it
             between the processes that share ``disk_dir``. Never printed (``repr`` hides it).
-        kv_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: every K/V row is quantized once
-            when written (symmetric, one fp16 scale per token and head stored in the row), so a
-            block takes (head_dim + 2) / (2 head_dim) of its bf16 bytes in every tier, and
-            attention reads it dequantized. Part of the cache namespace: never mixed with
-            blocks of another dtype (engine/kv_quant.py, docs/quantization.md).
+        kv_dtype: ``"auto"`` (the model's dtype), ``"int8"`` or ``"fp8_e4m3"``: every K/V row
+            is quantized once when written (Hadamard-rotated, symmetric, one fp16 scale per
+            token and head stored in the row), so a block takes (head_dim + 2) / (2 head_dim)
+            of its bf16 bytes in every tier, and attention reads it dequantized. Part of the
+            cache namespace: never mixed with blocks of another dtype (engine/kv_quant.py,
+            docs/quantization.md).
         remote_url: a Redis (>= 6) or Valkey server shared by replicas, the slowest tier
             (``redis://host:port/db``, ``rediss://``, ``valkey://``, ``redis+cluster://``);
             None: no remote tier. Blocks leave the host tier for it (write-back) and a new

@@ -30,7 +30,10 @@ from typing import Any
 import torch
 
 from radixkv.engine.batch import AttentionMode, ForwardBatch
+from radixkv.engine.kv_quant import FORMATS
 
+#: Cache tensor dtypes that hold quantized rows (engine/kv_quant.py FORMATS).
+_QUANTIZED_STORAGE = frozenset(f.storage for f in FORMATS.values())
 #: The name under which the attention function is registered with transformers.
 ATTN_IMPLEMENTATION = "radixkv_paged"
 #: The keyword argument of ``model(...)`` that carries the :class:`PagedAttentionContext`.
@@ -135,7 +138,7 @@ def paged_attention_forward(
     q, k, v = _token_major(query), _token_major(key), _token_major(value)
     k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = ctx.kv_cache[module.layer_idx, 1]
-    if k_cache.dtype == torch.int8:   # quantized KV: write int8 rows, attend over dequantized
+    if k_cache.dtype in _QUANTIZED_STORAGE:   # int8/fp8 KV: write quantized rows, then attend
         return _quantized(ctx, kernels, q, k, v, k_cache, v_cache, scaling, sliding_window,
                           softcap)
     # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
@@ -163,20 +166,38 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
                v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scaling: float | None, sliding_window: int | None, softcap: float | None
                ) -> tuple[torch.Tensor, None]:
-    """Attention over an int8 cache (``engine/kv_quant.py``): this step's K/V are quantized as
-    they are written (once), then the blocks the batch reads are dequantized into a compact
-    scratch cache and the ordinary kernels run on it with remapped block tables. The
-    dequantization is a gather the torch path does anyway (it copies each sequence's K/V per
-    layer); Triton kernels that read int8 blocks in place would avoid the scratch copy."""
-    from radixkv.engine.kv_quant import dequantize_rows, write_quantized
+    """Attention over an int8 or fp8 cache (``engine/kv_quant.py``): this step's K/V are
+    quantized as they are written (once), then the blocks the batch reads are scaled back into a
+    compact scratch cache and the ordinary kernels run on it with remapped block tables. The
+    stored rows are Hadamard-rotated and stay so: the query is rotated before the kernel and
+    the output after it (``q . k`` and the softmax are unchanged by an orthonormal rotation).
+    The scratch is a gather the torch path does anyway (it copies each sequence's K/V per
+    layer). Where the kernels run on Triton, int8 blocks are read in place instead (the
+    kernels dequantize in registers; no scratch), unless a window or a softcap needs the
+    windowed kernel, which reads float caches only."""
+    from radixkv.engine.kv_quant import dequantize_rows, format_of, rotate, write_quantized
+    from radixkv.kernels.backend import resolve_backend
 
     batch = ctx.batch
     write_quantized(k, v, k_cache, v_cache, batch.slot_mapping)
-    used, tables = ctx.scratch_tables()
-    ks = dequantize_rows(k_cache.index_select(0, used), q.dtype)
-    vs = dequantize_rows(v_cache.index_select(0, used), q.dtype)
+    rotated = format_of(k_cache.dtype).rotated
+    if rotated:
+        q = rotate(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     windowed = sliding_window is not None and batch.max_seq_len > sliding_window
+    if (k_cache.dtype == torch.int8 and not windowed and softcap is None
+            and resolve_backend(None, q.device) == "triton"):
+        if batch.mode is AttentionMode.DECODE:
+            out = kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
+                                                 batch.seq_lens, scale=scale, check=False)
+        else:
+            out = kernels.paged_prefill_attention(q, k_cache, v_cache, batch.block_tables,
+                                                  batch.cu_seqlens_q, batch.seq_lens,
+                                                  scale=scale, check=False)
+        return (rotate(out) if rotated else out).unsqueeze(0), None
+    used, tables = ctx.scratch_tables()
+    ks = dequantize_rows(k_cache.index_select(0, used), q.dtype, rotated=True)
+    vs = dequantize_rows(v_cache.index_select(0, used), q.dtype, rotated=True)
     if windowed or softcap is not None:
         out = kernels.paged_attention_windowed(
             q, ks, vs, tables, batch.host_cu_seqlens_q, batch.host_seq_lens, scale,
@@ -187,6 +208,8 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
     else:
         out = kernels.paged_prefill_attention(q, ks, vs, tables, batch.cu_seqlens_q,
                                               batch.seq_lens, scale=scale, check=False)
+    if rotated:
+        out = rotate(out)
     return out.unsqueeze(0), None
 
 

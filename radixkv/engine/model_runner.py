@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine import attention
+from radixkv.engine import attention, kv_quant
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
@@ -103,9 +103,10 @@ class ModelRunner:
         if tensor.dim() != 6:
             raise ConfigError(f"kv_cache must have 6 dims, got shape {tuple(tensor.shape)}")
         self.model = model
-        quantized = tensor.dtype == torch.int8   # int8 rows + per-row scales (kv_quant)
+        fmt = kv_quant.format_of(tensor.dtype)   # int8 / fp8 rows + per-row scales
+        quantized = fmt is not None
         self.layout = model_kv_layout(model, int(tensor.shape[3]),
-                                      "int8" if quantized else "auto")
+                                      fmt.name if quantized else "auto")
         self.sliding_window = sliding_window(model.config)
         self.device = param.device
         want = self.layout.cache_shape(int(tensor.shape[2]))
@@ -137,7 +138,8 @@ class ModelRunner:
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
                   kv_dtype: str = "auto") -> ModelRunner:
         """Allocate a zeroed :class:`DevicePool` of ``num_blocks`` blocks for ``model`` (its
-        dtype, or ``kv_dtype="int8"``: quantized rows, on its device) and wrap both."""
+        dtype, or ``kv_dtype="int8"``/``"fp8_e4m3"``: quantized rows, on its device) and wrap
+        both."""
         param = next(model.parameters())
         pool = DevicePool(model_kv_layout(model, block_size, kv_dtype), num_blocks,
                           device=param.device)

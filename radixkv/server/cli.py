@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
-    c.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
-                   help="KV block storage: the model's dtype, or int8 with a per-row scale "
-                        "(about half the bytes in every tier)")
+    c.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV block storage: the model's dtype, or int8 / fp8_e4m3 with a per-row "
+                        "scale (about half the bytes in every tier)")
     c.add_argument("--remote-url", default=None, metavar="URL",
                    help="remote tier shared by replicas: redis://host:port/db, rediss://, "
                         "valkey://, redis+cluster:// (default: none)")

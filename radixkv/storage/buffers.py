@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 
 from radixkv.errors import InvalidBlockError
-from radixkv.storage.layout import KVLayout, dtype_name
+from radixkv.storage.layout import TORCH_NAMES, KVLayout, dtype_name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``torch.dtype`` of a canonical or alias dtype name ("float16", "bf16")."""
-    return getattr(torch, dtype_name(name))
+    """``torch.dtype`` of a canonical or alias dtype name ("float16", "bf16"; the scaled
+    ``fp8_e4m3`` KV format is stored as ``float8_e4m3fn``)."""
+    canonical = dtype_name(name)
+    return getattr(torch, TORCH_NAMES.get(canonical, canonical))
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -36,13 +36,21 @@ from radixkv.errors import ConfigError
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int8": 1,   # quantized: rows of head_dim int8 values + a 2-byte fp16 scale (engine/kv_quant)
+    # quantized: rows of head_dim 1-byte values + a 2-byte fp16 scale (engine/kv_quant)
+    "int8": 1, "fp8_e4m3": 1,
 }
 #: Dtypes whose rows carry a per-row scale after ``head_dim`` values (``KVLayout.row_dim``).
-QUANTIZED: dict[str, int] = {"int8": 2}
+QUANTIZED: dict[str, int] = {"int8": 2, "fp8_e4m3": 2}
+#: torch dtype name of a layout dtype whose name is not torch's own (the scaled fp8 format is
+#: stored in ``float8_e4m3fn`` tensors; plain ``float8_e4m3fn`` stays a layout without scales).
+TORCH_NAMES: dict[str, str] = {"fp8_e4m3": "float8_e4m3fn"}
+#: What the namespace fingerprint says of a quantized dtype's bytes: the rows are stored
+#: Hadamard-rotated (engine/kv_quant.py), so files and remote values of the first, unrotated
+#: int8 format (same name, same dtype code) are foreign to every engine of this version.
+FORMAT_TAGS: dict[str, str] = {"int8": "int8+hadamard", "fp8_e4m3": "fp8_e4m3+hadamard"}
 DTYPE_CODES: dict[str, int] = {
     "float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "float8_e4m3fn": 5, "float8_e5m2": 6,
-    "int8": 7,
+    "int8": 7, "fp8_e4m3": 8,
 }
 _DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -101,7 +109,7 @@ class KVLayout:
     @property
     def row_dim(self) -> int:
         """Elements per (token, head) row: ``head_dim``, plus the per-row scale's bytes for a
-        quantized dtype (``int8``: ``head_dim + 2``)."""
+        quantized dtype (``int8``, ``fp8_e4m3``: ``head_dim + 2``)."""
         return self.head_dim + QUANTIZED.get(self.dtype, 0)
 
     @property
@@ -175,7 +183,7 @@ class KVLayout:
         """
         salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
         text = (f"radixkv-namespace-v1|{model_id}|L{self.num_layers}|H{self.num_kv_heads}"
-                f"|D{self.head_dim}|B{self.block_size}|{self.dtype}|")
+                f"|D{self.head_dim}|B{self.block_size}|{FORMAT_TAGS.get(self.dtype, self.dtype)}|")
         return xxhash.xxh3_128_digest(text.encode() + salt_b)
 
 
@@ -215,5 +223,6 @@ def parse_capacity(spec: int | str, layout: KVLayout) -> int:
     return layout.blocks_in(parse_size(text))
 
 
-__all__ = ["KVLayout", "DTYPE_BYTES", "DTYPE_CODES", "dtype_name", "parse_size",
+__all__ = ["KVLayout", "DTYPE_BYTES", "DTYPE_CODES", "QUANTIZED", "TORCH_NAMES",
+           "FORMAT_TAGS", "dtype_name", "parse_size",
            "parse_capacity"]

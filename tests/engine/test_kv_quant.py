@@ -1,0 +1,194 @@
+"""Quantized KV blocks (issue 16: ``CacheConfig(kv_dtype="int8" | "fp8_e4m3")``).
+
+* rows round-trip within their format's error bound, all-zero rows and outliers included
+  (hypothesis), and a rotated query attends over the stored (rotated) rows exactly as the
+  original query over the original rows;
+* a quantized engine generates what the float32 engine generates on almost every token, and its
+  cached runs equal its cold runs;
+* quantized blocks move through host and disk unchanged (a disk file reads back bit-exact, and a
+  store of another KV dtype misses on it); a shared remote server serves them to an engine of the
+  same KV dtype only (the namespace includes it);
+* a quantized block costs (head_dim + 2) / (2 head_dim) of a bf16 one.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from radixkv.config import CacheConfig, EngineConfig
+from radixkv.engine.kv_quant import (FORMATS, dequantize_rows, format_of, quantize_rows,
+                                     rotate, rotation)
+from radixkv.engine.llm_engine import LLMEngine
+from radixkv.errors import ConfigError
+from radixkv.storage.disk import DiskStore
+from radixkv.storage.layout import KVLayout
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "storage"))
+from redis_server import RedisServer  # noqa: E402
+from tiers_helpers import BS, check_tiers, make_engine, rand_tokens, serve  # noqa: E402
+
+QUANT = sorted(FORMATS)   # ["fp8_e4m3", "int8"]
+
+
+def _bound(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """Largest error a row element may have after a round trip.
+
+    Rows are quantized rotated (``xr = x H``). In the rotated domain: the scale ``s`` is
+    rounded to fp16 before use, and when it rounds down ``xr / s`` may pass the grid's maximum
+    and be clamped (at most ``amax - qmax * s``); beyond that int8 rounds to the nearest step
+    (``s / 2``) and e4m3 keeps 3 mantissa bits (``|xr| / 16``) down to its subnormal spacing
+    2^-9 (``s * 2^-10``). Rotating back sums those errors with weights ``|H|``."""
+    fmt = FORMATS[kv_dtype]
+    h = rotation(x.shape[-1])
+    xr = x @ h
+    amax = xr.abs().amax(-1, keepdim=True)
+    s = (amax / fmt.qmax).to(torch.float16).float()
+    clamp = (amax - fmt.qmax * s).clamp(min=0)
+    if kv_dtype == "int8":
+        rounding = (s / 2).expand_as(xr)
+    else:
+        rounding = xr.abs() / 16 + s * 2.0 ** -10
+    return (rounding + clamp) @ h.abs() + x.abs().amax(-1, keepdim=True) * 2.0 ** -16 + 1e-30
+
+
+@given(kv=st.sampled_from(QUANT), rows=st.integers(1, 6), heads=st.integers(1, 3),
+       dim=st.sampled_from([4, 16, 64]),
+       magnitude=st.sampled_from([0.0, 1e-3, 1.0, 50.0, 6e4]), outlier=st.booleans(),
+       zero_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_rows_round_trip_within_their_quantization_error(kv, rows, heads, dim, magnitude,
+                                                        outlier, zero_head, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads, dim, generator=g) * magnitude
+    if outlier:
+        x[0, 0, 0] = magnitude * 100 + 1.0
+    if zero_head:
+        x[:, -1] = 0.0
+    q = quantize_rows(x, kv)
+    assert q.dtype == FORMATS[kv].storage and q.shape == (rows, heads, dim + 2)
+    assert format_of(q.dtype) is FORMATS[kv]
+    y = dequantize_rows(q, torch.float32)
+    assert bool(torch.isfinite(y).all())
+    assert bool(((y - x).abs() <= _bound(x, kv)).all()), (y - x).abs().max()
+    if zero_head:
+        assert bool((y[:, -1] == 0).all())
+    # attention's view: the stored rows, still rotated, are the rotated originals
+    yr = dequantize_rows(q, torch.float32, rotated=True)
+    assert torch.allclose(rotate(yr), y, rtol=1e-5, atol=1e-30 + float(y.abs().max()) * 1e-6)
+
+
+def test_quantized_block_costs_about_half_a_bf16_block():
+    bf16 = KVLayout(30, 3, 64, 16, "bfloat16")
+    prints = {bf16.fingerprint("m")}
+    for kv in QUANT:
+        lay = KVLayout(30, 3, 64, 16, kv)
+        assert lay.bytes_per_block / bf16.bytes_per_block == pytest.approx(66 / 128)
+        prints.add(lay.fingerprint("m"))
+    assert len(prints) == 1 + len(QUANT)        # every KV dtype is its own namespace
+    with pytest.raises(ConfigError):
+        CacheConfig(kv_dtype="int3")
+
+
+@pytest.fixture(scope="module")
+def hf_llama(make_tiny):
+    return make_tiny("llama")
+
+
+def _engine(hf, kv_dtype, **cc):
+    return LLMEngine(copy.deepcopy(hf), None,
+                     CacheConfig(block_size=BS, num_device_blocks=cc.pop("device", 64),
+                                 kv_dtype=kv_dtype, **cc),
+                     EngineConfig(max_num_seqs=4, max_num_batched_tokens=128), model_id="tiny")
+
+
+def _run(eng, prompts, n=8):
+    outs = serve(eng, [(f"r{i}", p) for i, p in enumerate(prompts)], max_tokens=n)
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def float32_ref(hf_llama):
+    prompts = [rand_tokens(21, s) for s in range(8)]
+    return prompts, [o.outputs[0].token_ids for o in _run(_engine(hf_llama, "auto"), prompts)]
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_quantized_engine_tracks_float32_and_its_cache_is_consistent(hf_llama, float32_ref, kv):
+    prompts, ref = float32_ref
+    eng = _engine(hf_llama, kv)
+    assert eng._runner.kv_cache.dtype == FORMATS[kv].storage
+    cold = [o.outputs[0].token_ids for o in _run(eng, prompts)]
+    if kv == "int8":    # rotated int8: within 0.5% of each row's norm, rarely flips a token
+        same = sum(a == b for r, c in zip(ref, cold) for a, b in zip(r, c))
+        assert same >= 0.9 * sum(map(len, ref)), (ref, cold)
+    else:               # e4m3 keeps 3 mantissa bits: the random model's close calls flip,
+        assert sum(r[0] == c[0] for r, c in zip(ref, cold)) >= 5, (ref, cold)  # not the first
+    warm = _run(eng, prompts)                      # every prompt's blocks are cached now
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    assert [o.outputs[0].token_ids for o in warm] == cold
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_quantized_blocks_move_through_host_and_disk_unchanged(hf_llama, tmp_path, kv):
+    convs = [rand_tokens(21, 100 + c) for c in range(4)]
+    big = _engine(hf_llama, kv, device=256)                 # nothing ever evicted
+    want = [o.outputs[0].token_ids for o in _run(big, convs)]
+    eng = make_engine(hf_llama, tmp_path, device=12, host=6, disk=64, kv_dtype=kv)
+    _run(eng, convs)                                        # pushes blocks down the tiers
+    again = _run(eng, convs)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert any(sum(o.cached_tokens_per_tier[1:]) for o in again)   # some came from host/disk
+    assert [o.outputs[0].token_ids for o in again] == want
+    check_tiers(eng)
+
+
+def test_a_quantized_disk_block_reads_back_bit_exact_and_only_in_its_dtype(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    blocks = {}
+    for kv in QUANT:
+        lay = KVLayout(2, 2, 16, 4, kv)
+        x = torch.randn(lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                        generator=g) * 3.0
+        x[0, 1, 2] = 0.0                                    # all-zero rows keep scale 0
+        block = quantize_rows(x, kv)
+        assert tuple(block.shape) == lay.block_shape
+        store = DiskStore(tmp_path, lay, lay.fingerprint("m"))
+        h = bytes([len(blocks) + 1]) * 16
+        assert store.put(h, None, range(lay.block_size), block)
+        back = store.get(h)
+        assert back is not None and back.dtype == block.dtype
+        assert torch.equal(back.view(torch.uint8), block.view(torch.uint8))
+        blocks[kv] = (lay, h)
+    for kv, (lay, _) in blocks.items():                     # another dtype's file is a miss
+        store = DiskStore(tmp_path, lay, lay.fingerprint("m"))
+        for other, (_, h) in blocks.items():
+            assert (store.get(h) is not None) == (other == kv)
+
+
+def test_remote_serves_quantized_blocks_to_the_same_kv_dtype_only(hf_llama, tmp_path):
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        prompt = rand_tokens(33, 7)
+        a = _engine(hf_llama, "int8", host_blocks=8, remote_url=srv.url,
+                    remote_write="write_through")
+        first = _run(a, [prompt])[0]
+        a._remote.store.flush(5.0)
+        for kv in ("auto", "fp8_e4m3"):                     # another KV dtype: a miss
+            other = _engine(hf_llama, kv, host_blocks=8, remote_url=srv.url)
+            assert _run(other, [prompt])[0].num_cached_tokens == 0
+            other.close()
+        b = _engine(hf_llama, "int8", host_blocks=8, remote_url=srv.url)
+        out = _run(b, [prompt])[0]
+        assert dict(zip(b.output_tier_names, out.cached_tokens_per_tier))["remote"] == 8 * BS
+        assert out.outputs[0].token_ids == first.outputs[0].token_ids
+        for e in (a, b):
+            e.close()
+    finally:
+        srv.stop()

@@ -1,0 +1,139 @@
+"""Attention over int8 caches (rows of head_dim int8 values + the row's fp16 scale, as
+radixkv/engine/kv_quant.py writes them): the Triton kernels read them in place (under the
+interpreter here) and must equal the float32 reference run on the dequantized caches.
+
+Rows the contract says are never read (unused blocks, the tail of a ragged last block) get a
+NaN scale, so a kernel that reads one produces NaN and fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import PagedCase, assert_close, make_case, poisoned_like
+from radixkv.errors import InvalidRequestError
+from radixkv.kernels import paged_decode_attention, paged_prefill_attention
+from radixkv.kernels.ops import dequantize_int8_rows
+
+
+def _quantize(x: torch.Tensor) -> torch.Tensor:
+    """float [..., d] -> int8 [..., d + 2]; NaN rows (never to be read) get a NaN scale."""
+    bad = torch.isnan(x).any(-1, keepdim=True)
+    x = torch.where(bad, torch.zeros_like(x), x).float()
+    scale = (x.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    s = torch.where(bad | (scale == 0), torch.ones_like(scale), scale).float()
+    q = torch.round(x / s).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def _int8(case: PagedCase) -> tuple[PagedCase, PagedCase]:
+    """(the int8 case, the same case dequantized to float32: the reference's input)."""
+    k, v = _quantize(case.k_cache), _quantize(case.v_cache)
+    q8 = PagedCase(k, v, case.block_tables, case.seq_lens)
+    return q8, PagedCase(dequantize_int8_rows(k, torch.float32),
+                         dequantize_int8_rows(v, torch.float32), case.block_tables,
+                         case.seq_lens)
+
+
+DECODE = [
+    # (query dtype, num_kv_heads, group, head_dim, block_size, num_splits)
+    (torch.float32, 2, 1, 64, 16, 1),
+    (torch.float32, 1, 3, 64, 8, 3),
+    (torch.bfloat16, 1, 8, 128, 32, None),
+]
+
+
+@pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size,num_splits", DECODE)
+def test_decode_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_heads, group,
+                                                  head_dim, block_size, num_splits):
+    gen = torch.Generator().manual_seed(block_size * 13 + group)
+    lens = [1, block_size + 3, 150]
+    q8, dq = _int8(make_case(lens, block_size=block_size, num_kv_heads=kv_heads,
+                             head_dim=head_dim, share_prefix=0, gen=gen))
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    out = poisoned_like(q)
+    got = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, q8.seq_lens,
+                                 out=out, backend="triton", num_splits=num_splits)
+    assert got is out and got.dtype == dtype
+    ref = paged_decode_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables,
+                                 dq.seq_lens, backend="reference")
+    assert_close(got, ref, dtype, "triton int8 vs reference on the dequantized cache")
+    torch_int8 = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables,
+                                        q8.seq_lens, backend="torch")
+    assert_close(torch_int8, ref, dtype, "torch backend on the int8 cache")
+
+
+@pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size", [
+    (torch.float32, 2, 1, 64, 16),
+    (torch.bfloat16, 1, 3, 64, 8),
+])
+def test_prefill_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_heads, group,
+                                                   head_dim, block_size):
+    gen = torch.Generator().manual_seed(block_size * 5 + group)
+    cached, q_lens = [0, 5, 2 * block_size], [20, 1, 70]
+    lens = [c + n for c, n in zip(cached, q_lens)]
+    q8, dq = _int8(make_case(lens, block_size=block_size, num_kv_heads=kv_heads,
+                             head_dim=head_dim, share_prefix=0, gen=gen))
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = poisoned_like(q)
+    got = paged_prefill_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, cu, q8.seq_lens,
+                                  out=out, backend="triton")
+    assert got is out
+    ref = paged_prefill_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables, cu,
+                                  dq.seq_lens, backend="reference")
+    assert_close(got, ref, dtype, "triton int8 prefill vs reference on the dequantized cache")
+
+
+def test_int8_caches_are_checked():
+    gen = torch.Generator().manual_seed(1)
+    q8, _ = _int8(make_case([5], block_size=8, num_kv_heads=1, head_dim=64, gen=gen))
+    q = torch.randn(1, 1, 64, generator=gen)
+    with pytest.raises(InvalidRequestError, match="head_dim"):      # rows must be d + 2
+        paged_decode_attention(q, q8.k_cache[..., :-1].contiguous(),
+                               q8.v_cache[..., :-1].contiguous(), q8.block_tables,
+                               q8.seq_lens, backend="reference")
+    with pytest.raises(InvalidRequestError, match="must match"):
+        paged_decode_attention(q, q8.k_cache, q8.v_cache.float(), q8.block_tables,
+                               q8.seq_lens, backend="reference")
+
+
+def test_engine_attention_reads_int8_blocks_in_place_on_triton(triton_backend, monkeypatch):
+    """The model runner with int8 KV: logits of a prefill and a decode step on the Triton path
+    (in-place int8 reads, rotated query and output) equal those of the torch path (dequantized
+    scratch), and the in-place path really ran (no scratch tables were built)."""
+    import transformers
+
+    from radixkv.engine import attention
+    from radixkv.engine.batch import SequenceChunk
+    from radixkv.engine.model_runner import ModelRunner
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    bs, prompts = 8, [list(range(3, 22)), list(range(40, 45))]
+
+    def run() -> list[torch.Tensor]:
+        runner = ModelRunner.for_model(model, 16, bs, "int8")
+        tables = [[0, 1, 2, 3], [4, 5]]
+        pre = [SequenceChunk(p, 0, t, [t[i // bs] * bs + i % bs for i in range(len(p))])
+               for p, t in zip(prompts, tables)]
+        dec = [SequenceChunk([7], len(p), t, [t[len(p) // bs] * bs + len(p) % bs])
+               for p, t in zip(prompts, tables)]
+        return [runner.execute(runner.build_batch(pre)), runner.execute(runner.build_batch(dec))]
+
+    scratch_calls = []
+    real = attention.PagedAttentionContext.scratch_tables
+    monkeypatch.setattr(attention.PagedAttentionContext, "scratch_tables",
+                        lambda self: scratch_calls.append(1) or real(self))
+    got = run()                                   # RADIXKV_KERNEL_BACKEND=triton (fixture)
+    assert not scratch_calls
+    monkeypatch.setenv("RADIXKV_KERNEL_BACKEND", "torch")
+    want = run()
+    assert scratch_calls
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
