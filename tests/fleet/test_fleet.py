@@ -163,7 +163,10 @@ def test_two_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
 
     def long_one() -> None:
         try:
-            s = _chat(client, [{"role": "user", "content": "Count slowly from one to fifty."}],
+            # distinct system prompts: without one the template adds the same default, whose
+            # cached block would weigh against load in the router's choice
+            s = _chat(client, [{"role": "system", "content": "Numbers are your trade."},
+                               {"role": "user", "content": "Count slowly from one to fifty."}],
                       max_tokens=64, stream=True)
             for _ in s:
                 started.set()
@@ -174,7 +177,8 @@ def test_two_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
     t = threading.Thread(target=long_one)
     t.start()
     assert started.wait(120)
-    _chat(client, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
+    _chat(client, [{"role": "system", "content": "Geography is your trade."},
+                   {"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
     t.join(300)
     assert not errors
     time.sleep(1.5)
@@ -225,15 +229,18 @@ def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet)
 
     def turn2() -> None:
         try:
-            result["r"] = _chat(client, msgs, max_tokens=160)
+            # ignore_eos: it must still be generating when the kill comes
+            result["r"] = _chat(client, msgs, max_tokens=320, extra_body={"ignore_eos": True})
         except BaseException as exc:   # asserted below
             result["e"] = exc
 
+    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
     t = threading.Thread(target=turn2)
     t.start()
-    # the victim is generating it (its stats say so) -- then it dies
-    _eventually(lambda: fleet.per_replica("radixkv_num_requests_running").get(victim, 0) >= 1,
-                timeout=60)
+    # the victim has admitted turn 2 (its prompt-token counter grew by more than turn 1's
+    # prompt; a running count could be a stale snapshot of turn 1) -- then it dies
+    _eventually(lambda: fleet.per_replica("radixkv_prefix_cache_queries_total").get(victim, 0)
+                - before.get(victim, 0) > r1.usage.prompt_tokens, timeout=60)
     os.kill(pid, signal.SIGKILL)
     t.join(300)
     assert "e" not in result, result.get("e")
