@@ -128,13 +128,13 @@ def plot(rows: list[dict[str, Any]], runs: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench fleet", description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=24)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rate", type=float, default=0.5)
     ap.add_argument("--think", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--max-chars", type=int, default=2500)
-    ap.add_argument("--device-blocks", type=int, default=192, help="per replica")
+    ap.add_argument("--max-chars", type=int, default=4000)
+    ap.add_argument("--device-blocks", type=int, default=384, help="per replica")
     ap.add_argument("--max-seqs", type=int, default=4)
     ap.add_argument("--configs", default="single,pow2,kv,kv+remote")
     ap.add_argument("--load-tokens", type=int, default=None,
