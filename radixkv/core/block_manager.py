@@ -144,8 +144,14 @@ class BlockManager:
                       tier: int) -> Node | None:
         """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
         found at start, a remote block fetched into the host); None if it cannot be placed.
+        The tree's insert listener hears of it as of a computed block (a block entered the
+        cache; e.g. a fleet replica announces it to the router).
         Runtime complexity: O(1) (+ the tier's evictions)."""
-        return self.tree.insert_lower(parent, block_hash, tokens, tier)
+        node = self.tree.insert_lower(parent, block_hash, tokens, tier)
+        listener = self.tree.insert_listener
+        if node is not None and listener is not None:
+            listener([node])
+        return node
 
     def promote_lower(self, node: Node, tier: int) -> list[MoveOp]:
         """Plan moving ``node`` up into slower tier ``tier`` (a prefetch): its moves."""

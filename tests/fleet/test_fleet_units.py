@@ -292,3 +292,19 @@ def test_fleet_flags_that_cannot_work_are_refused_before_ray_starts(capsys: Any)
     assert "--port 0" in capsys.readouterr().err
     assert main(["--replicas", "0", "--port", "8999"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_blocks_installed_in_a_lower_tier_are_announced() -> None:
+    """A block fetched from the remote tier (or restored from disk) into a lower tier is in the
+    replica's cache: the router must hear of it like of a computed block."""
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace, hash_token_blocks, token_bytes
+
+    bm = BlockManager.create(8, 4, lower_tier_blocks=[8])
+    rec = EventRecorder(bm.tree)
+    ns = Namespace("m")
+    ids = list(range(8))
+    h = hash_token_blocks(ids, 4, ns)
+    first = bm.install_lower(None, h[0], token_bytes(ids[:4]), 1)
+    bm.install_lower(first, h[1], token_bytes(ids[4:]), 1)
+    assert rec.drain() == ([h[0], h[1]], [])
