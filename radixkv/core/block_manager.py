@@ -39,6 +39,7 @@ import xxhash
 
 from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
 from radixkv.core.pool import BlockPool
+from radixkv.core.tier_plans import TierPlans
 from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
 from radixkv.errors import (
     InvalidTokensError, OutOfBlocks, SequenceExistsError, UnknownSequenceError,
@@ -96,7 +97,7 @@ class _Seq:
         self.num_computed = num_computed  # tokens whose KV is written
 
 
-class BlockManager:
+class BlockManager(TierPlans):
     """Block tables, copy-on-write and prefix reuse for live sequences.
 
     Args:
@@ -119,66 +120,6 @@ class BlockManager:
                          [BlockPool(n) for n in lower_tier_blocks], policy=policy,
                          write_through=write_through, **tree_kwargs)
         return cls(tree)
-
-    def expire(self, now: float | None = None) -> list[MoveOp]:
-        """Blocks whose TTL ran out at ``now`` (the TTL policy's, or a per-block ``ttl`` hint
-        under any policy, e.g. a cache breakpoint's) leave their tier: the moves to run.
-        Runtime complexity: O(expired * log n)."""
-        return self.tree.evict_expired(now)
-
-    def take_moves(self) -> list[MoveOp]:
-        """The MoveOps of write-through copies made by ``commit`` (and of the evictions that
-        made room for them), in execution order; clears them. Empty without write-through.
-        Runtime complexity: O(1)."""
-        return self.tree.take_moves()
-
-    # ------------------------------------------------------------------ tier plans
-    # The block manager is the only writer of the tree: the tier components (the mover's
-    # fault handling, disk restore and prefetch, the remote tier's installs, the engine's cache
-    # hints) ask it for plans and execute the MoveOps it returns; they only read the tree.
-    def get(self, block_hash: bytes) -> Node | None:
-        """The cached node of ``block_hash`` (read only). Runtime complexity: O(1)."""
-        return self.tree.get(block_hash)
-
-    def install_lower(self, parent: Node | None, block_hash: bytes, tokens: bytes,
-                      tier: int) -> Node | None:
-        """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
-        found at start, a remote block fetched into the host); None if it cannot be placed.
-        The tree's insert listener hears of it as of a computed block (a block entered the
-        cache; e.g. a fleet replica announces it to the router).
-        Runtime complexity: O(1) (+ the tier's evictions)."""
-        node = self.tree.insert_lower(parent, block_hash, tokens, tier)
-        listener = self.tree.insert_listener
-        if node is not None and listener is not None:
-            listener([node])
-        return node
-
-    def promote_lower(self, node: Node, tier: int) -> list[MoveOp]:
-        """Plan moving ``node`` up into slower tier ``tier`` (a prefetch): its moves."""
-        return self.tree.promote_lower(node, tier)
-
-    def invalidate(self, node: Node) -> list[MoveOp]:
-        """``node`` and its subtree leave the cache (their bytes are bad or lost): the drops
-        to run. Runtime complexity: O(subtree)."""
-        return self.tree.invalidate(node)
-
-    def drop_copy(self, node: Node, tier: int) -> MoveOp | None:
-        """Forget ``node``'s write-through copy in ``tier`` (its write failed)."""
-        return self.tree.drop_copy(node, tier)
-
-    def touch(self, node: Node, now: float | None = None) -> None:
-        """Mark ``node`` used now (so making room next to it does not evict it)."""
-        self.tree.touch(node, now)
-
-    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
-        """Make room: ``num_blocks`` unreferenced blocks leave ``tier`` by the policy's order
-        (demoted when a slower tier exists, else dropped); the moves to run."""
-        return self.tree.evict(tier, num_blocks)
-
-    def set_hints(self, nodes: Sequence[Node], priority: int | None = None,
-                  ttl: float | None = None) -> None:
-        """Eviction hints (priority, TTL) for cached blocks (cache breakpoints)."""
-        self.tree.set_hints(nodes, priority=priority, ttl=ttl)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -439,7 +380,7 @@ class BlockManager:
                 f"num_computed_tokens must be in [{s.num_computed}, {len(s.tokens)}] for sequence "
                 f"{seq_id!r}, got {num_computed_tokens!r}")
         s.num_computed = num_computed_tokens
-        bs, tree, refs = self.block_size, self.tree, self.pool.ref_counts
+        bs, tree = self.block_size, self.tree
         first, last = len(s.nodes), num_computed_tokens // bs
         if last <= first:
             return 0

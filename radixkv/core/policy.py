@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from radixkv.core.evict_index import FrequencyIndex, RecencyIndex, SortedIndex
+from radixkv.core.evict_index import FrequencyIndex, RecencyIndex
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ Eviction is leaf-first per tier: a node is *evictable in its tier* when it is un
 (device: refcount 0) and has no child in its own tier (children can only live in the same or
 slower tiers). Each tier keeps its evictable nodes in an eviction index ordered by the eviction
 policy (``evict_index.py``): O(1) per operation for LRU and TTL, O(log n) for the others,
-independent of how many blocks are cached. The block manager's per-request paths (lock, release,
-insert a run, the device-only eviction loop) live in ``request_ops.py``: one pass per request.
+independent of how many blocks are cached. The per-request paths (lock, release, insert a run,
+the inlined LRU eviction loops) live in ``request_ops.py``: one pass per request.
 Evicting from tier t demotes the node into tier t+1 (making room there first, recursively) or,
 from the last tier, drops it. Every change of residency is returned as a ``MoveOp`` for the
 storage layer to execute *in order* before the freed slots are reused. The MoveOps of
@@ -105,8 +105,8 @@ class RadixTree(RequestOps, TierOps):
         self._hints: dict[bytes, NodeHints] = {}
         self._ttl_heap: list[tuple[float, bytes]] = []   # (due, hash) of per-block TTL hints
         self.stats = TreeStats(self.num_tiers)
-        #: Listeners (must not touch the tree), for the engine's remote tier: a node about to
-        #: leave the cache (still linked), and each run of computed blocks ``insert_run`` caches.
+        #: Listeners (must not touch the tree; the remote tier, a fleet replica's events): a node
+        #: about to leave the cache (still linked), and blocks that entered it.
         self.drop_listener: Callable[[Node], None] | None = None
         self.insert_listener: Callable[[list[Node]], None] | None = None
         self.write_through: tuple[int, ...] = tuple(sorted(wt))
@@ -471,15 +471,14 @@ class RadixTree(RequestOps, TierOps):
                   ttl: float | None = None) -> None:
         """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain).
 
-        ``priority`` is an int (higher survives longer under the priority policy); ``ttl`` a
-        finite number of seconds >= 0. All-or-nothing: every node and value is validated first.
-        Runtime complexity: O(len(nodes) * log n).
+        ``priority``: an int (higher survives longer under the priority policy); ``ttl``: finite
+        seconds >= 0. All-or-nothing (all validated first). O(len(nodes) * log n).
         """
         if priority is not None and (type(priority) is not int):
             raise ConfigError(f"priority must be an int, got {priority!r}")
-        if ttl is not None:
-            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl < 0:
-                raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not math.isfinite(ttl) or ttl < 0):
+            raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
         nodes = list(nodes)
         for node in nodes:
             if not isinstance(node, Node) or self._index.get(node.block_hash) is not node:

@@ -15,6 +15,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from typing import Any
+
+from radixkv.core.hashing import token_bytes
 from radixkv.errors import InvalidRequestError
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -89,4 +92,42 @@ def check_points(points: object, prompt_len: int) -> tuple[CachePoint, ...]:
     return tuple(out)
 
 
-__all__ = ["CachePoint", "parse_ttl", "check_points"]
+def cached_chain(bm: Any, req: Any, ids: list[int]) -> list[Any]:
+    """The cached nodes of ``ids``' full blocks in ``req``'s namespace (a pure read)."""
+    bs = bm.block_size
+    return bm.tree.match_tokens(token_bytes(ids), req.namespace.seed, len(ids) // bs)[0]
+
+
+def prefilled(bm: Any, req: Any) -> None:
+    """``req``'s prompt is computed: count the tokens it wrote to the cache, give the blocks
+    up to each of its cache points their hints (through the block manager, the tree's writer),
+    and let unmarked blocks below a TTL'd prefix inherit it."""
+    bs = bm.block_size
+    nodes = cached_chain(bm, req, req.prompt_token_ids)
+    req.cache_write_tokens = max(0, len(nodes) * bs - req.num_cached_tokens)
+    for p in req.cache_points:
+        k = min(p.position // bs, len(nodes))
+        if k and (p.ttl is not None or p.priority is not None):
+            bm.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
+    inherit_ttl(bm, nodes)
+
+
+def inherit_ttl(bm: Any, nodes: list[Any]) -> None:
+    """Blocks cached below a prefix with a TTL get that TTL unless they have their own: a
+    prefix cannot leave the cache before its descendants (prefix closure), so unmarked blocks
+    under it would otherwise keep an expired prefix alive indefinitely."""
+    tree = bm.tree
+    if tree.next_expiry() is None:
+        return   # no TTL hint anywhere: nothing to inherit
+    ttl, groups = None, {}
+    for n in nodes:
+        own = tree.hints(n).ttl
+        if own is not None:
+            ttl = own
+        elif ttl is not None:
+            groups.setdefault(ttl, []).append(n)
+    for t, group in groups.items():
+        bm.set_hints(group, ttl=t)
+
+
+__all__ = ["cached_chain", "prefilled", "inherit_ttl", "CachePoint", "parse_ttl", "check_points"]

@@ -24,19 +24,19 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace, token_bytes
+from radixkv.core.hashing import Namespace
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.tiers import setup as tiering
 from radixkv.engine.beam_search import BeamSearch
-from radixkv.engine.cache_points import check_points
+from radixkv.engine.cache_points import cached_chain, check_points, inherit_ttl, prefilled
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.engine_stats import engine_stats
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
-    FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput,
-    TokenLogprob,
+    FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, RequestOutput, TokenLogprob,
+    request_output,
 )
 from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
 from radixkv.engine.schedule_types import drive
@@ -371,7 +371,7 @@ class LLMEngine:
                 self._sample_step(req, idx, logits, argmax, logp)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
-                    self._inherit_ttl(self._cached_chain(req, seq.token_ids))
+                    inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
                 drive(self._scheduler.remove_plan(req), self._run_ops, self._loads)
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
@@ -381,39 +381,8 @@ class LLMEngine:
 
     def _prefilled(self, req: Request) -> None:
         """The prompt is computed: count what it wrote to the cache, apply its cache points."""
-        if not self.cache_config.enable_prefix_caching:
-            return
-        bs = self._bm.block_size
-        ids = req.prompt_token_ids
-        nodes = self._cached_chain(req, ids)
-        req.cache_write_tokens = max(0, len(nodes) * bs - req.num_cached_tokens)
-        for p in req.cache_points:
-            k = min(p.position // bs, len(nodes))
-            if k and (p.ttl is not None or p.priority is not None):
-                self._bm.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
-        self._inherit_ttl(nodes)
-
-    def _cached_chain(self, req: Request, ids: list[int]) -> list[Any]:
-        """The cached nodes of ``ids``' full blocks in ``req``'s namespace (a pure read)."""
-        bs = self._bm.block_size
-        return self.tree.match_tokens(token_bytes(ids), req.namespace.seed, len(ids) // bs)[0]
-
-    def _inherit_ttl(self, nodes: list[Any]) -> None:
-        """Blocks cached below a prefix with a TTL get that TTL unless they have their own: a
-        prefix cannot leave the cache before its descendants (prefix closure), so unmarked
-        blocks under it would otherwise keep an expired prefix alive indefinitely."""
-        tree = self.tree
-        if tree.next_expiry() is None:
-            return   # no TTL hint anywhere: nothing to inherit
-        ttl, groups = None, {}
-        for n in nodes:
-            own = tree.hints(n).ttl
-            if own is not None:
-                ttl = own
-            elif ttl is not None:
-                groups.setdefault(ttl, []).append(n)
-        for t, group in groups.items():
-            self._bm.set_hints(group, ttl=t)
+        if self.cache_config.enable_prefix_caching:
+            prefilled(self._bm, req)
 
     # ------------------------------------------------------------------ sampling
     def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,
@@ -507,39 +476,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ outputs
     def _output(self, req: Request, finished: bool) -> RequestOutput:
-        if req.beam is not None:
-            comps = []
-            for i, (toks, _score, raw) in enumerate(req.beam.best(req.params.n)):
-                text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer else ""
-                reason = FINISH_STOP if toks and toks[-1] in req.beam.eos else FINISH_LENGTH
-                comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
-        else:
-            comps = []
-            for seq in sorted(req.seqs + req.done, key=lambda s: s.index):
-                emit = seq.detok.emittable_len(seq.finished)
-                text = seq.detok.text[:emit]
-                out_ids = seq.output_token_ids
-                lps = seq.logprobs
-                comps.append(CompletionOutput(
-                    seq.index, text, list(out_ids), seq.finish_reason, seq.cumulative_logprob,
-                    text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason,
-                    None if lps is None else list(lps),
-                    None if lps is None else lps[seq.sent_num_tokens:]))
-                seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
-                             req.num_cached_tokens, self._per_tier(req), req.ttft,
-                             req.num_preemptions, req.cache_write_tokens)
-
-    def _per_tier(self, req: Request) -> tuple[int, ...]:
-        """``cached_tokens_per_tier`` by ``output_tier_names``: the blocks a remote lookup put
-        in the host tier count as remote."""
-        if self._remote is None:
-            return req.cached_tokens_per_tier
-        per = list(req.cached_tokens_per_tier) or [0] * len(self.tier_names)
-        host = self.tier_names.index("host")
-        moved = min(req.remote_tokens, per[host])
-        per[host] -= moved
-        return (*per, moved)
+        host = self.tier_names.index("host") if self._remote is not None else None
+        return request_output(req, finished, self.tokenizer, host)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ request's first admission: how many prompt tokens were served from the cache ins
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Values of ``CompletionOutput.finish_reason``.
 FINISH_STOP = "stop"      # an end-of-sequence token, a stop token or a stop string
@@ -104,5 +105,40 @@ class RequestOutput:
         return [o.delta_token_ids for o in self.outputs]
 
 
-__all__ = ["CompletionOutput", "RequestOutput", "TokenLogprob", "FINISH_STOP", "FINISH_LENGTH",
+def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: int | None
+                   ) -> RequestOutput:
+    """The ``RequestOutput`` of ``req`` now; each sequence's deltas are those since the last
+    output (its sent counters advance). ``remote_host_tier``: with a remote tier, the host tier
+    whose blocks a remote lookup installed (counted as ``remote``, a last entry)."""
+    if req.beam is not None:
+        comps = []
+        for i, (toks, _score, raw) in enumerate(req.beam.best(req.params.n)):
+            text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer else ""
+            reason = FINISH_STOP if toks and toks[-1] in req.beam.eos else FINISH_LENGTH
+            comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
+    else:
+        comps = []
+        for seq in sorted(req.seqs + req.done, key=lambda s: s.index):
+            emit = seq.detok.emittable_len(seq.finished)
+            text = seq.detok.text[:emit]
+            out_ids = seq.output_token_ids
+            lps = seq.logprobs
+            comps.append(CompletionOutput(
+                seq.index, text, list(out_ids), seq.finish_reason, seq.cumulative_logprob,
+                text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason,
+                None if lps is None else list(lps),
+                None if lps is None else lps[seq.sent_num_tokens:]))
+            seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
+    per_tier = req.cached_tokens_per_tier
+    if remote_host_tier is not None:
+        per = list(per_tier) or [0] * (remote_host_tier + 1)
+        moved = min(req.remote_tokens, per[remote_host_tier])
+        per[remote_host_tier] -= moved
+        per_tier = (*per, moved)
+    return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
+                         req.num_cached_tokens, per_tier, req.ttft, req.num_preemptions,
+                         req.cache_write_tokens)
+
+
+__all__ = ["request_output", "CompletionOutput", "RequestOutput", "TokenLogprob", "FINISH_STOP", "FINISH_LENGTH",
            "FINISH_ABORT", "FINISH_CAPACITY"]

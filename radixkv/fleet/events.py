@@ -90,7 +90,6 @@ class EventLog:
         self._log: deque[tuple[int, str, bool, list[bytes], list[bytes]]] = deque(
             maxlen=max_batches)
         self._sets: dict[str, set[bytes]] = {}
-        self.load: dict[str, dict[str, Any]] = {}
 
     def publish(self, replica: str, added: Iterable[bytes], removed: Iterable[bytes],
                 reset: bool = False) -> int:
@@ -112,7 +111,6 @@ class EventLog:
         if self._sets.pop(replica, None) is not None:
             self.seq += 1
             self._log.append((self.seq, replica, True, [], []))
-        self.load.pop(replica, None)
 
     def read(self, cursor: int) -> tuple[int, list[tuple[str, bool, list[bytes], list[bytes]]],
                                          bool]:

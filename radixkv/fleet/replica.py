@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.fleet.events import PUBLISH_PERIOD_S, EventRecorder
@@ -40,7 +40,6 @@ class ReplicaSpec:
     threads: int | None = None
     bus_name: str = ""
     bus_namespace: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def replica_cache_config(cc: Any, rank: int) -> Any:

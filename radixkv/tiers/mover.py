@@ -78,6 +78,7 @@ import torch
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, MoveOp, RadixTree
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover
+from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
 from radixkv.errors import ConfigError, StorageError
 from radixkv.storage.disk import DiskStore
@@ -182,7 +183,7 @@ class TieredKVMover(KVMover):
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
-            self._drop_failed_writes(failed_writes)
+            drop_failed_writes(self, failed_writes)
 
     def drain(self, loads: bool = True) -> None:
         """Wait for the batches left running by :meth:`apply_moves` and settle their outcome:
@@ -254,9 +255,9 @@ class TieredKVMover(KVMover):
                 raise StorageError(f"transfer batch of {len(p.ops)} {p.direction} moves vanished")
             self._settle(p.ops, result, failed_writes, failed_loads)
         if failed_writes:
-            self._drop_failed_writes(failed_writes)
+            drop_failed_writes(self, failed_writes)
         if failed_loads:
-            self._drop_failed_prefetches(failed_loads)
+            drop_failed_prefetches(self, failed_loads)
 
     def _wait_conflicts(self, group: Sequence[MoveOp]) -> None:
         """Wait for the pending batches the next group may touch. A pending prefetch writes
@@ -467,49 +468,6 @@ class TieredKVMover(KVMover):
         self.stats.moves[direction] = self.stats.moves.get(direction, 0) + ok_n
         self.stats.bytes_moved[direction] = (self.stats.bytes_moved.get(direction, 0)
                                              + ok_n * self._block_bytes)
-
-    def _drop_failed_prefetches(self, failed: list[MoveOp]) -> None:
-        """Prefetch loads (disk -> host) that failed: the host slot holds garbage. A node still
-        there is dropped with its subtree (host/disk, unreferenced); one the tree moved since
-        is poisoned, so its next move out of the host fails instead of copying garbage."""
-        tree = self.tree
-        for m in failed:
-            node = tree.get(m.block_hash)
-            if node is None:
-                continue
-            if node.tier == m.dst_tier and node.slot == m.dst_slot:
-                drops = self._writer.invalidate(node)
-                self.stats.invalidated_blocks += len(drops)
-                for d in drops:
-                    self._prefetched.discard(d.block_hash)
-                    if self.kinds[d.src_tier] == "disk":
-                        self.stats.files_removed += self.disk.remove(d.block_hash)
-            else:
-                self._poisoned.add(m.block_hash)
-
-    def _drop_failed_writes(self, failed: list[MoveOp]) -> None:
-        """Nodes the tree still places on disk although their file was never written: drop
-        them (and their subtrees, which live on disk too) so that they degrade to a miss."""
-        tree = self.tree
-        for m in failed:
-            node = tree.get(m.block_hash)
-            if node is None:
-                continue
-            if node.tier != m.dst_tier or node.slot != m.dst_slot:
-                # a write-through copy: drop just the copy (the node lives on faster up);
-                # otherwise promoted (its load failed too, handled there) or dropped since
-                if tree.copy_slot(node, m.dst_tier) == m.dst_slot:
-                    self._writer.drop_copy(node, m.dst_tier)
-                    self.stats.dropped_copies += 1
-                continue
-            drops = self._writer.invalidate(node)
-            self.stats.invalidated_blocks += len(drops)
-            for d in drops:  # descendants on disk: remove their files
-                if self.kinds[d.src_tier] == "disk" and d.block_hash != m.block_hash:
-                    self.stats.files_removed += self.disk.remove(d.block_hash)
-        if failed:
-            log.warning("%d KV block(s) could not be written to the disk tier; dropped from "
-                        "the cache (they will be recomputed when needed)", len(failed))
 
 
 __all__ = ["TieredKVMover", "MoverStats", "wrap_device_pool"]
