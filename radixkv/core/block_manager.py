@@ -14,8 +14,11 @@ The engine talks to the cache only through this class. Life of a sequence::
 Conventions: a *block table* lists device block ids, one per ``block_size`` tokens; the last
 block may be partial and belongs to the sequence (and its forks) only. Full blocks whose KV is
 computed are *committed* into the tree and may then be shared by any request. A block's device
-refcount is the number of live sequences whose table holds it. A sequence never writes into a
-block with refcount > 1: ``append_slot`` copies a shared partial block first.
+refcount is the number of live sequences whose table holds it: for a cached block it is its
+node's ``ref`` (every holder of a node holds all of it), for a private block the pool's
+refcount. A sequence never writes into a block with refcount > 1: ``append_slot`` copies a
+shared partial block first. A sequence refers to the tree by block hash and block id only, so
+the tree may cut its nodes at any time.
 
 With write-through tiers (``RadixTree(write_through=...)``) committing a block also copies it
 into those tiers: the MoveOps (copies, ``keep_src=True``, and the evictions that made room) are
@@ -85,20 +88,23 @@ class Allocation:
 
 
 class _Seq:
-    __slots__ = ("seed", "tokens", "blocks", "hashes", "nodes", "num_computed")
+    __slots__ = ("seed", "tokens", "blocks", "last_hash", "num_cached", "num_computed")
 
-    def __init__(self, seed: bytes, tokens: array, blocks: list[int], hashes: list[bytes],
-                 nodes: list[Node], num_computed: int) -> None:
+    def __init__(self, seed: bytes, tokens: array, blocks: list[int], last_hash: bytes | None,
+                 num_cached: int, num_computed: int) -> None:
         self.seed = seed
         self.tokens = tokens            # every token id so far (array('i'): no int objects)
         self.blocks = blocks            # device block ids, ceil(len(tokens) / B) of them
-        self.hashes = hashes            # chain hashes of the committed blocks
-        self.nodes = nodes              # tree nodes of the committed blocks (same length)
+        self.last_hash = last_hash      # chain hash of block num_cached - 1 (None: none)
+        self.num_cached = num_cached    # leading blocks this sequence matched or committed
         self.num_computed = num_computed  # tokens whose KV is written
 
 
 class BlockManager(TierPlans):
     """Block tables, copy-on-write and prefix reuse for live sequences.
+
+    A sequence refers to the tree only by block hash (``last_hash``) and by its block table,
+    never by node: nodes are cut and merged under it, hashes and block ids stay.
 
     Args:
         tree: the radix tree (which owns the device pool and any slower tiers).
@@ -162,6 +168,12 @@ class BlockManager(TierPlans):
     def token_ids(self, seq_id: SeqId) -> list[int]:
         return list(self._seq(seq_id).tokens)
 
+    def block_refcount(self, block_id: int) -> int:
+        """How many live sequences hold device block ``block_id`` (its node's holders if it is
+        cached, the pool's count if it is private). Runtime complexity: O(1)."""
+        node = self.tree._device_nodes[block_id]
+        return self.pool.ref_counts[block_id] if node is None else node.ref
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -175,21 +187,31 @@ class BlockManager(TierPlans):
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
-    def _match(self, tok: bytes, seed: bytes, num_tokens: int) -> tuple[list[Node], list[bytes]]:
-        # Match at most (n-1)//B blocks: at least one prompt token must be computed to produce
-        # logits, and the block holding it must be private (no write into a shared block).
-        return self.tree.match_tokens(tok, seed, (num_tokens - 1) // self.block_size)
+    def _plan(self, tok: bytes, seed: bytes, num_tokens: int) -> tuple[list[Node], int, int, int]:
+        """Match a prompt: ``(path, k, device nodes, device blocks)``. At most (n-1)//B blocks:
+        at least one prompt token must be computed to produce logits, and the block holding
+        it must be private (no write into a shared block)."""
+        path, k = self.tree._match_path(tok, seed, (num_tokens - 1) // self.block_size)
+        d = dev = 0
+        last = len(path) - 1
+        for i, node in enumerate(path):
+            if node.tier != DEVICE:
+                break
+            d += 1
+            dev += k if i == last else len(node.hashes)
+        return path, k, d, dev
 
-    def _check_capacity(self, need: int, matched: Sequence[Node]) -> None:
-        # Locking a matched unreferenced device node takes it out of the evictable count.
+    def _check_capacity(self, need: int, path: list[Node], k: int, d: int) -> None:
+        # Locking a matched unheld device node takes it out of the evictable count.
         evictable = self.tree.num_evictable(DEVICE)
-        if need <= self.pool.num_free + evictable - len(matched):
+        free = self.pool.num_free
+        if need <= free + evictable - sum(len(x.hashes) for x in path[:d]):
             return   # fits even if every matched block were evictable now: skip the count
-        refs = self.pool.ref_counts
-        locked_now = sum(1 for n in matched if n.tier == DEVICE and refs[n.slot] == 0)
-        evictable -= locked_now
-        if need > self.pool.num_free + evictable:
-            raise OutOfBlocks(need, self.pool.num_free, evictable)
+        last = len(path) - 1
+        locked_now = sum((k if i == last else len(x.hashes))
+                         for i, x in enumerate(path[:d]) if x.ref == 0)
+        if need > free + evictable - locked_now:
+            raise OutOfBlocks(need, free, evictable - locked_now)
 
     def _take_blocks(self, n: int, moves: list[MoveOp]) -> list[int]:
         short = n - self.pool.num_free
@@ -202,10 +224,9 @@ class BlockManager(TierPlans):
         self._check_namespace(namespace)
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
-        nodes, _ = self._match(tok, namespace.seed, n)
-        on_device = sum(1 for x in nodes if x.tier == DEVICE)
+        path, k, d, dev = self._plan(tok, namespace.seed, n)
         try:
-            self._check_capacity(self._blocks_for(n) - on_device, nodes)
+            self._check_capacity(self._blocks_for(n) - dev, path, k, d)
         except OutOfBlocks:
             return False
         return True
@@ -214,9 +235,11 @@ class BlockManager(TierPlans):
         """Start a sequence: reuse its longest cached prefix and allocate blocks for the rest.
 
         Matched device blocks are locked; matched host/disk blocks are promoted into fresh
-        device blocks (their loads are in ``moves``, after any demotions that made room).
+        device blocks (their loads are in ``moves``, after any demotions that made room; a
+        slow block that making room evicted is recomputed instead).
         All-or-nothing: raises SequenceExistsError, InvalidTokensError or OutOfBlocks without
-        changing anything. Runtime complexity: O(prompt tokens + evictions * log n).
+        changing anything. Runtime complexity: O(prompt blocks) byte comparisons + O(nodes)
+        + the evictions.
         """
         self._check_new_id(seq_id)
         self._check_namespace(namespace)
@@ -224,47 +247,47 @@ class BlockManager(TierPlans):
             raise SequenceExistsError(f"sequence {seq_id!r} is already live; free it first")
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
-        nodes, hashes = self._match(tok, namespace.seed, n)
-        tree = self.tree
-        # Device nodes form a prefix of the chain (tiers are non-decreasing along it).
-        k = len(nodes)
-        if tree.num_tiers > 1:
-            k = next((i for i, x in enumerate(nodes) if x.tier != DEVICE), k)
-        need = self._blocks_for(n) - k
-        self._check_capacity(need, nodes)
+        seed = namespace.seed
+        path, k, d, dev = self._plan(tok, seed, n)
+        need = self._blocks_for(n) - dev
+        self._check_capacity(need, path, k, d)
         # --- no exception past this point ---
+        tree = self.tree
         now = tree.clock()
-        blocks = [x.slot for x in nodes[:k]] if k < len(nodes) else [x.slot for x in nodes]
-        tree.lock_blocks(blocks, now)
-        per_tier = [0] * tree.num_tiers
-        per_tier[DEVICE] = k * self.block_size
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
-        if k == len(nodes):
-            kept = nodes
-        else:
-            kept = nodes[:k]
-        for x in nodes[k:]:
-            [b] = self._take_blocks(1, moves)
-            if tree.get(x.block_hash) is not x or (x.parent is not None and x.parent.tier != DEVICE):
-                # Making room dropped this block from the slow tiers: recompute from here.
-                self.pool.free([b])
-                break
-            tier = x.tier
-            moves.append(tree.promote(x, b))  # type: ignore[arg-type]
-            tree.lock(x, now)
-            per_tier[tier] += self.block_size
-            blocks.append(b)
-            kept.append(x)
-        fresh = self._take_blocks(self._blocks_for(n) - len(blocks), moves)
+        per_tier = [0] * tree.num_tiers
+        per_tier[DEVICE] = dev * self.block_size
+        held = path[:d]
+        if held:
+            if d == len(path):
+                held = tree._cut(held, k)
+            tree.lock_nodes(held, now)
+        blocks: list[int] = [b for x in held for b in x.slots]
+        fresh = self._take_blocks(need, moves) if need else []
+        if d < len(path):
+            # Making room may have evicted (part of) the slower-tier match: match it again
+            # (the device part is held, so it stands) and promote what is still there.
+            path, k = tree._match_path(tok, seed, (n - 1) // self.block_size)
+            slow = path[d:]
+            if slow:
+                slow = tree._cut(slow, k)
+                m = sum(len(x.hashes) for x in slow)
+                for x in slow:
+                    per_tier[x.tier] += len(x.hashes) * self.block_size
+                moves.extend(tree.promote_nodes(slow, fresh[:m], now))
+                blocks.extend(fresh[:m])
+                fresh = fresh[m:]
+                held = slow
         refs = self.pool.ref_counts
         for b in fresh:
             refs[b] += 1
         blocks.extend(fresh)
-        num_cached = len(kept) * self.block_size
-        self._seqs[seq_id] = _Seq(namespace.seed, array("i", tok), blocks,
-                                  hashes if len(kept) == len(hashes) else hashes[:len(kept)],
-                                  kept, num_cached)
-        return Allocation(seq_id, tuple(blocks), num_cached, tuple(per_tier), tuple(moves))
+        num_cached = sum(per_tier) // self.block_size
+        last_hash = held[-1].hashes[-1] if held else None
+        self._seqs[seq_id] = _Seq(seed, array("i", tok), blocks, last_hash, num_cached,
+                                  num_cached * self.block_size)
+        return Allocation(seq_id, tuple(blocks), num_cached * self.block_size, tuple(per_tier),
+                          tuple(moves))
 
     # ------------------------------------------------------------------ decode
     def blocks_needed_to_append(self, seq_id: SeqId) -> int:
@@ -366,13 +389,14 @@ class BlockManager(TierPlans):
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:
         """Record that KV of tokens [0, num_computed_tokens) is written; cache full blocks.
 
-        Each newly full block joins the tree under its chain hash. If the tree already caches
-        that hash on the device (another sequence computed it), this sequence switches to the
-        cached block and frees its duplicate; if it caches it in a slower tier, the recomputed
-        block becomes that node's device copy (keeping the slower one as a copy if that tier is
-        write-through). Write-through copies of the new blocks are queued for ``take_moves``.
-        Returns the number of blocks newly cached.
-        Runtime complexity: O(new blocks * log n).
+        Each newly full block joins the tree under its chain hash; a run the sequence alone
+        holds simply grows. If the tree already caches that hash on the device (another
+        sequence computed it), this sequence (with any fork sibling holding the same private
+        block) switches to the cached block and frees its duplicate; if it caches it in a
+        slower tier, the recomputed block becomes that block's device residency (keeping the
+        slower one as a copy if that tier is write-through). Write-through copies of the new
+        blocks are queued for ``take_moves``. Returns the number of blocks newly cached.
+        Runtime complexity: O(new blocks) (+ write-through copies).
         """
         s = self._seq(seq_id)
         if type(num_computed_tokens) is not int or not s.num_computed <= num_computed_tokens <= len(s.tokens):
@@ -381,115 +405,141 @@ class BlockManager(TierPlans):
                 f"{seq_id!r}, got {num_computed_tokens!r}")
         s.num_computed = num_computed_tokens
         bs, tree = self.block_size, self.tree
-        first, last = len(s.nodes), num_computed_tokens // bs
+        first, last = s.num_cached, num_computed_tokens // bs
         if last <= first:
             return 0
+        blocks = s.blocks
+        dn = tree._device_nodes
+        c = first
+        while c < last and dn[blocks[c]] is not None:
+            c += 1
+        if c > first:
+            # A fork sibling committed blocks this sequence shares (its table holds them):
+            # catch up. The cached part of a table is whole nodes, so from here on the
+            # sequence's last block is its node's last.
+            node = dn[blocks[c - 1]]
+            s.last_hash = node.hashes[node.slots.index(blocks[c - 1])]   # type: ignore[union-attr]
+            s.num_cached = first = c
+            if c == last:
+                return 0
         tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
-        parent = s.nodes[-1] if s.nodes else None
-        h = s.hashes[-1] if s.hashes else s.seed
+        index = tree._index
+        parent = index[s.last_hash] if s.last_hash is not None else None
+        h = s.seed if s.last_hash is None else s.last_hash
         added = 0
         now = tree.clock()
-        index_get = tree._index.get
-        blocks = s.blocks
         i = first
         while i < last:
             off = (i - first) * width
             chunk = tok[off:off + width]
             hi = _xxh3_128(h + chunk)
-            node = index_get(hi)
+            node = index.get(hi)
             if node is None:
                 # Everything from here is new (a cached block's parent is cached): one pass.
-                run = tree.insert_run(parent, h, tok[off:], blocks[i:last], now, hi)
-                if run:
-                    s.nodes.extend(run)
-                    s.hashes.extend([x.block_hash for x in run])
-                    added += len(run)
-                    i += len(run)
-                    parent, h = run[-1], run[-1].block_hash
-                    continue
-                node = index_get(hi)   # unreachable unless a hash collides with the index
-                if node is None:
-                    break
-            b = blocks[i]
-            if node.parent is not parent or node.tokens != chunk:
+                node, n = tree.insert_run(parent, h, tok[off:], blocks[i:last], now, hi)
+                if not n:
+                    break   # unreachable unless a hash collides with the index
+                added += n
+                i += n
+                parent, h = node, node.hashes[-1]  # type: ignore[union-attr]
+                s.last_hash, s.num_cached = h, i
+                continue
+            if node.parent is not parent or node.hashes[0] != hi or node.tokens[:width] != chunk:
                 tree.stats.collisions += 1   # keep this block private, stop caching the chain
                 break
-            if node.tier == DEVICE and node.slot != b:
-                # Another sequence computed this block first: share its copy, free ours. Fork
-                # siblings holding our duplicate switch too (same block id, same position), so
-                # the chain stays cached for all of them and nobody holds a child without its
-                # parent (refcount monotonicity).
-                self._switch_to_cached(i, b, node, now)
-            elif node.tier != DEVICE:
-                tree.promote(node, b, copy=False)
-                added += 1
-            s.nodes.append(node)
-            s.hashes.append(hi)
-            parent, h = node, hi
-            i += 1
+            m = self._run_like(node, tok, off, blocks, i, last)
+            if node.tier == DEVICE:
+                # Another sequence computed these blocks first: share its copy, free ours.
+                node = self._switch_to_cached(i, blocks[i:i + m], node, now)
+            else:
+                node = tree.adopt(node, blocks[i:i + m])
+                added += m
+            i += m
+            parent, h = node, node.hashes[-1]
+            s.last_hash, s.num_cached = h, i
         return added
 
-    def _switch_to_cached(self, i: int, b: int, node: Node, now: float) -> None:
-        """Every live sequence holding private device block ``b`` at position ``i`` (the
-        committing one and its fork siblings) takes a reference on cached ``node`` instead;
-        ``b`` is freed. O(live sequences): the rare path of two computations of one block."""
+    def _run_like(self, node: Node, tok: bytes, off: int, blocks: list[int], i: int,
+                  last: int) -> int:
+        """How many blocks from ``i`` on equal ``node``'s leading blocks (its first already
+        does) and are held by as many sequences as block ``i`` (one node per holder set)."""
+        w = self.block_size * TOKEN_BYTES
         refs = self.pool.ref_counts
-        holders = [q for q in self._seqs.values() if len(q.blocks) > i and q.blocks[i] == b]
-        assert len(holders) == refs[b] and self.tree.device_node(b) is None, (
-            f"block {b}: {len(holders)} holders at position {i}, refcount {refs[b]}")
+        r = refs[blocks[i]]
+        m = 1
+        limit = min(len(node.hashes), last - i)
+        while m < limit and refs[blocks[i + m]] == r and \
+                node.tokens[m * w:(m + 1) * w] == tok[off + m * w:off + (m + 1) * w]:
+            m += 1
+        return m
+
+    def _switch_to_cached(self, i: int, mine: list[int], node: Node, now: float) -> Node:
+        """Every live sequence holding our private blocks ``mine`` at positions ``[i, i+m)``
+        (the committing one and its fork siblings: equal refcounts, so the same sequences)
+        takes a reference on the cached ``node``'s first ``m`` blocks instead; our duplicates
+        are freed. O(live sequences): the rare path of two computations of one block.
+        Returns the node now holding them."""
+        refs, tree = self.pool.ref_counts, self.tree
+        m = len(mine)
+        holders = [q for q in self._seqs.values() if len(q.blocks) > i and q.blocks[i] == mine[0]]
+        assert len(holders) == refs[mine[0]] and tree._device_nodes[mine[0]] is None, (
+            f"block {mine[0]}: {len(holders)} holders at position {i}, refcount {refs[mine[0]]}")
+        if m < len(node.hashes):
+            node = tree._split(node, m)[0]
         for q in holders:
-            self.tree.lock(node, now)
-            q.blocks[i] = node.slot
-        refs[b] = 0
-        self.pool.free_one(b)
+            q.blocks[i:i + m] = node.slots
+        tree.lock_nodes([node] * len(holders), now)
+        for b in mine:
+            refs[b] = 0
+            self.pool.free_one(b)
+        return node
 
     # ------------------------------------------------------------------ fork / free
+    def _deepest_cached(self, blocks: list[int]) -> int:
+        """Index of the last cached block of a table (cached blocks form a prefix), or -1."""
+        dn = self.tree._device_nodes
+        i = len(blocks) - 1
+        while i >= 0 and dn[blocks[i]] is None:
+            i -= 1
+        return i
+
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (n samples, beams). O(blocks)."""
         p = self._seq(parent_id)
         self._check_new_id(child_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id!r} is already live")
-        self.tree.lock_blocks(p.blocks)
-        self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(p.blocks), list(p.hashes),
-                                    list(p.nodes), p.num_computed)
+        blocks = p.blocks
+        c = self._deepest_cached(blocks)
+        refs = self.pool.ref_counts
+        for b in blocks[c + 1:]:
+            refs[b] += 1
+        if c >= 0:
+            self.tree.lock_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
+        self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(blocks), p.last_hash,
+                                    p.num_cached, p.num_computed)
 
     def free(self, seq_id: SeqId) -> None:
-        """End a sequence: committed blocks stay cached (evictable once unreferenced), its
-        private blocks return to the pool. Raises UnknownSequenceError on a double free.
-        Runtime complexity: O(blocks * log n)."""
+        """End a sequence: committed blocks stay cached (evictable once unheld), its private
+        blocks return to the pool. Raises UnknownSequenceError on a double free.
+        Runtime complexity: O(private blocks + depth in nodes)."""
         s = self._seq(seq_id)
         del self._seqs[seq_id]
-        self.tree.release_blocks(s.blocks[::-1])
+        blocks = s.blocks
+        c = self._deepest_cached(blocks)
+        refs, pool = self.pool.ref_counts, self.pool
+        for b in reversed(blocks[c + 1:]):
+            r = refs[b] - 1
+            refs[b] = r
+            if r == 0:
+                pool.free_one(b)
+        if c >= 0:
+            self.tree.release_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Pool, tree and tables agree: refcounts = table occurrences; every device block is
-        exactly one of free, cached, or held privately; tables cover their tokens."""
-        self.pool.check_invariants()
-        self.tree.check_invariants()
-        bs = self.block_size
-        held = [0] * self.pool.num_blocks
-        for sid, s in self._seqs.items():
-            assert len(s.blocks) == self._blocks_for(len(s.tokens)), (
-                f"seq {sid!r}: {len(s.blocks)} blocks for {len(s.tokens)} tokens")
-            assert len(set(s.blocks)) == len(s.blocks), f"seq {sid!r} holds a block twice"
-            assert len(s.nodes) == len(s.hashes) <= s.num_computed // bs, (
-                f"seq {sid!r}: {len(s.nodes)} nodes, {len(s.hashes)} hashes, {s.num_computed} computed")
-            assert s.num_computed <= len(s.tokens)
-            for i, node in enumerate(s.nodes):
-                assert node.tier == DEVICE and node.slot == s.blocks[i], (
-                    f"seq {sid!r} block {i}: table has {s.blocks[i]}, node {node}")
-                assert self.tree.get(node.block_hash) is node, f"seq {sid!r} holds an uncached node"
-            for b in s.blocks:
-                held[b] += 1
-        for b in range(self.pool.num_blocks):
-            refs = self.pool.ref_counts[b]
-            assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
-            free = self.pool.is_free(b)
-            cached = self.tree.device_node(b) is not None
-            assert free + cached + (refs > 0 and not cached) == 1 or (cached and refs > 0 and not free), (
-                f"block {b}: free={free} cached={cached} refs={refs}")
-            assert not (free and (cached or refs)), f"block {b} is free but cached={cached} refs={refs}"
-            assert free or cached or refs, f"block {b} leaked: not free, not cached, no references"
+        """Pool, tree and tables agree (see ``tree_check.check_manager``)."""
+        from radixkv.core.tree_check import check_manager
+
+        check_manager(self)

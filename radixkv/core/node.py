@@ -1,5 +1,7 @@
-"""The radix tree's value types: a cached block (``Node``), a residency change (``MoveOp``) and
-the tree's counters (``TreeStats``). Pure Python; see ``tree.py`` for the structure itself."""
+"""The radix tree's value types: a cached run of blocks (``Node``), a residency change
+(``MoveOp``), one cached block as the other layers see it (``BlockRef``) and the tree's
+counters (``TreeStats``). Pure Python; see ``tree.py`` for the structure itself.
+"""
 
 from __future__ import annotations
 
@@ -12,39 +14,77 @@ MAX_TIERS = 3
 
 
 class Node:
-    """One cached full block. ``slot`` is its block id in ``tier``'s pool.
+    """A *run*: consecutive cached full blocks of one chain that nothing tells apart.
 
-    ``children`` packs the number of children per tier (20 bits each) into one int, which costs
-    no memory for the common small values; ``last_access`` and ``hits`` feed the policies.
-    ``child`` is the child inserted last under this node, or None (cleared when it leaves the
-    cache): matching follows it and compares tokens before hashing, so a request that goes on
-    the way the last one went (a conversation's next turn) pays no hash for the blocks it hits.
-    A child with equal tokens has the request's chain hash by construction (invariant 5).
-    ``RequestOps.insert_run`` builds nodes field by field (no ``__init__`` call on the commit
-    path): a new field must be set there too.
+    Path compression. Every block of a node has the same parent chain before it, lives in the
+    same tier, is held by the same live sequences and has the same policy key, so one object
+    carries them all and lock, release, touch and filing in an eviction index cost O(1) per
+    node instead of O(blocks). A node is cut in two (``RadixTree._split``) where that stops
+    being true: where two chains diverge, where a request holds only a prefix of it, where
+    eviction takes only its tail, where a hint marks only a prefix.
+
+    Block ``i`` (``0 <= i < len(hashes)``) of the node has chain hash ``hashes[i]``, token ids
+    ``tokens[i*w:(i+1)*w]`` (``w = block_size * 4`` bytes, little-endian int32) and block id
+    ``slots[i]`` in the pool of tier ``tier``. Its first block's parent is the *last* block of
+    ``parent`` (None: a root); children hang off the last block only.
+
+    ``children`` packs the number of child nodes per tier (20 bits each); the child nodes form
+    an intrusive doubly-linked list (``child`` is the first, then ``next``; ``prev`` back), most
+    recently linked first, which is also the child ``match`` tries before hashing.
+    ``ref`` counts the live sequences holding the node (device only): each of them holds every
+    block of it. ``last_access``/``hits``/``hints`` (a ``NodeHints`` or None) feed the policy.
+    ``tokens`` is a ``bytearray``: a run grows at its end (a conversation's next blocks) and
+    shrinks at either end (eviction takes the tail, a split the head) in place.
     """
 
-    __slots__ = ("block_hash", "parent", "tokens", "tier", "slot", "children", "last_access",
-                 "hits", "child")
+    __slots__ = ("hashes", "tokens", "slots", "tier", "ref", "parent", "child", "next", "prev",
+                 "children", "last_access", "hits", "hints")
 
-    def __init__(self, block_hash: bytes, parent: Node | None, tokens: bytes, tier: int,
-                 slot: int, now: float) -> None:
-        self.block_hash = block_hash
-        self.parent = parent
+    def __init__(self, hashes: list[bytes], tokens: bytearray, slots: list[int], tier: int,
+                 parent: Node | None, now: float, ref: int = 0) -> None:
+        self.hashes = hashes
         self.tokens = tokens
+        self.slots = slots
         self.tier = tier
-        self.slot = slot
+        self.ref = ref
+        self.parent = parent
+        self.child: Node | None = None
+        self.next: Node | None = None
+        self.prev: Node | None = None
         self.children = 0
         self.last_access = now
         self.hits = 0
-        self.child: Node | None = None
+        self.hints = None
+
+    def __len__(self) -> int:
+        return len(self.hashes)
 
     def num_children(self, tier: int) -> int:
         return (self.children >> (_CBITS * tier)) & _CMASK
 
+    def iter_children(self):
+        c = self.child
+        while c is not None:
+            yield c
+            c = c.next
+
     def __repr__(self) -> str:
-        return (f"Node({self.block_hash.hex()[:8]}, tier={self.tier}, slot={self.slot}, "
+        return (f"Node({self.hashes[0].hex()[:8] if self.hashes else '-'}+{len(self.hashes)}, "
+                f"tier={self.tier}, ref={self.ref}, slots={self.slots[:4]}"
+                f"{'...' if len(self.slots) > 4 else ''}, "
                 f"children={[self.num_children(t) for t in range(MAX_TIERS)]})")
+
+
+class BlockRef(NamedTuple):
+    """One cached block as the tier layer and the tests see it: a snapshot, valid until the
+    tree changes. ``slot`` is its block id in ``tier`` (its primary residency); the tokens are
+    int32 little-endian bytes."""
+
+    block_hash: bytes
+    tier: int
+    slot: int
+    parent_hash: bytes | None
+    tokens: bytes
 
 
 class MoveOp(NamedTuple):
@@ -68,11 +108,11 @@ class MoveOp(NamedTuple):
 
 
 class TreeStats:
-    """Counters since construction (per tier lists are indexed by tier)."""
+    """Counters since construction (per tier lists are indexed by tier), in blocks."""
 
     __slots__ = ("inserted", "evicted", "demoted_in", "promoted", "dropped", "collisions",
                  "adopted", "expired", "copies_made", "copies_skipped", "copies_dropped",
-                 "free_demotions")
+                 "free_demotions", "splits")
 
     def __init__(self, num_tiers: int) -> None:
         self.inserted = 0
@@ -81,12 +121,13 @@ class TreeStats:
         self.promoted = [0] * num_tiers      # left the tier upwards to the device
         self.dropped = 0                     # left the cache altogether
         self.collisions = 0                  # hash matched, tokens did not
-        self.adopted = 0                     # slow-tier node given a recomputed device block
+        self.adopted = 0                     # slow-tier block given a recomputed device block
         self.expired = 0
         self.copies_made = 0                 # write-through copies, and sources kept by promotions
         self.copies_skipped = 0              # write-through copies given up: no room in the tier
         self.copies_dropped = 0              # copies evicted, invalidated or dropped (drop_copy)
         self.free_demotions = 0              # demotions onto an existing copy: no bytes moved
+        self.splits = 0                      # nodes cut in two (divergence, partial use)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}

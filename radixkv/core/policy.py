@@ -1,24 +1,30 @@
 """Eviction policies: strategy objects that turn a cached node into a sort key.
 
-The tree keeps, per tier, the *evictable leaves* (unreferenced nodes with no child in that tier)
-in an eviction index (``evict_index.py``) of ``(*policy.key(node, hints), block_hash)``; the
-smallest entry is evicted first. LRU and TTL use the O(1) ``RecencyIndex``, LFU a
-``FrequencyIndex`` (buckets of those), the others a ``SortedIndex`` (O(log n)). The trailing
-hash makes entries unique and deterministic. A policy's key may only read fields that the tree
-changes while the node is *out* of the index (``last_access``, ``hits``, the node's hints): the
-tree removes a node, mutates it, re-adds it.
+The tree keeps, per tier, the *evictable leaves* (unheld nodes with no child in that tier) in an
+eviction index (``evict_index.py``) of ``(*policy.key(node, hints), hash of its last block)``;
+the smallest entry is evicted first, block by block from the node's tail. A node is a run of
+blocks that share their key (``node.py``), so a key is the key of each of its blocks. LRU and
+TTL use the O(1) ``RecencyIndex``, LFU a ``FrequencyIndex`` (buckets of those), the others a
+``SortedIndex`` (O(log n)). The trailing hash makes entries unique and deterministic. A
+policy's key may only read fields that the tree changes while the node is *out* of the index
+(``last_access``, ``hits``, the node's hints): the tree removes a node, mutates it, re-adds it.
 
 Because a parent is accessed whenever a child is, ``parent.last_access >= child.last_access``
 always holds, so evicting leaves in LRU order is exactly LRU over the whole tree.
+
+``hits`` counts the requests that locked the node. A run grows when its only holder commits
+more blocks after it, and the new blocks join the run's count: under LFU a conversation's
+newest blocks count as often used as its oldest (a per-block cache would give them 0).
 """
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from radixkv.core.evict_index import FrequencyIndex, RecencyIndex
+from radixkv.core.evict_index import EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,24 +46,28 @@ class NodeHints:
 DEFAULT_HINTS = NodeHints()
 
 
-class EvictionPolicy(Protocol):
+class EvictionPolicy(abc.ABC):
     """Order of eviction among evictable leaves: smallest key first."""
 
     name: str
 
+    @abc.abstractmethod
     def key(self, node: Node, hints: NodeHints) -> tuple:
-        """Sort key of an evictable node. Must be cheap: called on every (re)insertion."""
-        ...
+        """Sort key of an evictable node (of each of its blocks). Must be cheap: called on
+        every (re)filing."""
 
     def expired(self, key: tuple, now: float) -> bool:
-        """Whether an entry with this key may be dropped with no memory pressure at ``now``."""
-        ...
+        """Whether an entry with this key may leave its tier with no memory pressure at
+        ``now`` (only TTL-like policies say yes)."""
+        return False
 
-    # Optional: ``new_index() -> EvictionIndex``, the per-tier ordered set the tree keeps this
-    # policy's entries in (``evict_index.py``). Without it the tree uses a ``SortedIndex``.
+    def new_index(self) -> EvictionIndex:
+        """The per-tier ordered set the tree keeps this policy's entries in: a ``SortedIndex``
+        (O(log n), any key) unless the policy knows its keys arrive in order."""
+        return SortedIndex()
 
 
-class LRUPolicy:
+class LRUPolicy(EvictionPolicy):
     """Least recently used first (the default). Key: ``(last_access,)``."""
 
     name = "lru"
@@ -69,11 +79,8 @@ class LRUPolicy:
         """Keys are times that mostly arrive in order: O(1) adds, removes and evictions."""
         return RecencyIndex()
 
-    def expired(self, key: tuple, now: float) -> bool:
-        return False
 
-
-class LFUPolicy:
+class LFUPolicy(EvictionPolicy):
     """Least frequently used first, ties by LRU. Key: ``(hits, last_access)``."""
 
     name = "lfu"
@@ -85,11 +92,8 @@ class LFUPolicy:
         """Frequency buckets, each in time order: O(1) within a bucket."""
         return FrequencyIndex()
 
-    def expired(self, key: tuple, now: float) -> bool:
-        return False
 
-
-class MRUPolicy:
+class MRUPolicy(EvictionPolicy):
     """Most recently used first. Key: ``(-last_access,)``.
 
     The classic answer to a loop larger than the cache (the block used last is the one needed
@@ -102,11 +106,8 @@ class MRUPolicy:
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (-node.last_access,)
 
-    def expired(self, key: tuple, now: float) -> bool:
-        return False
 
-
-class PriorityPolicy:
+class PriorityPolicy(EvictionPolicy):
     """Lowest caller priority first, ties by LRU. Key: ``(priority, last_access)``.
 
     Give a system prompt or popular documents a high priority to keep them cached under
@@ -118,11 +119,8 @@ class PriorityPolicy:
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (hints.priority, node.last_access)
 
-    def expired(self, key: tuple, now: float) -> bool:
-        return False
 
-
-class TTLPolicy:
+class TTLPolicy(EvictionPolicy):
     """Keep each block for ``ttl`` seconds after its last use; evict soonest expiry first.
 
     Key: ``(last_access + ttl,)`` with a per-node override from hints (like hosted prompt

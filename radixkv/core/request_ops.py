@@ -1,456 +1,322 @@
 """The block manager's per-request paths through the ``RadixTree``: one pass per request.
 
-``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_blocks`` / ``lock_nodes``
-(allocate, fork), ``release_blocks`` (free), ``insert_run`` (commit), and the device eviction
-loops ``_drop_device`` (a device-only tree) and ``_demote_device_lru`` (a tiered LRU tree). Each
-does, for a whole request, what the per-node methods (``lock``, ``release``, ``insert``,
-``_evict_one``) do one block at a time, with the same result, but each block costs a few list
-and attribute operations and no method-call chain. A node enters or leaves its tier's eviction
-index only where its refcount crosses zero *and* it is a leaf in its tier; in a sequence's chain
-that is at most its deepest node, so the index is touched O(1) times per request. This is what
-path compression would buy (lock, release and touch O(1) per request), kept with one node per
-block, which the tiers need (architecture.md). Write-through trees take the per-node methods
-(their copies are re-filed around each change).
+``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_nodes`` (allocate, fork),
+``release_path`` (free), ``insert_run`` / ``_attach`` (commit) and the device-only LRU
+eviction loop. Their cost is per *node*, not per block, except for what every block needs
+anyway (its hash, one index entry, its slot): a request that holds a conversation of
+hundreds of blocks locks and releases a handful of nodes, and its commit appends to the node
+it already holds (``_attach``: a run grows where its only holder writes on).
 
 Pure Python: this module imports no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from radixkv.core.evict_index import EvictionIndex, RecencyIndex
-from radixkv.core.hashing import TOKEN_BYTES
-from radixkv.core.node import _CBITS, _CMASK, DEVICE, MoveOp, Node, TreeStats
+from radixkv.core.node import _CMASK, DEVICE, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
+
+if TYPE_CHECKING:
+    from radixkv.core.writes import TreeWrites
 
 _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
+_new_node = object.__new__
 
 
 class RequestOps:
-    """Batched per-request operations of ``RadixTree`` (a mixin; see the module docstring)."""
+    """Per-request operations of ``RadixTree`` (a mixin; see the module docstring)."""
 
     block_size: int
     num_tiers: int
     clock: Callable[[], float]
     stats: TreeStats
+    writes: TreeWrites
+    _width: int
+    _lru: bool
     _pools: list[BlockPool]
-    _refs: list[int]
     _index: dict[bytes, Node]
     _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
     _device_nodes: list[Node | None]
-    _hints: dict
-    _wt: tuple[int, ...]
-    _lru: bool
-    drop_listener: Callable[[Node], None] | None
-    insert_listener: Callable[[list[Node]], None] | None
-    #: Device evictions of a tiered write-back LRU tree take ``_demote_device_lru``; a tree
-    #: with this set to False takes the generic per-node path (for the differential test).
-    _inline_demotion = True
+    drop_listener: Callable[[list[BlockRef]], None] | None
+    insert_listener: Callable[[list[bytes]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _entry(self, node: Node) -> tuple: ...
-        def _insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
-                    now: float) -> Node: ...
-        def lock(self, node: Node, now: float | None = None) -> None: ...
-        def release(self, node: Node, now: float | None = None) -> None: ...
-        def _drop(self, node: Node) -> None: ...
+        def _link(self, parent: Node, node: Node) -> None: ...
+        def _consider(self, node: Node) -> None: ...
+        @staticmethod
+        def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int: ...
 
-    def lock_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
-        """Take one reference on each device block: ``lock`` for cached ones, a plain refcount
-        for private ones (a fork sharing a sequence's blocks). Every block must be allocated.
-        Runtime complexity: O(blocks), plus O(1) index work per block whose node was evictable
-        (O(log n) under a ``SortedIndex`` policy)."""
+    # ------------------------------------------------------------------ references
+    def lock_nodes(self, nodes: Sequence[Node], now: float | None = None) -> None:
+        """Take one reference on each (whole) device node: a sequence now holds every block
+        of them. Touches them (``last_access``, ``hits``).
+        Runtime complexity: O(nodes) (+ O(log n) index work per node under a ``SortedIndex``)."""
         now = self.clock() if now is None else now
-        refs, nodes = self._refs, self._device_nodes
-        if self._wt:
-            for b in block_ids:
-                node = nodes[b]
-                if node is None:
-                    refs[b] += 1
-                else:
-                    self.lock(node, now)
-            return
-        index, entry = self._evictable[DEVICE], self._entry
+        idx, writes = self._evictable[DEVICE], self.writes
+        for node in nodes:
+            assert node.tier == DEVICE, f"lock of {node}: promote it first"
+            if node.ref == 0:
+                self._unreferenced -= len(node.hashes)
+                if not node.children & _CMASK:
+                    idx.remove(self._entry(node))   # leaves the index before its key changes
+            refile = writes.unfile(node)
+            node.ref += 1
+            node.last_access = now
+            node.hits += 1
+            if refile is not None:
+                writes.refile(node, refile)
+
+    def lock_path(self, node: Node, now: float | None = None) -> None:
+        """``lock_nodes`` of ``node`` and all its ancestors (a fork's shared chain)."""
+        path = []
+        while node is not None:
+            path.append(node)
+            node = node.parent   # type: ignore[assignment]
+        self.lock_nodes(path, now)
+
+    def release_path(self, node: Node, now: float | None = None) -> None:
+        """Drop one reference on ``node`` and each of its ancestors (a sequence ends): a node
+        nobody holds any more is touched and becomes evictable (if a leaf).
+        Runtime complexity: O(depth in nodes)."""
+        now = self.clock() if now is None else now
+        idx, writes = self._evictable[DEVICE], self.writes
         unref = 0
-        for b in block_ids:
-            node = nodes[b]
-            r = refs[b]
-            if node is not None:
-                if r == 0:
-                    unref += 1
-                    if not node.children & _CMASK:
-                        index.remove(entry(node))   # leaves the index before its key changes
+        while node is not None:
+            r = node.ref - 1
+            assert r >= 0 and node.tier == DEVICE, f"release of unheld {node}"
+            if r == 0:
+                refile = writes.unfile(node)
+                node.ref = 0
                 node.last_access = now
-                node.hits += 1
-            refs[b] = r + 1
-        self._unreferenced -= unref
-
-    def lock_nodes(self, nodes: Iterable[Node], now: float | None = None) -> None:
-        """``lock`` every node of ``nodes`` (all on the device) in one pass. O(nodes)."""
-        self.lock_blocks([x.slot for x in nodes], now)
-
-    def release_blocks(self, block_ids: Iterable[int], now: float | None = None) -> None:
-        """Drop one reference on each device block: ``release`` for cached ones; a private
-        block is freed into the device pool when its count reaches 0. Pass a sequence's blocks
-        deepest first. Runtime complexity: O(blocks), plus O(1) index work per node that
-        becomes evictable (O(log n) under a ``SortedIndex`` policy)."""
-        now = self.clock() if now is None else now
-        refs, nodes, pool = self._refs, self._device_nodes, self._pools[DEVICE]
-        wt = self._wt
-        index, entry = self._evictable[DEVICE], self._entry
-        unref = 0
-        for b in block_ids:
-            node = nodes[b]
-            r = refs[b] - 1
-            assert r >= 0, f"release of unreferenced device block {b}"
-            if node is None:
-                refs[b] = r
-                if r == 0:
-                    pool.free_one(b)
-            elif wt:
-                self.release(node, now)
+                unref += len(node.hashes)
+                if not node.children & _CMASK:
+                    idx.add(self._entry(node))
+                if refile is not None:
+                    writes.refile(node, refile)
             else:
-                refs[b] = r
-                if r == 0:
-                    unref += 1
-                    node.last_access = now
-                    if not node.children & _CMASK:
-                        index.add(entry(node))
+                node.ref = r
+            node = node.parent   # type: ignore[assignment]
         self._unreferenced += unref
 
+    # ------------------------------------------------------------------ insertion
     def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
-                   block_ids: Sequence[int], now: float,
-                   first_hash: bytes | None = None) -> list[Node]:
-        """Cache consecutive computed device blocks as a chain under ``parent`` in one pass.
+                   block_ids: Sequence[int], now: float, first_hash: bytes | None = None
+                   ) -> tuple[Node | None, int]:
+        """Cache consecutive computed device blocks as the continuation of ``parent``.
 
         ``tok_bytes`` holds the blocks' tokens (``len(block_ids)`` full blocks) and
-        ``prev_hash`` is the chain hash of ``parent`` (the namespace seed at the root). Each
-        block is hashed and inserted as the child of the previous one, as ``insert`` would,
-        until one whose hash is already cached: the nodes inserted before it are returned
-        (the caller decides what to do with that block). The blocks must be held by the caller
-        (refcount > 0) and uncached; the parent must be on the device (the block manager's
-        commit guarantees both, so they are not re-checked here). ``first_hash``: the first
-        block's chain hash, if the caller has it already (it is not hashed again).
+        ``prev_hash`` is the chain hash of ``parent``'s last block (the namespace seed at the
+        root). Blocks are hashed until one is already cached; those before it are inserted
+        (the caller decides what to do with that one). The blocks must be uncached and held
+        (pool refcount > 0: the holders' references move into the tree); the parent's last
+        block must precede them and be on the device. Holders of a later block are a subset of
+        an earlier one's, so blocks are grouped into nodes by refcount. ``first_hash``: the
+        first block's chain hash, if the caller has it already.
+        Returns ``(node holding the last inserted block, number inserted)``.
         Runtime complexity: O(blocks) (+ the write-through copies' evictions).
         """
-        if self._wt:
-            out = []
-            width = self.block_size * TOKEN_BYTES
-            h = prev_hash
-            for k, b in enumerate(block_ids):
-                chunk = tok_bytes[k * width:(k + 1) * width]
-                h = _xxh3_128(h + chunk)
-                if h in self._index:
-                    break
-                parent = self._insert(parent, h, chunk, b, now)
-                out.append(parent)
-            if out and self.insert_listener is not None:
-                self.insert_listener(out)
-            return out
-        width = self.block_size * TOKEN_BYTES
-        index, device_nodes, refs = self._index, self._device_nodes, self._refs
-        canonical = self._pools[DEVICE]._ids
+        w = self._width
+        index = self._index
         xxh = _xxh3_128
-        new_node = object.__new__
-        out: list[Node] = []
-        append = out.append
+        hashes: list[bytes] = []
+        append = hashes.append
         h = prev_hash
         start = 0
-        for b in block_ids:
-            chunk = tok_bytes[start:start + width]
-            start += width
+        for _ in block_ids:
             if first_hash is None:
-                h = xxh(h + chunk)
+                h = xxh(h + tok_bytes[start:start + w])
             else:
                 h, first_hash = first_hash, None
             if h in index:
                 break
-            assert refs[b] > 0 and device_nodes[b] is None, f"insert_run of block {b}"
-            # Node(h, parent, chunk, DEVICE, slot, now) field by field: no __init__ frame
-            # (248 -> 168 ns a node here); the same fields as Node.__init__ sets.
-            node = new_node(Node)
-            node.block_hash = h
-            node.parent = parent
-            node.tokens = chunk
+            append(h)
+            start += w
+        n = len(hashes)
+        if not n:
+            return parent, 0
+        refs = self._pools[DEVICE].ref_counts
+        ids = block_ids if n == len(block_ids) else block_ids[:n]
+        r0, r1 = refs[ids[0]], refs[ids[-1]]
+        if r0 == r1:
+            node, _ = self._attach(parent, hashes, tok_bytes[:n * w], ids, r0, now)
+            return node, n
+        i = 0
+        node = parent
+        while i < n:    # fork siblings share a prefix of the blocks: one node per holder set
+            r = refs[ids[i]]
+            j = i + 1
+            while j < n and refs[ids[j]] == r:
+                j += 1
+            node, _ = self._attach(node, hashes[i:j], tok_bytes[i * w:j * w], ids[i:j], r, now)
+            i = j
+        return node, n
+
+    def _attach(self, parent: Node | None, hashes: list[bytes], tokens: bytes,
+                block_ids: Sequence[int], ref: int, now: float) -> tuple[Node, int]:
+        """Cache uncached computed device blocks held by ``ref`` sequences (their pool
+        refcounts move into the node) right after ``parent``'s last block. The blocks join
+        ``parent``'s run when it is the same run (on the device, no child, held by the same
+        sequences, no hints); otherwise they form a new child node. Returns ``(node, index of
+        the first new block in it)``. Runtime complexity: O(blocks)."""
+        n = len(hashes)
+        pool = self._pools[DEVICE]
+        refs, canonical = pool.ref_counts, pool._ids
+        slots = [canonical[b] for b in block_ids]
+        for b in block_ids:
+            assert refs[b] == ref and self._device_nodes[b] is None, f"attach of block {b}"
+            refs[b] = 0
+        if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
+                and parent.hints is None and parent.tier == DEVICE):
+            node = parent
+            start = len(node.hashes)
+            node.hashes.extend(hashes)
+            node.tokens += tokens
+            node.slots.extend(slots)
+        else:
+            node = _new_node(Node)
+            node.hashes = hashes if type(hashes) is list else list(hashes)
+            node.tokens = bytearray(tokens)
+            node.slots = slots
             node.tier = DEVICE
-            node.slot = canonical[b]
+            node.ref = ref
+            node.parent = node.child = node.next = node.prev = None
             node.children = 0
             node.last_access = now
             node.hits = 0
-            node.child = None
+            node.hints = None
+            start = 0
             if parent is not None:
-                parent.child = node
+                self._link(parent, node)
+            if ref == 0:
+                self._unreferenced += n
+                self._consider(node)
+        index, dn = self._index, self._device_nodes
+        for h in hashes:
             index[h] = node
-            device_nodes[b] = node
-            append(node)
-            parent = node
-        n = len(out)
-        if n:
-            first_parent = out[0].parent
-            if first_parent is not None:
-                c = first_parent.children
-                if not c & _CMASK and refs[first_parent.slot] == 0:
-                    self._evictable[DEVICE].remove(self._entry(first_parent))
-                first_parent.children = c + 1
-            for node in out[:-1]:
-                node.children = 1        # its child in the run, on the device
-            self._resident[DEVICE] += n
-            self.stats.inserted += n
-            if self.insert_listener is not None:
-                self.insert_listener(out)
-        return out
+        for b in slots:
+            dn[b] = node
+        self._resident[DEVICE] += n
+        self.stats.inserted += n
+        self.writes.after_insert(node, start)
+        if self.insert_listener is not None:
+            self.insert_listener(list(hashes))
+        return node, start
 
-    def _evict_device(self, num_blocks: int, moves: list[MoveOp]) -> bool:
-        """``evict(DEVICE, n)`` in one loop where there is one: a device-only tree drops its
-        victims (``_drop_device``), a tiered write-back LRU tree demotes them into tier 1
-        (``_demote_device_lru``). False (nothing done): take the per-node path."""
-        if self.num_tiers == 1:
-            self._drop_device(num_blocks, moves)
-            return True
-        if self._inline_demotion and not self._wt and self._lru and \
-                type(self._evictable[DEVICE]) is RecencyIndex:
-            self._demote_device_lru(num_blocks, moves)
-            return True
-        return False
-
-    def _drop_device(self, num_blocks: int, moves: list[MoveOp]) -> None:
-        """``evict`` of a device-only tree in one loop: each victim leaves the cache.
-
-        The same steps as ``_evict_one`` -> ``_move_out`` -> ``_drop`` for this case, without
-        the calls: pop the policy's minimum, unmap it, re-file its parent if that became an
-        unreferenced leaf, free the block. O(1) per block with a ``RecencyIndex``, whose pop
-        and add are inlined for LRU (``_drop_device_lru``).
-        """
+    # ------------------------------------------------------------------ eviction
+    def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
+        """``_evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
+        under LRU with no drop listener); False (nothing done): take the generic path."""
         entries = self._evictable[DEVICE]
-        if self._lru and type(entries) is RecencyIndex and self.drop_listener is None:
-            self._drop_device_lru(entries, num_blocks, moves)
-            return
-        index, hints = self._index, self._hints
-        device_nodes, refs, entry = self._device_nodes, self._refs, self._entry
-        lru = self._lru
-        pop_min, add = entries.pop_min, entries.add
-        pool = self._pools[DEVICE]
-        is_free, free_append, ids = pool._is_free, pool._free.append, pool._ids
-        append = moves.append
-        listener = self.drop_listener
-        for _ in range(num_blocks):
-            h = pop_min()[-1]
-            if listener is not None:
-                listener(index[h])
-            node = index.pop(h)
-            slot = node.slot
-            assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
-            device_nodes[slot] = None
-            if hints:
-                hints.pop(h, None)
-            p = node.parent
-            if p is not None:
-                if p.child is node:
-                    p.child = None
-                c = p.children - 1
-                p.children = c
-                if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
-                    add((p.last_access, p.block_hash) if lru else entry(p))
-            is_free[slot] = 1                    # BlockPool.free_one, inlined
-            free_append(ids[slot])
-            append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
-        self._count_drops(num_blocks)
+        if self.num_tiers != 1 or not self._lru or type(entries) is not RecencyIndex or \
+                self.drop_listener is not None:
+            return False
+        self._drop_device_lru(entries, num, moves)
+        return True
 
-    def _demote_device_lru(self, num_blocks: int, moves: list[MoveOp]) -> None:
-        """``evict(DEVICE, n)`` of a tiered write-back LRU tree in one loop: each victim moves
-        into tier 1, as ``_evict_one`` -> ``_move_out`` -> ``_set_tier`` -> ``_consider`` do it
-        (same steps, same order, same moves), with the device index's pop and add inlined.
-
-        Making room in tier 1 (``_make_room_lru``) touches tier 1 and slower tiers only (a
-        parent is re-filed in its own tier, and a demoted node's parent is on the device), never
-        the device index or the device counters this loop keeps in locals.
-        ``_inline_demotion = False`` on a tree sends it through the generic path (the
-        differential test does). O(1) per block, plus the cascade's own cost.
-        """
-        entries = self._evictable[DEVICE]
-        assert type(entries) is RecencyIndex
-        host_index = self._evictable[1]
-        host_add = host_index.add
-        index, device_nodes, refs = self._index, self._device_nodes, self._refs
-        host_pool, dev_pool = self._pools[1], self._pools[DEVICE]
-        host_free, host_is_free = host_pool._free, host_pool._is_free
-        is_free, free_append = dev_pool._is_free, dev_pool._free.append
-        append = moves.append
-        q, live, side = entries._q, entries._live, entries._side
-        popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
-        dead, nside = entries._dead, entries._nside
-        host_shift = _CBITS
-        try:
-            for _ in range(num_blocks):
-                # -- RecencyIndex.pop_min of the device index
-                while q:
-                    e = q[0]
-                    h = e[1]
-                    if live.get(h) is e:
-                        if nside and side[0] < e:
-                            h = side.pop(0)[1]
-                            nside -= 1
-                        else:
-                            popleft()
-                            del live[h]
-                        break
-                    popleft()
-                    dead -= 1
-                else:
-                    h = side.pop(0)[1]
-                    nside -= 1
-                node = index[h]
-                slot = node.slot
-                assert node.tier == DEVICE and not node.children & _CMASK and refs[slot] == 0, (
-                    f"demoting a held or non-leaf {node}")
-                device_nodes[slot] = None
-                if not host_free:
-                    self._make_room_lru(1, moves)   # make room in tier 1 (cascades)
-                new_slot = host_free.pop()        # BlockPool.allocate_one, inlined
-                host_is_free[new_slot] = 0
-                append(_tuple_new(MoveOp, (h, DEVICE, slot, 1, new_slot, False)))
-                p = node.parent
-                if p is not None:                 # on the device, as its child was
-                    c = p.children - 1            # one device child fewer, one host child more
-                    p.children = c + (1 << host_shift)
-                    if not c & _CMASK and refs[p.slot] == 0:
-                        # -- the parent is now an evictable device leaf: RecencyIndex.add
-                        e = (p.last_access, p.block_hash)
-                        if not q or e > q[-1]:
-                            live[e[1]] = e
-                            qappend(e)
-                        elif e < q[0]:
-                            live[e[1]] = e
-                            qappendleft(e)
-                        else:
-                            side.add(e)
-                            nside += 1
-                node.tier = 1
-                node.slot = new_slot
-                if not (node.children >> host_shift) & _CMASK:   # a leaf of tier 1 too
-                    host_add((node.last_access, h))
-                is_free[slot] = 1                 # BlockPool.free_one, inlined
-                free_append(slot)
-        finally:
-            entries._dead, entries._nside = dead, nside
-        self._resident[DEVICE] -= num_blocks
-        self._resident[1] += num_blocks
-        self._unreferenced -= num_blocks
-        self.stats.evicted[DEVICE] += num_blocks
-        self.stats.demoted_in[1] += num_blocks
-
-    def _make_room_lru(self, t: int, moves: list[MoveOp]) -> None:
-        """Evict tier ``t``'s LRU victim (``t >= 1``, write-back: no copies anywhere), as
-        ``_evict_one(t)`` -> ``_move_out`` -> ``_set_tier`` -> ``_consider`` do it, without the
-        call chain: demote it into tier t+1 (making room there first, recursively) or, from
-        the last tier, drop it (``_drop``, with the drop listener). Same steps, same order,
-        same moves. O(1) per tier of the cascade with a ``RecencyIndex``."""
-        node = self._index[self._evictable[t].pop_min()[1]]
-        h, old_slot = node.block_hash, node.slot
-        assert node.tier == t and not (node.children >> (_CBITS * t)) & _CMASK, (
-            f"tier {t}: evicting a non-leaf {node}")
-        stats = self.stats
-        stats.evicted[t] += 1
-        u = t + 1
-        if u < self.num_tiers:
-            dst = self._pools[u]
-            free = dst._free
-            if not free:
-                self._make_room_lru(u, moves)
-            new_slot = free.pop()                 # BlockPool.allocate_one, inlined
-            dst._is_free[new_slot] = 0
-            moves.append(_tuple_new(MoveOp, (h, t, old_slot, u, new_slot, False)))
-            p = node.parent
-            if p is not None:                     # one child fewer in tier t, one more in u
-                shift = _CBITS * t
-                c = p.children - (1 << shift)
-                p.children = c + (1 << (_CBITS * u))
-                if p.tier == t and not (c >> shift) & _CMASK:
-                    self._evictable[t].add((p.last_access, p.block_hash))   # a leaf of t now
-            self._resident[t] -= 1
-            self._resident[u] += 1
-            node.tier = u
-            node.slot = new_slot
-            if not (node.children >> (_CBITS * u)) & _CMASK:
-                self._evictable[u].add((node.last_access, h))
-            stats.demoted_in[u] += 1
-        else:
-            assert node.children == 0, f"dropping {node} would orphan its children"
-            self._drop(node)
-            moves.append(_tuple_new(MoveOp, (h, t, old_slot, None, None, False)))
-        self._pools[t].free_one(old_slot)
-
-    def _count_drops(self, num_blocks: int) -> None:
-        self._resident[DEVICE] -= num_blocks
-        self._unreferenced -= num_blocks
-        self.stats.evicted[DEVICE] += num_blocks
-        self.stats.dropped += num_blocks
-
-    def _drop_device_lru(self, entries: RecencyIndex, num_blocks: int, moves: list[MoveOp]) -> None:
-        """``_drop_device`` for LRU with no drop listener: ``RecencyIndex.pop_min`` and ``add``
-        inlined (same steps, same order; the index's counters are written back at the end), so
-        a victim costs no Python call. This is the eviction path of every device-only engine."""
-        index, hints = self._index, self._hints
-        device_nodes, refs = self._device_nodes, self._refs
+    def _drop_device_lru(self, entries: RecencyIndex, num: int, moves: list[MoveOp]) -> None:
+        """Device-only LRU eviction, victim node by victim node, with ``RecencyIndex``'s
+        ``pop_min`` and ``add`` inlined (same steps, same order; the index's counters are
+        written back at the end). A victim node's blocks leave together: one pass over their
+        hashes and slots, no call per block. A node only partly taken is cut in place (its
+        head stays, filed under its new last block)."""
+        index, dn = self._index, self._device_nodes
         pool = self._pools[DEVICE]
         is_free, free_append = pool._is_free, pool._free.append
         append = moves.append
         q, live, side = entries._q, entries._live, entries._side
         popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
         dead, nside = entries._dead, entries._nside
+        w = self._width
+        dropped = 0
         try:
-            for _ in range(num_blocks):
-                # -- RecencyIndex.pop_min: drop dead pairs at the head, then the smaller head
+            while num > 0:
+                # -- RecencyIndex.pop_min: drop dead entries at the head, then the smaller head
                 while q:
                     e = q[0]
-                    h = e[1]
-                    if live.get(h) is e:
+                    if live.get(e[1]) is e:
                         if nside and side[0] < e:
-                            h = side.pop(0)[1]
+                            e = side.pop(0)
                             nside -= 1
                         else:
                             popleft()
-                            del live[h]
+                            del live[e[1]]
                         break
                     popleft()
                     dead -= 1
                 else:
-                    h = side.pop(0)[1]
+                    e = side.pop(0)
                     nside -= 1
-                node = index.pop(h)
-                slot = node.slot
-                assert not node.children and refs[slot] == 0, f"evicting a non-leaf or held {node}"
-                device_nodes[slot] = None
-                if hints:
-                    hints.pop(h, None)
-                p = node.parent
-                if p is not None:
-                    if p.child is node:
-                        p.child = None
-                    c = p.children - 1
-                    p.children = c
-                    if not c and refs[p.slot] == 0:  # the parent is now an evictable leaf
-                        # -- RecencyIndex.add of its LRU entry
-                        e = (p.last_access, p.block_hash)
-                        if not q or e > q[-1]:
-                            live[e[1]] = e
-                            qappend(e)
-                        elif e < q[0]:
-                            live[e[1]] = e
-                            qappendleft(e)
+                node = index[e[1]]
+                hashes, slots = node.hashes, node.slots
+                n = len(hashes)
+                assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
+                if num >= n:
+                    take = n
+                else:
+                    entries._dead, entries._nside = dead, nside
+                    take = self._take(node, num, e, entries)
+                cut = n - take
+                for i in range(n - 1, cut - 1, -1):
+                    h, s = hashes[i], slots[i]
+                    del index[h]
+                    dn[s] = None
+                    is_free[s] = 1             # BlockPool.free_one, inlined
+                    free_append(s)
+                    append(_tuple_new(MoveOp, (h, DEVICE, s, None, None, False)))
+                if cut:                        # the head stays, filed under its new tail
+                    del hashes[cut:]
+                    del node.tokens[cut * w:]
+                    del slots[cut:]
+                    p = node
+                else:                          # the whole node leaves: unlink it
+                    p = node.parent
+                    if p is not None:
+                        a, b = node.prev, node.next
+                        if a is None:
+                            p.child = b
                         else:
-                            side.add(e)
-                            nside += 1
-                is_free[slot] = 1      # BlockPool.free_one, inlined (slot is the pool's int)
-                free_append(slot)
-                append(_tuple_new(MoveOp, (h, DEVICE, slot, None, None, False)))
+                            a.next = b
+                        if b is not None:
+                            b.prev = a
+                        c = p.children - 1
+                        p.children = c
+                        if c or p.ref:
+                            p = None           # not an evictable leaf
+                if p is not None:
+                    # -- RecencyIndex.add of its LRU entry
+                    e = (p.last_access, p.hashes[-1])
+                    if not q or e > q[-1]:
+                        live[e[1]] = e
+                        qappend(e)
+                    elif e < q[0]:
+                        live[e[1]] = e
+                        qappendleft(e)
+                    else:
+                        side.add(e)
+                        nside += 1
+                    hints = p.hints
+                    if cut and hints is not None and hints.ttl is not None:
+                        self._rearm_ttl(p)
+                num -= take
+                dropped += take
         finally:
             entries._dead, entries._nside = dead, nside
-        self._count_drops(num_blocks)
+            self._resident[DEVICE] -= dropped
+            self._unreferenced -= dropped
+            self.stats.evicted[DEVICE] += dropped
+            self.stats.dropped += dropped
+
+    def _rearm_ttl(self, node: Node) -> None:
+        import heapq
+
+        heapq.heappush(self._ttl_heap,   # type: ignore[attr-defined]
+                       (node.last_access + node.hints.ttl, node.hashes[-1]))

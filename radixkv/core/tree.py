@@ -1,37 +1,42 @@
-"""RadixTree: cached KV blocks keyed by chain hash, with per-tier residency and eviction.
+"""RadixTree: cached KV blocks as a path-compressed radix tree, with per-tier residency and
+per-block eviction in policy order.
 
-One node per cached full block. A node is reached through a hash index (``dict``), not by
-walking children: block ``i`` of a request is looked up by ``h[i]``, and the match checks that
-its parent is the node matched for block ``i-1`` and that its stored tokens equal the request's
-(so a hash collision is a miss, never a wrong block).
+**Nodes are runs** (``node.py``): one node holds consecutive blocks of a chain that are alike in
+everything the cache tracks (tier, holders, policy key, hints), so a conversation that goes on
+turn after turn is one node that grows at its end, and locking, releasing or filing it costs
+O(1) however long it is. Where blocks stop being alike, a node is cut in two (``_split``): at a
+divergence (another chain branches off inside it), at the end of a request's match (it holds
+only a prefix), at the start of an eviction (only the tail leaves its tier), at the end of a
+hinted prefix. A split re-points the index entries of the smaller side (the side that becomes
+a new object), so it costs O(min(k, n - k) + children).
 
-Tiers: tier 0 is the device (slots are device block ids from a ``BlockPool`` whose refcounts are
-the sequences' references), tiers 1.. are slower stores (host RAM, disk) with slots from their own
-pools. Each node has one *primary* residency (its tier and slot), where ``match`` finds it.
-Residency is *prefix-closed per tier prefix*: the parent of a node in tier t is in a tier <= t.
-So the device set is a subtree, the device+host set is a subtree, and the whole tree is
-prefix-closed. By default that is all (write-back: a block moves down only when evicted). With
-``write_through`` tiers a node may also hold *copies* in slower tiers (an inclusive hierarchy;
-KV blocks are immutable, so a copy stays valid): every block inserted on the device is copied
-into each write-through tier, a promotion out of such a tier keeps its source as a copy, and a
-demotion onto an existing copy moves no bytes. Copies take slots of their tier's pool, compete
-with the primaries for them by the same policy key, are always evictable (dropping one loses
-nothing) and do not count for prefix closure. The tier-side operations and the copy machinery
-live in ``tiers.py``.
+**Lookup.** Every cached block's chain hash maps to its node (``_index``), so the tier layer
+can address any block by hash (``get``). ``match`` hashes only the first block of a request and
+where it crosses from a node into a child: inside a node it compares the request's token bytes
+with the node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at a
+node's end it tries the most recently linked child's first block before hashing.
 
-Eviction is leaf-first per tier: a node is *evictable in its tier* when it is unreferenced
-(device: refcount 0) and has no child in its own tier (children can only live in the same or
-slower tiers). Each tier keeps its evictable nodes in an eviction index ordered by the eviction
-policy (``evict_index.py``): O(1) per operation for LRU and TTL, O(log n) for the others,
-independent of how many blocks are cached. The per-request paths (lock, release, insert a run,
-the inlined LRU eviction loops) live in ``request_ops.py``: one pass per request.
-Evicting from tier t demotes the node into tier t+1 (making room there first, recursively) or,
-from the last tier, drops it. Every change of residency is returned as a ``MoveOp`` for the
-storage layer to execute *in order* before the freed slots are reused. The MoveOps of
-write-through copies are made inside ``insert`` (which returns a node) and queued: take them
-with ``take_moves()``; ``evict``, ``evict_expired``, ``invalidate`` and a successful
-``promote_lower`` return any queued ones first, so concatenating what the tree returns always
-gives the execution order.
+**Tiers.** Tier 0 is the device (block ids from a ``BlockPool``), tiers 1.. are slower stores
+(host RAM, disk) with slots from their own pools. Residency is *prefix-closed per tier
+prefix*: the parent of a node in tier t is in a tier <= t, so the device set is a subtree, the
+device+host set is a subtree, and the whole tree is prefix-closed. The tree's write policy
+(``writes.py``: write-back, or write-through copies in chosen tiers) is a strategy object.
+
+**References.** A device node's ``ref`` counts the live sequences holding it; each holds every
+block of it (the block manager splits a node before a sequence takes part of it). A cached
+device block's pool refcount is 0: its references live in its node.
+
+**Eviction** is per block, leaf-first per tier, in the policy's order. A node is *evictable in
+its tier* when it has no child node in that tier and (on the device) no holder. Each tier files
+its evictable nodes in an eviction index (``evict_index.py``) under ``(*policy key, hash of the
+node's last block)``: every block of a node has the node's key, so the node's tail is the
+smallest of them, and evicting from it block by block (``_take``, which breaks exact ties by
+block hash as a per-block cache would) is exactly per-block LRU (or LFU, ...) over the whole
+tree. Evicting from tier t demotes the node's tail into tier t+1 (making room there first,
+recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
+storage layer to execute *in order* before the freed slots are reused. The per-request paths
+(lock, release, insert, the device-only eviction loop) live in ``request_ops.py``, the slower
+tiers' operations in ``tiers.py``, the consistency check in ``tree_check.py``.
 
 Pure Python: this module imports no torch.
 """
@@ -39,222 +44,326 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 import heapq
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
-from radixkv.core.evict_index import EvictionIndex, SortedIndex
+from radixkv.core.evict_index import EvictionIndex
 from radixkv.core.hashing import TOKEN_BYTES
-from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, MoveOp, Node, TreeStats
+from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.request_ops import RequestOps
 from radixkv.core.tiers import TierOps
+from radixkv.core.writes import TreeWrites, make_writes
 from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
 
-__all__ = ["DEVICE", "MAX_TIERS", "MoveOp", "Node", "RadixTree", "TreeStats"]
+__all__ = ["DEVICE", "MAX_TIERS", "BlockRef", "MoveOp", "Node", "RadixTree", "TreeStats"]
 
 _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
+_new_node = object.__new__
 
 
 class RadixTree(RequestOps, TierOps):
-    """Hash-indexed tree of cached blocks over one device pool and optional slower tiers.
+    """Path-compressed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
         block_size: tokens per block.
-        device_pool: the device tier's BlockPool; its refcounts are the sequences' references.
+        device_pool: the device tier's BlockPool.
         lower_pools: pools of the slower tiers, fastest first (host, then disk), each sized
             to that tier's capacity in blocks.
-        policy: eviction policy name or instance (``lru`` default, ``lfu``, ``priority``, ``ttl``).
+        policy: eviction policy name or instance (``lru`` default, ``lfu``, ``mru``,
+            ``priority``, ``ttl``).
         clock: seconds, monotonic; injected so tests can pin the eviction order.
-        write_through: slower tiers (each in ``1 .. num_tiers-1``) that receive a copy of every
-            block inserted on the device; empty (default) is write-back. See ``tiers.py``.
+        write_through: the tree's write policy: a ``TreeWrites`` object, or the slower tiers
+            (each in ``1 .. num_tiers-1``) that get a copy of every block inserted on the
+            device; empty (default) is write-back. See ``writes.py``.
     """
 
     def __init__(self, block_size: int, device_pool: BlockPool,
                  lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = "lru",
                  clock: Callable[[], float] = time.monotonic,
-                 write_through: Sequence[int] = ()) -> None:
+                 write_through: Sequence[int] | TreeWrites = ()) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
         if len(lower_pools) + 1 > MAX_TIERS:
             raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
-        try:
-            wt = tuple(write_through)
-        except TypeError:
-            raise ConfigError(f"write_through must be a sequence of tiers, got {write_through!r}") from None
-        if any(type(u) is not int or not 1 <= u <= len(lower_pools) for u in wt) or \
-                len(set(wt)) != len(wt):
-            raise ConfigError(f"write_through must list distinct slower tiers in "
-                              f"1..{len(lower_pools)}, got {write_through!r}")
         self.block_size = block_size
+        self._width = block_size * TOKEN_BYTES
         self.policy = make_policy(policy)
-        self._lru = type(self.policy) is LRUPolicy  # fast path: entry = (last_access, hash)
+        self._lru = type(self.policy) is LRUPolicy  # fast path: key = (last_access,)
         self.clock = clock
         self._pools: list[BlockPool] = [device_pool, *lower_pools]
         self.num_tiers = len(self._pools)
-        self._refs = device_pool.ref_counts
         self._index: dict[bytes, Node] = {}
-        new_index = getattr(self.policy, "new_index", SortedIndex)  # optional policy hook
-        self._evictable: list[EvictionIndex] = [new_index() for _ in self._pools]
-        self._resident = [0] * self.num_tiers
-        self._unreferenced = 0                      # device nodes with refcount 0
+        self._evictable: list[EvictionIndex] = [self.policy.new_index() for _ in self._pools]
+        self._resident = [0] * self.num_tiers      # blocks (primaries) per tier
+        self._unreferenced = 0                      # device blocks of unheld nodes
         self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
-        self._hints: dict[bytes, NodeHints] = {}
-        self._ttl_heap: list[tuple[float, bytes]] = []   # (due, hash) of per-block TTL hints
-        self.stats = TreeStats(self.num_tiers)
-        #: Listeners (must not touch the tree; the remote tier, a fleet replica's events): a node
-        #: about to leave the cache (still linked), and blocks that entered it.
-        self.drop_listener: Callable[[Node], None] | None = None
-        self.insert_listener: Callable[[list[Node]], None] | None = None
-        self.write_through: tuple[int, ...] = tuple(sorted(wt))
-        self._wt = self.write_through               # falsy: write-back, no copy bookkeeping
-        self._copy_slots: list[dict[bytes, int]] = [{} for _ in self._pools]  # tier: hash -> slot
+        self._ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
         self._pending: list[MoveOp] = []            # write-through moves of inserts, not taken yet
-        if self._wt:
-            # Copies are filed under their node's policy key, which lock/release change: use
-            # the variants that re-file them (tiers.py). Write-back trees keep the plain
-            # methods, so the per-block hot path pays nothing for the option.
-            self.lock = self._lock_refiling         # type: ignore[method-assign]
-            self.release = self._release_refiling   # type: ignore[method-assign]
+        self.stats = TreeStats(self.num_tiers)
+        #: Listeners (must not touch the tree; the remote tier, a fleet replica's events):
+        #: blocks about to leave the cache (``BlockRef``\ s, still linked), and the hashes of
+        #: blocks that entered it.
+        self.drop_listener: Callable[[list[BlockRef]], None] | None = None
+        self.insert_listener: Callable[[list[bytes]], None] | None = None
+        self.writes: TreeWrites = make_writes(write_through).bind(self)
+        self.write_through: tuple[int, ...] = self.writes.tiers
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
+        """Cached blocks (in any tier). Runtime complexity: O(1)."""
         return len(self._index)
 
-    def get(self, block_hash: bytes) -> Node | None:
-        """The node cached under ``block_hash``, if any. Runtime complexity: O(1)."""
-        return self._index.get(block_hash)
+    def num_nodes(self) -> int:
+        """Nodes (runs) in the tree. Runtime complexity: O(n); for statistics."""
+        return len({id(n) for n in self._index.values()})
 
-    def device_node(self, block_id: int) -> Node | None:
-        """The node whose KV lives in device block ``block_id`` (None: uncached block)."""
-        return self._device_nodes[block_id]
+    def get(self, block_hash: bytes) -> BlockRef | None:
+        """The cached block ``block_hash`` (a snapshot), or None. O(node length)."""
+        node = self._index.get(block_hash)
+        if node is None:
+            return None
+        return self._ref(node, node.hashes.index(block_hash))
+
+    def _ref(self, node: Node, i: int) -> BlockRef:
+        w = self._width
+        if i:
+            parent_hash = node.hashes[i - 1]
+        else:
+            parent_hash = None if node.parent is None else node.parent.hashes[-1]
+        return BlockRef(node.hashes[i], node.tier, node.slots[i], parent_hash,
+                        bytes(node.tokens[i * w:(i + 1) * w]))
+
+    def device_block(self, block_id: int) -> BlockRef | None:
+        """The cached block in device block ``block_id`` (None: free or private)."""
+        node = self._device_nodes[block_id]
+        return None if node is None else self._ref(node, node.slots.index(block_id))
 
     def num_resident(self, tier: int = DEVICE) -> int:
-        """Cached blocks resident in ``tier``. Runtime complexity: O(1)."""
+        """Cached blocks resident in ``tier`` (primaries). Runtime complexity: O(1)."""
         return self._resident[tier]
 
     def num_evictable(self, tier: int = DEVICE) -> int:
         """Blocks of ``tier`` that eviction can free (now or after their children go).
 
-        On the device these are the unreferenced cached blocks (their descendants are
-        unreferenced too, since a sequence holds a whole prefix); slower tiers hold no
-        references, so all their blocks are evictable, primaries and copies.
-        Runtime complexity: O(1).
+        On the device these are the blocks of unheld nodes (their descendants are unheld too,
+        since a sequence holds a whole prefix); slower tiers hold no references, so all their
+        blocks are evictable, primaries and copies. Runtime complexity: O(1).
         """
         if tier == DEVICE:
             return self._unreferenced
-        return self._resident[tier] + len(self._copy_slots[tier])
+        return self._resident[tier] + self.writes.num_copies(tier)
+
+    def num_copies(self, tier: int) -> int:
+        """Write-through copies held in ``tier``. O(1)."""
+        return self.writes.num_copies(tier)
+
+    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
+        """The slot of ``block_hash``'s copy in ``tier``, or None (no copy there). O(1)."""
+        if type(tier) is not int or not 0 <= tier < self.num_tiers:
+            raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
+        return self.writes.copy_slot(block_hash, tier) if block_hash in self._index else None
+
+    def hints(self, block_hash: bytes) -> NodeHints:
+        """The eviction hints of a cached block (defaults if none were set)."""
+        node = self._index.get(block_hash)
+        return DEFAULT_HINTS if node is None or node.hints is None else node.hints
 
     def take_moves(self) -> list[MoveOp]:
-        """The queued MoveOps of write-through copies made by ``insert`` (and of the evictions
+        """The queued MoveOps of write-through copies made by inserts (and of the evictions
         that made room for them), in execution order; clears the queue. Run them before any
-        later move. Always ``[]`` without write-through. Runtime complexity: O(1)."""
+        later move. Always ``[]`` under write-back. Runtime complexity: O(1)."""
         moves = self._pending
         self._pending = []
         return moves
 
-    def match(self, block_hashes: Sequence[bytes], tok_bytes: bytes) -> list[Node]:
-        """Longest cached chain of full blocks for a request, in any tier. A pure read: it
-        changes nothing (not the policy's keys, not a counter); use the block manager's
-        ``allocate`` (``lock_nodes``) to take and touch what it returns.
-
-        ``block_hashes[i]`` is the chain hash of block i of the request and ``tok_bytes`` its
-        token ids (``hashing.token_bytes``). Matching stops at the first block that is absent,
-        whose parent is not the previous match, or whose stored tokens differ (a hash collision:
-        a miss, never a wrong block; the commit that meets it counts it in ``stats.collisions``).
-        The nodes returned may live in different tiers, in
-        non-decreasing tier order along the chain.
-        Runtime complexity: O(number of matched blocks).
-        """
-        width = self.block_size * TOKEN_BYTES
-        index = self._index
-        out: list[Node] = []
-        prev: Node | None = None
-        start = 0
-        for h in block_hashes:
-            node = index.get(h)
-            if node is None or node.parent is not prev:
-                break
-            end = start + width
-            if node.tokens != tok_bytes[start:end]:
-                break
-            out.append(node)
-            prev = node
-            start = end
+    def match_tokens(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
+                     ) -> list[BlockRef]:
+        """The longest cached chain of full blocks of a request, one ``BlockRef`` per block, in
+        non-decreasing tier order. A pure read (changes nothing). ``tok_bytes``: the request's
+        token ids (``hashing.token_bytes``); ``seed``: its namespace seed.
+        Runtime complexity: O(matched blocks)."""
+        path, k = self._match_path(tok_bytes, seed, max_blocks)
+        out = []
+        for j, node in enumerate(path):
+            for i in range(k if j == len(path) - 1 else len(node.hashes)):
+                out.append(self._ref(node, i))
         return out
 
-    def match_tokens(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
-                     ) -> tuple[list[Node], list[bytes]]:
-        """Hash and match in one pass: ``(nodes, their hashes)`` for the longest cached chain.
+    def match_hashes(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
+                     ) -> list[bytes]:
+        """The chain hashes of the blocks ``match_tokens`` would return (cheaper: no
+        snapshot per block). A pure read. Runtime complexity: O(matched blocks)."""
+        path, k = self._match_path(tok_bytes, seed, max_blocks)
+        out: list[bytes] = []
+        for node in path[:-1]:
+            out.extend(node.hashes)
+        if path:
+            out.extend(path[-1].hashes[:k])
+        return out
 
-        Same result as ``match(hash_blocks(...), tok_bytes)`` (a pure read too) but hashes only
-        where it must: block i+1 is first compared with the child that block i's node followed
-        last (``Node.child``); only if their tokens differ is the chain hash computed and looked
-        up. So a request that continues the way the previous one went pays one hash for its
-        whole matched prefix. ``seed`` is the namespace seed. Runtime complexity: O(matched
-        tokens), the hashing only for blocks off the followed path.
+    def _match_path(self, tok: bytes, seed: bytes, max_blocks: int | None
+                    ) -> tuple[list[Node], int]:
+        """``(path, k)``: the nodes the request's longest cached chain crosses, root first, and
+        how many blocks of the last one it uses (``1 <= k <= len``); ``([], 0)`` if none.
+
+        A pure read. Hashes only the first block and each block that starts a child node not
+        found by its tokens; inside a node, compares the node's token bytes with the request's.
+        Runtime complexity: O(matched blocks) byte comparisons, O(nodes crossed) hashes.
         """
-        width = self.block_size * TOKEN_BYTES
-        n = len(tok_bytes) // width
+        w = self._width
+        n = len(tok) // w
         if max_blocks is not None and max_blocks < n:
             n = max_blocks
-        index_get = self._index.get
-        xxh = _xxh3_128
-        nodes: list[Node] = []
-        append = nodes.append
-        prev: Node | None = None
-        end = n * width
-        start = 0
-        chunk = tok_bytes[:width]
-        if n:   # the first block has no parent node to follow: hash it
-            node = index_get(xxh(seed + chunk))
-            if node is not None and node.parent is None and node.tokens == chunk:
-                append(node)
-                prev = node
-                start = width
+        if n <= 0:
+            return [], 0
+        h = _xxh3_128(seed + tok[:w])
+        node = self._index.get(h)
+        if node is None or node.parent is not None or node.hashes[0] != h:
+            return [], 0
+        path = [node]
+        pos = 0
+        while True:
+            L = len(node.hashes)
+            avail = n - pos if n - pos < L else L
+            start = pos * w
+            if avail == L:
+                same = node.tokens == tok[start:start + L * w]
             else:
-                end = 0
-        while start < end:
-            chunk = tok_bytes[start:start + width]
-            node = prev.child   # type: ignore[union-attr]
-            if node is None or node.tokens != chunk:
-                node = index_get(xxh(prev.block_hash + chunk))   # type: ignore[union-attr]
-                if node is None or node.parent is not prev or node.tokens != chunk:
-                    break
-            append(node)
-            prev = node
-            start += width
-        return nodes, [x.block_hash for x in nodes]
+                same = node.tokens[:avail * w] == tok[start:start + avail * w]
+            if same:
+                k = avail
+            else:   # a divergence inside the node (or a hash collision at its first block)
+                k = 0
+                tokens = node.tokens
+                while k < avail and tokens[k * w:(k + 1) * w] == tok[start + k * w:start + (k + 1) * w]:
+                    k += 1
+                if k == 0:
+                    path.pop()
+                    return path, (len(path[-1].hashes) if path else 0)
+            pos += k
+            if k < L or pos == n:
+                return path, k
+            chunk = tok[pos * w:pos * w + w]
+            c = node.child
+            if c is None or c.tokens[:w] != chunk:
+                h = _xxh3_128(node.hashes[-1] + chunk)
+                c = self._index.get(h)
+                if c is None or c.parent is not node or c.hashes[0] != h:
+                    return path, L
+            path.append(c)
+            node = c
 
-    def hints(self, node: Node) -> NodeHints:
-        return self._hints.get(node.block_hash, DEFAULT_HINTS)
+    # ------------------------------------------------------------------ structure
+    def _split(self, node: Node, k: int) -> tuple[Node, Node]:
+        """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
+        the only child of the first; both keep the node's tier, holders, key and hints. One of
+        them is ``node`` itself: whichever side has fewer index entries (and, for the tail,
+        children) to re-point stays, the other is a new object. Returns ``(head, tail)``.
 
-    # ------------------------------------------------------------------ evictable set
-    def _is_evictable(self, node: Node) -> bool:
-        t = node.tier
-        if (node.children >> (_CBITS * t)) & _CMASK:
-            return False
-        return t != DEVICE or self._refs[node.slot] == 0
+        The evictable sets need no change: the tail keeps the node's last block (so its entry,
+        if it has one, names it), and the head has a child in its own tier (not a leaf).
+        Runtime complexity: O(min(k, n - k) + children).
+        """
+        n = len(node.hashes)
+        assert 0 < k < n, f"split of {node} at {k}"
+        w, t = self._width, node.tier
+        c = node.children
+        nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
+        new = _new_node(Node)
+        new.tier, new.ref, new.last_access, new.hits, new.hints = (
+            t, node.ref, node.last_access, node.hits, node.hints)
+        index = self._index
+        if n - k + nkids <= k:        # the tail becomes the new object
+            head, tail = node, new
+            tail.hashes = node.hashes[k:]
+            del node.hashes[k:]
+            tail.tokens = node.tokens[k * w:]
+            del node.tokens[k * w:]
+            tail.slots = node.slots[k:]
+            del node.slots[k:]
+            tail.children, tail.child = c, node.child
+            kid = node.child
+            while kid is not None:
+                kid.parent = tail
+                kid = kid.next
+            tail.parent, tail.next, tail.prev = node, None, None
+            node.children, node.child = 1 << (_CBITS * t), tail
+            moved = tail
+        else:                          # the head becomes the new object
+            head, tail = new, node
+            head.hashes = node.hashes[:k]
+            del node.hashes[:k]
+            head.tokens = node.tokens[:k * w]
+            del node.tokens[:k * w]
+            head.slots = node.slots[:k]
+            del node.slots[:k]
+            p = node.parent
+            head.parent, head.prev, head.next = p, node.prev, node.next
+            if head.prev is not None:
+                head.prev.next = head
+            elif p is not None:
+                p.child = head
+            if head.next is not None:
+                head.next.prev = head
+            head.children, head.child = 1 << (_CBITS * t), node
+            node.parent, node.prev, node.next = head, None, None
+            moved = head
+        for h in moved.hashes:
+            index[h] = moved
+        if t == DEVICE:
+            dn = self._device_nodes
+            for b in moved.slots:
+                dn[b] = moved
+        self.stats.splits += 1
+        hints = head.hints
+        if hints is not None and hints.ttl is not None:
+            heapq.heappush(self._ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
+        return head, tail
 
-    def _entry(self, node: Node) -> tuple:
-        """Sorted-set entry: the policy key plus the hash (unique, deterministic tie-break)."""
-        if self._lru:
-            return (node.last_access, node.block_hash)
-        return (*self.policy.key(node, self._hints.get(node.block_hash, DEFAULT_HINTS)),
-                node.block_hash)
+    def _cut(self, path: list[Node], k: int) -> list[Node]:
+        """``path`` with its last node cut after its first ``k`` blocks (the rest becomes its
+        child): the nodes a request's match covers exactly."""
+        last = path[-1]
+        if k < len(last.hashes):
+            path = path[:-1]
+            path.append(self._split(last, k)[0])
+        return path
 
-    def _discard(self, node: Node) -> None:
-        """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
-        if self._is_evictable(node):
-            self._evictable[node.tier].remove(self._entry(node))
+    def _node_ending_at(self, block_hash: bytes) -> Node:
+        """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
+        sits inside its node: the parent to hang a new node from."""
+        node = self._index[block_hash]
+        i = node.hashes.index(block_hash)
+        if i + 1 < len(node.hashes):
+            node = self._split(node, i + 1)[0]
+        return node
 
-    def _consider(self, node: Node) -> None:
-        """Put ``node`` into its tier's evictable set if it qualifies (after a mutation)."""
-        if self._is_evictable(node):
-            self._evictable[node.tier].add(self._entry(node))
+    def _link(self, parent: Node, node: Node) -> None:
+        """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
+        node.parent, node.prev = parent, None
+        first = parent.child
+        node.next = first
+        if first is not None:
+            first.prev = node
+        parent.child = node
+        self._add_child_count(parent, node.tier, 1)
+
+    def _unlink(self, node: Node) -> None:
+        """Take ``node`` out of its parent's child list (counts and the parent's filing kept)."""
+        parent = node.parent
+        p, q = node.prev, node.next
+        if p is None:
+            parent.child = q   # type: ignore[union-attr]
+        else:
+            p.next = q
+        if q is not None:
+            q.prev = p
+        node.prev = node.next = None
+        self._add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
 
     def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
         shift = _CBITS * tier
@@ -269,126 +378,37 @@ class RadixTree(RequestOps, TierOps):
         parent.children += delta << shift
         assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent
 
-    # ------------------------------------------------------------------ mutations
-    def insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
-               now: float | None = None) -> Node:
-        """Cache device block ``block_id`` (whose KV is computed) as the child of ``parent``.
+    # ------------------------------------------------------------------ evictable sets
+    def _key(self, node: Node) -> tuple:
+        """The policy key of every block of ``node``."""
+        if self._lru:
+            return (node.last_access,)
+        return self.policy.key(node, DEFAULT_HINTS if node.hints is None else node.hints)
 
-        The caller keeps its references; the block becomes evictable once they drop to 0.
-        With write-through, the block is also copied into each write-through tier (making room
-        there by eviction; skipped if none can be made): those MoveOps are queued for
-        ``take_moves``. Raises InvalidBlockError (changing nothing) if the hash is already
-        cached, the block is already cached, or the parent is not on the device.
-        Runtime complexity: O(log n) (+ O(tiers * log n) per write-through tier).
-        """
-        if block_hash in self._index:
-            raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
-        if self._device_nodes[block_id] is not None:
-            raise InvalidBlockError(f"device block {block_id} already caches another hash")
-        if self._pools[DEVICE].is_free(block_id):
-            raise InvalidBlockError(f"device block {block_id} is free; allocate it first")
-        if parent is not None and (parent.tier != DEVICE or self._index.get(parent.block_hash) is not parent):
-            raise InvalidBlockError("the parent of a new block must be cached on the device")
-        if len(tokens) != self.block_size * TOKEN_BYTES:
-            raise InvalidBlockError(f"a block holds {self.block_size} tokens, got {len(tokens) // TOKEN_BYTES}")
-        return self._insert(parent, block_hash, tokens, block_id, self.clock() if now is None else now)
+    def _entry(self, node: Node) -> tuple:
+        """Index entry of an evictable node: its key plus its last block's hash (unique)."""
+        if self._lru:
+            return (node.last_access, node.hashes[-1])
+        return (*self.policy.key(node, DEFAULT_HINTS if node.hints is None else node.hints),
+                node.hashes[-1])
 
-    def _insert(self, parent: Node | None, block_hash: bytes, tokens: bytes, block_id: int,
-                now: float) -> Node:
-        """``insert`` without argument checks, for the block manager's commit path."""
-        node = Node(block_hash, parent, tokens, DEVICE, self._pools[DEVICE].canonical(block_id), now)
-        if parent is not None:
-            c = parent.children
-            if not c & _CMASK and self._refs[parent.slot] == 0:
-                self._evictable[DEVICE].remove(self._entry(parent))  # no longer a leaf
-            parent.children = c + 1
-            parent.child = node
-        self._index[block_hash] = node
-        self._device_nodes[block_id] = node
-        self._resident[DEVICE] += 1
-        if self._refs[block_id] == 0:
-            self._unreferenced += 1
-            self._consider(node)
-        self.stats.inserted += 1
-        if self._wt:
-            self._write_through(node)
-        return node
-
-    def lock(self, node: Node, now: float | None = None) -> None:
-        """Take one reference on a device node (a sequence now uses it). O(log n)."""
-        assert node.tier == DEVICE, f"lock() of a node in tier {node.tier}: promote it first"
-        self._discard(node)
-        refs = self._refs
-        if refs[node.slot] == 0:
-            self._unreferenced -= 1
-        refs[node.slot] += 1
-        node.last_access = self.clock() if now is None else now
-        node.hits += 1
-
-    def release(self, node: Node, now: float | None = None) -> None:
-        """Drop one reference; at zero the node becomes evictable (if a leaf). O(log n).
-
-        ``now`` lets a caller releasing a whole chain share one timestamp object.
-        """
-        refs = self._refs
-        assert node.tier == DEVICE and refs[node.slot] > 0, f"release() of unreferenced {node}"
-        refs[node.slot] -= 1
-        if refs[node.slot] == 0:
-            self._unreferenced += 1
-            node.last_access = self.clock() if now is None else now
-            self._consider(node)
-
-    def promote(self, node: Node, block_id: int, copy: bool = True) -> MoveOp | None:
-        """Move a slower-tier node onto device block ``block_id`` (allocated by the caller).
-
-        With ``copy`` the returned MoveOp tells the storage layer to load the bytes; without
-        it the block already holds the same KV (recomputed) and nothing moves ("adoption"); the
-        old residency's release is then queued as a drop (``take_moves``), so that a disk file
-        does not outlive the tier's claim on it.
-        If the node's tier is a write-through tier, its old slot stays as a copy (``keep_src``;
-        adoption keeps it too). The parent must already be on the device; with write-through,
-        take the queued moves (``take_moves``) first. Runtime complexity: O(log n).
-        """
+    def _is_evictable(self, node: Node) -> bool:
         t = node.tier
-        assert t != DEVICE, f"promote() of a device node {node}"
-        parent = node.parent
-        assert parent is None or parent.tier == DEVICE, f"promote() under a non-device parent {parent}"
-        assert self._device_nodes[block_id] is None, f"device block {block_id} caches another node"
-        assert not (copy and self._pending), "promote() with write-through moves queued: take_moves() first"
-        old_slot = node.slot
-        self._discard(node)
-        self._set_tier(node, DEVICE, self._pools[DEVICE].canonical(block_id))
-        keep = t in self._wt
-        if keep:
-            self._copy_slots[t][node.block_hash] = old_slot
-            self._evictable[t].add(self._entry(node))
-            self.stats.copies_made += 1
-        else:
-            self._pools[t].free_one(old_slot)
-        self._device_nodes[block_id] = node
-        if self._refs[block_id] == 0:
-            self._unreferenced += 1
-        self._consider(node)
-        self.stats.promoted[t] += 1
-        if not copy:
-            self.stats.adopted += 1
-            if not keep:   # the old residency is released: a disk file must go (queued)
-                self._pending.append(MoveOp(node.block_hash, t, old_slot, None, None, False))
-            return None
-        return MoveOp(node.block_hash, t, old_slot, DEVICE, block_id, keep)
+        if (node.children >> (_CBITS * t)) & _CMASK:
+            return False
+        return t != DEVICE or node.ref == 0
 
-    def _set_tier(self, node: Node, tier: int, slot: int) -> None:
-        """Re-home ``node`` (already out of every evictable set) and fix its parent's counts."""
-        old = node.tier
-        parent = node.parent
-        if parent is not None:
-            self._add_child_count(parent, old, -1)
-            self._add_child_count(parent, tier, 1)
-        self._resident[old] -= 1
-        self._resident[tier] += 1
-        node.tier = tier
-        node.slot = slot
+    def _discard(self, node: Node) -> None:
+        """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
+        if self._is_evictable(node):
+            self._evictable[node.tier].remove(self._entry(node))
 
+    def _consider(self, node: Node) -> None:
+        """Put ``node`` into its tier's evictable set if it qualifies (after a mutation)."""
+        if self._is_evictable(node):
+            self._evictable[node.tier].add(self._entry(node))
+
+    # ------------------------------------------------------------------ eviction
     def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
         """Evict ``num_blocks`` blocks from ``tier`` in policy order, leaves first.
 
@@ -397,7 +417,8 @@ class RadixTree(RequestOps, TierOps):
         one, moving nothing) or, from the last tier, dropped; a victim that is a copy is
         dropped. Queued write-through moves come first in the result.
         All-or-nothing: raises OutOfBlocks, changing nothing, if fewer blocks are evictable.
-        Runtime complexity: O(num_blocks * tiers * log n).
+        Runtime complexity: O(num_blocks) per tier of the cascade (+ O(log n) per victim node
+        for index types other than LRU's).
         """
         if type(tier) is not int or not 0 <= tier < self.num_tiers:
             raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
@@ -409,92 +430,157 @@ class RadixTree(RequestOps, TierOps):
                               "every cached block of this tier is in use by a live sequence")
         moves = self._pending    # queued write-through moves run first
         self._pending = []
-        if tier == DEVICE and self._evict_device(num_blocks, moves):
-            return moves
-        for _ in range(num_blocks):
-            self._evict_one(tier, moves)
+        if num_blocks:
+            self._evict_from(tier, num_blocks, moves)
         return moves
 
-    def _evict_one(self, tier: int, moves: list[MoveOp]) -> None:
+    def _evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None:
+        """Evict ``num`` blocks of ``tier`` (they are evictable), victim by victim."""
+        if tier == DEVICE and self._evict_device_fast(num, moves):
+            return
         entries = self._evictable[tier]
-        assert entries, (f"tier {tier}: nothing evictable with {self._resident[tier]} resident, "
-                         f"{self.num_evictable(tier)} counted evictable")
-        node = self._index[entries.pop_min()[-1]]
-        if node.tier == tier:
-            self._move_out(node, moves)
-        else:
-            self._drop_popped_copy(node, tier, moves)
+        index = self._index
+        while num > 0:
+            e = entries.pop_min()
+            h = e[-1]
+            node = index[h]
+            if node.tier != tier:       # a write-through copy of a faster block
+                self.writes.drop_popped_copy(h, tier, moves)
+                num -= 1
+                continue
+            take = self._take(node, num, e, entries)
+            num -= self._move_tail_out(node, take, moves)
 
-    def _move_out(self, node: Node, moves: list[MoveOp]) -> None:
-        """Demote or drop an evictable node (already popped from its tier's set)."""
-        t, old_slot = node.tier, node.slot
-        self.stats.evicted[t] += 1
-        if t == DEVICE:
-            self._unreferenced -= 1
-            self._device_nodes[old_slot] = None
-        u = t + 1
-        if u < self.num_tiers:
-            copies = self._copy_slots[u]
-            new_slot = copies.pop(node.block_hash, None) if copies else None
-            if new_slot is not None:
-                # its copy in tier u becomes the primary: no bytes move (a free demotion)
-                self._evictable[u].remove(self._entry(node))
+    @staticmethod
+    def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int:
+        """How many blocks of the victim ``node`` (popped as entry ``e``) go now: all of them,
+        or the ``num`` still wanted; where another entry has exactly the same key, only those
+        that a per-block cache would take first (block hash order breaks the tie)."""
+        n = len(node.hashes)
+        if num >= n:
+            return n
+        if entries:
+            m = entries.min()
+            if m[:-1] == e[:-1]:
+                key, hashes = e[:-1], node.hashes
+                j = 1
+                while j < num and (*key, hashes[n - 1 - j]) < m:
+                    j += 1
+                return j
+        return num
+
+    def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int:
+        """The last ``take`` blocks of ``node`` (an evictable node already out of its index)
+        leave its tier: demoted into the next one, or dropped from the last. Returns how many
+        left (a demotion moves at most the next tier's capacity at once)."""
+        t = node.tier
+        n = len(node.hashes)
+        if t + 1 == self.num_tiers:
+            if take == n:
+                self._drop_node(node, moves)
+            else:
+                self._drop_tail(node, take, moves)
+            return take
+        cap = self._pools[t + 1].num_blocks
+        if take > cap:
+            take = cap
+        if take < n:
+            node = self._split(node, n - take)[1]
+        self._demote(node, t + 1, moves)
+        return take
+
+    def _demote(self, node: Node, u: int, moves: list[MoveOp]) -> None:
+        """Move every block of ``node`` (out of its index) one tier down into ``u``, onto its
+        copies there if it has any (free demotions), making room in ``u`` first."""
+        t = node.tier
+        hashes, old = node.hashes, node.slots
+        n = len(hashes)
+        reuse = self.writes.take_for_demotion(node, u)
+        need = n if reuse is None else sum(1 for s in reuse if s is None)
+        dst = self._pools[u]
+        short = need - dst.num_free
+        if short > 0:
+            self._evict_from(u, short, moves)
+        new: list[int] = [0] * n
+        for i in range(n - 1, -1, -1):
+            s = None if reuse is None else reuse[i]
+            if s is None:
+                s = dst.allocate_one()
+                moves.append(_tuple_new(MoveOp, (hashes[i], t, old[i], u, s, False)))
+            else:
                 self.stats.free_demotions += 1
-            else:
-                dst = self._pools[u]
-                if dst.num_free == 0:
-                    self._evict_one(u, moves)
-                new_slot = dst.allocate_one()
-                moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, u, new_slot, False)))
-            self._set_tier(node, u, new_slot)
-            self._consider(node)
-            self.stats.demoted_in[u] += 1
-        else:
-            assert node.children == 0, f"dropping {node} would orphan its children"
-            self._drop(node)
-            moves.append(_tuple_new(MoveOp, (node.block_hash, t, old_slot, None, None, False)))
-        self._pools[t].free_one(old_slot)
+            new[i] = s
+        src = self._pools[t]
+        for s in reversed(old):
+            src.free_one(s)
+        if t == DEVICE:
+            dn = self._device_nodes
+            for s in old:
+                dn[s] = None
+            self._unreferenced -= n
+        node.slots = new
+        node.tier = u
+        parent = node.parent
+        if parent is not None:
+            self._add_child_count(parent, t, -1)
+            self._add_child_count(parent, u, 1)
+        self._resident[t] -= n
+        self._resident[u] += n
+        self.stats.evicted[t] += n
+        self.stats.demoted_in[u] += n
+        self._consider(node)
 
-    def _drop(self, node: Node) -> None:
+    def _drop_tail(self, node: Node, take: int, moves: list[MoveOp]) -> None:
+        """The last ``take`` blocks of ``node`` (an evictable leaf of the last tier, out of its
+        index, with no children) leave the cache; the rest stays, filed under its new tail."""
+        t = node.tier
+        cut = len(node.hashes) - take
         if self.drop_listener is not None:
-            self.drop_listener(node)
-        del self._index[node.block_hash]
-        self._hints.pop(node.block_hash, None)
-        self._resident[node.tier] -= 1
+            self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, cut - 1, -1)])
+        self._free_blocks(node, cut, moves)
+        del node.hashes[cut:]
+        del node.tokens[cut * self._width:]
+        del node.slots[cut:]
+        self.stats.evicted[t] += take
+        self._consider(node)
+        hints = node.hints
+        if hints is not None and hints.ttl is not None:
+            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
+
+    def _drop_node(self, node: Node, moves: list[MoveOp]) -> None:
+        """``node`` (out of its index, with no children) leaves the cache."""
+        assert node.children == 0 and node.child is None, f"dropping {node} would orphan children"
+        if self.drop_listener is not None:
+            self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, -1, -1)])
+        self._free_blocks(node, 0, moves)
         if node.parent is not None:
-            if node.parent.child is node:
-                node.parent.child = None
-            self._add_child_count(node.parent, node.tier, -1)
-        self.stats.dropped += 1
+            self._unlink(node)
+        self.stats.evicted[node.tier] += len(node.hashes)
 
-    def set_hints(self, nodes: Iterable[Node], priority: int | None = None,
-                  ttl: float | None = None) -> None:
-        """Set the priority and/or TTL hints of cached nodes (e.g. a system prompt's chain).
+    def _free_blocks(self, node: Node, cut: int, moves: list[MoveOp]) -> None:
+        """Unindex and free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops.
+        The node's lists are left to the caller."""
+        t = node.tier
+        hashes, slots = node.hashes, node.slots
+        index, pool = self._index, self._pools[t]
+        dn = self._device_nodes if t == DEVICE else None
+        for i in range(len(hashes) - 1, cut - 1, -1):
+            h, s = hashes[i], slots[i]
+            del index[h]
+            pool.free_one(s)
+            if dn is not None:
+                dn[s] = None
+            moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
+        k = len(hashes) - cut
+        self._resident[t] -= k
+        if t == DEVICE:
+            self._unreferenced -= k
+        self.stats.dropped += k
 
-        ``priority``: an int (higher survives longer under the priority policy); ``ttl``: finite
-        seconds >= 0. All-or-nothing (all validated first). O(len(nodes) * log n).
-        """
-        if priority is not None and (type(priority) is not int):
-            raise ConfigError(f"priority must be an int, got {priority!r}")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                                or not math.isfinite(ttl) or ttl < 0):
-            raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
-        nodes = list(nodes)
-        for node in nodes:
-            if not isinstance(node, Node) or self._index.get(node.block_hash) is not node:
-                raise InvalidBlockError(f"{node!r} is not a cached node of this tree")
-        for node in nodes:
-            old = self.hints(node)
-            new = NodeHints(old.priority if priority is None else priority,
-                            old.ttl if ttl is None else float(ttl))
-            self._discard(node)
-            copies = self._unfile_copies(node) if self._wt else None
-            if new == DEFAULT_HINTS:
-                self._hints.pop(node.block_hash, None)
-            else:
-                self._hints[node.block_hash] = new
-                if new.ttl is not None:
-                    heapq.heappush(self._ttl_heap, (node.last_access + new.ttl, node.block_hash))
-            self._consider(node)
-            if copies:
-                self._file_copies(node, copies)
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails
+        (see ``tree_check.py``). Runtime complexity: O(n log n); for tests."""
+        from radixkv.core.tree_check import check_tree
+
+        check_tree(self)

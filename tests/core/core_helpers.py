@@ -57,27 +57,30 @@ def snapshot_pool(pool: BlockPool) -> tuple:
 
 
 def snapshot_tree(tree: RadixTree) -> tuple:
-    nodes = tuple(sorted(
-        (h, None if n.parent is None else n.parent.block_hash, n.tokens, n.tier, n.slot,
-         n.children, n.last_access, n.hits)
-        for h, n in tree._index.items()))
+    nodes = {id(n): n for n in tree._index.values()}
+    nodes_t = tuple(sorted(
+        (tuple(n.hashes), None if n.parent is None else n.parent.hashes[-1], bytes(n.tokens),
+         n.tier, tuple(n.slots), n.ref, n.children, n.last_access, n.hits, n.hints,
+         tuple(c.hashes[0] for c in n.iter_children()))
+        for n in nodes.values()))
     return (
-        nodes,
+        nodes_t,
         tuple(tuple(e) for e in tree._evictable),
         tuple(tree._resident),
         tree._unreferenced,
-        tuple(None if n is None else n.block_hash for n in tree._device_nodes),
-        tuple(sorted(tree._hints.items())),
+        tuple(None if n is None else n.hashes[n.slots.index(b)]
+              for b, n in enumerate(tree._device_nodes)),
         tuple(snapshot_pool(p) for p in tree._pools),
-        tuple(tuple(sorted(c.items())) for c in tree._copy_slots),
+        tuple(tuple(sorted(tree.writes.copies(u).items())) for u in range(tree.num_tiers)),
         tuple(tree._pending),
+        tuple(sorted(tree._ttl_heap)),
     )
 
 
 def snapshot_manager(bm: BlockManager) -> tuple:
     seqs = tuple(sorted(
-        ((repr(sid), tuple(s.tokens), tuple(s.blocks), tuple(s.hashes),
-          tuple(n.block_hash for n in s.nodes), s.num_computed, s.seed)
+        ((repr(sid), tuple(s.tokens), tuple(s.blocks), s.last_hash, s.num_cached,
+          s.num_computed, s.seed)
          for sid, s in bm._seqs.items())))
     return (seqs, snapshot_tree(bm.tree))
 

@@ -102,12 +102,12 @@ class ManagerMachine(RuleBasedStateMachine):
         hashes = hash_token_blocks(tokens, B, ns)[:max_blocks]
         out, prev = [], None
         for i, h in enumerate(hashes):
-            node = self.tree.get(h)
-            if node is None or node.parent is not prev or \
-                    node.tokens != b"".join(x.to_bytes(4, "little") for x in tokens[i * B:(i + 1) * B]):
+            ref = self.tree.get(h)
+            if ref is None or ref.parent_hash != prev or \
+                    ref.tokens != b"".join(x.to_bytes(4, "little") for x in tokens[i * B:(i + 1) * B]):
                 break
-            out.append(node)
-            prev = node
+            out.append(ref)
+            prev = h
         return out
 
     def held(self) -> set[int]:
@@ -128,7 +128,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def write(self, sid: int, p: int, block: int) -> None:
         s = self.seqs[sid]
-        refs = self.pool.ref_counts[block]
+        refs = self.bm.block_refcount(block)
         assert refs == 1, f"seq {sid} writes position {p} into block {block} with refcount {refs}"
         self.content.setdefault((DEVICE, block), [None] * B)[p % B] = self.payload(s.ns, s.tokens, p)
 
@@ -144,7 +144,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Cached device blocks no live table holds (counted from the outside)."""
         held = self.held()
         return sum(1 for b in range(self.pool.num_blocks)
-                   if self.tree.device_node(b) is not None and b not in held and b not in exclude)
+                   if self.tree.device_block(b) is not None and b not in held and b not in exclude)
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -203,7 +203,7 @@ class ManagerMachine(RuleBasedStateMachine):
             # matching after insert: every committed block is cached, on the device, in the table
             assert node is not None and node.tier == DEVICE, f"committed block {i} of {sid} missing"
             assert self.bm.block_table(sid)[i] == node.slot
-        assert len(self.bm._seqs[sid].nodes) == s.cached
+        assert self.bm._seqs[sid].num_cached == s.cached
         if self.take:
             self.take_moves()
 
@@ -232,7 +232,7 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.seqs[sid]
         table = self.bm.block_table(sid)
         pos = len(s.tokens)
-        needs_block = pos % B == 0 or self.pool.ref_counts[table[-1]] > 1
+        needs_block = pos % B == 0 or self.bm.block_refcount(table[-1]) > 1
         assert self.bm.blocks_needed_to_append(sid) == int(needs_block)
         if needs_block and self.pool.num_free + self.evictable_device_blocks() == 0:
             self.raises(OutOfBlocks, self.bm.append_slot, sid, token)
@@ -245,7 +245,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.run_moves(r.moves, held_before)
         if r.copy is not None:
             assert pos % B and r.copy.src == table[-1] and r.copy.dst == new_table[-1]
-            assert self.pool.ref_counts[r.copy.dst] == 1
+            assert self.bm.block_refcount(r.copy.dst) == 1
             self.content[(DEVICE, r.copy.dst)] = list(self.content[(DEVICE, r.copy.src)])
         else:
             assert not (pos % B) or new_table == table
@@ -261,7 +261,7 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.seqs[sid]
         table = self.bm.block_table(sid)
         pos = len(s.tokens)
-        cow = pos % B != 0 and self.pool.ref_counts[table[-1]] > 1
+        cow = pos % B != 0 and self.bm.block_refcount(table[-1]) > 1
         need = -(-(pos + len(tokens)) // B) - len(table) + cow
         if need > self.pool.num_free + self.evictable_device_blocks():
             self.raises(OutOfBlocks, self.bm.append_slots, sid, tokens)
@@ -340,12 +340,12 @@ class ManagerMachine(RuleBasedStateMachine):
         STEPS.step(self.name)
         before = snapshot_manager(self.bm)
         self.bm.can_allocate(tokens, ns)
-        hashes = hash_token_blocks(tokens, B, ns)
-        got = self.tree.match(hashes, b"".join(x.to_bytes(4, "little") for x in tokens))
-        got_tokens, _ = self.tree.match_tokens(
-            b"".join(x.to_bytes(4, "little") for x in tokens), ns.seed)
+        tok = b"".join(x.to_bytes(4, "little") for x in tokens)
+        got = self.tree.match_tokens(tok, ns.seed)
+        got_hashes = self.tree.match_hashes(tok, ns.seed)
         assert_unchanged(before, snapshot_manager(self.bm), "probe")   # reads change nothing
-        assert got == got_tokens == self.naive_match(tokens, ns), "match disagrees with the model"
+        assert got == self.naive_match(tokens, ns), "match disagrees with the model"
+        assert got_hashes == [x.block_hash for x in got]
         queued = self.queued()
         for i, node in enumerate(got):
             if (node.tier, node.slot) in queued:
@@ -423,15 +423,14 @@ class ManagerMachine(RuleBasedStateMachine):
         """A write-through write failed: the storage layer drops that copy (after the moves)."""
         STEPS.step(self.name)
         self.run_moves(self.bm.take_moves(), self.held())
-        copies = sorted((h, u, slot) for h, node in self.tree._index.items()
+        copies = sorted((h, u, slot) for h in self.tree._index
                         for u in self.write_through
-                        if (slot := self.tree.copy_slot(node, u)) is not None)
+                        if (slot := self.tree.copy_slot(h, u)) is not None)
         if not copies:
             return
         h, u, slot = data.draw(st.sampled_from(copies))
-        node = self.tree.get(h)
-        assert self.tree.drop_copy(node, u) == MoveOp(h, u, slot, None, None)
-        assert self.tree.copy_slot(node, u) is None and self.tree.drop_copy(node, u) is None
+        assert self.bm.drop_copy(h, u) == MoveOp(h, u, slot, None, None)
+        assert self.tree.copy_slot(h, u) is None and self.bm.drop_copy(h, u) is None
         STEPS.event(self.name, "drop_copy")
 
     def teardown(self) -> None:
@@ -458,18 +457,19 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert got == self.payload(s.ns, s.tokens, p), (
                     f"seq {sid} position {p} (block {table[p // B]}) reads {got}")
         for b in range(pool.num_blocks):
-            refs = pool.ref_counts[b]
+            refs = bm.block_refcount(b)
             assert refs == held.get(b, 0), f"block {b}: refcount {refs}, held by {held.get(b, 0)}"
-            cached = tree.device_node(b) is not None
+            cached = tree.device_block(b) is not None
             free = pool.is_free(b)
             assert free == (not cached and refs == 0), f"block {b}: free={free} cached={cached} refs={refs}"
         per_tier = [0] * tree.num_tiers
         queued = self.queued()
-        for h, node in tree._index.items():
+        for h in tree._index:
+            node = tree.get(h)
             per_tier[node.tier] += 1
             residencies = [(node.tier, node.slot)]
             for u in range(1, tree.num_tiers):
-                slot = tree.copy_slot(node, u)
+                slot = tree.copy_slot(h, u)
                 if slot is not None:
                     assert u in self.write_through and u > node.tier, (node, u)
                     residencies.append((u, slot))

@@ -1,0 +1,259 @@
+"""How computed blocks reach the tree's slower tiers: write policies as strategy objects.
+
+``RadixTree(writes=...)`` takes one; the tree calls it at the few points where a policy can
+matter (a run inserted, a node's policy key about to change, a demotion, a promotion, a node
+invalidated) and never checks a flag.
+
+* :class:`WriteBack` (the default, a null object): a block reaches a slower tier only when it is
+  evicted from a faster one. Every hook does nothing.
+* :class:`WriteThrough`: every block inserted on the device is also *copied* into each of the
+  policy's tiers at once (an inclusive hierarchy; KV blocks are immutable, so a copy stays
+  valid for as long as its block is cached). A promotion out of such a tier keeps its source
+  as a copy, and a demotion onto an existing copy moves no bytes (a *free demotion*). Copies
+  take slots of their tier's pool, compete with that tier's primaries for them under the same
+  policy key (their node's), are always evictable (dropping one loses nothing) and do not count
+  for prefix closure. Why: a crash or restart loses the device and host tiers; with the disk
+  tier written through, every computed block survives it, and demotions of blocks that already
+  have copies cost nothing.
+
+Copies are kept per block (``copies[tier]: block hash -> slot``), because a copy can be evicted
+on its own; each one is filed in its tier's eviction index as ``(*policy key of its node, its
+block hash)``, which is how eviction tells it from a primary (whose node lives in that tier).
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from radixkv.core.node import DEVICE, MoveOp, Node
+from radixkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from radixkv.core.tree import RadixTree
+
+_tuple_new = tuple.__new__
+
+
+class TreeWrites:
+    """Write-back: the null policy (see the module docstring). Subclasses override the hooks.
+
+    The hooks run inside tree operations, with the tree's structures consistent except for the
+    change being made; they may evict in the policy's tiers (through ``tree._evict_from``) and
+    append moves to the list they are given (or to ``tree._pending``)."""
+
+    name = "write_back"
+    tiers: tuple[int, ...] = ()
+
+    def bind(self, tree: RadixTree) -> TreeWrites:
+        """Attach to ``tree`` (once); returns the policy object the tree keeps."""
+        return self
+
+    def after_insert(self, node: Node, start: int) -> None:
+        """Blocks ``node.hashes[start:]`` were just inserted on the device."""
+
+    def unfile(self, node: Node) -> list[int] | None:
+        """``node``'s policy key is about to change: take its copies out of their indexes.
+        Returns what ``refile`` needs (None: nothing was taken)."""
+        return None
+
+    def refile(self, node: Node, tiers: list[int]) -> None:
+        """File ``node``'s copies again under its new key."""
+
+    def take_for_demotion(self, node: Node, tier: int) -> list[int | None] | None:
+        """``node`` is about to be demoted into ``tier``: hand over its copies there as its
+        new primary slots (a list aligned with its blocks, None where it has none), or None."""
+        return None
+
+    def keep_sources(self, node: Node, tier: int, slots: Sequence[int]) -> bool:
+        """``node`` moved out of ``tier`` up to a faster one: keep ``slots`` (its old slots
+        there, still allocated) as copies? False: the caller frees them."""
+        return False
+
+    def drop_node_copies(self, node: Node, moves: list[MoveOp]) -> None:
+        """``node`` leaves the cache: drop every copy of its blocks."""
+
+    def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
+        raise AssertionError("a write-back tree has no copies")
+
+    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
+        return None
+
+    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
+        return None
+
+    def num_copies(self, tier: int) -> int:
+        return 0
+
+    def copies(self, tier: int) -> dict[bytes, int]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self.tiers)})"
+
+
+WriteBack = TreeWrites
+
+
+class WriteThrough(TreeWrites):
+    """Copies of every inserted block in ``tiers`` (each in ``1 .. num_tiers - 1``)."""
+
+    name = "write_through"
+
+    def __init__(self, tiers: Sequence[int]) -> None:
+        try:
+            wt = tuple(tiers)
+        except TypeError:
+            raise ConfigError(f"write_through must be a sequence of tiers, got {tiers!r}") from None
+        if not wt or any(type(u) is not int or u < 1 for u in wt) or len(set(wt)) != len(wt):
+            raise ConfigError(f"write_through must list distinct slower tiers (>= 1), got {tiers!r}")
+        self.tiers = tuple(sorted(wt))
+        self.tree: RadixTree | None = None
+        self._copies: list[dict[bytes, int]] = []
+
+    def bind(self, tree: RadixTree) -> TreeWrites:
+        if self.tree is not None and self.tree is not tree:
+            raise ConfigError("a WriteThrough policy belongs to one tree")
+        if any(u >= tree.num_tiers for u in self.tiers):
+            raise ConfigError(f"write_through must list distinct slower tiers in "
+                              f"1..{tree.num_tiers - 1}, got {list(self.tiers)}")
+        self.tree = tree
+        self._copies = [{} for _ in range(tree.num_tiers)]
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
+        return self._copies[tier].get(block_hash)
+
+    def num_copies(self, tier: int) -> int:
+        return len(self._copies[tier])
+
+    def copies(self, tier: int) -> dict[bytes, int]:
+        return self._copies[tier]
+
+    # ------------------------------------------------------------------ hooks
+    def after_insert(self, node: Node, start: int) -> None:
+        """Copy each new block into each write-through tier, fastest first, making room by
+        the tier's own eviction (a copy is dropped, a primary demoted, cascading as usual);
+        if nothing there can give way the copy is skipped (best effort)."""
+        tree = self.tree
+        pending = tree._pending
+        stats = tree.stats
+        key = None
+        for i in range(start, len(node.hashes)):
+            h = node.hashes[i]
+            for u in self.tiers:
+                pool = tree._pools[u]
+                if pool.num_free == 0:
+                    if not tree._evictable[u]:
+                        stats.copies_skipped += 1
+                        continue
+                    tree._evict_from(u, 1, pending)
+                    if tree._index.get(h) is not node:   # the cascade cannot take it: a guard
+                        raise AssertionError(f"making room for a copy dropped its block {h.hex()}")
+                slot = pool.allocate_one()
+                self._copies[u][h] = slot
+                if key is None:
+                    key = tree._key(node)
+                tree._evictable[u].add((*key, h))
+                stats.copies_made += 1
+                pending.append(_tuple_new(MoveOp, (h, DEVICE, node.slots[i], u, slot, True)))
+
+    def unfile(self, node: Node) -> list[int] | None:
+        out: list[int] | None = None
+        key = None
+        for u in self.tiers:
+            copies = self._copies[u]
+            if not copies:
+                continue
+            found = False
+            for h in node.hashes:
+                if h in copies:
+                    if key is None:
+                        key = self.tree._key(node)
+                    self.tree._evictable[u].remove((*key, h))
+                    found = True
+            if found:
+                out = [u] if out is None else [*out, u]
+        return out
+
+    def refile(self, node: Node, tiers: list[int]) -> None:
+        key = self.tree._key(node)
+        for u in tiers:
+            copies, idx = self._copies[u], self.tree._evictable[u]
+            for h in node.hashes:
+                if h in copies:
+                    idx.add((*key, h))
+
+    def take_for_demotion(self, node: Node, tier: int) -> list[int | None] | None:
+        copies = self._copies[tier]
+        if not copies:
+            return None
+        out: list[int | None] = [copies.pop(h, None) for h in node.hashes]
+        if all(s is None for s in out):
+            return None
+        key = self.tree._key(node)
+        idx = self.tree._evictable[tier]
+        for h, s in zip(node.hashes, out):
+            if s is not None:
+                idx.remove((*key, h))
+        return out
+
+    def keep_sources(self, node: Node, tier: int, slots: Sequence[int]) -> bool:
+        if tier not in self.tiers:
+            return False
+        copies = self._copies[tier]
+        key = self.tree._key(node)
+        idx = self.tree._evictable[tier]
+        for h, s in zip(node.hashes, slots):
+            copies[h] = s
+            idx.add((*key, h))
+        self.tree.stats.copies_made += len(slots)
+        return True
+
+    def drop_node_copies(self, node: Node, moves: list[MoveOp]) -> None:
+        key = None
+        for u in self.tiers:
+            copies = self._copies[u]
+            if not copies:
+                continue
+            for h in reversed(node.hashes):
+                if h in copies:
+                    if key is None:
+                        key = self.tree._key(node)
+                    self.tree._evictable[u].remove((*key, h))
+                    self.drop_popped_copy(h, u, moves)
+
+    def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
+        """Free ``block_hash``'s copy in ``tier`` (its entry already out of the index)."""
+        slot = self._copies[tier].pop(block_hash)
+        self.tree._pools[tier].free_one(slot)
+        self.tree.stats.copies_dropped += 1
+        moves.append(_tuple_new(MoveOp, (block_hash, tier, slot, None, None, False)))
+
+    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
+        slot = self._copies[tier].get(block_hash)
+        if slot is None:
+            return None
+        node = self.tree._index[block_hash]
+        self.tree._evictable[tier].remove((*self.tree._key(node), block_hash))
+        moves: list[MoveOp] = []
+        self.drop_popped_copy(block_hash, tier, moves)
+        return moves[0]
+
+
+def make_writes(write_through: Sequence[int] | TreeWrites) -> TreeWrites:
+    """The policy object for ``RadixTree(write_through=...)``: an object passes through, an
+    empty sequence is write-back, a non-empty one lists the write-through tiers."""
+    if isinstance(write_through, TreeWrites):
+        return write_through
+    try:
+        tiers = tuple(write_through)
+    except TypeError:
+        raise ConfigError(f"write_through must be a sequence of tiers, got {write_through!r}") from None
+    return WriteThrough(tiers) if tiers else TreeWrites()
+
+
+__all__ = ["TreeWrites", "WriteBack", "WriteThrough", "make_writes"]
