@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace
+from radixkv.core.hashing import Namespace, token_bytes
 from radixkv.core.policy import EvictionPolicy, make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import RadixTree
@@ -200,8 +200,8 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
         if use_priority:
             k = priority_tokens(r) // bs  # type: ignore[misc]
             if k:
-                nodes = bm._seq(j).nodes[:k]
-                tree.set_hints([n for n in nodes if tree.hints(n).priority != 1], priority=1)
+                hashes = tree.match_hashes(token_bytes(prompt), namespace.seed, k)
+                tree.set_hints([h for h in hashes if tree.hints(h).priority != 1], priority=1)
         if reply:
             bm.append_slots(j, reply)
             bm.commit(j, len(prompt) + len(reply))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from radixkv.api.chat import ChatSession, ChatTemplate
     from radixkv.api.rag import RAGHelper
     from radixkv.config import CacheConfig, EngineConfig
-    from radixkv.core.tree import Node
+    from radixkv.core.tree import BlockRef
     from radixkv.engine.outputs import RequestOutput
     from radixkv.engine.sampling import SamplingParams
 
@@ -333,9 +333,10 @@ class Engine:
         return self.core.namespace.with_salt(cache_salt)
 
     def cached_prefix_nodes(self, token_ids: Sequence[int], cache_salt: str | None = None
-                            ) -> list[Node]:
-        """Tree nodes (any tier) of the longest cached full-block prefix of ``token_ids``.
-        No side effects (does not touch LRU order). O(matched tokens)."""
+                            ) -> list[BlockRef]:
+        """The cached blocks (any tier; snapshots: hash, tier, slot, parent hash, tokens) of
+        the longest cached full-block prefix of ``token_ids``. No side effects (does not
+        touch LRU order). O(matched tokens)."""
         from radixkv.core.hashing import token_bytes
 
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
@@ -345,7 +346,7 @@ class Engine:
             return []
         tree = self.core.tree
         key, seed = token_bytes(list(token_ids)), self.namespace(cache_salt).seed
-        return self.loop.call(lambda: tree.match_tokens(key, seed)[0])
+        return self.loop.call(lambda: tree.match_tokens(key, seed))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of ``token_ids`` are cached now (a multiple of block size)."""
@@ -358,10 +359,10 @@ class Engine:
         Effective with ``CacheConfig(policy="priority")`` (higher survives longer) or
         ``policy="ttl"``. Returns the number of blocks hinted (only cached ones can be).
         """
-        nodes = self.cached_prefix_nodes(token_ids, cache_salt)
-        self.loop.call(lambda: self.core.block_manager.set_hints(nodes, priority=priority,
+        hashes = [b.block_hash for b in self.cached_prefix_nodes(token_ids, cache_salt)]
+        self.loop.call(lambda: self.core.block_manager.set_hints(hashes, priority=priority,
                                                                ttl=ttl))
-        return len(nodes)
+        return len(hashes)
 
     # ------------------------------------------------------------------ apps
     @property

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import xxhash
@@ -72,12 +71,12 @@ class SlotAssignment(NamedTuple):
     moves: tuple[MoveOp, ...]
 
 
-@dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
     """Result of ``allocate``: the sequence's block table and what the cache already holds.
 
     ``num_cached_tokens`` tokens (whole blocks) have valid KV once ``moves`` have run;
     ``cached_tokens_per_tier[t]`` says how many of them came from tier t (0 = device).
+    (A NamedTuple, not a dataclass: it is built once per request on the hot path.)
     """
 
     seq_id: SeqId
@@ -187,31 +186,29 @@ class BlockManager(TierPlans):
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
-    def _plan(self, tok: bytes, seed: bytes, num_tokens: int) -> tuple[list[Node], int, int, int]:
-        """Match a prompt: ``(path, k, device nodes, device blocks)``. At most (n-1)//B blocks:
-        at least one prompt token must be computed to produce logits, and the block holding
-        it must be private (no write into a shared block)."""
+    def _plan(self, tok: bytes, seed: bytes, num_tokens: int
+              ) -> tuple[list[Node], int, int, int, int]:
+        """Match a prompt: ``(path, k, device nodes, device blocks, unheld device blocks)``.
+        At most (n-1)//B blocks: at least one prompt token must be computed to produce logits,
+        and the block holding it must be private (no write into a shared block)."""
         path, k = self.tree._match_path(tok, seed, (num_tokens - 1) // self.block_size)
-        d = dev = 0
+        d = dev = unheld = 0
         last = len(path) - 1
-        for i, node in enumerate(path):
+        for node in path:
             if node.tier != DEVICE:
                 break
+            m = k if d == last else len(node.hashes)
+            dev += m
+            if not node.ref:
+                unheld += m
             d += 1
-            dev += k if i == last else len(node.hashes)
-        return path, k, d, dev
+        return path, k, d, dev, unheld
 
-    def _check_capacity(self, need: int, path: list[Node], k: int, d: int) -> None:
-        # Locking a matched unheld device node takes it out of the evictable count.
-        evictable = self.tree.num_evictable(DEVICE)
-        free = self.pool.num_free
-        if need <= free + evictable - sum(len(x.hashes) for x in path[:d]):
-            return   # fits even if every matched block were evictable now: skip the count
-        last = len(path) - 1
-        locked_now = sum((k if i == last else len(x.hashes))
-                         for i, x in enumerate(path[:d]) if x.ref == 0)
-        if need > free + evictable - locked_now:
-            raise OutOfBlocks(need, free, evictable - locked_now)
+    def _check_capacity(self, need: int, unheld: int) -> None:
+        """Locking the matched unheld device blocks takes them out of the evictable count."""
+        evictable = self.tree.num_evictable(DEVICE) - unheld
+        if need > self.pool.num_free + evictable:
+            raise OutOfBlocks(need, self.pool.num_free, evictable)
 
     def _take_blocks(self, n: int, moves: list[MoveOp]) -> list[int]:
         short = n - self.pool.num_free
@@ -224,9 +221,9 @@ class BlockManager(TierPlans):
         self._check_namespace(namespace)
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
-        path, k, d, dev = self._plan(tok, namespace.seed, n)
+        _, _, _, dev, unheld = self._plan(tok, namespace.seed, n)
         try:
-            self._check_capacity(self._blocks_for(n) - dev, path, k, d)
+            self._check_capacity(self._blocks_for(n) - dev, unheld)
         except OutOfBlocks:
             return False
         return True
@@ -248,9 +245,9 @@ class BlockManager(TierPlans):
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
         seed = namespace.seed
-        path, k, d, dev = self._plan(tok, seed, n)
+        path, k, d, dev, unheld = self._plan(tok, seed, n)
         need = self._blocks_for(n) - dev
-        self._check_capacity(need, path, k, d)
+        self._check_capacity(need, unheld)
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
@@ -263,21 +260,33 @@ class BlockManager(TierPlans):
                 held = tree._cut(held, k)
             tree.lock_nodes(held, now)
         blocks: list[int] = [b for x in held for b in x.slots]
-        fresh = self._take_blocks(need, moves) if need else []
+        fresh: list[int] = []
         if d < len(path):
-            # Making room may have evicted (part of) the slower-tier match: match it again
-            # (the device part is held, so it stands) and promote what is still there.
-            path, k = tree._match_path(tok, seed, (n - 1) // self.block_size)
-            slow = path[d:]
-            if slow:
-                slow = tree._cut(slow, k)
-                m = sum(len(x.hashes) for x in slow)
-                for x in slow:
-                    per_tier[x.tier] += len(x.hashes) * self.block_size
-                moves.extend(tree.promote_nodes(slow, fresh[:m], now))
-                blocks.extend(fresh[:m])
-                fresh = fresh[m:]
-                held = slow
+            # Promote the slower-tier match block by block: take one device block (making
+            # room may demote a device block into the host, and evict from the slower tiers,
+            # even part of this match), check that the block is still cached right after the
+            # held chain, promote it (which frees its slow slot for the next demotion). Exactly
+            # the order a per-block cache takes; the blocks join one run again (coalescing).
+            last = len(path) - 1
+            wanted = [h for i, x in enumerate(path[d:], d)
+                      for h in (x.hashes[:k] if i == last else x.hashes)]
+            index = tree._index
+            prev = held[-1] if held else None
+            for h in wanted:
+                [b] = self._take_blocks(1, moves)
+                node = index.get(h)
+                if node is None or node.tier == DEVICE or node.parent is not prev or \
+                        node.hashes[0] != h:
+                    self.pool.free([b])   # making room dropped it: recompute from here
+                    break
+                if len(node.hashes) > 1:
+                    node = tree._split(node, 1)[0]
+                per_tier[node.tier] += self.block_size
+                moves.extend(tree.promote_nodes([node], [b], now))
+                blocks.append(b)
+                prev = index[h]
+                held = [prev]
+        fresh = self._take_blocks(need + dev - len(blocks), moves)
         refs = self.pool.ref_counts
         for b in fresh:
             refs[b] += 1

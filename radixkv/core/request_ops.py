@@ -13,6 +13,7 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -168,11 +169,11 @@ class RequestOps:
         sequences, no hints); otherwise they form a new child node. Returns ``(node, index of
         the first new block in it)``. Runtime complexity: O(blocks)."""
         n = len(hashes)
-        pool = self._pools[DEVICE]
-        refs, canonical = pool.ref_counts, pool._ids
-        slots = [canonical[b] for b in block_ids]
-        for b in block_ids:
-            assert refs[b] == ref and self._device_nodes[b] is None, f"attach of block {b}"
+        refs = self._pools[DEVICE].ref_counts
+        slots = list(block_ids)   # the pool's own int objects already (``BlockPool.allocate``)
+        assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
+            f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
+        for b in slots:
             refs[b] = 0
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
                 and parent.hints is None and parent.tier == DEVICE):
@@ -199,9 +200,8 @@ class RequestOps:
             if ref == 0:
                 self._unreferenced += n
                 self._consider(node)
-        index, dn = self._index, self._device_nodes
-        for h in hashes:
-            index[h] = node
+        self._index.update(zip(hashes, repeat(node)))
+        dn = self._device_nodes
         for b in slots:
             dn[b] = node
         self._resident[DEVICE] += n
@@ -214,7 +214,11 @@ class RequestOps:
     # ------------------------------------------------------------------ eviction
     def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
         """``_evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
-        under LRU with no drop listener); False (nothing done): take the generic path."""
+        under LRU with no drop listener); False (nothing done): take the generic path.
+
+        A device-only tree reports no per-block drops: a block dropped from the device needs
+        no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it;
+        a drop listener (the fleet's events) still hears of every block."""
         entries = self._evictable[DEVICE]
         if self.num_tiers != 1 or not self._lru or type(entries) is not RecencyIndex or \
                 self.drop_listener is not None:
@@ -230,8 +234,7 @@ class RequestOps:
         head stays, filed under its new last block)."""
         index, dn = self._index, self._device_nodes
         pool = self._pools[DEVICE]
-        is_free, free_append = pool._is_free, pool._free.append
-        append = moves.append
+        is_free, free_extend = pool._is_free, pool._free.extend
         q, live, side = entries._q, entries._live, entries._side
         popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
         dead, nside = entries._dead, entries._nside
@@ -259,19 +262,23 @@ class RequestOps:
                 hashes, slots = node.hashes, node.slots
                 n = len(hashes)
                 assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
-                if num >= n:
-                    take = n
-                else:
+                take = n if num >= n else num
+                if take > 1 and ((q and q[0][0] == e[0]) or (nside and side[0][0] == e[0])):
+                    # maybe another leaf with the same time: per-block order decides (the
+                    # index's peek may drop dead heads: sync the counters around it)
                     entries._dead, entries._nside = dead, nside
                     take = self._take(node, num, e, entries)
+                    dead, nside = entries._dead, entries._nside
                 cut = n - take
-                for i in range(n - 1, cut - 1, -1):
-                    h, s = hashes[i], slots[i]
+                gone_h, gone_s = hashes[cut:], slots[cut:]
+                gone_h.reverse()               # deepest first, as they leave
+                gone_s.reverse()
+                for h in gone_h:
                     del index[h]
+                for s in gone_s:
                     dn[s] = None
                     is_free[s] = 1             # BlockPool.free_one, inlined
-                    free_append(s)
-                    append(_tuple_new(MoveOp, (h, DEVICE, s, None, None, False)))
+                free_extend(gone_s)
                 if cut:                        # the head stays, filed under its new tail
                     del hashes[cut:]
                     del node.tokens[cut * w:]

@@ -7,7 +7,7 @@ eviction). Every operation here works on whole nodes (runs), cutting one first w
 apply to only part of it; each returns the ``MoveOp``\\ s the storage layer must run, in order.
 Copies (write-through) are the write policy's (``writes.py``): these operations tell it when a
 node's key changes (``unfile``/``refile``), when a promotion may keep its source as a copy
-(``keep_sources``) and when a node leaves with its copies (``drop_node_copies``).
+(``keep_sources``) and when a block leaves with its copies (``drop_block_copies``).
 
 Pure Python: this module imports no torch.
 """
@@ -62,7 +62,6 @@ class TierOps:
         def _ref(self, node: Node, i: int) -> BlockRef: ...
         def _evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None: ...
         def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int: ...
-        def _free_blocks(self, node: Node, cut: int, moves: list[MoveOp]) -> None: ...
         def num_evictable(self, tier: int = DEVICE) -> int: ...
 
     # ------------------------------------------------------------------ to the device
@@ -107,6 +106,7 @@ class TierOps:
             self.stats.promoted[t] += n
             if refile is not None:
                 self.writes.refile(node, refile)
+            self._coalesce(parent, node)
         return moves
 
     def adopt(self, node: Node, block_ids: list[int]) -> Node:
@@ -292,12 +292,25 @@ class TierOps:
             order[0] = self._split(node, i)[1]
         moves = self._pending
         self._pending = []
+        writes, index = self.writes, self._index
         for n in reversed(order):
             self._discard(n)
-            self.writes.drop_node_copies(n, moves)
             if self.drop_listener is not None:
                 self.drop_listener([self._ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
-            self._free_blocks(n, 0, moves)
+            t = n.tier
+            pool = self._pools[t]
+            for h, s in zip(reversed(n.hashes), reversed(n.slots)):
+                writes.drop_block_copies(n, h, moves)   # each block's copies, then itself
+                del index[h]
+                pool.free_one(s)
+                if t == DEVICE:
+                    self._device_nodes[s] = None
+                moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
+            k = len(n.hashes)
+            self._resident[t] -= k
+            if t == DEVICE:
+                self._unreferenced -= k
+            self.stats.dropped += k
             if n.parent is not None:
                 self._unlink(n)
         return moves

@@ -342,6 +342,57 @@ class RadixTree(RequestOps, TierOps):
             node = self._split(node, i + 1)[0]
         return node
 
+    def _coalesce(self, parent: Node | None, child: Node) -> Node:
+        """Merge ``child`` into ``parent`` if they are one run again: ``child`` is the only
+        child, and tier, holders, hints and policy key agree (a split whose reason went away,
+        e.g. a tail demoted block by block onto its own earlier part, or blocks promoted one by
+        one under their parent). The side with fewer blocks is re-pointed. The eviction sets
+        need no change: the merged node's last block is ``child``'s, and ``parent`` was no leaf
+        of its tier. Returns the merged node (``child`` unchanged if they differ).
+        Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
+        if (parent is None or parent.child is not child or child.next is not None
+                or parent.tier != child.tier or parent.ref != child.ref
+                or parent.hints != child.hints or self._key(parent) != self._key(child)):
+            return child
+        index = self._index
+        dn = self._device_nodes if child.tier == DEVICE else None
+        hits = max(parent.hits, child.hits)
+        if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
+            for h in parent.hashes:
+                index[h] = child
+            if dn is not None:
+                for b in parent.slots:
+                    dn[b] = child
+            child.hashes[0:0] = parent.hashes
+            child.tokens[0:0] = parent.tokens
+            child.slots[0:0] = parent.slots
+            g = parent.parent
+            child.parent, child.prev, child.next = g, parent.prev, parent.next
+            if child.prev is not None:
+                child.prev.next = child
+            elif g is not None:
+                g.child = child
+            if child.next is not None:
+                child.next.prev = child
+            merged = child
+        else:                                          # parent absorbs child at its end
+            for h in child.hashes:
+                index[h] = parent
+            if dn is not None:
+                for b in child.slots:
+                    dn[b] = parent
+            parent.hashes.extend(child.hashes)
+            parent.tokens += child.tokens
+            parent.slots.extend(child.slots)
+            parent.children, parent.child = child.children, child.child
+            kid = child.child
+            while kid is not None:
+                kid.parent = parent
+                kid = kid.next
+            merged = parent
+        merged.hits = hits
+        return merged
+
     def _link(self, parent: Node, node: Node) -> None:
         """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
         node.parent, node.prev = parent, None
@@ -408,6 +459,46 @@ class RadixTree(RequestOps, TierOps):
         if self._is_evictable(node):
             self._evictable[node.tier].add(self._entry(node))
 
+    # ------------------------------------------------------------------ insertion
+    def insert(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
+               block_id: int, now: float | None = None) -> BlockRef:
+        """Cache device block ``block_id`` (whose KV is computed) right after cached block
+        ``parent_hash`` (None: a root). One block at a time: the block manager's commit path
+        is ``insert_run``.
+
+        The block's holders (its pool refcount) move into the tree; they must hold the parent
+        too. Raises InvalidBlockError (changing nothing) if the hash or the block is already
+        cached, the block is free, the parent is not cached on the device or has fewer
+        holders, or the tokens are not one block. Runtime complexity: O(1) (+ a cut of the
+        parent's node, + write-through copies).
+        """
+        pool = self._pools[DEVICE]
+        if block_hash in self._index:
+            raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
+        if type(block_id) is not int or not 0 <= block_id < pool.num_blocks:
+            raise InvalidBlockError(f"block id {block_id!r} is outside [0, {pool.num_blocks})")
+        if self._device_nodes[block_id] is not None:
+            raise InvalidBlockError(f"device block {block_id} already caches another hash")
+        if pool.is_free(block_id):
+            raise InvalidBlockError(f"device block {block_id} is free; allocate it first")
+        parent = None
+        ref = pool.ref_counts[block_id]
+        if parent_hash is not None:
+            parent = self._index.get(parent_hash)
+            if parent is None or parent.tier != DEVICE:
+                raise InvalidBlockError("the parent of a new block must be cached on the device")
+            if parent.ref < ref:
+                raise InvalidBlockError(f"block {block_id} has {ref} holders, its parent only "
+                                        f"{parent.ref}: a block's holders hold its parent")
+        if len(tokens) != self._width:
+            raise InvalidBlockError(f"a block holds {self.block_size} tokens, got "
+                                    f"{len(tokens) // TOKEN_BYTES}")
+        if parent is not None:
+            parent = self._node_ending_at(parent_hash)   # type: ignore[arg-type]
+        node, i = self._attach(parent, [block_hash], bytes(tokens), [block_id], ref,
+                               self.clock() if now is None else now)
+        return self._ref(node, i)
+
     # ------------------------------------------------------------------ eviction
     def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
         """Evict ``num_blocks`` blocks from ``tier`` in policy order, leaves first.
@@ -455,24 +546,31 @@ class RadixTree(RequestOps, TierOps):
     def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int:
         """How many blocks of the victim ``node`` (popped as entry ``e``) go now: all of them,
         or the ``num`` still wanted; where another entry has exactly the same key, only those
-        that a per-block cache would take first (block hash order breaks the tie)."""
+        that a per-block cache would take before it (block hash order breaks the tie)."""
         n = len(node.hashes)
-        if num >= n:
-            return n
-        if entries:
+        take = n if num >= n else num
+        if take > 1 and entries:
             m = entries.min()
             if m[:-1] == e[:-1]:
                 key, hashes = e[:-1], node.hashes
                 j = 1
-                while j < num and (*key, hashes[n - 1 - j]) < m:
+                while j < take and (*key, hashes[n - 1 - j]) < m:
                     j += 1
                 return j
-        return num
+        return take
 
     def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int:
         """The last ``take`` blocks of ``node`` (an evictable node already out of its index)
         leave its tier: demoted into the next one, or dropped from the last. Returns how many
-        left (a demotion moves at most the next tier's capacity at once)."""
+        left.
+
+        Drops, and demotions into a tier with a free slot for each block, move all ``take``
+        blocks at once. A demotion into a tier that must evict to make room moves one block:
+        a per-block cache would make room for each block in turn, and the block demoted just
+        before may then be that tier's next victim (a chain whose key is below everything
+        there passes through it), so batching would change which blocks stay. The caller's
+        loop comes back for the next block, in policy order; the blocks coalesce into one run
+        again as they arrive."""
         t = node.tier
         n = len(node.hashes)
         if t + 1 == self.num_tiers:
@@ -481,12 +579,16 @@ class RadixTree(RequestOps, TierOps):
             else:
                 self._drop_tail(node, take, moves)
             return take
-        cap = self._pools[t + 1].num_blocks
-        if take > cap:
-            take = cap
+        u = t + 1
+        free = self._pools[u].num_free
+        if take > free:
+            copy_slot = self.writes.copy_slot
+            need = take - sum(1 for h in node.hashes[n - take:] if copy_slot(h, u) is not None)
+            if need > free:
+                take = 1
         if take < n:
             node = self._split(node, n - take)[1]
-        self._demote(node, t + 1, moves)
+        self._demote(node, u, moves)
         return take
 
     def _demote(self, node: Node, u: int, moves: list[MoveOp]) -> None:
@@ -529,6 +631,9 @@ class RadixTree(RequestOps, TierOps):
         self.stats.evicted[t] += n
         self.stats.demoted_in[u] += n
         self._consider(node)
+        kid = node.child
+        if kid is not None and kid.next is None and kid.tier == u:
+            self._coalesce(node, kid)   # back onto its own tail demoted before
 
     def _drop_tail(self, node: Node, take: int, moves: list[MoveOp]) -> None:
         """The last ``take`` blocks of ``node`` (an evictable leaf of the last tier, out of its
@@ -558,19 +663,22 @@ class RadixTree(RequestOps, TierOps):
         self.stats.evicted[node.tier] += len(node.hashes)
 
     def _free_blocks(self, node: Node, cut: int, moves: list[MoveOp]) -> None:
-        """Unindex and free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops.
-        The node's lists are left to the caller."""
+        """Unindex and free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops
+        (none for a device-only tree: see ``_evict_device_fast``). The node's lists are left
+        to the caller."""
         t = node.tier
         hashes, slots = node.hashes, node.slots
         index, pool = self._index, self._pools[t]
         dn = self._device_nodes if t == DEVICE else None
+        report = self.num_tiers > 1
         for i in range(len(hashes) - 1, cut - 1, -1):
             h, s = hashes[i], slots[i]
             del index[h]
             pool.free_one(s)
             if dn is not None:
                 dn[s] = None
-            moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
+            if report:
+                moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
         k = len(hashes) - cut
         self._resident[t] -= k
         if t == DEVICE:

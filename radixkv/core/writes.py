@@ -72,8 +72,9 @@ class TreeWrites:
         there, still allocated) as copies? False: the caller frees them."""
         return False
 
-    def drop_node_copies(self, node: Node, moves: list[MoveOp]) -> None:
-        """``node`` leaves the cache: drop every copy of its blocks."""
+    def drop_block_copies(self, node: Node, block_hash: bytes, moves: list[MoveOp]) -> None:
+        """Block ``block_hash`` of ``node`` leaves the cache: drop its copies, fastest tier
+        first."""
 
     def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
         raise AssertionError("a write-back tree has no copies")
@@ -213,18 +214,14 @@ class WriteThrough(TreeWrites):
         self.tree.stats.copies_made += len(slots)
         return True
 
-    def drop_node_copies(self, node: Node, moves: list[MoveOp]) -> None:
+    def drop_block_copies(self, node: Node, block_hash: bytes, moves: list[MoveOp]) -> None:
         key = None
         for u in self.tiers:
-            copies = self._copies[u]
-            if not copies:
-                continue
-            for h in reversed(node.hashes):
-                if h in copies:
-                    if key is None:
-                        key = self.tree._key(node)
-                    self.tree._evictable[u].remove((*key, h))
-                    self.drop_popped_copy(h, u, moves)
+            if block_hash in self._copies[u]:
+                if key is None:
+                    key = self.tree._key(node)
+                self.tree._evictable[u].remove((*key, block_hash))
+                self.drop_popped_copy(block_hash, u, moves)
 
     def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
         """Free ``block_hash``'s copy in ``tier`` (its entry already out of the index)."""

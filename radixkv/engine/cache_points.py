@@ -92,10 +92,10 @@ def check_points(points: object, prompt_len: int) -> tuple[CachePoint, ...]:
     return tuple(out)
 
 
-def cached_chain(bm: Any, req: Any, ids: list[int]) -> list[Any]:
-    """The cached nodes of ``ids``' full blocks in ``req``'s namespace (a pure read)."""
+def cached_chain(bm: Any, req: Any, ids: list[int]) -> list[bytes]:
+    """The chain hashes of ``ids``' cached full blocks in ``req``'s namespace (a pure read)."""
     bs = bm.block_size
-    return bm.tree.match_tokens(token_bytes(ids), req.namespace.seed, len(ids) // bs)[0]
+    return bm.tree.match_hashes(token_bytes(ids), req.namespace.seed, len(ids) // bs)
 
 
 def prefilled(bm: Any, req: Any) -> None:
@@ -112,7 +112,7 @@ def prefilled(bm: Any, req: Any) -> None:
     inherit_ttl(bm, nodes)
 
 
-def inherit_ttl(bm: Any, nodes: list[Any]) -> None:
+def inherit_ttl(bm: Any, nodes: list[bytes]) -> None:
     """Blocks cached below a prefix with a TTL get that TTL unless they have their own: a
     prefix cannot leave the cache before its descendants (prefix closure), so unmarked blocks
     under it would otherwise keep an expired prefix alive indefinitely."""

@@ -255,9 +255,8 @@ class Scheduler:
         """Drop blocks whose promotion failed (and their subtrees) from the cache."""
         tree = self.bm.tree
         for h in failed:
-            node = tree.get(h)
-            if node is not None:
-                out.kv_ops.extend(self.bm.invalidate(node))
+            if tree.get(h) is not None:   # (a bad block before it may have taken it along)
+                out.kv_ops.extend(self.bm.invalidate(h))
         self.counters.load_failures += len(failed)
         yield from self._flush(out)   # drops; a wait they force may report more failed loads
 

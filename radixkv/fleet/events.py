@@ -49,22 +49,22 @@ class EventRecorder:
         self._removed: dict[bytes, None] = {}
         prev_insert, prev_drop = tree.insert_listener, tree.drop_listener
 
-        def on_insert(nodes: list[Any]) -> None:
+        def on_insert(hashes: list[bytes]) -> None:
             with self._lock:
-                for n in nodes:
-                    h = n.block_hash
+                for h in hashes:
                     if self._removed.pop(h, _ABSENT) is _ABSENT:   # else: left, came back
                         self._added[h] = None
             if prev_insert is not None:
-                prev_insert(nodes)
+                prev_insert(hashes)
 
-        def on_drop(node: Any) -> None:
-            h = node.block_hash
+        def on_drop(blocks: list[Any]) -> None:
             with self._lock:
-                if self._added.pop(h, _ABSENT) is _ABSENT:   # else: came and went
-                    self._removed[h] = None
+                for b in blocks:
+                    h = b.block_hash
+                    if self._added.pop(h, _ABSENT) is _ABSENT:   # else: came and went
+                        self._removed[h] = None
             if prev_drop is not None:
-                prev_drop(node)
+                prev_drop(blocks)
 
         tree.insert_listener, tree.drop_listener = on_insert, on_drop
 

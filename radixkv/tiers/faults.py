@@ -23,7 +23,7 @@ def drop_failed_prefetches(self: Any, failed: list[MoveOp]) -> None:
         if node is None:
             continue
         if node.tier == m.dst_tier and node.slot == m.dst_slot:
-            drops = self._writer.invalidate(node)
+            drops = self._writer.invalidate(m.block_hash)
             self.stats.invalidated_blocks += len(drops)
             for d in drops:
                 self._prefetched.discard(d.block_hash)
@@ -43,11 +43,11 @@ def drop_failed_writes(self: Any, failed: list[MoveOp]) -> None:
         if node.tier != m.dst_tier or node.slot != m.dst_slot:
             # a write-through copy: drop just the copy (the node lives on faster up);
             # otherwise promoted (its load failed too, handled there) or dropped since
-            if tree.copy_slot(node, m.dst_tier) == m.dst_slot:
-                self._writer.drop_copy(node, m.dst_tier)
+            if tree.copy_slot(m.block_hash, m.dst_tier) == m.dst_slot:
+                self._writer.drop_copy(m.block_hash, m.dst_tier)
                 self.stats.dropped_copies += 1
             continue
-        drops = self._writer.invalidate(node)
+        drops = self._writer.invalidate(m.block_hash)
         self.stats.invalidated_blocks += len(drops)
         for d in drops:  # descendants on disk: remove their files
             if self.kinds[d.src_tier] == "disk" and d.block_hash != m.block_hash:

@@ -332,9 +332,8 @@ class TieredKVMover(KVMover):
             return HostSlot(slot)
         if not writing:
             return DiskBlock(block_hash)
-        node = self.tree.get(block_hash)
-        parent = node.parent.block_hash if node.parent is not None else None
-        return DiskBlock(block_hash, parent, tuple(array("i", node.tokens)))
+        ref = self.tree.get(block_hash)
+        return DiskBlock(block_hash, ref.parent_hash, tuple(array("i", ref.tokens)))
 
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
         m0 = group[0]

@@ -26,7 +26,8 @@ Write path (the policy objects of :mod:`radixkv.tiers.write_policy` install thes
   written. The mover shows :meth:`apply_moves` each group of moves before running it: the host
   slot of such a move still holds the block (unless an earlier move of the same list wrote the
   slot, then it is skipped). Parent hash and tokens of a dropped block come from
-  ``RadixTree.drop_listener`` (:meth:`on_drop`; the node is unlinked by the time the group runs).
+  ``RadixTree.drop_listener`` (:meth:`on_drop`; the block is gone from the tree by the time the group
+  runs).
 * ``write_through``: also every block as soon as it is computed (``RadixTree.insert_listener``,
   :meth:`on_computed`),
   copied off the device after the step, so another replica finds a conversation at once.
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.core.hashing import TOKEN_BYTES, token_bytes
-from radixkv.core.node import MoveOp, Node
+from radixkv.core.node import BlockRef, MoveOp
 from radixkv.core.tree import RadixTree
 from radixkv.errors import StorageError
 from radixkv.tiers.protocol import KVMover
@@ -113,7 +114,7 @@ class RemoteTier(KVMover):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-remote-lookup")
         self._arrivals: dict[str, _Arrival] = {}
         self._dropped: dict[bytes, tuple[bytes | None, bytes]] = {}
-        self._computed: list[Node] = []
+        self._computed: list[bytes] = []
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
         self.write.attach(self, tree, mover)
@@ -127,15 +128,15 @@ class RemoteTier(KVMover):
         bs = self.block_size
         n_full = (len(ids) - 1) // bs   # the last token is always computed (it makes logits)
         tb = token_bytes(ids)
-        nodes, _ = self.tree.match_tokens(tb, req.namespace.seed, n_full)
-        start = len(nodes)
+        cached = self.tree.match_hashes(tb, req.namespace.seed, n_full)
+        start = len(cached)
         hashes: list[bytes] = []
         tokens: list[bytes] = []
         if start < n_full:
             import xxhash
 
             width = bs * TOKEN_BYTES
-            h = nodes[-1].block_hash if nodes else req.namespace.seed
+            h = cached[-1] if cached else req.namespace.seed
             for i in range(start, n_full):
                 chunk = tb[i * width:(i + 1) * width]
                 h = xxhash.xxh3_128_digest(h + chunk)
@@ -144,7 +145,7 @@ class RemoteTier(KVMover):
         future = self._pool.submit(self._fetch, hashes) if hashes else None
         self.counters.lookups += 1 if hashes else 0
         self._arrivals[req.request_id] = _Arrival(
-            req, hashes, tokens, nodes[-1].block_hash if nodes else None, future,
+            req, hashes, tokens, cached[-1] if cached else None, future,
             time.perf_counter() + self.timeout_s)
 
     def _fetch(self, hashes: list[bytes]) -> list[Any]:
@@ -219,9 +220,8 @@ class RemoteTier(KVMover):
         if not blocks:
             return
         tree, t = self.tree, self.host_tier
-        parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
-        if parent is not None:
-            self._writer.touch(parent)   # making room below must not evict the chain's parent
+        if a.parent_hash is not None and tree.get(a.parent_hash) is not None:
+            self._writer.touch(a.parent_hash)   # making room below must not evict the parent
         # Make room in the host tier by its own eviction (demotions/drops run now, before the
         # slots are written: the tree hands out the freed slots).
         free = self.host.num_slots - tree.num_resident(t) - tree.num_copies(t)
@@ -236,14 +236,15 @@ class RemoteTier(KVMover):
             self.counters.blocks_not_installed += len(blocks)
             return
         installed = 0
+        parent_hash = a.parent_hash
         for block, h, tok in zip(blocks, a.hashes, a.tokens):
-            if block.block_hash != h or (parent is not None and block.parent_hash != parent.block_hash):
+            if block.block_hash != h or (parent_hash is not None and block.parent_hash != parent_hash):
                 break   # the store verified the value against its key; a chain break ends it
-            node = self._writer.install_lower(parent, h, tok, t)
-            if node is None:
+            ref = self._writer.install_lower(parent_hash, h, tok, t)
+            if ref is None:
                 break
-            self.host.slot_bytes(node.slot)[:] = block.payload
-            parent = node
+            self.host.slot_bytes(ref.slot)[:] = block.payload
+            parent_hash = h
             installed += 1
         self.counters.blocks_installed += installed
         self.counters.blocks_not_installed += len(blocks) - installed
@@ -258,15 +259,15 @@ class RemoteTier(KVMover):
         return n
 
     # ------------------------------------------------------------------ write path
-    def on_computed(self, nodes: list[Node]) -> None:
+    def on_computed(self, hashes: list[bytes]) -> None:
         """Blocks just committed (write-through: written after the step)."""
-        self._computed.extend(nodes)
+        self._computed.extend(hashes)
 
-    def on_drop(self, node: Node) -> None:
-        if node.tier == self.host_tier:
-            parent = node.parent
-            self._dropped[node.block_hash] = (
-                None if parent is None else parent.block_hash, node.tokens)
+    def on_drop(self, blocks: list[BlockRef]) -> None:
+        """Blocks about to leave the cache: keep what a write-back of the host ones needs."""
+        for b in blocks:
+            if b.tier == self.host_tier:
+                self._dropped[b.block_hash] = (b.parent_hash, b.tokens)
 
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         """Write back the blocks leaving the host tier in ``moves``, a group of one direction
@@ -281,10 +282,10 @@ class RemoteTier(KVMover):
                 continue
             meta = self._dropped.pop(m.block_hash, None)
             if meta is None:
-                node = self.tree.get(m.block_hash)
-                if node is None:
+                ref = self.tree.get(m.block_hash)
+                if ref is None:
                     continue
-                meta = (None if node.parent is None else node.parent.block_hash, node.tokens)
+                meta = (ref.parent_hash, ref.tokens)
             if self._unsafe(m.block_hash):
                 self.counters.writes_skipped += 1
                 continue
@@ -299,9 +300,8 @@ class RemoteTier(KVMover):
         self._dropped.clear()
         if not self._computed:
             return
-        nodes = list(self._computed)
+        nodes = [r for r in map(self.tree.get, self._computed) if r is not None and r.tier == 0]
         self._computed.clear()
-        nodes = [n for n in nodes if n.tier == 0 and self.tree.get(n.block_hash) is n]
         if not nodes:
             return
         import torch
@@ -309,7 +309,7 @@ class RemoteTier(KVMover):
         kv = self._device_cache   # [L, 2, N, bs, h, d]
         idx = torch.tensor([n.slot for n in nodes], dtype=torch.long, device=kv.device)
         blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        self._put([(n.block_hash, None if n.parent is None else n.parent.block_hash,
+        self._put([(n.block_hash, n.parent_hash,
                     _ids(n.tokens), blocks[i].view(-1).view(torch.uint8).numpy())
                    for i, n in enumerate(nodes)])
 

@@ -82,16 +82,13 @@ def restore_from_disk(bm: Any, disk: DiskStore, tier: int, block_size: int
     restored = orphans = skipped = 0
     for e in report.entries:
         tokens = array("i", e.token_ids).tobytes()
-        parent = None
-        if e.parent_hash is not None:
-            parent = bm.get(e.parent_hash)
-            if parent is None:
-                orphans += 1
-                disk.remove(e.block_hash)
-                continue
+        if e.parent_hash is not None and bm.get(e.parent_hash) is None:
+            orphans += 1
+            disk.remove(e.block_hash)
+            continue
         ok = len(tokens) == width and (
-            parent is None or chain_hash(parent.block_hash, tokens) == e.block_hash)
-        node = bm.install_lower(parent, e.block_hash, tokens, tier) if ok else None
+            e.parent_hash is None or chain_hash(e.parent_hash, tokens) == e.block_hash)
+        node = bm.install_lower(e.parent_hash, e.block_hash, tokens, tier) if ok else None
         if node is None:
             skipped += 1
             disk.remove(e.block_hash)
@@ -138,21 +135,21 @@ def prefetch(bm: Any, mover: KVMover, waiting: Sequence[Any], names: Sequence[st
     for req in itertools.islice(waiting, k):
         for seq in req.seqs:
             ids = seq.token_ids
-            nodes, _ = tree.match_tokens(token_bytes(ids), req.namespace.seed,
-                                         (len(ids) - 1) // bs)
-            for x in nodes:
-                if budget <= 0:
-                    break
-                if x.tier < disk_t:
-                    continue
-                if tree.get(x.block_hash) is not x or x.tier != disk_t or (
-                        x.parent is not None and x.parent.tier > host_t):
+            refs = tree.match_tokens(token_bytes(ids), req.namespace.seed, (len(ids) - 1) // bs)
+            i = next((j for j, x in enumerate(refs) if x.tier >= disk_t), len(refs))
+            while i < len(refs) and budget > 0:
+                # the disk part of the match, a run at a time (its first block starts a node)
+                x = tree.get(refs[i].block_hash)
+                parent = None if x is None or x.parent_hash is None else tree.get(x.parent_hash)
+                if x is None or x.tier != disk_t or (parent is not None and parent.tier > host_t):
                     break   # dropped or left behind by an earlier prefetch's eviction
-                ms = bm.promote_lower(x, host_t)
-                if not ms:
+                ms = bm.promote_lower(x.block_hash, host_t, budget)
+                loaded = sum(1 for m in ms if m.src_tier == disk_t and m.dst_tier == host_t)
+                if not loaded:
                     break
                 moves.extend(ms)
-                budget -= 1
+                budget -= loaded
+                i += loaded
     if moves:
         mover.apply_moves(moves)
 

@@ -83,7 +83,7 @@ def test_pin_keeps_documents_cached_under_pressure(make_engine):
     hinted = rag.pin(["a"], priority=5)
     assert hinted == len(rag.prefix_ids(["a"])) // BLOCK_SIZE
     nodes = e.cached_prefix_nodes(rag.prefix_ids(["a"]))
-    assert all(e.core.tree.hints(n).priority == 5 for n in nodes)
+    assert all(e.core.tree.hints(n.block_hash).priority == 5 for n in nodes)
     for i in range(12):                                  # 48 blocks through a 40-block pool
         e.generate(list(range(7000 + 100 * i, 7070 + 100 * i)), P4)
     assert e.stats()["evictions"][0] > 0

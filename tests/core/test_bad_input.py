@@ -159,7 +159,7 @@ def test_bad_policy_message() -> None:
 # ---------------------------------------------------------------- tree
 def test_tree_insert_rejects(bm) -> None:
     tree = bm.tree
-    node0 = tree.device_node(bm.block_table("live")[0])
+    node0 = tree.device_block(bm.block_table("live")[0])
     tok = token_bytes([9, 9])
     h = hash_token_blocks([9, 9], 2, NS)[0]
     free_block = next(b for b in range(bm.pool.num_blocks) if bm.pool.is_free(b))
@@ -184,12 +184,12 @@ def test_tree_insert_under_host_parent(bm) -> None:
     tree = bm.tree
     bm.free("live")
     tree.evict(0, 2)                                   # both cached blocks -> host
-    parent = tree.get(tree.match(hash_token_blocks([1, 1], 2, NS), token_bytes([1, 1]))[0].block_hash)
+    parent = tree.get(hash_token_blocks([1, 1], 2, NS)[0])
     assert parent.tier == 1
     b = bm.pool.allocate_one()
     before = snapshot_tree(tree)
     with pytest.raises(InvalidBlockError, match="must be cached on the device"):
-        tree.insert(parent, hash_token_blocks([1, 1, 7, 7], 2, NS)[1], token_bytes([7, 7]), b)
+        tree.insert(parent.block_hash, hash_token_blocks([1, 1, 7, 7], 2, NS)[1], token_bytes([7, 7]), b)
     assert_unchanged(before, snapshot_tree(tree), "insert under host parent")
 
 

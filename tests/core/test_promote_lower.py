@@ -52,10 +52,11 @@ def test_free_host_slot_one_load_and_lru_touch() -> None:
     [A] = h([1, 1])
     node = tree.get(A)
     assert (node.tier, node.slot) == (2, 0)
-    before = node.last_access
+    before = tree._index[A].last_access
     clock.advance()
-    assert tree.promote_lower(node, 1) == [MoveOp(A, 2, 0, 1, 0)]
-    assert (node.tier, node.slot) == (1, 0) and node.last_access > before
+    assert tree.promote_lower(A, 1) == [MoveOp(A, 2, 0, 1, 0)]
+    node = tree.get(A)
+    assert (node.tier, node.slot) == (1, 0) and tree._index[A].last_access > before
     assert tree.num_resident(1) == 1 and tree.num_resident(2) == 0
     tree.check_invariants()
     # the allocation then promotes it host -> device, counted as a host hit
@@ -74,7 +75,7 @@ def test_full_host_victim_takes_the_disk_slot_the_node_leaves() -> None:
     A, B = h([1, 1])[0], h([2, 2])[0]
     tree.evict(0, 2)            # A -> host -> disk, then B -> host
     assert [tree.get(x).tier for x in (A, B)] == [2, 1]
-    moves = tree.promote_lower(tree.get(A), 1)
+    moves = tree.promote_lower(A, 1, 1)
     assert moves == [MoveOp(B, 1, 0, 2, 0), MoveOp(A, 2, 0, 1, 0)]
     assert [tree.get(x).tier for x in (A, B)] == [1, 2]
     assert len(tree) == 2 and tree.stats.dropped == 0
@@ -92,12 +93,12 @@ def test_parent_on_host_is_never_the_victim() -> None:
     [Q] = h([5, 5])
     sink(bm, 2)                              # all three on disk
     # bring P then Q up to the host (host now full; P is the LRU host leaf)
-    assert [(m.block_hash, m.dst_tier) for m in tree.promote_lower(tree.get(P), 1)] == [(P, 1)]
+    assert [(m.block_hash, m.dst_tier) for m in tree.promote_lower(P, 1, 1)] == [(P, 1)]
     clock.advance()
-    q_moves = tree.promote_lower(tree.get(Q), 1)
+    q_moves = tree.promote_lower(Q, 1, 1)
     assert [m.block_hash for m in q_moves] == [Q]
     clock.advance()
-    moves = tree.promote_lower(tree.get(C), 1)
+    moves = tree.promote_lower(C, 1, 1)
     assert [(m.block_hash, m.src_tier, m.dst_tier) for m in moves] == [(Q, 1, 2), (C, 2, 1)]
     assert [tree.get(x).tier for x in (P, C, Q)] == [1, 1, 2]
     tree.check_invariants()
@@ -110,10 +111,10 @@ def test_no_room_changes_nothing() -> None:
     tree = bm.tree
     P, C = h([1, 1, 2, 2])
     sink(bm, 2)
-    assert [(m.block_hash, m.dst_tier) for m in tree.promote_lower(tree.get(P), 1)] == [(P, 1)]
+    assert [(m.block_hash, m.dst_tier) for m in tree.promote_lower(P, 1, 1)] == [(P, 1)]
     tree.check_invariants()
     free_before = [tree._pools[t].num_free for t in range(3)]
-    assert tree.promote_lower(tree.get(C), 1) == []
+    assert tree.promote_lower(C, 1, 1) == []
     assert tree.get(C).tier == 2 and tree.get(P).tier == 1
     assert [tree._pools[t].num_free for t in range(3)] == free_before
     tree.check_invariants()
@@ -129,7 +130,7 @@ def test_prefetch_then_everything_still_promotes_and_evicts() -> None:
     tree = bm.tree
     hashes = h(prompt[:6])
     for x in hashes:                         # parents first: closure holds at every step
-        assert tree.promote_lower(tree.get(x), 1)
+        assert tree.promote_lower(x, 1, 1)
         tree.check_invariants()
     a = bm.allocate("b", prompt, NS)
     assert a.cached_tokens_per_tier == (0, 6, 0)
@@ -147,12 +148,12 @@ def test_preconditions_are_asserted(bad) -> None:
     P, C = h([1, 1, 2, 2])
     if bad == "device node":
         with pytest.raises(AssertionError):
-            tree.promote_lower(tree.get(P), 1)
+            tree.promote_lower(P, 1, 1)
         return
     sink(bm, 2)
     with pytest.raises(AssertionError):
         if bad == "into device":
-            tree.promote_lower(tree.get(P), 0)
+            tree.promote_lower(P, 0, 1)
         else:
-            tree.promote_lower(tree.get(C), 1)
+            tree.promote_lower(C, 1, 1)
     tree.check_invariants()

@@ -44,18 +44,21 @@ def test_lru_evicts_in_release_order_and_a_hit_refreshes() -> None:
     run(bm, clock, "c", [3, 3, 9])
     a = run(bm, clock, "a2", [1, 1, 8])  # hit on [1,1]: now the most recently used
     assert a.num_cached_tokens == 2
-    moves = bm.tree.evict(0, 3)
-    assert [m.block_hash for m in moves] == [h([2, 2])[0], h([3, 3])[0], h([1, 1])[0]]
-    assert all(m.dst_tier is None for m in moves)         # one tier: dropped
+    dropped = []
+    bm.tree.drop_listener = lambda blocks: dropped.extend(b.block_hash for b in blocks)
+    assert bm.tree.evict(0, 3) == []     # one tier: drops need no storage work, no MoveOps
+    assert dropped == [h([2, 2])[0], h([3, 3])[0], h([1, 1])[0]]
 
 
 def test_leaf_first_even_when_the_parent_ranks_lower() -> None:
     bm, clock = make(8, policy="priority")
     run(bm, clock, "a", [1, 1, 2, 2, 3, 3, 0])           # chain of 3 cached blocks
     root, mid, leaf = (bm.tree.get(x) for x in h([1, 1, 2, 2, 3, 3]))
-    bm.tree.set_hints([root], priority=-10)              # the root ranks lowest...
-    bm.tree.set_hints([leaf], priority=5)
-    order = [m.block_hash for m in bm.tree.evict(0, 3)]
+    bm.tree.set_hints([root.block_hash], priority=-10)   # the root ranks lowest...
+    bm.tree.set_hints([leaf.block_hash], priority=5)
+    order = []
+    bm.tree.drop_listener = lambda blocks: order.extend(b.block_hash for b in blocks)
+    bm.tree.evict(0, 3)
     assert order == [leaf.block_hash, mid.block_hash, root.block_hash]  # ...but goes last
 
 
@@ -63,7 +66,7 @@ def test_priority_keeps_the_system_prompt() -> None:
     bm, clock = make(6, policy="priority")
     system = [7, 7, 7, 7]
     run(bm, clock, "sys", system + [1])
-    bm.tree.set_hints([bm.tree.get(x) for x in h(system)], priority=10)
+    bm.tree.set_hints(h(system), priority=10)
     for i in range(6):                                   # other traffic under pressure
         run(bm, clock, f"u{i}", [i, i, i, i, 5])
     a = run(bm, clock, "again", system + [2])
@@ -85,12 +88,15 @@ def test_ttl_expiry_with_a_fake_clock() -> None:
     bm = BlockManager.create(8, block_size=2, policy="ttl", clock=clock)
     bm.allocate("a", [1, 1, 9], NS); bm.commit("a", 3); bm.free("a")     # released at t=0
     bm.allocate("b", [2, 2, 9], NS); bm.commit("b", 3); bm.free("b")
-    bm.tree.set_hints([bm.tree.get(h([2, 2])[0])], ttl=3600.0)           # the 1-hour tier
+    bm.tree.set_hints([h([2, 2])[0]], ttl=3600.0)                       # the 1-hour tier
     assert bm.tree.evict_expired(299.0) == []                           # default TTL 300 s
-    dropped = bm.tree.evict_expired(300.0)
-    assert dropped == [MoveOp(h([1, 1])[0], 0, 0, None, None)]
+    dropped = []
+    bm.tree.drop_listener = lambda blocks: dropped.extend(b.block_hash for b in blocks)
+    assert bm.tree.evict_expired(300.0) == []                           # device only: no MoveOps
+    assert dropped == [h([1, 1])[0]]
     assert bm.tree.get(h([2, 2])[0]) is not None
-    assert [m.block_hash for m in bm.tree.evict_expired(3600.0)] == [h([2, 2])[0]]
+    bm.tree.evict_expired(3600.0)
+    assert dropped == [h([1, 1])[0], h([2, 2])[0]]
     assert len(bm.tree) == 0 and bm.num_free_blocks == 8
     bm.check_invariants()
 
@@ -152,7 +158,7 @@ def test_cow_on_fork_then_append() -> None:
     a = bm.allocate("p", [1, 1, 2], NS)                  # blocks [0, 1], block 1 partial
     assert a.block_ids == (0, 1)
     bm.fork("p", "c")
-    assert bm.pool.ref_counts[1] == 2
+    assert bm.block_refcount(1) == 2
     s = bm.append_slot("p", 3)                           # shared partial tail: copy first
     assert s.copy == CopyOp(1, 2) and s.slot == 2 * 2 + 1 and s.moves == ()
     assert bm.block_table("p") == [0, 2] and bm.block_table("c") == [0, 1]
@@ -160,7 +166,7 @@ def test_cow_on_fork_then_append() -> None:
     assert s2.copy is None and s2.slot == 1 * 2 + 1
     s3 = bm.append_slot("c", 5)                          # block boundary: a new block
     assert s3.copy is None and s3.slot == 3 * 2 + 0 and bm.block_table("c") == [0, 1, 3]
-    assert [bm.pool.ref_counts[b] for b in range(4)] == [2, 1, 1, 1]
+    assert [bm.block_refcount(b) for b in range(4)] == [2, 1, 1, 1]
     bm.check_invariants()
 
 
@@ -174,7 +180,7 @@ def test_commit_dedupe_switches_to_the_cached_block() -> None:
     assert bm.commit("y", 3) == 0                        # y switches to it...
     assert bm.block_table("y") == [0, 3]
     assert bm.num_free_blocks == free_before + 1         # ...and frees its duplicate (2)
-    assert bm.pool.is_free(2) and bm.pool.ref_counts[0] == 2
+    assert bm.pool.is_free(2) and bm.block_refcount(0) == 2
     bm.check_invariants()
 
 
@@ -184,10 +190,10 @@ def test_recompute_adopts_a_host_copy() -> None:
     bm, clock = make(4, lower=(2,))
     bm.allocate("s", [1, 1, 2], NS)                      # s computes [1,1] (not committed)
     run(bm, clock, "q", [1, 1, 3])                       # q caches [1,1] in its own block
-    node = bm.tree.get(h([1, 1])[0])
     bm.tree.evict(0, 1)
-    assert node.tier == 1
+    assert bm.tree.get(h([1, 1])[0]).tier == 1
     assert bm.commit("s", 3) == 1
+    node = bm.tree.get(h([1, 1])[0])
     assert node.tier == 0 and node.slot == bm.block_table("s")[0]
     assert bm.tree.stats.adopted == 1 and bm.tree.num_resident(1) == 0
     bm.check_invariants()

@@ -165,15 +165,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 holders[b] += 1
         free = held = cached_idle = 0
         for b in range(pool.num_blocks):
-            assert pool.ref_counts[b] == holders[b], (
-                f"block {b}: refcount {pool.ref_counts[b]}, held by {holders[b]} live tables")
+            assert bm.block_refcount(b) == holders[b], (
+                f"block {b}: refcount {bm.block_refcount(b)}, held by {holders[b]} live tables")
             if pool.is_free(b):
-                assert holders[b] == 0 and tree.device_node(b) is None, f"free block {b} in use"
+                assert holders[b] == 0 and tree.device_block(b) is None, f"free block {b} in use"
                 free += 1
             elif holders[b]:
                 held += 1
             else:
-                assert tree.device_node(b) is not None, f"block {b} leaked: not free, cached, held"
+                assert tree.device_block(b) is not None, f"block {b} leaked: not free, cached, held"
                 cached_idle += 1
         assert free + held + cached_idle == pool.num_blocks
         assert tree.num_evictable(DEVICE) == cached_idle, (

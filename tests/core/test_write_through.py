@@ -42,6 +42,12 @@ def h(tokens):
     return hash_token_blocks(tokens, 2, NS)
 
 
+def loc(tree, block_hash):
+    """Where a cached block's primary lives now: (tier, slot)."""
+    ref = tree.get(block_hash)
+    return (ref.tier, ref.slot)
+
+
 def test_commit_copies_to_the_host_then_the_demotion_is_free() -> None:
     bm, clock = make()
     tree = bm.tree
@@ -49,13 +55,12 @@ def test_commit_copies_to_the_host_then_the_demotion_is_free() -> None:
     a, wt = run(bm, clock, "a", [1, 1, 9])
     assert a.moves == ()
     assert wt == [MoveOp(A, 0, 0, 1, 0, keep_src=True)]   # device block 0 -> host slot 0, kept
-    node = tree.get(A)
-    assert (node.tier, node.slot) == (0, 0) and tree.copy_slot(node, 1) == 0
+    assert loc(tree, A) == (0, 0) and tree.copy_slot(A, 1) == 0
     assert tree.num_copies(1) == 1 and tree.num_resident(1) == 0 and tree.num_evictable(1) == 1
     assert bm.take_moves() == []                          # taken once
     # evicting it from the device moves no bytes: the host copy becomes the primary
     assert tree.evict(0, 1) == []
-    assert (node.tier, node.slot) == (1, 0) and tree.copy_slot(node, 1) is None
+    assert loc(tree, A) == (1, 0) and tree.copy_slot(A, 1) is None
     assert tree.num_copies(1) == 0 and tree.num_resident(1) == 1
     assert tree.stats.free_demotions == 1 and tree.stats.copies_made == 1
     tree.check_invariants()
@@ -70,8 +75,7 @@ def test_promotion_out_of_a_write_through_tier_keeps_the_source() -> None:
     a, _ = run(bm, clock, "b", [1, 1, 7])
     assert a.cached_tokens_per_tier == (0, 2)
     assert a.moves == (MoveOp(A, 1, 0, 0, 0, keep_src=True),)   # load, host slot stays a copy
-    node = tree.get(A)
-    assert (node.tier, node.slot) == (0, 0) and tree.copy_slot(node, 1) == 0
+    assert loc(tree, A) == (0, 0) and tree.copy_slot(A, 1) == 0
     assert tree.evict(0, 1) == []                         # and the next demotion is free again
     assert tree.stats.free_demotions == 2
 
@@ -93,7 +97,7 @@ def test_copies_and_primaries_compete_by_policy_and_lock_refreshes_a_copy() -> N
     run(bm, clock, "b2", [2, 2, 8])                       # hit on B: B's copy refreshed
     _, wt = run(bm, clock, "d", [4, 4, 9])
     assert wt == [MoveOp(C, 1, 0, None, None), MoveOp(D, 0, dev(D), 1, 0, keep_src=True)]
-    assert tree.copy_slot(tree.get(B), 1) == 1 and tree.copy_slot(tree.get(A), 1) is None
+    assert tree.copy_slot(B, 1) == 1 and tree.copy_slot(A, 1) is None
     assert tree.stats.copies_dropped == 2
     # A (no copy any more) is demoted for real; B (copy kept) for free
     assert tree.evict(0, 1) == [MoveOp(B, 1, 1, None, None),  # room: LRU host entry is B's copy
@@ -120,10 +124,9 @@ def test_write_through_to_host_and_disk() -> None:
     _, wt = run(bm, clock, "a", [1, 1, 9])
     assert wt == [MoveOp(A, 0, 0, 1, 0, keep_src=True), MoveOp(A, 0, 0, 2, 0, keep_src=True)]
     tree = bm.tree
-    node = tree.get(A)
-    assert tree.evict(0, 1) == [] and (node.tier, node.slot) == (1, 0)     # onto the host copy
-    assert tree.copy_slot(node, 2) == 0                                    # disk copy stays
-    assert tree.evict(1, 1) == [] and (node.tier, node.slot) == (2, 0)     # onto the disk copy
+    assert tree.evict(0, 1) == [] and loc(tree, A) == (1, 0)     # onto the host copy
+    assert tree.copy_slot(A, 2) == 0                                    # disk copy stays
+    assert tree.evict(1, 1) == [] and loc(tree, A) == (2, 0)     # onto the disk copy
     assert tree.num_copies(1) == tree.num_copies(2) == 0
     assert tree.stats.free_demotions == 2
     assert tree.evict(2, 1) == [MoveOp(A, 2, 0, None, None)]
@@ -136,13 +139,12 @@ def test_failed_write_drops_the_copy() -> None:
     [A] = h([1, 1])
     run(bm, clock, "a", [1, 1, 9])
     tree = bm.tree
-    node = tree.get(A)
-    assert tree.drop_copy(node, 1) == MoveOp(A, 1, 0, None, None)
-    assert tree.copy_slot(node, 1) is None and tree.num_copies(1) == 0
+    assert bm.drop_copy(A, 1) == MoveOp(A, 1, 0, None, None)
+    assert tree.copy_slot(A, 1) is None and tree.num_copies(1) == 0
     assert tree._pools[1].num_free == 2 and tree.stats.copies_dropped == 1
-    assert tree.drop_copy(node, 1) is None
+    assert bm.drop_copy(A, 1) is None
     assert tree.evict(0, 1) == [MoveOp(A, 0, 0, 1, 0)]   # a real demotion now
-    assert tree.drop_copy(node, 1) is None                # the primary is not a copy
+    assert bm.drop_copy(A, 1) is None                # the primary is not a copy
     tree.check_invariants()
 
 
@@ -151,7 +153,7 @@ def test_invalidate_drops_copies_before_each_node() -> None:
     A, C = h([1, 1, 2, 2])
     run(bm, clock, "a", [1, 1, 2, 2, 9])
     tree = bm.tree
-    moves = tree.invalidate(tree.get(A))
+    moves = tree.invalidate(A)
     assert moves == [MoveOp(C, 1, 1, None, None), MoveOp(C, 2, 1, None, None),
                      MoveOp(C, 0, 1, None, None),
                      MoveOp(A, 1, 0, None, None), MoveOp(A, 2, 0, None, None),
@@ -168,12 +170,11 @@ def test_prefetch_keeps_the_disk_copy() -> None:
     _, wt = run(bm, clock, "a", [1, 1, 9])
     assert wt == [MoveOp(A, 0, 0, 2, 0, keep_src=True)]
     tree = bm.tree
-    node = tree.get(A)
     assert tree.evict(0, 1) == [MoveOp(A, 0, 0, 1, 0)]   # no host copy: a real move
-    assert tree.copy_slot(node, 2) == 0
+    assert tree.copy_slot(A, 2) == 0
     assert tree.evict(1, 1) == []                         # onto the disk copy
-    assert tree.promote_lower(node, 1) == [MoveOp(A, 2, 0, 1, 0, keep_src=True)]
-    assert (node.tier, node.slot) == (1, 0) and tree.copy_slot(node, 2) == 0
+    assert tree.promote_lower(A, 1) == [MoveOp(A, 2, 0, 1, 0, keep_src=True)]
+    assert loc(tree, A) == (1, 0) and tree.copy_slot(A, 2) == 0
     tree.check_invariants()
 
 
@@ -186,12 +187,12 @@ def test_prefetch_gives_up_the_copy_when_a_victim_takes_its_slot() -> None:
     run(bm, clock, "b", [2, 2, 9])                        # disk full: A's copy gives way to B's
     tree = bm.tree
     b = tree.get(B).slot
-    tree.drop_copy(tree.get(B), 2)                        # (B's write failed)
+    bm.drop_copy(B, 2)                        # (B's write failed)
     assert tree.evict(0, 2) == [MoveOp(A, 0, 0, 1, 0), MoveOp(A, 1, 0, 2, 0),
                                 MoveOp(B, 0, b, 1, 0)]
-    moves = tree.promote_lower(tree.get(A), 1)
+    moves = tree.promote_lower(A, 1)
     assert moves == [MoveOp(B, 1, 0, 2, 0), MoveOp(A, 2, 0, 1, 0, keep_src=False)]
-    assert tree.copy_slot(tree.get(A), 2) is None
+    assert tree.copy_slot(A, 2) is None
     tree.check_invariants()
 
 
@@ -201,12 +202,12 @@ def test_recompute_adopts_and_keeps_the_host_copy() -> None:
     bm, clock = make(device=4, lower=(2,))
     bm.allocate("s", [1, 1, 2], NS)                      # s computes [1,1] (not committed)
     run(bm, clock, "q", [1, 1, 3])                       # q caches it, with a host copy
-    node = bm.tree.get(h([1, 1])[0])
-    assert bm.tree.evict(0, 1) == [] and node.tier == 1  # onto the copy
+    A = h([1, 1])[0]
+    assert bm.tree.evict(0, 1) == [] and loc(bm.tree, A)[0] == 1   # onto the copy
     assert bm.commit("s", 3) == 1
     assert bm.take_moves() == []
-    assert node.tier == 0 and node.slot == bm.block_table("s")[0]
-    assert bm.tree.copy_slot(node, 1) == 0 and bm.tree.stats.adopted == 1
+    assert loc(bm.tree, A) == (0, bm.block_table("s")[0])
+    assert bm.tree.copy_slot(A, 1) == 0 and bm.tree.stats.adopted == 1
     bm.check_invariants()
 
 

@@ -122,7 +122,7 @@ def _host_resident_prompt(s, mover) -> list[int]:
     _run(s, mover, [_req("warm", p, max_tokens=1)])
     _run(s, mover, [_req(f"evict{i}", _prompt(10 + i), max_tokens=1) for i in range(3)])
     tree = s.bm.tree
-    nodes, _ = tree.match_tokens(token_bytes(p), NS.seed)
+    nodes = tree.match_tokens(token_bytes(p), NS.seed)
     assert len(nodes) == 4 and all(n.tier == 1 for n in nodes)
     return p
 
@@ -186,15 +186,18 @@ def test_failed_load_sends_every_holder_back_in_order_and_invalidates():
     s.add(b)
     _step(s, mover)
     tree = s.bm.tree
-    nodes, hashes = tree.match_tokens(token_bytes(p), NS.seed)
+    nodes = tree.match_tokens(token_bytes(p), NS.seed)
+
+    hashes = [n.block_hash for n in nodes]
     bad = hashes[2]
     old = [tree.get(h) for h in hashes]
+    dropped = tree.stats.dropped
     mover.fail.add(bad)
     assert mover.land() == [bad]     # handed to the scheduler by the next step's poll
     out = _step(s, mover)
-    # invalidated with its subtree (the step then recomputed and cached them again)
-    assert tree.get(bad) is not old[2] and tree.get(hashes[3]) is not old[3]
-    assert tree.get(hashes[1]) is old[1]
+    # invalidated with everything after it (the step then recomputed and cached them again)
+    assert tree.stats.dropped - dropped == len(hashes) - 2
+    assert tree.get(hashes[1]) == old[1]
     # both sent back in their order; a is re-admitted and recomputes from the bad block
     # (8 cached tokens), b waits at the head of the queue (the pool holds 8 blocks)
     assert _chunks(out) == [("busy", 6, 1), ("a", 8, 11)] and s.waiting[0] is b
@@ -229,7 +232,7 @@ def test_aborting_a_loading_request_waits_for_its_loads_then_frees():
 
 def test_failure_seen_while_aborting_is_recovered_before_any_allocation():
     s, mover, p, hit = _hit_loading_beside_busy()
-    _, hashes = s.bm.tree.match_tokens(token_bytes(p), NS.seed)
+    hashes = s.bm.tree.match_hashes(token_bytes(p), NS.seed)
     mover.fail.add(hashes[0])
     s.remove(hit)                 # waits: the failure is filed, the block is unreferenced
     s.add(_req("again", p))

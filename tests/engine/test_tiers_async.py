@@ -77,7 +77,7 @@ def _prefetch_scenario(hf, tmp_path, prefetch, corrupt=None):
     check_tiers(eng)
     if corrupt is not None:
         from radixkv.core.hashing import token_bytes
-        _, hashes = eng.tree.match_tokens(token_bytes(p), eng.namespace.seed)
+        hashes = eng.tree.match_hashes(token_bytes(p), eng.namespace.seed)
         path = eng.kv_mover.disk.path_of(hashes[corrupt])
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x40
@@ -141,14 +141,16 @@ def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_pa
     moves = tree.evict(0, tree.num_evictable(0)) + tree.evict(1, tree.num_evictable(1))
     mover.apply_moves(moves)                   # device -> host -> disk (a pending write)
     mover.drain()
-    node = next(iter(tree._index.values()))
-    assert node.tier == 2 and mover.num_pending == 0
+    [h] = list(tree._index)
+    assert tree.get(h).tier == 2 and mover.num_pending == 0
     monkeypatch.setattr(mover.disk, "read_into", lambda h, out: False)
-    mover.apply_moves(tree.promote_lower(node, 1))       # prefetch left running
+    mover.apply_moves(tree.promote_lower(h, 1))          # prefetch left running
     assert mover.num_pending == 1
     kv[:, :, 3] = -1.0
-    mover.apply_moves([tree.promote(node, 3)])          # moved before the drain
-    assert mover.take_failed_loads() == [node.block_hash]
+    bm.pool._free.remove(3)                             # device block 3, taken for the load
+    bm.pool._is_free[3] = 0
+    mover.apply_moves(tree.promote_nodes([tree._index[h]], [3], 0.0))   # before the drain
+    assert mover.take_failed_loads() == [h]
     assert torch.all(kv[:, :, 3] == -1.0)                # garbage never copied on
     assert mover.stats.prefetch_failures == 1 and mover.stats.load_failures == 1
     mover.close()
@@ -162,7 +164,7 @@ def _loading_scenario(hf, tmp_path, tails, corrupt=None):
     _serve(eng, [("warm", p)])
     eng.persist()
     if corrupt is not None:
-        _, hashes = eng.tree.match_tokens(token_bytes(p), eng.namespace.seed)
+        hashes = eng.tree.match_hashes(token_bytes(p), eng.namespace.seed)
         path = eng.kv_mover.disk.path_of(hashes[corrupt])
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x10

@@ -186,7 +186,7 @@ def test_corrupt_file_between_processes_is_a_counted_miss(hf_llama, tmp_path, fa
     check_tiers(a)
     bad = 4  # the 5th block of the prompt's chain
     from radixkv.core.hashing import token_bytes
-    _, hashes = a.tree.match_tokens(token_bytes(prompt), a.namespace.seed)
+    hashes = a.tree.match_hashes(token_bytes(prompt), a.namespace.seed)
     path = a.kv_mover.disk.path_of(hashes[bad])
     a.close()
     data = bytearray(path.read_bytes())

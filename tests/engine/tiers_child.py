@@ -64,7 +64,9 @@ def serve(eng: LLMEngine, rid: str, prompt: list[int]):
 
 def prompt_kv(eng: LLMEngine, prompt: list[int]) -> tuple[list[bytes], torch.Tensor]:
     """Hashes and device KV of the prompt's cached blocks (all on the device now)."""
-    nodes, hashes = eng.tree.match_tokens(token_bytes(prompt), eng.namespace.seed)
+    nodes = eng.tree.match_tokens(token_bytes(prompt), eng.namespace.seed)
+
+    hashes = [n.block_hash for n in nodes]
     assert all(n.tier == 0 for n in nodes), [n.tier for n in nodes]
     kv = eng.model_runner.kv_cache
     return hashes, torch.stack([kv[:, :, n.slot].clone() for n in nodes])

@@ -168,13 +168,13 @@ def test_recorder_starts_from_the_tree_chains_listeners_and_cancels_round_trips(
     tree = _Tree([HASHES[0]])
     tree.drop_listener = lambda n: seen.append("remote-tier-drop")
     rec = EventRecorder(tree)
-    tree.insert_listener([_Node(HASHES[1]), _Node(HASHES[2])])
-    tree.drop_listener(_Node(HASHES[2]))            # came and went: no event
-    tree.drop_listener(_Node(HASHES[3]))            # an older block left
+    tree.insert_listener([HASHES[1], HASHES[2]])
+    tree.drop_listener([_Node(HASHES[2])])          # came and went: no event
+    tree.drop_listener([_Node(HASHES[3])])          # an older block left
     assert seen == ["remote-tier-drop", "remote-tier-drop"]   # the earlier listener still runs
     assert rec.drain() == ([HASHES[0], HASHES[1]], [HASHES[3]])
-    tree.drop_listener(_Node(HASHES[1]))
-    tree.insert_listener([_Node(HASHES[1])])         # left and came back: no event
+    tree.drop_listener([_Node(HASHES[1])])
+    tree.insert_listener([HASHES[1]])                # left and came back: no event
     assert rec.drain() == ([], [])
 
 
@@ -308,6 +308,6 @@ def test_blocks_installed_in_a_lower_tier_are_announced() -> None:
     ns = Namespace("m")
     ids = list(range(8))
     h = hash_token_blocks(ids, 4, ns)
-    first = bm.install_lower(None, h[0], token_bytes(ids[:4]), 1)
-    bm.install_lower(first, h[1], token_bytes(ids[4:]), 1)
+    bm.install_lower(None, h[0], token_bytes(ids[:4]), 1)
+    bm.install_lower(h[0], h[1], token_bytes(ids[4:]), 1)
     assert rec.drain() == ([h[0], h[1]], [])
