@@ -210,11 +210,16 @@ class BlockManager(TierPlans):
         if need > self.pool.num_free + evictable:
             raise OutOfBlocks(need, self.pool.num_free, evictable)
 
-    def _take_blocks(self, n: int, moves: list[MoveOp]) -> list[int]:
+    def _take_blocks(self, n: int, moves: list[MoveOp], held: bool = False) -> list[int]:
+        """``n`` device blocks, evicting what is missing (the caller checked capacity);
+        ``held``: with one reference each already."""
         short = n - self.pool.num_free
         if short > 0:
-            moves.extend(self.tree.evict(DEVICE, short))
-        return self.pool.allocate(n)
+            tree = self.tree
+            if tree._pending:
+                moves.extend(tree.take_moves())
+            tree._evict_from(DEVICE, short, moves)
+        return self.pool.allocate_held(n) if held else self.pool.allocate(n)
 
     def can_allocate(self, token_ids: Sequence[int], namespace: Namespace) -> bool:
         """Whether ``allocate`` would succeed now (no side effects). O(prompt blocks)."""
@@ -259,8 +264,8 @@ class BlockManager(TierPlans):
             if d == len(path):
                 held = tree._cut(held, k)
             tree.lock_nodes(held, now)
-        blocks: list[int] = [b for x in held for b in x.slots]
-        fresh: list[int] = []
+        blocks: list[int] = (list(held[0].slots) if len(held) == 1 else
+                             [b for x in held for b in x.slots])
         if d < len(path):
             # Promote the slower-tier match block by block: take one device block (making
             # room may demote a device block into the host, and evict from the slower tiers,
@@ -286,11 +291,7 @@ class BlockManager(TierPlans):
                 blocks.append(b)
                 prev = index[h]
                 held = [prev]
-        fresh = self._take_blocks(need + dev - len(blocks), moves)
-        refs = self.pool.ref_counts
-        for b in fresh:
-            refs[b] += 1
-        blocks.extend(fresh)
+        blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)
         num_cached = sum(per_tier) // self.block_size
         last_hash = held[-1].hashes[-1] if held else None
         self._seqs[seq_id] = _Seq(seed, array("i", tok), blocks, last_hash, num_cached,

@@ -66,6 +66,22 @@ class BlockPool:
             is_free[b] = 0
         return taken  # type: ignore[return-value]
 
+    def allocate_held(self, num_blocks: int) -> list[BlockId]:
+        """``allocate`` for a caller that takes one reference on each block at once (a new
+        sequence's private blocks): one pass instead of two. The caller checked there are
+        enough free blocks. Runtime complexity: O(num_blocks)."""
+        if not num_blocks:
+            return []
+        free = self._free
+        taken = free[-num_blocks:]
+        del free[-num_blocks:]
+        taken.reverse()
+        is_free, refs = self._is_free, self.ref_counts
+        for b in taken:
+            is_free[b] = 0
+            refs[b] = 1
+        return taken  # type: ignore[return-value]
+
     def allocate_one(self) -> BlockId:
         """Take one free block. Runtime complexity: O(1)."""
         if not self._free:

@@ -12,6 +12,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
 _new_node = object.__new__
+
+
+def consume(it) -> None:
+    """Run an iterator for its side effects, in C (``deque(maxlen=0)``)."""
+    deque(it, maxlen=0)
 
 
 class RequestOps:
@@ -132,15 +138,17 @@ class RequestOps:
         append = hashes.append
         h = prev_hash
         start = 0
-        for _ in block_ids:
-            if first_hash is None:
-                h = xxh(h + tok_bytes[start:start + w])
-            else:
-                h, first_hash = first_hash, None
-            if h in index:
-                break
+        if first_hash is not None:
+            h = first_hash
             append(h)
-            start += w
+            start = w
+        for start in range(start, len(block_ids) * w, w):
+            h = xxh(h + tok_bytes[start:start + w])
+            append(h)
+        if not index.keys().isdisjoint(hashes):
+            # One is cached already: a cached block's parent is cached, so only the first can
+            # be, or a hash collides with another chain. Keep the ones before it.
+            hashes = hashes[:next(i for i, x in enumerate(hashes) if x in index)]
         n = len(hashes)
         if not n:
             return parent, 0
@@ -148,7 +156,8 @@ class RequestOps:
         ids = block_ids if n == len(block_ids) else block_ids[:n]
         r0, r1 = refs[ids[0]], refs[ids[-1]]
         if r0 == r1:
-            node, _ = self._attach(parent, hashes, tok_bytes[:n * w], ids, r0, now)
+            tokens = tok_bytes if len(tok_bytes) == n * w else tok_bytes[:n * w]
+            node, _ = self._attach(parent, hashes, tokens, ids, r0, now)
             return node, n
         i = 0
         node = parent
@@ -170,11 +179,10 @@ class RequestOps:
         the first new block in it)``. Runtime complexity: O(blocks)."""
         n = len(hashes)
         refs = self._pools[DEVICE].ref_counts
-        slots = list(block_ids)   # the pool's own int objects already (``BlockPool.allocate``)
+        # the pool's own int objects already (``BlockPool.allocate``); a slice is ours to keep
+        slots = block_ids if type(block_ids) is list else list(block_ids)
         assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
-        for b in slots:
-            refs[b] = 0
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
                 and parent.hints is None and parent.tier == DEVICE):
             node = parent
@@ -204,6 +212,7 @@ class RequestOps:
         dn = self._device_nodes
         for b in slots:
             dn[b] = node
+            refs[b] = 0
         self._resident[DEVICE] += n
         self.stats.inserted += n
         self.writes.after_insert(node, start)
@@ -270,11 +279,8 @@ class RequestOps:
                     take = self._take(node, num, e, entries)
                     dead, nside = entries._dead, entries._nside
                 cut = n - take
-                gone_h, gone_s = hashes[cut:], slots[cut:]
-                gone_h.reverse()               # deepest first, as they leave
-                gone_s.reverse()
-                for h in gone_h:
-                    del index[h]
+                gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
+                consume(map(index.__delitem__, hashes[cut:]))
                 for s in gone_s:
                     dn[s] = None
                     is_free[s] = 1             # BlockPool.free_one, inlined
