@@ -284,11 +284,15 @@ class BlockManager(TierPlans):
                         node.hashes[0] != h:
                     self.pool.free([b])   # making room dropped it: recompute from here
                     break
-                if len(node.hashes) > 1:
-                    node = tree._split(node, 1)[0]
                 per_tier[node.tier] += self.block_size
-                moves.extend(tree.promote_nodes([node], [b], now))
                 blocks.append(b)
+                if len(node.hashes) > 1:
+                    op = None if prev is None else tree.promote_head_block(node, prev, b, now)
+                    if op is not None:
+                        moves.append(op)
+                        continue
+                    node = tree._split(node, 1)[0]
+                moves.extend(tree.promote_nodes([node], [b], now))
                 prev = index[h]
                 held = [prev]
         blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)

@@ -51,6 +51,7 @@ class TierOps:
     drop_listener: Callable[[list[BlockRef]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _key(self, node: Node) -> tuple: ...
         def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
         def _node_ending_at(self, block_hash: bytes) -> Node: ...
         def _link(self, parent: Node, node: Node) -> None: ...
@@ -108,6 +109,42 @@ class TierOps:
                 self.writes.refile(node, refile)
             self._coalesce(parent, node)
         return moves
+
+    def promote_head_block(self, node: Node, parent: Node, block_id: int, now: float
+                           ) -> MoveOp | None:
+        """Promote the first block of slower-tier ``node`` (2+ blocks, child of the held
+        device node ``parent``) into device block ``block_id`` and lock it, onto the end of
+        ``parent``'s run, without a transient node: the same steps, move and state as a cut
+        after the block + ``promote_nodes`` + coalescing into ``parent``. Only where the
+        block would coalesce (a write-back tree, ``parent`` held by one sequence with
+        ``node`` its only child, the same hints, and the same key once touched); None,
+        changing nothing, otherwise."""
+        if (self.writes.tiers or parent.ref != 1 or parent.child is not node
+                or node.next is not None or parent.hints != node.hints):
+            return None
+        last, hits = node.last_access, node.hits   # the block's key once promoted
+        node.last_access, node.hits = now, hits + 1
+        same = self._key(node) == self._key(parent)
+        node.last_access, node.hits = last, hits
+        if not same:
+            return None
+        t = node.tier
+        h = node.hashes.pop(0)
+        old = node.slots.pop(0)
+        w = self._width
+        tok = node.tokens[:w]
+        del node.tokens[:w]
+        b = self._pools[DEVICE]._ids[block_id]
+        parent.hashes.append(h)
+        parent.tokens += tok
+        parent.slots.append(b)
+        self._index[h] = parent
+        self._device_nodes[b] = parent
+        self._pools[t].free_one(old)
+        self._resident[t] -= 1
+        self._resident[DEVICE] += 1
+        self.stats.promoted[t] += 1
+        return _tuple_new(MoveOp, (h, t, old, DEVICE, b, False))
 
     def adopt(self, node: Node, block_ids: list[int]) -> Node:
         """The first ``len(block_ids)`` blocks of slower-tier ``node`` were recomputed into

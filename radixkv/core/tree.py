@@ -580,16 +580,86 @@ class RadixTree(RequestOps, TierOps):
                 self._drop_tail(node, take, moves)
             return take
         u = t + 1
+        write_back = not self.writes.tiers
         free = self._pools[u].num_free
         if take > free:
-            copy_slot = self.writes.copy_slot
-            need = take - sum(1 for h in node.hashes[n - take:] if copy_slot(h, u) is not None)
+            if write_back:
+                # Room first, for as many blocks as it can be made without a choice between a
+                # block of tier u and one of this chain: while u's smallest key is strictly
+                # below the victim's, a per-block cache would evict exactly that entry too.
+                free += self._evict_below(u, take - free, self._key(node), moves)
+                need = take
+            else:
+                copy_slot = self.writes.copy_slot
+                need = take - sum(1 for h in node.hashes[n - take:]
+                                  if copy_slot(h, u) is not None)
             if need > free:
-                take = 1
+                take = max(1, free)
+        if take == 1 and n > 1 and write_back and self._demote_tail_block(node, u, moves):
+            return 1
         if take < n:
             node = self._split(node, n - take)[1]
         self._demote(node, u, moves)
         return take
+
+    def _evict_below(self, tier: int, num: int, bound: tuple, moves: list[MoveOp]) -> int:
+        """Evict up to ``num`` blocks of ``tier`` in policy order, stopping at the first entry
+        whose key is not strictly below ``bound``. Returns how many left."""
+        entries = self._evictable[tier]
+        index = self._index
+        done = 0
+        while done < num and entries:
+            e = entries.min()
+            if e[:-1] >= bound:
+                break
+            entries.pop_min()
+            node = index[e[-1]]
+            if node.tier != tier:
+                self.writes.drop_popped_copy(e[-1], tier, moves)
+                done += 1
+                continue
+            done += self._move_tail_out(node, self._take(node, num - done, e, entries), moves)
+        return done
+
+    def _demote_tail_block(self, node: Node, u: int, moves: list[MoveOp]) -> bool:
+        """The per-block demotion of ``node``'s last block into tier ``u`` without a transient
+        node (a write-back tree; ``node`` has 2+ blocks, is out of its index): make room in
+        ``u`` for one block, then, if ``node``'s only child is a run in ``u`` it would coalesce
+        with (same holders, hints and key), move the block onto that run's front. The same
+        steps, moves and state as ``_split`` + ``_demote`` + ``_coalesce``. False (after
+        making room, changing nothing else): take the generic path."""
+        dst = self._pools[u]
+        if dst.num_free == 0:
+            self._evict_from(u, 1, moves)
+        c = node.child
+        if (c is None or c.next is not None or c.tier != u or c.ref != node.ref
+                or c.hints != node.hints or self._key(c) != self._key(node)):
+            return False
+        t = node.tier
+        h = node.hashes.pop()
+        old = node.slots.pop()
+        w = self._width
+        tok = node.tokens[-w:]
+        del node.tokens[-w:]
+        new = dst.allocate_one()
+        moves.append(_tuple_new(MoveOp, (h, t, old, u, new, False)))
+        self._pools[t].free_one(old)
+        if t == DEVICE:
+            self._device_nodes[old] = None
+            self._unreferenced -= 1
+        c.hashes.insert(0, h)
+        c.tokens[0:0] = tok
+        c.slots.insert(0, new)
+        self._index[h] = c
+        self._resident[t] -= 1
+        self._resident[u] += 1
+        self.stats.evicted[t] += 1
+        self.stats.demoted_in[u] += 1
+        self._consider(node)   # still a leaf of its tier, under its new last block
+        hints = node.hints
+        if hints is not None and hints.ttl is not None:
+            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
+        return True
 
     def _demote(self, node: Node, u: int, moves: list[MoveOp]) -> None:
         """Move every block of ``node`` (out of its index) one tier down into ``u``, onto its
@@ -603,18 +673,36 @@ class RadixTree(RequestOps, TierOps):
         short = need - dst.num_free
         if short > 0:
             self._evict_from(u, short, moves)
-        new: list[int] = [0] * n
-        for i in range(n - 1, -1, -1):
-            s = None if reuse is None else reuse[i]
-            if s is None:
-                s = dst.allocate_one()
-                moves.append(_tuple_new(MoveOp, (hashes[i], t, old[i], u, s, False)))
-            else:
-                self.stats.free_demotions += 1
-            new[i] = s
+        if reuse is None:
+            # BlockPool.allocate_one for each block, tail first, inlined: the tail takes the
+            # top of the free list
+            free = dst._free
+            new = free[-n:]
+            del free[-n:]
+            is_free = dst._is_free
+            for s in new:
+                is_free[s] = 0
+            moves += [_tuple_new(MoveOp, (hashes[i], t, old[i], u, new[i], False))
+                      for i in range(n - 1, -1, -1)]
+        else:
+            new = [0] * n
+            for i in range(n - 1, -1, -1):
+                s = reuse[i]
+                if s is None:
+                    s = dst.allocate_one()
+                    moves.append(_tuple_new(MoveOp, (hashes[i], t, old[i], u, s, False)))
+                else:
+                    self.stats.free_demotions += 1
+                new[i] = s
         src = self._pools[t]
-        for s in reversed(old):
-            src.free_one(s)
+        if t == DEVICE:
+            for s in reversed(old):
+                src.free_one(s)
+        else:   # no references in slower tiers: BlockPool.free_one inlined
+            is_free = src._is_free
+            for s in old:
+                is_free[s] = 1
+            src._free.extend(reversed(old))
         if t == DEVICE:
             dn = self._device_nodes
             for s in old:
