@@ -52,6 +52,7 @@ class TierOps:
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _key(self, node: Node) -> tuple: ...
+        def _coalesce(self, parent: Node | None, child: Node) -> Node: ...
         def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
         def _node_ending_at(self, block_hash: bytes) -> Node: ...
         def _link(self, parent: Node, node: Node) -> None: ...
@@ -73,28 +74,15 @@ class TierOps:
         as a copy (``keep_src``). Run queued write-through moves (``take_moves``) first.
         Returns the loads. Runtime complexity: O(blocks)."""
         moves: list[MoveOp] = []
-        pool = self._pools[DEVICE]
-        canonical, dn = pool._ids, self._device_nodes
         j = 0
         for node in nodes:
-            t, n = node.tier, len(node.hashes)
-            assert t != DEVICE and (node.parent is None or node.parent.tier == DEVICE), node
+            n = len(node.hashes)
             ids = block_ids[j:j + n]
             j += n
-            self._discard(node)
-            refile = self.writes.unfile(node)
-            old = node.slots
-            parent = node.parent
-            if parent is not None:
-                self._add_child_count(parent, t, -1)
-                self._add_child_count(parent, DEVICE, 1)
-            node.tier = DEVICE
-            node.slots = [canonical[b] for b in ids]
+            t, old, refile = self._rehome_on_device(node, ids)
             node.ref = 1
             node.last_access = now
             node.hits += 1
-            for b in ids:
-                dn[b] = node
             keep = self.writes.keep_sources(node, t, old)
             if not keep:
                 src = self._pools[t]
@@ -102,13 +90,36 @@ class TierOps:
                     src.free_one(s)
             for h, s, b in zip(node.hashes, old, ids):
                 moves.append(_tuple_new(MoveOp, (h, t, s, DEVICE, b, keep)))
-            self._resident[t] -= n
-            self._resident[DEVICE] += n
-            self.stats.promoted[t] += n
             if refile is not None:
                 self.writes.refile(node, refile)
-            self._coalesce(parent, node)
+            self._coalesce(node.parent, node)
         return moves
+
+    def _rehome_on_device(self, node: Node, block_ids: list[int]) -> tuple[int, list[int],
+                                                                            list[int] | None]:
+        """Move slower-tier ``node`` (whose parent is on the device) onto device blocks
+        ``block_ids``: out of its tier's index, child counts, device map, residency counts.
+        Returns ``(old tier, old slots, copies to re-file)``; the caller sets holders and key
+        and decides what becomes of the old slots."""
+        t = node.tier
+        assert t != DEVICE and (node.parent is None or node.parent.tier == DEVICE), node
+        self._discard(node)
+        refile = self.writes.unfile(node)
+        old = node.slots
+        parent = node.parent
+        if parent is not None:
+            self._add_child_count(parent, t, -1)
+            self._add_child_count(parent, DEVICE, 1)
+        canonical, dn = self._pools[DEVICE]._ids, self._device_nodes
+        node.tier = DEVICE
+        node.slots = [canonical[b] for b in block_ids]
+        for b in block_ids:
+            dn[b] = node
+        n = len(block_ids)
+        self._resident[t] -= n
+        self._resident[DEVICE] += n
+        self.stats.promoted[t] += n
+        return t, old, refile
 
     def promote_head_block(self, node: Node, parent: Node, block_id: int, now: float
                            ) -> MoveOp | None:
@@ -155,33 +166,18 @@ class TierOps:
         k = len(block_ids)
         if k < len(node.hashes):
             node = self._split(node, k)[0]
-        t = node.tier
-        assert t != DEVICE and (node.parent is None or node.parent.tier == DEVICE), node
-        pool = self._pools[DEVICE]
-        refs, canonical, dn = pool.ref_counts, pool._ids, self._device_nodes
+        refs, dn = self._pools[DEVICE].ref_counts, self._device_nodes
         ref = refs[block_ids[0]]
-        self._discard(node)
-        refile = self.writes.unfile(node)
-        old = node.slots
-        parent = node.parent
-        if parent is not None:
-            self._add_child_count(parent, t, -1)
-            self._add_child_count(parent, DEVICE, 1)
-        node.tier = DEVICE
-        node.slots = [canonical[b] for b in block_ids]
-        node.ref = ref
         for b in block_ids:
             assert refs[b] == ref and dn[b] is None, f"adopt into block {b}"
             refs[b] = 0
-            dn[b] = node
+        t, old, refile = self._rehome_on_device(node, block_ids)
+        node.ref = ref
         if not self.writes.keep_sources(node, t, old):
             src = self._pools[t]
             for h, s in zip(node.hashes, old):
                 src.free_one(s)
                 self._pending.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
-        self._resident[t] -= k
-        self._resident[DEVICE] += k
-        self.stats.promoted[t] += k
         self.stats.adopted += k
         if ref == 0:
             self._unreferenced += k

@@ -301,14 +301,7 @@ class RadixTree(RequestOps, TierOps):
             del node.tokens[:k * w]
             head.slots = node.slots[:k]
             del node.slots[:k]
-            p = node.parent
-            head.parent, head.prev, head.next = p, node.prev, node.next
-            if head.prev is not None:
-                head.prev.next = head
-            elif p is not None:
-                p.child = head
-            if head.next is not None:
-                head.next.prev = head
+            self._take_place(node, head)
             head.children, head.child = 1 << (_CBITS * t), node
             node.parent, node.prev, node.next = head, None, None
             moved = head
@@ -366,14 +359,7 @@ class RadixTree(RequestOps, TierOps):
             child.hashes[0:0] = parent.hashes
             child.tokens[0:0] = parent.tokens
             child.slots[0:0] = parent.slots
-            g = parent.parent
-            child.parent, child.prev, child.next = g, parent.prev, parent.next
-            if child.prev is not None:
-                child.prev.next = child
-            elif g is not None:
-                g.child = child
-            if child.next is not None:
-                child.next.prev = child
+            self._take_place(parent, child)
             merged = child
         else:                                          # parent absorbs child at its end
             for h in child.hashes:
@@ -392,6 +378,20 @@ class RadixTree(RequestOps, TierOps):
             merged = parent
         merged.hits = hits
         return merged
+
+    @staticmethod
+    def _take_place(old: Node, new: Node) -> None:
+        """``new`` takes ``old``'s place under ``old``'s parent (same position among its
+        siblings; counts unchanged: the caller keeps the tier). ``old``'s own links are left
+        to the caller."""
+        p = old.parent
+        new.parent, new.prev, new.next = p, old.prev, old.next
+        if new.prev is not None:
+            new.prev.next = new
+        elif p is not None:
+            p.child = new
+        if new.next is not None:
+            new.next.prev = new
 
     def _link(self, parent: Node, node: Node) -> None:
         """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
