@@ -36,14 +36,14 @@ tree. Evicting from tier t demotes the node's tail into tier t+1 (making room th
 recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
 storage layer to execute *in order* before the freed slots are reused. The per-request paths
 (lock, release, insert, the device-only eviction loop) live in ``request_ops.py``, the slower
-tiers' operations in ``tiers.py``, the consistency check in ``tree_check.py``.
+tiers' operations in ``tiers.py``, cutting and merging runs in ``runs.py``, eviction in
+``eviction.py``, the consistency check in ``tree_check.py``.
 
 Pure Python: this module imports no torch.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable, Sequence
 
@@ -53,10 +53,12 @@ from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
+from radixkv.core.eviction import EvictionOps
 from radixkv.core.request_ops import RequestOps
+from radixkv.core.runs import RunOps
 from radixkv.core.tiers import TierOps
 from radixkv.core.writes import TreeWrites, make_writes
-from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
+from radixkv.errors import ConfigError, InvalidBlockError
 
 __all__ = ["DEVICE", "MAX_TIERS", "BlockRef", "MoveOp", "Node", "RadixTree", "TreeStats"]
 
@@ -65,7 +67,7 @@ _tuple_new = tuple.__new__
 _new_node = object.__new__
 
 
-class RadixTree(RequestOps, TierOps):
+class RadixTree(RunOps, EvictionOps, RequestOps, TierOps):
     """Path-compressed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -257,178 +259,6 @@ class RadixTree(RequestOps, TierOps):
             path.append(c)
             node = c
 
-    # ------------------------------------------------------------------ structure
-    def _split(self, node: Node, k: int) -> tuple[Node, Node]:
-        """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
-        the only child of the first; both keep the node's tier, holders, key and hints. One of
-        them is ``node`` itself: whichever side has fewer index entries (and, for the tail,
-        children) to re-point stays, the other is a new object. Returns ``(head, tail)``.
-
-        The evictable sets need no change: the tail keeps the node's last block (so its entry,
-        if it has one, names it), and the head has a child in its own tier (not a leaf).
-        Runtime complexity: O(min(k, n - k) + children).
-        """
-        n = len(node.hashes)
-        assert 0 < k < n, f"split of {node} at {k}"
-        w, t = self._width, node.tier
-        c = node.children
-        nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
-        new = _new_node(Node)
-        new.tier, new.ref, new.last_access, new.hits, new.hints = (
-            t, node.ref, node.last_access, node.hits, node.hints)
-        index = self._index
-        if n - k + nkids <= k:        # the tail becomes the new object
-            head, tail = node, new
-            tail.hashes = node.hashes[k:]
-            del node.hashes[k:]
-            tail.tokens = node.tokens[k * w:]
-            del node.tokens[k * w:]
-            tail.slots = node.slots[k:]
-            del node.slots[k:]
-            tail.children, tail.child = c, node.child
-            kid = node.child
-            while kid is not None:
-                kid.parent = tail
-                kid = kid.next
-            tail.parent, tail.next, tail.prev = node, None, None
-            node.children, node.child = 1 << (_CBITS * t), tail
-            moved = tail
-        else:                          # the head becomes the new object
-            head, tail = new, node
-            head.hashes = node.hashes[:k]
-            del node.hashes[:k]
-            head.tokens = node.tokens[:k * w]
-            del node.tokens[:k * w]
-            head.slots = node.slots[:k]
-            del node.slots[:k]
-            self._take_place(node, head)
-            head.children, head.child = 1 << (_CBITS * t), node
-            node.parent, node.prev, node.next = head, None, None
-            moved = head
-        for h in moved.hashes:
-            index[h] = moved
-        if t == DEVICE:
-            dn = self._device_nodes
-            for b in moved.slots:
-                dn[b] = moved
-        self.stats.splits += 1
-        hints = head.hints
-        if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
-        return head, tail
-
-    def _cut(self, path: list[Node], k: int) -> list[Node]:
-        """``path`` with its last node cut after its first ``k`` blocks (the rest becomes its
-        child): the nodes a request's match covers exactly."""
-        last = path[-1]
-        if k < len(last.hashes):
-            path = path[:-1]
-            path.append(self._split(last, k)[0])
-        return path
-
-    def _node_ending_at(self, block_hash: bytes) -> Node:
-        """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
-        sits inside its node: the parent to hang a new node from."""
-        node = self._index[block_hash]
-        i = node.hashes.index(block_hash)
-        if i + 1 < len(node.hashes):
-            node = self._split(node, i + 1)[0]
-        return node
-
-    def _coalesce(self, parent: Node | None, child: Node) -> Node:
-        """Merge ``child`` into ``parent`` if they are one run again: ``child`` is the only
-        child, and tier, holders, hints and policy key agree (a split whose reason went away,
-        e.g. a tail demoted block by block onto its own earlier part, or blocks promoted one by
-        one under their parent). The side with fewer blocks is re-pointed. The eviction sets
-        need no change: the merged node's last block is ``child``'s, and ``parent`` was no leaf
-        of its tier. Returns the merged node (``child`` unchanged if they differ).
-        Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
-        if (parent is None or parent.child is not child or child.next is not None
-                or parent.tier != child.tier or parent.ref != child.ref
-                or parent.hints != child.hints or self._key(parent) != self._key(child)):
-            return child
-        index = self._index
-        dn = self._device_nodes if child.tier == DEVICE else None
-        hits = max(parent.hits, child.hits)
-        if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
-            for h in parent.hashes:
-                index[h] = child
-            if dn is not None:
-                for b in parent.slots:
-                    dn[b] = child
-            child.hashes[0:0] = parent.hashes
-            child.tokens[0:0] = parent.tokens
-            child.slots[0:0] = parent.slots
-            self._take_place(parent, child)
-            merged = child
-        else:                                          # parent absorbs child at its end
-            for h in child.hashes:
-                index[h] = parent
-            if dn is not None:
-                for b in child.slots:
-                    dn[b] = parent
-            parent.hashes.extend(child.hashes)
-            parent.tokens += child.tokens
-            parent.slots.extend(child.slots)
-            parent.children, parent.child = child.children, child.child
-            kid = child.child
-            while kid is not None:
-                kid.parent = parent
-                kid = kid.next
-            merged = parent
-        merged.hits = hits
-        return merged
-
-    @staticmethod
-    def _take_place(old: Node, new: Node) -> None:
-        """``new`` takes ``old``'s place under ``old``'s parent (same position among its
-        siblings; counts unchanged: the caller keeps the tier). ``old``'s own links are left
-        to the caller."""
-        p = old.parent
-        new.parent, new.prev, new.next = p, old.prev, old.next
-        if new.prev is not None:
-            new.prev.next = new
-        elif p is not None:
-            p.child = new
-        if new.next is not None:
-            new.next.prev = new
-
-    def _link(self, parent: Node, node: Node) -> None:
-        """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
-        node.parent, node.prev = parent, None
-        first = parent.child
-        node.next = first
-        if first is not None:
-            first.prev = node
-        parent.child = node
-        self._add_child_count(parent, node.tier, 1)
-
-    def _unlink(self, node: Node) -> None:
-        """Take ``node`` out of its parent's child list (counts and the parent's filing kept)."""
-        parent = node.parent
-        p, q = node.prev, node.next
-        if p is None:
-            parent.child = q   # type: ignore[union-attr]
-        else:
-            p.next = q
-        if q is not None:
-            q.prev = p
-        node.prev = node.next = None
-        self._add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
-
-    def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
-        shift = _CBITS * tier
-        if parent.tier == tier:
-            before = (parent.children >> shift) & _CMASK
-            if (before == 0) != (before + delta == 0):
-                # the parent's own-tier count crosses zero: re-file it around the change
-                self._discard(parent)
-                parent.children += delta << shift
-                self._consider(parent)
-                return
-        parent.children += delta << shift
-        assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent
-
     # ------------------------------------------------------------------ evictable sets
     def _key(self, node: Node) -> tuple:
         """The policy key of every block of ``node``."""
@@ -498,280 +328,6 @@ class RadixTree(RequestOps, TierOps):
         node, i = self._attach(parent, [block_hash], bytes(tokens), [block_id], ref,
                                self.clock() if now is None else now)
         return self._ref(node, i)
-
-    # ------------------------------------------------------------------ eviction
-    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
-        """Evict ``num_blocks`` blocks from ``tier`` in policy order, leaves first.
-
-        Device evictions free device blocks into the device pool. Each victim is demoted into
-        the next tier (room is made there first, recursively; onto its copy there, if it has
-        one, moving nothing) or, from the last tier, dropped; a victim that is a copy is
-        dropped. Queued write-through moves come first in the result.
-        All-or-nothing: raises OutOfBlocks, changing nothing, if fewer blocks are evictable.
-        Runtime complexity: O(num_blocks) per tier of the cascade (+ O(log n) per victim node
-        for index types other than LRU's).
-        """
-        if type(tier) is not int or not 0 <= tier < self.num_tiers:
-            raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
-        if type(num_blocks) is not int or num_blocks < 0:
-            raise InvalidBlockError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        available = self.num_evictable(tier)
-        if num_blocks > available:
-            raise OutOfBlocks(num_blocks, self._pools[tier].num_free, available,
-                              "every cached block of this tier is in use by a live sequence")
-        moves = self._pending    # queued write-through moves run first
-        self._pending = []
-        if num_blocks:
-            self._evict_from(tier, num_blocks, moves)
-        return moves
-
-    def _evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None:
-        """Evict ``num`` blocks of ``tier`` (they are evictable), victim by victim."""
-        if tier == DEVICE and self._evict_device_fast(num, moves):
-            return
-        entries = self._evictable[tier]
-        index = self._index
-        while num > 0:
-            e = entries.pop_min()
-            h = e[-1]
-            node = index[h]
-            if node.tier != tier:       # a write-through copy of a faster block
-                self.writes.drop_popped_copy(h, tier, moves)
-                num -= 1
-                continue
-            take = self._take(node, num, e, entries)
-            num -= self._move_tail_out(node, take, moves)
-
-    @staticmethod
-    def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int:
-        """How many blocks of the victim ``node`` (popped as entry ``e``) go now: all of them,
-        or the ``num`` still wanted; where another entry has exactly the same key, only those
-        that a per-block cache would take before it (block hash order breaks the tie)."""
-        n = len(node.hashes)
-        take = n if num >= n else num
-        if take > 1 and entries:
-            m = entries.min()
-            if m[:-1] == e[:-1]:
-                key, hashes = e[:-1], node.hashes
-                j = 1
-                while j < take and (*key, hashes[n - 1 - j]) < m:
-                    j += 1
-                return j
-        return take
-
-    def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int:
-        """The last ``take`` blocks of ``node`` (an evictable node already out of its index)
-        leave its tier: demoted into the next one, or dropped from the last. Returns how many
-        left.
-
-        Drops, and demotions into a tier with a free slot for each block, move all ``take``
-        blocks at once. A demotion into a tier that must evict to make room moves one block:
-        a per-block cache would make room for each block in turn, and the block demoted just
-        before may then be that tier's next victim (a chain whose key is below everything
-        there passes through it), so batching would change which blocks stay. The caller's
-        loop comes back for the next block, in policy order; the blocks coalesce into one run
-        again as they arrive."""
-        t = node.tier
-        n = len(node.hashes)
-        if t + 1 == self.num_tiers:
-            if take == n:
-                self._drop_node(node, moves)
-            else:
-                self._drop_tail(node, take, moves)
-            return take
-        u = t + 1
-        write_back = not self.writes.tiers
-        free = self._pools[u].num_free
-        if take > free:
-            if write_back:
-                # Room first, for as many blocks as it can be made without a choice between a
-                # block of tier u and one of this chain: while u's smallest key is strictly
-                # below the victim's, a per-block cache would evict exactly that entry too.
-                free += self._evict_below(u, take - free, self._key(node), moves)
-                need = take
-            else:
-                copy_slot = self.writes.copy_slot
-                need = take - sum(1 for h in node.hashes[n - take:]
-                                  if copy_slot(h, u) is not None)
-            if need > free:
-                take = max(1, free)
-        if take == 1 and n > 1 and write_back and self._demote_tail_block(node, u, moves):
-            return 1
-        if take < n:
-            node = self._split(node, n - take)[1]
-        self._demote(node, u, moves)
-        return take
-
-    def _evict_below(self, tier: int, num: int, bound: tuple, moves: list[MoveOp]) -> int:
-        """Evict up to ``num`` blocks of ``tier`` in policy order, stopping at the first entry
-        whose key is not strictly below ``bound``. Returns how many left."""
-        entries = self._evictable[tier]
-        index = self._index
-        done = 0
-        while done < num and entries:
-            e = entries.min()
-            if e[:-1] >= bound:
-                break
-            entries.pop_min()
-            node = index[e[-1]]
-            if node.tier != tier:
-                self.writes.drop_popped_copy(e[-1], tier, moves)
-                done += 1
-                continue
-            done += self._move_tail_out(node, self._take(node, num - done, e, entries), moves)
-        return done
-
-    def _demote_tail_block(self, node: Node, u: int, moves: list[MoveOp]) -> bool:
-        """The per-block demotion of ``node``'s last block into tier ``u`` without a transient
-        node (a write-back tree; ``node`` has 2+ blocks, is out of its index): make room in
-        ``u`` for one block, then, if ``node``'s only child is a run in ``u`` it would coalesce
-        with (same holders, hints and key), move the block onto that run's front. The same
-        steps, moves and state as ``_split`` + ``_demote`` + ``_coalesce``. False (after
-        making room, changing nothing else): take the generic path."""
-        dst = self._pools[u]
-        if dst.num_free == 0:
-            self._evict_from(u, 1, moves)
-        c = node.child
-        if (c is None or c.next is not None or c.tier != u or c.ref != node.ref
-                or c.hints != node.hints or self._key(c) != self._key(node)):
-            return False
-        t = node.tier
-        h = node.hashes.pop()
-        old = node.slots.pop()
-        w = self._width
-        tok = node.tokens[-w:]
-        del node.tokens[-w:]
-        new = dst.allocate_one()
-        moves.append(_tuple_new(MoveOp, (h, t, old, u, new, False)))
-        self._pools[t].free_one(old)
-        if t == DEVICE:
-            self._device_nodes[old] = None
-            self._unreferenced -= 1
-        c.hashes.insert(0, h)
-        c.tokens[0:0] = tok
-        c.slots.insert(0, new)
-        self._index[h] = c
-        self._resident[t] -= 1
-        self._resident[u] += 1
-        self.stats.evicted[t] += 1
-        self.stats.demoted_in[u] += 1
-        self._consider(node)   # still a leaf of its tier, under its new last block
-        hints = node.hints
-        if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
-        return True
-
-    def _demote(self, node: Node, u: int, moves: list[MoveOp]) -> None:
-        """Move every block of ``node`` (out of its index) one tier down into ``u``, onto its
-        copies there if it has any (free demotions), making room in ``u`` first."""
-        t = node.tier
-        hashes, old = node.hashes, node.slots
-        n = len(hashes)
-        reuse = self.writes.take_for_demotion(node, u)
-        need = n if reuse is None else sum(1 for s in reuse if s is None)
-        dst = self._pools[u]
-        short = need - dst.num_free
-        if short > 0:
-            self._evict_from(u, short, moves)
-        if reuse is None:
-            # BlockPool.allocate_one for each block, tail first, inlined: the tail takes the
-            # top of the free list
-            free = dst._free
-            new = free[-n:]
-            del free[-n:]
-            is_free = dst._is_free
-            for s in new:
-                is_free[s] = 0
-            moves += [_tuple_new(MoveOp, (hashes[i], t, old[i], u, new[i], False))
-                      for i in range(n - 1, -1, -1)]
-        else:
-            new = [0] * n
-            for i in range(n - 1, -1, -1):
-                s = reuse[i]
-                if s is None:
-                    s = dst.allocate_one()
-                    moves.append(_tuple_new(MoveOp, (hashes[i], t, old[i], u, s, False)))
-                else:
-                    self.stats.free_demotions += 1
-                new[i] = s
-        src = self._pools[t]
-        if t == DEVICE:
-            for s in reversed(old):
-                src.free_one(s)
-        else:   # no references in slower tiers: BlockPool.free_one inlined
-            is_free = src._is_free
-            for s in old:
-                is_free[s] = 1
-            src._free.extend(reversed(old))
-        if t == DEVICE:
-            dn = self._device_nodes
-            for s in old:
-                dn[s] = None
-            self._unreferenced -= n
-        node.slots = new
-        node.tier = u
-        parent = node.parent
-        if parent is not None:
-            self._add_child_count(parent, t, -1)
-            self._add_child_count(parent, u, 1)
-        self._resident[t] -= n
-        self._resident[u] += n
-        self.stats.evicted[t] += n
-        self.stats.demoted_in[u] += n
-        self._consider(node)
-        kid = node.child
-        if kid is not None and kid.next is None and kid.tier == u:
-            self._coalesce(node, kid)   # back onto its own tail demoted before
-
-    def _drop_tail(self, node: Node, take: int, moves: list[MoveOp]) -> None:
-        """The last ``take`` blocks of ``node`` (an evictable leaf of the last tier, out of its
-        index, with no children) leave the cache; the rest stays, filed under its new tail."""
-        t = node.tier
-        cut = len(node.hashes) - take
-        if self.drop_listener is not None:
-            self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, cut - 1, -1)])
-        self._free_blocks(node, cut, moves)
-        del node.hashes[cut:]
-        del node.tokens[cut * self._width:]
-        del node.slots[cut:]
-        self.stats.evicted[t] += take
-        self._consider(node)
-        hints = node.hints
-        if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
-
-    def _drop_node(self, node: Node, moves: list[MoveOp]) -> None:
-        """``node`` (out of its index, with no children) leaves the cache."""
-        assert node.children == 0 and node.child is None, f"dropping {node} would orphan children"
-        if self.drop_listener is not None:
-            self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, -1, -1)])
-        self._free_blocks(node, 0, moves)
-        if node.parent is not None:
-            self._unlink(node)
-        self.stats.evicted[node.tier] += len(node.hashes)
-
-    def _free_blocks(self, node: Node, cut: int, moves: list[MoveOp]) -> None:
-        """Unindex and free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops
-        (none for a device-only tree: see ``_evict_device_fast``). The node's lists are left
-        to the caller."""
-        t = node.tier
-        hashes, slots = node.hashes, node.slots
-        index, pool = self._index, self._pools[t]
-        dn = self._device_nodes if t == DEVICE else None
-        report = self.num_tiers > 1
-        for i in range(len(hashes) - 1, cut - 1, -1):
-            h, s = hashes[i], slots[i]
-            del index[h]
-            pool.free_one(s)
-            if dn is not None:
-                dn[s] = None
-            if report:
-                moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
-        k = len(hashes) - cut
-        self._resident[t] -= k
-        if t == DEVICE:
-            self._unreferenced -= k
-        self.stats.dropped += k
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

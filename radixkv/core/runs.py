@@ -1,0 +1,206 @@
+"""Cutting and merging runs: the ``RadixTree``'s structural edits.
+
+``RunOps`` is a mixin of ``RadixTree``. A node is a run of alike blocks (``node.py``); these
+methods cut one in two where blocks stop being alike (``_split``, ``_cut``,
+``_node_ending_at``), merge a node back into its only child where they are alike again
+(``_coalesce``), and keep the intrusive child lists and the packed per-tier child counts right
+(``_link``, ``_unlink``, ``_take_place``, ``_add_child_count``). None of them moves a block
+between tiers or changes a key.
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from radixkv.core.node import _CBITS, _CMASK, DEVICE, Node, TreeStats
+
+_new_node = object.__new__
+
+
+class RunOps:
+    """Structural edits of ``RadixTree`` (a mixin; see the module docstring)."""
+
+    stats: TreeStats
+    _width: int
+    _index: dict[bytes, Node]
+    _device_nodes: list[Node | None]
+    _ttl_heap: list[tuple[float, bytes]]
+
+    if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _key(self, node: Node) -> tuple: ...
+        def _discard(self, node: Node) -> None: ...
+        def _consider(self, node: Node) -> None: ...
+
+    def _split(self, node: Node, k: int) -> tuple[Node, Node]:
+        """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
+        the only child of the first; both keep the node's tier, holders, key and hints. One of
+        them is ``node`` itself: whichever side has fewer index entries (and, for the tail,
+        children) to re-point stays, the other is a new object. Returns ``(head, tail)``.
+
+        The evictable sets need no change: the tail keeps the node's last block (so its entry,
+        if it has one, names it), and the head has a child in its own tier (not a leaf).
+        Runtime complexity: O(min(k, n - k) + children).
+        """
+        n = len(node.hashes)
+        assert 0 < k < n, f"split of {node} at {k}"
+        w, t = self._width, node.tier
+        c = node.children
+        nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
+        new = _new_node(Node)
+        new.tier, new.ref, new.last_access, new.hits, new.hints = (
+            t, node.ref, node.last_access, node.hits, node.hints)
+        index = self._index
+        if n - k + nkids <= k:        # the tail becomes the new object
+            head, tail = node, new
+            tail.hashes = node.hashes[k:]
+            del node.hashes[k:]
+            tail.tokens = node.tokens[k * w:]
+            del node.tokens[k * w:]
+            tail.slots = node.slots[k:]
+            del node.slots[k:]
+            tail.children, tail.child = c, node.child
+            kid = node.child
+            while kid is not None:
+                kid.parent = tail
+                kid = kid.next
+            tail.parent, tail.next, tail.prev = node, None, None
+            node.children, node.child = 1 << (_CBITS * t), tail
+            moved = tail
+        else:                          # the head becomes the new object
+            head, tail = new, node
+            head.hashes = node.hashes[:k]
+            del node.hashes[:k]
+            head.tokens = node.tokens[:k * w]
+            del node.tokens[:k * w]
+            head.slots = node.slots[:k]
+            del node.slots[:k]
+            self._take_place(node, head)
+            head.children, head.child = 1 << (_CBITS * t), node
+            node.parent, node.prev, node.next = head, None, None
+            moved = head
+        for h in moved.hashes:
+            index[h] = moved
+        if t == DEVICE:
+            dn = self._device_nodes
+            for b in moved.slots:
+                dn[b] = moved
+        self.stats.splits += 1
+        hints = head.hints
+        if hints is not None and hints.ttl is not None:
+            heapq.heappush(self._ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
+        return head, tail
+
+    def _cut(self, path: list[Node], k: int) -> list[Node]:
+        """``path`` with its last node cut after its first ``k`` blocks (the rest becomes its
+        child): the nodes a request's match covers exactly."""
+        last = path[-1]
+        if k < len(last.hashes):
+            path = path[:-1]
+            path.append(self._split(last, k)[0])
+        return path
+
+    def _node_ending_at(self, block_hash: bytes) -> Node:
+        """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
+        sits inside its node: the parent to hang a new node from."""
+        node = self._index[block_hash]
+        i = node.hashes.index(block_hash)
+        if i + 1 < len(node.hashes):
+            node = self._split(node, i + 1)[0]
+        return node
+
+    def _coalesce(self, parent: Node | None, child: Node) -> Node:
+        """Merge ``child`` into ``parent`` if they are one run again: ``child`` is the only
+        child, and tier, holders, hints and policy key agree (a split whose reason went away,
+        e.g. a tail demoted block by block onto its own earlier part, or blocks promoted one by
+        one under their parent). The side with fewer blocks is re-pointed. The eviction sets
+        need no change: the merged node's last block is ``child``'s, and ``parent`` was no leaf
+        of its tier. Returns the merged node (``child`` unchanged if they differ).
+        Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
+        if (parent is None or parent.child is not child or child.next is not None
+                or parent.tier != child.tier or parent.ref != child.ref
+                or parent.hints != child.hints or self._key(parent) != self._key(child)):
+            return child
+        index = self._index
+        dn = self._device_nodes if child.tier == DEVICE else None
+        hits = max(parent.hits, child.hits)
+        if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
+            for h in parent.hashes:
+                index[h] = child
+            if dn is not None:
+                for b in parent.slots:
+                    dn[b] = child
+            child.hashes[0:0] = parent.hashes
+            child.tokens[0:0] = parent.tokens
+            child.slots[0:0] = parent.slots
+            self._take_place(parent, child)
+            merged = child
+        else:                                          # parent absorbs child at its end
+            for h in child.hashes:
+                index[h] = parent
+            if dn is not None:
+                for b in child.slots:
+                    dn[b] = parent
+            parent.hashes.extend(child.hashes)
+            parent.tokens += child.tokens
+            parent.slots.extend(child.slots)
+            parent.children, parent.child = child.children, child.child
+            kid = child.child
+            while kid is not None:
+                kid.parent = parent
+                kid = kid.next
+            merged = parent
+        merged.hits = hits
+        return merged
+
+    @staticmethod
+    def _take_place(old: Node, new: Node) -> None:
+        """``new`` takes ``old``'s place under ``old``'s parent (same position among its
+        siblings; counts unchanged: the caller keeps the tier). ``old``'s own links are left
+        to the caller."""
+        p = old.parent
+        new.parent, new.prev, new.next = p, old.prev, old.next
+        if new.prev is not None:
+            new.prev.next = new
+        elif p is not None:
+            p.child = new
+        if new.next is not None:
+            new.next.prev = new
+
+    def _link(self, parent: Node, node: Node) -> None:
+        """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
+        node.parent, node.prev = parent, None
+        first = parent.child
+        node.next = first
+        if first is not None:
+            first.prev = node
+        parent.child = node
+        self._add_child_count(parent, node.tier, 1)
+
+    def _unlink(self, node: Node) -> None:
+        """Take ``node`` out of its parent's child list (counts and the parent's filing kept)."""
+        parent = node.parent
+        p, q = node.prev, node.next
+        if p is None:
+            parent.child = q   # type: ignore[union-attr]
+        else:
+            p.next = q
+        if q is not None:
+            q.prev = p
+        node.prev = node.next = None
+        self._add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
+
+    def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
+        shift = _CBITS * tier
+        if parent.tier == tier:
+            before = (parent.children >> shift) & _CMASK
+            if (before == 0) != (before + delta == 0):
+                # the parent's own-tier count crosses zero: re-file it around the change
+                self._discard(parent)
+                parent.children += delta << shift
+                self._consider(parent)
+                return
+        parent.children += delta << shift
+        assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent
