@@ -52,16 +52,17 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class _Packed:
-    """The packed weight and the key of the weight it was packed from.
+    """The packed weight and what it was packed from (the weight's storage pointer, dtype and
+    version: a conversion or an in-place edit changes one of them).
 
     Deep copies and pickles of the model carry an empty holder (oneDNN's opaque tensors can be
     neither copied nor pickled); the copy packs its own weight on first use.
     """
 
-    __slots__ = ("key", "tensor")
+    __slots__ = ("ptr", "version", "tensor")
 
     def __init__(self) -> None:
-        self.key: tuple | None = None
+        self.ptr = self.version = -1
         self.tensor: torch.Tensor | None = None
 
     def __deepcopy__(self, memo: dict) -> _Packed:
@@ -71,37 +72,37 @@ class _Packed:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.key, self.tensor = None, None
+        self.__init__()
 
 
-def _key(weight: torch.Tensor) -> tuple:
-    return (weight.data_ptr(), weight.dtype, weight.device, weight._version,
-            tuple(weight.shape))
+_BF16 = torch.bfloat16
 
 
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose bf16 CPU forward uses a once-packed oneDNN weight (see module doc).
 
     ``_packed`` is an instance attribute, not a buffer or parameter, so the module's state dict
-    and ``.to()`` see exactly an ``nn.Linear``.
+    and ``.to()`` see exactly an ``nn.Linear``. The forward runs once per layer per step, so it
+    reads ``_parameters`` directly (``nn.Module.__getattr__`` costs more than the checks).
     """
 
     _packed: _Packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
-                or w.device.type != "cpu" or x.numel() > MAX_PACKED_ROWS * w.shape[1]
-                or torch.is_grad_enabled() and w.requires_grad):
-            return F.linear(x, w, self.bias)
+        params = self._parameters
+        w = params["weight"]
+        if (x.dtype is not _BF16 or w.dtype is not _BF16 or x.is_cuda or w.is_cuda
+                or x.device.type != "cpu" or x.numel() > MAX_PACKED_ROWS * w.shape[1]
+                or (w.requires_grad and torch.is_grad_enabled())):
+            return F.linear(x, w, params["bias"])
         holder = self._packed
-        key = _key(w)
-        if holder.key != key:
+        if holder.ptr != w.data_ptr() or holder.version != w._version:
             with torch.no_grad():
                 holder.tensor = torch.ops.mkldnn._reorder_linear_weight(
                     w.detach(), _PACK_HINT_ROWS)
-            holder.key = key
-        return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, self.bias, "none", [], "")
+            holder.ptr, holder.version = w.data_ptr(), w._version
+        return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, params["bias"], "none",
+                                                  [], "")
 
 
 def pack_linears(model: torch.nn.Module, enable: bool = True) -> int:
