@@ -78,6 +78,12 @@ class _Packed:
 _BF16 = torch.bfloat16
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t._version``, or -2 for an inference tensor (weights created under
+    ``torch.inference_mode`` track no version; only their pointer is compared then)."""
+    return -2 if t.is_inference() else t._version
+
+
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose bf16 CPU forward uses a once-packed oneDNN weight (see module doc).
 
@@ -96,11 +102,11 @@ class PackedLinear(torch.nn.Linear):
                 or (w.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, w, params["bias"])
         holder = self._packed
-        if holder.ptr != w.data_ptr() or holder.version != w._version:
+        if holder.ptr != w.data_ptr() or holder.version != _version(w):
             with torch.no_grad():
                 holder.tensor = torch.ops.mkldnn._reorder_linear_weight(
                     w.detach(), _PACK_HINT_ROWS)
-            holder.ptr, holder.version = w.data_ptr(), w._version
+            holder.ptr, holder.version = w.data_ptr(), _version(w)
         return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, params["bias"], "none",
                                                   [], "")
 

@@ -71,3 +71,13 @@ def test_runner_packs_bf16_cpu_models_only(tiny_model):
     ModelRunner.for_model(bf16, num_blocks=8, block_size=4)
     packed = any(isinstance(m, pl.PackedLinear) for m in bf16.modules())
     assert packed == pl.packing_supported(torch.bfloat16, torch.device("cpu"))
+
+
+@needs_bf16
+def test_weights_made_under_inference_mode():
+    """Inference tensors track no version: the pack is keyed by the pointer alone."""
+    with torch.inference_mode():
+        lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+        pl.pack_linears(lin)
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
