@@ -47,7 +47,7 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-             backend: str | None = None, check: bool = True) -> None:
+             backend: str | None = None, check: bool = True, plan: dict | None = None) -> None:
     """Scatter new K/V rows into their cache slots.
 
     key, value:   [num_tokens, num_kv_heads, head_dim], cache dtype; each token's
@@ -60,6 +60,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     check:        False skips the value checks of slot_mapping (range, distinct), for a caller
                   that validated it already (the engine's ForwardBatch, once per step, not once
                   per layer); shapes, dtypes, devices and strides are always checked.
+    plan:         torch backend: a dict kept for one batch (every layer of a forward), in which
+                  what derives from slot_mapping alone is computed once (torch_path module doc).
 
     Example: block_size 16, a token at position 37 of a sequence whose block table is
     [7, 2, 9] goes to slot 9 * 16 + 37 % 16 = 149.
@@ -94,7 +96,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if name == "triton":
         _triton_cache().write_kv(key, value, k_cache, v_cache, slot_mapping)
     elif name == "torch":
-        torch_path.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        torch_path.write_kv(key, value, k_cache, v_cache, slot_mapping, plan)
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
@@ -103,7 +105,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
                            scale: float | None = None, out: torch.Tensor | None = None,
                            backend: str | None = None,
-                           num_splits: int | None = None, check: bool = True) -> torch.Tensor:
+                           num_splits: int | None = None, check: bool = True,
+                           plan: dict | None = None) -> torch.Tensor:
     """One new query token per sequence attends to the sequence's cached tokens.
 
     q:            [num_seqs, num_q_heads, head_dim], dtype of the cache (any float dtype for
@@ -122,6 +125,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   None picks one that fills the GPU.
     check:        False skips the value checks (seq_lens range, used table entries in the pool)
                   for a caller that validated the batch already; structure is always checked.
+    plan:         torch backend: a dict kept for one batch (same block_tables and seq_lens, e.g.
+                  every layer of a forward); grouping, gather ids and masks are derived once.
     Returns out:  [num_seqs, num_q_heads, head_dim].
 
     out[s, h] = softmax(scale * q[s, h] . K[s, :, h // G]) @ V[s, :, h // G], where K[s, t] is the
@@ -156,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                 sc, out)
+                                                 sc, out, plan)
     out.copy_(reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sc))
     return out
 
@@ -165,7 +170,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, *, scale: float | None = None,
                             out: torch.Tensor | None = None,
-                            backend: str | None = None, check: bool = True) -> torch.Tensor:
+                            backend: str | None = None, check: bool = True,
+                            plan: dict | None = None) -> torch.Tensor:
     """A chunk of new tokens per sequence attends causally to its cached prefix and itself.
 
     q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
@@ -179,6 +185,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                   cached_len = seq_len - q_len >= 0.
     check:        False skips the value checks (cu_seqlens_q, seq_lens, used table entries)
                   for a caller that validated the batch already; structure is always checked.
+    plan:         torch backend: a per-batch dict, as in :func:`paged_decode_attention`.
     Returns out:  [total_q_tokens, num_q_heads, head_dim].
 
     Query i (0-based within its chunk) attends to keys [0, cached_len + i]. Example: a sequence
@@ -223,7 +230,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                  cu_seqlens_q, seq_lens, sc, out)
+                                                  cu_seqlens_q, seq_lens, sc, out, plan)
     out.copy_(reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                 cu_seqlens_q, seq_lens, sc))
     return out

@@ -40,6 +40,12 @@ sequences did before) through the masked path: padded to the group's longest, on
 with ``allowed[s, i, j] = j < seq_len_s and j <= cached_len_s + i``. The split is taken for a
 shape when there are at most ``_MAX_EXACT_SHAPES`` shapes in the batch or the shape's
 q_len * seq_len is at least ``_MIN_EXACT_PAIRS``.
+
+Per-batch plans. Everything above that depends only on the block tables and lengths (host
+lengths, groups, gather ids, query rows, masks, the PAD filter of ``write_kv``) is the same for
+every layer of one forward. The engine passes a ``plan`` dict that lives for one forward: the
+first layer computes these and stores them there, the other layers reuse them, so a layer costs
+its gathers and SDPA calls and little else (without ``plan`` everything is derived per call).
 """
 
 from __future__ import annotations
@@ -110,62 +116,22 @@ def _group_by_cost(costs: list[int], padded_cost) -> list[list[int]]:
     return groups
 
 
-def _gather_uniform(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of n sequences that all hold ``length`` tokens: [n, length, kv_heads, head_dim].
-
-    One index_select per cache; the result is cut at ``length`` by a view (no mask needed).
-    """
-    n = block_tables.shape[0]
-    block_size = k_cache.shape[1]
-    nb = -(-length // block_size)
-    ids = block_tables[:, :nb].reshape(-1).long()
-    shape = (n, nb * block_size, *k_cache.shape[2:])
-    k = _gather_rows(k_cache, ids, 0).view(shape)
-    v = _gather_rows(v_cache, ids, 1).view(shape)
-    if nb * block_size != length:
-        k, v = k[:, :length], v[:, :length]
-    return k, v
-
-
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               lens: torch.Tensor, lens_list: list[int]) -> tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor | None]:
-    """Gather K/V of n sequences, padded to the longest rounded up to whole blocks.
-
-    block_tables: [n, >= nb]; lens: int64 [n] (>= 1, on the cache's device), lens_list the same
-    on the host (decisions below are taken on host ints, not by syncing on tensors).
-    Returns k, v: [n, nb * block_size, kv_heads, head_dim] (rows >= lens zeroed) and
-    valid: bool [n, nb * block_size] (None when no row is padding).
-    """
-    n = block_tables.shape[0]
-    block_size = k_cache.shape[1]
-    nb = -(-max(lens_list) // block_size)
-    padded_len = nb * block_size
-    ids = block_tables[:, :nb].long()
-    if min(lens_list) <= (nb - 1) * block_size:   # some row has garbage entries within nb
-        used_blocks = (lens + block_size - 1) // block_size
-        cols = torch.arange(nb, device=ids.device)
-        ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1])
-    ids = ids.reshape(-1)
-    k = _gather_rows(k_cache, ids, 0).view(n, padded_len, *k_cache.shape[2:])
-    v = _gather_rows(v_cache, ids, 1).view(n, padded_len, *v_cache.shape[2:])
-    valid = None
-    if min(lens_list) != padded_len:
-        valid = torch.arange(padded_len, device=ids.device)[None, :] < lens[:, None]
-        pad_rows = (~valid).reshape(-1).nonzero().squeeze(1)
-        k.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
-        v.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
-    return k, v, valid
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache.view(-1, H, D)[slot] = key[t] for every non-PAD slot, as one index_copy_."""
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, plan: dict | None = None) -> None:
+    """cache.view(-1, H, D)[slot] = key[t] for every non-PAD slot, as one index_copy_.
+
+    ``plan``: a per-batch dict (as in :func:`paged_decode_attention`); the PAD filtering of
+    ``slot_mapping`` is then done once for all layers.
+    """
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    keep = slot_mapping != PAD_SLOT
-    if bool(keep.all()):
+    keep = False if plan is None else plan.get("write_keep", False)
+    if keep is False:   # not derived yet (None means: every slot is live)
+        mask = slot_mapping != PAD_SLOT
+        keep = None if bool(mask.all()) else mask
+        if plan is not None:
+            plan["write_keep"] = keep
+    if keep is None:
         k_flat.index_copy_(0, slot_mapping, key)
         v_flat.index_copy_(0, slot_mapping, value)
     else:
@@ -173,64 +139,148 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         v_flat.index_copy_(0, slot_mapping[keep], value[keep])
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> torch.Tensor:
-    """Decode through SDPA; q: [num_seqs, num_q_heads, head_dim] -> out (same shape)."""
-    num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+class _DecodeGroup:
+    """What one group of a decode batch reads, derived from the tables once per batch.
+
+    idx:        int64 [n] rows of the batch in this group, or None for the whole batch in order.
+    ids:        int64 [n * nb] block ids to gather (garbage table entries replaced by a valid one).
+    padded_len: nb * block_size rows per sequence after the gather.
+    length:     keys attended per sequence (the group's longest; rows past it cut by a view).
+    mask:       bool [n, 1, 1, padded_len] (None: every row up to ``length`` is real).
+    pad_rows:   int64 rows of the flattened [n * padded_len] gather to zero (None: none).
+    """
+
+    __slots__ = ("idx", "n", "ids", "padded_len", "length", "mask", "pad_rows")
+
+    def __init__(self, idx, n, ids, padded_len, length, mask, pad_rows) -> None:
+        self.idx, self.n, self.ids, self.padded_len = idx, n, ids, padded_len
+        self.length, self.mask, self.pad_rows = length, mask, pad_rows
+
+
+def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> list[_DecodeGroup]:
+    """Group a decode batch by length (bounded padding) and compute each group's gather ids and
+    mask: everything that depends on the tables and lengths only, i.e. the same for every
+    layer of one forward."""
     lens_list = seq_lens.tolist()
+    dev = block_tables.device
     if min(lens_list) == max(lens_list):   # the common case: no grouping, no mask
-        k, v = _gather_uniform(k_cache, v_cache, block_tables, lens_list[0])
-        o = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, group, head_dim),
-                                           k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        out.view(num_seqs, num_kv_heads, group, head_dim).copy_(o)
-        return out
+        n, length = len(lens_list), lens_list[0]
+        nb = -(-length // block_size)
+        ids = block_tables[:, :nb].reshape(-1).long()
+        return [_DecodeGroup(None, n, ids, nb * block_size, length, None, None)]
     groups = _group_by_cost(lens_list, lambda g: len(g) * lens_list[g[0]])
     lens = seq_lens.to(torch.long)
+    out = []
     for members in groups:
-        whole = len(groups) == 1
-        idx = None if whole else torch.tensor(members, device=q.device)
-        sel = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
+        idx = None if len(groups) == 1 else torch.tensor(members, device=dev)
+        bt = block_tables if idx is None else block_tables.index_select(0, idx)
         member_lens = [lens_list[s] for s in members]
         n = len(members)
-        qg = sel(q).view(n, num_kv_heads, group, head_dim)
+        nb = -(-max(member_lens) // block_size)
+        padded_len = nb * block_size
+        ids = bt[:, :nb].long()
+        mask = pad_rows = None
         if min(member_lens) == max(member_lens):
-            k, v = _gather_uniform(k_cache, v_cache, sel(block_tables), member_lens[0])
-            mask = None
-        else:
-            k, v, valid = _gather_kv(k_cache, v_cache, sel(block_tables), sel(lens), member_lens)
-            mask = None if valid is None else valid[:, None, None, :]
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale)
-        o = o.reshape(n, num_q_heads, head_dim)
-        if idx is None:
-            out.copy_(o)
-        else:
-            out.index_copy_(0, idx, o)
+            out.append(_DecodeGroup(idx, n, ids.reshape(-1), padded_len, member_lens[0],
+                                    None, None))
+            continue
+        glens = lens if idx is None else lens.index_select(0, idx)
+        if min(member_lens) <= (nb - 1) * block_size:   # garbage entries within nb
+            used_blocks = (glens + block_size - 1) // block_size
+            cols = torch.arange(nb, device=dev)
+            ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1])
+        valid = torch.arange(padded_len, device=dev)[None, :] < glens[:, None]
+        pad_rows = (~valid).reshape(-1).nonzero().squeeze(1)
+        mask = valid[:, None, None, :]
+        out.append(_DecodeGroup(idx, n, ids.reshape(-1), padded_len, padded_len, mask,
+                                pad_rows))
     return out
 
 
-def _prefill_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   block_tables: torch.Tensor, members: list[int], starts: list[int],
-                   cached: int, q_len: int, scale: float, out: torch.Tensor, flash) -> None:
-    """Sequences that all have ``cached`` cached tokens and a chunk of ``q_len``: no mask."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+    """Decode through SDPA; q: [num_seqs, num_q_heads, head_dim] -> out (same shape).
+
+    ``plan``: a dict the caller keeps for one batch (the same ``block_tables`` and
+    ``seq_lens``, e.g. every layer of one forward): the grouping, gather ids and masks are
+    derived from them at the first call and reused (saves their tensor work on every layer).
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    groups = None if plan is None else plan.get("decode")
+    if groups is None:
+        groups = _decode_groups(block_tables, seq_lens, k_cache.shape[1])
+        if plan is not None:
+            plan["decode"] = groups
+    kv_shape = k_cache.shape[2:]
+    for g in groups:
+        n = g.n
+        shape = (n, g.padded_len, *kv_shape)
+        k = _gather_rows(k_cache, g.ids, 0).view(shape)
+        v = _gather_rows(v_cache, g.ids, 1).view(shape)
+        if g.pad_rows is not None:   # a masked score times a NaN value is still NaN
+            k.view(n * g.padded_len, -1).index_fill_(0, g.pad_rows, 0)
+            v.view(n * g.padded_len, -1).index_fill_(0, g.pad_rows, 0)
+        if g.length != g.padded_len:
+            k, v = k[:, :g.length], v[:, :g.length]
+        qg = (q if g.idx is None else q.index_select(0, g.idx)).view(
+            n, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=g.mask, scale=scale)
+        if g.idx is None:
+            out.view(n, num_kv_heads, group, head_dim).copy_(o)
+        else:
+            out.index_copy_(0, g.idx, o.reshape(n, num_q_heads, head_dim))
+    return out
+
+
+class _ExactShape:
+    """Prefill sequences sharing one (cached_len, q_len): their packed query rows and gather ids
+    (derived from the batch once, reused by every layer)."""
+
+    __slots__ = ("n", "start", "rows", "ids", "cached", "q_len")
+
+    def __init__(self, n, start, rows, ids, cached, q_len) -> None:
+        self.n, self.start, self.rows, self.ids = n, start, rows, ids
+        self.cached, self.q_len = cached, q_len
+
+
+def _exact_shape(block_tables: torch.Tensor, members: list[int], starts: list[int],
+                 cached: int, q_len: int, block_size: int) -> _ExactShape:
+    dev = block_tables.device
     n = len(members)
-    dev = q.device
+    nb = -(-(cached + q_len) // block_size)
     if n == 1:
         rows = None
-        qs = q[starts[0]:starts[0] + q_len].unsqueeze(0)               # [1, m, Hq, D] view
         bt = block_tables[members[0]:members[0] + 1]
     else:
         rows = (torch.tensor(starts, device=dev)[:, None]
                 + torch.arange(q_len, device=dev)[None, :]).reshape(-1)
-        qs = q.index_select(0, rows).view(n, q_len, num_q_heads, head_dim)
         bt = block_tables.index_select(0, torch.tensor(members, device=dev))
-    k, v = _gather_uniform(k_cache, v_cache, bt, cached + q_len)       # [n, L, Hkv, D]
+    return _ExactShape(n, starts[0], rows, bt[:, :nb].reshape(-1).long(), cached, q_len)
+
+
+def _prefill_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   sh: _ExactShape, scale: float, out: torch.Tensor, flash) -> None:
+    """Sequences that all have ``sh.cached`` cached tokens and a chunk of ``sh.q_len``: no mask."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    n, cached, q_len = sh.n, sh.cached, sh.q_len
+    length = cached + q_len
+    if sh.rows is None:
+        qs = q[sh.start:sh.start + q_len].unsqueeze(0)                 # [1, m, Hq, D] view
+    else:
+        qs = q.index_select(0, sh.rows).view(n, q_len, num_q_heads, head_dim)
+    padded = sh.ids.numel() // n * k_cache.shape[1]
+    shape = (n, padded, *k_cache.shape[2:])
+    k = _gather_rows(k_cache, sh.ids, 0).view(shape)
+    v = _gather_rows(v_cache, sh.ids, 1).view(shape)
+    if padded != length:
+        k, v = k[:, :length], v[:, :length]                            # [n, L, Hkv, D]
     k, v = k.transpose(1, 2), v.transpose(1, 2)                        # [n, Hkv, L, D] views
     if cached == 0:
         o = F.scaled_dot_product_attention(qs.transpose(1, 2), k, v, is_causal=True,
@@ -255,79 +305,131 @@ def _prefill_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
         o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
     o = o.transpose(1, 2)                                              # [n, m, Hq, D]
-    if rows is None:
-        out[starts[0]:starts[0] + q_len].copy_(o[0])
+    if sh.rows is None:
+        out[sh.start:sh.start + q_len].copy_(o[0])
     else:
-        out.index_copy_(0, rows, o.reshape(-1, num_q_heads, head_dim).to(out.dtype))
+        out.index_copy_(0, sh.rows, o.reshape(-1, num_q_heads, head_dim).to(out.dtype))
 
 
-def _prefill_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, members: list[int],
-                    cu: list[int], q_lens: list[int], lens_list: list[int], scale: float,
-                    out: torch.Tensor) -> None:
-    """One padded, masked SDPA over a group of sequences of different shapes.
+class _MaskedGroup:
+    """A padded, masked group of prefill sequences (see :func:`_masked_group`)."""
 
-    Queries are padded to the longest chunk (padding rows repeat the chunk's last query and are
-    dropped afterwards) and keys to the longest sequence:
+    __slots__ = ("n", "max_q", "src", "ids", "padded_len", "pad_rows", "allowed", "keep", "dst")
+
+    def __init__(self, n, max_q, src, ids, padded_len, pad_rows, allowed, keep, dst) -> None:
+        self.n, self.max_q, self.src, self.ids = n, max_q, src, ids
+        self.padded_len, self.pad_rows, self.allowed = padded_len, pad_rows, allowed
+        self.keep, self.dst = keep, dst
+
+
+def _masked_group(block_tables: torch.Tensor, seq_lens: torch.Tensor, members: list[int],
+                  cu: list[int], q_lens: list[int], lens_list: list[int],
+                  block_size: int) -> _MaskedGroup:
+    """Queries are padded to the longest chunk (padding rows repeat the chunk's last query and
+    are dropped afterwards) and keys to the longest sequence, rounded up to whole blocks:
 
         qg [n, Lq_pad, Hq, D]       row i of sequence s = packed row cu[s] + min(i, q_len_s - 1)
         allowed[s, i, j] = j < seq_len_s and j <= cached_len_s + i
     """
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    dev = q.device
+    dev = block_tables.device
+    n = len(members)
     max_q = max(q_lens[s] for s in members)
     m = torch.tensor(members, device=dev)
     lens = seq_lens.index_select(0, m).long()
     qlen = torch.tensor([q_lens[s] for s in members], device=dev)
     start = torch.tensor([cu[s] for s in members], device=dev)
     rows = torch.arange(max_q, device=dev)
-    src = start[:, None] + torch.minimum(rows[None, :], (qlen - 1)[:, None])
-    qg = q.index_select(0, src.reshape(-1)).view(len(members), max_q, num_q_heads, head_dim)
-    k, v, _ = _gather_kv(k_cache, v_cache, block_tables.index_select(0, m), lens,
-                         [lens_list[s] for s in members])
-    key_pos = torch.arange(k.shape[1], device=dev)
+    src = (start[:, None] + torch.minimum(rows[None, :], (qlen - 1)[:, None])).reshape(-1)
+    member_lens = [lens_list[s] for s in members]
+    nb = -(-max(member_lens) // block_size)
+    padded_len = nb * block_size
+    ids = block_tables.index_select(0, m)[:, :nb].long()
+    if min(member_lens) <= (nb - 1) * block_size:   # some row has garbage entries within nb
+        used_blocks = (lens + block_size - 1) // block_size
+        cols = torch.arange(nb, device=dev)
+        ids = torch.where(cols[None, :] < used_blocks[:, None], ids, ids[:, :1])
+    pad_rows = None
+    if min(member_lens) != padded_len:
+        valid = torch.arange(padded_len, device=dev)[None, :] < lens[:, None]
+        pad_rows = (~valid).reshape(-1).nonzero().squeeze(1)
+    key_pos = torch.arange(padded_len, device=dev)
     cached = (lens - qlen)[:, None, None]
     allowed = (key_pos[None, None, :] <= cached + rows[None, :, None]) & \
               (key_pos[None, None, :] < lens[:, None, None])
-    o = F.scaled_dot_product_attention(
-        qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
-    o = o.transpose(1, 2)  # [n, max_q, Hq, D]
     keep = (rows[None, :] < qlen[:, None]).reshape(-1)
     dst = (start[:, None] + rows[None, :]).reshape(-1)[keep]
-    out.index_copy_(0, dst, o.reshape(-1, num_q_heads, head_dim)[keep])
+    return _MaskedGroup(n, max_q, src, ids.reshape(-1), padded_len, pad_rows,
+                        allowed[:, None], keep, dst)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float,
-                            out: torch.Tensor) -> torch.Tensor:
-    """Extend-case prefill; q packed [total_q, num_q_heads, head_dim] -> out (see module doc)."""
+def _prefill_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    g: _MaskedGroup, scale: float, out: torch.Tensor) -> None:
+    """One padded, masked SDPA over a group of sequences of different shapes."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    n = g.n
+    qg = q.index_select(0, g.src).view(n, g.max_q, num_q_heads, head_dim)
+    shape = (n, g.padded_len, *k_cache.shape[2:])
+    k = _gather_rows(k_cache, g.ids, 0).view(shape)
+    v = _gather_rows(v_cache, g.ids, 1).view(shape)
+    if g.pad_rows is not None:   # a masked score times a NaN value is still NaN
+        k.view(n * g.padded_len, -1).index_fill_(0, g.pad_rows, 0)
+        v.view(n * g.padded_len, -1).index_fill_(0, g.pad_rows, 0)
+    o = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=g.allowed, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)  # [n, max_q, Hq, D]
+    out.index_copy_(0, g.dst, o.reshape(-1, num_q_heads, head_dim)[g.keep])
+
+
+def _prefill_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seq_lens: torch.Tensor, block_size: int, flash) -> list:
+    """The batch's exact shapes and masked groups (see the module docstring), computed once."""
     cu = cu_seqlens_q.tolist()
     lens_list = seq_lens.tolist()
     q_lens = [cu[s + 1] - cu[s] for s in range(len(lens_list))]
     live = [s for s in range(len(lens_list)) if q_lens[s] > 0]
-    flash = _flash_with_lse()
     shapes: dict[tuple[int, int], list[int]] = {}
     for s in live:
         shapes.setdefault((lens_list[s] - q_lens[s], q_lens[s]), []).append(s)
+    items: list = []
     masked: list[int] = []
     for (cached, q_len), members in shapes.items():
         if (cached > 0 and flash is None) or (
                 len(shapes) > _MAX_EXACT_SHAPES and q_len * (cached + q_len) < _MIN_EXACT_PAIRS):
             masked.extend(members)
             continue
-        _prefill_exact(q, k_cache, v_cache, block_tables, members, [cu[s] for s in members],
-                       cached, q_len, scale, out, flash)
-    if not masked:
-        return out
-    masked.sort()
-    costs = [max(1, q_lens[s] * lens_list[s] // 64) for s in masked]
-    groups = _group_by_cost(costs, lambda g: len(g) * max(q_lens[masked[i]] for i in g)
-                            * max(lens_list[masked[i]] for i in g) // 64)
-    for group in groups:
-        _prefill_masked(q, k_cache, v_cache, block_tables, seq_lens, [masked[i] for i in group],
-                        cu, q_lens, lens_list, scale, out)
+        items.append(_exact_shape(block_tables, members, [cu[s] for s in members], cached,
+                                  q_len, block_size))
+    if masked:
+        masked.sort()
+        costs = [max(1, q_lens[s] * lens_list[s] // 64) for s in masked]
+        groups = _group_by_cost(costs, lambda g: len(g) * max(q_lens[masked[i]] for i in g)
+                                * max(lens_list[masked[i]] for i in g) // 64)
+        for group in groups:
+            items.append(_masked_group(block_tables, seq_lens, [masked[i] for i in group], cu,
+                                       q_lens, lens_list, block_size))
+    return items
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            out: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+    """Extend-case prefill; q packed [total_q, num_q_heads, head_dim] -> out (see module doc).
+
+    ``plan``: as in :func:`paged_decode_attention`, a per-batch dict reused across layers.
+    """
+    flash = _flash_with_lse()
+    items = None if plan is None else plan.get("prefill")
+    if items is None:
+        items = _prefill_plan(block_tables, cu_seqlens_q, seq_lens, k_cache.shape[1], flash)
+        if plan is not None:
+            plan["prefill"] = items
+    for item in items:
+        if isinstance(item, _ExactShape):
+            _prefill_exact(q, k_cache, v_cache, item, scale, out, flash)
+        else:
+            _prefill_masked(q, k_cache, v_cache, item, scale, out)
     return out
 
 

@@ -60,6 +60,11 @@ class PagedAttentionContext:
     batch: ForwardBatch
     kv_cache: torch.Tensor
     _scratch: list = field(default_factory=list, repr=False, compare=False)
+    #: The torch path's per-batch plan (kernels/torch_path.py): derived from the batch at the
+    #: first layer, reused by the others. ``"direct"`` is set once the first layer went
+    #: through the checked launchers on the torch backend: later layers (same shapes, dtypes
+    #: and devices, the model's) then call the torch path without re-checking.
+    plan: dict = field(default_factory=dict, repr=False, compare=False)
 
     def scratch_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block ids the batch reads, block tables renumbered into them): computed once per
@@ -143,23 +148,52 @@ def paged_attention_forward(
                           softcap)
     # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
     # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
-    # dtypes and devices, but skip re-reading tensor values on every layer.
-    kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, check=False)
+    # dtypes and devices (on the first layer; see PagedAttentionContext.plan), but skip
+    # re-reading tensor values on every layer.
+    plan = ctx.plan
     windowed = sliding_window is not None and batch.max_seq_len > sliding_window
     if windowed or softcap is not None:
         # A window that no sequence reaches changes nothing: those layers keep the fast path.
+        kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, check=False, plan=plan)
         out = kernels.paged_attention_windowed(
             q, k_cache, v_cache, batch.block_tables, batch.host_cu_seqlens_q,
             batch.host_seq_lens, scaling if scaling is not None else q.shape[-1] ** -0.5,
             torch.empty_like(q), window=sliding_window if windowed else None, softcap=softcap)
-    elif batch.mode is AttentionMode.DECODE:
-        out = kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling, check=False)
+    elif plan.get("direct"):
+        out = _torch_path_direct(ctx, q, k, v, k_cache, v_cache, scaling)
     else:
-        out = kernels.paged_prefill_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
-            scale=scaling, check=False)
+        kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, check=False, plan=plan)
+        if batch.mode is AttentionMode.DECODE:
+            out = kernels.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale=scaling,
+                check=False, plan=plan)
+        else:
+            out = kernels.paged_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
+                scale=scaling, check=False, plan=plan)
+        from radixkv.kernels.backend import resolve_backend
+        plan["direct"] = resolve_backend(None, q.device) == "torch"
     return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+
+
+def _torch_path_direct(ctx: PagedAttentionContext, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       scaling: float | None) -> torch.Tensor:
+    """Layers after the first of a forward on the torch backend: the same calls as the checked
+    launchers make, without their per-call argument checks (the first layer passed them with
+    tensors of the same shapes, dtypes and devices; only the layer's cache slice differs)."""
+    from radixkv.kernels import torch_path
+
+    batch, plan = ctx.batch, ctx.plan
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    torch_path.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, plan)
+    out = torch.empty_like(q)
+    if batch.mode is AttentionMode.DECODE:
+        return torch_path.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
+                                                 batch.seq_lens, scale, out, plan)
+    return torch_path.paged_prefill_attention(q, k_cache, v_cache, batch.block_tables,
+                                              batch.cu_seqlens_q, batch.seq_lens, scale, out,
+                                              plan)
 
 
 def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: torch.Tensor,

@@ -38,7 +38,8 @@ from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, RequestOutput, TokenLogprob,
     request_output,
 )
-from radixkv.engine.sampling import SamplingParams, eos_token_ids, make_generator, sample_token
+from radixkv.engine.sampling import (SamplingParams, eos_token_ids, greedy_tokens, make_generator,
+                                     sample_token)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
@@ -356,7 +357,7 @@ class LLMEngine:
             run_kv_ops(self.kv_mover, copies)
         if not rows:
             return []
-        argmax = logits.argmax(dim=-1).tolist()       # greedy: ties -> lowest id
+        argmax = greedy_tokens(logits)       # greedy: ties -> lowest id
         logp = torch.log_softmax(logits, dim=-1)
         now = time.perf_counter()
         outputs = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine import attention, kv_quant
+from radixkv.engine import attention, kv_quant, packed_linear
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
@@ -88,7 +88,8 @@ class ModelRunner:
     ``model.set_attn_implementation("sdpa")``.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | DevicePool) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | DevicePool,
+                 pack_weights: bool | None = None) -> None:
         """Wrap a ready model and a cache allocated for it.
 
         Args:
@@ -97,6 +98,10 @@ class ModelRunner:
             kv_cache: the device tier's :class:`DevicePool`, or its tensor
                 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, on the
                 model's device in the model's dtype.
+            pack_weights: pre-pack the linear layers' weights for oneDNN
+                (:mod:`radixkv.engine.packed_linear`: bit-identical, faster decode, a second
+                copy of the weights in memory); ``None`` = where supported (bf16 on a CPU with
+                native bf16).
         """
         tensor = kv_cache.kv_cache if isinstance(kv_cache, DevicePool) else kv_cache
         param = next(model.parameters())
@@ -130,6 +135,10 @@ class ModelRunner:
             raise ConfigError(f"{type(model).__name__} does not dispatch attention through "
                               "transformers' AttentionInterface; radixkv cannot page its KV")
         model.eval()
+        if pack_weights is None:
+            pack_weights = packed_linear.packing_supported(param.dtype, self.device)
+        if pack_weights:
+            packed_linear.pack_linears(model)
         self._vocab_rows = model.get_input_embeddings().num_embeddings
 
     # -- construction helpers -------------------------------------------------------------

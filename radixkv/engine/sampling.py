@@ -189,8 +189,13 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Argmax of each row of ``[R, V]`` logits; ties resolve to the lowest token id."""
-    return logits.argmax(dim=-1).tolist()
+    """Argmax of each row of ``[R, V]`` logits; ties resolve to the lowest token id.
+
+    ``max(dim)`` rather than ``argmax``: the same indices (both documented to return the first
+    maximal value), but on the CPU ``argmax`` over a 49k vocabulary took 2.0 ms for 16 rows
+    against 0.74 ms, ~3% of a decode step of the embedded model.
+    """
+    return logits.max(dim=-1).indices.tolist()
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:

@@ -95,3 +95,17 @@ def test_detokenizer_waits_for_complete_utf8():
     assert d.append(e[0]) == ""
     assert d.append(e[1]) == "é"
     assert d.text == "xé"
+
+
+def test_greedy_ties_lowest_id_on_a_real_vocabulary():
+    """Ties far apart in a 49k vocabulary (vectorized max reductions): still the lowest id."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 49152, generator=g)
+    want = []
+    for r in range(16):
+        lo, hi = sorted(torch.randint(0, 49152, (2,), generator=g).tolist())
+        hi = hi if hi != lo else lo + 1
+        logits[r, lo] = logits[r, hi] = 10.0 + r
+        want.append(lo)
+    assert greedy_tokens(logits) == want == logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits.to(torch.bfloat16)) == want

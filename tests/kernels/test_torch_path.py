@@ -8,6 +8,8 @@ Also the trusted ``check=False`` launchers and write_kv's stride rule for one KV
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -142,3 +144,49 @@ def test_write_kv_single_kv_head_ignores_size1_stride(backend):
     with pytest.raises(InvalidRequestError, match="contiguous"):
         write_kv(torch.randn(5, 1, 128, generator=gen)[:, :, ::2], value, pool[0, 0],
                  pool[0, 1], slots, backend=backend)
+
+
+@pytest.mark.parametrize("path", ["exact", "masked"])
+def test_plan_reused_across_layers_is_exact(monkeypatch, path):
+    """A per-batch ``plan`` (what the engine keeps for one forward): the second "layer" (other
+    caches, same tables and lengths) reuses the first's groups, gather ids and masks and gets
+    exactly what a call without a plan gets; ragged decode (masked groups), prefill of both
+    paths, and write_kv's PAD filter."""
+    _force(monkeypatch, path)
+    gen = torch.Generator().manual_seed(31)
+    cached = [0, 0, 21, 21, 5, 40, 300]
+    q_lens = [17, 3, 11, 11, 1, 1, 2]
+    lens = [c + n for c, n in zip(cached, q_lens)]
+    first = make_case(lens, block_size=16, num_kv_heads=2, head_dim=64, gen=gen)
+    second = copy.copy(first)   # one batch, two layers' caches: same tables, other values
+    second.k_cache = torch.randn(first.k_cache.shape, generator=gen) + 0 * first.k_cache
+    second.v_cache = torch.randn(first.v_cache.shape, generator=gen) + 0 * first.v_cache
+    layers = [first, second]
+    tables, seq_lens = layers[0].block_tables, layers[0].seq_lens
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    total = int(cu[-1])
+    prefill_plan: dict = {}
+    decode_plan: dict = {}
+    for case in layers:
+        q = torch.randn(total, 4, 64, generator=gen)
+        want = paged_prefill_attention(q, case.k_cache, case.v_cache, tables, cu, seq_lens,
+                                       backend="torch")
+        got = paged_prefill_attention(q, case.k_cache, case.v_cache, tables, cu, seq_lens,
+                                      backend="torch", plan=prefill_plan)
+        assert torch.equal(got, want)
+        qd = torch.randn(len(lens), 4, 64, generator=gen)
+        want = paged_decode_attention(qd, case.k_cache, case.v_cache, tables, seq_lens,
+                                      backend="torch")
+        got = paged_decode_attention(qd, case.k_cache, case.v_cache, tables, seq_lens,
+                                     backend="torch", plan=decode_plan)
+        assert torch.equal(got, want)
+    assert "prefill" in prefill_plan
+    assert decode_plan["decode"][0].mask is not None   # ragged lengths: a masked group
+    write_plan: dict = {}
+    slots = torch.tensor([3, PAD_SLOT, 7])
+    for case in layers:
+        key, value = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+        write_kv(key, value, case.k_cache, case.v_cache, slots, backend="torch", plan=write_plan)
+        flat = case.k_cache.view(-1, 2, 64)
+        assert torch.equal(flat[3], key[0]) and torch.equal(flat[7], key[2])
+    assert write_plan["write_keep"] is not None

@@ -1,0 +1,146 @@
+"""bfloat16 linear layers on the CPU with their weights pre-packed for oneDNN.
+
+Why: in decode every step multiplies a few rows (one per running sequence) by every weight
+matrix, so the step is bound by streaming the weights. ``F.linear`` hands oneDNN a plain
+row-major weight, which oneDNN re-lays out into its blocked (AMX / AVX512-BF16) format on every
+call. Packing each weight once (``torch.ops.mkldnn._reorder_linear_weight``, what
+``torch.compile(freezing=True)`` does for bf16 linears on the CPU) and calling
+``torch.ops.mkldnn._linear_pointwise`` skips that: on the embedded model (16 sequences, 1
+thread) decode went from 211 to 255 tok/s in one run (see docs/benchmarks.md).
+
+Numerics: for inputs of at most :data:`MAX_PACKED_ROWS` rows the packed call is bit-identical to
+``F.linear`` (the same oneDNN kernel; checked in ``tests/engine/test_packed_linear.py`` for the
+model's shapes, 1 and 2 threads). For more rows ``F.linear`` may pick another kernel (on this
+CPU from ~300 rows for some shapes), so larger inputs (long prefill chunks) keep ``F.linear``
+and a cold bf16 prefill stays bit-identical to transformers' own.
+
+How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 model on the CPU to
+:class:`PackedLinear` (a subclass: ``isinstance(m, nn.Linear)``, the state dict and the
+``weight`` parameter are unchanged). The packed copy is kept *beside* the weight, not in a
+buffer: ``model.to(...)``, ``load_state_dict`` or an in-place edit of the weight leave it stale,
+and the layer notices (the weight's data pointer, dtype and version are the key) and repacks or
+falls back to ``F.linear``. The cost is memory: a second copy of every linear weight (on the
+embedded model 134 M parameters, +256 MiB in bf16); ``pack_linears(model, enable=False)`` /
+:func:`unpack_linears` give it back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Inputs with more rows than this take ``F.linear`` (see the module docstring: bit-identical
+#: results up to here, on the shapes tested).
+MAX_PACKED_ROWS = 256
+#: The batch-size hint given to oneDNN when packing (decode batches are a few to tens of rows).
+_PACK_HINT_ROWS = 16
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when bf16 weights on this CPU can be pre-packed (oneDNN with native bf16)."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise")
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _Packed:
+    """The packed weight and what it was packed from (the weight's storage pointer, dtype and
+    version: a conversion or an in-place edit changes one of them).
+
+    Deep copies and pickles of the model carry an empty holder (oneDNN's opaque tensors can be
+    neither copied nor pickled); the copy packs its own weight on first use.
+    """
+
+    __slots__ = ("ptr", "version", "tensor")
+
+    def __init__(self) -> None:
+        self.ptr = self.version = -1
+        self.tensor: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Packed:
+        return _Packed()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+_BF16 = torch.bfloat16
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``, or -2 for an inference tensor (weights created under
+    ``torch.inference_mode`` track no version; only their pointer is compared then)."""
+    return -2 if t.is_inference() else t._version
+
+
+class PackedLinear(torch.nn.Linear):
+    """``nn.Linear`` whose bf16 CPU forward uses a once-packed oneDNN weight (see module doc).
+
+    ``_packed`` is an instance attribute, not a buffer or parameter, so the module's state dict
+    and ``.to()`` see exactly an ``nn.Linear``. The forward runs once per layer per step, so it
+    reads ``_parameters`` directly (``nn.Module.__getattr__`` costs more than the checks).
+    """
+
+    _packed: _Packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = self._parameters
+        w = params["weight"]
+        if (x.dtype is not _BF16 or w.dtype is not _BF16 or x.is_cuda or w.is_cuda
+                or x.device.type != "cpu" or x.numel() > MAX_PACKED_ROWS * w.shape[1]
+                or (w.requires_grad and torch.is_grad_enabled())):
+            return F.linear(x, w, params["bias"])
+        holder = self._packed
+        if holder.ptr != w.data_ptr() or holder.version != _version(w):
+            with torch.no_grad():
+                holder.tensor = torch.ops.mkldnn._reorder_linear_weight(
+                    w.detach(), _PACK_HINT_ROWS)
+            holder.ptr, holder.version = w.data_ptr(), _version(w)
+        return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, params["bias"], "none",
+                                                  [], "")
+
+
+def pack_linears(model: torch.nn.Module, enable: bool = True) -> int:
+    """Switch every ``nn.Linear`` of ``model`` to :class:`PackedLinear` (``enable=False``:
+    back to ``nn.Linear``); returns how many layers changed. Packing happens lazily, at each
+    layer's first bf16 CPU forward, so this is cheap and safe on any dtype or device: layers
+    that never see a packable input behave exactly as ``nn.Linear``.
+    """
+    changed = 0
+    for mod in model.modules():
+        if enable and type(mod) is torch.nn.Linear:
+            mod.__class__ = PackedLinear
+            object.__setattr__(mod, "_packed", _Packed())
+            changed += 1
+        elif not enable and type(mod) is PackedLinear:
+            mod.__class__ = torch.nn.Linear
+            mod.__dict__.pop("_packed", None)
+            changed += 1
+    return changed
+
+
+def unpack_linears(model: torch.nn.Module) -> int:
+    """Undo :func:`pack_linears` (frees the packed copies)."""
+    return pack_linears(model, enable=False)
+
+
+def packed_bytes(model: Any) -> int:
+    """Bytes held by packed copies right now (their weights' sizes; oneDNN's opaque tensors do
+    not report storage)."""
+    total = 0
+    for mod in model.modules():
+        holder = getattr(mod, "_packed", None)
+        if isinstance(holder, _Packed) and holder.tensor is not None:
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
