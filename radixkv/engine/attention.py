@@ -172,8 +172,8 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
     stored rows are Hadamard-rotated and stay so: the query is rotated before the kernel and
     the output after it (``q . k`` and the softmax are unchanged by an orthonormal rotation).
     The scratch is a gather the torch path does anyway (it copies each sequence's K/V per
-    layer). Where the kernels run on Triton, int8 blocks are read in place instead (the
-    kernels dequantize in registers; no scratch), unless a window or a softcap needs the
+    layer). Where the kernels run on Triton, int8 and fp8 blocks are read in place instead
+    (the kernels dequantize in registers; no scratch), unless a window or a softcap needs the
     windowed kernel, which reads float caches only."""
     from radixkv.engine.kv_quant import dequantize_rows, format_of, rotate, write_quantized
     from radixkv.kernels.backend import resolve_backend
@@ -185,8 +185,7 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
         q = rotate(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     windowed = sliding_window is not None and batch.max_seq_len > sliding_window
-    if (k_cache.dtype == torch.int8 and not windowed and softcap is None
-            and resolve_backend(None, q.device) == "triton"):
+    if not windowed and softcap is None and resolve_backend(None, q.device) == "triton":
         if batch.mode is AttentionMode.DECODE:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
                                                  batch.seq_lens, scale=scale, check=False)
