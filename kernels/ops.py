@@ -275,11 +275,20 @@ def _check_tables(block_tables: torch.Tensor, lens: list[int], block_size: int,
 
 
 def _check_pool(kv_cache: object) -> torch.Tensor:
-    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous."""
-    t = checks.check_tensor("kv_cache", kv_cache, ndim=6, dtypes=checks.FLOAT_DTYPES)
+    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+    a float cache, or a quantized one (int8 / float8_e4m3fn rows of head_dim + 2 with their
+    scales): the block ops below move bytes and never look inside a row."""
+    t = checks.check_tensor("kv_cache", kv_cache, ndim=6,
+                            dtypes=checks.FLOAT_DTYPES + checks.QUANT_DTYPES)
     if t.shape[1] != 2:
         fail(f"kv_cache dim 1 must be 2 (K and V), got shape {tuple(t.shape)}")
     return t
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as int8 (same bytes): index_copy_ and friends, and Triton's loads, are
+    not implemented for float8 everywhere; every other dtype as it is."""
+    return t.view(torch.int8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _check_block_ids(name: str, ids: object, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -310,6 +319,7 @@ def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
     if bool(torch.isin(dst, src).any()):
         fail("a block cannot be both a source and a destination of one copy_blocks call")
     name = resolve_backend(backend, kv.device)
+    kv = _as_bytes(kv)
     if name == "triton":
         _triton_cache().copy_blocks(kv, src, dst)
     elif name == "torch":
@@ -328,7 +338,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     """
     kv = _check_pool(kv_cache)
     ids = _check_block_ids("block_ids", block_ids, kv)
-    return torch_path.gather_blocks(kv, ids)
+    return torch_path.gather_blocks(_as_bytes(kv), ids).view(kv.dtype)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -347,4 +357,4 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     checks.check_same_device(kv_cache=kv, blocks=blocks)
     if ids.unique().numel() != ids.numel():
         fail("block_ids must be distinct")
-    torch_path.scatter_blocks(kv, ids, blocks)
+    torch_path.scatter_blocks(_as_bytes(kv), ids, _as_bytes(blocks))

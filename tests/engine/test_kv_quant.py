@@ -185,6 +185,27 @@ def test_quantized_engine_tracks_float32_and_its_cache_is_consistent(hf_llama, f
 
 
 @pytest.mark.parametrize("kv", QUANT)
+def test_parallel_samples_copy_quantized_blocks_on_write(hf_llama, kv):
+    """n > 1 forks a sequence whose last block is partial; the children's first appends copy
+    that block (copy-on-write through ``kernels.copy_blocks``, which moves a quantized
+    cache's bytes as they are). Greedy children must then all equal one greedy run."""
+    from radixkv.engine.sampling import SamplingParams
+
+    prompt = rand_tokens(21, 7)                  # 21 tokens: a partial last block of 4
+    eng = _engine(hf_llama, kv)
+    eng.add_request("one", prompt, SamplingParams(max_tokens=6))
+    eng.add_request("three", prompt, SamplingParams(max_tokens=6, n=3))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    one = done["one"].outputs[0].token_ids
+    assert [o.token_ids for o in done["three"].outputs] == [one] * 3
+    assert eng.kv_mover.num_copies >= 2          # two children copied the shared tail
+
+
+@pytest.mark.parametrize("kv", QUANT)
 def test_quantized_blocks_move_through_host_and_disk_unchanged(hf_llama, tmp_path, kv):
     convs = [rand_tokens(21, 100 + c) for c in range(4)]
     big = _engine(hf_llama, kv, device=256)                 # nothing ever evicted

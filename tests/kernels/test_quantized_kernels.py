@@ -187,3 +187,18 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
     assert scratch_calls
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@STORAGE
+def test_triton_copy_blocks_moves_quantized_bytes(triton_backend, storage):
+    """Copy-on-write of a quantized pool on Triton copies its bytes (an int8 view for e4m3)."""
+    from radixkv.kernels import copy_blocks
+
+    gen = torch.Generator().manual_seed(9)
+    pool = torch.randint(-128, 128, (2, 2, 6, 8, 3, 66), dtype=torch.int8,
+                         generator=gen).view(storage)
+    before = pool.view(torch.int8).clone()
+    copy_blocks(pool, torch.tensor([1, 1, 5]), torch.tensor([0, 4, 2]), backend=triton_backend)
+    want = before.clone()
+    want[:, :, [0, 4, 2]] = before[:, :, [1, 1, 5]]
+    assert torch.equal(pool.view(torch.int8), want)
