@@ -206,7 +206,11 @@ def variants(args: argparse.Namespace) -> int:
     eng = _engine("auto")
     texts = [c[0] for c in conversations(args.prompts, 2, args.max_chars)]
     ids = [eng.chat_template.prompt_ids([{"role": "user", "content": t}]) for t in texts]
-    rows = run_variants(eng.core.model, ids, args.tokens, names)
+    held = heldout_pairs(args.heldout, args.skip, args.max_chars)
+    held_ctx = [eng.chat_template.prompt_ids([{"role": "user", "content": u}]) for u, _ in held]
+    replies = [eng.tokenizer(r, add_special_tokens=False)["input_ids"][:args.reply_tokens]
+               for _, r in held]
+    rows = run_variants(eng.core.model, ids, args.tokens, names, list(zip(held_ctx, replies)))
     eng.close()
     print_table(rows, title=f"fake-quantized KV vs float32 KV (float32 SmolLM2), {len(ids)} "
                             f"tuning prompts x {args.tokens} tokens")

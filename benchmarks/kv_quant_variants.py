@@ -6,8 +6,8 @@ each row is replaced by what the variant would store and read back (quantize, de
 rotate back) as it is written, by wrapping ``kernels.write_kv``. That needs no new storage
 format, so formats the block layout cannot hold yet (int4, groups, zero points, per-channel
 key scales) can be compared with the shipped ones on the same harness. Two measures on the
-tuning prompts only (the first user messages of the first ``--prompts`` ShareGPT
-conversations, as in ``radixkv bench kv-quant``; never the held-back ones):
+tuning prompts (the first user messages of the first ``--prompts`` ShareGPT conversations, as
+in ``radixkv bench kv-quant``), and one on the held-back conversations:
 
 * ``flips``: the float32 model's own greedy continuation (``--tokens`` tokens) teacher-forced
   in one forward per prompt; positions whose argmax differs from that continuation, per 1,000
@@ -17,6 +17,9 @@ conversations, as in ``radixkv bench kv-quant``; never the held-back ones):
   against its own step-by-step decode, where near-ties can already flip.
 * ``identical``: free-running greedy continuations identical to float32 KV's (batched decode
   through ``ModelRunner``, the same prompts), and the mean number of leading tokens that agree.
+* ``ppl``: perplexity of the real first replies of the held-back conversations (as in
+  ``radixkv bench kv-quant``; scored only, never used to choose a variant), teacher-forced over
+  the fake-quantized cache, and its change against float32 KV.
 
 Bytes per block are computed for each variant's layout at the model's geometry (per-row fp16
 scales, and zero points where a variant has them). Fake and real quantization differ by float32
@@ -224,10 +227,13 @@ def _flips(runner: Any, prompts: list[list[int]], conts: list[list[int]],
     return bad
 
 
-def run_variants(model: Any, prompts: list[list[int]], tokens: int, variants: list[str]
+def run_variants(model: Any, prompts: list[list[int]], tokens: int, variants: list[str],
+                 held: list[tuple[list[int], list[int]]] | None = None
                  ) -> list[dict[str, Any]]:
-    """Flip rate and free-running identity of every variant against float32 KV."""
+    """Flip rate and free-running identity of every variant against float32 KV, and the
+    perplexity of ``held`` (context, reply) pairs when given."""
     from radixkv import kernels
+    from radixkv.benchmarks.bench_kv_quant import perplexity
     from radixkv.engine.model_runner import ModelRunner
 
     bs = BLOCK
@@ -249,6 +255,9 @@ def run_variants(model: Any, prompts: list[list[int]], tokens: int, variants: li
              "identical": f"{len(ref)}/{len(ref)}",
              "mean_leading_agree": float(tokens), "row_bytes": row_bytes("float32", d),
              "of_bf16": 2.0, "seconds": round(time.perf_counter() - t0, 1)}]
+    base_ppl = perplexity(model, "auto", held) if held else None
+    if base_ppl is not None:
+        rows[0].update(ppl_heldout=round(base_ppl, 4), ppl_vs_fp32_pct=0.0)
     orig = kernels.write_kv
     for v in variants:
         t0 = time.perf_counter()
@@ -256,6 +265,7 @@ def run_variants(model: Any, prompts: list[list[int]], tokens: int, variants: li
         try:
             flips = _flips(fresh(), prompts, ref, tables)
             got = _greedy(fresh(), prompts, tokens, tables)
+            ppl = perplexity(model, "auto", held) if held else None
         finally:
             kernels.write_kv = orig
         lead = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), tokens)
@@ -266,6 +276,9 @@ def run_variants(model: Any, prompts: list[list[int]], tokens: int, variants: li
                      "mean_leading_agree": round(sum(lead) / len(lead), 1),
                      "row_bytes": row_bytes(v, d), "of_bf16": round(row_bytes(v, d) / (2 * d), 4),
                      "seconds": round(time.perf_counter() - t0, 1)})
+        if ppl is not None:
+            rows[-1].update(ppl_heldout=round(ppl, 4),
+                            ppl_vs_fp32_pct=round(100 * (ppl / base_ppl - 1), 3))
         print(rows[-1], flush=True)
     return rows
 
