@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from radixkv.engine.batch import AttentionMode, ForwardBatch
-from radixkv.engine.kv_quant import FORMATS
+from radixkv.engine.kv_quant import FORMATS, Workspace
 
 #: Cache tensor dtypes that hold quantized rows (engine/kv_quant.py FORMATS).
 _QUANTIZED_STORAGE = frozenset(f.storage for f in FORMATS.values())
@@ -73,11 +73,9 @@ class PagedAttentionContext:
             self._scratch.extend([used, remap[tables.clamp(min=0)].to(torch.int32)])
         return self._scratch[0], self._scratch[1]
 
-    def scratch_workspace(self) -> Any:
+    def scratch_workspace(self) -> Workspace:
         """The ``kv_quant.Workspace`` the layers of this forward dequantize into (each layer
         reuses the previous one's tensors; quantized KV only)."""
-        from radixkv.engine.kv_quant import Workspace
-
         if len(self._scratch) < 3:
             self.scratch_tables()
             self._scratch.append(Workspace())
