@@ -13,6 +13,9 @@ replies at that block size), never below the largest single request. Each replay
     radixkv bench hit-rate --plot-only          # redraw docs/img from the committed JSON
     radixkv bench hit-rate --workloads [--quick] # issue 15: every policy on the four workloads
                                                 # (benchmarks/hit_rate_workloads.py)
+    radixkv bench hit-rate --capacity-bytes 1GiB,2GiB [--kv-dtypes bfloat16,int8]
+                                                # issue 16: hit rate at equal device bytes per
+                                                # KV dtype (benchmarks/hit_rate_bytes.py)
 
 Writes ``benchmarks/results/hit_rate_<trace>[_quick].json`` and, for full runs (unless
 --no-plots), PNGs under ``docs/img/``.
@@ -117,10 +120,15 @@ def _bounds(bs: int, fractions: list[float]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--workloads" in (sys.argv[1:] if argv is None else argv):
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--workloads" in args_in:
         from radixkv.benchmarks.hit_rate_workloads import main as workloads_main
 
         return workloads_main(argv)
+    if any(a.split("=")[0] in ("--capacity-bytes", "--kv-dtypes") for a in args_in):
+        from radixkv.benchmarks.hit_rate_bytes import main as bytes_main
+
+        return bytes_main(argv)
     ap = argparse.ArgumentParser(prog="radixkv bench hit-rate", description=plain_doc(__doc__))
     ap.add_argument("--trace", choices=KINDS, default="chat")
     ap.add_argument("--quick", action="store_true", help="small trace and sweep (CI, seconds)")
@@ -136,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--workloads", action="store_true",
                     help="issue 15's suite instead: every policy on the four workloads")
+    ap.add_argument("--capacity-bytes", default=None,
+                    help="issue 16 instead: hit rate at equal device bytes per KV dtype "
+                         "(see radixkv bench hit-rate --capacity-bytes X --help)")
     args = ap.parse_args(argv)
     name = f"hit_rate_{args.trace}" + ("_quick" if args.quick else "")
     if args.plot_only:

@@ -20,6 +20,9 @@ K/V, which would swamp the quantization error). Three measurements, each against
    position attends over stored (quantized) K/V of all positions before it and itself.
 3. Bytes per block and blocks per GiB (SmolLM2 geometry, block size 16), and a bf16 block.
 
+``--variants`` instead compares candidate formats by fake quantization on the tuning prompts
+(teacher-forced flip rate and free-running identity; ``benchmarks/kv_quant_variants.py``).
+
 ``--decode-timing`` instead times decode steps only (``kv_quant_decode.json``): ``--batch``
 sequences of ``--context`` random tokens prefilled through ``ModelRunner``, then ``--steps``
 decode steps, per KV dtype, the dtypes interleaved over ``--rounds`` rounds (median step wall
@@ -192,6 +195,30 @@ def decode_timing(args: argparse.Namespace) -> int:
     return 0
 
 
+def variants(args: argparse.Namespace) -> int:
+    from radixkv.benchmarks.bench_serve import conversations
+    from radixkv.benchmarks.kv_quant_variants import DEFAULT_VARIANTS, run_variants
+
+    names = (DEFAULT_VARIANTS if args.variants == "default"
+             else [v.strip() for v in args.variants.split(",") if v.strip()])
+    header = run_header(None, benchmark="kv-quant-variants", **vars(args))
+    print(json.dumps(header))
+    eng = _engine("auto")
+    texts = [c[0] for c in conversations(args.prompts, 2, args.max_chars)]
+    ids = [eng.chat_template.prompt_ids([{"role": "user", "content": t}]) for t in texts]
+    held = heldout_pairs(args.heldout, args.skip, args.max_chars)
+    held_ctx = [eng.chat_template.prompt_ids([{"role": "user", "content": u}]) for u, _ in held]
+    replies = [eng.tokenizer(r, add_special_tokens=False)["input_ids"][:args.reply_tokens]
+               for _, r in held]
+    rows = run_variants(eng.core.model, ids, args.tokens, names, list(zip(held_ctx, replies)))
+    eng.close()
+    print_table(rows, title=f"fake-quantized KV vs float32 KV (float32 SmolLM2), {len(ids)} "
+                            f"tuning prompts x {args.tokens} tokens")
+    write_results("kv_quant_variants" + ("_quick" if args.quick else ""), header,
+                  {"rows": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench kv-quant", description=plain_doc(__doc__))
     ap.add_argument("--prompts", type=int, default=32)
@@ -207,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="?", const="default", default=None,
+                    help="compare candidate formats by fake quantization (comma-separated "
+                         "names of benchmarks/kv_quant_variants.py; default: all)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens; temp results")
     args = ap.parse_args(argv)
     if args.quick:
@@ -218,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.decode_timing:
         return decode_timing(args)
+    if args.variants:
+        return variants(args)
 
     from radixkv.benchmarks.bench_serve import conversations
     from radixkv.storage.layout import KVLayout

@@ -23,10 +23,16 @@ Four questions, each against a baseline measured in the same run:
    redis-server this run starts on loopback vs the raw ``redis`` client's pipelined SET/GET
    (and MGET) of the same bytes (``benchmarks/bench_remote.py``). Target: >= 70% of raw.
 
+6. per KV dtype (``--parts dtypes``, not in the default set; issue 16): blocks/s and GB/s of
+   float32, bf16, int8 and fp8_e4m3 blocks through the same moves (device<->host, host<->disk,
+   and the remote tier with ``--kv-remote``), the dtypes interleaved in the same rounds and
+   compared with bf16 (``benchmarks/tiers_dtypes.py``).
+
 Bandwidth = bytes moved / median wall time, in GB/s (1e9 bytes/s).
 
-    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate,remote] [--blocks N]
+    radixkv bench tiers [--parts bandwidth,rebuild,hit-rate,remote,dtypes] [--blocks N]
                         [--rebuild-blocks N] [--quick] [--dir PATH]
+                        [--kv-dtypes float32,bfloat16,int8,fp8_e4m3] [--kv-remote]
 """
 
 from __future__ import annotations
@@ -364,15 +370,20 @@ def main(argv: list[str] | None = None) -> int:
                          "remote-engines")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
                                                 "temporary directory under $TMPDIR)")
+    ap.add_argument("--kv-dtypes", default="float32,bfloat16,int8,fp8_e4m3",
+                    help="--parts dtypes: the KV dtypes compared (bfloat16 is the baseline)")
+    ap.add_argument("--kv-remote", action="store_true",
+                    help="--parts dtypes: also the remote tier (starts a local redis-server)")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.rebuild_blocks, args.repeat = 16, 2_000, 2
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    bad = parts - {"bandwidth", "rebuild", "hit-rate", "remote", "remote-engines"}
+    bad = parts - {"bandwidth", "rebuild", "hit-rate", "remote", "remote-engines", "dtypes"}
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     root = Path(tempfile.mkdtemp(prefix="radixkv-bench-tiers-", dir=args.dir))
-    header = run_header(seed=None, xxhash_lib=xxhash.VERSION, blocks=args.blocks,
+    header = run_header(seed=None, quick=args.quick, xxhash_lib=xxhash.VERSION,
+                        blocks=args.blocks,
                         rebuild_blocks=args.rebuild_blocks, io_threads=args.threads,
                         block_bytes=SMOLLM2.bytes_per_block,
                         dir=str(root), parts=sorted(parts))
@@ -385,6 +396,19 @@ def main(argv: list[str] | None = None) -> int:
             print_table(bw, ["direction", "mode", "path", "GB/s", "ms", "cpu ms", "vs raw"],
                         title=f"bandwidth, {args.blocks} blocks x {SMOLLM2.bytes_per_block} B")
             results["bandwidth"] = bw
+        if "dtypes" in parts:
+            from radixkv.benchmarks import tiers_dtypes as td
+            kvs = tuple(x.strip() for x in args.kv_dtypes.split(",") if x.strip())
+            dt = td.bench_device_host(args.blocks, args.repeat, kvs)
+            dt += td.bench_host_disk(root / "dtypes", args.blocks, args.repeat, kvs,
+                                     args.threads)
+            if args.kv_remote:
+                rm_rows, facts = td.bench_remote_dtypes(args.blocks, args.repeat, kvs)
+                dt += rm_rows
+                header.update(facts)
+            print_table(dt, td.COLUMNS, title=f"bandwidth per KV dtype, {args.blocks} blocks "
+                                              f"per batch (SmolLM2, 16 tokens a block)")
+            results["dtypes"] = dt
         if "rebuild" in parts:
             rb = bench_rebuild(root, args.rebuild_blocks)
             print_table(rb, title=f"disk index rebuild, {args.rebuild_blocks} block files")

@@ -17,6 +17,8 @@ from radixkv.errors import InvalidRequestError
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: int8 elements after the values of a quantized row: its fp16 scale's two bytes.
 QUANT_SCALE_ELEMS = 2
+#: Cache dtypes of quantized rows (1-byte values, then the fp16 scale: engine/kv_quant.py).
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 HEAD_DIMS_TRITON = (64, 128)
 
 
@@ -49,22 +51,23 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 def check_caches(k_cache: object, v_cache: object, quantized: bool = False
                  ) -> tuple[int, int, int, int]:
     """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape and dtype.
-    With ``quantized``, int8 caches of rows ``head_dim + 2`` (values, then the row's fp16
-    scale; ``head_dim`` even) are accepted too (the attention launchers read them in place).
+    With ``quantized``, int8 and float8_e4m3fn caches of rows ``head_dim + 2`` (values, then
+    the row's fp16 scale; ``head_dim`` even) are accepted too (the attention launchers read them
+    in place).
 
     Returns (num_blocks, block_size, num_kv_heads, head_dim).
     """
-    dtypes = FLOAT_DTYPES + ((torch.int8,) if quantized else ())
+    dtypes = FLOAT_DTYPES + (QUANT_DTYPES if quantized else ())
     k = check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes)
     v = check_tensor("v_cache", v_cache, ndim=4, dtypes=dtypes)
     if k.shape != v.shape or k.dtype != v.dtype:
         fail(f"k_cache and v_cache must match: {tuple(k.shape)} {k.dtype} vs "
              f"{tuple(v.shape)} {v.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k.shape
-    if k.dtype == torch.int8:
+    if k.dtype in QUANT_DTYPES:
         head_dim -= QUANT_SCALE_ELEMS
         if head_dim < 2 or head_dim % 2:
-            fail(f"an int8 cache needs rows of an even head_dim + {QUANT_SCALE_ELEMS} "
+            fail(f"a {k.dtype} cache needs rows of an even head_dim + {QUANT_SCALE_ELEMS} "
                  f"(fp16 scale), got rows of {k.shape[3]}")
     if min(num_blocks, block_size, num_kv_heads, head_dim) < 1:
         fail(f"k_cache has an empty dimension: {tuple(k.shape)}")
@@ -75,7 +78,7 @@ def check_query(q: object, cache_dtype: torch.dtype, num_kv_heads: int, head_dim
                 leading: str) -> torch.Tensor:
     """q: [leading, num_q_heads, head_dim], cache dtype, num_q_heads % num_kv_heads == 0."""
     qt = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    if qt.dtype != cache_dtype and cache_dtype != torch.int8:   # int8: any float query
+    if qt.dtype != cache_dtype and cache_dtype not in QUANT_DTYPES:   # any float query
         fail(f"q has dtype {qt.dtype} but the cache has {cache_dtype}")
     if qt.shape[2] != head_dim:
         fail(f"q head_dim {qt.shape[2]} != cache head_dim {head_dim}")

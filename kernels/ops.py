@@ -110,11 +110,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One new query token per sequence attends to the sequence's cached tokens.
 
     q:            [num_seqs, num_q_heads, head_dim], dtype of the cache (any float dtype for
-                  an int8 cache; the output's dtype), contiguous;
+                  a quantized cache; the output's dtype), contiguous;
                   num_q_heads = G * num_kv_heads (query head h reads KV head h // G).
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or int8
-                  [..., head_dim + 2]: each row's values then its fp16 scale (kv_quant's
-                  int8 rows), read in place by Triton, dequantized by the other backends.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or int8 /
+                  float8_e4m3fn [..., head_dim + 2]: each row's values then its fp16 scale
+                  (kv_quant's rows), read in place by Triton, dequantized by the other
+                  backends.
     block_tables: int32 [num_seqs, max_blocks_per_seq]; only the first
                   ceil(seq_len / block_size) entries of a row are read.
     seq_lens:     int32 [num_seqs], in [1, max_blocks_per_seq * block_size]: tokens to attend
@@ -177,8 +178,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
                   rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]); dtype of the cache, contiguous.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, already
-                  holding the chunk's K/V (written with write_kv before the call); or int8
-                  rows with their scale, as in :func:`paged_decode_attention`.
+                  holding the chunk's K/V (written with write_kv before the call); or int8 /
+                  float8_e4m3fn rows with their scale, as in :func:`paged_decode_attention`.
     block_tables: int32 [num_seqs, max_blocks_per_seq].
     cu_seqlens_q: int32 [num_seqs + 1], non-decreasing, cu[0] = 0, cu[-1] = total_q_tokens.
     seq_lens:     int32 [num_seqs]: tokens of each sequence INCLUDING the chunk, so
@@ -237,16 +238,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def dequantize_int8_rows(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[..., d + 2]`` int8 rows (values, then the fp16 scale's bytes) -> ``[..., d]`` values
-    times scale in ``dtype``: what the Triton kernels compute in registers."""
-    scale = cache[..., -checks.QUANT_SCALE_ELEMS:].contiguous().view(torch.float16).float()
-    return (cache[..., :-checks.QUANT_SCALE_ELEMS].float() * scale).to(dtype)
+    """``[..., d + 2]`` int8 or float8_e4m3fn rows (values, then the fp16 scale's bytes) ->
+    ``[..., d]`` values times scale in ``dtype``: what the Triton kernels compute in registers
+    (the name is historical: fp8 rows are read the same way)."""
+    n = checks.QUANT_SCALE_ELEMS
+    scale = cache[..., -n:].contiguous().view(torch.int8).view(torch.float16).float()
+    return (cache[..., :-n].float() * scale).to(dtype)
 
 
 def _dequantized(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float cache as it is; an int8 cache dequantized whole (the torch and reference
-    backends' reading of int8 caches: simple, not fast; the engine gathers the used blocks)."""
-    return dequantize_int8_rows(cache, dtype) if cache.dtype == torch.int8 else cache
+    """A float cache as it is; a quantized cache dequantized whole (the torch and reference
+    backends' reading of them: simple, not fast; the engine gathers the used blocks)."""
+    return dequantize_int8_rows(cache, dtype) if cache.dtype in checks.QUANT_DTYPES else cache
 
 
 def _check_tables(block_tables: torch.Tensor, lens: list[int], block_size: int,
@@ -279,11 +282,20 @@ def _check_tables(block_tables: torch.Tensor, lens: list[int], block_size: int,
 
 
 def _check_pool(kv_cache: object) -> torch.Tensor:
-    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous."""
-    t = checks.check_tensor("kv_cache", kv_cache, ndim=6, dtypes=checks.FLOAT_DTYPES)
+    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+    a float cache, or a quantized one (int8 / float8_e4m3fn rows of head_dim + 2 with their
+    scales): the block ops below move bytes and never look inside a row."""
+    t = checks.check_tensor("kv_cache", kv_cache, ndim=6,
+                            dtypes=checks.FLOAT_DTYPES + checks.QUANT_DTYPES)
     if t.shape[1] != 2:
         fail(f"kv_cache dim 1 must be 2 (K and V), got shape {tuple(t.shape)}")
     return t
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as int8 (same bytes): index_copy_ and friends, and Triton's loads, are
+    not implemented for float8 everywhere; every other dtype as it is."""
+    return t.view(torch.int8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _check_block_ids(name: str, ids: object, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -314,6 +326,7 @@ def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
     if bool(torch.isin(dst, src).any()):
         fail("a block cannot be both a source and a destination of one copy_blocks call")
     name = resolve_backend(backend, kv.device)
+    kv = _as_bytes(kv)
     if name == "triton":
         _triton_cache().copy_blocks(kv, src, dst)
     elif name == "torch":
@@ -332,7 +345,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     """
     kv = _check_pool(kv_cache)
     ids = _check_block_ids("block_ids", block_ids, kv)
-    return torch_path.gather_blocks(kv, ids)
+    return torch_path.gather_blocks(_as_bytes(kv), ids).view(kv.dtype)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -351,4 +364,4 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     checks.check_same_device(kv_cache=kv, blocks=blocks)
     if ids.unique().numel() != ids.numel():
         fail("block_ids must be distinct")
-    torch_path.scatter_blocks(kv, ids, blocks)
+    torch_path.scatter_blocks(_as_bytes(kv), ids, _as_bytes(blocks))

@@ -10,12 +10,15 @@ Softmax runs online in base 2 (scores pre-multiplied by scale * log2(e)), accumu
 The launchers assume arguments checked by :mod:`radixkv.kernels.ops` (or
 :mod:`radixkv.kernels.quantized`).
 
-Quantized caches (``QUANT=1``): int8 caches whose rows are ``ROW = HEAD_DIM + 2`` bytes, the
-values followed by the row's fp16 scale (radixkv/engine/kv_quant.py). The kernels read them in
-place: the int8 tile and the tile's scales (through a float16 view of the same cache, element
-``row * ROW / 2 + HEAD_DIM / 2``) are loaded and multiplied in registers, so no dequantized copy
-of the cache is ever written. Whatever domain the rows are in (kv_quant stores them rotated) is
-the caller's business: the kernels compute plain attention over ``value * scale``.
+Quantized caches (``QUANT=1``: int8, ``QUANT=2``: fp8 e4m3): caches whose rows are
+``ROW = HEAD_DIM + 2`` bytes, the 1-byte values followed by the row's fp16 scale
+(radixkv/engine/kv_quant.py). The kernels read them in place: the byte tile and the tile's scales
+(through a float16 view of the same cache, element ``row * ROW / 2 + HEAD_DIM / 2``) are loaded,
+converted and multiplied in registers, so no dequantized copy of the cache is ever written.
+e4m3 bytes are decoded with integer operations (:func:`_e4m3_to_f32`, exact for all 256 codes),
+not a cast to Triton's fp8 type, so the same kernel runs on any GPU and under the interpreter.
+Whatever domain the rows are in (kv_quant stores them rotated) is the caller's business: the
+kernels compute plain attention over ``value * scale``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _e4m3_to_f32(b):
+    # float8_e4m3fn bytes (uint8, any shape) -> their fp32 values, exactly, for all 256 codes.
+    #   byte  s eeee mmm   normal (e >= 1): (1 + m/8) 2^(e-7)   subnormal (e = 0): m 2^-9
+    #   0x7f / 0xff: NaN (e4m3fn has no infinities).
+    # Moving e and m into fp32's exponent/mantissa fields and adding 120 to the exponent
+    # (fp32 bias 127 - e4m3 bias 7) gives the normal values; a subnormal then reads
+    # (1 + m/8) 2^-7 and is mapped to m 2^-9 = 2 (x - 2^-7). No fp32 denormal is formed, so
+    # flush-to-zero arithmetic cannot change the result.
+    b = b.to(tl.int32)
+    mag = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where((b & 0x78) == 0, 2.0 * (mag - 0.0078125), mag)
+    mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _load_rows(ptr, scale_ptr, row, d, live, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
                QUANT: tl.constexpr):
     # [N, HEAD_DIM] fp32 (QUANT) or cache-dtype values of cache rows ``row``; dead rows read 0.
+    # QUANT = 1: int8 values; 2: e4m3 bytes (``ptr`` is a uint8 view); both times the row's
+    # fp16 scale, read through ``scale_ptr`` (a float16 view of the same cache).
     x = tl.load(ptr + row[:, None] * ROW + d[None, :], mask=live[:, None], other=0)
     if QUANT:
+        if QUANT == 2:
+            x = _e4m3_to_f32(x)
         sc = tl.load(scale_ptr + row * (ROW // 2) + HEAD_DIM // 2, mask=live, other=0.0)
         x = x.to(tl.float32) * sc.to(tl.float32)[:, None]
     return x
@@ -49,7 +72,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
                    HEAD_DIM: tl.constexpr,
                    ROW: tl.constexpr,          # cache elements per (token, head) row
-                   QUANT: tl.constexpr,        # 1: int8 rows + fp16 scale (ks_ptr/vs_ptr)
+                   QUANT: tl.constexpr,        # 1: int8 / 2: e4m3 rows + fp16 scale (ks_ptr)
                    GROUP: tl.constexpr,        # query heads per KV head
                    BLOCK_G: tl.constexpr,      # GROUP padded to a tl.dot-able power of two
                    BLOCK_N: tl.constexpr,      # tokens per tile
@@ -215,19 +238,27 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return max(1, min(want, most, 64))
 
 
+#: QUANT code of each quantized cache dtype (rows of head_dim bytes + an fp16 scale).
+_QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
 def _rows(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> dict:
-    """Kernel arguments that describe the cache rows: plain, or int8 + fp16 scale (the scale
-    pointers are float16 views of the same caches)."""
-    quant = k_cache.dtype == torch.int8
-    return dict(ks_ptr=k_cache.view(torch.float16) if quant else k_cache,
+    """Kernel arguments that describe the cache rows: plain, or int8 / e4m3 bytes + fp16 scale
+    (the scale pointers are float16 views of the same caches; e4m3 values are read through
+    uint8 views and decoded in the kernel)."""
+    quant = _QUANT_CODES.get(k_cache.dtype, 0)
+    if quant == 2:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return dict(k_ptr=k_cache, v_ptr=v_cache,
+                ks_ptr=k_cache.view(torch.float16) if quant else k_cache,
                 vs_ptr=v_cache.view(torch.float16) if quant else v_cache,
-                ROW=head_dim + 2 if quant else head_dim, QUANT=int(quant))
+                ROW=head_dim + 2 if quant else head_dim, QUANT=quant)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                            out: torch.Tensor, num_splits: int | None) -> torch.Tensor:
-    """q [S, Hq, D]; caches [N, bs, Hkv, D] (or int8 [N, bs, Hkv, D + 2]: values + fp16
-    scale); block_tables int32 [S, M]; seq_lens int32 [S]."""
+    """q [S, Hq, D]; caches [N, bs, Hkv, D] (or int8 / float8_e4m3fn [N, bs, Hkv, D + 2]:
+    values + fp16 scale); block_tables int32 [S, M]; seq_lens int32 [S]."""
     check_mode(_decode_kernel, q.device)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -248,7 +279,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     rows = _rows(k_cache, v_cache, head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, rows.pop("ks_ptr"), rows.pop("vs_ptr"), block_tables, seq_lens,
+        q, rows.pop("k_ptr"), rows.pop("v_ptr"), rows.pop("ks_ptr"), rows.pop("vs_ptr"),
+        block_tables, seq_lens,
         out, part_out, part_lse,
         scale * LOG2E, block_tables.stride(0), num_kv_heads, tokens_per_split,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=group,
@@ -280,7 +312,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     grid = (triton.cdiv(max_q, block_m), num_seqs, num_q_heads)
     rows = _rows(k_cache, v_cache, head_dim)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, rows.pop("ks_ptr"), rows.pop("vs_ptr"), block_tables, cu_seqlens_q,
+        q, rows.pop("k_ptr"), rows.pop("v_ptr"), rows.pop("ks_ptr"), rows.pop("vs_ptr"),
+        block_tables, cu_seqlens_q,
         seq_lens, out, scale * LOG2E, block_tables.stride(0), num_q_heads, num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=num_q_heads // num_kv_heads,
         BLOCK_M=block_m, BLOCK_N=block_n, **_dot_config(q.dtype, q.device))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from radixkv.engine.batch import AttentionMode, ForwardBatch
-from radixkv.engine.kv_quant import FORMATS
+from radixkv.engine.kv_quant import FORMATS, Workspace
 
 #: Cache tensor dtypes that hold quantized rows (engine/kv_quant.py FORMATS).
 _QUANTIZED_STORAGE = frozenset(f.storage for f in FORMATS.values())
@@ -77,6 +77,14 @@ class PagedAttentionContext:
             remap[used] = torch.arange(used.numel(), device=tables.device)
             self._scratch.extend([used, remap[tables.clamp(min=0)].to(torch.int32)])
         return self._scratch[0], self._scratch[1]
+
+    def scratch_workspace(self) -> Workspace:
+        """The ``kv_quant.Workspace`` the layers of this forward dequantize into (each layer
+        reuses the previous one's tensors; quantized KV only)."""
+        if len(self._scratch) < 3:
+            self.scratch_tables()
+            self._scratch.append(Workspace())
+        return self._scratch[2]
 
 
 def paged_attention_forward(
@@ -144,8 +152,8 @@ def paged_attention_forward(
     k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = ctx.kv_cache[module.layer_idx, 1]
     if k_cache.dtype in _QUANTIZED_STORAGE:   # int8/fp8 KV: write quantized rows, then attend
-        return _quantized(ctx, kernels, q, k, v, k_cache, v_cache, scaling, sliding_window,
-                          softcap)
+        return _quantized(ctx, kernels, q, k, v, ctx.kv_cache[module.layer_idx], scaling,
+                          sliding_window, softcap)
     # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
     # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
     # dtypes and devices (on the first layer; see PagedAttentionContext.plan), but skip
@@ -197,8 +205,8 @@ def _torch_path_direct(ctx: PagedAttentionContext, q: torch.Tensor, k: torch.Ten
 
 
 def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scaling: float | None, sliding_window: int | None, softcap: float | None
+               v: torch.Tensor, kv_layer: torch.Tensor, scaling: float | None,
+               sliding_window: int | None, softcap: float | None
                ) -> tuple[torch.Tensor, None]:
     """Attention over an int8 or fp8 cache (``engine/kv_quant.py``): this step's K/V are
     quantized as they are written (once), then the blocks the batch reads are scaled back into a
@@ -206,21 +214,23 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
     stored rows are Hadamard-rotated and stay so: the query is rotated before the kernel and
     the output after it (``q . k`` and the softmax are unchanged by an orthonormal rotation).
     The scratch is a gather the torch path does anyway (it copies each sequence's K/V per
-    layer). Where the kernels run on Triton, int8 blocks are read in place instead (the
-    kernels dequantize in registers; no scratch), unless a window or a softcap needs the
+    layer); it is written into tensors of the forward's ``kv_quant.Workspace``, K and V of a
+    layer in one go (freshly allocated megabytes per layer cost more than the arithmetic on
+    the CPU). Where the kernels run on Triton, int8 and fp8 blocks are read in place instead
+    (the kernels dequantize in registers; no scratch), unless a window or a softcap needs the
     windowed kernel, which reads float caches only."""
-    from radixkv.engine.kv_quant import dequantize_rows, format_of, rotate, write_quantized
+    from radixkv.engine.kv_quant import dequantize_blocks, format_of, rotate, write_quantized
     from radixkv.kernels.backend import resolve_backend
 
     batch = ctx.batch
+    k_cache, v_cache = kv_layer[0], kv_layer[1]   # [num_blocks, block_size, Hkv, D + 2] each
     write_quantized(k, v, k_cache, v_cache, batch.slot_mapping)
     rotated = format_of(k_cache.dtype).rotated
     if rotated:
         q = rotate(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     windowed = sliding_window is not None and batch.max_seq_len > sliding_window
-    if (k_cache.dtype == torch.int8 and not windowed and softcap is None
-            and resolve_backend(None, q.device) == "triton"):
+    if not windowed and softcap is None and resolve_backend(None, q.device) == "triton":
         if batch.mode is AttentionMode.DECODE:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, batch.block_tables,
                                                  batch.seq_lens, scale=scale, check=False)
@@ -230,8 +240,7 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
                                                   scale=scale, check=False)
         return (rotate(out) if rotated else out).unsqueeze(0), None
     used, tables = ctx.scratch_tables()
-    ks = dequantize_rows(k_cache.index_select(0, used), q.dtype, rotated=True)
-    vs = dequantize_rows(v_cache.index_select(0, used), q.dtype, rotated=True)
+    ks, vs = dequantize_blocks(kv_layer, used, q.dtype, ctx.scratch_workspace(), "kv")
     if windowed or softcap is not None:
         out = kernels.paged_attention_windowed(
             q, ks, vs, tables, batch.host_cu_seqlens_q, batch.host_seq_lens, scale,

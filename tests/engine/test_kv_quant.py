@@ -23,8 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv.config import CacheConfig, EngineConfig
-from radixkv.engine.kv_quant import (FORMATS, dequantize_rows, format_of, quantize_rows,
-                                     rotate, rotation)
+from radixkv.engine.kv_quant import (FORMATS, Workspace, dequantize_blocks, dequantize_rows,
+                                     format_of, quantize_rows, rotate, rotation)
 from radixkv.engine.llm_engine import LLMEngine
 from radixkv.errors import ConfigError
 from radixkv.storage.disk import DiskStore
@@ -84,6 +84,55 @@ def test_rows_round_trip_within_their_quantization_error(kv, rows, heads, dim, m
     assert torch.allclose(rotate(yr), y, rtol=1e-5, atol=1e-30 + float(y.abs().max()) * 1e-6)
 
 
+def _plain_dequantize(q: torch.Tensor) -> torch.Tensor:
+    """The obvious float32 dequantization of stored rows (values times scale, still rotated):
+    what the fast paths must reproduce bit for bit."""
+    scale = q.view(torch.int8)[..., -2:].contiguous().view(torch.float16).float()
+    return q[..., :-2].float() * scale
+
+
+@given(kv=st.sampled_from(QUANT), blocks=st.integers(1, 90), heads=st.integers(1, 3),
+       dim=st.sampled_from([4, 64]), picks=st.lists(st.integers(0, 89), min_size=1,
+                                                    max_size=60, unique=True),
+       joint=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_dequantized_blocks_equal_plain_dequantization(kv, blocks, heads, dim, picks, joint,
+                                                        dtype, seed):
+    """``dequantize_blocks`` (index_select, widening copy and in-place scale, chunk by chunk,
+    into a reused workspace; e4m3 through fp16 bit moves) equals values times scale exactly,
+    for one cache or a layer's K and V at once, and a second call reusing the workspace is not
+    disturbed by the first."""
+    g = torch.Generator().manual_seed(seed)
+    bs = 4
+    shape = ((2,) if joint else ()) + (blocks, bs, heads, dim)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g) * 30
+    cache = quantize_rows(x, kv)
+    ids = torch.tensor([p % blocks for p in dict.fromkeys(picks)])
+    want = _plain_dequantize(cache)
+    want = (want[:, ids] if joint else want[ids]).to(dtype)
+    work = Workspace()
+    for _ in range(2):
+        got = dequantize_blocks(cache, ids, dtype, work, "kv")
+        assert got.dtype == dtype and torch.equal(got, want)
+        dequantize_blocks(cache, ids.flip(0), dtype, work, "other")   # another name: no clash
+    assert torch.equal(dequantize_rows(cache, dtype, rotated=True), _plain_dequantize(cache)
+                       .to(dtype))
+
+
+def test_fp8_rows_read_every_code_exactly():
+    """The e4m3 bit moves give torch's value for all 254 finite codes (both zeros, the
+    subnormals, +-448); the two NaN codes, which are never written, read as +-480."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(4, 64)
+    one = torch.ones(4, 1, dtype=torch.float16).view(torch.int8)
+    rows = torch.cat([codes.view(torch.int8), one], -1).view(torch.float8_e4m3fn)
+    got = dequantize_rows(rows, torch.float32, rotated=True)
+    want = codes.float()
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())
+    assert got[~finite].tolist() == [480.0, -480.0]
+
+
 def test_quantized_block_costs_about_half_a_bf16_block():
     bf16 = KVLayout(30, 3, 64, 16, "bfloat16")
     prints = {bf16.fingerprint("m")}
@@ -133,6 +182,27 @@ def test_quantized_engine_tracks_float32_and_its_cache_is_consistent(hf_llama, f
     warm = _run(eng, prompts)                      # every prompt's blocks are cached now
     assert all(o.num_cached_tokens > 0 for o in warm)
     assert [o.outputs[0].token_ids for o in warm] == cold
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_parallel_samples_copy_quantized_blocks_on_write(hf_llama, kv):
+    """n > 1 forks a sequence whose last block is partial; the children's first appends copy
+    that block (copy-on-write through ``kernels.copy_blocks``, which moves a quantized
+    cache's bytes as they are). Greedy children must then all equal one greedy run."""
+    from radixkv.engine.sampling import SamplingParams
+
+    prompt = rand_tokens(21, 7)                  # 21 tokens: a partial last block of 4
+    eng = _engine(hf_llama, kv)
+    eng.add_request("one", prompt, SamplingParams(max_tokens=6))
+    eng.add_request("three", prompt, SamplingParams(max_tokens=6, n=3))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    one = done["one"].outputs[0].token_ids
+    assert [o.token_ids for o in done["three"].outputs] == [one] * 3
+    assert eng.kv_mover.num_copies >= 2          # two children copied the shared tail
 
 
 @pytest.mark.parametrize("kv", QUANT)

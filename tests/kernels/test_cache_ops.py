@@ -83,6 +83,29 @@ def test_gather_scatter_round_trip():
     assert gather_blocks(pool, torch.tensor([], dtype=torch.int64)).shape == (0, 3, 2, 8, 3, 64)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_block_ops_move_quantized_bytes_as_they_are(backend, dtype):
+    """copy_blocks, gather_blocks and scatter_blocks on a quantized pool (rows of head_dim
+    1-byte values + a 2-byte scale, engine/kv_quant.py): every byte arrives unchanged (random
+    bytes, NaN codes of e4m3 included), nothing else is touched."""
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randint(-128, 128, (3, 2, 9, 8, 3, 66), dtype=torch.int8,
+                         generator=gen).view(dtype)
+    before = pool.view(torch.int8).clone()
+    copy_blocks(pool, torch.tensor([4, 0, 4]), torch.tensor([7, 2, 5]), backend=backend)
+    want = before.clone()
+    for s, d in ((4, 7), (0, 2), (4, 5)):
+        want[:, :, d] = before[:, :, s]
+    assert torch.equal(pool.view(torch.int8), want)
+    staged = gather_blocks(pool, torch.tensor([5, 1]))
+    assert staged.dtype == dtype and staged.shape == (2, 3, 2, 8, 3, 66)
+    assert torch.equal(staged.view(torch.int8), want[:, :, [5, 1]].permute(2, 0, 1, 3, 4, 5))
+    scatter_blocks(pool, torch.tensor([8, 3]), staged)
+    want[:, :, 8], want[:, :, 3] = want[:, :, 5], want[:, :, 1]
+    assert torch.equal(pool.view(torch.int8), want)
+
+
 def test_cache_ops_bad_input():
     gen = torch.Generator().manual_seed(4)
     pool = _pool(gen)

@@ -1,9 +1,10 @@
-"""Attention over int8 caches (rows of head_dim int8 values + the row's fp16 scale, as
-radixkv/engine/kv_quant.py writes them): the Triton kernels read them in place (under the
-interpreter here) and must equal the float32 reference run on the dequantized caches.
+"""Attention over quantized caches (rows of head_dim int8 or float8_e4m3fn values + the row's
+fp16 scale, as radixkv/engine/kv_quant.py writes them): the Triton kernels read them in place
+(under the interpreter here) and must equal the float32 reference run on the dequantized caches.
 
 Rows the contract says are never read (unused blocks, the tail of a ragged last block) get a
-NaN scale, so a kernel that reads one produces NaN and fails.
+NaN scale, so a kernel that reads one produces NaN and fails. The kernels' e4m3 decoding (integer
+operations, no fp8 cast) is checked against torch's on all 256 codes.
 """
 
 from __future__ import annotations
@@ -17,24 +18,53 @@ from radixkv.kernels import paged_decode_attention, paged_prefill_attention
 from radixkv.kernels.ops import dequantize_int8_rows
 
 
-def _quantize(x: torch.Tensor) -> torch.Tensor:
-    """float [..., d] -> int8 [..., d + 2]; NaN rows (never to be read) get a NaN scale."""
+#: The quantized cache dtypes and the largest magnitude of their grids.
+FORMATS = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def _quantize(x: torch.Tensor, storage: torch.dtype = torch.int8) -> torch.Tensor:
+    """float [..., d] -> int8 / float8_e4m3fn [..., d + 2]; NaN rows (never to be read) get
+    a NaN scale."""
+    qmax = FORMATS[storage]
     bad = torch.isnan(x).any(-1, keepdim=True)
     x = torch.where(bad, torch.zeros_like(x), x).float()
-    scale = (x.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    scale = (x.abs().amax(-1, keepdim=True) / qmax).to(torch.float16)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     s = torch.where(bad | (scale == 0), torch.ones_like(scale), scale).float()
-    q = torch.round(x / s).clamp(-127, 127).to(torch.int8)
-    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+    y = x / s
+    if storage == torch.int8:
+        y = torch.round(y)
+    q = y.clamp(-qmax, qmax).to(storage)
+    return torch.cat([q.view(torch.int8), scale.view(torch.int8)], dim=-1).view(storage)
 
 
-def _int8(case: PagedCase) -> tuple[PagedCase, PagedCase]:
-    """(the int8 case, the same case dequantized to float32: the reference's input)."""
-    k, v = _quantize(case.k_cache), _quantize(case.v_cache)
+def _int8(case: PagedCase, storage: torch.dtype = torch.int8) -> tuple[PagedCase, PagedCase]:
+    """(the quantized case, the same case dequantized to float32: the reference's input)."""
+    k, v = _quantize(case.k_cache, storage), _quantize(case.v_cache, storage)
     q8 = PagedCase(k, v, case.block_tables, case.seq_lens)
     return q8, PagedCase(dequantize_int8_rows(k, torch.float32),
                          dequantize_int8_rows(v, torch.float32), case.block_tables,
                          case.seq_lens)
+
+
+def _decode_kernel():
+    """A one-program kernel that decodes N e4m3 bytes with the attention kernels' helper.
+    (Built on first use: the interpreter resolves a kernel's names in its module's globals.)"""
+    global _E4M3_TO_F32, _decode
+    if "_decode" not in globals():
+        import triton
+        import triton.language as tl
+
+        from radixkv.kernels.triton_attention import _e4m3_to_f32 as _E4M3_TO_F32
+
+        @triton.jit
+        def _decode(src, dst, N: tl.constexpr):
+            i = tl.arange(0, N)
+            tl.store(dst + i, _E4M3_TO_F32(tl.load(src + i)))
+    return _decode
+
+
+STORAGE = pytest.mark.parametrize("storage", list(FORMATS), ids=["int8", "fp8_e4m3"])
 
 
 DECODE = [
@@ -45,13 +75,15 @@ DECODE = [
 ]
 
 
+@STORAGE
 @pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size,num_splits", DECODE)
-def test_decode_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_heads, group,
-                                                  head_dim, block_size, num_splits):
+def test_decode_triton_reads_quantized_blocks_in_place(triton_backend, storage, dtype,
+                                                       kv_heads, group, head_dim, block_size,
+                                                       num_splits):
     gen = torch.Generator().manual_seed(block_size * 13 + group)
     lens = [1, block_size + 3, 150]
     q8, dq = _int8(make_case(lens, block_size=block_size, num_kv_heads=kv_heads,
-                             head_dim=head_dim, share_prefix=0, gen=gen))
+                             head_dim=head_dim, share_prefix=0, gen=gen), storage)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     out = poisoned_like(q)
     got = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, q8.seq_lens,
@@ -59,23 +91,24 @@ def test_decode_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_head
     assert got is out and got.dtype == dtype
     ref = paged_decode_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables,
                                  dq.seq_lens, backend="reference")
-    assert_close(got, ref, dtype, "triton int8 vs reference on the dequantized cache")
-    torch_int8 = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables,
-                                        q8.seq_lens, backend="torch")
-    assert_close(torch_int8, ref, dtype, "torch backend on the int8 cache")
+    assert_close(got, ref, dtype, f"triton {storage} vs reference on the dequantized cache")
+    torch_q = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, q8.seq_lens,
+                                     backend="torch")
+    assert_close(torch_q, ref, dtype, f"torch backend on the {storage} cache")
 
 
+@STORAGE
 @pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size", [
     (torch.float32, 2, 1, 64, 16),
     (torch.bfloat16, 1, 3, 64, 8),
 ])
-def test_prefill_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_heads, group,
-                                                   head_dim, block_size):
+def test_prefill_triton_reads_quantized_blocks_in_place(triton_backend, storage, dtype,
+                                                        kv_heads, group, head_dim, block_size):
     gen = torch.Generator().manual_seed(block_size * 5 + group)
     cached, q_lens = [0, 5, 2 * block_size], [20, 1, 70]
     lens = [c + n for c, n in zip(cached, q_lens)]
     q8, dq = _int8(make_case(lens, block_size=block_size, num_kv_heads=kv_heads,
-                             head_dim=head_dim, share_prefix=0, gen=gen))
+                             head_dim=head_dim, share_prefix=0, gen=gen), storage)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     out = poisoned_like(q)
@@ -84,12 +117,27 @@ def test_prefill_triton_reads_int8_blocks_in_place(triton_backend, dtype, kv_hea
     assert got is out
     ref = paged_prefill_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables, cu,
                                   dq.seq_lens, backend="reference")
-    assert_close(got, ref, dtype, "triton int8 prefill vs reference on the dequantized cache")
+    assert_close(got, ref, dtype,
+                 f"triton {storage} prefill vs reference on the dequantized cache")
 
 
-def test_int8_caches_are_checked():
+def test_e4m3_decoding_in_the_kernel_is_exact_for_every_code(triton_backend):
+    """The kernels' integer decoding of e4m3 bytes equals torch's cast on all 256 codes
+    (normals, subnormals, both zeros, NaN)."""
+    decode = _decode_kernel()
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = torch.empty(256)
+    decode[(1,)](codes, got, N=256)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())
+
+
+@STORAGE
+def test_quantized_caches_are_checked(storage):
     gen = torch.Generator().manual_seed(1)
-    q8, _ = _int8(make_case([5], block_size=8, num_kv_heads=1, head_dim=64, gen=gen))
+    q8, _ = _int8(make_case([5], block_size=8, num_kv_heads=1, head_dim=64, gen=gen), storage)
     q = torch.randn(1, 1, 64, generator=gen)
     with pytest.raises(InvalidRequestError, match="head_dim"):      # rows must be d + 2
         paged_decode_attention(q, q8.k_cache[..., :-1].contiguous(),
@@ -100,9 +148,11 @@ def test_int8_caches_are_checked():
                                q8.seq_lens, backend="reference")
 
 
-def test_engine_attention_reads_int8_blocks_in_place_on_triton(triton_backend, monkeypatch):
-    """The model runner with int8 KV: logits of a prefill and a decode step on the Triton path
-    (in-place int8 reads, rotated query and output) equal those of the torch path (dequantized
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backend, monkeypatch,
+                                                                    kv_dtype):
+    """The model runner with int8 / fp8 KV: logits of a prefill and a decode step on the Triton
+    path (in-place reads, rotated query and output) equal those of the torch path (dequantized
     scratch), and the in-place path really ran (no scratch tables were built)."""
     import transformers
 
@@ -118,7 +168,7 @@ def test_engine_attention_reads_int8_blocks_in_place_on_triton(triton_backend, m
     bs, prompts = 8, [list(range(3, 22)), list(range(40, 45))]
 
     def run() -> list[torch.Tensor]:
-        runner = ModelRunner.for_model(model, 16, bs, "int8")
+        runner = ModelRunner.for_model(model, 16, bs, kv_dtype)
         tables = [[0, 1, 2, 3], [4, 5]]
         pre = [SequenceChunk(p, 0, t, [t[i // bs] * bs + i % bs for i in range(len(p))])
                for p, t in zip(prompts, tables)]
@@ -137,3 +187,18 @@ def test_engine_attention_reads_int8_blocks_in_place_on_triton(triton_backend, m
     assert scratch_calls
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@STORAGE
+def test_triton_copy_blocks_moves_quantized_bytes(triton_backend, storage):
+    """Copy-on-write of a quantized pool on Triton copies its bytes (an int8 view for e4m3)."""
+    from radixkv.kernels import copy_blocks
+
+    gen = torch.Generator().manual_seed(9)
+    pool = torch.randint(-128, 128, (2, 2, 6, 8, 3, 66), dtype=torch.int8,
+                         generator=gen).view(storage)
+    before = pool.view(torch.int8).clone()
+    copy_blocks(pool, torch.tensor([1, 1, 5]), torch.tensor([0, 4, 2]), backend=triton_backend)
+    want = before.clone()
+    want[:, :, [0, 4, 2]] = before[:, :, [1, 1, 5]]
+    assert torch.equal(pool.view(torch.int8), want)
