@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
