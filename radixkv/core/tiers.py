@@ -39,6 +39,7 @@ class TierOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
+    _hooks: bool
     _width: int
     _pools: list[BlockPool]
     _index: dict[bytes, Node]
@@ -90,8 +91,11 @@ class TierOps:
             node.tier = DEVICE
             node.slots = [canonical[b] for b in ids]
             node.ref = 1
+            prev = node.last_access
             node.last_access = now
             node.hits += 1
+            if self._hooks:
+                self.policy.on_hit(node, prev, now)
             for b in ids:
                 dn[b] = node
             keep = self.writes.keep_sources(node, t, old)
@@ -258,8 +262,12 @@ class TierOps:
             node.tokens += tokens
             node.slots.append(slot)
             node.last_access = now
+            if self._hooks:
+                self.policy.on_insert(node, len(node.hashes) - 1, now)
         else:
             node = Node([block_hash], bytearray(tokens), [slot], tier, None, now)
+            if self._hooks:
+                self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
         self._index[block_hash] = node
@@ -294,7 +302,7 @@ class TierOps:
         self._pending = []
         writes, index = self.writes, self._index
         for n in reversed(order):
-            self._discard(n)
+            self._discard(n)   # (not an eviction: the policy's hooks do not hear of it)
             if self.drop_listener is not None:
                 self.drop_listener([self._ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
             t = n.tier

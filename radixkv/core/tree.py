@@ -93,6 +93,9 @@ class RadixTree(RequestOps, TierOps):
         self._width = block_size * TOKEN_BYTES
         self.policy = make_policy(policy)
         self._lru = type(self.policy) is LRUPolicy  # fast path: key = (last_access,)
+        #: whether the policy hears node and request events (policy.py's seam); False for
+        #: LRU and the other plain key policies, which then cost nothing for it
+        self._hooks = self.policy.hooks
         self.clock = clock
         self._pools: list[BlockPool] = [device_pool, *lower_pools]
         self.num_tiers = len(self._pools)
@@ -111,6 +114,8 @@ class RadixTree(RequestOps, TierOps):
         self.insert_listener: Callable[[list[bytes]], None] | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
+        if self._hooks:
+            self.policy.bind(self)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -274,8 +279,8 @@ class RadixTree(RequestOps, TierOps):
         c = node.children
         nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
         new = _new_node(Node)
-        new.tier, new.ref, new.last_access, new.hits, new.hints = (
-            t, node.ref, node.last_access, node.hits, node.hints)
+        new.tier, new.ref, new.last_access, new.hits, new.hints, new.aux = (
+            t, node.ref, node.last_access, node.hits, node.hints, node.aux)
         index = self._index
         if n - k + nkids <= k:        # the tail becomes the new object
             head, tail = node, new
@@ -352,7 +357,8 @@ class RadixTree(RequestOps, TierOps):
         Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
         if (parent is None or parent.child is not child or child.next is not None
                 or parent.tier != child.tier or parent.ref != child.ref
-                or parent.hints != child.hints or self._key(parent) != self._key(child)):
+                or parent.hints != child.hints or parent.aux != child.aux
+                or self._key(parent) != self._key(child)):
             return child
         index = self._index
         dn = self._device_nodes if child.tier == DEVICE else None
@@ -574,6 +580,8 @@ class RadixTree(RequestOps, TierOps):
         t = node.tier
         n = len(node.hashes)
         if t + 1 == self.num_tiers:
+            if self._hooks:
+                self.policy.on_leave(node, take)
             if take == n:
                 self._drop_node(node, moves)
             else:
@@ -586,6 +594,8 @@ class RadixTree(RequestOps, TierOps):
             need = take - sum(1 for h in node.hashes[n - take:] if copy_slot(h, u) is not None)
             if need > free:
                 take = 1
+        if self._hooks:
+            self.policy.on_leave(node, take)
         if take < n:
             node = self._split(node, n - take)[1]
         self._demote(node, u, moves)
