@@ -194,7 +194,8 @@ class RequestOps:
         assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
-                and parent.hints is None and parent.tier == DEVICE):
+                and parent.hints is None and parent.tier == DEVICE
+                and not (parent.hits and self.policy.fresh_counts)):
             node = parent
             start = len(node.hashes)
             node.hashes.extend(hashes)

@@ -37,6 +37,9 @@ from radixkv.errors import OutOfBlocks
 
 B = 2
 DEFAULT_TTL = 5.0
+DUEL_MEMBERS = ("lru", "lfu", "forecast")    # the duel's default members and their key slices
+DUEL_CUTS = ((0, 1), (1, 3), (3, 6))
+FRESH_COUNTS = ("lfu", "lfu-da", "duel")    # blocks never join a run that has hits
 NAMESPACES = [Namespace("m"), Namespace("m", cache_salt="t2")]
 PREFIXES = [[], [0, 1, 0, 1], [1, 1, 2, 2, 0, 0], [2, 2, 2, 2, 1, 1, 0, 0]]
 PROMPTS = st.builds(lambda p, tail: p + tail, st.sampled_from(PREFIXES),
@@ -171,7 +174,9 @@ class TreeMachine(RuleBasedStateMachine):
         return {"lru": (b.last_access,), "lfu": (b.hits, b.last_access),
                 "mru": (-b.last_access,), "priority": (b.priority, b.last_access),
                 "ttl": (b.last_access + DEFAULT_TTL,), "fifo": (b.born, b.last_access),
-                "lfu-da": (b.kda, b.last_access), "forecast": (*b.fkey, b.last_access)}[self.policy]
+                "lfu-da": (b.kda, b.last_access), "forecast": (*b.fkey, b.last_access),
+                "duel": (b.last_access, b.hits, b.last_access, *b.fkey, b.last_access),
+                }[self.policy]
 
     def m_hit(self, b: MBlock, now: float) -> None:
         """A request takes (locks or promotes) cached block ``b``."""
@@ -182,8 +187,20 @@ class TreeMachine(RuleBasedStateMachine):
         self.fm.hit(b, prev, now)
 
     def victim(self, entries: list[tuple]) -> tuple:
-        """The entry a per-block cache evicts next (``entries`` sorted)."""
-        if self.policy == "forecast" and entries[0][0] >= self.clock.now:
+        """The entry a per-block cache evicts next (``entries`` sorted by whole key)."""
+        if self.policy != "duel":
+            return self.order_victim(self.policy, entries)
+        # The duel evicts in its leader's order: the leader is the duel's own decision (from
+        # its shadows' hits, checked against independent managers in test_policy_duel.py);
+        # the order within it is modelled here.
+        lead = self.tree.policy.leader
+        a, b = DUEL_CUTS[lead]
+        sub = sorted(e[a:b] + e for e in entries)
+        return self.order_victim(DUEL_MEMBERS[lead], sub)[b - a:]
+
+    def order_victim(self, policy: str, entries: list[tuple]) -> tuple:
+        """The first victim of a plain policy's order among sorted ``entries``."""
+        if policy == "forecast" and entries[0][0] >= self.clock.now:
             return min(entries, key=lambda e: (e[1], e))               # farthest forecast
         return entries[0]                                           # (forecast: overdue)
 
@@ -333,7 +350,7 @@ class TreeMachine(RuleBasedStateMachine):
                 continue
             p = self.m.get(parent) if parent is not None else None
             if p is not None and p.tier == DEVICE and p.refs == 1 and p.priority == 0 and \
-                    not self.children(parent):
+                    not self.children(parent) and not (p.hits and self.policy in FRESH_COUNTS):
                 # the block joins its parent's run: it takes the run's key inputs
                 self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits, born=p.born,
                                    kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey)
@@ -428,6 +445,13 @@ class TreeMachine(RuleBasedStateMachine):
     def tick(self, dt) -> None:
         self.clock.advance(dt)
 
+    @precondition(lambda self: self.policy == "duel")
+    @rule(i=st.integers(0, len(DUEL_MEMBERS) - 1))
+    def lead(self, i) -> None:
+        """Hand the lead to member ``i`` (as its shadow winning would): every member's order
+        gets exercised, not only the one the tiny shadows prefer."""
+        self.tree.policy.leader = i
+
     @precondition(lambda self: self.policy == "ttl")
     @rule()
     def expire(self) -> None:
@@ -482,9 +506,12 @@ class TreeMachine(RuleBasedStateMachine):
                 assert node.hits == b.hits, f"block {h.hex()[:8]}: hits {node.hits}, model {b.hits}"
             if self.policy == "fifo":
                 assert node.aux == b.born, f"block {h.hex()[:8]}: born {node.aux}, model {b.born}"
-            if self.policy == "forecast":
-                assert node.aux == (*b.fkey, b.gap, b.owner), (
-                    f"block {h.hex()[:8]}: (due, -far, gap, owner) {node.aux}, model "
+            if self.policy == "duel":
+                assert node.hits == b.hits, f"block {h.hex()[:8]}: hits {node.hits}, model {b.hits}"
+            if self.policy in ("forecast", "duel"):
+                aux = node.aux if self.policy == "forecast" else node.aux[2]
+                assert aux == (*b.fkey, b.gap, b.owner), (
+                    f"block {h.hex()[:8]}: (due, -far, gap, owner) {aux}, model "
                     f"{(*b.fkey, b.gap, b.owner)}")
             if self.policy == "lfu-da":
                 assert node.aux == (b.kda, b.hits), (
@@ -499,6 +526,10 @@ class TreeMachine(RuleBasedStateMachine):
             STEPS.event(self.name, "evicted", sum(st_.evicted))
             if self.write_through:
                 STEPS.event(self.name, "free_demotions", st_.free_demotions)
+            if self.policy == "duel":   # show that every member leads in some programs
+                for m, k in self.tree.policy.led.items() if isinstance(
+                        self.tree.policy.led, dict) else zip(DUEL_MEMBERS, self.tree.policy.led):
+                    STEPS.event(self.name, f"requests led by {m}", k)
 
 
 def _machine(tiers: int, policy: str, wt: tuple[int, ...] = ()):
@@ -508,9 +539,9 @@ def _machine(tiers: int, policy: str, wt: tuple[int, ...] = ()):
 
 
 for _t in (1, 2, 3):
-    for _p in ("lru", "lfu", "mru", "priority", "ttl", "fifo", "lfu-da", "forecast"):
+    for _p in ("lru", "lfu", "mru", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
         globals()[f"TestTree{_t}Tier{_p.upper().replace('-', '')}"] = _machine(_t, _p)
-for _p in ("lru", "lfu", "priority", "ttl", "fifo", "lfu-da", "forecast"):
+for _p in ("lru", "lfu", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
     globals()[f"TestTree2Tier{_p.upper().replace('-', '')}WT1"] = _machine(2, _p, (1,))
     globals()[f"TestTree3Tier{_p.upper().replace('-', '')}WT12"] = _machine(3, _p, (1, 2))
 globals()["TestTree3TierLRUWT2"] = _machine(3, "lru", (2,))
