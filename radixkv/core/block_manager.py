@@ -314,6 +314,21 @@ class BlockManager(TierPlans):
         return Allocation(seq_id, tuple(blocks), num_cached * self.block_size, tuple(per_tier),
                           tuple(moves))
 
+    def end_session(self, session: Hashable) -> None:
+        """The client says ``session`` (as passed to ``allocate``) is over: a policy that
+        forecasts reuse lets its blocks go first (others ignore it). Raises
+        InvalidRequestError if ``session`` is None or unhashable.
+        Runtime complexity: O(the session's last chain in nodes x log n)."""
+        if session is None:
+            raise InvalidRequestError("end_session needs the session id given to allocate")
+        try:
+            hash(session)
+        except TypeError:
+            raise InvalidRequestError("session must be hashable (a str or int id), got "
+                                      f"{type(session).__name__}") from None
+        if self.tree._hooks:
+            self.tree.policy.end_session(session)
+
     # ------------------------------------------------------------------ decode
     def blocks_needed_to_append(self, seq_id: SeqId) -> int:
         """Device blocks the next ``append_slot`` takes: 1 at a block boundary or CoW, else 0."""

@@ -78,8 +78,10 @@ class EvictionPolicy(abc.ABC):
     session, end_session, now)`` before a sequence's match is locked (``session``: the
     conversation it belongs to, if the client said; ``end_session``: the client says it is the
     session's last request), ``on_fork(parent_id, child_id)``, ``enter(seq_id)`` before the
-    manager commits or frees on behalf of a sequence (so node events know whose they are), and
-    ``on_finish(seq_id, token_ids)`` after a sequence is freed (its every token). With ``hooks``
+    manager commits or frees on behalf of a sequence (so node events know whose they are),
+    ``on_finish(seq_id, token_ids)`` after a sequence is freed (its every token), and
+    ``end_session(session)`` when a client closes a session after its last request (a policy
+    re-keys nodes then through ``RadixTree.rekey``, which re-files them). With ``hooks``
     False none of these is called (the tree and manager test one bool per operation).
 
     Per-node state lives in ``node.aux`` (one slot, the policy's; None until ``on_insert``),
@@ -156,6 +158,11 @@ class EvictionPolicy(abc.ABC):
     def on_finish(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         pass
 
+    def end_session(self, session: Hashable) -> None:
+        """The client says ``session`` is over (after its last request): a policy may re-key
+        its nodes through ``tree.rekey`` (the block manager's ``end_session``)."""
+
+
     # ---------------------------------------------------------------- aux helpers
     def _aux(self, node: Node):
         """This policy's part of ``node.aux``."""
@@ -163,12 +170,15 @@ class EvictionPolicy(abc.ABC):
         return a if self.aux_slot is None or a is None else a[self.aux_slot]
 
     def _set_aux(self, node: Node, value) -> None:
+        node.aux = self._aux_with(node, value)
+
+    def _aux_with(self, node: Node, value):
+        """``node.aux`` with this policy's part replaced by ``value``."""
         i = self.aux_slot
         if i is None:
-            node.aux = value
-        else:
-            a = node.aux
-            node.aux = (*a[:i], value, *a[i + 1:])
+            return value
+        a = node.aux
+        return (*a[:i], value, *a[i + 1:])
 
 
 class LRUPolicy(EvictionPolicy):

@@ -151,6 +151,12 @@ class DuelPolicy(EvictionPolicy):
         for m in self._hooked:
             m.enter(seq_id)
 
+    def end_session(self, session: Hashable) -> None:
+        for m in self._hooked:
+            m.end_session(session)
+        for sh in self._shadows:
+            sh.end_session(session)
+
     def on_finish(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Replay the finished sequence into every shadow; rescore; pick the leader."""
         for m in self._hooked:

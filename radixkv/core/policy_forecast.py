@@ -81,6 +81,8 @@ class ForecastPolicy(EvictionPolicy):
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self._seqs: dict[Hashable, Hashable] = {}                   # live sequence -> session
+        self._leaf: dict[Hashable, bytes] = {}   # session -> last block of its last leaf
+        self._releasing = False
         self._anon = count()
         self.current: Hashable = None                                # session of the request
         self._ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
@@ -123,6 +125,7 @@ class ForecastPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
                  session: Hashable | None, end_session: bool, now: float) -> None:
+        self._releasing = False
         conv = ("anon", next(self._anon)) if session is None else session
         self._seqs[seq_id] = conv
         self.current = conv
@@ -166,6 +169,23 @@ class ForecastPolicy(EvictionPolicy):
 
     def enter(self, seq_id: Hashable) -> None:
         self.current = self._seqs.get(seq_id)
+        self._releasing = True
+
+    def end_session(self, session: Hashable) -> None:
+        """Mark ``session`` ended and re-key the nodes it was the last to use, from the last
+        leaf it released up to the first node another session used since: they go first."""
+        self._ended[session] = None
+        if len(self._ended) > MAX_SESSIONS:
+            self._ended.popitem(last=False)
+        tree = self._tree
+        h = self._leaf.pop(session, None)
+        node = None if h is None else tree._index.get(h)
+        while node is not None:
+            a = self._aux(node)
+            if a is None or a[3] != session:
+                break
+            tree.rekey(node, self._aux_with(node, (float("-inf"), *a[1:])))
+            node = node.parent
 
     def on_finish(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         self._seqs.pop(seq_id, None)
@@ -200,6 +220,12 @@ class ForecastPolicy(EvictionPolicy):
     def on_release(self, node: Node, now: float) -> None:
         a = self._aux(node)
         self._set_aux(node, self._snapshot(now, a[2], a[3]))
+        if self._releasing:        # the deepest node a finished sequence let go of
+            self._releasing = False
+            if a[3] is not None and not (type(a[3]) is tuple and a[3][:1] == ("anon",)):
+                self._leaf[a[3]] = node.hashes[-1]
+                if len(self._leaf) > MAX_SESSIONS:
+                    del self._leaf[next(iter(self._leaf))]
 
     def on_leave(self, node: Node, k: int) -> None:
         if node.tier != self._last_tier:

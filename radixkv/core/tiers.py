@@ -369,6 +369,17 @@ class TierOps:
             if refile is not None:
                 self.writes.refile(node, refile)
 
+    def rekey(self, node: Node, aux) -> None:
+        """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
+        e.g. its session ended), re-filing it (and its copies) where it is filed.
+        Runtime complexity: O(log n)."""
+        self._discard(node)
+        refile = self.writes.unfile(node)
+        node.aux = aux
+        self._consider(node)
+        if refile is not None:
+            self.writes.refile(node, refile)
+
     def touch(self, block_hash: bytes, now: float | None = None) -> None:
         """Mark cached block ``block_hash`` and everything before it as used now (their policy
         keys move, as a hit's would): e.g. the parent of blocks about to be installed below
