@@ -43,6 +43,10 @@ class _SamplingFields(BaseModel):
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
     prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     prompt_cache_key: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    # radixkv: eviction hints (docs/serve.md): the conversation / agent run the request belongs
+    # to, and whether it is its last request
+    session_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    end_session: bool = False
 
     @field_validator("stop")
     @classmethod
