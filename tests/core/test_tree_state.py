@@ -332,12 +332,22 @@ class TreeMachine(RuleBasedStateMachine):
         assert list(a.cached_tokens_per_tier) == per_tier, (a.cached_tokens_per_tier, per_tier)
         # commit: every full block joins the tree
         self.bm.commit(sid, n)
+        # The tree inserts a run of new blocks at once, then makes their write-through copies
+        # (which may drop blocks from the last tier): the copies wait until the run ends.
+        pending: list[bytes] = []
+
+        def flush() -> None:
+            for x in pending:
+                self.m_copies(x)
+            pending.clear()
+
         for i in range(len(held), n // B):
             h = hashes[i]
             parent = held[-1] if held else None
             b = self.m.get(h)
             private -= 1
             if b is not None:                   # cached already (beyond the match limit)
+                flush()
                 assert b.parent == parent
                 if b.tier == DEVICE:            # another holder computed it: share it
                     b.refs += 1
@@ -359,7 +369,8 @@ class TreeMachine(RuleBasedStateMachine):
                 self.m[h] = MBlock(parent, DEVICE, 1, now, 0, born=now, kda=self.L)
                 self.fm.new_head(h, self.m[h], now)
             held.append(h)
-            self.m_copies(h)
+            pending.append(h)
+        flush()
         self.live[sid] = (held, private)
         self.bm.take_moves()
         if not hold:
