@@ -52,15 +52,20 @@ MAX_POINTS_BELOW_LRU = 1.0
 IMG = REPO_ROOT / "docs" / "img" / "hit_rate_workloads.png"
 #: Lines drawn (when measured): priority and ttl replay as LRU here, the other candidates sit
 #: between these; the JSON and the tables have them all.
-PLOT_POLICIES = ("lru", "lfu", "mru", "arc", "s3fifo", "lfu-da", "next-use",
-                 "duel-lru-arc-next", "duel-lru-arc-next+end-hint")
+PLOT_POLICIES = ("lru", "lfu", "mru", "fifo", "lfu-da", "forecast", "duel", "duel+end-hint",
+                 "forecast+end-hint")
+#: Policies that read the session-end hint, replayed with it too.
+END_HINT_POLICIES = ("forecast", "duel")
 
 
 def core_policies() -> list[str]:
-    """Every eviction policy radixkv selects by name (read, not hard-coded: the core may add)."""
+    """Every eviction policy radixkv selects by name (read, not hard-coded: the core may add),
+    and, for those that read request hints (``hooks``), the same told each session's last
+    request (``+end-hint``)."""
     from radixkv.core.policy import POLICIES
 
-    return list(POLICIES)
+    names = list(POLICIES)
+    return names + [f"{n}+end-hint" for n in names if n in END_HINT_POLICIES]
 
 
 def reach_capacity(bt: BlockTrace, policy: str, target: float) -> int:
@@ -120,7 +125,8 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
             res = replay(requests, ReplayConfig(BLOCK_SIZE, cap, pol, ttl_s=ttl_s),
                          priority_tokens=prio)
             out.append({**base, "policy": pol, "kind": "radixkv", "hit_rate": res.hit_rate,
-                        "cost_rate": res.cost_rate, "seconds": time.perf_counter() - t1})
+                        "cost_rate": res.cost_rate, "seconds": time.perf_counter() - t1,
+                        "cpu_us_per_request": 1e6 * res.cpu_s / max(res.requests, 1)})
         if candidates:
             from radixkv.benchmarks.policy_sim import run_policy
 
@@ -155,6 +161,13 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
              "zone_capacities": len(zone)}
         v["meets_target"] = ((not zone or min(zone) >= TARGET_OF_BELADY)
                              and v["min_points_vs_lru"] >= -MAX_POINTS_BELOW_LRU)
+        # bookkeeping CPU per request against LRU's at the same capacity (same run): median
+        lru_cpu = {r["capacity_blocks"]: r.get("cpu_us_per_request") for r in rows
+                   if r["policy"] == "lru"}
+        ratios = sorted(r["cpu_us_per_request"] / lru_cpu[r["capacity_blocks"]] for r in mine
+                        if r.get("cpu_us_per_request") and lru_cpu.get(r["capacity_blocks"]))
+        if ratios:
+            v["cpu_vs_lru_median"] = ratios[len(ratios) // 2]
         out[pol] = v
     return out
 

@@ -43,6 +43,10 @@ class ReplayConfig:
     ``ttl_s`` seconds after their last use, dropped even without memory pressure, like hosted
     prompt caches' 5-minute tier) or an ``EvictionPolicy`` instance.
     ``host_blocks``/``disk_blocks``: capacities of the slower tiers (0 = absent).
+    A policy name may end with ``+end-hint``: each session's last request then says so
+    (``allocate(..., end_session=True)``, as a client closing a chat would). Every request
+    carries its conversation as its ``session`` (``sessions=False``: none, as anonymous
+    requests); only policies with hooks read either.
     """
 
     block_size: int
@@ -51,10 +55,15 @@ class ReplayConfig:
     host_blocks: int = 0
     disk_blocks: int = 0
     ttl_s: float = 300.0
+    sessions: bool = True
 
     @property
     def policy_name(self) -> str:
         return self.policy if isinstance(self.policy, str) else self.policy.name
+
+    @property
+    def end_hint(self) -> bool:
+        return isinstance(self.policy, str) and self.policy.endswith("+end-hint")
 
     @property
     def tiers(self) -> str:
@@ -83,6 +92,7 @@ class ReplayResult:
     expired: int = 0
     inserted: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -108,8 +118,9 @@ class ReplayResult:
             "evictions_per_tier": self.evictions_per_tier,
             "promotions_per_tier": self.promotions_per_tier,
             "dropped": self.dropped, "expired": self.expired, "inserted": self.inserted,
-            "requests": self.requests, "wall_s": self.wall_s,
+            "requests": self.requests, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
             "us_per_request": 1e6 * self.wall_s / max(self.requests, 1),
+            "cpu_us_per_request": 1e6 * self.cpu_s / max(self.requests, 1),
         }
 
 
@@ -155,6 +166,8 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager
     if cfg.disk_blocks and not cfg.host_blocks:
         raise ValueError("a disk tier needs a host tier in front of it")
     policy: str | EvictionPolicy = cfg.policy
+    if isinstance(policy, str) and policy.endswith("+end-hint"):
+        policy = policy[:-len("+end-hint")]
     if policy == "ttl":
         policy = make_policy("ttl", ttl=cfg.ttl_s)
     elif isinstance(policy, str) and policy.startswith("aged-lfu"):
@@ -183,13 +196,18 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
     use_priority = cfg.policy == "priority" and priority_tokens is not None
     expire = cfg.policy == "ttl"
     bs = cfg.block_size
-    t0 = time.perf_counter()
+    final: dict[Any, int] = {}
+    if cfg.end_hint:
+        final = {getattr(r, "conv", j): j for j, r in enumerate(requests)}
+    t0, c0 = time.perf_counter(), time.process_time()
     for j, r in enumerate(requests):
         clock.now = r.t
         if expire:
             tree.evict_expired(r.t)
         prompt, reply = r.prompt, r.reply
-        alloc = bm.allocate(j, prompt, namespace)
+        conv = getattr(r, "conv", j)
+        alloc = bm.allocate(j, prompt, namespace, session=conv if cfg.sessions else None,
+                            end_session=final.get(conv) == j)
         res.hit_tokens += alloc.num_cached_tokens
         res.hit_cost += prefix_cost(alloc.num_cached_tokens, l0)
         res.prompt_cost += prefix_cost(len(prompt), l0)
@@ -213,6 +231,7 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
     if progress is not None:
         progress.update(len(requests) % 256)
     res.wall_s = time.perf_counter() - t0
+    res.cpu_s = time.process_time() - c0
     res.requests = len(requests)
     st = tree.stats
     res.evictions_per_tier = list(st.evicted)

@@ -20,6 +20,7 @@ re-rendering the whole history and counts it in ``ChatSession.num_rerenders``.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -156,13 +157,22 @@ class ChatSession:
     """
 
     def __init__(self, engine: Engine, system: str | None = None, cache_salt: str | None = None,
-                 params: SamplingParams | dict | None = None) -> None:
+                 params: SamplingParams | dict | None = None,
+                 session_id: str | None = None) -> None:
         if system is not None and not isinstance(system, str):
             raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(
                 f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        if session_id is not None and (not isinstance(session_id, str)
+                                       or not 0 < len(session_id) <= 256):
+            raise InvalidRequestError(
+                f"session_id must be a str of 1 to 256 characters, got {session_id!r}")
         self.engine = engine
+        #: the session id every turn carries (eviction hint: the forecasting policies keep a
+        #: live session's blocks for its next turn and drop a closed one's first)
+        self.session_id = session_id if session_id is not None else f"chat-{uuid.uuid4().hex}"
+        self.closed = False
         self.template = engine.chat_template
         self.cache_salt = cache_salt
         self.params = params
@@ -196,34 +206,53 @@ class ChatSession:
         return self.template.prompt_ids(self.messages + [{"role": "user", "content": message}])
 
     # ------------------------------------------------------------------ turns
-    def send(self, message: str, params: SamplingParams | dict | None = None) -> ChatReply:
+    def send(self, message: str, params: SamplingParams | dict | None = None, *,
+             end_session: bool = False) -> ChatReply:
         """Send a user message, generate the reply, keep both in the history.
 
-        Returns a :class:`ChatReply` with the text and cache figures of the turn.
+        ``end_session=True``: this is the last turn; the session is closed after it (as
+        :meth:`close`), in the same request. Returns a :class:`ChatReply` with the text and
+        cache figures of the turn.
         """
-        for _ in self.stream(message, params):
+        for _ in self.stream(message, params, end_session=end_session):
             pass
         assert self.last_reply is not None
         return self.last_reply
 
-    def stream(self, message: str, params: SamplingParams | dict | None = None) -> Iterator[str]:
+    def close(self) -> None:
+        """End the session: its cached blocks become the first to go under the forecasting
+        eviction policies (``forecast``, ``duel``) instead of being kept for a next turn that
+        will not come. Idempotent; a closed session refuses further turns."""
+        if not self.closed:
+            self.closed = True
+            self.engine.end_session(self.session_id)
+
+    def stream(self, message: str, params: SamplingParams | dict | None = None, *,
+               end_session: bool = False) -> Iterator[str]:
         """Like :meth:`send` but yields the reply text as it is generated (str deltas).
 
         When the iterator is exhausted the turn is closed and :attr:`last_reply` holds its
         :class:`ChatReply`. Closing the iterator early aborts the request and leaves the history
         unchanged.
         """
+        if self.closed:
+            raise InvalidRequestError(f"chat session {self.session_id!r} is closed")
+        if type(end_session) is not bool:
+            raise InvalidRequestError(f"end_session must be a bool, got {end_session!r}")
         prompt = self.next_prompt_ids(message)
         delta_ok = not self._history_ids or prompt[:len(self._history_ids)] == self._history_ids
         params = params if params is not None else self.params
         final: RequestOutput | None = None
-        for out in self.engine.stream(prompt, params, cache_salt=self.cache_salt):
+        for out in self.engine.stream(prompt, params, cache_salt=self.cache_salt,
+                                      session=self.session_id, end_session=end_session):
             final = out
             text = out.outputs[0].delta_text if out.outputs else ""
             if text:
                 yield text
         assert final is not None and final.finished, "engine stream ended before finishing"
         self._close_turn(message, prompt, final, rerendered=not delta_ok)
+        if end_session:
+            self.closed = True
 
     def _close_turn(self, message: str, prompt: list[int], out: RequestOutput,
                     rerendered: bool) -> None:

@@ -212,18 +212,30 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: ParamsLike = None, *,
                cache_salt: str | None = None, request_id: str | None = None,
-               cache_points: Sequence[Any] | None = None) -> str:
+               cache_points: Sequence[Any] | None = None, session: str | int | None = None,
+               end_session: bool = False) -> str:
         """Add one request to the running batch; returns its id. Outputs come from
         :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it).
         Thread-safe: the request joins the batch the engine loop is stepping.
-        ``cache_points``: prefixes to keep with a TTL/priority (``radixkv.CachePoint``)."""
+        ``cache_points``: prefixes to keep with a TTL/priority (``radixkv.CachePoint``).
+        ``session``: the conversation (agent run, ...) the request belongs to, and
+        ``end_session``: it is the session's last request; eviction hints for the forecasting
+        policies (``forecast``, ``duel``), ignored by the others (docs/api.md)."""
         ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        hints = {} if session is None and not end_session else \
+            {"session": session, "end_session": end_session}
         self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt,
-                                              cache_points)
+                                              cache_points, **hints)
         return rid
+
+    def end_session(self, session: str | int) -> None:
+        """Say that ``session`` is over (after its last request): its cached blocks are the
+        first to go under the forecasting policies. Thread-safe; InvalidRequestError for a
+        bad id."""
+        self.loop.call(lambda: self.core.end_session(session))
 
     def abort(self, request_id: str) -> None:
         """Stop a request in flight (its cached blocks stay cached). An id that is not in
@@ -314,7 +326,8 @@ class Engine:
         return [final[rid] for rid in rids]
 
     def stream(self, prompt: Prompt, params: ParamsLike = None, *,
-               cache_salt: str | None = None, cache_points: Sequence[Any] | None = None
+               cache_salt: str | None = None, cache_points: Sequence[Any] | None = None,
+               session: str | int | None = None, end_session: bool = False
                ) -> Iterator[RequestOutput]:
         """Stream one prompt: yields a :class:`RequestOutput` per step with new tokens.
 
@@ -324,7 +337,8 @@ class Engine:
         >>> # for out in engine.stream("Once upon a time", {"max_tokens": 20}):
         >>> #     print(out.outputs[0].delta_text, end="", flush=True)
         """
-        rid = self.submit(prompt, params, cache_salt=cache_salt, cache_points=cache_points)
+        rid = self.submit(prompt, params, cache_salt=cache_salt, cache_points=cache_points,
+                          session=session, end_session=end_session)
         return self.stream_request(rid)
 
     # ------------------------------------------------------------------ cache queries
@@ -375,11 +389,13 @@ class Engine:
         return self._chat_template
 
     def chat(self, system: str | None = None, cache_salt: str | None = None,
-             params: ParamsLike = None) -> ChatSession:
-        """A new multi-turn :class:`ChatSession` (optional system message and tenant salt)."""
+             params: ParamsLike = None, session_id: str | None = None) -> ChatSession:
+        """A new multi-turn :class:`ChatSession` (optional system message, tenant salt and
+        session id for the eviction policy; one is made up if not given)."""
         from radixkv.api.chat import ChatSession
 
-        return ChatSession(self, system=system, cache_salt=cache_salt, params=params)
+        return ChatSession(self, system=system, cache_salt=cache_salt, params=params,
+                           session_id=session_id)
 
     def rag(self, **kwargs: Any) -> RAGHelper:
         """A :class:`RAGHelper` over this engine; keyword arguments go to its constructor."""

@@ -149,7 +149,7 @@ class EngineLoop:
         return fut
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    cache_salt: str | None = None, cache_points: Any = None
+                    cache_salt: str | None = None, cache_points: Any = None, **hints: Any
                     ) -> Callable[[], RequestStream]:
         """The operation that adds a request and registers its stream (run it with
         :meth:`call` / :meth:`acall`). Validation errors leave the engine unchanged."""
@@ -159,7 +159,7 @@ class EngineLoop:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
             self.core.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                                  arrival_time=submitted, cache_points=cache_points)
+                                  arrival_time=submitted, cache_points=cache_points, **hints)
             stream = RequestStream(request_id, submitted)
             self._streams[request_id] = stream
             return stream
@@ -167,10 +167,12 @@ class EngineLoop:
         return op
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: Any,
-               cache_salt: str | None = None, cache_points: Any = None) -> RequestStream:
-        """Add a request from any thread; returns its stream once the engine accepted it."""
+               cache_salt: str | None = None, cache_points: Any = None, **hints: Any
+               ) -> RequestStream:
+        """Add a request from any thread; returns its stream once the engine accepted it.
+        ``hints``: ``session``/``end_session`` (``LLMEngine.add_request``)."""
         return self.call(self.add_request(request_id, prompt_token_ids, params, cache_salt,
-                                          cache_points))
+                                          cache_points, **hints))
 
     def submit_many(self, requests: list[tuple[str, list[int], Any, str | None]]
                     ) -> list[RequestStream]:

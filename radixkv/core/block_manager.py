@@ -45,7 +45,8 @@ from radixkv.core.pool import BlockPool
 from radixkv.core.tier_plans import TierPlans
 from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
 from radixkv.errors import (
-    InvalidTokensError, OutOfBlocks, SequenceExistsError, UnknownSequenceError,
+    InvalidRequestError, InvalidTokensError, OutOfBlocks, SequenceExistsError,
+    UnknownSequenceError,
 )
 
 SeqId = Hashable
@@ -215,18 +216,30 @@ class BlockManager(DecodeOps, TierPlans):
             return False
         return True
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], namespace: Namespace) -> Allocation:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], namespace: Namespace,
+                 session: Hashable | None = None, end_session: bool = False) -> Allocation:
         """Start a sequence: reuse its longest cached prefix and allocate blocks for the rest.
 
         Matched device blocks are locked; matched host/disk blocks are promoted into fresh
         device blocks (their loads are in ``moves``, after any demotions that made room; a
         slow block that making room evicted is recomputed instead).
-        All-or-nothing: raises SequenceExistsError, InvalidTokensError or OutOfBlocks without
-        changing anything. Runtime complexity: O(prompt blocks) byte comparisons + O(nodes)
-        + the evictions.
+        ``session`` (any hashable, e.g. a conversation id) and ``end_session`` (this is the
+        session's last request) are hints for a policy that forecasts reuse (``policy.py``'s
+        hooks); other policies ignore them.
+        All-or-nothing: raises SequenceExistsError, InvalidTokensError, InvalidRequestError or
+        OutOfBlocks without changing anything. Runtime complexity: O(prompt blocks) byte
+        comparisons + O(nodes) + the evictions.
         """
         self._check_new_id(seq_id)
         self._check_namespace(namespace)
+        if type(end_session) is not bool:
+            raise InvalidRequestError(f"end_session must be a bool, got {end_session!r}")
+        if session is not None:
+            try:
+                hash(session)
+            except TypeError:
+                raise InvalidRequestError("session must be hashable (a str or int id), got "
+                                          f"{type(session).__name__}") from None
         if seq_id in self._seqs:
             raise SequenceExistsError(f"sequence {seq_id!r} is already live; free it first")
         tok = token_bytes(token_ids)
@@ -238,6 +251,8 @@ class BlockManager(DecodeOps, TierPlans):
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
+        if tree._hooks:
+            tree.policy.on_start(seq_id, n, namespace, session, end_session, now)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
         per_tier = [0] * tree.num_tiers
         per_tier[DEVICE] = dev * self.block_size
@@ -285,6 +300,21 @@ class BlockManager(DecodeOps, TierPlans):
         return Allocation(seq_id, tuple(blocks), num_cached * self.block_size, tuple(per_tier),
                           tuple(moves))
 
+    def end_session(self, session: Hashable) -> None:
+        """The client says ``session`` (as passed to ``allocate``) is over: a policy that
+        forecasts reuse lets its blocks go first (others ignore it). Raises
+        InvalidRequestError if ``session`` is None or unhashable.
+        Runtime complexity: O(the session's last chain in nodes x log n)."""
+        if session is None:
+            raise InvalidRequestError("end_session needs the session id given to allocate")
+        try:
+            hash(session)
+        except TypeError:
+            raise InvalidRequestError("session must be hashable (a str or int id), got "
+                                      f"{type(session).__name__}") from None
+        if self.tree._hooks:
+            self.tree.policy.end_session(session)
+
     # ------------------------------------------------------------------ commit
     def commit(self, seq_id: SeqId, num_computed_tokens: int) -> int:
         """Record that KV of tokens [0, num_computed_tokens) is written; cache full blocks.
@@ -308,6 +338,8 @@ class BlockManager(DecodeOps, TierPlans):
         first, last = s.num_cached, num_computed_tokens // bs
         if last <= first:
             return 0
+        if tree._hooks:
+            tree.policy.enter(seq_id)
         blocks = s.blocks
         dn = tree._device_nodes
         c = first
@@ -415,6 +447,9 @@ class BlockManager(DecodeOps, TierPlans):
         refs = self.pool.ref_counts
         for b in blocks[c + 1:]:
             refs[b] += 1
+        if self.tree._hooks:
+            self.tree.policy.on_fork(parent_id, child_id)
+            self.tree.policy.enter(child_id)
         if c >= 0:
             self.tree.lock_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
         self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(blocks), p.last_hash,
@@ -434,8 +469,13 @@ class BlockManager(DecodeOps, TierPlans):
             refs[b] = r
             if r == 0:
                 pool.free_one(b)
+        hooks = self.tree._hooks
+        if hooks:
+            self.tree.policy.enter(seq_id)
         if c >= 0:
             self.tree.release_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
+        if hooks:
+            self.tree.policy.on_finish(seq_id, s.tokens)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

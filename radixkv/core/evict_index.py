@@ -240,5 +240,21 @@ class FrequencyIndex:
             assert all(e[0] == hits for e in b), f"bucket {hits} holds another count"
 
 
+class AgingIndex(SortedIndex):
+    """A ``SortedIndex`` that reports every entry it pops (to ``on_pop``): LFU with dynamic
+    aging raises its level ``L`` to each victim's key. Runtime complexity: O(log n)."""
+
+    __slots__ = ("_on_pop",)
+
+    def __init__(self, on_pop) -> None:
+        super().__init__()
+        self._on_pop = on_pop
+
+    def pop_min(self) -> tuple:
+        e = self._s.pop(0)
+        self._on_pop(e)
+        return e
+
+
 EvictionIndex = SortedIndex | RecencyIndex | FrequencyIndex
 """The index types the tree accepts (any object with the same methods works)."""

@@ -25,6 +25,7 @@ from radixkv.core.pool import BlockPool
 from radixkv.errors import InvalidBlockError, OutOfBlocks
 
 if TYPE_CHECKING:
+    from radixkv.core.policy import EvictionPolicy
     from radixkv.core.writes import TreeWrites
 
 _tuple_new = tuple.__new__
@@ -36,6 +37,8 @@ class EvictionOps:
     num_tiers: int
     stats: TreeStats
     writes: TreeWrites
+    policy: EvictionPolicy
+    _hooks: bool
     _width: int
     _pools: list[BlockPool]
     _index: dict[bytes, Node]
@@ -132,6 +135,8 @@ class EvictionOps:
         t = node.tier
         n = len(node.hashes)
         if t + 1 == self.num_tiers:
+            if self._hooks:
+                self.policy.on_leave(node, take)
             if take == n:
                 self._drop_node(node, moves)
             else:
@@ -153,6 +158,8 @@ class EvictionOps:
                                   if copy_slot(h, u) is not None)
             if need > free:
                 take = max(1, free)
+        if self._hooks:
+            self.policy.on_leave(node, take)
         if take == 1 and n > 1 and write_back and self._demote_tail_block(node, u, moves):
             return 1
         if take < n:
@@ -191,7 +198,8 @@ class EvictionOps:
             self._evict_from(u, 1, moves)
         c = node.child
         if (c is None or c.next is not None or c.tier != u or c.ref != node.ref
-                or c.hints != node.hints or self._key(c) != self._key(node)):
+                or c.hints != node.hints or c.aux != node.aux
+                or self._key(c) != self._key(node)):
             return False
         t = node.tier
         h = node.hashes.pop()

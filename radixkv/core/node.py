@@ -32,13 +32,15 @@ class Node:
     an intrusive doubly-linked list (``child`` is the first, then ``next``; ``prev`` back), most
     recently linked first, which is also the child ``match`` tries before hashing.
     ``ref`` counts the live sequences holding the node (device only): each of them holds every
-    block of it. ``last_access``/``hits``/``hints`` (a ``NodeHints`` or None) feed the policy.
+    block of it. ``last_access``/``hits``/``hints`` (a ``NodeHints`` or None) feed the policy;
+    ``aux`` is the policy's own per-node state (None for LRU and the other policies without
+    hooks; an immutable value, since a cut copies it to both sides: ``policy.py``).
     ``tokens`` is a ``bytearray``: a run grows at its end (a conversation's next blocks) and
     shrinks at either end (eviction takes the tail, a split the head) in place.
     """
 
     __slots__ = ("hashes", "tokens", "slots", "tier", "ref", "parent", "child", "next", "prev",
-                 "children", "last_access", "hits", "hints")
+                 "children", "last_access", "hits", "hints", "aux")
 
     def __init__(self, hashes: list[bytes], tokens: bytearray, slots: list[int], tier: int,
                  parent: Node | None, now: float, ref: int = 0) -> None:
@@ -55,6 +57,7 @@ class Node:
         self.last_access = now
         self.hits = 0
         self.hints = None
+        self.aux = None
 
     def __len__(self) -> int:
         return len(self.hashes)

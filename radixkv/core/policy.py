@@ -13,22 +13,28 @@ Because a parent is accessed whenever a child is, ``parent.last_access >= child.
 always holds, so evicting leaves in LRU order is exactly LRU over the whole tree.
 
 ``hits`` counts the requests that locked the node. A run grows when its only holder commits
-more blocks after it, and the new blocks join the run's count: under LFU a conversation's
-newest blocks count as often used as its oldest (a per-block cache would give them 0).
+more blocks after it, and the new blocks join the run's count, unless the policy says
+``fresh_counts`` (LFU, LFU-DA, the duel): then they start a node of their own at 0, as in a
+per-block cache.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from radixkv.core.evict_index import EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex
+from radixkv.core.evict_index import (
+    AgingIndex, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex,
+)
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
+    from radixkv.core.hashing import Namespace
     from radixkv.core.node import Node
+    from radixkv.core.tree import RadixTree
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,61 @@ DEFAULT_HINTS = NodeHints()
 
 
 class EvictionPolicy(abc.ABC):
-    """Order of eviction among evictable leaves: smallest key first."""
+    """Order of eviction among evictable leaves: smallest key first.
+
+    **The seam (issue 15).** A plain policy is a key function over fields the tree keeps per
+    node (``last_access``, ``hits``, ``hints``) and pays for nothing else: LRU, LFU, MRU,
+    priority and TTL. A policy that needs its own state sets ``hooks = True``; the tree then
+    calls it once per *node* event (never per block), always while the node is out of every
+    eviction index, so the hook may change what ``key()`` will return:
+
+    ``on_insert(node, start, now)``
+        blocks ``node.hashes[start:]`` were just cached (``start == 0``: a new node, whose
+        ``aux`` is None; ``start > 0``: appended to a run its only holder writes on, which
+        then share the run's state).
+    ``on_hit(node, prev_access, now)``
+        a request locked (or promoted) the node: ``hits`` and ``last_access`` are updated,
+        ``prev_access`` is the access before.
+    ``on_release(node, now)``
+        the node's last holder let go (``last_access = now``); it becomes evictable.
+    ``on_leave(node, k)``
+        the last ``k`` blocks of ``node`` are about to leave its tier (demoted, dropped or
+        expired; not ``invalidate``: bad bytes say nothing about reuse).
+
+    and the block manager calls, per *request*: ``on_start(seq_id, num_tokens, namespace,
+    session, end_session, now)`` before a sequence's match is locked (``session``: the
+    conversation it belongs to, if the client said; ``end_session``: the client says it is the
+    session's last request), ``on_fork(parent_id, child_id)``, ``enter(seq_id)`` before the
+    manager commits or frees on behalf of a sequence (so node events know whose they are),
+    ``on_finish(seq_id, token_ids)`` after a sequence is freed (its every token), and
+    ``end_session(session)`` when a client closes a session after its last request (a policy
+    re-keys nodes then through ``RadixTree.rekey``, which re-files them). With ``hooks``
+    False none of these is called (the tree and manager test one bool per operation).
+
+    Per-node state lives in ``node.aux`` (one slot, the policy's; None until ``on_insert``),
+    which a cut copies to both halves, so it must be an immutable value (a number, a tuple);
+    two nodes coalesce back into one run only if their ``aux`` and key agree. A key computed
+    from state that moves while the node is filed (a learned statistic) must be snapshotted
+    into ``aux`` by a hook: the tree removes entries by recomputing them.
+
+    A policy may also own its index (``new_index``): the victim is whatever ``pop_min``
+    returns, so an index can choose between orders (``policy_forecast.py``: overdue first,
+    else farthest forecast; ``policy_duel.py``: the order of whichever member policy is
+    winning). Whatever it returns, eviction stays leaf-first and never touches a held block:
+    only evictable leaves are ever filed. ``key_size`` is the length of ``key()`` (so that a
+    composite policy can concatenate its members' keys).
+    """
 
     name: str
+    hooks: bool = False
+    key_size: int = 1
+    #: True: blocks a sequence commits after a run that requests have hit start a node of
+    #: their own with 0 hits (as in a per-block cache) instead of joining the run and its
+    #: count. For policies that rank by ``hits``: a one-off continuation must not inherit the
+    #: popularity of the prefix it extends. (Costs a node per turn of a conversation.)
+    fresh_counts: bool = False
+    #: index of this policy's part of ``node.aux`` inside a composite policy (None: all of it)
+    aux_slot: int | None = None
 
     @abc.abstractmethod
     def key(self, node: Node, hints: NodeHints) -> tuple:
@@ -66,6 +124,62 @@ class EvictionPolicy(abc.ABC):
         (O(log n), any key) unless the policy knows its keys arrive in order."""
         return SortedIndex()
 
+    # ---------------------------------------------------------------- hooks (hooks = True)
+    def bind(self, tree: RadixTree) -> None:
+        """Attach to the tree that calls the hooks (once: a hooked policy's state belongs to
+        one tree)."""
+        if getattr(self, "_tree", None) is not None and self._tree is not tree:
+            raise ConfigError(f"a {self.name!r} policy object belongs to one tree; "
+                              "pass the policy's name (or a fresh object) to each tree")
+        self._tree = tree
+
+    def on_insert(self, node: Node, start: int, now: float) -> None:
+        pass
+
+    def on_hit(self, node: Node, prev_access: float, now: float) -> None:
+        pass
+
+    def on_release(self, node: Node, now: float) -> None:
+        pass
+
+    def on_leave(self, node: Node, k: int) -> None:
+        pass
+
+    def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
+                 session: Hashable | None, end_session: bool, now: float) -> None:
+        pass
+
+    def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        pass
+
+    def enter(self, seq_id: Hashable) -> None:
+        pass
+
+    def on_finish(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        pass
+
+    def end_session(self, session: Hashable) -> None:
+        """The client says ``session`` is over (after its last request): a policy may re-key
+        its nodes through ``tree.rekey`` (the block manager's ``end_session``)."""
+
+
+    # ---------------------------------------------------------------- aux helpers
+    def _aux(self, node: Node):
+        """This policy's part of ``node.aux``."""
+        a = node.aux
+        return a if self.aux_slot is None or a is None else a[self.aux_slot]
+
+    def _set_aux(self, node: Node, value) -> None:
+        node.aux = self._aux_with(node, value)
+
+    def _aux_with(self, node: Node, value):
+        """``node.aux`` with this policy's part replaced by ``value``."""
+        i = self.aux_slot
+        if i is None:
+            return value
+        a = node.aux
+        return (*a[:i], value, *a[i + 1:])
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first (the default). Key: ``(last_access,)``."""
@@ -81,9 +195,17 @@ class LRUPolicy(EvictionPolicy):
 
 
 class LFUPolicy(EvictionPolicy):
-    """Least frequently used first, ties by LRU. Key: ``(hits, last_access)``."""
+    """Least frequently used first, ties by LRU. Key: ``(hits, last_access)``.
+
+    Counts are per block as in a per-block cache (``fresh_counts``): blocks committed after a
+    run that requests have hit start at 0 in a node of their own. (Letting them join the run,
+    and its count, cost 4 to 22 points of hit rate on the RAG workload: a one-off document
+    combination inherited the popularity of the prefix it extended.)
+    """
 
     name = "lfu"
+    key_size = 2
+    fresh_counts = True
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (node.hits, node.last_access)
@@ -115,6 +237,7 @@ class PriorityPolicy(EvictionPolicy):
     """
 
     name = "priority"
+    key_size = 2
 
     def key(self, node: Node, hints: NodeHints) -> tuple:
         return (hints.priority, node.last_access)
@@ -146,12 +269,78 @@ class TTLPolicy(EvictionPolicy):
         return key[0] <= now
 
 
+class FIFOPolicy(EvictionPolicy):
+    """First cached, first evicted (leaves only), ties by LRU. Key: ``(time the run was
+    cached, last_access)`` (the access time also keeps runs with different access times from
+    coalescing: every other policy's key has it).
+
+    The insertion time is per node (``aux``, set by ``on_insert``): blocks a sequence appends
+    to the run it holds alone share the run's time, as they share its LRU and LFU inputs, so a
+    conversation that goes on turn after turn keeps its first turn's time. A hit does not
+    change it. Runtime complexity: O(1) per node event; the ``RecencyIndex`` (times arrive in
+    order) makes filing O(1).
+    """
+
+    name = "fifo"
+    hooks = True
+    key_size = 2
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (self._aux(node), node.last_access)
+
+    def new_index(self) -> RecencyIndex:
+        return RecencyIndex()
+
+    def on_insert(self, node: Node, start: int, now: float) -> None:
+        if start == 0:
+            self._set_aux(node, now)
+
+
+class LFUDAPolicy(EvictionPolicy):
+    """LFU with dynamic aging (Arlitt et al. 2000): key ``K = L + hits`` set at each hit, where
+    ``L`` is the largest key evicted so far. Key: ``(K, last_access)``.
+
+    Plain LFU never forgets: a block used often long ago outlives everything new. Aging lifts
+    every new key by the victims' level, so old counts lose their weight as the cache turns
+    over. ``K`` is computed when the node is hit (or cached: ``L + 0``) and kept in ``aux`` as
+    ``(K, hits)`` (with the count, so that only runs with equal counts coalesce); ``L`` is one
+    number for the whole tree, raised by every victim the index pops in any tier (a leaf that
+    was inner for a long time can have a key below ``L``: ``L`` never goes down).
+    Runtime complexity: O(1) per node event, O(log n) per filing (``SortedIndex``).
+    """
+
+    name = "lfu-da"
+    hooks = True
+    key_size = 2
+    fresh_counts = True
+
+    def __init__(self) -> None:
+        self.L = 0.0
+
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        return (self._aux(node)[0], node.last_access)
+
+    def new_index(self) -> AgingIndex:
+        return AgingIndex(self._popped)
+
+    def _popped(self, entry: tuple) -> None:
+        if entry[0] > self.L:
+            self.L = entry[0]
+
+    def on_insert(self, node: Node, start: int, now: float) -> None:
+        if start == 0:
+            self._set_aux(node, (self.L + node.hits, node.hits))
+
+    def on_hit(self, node: Node, prev_access: float, now: float) -> None:
+        self._set_aux(node, (self.L + node.hits, node.hits))
+
+
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "mru": MRUPolicy, "priority": PriorityPolicy,
-            "ttl": TTLPolicy}
+            "ttl": TTLPolicy, "fifo": FIFOPolicy, "lfu-da": LFUDAPolicy}
 
 
 def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
-    """A policy by name (``lru``, ``lfu``, ``priority``, ``ttl``) or an instance passed through."""
+    """A policy by name (one of ``POLICIES``) or an instance passed through."""
     if not isinstance(name, str):
         return name
     if name not in POLICIES:
@@ -160,3 +349,13 @@ def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
         return POLICIES[name](**kwargs)
     except TypeError as exc:
         raise ConfigError(f"bad options for the {name!r} policy: {exc}") from None
+
+
+# Policies with their own modules (they import this one; registered here so every name is in
+# one table).
+from radixkv.core.policy_forecast import ForecastPolicy  # noqa: E402
+
+POLICIES["forecast"] = ForecastPolicy
+from radixkv.core.policy_duel import DuelPolicy  # noqa: E402
+
+POLICIES["duel"] = DuelPolicy

@@ -24,6 +24,7 @@ from radixkv.core.node import _CMASK, DEVICE, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
 
 if TYPE_CHECKING:
+    from radixkv.core.policy import EvictionPolicy
     from radixkv.core.writes import TreeWrites
 
 _xxh3_128 = xxhash.xxh3_128_digest
@@ -46,6 +47,8 @@ class RequestOps:
     writes: TreeWrites
     _width: int
     _lru: bool
+    _hooks: bool
+    policy: EvictionPolicy
     _pools: list[BlockPool]
     _index: dict[bytes, Node]
     _evictable: list[EvictionIndex]
@@ -69,6 +72,7 @@ class RequestOps:
         Runtime complexity: O(nodes) (+ O(log n) index work per node under a ``SortedIndex``)."""
         now = self.clock() if now is None else now
         idx, writes = self._evictable[DEVICE], self.writes
+        on_hit = self.policy.on_hit if self._hooks else None
         for node in nodes:
             assert node.tier == DEVICE, f"lock of {node}: promote it first"
             if node.ref == 0:
@@ -77,8 +81,11 @@ class RequestOps:
                     idx.remove(self._entry(node))   # leaves the index before its key changes
             refile = writes.unfile(node)
             node.ref += 1
+            prev = node.last_access
             node.last_access = now
             node.hits += 1
+            if on_hit is not None:
+                on_hit(node, prev, now)
             if refile is not None:
                 writes.refile(node, refile)
 
@@ -96,6 +103,7 @@ class RequestOps:
         Runtime complexity: O(depth in nodes)."""
         now = self.clock() if now is None else now
         idx, writes = self._evictable[DEVICE], self.writes
+        on_release = self.policy.on_release if self._hooks else None
         unref = 0
         while node is not None:
             r = node.ref - 1
@@ -104,6 +112,8 @@ class RequestOps:
                 refile = writes.unfile(node)
                 node.ref = 0
                 node.last_access = now
+                if on_release is not None:
+                    on_release(node, now)
                 unref += len(node.hashes)
                 if not node.children & _CMASK:
                     idx.add(self._entry(node))
@@ -184,12 +194,15 @@ class RequestOps:
         assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
-                and parent.hints is None and parent.tier == DEVICE):
+                and parent.hints is None and parent.tier == DEVICE
+                and not (parent.hits and self.policy.fresh_counts)):
             node = parent
             start = len(node.hashes)
             node.hashes.extend(hashes)
             node.tokens += tokens
             node.slots.extend(slots)
+            if self._hooks:
+                self.policy.on_insert(node, start, now)
         else:
             node = _new_node(Node)
             node.hashes = hashes if type(hashes) is list else list(hashes)
@@ -202,7 +215,10 @@ class RequestOps:
             node.last_access = now
             node.hits = 0
             node.hints = None
+            node.aux = None
             start = 0
+            if self._hooks:
+                self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
             if ref == 0:

@@ -50,8 +50,8 @@ class RunOps:
         c = node.children
         nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
         new = _new_node(Node)
-        new.tier, new.ref, new.last_access, new.hits, new.hints = (
-            t, node.ref, node.last_access, node.hits, node.hints)
+        new.tier, new.ref, new.last_access, new.hits, new.hints, new.aux = (
+            t, node.ref, node.last_access, node.hits, node.hints, node.aux)
         index = self._index
         if n - k + nkids <= k:        # the tail becomes the new object
             head, tail = node, new
@@ -121,7 +121,8 @@ class RunOps:
         Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
         if (parent is None or parent.child is not child or child.next is not None
                 or parent.tier != child.tier or parent.ref != child.ref
-                or parent.hints != child.hints or self._key(parent) != self._key(child)):
+                or parent.hints != child.hints or parent.aux != child.aux
+                or self._key(parent) != self._key(child)):
             return child
         index = self._index
         dn = self._device_nodes if child.tier == DEVICE else None

@@ -1,9 +1,9 @@
-"""The ``RadixTree``'s operations beyond plain eviction: promotions to the device, adoption of a
-recomputed block, disk -> host prefetch, blocks found on disk at start, invalidation of bad
-blocks, eviction hints and TTL expiry.
+"""The ``RadixTree``'s moves between tiers beyond plain eviction: promotions to the device,
+adoption of a recomputed block, disk -> host prefetch, blocks found on disk at start,
+invalidation of bad blocks.
 
-``TierOps`` is a mixin of ``RadixTree`` (``tree.py`` keeps the structure, matching, splitting and
-eviction). Every operation here works on whole nodes (runs), cutting one first where it must
+``TierOps`` is a mixin of ``RadixTree`` (``eviction.py`` has eviction and demotion, ``hints.py``
+hints and TTL expiry). Every operation here works on whole nodes (runs), cutting one first where it must
 apply to only part of it; each returns the ``MoveOp``\\ s the storage layer must run, in order.
 Copies (write-through) are the write policy's (``writes.py``): these operations tell it when a
 node's key changes (``unfile``/``refile``), when a promotion may keep its source as a copy
@@ -14,16 +14,14 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixkv.core.evict_index import EvictionIndex
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, NodeHints
+from radixkv.core.policy import EvictionPolicy
 from radixkv.core.pool import BlockPool
-from radixkv.errors import ConfigError, InvalidBlockError
+from radixkv.errors import InvalidBlockError
 
 if TYPE_CHECKING:
     from radixkv.core.writes import TreeWrites
@@ -39,6 +37,7 @@ class TierOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
+    _hooks: bool
     _width: int
     _pools: list[BlockPool]
     _index: dict[bytes, Node]
@@ -81,8 +80,11 @@ class TierOps:
             j += n
             t, old, refile = self._rehome_on_device(node, ids)
             node.ref = 1
+            prev = node.last_access
             node.last_access = now
             node.hits += 1
+            if self._hooks:
+                self.policy.on_hit(node, prev, now)
             keep = self.writes.keep_sources(node, t, old)
             if not keep:
                 src = self._pools[t]
@@ -130,8 +132,9 @@ class TierOps:
         block would coalesce (a write-back tree, ``parent`` held by one sequence with
         ``node`` its only child, the same hints, and the same key once touched); None,
         changing nothing, otherwise."""
-        if (self.writes.tiers or parent.ref != 1 or parent.child is not node
-                or node.next is not None or parent.hints != node.hints):
+        if (self.writes.tiers or self._hooks or parent.ref != 1 or parent.child is not node
+                or node.next is not None or parent.hints != node.hints
+                or parent.aux != node.aux):
             return None
         last, hits = node.last_access, node.hits   # the block's key once promoted
         node.last_access, node.hits = now, hits + 1
@@ -291,8 +294,12 @@ class TierOps:
             node.tokens += tokens
             node.slots.append(slot)
             node.last_access = now
+            if self._hooks:
+                self.policy.on_insert(node, len(node.hashes) - 1, now)
         else:
             node = Node([block_hash], bytearray(tokens), [slot], tier, None, now)
+            if self._hooks:
+                self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
         self._index[block_hash] = node
@@ -327,7 +334,7 @@ class TierOps:
         self._pending = []
         writes, index = self.writes, self._index
         for n in reversed(order):
-            self._discard(n)
+            self._discard(n)   # (not an eviction: the policy's hooks do not hear of it)
             if self.drop_listener is not None:
                 self.drop_listener([self._ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
             t = n.tier
@@ -347,136 +354,3 @@ class TierOps:
             if n.parent is not None:
                 self._unlink(n)
         return moves
-
-    # ------------------------------------------------------------------ hints
-    def set_hints(self, block_hashes: Iterable[bytes], priority: int | None = None,
-                  ttl: float | None = None) -> None:
-        """Set the priority and/or TTL hints of cached blocks (e.g. a system prompt's chain).
-
-        ``priority``: an int (higher survives longer under the priority policy); ``ttl``:
-        finite seconds >= 0 after the block's last use (under any policy, see
-        ``evict_expired``). Nodes are cut so that hints cover exactly the given blocks.
-        All-or-nothing (all validated first). Runtime complexity: O(blocks + nodes * log n).
-        """
-        if priority is not None and type(priority) is not int:
-            raise ConfigError(f"priority must be an int, got {priority!r}")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                                or not math.isfinite(ttl) or ttl < 0):
-            raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
-        hashes = list(block_hashes)
-        for h in hashes:
-            if not isinstance(h, bytes) or h not in self._index:
-                raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
-        wanted = set(hashes)
-        done: set[int] = set()
-        for h in hashes:
-            node = self._index[h]
-            if id(node) in done:
-                continue
-            i = node.hashes.index(h)
-            j = i + 1
-            while j < len(node.hashes) and node.hashes[j] in wanted:
-                j += 1
-            if j < len(node.hashes):
-                node = self._split(node, j)[0]
-            if i:
-                node = self._split(node, i)[1]
-            done.add(id(node))
-            old = DEFAULT_HINTS if node.hints is None else node.hints
-            new = NodeHints(old.priority if priority is None else priority,
-                            old.ttl if ttl is None else float(ttl))
-            self._discard(node)
-            refile = self.writes.unfile(node)
-            node.hints = None if new == DEFAULT_HINTS else new
-            if new.ttl is not None:
-                heapq.heappush(self._ttl_heap, (node.last_access + new.ttl, node.hashes[-1]))
-            self._consider(node)
-            if refile is not None:
-                self.writes.refile(node, refile)
-
-    def touch(self, block_hash: bytes, now: float | None = None) -> None:
-        """Mark cached block ``block_hash`` and everything before it as used now (their policy
-        keys move, as a hit's would): e.g. the parent of blocks about to be installed below
-        it from the remote tier, so that making room for them does not evict it first.
-        Runtime complexity: O(depth in nodes) (+ a cut of its node)."""
-        now = self.clock() if now is None else now
-        n: Node | None = self._node_ending_at(block_hash)
-        while n is not None:
-            self._discard(n)
-            refile = self.writes.unfile(n)
-            n.last_access = now
-            self._consider(n)
-            if refile is not None:
-                self.writes.refile(n, refile)
-            n = n.parent
-
-    # ------------------------------------------------------------------ expiry
-    def evict_expired(self, now: float | None = None) -> list[MoveOp]:
-        """Evict every block whose TTL has run out at ``now``, fastest tier first.
-
-        Two sources of TTLs: the policy's own (``TTLPolicy``: every block, in key order) and,
-        under *any* policy, a per-block ``ttl`` hint (``set_hints``, e.g. a request's cache
-        breakpoint "5m"): those are kept in a heap of due times, checked lazily here (a block
-        used since is re-armed, one still held or with children in its tier is re-checked
-        later). Expired blocks are demoted like any victim, so they leave the cache through
-        the slower tiers, where they are expired in turn; expired copies are dropped.
-        Returns the moves (queued write-through moves first). O(expired blocks + nodes log n).
-        """
-        now = self.clock() if now is None else now
-        moves = self._pending
-        self._pending = []
-        expired = self.policy.expired
-        for tier in range(self.num_tiers):
-            entries = self._evictable[tier]
-            while entries and expired(entries.min(), now):
-                h = entries.pop_min()[-1]
-                node = self._index[h]
-                if node.tier == tier:
-                    self.stats.expired += self._move_tail_out(node, len(node.hashes), moves)
-                else:
-                    self.stats.expired += 1
-                    self.writes.drop_popped_copy(h, tier, moves)
-        self._expire_hinted(now, moves)
-        return moves
-
-    def next_expiry(self) -> float | None:
-        """The earliest due time of a per-block TTL hint (None: none set): when calling
-        ``evict_expired`` can next do something for hinted blocks."""
-        return self._ttl_heap[0][0] if self._ttl_heap else None
-
-    def _expire_hinted(self, now: float, moves: list[MoveOp]) -> None:
-        """Hinted nodes whose TTL ran out move out of their tier, at most once each per call,
-        in ``(due, hash)`` order, in passes until one moves nothing: an expired leaf's going
-        can make its expired parent evictable, which the next pass takes, so a whole expired
-        chain leaves in one call. A node that is held (or keeps an unexpired child) stays due
-        and is tried again at the next call. A demoted node leaves its next tier at a later
-        call."""
-        heap = self._ttl_heap
-        moved: set[int] = set()
-        while True:
-            progressed = False
-            later: list[tuple[float, bytes]] = []
-            popped: set[int] = set()
-            while heap and heap[0][0] <= now:
-                armed, h = heapq.heappop(heap)
-                node = self._index.get(h)
-                if node is None or node.hints is None or node.hints.ttl is None or \
-                        node.hashes[-1] != h or id(node) in popped:
-                    continue   # gone, TTL lifted, no longer a node's end, or a duplicate
-                due = node.last_access + node.hints.ttl
-                if due != armed:
-                    heapq.heappush(heap, (due, h))   # used (or re-hinted) since: its real turn
-                    continue
-                popped.add(id(node))
-                if id(node) not in moved and self._is_evictable(node):
-                    self._evictable[node.tier].remove(self._entry(node))   # type: ignore[attr-defined]
-                    moved.add(id(node))
-                    n = len(node.hashes)
-                    self.stats.expired += self._move_tail_out(node, n, moves)
-                    progressed = True
-                if self._index.get(h) is not None:   # still cached (held, inner, or demoted)
-                    later.append((due, h))
-            for item in later:
-                heapq.heappush(heap, item)
-            if not progressed:
-                return

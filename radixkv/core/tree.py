@@ -37,7 +37,8 @@ recursively) or, from the last tier, drops it. Every change of residency is a ``
 storage layer to execute *in order* before the freed slots are reused. The per-request paths
 (lock, release, insert, the device-only eviction loop) live in ``request_ops.py``, the slower
 tiers' operations in ``tiers.py``, cutting and merging runs in ``runs.py``, eviction in
-``eviction.py``, the consistency check in ``tree_check.py``.
+``eviction.py``, hints and TTL expiry in ``hints.py``, the consistency check in
+``tree_check.py``.
 
 Pure Python: this module imports no torch.
 """
@@ -54,6 +55,7 @@ from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveO
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.eviction import EvictionOps
+from radixkv.core.hints import HintOps
 from radixkv.core.request_ops import RequestOps
 from radixkv.core.runs import RunOps
 from radixkv.core.tiers import TierOps
@@ -67,7 +69,7 @@ _tuple_new = tuple.__new__
 _new_node = object.__new__
 
 
-class RadixTree(RunOps, EvictionOps, RequestOps, TierOps):
+class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
     """Path-compressed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -95,6 +97,9 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps):
         self._width = block_size * TOKEN_BYTES
         self.policy = make_policy(policy)
         self._lru = type(self.policy) is LRUPolicy  # fast path: key = (last_access,)
+        #: whether the policy hears node and request events (policy.py's seam); False for
+        #: LRU and the other plain key policies, which then cost nothing for it
+        self._hooks = self.policy.hooks
         self.clock = clock
         self._pools: list[BlockPool] = [device_pool, *lower_pools]
         self.num_tiers = len(self._pools)
@@ -113,6 +118,8 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps):
         self.insert_listener: Callable[[list[bytes]], None] | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
+        if self._hooks:
+            self.policy.bind(self)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:

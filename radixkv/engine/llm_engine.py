@@ -43,8 +43,8 @@ from radixkv.engine.sampling import (SamplingParams, eos_token_ids, greedy_token
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
-from radixkv.engine.sequence import Request, Sequence
-from radixkv.errors import ConfigError, EngineClosedError
+from radixkv.engine.sequence import Request, Sequence, check_session
+from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 
 def model_fingerprint(model_id: str, layout: Any) -> str:
@@ -202,7 +202,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | Mapping[str, Any] | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    cache_points: Seq[Any] | None = None) -> None:
+                    cache_points: Seq[Any] | None = None, session: str | int | None = None,
+                    end_session: bool = False) -> None:
         """Queue a request. Everything is validated first: a bad request raises
         InvalidRequestError and leaves the engine (and requests in flight) untouched.
 
@@ -210,14 +211,17 @@ class LLMEngine:
         clock: a caller that queued the request while a step was running passes the time it
         asked, so the wait for that step counts as engine time, as vLLM's TTFT does.
         ``cache_points``: :class:`~radixkv.engine.cache_points.CachePoint` s (or dicts) marking
-        prefixes of the prompt to keep with a TTL and/or priority once it is computed."""
+        prefixes of the prompt to keep with a TTL and/or priority once it is computed.
+        ``session`` (str or int) / ``end_session`` (its last request): eviction hints."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
+        check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
         ns = self._namespace.with_salt(cache_salt)
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
         req.cache_points = points
+        req.session, req.end_session = session, end_session
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):
             req.seqs.append(self._new_seq(req, i, list(req.prompt_token_ids)))
@@ -231,6 +235,13 @@ class LLMEngine:
             self._remote.lookup(req)   # scheduled once its lookup is done (or timed out)
         else:
             self._scheduler.add(req)
+
+    def end_session(self, session: str | int) -> None:
+        """``session`` is over: its blocks go first (``forecast``/``duel``; others ignore it)."""
+        if session is None:
+            raise InvalidRequestError("end_session needs a session id (a str or int)")
+        check_session(session, False)
+        self._bm.end_session(session)
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         p = req.params
@@ -487,3 +498,4 @@ class LLMEngine:
 
 
 __all__ = ["LLMEngine", "model_fingerprint"]
+

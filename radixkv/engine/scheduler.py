@@ -425,7 +425,8 @@ class Scheduler:
             failed: list[bytes] = []
             try:
                 for seq in seqs:
-                    a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace)
+                    a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace,
+                                         session=req.session, end_session=req.end_session)
                     out.kv_ops.extend(a.moves)
                     done.append(a)
                     failed = yield from self._flush(out)

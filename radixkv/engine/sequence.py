@@ -102,6 +102,8 @@ class Request:
         self.cached_tokens_per_tier: tuple[int, ...] = ()
         self.remote_tokens = 0   # of the cached tokens, those the remote tier supplied
         self.cache_points: tuple[Any, ...] = ()   # CachePoints applied once prefilled
+        self.session: str | int | None = None     # eviction hints: the client's session id,
+        self.end_session = False                  # and whether this is its last request
         self.cache_write_tokens = 0   # prompt tokens its prefill added to the cache
         self.num_preemptions = 0
         self.beam: Any = None
@@ -128,3 +130,20 @@ class Request:
 
 
 __all__ = ["Request", "RequestStatus", "Sequence"]
+
+
+def check_session(session: Any, end_session: Any) -> None:
+    """Validate a request's session hints, raising ``InvalidRequestError``: a session id is an
+    int or a str of 1 to 256 characters (or None), ``end_session`` a bool (with no session, it
+    says the request is a session of its own that ends with it)."""
+    from radixkv.errors import InvalidRequestError
+
+    if session is not None:
+        if isinstance(session, bool) or not isinstance(session, (str, int)):
+            raise InvalidRequestError(
+                f"session must be a str or int id, got {type(session).__name__}")
+        if isinstance(session, str) and not 0 < len(session) <= 256:
+            raise InvalidRequestError(
+                f"a session id has 1 to 256 characters, got {len(session)}")
+    if type(end_session) is not bool:
+        raise InvalidRequestError(f"end_session must be a bool, got {end_session!r}")

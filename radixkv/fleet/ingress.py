@@ -137,7 +137,8 @@ class FleetBackend(Backend):
 
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
-                   restartable: bool = False) -> RequestHandle:
+                   restartable: bool = False, **hints: Any) -> RequestHandle:
+        # (eviction hints do not reach the replicas yet: their policies see no sessions)
         route = {"hashes": self.block_hashes(prompt_ids, cache_salt)}
         return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points),
                             route, restartable)

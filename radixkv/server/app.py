@@ -254,7 +254,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                                          chat, points[0]), media_type="text/event-stream")
     try:
         outs = await asyncio.gather(*(
-            _final(state, f"{rid}-{i}", ids, sp, salt, timing, request, pts)
+            _final(state, f"{rid}-{i}", ids, sp, salt, timing, request, pts,
+                   serving.session_hints(req))
             for i, (ids, sp, pts) in enumerate(zip(prompts, params, points))))
     finally:
         state.release()
@@ -291,9 +292,11 @@ def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | N
 
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
-                 timing: serving.Timing, request: Request, points: Any = None) -> Any:
+                 timing: serving.Timing, request: Request, points: Any = None,
+                 hints: dict[str, Any] | None = None) -> Any:
     last = None
-    async for last in serving.run(state, rid, ids, params, salt, timing, request, points):
+    async for last in serving.run(state, rid, ids, params, salt, timing, request, points,
+                                  hints):
         pass
     return last if last is not None and last.finished else None
 
@@ -336,7 +339,7 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
             yield chunk([choice(i, "", None, role=True) for i in range(req.n)])
         last, done = None, set()
         async for out in serving.run(state, rid, ids, params, salt, timing,
-                                     cache_points=points):
+                                     cache_points=points, hints=serving.session_hints(req)):
             last = out
             if beam and not out.finished:
                 continue   # beams reorder until the end: only the final best n are sent

@@ -58,10 +58,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
-                   restartable: bool = False) -> RequestHandle:
+                   restartable: bool = False, **hints: Any) -> RequestHandle:
         """Submit one validated request; its outputs come from the returned handle.
         ``restartable``: nothing of it reaches the client before it finishes (a non-streamed
-        answer), so a backend may run it again from the start after a failure."""
+        answer), so a backend may run it again from the start after a failure. ``hints``:
+        the eviction hints ``session``/``end_session`` (a backend may ignore them)."""
 
     @abc.abstractmethod
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
@@ -109,10 +110,10 @@ class LocalBackend(Backend):
 
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
-                   restartable: bool = False) -> RequestHandle:
+                   restartable: bool = False, **hints: Any) -> RequestHandle:
         loop = self.engine.loop
         stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
-                                                   cache_points))
+                                                   cache_points, **hints))
         return _LocalHandle(loop, stream, request_id)
 
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:

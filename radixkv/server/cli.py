@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--disk-dir", default=None, help="disk tier directory")
     c.add_argument("--disk-blocks", type=int, default=0, help="disk tier size in blocks")
     c.add_argument("--disk-memory", default=None, help="disk tier size, e.g. 20GiB")
-    c.add_argument("--policy", default="lru", help="eviction policy: lru, lfu, mru, priority, ttl")
+    from radixkv.config import CacheConfig
+
+    c.add_argument("--policy", default=CacheConfig.policy,
+                   help=f"eviction policy (default {CacheConfig.policy}): one of "
+                        "radixkv.core.policy.POLICIES (docs/eviction.md)")
     c.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],

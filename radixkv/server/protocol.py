@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +43,10 @@ class _SamplingFields(BaseModel):
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
     prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     prompt_cache_key: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    # radixkv: eviction hints (docs/serve.md): the conversation / agent run the request belongs
+    # to, and whether it is its last request
+    session_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    end_session: StrictBool = False
 
     @field_validator("stop")
     @classmethod

@@ -175,9 +175,17 @@ def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int
             "text_offset": offsets}
 
 
+def session_hints(req: Any) -> dict[str, Any]:
+    """The request's eviction hints for the engine (``session``/``end_session``), {} if none."""
+    if req.session_id is None and not req.end_session:
+        return {}
+    return {"session": req.session_id, "end_session": req.end_session}
+
+
 async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
               cache_salt: str | None, timing: Timing, http_request: Any = None,
-              cache_points: Any = None) -> AsyncIterator[Any]:
+              cache_points: Any = None, hints: dict[str, Any] | None = None
+              ) -> AsyncIterator[Any]:
     """Submit one request to the engine loop and yield its outputs until it finishes.
 
     ``http_request``: poll it for a client disconnect while waiting (non-streaming answers; a
@@ -186,7 +194,7 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     """
     # a non-streamed answer (http_request given) reaches the client only when finished
     stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
-                                     restartable=http_request is not None)
+                                     restartable=http_request is not None, **(hints or {}))
     timing.submitted = time.perf_counter()
     finished = False
     try:

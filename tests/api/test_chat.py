@@ -97,3 +97,38 @@ def test_reset_keeps_system_message(make_engine):
     s.reset()
     assert s.messages == [{"role": "system", "content": "Sys."}] and s.history_ids == []
     assert s.send("Hi", P20).cached_tokens > 0          # the first prompt's blocks are cached
+
+
+def test_session_hints_reach_the_policy_and_close_ends_the_session(make_engine):
+    """A chat session's turns carry its id to the eviction policy; ``close()`` (or the last
+    turn's ``end_session=True``) says it is over; bad hints are typed errors."""
+    import pytest
+
+    from radixkv.errors import InvalidRequestError
+
+    e = make_engine(policy="forecast")
+    pol = e.core.block_manager.tree.policy
+    s = e.chat(system="You are terse.", session_id="conv-1")
+    s.send("Hi there.", P20)
+    s.send("More.", P20)
+    assert pol._last.get("conv-1") is not None and pol.followups == 1
+    s.close()
+    assert "conv-1" in pol._ended and s.closed
+    with pytest.raises(InvalidRequestError, match="closed"):
+        s.send("Again?", P20)
+    s.close()                                    # idempotent
+    t = e.chat(session_id="conv-2")
+    t.send("Only turn.", P20, end_session=True)
+    assert "conv-2" in pol._ended and t.closed
+    assert e.chat().session_id.startswith("chat-")
+    for bad in [dict(session_id=""), dict(session_id=7)]:
+        with pytest.raises(InvalidRequestError):
+            e.chat(**bad)
+    with pytest.raises(InvalidRequestError):
+        e.submit("x", P20, session=[1])
+    with pytest.raises(InvalidRequestError):
+        e.submit("x", P20, end_session="yes")
+    with pytest.raises(InvalidRequestError):
+        e.end_session(None)
+    lru = make_engine()
+    lru.chat(session_id="c").send("Hi.", P20, end_session=True)   # ignored by LRU

@@ -46,4 +46,6 @@ def test_verdicts_apply_both_halves_of_the_target():
 def test_every_core_policy_is_benchmarked():
     from radixkv.core.policy import POLICIES
 
-    assert H.core_policies() == list(POLICIES)
+    names = H.core_policies()
+    assert names[:len(POLICIES)] == list(POLICIES)
+    assert names[len(POLICIES):] == [f"{p}+end-hint" for p in H.END_HINT_POLICIES]

@@ -37,6 +37,9 @@ from radixkv.errors import OutOfBlocks
 
 B = 2
 DEFAULT_TTL = 5.0
+DUEL_MEMBERS = ("lru", "lfu", "forecast")    # the duel's default members and their key slices
+DUEL_CUTS = ((0, 1), (1, 3), (3, 6))
+FRESH_COUNTS = ("lfu", "lfu-da", "duel")    # blocks never join a run that has hits
 NAMESPACES = [Namespace("m"), Namespace("m", cache_salt="t2")]
 PREFIXES = [[], [0, 1, 0, 1], [1, 1, 2, 2, 0, 0], [2, 2, 2, 2, 1, 1, 0, 0]]
 PROMPTS = st.builds(lambda p, tail: p + tail, st.sampled_from(PREFIXES),
@@ -52,6 +55,91 @@ class MBlock:
     hits: int = 0
     priority: int = 0
     copies: set[int] = field(default_factory=set)
+    born: float = 0.0            # fifo: when its run was cached
+    kda: float = 0.0             # lfu-da: L + hits at its last hit (or when cached)
+    gap: float = 0.0             # forecast: reuse interval (moving average), 0: none yet
+    owner: object = None         # forecast: session of its last use
+    fkey: tuple = (0.0, 0.0)     # forecast: (due, -far), snapshotted when it became unheld
+
+
+class ForecastModel:
+    """The forecast policy's statistics, written again from its definition (policy_forecast's
+    module docstring), per block: sessions' turn gaps, the follow-up fraction, the learned
+    overdue factor, the ghost of dropped blocks, and each block's key."""
+
+    NEVER = 1e12
+
+    def __init__(self, ghost_cap: int) -> None:
+        self.overdue, self.mean_gap = 2.0, 0.0
+        self.requests = self.followups = 0
+        self.ratios: list[float] = []
+        self.last: dict = {}
+        self.gapof: dict = {}
+        self.ended: set = set()
+        self.anon = 0
+        self.current = None
+        self.ghost: dict[bytes, tuple[float, float]] = {}   # insertion ordered
+        self.ghost_cap = ghost_cap
+
+    def start(self, session, end: bool, now: float) -> None:
+        if session is None:
+            conv = ("anon", self.anon)
+            self.anon += 1
+        else:
+            conv = session
+        self.current = conv
+        self.requests += 1
+        if end:
+            self.ended.add(conv)
+        if session is None:
+            return
+        if conv in self.last:
+            self.followups += 1
+            g = now - self.last[conv]
+            forecast = self.gapof.get(conv, self.mean_gap)
+            if forecast > 0:
+                self.ratios.append(g / forecast)
+                r = self.ratios
+                if len(r) >= 64 and len(r) % 32 == 0:
+                    self.overdue = sorted(r[-2048:])[int(0.5 * (len(r[-2048:]) - 1))]
+            self.gapof[conv] = g
+            self.mean_gap = g if self.mean_gap == 0 else 0.9 * self.mean_gap + 0.1 * g
+        self.last[conv] = now
+
+    def expected(self, b: MBlock) -> float:
+        if b.gap > 0:
+            return b.gap
+        if not self.mean_gap:
+            return self.NEVER
+        return self.gapof.get(b.owner, self.mean_gap) / max(
+            self.followups / max(self.requests, 1), 0.02)
+
+    def snapshot(self, b: MBlock) -> None:
+        g = self.expected(b)
+        due = float("-inf") if b.owner in self.ended else b.last_access + self.overdue * g
+        b.fkey = (due, -(b.last_access + g))
+
+    def hit(self, b: MBlock, prev: float, now: float) -> None:
+        g = now - prev
+        if g > 0:
+            b.gap = g if b.gap == 0 else 0.5 * g + 0.5 * b.gap
+        b.owner = self.current
+
+    def dropped(self, h: bytes, b: MBlock) -> None:
+        self.ghost.pop(h, None)
+        self.ghost[h] = (b.last_access, b.gap)
+        while len(self.ghost) > self.ghost_cap:
+            del self.ghost[next(iter(self.ghost))]
+
+    def new_head(self, h: bytes, b: MBlock, now: float) -> None:
+        """``b`` starts a new run: its reuse interval from its ghost, if it has one."""
+        old = self.ghost.pop(h, None)
+        b.gap = 0.0
+        if old is not None:
+            t, og = old
+            b.gap = now - t if og == 0 else 0.5 * (now - t) + 0.5 * og
+        b.owner = self.current
+        self.snapshot(b)
 
 
 class TreeMachine(RuleBasedStateMachine):
@@ -77,13 +165,44 @@ class TreeMachine(RuleBasedStateMachine):
         self.m: dict[bytes, MBlock] = {}
         self.live: dict[int, tuple[list[bytes], int]] = {}   # sid -> (held cached blocks, private)
         self.next_id = 0
+        self.L = 0.0          # lfu-da: the largest key evicted so far (any tier, copies too)
+        self.fm = ForecastModel(self.caps[0])
 
     # ------------------------------------------------------------------ the model
     def key(self, h: bytes) -> tuple:
         b = self.m[h]
         return {"lru": (b.last_access,), "lfu": (b.hits, b.last_access),
                 "mru": (-b.last_access,), "priority": (b.priority, b.last_access),
-                "ttl": (b.last_access + DEFAULT_TTL,)}[self.policy]
+                "ttl": (b.last_access + DEFAULT_TTL,), "fifo": (b.born, b.last_access),
+                "lfu-da": (b.kda, b.last_access), "forecast": (*b.fkey, b.last_access),
+                "duel": (b.last_access, b.hits, b.last_access, *b.fkey, b.last_access),
+                }[self.policy]
+
+    def m_hit(self, b: MBlock, now: float) -> None:
+        """A request takes (locks or promotes) cached block ``b``."""
+        prev = b.last_access
+        b.last_access = now
+        b.hits += 1
+        b.kda = self.L + b.hits
+        self.fm.hit(b, prev, now)
+
+    def victim(self, entries: list[tuple]) -> tuple:
+        """The entry a per-block cache evicts next (``entries`` sorted by whole key)."""
+        if self.policy != "duel":
+            return self.order_victim(self.policy, entries)
+        # The duel evicts in its leader's order: the leader is the duel's own decision (from
+        # its shadows' hits, checked against independent managers in test_policy_duel.py);
+        # the order within it is modelled here.
+        lead = self.tree.policy.leader
+        a, b = DUEL_CUTS[lead]
+        sub = sorted(e[a:b] + e for e in entries)
+        return self.order_victim(DUEL_MEMBERS[lead], sub)[b - a:]
+
+    def order_victim(self, policy: str, entries: list[tuple]) -> tuple:
+        """The first victim of a plain policy's order among sorted ``entries``."""
+        if policy == "forecast" and entries[0][0] >= self.clock.now:
+            return min(entries, key=lambda e: (e[1], e))               # farthest forecast
+        return entries[0]                                           # (forecast: overdue)
 
     def children(self, h: bytes) -> list[bytes]:
         return [x for x, b in self.m.items() if b.parent == h]
@@ -112,8 +231,10 @@ class TreeMachine(RuleBasedStateMachine):
 
     def m_evict(self, tier: int, k: int, exclude: frozenset = frozenset()) -> None:
         for _ in range(k):
-            e = self.entries(tier, exclude)[0]
+            e = self.victim(self.entries(tier, exclude))
             h, kind = e[-2], e[-1]
+            if self.policy == "lfu-da":
+                self.L = max(self.L, e[0])
             if kind == "copy":
                 self.m[h].copies.discard(tier)
             else:
@@ -124,6 +245,7 @@ class TreeMachine(RuleBasedStateMachine):
         u = b.tier + 1
         if u == self.num_tiers:
             assert not self.children(h), "the model drops a block with children"
+            self.fm.dropped(h, b)
             del self.m[h]
             return
         if u in b.copies:                       # a free demotion onto its copy
@@ -157,8 +279,9 @@ class TreeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @rule(tokens=PROMPTS, ns=st.sampled_from(NAMESPACES), hold=st.booleans(),
-          dt=st.sampled_from([0.0, 1.0]))
-    def request(self, tokens, ns, hold, dt) -> None:
+          dt=st.sampled_from([0.0, 1.0]), session=st.sampled_from([None, 0, 1, 2]),
+          end=st.booleans())
+    def request(self, tokens, ns, hold, dt, session, end) -> None:
         """allocate (match, lock, promote, take blocks), commit every full block, then free
         the sequence or keep holding it."""
         STEPS.step(self.name)
@@ -179,13 +302,13 @@ class TreeMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocks):
                 self.bm.allocate(sid, tokens, ns)
             return
-        a = self.bm.allocate(sid, tokens, ns)
+        a = self.bm.allocate(sid, tokens, ns, session=session, end_session=end)
         # -- the model, block by block
+        self.fm.start(session, end, now)
         for h in dev:
             b = self.m[h]
             b.refs += 1
-            b.last_access = now
-            b.hits += 1
+            self.m_hit(b, now)
         held = list(dev)
         private = 0
         per_tier = [0] * self.num_tiers
@@ -198,8 +321,8 @@ class TreeMachine(RuleBasedStateMachine):
             per_tier[b.tier] += B
             if b.tier in self.write_through:
                 b.copies.add(b.tier)            # the source stays as a copy
-            b.tier, b.refs, b.last_access = DEVICE, 1, now
-            b.hits += 1
+            b.tier, b.refs = DEVICE, 1
+            self.m_hit(b, now)
             held.append(h)
         rest = -(-n // B) - len(held)
         self.m_take_device(rest)
@@ -209,17 +332,26 @@ class TreeMachine(RuleBasedStateMachine):
         assert list(a.cached_tokens_per_tier) == per_tier, (a.cached_tokens_per_tier, per_tier)
         # commit: every full block joins the tree
         self.bm.commit(sid, n)
+        # The tree inserts a run of new blocks at once, then makes their write-through copies
+        # (which may drop blocks from the last tier): the copies wait until the run ends.
+        pending: list[bytes] = []
+
+        def flush() -> None:
+            for x in pending:
+                self.m_copies(x)
+            pending.clear()
+
         for i in range(len(held), n // B):
             h = hashes[i]
             parent = held[-1] if held else None
             b = self.m.get(h)
             private -= 1
             if b is not None:                   # cached already (beyond the match limit)
+                flush()
                 assert b.parent == parent
                 if b.tier == DEVICE:            # another holder computed it: share it
                     b.refs += 1
-                    b.last_access = now
-                    b.hits += 1
+                    self.m_hit(b, now)
                 else:                           # recomputed: adopt, keep a write-through copy
                     if b.tier in self.write_through:
                         b.copies.add(b.tier)
@@ -228,13 +360,17 @@ class TreeMachine(RuleBasedStateMachine):
                 continue
             p = self.m.get(parent) if parent is not None else None
             if p is not None and p.tier == DEVICE and p.refs == 1 and p.priority == 0 and \
-                    not self.children(parent):
+                    not self.children(parent) and not (p.hits and self.policy in FRESH_COUNTS):
                 # the block joins its parent's run: it takes the run's key inputs
-                self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits)
+                self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits, born=p.born,
+                                   kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey)
+                self.fm.ghost.pop(h, None)
             else:
-                self.m[h] = MBlock(parent, DEVICE, 1, now, 0)
+                self.m[h] = MBlock(parent, DEVICE, 1, now, 0, born=now, kda=self.L)
+                self.fm.new_head(h, self.m[h], now)
             held.append(h)
-            self.m_copies(h)
+            pending.append(h)
+        flush()
         self.live[sid] = (held, private)
         self.bm.take_moves()
         if not hold:
@@ -249,6 +385,7 @@ class TreeMachine(RuleBasedStateMachine):
             b.refs -= 1
             if b.refs == 0:
                 b.last_access = now
+                self.fm.snapshot(b)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), dt=st.sampled_from([0.0, 1.0]))
@@ -319,6 +456,13 @@ class TreeMachine(RuleBasedStateMachine):
     def tick(self, dt) -> None:
         self.clock.advance(dt)
 
+    @precondition(lambda self: self.policy == "duel")
+    @rule(i=st.integers(0, len(DUEL_MEMBERS) - 1))
+    def lead(self, i) -> None:
+        """Hand the lead to member ``i`` (as its shadow winning would): every member's order
+        gets exercised, not only the one the tiny shadows prefer."""
+        self.tree.policy.leader = i
+
     @precondition(lambda self: self.policy == "ttl")
     @rule()
     def expire(self) -> None:
@@ -369,8 +513,20 @@ class TreeMachine(RuleBasedStateMachine):
             assert got == want, f"block {h.hex()[:8]}: tree {got}, model {want}"
             assert node.last_access == b.last_access, (
                 f"block {h.hex()[:8]}: last access {node.last_access}, model {b.last_access}")
-            if self.policy == "lfu":
+            if self.policy in ("lfu", "lfu-da"):
                 assert node.hits == b.hits, f"block {h.hex()[:8]}: hits {node.hits}, model {b.hits}"
+            if self.policy == "fifo":
+                assert node.aux == b.born, f"block {h.hex()[:8]}: born {node.aux}, model {b.born}"
+            if self.policy == "duel":
+                assert node.hits == b.hits, f"block {h.hex()[:8]}: hits {node.hits}, model {b.hits}"
+            if self.policy in ("forecast", "duel"):
+                aux = node.aux if self.policy == "forecast" else node.aux[2]
+                assert aux == (*b.fkey, b.gap, b.owner), (
+                    f"block {h.hex()[:8]}: (due, -far, gap, owner) {aux}, model "
+                    f"{(*b.fkey, b.gap, b.owner)}")
+            if self.policy == "lfu-da":
+                assert node.aux == (b.kda, b.hits), (
+                    f"block {h.hex()[:8]}: (K, hits) {node.aux}, model {(b.kda, b.hits)}")
         for t in range(self.num_tiers):
             assert tree.num_resident(t) + tree.num_copies(t) <= self.caps[t]
 
@@ -381,18 +537,22 @@ class TreeMachine(RuleBasedStateMachine):
             STEPS.event(self.name, "evicted", sum(st_.evicted))
             if self.write_through:
                 STEPS.event(self.name, "free_demotions", st_.free_demotions)
+            if self.policy == "duel":   # show that every member leads in some programs
+                for m, k in self.tree.policy.led.items() if isinstance(
+                        self.tree.policy.led, dict) else zip(DUEL_MEMBERS, self.tree.policy.led):
+                    STEPS.event(self.name, f"requests led by {m}", k)
 
 
 def _machine(tiers: int, policy: str, wt: tuple[int, ...] = ()):
-    name = f"Tree{tiers}{policy.upper()}{''.join(map(str, wt))}"
+    name = f"Tree{tiers}{policy.upper().replace('-', '')}{''.join(map(str, wt))}"
     return type(name, (TreeMachine,), {"num_tiers": tiers, "policy": policy,
                                         "write_through": wt}).TestCase
 
 
 for _t in (1, 2, 3):
-    for _p in ("lru", "lfu", "mru", "priority", "ttl"):
-        globals()[f"TestTree{_t}Tier{_p.upper()}"] = _machine(_t, _p)
-for _p in ("lru", "lfu", "priority", "ttl"):
-    globals()[f"TestTree2Tier{_p.upper()}WT1"] = _machine(2, _p, (1,))
-    globals()[f"TestTree3Tier{_p.upper()}WT12"] = _machine(3, _p, (1, 2))
+    for _p in ("lru", "lfu", "mru", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
+        globals()[f"TestTree{_t}Tier{_p.upper().replace('-', '')}"] = _machine(_t, _p)
+for _p in ("lru", "lfu", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
+    globals()[f"TestTree2Tier{_p.upper().replace('-', '')}WT1"] = _machine(2, _p, (1,))
+    globals()[f"TestTree3Tier{_p.upper().replace('-', '')}WT12"] = _machine(3, _p, (1, 2))
 globals()["TestTree3TierLRUWT2"] = _machine(3, "lru", (2,))

@@ -30,7 +30,7 @@ from radixkv.engine.sequence import Request, Sequence
 from radixkv.engine.shared_prefix import blocks_to_wait_for, common_prefix_len, share_target
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import hf_generate, run_requests  # noqa: E402
+from engine_helpers import run_requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")

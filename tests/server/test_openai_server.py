@@ -299,6 +299,10 @@ BAD = [
      "prompt_cache_retention"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "chat", 400, "top_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "session_id": ""}, "completions", 400, "session_id"),
+    ({"model": MODEL, "prompt": "hi", "session_id": 5}, "completions", 400, "session_id"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "end_session": "yes"},
+     "chat", 400, "end_session"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      "chat", 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 1, "use_beam_search": True, "temperature": 0},
@@ -456,3 +460,9 @@ def test_cache_breakpoints_and_cache_read_write_usage(ready: Server) -> None:
     c = api.completions.create(model=MODEL, prompt="Retention " * 40, max_tokens=1,
                                temperature=0, extra_body={"prompt_cache_retention": "in_memory"})
     assert c.usage.model_extra["radixkv"]["cache_write_tokens"] > 0
+    # the session hints (radixkv extension) are accepted on both endpoints
+    for end in (False, True):
+        _chat(api, [{"role": "user", "content": "Session turn?"}], temperature=0, max_tokens=1,
+              extra_body={"session_id": "conv-7", "end_session": end})
+    api.completions.create(model=MODEL, prompt="One-off", max_tokens=1, temperature=0,
+                           extra_body={"end_session": True})

@@ -1,0 +1,193 @@
+"""Eviction hints and expiry of the ``RadixTree``: priorities and TTLs set by callers, policy
+state changed outside a node event, and the lazy TTL clock.
+
+``HintOps`` is a mixin of ``RadixTree``. ``set_hints`` cuts nodes so that hints cover exactly the
+given blocks (a cache breakpoint's prefix); ``touch`` marks a prefix used now; ``rekey`` gives a
+node new policy state (a hooked policy's decision, e.g. a session ended); ``evict_expired`` lets
+blocks whose TTL ran out leave their tier without memory pressure (the TTL policy's own keys, and
+per-block TTL hints under any policy, kept in a heap checked lazily).
+
+Pure Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.node import MoveOp, Node, TreeStats
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, NodeHints
+from radixkv.errors import ConfigError, InvalidBlockError
+
+if TYPE_CHECKING:
+    from radixkv.core.writes import TreeWrites
+
+
+class HintOps:
+    """Hints, re-keying and TTL expiry of ``RadixTree`` (a mixin; see the module docstring)."""
+
+    clock: Callable[[], float]
+    num_tiers: int
+    stats: TreeStats
+    writes: TreeWrites
+    policy: EvictionPolicy
+    _index: dict[bytes, Node]
+    _ttl_heap: list[tuple[float, bytes]]
+    _evictable: list[EvictionIndex]
+    _pending: list[MoveOp]
+
+    if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+        def _node_ending_at(self, block_hash: bytes) -> Node: ...
+        def _is_evictable(self, node: Node) -> bool: ...
+        def _entry(self, node: Node) -> tuple: ...
+        def _discard(self, node: Node) -> None: ...
+        def _consider(self, node: Node) -> None: ...
+        def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int: ...
+
+    # ------------------------------------------------------------------ hints
+    def set_hints(self, block_hashes: Iterable[bytes], priority: int | None = None,
+                  ttl: float | None = None) -> None:
+        """Set the priority and/or TTL hints of cached blocks (e.g. a system prompt's chain).
+
+        ``priority``: an int (higher survives longer under the priority policy); ``ttl``:
+        finite seconds >= 0 after the block's last use (under any policy, see
+        ``evict_expired``). Nodes are cut so that hints cover exactly the given blocks.
+        All-or-nothing (all validated first). Runtime complexity: O(blocks + nodes * log n).
+        """
+        if priority is not None and type(priority) is not int:
+            raise ConfigError(f"priority must be an int, got {priority!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not math.isfinite(ttl) or ttl < 0):
+            raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
+        hashes = list(block_hashes)
+        for h in hashes:
+            if not isinstance(h, bytes) or h not in self._index:
+                raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
+        wanted = set(hashes)
+        done: set[int] = set()
+        for h in hashes:
+            node = self._index[h]
+            if id(node) in done:
+                continue
+            i = node.hashes.index(h)
+            j = i + 1
+            while j < len(node.hashes) and node.hashes[j] in wanted:
+                j += 1
+            if j < len(node.hashes):
+                node = self._split(node, j)[0]
+            if i:
+                node = self._split(node, i)[1]
+            done.add(id(node))
+            old = DEFAULT_HINTS if node.hints is None else node.hints
+            new = NodeHints(old.priority if priority is None else priority,
+                            old.ttl if ttl is None else float(ttl))
+            self._discard(node)
+            refile = self.writes.unfile(node)
+            node.hints = None if new == DEFAULT_HINTS else new
+            if new.ttl is not None:
+                heapq.heappush(self._ttl_heap, (node.last_access + new.ttl, node.hashes[-1]))
+            self._consider(node)
+            if refile is not None:
+                self.writes.refile(node, refile)
+
+    def rekey(self, node: Node, aux) -> None:
+        """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
+        e.g. its session ended), re-filing it (and its copies) where it is filed.
+        Runtime complexity: O(log n)."""
+        self._discard(node)
+        refile = self.writes.unfile(node)
+        node.aux = aux
+        self._consider(node)
+        if refile is not None:
+            self.writes.refile(node, refile)
+
+    def touch(self, block_hash: bytes, now: float | None = None) -> None:
+        """Mark cached block ``block_hash`` and everything before it as used now (their policy
+        keys move, as a hit's would): e.g. the parent of blocks about to be installed below
+        it from the remote tier, so that making room for them does not evict it first.
+        Runtime complexity: O(depth in nodes) (+ a cut of its node)."""
+        now = self.clock() if now is None else now
+        n: Node | None = self._node_ending_at(block_hash)
+        while n is not None:
+            self._discard(n)
+            refile = self.writes.unfile(n)
+            n.last_access = now
+            self._consider(n)
+            if refile is not None:
+                self.writes.refile(n, refile)
+            n = n.parent
+
+    # ------------------------------------------------------------------ expiry
+    def evict_expired(self, now: float | None = None) -> list[MoveOp]:
+        """Evict every block whose TTL has run out at ``now``, fastest tier first.
+
+        Two sources of TTLs: the policy's own (``TTLPolicy``: every block, in key order) and,
+        under *any* policy, a per-block ``ttl`` hint (``set_hints``, e.g. a request's cache
+        breakpoint "5m"): those are kept in a heap of due times, checked lazily here (a block
+        used since is re-armed, one still held or with children in its tier is re-checked
+        later). Expired blocks are demoted like any victim, so they leave the cache through
+        the slower tiers, where they are expired in turn; expired copies are dropped.
+        Returns the moves (queued write-through moves first). O(expired blocks + nodes log n).
+        """
+        now = self.clock() if now is None else now
+        moves = self._pending
+        self._pending = []
+        expired = self.policy.expired
+        for tier in range(self.num_tiers):
+            entries = self._evictable[tier]
+            while entries and expired(entries.min(), now):
+                h = entries.pop_min()[-1]
+                node = self._index[h]
+                if node.tier == tier:
+                    self.stats.expired += self._move_tail_out(node, len(node.hashes), moves)
+                else:
+                    self.stats.expired += 1
+                    self.writes.drop_popped_copy(h, tier, moves)
+        self._expire_hinted(now, moves)
+        return moves
+
+    def next_expiry(self) -> float | None:
+        """The earliest due time of a per-block TTL hint (None: none set): when calling
+        ``evict_expired`` can next do something for hinted blocks."""
+        return self._ttl_heap[0][0] if self._ttl_heap else None
+
+    def _expire_hinted(self, now: float, moves: list[MoveOp]) -> None:
+        """Hinted nodes whose TTL ran out move out of their tier, at most once each per call,
+        in ``(due, hash)`` order, in passes until one moves nothing: an expired leaf's going
+        can make its expired parent evictable, which the next pass takes, so a whole expired
+        chain leaves in one call. A node that is held (or keeps an unexpired child) stays due
+        and is tried again at the next call. A demoted node leaves its next tier at a later
+        call."""
+        heap = self._ttl_heap
+        moved: set[int] = set()
+        while True:
+            progressed = False
+            later: list[tuple[float, bytes]] = []
+            popped: set[int] = set()
+            while heap and heap[0][0] <= now:
+                armed, h = heapq.heappop(heap)
+                node = self._index.get(h)
+                if node is None or node.hints is None or node.hints.ttl is None or \
+                        node.hashes[-1] != h or id(node) in popped:
+                    continue   # gone, TTL lifted, no longer a node's end, or a duplicate
+                due = node.last_access + node.hints.ttl
+                if due != armed:
+                    heapq.heappush(heap, (due, h))   # used (or re-hinted) since: its real turn
+                    continue
+                popped.add(id(node))
+                if id(node) not in moved and self._is_evictable(node):
+                    self._evictable[node.tier].remove(self._entry(node))   # type: ignore[attr-defined]
+                    moved.add(id(node))
+                    n = len(node.hashes)
+                    self.stats.expired += self._move_tail_out(node, n, moves)
+                    progressed = True
+                if self._index.get(h) is not None:   # still cached (held, inner, or demoted)
+                    later.append((due, h))
+            for item in later:
+                heapq.heappush(heap, item)
+            if not progressed:
+                return

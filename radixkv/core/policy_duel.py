@@ -1,0 +1,259 @@
+"""Set dueling: evict in the order of whichever member policy would be hitting most right now.
+
+No single order suits every workload (docs/eviction.md): the next-use forecast wins big where
+conversations loop through a cache too small for them and loses a few points where think times
+are random; frequency wins on RAG, where one-off document combinations must not flush popular
+documents, and loses badly on chat; LRU is never far from the best on open-loop chat and agent
+loops. ``DuelPolicy`` runs all of them at once and follows the one that is winning, as adaptive
+processor caches do (set dueling, Qureshi et al. 2007):
+
+- **Shadows.** Each member also runs alone on a *shadow cache*: a ``BlockManager`` over a
+  device-only ``RadixTree`` of the real device's capacity, with that member as its policy, that
+  holds no KV (block ids and token ids only). Every finished request is replayed into each
+  shadow (``on_finish``: prompt matched and committed, the rest appended and committed, freed),
+  and the prompt tokens it hit there are added to that member's score, which decays by
+  ``decay`` per request (0.99: about the last 100 requests count).
+- **Leader.** After each request, the member with the highest score leads if it beats the
+  current leader's (ties keep the leader). The real tree evicts in the leader's order.
+- **One index per member.** Every evictable node is filed in each member's own index (in
+  each tier); the key is the members' keys concatenated, and member ``i``'s index holds
+  ``(*key_i, *whole key, hash)``, so it orders by its own key and then exactly as a per-block
+  cache would. ``pop_min`` pops from the leader's index and removes the entry from the others:
+  a change of leader costs nothing, and the new order is exact at once. Members with hooks
+  (the forecast) keep their per-node state in their slot of ``node.aux`` and hear every
+  event, whether leading or not.
+
+Leaf-first eviction and "never a held block" hold whatever the leader: only evictable leaves
+are ever filed. The slower tiers (host, disk) demote in the same leader's order.
+
+Cost, per request: each shadow costs what the real bookkeeping of one request costs under
+its member (O(nodes) locks and releases, O(new blocks) hashing and inserting); filing a node
+costs one O(log n) (or O(1)) insertion per member. Memory: per shadow, the block ids and token
+ids of up to the device capacity (no KV); the forecast's ghost of up to that many hashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from itertools import count
+from typing import TYPE_CHECKING
+
+from radixkv.core.policy import EvictionPolicy, NodeHints, make_policy
+from radixkv.errors import ConfigError, OutOfBlocks
+
+if TYPE_CHECKING:
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace
+    from radixkv.core.node import Node
+    from radixkv.core.tree import RadixTree
+
+DEFAULT_MEMBERS = ("lru", "lfu", "forecast")
+
+
+class DuelPolicy(EvictionPolicy):
+    """Follow the member policy whose shadow cache hit the most prompt tokens lately.
+
+    Args:
+        members: policy names (each made fresh twice: once for the real tree, once for its
+            shadow), at least two.
+        decay: per-request decay of the shadows' hit scores, in (0, 1).
+    """
+
+    hooks = True
+
+    def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, decay: float = 0.99) -> None:
+        if isinstance(members, str) or len(members) < 2 or \
+                not all(isinstance(m, str) for m in members):
+            raise ConfigError(f"a duel needs at least two member policy names, got {members!r}")
+        if "duel" in members or any(m.startswith("duel") for m in members):
+            raise ConfigError("a duel's members cannot be duels")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
+        self.member_names = tuple(members)
+        self.members = [make_policy(m) for m in members]
+        self.name = "duel-" + "-".join(members)
+        self.decay = float(decay)
+        cuts, off = [], 0
+        for i, m in enumerate(self.members):
+            cuts.append((off, off + m.key_size))
+            off += m.key_size
+            if m.hooks:
+                m.aux_slot = i
+        self._cuts = cuts
+        self.key_size = off
+        self._hooked = [m for m in self.members if m.hooks]
+        self.fresh_counts = any(m.fresh_counts for m in self.members)
+        self.leader = 0
+        self.scores = [0.0] * len(members)
+        self.led = [0] * len(members)          # requests each member led (statistics)
+        self.shadow_hits = [0] * len(members)  # prompt tokens each shadow hit (statistics)
+        self._shadows: list[BlockManager] = []
+        self._reqs: dict[Hashable, tuple] = {}  # live sequence -> (prompt tokens, ns, session, end)
+        self._ids = count()
+
+    # ------------------------------------------------------------------ the key and index
+    def key(self, node: Node, hints: NodeHints) -> tuple:
+        out: tuple = ()
+        for m in self.members:
+            out += m.key(node, hints)
+        return out
+
+    def new_index(self) -> DuelIndex:
+        return DuelIndex(self, [m.new_index() for m in self.members])
+
+    def bind(self, tree: RadixTree) -> None:
+        from radixkv.core.block_manager import BlockManager
+        from radixkv.core.pool import BlockPool
+        from radixkv.core.tree import RadixTree
+
+        super().bind(tree)
+        for m in self._hooked:
+            m.bind(tree)
+        cap = tree._pools[0].num_blocks
+        self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
+                                                clock=tree.clock))
+                         for name in self.member_names]
+
+    # ------------------------------------------------------------------ node events
+    def on_insert(self, node: Node, start: int, now: float) -> None:
+        if start == 0:
+            node.aux = (None,) * len(self.members)
+        for m in self._hooked:
+            m.on_insert(node, start, now)
+
+    def on_hit(self, node: Node, prev_access: float, now: float) -> None:
+        for m in self._hooked:
+            m.on_hit(node, prev_access, now)
+
+    def on_release(self, node: Node, now: float) -> None:
+        for m in self._hooked:
+            m.on_release(node, now)
+
+    def on_leave(self, node: Node, k: int) -> None:
+        for m in self._hooked:
+            m.on_leave(node, k)
+
+    # ------------------------------------------------------------------ request events
+    def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
+                 session: Hashable | None, end_session: bool, now: float) -> None:
+        self._reqs[seq_id] = (num_tokens, namespace, session, end_session)
+        for m in self._hooked:
+            m.on_start(seq_id, num_tokens, namespace, session, end_session, now)
+
+    def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        req = self._reqs.get(parent_id)
+        if req is not None:
+            self._reqs[child_id] = req
+        for m in self._hooked:
+            m.on_fork(parent_id, child_id)
+
+    def enter(self, seq_id: Hashable) -> None:
+        for m in self._hooked:
+            m.enter(seq_id)
+
+    def end_session(self, session: Hashable) -> None:
+        for m in self._hooked:
+            m.end_session(session)
+        for sh in self._shadows:
+            sh.end_session(session)
+
+    def on_finish(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Replay the finished sequence into every shadow; rescore; pick the leader."""
+        for m in self._hooked:
+            m.on_finish(seq_id, token_ids)
+        req = self._reqs.pop(seq_id, None)
+        if req is None:
+            return
+        n, ns, session, end = req
+        d, scores = self.decay, self.scores
+        for i, sh in enumerate(self._shadows):
+            hit = self._replay(sh, token_ids, n, ns, session, end)
+            self.shadow_hits[i] += hit
+            scores[i] = d * scores[i] + hit
+        best = max(range(len(scores)), key=scores.__getitem__)
+        if scores[best] > scores[self.leader]:
+            self.leader = best
+        self.led[self.leader] += 1
+
+    def _replay(self, sh: BlockManager, tokens: Sequence[int], n: int, ns: Namespace,
+                session: Hashable | None, end: bool) -> int:
+        """One request through a shadow: the prompt tokens it would have hit."""
+        sid = next(self._ids)
+        try:
+            a = sh.allocate(sid, tokens[:n], ns, session=session, end_session=end)
+        except OutOfBlocks:
+            return 0        # a fork or preempted request that the shadow cannot hold alone
+        try:
+            sh.commit(sid, n)
+            if len(tokens) > n:
+                sh.append_slots(sid, tokens[n:])
+                sh.commit(sid, len(tokens))
+        except OutOfBlocks:
+            pass
+        sh.free(sid)
+        return a.num_cached_tokens
+
+    def stats(self) -> dict:
+        """Who leads, the decayed scores, requests led and shadow hits per member."""
+        return {"leader": self.member_names[self.leader],
+                "scores": dict(zip(self.member_names, self.scores)),
+                "led": dict(zip(self.member_names, self.led)),
+                "shadow_hit_tokens": dict(zip(self.member_names, self.shadow_hits))}
+
+
+class DuelIndex:
+    """One index per member; entries are the duel's whole keys plus the block hash. Member
+    ``i``'s index holds ``(*key_i, *entry)``. ``min``/``pop_min`` follow the leader.
+    Runtime complexity: per operation, one operation on each member's index."""
+
+    __slots__ = ("_policy", "_subs", "_cuts")
+
+    def __init__(self, policy: DuelPolicy, subs: list) -> None:
+        self._policy = policy
+        self._subs = subs
+        self._cuts = policy._cuts
+
+    def add(self, entry: tuple) -> None:
+        for (a, b), s in zip(self._cuts, self._subs):
+            s.add(entry[a:b] + entry)
+
+    def remove(self, entry: tuple) -> None:
+        """Remove ``entry`` (must be present; ValueError otherwise)."""
+        for (a, b), s in zip(self._cuts, self._subs):
+            s.remove(entry[a:b] + entry)
+
+    def min(self) -> tuple:
+        i = self._policy.leader
+        a, b = self._cuts[i]
+        return self._subs[i].min()[b - a:]
+
+    def pop_min(self) -> tuple:
+        i = self._policy.leader
+        a, b = self._cuts[i]
+        entry = self._subs[i].pop_min()[b - a:]
+        for j, ((c, d), s) in enumerate(zip(self._cuts, self._subs)):
+            if j != i:
+                s.remove(entry[c:d] + entry)
+        return entry
+
+    def __contains__(self, entry: tuple) -> bool:
+        a, b = self._cuts[0]
+        return entry[a:b] + entry in self._subs[0]
+
+    def __len__(self) -> int:
+        return len(self._subs[0])
+
+    def __iter__(self) -> Iterator[tuple]:
+        """The entries in whole-key order (for checks)."""
+        a, b = self._cuts[0]
+        return iter(sorted(e[b - a:] for e in self._subs[0]))
+
+    def check_invariants(self) -> None:
+        sets = []
+        for (a, b), s in zip(self._cuts, self._subs):
+            own = getattr(s, "check_invariants", None)
+            if own is not None:
+                own()
+            sets.append(sorted(e[b - a:] for e in s))
+        assert all(x == sets[0] for x in sets), (
+            f"member indexes disagree: sizes {[len(x) for x in sets]}")

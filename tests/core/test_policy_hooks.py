@@ -1,0 +1,182 @@
+"""The policies with state (issue 15): the duel's choice of leader against independent managers,
+its index against its members' own, the session-end hint, bad input, and that LRU pays nothing
+for the seam. The eviction *order* of each policy is the tree state machine's business
+(``test_tree_state.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from core_helpers import FakeClock
+from hypothesis import given, settings
+
+from radixkv.core.block_manager import BlockManager
+from radixkv.core.evict_index import SortedIndex
+from radixkv.core.hashing import Namespace
+from radixkv.core.policy import POLICIES, make_policy
+from radixkv.core.policy_duel import DuelIndex, DuelPolicy
+from radixkv.core.policy_forecast import ForecastIndex, ForecastPolicy
+from radixkv.errors import ConfigError, InvalidRequestError
+
+NS = Namespace("m")
+
+
+def _requests(seed: int, n: int):
+    """A small chat-like stream: sessions that go on turn after turn, some one-off requests."""
+    rng = random.Random(seed)
+    hist: dict[int, list[int]] = {}
+    for j in range(n):
+        s = rng.randrange(6)
+        prompt = hist.get(s, [s, s]) + [rng.randrange(3) for _ in range(rng.randint(1, 4))]
+        reply = [rng.randrange(3) for _ in range(rng.randint(0, 4))]
+        hist[s] = prompt + reply
+        if len(hist[s]) > 16:
+            del hist[s]
+        yield j, float(j), s, prompt, reply
+
+
+def _serve(bm: BlockManager, clock: FakeClock, j, t, s, prompt, reply) -> int:
+    clock.now = t
+    a = bm.allocate(j, prompt, NS, session=s)
+    bm.commit(j, len(prompt))
+    if reply:
+        bm.append_slots(j, reply)
+        bm.commit(j, len(prompt) + len(reply))
+    bm.free(j)
+    return a.num_cached_tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_duel_leader_follows_independent_managers(seed) -> None:
+    """Each member's score is the decayed prompt tokens a manager running that member alone,
+    at the same capacity, hits; the leader changes only to a strictly higher score."""
+    cap, decay = 16, 0.9
+    clock = FakeClock(0.0)
+    duel = BlockManager.create(cap, 2, policy=DuelPolicy(("lru", "lfu", "forecast"), decay),
+                               clock=clock)
+    alone = [BlockManager.create(cap, 2, policy=m, clock=clock) for m in ("lru", "lfu", "forecast")]
+    scores, lead, led = [0.0] * 3, 0, [0, 0, 0]
+    for req in _requests(seed, 200):
+        _serve(duel, clock, *req)
+        for i, bm in enumerate(alone):
+            scores[i] = decay * scores[i] + _serve(bm, clock, *req)
+        best = max(range(3), key=scores.__getitem__)
+        if scores[best] > scores[lead]:
+            lead = best
+        led[lead] += 1
+        pol = duel.tree.policy
+        assert pol.scores == pytest.approx(scores) and pol.leader == lead, (pol.stats(), scores)
+        duel.check_invariants()
+    assert pol.led == led
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 3),
+                              st.integers(0, 30)), max_size=60),
+       leader=st.integers(0, 2), now=st.integers(0, 40))
+def test_duel_index_pops_in_the_leaders_order(ops, leader, now) -> None:
+    """The duel's index pops exactly what each member's order over the whole entries would:
+    (member key, whole entry), the forecast's due-or-far choice included."""
+    pol = DuelPolicy(("lru", "lfu", "forecast"))
+    pol.members[2].clock = lambda: now
+    pol.leader = leader
+    idx = DuelIndex(pol, [m.new_index() for m in pol.members])
+    live: dict[bytes, tuple] = {}
+    for add, t, hits, due in ops:
+        h = bytes([len(live), t, hits, due])
+        if add or not live:
+            e = (float(t), hits, float(t), float(due), -float(due) / 2, float(t), h)
+            if h not in live:
+                live[h] = e
+                idx.add(e)
+        else:
+            h = sorted(live)[t % len(live)]
+            idx.remove(live.pop(h))
+        idx.check_invariants()
+    a, b = pol._cuts[leader]
+    while live:
+        subs = sorted(e[a:b] + e for e in live.values())
+        if leader == 2 and subs[0][0] >= now:
+            want = min(subs, key=lambda s: (s[1], s))[b - a:]
+        else:
+            want = subs[0][b - a:]
+        assert idx.min() == want
+        assert idx.pop_min() == want
+        del live[want[-1]]
+    assert len(idx) == 0
+
+
+def test_forecast_index_is_sorted_index_when_nothing_is_due() -> None:
+    pol = ForecastPolicy()
+    pol.clock = lambda: -1e9
+    fi, si = ForecastIndex(pol), SortedIndex()
+    rng = random.Random(1)
+    for i in range(200):
+        e = (rng.random(), -rng.random(), rng.random(), bytes([i]))
+        fi.add(e)
+        si.add((e[1], e))
+    while len(si):
+        assert fi.pop_min() == si.pop_min()[1]
+
+
+@pytest.mark.parametrize("policy", ["forecast", "duel"])
+def test_end_session_lets_a_closed_session_go_first(policy) -> None:
+    """Two sessions of equal history; the one the client closes is evicted first, though it
+    was used last (LRU would keep it); a held session is never touched."""
+    clock = FakeClock(0.0)
+    bm = BlockManager.create(12, 2, policy=policy, clock=clock)
+    for turn in range(2):
+        for s in ("a", "b"):
+            sid = f"{s}{turn}"
+            clock.advance(1.0)
+            prompt = [1 if s == "a" else 2] * (4 + 4 * turn)
+            bm.allocate(sid, prompt, NS, session=s)
+            bm.commit(sid, len(prompt))
+            bm.free(sid)
+    tree = bm.tree
+    if policy == "duel":
+        tree.policy.leader = 2     # the forecast's order
+    b_chain = tree.match_hashes(bytes(4 * 8).replace(b"\0" * 4, (2).to_bytes(4, "little")),
+                                NS.seed)
+    bm.end_session("b")
+    moves = []
+    before = set(tree._index)
+    moves += tree.evict(0, 2)
+    gone = before - set(tree._index)
+    assert gone and gone <= set(b_chain), "the closed session's blocks go first"
+    bm.check_invariants()
+
+
+def test_bad_input_is_typed() -> None:
+    bm = BlockManager.create(8, 2, policy="duel")
+    with pytest.raises(InvalidRequestError):
+        bm.allocate(1, [1, 2, 3], NS, session=[1])          # unhashable
+    with pytest.raises(InvalidRequestError):
+        bm.allocate(1, [1, 2, 3], NS, end_session="yes")    # not a bool
+    with pytest.raises(InvalidRequestError):
+        bm.end_session(None)
+    with pytest.raises(InvalidRequestError):
+        bm.end_session({})
+    assert len(bm) == 0
+    for bad in [dict(members=("lru",)), dict(members="lru"), dict(members=("lru", "duel")),
+                dict(members=("lru", "nope")), dict(decay=1.0), dict(decay=True)]:
+        with pytest.raises(ConfigError):
+            make_policy("duel", **bad)
+    with pytest.raises(ConfigError):
+        ForecastPolicy(quantile=0)
+    pol = make_policy("forecast")
+    BlockManager.create(4, 2, policy=pol)
+    with pytest.raises(ConfigError, match="belongs to one tree"):
+        BlockManager.create(4, 2, policy=pol)
+
+
+def test_plain_policies_hear_nothing() -> None:
+    """LRU and the other key policies have no hooks: the tree and manager skip the seam."""
+    for name, cls in POLICIES.items():
+        pol = make_policy(name)
+        assert pol.hooks == (name in ("fifo", "lfu-da", "forecast", "duel")), name
+    bm = BlockManager.create(8, 2, policy="lru")
+    assert bm.tree._hooks is False
+    bm.end_session("s")     # accepted, ignored
