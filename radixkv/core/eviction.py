@@ -126,12 +126,15 @@ class EvictionOps:
         left.
 
         Drops, and demotions into a tier with a free slot for each block, move all ``take``
-        blocks at once. A demotion into a tier that must evict to make room moves one block:
-        a per-block cache would make room for each block in turn, and the block demoted just
-        before may then be that tier's next victim (a chain whose key is below everything
-        there passes through it), so batching would change which blocks stay. The caller's
-        loop comes back for the next block, in policy order; the blocks coalesce into one run
-        again as they arrive."""
+        blocks at once. A demotion into a tier that must evict first evicts there while that
+        tier's smallest key is strictly below the victim's (``_evict_below``: a per-block cache
+        would take exactly those too), then moves as many blocks as there is room for. Past
+        that it moves one block: a per-block cache makes room for each block in turn, and the
+        block demoted just before may then be that tier's next victim (a chain whose key is
+        not above everything there passes through it). The caller's loop comes back for the
+        next block, in policy order; the blocks coalesce into one run again as they arrive.
+        Under a write-through policy or a hooked eviction policy (whose ``on_leave`` may re-key
+        what leaves) only the per-block rule applies."""
         t = node.tier
         n = len(node.hashes)
         if t + 1 == self.num_tiers:
@@ -143,7 +146,9 @@ class EvictionOps:
                 self._drop_tail(node, take, moves)
             return take
         u = t + 1
-        write_back = not self.writes.tiers
+        # The shortcuts below rely on a block keeping its key as it moves down: true of the key
+        # policies, not of a hooked one (its on_leave may re-key what leaves): they stand aside.
+        write_back = not self.writes.tiers and not self._hooks
         free = self._pools[u].num_free
         if take > free:
             if write_back:
@@ -152,10 +157,12 @@ class EvictionOps:
                 # below the victim's, a per-block cache would evict exactly that entry too.
                 free += self._evict_below(u, take - free, self._key(node), moves)
                 need = take
-            else:
+            elif self.writes.tiers:
                 copy_slot = self.writes.copy_slot
                 need = take - sum(1 for h in node.hashes[n - take:]
                                   if copy_slot(h, u) is not None)
+            else:
+                need = take
             if need > free:
                 take = max(1, free)
         if self._hooks:

@@ -14,7 +14,7 @@ import pytest
 from core_helpers import FakeClock, assert_unchanged, snapshot_tree
 
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace
+from radixkv.core.hashing import Namespace, hash_token_blocks
 from radixkv.errors import InvalidBlockError, OutOfBlocks, RadixKVError
 
 NS = Namespace("m")
@@ -104,3 +104,33 @@ def test_bug5_fork_siblings_keep_reuse_on_dedupe() -> None:
     a = bm.allocate("x", [1, 1, 2, 2, 3], NS)
     assert a.num_cached_tokens == 4                         # was 2: block 1 never cached
     bm.check_invariants()
+
+
+def test_hooked_policy_demotion_into_a_full_tier_goes_block_by_block() -> None:
+    """Regression (found by the tree machine after merging the policy hooks): demoting into a
+    full host, the core evicted there in bulk while the host's smallest key was below the
+    victim's, assuming a demoted block keeps its key. The forecast policy re-keys what leaves
+    the device (``on_leave``), so the first demoted block was itself the host's next victim (it
+    passes through), and the bulk path kept an older host block instead. The exact steps the
+    machine found, replayed through its rules against its per-block model."""
+    import test_tree_state as machines
+
+    class _Data:
+        def __init__(self, values):
+            self.values = list(values)
+
+        def draw(self, strategy, label=None):
+            return self.values.pop(0)
+
+    m = type("Tree2FORECAST", (machines.TreeMachine,),
+             {"num_tiers": 2, "policy": "forecast", "write_through": ()})()
+    m.setup(caps=(4, 2, 1))
+    ns = Namespace("m")
+    m.request(dt=0.0, end=False, hold=False, ns=ns, session=None, tokens=[0, 1, 0, 1])
+    m.request(dt=1.0, end=False, hold=False, ns=ns, session=None, tokens=[2, 2, 2, 2, 1, 1, 0, 0])
+    m.same_as_the_model()
+    last = hash_token_blocks([2, 2, 2, 2, 1, 1, 0, 0], 2, ns)[3]   # that chain's last block
+    m.invalidate(_Data([last]))
+    m.same_as_the_model()
+    m.evict(k=2, tier=0)
+    m.same_as_the_model()
