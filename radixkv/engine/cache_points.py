@@ -6,7 +6,10 @@ Hosted prompt caches let a client say which prefix matters and for how long (Ant
 once the request's prompt is computed, the full blocks up to that position get the point's hints
 (``RadixTree.set_hints``): ``ttl`` makes them expire that long after their last use under any
 eviction policy (``LLMEngine`` drives expiry lazily), ``priority`` ranks them under the priority
-policy. Blocks are whole: a point inside a block covers the blocks before it.
+policy, ``persist`` also keeps them in the remote tier that replicas share, for at least the TTL
+after their last use (OpenAI's ``"24h"`` retention: the prefix outlives this replica's memory, a
+restart, and is found by every replica). Blocks are whole: a point inside a block covers the
+blocks before it.
 """
 
 from __future__ import annotations
@@ -51,11 +54,15 @@ class CachePoint:
 
     ``ttl``: seconds (or ``"5m"``, ``"1h"``) after the last use at which the blocks expire;
     None keeps the policy's default. ``priority``: an int for the priority policy; None keeps it.
+    ``persist``: also write the blocks to the remote tier (when the engine has one that
+    writes) and keep them there at least ``ttl`` after their last use, whatever its write
+    policy; without a remote tier it changes nothing.
     """
 
     position: int
     ttl: float | str | None = None
     priority: int | None = None
+    persist: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.position, int) or isinstance(self.position, bool) \
@@ -67,6 +74,8 @@ class CachePoint:
         if self.priority is not None and (not isinstance(self.priority, int)
                                           or isinstance(self.priority, bool)):
             raise InvalidRequestError(f"CachePoint.priority must be an int, got {self.priority!r}")
+        if not isinstance(self.persist, bool):
+            raise InvalidRequestError(f"CachePoint.persist must be a bool, got {self.persist!r}")
 
 
 def check_points(points: object, prompt_len: int) -> tuple[CachePoint, ...]:
@@ -98,18 +107,23 @@ def cached_chain(bm: Any, req: Any, ids: list[int]) -> list[bytes]:
     return bm.tree.match_hashes(token_bytes(ids), req.namespace.seed, len(ids) // bs)
 
 
-def prefilled(bm: Any, req: Any) -> None:
+def prefilled(bm: Any, req: Any) -> list[tuple[list[bytes], float | None]]:
     """``req``'s prompt is computed: count the tokens it wrote to the cache, give the blocks
     up to each of its cache points their hints (through the block manager, the tree's writer),
-    and let unmarked blocks below a TTL'd prefix inherit it."""
+    and let unmarked blocks below a TTL'd prefix inherit it. Returns what the points ask to
+    persist: ``(chain hashes, ttl)`` per ``persist`` point, for the engine's remote tier."""
     bs = bm.block_size
     nodes = cached_chain(bm, req, req.prompt_token_ids)
     req.cache_write_tokens = max(0, len(nodes) * bs - req.num_cached_tokens)
+    keep = []
     for p in req.cache_points:
         k = min(p.position // bs, len(nodes))
         if k and (p.ttl is not None or p.priority is not None):
             bm.set_hints(nodes[:k], priority=p.priority, ttl=p.ttl)
+        if k and p.persist:
+            keep.append((nodes[:k], p.ttl))
     inherit_ttl(bm, nodes)
+    return keep
 
 
 def inherit_ttl(bm: Any, nodes: list[bytes]) -> None:

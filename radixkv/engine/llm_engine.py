@@ -392,9 +392,12 @@ class LLMEngine:
         return outputs
 
     def _prefilled(self, req: Request) -> None:
-        """The prompt is computed: count what it wrote to the cache, apply its cache points."""
+        """The prompt is computed: count what it wrote to the cache, apply its cache points
+        (hints in the tree; ``persist`` ones also to the remote tier, when there is one)."""
         if self.cache_config.enable_prefix_caching:
-            prefilled(self._bm, req)
+            for hashes, ttl in prefilled(self._bm, req):
+                if self._remote is not None:
+                    self._remote.persist(hashes, ttl)
 
     # ------------------------------------------------------------------ sampling
     def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,

@@ -223,8 +223,8 @@ def _routes(api: FastAPI, state: ServerState,
                for x in prompts]
         points = None
         if req.prompt_cache_retention:
-            ttl = serving.RETENTION_TTL_S[req.prompt_cache_retention]
-            points = [[{"position": len(x), "ttl": ttl}] for x in ids]
+            points = [[serving.retention_point(len(x), req.prompt_cache_retention)] if x
+                      else None for x in ids]
         return await _serve(state, request, req, ids, chat=False, points=points)
 
 

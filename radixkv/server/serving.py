@@ -124,6 +124,17 @@ def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None
 #: ``prompt_cache_retention`` -> the TTL of a cache point at the end of the prompt (OpenAI:
 #: in-memory retention keeps a prefix for minutes of inactivity, "24h" for up to a day).
 RETENTION_TTL_S = {"in_memory": 600.0, "24h": 86400.0}
+#: ... and whether the point persists the prompt to the remote tier: extended retention is the
+#: one that outlives this replica's memory (OpenAI offloads it from GPU memory to storage).
+RETENTION_PERSIST = {"in_memory": False, "24h": True}
+
+
+def retention_point(position: int, retention: str) -> Any:
+    """The cache point of ``prompt_cache_retention`` for a prompt of ``position`` tokens."""
+    from radixkv.engine.cache_points import CachePoint
+
+    return CachePoint(position, ttl=RETENTION_TTL_S[retention],
+                      persist=RETENTION_PERSIST[retention])
 
 
 def cache_points(template: Any, messages: list[dict[str, str]], marks: list[Any],
@@ -140,7 +151,7 @@ def cache_points(template: Any, messages: list[dict[str, str]], marks: list[Any]
             pos = len(template.encode(template.render(messages[:k + 1], False)))
             points.append(CachePoint(max(1, min(pos, prompt_len)), ttl=mark.ttl or "5m"))
     if retention is not None:
-        points.append(CachePoint(prompt_len, ttl=RETENTION_TTL_S[retention]))
+        points.append(retention_point(prompt_len, retention))
     return points
 
 

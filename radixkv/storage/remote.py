@@ -9,6 +9,9 @@ What costs a round trip:
   * ``get_many`` / ``read_into_many``: one ``MGET`` (a cluster: one pipelined batch per node).
   * ``put``/``put_many``: queued; a background writer sends up to ``write_batch`` values per
     pipelined batch of ``SET``. ``wait=True`` writes in the caller's thread instead.
+    ``ttl_s=`` gives these blocks a longer key expiry than the store's (a retention).
+  * ``refresh_many(hashes, ttl_s)``: queued like puts, one ``PEXPIRE`` per key and no payload
+    (a retained block used again); keys found gone come back through ``take_lost``.
 
 Fault model (what each failure becomes; nothing raises to the caller, nothing blocks it longer
 than about ``socket_timeout`` + ``connect_timeout``):
@@ -31,6 +34,7 @@ in it) is caught; anything else is a bug and propagates.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -81,6 +85,8 @@ class RemoteStats:
     reconnects: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    refreshes: int = 0          # key TTLs extended (retention of a block that was written)
+    refresh_missed: int = 0     # refreshes of a key the server no longer had
 
 
 class RemoteStore:
@@ -128,7 +134,9 @@ class RemoteStore:
         self._available = False
         self._backoff = backoff_s[0]
         self._retry_at = 0.0
-        self._queue: queue.Queue[tuple[bytes, bytes]] = queue.Queue(queue_blocks)
+        # (key, value, px): a SET with that expiry, or (key, None, px) a PEXPIRE
+        self._queue: queue.Queue[tuple[bytes, bytes | None, int | None]] = queue.Queue(queue_blocks)
+        self._lost: list[bytes] = []   # keys a refresh found gone (block hashes), for take_lost
         self._pending = 0   # values queued or being written
         self._idle = threading.Condition(self._lock)
         self._closed = threading.Event()
@@ -334,15 +342,50 @@ class RemoteStore:
         whether it was queued (``wait=False``) or written (``wait=True``)."""
         return self.put_many([(block_hash, parent_hash, token_ids, payload)], wait)[0]
 
-    def put_many(self, blocks: Iterable[PutItem], wait: bool = False) -> list[bool]:
+    def put_many(self, blocks: Iterable[PutItem], wait: bool = False,
+                 ttl_s: float | None = None) -> list[bool]:
         """Store blocks: queued for the background writer (never blocks; a full queue or an
         unavailable server drops the write and counts it), or with ``wait=True`` written in
-        this thread as one pipelined batch (True once the server acknowledged)."""
+        this thread as one pipelined batch (True once the server acknowledged).
+
+        ``ttl_s``: a retention these blocks must have at least (a 24-hour prompt cache): their
+        keys expire after the longer of it and the store's ``ttl_s``; a store without a key TTL
+        keeps every key until the server's own eviction anyway, so it changes nothing there."""
         # Encode the whole call first (it validates every block: a caller bug raises before
         # anything is queued), then queue: the writer then sees full batches. Queueing each
         # value as soon as it is encoded was tried: no faster on two shared cores (the GIL
         # alternates between encoder and writer, and the writer sends 1-value pipelines).
-        items = [self.encode(*b) for b in blocks]
+        px = self._px(ttl_s)
+        return self._enqueue([(*self.encode(*b), px) for b in blocks], wait)
+
+    def refresh_many(self, hashes: Sequence[bytes], ttl_s: float | None = None,
+                     wait: bool = False) -> list[bool]:
+        """Restart the expiry clock of blocks already written (``PEXPIRE``, no payload sent):
+        a block kept for a retention is used again. A key the server no longer has is counted
+        (``refresh_missed``) and its hash handed out by :meth:`take_lost`, so the caller writes
+        it again. A store without a key TTL has nothing to refresh: a no-op."""
+        px = self._px(ttl_s)
+        if px is None:
+            return [True] * len(hashes)
+        keys = self._keys(hashes)
+        return self._enqueue([(k, None, px) for k in keys], wait)
+
+    def take_lost(self) -> list[bytes]:
+        """Block hashes whose refresh found no key since the last call (thread-safe)."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        n = len(self._prefix)
+        return [bytes.fromhex(k[n:].decode()) for k in lost]
+
+    def _px(self, ttl_s: float | None) -> int | None:
+        if ttl_s is not None and not (ttl_s > 0 and math.isfinite(ttl_s)):
+            raise InvalidBlockError(f"ttl_s must be a positive, finite time, got {ttl_s!r}")
+        if self.ttl_ms is None or ttl_s is None:
+            return self.ttl_ms
+        return max(self.ttl_ms, int(ttl_s * 1000))
+
+    def _enqueue(self, items: list[tuple[bytes, bytes | None, int | None]],
+                 wait: bool) -> list[bool]:
         if wait:
             return self._write(items)
         if not self._available:
@@ -363,7 +406,7 @@ class RemoteStore:
                 queued.append(False)
         return queued
 
-    def _write(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+    def _write(self, items: list[tuple[bytes, bytes | None, int | None]]) -> list[bool]:
         if not items:
             return []
         if not self._available:
@@ -371,8 +414,11 @@ class RemoteStore:
                 self._stats.put_skipped += len(items)
             return [False] * len(items)
         pipe = self._pipeline()
-        for key, value in items:
-            pipe.set(key, value, px=self.ttl_ms)
+        for key, value, px in items:
+            if value is None:
+                pipe.pexpire(key, px)
+            else:
+                pipe.set(key, value, px=px)
         try:
             replies = pipe.execute(raise_on_error=False)
         except RedisError as e:
@@ -380,14 +426,23 @@ class RemoteStore:
             with self._lock:
                 self._stats.put_failures += len(items)
             return [False] * len(items)
-        ok = [r is True for r in replies]
+        ok = [r is True or (v is None and r == 1) for r, (_, v, _) in zip(replies, items)]
         errors = [r for r in replies if isinstance(r, RedisError)]
         with self._lock:
             s = self._stats
             s.round_trips += 1
-            s.puts += sum(ok)
-            s.put_failures += len(ok) - sum(ok)
-            s.bytes_written += sum(len(v) for (_, v), good in zip(items, ok) if good)
+            for (key, v, _), r, good in zip(items, replies, ok):
+                if v is not None:
+                    s.puts += good
+                    s.put_failures += not good
+                    s.bytes_written += len(v) if good else 0
+                elif good:
+                    s.refreshes += 1
+                elif not isinstance(r, RedisError):
+                    s.refresh_missed += 1
+                    self._lost.append(key)
+                else:
+                    s.put_failures += 1
         if errors:
             self._fail("put", errors[0])
         return ok

@@ -31,6 +31,9 @@ Write path (the policy objects of :mod:`radixkv.tiers.write_policy` install thes
 * ``write_through``: also every block as soon as it is computed (``RadixTree.insert_listener``,
   :meth:`on_computed`),
   copied off the device after the step, so another replica finds a conversation at once.
+* retention (any policy but ``read_only``): :meth:`persist` writes the blocks a request asks to
+  keep (a ``CachePoint(persist=True)``, the server's ``"24h"`` retention) after the step, with
+  their TTL on the keys; a block written before only has its key's expiry restarted.
 * Writes are queued to the store's writer thread (never blocking the step); a full queue or a
   server that is down drops the write and counts it (a write is only a future hit).
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -72,6 +76,9 @@ class RemoteCounters:
     hit_tokens: int = 0           # prompt tokens served from the remote tier (first admission)
     blocks_written: int = 0       # writes queued to the server
     writes_skipped: int = 0       # slot rewritten earlier in its move list, or queue full
+    blocks_persisted: int = 0     # blocks written for a retention (``persist``)
+    persist_refreshes: int = 0    # retained blocks used again: their key's expiry restarted
+    persist_skipped: int = 0      # retained blocks not written (read-only tier, or gone)
     lookup_seconds: float = 0.0   # total wall time of finished lookups
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,6 +122,10 @@ class RemoteTier(KVMover):
         self._arrivals: dict[str, _Arrival] = {}
         self._dropped: dict[bytes, tuple[bytes | None, bytes]] = {}
         self._computed: list[bytes] = []
+        # blocks kept for a retention (``persist``): hash -> the retention in seconds, most
+        # recently used last; bounded, since forgetting one only costs rewriting it once
+        self._retained: OrderedDict[bytes, float] = OrderedDict()
+        self._to_persist: list[bytes] = []
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
         self.write.attach(self, tree, mover)
@@ -295,29 +306,96 @@ class RemoteTier(KVMover):
             self._put(items)
 
     def after_step(self) -> None:
-        """Write-through: queue the blocks computed this step (copied off the device).
-        Forget drop records no move list used (blocks invalidated, never written)."""
+        """Write-through: queue the blocks computed this step (copied off the device), and the
+        blocks ``persist`` asked for. Forget drop records no move list used (blocks
+        invalidated, never written)."""
         self._dropped.clear()
-        if not self._computed:
-            return
-        nodes = [r for r in map(self.tree.get, self._computed) if r is not None and r.tier == 0]
-        self._computed.clear()
-        if not nodes:
+        self._forget_lost()
+        computed, self._computed = self._computed, []
+        retained, self._to_persist = self._to_persist, []
+        if retained:
+            self._write_blocks(retained, persist=True)
+            done = set(retained)
+            computed = [h for h in computed if h not in done]
+        if computed:
+            self._write_blocks(computed)
+
+    def _write_blocks(self, hashes: list[bytes], persist: bool = False) -> None:
+        """Queue writes of cached blocks by hash, their bytes copied off the device (where a
+        block computed this step still is; one that already left is skipped: the host copy
+        may still be in flight behind the step, and a write is only ever a future hit)."""
+        refs = [r for r in map(self.tree.get, hashes) if r is not None and r.tier == 0]
+        if persist and len(refs) < len(hashes):
+            on_device = {r.block_hash for r in refs}
+            for h in hashes:
+                if h not in on_device:   # not written: a later use writes it again
+                    self._retained.pop(h, None)
+                    self.counters.persist_skipped += 1
+        if not refs:
             return
         import torch
 
         kv = self._device_cache   # [L, 2, N, bs, h, d]
-        idx = torch.tensor([n.slot for n in nodes], dtype=torch.long, device=kv.device)
+        idx = torch.tensor([r.slot for r in refs], dtype=torch.long, device=kv.device)
         blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        self._put([(n.block_hash, n.parent_hash,
-                    _ids(n.tokens), blocks[i].view(-1).view(torch.uint8).numpy())
-                   for i, n in enumerate(nodes)])
+        n = self._put([(r.block_hash, r.parent_hash, _ids(r.tokens),
+                        blocks[i].view(-1).view(torch.uint8).numpy())
+                       for i, r in enumerate(refs)])
+        if persist:
+            self.counters.blocks_persisted += n
 
-    def _put(self, items: list[Any]) -> None:
-        queued = self.store.put_many(items)
-        ok = sum(queued)
+    # ------------------------------------------------------------------ retention
+    #: how many retained block hashes the tier remembers (forgetting one costs one rewrite)
+    MAX_RETAINED = 1 << 16
+
+    def persist(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> None:
+        """Keep these cached blocks on the server for at least ``ttl_s`` seconds after their
+        last use, whatever the write policy (a ``prompt_cache_retention: "24h"`` prompt): a
+        block not yet written by this tier is written after the step (from the device or
+        host tier), one written before has its key's expiry restarted (no payload resent),
+        and any later write of it keeps that retention. ``ttl_s`` None: the store's own key
+        TTL. A read-only tier writes nothing."""
+        ttl_s = ttl_s or 0.0   # 0.0: the store's key TTL (RemoteStore.put_many's ttl_s=None)
+        self._forget_lost()
+        if self.write.name == "read_only":
+            self.counters.persist_skipped += len(hashes)
+            return
+        retained, known = self._retained, []
+        for h in hashes:
+            old = retained.pop(h, None)
+            retained[h] = ttl_s if old is None else max(old, ttl_s)
+            if old is None:
+                self._to_persist.append(h)
+            else:
+                known.append(h)
+        while len(retained) > self.MAX_RETAINED:
+            retained.popitem(last=False)
+        for ttl, group in _by_ttl(known, retained).items():
+            self.counters.persist_refreshes += sum(self.store.refresh_many(group, ttl or None))
+
+    def _forget_lost(self) -> None:
+        """Retained blocks whose key the server lost (expired or evicted meanwhile) are
+        written again at their next use."""
+        for h in self.store.take_lost():
+            self._retained.pop(h, None)
+
+    def _put(self, items: list[Any]) -> int:
+        """Queue ``items``; those under a retention keep it. Returns how many were queued."""
+        retained = self._retained
+        plain = [it for it in items if it[0] not in retained]
+        groups: dict[float, list[Any]] = {}
+        for it in items:
+            ttl = retained.get(it[0])
+            if ttl is not None:
+                groups.setdefault(ttl, []).append(it)
+        ok = 0
+        for ttl, group in [(None, plain), *groups.items()]:
+            if group:
+                queued = self.store.put_many(group, ttl_s=ttl or None)
+                ok += sum(queued)
+                self.counters.writes_skipped += len(queued) - sum(queued)
         self.counters.blocks_written += ok
-        self.counters.writes_skipped += len(queued) - ok
+        return ok
 
     def copy_blocks(self, copies: Sequence[Any]) -> None:
         """Device copies are not the remote tier's business."""
@@ -343,4 +421,12 @@ def _ids(tokens: bytes) -> list[int]:
     return array("i", tokens).tolist()
 
 
+def _by_ttl(hashes: list[bytes], retained: dict[bytes, float]) -> dict[float, list[bytes]]:
+    groups: dict[float, list[bytes]] = {}
+    for h in hashes:
+        groups.setdefault(retained[h], []).append(h)
+    return groups
+
+
 __all__ = ["RemoteTier", "RemoteCounters"]
+

@@ -95,6 +95,73 @@ def test_write_back_writes_blocks_as_they_leave_the_host_tier(hf_llama, url):
     a.close(), b.close()
 
 
+
+def _serve_points(eng, rid, prompt, points):
+    eng.add_request(rid, prompt, {"max_tokens": 2}, cache_points=points)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final = out
+    check_tiers(eng)
+    return final
+
+
+def test_a_persist_point_writes_the_prompt_under_write_back_with_its_retention(
+        hf_llama, url, redis_srv):
+    """``prompt_cache_retention: "24h"``'s engine side: a ``persist`` cache point writes the
+    prompt's blocks to the shared server at once, though write-back would write nothing yet,
+    with the point's TTL on the keys (longer than the store's own); a fresh replica is then
+    served from it. A prompt without the point is not written. Used again, the retained blocks
+    have their expiry restarted, no payload resent; keys the server lost are written again."""
+    from radixkv.engine.cache_points import CachePoint
+
+    r = redis_srv.client()
+    prompt, other = rand_tokens(33, 21), rand_tokens(33, 22)
+    a = remote_engine(hf_llama, url, device=32, host=8, remote_ttl_s=60)   # write_back
+    _serve_points(a, "p", prompt, [CachePoint(33, ttl="24h", persist=True)])
+    _serve_points(a, "o", other, None)
+    _flush(a)
+    st = a.stats()["remote"]
+    assert st["blocks_persisted"] == st["blocks_written"] == 8 and st["persist_skipped"] == 0
+    keys = sorted(r.keys("*"))
+    assert len(keys) == 8   # only the persisted prompt: nothing left the host tier
+    assert all(86_000_000 < r.pttl(k) <= 86_400_000 for k in keys)
+    b = remote_engine(hf_llama, url)
+    out = serve(b, [("b", prompt)])["b"]
+    assert dict(zip(b.output_tier_names, out.cached_tokens_per_tier))["remote"] == 8 * BS
+    assert out.outputs[0].token_ids == hf_greedy(hf_llama, prompt)
+
+    for k in keys:
+        r.pexpire(k, 5000)
+    _serve_points(a, "p2", prompt, [CachePoint(33, ttl="24h", persist=True)])
+    _flush(a)
+    st = a.stats()["remote"]
+    assert st["persist_refreshes"] == 8 and st["blocks_written"] == 8   # no payload resent
+    assert all(r.pttl(k) > 86_000_000 for k in keys)
+
+    r.delete(*keys[:3])      # the server lost three (maxmemory, a flush): the next refresh
+    _serve_points(a, "p3", prompt, [CachePoint(33, ttl="24h", persist=True)])   # finds out
+    _flush(a)
+    assert a.stats()["remote"]["server"]["refresh_missed"] == 3
+    _serve_points(a, "p4", prompt, [CachePoint(33, ttl="24h", persist=True)])   # rewrites
+    _flush(a)
+    st = a.stats()["remote"]
+    assert st["blocks_written"] == 11 and len(r.keys("*")) == 8
+    a.close(), b.close()
+
+
+def test_a_read_only_tier_persists_nothing(hf_llama, url, redis_srv):
+    from radixkv.engine.cache_points import CachePoint
+
+    a = remote_engine(hf_llama, url, remote_write="read_only")
+    _serve_points(a, "p", rand_tokens(33, 23), [CachePoint(33, ttl="24h", persist=True)])
+    _flush(a)
+    st = a.stats()["remote"]
+    assert st["blocks_written"] == 0 and st["persist_skipped"] == 8
+    assert redis_srv.client().dbsize() == 0
+    a.close()
+
 def test_other_tenant_and_other_model_miss(hf_llama, url):
     prompt = rand_tokens(33, 2)
     a = remote_engine(hf_llama, url, remote_write="write_through")

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.model
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def _start(port: int, url: str) -> subprocess.Popen:
+def _start(port: int, url: str, write: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
            "--threads", "1", "--device-blocks", "256", "--remote-url", url,
-           "--remote-write", "write_through", "--remote-timeout", "5"]
+           "--remote-write", write, "--remote-timeout", "5"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -51,7 +51,9 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 600) -> None
 def replicas(tmp_path_factory) -> Any:
     srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     ports = [free_port(), free_port()]
-    procs = [_start(p, srv.url) for p in ports]
+    # A writes through; B writes back (the default): only what leaves its host tier, or what
+    # a request asks to retain, reaches the server from B
+    procs = [_start(p, srv.url, w) for p, w in zip(ports, ("write_through", "write_back"))]
     try:
         for p, proc in zip(ports, procs):
             _wait_ready(p, proc)
@@ -91,3 +93,25 @@ def test_replica_b_is_served_from_what_replica_a_computed(replicas) -> None:
                    if s.labels.get("tier") == "remote"]
     assert remote_hits and remote_hits[0] == tiers["remote"]
     assert [s.value for s in fams["radixkv_remote_available"].samples] == [1.0]
+
+
+def test_24h_retention_reaches_the_other_replica_in_memory_does_not(replicas) -> None:
+    """``prompt_cache_retention: "24h"`` on write-back replica B writes the prompt to the
+    shared server at once (B's memory is far from full: write-back alone would write nothing),
+    so replica A is served from it; ``"in_memory"`` keeps it in B only."""
+    a, b = replicas
+    kept = [{"role": "system", "content": "Retained manual, chapter one. " * 12},
+            {"role": "user", "content": "Summarise it."}]
+    local = [{"role": "system", "content": "Volatile notes, kept in memory. " * 12},
+             {"role": "user", "content": "Summarise it."}]
+    rk = b.chat.completions.create(model=MODEL, messages=kept, temperature=0, max_tokens=4,
+                                   extra_body={"prompt_cache_retention": "24h"})
+    b.chat.completions.create(model=MODEL, messages=local, temperature=0, max_tokens=4,
+                              extra_body={"prompt_cache_retention": "in_memory"})
+    time.sleep(0.5)   # the write queue drains in the background
+    ra = a.chat.completions.create(model=MODEL, messages=kept, temperature=0, max_tokens=4)
+    tiers = ra.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
+    assert tiers["remote"] > 0 and tiers["remote"] == ra.usage.prompt_tokens_details.cached_tokens
+    assert ra.choices[0].message.content == rk.choices[0].message.content
+    rl = a.chat.completions.create(model=MODEL, messages=local, temperature=0, max_tokens=4)
+    assert rl.usage.prompt_tokens_details.cached_tokens == 0

@@ -254,6 +254,45 @@ def test_ttl_expires(open_store, layout):
     assert store.get_many([h]) == [None] and store.stats().corrupt == 0
 
 
+
+def test_a_retention_outlives_the_store_ttl_and_refreshes_without_the_payload(
+        open_store, layout, redis_server):
+    """``put_many(ttl_s=)`` keeps a key the longer of its retention and the store's TTL;
+    ``refresh_many`` restarts it with a PEXPIRE (no value sent); a refresh of a key the server
+    lost is counted and handed back by ``take_lost`` (so the caller writes it again)."""
+    store = open_store(ttl_s=0.3)
+    r = redis_server.client()
+    kept, plain = chain(2, salt=7)
+    assert store.put_many([(kept, None, [1], block(layout, 1))], wait=True, ttl_s=3600) == [True]
+    assert store.put(plain, None, [2], block(layout, 2), wait=True)
+    (kkey, pkey) = store._keys([kept, plain])
+    assert 3_500_000 < r.pttl(kkey) <= 3_600_000 and r.pttl(pkey) <= 300
+    time.sleep(0.5)
+    assert store.get_many([kept, plain]) == [store.get_many([kept])[0], None]
+    written = store.stats().bytes_written
+    r.pexpire(kkey, 1000)
+    assert store.refresh_many([kept], ttl_s=3600, wait=True) == [True]
+    assert r.pttl(kkey) > 3_500_000 and store.stats().bytes_written == written
+    r.delete(kkey)
+    assert store.refresh_many([kept], ttl_s=3600) == [True]   # queued
+    assert store.flush(5.0)
+    s = store.stats()
+    assert (s.refreshes, s.refresh_missed) == (1, 1)
+    assert store.take_lost() == [kept] and store.take_lost() == []
+    with pytest.raises(InvalidBlockError):
+        store.put_many([(kept, None, [1], block(layout, 1))], ttl_s=-1)
+    assert not r.exists(kkey)
+    store.check_invariants()
+
+
+def test_refresh_is_a_no_op_without_a_store_ttl(open_store, layout, redis_server):
+    store = open_store()
+    h = os.urandom(16)
+    assert store.put_many([(h, None, [1], block(layout, 1))], wait=True, ttl_s=60) == [True]
+    assert redis_server.client().pttl(store._keys([h])[0]) == -1   # no expiry: kept longest
+    assert store.refresh_many([h], ttl_s=60, wait=True) == [True]
+    assert store.stats().refreshes == 0
+
 BIG = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
 
 
