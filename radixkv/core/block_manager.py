@@ -261,8 +261,8 @@ class BlockManager(DecodeOps, TierPlans):
             if d == len(path):
                 held = tree._cut(held, k)
             tree.lock_nodes(held, now)
-        blocks: list[int] = (list(held[0].slots) if len(held) == 1 else
-                             [b for x in held for b in x.slots])
+        blocks: list[int] = (held[0].slots.tolist() if len(held) == 1 else
+                             [b for x in held for b in x.slots.tolist()])
         if d < len(path):
             # Promote the slower-tier match block by block: take one device block (making
             # room may demote a device block into the host, and evict from the slower tiers,

@@ -16,6 +16,7 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -246,19 +247,21 @@ class EvictionOps:
         short = need - dst.num_free
         if short > 0:
             self._evict_from(u, short, moves)
+        old_ids = old.tolist()   # one int per block, made once (slots are packed)
         if reuse is None:
             # BlockPool.allocate_one for each block, tail first, inlined: the tail takes the
             # top of the free list
             free = dst._free
             new = free[-n:]
             del free[-n:]
+            new_ids = new.tolist()
             is_free = dst._is_free
-            for s in new:
+            for s in new_ids:
                 is_free[s] = 0
-            moves += [_tuple_new(MoveOp, (hashes[i], t, old[i], u, new[i], False))
+            moves += [_tuple_new(MoveOp, (hashes[i], t, old_ids[i], u, new_ids[i], False))
                       for i in range(n - 1, -1, -1)]
         else:
-            new = [0] * n
+            new = array("i", bytes(4 * n))
             for i in range(n - 1, -1, -1):
                 s = reuse[i]
                 if s is None:
@@ -267,18 +270,16 @@ class EvictionOps:
                 else:
                     self.stats.free_demotions += 1
                 new[i] = s
+        # BlockPool.free_one for each block, deepest first, inlined (an evictable node's device
+        # blocks have no pool references: its holders are counted in ``node.ref``, now 0)
         src = self._pools[t]
-        if t == DEVICE:
-            for s in reversed(old):
-                src.free_one(s)
-        else:   # no references in slower tiers: BlockPool.free_one inlined
-            is_free = src._is_free
-            for s in old:
-                is_free[s] = 1
-            src._free.extend(reversed(old))
+        is_free = src._is_free
+        for s in old_ids:
+            is_free[s] = 1
+        src._free.extend(old[::-1])
         if t == DEVICE:
             dn = self._device_nodes
-            for s in old:
+            for s in old_ids:
                 dn[s] = None
             self._unreferenced -= n
         node.slots = new

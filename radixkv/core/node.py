@@ -5,6 +5,7 @@ counters (``TreeStats``). Pure Python; see ``tree.py`` for the structure itself.
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 DEVICE = 0
@@ -25,7 +26,8 @@ class Node:
 
     Block ``i`` (``0 <= i < len(hashes)``) of the node has chain hash ``hashes[i]``, token ids
     ``tokens[i*w:(i+1)*w]`` (``w = block_size * 4`` bytes, little-endian int32) and block id
-    ``slots[i]`` in the pool of tier ``tier``. Its first block's parent is the *last* block of
+    ``slots[i]`` in the pool of tier ``tier`` (``slots`` is an ``array("i")``: 4 bytes a block,
+    no int object per cached block; reading one makes a transient int). Its first block's parent is the *last* block of
     ``parent`` (None: a root); children hang off the last block only.
 
     ``children`` packs the number of child nodes per tier (20 bits each); the child nodes form
@@ -42,11 +44,11 @@ class Node:
     __slots__ = ("hashes", "tokens", "slots", "tier", "ref", "parent", "child", "next", "prev",
                  "children", "last_access", "hits", "hints", "aux")
 
-    def __init__(self, hashes: list[bytes], tokens: bytearray, slots: list[int], tier: int,
-                 parent: Node | None, now: float, ref: int = 0) -> None:
+    def __init__(self, hashes: list[bytes], tokens: bytearray, slots: array | list[int],
+                 tier: int, parent: Node | None, now: float, ref: int = 0) -> None:
         self.hashes = hashes
         self.tokens = tokens
-        self.slots = slots
+        self.slots = slots if type(slots) is array else array("i", slots)
         self.tier = tier
         self.ref = ref
         self.parent = parent

@@ -1,8 +1,10 @@
 """BlockPool: the physical slots of one tier, with reference counts and a free list.
 
 Pure bookkeeping: a block id is an index into the tier's storage tensor (or file set); the pool
-never touches bytes. Block ids are the pool's own canonical ``int`` objects (``range`` once at
-construction), so the tree and the block tables share them instead of allocating new ints.
+never touches bytes. Per-slot state is packed (``array``: 4 bytes a reference count, 4 a free-list
+entry, 1 a free flag) and the tree keeps its runs' block ids packed too (``Node.slots``), so no
+slot costs a Python ``int`` object anywhere while it is cached: the metadata per cached block is
+what issue 14 counts, and 36 of its bytes were a list of canonical ids.
 
 Invariant (checked by ``check_invariants``): every block is either free (refcount 0, on the free
 list exactly once) or allocated (off the free list). Allocated blocks are owned by the caller
@@ -11,6 +13,7 @@ list exactly once) or allocated (off the free list). Allocated blocks are owned 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import NewType
 
@@ -29,15 +32,14 @@ class BlockPool:
     2
     """
 
-    __slots__ = ("num_blocks", "ref_counts", "_ids", "_free", "_is_free")
+    __slots__ = ("num_blocks", "ref_counts", "_free", "_is_free")
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ConfigError(f"a pool needs a positive integer number of blocks, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self._ids: list[int] = list(range(num_blocks))
-        self.ref_counts: list[int] = [0] * num_blocks
-        self._free: list[int] = self._ids[::-1]  # pop() from the end: lowest ids first
+        self.ref_counts = array("i", bytes(4 * num_blocks))
+        self._free = array("i", range(num_blocks - 1, -1, -1))  # pop() from the end: lowest first
         self._is_free = bytearray(b"\x01") * num_blocks
 
     @property
@@ -64,7 +66,7 @@ class BlockPool:
         is_free = self._is_free
         for b in taken:
             is_free[b] = 0
-        return taken  # type: ignore[return-value]
+        return taken.tolist()  # type: ignore[return-value]
 
     def allocate_held(self, num_blocks: int) -> list[BlockId]:
         """``allocate`` for a caller that takes one reference on each block at once (a new
@@ -80,7 +82,7 @@ class BlockPool:
         for b in taken:
             is_free[b] = 0
             refs[b] = 1
-        return taken  # type: ignore[return-value]
+        return taken.tolist()  # type: ignore[return-value]
 
     def allocate_one(self) -> BlockId:
         """Take one free block. Runtime complexity: O(1)."""
@@ -103,7 +105,7 @@ class BlockPool:
             seen.add(b)
         for b in ids:
             self._is_free[b] = 1
-            self._free.append(self._ids[b])
+            self._free.append(b)
 
     def free_one(self, block_id: int) -> None:
         """Return one unreferenced allocated block (internal fast path; asserts its state)."""
@@ -111,11 +113,7 @@ class BlockPool:
             f"free_one({block_id}): is_free={self._is_free[block_id]} "
             f"refs={self.ref_counts[block_id]}")
         self._is_free[block_id] = 1
-        self._free.append(self._ids[block_id])
-
-    def canonical(self, block_id: int) -> BlockId:
-        """The pool's own int object for ``block_id`` (shared, so it costs no memory)."""
-        return self._ids[block_id]  # type: ignore[return-value]
+        self._free.append(block_id)
 
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)

@@ -12,6 +12,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
@@ -189,8 +190,7 @@ class RequestOps:
         the first new block in it)``. Runtime complexity: O(blocks)."""
         n = len(hashes)
         refs = self._pools[DEVICE].ref_counts
-        # the pool's own int objects already (``BlockPool.allocate``); a slice is ours to keep
-        slots = block_ids if type(block_ids) is list else list(block_ids)
+        slots = block_ids
         assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
@@ -207,7 +207,7 @@ class RequestOps:
             node = _new_node(Node)
             node.hashes = hashes if type(hashes) is list else list(hashes)
             node.tokens = bytearray(tokens)
-            node.slots = slots
+            node.slots = array("i", slots)
             node.tier = DEVICE
             node.ref = ref
             node.parent = node.child = node.next = node.prev = None

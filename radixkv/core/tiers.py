@@ -14,6 +14,7 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -112,9 +113,9 @@ class TierOps:
         if parent is not None:
             self._add_child_count(parent, t, -1)
             self._add_child_count(parent, DEVICE, 1)
-        canonical, dn = self._pools[DEVICE]._ids, self._device_nodes
+        dn = self._device_nodes
         node.tier = DEVICE
-        node.slots = [canonical[b] for b in block_ids]
+        node.slots = array("i", block_ids)
         for b in block_ids:
             dn[b] = node
         n = len(block_ids)
@@ -148,7 +149,7 @@ class TierOps:
         w = self._width
         tok = node.tokens[:w]
         del node.tokens[:w]
-        b = self._pools[DEVICE]._ids[block_id]
+        b = block_id
         parent.hashes.append(h)
         parent.tokens += tok
         parent.slots.append(b)
@@ -243,7 +244,7 @@ class TierOps:
             self._evict_from(tier, short, moves)
         if guard is not None:
             self._consider(guard)
-        new = [dst.allocate_one() for _ in range(k)]
+        new = array("i", [dst.allocate_one() for _ in range(k)])
         if parent is not None:
             self._add_child_count(parent, t, -1)
             self._add_child_count(parent, tier, 1)
@@ -255,7 +256,7 @@ class TierOps:
         keep = False
         if t in self.writes.tiers and all(src._is_free[s] for s in old):
             # Nothing was allocated in tier t since the frees (else LIFO gave them away).
-            took = [src.allocate_one() for _ in old]
+            took = array("i", [src.allocate_one() for _ in old])
             assert took == old, f"tier {t}: re-took slots {took}, expected {old}"
             keep = self.writes.keep_sources(node, t, old)
         self._consider(node)
