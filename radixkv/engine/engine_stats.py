@@ -40,6 +40,7 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         "num_running": engine.scheduler.num_running_seqs,
         "num_running_requests": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),
+        "session_ends": engine.session_ends,
         "steps": c.steps,
         "forwards": engine._num_forwards,
         **tier_stats(engine),

@@ -129,6 +129,8 @@ class LLMEngine:
                                     immediate=True)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        #: session ends the client announced (``end_session``: a request's flag, or the call)
+        self.session_ends = 0
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
         self._next_expiry = float("-inf")   # the next time _expire may run
@@ -231,6 +233,7 @@ class LLMEngine:
             req.beam = BeamSearch(params.beam_width, max_new, sorted(eos), params.length_penalty,
                                   params.early_stopping)
         self._requests[request_id] = req
+        self.session_ends += end_session
         if self._remote is not None and self.cache_config.enable_prefix_caching:
             self._remote.lookup(req)   # scheduled once its lookup is done (or timed out)
         else:
@@ -242,6 +245,7 @@ class LLMEngine:
             raise InvalidRequestError("end_session needs a session id (a str or int)")
         check_session(session, False)
         self._bm.end_session(session)
+        self.session_ends += 1
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         p = req.params

@@ -138,10 +138,11 @@ class FleetBackend(Backend):
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
                    restartable: bool = False, **hints: Any) -> RequestHandle:
-        # (eviction hints do not reach the replicas yet: their policies see no sessions)
+        # ``hints`` (session, end_session) go to the replica's engine: its eviction policy
+        # sees the sessions; the router does not need them (it routes by cached blocks)
         route = {"hashes": self.block_hashes(prompt_ids, cache_salt)}
-        return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points),
-                            route, restartable)
+        return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points,
+                                   hints), route, restartable)
 
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
         if self.bus is None:

@@ -135,12 +135,14 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: Any,
                        cache_salt: str | None, cache_points: Any = None,
+                       hints: dict[str, Any] | None = None,
                        route: dict[str, Any] | None = None) -> Any:
-        """Stream one request's outputs. ``route`` is for the router only. If the caller
-        goes away (Serve cancels this generator) the request is aborted in the engine."""
+        """Stream one request's outputs. ``hints``: the engine's eviction hints (``session``,
+        ``end_session``). ``route`` is for the router only. If the caller goes away (Serve
+        cancels this generator) the request is aborted in the engine."""
         loop = self.engine.loop
         stream = await loop.acall(loop.add_request(request_id, prompt_ids, params, cache_salt,
-                                                   cache_points))
+                                                   cache_points, **(hints or {})))
         finished = False
         try:
             while not finished:

@@ -91,6 +91,9 @@ class _EngineCollector:
                           "deadline (the request was computed).", remote["lookup_timeouts"])
             yield gauge("radixkv_remote_available", "1 while the remote server answers.",
                         1.0 if remote["available"] else 0.0)
+        yield counter("radixkv_session_ends", "Sessions the client said had ended "
+                      "(end_session: an eviction hint for the forecast and duel policies).",
+                      st.get("session_ends", 0))
         yield gauge("radixkv_num_requests_running", "Requests in the running batch.",
                     st["num_running_requests"])
         yield gauge("radixkv_num_requests_waiting", "Requests waiting to be scheduled.",

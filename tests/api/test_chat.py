@@ -117,9 +117,11 @@ def test_session_hints_reach_the_policy_and_close_ends_the_session(make_engine):
     with pytest.raises(InvalidRequestError, match="closed"):
         s.send("Again?", P20)
     s.close()                                    # idempotent
+    assert e.stats()["session_ends"] == 1        # close() -> engine.end_session
     t = e.chat(session_id="conv-2")
     t.send("Only turn.", P20, end_session=True)
     assert "conv-2" in pol._ended and t.closed
+    assert e.stats()["session_ends"] == 2        # the turn's flag
     assert e.chat().session_id.startswith("chat-")
     for bad in [dict(session_id=""), dict(session_id=7)]:
         with pytest.raises(InvalidRequestError):

@@ -202,6 +202,23 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
         _chat(client, [{"role": "user", "content": "x"}], max_tokens=-1)
 
 
+
+def test_session_hints_reach_the_replica_that_serves_the_request(fleet: Fleet) -> None:
+    """``session_id``/``end_session`` (radixkv's fields) travel through the router to the
+    engine of the replica that serves the request: its policy sees the session end
+    (``radixkv_session_ends_total``, labelled per replica), the other replica does not."""
+    client = fleet.client()
+    before_q = fleet.per_replica("radixkv_prefix_cache_queries_total")
+    before = fleet.per_replica("radixkv_session_ends_total")
+    r = _chat(client, [{"role": "user", "content": "Last question of the session?"}],
+              max_tokens=2, extra_body={"session_id": "fleet-s1", "end_session": True})
+    served = _replica_of(fleet, before_q, r.usage.prompt_tokens)
+    _eventually(lambda: fleet.per_replica("radixkv_session_ends_total").get(served, 0.0)
+                == before.get(served, 0.0) + 1)
+    after = fleet.per_replica("radixkv_session_ends_total")
+    assert {k: v for k, v in after.items() if k != served} == \
+        {k: v for k, v in before.items() if k != served}
+
 def test_metrics_are_labelled_per_replica_with_the_routers_decisions(fleet: Fleet) -> None:
     m = fleet.metrics()
     replicas = {r for (n, r) in m if n == "radixkv_num_requests_running" and r}
