@@ -217,7 +217,8 @@ class BlockManager(DecodeOps, TierPlans):
         return True
 
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int], namespace: Namespace,
-                 session: Hashable | None = None, end_session: bool = False) -> Allocation:
+                 session: Hashable | None = None, end_session: bool = False,
+                 resumed: bool = False) -> Allocation:
         """Start a sequence: reuse its longest cached prefix and allocate blocks for the rest.
 
         Matched device blocks are locked; matched host/disk blocks are promoted into fresh
@@ -225,15 +226,18 @@ class BlockManager(DecodeOps, TierPlans):
         slow block that making room evicted is recomputed instead).
         ``session`` (any hashable, e.g. a conversation id) and ``end_session`` (this is the
         session's last request) are hints for a policy that forecasts reuse (``policy.py``'s
-        hooks); other policies ignore them.
+        hooks); other policies ignore them. ``resumed``: this allocation continues a request
+        the policy was already told of (a preempted request, another sample of it, a retry
+        after a failed load), so it is not a new turn of the session.
         All-or-nothing: raises SequenceExistsError, InvalidTokensError, InvalidRequestError or
         OutOfBlocks without changing anything. Runtime complexity: O(prompt blocks) byte
         comparisons + O(nodes) + the evictions.
         """
         self._check_new_id(seq_id)
         self._check_namespace(namespace)
-        if type(end_session) is not bool:
-            raise InvalidRequestError(f"end_session must be a bool, got {end_session!r}")
+        if type(end_session) is not bool or type(resumed) is not bool:
+            raise InvalidRequestError(f"end_session and resumed must be bools, got "
+                                      f"{end_session!r}, {resumed!r}")
         if session is not None:
             try:
                 hash(session)
@@ -252,7 +256,7 @@ class BlockManager(DecodeOps, TierPlans):
         tree = self.tree
         now = tree.clock()
         if tree._hooks:
-            tree.policy.on_start(seq_id, n, namespace, session, end_session, now)
+            tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
         per_tier = [0] * tree.num_tiers
         per_tier[DEVICE] = dev * self.block_size

@@ -146,7 +146,8 @@ class EvictionPolicy(abc.ABC):
         pass
 
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
-                 session: Hashable | None, end_session: bool, now: float) -> None:
+                 session: Hashable | None, end_session: bool, now: float,
+                 resumed: bool = False) -> None:
         pass
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:

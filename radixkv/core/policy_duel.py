@@ -135,10 +135,11 @@ class DuelPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
-                 session: Hashable | None, end_session: bool, now: float) -> None:
-        self._reqs[seq_id] = (num_tokens, namespace, session, end_session)
+                 session: Hashable | None, end_session: bool, now: float,
+                 resumed: bool = False) -> None:
+        self._reqs[seq_id] = (num_tokens, namespace, session, end_session, resumed)
         for m in self._hooked:
-            m.on_start(seq_id, num_tokens, namespace, session, end_session, now)
+            m.on_start(seq_id, num_tokens, namespace, session, end_session, now, resumed)
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         req = self._reqs.get(parent_id)
@@ -164,10 +165,10 @@ class DuelPolicy(EvictionPolicy):
         req = self._reqs.pop(seq_id, None)
         if req is None:
             return
-        n, ns, session, end = req
+        n, ns, session, end, resumed = req
         d, scores = self.decay, self.scores
         for i, sh in enumerate(self._shadows):
-            hit = self._replay(sh, token_ids, n, ns, session, end)
+            hit = self._replay(sh, token_ids, n, ns, session, end, resumed)
             self.shadow_hits[i] += hit
             scores[i] = d * scores[i] + hit
         best = max(range(len(scores)), key=scores.__getitem__)
@@ -176,11 +177,12 @@ class DuelPolicy(EvictionPolicy):
         self.led[self.leader] += 1
 
     def _replay(self, sh: BlockManager, tokens: Sequence[int], n: int, ns: Namespace,
-                session: Hashable | None, end: bool) -> int:
+                session: Hashable | None, end: bool, resumed: bool) -> int:
         """One request through a shadow: the prompt tokens it would have hit."""
         sid = next(self._ids)
         try:
-            a = sh.allocate(sid, tokens[:n], ns, session=session, end_session=end)
+            a = sh.allocate(sid, tokens[:n], ns, session=session, end_session=end,
+                            resumed=resumed)
         except OutOfBlocks:
             return 0        # a fork or preempted request that the shadow cannot hold alone
         try:

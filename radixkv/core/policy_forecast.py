@@ -124,16 +124,22 @@ class ForecastPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
-                 session: Hashable | None, end_session: bool, now: float) -> None:
+                 session: Hashable | None, end_session: bool, now: float,
+                 resumed: bool = False) -> None:
+        """A sequence starts. A request is one turn of its session, however many times its
+        sequences are allocated (``resumed``: preempted and resumed, its other samples, a
+        retry): only its first allocation is a turn to learn the session's gap from."""
         self._releasing = False
         conv = ("anon", next(self._anon)) if session is None else session
         self._seqs[seq_id] = conv
         self.current = conv
-        self.requests += 1
         if end_session:
             self._ended[conv] = None
             if len(self._ended) > MAX_SESSIONS:
                 self._ended.popitem(last=False)
+        if resumed:
+            return
+        self.requests += 1
         if session is None:
             return          # a request on its own: no follow-up to learn from
         last = self._last.get(conv)

@@ -426,7 +426,9 @@ class Scheduler:
             try:
                 for seq in seqs:
                     a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace,
-                                         session=req.session, end_session=req.end_session)
+                                         session=req.session, end_session=req.end_session,
+                                         resumed=req.policy_started)
+                    req.policy_started = True
                     out.kv_ops.extend(a.moves)
                     done.append(a)
                     failed = yield from self._flush(out)

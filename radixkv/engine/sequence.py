@@ -104,6 +104,7 @@ class Request:
         self.cache_points: tuple[Any, ...] = ()   # CachePoints applied once prefilled
         self.session: str | int | None = None     # eviction hints: the client's session id,
         self.end_session = False                  # and whether this is its last request
+        self.policy_started = False   # its first allocation told the policy (a turn)
         self.cache_write_tokens = 0   # prompt tokens its prefill added to the cache
         self.num_preemptions = 0
         self.beam: Any = None

@@ -180,3 +180,26 @@ def test_plain_policies_hear_nothing() -> None:
     bm = BlockManager.create(8, 2, policy="lru")
     assert bm.tree._hooks is False
     bm.end_session("s")     # accepted, ignored
+
+
+@pytest.mark.parametrize("policy", ["forecast", "duel"])
+def test_a_resumed_request_is_not_another_turn(policy) -> None:
+    """A preempted request allocated again (``resumed=True``: also its other samples, a retry
+    after a failed load) is the same turn of its session: the forecast learns no gap from it."""
+    clock = FakeClock(0.0)
+    bm = BlockManager.create(32, 2, policy=policy, clock=clock)
+    pol = bm.tree.policy
+    fc = pol if policy == "forecast" else next(m for m in pol.members if m.name == "forecast")
+    bm.allocate("r1", [1, 2, 3, 4], NS, session="s")
+    bm.free("r1")                                   # preempted
+    clock.advance(0.5)
+    bm.allocate("r1", [1, 2, 3, 4], NS, session="s", resumed=True)
+    bm.free("r1")
+    assert (fc.requests, fc.followups, fc.mean_gap) == (1, 0, 0.0)
+    clock.advance(10.0)
+    bm.allocate("r2", [1, 2, 3, 4, 5, 6], NS, session="s")   # the session's next turn
+    bm.free("r2")
+    assert (fc.requests, fc.followups, fc.mean_gap) == (2, 1, 10.5)
+    with pytest.raises(InvalidRequestError):
+        bm.allocate("r3", [1], NS, resumed=1)
+    bm.check_invariants()

@@ -100,6 +100,9 @@ def test_preemption_resumes_with_identical_output(hf_llama):
     assert any(o.num_preemptions for o in out.values())
     for i, p in enumerate(prompts):
         assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 20), f"request {i}"
+    # the default policy's forecast saw 4 turns, not one more per resumption
+    forecast = next(m for m in eng.tree.policy.members if m.name == "forecast")
+    assert forecast.requests == 4
 
 
 def test_request_that_outgrows_the_pool_finishes_with_capacity(hf_llama):
