@@ -25,16 +25,7 @@ _HERE = Path(__file__).resolve().parent
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def triton_interpreted_here() -> bool:
-    """True when this process runs the package's Triton kernels under the interpreter."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        from radixkv.kernels import triton_attention
-    except ImportError:
-        return False
-    return isinstance(triton_attention._decode_kernel, InterpretedFunction)
+from triton_probe import triton_interpreted_here  # noqa: E402  (after the variable is set)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

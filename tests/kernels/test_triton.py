@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import triton_interpreted_here
+from triton_probe import triton_interpreted_here
 from kernel_cases import check_decode, check_prefill, make_case
 from radixkv.kernels import PAD_SLOT, copy_blocks, write_kv
 
