@@ -10,7 +10,8 @@ issue 14), loaded from git into the same process: before/after on the same machi
   * match / insert throughput in tokens/s at block size 16 (floor: xxh3-128 + dict lookup alone);
   * append_slot cost per sequence per decode step, fork and free cost;
   * eviction cost per block at 10^3 .. 10^6 cached blocks (target: <= 1 us, flat);
-  * metadata bytes per cached block (tracemalloc; target: <= 200 B).
+  * metadata bytes per cached block (tracemalloc; target: <= 200 B);
+  * the pause of a full ``gc.collect()`` with 10^6 blocks cached.
 Times are CPU time of this process (``time.process_time``): on a shared machine the wall clock
 swings with other tenants, CPU time much less.
 """
@@ -275,6 +276,30 @@ def bench_memory(num_blocks: int = 100_000, bm_cls=BlockManager) -> dict:
                     "16-byte hash plus 16 int32 token ids that every cached block must keep"}
 
 
+def bench_gc_pause(num_blocks: int = 1_000_000, bm_cls=BlockManager, rounds: int = 5) -> dict:
+    """Wall time of a full ``gc.collect()`` while ``num_blocks`` blocks are cached: the pause a
+    serving process takes whenever the collector's oldest generation runs (median of
+    ``rounds``). What the collector walks is what the core keeps in GC-tracked containers."""
+    prompts = [p + [0] for p in _chains(num_blocks)]
+    bm = bm_cls.create(num_blocks + 64, BS)
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p, NS)
+        bm.commit(i, len(p))
+        bm.free(i)
+    del prompts
+    gc.collect()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t0)
+    out = {"cached_blocks": len(bm.tree), "full_gc_ms": sorted(times)[rounds // 2] * 1e3,
+           "tracked_objects": len(gc.get_objects())}
+    del bm
+    gc.collect()
+    return out
+
+
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 
 
@@ -448,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
             row["before_tree_bytes_per_block"] = old["tree_bytes_per_block"]
         results["memory"].append(row)
         gc.collect()
+    if not args.quick:
+        row = bench_gc_pause()
+        if before:
+            old = bench_gc_pause(bm_cls=before)
+            row["before_full_gc_ms"] = old["full_gc_ms"]
+            row["before_tracked_objects"] = old["tracked_objects"]
+        results["gc_pause"] = [row]
 
     trace = None
     if not args.synthetic_only:
@@ -486,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results["demotion"], title="device -> host demotion per block, 3 tiers (LRU)")
     print_table(results["memory"], title="metadata per cached block, pool arrays included "
                 "(target <= 200 B; floor: 16-byte hash + 16 int32 token ids)")
+    if "gc_pause" in results:
+        print_table(results["gc_pause"], title="a full gc.collect() with the blocks cached (ms)")
     if "sharegpt" in results:
         print_table(results["sharegpt"]["trace"],
                     title="ShareGPT chat trace, whole loop per request, CPU us "
