@@ -60,13 +60,13 @@ class BlockPool:
             raise OutOfBlocks(num_blocks, len(self._free), 0)
         if num_blocks == 0:
             return []
-        taken = self._free[-num_blocks:]
+        taken = self._free[-num_blocks:].tolist()   # the ints made once
         del self._free[-num_blocks:]
         taken.reverse()
         is_free = self._is_free
         for b in taken:
             is_free[b] = 0
-        return taken.tolist()  # type: ignore[return-value]
+        return taken  # type: ignore[return-value]
 
     def allocate_held(self, num_blocks: int) -> list[BlockId]:
         """``allocate`` for a caller that takes one reference on each block at once (a new
@@ -75,14 +75,14 @@ class BlockPool:
         if not num_blocks:
             return []
         free = self._free
-        taken = free[-num_blocks:]
+        taken = free[-num_blocks:].tolist()   # the ints made once
         del free[-num_blocks:]
         taken.reverse()
         is_free, refs = self._is_free, self.ref_counts
         for b in taken:
             is_free[b] = 0
             refs[b] = 1
-        return taken.tolist()  # type: ignore[return-value]
+        return taken  # type: ignore[return-value]
 
     def allocate_one(self) -> BlockId:
         """Take one free block. Runtime complexity: O(1)."""
