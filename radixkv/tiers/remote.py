@@ -125,7 +125,7 @@ class RemoteTier(KVMover):
         # blocks kept for a retention (``persist``): hash -> the retention in seconds, most
         # recently used last; bounded, since forgetting one only costs rewriting it once
         self._retained: OrderedDict[bytes, float] = OrderedDict()
-        self._to_persist: list[bytes] = []
+        self._to_persist: dict[bytes, None] = {}   # retained blocks to write after the step
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
         self.write.attach(self, tree, mover)
@@ -312,7 +312,8 @@ class RemoteTier(KVMover):
         self._dropped.clear()
         self._forget_lost()
         computed, self._computed = self._computed, []
-        retained, self._to_persist = self._to_persist, []
+        retained = list(self._to_persist)
+        self._to_persist = {}
         if retained:
             self._write_blocks(retained, persist=True)
             done = set(retained)
@@ -360,13 +361,13 @@ class RemoteTier(KVMover):
         if self.write.name == "read_only":
             self.counters.persist_skipped += len(hashes)
             return
-        retained, known = self._retained, []
+        retained, known, pending = self._retained, [], self._to_persist
         for h in hashes:
             old = retained.pop(h, None)
             retained[h] = ttl_s if old is None else max(old, ttl_s)
             if old is None:
-                self._to_persist.append(h)
-            else:
+                pending[h] = None
+            elif h not in pending:   # (one queued this step is not on the server yet)
                 known.append(h)
         while len(retained) > self.MAX_RETAINED:
             retained.popitem(last=False)

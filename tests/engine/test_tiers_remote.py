@@ -151,6 +151,27 @@ def test_a_persist_point_writes_the_prompt_under_write_back_with_its_retention(
     a.close(), b.close()
 
 
+
+def test_one_prompt_retained_twice_in_a_step_is_written_once(hf_llama, url):
+    """Two requests retaining the same prompt before the step's writes: one write per block,
+    and no refresh of keys that are still on their way to the server."""
+    from radixkv.engine.cache_points import cached_chain
+
+    prompt = rand_tokens(33, 24)
+    a = remote_engine(hf_llama, url, remote_ttl_s=60)
+    serve(a, [("x", prompt)])
+    req = type("R", (), {"namespace": a._namespace})()
+    hashes = cached_chain(a.block_manager, req, prompt)
+    assert len(hashes) == 8
+    a._remote.persist(hashes, 86400.0)
+    a._remote.persist(hashes, 86400.0)
+    a._remote.after_step()
+    _flush(a)
+    st = a.stats()["remote"]
+    assert st["blocks_persisted"] == 8 and st["persist_refreshes"] == 0
+    assert st["server"]["refresh_missed"] == 0
+    a.close()
+
 def test_a_read_only_tier_persists_nothing(hf_llama, url, redis_srv):
     from radixkv.engine.cache_points import CachePoint
 
