@@ -221,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="policy_sim candidates to add ('all' for every one)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--name", default=None,
+                    help="results file name under benchmarks/results/ (default "
+                         "hit_rate_workloads[_quick]); a run of a few policies should not "
+                         "overwrite the full run")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--markdown", type=lambda s: s.split(","), default=None, metavar="COLS",
                     help="print the JSON's tables as markdown with these policy columns")
     args = ap.parse_args(argv)
-    name = "hit_rate_workloads" + ("_quick" if args.quick else "")
+    name = args.name or "hit_rate_workloads" + ("_quick" if args.quick else "")
     if args.plot_only:
         return plot(results_dir() / f"{name}.json")
     if args.markdown:

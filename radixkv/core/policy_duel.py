@@ -30,6 +30,15 @@ Cost, per request: each shadow costs what the real bookkeeping of one request co
 its member (O(nodes) locks and releases, O(new blocks) hashing and inserting); filing a node
 costs one O(log n) (or O(1)) insertion per member. Memory: per shadow, the block ids and token
 ids of up to the device capacity (no KV); the forecast's ghost of up to that many hashes.
+
+**Sampled shadows** (``sample=k``): as set dueling samples a few sets of a processor cache, and
+as miss-ratio-curve samplers (SHARDS) sample keys, the shadows may see only every k-th *group*
+of requests, a session with all its turns (a request without a session is its own group), chosen
+by a fixed hash of the group id, in caches of 1/k the device's capacity. A shared prefix's reuse
+interval and the volume inserted between two uses both shrink by k in the sampled stream, so
+each member's hit rate there estimates its hit rate in the full cache; the shadows' cost drops
+by about k. Scores then decay by ``decay ** k`` per replay, so they still span about the same
+number of real requests.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from itertools import count
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from radixkv.core.policy import EvictionPolicy, NodeHints, make_policy
 from radixkv.errors import ConfigError, OutOfBlocks
@@ -57,11 +68,14 @@ class DuelPolicy(EvictionPolicy):
         members: policy names (each made fresh twice: once for the real tree, once for its
             shadow), at least two.
         decay: per-request decay of the shadows' hit scores, in (0, 1).
+        sample: replay one group of requests (a session, or a request without one) in
+            ``sample`` into shadows of 1/``sample`` the device's capacity (1: every request).
     """
 
     hooks = True
 
-    def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, decay: float = 0.99) -> None:
+    def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, decay: float = 0.99,
+                 sample: int = 1) -> None:
         if isinstance(members, str) or len(members) < 2 or \
                 not all(isinstance(m, str) for m in members):
             raise ConfigError(f"a duel needs at least two member policy names, got {members!r}")
@@ -69,10 +83,14 @@ class DuelPolicy(EvictionPolicy):
             raise ConfigError("a duel's members cannot be duels")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
             raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
+        if type(sample) is not int or sample < 1:
+            raise ConfigError(f"sample must be an int >= 1, got {sample!r}")
         self.member_names = tuple(members)
         self.members = [make_policy(m) for m in members]
-        self.name = "duel-" + "-".join(members)
+        self.name = "duel-" + "-".join(members) + (f"/{sample}" if sample > 1 else "")
         self.decay = float(decay)
+        self.sample = sample
+        self._step_decay = float(decay) ** sample   # per replay: the same span of requests
         cuts, off = [], 0
         for i, m in enumerate(self.members):
             cuts.append((off, off + m.key_size))
@@ -109,7 +127,7 @@ class DuelPolicy(EvictionPolicy):
         super().bind(tree)
         for m in self._hooked:
             m.bind(tree)
-        cap = tree._pools[0].num_blocks
+        cap = max(1, tree._pools[0].num_blocks // self.sample)
         self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
                                                 clock=tree.clock))
                          for name in self.member_names]
@@ -137,9 +155,17 @@ class DuelPolicy(EvictionPolicy):
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
                  session: Hashable | None, end_session: bool, now: float,
                  resumed: bool = False) -> None:
-        self._reqs[seq_id] = (num_tokens, namespace, session, end_session, resumed)
+        if self.sample > 1 and self._bucket(seq_id if session is None else session):
+            self._reqs.pop(seq_id, None)   # not in the sample: the shadows never see it
+        else:
+            self._reqs[seq_id] = (num_tokens, namespace, session, end_session, resumed)
         for m in self._hooked:
             m.on_start(seq_id, num_tokens, namespace, session, end_session, now, resumed)
+
+    def _bucket(self, group: Hashable) -> int:
+        """0 for a group in the sample: a fixed hash (not ``hash()``, which is salted per
+        process), so a replay and its rerun sample the same sessions."""
+        return xxhash.xxh64_intdigest(repr(group).encode()) % self.sample
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         req = self._reqs.get(parent_id)
@@ -166,7 +192,7 @@ class DuelPolicy(EvictionPolicy):
         if req is None:
             return
         n, ns, session, end, resumed = req
-        d, scores = self.decay, self.scores
+        d, scores = self._step_decay, self.scores
         for i, sh in enumerate(self._shadows):
             hit = self._replay(sh, token_ids, n, ns, session, end, resumed)
             self.shadow_hits[i] += hit

@@ -203,3 +203,38 @@ def test_a_resumed_request_is_not_another_turn(policy) -> None:
     with pytest.raises(InvalidRequestError):
         bm.allocate("r3", [1], NS, resumed=1)
     bm.check_invariants()
+
+
+def test_sampled_duel_replays_whole_sessions_in_smaller_shadows() -> None:
+    """``DuelPolicy(sample=k)``: the shadows are 1/k of the device and see every turn of the
+    sessions in the sample and none of the others; which ones is fixed (not ``hash()``)."""
+    full = BlockManager.create(64, 2, policy=make_policy("duel"))
+    bm = BlockManager.create(64, 2, policy=make_policy("duel", sample=4))
+    pol = bm.tree.policy
+    assert pol.name.endswith("/4")
+    assert all(sh.pool.num_blocks == 16 for sh in pol._shadows)
+    sampled = {s for s in range(40) if pol._bucket(s) == 0}
+    assert 0 < len(sampled) < 40
+    again = make_policy("duel", sample=4)
+    assert {s for s in range(40) if again._bucket(s) == 0} == sampled
+    seen = []
+    for m in (full, bm):
+        shadow = m.tree.policy._shadows[0]
+        orig = shadow.allocate
+        def spy(sid, toks, ns, *a, _o=orig, _seen=seen, _m=m, **k):
+            if _m is bm:
+                _seen.append(k.get("session"))
+            return _o(sid, toks, ns, *a, **k)
+        shadow.allocate = spy
+        for j in range(40):
+            for turn in range(2):
+                rid = f"{j}-{turn}"
+                m.allocate(rid, [j % 7, turn, 1, 2], NS, session=j)
+                m.commit(rid, 4)
+                m.free(rid)
+        m.check_invariants()
+    assert sorted(set(seen)) == sorted(sampled) and len(seen) == 2 * len(sampled)
+    assert sum(full.tree.policy.shadow_hits) > 0
+    for bad in (0, 2.0, True):
+        with pytest.raises(ConfigError):
+            make_policy("duel", sample=bad)
