@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixkv.errors import ConfigError
 
@@ -72,6 +73,9 @@ class CacheConfig:
             caches say is hitting most (docs/eviction.md: never more than 1 point below LRU on
             the four measured workloads, up to 53 points above); ``lru``, ``lfu``, ``lfu-da``,
             ``fifo``, ``mru``, ``priority``, ``ttl``, ``forecast``).
+        policy_options: keyword arguments of the policy (``{"sample": 4}`` for the duel's
+            sampled shadows, ``{"quantile": 0.9}`` for the forecast; docs/eviction.md); checked
+            when the config is built.
         enable_prefix_caching: False makes every request its own namespace, so nothing is ever
             reused across requests (the "no cache" baseline; forks still share within a request).
         write_through: lower tiers (``"host"``, ``"disk"``) that get a copy of every block as
@@ -119,6 +123,7 @@ class CacheConfig:
     disk_blocks: int | None = 0
     disk_memory: str | None = None
     policy: str = "duel"
+    policy_options: dict[str, Any] | None = None
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()
     disk_secret: str | bytes | None = field(default=None, repr=False)
@@ -156,6 +161,14 @@ class CacheConfig:
             BlockSigner(self.disk_secret)   # raises ConfigError for a weak/odd secret
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError(f"CacheConfig.policy must be a policy name, got {self.policy!r}")
+        opts = self.policy_options
+        if opts is not None:
+            if not isinstance(opts, dict) or not all(isinstance(k, str) for k in opts):
+                raise ConfigError("CacheConfig.policy_options must be a dict of keyword "
+                                  f"arguments, got {opts!r}")
+            from radixkv.core.policy import make_policy
+
+            make_policy(self.policy, **opts)   # ConfigError for an unknown or bad option
         wt = self.write_through
         if isinstance(wt, str) or not isinstance(wt, (tuple, list)) or \
                 any(t not in ("host", "disk") for t in wt) or len(set(wt)) != len(wt):

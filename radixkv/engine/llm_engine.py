@@ -25,6 +25,7 @@ import torch
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace
+from radixkv.core.policy import make_policy
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.tiers import setup as tiering
@@ -97,7 +98,8 @@ class LLMEngine:
         self.tier_capacity_blocks = [n_dev, *lower]
         wt = [self.tier_names.index(t) for t in cache_config.write_through
               if t in self.tier_names]
-        self._bm = BlockManager.create(n_dev, bs, cache_config.policy, lower_tier_blocks=lower,
+        policy = make_policy(cache_config.policy, **(cache_config.policy_options or {}))
+        self._bm = BlockManager.create(n_dev, bs, policy, lower_tier_blocks=lower,
                                        write_through=wt)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
         self.restore_report: dict[str, Any] | None = None

@@ -13,6 +13,19 @@ import time
 from typing import Any
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag value (argparse reports the error with the flag's name)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="radixkv serve", description="OpenAI-compatible HTTP server over a radixkv engine "
@@ -56,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policy", default=CacheConfig.policy,
                    help=f"eviction policy (default {CacheConfig.policy}): one of "
                         "radixkv.core.policy.POLICIES (docs/eviction.md)")
+    c.add_argument("--policy-options", type=_json_object, default=None, metavar="JSON",
+                   help="the policy's options as a JSON object, e.g. '{\"sample\": 4}' for the "
+                        "duel's sampled shadows (docs/eviction.md)")
     c.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
@@ -111,7 +127,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      device_memory=args.device_memory, host_blocks=args.host_blocks,
                      host_memory=args.host_memory, disk_dir=args.disk_dir,
                      disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
-                     policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
+                     policy=args.policy, policy_options=args.policy_options,
+                     enable_prefix_caching=not args.no_prefix_caching,
                      write_through=tuple(args.write_through), kv_dtype=args.kv_dtype,
                      remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,

@@ -111,6 +111,31 @@ def test_config_types():
     assert CacheConfig(disk_dir=Path("/tmp/kv"), disk_blocks=10).disk_dir == "/tmp/kv"
 
 
+def test_policy_options_reach_the_policy_and_bad_ones_fail_at_config(tiny_model_shared,
+                                                                     smol_tokenizer):
+    """``CacheConfig.policy_options`` (``radixkv serve --policy-options JSON``) are the policy's
+    keyword arguments: checked when the config is built, used by the engine's tree."""
+    from radixkv.api.engine import Engine
+    from radixkv.server.cli import build_parser, configs
+
+    for bad in ({"sample": 0}, {"nope": 1}, {1: 2}, "sample=4"):
+        with pytest.raises(ConfigError):
+            CacheConfig(policy_options=bad)
+    with pytest.raises(ConfigError):
+        CacheConfig(policy="lru", policy_options={"sample": 4})   # LRU takes no options
+    cc = CacheConfig(num_device_blocks=64, policy_options={"sample": 4})
+    e = Engine(tiny_model_shared, smol_tokenizer, cc, EngineConfig(device="cpu"))
+    try:
+        pol = e.core.block_manager.tree.policy
+        assert pol.sample == 4 and all(sh.pool.num_blocks == 16 for sh in pol._shadows)
+    finally:
+        e.close()
+    args = build_parser().parse_args(["--policy-options", '{"sample": 2}'])
+    assert configs(args)[0].policy_options == {"sample": 2}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--policy-options", "[2]"])
+
+
 def test_engine_constructor_arguments(tiny_model_shared, smol_tokenizer):
     from radixkv.api.engine import Engine
 
