@@ -367,15 +367,25 @@ class Engine:
         return len(self.cached_prefix_nodes(token_ids, cache_salt)) * self.cache_config.block_size
 
     def set_prefix_hints(self, token_ids: Sequence[int], *, priority: int | None = None,
-                         ttl: float | None = None, cache_salt: str | None = None) -> int:
+                         ttl: float | None = None, persist: bool = False,
+                         cache_salt: str | None = None) -> int:
         """Give the cached blocks of a prefix an eviction priority and/or TTL (seconds).
 
-        Effective with ``CacheConfig(policy="priority")`` (higher survives longer) or
-        ``policy="ttl"``. Returns the number of blocks hinted (only cached ones can be).
+        ``priority`` matters under ``CacheConfig(policy="priority")`` (higher survives
+        longer); ``ttl`` makes the blocks expire that long after their last use under any
+        policy. ``persist=True`` also writes them to the remote tier now and keeps them there
+        at least ``ttl`` after their last use (``CachePoint(persist=True)`` for a prefix
+        already cached; nothing without a remote tier). Returns the number of blocks hinted
+        (only cached ones can be).
         """
         hashes = [b.block_hash for b in self.cached_prefix_nodes(token_ids, cache_salt)]
-        self.loop.call(lambda: self.core.block_manager.set_hints(hashes, priority=priority,
-                                                               ttl=ttl))
+
+        def op() -> None:
+            self.core.block_manager.set_hints(hashes, priority=priority, ttl=ttl)
+            if persist:
+                self.core.persist_blocks(hashes, ttl)
+
+        self.loop.call(op)
         return len(hashes)
 
     # ------------------------------------------------------------------ apps

@@ -199,13 +199,16 @@ class RAGHelper:
         return self.engine.cached_prefix_tokens(self.prefix_ids(doc_ids), self.cache_salt)
 
     def pin(self, doc_ids: Sequence[str], priority: int | None = 1, ttl: float | None = None,
-            warm: bool = True) -> int:
+            warm: bool = True, persist: bool = False) -> int:
         """Keep the prefix of these documents cached longer: set priority and/or TTL hints.
 
         ``priority`` matters under ``CacheConfig(policy="priority")`` (higher survives longer);
-        ``ttl`` (seconds after last use) under ``policy="ttl"``. With ``warm=True`` the prefix is
-        computed first if it is not fully cached (one prefill). Under ``order="priority"`` the
-        documents also move to the front of every later layout. Returns the blocks hinted.
+        ``ttl`` (seconds after last use) expires the blocks under any policy. ``persist=True``
+        also writes the prefix to the remote tier, when the engine has one, and keeps it there
+        at least ``ttl`` after its last use: every replica sharing the server then starts with
+        these documents cached. With ``warm=True`` the prefix is computed first if it is not
+        fully cached (one prefill). Under ``order="priority"`` the documents also move to the
+        front of every later layout. Returns the blocks hinted.
         """
         ids = self.layout(doc_ids)
         if priority is not None:
@@ -218,7 +221,7 @@ class RAGHelper:
 
             self.engine.generate([prefix], SamplingParams(max_tokens=1),
                                  cache_salt=self.cache_salt)
-        return self.engine.set_prefix_hints(prefix, priority=priority, ttl=ttl,
+        return self.engine.set_prefix_hints(prefix, priority=priority, ttl=ttl, persist=persist,
                                             cache_salt=self.cache_salt)
 
     def describe(self) -> dict[str, Any]:

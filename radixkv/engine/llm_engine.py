@@ -241,6 +241,17 @@ class LLMEngine:
         else:
             self._scheduler.add(req)
 
+    def persist_blocks(self, block_hashes: Seq[bytes], ttl: float | None = None) -> int:
+        """Keep these cached device blocks in the remote tier for at least ``ttl`` seconds
+        after their last use (a ``CachePoint(persist=True)`` for blocks already cached: a
+        pinned RAG document). Written now, not after the next step. Returns how many were
+        handed to the remote tier: 0 without one, or when it is read-only."""
+        if self._remote is None or self._remote.write.name == "read_only":
+            return 0
+        self._remote.persist(list(block_hashes), ttl)
+        self._remote.flush_retained()
+        return len(block_hashes)
+
     def end_session(self, session: str | int) -> None:
         """``session`` is over: its blocks go first (``forecast``/``duel``; others ignore it)."""
         if session is None:

@@ -312,14 +312,20 @@ class RemoteTier(KVMover):
         self._dropped.clear()
         self._forget_lost()
         computed, self._computed = self._computed, []
+        done = self.flush_retained()
+        if done:
+            computed = [h for h in computed if h not in done]
+        if computed:
+            self._write_blocks(computed)
+
+    def flush_retained(self) -> set[bytes]:
+        """Queue the writes ``persist`` asked for now (``after_step`` does it after each
+        step; an idle engine's caller may not want to wait for one). Returns their hashes."""
         retained = list(self._to_persist)
         self._to_persist = {}
         if retained:
             self._write_blocks(retained, persist=True)
-            done = set(retained)
-            computed = [h for h in computed if h not in done]
-        if computed:
-            self._write_blocks(computed)
+        return set(retained)
 
     def _write_blocks(self, hashes: list[bytes], persist: bool = False) -> None:
         """Queue writes of cached blocks by hash, their bytes copied off the device (where a
