@@ -87,6 +87,9 @@ class _EngineCollector:
         if remote is not None:
             yield counter("radixkv_remote_blocks_written", "Blocks queued to the remote tier.",
                           remote["blocks_written"])
+            yield counter("radixkv_remote_blocks_persisted", "Blocks written to the remote tier "
+                          "for a retention (prompt_cache_retention 24h, a persisted pin).",
+                          remote.get("blocks_persisted", 0))
             yield counter("radixkv_remote_lookup_timeouts", "Remote lookups abandoned at their "
                           "deadline (the request was computed).", remote["lookup_timeouts"])
             yield gauge("radixkv_remote_available", "1 while the remote server answers.",

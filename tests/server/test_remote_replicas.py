@@ -115,3 +115,10 @@ def test_24h_retention_reaches_the_other_replica_in_memory_does_not(replicas) ->
     assert ra.choices[0].message.content == rk.choices[0].message.content
     rl = a.chat.completions.create(model=MODEL, messages=local, temperature=0, max_tokens=4)
     assert rl.usage.prompt_tokens_details.cached_tokens == 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = str(b.base_url).rstrip("/").removesuffix("/v1")
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    assert [s.value for s in fams["radixkv_remote_blocks_persisted"].samples
+            if s.name.endswith("_total")] == [tiers["remote"] // 16]
