@@ -84,6 +84,9 @@ class ForecastPolicy(EvictionPolicy):
         self._leaf: dict[Hashable, bytes] = {}   # session -> last block of its last leaf
         self._releasing = False
         self._anon = count()
+        # sequence -> the one-off session made up for it, kept so that a resumed request (no
+        # session of its own) stays the same one-off session
+        self._anon_of: OrderedDict[Hashable, Hashable] = OrderedDict()
         self.current: Hashable = None                                # session of the request
         self._ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._ghost_cap = 0
@@ -130,7 +133,14 @@ class ForecastPolicy(EvictionPolicy):
         sequences are allocated (``resumed``: preempted and resumed, its other samples, a
         retry): only its first allocation is a turn to learn the session's gap from."""
         self._releasing = False
-        conv = ("anon", next(self._anon)) if session is None else session
+        if session is not None:
+            conv = session
+        elif resumed and seq_id in self._anon_of:
+            conv = self._anon_of[seq_id]
+        else:
+            conv = self._anon_of[seq_id] = ("anon", next(self._anon))
+            if len(self._anon_of) > MAX_SESSIONS:
+                self._anon_of.popitem(last=False)
         self._seqs[seq_id] = conv
         self.current = conv
         if end_session:

@@ -238,3 +238,16 @@ def test_sampled_duel_replays_whole_sessions_in_smaller_shadows() -> None:
     for bad in (0, 2.0, True):
         with pytest.raises(ConfigError):
             make_policy("duel", sample=bad)
+
+
+def test_a_resumed_request_without_a_session_keeps_its_one_off_session() -> None:
+    bm = BlockManager.create(32, 2, policy="forecast", clock=FakeClock(0.0))
+    pol = bm.tree.policy
+    bm.allocate("r1", [1, 2, 3, 4], NS)
+    first = pol._seqs["r1"]
+    bm.free("r1")
+    bm.allocate("r1", [1, 2, 3, 4], NS, resumed=True)
+    assert pol._seqs["r1"] == first and pol.requests == 1
+    bm.free("r1")
+    bm.allocate("r2", [1, 2, 3, 4], NS)
+    assert pol._seqs["r2"] != first and pol.requests == 2
