@@ -26,11 +26,8 @@ DOCS = {"a": "Alpha is the first letter of the Greek alphabet. " * 6,
 
 @pytest.fixture(scope="module")
 def redis_srv(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("redis")).start() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _engine(model, tokenizer, url):

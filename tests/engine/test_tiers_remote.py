@@ -34,11 +34,8 @@ def hf_llama(make_tiny):
 
 @pytest.fixture(scope="module")
 def redis_srv(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    try:
+    with RedisServer(tmp_path_factory.mktemp("redis")).start() as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture

@@ -86,6 +86,12 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not start on port {self.port}: {err}")
             time.sleep(0.02)
 
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
