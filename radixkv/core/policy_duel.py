@@ -106,7 +106,8 @@ class DuelPolicy(EvictionPolicy):
         self.led = [0] * len(members)          # requests each member led (statistics)
         self.shadow_hits = [0] * len(members)  # prompt tokens each shadow hit (statistics)
         self._shadows: list[BlockManager] = []
-        self._reqs: dict[Hashable, tuple] = {}  # live sequence -> (prompt tokens, ns, session, end)
+        # live sequence -> (prompt tokens, ns, session, end, resumed); None: not in the sample
+        self._reqs: dict[Hashable, tuple | None] = {}
         self._ids = count()
 
     # ------------------------------------------------------------------ the key and index
@@ -156,7 +157,7 @@ class DuelPolicy(EvictionPolicy):
                  session: Hashable | None, end_session: bool, now: float,
                  resumed: bool = False) -> None:
         if self.sample > 1 and self._bucket(seq_id if session is None else session):
-            self._reqs.pop(seq_id, None)   # not in the sample: the shadows never see it
+            self._reqs[seq_id] = None   # not in the sample: the shadows never see it
         else:
             self._reqs[seq_id] = (num_tokens, namespace, session, end_session, resumed)
         for m in self._hooked:
@@ -168,9 +169,8 @@ class DuelPolicy(EvictionPolicy):
         return xxhash.xxh64_intdigest(repr(group).encode()) % self.sample
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        req = self._reqs.get(parent_id)
-        if req is not None:
-            self._reqs[child_id] = req
+        if parent_id in self._reqs:
+            self._reqs[child_id] = self._reqs[parent_id]
         for m in self._hooked:
             m.on_fork(parent_id, child_id)
 
@@ -188,8 +188,11 @@ class DuelPolicy(EvictionPolicy):
         """Replay the finished sequence into every shadow; rescore; pick the leader."""
         for m in self._hooked:
             m.on_finish(seq_id, token_ids)
-        req = self._reqs.pop(seq_id, None)
-        if req is None:
+        if seq_id not in self._reqs:
+            return
+        req = self._reqs.pop(seq_id)
+        if req is None:           # not in the sample: led, not replayed
+            self.led[self.leader] += 1
             return
         n, ns, session, end, resumed = req
         d, scores = self._step_decay, self.scores

@@ -18,7 +18,7 @@ from radixkv.core.hashing import Namespace
 from radixkv.core.policy import POLICIES, make_policy
 from radixkv.core.policy_duel import DuelIndex, DuelPolicy
 from radixkv.core.policy_forecast import ForecastIndex, ForecastPolicy
-from radixkv.errors import ConfigError, InvalidRequestError
+from radixkv.errors import ConfigError, InvalidRequestError, OutOfBlocks
 
 NS = Namespace("m")
 
@@ -37,6 +37,25 @@ def _requests(seed: int, n: int):
         yield j, float(j), s, prompt, reply
 
 
+def _serve_small(bm: BlockManager, clock: FakeClock, j, t, s, prompt, reply) -> int:
+    """``_serve`` in a cache that may be too small for the request, as a duel's shadow serves
+    it: a prompt that does not fit scores nothing, a reply that does not fit is dropped."""
+    clock.now = t
+    try:
+        a = bm.allocate(j, prompt, NS, session=s)
+    except OutOfBlocks:
+        return 0
+    try:
+        bm.commit(j, len(prompt))
+        if reply:
+            bm.append_slots(j, reply)
+            bm.commit(j, len(prompt) + len(reply))
+    except OutOfBlocks:
+        pass
+    bm.free(j)
+    return a.num_cached_tokens
+
+
 def _serve(bm: BlockManager, clock: FakeClock, j, t, s, prompt, reply) -> int:
     clock.now = t
     a = bm.allocate(j, prompt, NS, session=s)
@@ -48,23 +67,27 @@ def _serve(bm: BlockManager, clock: FakeClock, j, t, s, prompt, reply) -> int:
     return a.num_cached_tokens
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_duel_leader_follows_independent_managers(seed) -> None:
+@pytest.mark.parametrize("seed,sample", [(s, 1) for s in range(4)] + [(0, 2), (1, 3)])
+def test_duel_leader_follows_independent_managers(seed, sample) -> None:
     """Each member's score is the decayed prompt tokens a manager running that member alone,
-    at the same capacity, hits; the leader changes only to a strictly higher score."""
-    cap, decay = 16, 0.9
+    at the same capacity, hits; the leader changes only to a strictly higher score. Sampled
+    (``sample=k``): the managers are a k-th of the capacity and see only the sampled sessions,
+    and a score decays by ``decay ** k`` per request they see."""
+    cap, decay = 24, 0.9
     clock = FakeClock(0.0)
-    duel = BlockManager.create(cap, 2, policy=DuelPolicy(("lru", "lfu", "forecast"), decay),
-                               clock=clock)
-    alone = [BlockManager.create(cap, 2, policy=m, clock=clock) for m in ("lru", "lfu", "forecast")]
+    pol = DuelPolicy(("lru", "lfu", "forecast"), decay, sample=sample)
+    duel = BlockManager.create(cap, 2, policy=pol, clock=clock)
+    alone = [BlockManager.create(cap // sample, 2, policy=m, clock=clock)
+             for m in ("lru", "lfu", "forecast")]
     scores, lead, led = [0.0] * 3, 0, [0, 0, 0]
     for req in _requests(seed, 200):
         _serve(duel, clock, *req)
-        for i, bm in enumerate(alone):
-            scores[i] = decay * scores[i] + _serve(bm, clock, *req)
-        best = max(range(3), key=scores.__getitem__)
-        if scores[best] > scores[lead]:
-            lead = best
+        if pol._bucket(req[2]) == 0 or sample == 1:
+            for i, bm in enumerate(alone):
+                scores[i] = decay ** sample * scores[i] + _serve_small(bm, clock, *req)
+            best = max(range(3), key=scores.__getitem__)
+            if scores[best] > scores[lead]:
+                lead = best
         led[lead] += 1
         pol = duel.tree.policy
         assert pol.scores == pytest.approx(scores) and pol.leader == lead, (pol.stats(), scores)
