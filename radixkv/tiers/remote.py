@@ -358,8 +358,9 @@ class RemoteTier(KVMover):
     def persist(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> None:
         """Keep these cached blocks on the server for at least ``ttl_s`` seconds after their
         last use, whatever the write policy (a ``prompt_cache_retention: "24h"`` prompt): a
-        block not yet written by this tier is written after the step (from the device or
-        host tier), one written before has its key's expiry restarted (no payload resent),
+        block not yet written by this tier is written after the step, copied off the device
+        (one that left the device by then is skipped and written at a later use), one written
+        before has its key's expiry restarted (no payload resent),
         and any later write of it keeps that retention. ``ttl_s`` None: the store's own key
         TTL. A read-only tier writes nothing."""
         ttl_s = ttl_s or 0.0   # 0.0: the store's key TTL (RemoteStore.put_many's ttl_s=None)
