@@ -22,7 +22,6 @@ import argparse
 import gc
 import random
 import time
-import tracemalloc
 
 import xxhash
 
@@ -30,12 +29,13 @@ from radixkv.benchmarks._common import (
     plain_doc, print_table, run_header, write_results,
 )
 from radixkv.benchmarks._core_baseline import BEFORE_ISSUE_14, load_core
+from radixkv.benchmarks.core_sizes import (
+    BS, NS, _chains, bench_gc_pause_vs, bench_memory_sizes,
+)
 from radixkv.core.block_manager import BlockManager
-from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
+from radixkv.core.hashing import hash_blocks, token_bytes
 from radixkv.core.tree import DEVICE
 
-BS = 16
-NS = Namespace("bench-core")
 
 
 def cpu_median(fn, repeat: int = 3) -> float:
@@ -162,12 +162,6 @@ def bench_append_fork_free(num_seqs: int = 64, steps: int = 512) -> dict:
             "fork_us": t_fork * 1e6, "free_us": t_free * 1e6, "blocks_per_seq": blocks_per_seq}
 
 
-def _chains(num_blocks: int, chain_blocks: int = 32, seed: int = 2) -> list[list[int]]:
-    rng = random.Random(seed)
-    n_chains = max(1, num_blocks // chain_blocks)
-    return [[rng.randrange(49152) for _ in range(chain_blocks * BS)] for _ in range(n_chains)]
-
-
 def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
                    baseline=None, rounds: int = 9) -> list[dict]:
     """CPU us per evicted block at each tree size: the median of ``rounds`` rounds of
@@ -252,52 +246,6 @@ def bench_demotion(sizes: list[int], evict_n: int = 1800, baseline=None,
         del trees
         gc.collect()
     return rows
-
-
-def bench_memory(num_blocks: int = 100_000, bm_cls=BlockManager) -> dict:
-    """Bytes traced per cached block when chains are cached through the real commit path."""
-    prompts = [p + [0] for p in _chains(num_blocks)]
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    bm = bm_cls.create(num_blocks + 64, BS)
-    after_pool = tracemalloc.get_traced_memory()[0]
-    for i, p in enumerate(prompts):
-        bm.allocate(i, p, NS)
-        bm.commit(i, len(p))
-        bm.free(i)
-    used = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    n = len(bm.tree)
-    return {"cached_blocks": n, "bytes_per_block": (used - base) / n,
-            "tree_bytes_per_block": (used - after_pool) / n,
-            "floor_bytes_per_block": 16 + 64,
-            "note": "bytes_per_block includes the pool's per-block arrays; the floor is the "
-                    "16-byte hash plus 16 int32 token ids that every cached block must keep"}
-
-
-def bench_gc_pause(num_blocks: int = 1_000_000, bm_cls=BlockManager, rounds: int = 5) -> dict:
-    """Wall time of a full ``gc.collect()`` while ``num_blocks`` blocks are cached: the pause a
-    serving process takes whenever the collector's oldest generation runs (median of
-    ``rounds``). What the collector walks is what the core keeps in GC-tracked containers."""
-    prompts = [p + [0] for p in _chains(num_blocks)]
-    bm = bm_cls.create(num_blocks + 64, BS)
-    for i, p in enumerate(prompts):
-        bm.allocate(i, p, NS)
-        bm.commit(i, len(p))
-        bm.free(i)
-    del prompts
-    gc.collect()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        gc.collect()
-        times.append(time.perf_counter() - t0)
-    out = {"cached_blocks": len(bm.tree), "full_gc_ms": sorted(times)[rounds // 2] * 1e3,
-           "tracked_objects": len(gc.get_objects())}
-    del bm
-    gc.collect()
-    return out
 
 
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
@@ -461,25 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [10**3, 10**4] if args.quick else [10**3, 10**4, 10**5, 10**6]
     results["eviction"] = bench_eviction(sizes, baseline=before)
     results["demotion"] = bench_demotion(sizes[:3], baseline=before)
-    # Several sizes: the hash index's share swings with where a dict sits between two resizes
-    # (just past one, at 10^5 here, it is a third fuller than just before the next).
-    results["memory"] = []
-    for n_mem in ([10_000] if args.quick else [10_000, 100_000, 1_000_000]):
-        row = bench_memory(n_mem)
-        row.pop("note")
-        if before:
-            old = bench_memory(n_mem, bm_cls=before)
-            row["before_bytes_per_block"] = old["bytes_per_block"]
-            row["before_tree_bytes_per_block"] = old["tree_bytes_per_block"]
-        results["memory"].append(row)
-        gc.collect()
+    results["memory"] = bench_memory_sizes([10_000] if args.quick
+                                           else [10_000, 100_000, 1_000_000], before)
     if not args.quick:
-        row = bench_gc_pause()
-        if before:
-            old = bench_gc_pause(bm_cls=before)
-            row["before_full_gc_ms"] = old["full_gc_ms"]
-            row["before_tracked_objects"] = old["tracked_objects"]
-        results["gc_pause"] = [row]
+        results["gc_pause"] = [bench_gc_pause_vs(before)]
 
     trace = None
     if not args.synthetic_only:
