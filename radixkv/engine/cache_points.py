@@ -126,6 +126,19 @@ def prefilled(bm: Any, req: Any) -> list[tuple[list[bytes], float | None]]:
     return keep
 
 
+def retain_remote(remote: Any, hashes: Any, ttl: float | None, now: bool = False) -> int:
+    """Hand ``hashes`` (cached device blocks) to the engine's remote tier to keep for at least
+    ``ttl`` after their last use (``RemoteTier.persist``): written after the step, or at once
+    with ``now`` (an idle engine's caller, e.g. a pin). Returns how many it took: 0 without a
+    remote tier, or with a read-only one."""
+    if remote is None:
+        return 0
+    remote.persist(list(hashes), ttl)   # a read-only tier counts them as skipped
+    if now:
+        remote.flush_retained()
+    return 0 if remote.write.name == "read_only" else len(hashes)
+
+
 def inherit_ttl(bm: Any, nodes: list[bytes]) -> None:
     """Blocks cached below a prefix with a TTL get that TTL unless they have their own: a
     prefix cannot leave the cache before its descendants (prefix closure), so unmarked blocks
@@ -144,4 +157,5 @@ def inherit_ttl(bm: Any, nodes: list[bytes]) -> None:
         bm.set_hints(group, ttl=t)
 
 
-__all__ = ["cached_chain", "prefilled", "inherit_ttl", "CachePoint", "parse_ttl", "check_points"]
+__all__ = ["cached_chain", "prefilled", "retain_remote", "inherit_ttl", "CachePoint",
+           "parse_ttl", "check_points"]

@@ -30,14 +30,15 @@ from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.tiers import setup as tiering
 from radixkv.engine.beam_search import BeamSearch
-from radixkv.engine.cache_points import cached_chain, check_points, inherit_ttl, prefilled
+from radixkv.engine.cache_points import (
+    cached_chain, check_points, inherit_ttl, prefilled, retain_remote,
+)
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.engine_stats import engine_stats
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
-    FINISH_ABORT, FINISH_CAPACITY, FINISH_LENGTH, FINISH_STOP, RequestOutput, TokenLogprob,
-    request_output,
+    FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
 from radixkv.engine.sampling import (SamplingParams, eos_token_ids, greedy_tokens, make_generator,
                                      sample_token)
@@ -242,15 +243,10 @@ class LLMEngine:
             self._scheduler.add(req)
 
     def persist_blocks(self, block_hashes: Seq[bytes], ttl: float | None = None) -> int:
-        """Keep these cached device blocks in the remote tier for at least ``ttl`` seconds
-        after their last use (a ``CachePoint(persist=True)`` for blocks already cached: a
-        pinned RAG document). Written now, not after the next step. Returns how many were
-        handed to the remote tier: 0 without one, or when it is read-only."""
-        if self._remote is None or self._remote.write.name == "read_only":
-            return 0
-        self._remote.persist(list(block_hashes), ttl)
-        self._remote.flush_retained()
-        return len(block_hashes)
+        """Keep these cached device blocks in the remote tier at least ``ttl`` seconds after
+        their last use, written now (a pinned RAG document). Returns how many it took: 0
+        without one, or when it is read-only."""
+        return retain_remote(self._remote, block_hashes, ttl, now=True)
 
     def end_session(self, session: str | int) -> None:
         """``session`` is over: its blocks go first (``forecast``/``duel``; others ignore it)."""
@@ -413,8 +409,7 @@ class LLMEngine:
         (hints in the tree; ``persist`` ones also to the remote tier, when there is one)."""
         if self.cache_config.enable_prefix_caching:
             for hashes, ttl in prefilled(self._bm, req):
-                if self._remote is not None:
-                    self._remote.persist(hashes, ttl)
+                retain_remote(self._remote, hashes, ttl)
 
     # ------------------------------------------------------------------ sampling
     def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,
@@ -450,26 +445,10 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
             seq.token_ids.append(tok)
-            self._check_stop(req, seq, tok)
+            check_stop(seq, req.params, tok, self._eos, self.max_model_len)
             if seq.finished:
                 self._scheduler.free_seq(req, seq)
                 req.done.append(seq)
-
-    def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
-        p = req.params
-        new_text = seq.detok.append(tok)
-        if not p.ignore_eos and tok in self._eos:
-            seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
-        elif tok in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
-        else:
-            hit = seq.detok.find_stop(len(new_text))
-            if hit is not None:
-                s, i = hit
-                seq.detok.truncate(i + len(s) if p.include_stop_str_in_output else i)
-                seq.finish_reason, seq.stop_reason = FINISH_STOP, s
-            elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                seq.finish_reason = FINISH_LENGTH
 
     def _beam_step(self, req: Request, logits: torch.Tensor) -> None:
         step = req.beam.step(logits)

@@ -105,6 +105,23 @@ class RequestOutput:
         return [o.delta_token_ids for o in self.outputs]
 
 
+def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) -> None:
+    """Set ``seq.finish_reason`` (and ``stop_reason``) if ``tok``, just appended, ends it: an
+    end-of-sequence token (unless ``ignore_eos``), a stop token, a stop string in the new text
+    (which is cut there, or after it with ``include_stop_str_in_output``), or the length."""
+    new_text = seq.detok.append(tok)
+    if (not params.ignore_eos and tok in eos) or tok in params.stop_token_ids:
+        seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
+        return
+    hit = seq.detok.find_stop(len(new_text))
+    if hit is not None:
+        s, i = hit
+        seq.detok.truncate(i + len(s) if params.include_stop_str_in_output else i)
+        seq.finish_reason, seq.stop_reason = FINISH_STOP, s
+    elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+        seq.finish_reason = FINISH_LENGTH
+
+
 def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: int | None
                    ) -> RequestOutput:
     """The ``RequestOutput`` of ``req`` now; each sequence's deltas are those since the last
@@ -140,5 +157,5 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
                          req.cache_write_tokens)
 
 
-__all__ = ["request_output", "CompletionOutput", "RequestOutput", "TokenLogprob", "FINISH_STOP", "FINISH_LENGTH",
-           "FINISH_ABORT", "FINISH_CAPACITY"]
+__all__ = ["request_output", "check_stop", "CompletionOutput", "RequestOutput", "TokenLogprob",
+           "FINISH_STOP", "FINISH_LENGTH", "FINISH_ABORT", "FINISH_CAPACITY"]

@@ -426,8 +426,7 @@ class Scheduler:
             try:
                 for seq in seqs:
                     a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace,
-                                         session=req.session, end_session=req.end_session,
-                                         resumed=req.policy_started)
+                                         **req.policy_hints())
                     req.policy_started = True
                     out.kv_ops.extend(a.moves)
                     done.append(a)

@@ -110,6 +110,13 @@ class Request:
         self.beam: Any = None
         self.finished_outputs_sent = False
 
+    def policy_hints(self) -> dict[str, Any]:
+        """The eviction policy's hints for allocating one of its sequences: the session, whether
+        it is the session's last request, and whether the policy was told of it already (a
+        resumption is not a new turn)."""
+        return {"session": self.session, "end_session": self.end_session,
+                "resumed": self.policy_started}
+
     @property
     def num_seq_slots(self) -> int:
         """Live sequences this request may hold at once (for ``max_num_seqs``)."""
