@@ -170,9 +170,11 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager
         policy = policy[:-len("+end-hint")]
     if policy == "ttl":
         policy = make_policy("ttl", ttl=cfg.ttl_s)
-    elif isinstance(policy, str) and policy.startswith("duel:sample="):
-        # the duel with sampled shadows: "duel:sample=<k>"
-        policy = make_policy("duel", sample=int(policy.split("=", 1)[1]))
+    elif isinstance(policy, str) and policy.startswith("duel:"):
+        # the duel with options: "duel:sample=<k>" (sampled shadows), "duel:members=a/b/c"
+        opt, val = policy[len("duel:"):].split("=", 1)
+        policy = make_policy("duel", **{"sample": int(val)} if opt == "sample" else
+                             {"members": tuple(val.split("/"))})
     elif isinstance(policy, str) and policy.startswith("aged-lfu"):
         # "aged-lfu" or "aged-lfu:<weight seconds>"
         w = float(policy.split(":", 1)[1]) if ":" in policy else 30.0

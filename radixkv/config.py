@@ -69,10 +69,10 @@ class CacheConfig:
         host_blocks / host_memory: CPU-RAM tier capacity (0/None: no host tier).
         disk_dir, disk_blocks / disk_memory: NVMe tier directory and capacity (None: no disk tier).
         policy: eviction policy name (``radixkv.core.policy.POLICIES``: ``duel``, the default,
-            set-duels LRU, LFU and the next-use ``forecast`` and follows whichever its shadow
-            caches say is hitting most (docs/eviction.md: never more than 1 point below LRU on
-            the four measured workloads, up to 53 points above); ``lru``, ``lfu``, ``lfu-da``,
-            ``fifo``, ``mru``, ``priority``, ``ttl``, ``forecast``).
+            set-duels LRU, ``lfu-ghost`` (LFU whose counts survive a drop) and the next-use
+            ``forecast`` and follows whichever its shadow caches say is hitting most
+            (docs/eviction.md); ``lru``, ``lfu``, ``lfu-ghost``, ``lfu-da``, ``fifo``, ``mru``,
+            ``priority``, ``ttl``, ``forecast``).
         policy_options: keyword arguments of the policy (``{"sample": 4}`` for the duel's
             sampled shadows, ``{"quantile": 0.9}`` for the forecast; docs/eviction.md); checked
             when the config is built.

@@ -108,6 +108,17 @@ class EvictionPolicy(abc.ABC):
     fresh_counts: bool = False
     #: index of this policy's part of ``node.aux`` inside a composite policy (None: all of it)
     aux_slot: int | None = None
+    #: A policy that tells newly cached blocks apart by something other than their holders
+    #: (``policy_ghost.py``: the count each block had before it was dropped) sets this to a
+    #: pure function ``block_hash -> value``: the tree cuts a run of new blocks wherever the
+    #: value changes, and lets new blocks join an existing run only if ``can_extend(run,
+    #: first new hash)``. None (the default) costs nothing.
+    insert_key = None
+
+    def can_extend(self, node: Node, block_hash: bytes) -> bool:
+        """Whether new block ``block_hash`` may join the end of run ``node`` (only asked when
+        ``insert_key`` is set). A pure read."""
+        return True
 
     @abc.abstractmethod
     def key(self, node: Node, hints: NodeHints) -> tuple:
@@ -357,6 +368,9 @@ def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
 from radixkv.core.policy_forecast import ForecastPolicy  # noqa: E402
 
 POLICIES["forecast"] = ForecastPolicy
+from radixkv.core.policy_ghost import LFUGhostPolicy  # noqa: E402
+
+POLICIES["lfu-ghost"] = LFUGhostPolicy
 from radixkv.core.policy_duel import DuelPolicy  # noqa: E402
 
 POLICIES["duel"] = DuelPolicy

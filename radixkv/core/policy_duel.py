@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from radixkv.core.node import Node
     from radixkv.core.tree import RadixTree
 
-DEFAULT_MEMBERS = ("lru", "lfu", "forecast")
+DEFAULT_MEMBERS = ("lru", "lfu-ghost", "forecast")
 
 
 class DuelPolicy(EvictionPolicy):
@@ -100,6 +100,9 @@ class DuelPolicy(EvictionPolicy):
         self._cuts = cuts
         self.key_size = off
         self._hooked = [m for m in self.members if m.hooks]
+        self._keyed = [m for m in self.members if m.insert_key is not None]
+        if not self._keyed:
+            self.insert_key = None
         self.fresh_counts = any(m.fresh_counts for m in self.members)
         self.leader = 0
         self.scores = [0.0] * len(members)
@@ -128,10 +131,24 @@ class DuelPolicy(EvictionPolicy):
         super().bind(tree)
         for m in self._hooked:
             m.bind(tree)
+        self._keyed = [m for m in self.members if m.insert_key is not None]   # after binding
+        if not self._keyed:
+            self.insert_key = None
         cap = max(1, tree._pools[0].num_blocks // self.sample)
         self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
                                                 clock=tree.clock))
                          for name in self.member_names]
+
+    def insert_key(self, block_hash: bytes):
+        """The members' insert keys (``EvictionPolicy.insert_key``): new blocks are alike
+        only if they are alike for every member."""
+        keyed = self._keyed
+        if len(keyed) == 1:
+            return keyed[0].insert_key(block_hash)
+        return tuple(m.insert_key(block_hash) for m in keyed)
+
+    def can_extend(self, node: Node, block_hash: bytes) -> bool:
+        return all(m.can_extend(node, block_hash) for m in self._keyed)
 
     # ------------------------------------------------------------------ node events
     def on_insert(self, node: Node, start: int, now: float) -> None:

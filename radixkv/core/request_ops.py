@@ -166,28 +166,42 @@ class RequestOps:
         refs = self._pools[DEVICE].ref_counts
         ids = block_ids if n == len(block_ids) else block_ids[:n]
         r0, r1 = refs[ids[0]], refs[ids[-1]]
-        if r0 == r1:
+        keys = None
+        if self.policy.insert_key is not None:
+            # the policy tells new blocks apart (lfu-ghost: counts restored per block)
+            keys = list(map(self.policy.insert_key, hashes))
+            if keys.count(keys[0]) == n:
+                keys = None
+        if r0 == r1 and keys is None:
             tokens = tok_bytes if len(tok_bytes) == n * w else tok_bytes[:n * w]
             node, _ = self._attach(parent, hashes, tokens, ids, r0, now)
             return node, n
         i = 0
         node = parent
-        while i < n:    # fork siblings share a prefix of the blocks: one node per holder set
-            r = refs[ids[i]]
+        made: list[tuple[Node, int]] = []
+        while i < n:    # one node per holder set (fork siblings share a prefix of the blocks)
+            r = refs[ids[i]]   # and per policy insert key
             j = i + 1
-            while j < n and refs[ids[j]] == r:
+            while j < n and refs[ids[j]] == r and (keys is None or keys[j] == keys[i]):
                 j += 1
-            node, _ = self._attach(node, hashes[i:j], tok_bytes[i * w:j * w], ids[i:j], r, now)
+            node, start = self._attach(node, hashes[i:j], tok_bytes[i * w:j * w], ids[i:j], r,
+                                       now, False)
+            made.append((node, start))
             i = j
+        for x, start in made:   # write-through copies once the whole run is in (as one run's)
+            self.writes.after_insert(x, start)
         return node, n
 
     def _attach(self, parent: Node | None, hashes: list[bytes], tokens: bytes,
-                block_ids: Sequence[int], ref: int, now: float) -> tuple[Node, int]:
+                block_ids: Sequence[int], ref: int, now: float, copies: bool = True
+                ) -> tuple[Node, int]:
         """Cache uncached computed device blocks held by ``ref`` sequences (their pool
         refcounts move into the node) right after ``parent``'s last block. The blocks join
         ``parent``'s run when it is the same run (on the device, no child, held by the same
-        sequences, no hints); otherwise they form a new child node. Returns ``(node, index of
-        the first new block in it)``. Runtime complexity: O(blocks)."""
+        sequences, no hints, alike for the policy); otherwise they form a new child node.
+        ``copies``: make the write-through copies now (False: the caller does, once its whole
+        run is in). Returns ``(node, index of the first new block in it)``.
+        Runtime complexity: O(blocks)."""
         n = len(hashes)
         refs = self._pools[DEVICE].ref_counts
         slots = block_ids
@@ -195,7 +209,9 @@ class RequestOps:
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
                 and parent.hints is None and parent.tier == DEVICE
-                and not (parent.hits and self.policy.fresh_counts)):
+                and not (parent.hits and self.policy.fresh_counts)
+                and (self.policy.insert_key is None
+                     or self.policy.can_extend(parent, hashes[0]))):
             node = parent
             start = len(node.hashes)
             node.hashes.extend(hashes)
@@ -231,7 +247,8 @@ class RequestOps:
             refs[b] = 0
         self._resident[DEVICE] += n
         self.stats.inserted += n
-        self.writes.after_insert(node, start)
+        if copies:
+            self.writes.after_insert(node, start)
         if self.insert_listener is not None:
             self.insert_listener(list(hashes))
         return node, start

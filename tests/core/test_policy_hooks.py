@@ -16,7 +16,7 @@ from radixkv.core.block_manager import BlockManager
 from radixkv.core.evict_index import SortedIndex
 from radixkv.core.hashing import Namespace
 from radixkv.core.policy import POLICIES, make_policy
-from radixkv.core.policy_duel import DuelIndex, DuelPolicy
+from radixkv.core.policy_duel import DEFAULT_MEMBERS, DuelIndex, DuelPolicy
 from radixkv.core.policy_forecast import ForecastIndex, ForecastPolicy
 from radixkv.errors import ConfigError, InvalidRequestError, OutOfBlocks
 
@@ -75,10 +75,10 @@ def test_duel_leader_follows_independent_managers(seed, sample) -> None:
     and a score decays by ``decay ** k`` per request they see."""
     cap, decay = 24, 0.9
     clock = FakeClock(0.0)
-    pol = DuelPolicy(("lru", "lfu", "forecast"), decay, sample=sample)
+    pol = DuelPolicy(DEFAULT_MEMBERS, decay, sample=sample)
     duel = BlockManager.create(cap, 2, policy=pol, clock=clock)
     alone = [BlockManager.create(cap // sample, 2, policy=m, clock=clock)
-             for m in ("lru", "lfu", "forecast")]
+             for m in DEFAULT_MEMBERS]
     scores, lead, led = [0.0] * 3, 0, [0, 0, 0]
     for req in _requests(seed, 200):
         _serve(duel, clock, *req)
@@ -199,7 +199,7 @@ def test_plain_policies_hear_nothing() -> None:
     """LRU and the other key policies have no hooks: the tree and manager skip the seam."""
     for name, cls in POLICIES.items():
         pol = make_policy(name)
-        assert pol.hooks == (name in ("fifo", "lfu-da", "forecast", "duel")), name
+        assert pol.hooks == (name in ("fifo", "lfu-da", "lfu-ghost", "forecast", "duel")), name
     bm = BlockManager.create(8, 2, policy="lru")
     assert bm.tree._hooks is False
     bm.end_session("s")     # accepted, ignored

@@ -32,14 +32,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, hash_token_blocks, token_bytes
 from radixkv.core.policy import TTLPolicy
+from radixkv.core.policy_ghost import ghost_slot
 from radixkv.core.tree import DEVICE
 from radixkv.errors import OutOfBlocks
 
 B = 2
 DEFAULT_TTL = 5.0
-DUEL_MEMBERS = ("lru", "lfu", "forecast")    # the duel's default members and their key slices
+DUEL_MEMBERS = ("lru", "lfu-ghost", "forecast")    # the duel's default members and their key slices
 DUEL_CUTS = ((0, 1), (1, 3), (3, 6))
-FRESH_COUNTS = ("lfu", "lfu-da", "duel")    # blocks never join a run that has hits
+FRESH_COUNTS = ("lfu", "lfu-da", "lfu-ghost", "duel")    # blocks never join a run that has hits
 NAMESPACES = [Namespace("m"), Namespace("m", cache_salt="t2")]
 PREFIXES = [[], [0, 1, 0, 1], [1, 1, 2, 2, 0, 0], [2, 2, 2, 2, 1, 1, 0, 0]]
 PROMPTS = st.builds(lambda p, tail: p + tail, st.sampled_from(PREFIXES),
@@ -60,6 +61,32 @@ class MBlock:
     gap: float = 0.0             # forecast: reuse interval (moving average), 0: none yet
     owner: object = None         # forecast: session of its last use
     fkey: tuple = (0.0, 0.0)     # forecast: (due, -far), snapshotted when it became unheld
+    gbase: int = 0               # lfu-ghost: the count its run restored from the ghost table
+
+
+class GhostTableModel:
+    """lfu-ghost's table of dropped blocks' counts (policy_ghost's module docstring): a slot
+    per hash (the policy's own ``ghost_slot``), holding a fingerprint and a count."""
+
+    def __init__(self, capacity: int, factor: float = 4.0) -> None:
+        n = 1
+        while n < factor * capacity:
+            n <<= 1
+        self.mask = n - 1
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def take(self, h: bytes) -> int | None:
+        """The count remembered for ``h`` (None: none), which leaves the table."""
+        s, f = ghost_slot(h, self.mask)
+        got = self.slots.get(s)
+        if got is None or got[0] != f:
+            return None
+        del self.slots[s]
+        return got[1]
+
+    def dropped(self, h: bytes, b: MBlock) -> None:
+        self.slots[ghost_slot(h, self.mask)[0]] = (ghost_slot(h, self.mask)[1],
+                                                   min(255, b.gbase + b.hits))
 
 
 class ForecastModel:
@@ -167,6 +194,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.L = 0.0          # lfu-da: the largest key evicted so far (any tier, copies too)
         self.fm = ForecastModel(self.caps[0])
+        self.gt = GhostTableModel(sum(self.caps))
 
     # ------------------------------------------------------------------ the model
     def key(self, h: bytes) -> tuple:
@@ -175,7 +203,9 @@ class TreeMachine(RuleBasedStateMachine):
                 "mru": (-b.last_access,), "priority": (b.priority, b.last_access),
                 "ttl": (b.last_access + DEFAULT_TTL,), "fifo": (b.born, b.last_access),
                 "lfu-da": (b.kda, b.last_access), "forecast": (*b.fkey, b.last_access),
-                "duel": (b.last_access, b.hits, b.last_access, *b.fkey, b.last_access),
+                "lfu-ghost": (b.gbase + b.hits, b.last_access),
+                "duel": (b.last_access, b.gbase + b.hits, b.last_access, *b.fkey,
+                         b.last_access),
                 }[self.policy]
 
     def m_hit(self, b: MBlock, now: float) -> None:
@@ -246,6 +276,7 @@ class TreeMachine(RuleBasedStateMachine):
         if u == self.num_tiers:
             assert not self.children(h), "the model drops a block with children"
             self.fm.dropped(h, b)
+            self.gt.dropped(h, b)
             del self.m[h]
             return
         if u in b.copies:                       # a free demotion onto its copy
@@ -359,15 +390,20 @@ class TreeMachine(RuleBasedStateMachine):
                 held.append(h)
                 continue
             p = self.m.get(parent) if parent is not None else None
+            c = self.gt.take(h)             # lfu-ghost: a count it had before it was dropped
+            base = 0 if c is None else c + 1
             if p is not None and p.tier == DEVICE and p.refs == 1 and p.priority == 0 and \
-                    not self.children(parent) and not (p.hits and self.policy in FRESH_COUNTS):
+                    not self.children(parent) and not (p.hits and self.policy in FRESH_COUNTS) \
+                    and (self.policy not in ("lfu-ghost", "duel") or p.gbase == base):
                 # the block joins its parent's run: it takes the run's key inputs
                 self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits, born=p.born,
-                                   kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey)
+                                   kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey,
+                                   gbase=base)
                 self.fm.ghost.pop(h, None)
             else:
                 self.m[h] = MBlock(parent, DEVICE, 1, now, 0, born=now, kda=self.L)
                 self.fm.new_head(h, self.m[h], now)
+                self.m[h].gbase = base
             held.append(h)
             pending.append(h)
         flush()
@@ -527,6 +563,11 @@ class TreeMachine(RuleBasedStateMachine):
             if self.policy == "lfu-da":
                 assert node.aux == (b.kda, b.hits), (
                     f"block {h.hex()[:8]}: (K, hits) {node.aux}, model {(b.kda, b.hits)}")
+            if self.policy in ("lfu-ghost", "duel"):
+                base = node.aux if self.policy == "lfu-ghost" else node.aux[1]
+                assert (base, node.hits) == (b.gbase, b.hits), (
+                    f"block {h.hex()[:8]}: (restored, hits) {(base, node.hits)}, model "
+                    f"{(b.gbase, b.hits)}")
         for t in range(self.num_tiers):
             assert tree.num_resident(t) + tree.num_copies(t) <= self.caps[t]
 
@@ -537,6 +578,8 @@ class TreeMachine(RuleBasedStateMachine):
             STEPS.event(self.name, "evicted", sum(st_.evicted))
             if self.write_through:
                 STEPS.event(self.name, "free_demotions", st_.free_demotions)
+            if self.policy == "lfu-ghost":   # show that counts do come back from the ghost
+                STEPS.event(self.name, "counts restored", self.tree.policy.restored)
             if self.policy == "duel":   # show that every member leads in some programs
                 for m, k in self.tree.policy.led.items() if isinstance(
                         self.tree.policy.led, dict) else zip(DUEL_MEMBERS, self.tree.policy.led):
@@ -550,9 +593,10 @@ def _machine(tiers: int, policy: str, wt: tuple[int, ...] = ()):
 
 
 for _t in (1, 2, 3):
-    for _p in ("lru", "lfu", "mru", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
+    for _p in ("lru", "lfu", "mru", "priority", "ttl", "fifo", "lfu-da", "lfu-ghost", "forecast",
+               "duel"):
         globals()[f"TestTree{_t}Tier{_p.upper().replace('-', '')}"] = _machine(_t, _p)
-for _p in ("lru", "lfu", "priority", "ttl", "fifo", "lfu-da", "forecast", "duel"):
+for _p in ("lru", "lfu", "priority", "ttl", "fifo", "lfu-da", "lfu-ghost", "forecast", "duel"):
     globals()[f"TestTree2Tier{_p.upper().replace('-', '')}WT1"] = _machine(2, _p, (1,))
     globals()[f"TestTree3Tier{_p.upper().replace('-', '')}WT12"] = _machine(3, _p, (1, 2))
 globals()["TestTree3TierLRUWT2"] = _machine(3, "lru", (2,))
