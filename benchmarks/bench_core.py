@@ -186,7 +186,7 @@ def bench_eviction(sizes: list[int], evict_n: int = 2000, bm_cls=BlockManager,
                 samples[name].append((time.process_time() - t0) / per)
         # Floor: what every eviction must do at least, in an index of this size: pop the
         # victim's entry from a dict of every cached block and free its slot (a list append).
-        index = trees["after"].tree._index
+        index = trees["after"].tree.block_index()
         table = {h: None for h in list(index)[:per * rounds]}
         big = dict.fromkeys(index, None)
         free: list[int] = []

@@ -276,11 +276,11 @@ class BlockManager(DecodeOps, TierPlans):
             last = len(path) - 1
             wanted = [h for i, x in enumerate(path[d:], d)
                       for h in (x.hashes[:k] if i == last else x.hashes)]
-            index = tree._index
+            heads = tree._heads
             prev = held[-1] if held else None
             for h in wanted:
                 [b] = self._take_blocks(1, moves)
-                node = index.get(h)
+                node = heads.get(h)
                 if node is None or node.tier == DEVICE or node.parent is not prev or \
                         node.hashes[0] != h:
                     self.pool.free([b])   # making room dropped it: recompute from here
@@ -294,7 +294,7 @@ class BlockManager(DecodeOps, TierPlans):
                         continue
                     node = tree._split(node, 1)[0]
                 moves.extend(tree.promote_nodes([node], [b], now))
-                prev = index[h]
+                prev = tree._device_nodes[b]
                 held = [prev]
         blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)
         num_cached = sum(per_tier) // self.block_size
@@ -360,8 +360,11 @@ class BlockManager(DecodeOps, TierPlans):
                 return 0
         tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
-        index = tree._index
-        parent = index[s.last_hash] if s.last_hash is not None else None
+        heads = tree._heads
+        # the sequence's last cached block is held on the device: its slot names its node
+        parent = dn[blocks[first - 1]] if s.last_hash is not None else None
+        assert parent is None or parent.hashes[-1] == s.last_hash, (
+            f"sequence {seq_id!r}: its last cached block is not its node's last")
         h = s.seed if s.last_hash is None else s.last_hash
         added = 0
         now = tree.clock()
@@ -370,7 +373,7 @@ class BlockManager(DecodeOps, TierPlans):
             off = (i - first) * width
             chunk = tok[off:off + width]
             hi = _xxh3_128(h + chunk)
-            node = index.get(hi)
+            node = heads.get(hi)
             if node is None:
                 # Everything from here is new (a cached block's parent is cached): one pass.
                 node, n = tree.insert_run(parent, h, tok[off:], blocks[i:last], now, hi)

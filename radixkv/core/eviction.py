@@ -42,7 +42,9 @@ class EvictionOps:
     _hooks: bool
     _width: int
     _pools: list[BlockPool]
-    _index: dict[bytes, Node]
+    _heads: dict[bytes, Node]
+    _tails: dict[bytes, Node]
+    _slot_nodes: list[list[Node | None]]
     _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
@@ -92,12 +94,12 @@ class EvictionOps:
         if tier == DEVICE and self._evict_device_fast(num, moves):
             return
         entries = self._evictable[tier]
-        index = self._index
+        tails = self._tails
         while num > 0:
             e = entries.pop_min()
             h = e[-1]
-            node = index[h]
-            if node.tier != tier:       # a write-through copy of a faster block
+            node = tails.get(h)         # a node is filed under its last block
+            if node is None or node.tier != tier:   # a write-through copy of a faster block
                 self.writes.drop_popped_copy(h, tier, moves)
                 num -= 1
                 continue
@@ -179,15 +181,15 @@ class EvictionOps:
         """Evict up to ``num`` blocks of ``tier`` in policy order, stopping at the first entry
         whose key is not strictly below ``bound``. Returns how many left."""
         entries = self._evictable[tier]
-        index = self._index
+        tails = self._tails
         done = 0
         while done < num and entries:
             e = entries.min()
             if e[:-1] >= bound:
                 break
             entries.pop_min()
-            node = index[e[-1]]
-            if node.tier != tier:
+            node = tails.get(e[-1])
+            if node is None or node.tier != tier:
                 self.writes.drop_popped_copy(e[-1], tier, moves)
                 done += 1
                 continue
@@ -210,7 +212,10 @@ class EvictionOps:
                 or self._key(c) != self._key(node)):
             return False
         t = node.tier
+        heads, tails = self._heads, self._tails
         h = node.hashes.pop()
+        del tails[h]
+        tails[node.hashes[-1]] = node
         old = node.slots.pop()
         w = self._width
         tok = node.tokens[-w:]
@@ -218,13 +223,15 @@ class EvictionOps:
         new = dst.allocate_one()
         moves.append(_tuple_new(MoveOp, (h, t, old, u, new, False)))
         self._pools[t].free_one(old)
+        self._slot_nodes[t][old] = None
         if t == DEVICE:
-            self._device_nodes[old] = None
             self._unreferenced -= 1
+        del heads[c.hashes[0]]
         c.hashes.insert(0, h)
         c.tokens[0:0] = tok
         c.slots.insert(0, new)
-        self._index[h] = c
+        heads[h] = c
+        self._slot_nodes[u][new] = c
         self._resident[t] -= 1
         self._resident[u] += 1
         self.stats.evicted[t] += 1
@@ -274,14 +281,16 @@ class EvictionOps:
         # blocks have no pool references: its holders are counted in ``node.ref``, now 0)
         src = self._pools[t]
         is_free = src._is_free
+        sn = self._slot_nodes[t]
         for s in old_ids:
             is_free[s] = 1
+            sn[s] = None
         src._free.extend(old[::-1])
         if t == DEVICE:
-            dn = self._device_nodes
-            for s in old_ids:
-                dn[s] = None
             self._unreferenced -= n
+        sn = self._slot_nodes[u]
+        for s in new:
+            sn[s] = node
         node.slots = new
         node.tier = u
         parent = node.parent
@@ -305,6 +314,8 @@ class EvictionOps:
         if self.drop_listener is not None:
             self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, cut - 1, -1)])
         self._free_blocks(node, cut, moves)
+        del self._tails[node.hashes[-1]]
+        self._tails[node.hashes[cut - 1]] = node
         del node.hashes[cut:]
         del node.tokens[cut * self._width:]
         del node.slots[cut:]
@@ -320,25 +331,25 @@ class EvictionOps:
         if self.drop_listener is not None:
             self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, -1, -1)])
         self._free_blocks(node, 0, moves)
+        del self._heads[node.hashes[0]]
+        del self._tails[node.hashes[-1]]
         if node.parent is not None:
             self._unlink(node)
         self.stats.evicted[node.tier] += len(node.hashes)
 
     def _free_blocks(self, node: Node, cut: int, moves: list[MoveOp]) -> None:
-        """Unindex and free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops
-        (none for a device-only tree: see ``_evict_device_fast``). The node's lists are left
-        to the caller."""
+        """Free blocks ``[cut, n)`` of ``node`` (deepest first), emitting drops (none for a
+        device-only tree: see ``_evict_device_fast``). The node's lists and its head and tail
+        entries are left to the caller."""
         t = node.tier
         hashes, slots = node.hashes, node.slots
-        index, pool = self._index, self._pools[t]
-        dn = self._device_nodes if t == DEVICE else None
+        pool = self._pools[t]
+        sn = self._slot_nodes[t]
         report = self.num_tiers > 1
         for i in range(len(hashes) - 1, cut - 1, -1):
             h, s = hashes[i], slots[i]
-            del index[h]
             pool.free_one(s)
-            if dn is not None:
-                dn[s] = None
+            sn[s] = None
             if report:
                 moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
         k = len(hashes) - cut

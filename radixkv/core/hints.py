@@ -34,14 +34,17 @@ class HintOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
-    _index: dict[bytes, Node]
+    _heads: dict[bytes, Node]
+    _tails: dict[bytes, Node]
     _ttl_heap: list[tuple[float, bytes]]
     _evictable: list[EvictionIndex]
     _pending: list[MoveOp]
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
+        def locate_chain(self, hashes: list[bytes]) -> list[tuple[Node, int]]: ...
         def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
-        def _node_ending_at(self, block_hash: bytes) -> Node: ...
+        def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
         def _is_evictable(self, node: Node) -> bool: ...
         def _entry(self, node: Node) -> tuple: ...
         def _discard(self, node: Node) -> None: ...
@@ -65,12 +68,22 @@ class HintOps:
             raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
         hashes = list(block_hashes)
         for h in hashes:
-            if not isinstance(h, bytes) or h not in self._index:
+            if not isinstance(h, bytes):
                 raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
+        # A chain (a prompt's prefix, the common case) is located in one walk; anything else
+        # block by block (``_find``). ``loc`` follows the cuts below.
+        where = self.locate_chain(hashes)
+        loc = {h: x[0] for h, x in zip(hashes, where)}
+        for h in hashes[len(where):]:
+            if h not in loc:
+                node = self._find(h)
+                if node is None:
+                    raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
+                loc[h] = node
         wanted = set(hashes)
         done: set[int] = set()
         for h in hashes:
-            node = self._index[h]
+            node = loc[h]
             if id(node) in done:
                 continue
             i = node.hashes.index(h)
@@ -78,9 +91,12 @@ class HintOps:
             while j < len(node.hashes) and node.hashes[j] in wanted:
                 j += 1
             if j < len(node.hashes):
-                node = self._split(node, j)[0]
+                node, rest = self._split(node, j)
+                self._relocate(rest, wanted, loc)
             if i:
-                node = self._split(node, i)[1]
+                before, node = self._split(node, i)
+                self._relocate(before, wanted, loc)
+            self._relocate(node, wanted, loc)
             done.add(id(node))
             old = DEFAULT_HINTS if node.hints is None else node.hints
             new = NodeHints(old.priority if priority is None else priority,
@@ -94,6 +110,12 @@ class HintOps:
             if refile is not None:
                 self.writes.refile(node, refile)
 
+    @staticmethod
+    def _relocate(node: Node, wanted: set[bytes], loc: dict[bytes, Node]) -> None:
+        for h in node.hashes:
+            if h in wanted:
+                loc[h] = node
+
     def rekey(self, node: Node, aux) -> None:
         """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
         e.g. its session ended), re-filing it (and its copies) where it is filed.
@@ -105,13 +127,15 @@ class HintOps:
         if refile is not None:
             self.writes.refile(node, refile)
 
-    def touch(self, block_hash: bytes, now: float | None = None) -> None:
+    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+              ) -> None:
         """Mark cached block ``block_hash`` and everything before it as used now (their policy
         keys move, as a hit's would): e.g. the parent of blocks about to be installed below
         it from the remote tier, so that making room for them does not evict it first.
+        ``near``: the node holding it, if the caller located it (``locate_chain``).
         Runtime complexity: O(depth in nodes) (+ a cut of its node)."""
         now = self.clock() if now is None else now
-        n: Node | None = self._node_ending_at(block_hash)
+        n: Node | None = self._node_ending_at(block_hash, near)
         while n is not None:
             self._discard(n)
             refile = self.writes.unfile(n)
@@ -141,8 +165,8 @@ class HintOps:
             entries = self._evictable[tier]
             while entries and expired(entries.min(), now):
                 h = entries.pop_min()[-1]
-                node = self._index[h]
-                if node.tier == tier:
+                node = self._tails.get(h)   # a node is filed under its last block
+                if node is not None and node.tier == tier:
                     self.stats.expired += self._move_tail_out(node, len(node.hashes), moves)
                 else:
                     self.stats.expired += 1
@@ -170,7 +194,7 @@ class HintOps:
             popped: set[int] = set()
             while heap and heap[0][0] <= now:
                 armed, h = heapq.heappop(heap)
-                node = self._index.get(h)
+                node = self._tails.get(h)
                 if node is None or node.hints is None or node.hints.ttl is None or \
                         node.hashes[-1] != h or id(node) in popped:
                     continue   # gone, TTL lifted, no longer a node's end, or a duplicate
@@ -185,7 +209,7 @@ class HintOps:
                     n = len(node.hashes)
                     self.stats.expired += self._move_tail_out(node, n, moves)
                     progressed = True
-                if self._index.get(h) is not None:   # still cached (held, inner, or demoted)
+                if self._tails.get(h) is not None:   # still a node's end (held, or demoted)
                     later.append((due, h))
             for item in later:
                 heapq.heappush(heap, item)

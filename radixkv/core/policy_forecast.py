@@ -195,7 +195,7 @@ class ForecastPolicy(EvictionPolicy):
             self._ended.popitem(last=False)
         tree = self._tree
         h = self._leaf.pop(session, None)
-        node = None if h is None else tree._index.get(h)
+        node = None if h is None else tree._find(h)
         while node is not None:
             a = self._aux(node)
             if a is None or a[3] != session:

@@ -3,7 +3,7 @@
 ``RequestOps`` is a mixin of ``RadixTree`` (like ``TierOps``): ``lock_nodes`` (allocate, fork),
 ``release_path`` (free), ``insert_run`` / ``_attach`` (commit) and the device-only LRU
 eviction loop. Their cost is per *node*, not per block, except for what every block needs
-anyway (its hash, one index entry, its slot): a request that holds a conversation of
+anyway (its hash and its slot; the tree indexes nodes, not blocks): a request that holds a conversation of
 hundreds of blocks locks and releases a handful of nodes, and its commit appends to the node
 it already holds (``_attach``: a run grows where its only holder writes on).
 
@@ -13,9 +13,7 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -33,11 +31,6 @@ _tuple_new = tuple.__new__
 _new_node = object.__new__
 
 
-def consume(it) -> None:
-    """Run an iterator for its side effects, in C (``deque(maxlen=0)``)."""
-    deque(it, maxlen=0)
-
-
 class RequestOps:
     """Per-request operations of ``RadixTree`` (a mixin; see the module docstring)."""
 
@@ -51,13 +44,14 @@ class RequestOps:
     _hooks: bool
     policy: EvictionPolicy
     _pools: list[BlockPool]
-    _index: dict[bytes, Node]
+    _heads: dict[bytes, Node]
+    _tails: dict[bytes, Node]
     _evictable: list[EvictionIndex]
     _resident: list[int]
     _unreferenced: int
     _device_nodes: list[Node | None]
     drop_listener: Callable[[list[BlockRef]], None] | None
-    insert_listener: Callable[[list[bytes]], None] | None
+    insert_listener: Callable[[list[bytes], list[int] | None], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
         def _entry(self, node: Node) -> tuple: ...
@@ -143,7 +137,7 @@ class RequestOps:
         Runtime complexity: O(blocks) (+ the write-through copies' evictions).
         """
         w = self._width
-        index = self._index
+        heads = self._heads
         xxh = _xxh3_128
         hashes: list[bytes] = []
         append = hashes.append
@@ -156,10 +150,11 @@ class RequestOps:
         for start in range(start, len(block_ids) * w, w):
             h = xxh(h + tok_bytes[start:start + w])
             append(h)
-        if not index.keys().isdisjoint(hashes):
+        if not heads.keys().isdisjoint(hashes):
             # One is cached already: a cached block's parent is cached, so only the first can
-            # be, or a hash collides with another chain. Keep the ones before it.
-            hashes = hashes[:next(i for i, x in enumerate(hashes) if x in index)]
+            # be (as the first block of a child of ``parent``), or a hash collides with the
+            # first block of another node. Keep the ones before it.
+            hashes = hashes[:next(i for i, x in enumerate(hashes) if x in heads)]
         n = len(hashes)
         if not n:
             return parent, 0
@@ -214,6 +209,9 @@ class RequestOps:
                      or self.policy.can_extend(parent, hashes[0]))):
             node = parent
             start = len(node.hashes)
+            tails = self._tails
+            del tails[node.hashes[-1]]
+            tails[hashes[-1]] = node
             node.hashes.extend(hashes)
             node.tokens += tokens
             node.slots.extend(slots)
@@ -233,6 +231,8 @@ class RequestOps:
             node.hints = None
             node.aux = None
             start = 0
+            self._heads[node.hashes[0]] = node
+            self._tails[node.hashes[-1]] = node
             if self._hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
@@ -240,7 +240,6 @@ class RequestOps:
             if ref == 0:
                 self._unreferenced += n
                 self._consider(node)
-        self._index.update(zip(hashes, repeat(node)))
         dn = self._device_nodes
         for b in slots:
             dn[b] = node
@@ -250,7 +249,7 @@ class RequestOps:
         if copies:
             self.writes.after_insert(node, start)
         if self.insert_listener is not None:
-            self.insert_listener(list(hashes))
+            self.insert_listener(list(hashes), list(slots))
         return node, start
 
     # ------------------------------------------------------------------ eviction
@@ -274,7 +273,7 @@ class RequestOps:
         written back at the end). A victim node's blocks leave together: one pass over their
         hashes and slots, no call per block. A node only partly taken is cut in place (its
         head stays, filed under its new last block)."""
-        index, dn = self._index, self._device_nodes
+        heads, tails, dn = self._heads, self._tails, self._device_nodes
         pool = self._pools[DEVICE]
         is_free, free_extend = pool._is_free, pool._free.extend
         q, live, side = entries._q, entries._live, entries._side
@@ -300,7 +299,7 @@ class RequestOps:
                 else:
                     e = side.pop(0)
                     nside -= 1
-                node = index[e[1]]
+                node = tails[e[1]]
                 hashes, slots = node.hashes, node.slots
                 n = len(hashes)
                 assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
@@ -313,17 +312,19 @@ class RequestOps:
                     dead, nside = entries._dead, entries._nside
                 cut = n - take
                 gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
-                consume(map(index.__delitem__, hashes[cut:]))
+                del tails[hashes[-1]]
                 for s in gone_s:
                     dn[s] = None
                     is_free[s] = 1             # BlockPool.free_one, inlined
                 free_extend(gone_s)
                 if cut:                        # the head stays, filed under its new tail
+                    tails[hashes[cut - 1]] = node
                     del hashes[cut:]
                     del node.tokens[cut * w:]
                     del slots[cut:]
                     p = node
                 else:                          # the whole node leaves: unlink it
+                    del heads[hashes[0]]
                     p = node.parent
                     if p is not None:
                         a, b = node.prev, node.next

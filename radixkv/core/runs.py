@@ -25,11 +25,13 @@ class RunOps:
 
     stats: TreeStats
     _width: int
-    _index: dict[bytes, Node]
-    _device_nodes: list[Node | None]
+    _heads: dict[bytes, Node]
+    _tails: dict[bytes, Node]
+    _slot_nodes: list[list[Node | None]]
     _ttl_heap: list[tuple[float, bytes]]
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
         def _key(self, node: Node) -> tuple: ...
         def _discard(self, node: Node) -> None: ...
         def _consider(self, node: Node) -> None: ...
@@ -37,8 +39,8 @@ class RunOps:
     def _split(self, node: Node, k: int) -> tuple[Node, Node]:
         """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
         the only child of the first; both keep the node's tier, holders, key and hints. One of
-        them is ``node`` itself: whichever side has fewer index entries (and, for the tail,
-        children) to re-point stays, the other is a new object. Returns ``(head, tail)``.
+        them is ``node`` itself: whichever side has fewer slots (and, for the tail, children)
+        to re-point stays, the other is a new object. Returns ``(head, tail)``.
 
         The evictable sets need no change: the tail keeps the node's last block (so its entry,
         if it has one, names it), and the head has a child in its own tier (not a leaf).
@@ -52,7 +54,6 @@ class RunOps:
         new = _new_node(Node)
         new.tier, new.ref, new.last_access, new.hits, new.hints, new.aux = (
             t, node.ref, node.last_access, node.hits, node.hints, node.aux)
-        index = self._index
         if n - k + nkids <= k:        # the tail becomes the new object
             head, tail = node, new
             tail.hashes = node.hashes[k:]
@@ -81,12 +82,14 @@ class RunOps:
             head.children, head.child = 1 << (_CBITS * t), node
             node.parent, node.prev, node.next = head, None, None
             moved = head
-        for h in moved.hashes:
-            index[h] = moved
-        if t == DEVICE:
-            dn = self._device_nodes
-            for b in moved.slots:
-                dn[b] = moved
+        heads, tails = self._heads, self._tails
+        heads[head.hashes[0]] = head
+        tails[head.hashes[-1]] = head
+        heads[tail.hashes[0]] = tail
+        tails[tail.hashes[-1]] = tail
+        sn = self._slot_nodes[t]
+        for b in moved.slots:
+            sn[b] = moved
         self.stats.splits += 1
         hints = head.hints
         if hints is not None and hints.ttl is not None:
@@ -102,10 +105,15 @@ class RunOps:
             path.append(self._split(last, k)[0])
         return path
 
-    def _node_ending_at(self, block_hash: bytes) -> Node:
+    def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node:
         """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
-        sits inside its node: the parent to hang a new node from."""
-        node = self._index[block_hash]
+        sits inside its node: the parent to hang a new node from. ``near``: a guess of the
+        node holding it (see ``_find``)."""
+        node = self._tails.get(block_hash)
+        if node is not None:
+            return node
+        node = self._find(block_hash, near)
+        assert node is not None, f"block {block_hash.hex()[:16]} is not cached"
         i = node.hashes.index(block_hash)
         if i + 1 < len(node.hashes):
             node = self._split(node, i + 1)[0]
@@ -124,26 +132,24 @@ class RunOps:
                 or parent.hints != child.hints or parent.aux != child.aux
                 or self._key(parent) != self._key(child)):
             return child
-        index = self._index
-        dn = self._device_nodes if child.tier == DEVICE else None
+        heads, tails = self._heads, self._tails
+        sn = self._slot_nodes[child.tier]
         hits = max(parent.hits, child.hits)
+        del tails[parent.hashes[-1]]
+        del heads[child.hashes[0]]
         if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
-            for h in parent.hashes:
-                index[h] = child
-            if dn is not None:
-                for b in parent.slots:
-                    dn[b] = child
+            heads[parent.hashes[0]] = child
+            for b in parent.slots:
+                sn[b] = child
             child.hashes[0:0] = parent.hashes
             child.tokens[0:0] = parent.tokens
             child.slots[0:0] = parent.slots
             self._take_place(parent, child)
             merged = child
         else:                                          # parent absorbs child at its end
-            for h in child.hashes:
-                index[h] = parent
-            if dn is not None:
-                for b in child.slots:
-                    dn[b] = parent
+            tails[child.hashes[-1]] = parent
+            for b in child.slots:
+                sn[b] = parent
             parent.hashes.extend(child.hashes)
             parent.tokens += child.tokens
             parent.slots.extend(child.slots)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from radixkv.core.node import BlockRef, MoveOp
+from radixkv.core.node import BlockRef, MoveOp, Node
 from radixkv.core.tree import RadixTree
 
 
@@ -47,7 +47,7 @@ class TierPlans:
         ref = self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
         listener = self.tree.insert_listener
         if ref is not None and listener is not None:
-            listener([block_hash])
+            listener([block_hash], None)
         return ref
 
     def promote_lower(self, block_hash: bytes, tier: int, max_blocks: int | None = None
@@ -65,10 +65,11 @@ class TierPlans:
         """Forget ``block_hash``'s write-through copy in ``tier`` (its write failed)."""
         return self.tree.writes.drop_copy(block_hash, tier)
 
-    def touch(self, block_hash: bytes, now: float | None = None) -> None:
+    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+              ) -> None:
         """Mark ``block_hash`` and its prefix used now (so making room next to it does not
-        evict it)."""
-        self.tree.touch(block_hash, now)
+        evict it); ``near``: the node holding it, if known (``RadixTree.locate_chain``)."""
+        self.tree.touch(block_hash, now, near)
 
     def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
         """Make room: ``num_blocks`` unheld blocks leave ``tier`` by the policy's order

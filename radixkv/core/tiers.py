@@ -41,7 +41,9 @@ class TierOps:
     _hooks: bool
     _width: int
     _pools: list[BlockPool]
-    _index: dict[bytes, Node]
+    _heads: dict[bytes, Node]
+    _tails: dict[bytes, Node]
+    _slot_nodes: list[list[Node | None]]
     _ttl_heap: list[tuple[float, bytes]]
     _evictable: list[EvictionIndex]
     _resident: list[int]
@@ -51,10 +53,11 @@ class TierOps:
     drop_listener: Callable[[list[BlockRef]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
+        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
         def _key(self, node: Node) -> tuple: ...
         def _coalesce(self, parent: Node | None, child: Node) -> Node: ...
         def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
-        def _node_ending_at(self, block_hash: bytes) -> Node: ...
+        def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
         def _link(self, parent: Node, node: Node) -> None: ...
         def _unlink(self, node: Node) -> None: ...
         def _add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
@@ -86,6 +89,9 @@ class TierOps:
             node.hits += 1
             if self._hooks:
                 self.policy.on_hit(node, prev, now)
+            sn = self._slot_nodes[t]
+            for s in old:
+                sn[s] = None
             keep = self.writes.keep_sources(node, t, old)
             if not keep:
                 src = self._pools[t]
@@ -144,16 +150,21 @@ class TierOps:
         if not same:
             return None
         t = node.tier
+        heads, tails = self._heads, self._tails
         h = node.hashes.pop(0)
+        del heads[h]
+        heads[node.hashes[0]] = node
         old = node.slots.pop(0)
         w = self._width
         tok = node.tokens[:w]
         del node.tokens[:w]
         b = block_id
+        del tails[parent.hashes[-1]]
+        tails[h] = parent
         parent.hashes.append(h)
         parent.tokens += tok
         parent.slots.append(b)
-        self._index[h] = parent
+        self._slot_nodes[t][old] = None
         self._device_nodes[b] = parent
         self._pools[t].free_one(old)
         self._resident[t] -= 1
@@ -177,6 +188,9 @@ class TierOps:
             refs[b] = 0
         t, old, refile = self._rehome_on_device(node, block_ids)
         node.ref = ref
+        sn = self._slot_nodes[t]
+        for s in old:
+            sn[s] = None
         if not self.writes.keep_sources(node, t, old):
             src = self._pools[t]
             for h, s in zip(node.hashes, old):
@@ -207,7 +221,7 @@ class TierOps:
         loads); ``[]`` (changing nothing) if no room can be made in ``tier``.
         Runtime complexity: O(blocks) per tier of the cascade.
         """
-        node = self._index.get(block_hash)
+        node = self._heads.get(block_hash)
         assert node is not None and node.hashes[0] == block_hash, \
             f"promote_lower() of {block_hash.hex()[:16]}: not the first block of a cached node"
         t = node.tier
@@ -237,14 +251,19 @@ class TierOps:
             self._discard(guard)
         old = node.slots
         src = self._pools[t]
+        sn = self._slot_nodes[t]
         for s in reversed(old):
             src.free_one(s)   # a victim demoted into tier t may take these
+            sn[s] = None
         short = k - dst.num_free
         if short > 0:
             self._evict_from(tier, short, moves)
         if guard is not None:
             self._consider(guard)
         new = array("i", [dst.allocate_one() for _ in range(k)])
+        sn = self._slot_nodes[tier]
+        for s in new:
+            sn[s] = node
         if parent is not None:
             self._add_child_count(parent, t, -1)
             self._add_child_count(parent, tier, 1)
@@ -279,11 +298,19 @@ class TierOps:
         """
         assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"
         pool = self._pools[tier]
-        if block_hash in self._index or pool.num_free == 0 or len(tokens) != self._width:
+        if pool.num_free == 0 or len(tokens) != self._width or block_hash in self._heads \
+                or block_hash in self._tails:
             return None
-        if parent_hash is not None and parent_hash not in self._index:
-            return None
-        parent = None if parent_hash is None else self._node_ending_at(parent_hash)
+        parent = None
+        if parent_hash is not None:
+            parent = self._find(parent_hash)
+            if parent is None:
+                return None
+            i = parent.hashes.index(parent_hash)
+            if i + 1 < len(parent.hashes):
+                if parent.hashes[i + 1] == block_hash:
+                    return None   # cached inside the parent's run
+                parent = self._split(parent, i + 1)[0]
         assert parent is None or parent.tier <= tier, "parent must be in a faster or equal tier"
         slot = pool.allocate_one()
         now = self.clock()
@@ -291,6 +318,8 @@ class TierOps:
                 parent.hints is None:
             self._discard(parent)
             node = parent
+            del self._tails[node.hashes[-1]]
+            self._tails[block_hash] = node
             node.hashes.append(block_hash)
             node.tokens += tokens
             node.slots.append(slot)
@@ -299,11 +328,13 @@ class TierOps:
                 self.policy.on_insert(node, len(node.hashes) - 1, now)
         else:
             node = Node([block_hash], bytearray(tokens), [slot], tier, None, now)
+            self._heads[block_hash] = node
+            self._tails[block_hash] = node
             if self._hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
-        self._index[block_hash] = node
+        self._slot_nodes[tier][slot] = node
         self._resident[tier] += 1
         self._consider(node)
         return self._ref(node, len(node.hashes) - 1)
@@ -316,7 +347,7 @@ class TierOps:
         blocks, each node's blocks last first. Everything dropped must be unheld (raises
         InvalidBlockError, changing nothing, otherwise). Runtime complexity: O(dropped blocks).
         """
-        node = self._index.get(block_hash)
+        node = self._find(block_hash)
         if node is None:
             raise InvalidBlockError(f"block {block_hash.hex()[:16]} is not cached")
         order: list[Node] = []
@@ -333,19 +364,20 @@ class TierOps:
             order[0] = self._split(node, i)[1]
         moves = self._pending
         self._pending = []
-        writes, index = self.writes, self._index
+        writes = self.writes
         for n in reversed(order):
             self._discard(n)   # (not an eviction: the policy's hooks do not hear of it)
             if self.drop_listener is not None:
                 self.drop_listener([self._ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
             t = n.tier
             pool = self._pools[t]
+            sn = self._slot_nodes[t]
+            del self._heads[n.hashes[0]]
+            del self._tails[n.hashes[-1]]
             for h, s in zip(reversed(n.hashes), reversed(n.slots)):
                 writes.drop_block_copies(n, h, moves)   # each block's copies, then itself
-                del index[h]
                 pool.free_one(s)
-                if t == DEVICE:
-                    self._device_nodes[s] = None
+                sn[s] = None
                 moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
             k = len(n.hashes)
             self._resident[t] -= k

@@ -10,11 +10,18 @@ only a prefix), at the start of an eviction (only the tail leaves its tier), at 
 hinted prefix. A split re-points the index entries of the smaller side (the side that becomes
 a new object), so it costs O(min(k, n - k) + children).
 
-**Lookup.** Every cached block's chain hash maps to its node (``_index``), so the tier layer
-can address any block by hash (``get``). ``match`` hashes only the first block of a request and
-where it crosses from a node into a child: inside a node it compares the request's token bytes
-with the node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at a
-node's end it tries the most recently linked child's first block before hashing.
+**Lookup: one index entry per node, not per block.** ``_heads`` maps each node's first block's
+chain hash to the node, ``_tails`` its last block's; ``_slot_nodes[t][slot]`` maps a slot of tier
+``t`` to the node whose primary block it holds. That is all ``match`` (a root's first block, a
+child's first block), eviction (a victim is filed under its last block), TTL expiry (the same)
+and the tier layer (a ``MoveOp``'s ``(tier, slot)``) need, so a cached block costs no dict entry
+and no Python object of its own, and evicting one deletes nothing from a hash table. A block
+inside a node is found by its chain (``locate_chain``: from a root, node by node) or, for the
+rare caller that has only its hash (``get`` of an inner block: fault handling, tests), by a scan
+of the nodes (``_find``, O(cached blocks)). ``match`` hashes only the first block of a request
+and where it crosses from a node into a child: inside a node it compares the request's token
+bytes with the node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at
+a node's end it tries the most recently linked child's first block before hashing.
 
 **Tiers.** Tier 0 is the device (block ids from a ``BlockPool``), tiers 1.. are slower stores
 (host RAM, disk) with slots from their own pools. Residency is *prefix-closed per tier
@@ -103,19 +110,23 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         self.clock = clock
         self._pools: list[BlockPool] = [device_pool, *lower_pools]
         self.num_tiers = len(self._pools)
-        self._index: dict[bytes, Node] = {}
+        self._heads: dict[bytes, Node] = {}         # first block's hash -> node
+        self._tails: dict[bytes, Node] = {}         # last block's hash -> node
         self._evictable: list[EvictionIndex] = [self.policy.new_index() for _ in self._pools]
         self._resident = [0] * self.num_tiers      # blocks (primaries) per tier
         self._unreferenced = 0                      # device blocks of unheld nodes
-        self._device_nodes: list[Node | None] = [None] * device_pool.num_blocks
+        #: per tier, slot -> the node whose primary block it holds (None: free, a copy, or
+        #: a private device block); the device's is ``_device_nodes``
+        self._slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self._pools]
+        self._device_nodes: list[Node | None] = self._slot_nodes[DEVICE]
         self._ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
         self._pending: list[MoveOp] = []            # write-through moves of inserts, not taken yet
         self.stats = TreeStats(self.num_tiers)
         #: Listeners (must not touch the tree; the remote tier, a fleet replica's events):
         #: blocks about to leave the cache (``BlockRef``\ s, still linked), and the hashes of
-        #: blocks that entered it.
+        #: blocks that entered it with their device block ids (None: placed in a slower tier).
         self.drop_listener: Callable[[list[BlockRef]], None] | None = None
-        self.insert_listener: Callable[[list[bytes]], None] | None = None
+        self.insert_listener: Callable[[list[bytes], list[int] | None], None] | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
         if self._hooks:
@@ -123,19 +134,129 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        """Cached blocks (in any tier). Runtime complexity: O(1)."""
-        return len(self._index)
+        """Cached blocks (in any tier; each has one primary). Runtime complexity: O(tiers)."""
+        return sum(self._resident)
 
     def num_nodes(self) -> int:
-        """Nodes (runs) in the tree. Runtime complexity: O(n); for statistics."""
-        return len({id(n) for n in self._index.values()})
+        """Nodes (runs) in the tree. Runtime complexity: O(1)."""
+        return len(self._heads)
 
-    def get(self, block_hash: bytes) -> BlockRef | None:
-        """The cached block ``block_hash`` (a snapshot), or None. O(node length)."""
-        node = self._index.get(block_hash)
+    def nodes(self):
+        """Every node (an iterator; the tree must not change meanwhile). O(nodes)."""
+        return iter(self._heads.values())
+
+    def block_index(self) -> dict[bytes, Node]:
+        """A snapshot ``{block hash: node}`` of every cached block: O(cached blocks), built on
+        each call, for tests and checks (the tree itself keeps no per-block index)."""
+        return {h: node for node in self._heads.values() for h in node.hashes}
+
+    def get(self, block_hash: bytes, scan: bool = True) -> BlockRef | None:
+        """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
+        or last block of a node; O(cached blocks) for an inner one (``_find``), or None at
+        once with ``scan=False``: callers on a hot path address a block by ``(tier, slot)``
+        (``block_at``), by its chain (``locate_chain``, ``refs_of``), or know it ends or
+        starts a node."""
+        if scan:
+            node = self._find(block_hash)
+        else:
+            node = self._tails.get(block_hash) or self._heads.get(block_hash)
         if node is None:
             return None
         return self._ref(node, node.hashes.index(block_hash))
+
+    def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
+        """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
+        (a caller's guess, e.g. from ``locate_chain``; O(its length)), else O(1) for a node's
+        first or last block, else a scan of the nodes (an inner block)."""
+        if near is not None and self._heads.get(near.hashes[0]) is near \
+                and block_hash in near.hashes:
+            return near
+        node = self._tails.get(block_hash)
+        if node is None:
+            node = self._heads.get(block_hash)
+            if node is None:
+                for x in self._heads.values():
+                    if block_hash in x.hashes:
+                        return x
+        return node
+
+    def block_at(self, tier: int, slot: int) -> BlockRef | None:
+        """The cached block whose primary is slot ``slot`` of ``tier`` (None: the slot is
+        free, a write-through copy, or a private device block). O(node length)."""
+        node = self._slot_nodes[tier][slot]
+        return None if node is None else self._ref(node, node.slots.index(slot))
+
+    def block_of(self, block_hash: bytes, *places: tuple[int | None, int | None]
+                 ) -> BlockRef | None:
+        """The cached block ``block_hash``, looked for first at the ``(tier, slot)`` places
+        given (e.g. a ``MoveOp``'s destination and source: O(node length) each), then by its
+        hash (``get``, which may scan for an inner block)."""
+        for tier, slot in places:
+            if tier is None or slot is None:
+                continue
+            node = self._slot_nodes[tier][slot]
+            if node is not None:
+                i = node.slots.index(slot)
+                if node.hashes[i] == block_hash:
+                    return self._ref(node, i)
+        return self.get(block_hash)
+
+    def refs_of(self, hashes: Sequence[bytes]) -> list[BlockRef | None]:
+        """``get`` of each hash, walking runs of consecutive blocks (the next block of the
+        previous one's node, or the first block of one of its children) so that a chain costs
+        O(its length) and only the first block of each run is looked up by hash."""
+        out: list[BlockRef | None] = []
+        node, i = None, -1
+        heads = self._heads
+        for h in hashes:
+            if node is not None:
+                if i + 1 < len(node.hashes) and node.hashes[i + 1] == h:
+                    i += 1
+                    out.append(self._ref(node, i))
+                    continue
+                c = heads.get(h)
+                if c is not None and c.parent is node and i + 1 == len(node.hashes):
+                    node, i = c, 0
+                    out.append(self._ref(node, 0))
+                    continue
+            node = self._find(h)
+            if node is None:
+                out.append(None)
+                continue
+            i = node.hashes.index(h)
+            out.append(self._ref(node, i))
+        return out
+
+    def chain_hints(self, hashes: Sequence[bytes]) -> list[NodeHints]:
+        """The hints of each block of a chain from a root (``locate_chain``); defaults past
+        its cached prefix. O(len(hashes))."""
+        where = self.locate_chain(hashes)
+        out = [DEFAULT_HINTS if node.hints is None else node.hints for node, _ in where]
+        out += [DEFAULT_HINTS] * (len(hashes) - len(where))
+        return out
+
+    def locate_chain(self, hashes: Sequence[bytes]) -> list[tuple[Node, int]]:
+        """``(node, offset)`` of each block of the chain ``hashes`` (consecutive blocks, the
+        first one a root or any block ``_find`` locates), for its longest cached prefix.
+        A pure read. Runtime complexity: O(len(hashes)) (+ ``_find`` of the first)."""
+        out: list[tuple[Node, int]] = []
+        if not hashes:
+            return out
+        node = self._find(hashes[0])
+        if node is None:
+            return out
+        i = node.hashes.index(hashes[0])
+        for h in hashes:
+            if i == len(node.hashes):
+                c = self._heads.get(h)
+                if c is None or c.parent is not node:
+                    return out
+                node, i = c, 0
+            elif node.hashes[i] != h:
+                return out
+            out.append((node, i))
+            i += 1
+        return out
 
     def _ref(self, node: Node, i: int) -> BlockRef:
         w = self._width
@@ -174,11 +295,12 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         """The slot of ``block_hash``'s copy in ``tier``, or None (no copy there). O(1)."""
         if type(tier) is not int or not 0 <= tier < self.num_tiers:
             raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
-        return self.writes.copy_slot(block_hash, tier) if block_hash in self._index else None
+        return self.writes.copy_slot(block_hash, tier)
 
     def hints(self, block_hash: bytes) -> NodeHints:
-        """The eviction hints of a cached block (defaults if none were set)."""
-        node = self._index.get(block_hash)
+        """The eviction hints of a cached block (defaults if none were set). O(1) for a node's
+        first or last block, O(cached blocks) otherwise (``_find``)."""
+        node = self._find(block_hash)
         return DEFAULT_HINTS if node is None or node.hints is None else node.hints
 
     def take_moves(self) -> list[MoveOp]:
@@ -230,7 +352,7 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         if n <= 0:
             return [], 0
         h = _xxh3_128(seed + tok[:w])
-        node = self._index.get(h)
+        node = self._heads.get(h)
         if node is None or node.parent is not None or node.hashes[0] != h:
             return [], 0
         path = [node]
@@ -260,7 +382,7 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
             c = node.child
             if c is None or c.tokens[:w] != chunk:
                 h = _xxh3_128(node.hashes[-1] + chunk)
-                c = self._index.get(h)
+                c = self._heads.get(h)
                 if c is None or c.parent is not node or c.hashes[0] != h:
                     return path, L
             path.append(c)
@@ -310,7 +432,7 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         parent's node, + write-through copies).
         """
         pool = self._pools[DEVICE]
-        if block_hash in self._index:
+        if block_hash in self._heads or block_hash in self._tails:
             raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
         if type(block_id) is not int or not 0 <= block_id < pool.num_blocks:
             raise InvalidBlockError(f"block id {block_id!r} is outside [0, {pool.num_blocks})")
@@ -321,9 +443,12 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         parent = None
         ref = pool.ref_counts[block_id]
         if parent_hash is not None:
-            parent = self._index.get(parent_hash)
+            parent = self._find(parent_hash)
             if parent is None or parent.tier != DEVICE:
                 raise InvalidBlockError("the parent of a new block must be cached on the device")
+            i = parent.hashes.index(parent_hash)
+            if i + 1 < len(parent.hashes) and parent.hashes[i + 1] == block_hash:
+                raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
             if parent.ref < ref:
                 raise InvalidBlockError(f"block {block_id} has {ref} holders, its parent only "
                                         f"{parent.ref}: a block's holders hold its parent")

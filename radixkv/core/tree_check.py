@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def check_tree(tree: RadixTree) -> None:
     """Checks, in order: every node is well formed (aligned hashes/tokens/slots, non-empty,
-    chain hashes inside it and across its parent link); the index maps exactly the nodes'
+    chain hashes inside it and across its parent link); each node is filed under its first
+    and last block, no block is cached twice, and the slot maps name exactly the nodes'
     blocks; slots are allocated and never shared between residencies; the device map and pool
     refcounts (0 for cached blocks: references live in nodes); holders (a child's holders are
     a subset of its parent's: ``parent.ref >= child.ref``); per-tier prefix closure; child
@@ -26,10 +27,11 @@ def check_tree(tree: RadixTree) -> None:
     (exactly the evictable nodes under their current entries, plus every copy); pool usage and
     capacity; TTL hints."""
     w = tree._width
-    index = tree._index
-    nodes: dict[int, Node] = {}
-    for h, node in index.items():
-        nodes.setdefault(id(node), node)
+    heads, tails = tree._heads, tree._tails
+    nodes: dict[int, Node] = {id(x): x for x in heads.values()}
+    assert len(nodes) == len(heads) == len(tails), (
+        f"{len(heads)} head entries, {len(tails)} tail entries, {len(nodes)} distinct nodes")
+    index: dict[bytes, Node] = {}
     total = 0
     resident = [0] * tree.num_tiers
     unref = 0
@@ -45,8 +47,11 @@ def check_tree(tree: RadixTree) -> None:
         assert 0 <= t < tree.num_tiers, f"{node}: tier {t}"
         total += n
         resident[t] += n
+        assert heads.get(node.hashes[0]) is node and tails.get(node.hashes[-1]) is node, (
+            f"{node}: not filed under its first and last blocks")
         for i, (h, s) in enumerate(zip(node.hashes, node.slots)):
-            assert index.get(h) is node, f"{node}: block {i} ({h.hex()[:8]}) indexed elsewhere"
+            assert index.setdefault(h, node) is node, f"{node}: block {i} ({h.hex()[:8]}) cached twice"
+            assert tree._slot_nodes[t][s] is node, f"slot {s} of tier {t} not mapped to {node}"
             assert not pools[t]._is_free[s], f"{node}: block {i} in free slot {s} of tier {t}"
             assert (t, s) not in taken, f"{node}: slot {s} of tier {t} shared"
             taken.add((t, s))
@@ -54,7 +59,6 @@ def check_tree(tree: RadixTree) -> None:
                 assert chain_hash(node.hashes[i - 1], bytes(node.tokens[i * w:(i + 1) * w])) == h, (
                     f"{node}: block {i}'s hash is not chain(block {i - 1}, tokens)")
             if t == DEVICE:
-                assert tree._device_nodes[s] is node, f"device block {s} not mapped to {node}"
                 assert pools[DEVICE].ref_counts[s] == 0, (
                     f"cached device block {s} has pool refcount {pools[DEVICE].ref_counts[s]}")
         if t == DEVICE:
@@ -66,18 +70,22 @@ def check_tree(tree: RadixTree) -> None:
         assert node.hints is None or node.hints != type(node.hints)(), f"{node}: default hints kept"
         p = node.parent
         if p is not None:
-            assert nodes.get(id(p)) is p or index.get(p.hashes[-1]) is p, f"parent of {node} is not cached"
+            assert nodes.get(id(p)) is p, f"parent of {node} is not cached"
             assert p.tier <= t, f"{node} in tier {t} under parent in slower tier {p.tier}"
             assert chain_hash(p.hashes[-1], bytes(node.tokens[:w])) == node.hashes[0], (
                 f"{node}: first hash is not chain(parent's last block, tokens)")
             if t == DEVICE:
                 assert p.ref >= node.ref, f"parent holders {p.ref} < child holders {node.ref}"
         _check_children(node)
-    assert total == len(index), f"nodes hold {total} blocks, the index {len(index)}"
+    assert total == len(index) == len(tree), (
+        f"nodes hold {total} blocks, {len(index)} distinct, the tree counts {len(tree)}")
     assert resident == tree._resident, f"resident per tier {tree._resident} != actual {resident}"
     assert unref == tree._unreferenced, f"unreferenced {tree._unreferenced} != actual {unref}"
-    for b, node in enumerate(tree._device_nodes):
-        assert node is None or (node.tier == DEVICE and b in node.slots), f"device map {b} -> {node}"
+    for t, sn in enumerate(tree._slot_nodes):
+        assert len(sn) == pools[t].num_blocks, f"tier {t}: slot map of {len(sn)} slots"
+        for b, node in enumerate(sn):
+            assert node is None or (node.tier == t and nodes.get(id(node)) is node
+                                    and b in node.slots), f"tier {t} slot map {b} -> {node}"
     writes = tree.writes
     copies_in = [writes.copies(u) for u in range(tree.num_tiers)]
     for u, copies in enumerate(copies_in):
@@ -156,9 +164,10 @@ def check_manager(bm: BlockManager) -> None:
         assert all(dn[b] is None for b in blocks[c:]), f"seq {sid!r}: cached blocks not a prefix"
         assert c >= s.num_cached, f"seq {sid!r}: {s.num_cached} cached, table has {c}"
         if s.num_cached:
-            node = tree._index.get(s.last_hash)
+            node = dn[blocks[s.num_cached - 1]]
             assert node is not None and node.tier == DEVICE, f"seq {sid!r}: last hash uncached"
-            assert node.slots[node.hashes.index(s.last_hash)] == blocks[s.num_cached - 1], (
+            assert s.last_hash in node.hashes and \
+                node.slots[node.hashes.index(s.last_hash)] == blocks[s.num_cached - 1], (
                 f"seq {sid!r}: last hash is not block {s.num_cached - 1}")
         else:
             assert s.last_hash is None, f"seq {sid!r}: last hash without cached blocks"

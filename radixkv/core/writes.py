@@ -152,7 +152,9 @@ class WriteThrough(TreeWrites):
                         stats.copies_skipped += 1
                         continue
                     tree._evict_from(u, 1, pending)
-                    if tree._index.get(h) is not node:   # the cascade cannot take it: a guard
+                    if len(node.hashes) <= i or node.hashes[i] is not h or \
+                            tree._heads.get(node.hashes[0]) is not node:
+                        # the cascade cannot take it: a guard
                         raise AssertionError(f"making room for a copy dropped its block {h.hex()}")
                 slot = pool.allocate_one()
                 self._copies[u][h] = slot
@@ -234,7 +236,7 @@ class WriteThrough(TreeWrites):
         slot = self._copies[tier].get(block_hash)
         if slot is None:
             return None
-        node = self.tree._index[block_hash]
+        node = self.tree._find(block_hash)
         self.tree._evictable[tier].remove((*self.tree._key(node), block_hash))
         moves: list[MoveOp] = []
         self.drop_popped_copy(block_hash, tier, moves)

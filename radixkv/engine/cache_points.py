@@ -147,8 +147,8 @@ def inherit_ttl(bm: Any, nodes: list[bytes]) -> None:
     if tree.next_expiry() is None:
         return   # no TTL hint anywhere: nothing to inherit
     ttl, groups = None, {}
-    for n in nodes:
-        own = tree.hints(n).ttl
+    for n, hints in zip(nodes, tree.chain_hints(nodes)):
+        own = hints.ttl
         if own is not None:
             ttl = own
         elif ttl is not None:

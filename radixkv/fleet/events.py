@@ -45,17 +45,17 @@ class EventRecorder:
 
     def __init__(self, tree: Any) -> None:
         self._lock = threading.Lock()
-        self._added: dict[bytes, None] = dict.fromkeys(getattr(tree, "_index", {}))
+        self._added: dict[bytes, None] = dict.fromkeys(tree.block_index())
         self._removed: dict[bytes, None] = {}
         prev_insert, prev_drop = tree.insert_listener, tree.drop_listener
 
-        def on_insert(hashes: list[bytes]) -> None:
+        def on_insert(hashes: list[bytes], slots: list[int] | None = None) -> None:
             with self._lock:
                 for h in hashes:
                     if self._removed.pop(h, _ABSENT) is _ABSENT:   # else: left, came back
                         self._added[h] = None
             if prev_insert is not None:
-                prev_insert(hashes)
+                prev_insert(hashes, slots)
 
         def on_drop(blocks: list[Any]) -> None:
             with self._lock:

@@ -19,7 +19,7 @@ def drop_failed_prefetches(self: Any, failed: list[MoveOp]) -> None:
     is poisoned, so its next move out of the host fails instead of copying garbage."""
     tree = self.tree
     for m in failed:
-        node = tree.get(m.block_hash)
+        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
         if node is None:
             continue
         if node.tier == m.dst_tier and node.slot == m.dst_slot:
@@ -37,7 +37,7 @@ def drop_failed_writes(self: Any, failed: list[MoveOp]) -> None:
     them (and their subtrees, which live on disk too) so that they degrade to a miss."""
     tree = self.tree
     for m in failed:
-        node = tree.get(m.block_hash)
+        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
         if node is None:
             continue
         if node.tier != m.dst_tier or node.slot != m.dst_slot:

@@ -76,7 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from radixkv.core.block_manager import CopyOp
-from radixkv.core.tree import DEVICE, MoveOp, RadixTree
+from radixkv.core.tree import DEVICE, BlockRef, MoveOp, RadixTree
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover
 from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
@@ -138,6 +138,7 @@ class TieredKVMover(KVMover):
             self._async_src.add("host")
         self._pending: list[_Pending] = []     # batches left running (write, prefetch, load)
         self._prefetched: set[bytes] = set()   # loaded disk -> host, not yet moved on
+        self._last_moves: dict[bytes, MoveOp] = {}   # per apply_moves: each block's last move
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
@@ -166,6 +167,9 @@ class TieredKVMover(KVMover):
         what they touch waits for them first. Nothing but moves reads or writes host slots or
         block files, so the result is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
+        # each block's last move in this list: where a block written to disk ends up (the
+        # tree indexes nodes, not blocks, so a block is found by its place, not its hash)
+        self._last_moves = {m.block_hash: m for m in moves}
         i = 0
         while i < len(moves):
             key = (moves[i].src_tier, moves[i].dst_tier)
@@ -324,16 +328,22 @@ class TieredKVMover(KVMover):
             self._io.shutdown(wait=True)
 
     # ------------------------------------------------------------------ internals
-    def _loc(self, tier: int, slot: int, block_hash: bytes, writing: bool) -> object:
+    def _loc(self, tier: int, slot: int, block_hash: bytes) -> object:
         kind = self.kinds[tier]
         if kind == "device":
             return DeviceBlock(slot)
         if kind == "host":
             return HostSlot(slot)
-        if not writing:
-            return DiskBlock(block_hash)
-        ref = self.tree.get(block_hash)
-        return DiskBlock(block_hash, ref.parent_hash, tuple(array("i", ref.tokens)))
+        return DiskBlock(block_hash)
+
+    def _still_cached(self, m: MoveOp) -> BlockRef | None:
+        """The block ``m`` writes, if it is still cached after this move list (None: a
+        later move of the list drops it): looked up where the moves put it."""
+        last = self._last_moves.get(m.block_hash, m)
+        if last is not m and last.dst_tier is None:
+            return None
+        return self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot),
+                                  (last.dst_tier, last.dst_slot), (m.src_tier, m.src_slot))
 
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
         m0 = group[0]
@@ -352,16 +362,15 @@ class TieredKVMover(KVMover):
         dst_kind = self.kinds[m0.dst_tier]
         direction = f"{src_kind}->{dst_kind}"
         if dst_kind == "disk":  # a block dropped later in this list is not worth writing
-            keep = [m for m in ops if self.tree.get(m.block_hash) is not None]
+            refs = [self._still_cached(m) for m in ops]
+            keep = [(m, r) for m, r in zip(ops, refs) if r is not None]
             self.stats.skipped_writes += len(ops) - len(keep)
-            ops = keep
-            if not ops:
-                return
-        if dst_kind == "disk":
-            self._write_behind(ops, src_kind, direction)
+            if keep:
+                self._write_behind([m for m, _ in keep], [r for _, r in keep], src_kind,
+                                   direction)
             return
-        batch = [Move(self._loc(m.src_tier, m.src_slot, m.block_hash, False),
-                      self._loc(m.dst_tier, m.dst_slot, m.block_hash, False)) for m in ops]
+        batch = [Move(self._loc(m.src_tier, m.src_slot, m.block_hash),
+                      self._loc(m.dst_tier, m.dst_slot, m.block_hash)) for m in ops]
         eng = self.engine
         submitted = eng.submit(eng.prepare(batch))
         self.stats.batches += 1
@@ -385,7 +394,8 @@ class TieredKVMover(KVMover):
             raise StorageError(f"transfer batch of {len(batch)} {direction} moves vanished")
         self._settle(ops, result, failed_writes, None)
 
-    def _write_behind(self, ops: list[MoveOp], src_kind: str, direction: str) -> None:
+    def _write_behind(self, ops: list[MoveOp], refs: list[BlockRef], src_kind: str,
+                      direction: str) -> None:
         """Copy the sources to a staging buffer now (the slots are free for reuse when this
         returns), then write the files on the I/O threads while the step goes on."""
         src = [m.src_slot for m in ops]
@@ -395,7 +405,8 @@ class TieredKVMover(KVMover):
             staged = self.device.read_blocks(src).to("cpu")
         disk = self.disk
         # parent hash and tokens are read from the tree here, never on the I/O threads
-        locs = [self._loc(m.dst_tier, m.dst_slot, m.block_hash, True) for m in ops]
+        locs = [DiskBlock(m.block_hash, r.parent_hash, tuple(array("i", r.tokens)))
+                for m, r in zip(ops, refs)]
 
         def put(i: int) -> str | None:
             loc = locs[i]

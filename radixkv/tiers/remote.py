@@ -91,6 +91,7 @@ class _Arrival:
     hashes: list[bytes]           # chain hashes of the blocks past the local match
     tokens: list[bytes]           # their tokens (int32 bytes), for insert_lower
     parent_hash: bytes | None     # the last locally cached block's hash (None: root)
+    cached: list[bytes]           # the locally cached chain it ends (to find it again)
     future: Future | None
     deadline: float
     started: float = field(default_factory=time.perf_counter)
@@ -121,7 +122,7 @@ class RemoteTier(KVMover):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-remote-lookup")
         self._arrivals: dict[str, _Arrival] = {}
         self._dropped: dict[bytes, tuple[bytes | None, bytes]] = {}
-        self._computed: list[bytes] = []
+        self._computed: list[tuple[bytes, int | None]] = []   # (hash, device block id)
         # blocks kept for a retention (``persist``): hash -> the retention in seconds, most
         # recently used last; bounded, since forgetting one only costs rewriting it once
         self._retained: OrderedDict[bytes, float] = OrderedDict()
@@ -156,7 +157,7 @@ class RemoteTier(KVMover):
         future = self._pool.submit(self._fetch, hashes) if hashes else None
         self.counters.lookups += 1 if hashes else 0
         self._arrivals[req.request_id] = _Arrival(
-            req, hashes, tokens, cached[-1] if cached else None, future,
+            req, hashes, tokens, cached[-1] if cached else None, cached, future,
             time.perf_counter() + self.timeout_s)
 
     def _fetch(self, hashes: list[bytes]) -> list[Any]:
@@ -231,8 +232,11 @@ class RemoteTier(KVMover):
         if not blocks:
             return
         tree, t = self.tree, self.host_tier
-        if a.parent_hash is not None and tree.get(a.parent_hash) is not None:
-            self._writer.touch(a.parent_hash)   # making room below must not evict the parent
+        if a.parent_hash is not None:
+            # the local match, found again by its chain (the tree indexes nodes, not blocks)
+            where = tree.locate_chain(a.cached)
+            if len(where) == len(a.cached):   # making room below must not evict the parent
+                self._writer.touch(a.parent_hash, near=where[-1][0])
         # Make room in the host tier by its own eviction (demotions/drops run now, before the
         # slots are written: the tree hands out the freed slots).
         free = self.host.num_slots - tree.num_resident(t) - tree.num_copies(t)
@@ -241,7 +245,8 @@ class RemoteTier(KVMover):
             moves = self._writer.evict(t, min(short, tree.num_evictable(t)))
             if moves:
                 run_ops(moves)
-        parent = tree.get(a.parent_hash) if a.parent_hash is not None else None
+        # (touched above: the parent now ends its node, unless it was lost meanwhile)
+        parent = tree.get(a.parent_hash, scan=False) if a.parent_hash is not None else None
         if a.parent_hash is not None and (parent is None or parent.tier > t):
             self.counters.parent_lost += 1
             self.counters.blocks_not_installed += len(blocks)
@@ -270,9 +275,11 @@ class RemoteTier(KVMover):
         return n
 
     # ------------------------------------------------------------------ write path
-    def on_computed(self, hashes: list[bytes]) -> None:
-        """Blocks just committed (write-through: written after the step)."""
-        self._computed.extend(hashes)
+    def on_computed(self, hashes: list[bytes], slots: list[int] | None = None) -> None:
+        """Blocks just committed into device blocks ``slots`` (write-through: written after
+        the step; None: placed in a slower tier, not written)."""
+        if slots is not None:
+            self._computed.extend(zip(hashes, slots))
 
     def on_drop(self, blocks: list[BlockRef]) -> None:
         """Blocks about to leave the cache: keep what a write-back of the host ones needs."""
@@ -292,8 +299,8 @@ class RemoteTier(KVMover):
             if m.keep_src or not (m.dst_tier is None or m.dst_tier > t):
                 continue
             meta = self._dropped.pop(m.block_hash, None)
-            if meta is None:
-                ref = self.tree.get(m.block_hash)
+            if meta is None:   # (a demotion: the block is where the move puts it)
+                ref = self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
                 if ref is None:
                     continue
                 meta = (ref.parent_hash, ref.tokens)
@@ -313,10 +320,17 @@ class RemoteTier(KVMover):
         self._forget_lost()
         computed, self._computed = self._computed, []
         done = self.flush_retained()
-        if done:
-            computed = [h for h in computed if h not in done]
         if computed:
-            self._write_blocks(computed)
+            # where a block computed this step still is: its device block, if it holds it
+            block_at = self.tree.block_at
+            refs = []
+            for h, s in computed:
+                if h not in done:
+                    r = block_at(0, s)
+                    if r is not None and r.block_hash == h:
+                        refs.append(r)
+            if refs:
+                self._write_refs(refs)
 
     def flush_retained(self) -> set[bytes]:
         """Queue the writes ``persist`` asked for now (``after_step`` does it after each
@@ -328,18 +342,23 @@ class RemoteTier(KVMover):
         return set(retained)
 
     def _write_blocks(self, hashes: list[bytes], persist: bool = False) -> None:
-        """Queue writes of cached blocks by hash, their bytes copied off the device (where a
-        block computed this step still is; one that already left is skipped: the host copy
-        may still be in flight behind the step, and a write is only ever a future hit)."""
-        refs = [r for r in map(self.tree.get, hashes) if r is not None and r.tier == 0]
+        """Queue writes of cached blocks by hash (chains: ``RadixTree.refs_of``), their bytes
+        copied off the device (where a block computed this step still is; one that already
+        left is skipped: the host copy may still be in flight behind the step, and a write is
+        only ever a future hit)."""
+        refs = [r for r in self.tree.refs_of(hashes) if r is not None and r.tier == 0]
         if persist and len(refs) < len(hashes):
             on_device = {r.block_hash for r in refs}
             for h in hashes:
                 if h not in on_device:   # not written: a later use writes it again
                     self._retained.pop(h, None)
                     self.counters.persist_skipped += 1
-        if not refs:
-            return
+        if refs:
+            self._write_refs(refs, persist)
+
+    def _write_refs(self, refs: list[BlockRef], persist: bool = False) -> None:
+        """Queue writes of these device blocks (snapshots taken now), bytes copied off the
+        device."""
         import torch
 
         kv = self._device_cache   # [L, 2, N, bs, h, d]

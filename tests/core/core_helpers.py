@@ -57,7 +57,7 @@ def snapshot_pool(pool: BlockPool) -> tuple:
 
 
 def snapshot_tree(tree: RadixTree) -> tuple:
-    nodes = {id(n): n for n in tree._index.values()}
+    nodes = {id(n): n for n in tree.block_index().values()}
     nodes_t = tuple(sorted(
         (tuple(n.hashes), None if n.parent is None else n.parent.hashes[-1], bytes(n.tokens),
          n.tier, tuple(n.slots), n.ref, n.children, n.last_access, n.hits, n.hints,
@@ -68,8 +68,10 @@ def snapshot_tree(tree: RadixTree) -> tuple:
         tuple(tuple(e) for e in tree._evictable),
         tuple(tree._resident),
         tree._unreferenced,
-        tuple(None if n is None else n.hashes[n.slots.index(b)]
-              for b, n in enumerate(tree._device_nodes)),
+        tuple(tuple(None if n is None else n.hashes[n.slots.index(b)] for b, n in enumerate(sn))
+              for sn in tree._slot_nodes),
+        tuple(sorted((h, n.hashes[-1]) for h, n in tree._heads.items())),
+        tuple(sorted((h, n.hashes[0]) for h, n in tree._tails.items())),
         tuple(snapshot_pool(p) for p in tree._pools),
         tuple(tuple(sorted(tree.writes.copies(u).items())) for u in range(tree.num_tiers)),
         tuple(tree._pending),

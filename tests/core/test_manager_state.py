@@ -423,7 +423,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """A write-through write failed: the storage layer drops that copy (after the moves)."""
         STEPS.step(self.name)
         self.run_moves(self.bm.take_moves(), self.held())
-        copies = sorted((h, u, slot) for h in self.tree._index
+        copies = sorted((h, u, slot) for h in self.tree.block_index()
                         for u in self.write_through
                         if (slot := self.tree.copy_slot(h, u)) is not None)
         if not copies:
@@ -464,7 +464,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert free == (not cached and refs == 0), f"block {b}: free={free} cached={cached} refs={refs}"
         per_tier = [0] * tree.num_tiers
         queued = self.queued()
-        for h in tree._index:
+        for h in tree.block_index():
             node = tree.get(h)
             per_tier[node.tier] += 1
             residencies = [(node.tier, node.slot)]

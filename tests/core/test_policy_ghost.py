@@ -32,13 +32,13 @@ def test_a_dropped_block_comes_back_with_its_count() -> None:
     doc = [7, 7, 8, 8, 1]                       # two full blocks + a private last token
     for sid in range(3):                        # cached, then hit twice
         _serve(bm, clock, sid, doc)
-    hashes = [h for h, n in tree._index.items()]
-    assert {tree._index[h].hits for h in hashes} == {2}
+    hashes = [h for h, n in tree.block_index().items()]
+    assert {tree.block_index()[h].hits for h in hashes} == {2}
     _serve(bm, clock, 10, [1, 2, 3, 4, 5, 6, 0])   # three new blocks push the doc out
-    assert not set(hashes) & set(tree._index)
+    assert not set(hashes) & set(tree.block_index())
     assert [pol.remembered(h) for h in hashes] == [2, 2]
     _serve(bm, clock, 11, doc)                  # recomputed: it starts at 2 + 1, not at 0
-    node = tree._index[hashes[0]]
+    node = tree.block_index()[hashes[0]]
     assert (node.aux, node.hits) == (3, 0) and pol.restored == 1
     assert [pol.remembered(h) for h in hashes] == [None, None]   # it left the table
 
@@ -70,13 +70,13 @@ def test_a_run_is_cut_where_remembered_counts_differ() -> None:
     _serve(bm, clock, 0, [1, 1, 0])
     _serve(bm, clock, 1, [1, 1, 0])             # block [1, 1] hit once
     _serve(bm, clock, 2, [1, 1, 2, 2, 0])       # [2, 2] new after it (count 0, its own node)
-    hashes = [h for h in tree._index]
+    hashes = [h for h in tree.block_index()]
     _serve(bm, clock, 3, [3, 3, 4, 4, 5, 5, 6, 6, 0])     # pushes both out
-    assert not set(hashes) & set(tree._index)
+    assert not set(hashes) & set(tree.block_index())
     want = {h: pol.remembered(h) for h in hashes}
     assert sorted(want.values()) == [0, 2]
     _serve(bm, clock, 4, [1, 1, 2, 2, 0])       # both recomputed in one run: two nodes
-    nodes = [tree._index[h] for h in hashes]
+    nodes = [tree.block_index()[h] for h in hashes]
     assert nodes[0] is not nodes[1]
     assert sorted(n.aux for n in nodes) == [1, 3]
     bm.check_invariants()

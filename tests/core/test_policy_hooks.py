@@ -165,9 +165,9 @@ def test_end_session_lets_a_closed_session_go_first(policy) -> None:
                                 NS.seed)
     bm.end_session("b")
     moves = []
-    before = set(tree._index)
+    before = set(tree.block_index())
     moves += tree.evict(0, 2)
-    gone = before - set(tree._index)
+    gone = before - set(tree.block_index())
     assert gone and gone <= set(b_chain), "the closed session's blocks go first"
     bm.check_invariants()
 

@@ -537,11 +537,12 @@ class TreeMachine(RuleBasedStateMachine):
     def same_as_the_model(self) -> None:
         tree = self.tree
         self.bm.check_invariants()
-        assert set(tree._index) == set(self.m), (
-            f"cached {len(tree._index)} blocks, model {len(self.m)}: "
-            f"extra {len(set(tree._index) - set(self.m))}, missing {len(set(self.m) - set(tree._index))}")
+        index = tree.block_index()
+        assert set(index) == set(self.m), (
+            f"cached {len(index)} blocks, model {len(self.m)}: "
+            f"extra {len(set(index) - set(self.m))}, missing {len(set(self.m) - set(index))}")
         for h, b in self.m.items():
-            node = tree._index[h]
+            node = index[h]
             ref = tree.get(h)
             got = (ref.tier, node.ref, ref.parent_hash, tree.hints(h).priority,
                    {u for u in range(1, self.num_tiers) if tree.copy_slot(h, u) is not None})

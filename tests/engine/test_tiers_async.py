@@ -141,7 +141,7 @@ def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_pa
     moves = tree.evict(0, tree.num_evictable(0)) + tree.evict(1, tree.num_evictable(1))
     mover.apply_moves(moves)                   # device -> host -> disk (a pending write)
     mover.drain()
-    [h] = list(tree._index)
+    [h] = list(tree.block_index())
     assert tree.get(h).tier == 2 and mover.num_pending == 0
     monkeypatch.setattr(mover.disk, "read_into", lambda h, out: False)
     mover.apply_moves(tree.promote_lower(h, 1))          # prefetch left running
@@ -149,7 +149,7 @@ def test_failed_prefetch_of_a_node_moved_before_the_drain_is_never_copied(tmp_pa
     kv[:, :, 3] = -1.0
     bm.pool._free.remove(3)                             # device block 3, taken for the load
     bm.pool._is_free[3] = 0
-    mover.apply_moves(tree.promote_nodes([tree._index[h]], [3], 0.0))   # before the drain
+    mover.apply_moves(tree.promote_nodes([tree.block_index()[h]], [3], 0.0))   # before the drain
     assert mover.take_failed_loads() == [h]
     assert torch.all(kv[:, :, 3] == -1.0)                # garbage never copied on
     assert mover.stats.prefetch_failures == 1 and mover.stats.load_failures == 1

@@ -51,7 +51,7 @@ def check_tiers(eng: LLMEngine) -> None:
     if mover.disk is None:
         return
     tree, disk_t = eng.tree, mover.disk_tier
-    on_disk = {h for h, n in tree._index.items()      # primaries and write-through copies
+    on_disk = {h for h, n in tree.block_index().items()      # primaries and write-through copies
                if n.tier == disk_t or tree.copy_slot(h, disk_t) is not None}
     indexed = {e.block_hash for e in mover.disk.entries()}
     files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}

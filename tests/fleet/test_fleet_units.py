@@ -158,9 +158,12 @@ class _Node:
 
 class _Tree:
     def __init__(self, held: list[bytes]) -> None:
-        self._index = dict.fromkeys(held)
+        self._held = held
         self.insert_listener = None
         self.drop_listener = None
+
+    def block_index(self) -> dict[bytes, None]:
+        return dict.fromkeys(self._held)
 
 
 def test_recorder_starts_from_the_tree_chains_listeners_and_cancels_round_trips() -> None:
