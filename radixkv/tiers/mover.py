@@ -138,7 +138,8 @@ class TieredKVMover(KVMover):
             self._async_src.add("host")
         self._pending: list[_Pending] = []     # batches left running (write, prefetch, load)
         self._prefetched: set[bytes] = set()   # loaded disk -> host, not yet moved on
-        self._last_moves: dict[bytes, MoveOp] = {}   # per apply_moves: each block's last move
+        self._last_moves: dict[bytes, MoveOp] = {}   # per apply_moves (see there)
+        self._wasted: set[int] = set()
         self._poisoned: set[bytes] = set()     # host copy is garbage (failed late prefetch)
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
@@ -167,9 +168,17 @@ class TieredKVMover(KVMover):
         what they touch waits for them first. Nothing but moves reads or writes host slots or
         block files, so the result is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
-        # each block's last move in this list: where a block written to disk ends up (the
-        # tree indexes nodes, not blocks, so a block is found by its place, not its hash)
-        self._last_moves = {m.block_hash: m for m in moves}
+        # Where a block written to disk is found (the tree indexes nodes, not blocks: by its
+        # place, not its hash): its last move in this list that leaves it somewhere. And the
+        # writes whose very residency a later move of the list drops (not worth writing).
+        self._last_moves = {m.block_hash: m for m in moves if m.dst_tier is not None}
+        self._wasted: set[int] = set()
+        dropped: set[tuple[bytes, int, int]] = set()
+        for m in reversed(moves):
+            if m.dst_tier is None:
+                dropped.add((m.block_hash, m.src_tier, m.src_slot))
+            elif (m.block_hash, m.dst_tier, m.dst_slot) in dropped:
+                self._wasted.add(id(m))
         i = 0
         while i < len(moves):
             key = (moves[i].src_tier, moves[i].dst_tier)
@@ -337,11 +346,12 @@ class TieredKVMover(KVMover):
         return DiskBlock(block_hash)
 
     def _still_cached(self, m: MoveOp) -> BlockRef | None:
-        """The block ``m`` writes, if it is still cached after this move list (None: a
-        later move of the list drops it): looked up where the moves put it."""
-        last = self._last_moves.get(m.block_hash, m)
-        if last is not m and last.dst_tier is None:
+        """The block ``m`` writes, if the written residency is still wanted (None: a later
+        move of the list drops it, or the block left the cache): looked up where the moves
+        put it."""
+        if id(m) in self._wasted:
             return None
+        last = self._last_moves.get(m.block_hash, m)
         return self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot),
                                   (last.dst_tier, last.dst_slot), (m.src_tier, m.src_slot))
 
