@@ -294,7 +294,9 @@ class TierOps:
         (changing nothing) if the tier is full (primaries and copies), the hash is cached or
         the parent is not. The parent must be in a tier <= ``tier``; a parent that is a same-
         tier run's last block with nothing after it is extended (one node per restored chain).
-        Runtime complexity: O(1) (O(node length) if it must cut the parent's node).
+        Runtime complexity: O(1) when the parent ends its node (a chain restored or installed
+        in order); a parent inside a node is found by a scan of the nodes (``_find``) and the
+        node cut after it.
         """
         assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"
         pool = self._pools[tier]

@@ -428,8 +428,9 @@ class RadixTree(RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         The block's holders (its pool refcount) move into the tree; they must hold the parent
         too. Raises InvalidBlockError (changing nothing) if the hash or the block is already
         cached, the block is free, the parent is not cached on the device or has fewer
-        holders, or the tokens are not one block. Runtime complexity: O(1) (+ a cut of the
-        parent's node, + write-through copies).
+        holders, or the tokens are not one block. Runtime complexity: O(1) when the parent
+        ends its node (+ write-through copies); a parent inside a node is found by a scan of
+        the nodes and its node cut.
         """
         pool = self._pools[DEVICE]
         if block_hash in self._heads or block_hash in self._tails:
