@@ -460,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     if "same_hits" in results:
         print_table(results["same_hits"], title="LRU hits request by request vs the baseline core")
     write_results("core_quick" if args.quick else args.name, header, results)
+    if not args.quick:
+        from radixkv.benchmarks.core_plot import DEFAULT_OUT, plot_core
+        print("plot:", plot_core(results, DEFAULT_OUT, f"radixkv bench core at {header['commit']}"))
     return 0
 
 
