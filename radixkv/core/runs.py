@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from radixkv.core.node import _CBITS, _CMASK, DEVICE, Node, TreeStats
+from radixkv.core.node import _CBITS, _CMASK, Node, TreeStats
 
 _new_node = object.__new__
 
