@@ -1,18 +1,22 @@
 """The CPU device pool commits memory as blocks are written, not at construction (issue 17).
 
 Before: ``torch.zeros`` wrote the whole pool, so an engine with the default 512 MiB of KV grew
-the process by 512 MiB before its first request.
+the process by 512 MiB before its first request. Then numpy's calloc, which numpy advises onto
+transparent huge pages: the first block written made 2 MiB resident in each of the pool's
+``2 x num_layers`` regions (120 MiB on SmolLM2). Now a mapping advised against huge pages.
 """
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import sys
 
 import pytest
 import torch
 
-from radixkv.storage.device import DevicePool
+from radixkv.storage.device import DevicePool, lazy_cpu_zeros
 from radixkv.storage.layout import KVLayout
 
 
@@ -42,3 +46,63 @@ def test_pool_dtypes_and_layout_unchanged():
         assert pool.kv_cache.dtype == getattr(torch, dtype)
         assert tuple(pool.kv_cache.shape) == layout.cache_shape(3)
         assert pool.kv_cache.is_contiguous() and not pool.kv_cache.any()
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="needs MADV_NOHUGEPAGE (Linux) and /proc/self/smaps; elsewhere the "
+                           "pool is numpy's calloc")
+def test_large_pool_is_its_own_mapping_advised_against_huge_pages():
+    layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    pool = DevicePool(layout, 512, device="cpu")       # 64 MiB: 16 regions of 4 MiB
+    shape = layout.cache_shape(1)
+    block = torch.ones(1, shape[0], shape[1], *shape[3:])
+    # One block touches 16 regions of 8 KiB: a few pages each, not a 2 MiB huge page each.
+    before = _rss()
+    pool.write_blocks([3], block)
+    grown = _rss() - before
+    assert grown < 4 << 20, f"writing one block made {grown >> 10} KiB resident"
+    assert pool.kv_cache[:, :, 3].eq(1).all() and not pool.kv_cache[:, :, 4:].any()
+    flags = _vm_flags(pool.kv_cache.data_ptr())
+    assert "nh" in flags and "hg" not in flags, flags
+
+
+def test_pool_views_keep_the_mapping_alive():
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    pool = DevicePool(layout, 256, device="cpu")       # 8 MiB: above the mapping threshold
+    k, v = pool.layer(3)
+    k[255].fill_(2.0)
+    del pool
+    gc.collect()
+    assert k[255].eq(2.0).all() and not v.any() and not k[:255].any()
+    v[0].fill_(1.0)                                    # still writable
+    assert v[0].eq(1.0).all()
+
+
+@pytest.mark.parametrize("broken", ["no_advice", "madvise_fails"])
+def test_falls_back_to_calloc_where_the_mapping_cannot_be_advised(monkeypatch, broken):
+    if broken == "no_advice":
+        monkeypatch.delattr(mmap, "MADV_NOHUGEPAGE", raising=False)
+    else:
+        class Refusing(mmap.mmap):
+            def madvise(self, *a):
+                raise OSError(22, "Invalid argument")
+        monkeypatch.setattr(mmap, "mmap", Refusing)
+    t = lazy_cpu_zeros((4, 2, 64, 16, 2, 64), torch.bfloat16)   # 4 MiB
+    assert tuple(t.shape) == (4, 2, 64, 16, 2, 64) and t.dtype == torch.bfloat16
+    assert t.is_contiguous() and not t.any()
+    t[1, 1, 5].fill_(3.0)
+    assert t.sum().item() == 3.0 * 16 * 2 * 64
