@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 NEVER = 1e12           # the forecast gap of a block nothing suggests will come back (seconds)
 MAX_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first)
+_NEG_INF = float("-inf")
 
 
 class ForecastPolicy(EvictionPolicy):
@@ -96,8 +97,10 @@ class ForecastPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ the key
     def key(self, node: Node, hints: NodeHints) -> tuple:
         """``(due, -far, last_access)``: the access time only breaks ties (and keeps runs with
-        different access times from coalescing, as every other policy's key does)."""
-        a = self._aux(node)
+        different access times from coalescing, as every other policy's key does). (The hot
+        hooks read ``node.aux`` inline, not through ``_aux``: once per node event.)"""
+        i = self.aux_slot
+        a = node.aux if i is None else node.aux[i]
         return (a[0], a[1], node.last_access)
 
     def new_index(self) -> ForecastIndex:
@@ -120,9 +123,9 @@ class ForecastPolicy(EvictionPolicy):
         return g / max(self.followups / max(self.requests, 1), 0.02)
 
     def _snapshot(self, last: float, gap: float, owner: Hashable) -> tuple:
+        g = gap if gap > 0 else self.expected_gap(gap, owner)
         if owner in self._ended:
-            return (float("-inf"), -(last + self.expected_gap(gap, owner)), gap, owner)
-        g = self.expected_gap(gap, owner)
+            return (_NEG_INF, -(last + g), gap, owner)
         return (last + self.overdue * g, -(last + g), gap, owner)
 
     # ------------------------------------------------------------------ request events
@@ -226,7 +229,8 @@ class ForecastPolicy(EvictionPolicy):
         self._set_aux(node, self._snapshot(node.last_access, gap, self.current))
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
-        a = self._aux(node)
+        i = self.aux_slot
+        a = node.aux if i is None else node.aux[i]
         gap = a[2]
         g = now - prev_access
         if g > 0:
@@ -234,7 +238,8 @@ class ForecastPolicy(EvictionPolicy):
         self._set_aux(node, (a[0], a[1], gap, self.current))
 
     def on_release(self, node: Node, now: float) -> None:
-        a = self._aux(node)
+        i = self.aux_slot
+        a = node.aux if i is None else node.aux[i]
         self._set_aux(node, self._snapshot(now, a[2], a[3]))
         if self._releasing:        # the deepest node a finished sequence let go of
             self._releasing = False
@@ -246,10 +251,14 @@ class ForecastPolicy(EvictionPolicy):
     def on_leave(self, node: Node, k: int) -> None:
         if node.tier != self._last_tier:
             return          # demoted: still cached
-        ghost, gap, t = self._ghost, self._aux(node)[2], node.last_access
-        hashes = node.hashes
-        for i in range(len(hashes) - 1, len(hashes) - 1 - k, -1):   # deepest first
-            ghost[hashes[i]] = (t, gap)
+        i = self.aux_slot
+        v = (node.last_access, (node.aux if i is None else node.aux[i])[2])
+        ghost, hashes = self._ghost, node.hashes
+        if k == 1:
+            ghost[hashes[-1]] = v
+        else:
+            for i in range(len(hashes) - 1, len(hashes) - 1 - k, -1):   # deepest first
+                ghost[hashes[i]] = v
         while len(ghost) > self._ghost_cap:
             ghost.popitem(last=False)
 

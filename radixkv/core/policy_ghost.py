@@ -99,8 +99,13 @@ class LFUGhostPolicy(EvictionPolicy):
         self._fp = array("H", bytes(2 * n))
         self._count = bytearray(n)
 
+    # The hooks run once per node event in the real tree and in the duel's shadow of this
+    # policy, and most nodes here are 1-3 blocks (counts are per block): ``_aux`` is inlined
+    # and a single block takes no iterator.
+
     def key(self, node: Node, hints: NodeHints) -> tuple:
-        return (self._aux(node) + node.hits, node.last_access)
+        i = self.aux_slot
+        return ((node.aux if i is None else node.aux[i]) + node.hits, node.last_access)
 
     def new_index(self) -> FrequencyIndex:
         return FrequencyIndex()
@@ -115,7 +120,11 @@ class LFUGhostPolicy(EvictionPolicy):
         return self._count[s] + 1 if self._fp[s] == f | 1 else 0
 
     def can_extend(self, node: Node, block_hash: bytes) -> bool:
-        return self._aux(node) == self.insert_key(block_hash)
+        a, f = _unpack_slot(block_hash)
+        s = a & self._mask
+        i = self.aux_slot
+        return (node.aux if i is None else node.aux[i]) == (
+            self._count[s] + 1 if self._fp[s] == f | 1 else 0)
 
     def on_insert(self, node: Node, start: int, now: float) -> None:
         """The new blocks leave the table; a new node starts from its first block's count
@@ -134,10 +143,11 @@ class LFUGhostPolicy(EvictionPolicy):
                     self.restored += 1
                     fp[s] = 0
                 rest = 1
-            for a, f in map(_unpack_slot, islice(hashes, rest, None)):
-                s = a & mask
-                if fp[s] == f | 1:
-                    fp[s] = 0
+            if len(hashes) > rest:
+                for a, f in map(_unpack_slot, islice(hashes, rest, None)):
+                    s = a & mask
+                    if fp[s] == f | 1:
+                        fp[s] = 0
         if start == 0:
             self._set_aux(node, base)
 
@@ -146,13 +156,19 @@ class LFUGhostPolicy(EvictionPolicy):
         mask = self._mask
         if node.tier != self._last_tier or mask < 0:
             return
-        c = self._aux(node) + node.hits
+        i = self.aux_slot
+        c = (node.aux if i is None else node.aux[i]) + node.hits
         if c > _MAX_COUNT:
             c = _MAX_COUNT
         fp, count = self._fp, self._count
-        hashes = node.hashes
+        if k == 1:
+            a, f = _unpack_slot(node.hashes[-1])
+            s = a & mask
+            fp[s] = f | 1
+            count[s] = c
+            return
         # deepest first, as they go (where two share a slot, the shallower one stays)
-        for a, f in map(_unpack_slot, islice(reversed(hashes), k)):
+        for a, f in map(_unpack_slot, islice(reversed(node.hashes), k)):
             s = a & mask
             fp[s] = f | 1
             count[s] = c
