@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from radixkv.benchmarks._common import REPO_ROOT
@@ -50,3 +51,24 @@ def load_core(commit: str) -> tuple[Any, str] | None:
     finally:
         sys.path.remove(str(root))
     return mod.BlockManager, pkg
+
+
+_PARTS: dict[str, SimpleNamespace | None] = {}
+
+
+def load_core_parts(commit: str) -> SimpleNamespace | None:
+    """``radixkv/core`` at ``commit`` as what a replay builds a manager from: a namespace with
+    ``BlockManager``, ``RadixTree``, ``BlockPool``, ``make_policy`` and ``commit`` (loaded once
+    per process), or None without a git checkout (``bench hit-rate --workloads --baseline``)."""
+    if commit not in _PARTS:
+        loaded = load_core(commit)
+        if loaded is None:
+            _PARTS[commit] = None
+        else:
+            pkg = loaded[1]
+            mod = sys.modules.__getitem__
+            _PARTS[commit] = SimpleNamespace(
+                commit=commit, BlockManager=loaded[0], RadixTree=mod(f"{pkg}.tree").RadixTree,
+                BlockPool=mod(f"{pkg}.pool").BlockPool,
+                make_policy=mod(f"{pkg}.policy").make_policy)
+    return _PARTS[commit]

@@ -21,9 +21,16 @@ saved is cost-weighted (``benchmarks/prefill_cost.py``) and set against the bett
 Belady variants on that measure (neither is a proven bound for it).
 
     radixkv bench hit-rate --workloads [--quick] [--candidates all] [--jobs 2]
+        [--policies lru,duel] [--baseline COMMIT --name NAME]
 
-Writes ``benchmarks/results/hit_rate_workloads[_quick].json`` and, for a full run,
-``docs/img/hit_rate_workloads.png``.
+``--baseline COMMIT`` replays every policy also through ``radixkv/core`` as of ``COMMIT``
+(``_core_baseline.py``), right beside this checkout's replay at each capacity (which of the two
+goes first alternates): each row then has the baseline's hit rate and CPU per request and
+whether the two hit the same prompt tokens request by request (``hits_digest``), and the
+verdicts the median CPU ratio to the baseline and to each one's own LRU.
+
+Writes ``benchmarks/results/hit_rate_workloads[_quick].json`` (or ``--name``) and, for a full
+run, ``docs/img/hit_rate_workloads.png``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from radixkv.benchmarks._common import (
     REPO_ROOT, plain_doc, print_table, results_dir, run_header, write_results,
 )
 from radixkv.benchmarks.bounds import BlockTrace, infinite, prepare, simulate
-from radixkv.benchmarks.replay import ReplayConfig, replay, system_prefix_tokens
+from radixkv.benchmarks.replay import THIS_CORE, ReplayConfig, replay, system_prefix_tokens
 
 BLOCK_SIZE = 16
 N_CAPACITIES, QUICK_CAPACITIES = 10, 6
@@ -97,11 +104,13 @@ def capacity_grid(bt: BlockTrace, n: int) -> list[int]:
 
 def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequence[int] | None,
              policies: Sequence[str], candidates: Sequence[str] = (), n: int = N_CAPACITIES,
-             ttl_s: float = 300.0) -> dict[str, Any]:
+             ttl_s: float = 300.0, baseline: Any = None) -> dict[str, Any]:
     """All references and policies on one trace; returns ``{"rows": [...], ...}``.
 
     One row per (capacity, policy) with ``hit_rate``, ``cost_rate``, ``of_belady``,
-    ``cost_of_ref`` (cost_rate / the better Belady's), ``points_vs_lru`` and ``zone``.
+    ``cost_of_ref`` (cost_rate / the better Belady's), ``points_vs_lru`` and ``zone``; with
+    ``baseline`` (``_core_baseline.load_core_parts``) also ``baseline_hit_rate``,
+    ``baseline_cpu_us_per_request`` and ``same_hits_as_baseline``.
     """
     t0 = time.perf_counter()
     bt = prepare(requests, BLOCK_SIZE)
@@ -109,7 +118,7 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
     caps = list(capacities) if capacities else capacity_grid(bt, n)
     prio = system_prefix_tokens(header)
     rows: list[dict[str, Any]] = []
-    for cap in caps:
+    for ci, cap in enumerate(caps):
         refs = {p: simulate(bt, cap, p) for p in ("belady", "cost-belady", "lru")}
         bel = refs["belady"]
         cost_ref = max(bel.cost_rate, refs["cost-belady"].cost_rate)
@@ -120,13 +129,27 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
                 "cost_belady_cost": refs["cost-belady"].cost_rate, "cost_ref": cost_ref,
                 "zone": bel.hit_rate >= ZONE_FRACTION * inf.hit_rate}
         out: list[dict[str, Any]] = []
-        for pol in policies:
-            t1 = time.perf_counter()
-            res = replay(requests, ReplayConfig(BLOCK_SIZE, cap, pol, ttl_s=ttl_s),
-                         priority_tokens=prio)
-            out.append({**base, "policy": pol, "kind": "radixkv", "hit_rate": res.hit_rate,
-                        "cost_rate": res.cost_rate, "seconds": time.perf_counter() - t1,
-                        "cpu_us_per_request": 1e6 * res.cpu_s / max(res.requests, 1)})
+        for i, pol in enumerate(policies):
+            cfg = ReplayConfig(BLOCK_SIZE, cap, pol, ttl_s=ttl_s)
+            cores = [THIS_CORE] + ([baseline] if baseline is not None else [])
+            if (ci + i) % 2:
+                cores.reverse()          # who goes first alternates (load drifts)
+            got = {}
+            for core in cores:
+                t1 = time.perf_counter()
+                got[core.commit] = (replay(requests, cfg, priority_tokens=prio, core=core),
+                                    time.perf_counter() - t1)
+            res, secs = got[None]
+            row = {**base, "policy": pol, "kind": "radixkv", "hit_rate": res.hit_rate,
+                   "cost_rate": res.cost_rate, "seconds": secs,
+                   "cpu_us_per_request": 1e6 * res.cpu_s / max(res.requests, 1),
+                   "hits_digest": res.hits_digest}
+            if baseline is not None:
+                old = got[baseline.commit][0]
+                row.update(baseline_hit_rate=old.hit_rate,
+                           baseline_cpu_us_per_request=1e6 * old.cpu_s / max(old.requests, 1),
+                           same_hits_as_baseline=old.hits_digest == res.hits_digest)
+            out.append(row)
         if candidates:
             from radixkv.benchmarks.policy_sim import run_policy
 
@@ -162,12 +185,18 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         v["meets_target"] = ((not zone or min(zone) >= TARGET_OF_BELADY)
                              and v["min_points_vs_lru"] >= -MAX_POINTS_BELOW_LRU)
         # bookkeeping CPU per request against LRU's at the same capacity (same run): median
-        lru_cpu = {r["capacity_blocks"]: r.get("cpu_us_per_request") for r in rows
-                   if r["policy"] == "lru"}
-        ratios = sorted(r["cpu_us_per_request"] / lru_cpu[r["capacity_blocks"]] for r in mine
-                        if r.get("cpu_us_per_request") and lru_cpu.get(r["capacity_blocks"]))
-        if ratios:
-            v["cpu_vs_lru_median"] = ratios[len(ratios) // 2]
+        for pre in ("", "baseline_"):
+            field = pre + "cpu_us_per_request"
+            lru_cpu = {r["capacity_blocks"]: r.get(field) for r in rows if r["policy"] == "lru"}
+            ratios = sorted(r[field] / lru_cpu[r["capacity_blocks"]] for r in mine
+                            if r.get(field) and lru_cpu.get(r["capacity_blocks"]))
+            if ratios:
+                v["cpu_vs_lru_median" + ("_baseline" if pre else "")] = ratios[len(ratios) // 2]
+        if any("same_hits_as_baseline" in r for r in mine):
+            ratios = sorted(r["cpu_us_per_request"] / r["baseline_cpu_us_per_request"]
+                            for r in mine)
+            v["cpu_vs_baseline_median"] = ratios[len(ratios) // 2]
+            v["same_hits_as_baseline"] = all(r["same_hits_as_baseline"] for r in mine)
         out[pol] = v
     return out
 
@@ -179,7 +208,15 @@ def _work(task: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tr = load_trace(task["workload"], task["quick"], seed=task["seed"], progress=False)
     load_s = time.perf_counter() - t0
-    res = evaluate(tr, tr.header, None, task["policies"], task["candidates"], task["n"])
+    baseline = None
+    if task.get("baseline"):
+        from radixkv.benchmarks._core_baseline import load_core_parts
+
+        baseline = load_core_parts(task["baseline"])
+        if baseline is None:
+            raise SystemExit(f"--baseline {task['baseline']}: cannot load that commit's core")
+    res = evaluate(tr, tr.header, None, task["policies"], task["candidates"], task["n"],
+                   baseline=baseline)
     res.update(workload=task["workload"], load_s=load_s, trace_params=tr.header.get("params"),
                trace_stats=tr.header.get("stats"), requests=len(tr),
                prompt_tokens=tr.prompt_tokens)
@@ -225,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="results file name under benchmarks/results/ (default "
                          "hit_rate_workloads[_quick]); a run of a few policies should not "
                          "overwrite the full run")
+    ap.add_argument("--baseline", default=None, metavar="COMMIT",
+                    help="also replay every policy through radixkv/core as of COMMIT, beside "
+                         "this checkout's (CPU ratios, hit identity request by request)")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--markdown", type=lambda s: s.split(","), default=None, metavar="COLS",
                     help="print the JSON's tables as markdown with these policy columns")
@@ -242,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         cands = list(CANDIDATES)
     t_start = time.perf_counter()
     header = run_header(seed=args.seed, quick=args.quick, block_size=BLOCK_SIZE,
-                        workloads=args.only)
+                        workloads=args.only, baseline=args.baseline)
     print(json.dumps(header))
-    tasks = [dict(workload=w, quick=args.quick, seed=args.seed,
+    tasks = [dict(workload=w, quick=args.quick, seed=args.seed, baseline=args.baseline,
                   policies=args.policies or core_policies(), candidates=cands,
                   n=QUICK_CAPACITIES if args.quick else N_CAPACITIES) for w in args.only]
     if args.jobs > 1 and len(tasks) > 1:
@@ -264,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                     title="issue 15 target: >= 0.8 of Belady in the zone, >= LRU - 1 point")
     header["wall_s"] = round(time.perf_counter() - t_start, 1)
     path = write_results(name, header, {"workloads": results})
-    if not (args.no_plots or args.quick or args.name):   # the docs' plot is the full run's
+    if not (args.no_plots or args.quick or args.name or args.baseline):   # the full run's
         plot(path)
     return 0
 

@@ -20,9 +20,13 @@ Belady bounds at the same device capacity.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
+
+import xxhash
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, token_bytes
@@ -77,6 +81,8 @@ class ReplayResult:
 
     ``hit_cost``/``prompt_cost``: prefill compute saved / needed with nothing cached, in the
     units of ``benchmarks/prefill_cost.py`` (a deep block costs more than a shallow one).
+    ``hits_digest``: xxh64 of the prompt tokens hit by each request in order (two replays
+    with equal digests hit the same tokens request by request).
     """
 
     config: ReplayConfig
@@ -93,6 +99,7 @@ class ReplayResult:
     inserted: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    hits_digest: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -119,6 +126,7 @@ class ReplayResult:
             "promotions_per_tier": self.promotions_per_tier,
             "dropped": self.dropped, "expired": self.expired, "inserted": self.inserted,
             "requests": self.requests, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+            "hits_digest": self.hits_digest,
             "us_per_request": 1e6 * self.wall_s / max(self.requests, 1),
             "cpu_us_per_request": 1e6 * self.cpu_s / max(self.requests, 1),
         }
@@ -161,7 +169,17 @@ class AgedFrequencyPolicy:
         return False
 
 
-def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager:
+#: What ``build_manager`` builds a manager from by default: this checkout's core.
+THIS_CORE = SimpleNamespace(commit=None, BlockManager=BlockManager, RadixTree=RadixTree,
+                            BlockPool=BlockPool, make_policy=make_policy)
+
+
+def build_manager(cfg: ReplayConfig, clock: Callable[[], float],
+                  core: SimpleNamespace = THIS_CORE) -> BlockManager:
+    """A fresh manager for ``cfg``, built from ``core``'s ``BlockManager``, ``RadixTree``,
+    ``BlockPool`` and ``make_policy`` (``_core_baseline.load_core_parts``: an earlier
+    commit's, for before/after runs in one process)."""
+    BlockPool, make_policy = core.BlockPool, core.make_policy   # noqa: N806
     lower = [BlockPool(n) for n in (cfg.host_blocks, cfg.disk_blocks) if n]
     if cfg.disk_blocks and not cfg.host_blocks:
         raise ValueError("a disk tier needs a host tier in front of it")
@@ -179,22 +197,24 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float]) -> BlockManager
         # "aged-lfu" or "aged-lfu:<weight seconds>"
         w = float(policy.split(":", 1)[1]) if ":" in policy else 30.0
         policy = AgedFrequencyPolicy(w)
-    tree = RadixTree(cfg.block_size, BlockPool(cfg.device_blocks), lower, policy=policy,
-                     clock=clock)
-    return BlockManager(tree)
+    tree = core.RadixTree(cfg.block_size, BlockPool(cfg.device_blocks), lower, policy=policy,
+                          clock=clock)
+    return core.BlockManager(tree)
 
 
 def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NAMESPACE,
            priority_tokens: Callable[[Any], int] | None = None, progress: Any = None,
-           check_every: int = 0, l0: float = SMOLLM2_L0) -> ReplayResult:
-    """Replay ``requests`` (objects with ``t``, ``prompt``, ``reply``) through a fresh manager.
+           check_every: int = 0, l0: float = SMOLLM2_L0,
+           core: SimpleNamespace = THIS_CORE) -> ReplayResult:
+    """Replay ``requests`` (objects with ``t``, ``prompt``, ``reply``) through a fresh manager
+    (built from ``core``'s classes if given: ``build_manager``).
 
     ``progress``: an object with ``update(n)`` (a tqdm bar), called every 256 requests.
     ``check_every``: run ``BlockManager.check_invariants`` every that many requests (tests).
     Raises OutOfBlocks if one request does not fit in ``device_blocks``.
     """
     clock = _TraceClock()
-    bm = build_manager(cfg, clock)
+    bm = build_manager(cfg, clock, core)
     tree = bm.tree
     res = ReplayResult(cfg)
     per_tier = res.hit_tokens_per_tier
@@ -204,6 +224,7 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
     final: dict[Any, int] = {}
     if cfg.end_hint:
         final = {getattr(r, "conv", j): j for j, r in enumerate(requests)}
+    hits = array("q")
     t0, c0 = time.perf_counter(), time.process_time()
     for j, r in enumerate(requests):
         clock.now = r.t
@@ -214,6 +235,7 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
         alloc = bm.allocate(j, prompt, namespace, session=conv if cfg.sessions else None,
                             end_session=final.get(conv) == j)
         res.hit_tokens += alloc.num_cached_tokens
+        hits.append(alloc.num_cached_tokens)
         res.hit_cost += prefix_cost(alloc.num_cached_tokens, l0)
         res.prompt_cost += prefix_cost(len(prompt), l0)
         for t, n in enumerate(alloc.cached_tokens_per_tier):
@@ -238,6 +260,7 @@ def replay(requests: Sequence[Any], cfg: ReplayConfig, namespace: Namespace = NA
     res.wall_s = time.perf_counter() - t0
     res.cpu_s = time.process_time() - c0
     res.requests = len(requests)
+    res.hits_digest = xxhash.xxh64_hexdigest(hits.tobytes())
     st = tree.stats
     res.evictions_per_tier = list(st.evicted)
     res.promotions_per_tier = list(st.promoted)

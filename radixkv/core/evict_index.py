@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from heapq import merge
+from heapq import heappop, heappush, merge
 
 from sortedcontainers import SortedList
 
@@ -176,49 +176,82 @@ class FrequencyIndex:
     """LFU's entries ``(hits, last_access, hash)`` in frequency buckets.
 
     One ``RecencyIndex`` per hit count (within a bucket entries are ordered by time, so they
-    mostly arrive at an end: O(1)), and a ``SortedList`` of the non-empty buckets' hit counts
-    (there are few distinct counts: O(log b) for b buckets when a bucket opens or empties). The
-    order is exactly the ``SortedIndex`` order of the same entries.
-    Runtime complexity: O(1) amortised per operation within a bucket, O(log b) when a bucket
-    opens or empties.
+    mostly arrive at an end: O(1)), and a heap of the hit counts in use. The order is exactly
+    the ``SortedIndex`` order of the same entries.
+
+    Buckets open and close all the time under ``lfu-ghost``, whose restored counts spread the
+    entries over many counts (about one bucket opened per entry added on round-robin chat), so
+    both are cheap here: the counts are a ``heapq`` heap (C) with lazy deletion (a closed
+    bucket's count stays in the heap until it reaches the top, or until stale counts outnumber
+    live ones and the heap is rebuilt: amortised O(log b)) instead of a ``SortedList``
+    (a Python-level add and remove per bucket), and a closed bucket's empty ``RecencyIndex`` is
+    kept for the next bucket to open (up to ``_SPARE``) instead of building a new one.
+    Runtime complexity: O(1) amortised per operation within a bucket, O(log b) amortised when a
+    bucket opens or empties (b buckets).
     """
 
-    __slots__ = ("_buckets", "_counts", "_n")
+    __slots__ = ("_buckets", "_heap", "_n", "_spare")
+
+    _SPARE = 64
 
     def __init__(self) -> None:
         self._buckets: dict[int, RecencyIndex] = {}
-        self._counts = SortedList()
+        self._heap: list[int] = []        # counts of open buckets, and stale ones (lazily)
         self._n = 0
+        self._spare: list[RecencyIndex] = []
 
     def add(self, entry: tuple) -> None:
         b = self._buckets.get(entry[0])
         if b is None:
-            b = self._buckets[entry[0]] = RecencyIndex()
-            self._counts.add(entry[0])
+            b = self._buckets[entry[0]] = self._spare.pop() if self._spare else RecencyIndex()
+            heap = self._heap
+            if len(heap) > 2 * len(self._buckets) + 32:
+                heap[:] = sorted(self._buckets)       # drop stale counts (a sorted list is a heap)
+            else:
+                heappush(heap, entry[0])
         b.add(entry)
         self._n += 1
+
+    def _close(self, hits: int, b: RecencyIndex) -> None:
+        """Bucket ``hits`` is empty: forget it (its count leaves the heap lazily) and keep its
+        index, emptied of dead queued entries, for reuse."""
+        del self._buckets[hits]
+        if len(self._spare) < self._SPARE:
+            if b._q:
+                b._q.clear()
+                b._dead = 0
+            self._spare.append(b)
+
+    def _top(self) -> int:
+        """The smallest count with an open bucket (drops stale counts at the top)."""
+        heap, buckets = self._heap, self._buckets
+        while heap[0] not in buckets:
+            heappop(heap)
+        return heap[0]
 
     def remove(self, entry: tuple) -> None:
         """Remove ``entry`` (must be present; KeyError or ValueError otherwise)."""
         b = self._buckets[entry[0]]
         b.remove(entry)
         self._n -= 1
-        if not len(b):
-            del self._buckets[entry[0]]
-            self._counts.remove(entry[0])
+        if not (b._live or b._nside):
+            self._close(entry[0], b)
 
     def pop_min(self) -> tuple:
-        hits = self._counts[0]
+        if not self._n:
+            raise IndexError("pop_min() of an empty index")
+        hits = self._top()
         b = self._buckets[hits]
         entry = b.pop_min()
         self._n -= 1
-        if not len(b):
-            del self._buckets[hits]
-            self._counts.remove(hits)
+        if not (b._live or b._nside):
+            self._close(hits, b)
         return entry
 
     def min(self) -> tuple:
-        return self._buckets[self._counts[0]].min()
+        if not self._n:
+            raise IndexError("min() of an empty index")
+        return self._buckets[self._top()].min()
 
     def __contains__(self, entry: tuple) -> bool:
         b = self._buckets.get(entry[0])
@@ -228,16 +261,21 @@ class FrequencyIndex:
         return self._n
 
     def __iter__(self) -> Iterator[tuple]:
-        for hits in self._counts:
+        for hits in sorted(self._buckets):
             yield from self._buckets[hits]
 
     def check_invariants(self) -> None:
-        assert list(self._counts) == sorted(self._buckets), "bucket list != buckets"
+        assert set(self._heap) >= self._buckets.keys(), "an open bucket's count not in the heap"
+        heap = self._heap
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
         assert sum(len(b) for b in self._buckets.values()) == self._n, "entry count"
         for hits, b in self._buckets.items():
             assert len(b), f"empty bucket {hits} kept"
             b.check_invariants()
             assert all(e[0] == hits for e in b), f"bucket {hits} holds another count"
+        for b in self._spare:
+            assert not (b._q or b._live or b._side or b._dead or b._nside), "a spare not empty"
+            assert all(b is not x for x in self._buckets.values()), "a spare in use"
 
 
 class AgingIndex(SortedIndex):

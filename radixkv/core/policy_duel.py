@@ -100,6 +100,15 @@ class DuelPolicy(EvictionPolicy):
         self._cuts = cuts
         self.key_size = off
         self._hooked = [m for m in self.members if m.hooks]
+        self._blank_aux = (None,) * len(self.members)
+        # Per node event, the members that override its hook (bound methods): the tree calls
+        # the duel once per node event, and a no-op call per member per event was a tenth of
+        # its hook time (lfu-ghost hears no hits or releases, LRU nothing).
+        self._on_insert = _overriding(self._hooked, "on_insert")
+        self._on_hit = _overriding(self._hooked, "on_hit")
+        self._on_release = _overriding(self._hooked, "on_release")
+        self._on_leave = _overriding(self._hooked, "on_leave")
+        self.key = _concat_keys([m.key for m in self.members])
         self._keyed = [m for m in self.members if m.insert_key is not None]
         if not self._keyed:
             self.insert_key = None
@@ -115,6 +124,8 @@ class DuelPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ the key and index
     def key(self, node: Node, hints: NodeHints) -> tuple:
+        """The members' keys concatenated (an instance gets ``_concat_keys``' version of
+        this, with the members' bound ``key`` methods, set in ``__init__``)."""
         out: tuple = ()
         for m in self.members:
             out += m.key(node, hints)
@@ -134,6 +145,11 @@ class DuelPolicy(EvictionPolicy):
         self._keyed = [m for m in self.members if m.insert_key is not None]   # after binding
         if not self._keyed:
             self.insert_key = None
+        elif len(self._keyed) == 1:
+            # the one member that tells new blocks apart answers the tree directly (the tree
+            # asks per new block: no duel frame in between)
+            self.insert_key = self._keyed[0].insert_key
+            self.can_extend = self._keyed[0].can_extend
         cap = max(1, tree._pools[0].num_blocks // self.sample)
         self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
                                                 clock=tree.clock))
@@ -153,21 +169,21 @@ class DuelPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ node events
     def on_insert(self, node: Node, start: int, now: float) -> None:
         if start == 0:
-            node.aux = (None,) * len(self.members)
-        for m in self._hooked:
-            m.on_insert(node, start, now)
+            node.aux = self._blank_aux
+        for f in self._on_insert:
+            f(node, start, now)
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
-        for m in self._hooked:
-            m.on_hit(node, prev_access, now)
+        for f in self._on_hit:
+            f(node, prev_access, now)
 
     def on_release(self, node: Node, now: float) -> None:
-        for m in self._hooked:
-            m.on_release(node, now)
+        for f in self._on_release:
+            f(node, now)
 
     def on_leave(self, node: Node, k: int) -> None:
-        for m in self._hooked:
-            m.on_leave(node, k)
+        for f in self._on_leave:
+            f(node, k)
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
@@ -249,26 +265,52 @@ class DuelPolicy(EvictionPolicy):
                 "shadow_hit_tokens": dict(zip(self.member_names, self.shadow_hits))}
 
 
+def _overriding(members: list[EvictionPolicy], hook: str) -> list:
+    """The bound ``hook`` methods of the members whose class overrides the base no-op."""
+    base = getattr(EvictionPolicy, hook)
+    return [getattr(m, hook) for m in members if getattr(type(m), hook) is not base]
+
+
+def _concat_keys(keys: list):
+    """``DuelPolicy.key`` for these member key functions, unrolled for two and three members
+    (the default duel has three): the tree computes a key on every filing of every node."""
+    if len(keys) == 2:
+        k0, k1 = keys
+        return lambda node, hints: k0(node, hints) + k1(node, hints)
+    if len(keys) == 3:
+        k0, k1, k2 = keys
+        return lambda node, hints: k0(node, hints) + k1(node, hints) + k2(node, hints)
+
+    def key(node: Node, hints: NodeHints) -> tuple:
+        out: tuple = ()
+        for k in keys:
+            out += k(node, hints)
+        return out
+    return key
+
+
 class DuelIndex:
     """One index per member; entries are the duel's whole keys plus the block hash. Member
     ``i``'s index holds ``(*key_i, *entry)``. ``min``/``pop_min`` follow the leader.
     Runtime complexity: per operation, one operation on each member's index."""
 
-    __slots__ = ("_policy", "_subs", "_cuts")
+    __slots__ = ("_policy", "_subs", "_cuts", "_adds", "_removes")
 
     def __init__(self, policy: DuelPolicy, subs: list) -> None:
         self._policy = policy
         self._subs = subs
         self._cuts = policy._cuts
+        self._adds = [(s.add, a, b) for (a, b), s in zip(self._cuts, subs)]
+        self._removes = [(s.remove, a, b) for (a, b), s in zip(self._cuts, subs)]
 
     def add(self, entry: tuple) -> None:
-        for (a, b), s in zip(self._cuts, self._subs):
-            s.add(entry[a:b] + entry)
+        for add, a, b in self._adds:
+            add(entry[a:b] + entry)
 
     def remove(self, entry: tuple) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
-        for (a, b), s in zip(self._cuts, self._subs):
-            s.remove(entry[a:b] + entry)
+        for remove, a, b in self._removes:
+            remove(entry[a:b] + entry)
 
     def min(self) -> tuple:
         i = self._policy.leader
@@ -279,9 +321,9 @@ class DuelIndex:
         i = self._policy.leader
         a, b = self._cuts[i]
         entry = self._subs[i].pop_min()[b - a:]
-        for j, ((c, d), s) in enumerate(zip(self._cuts, self._subs)):
+        for j, (remove, c, d) in enumerate(self._removes):
             if j != i:
-                s.remove(entry[c:d] + entry)
+                remove(entry[c:d] + entry)
         return entry
 
     def __contains__(self, entry: tuple) -> bool:

@@ -49,3 +49,25 @@ def test_every_core_policy_is_benchmarked():
     names = H.core_policies()
     assert names[:len(POLICIES)] == list(POLICIES)
     assert names[len(POLICIES):] == [f"{p}+end-hint" for p in H.END_HINT_POLICIES]
+
+
+def test_baseline_core_replays_beside_this_one():
+    """--baseline: every policy also replayed through an earlier commit's core (here HEAD's,
+    so the same code): the rows carry its hit rate and CPU, and the hits agree request by
+    request (the per-request digests), as do the verdicts."""
+    from radixkv.benchmarks._core_baseline import load_core_parts
+
+    base = load_core_parts("HEAD")
+    assert base is not None, "needs a git checkout"
+    assert base.RadixTree.__module__.startswith("radixkv_core_HEAD")
+    reqs = loop(n_conv=4, turns=5, size=20)
+    caps = H.capacity_grid(prepare(reqs, H.BLOCK_SIZE), 3)
+    res = H.evaluate(reqs, {}, caps, ["lru", "duel"], baseline=base)
+    assert len(res["rows"]) == 2 * len(caps)
+    for r in res["rows"]:
+        assert r["same_hits_as_baseline"] and r["baseline_hit_rate"] == r["hit_rate"]
+        assert r["baseline_cpu_us_per_request"] > 0 and len(r["hits_digest"]) == 16
+    v = H.verdicts(res["rows"])
+    assert v["duel"]["same_hits_as_baseline"] and v["duel"]["cpu_vs_baseline_median"] > 0
+    assert v["lru"]["cpu_vs_lru_median"] == v["lru"]["cpu_vs_lru_median_baseline"] == 1.0
+    json.dumps(res)

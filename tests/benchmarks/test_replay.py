@@ -53,3 +53,15 @@ def test_real_lru_equals_model_and_respects_bounds(reqs, block_size, extra):
                                        disk_blocks=bt.num_blocks), check_every=1)
     assert real.hit_tokens <= tiered.hit_tokens <= infinite(bt).hit_tokens
     assert sum(tiered.hit_tokens_per_tier) == tiered.hit_tokens
+
+
+def test_hits_digest_is_per_request():
+    """Equal digests: the same prompt tokens hit request by request; the same total hit by
+    other requests gives another digest."""
+    p, q = list(range(1, 10)), list(range(30, 39))
+    first = [R(0.0, p), R(1.0, p), R(2.0, q)]
+    last = [R(0.0, q), R(1.0, p), R(2.0, p)]
+    one, two = replay(first, ReplayConfig(4, 16)), replay(first, ReplayConfig(4, 16))
+    assert one.hits_digest == two.hits_digest and len(one.hits_digest) == 16
+    other = replay(last, ReplayConfig(4, 16))
+    assert other.hit_tokens == one.hit_tokens > 0 and other.hits_digest != one.hits_digest

@@ -57,3 +57,36 @@ def test_recency_index_reuses_a_removed_entry() -> None:
     idx.add((1.0, b"a"))          # before the head: at the front again
     assert [idx.pop_min() for _ in range(3)] == [(1.0, b"a"), (2.0, b"b"), (3.0, b"c")]
     assert len(idx) == 0 and list(idx) == []
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "pop"]),
+                              st.integers(0, 60), st.integers(0, 63)), max_size=400))
+def test_frequency_index_with_many_counts(ops) -> None:
+    """lfu-ghost spreads entries over many counts, so buckets open and close all the time:
+    the heap of counts (stale counts dropped lazily, rebuilt when they pile up) and the reused
+    empty buckets keep exactly the sorted order."""
+    idx, model = FrequencyIndex(), {}
+    clock = 0
+    for op, t, h in ops:
+        if op == "add" and bytes([h]) not in model:
+            clock += 1
+            e = (t % 37, clock if t % 5 else t, bytes([h]))
+            idx.add(e)
+            model[e[-1]] = e
+        elif op == "remove" and model:
+            k = sorted(model)[t % len(model)]
+            idx.remove(tuple(list(model.pop(k))))
+        elif op == "pop" and model:
+            want = min(model.values())
+            assert idx.min() == want
+            assert idx.pop_min() == want
+            del model[want[-1]]
+        assert len(idx) == len(model)
+        idx.check_invariants()
+    assert list(idx) == sorted(model.values())
+    with pytest.raises((IndexError, KeyError, ValueError)):
+        idx.remove((99, 0, b"none"))
+    for _ in range(len(model)):
+        idx.pop_min()
+    with pytest.raises(IndexError):
+        idx.pop_min()

@@ -5,8 +5,13 @@ victim; these are the behaviours the policy is for, each one that plain LFU gets
 
 from __future__ import annotations
 
+from array import array
+from types import SimpleNamespace
+
+import hypothesis.strategies as st
 import pytest
 from core_helpers import FakeClock
+from hypothesis import given, settings
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace
@@ -94,3 +99,54 @@ def test_options_and_the_duel() -> None:
     assert pol.member_names == ("lru", "lfu-ghost", "forecast")   # the default duel
     ghost = pol.members[1]
     assert ghost._mask + 1 == 128                # 4 x (8 + 8 + 16) slots, a power of two
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 40), min_size=1,
+                                                         max_size=6),
+                                 st.integers(0, 300)), max_size=40),
+       mask_bits=st.integers(1, 5))
+def test_the_table_is_ghost_slot_block_by_block(events, mask_bits) -> None:
+    """The policy reads a hash's slot and fingerprint with one ``struct`` unpack (not
+    ``ghost_slot``'s slices): drops and inserts of runs of blocks in a tiny table (many blocks
+    per slot) leave exactly the table a block-by-block loop over ``ghost_slot`` would, and
+    ``insert_key``/``can_extend`` read it the same way."""
+    import hashlib
+
+    from radixkv.core.policy_ghost import ghost_slot
+
+    def h(i: int) -> bytes:
+        return hashlib.blake2b(bytes([i]), digest_size=16).digest()
+
+    pol = make_policy("lfu-ghost")
+    pol._mask = mask = (1 << mask_bits) - 1
+    pol._fp = array("H", bytes(2 * (mask + 1)))
+    pol._count = bytearray(mask + 1)
+    model: dict[int, tuple[int, int]] = {}     # slot -> (fingerprint, count)
+
+    def want_key(x: bytes) -> int:
+        s, f = ghost_slot(x, mask)
+        return model[s][1] + 1 if s in model and model[s][0] == f else 0
+
+    for drop, ids, count in events:
+        node = SimpleNamespace(hashes=[h(i) for i in ids], aux=count, hits=count % 7, tier=0)
+        if drop:
+            k = 1 + count % len(ids)
+            pol.on_leave(node, k)
+            for x in reversed(node.hashes[len(ids) - k:]):   # deepest first
+                s, f = ghost_slot(x, mask)
+                model[s] = (f, min(255, count + count % 7))
+        else:
+            keys = [pol.insert_key(x) for x in node.hashes]
+            assert keys == [want_key(x) for x in node.hashes]
+            assert pol.can_extend(node, node.hashes[0]) == (count == keys[0])
+            start = count % len(ids)
+            node.aux = None
+            pol.on_insert(node, start, 0.0)
+            if start == 0:
+                assert node.aux == keys[0]
+            for x in node.hashes[start:]:
+                s, f = ghost_slot(x, mask)
+                if s in model and model[s][0] == f:
+                    del model[s]
+        assert {s: (pol._fp[s], pol._count[s]) for s in range(mask + 1) if pol._fp[s]} == model

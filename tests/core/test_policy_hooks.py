@@ -274,3 +274,37 @@ def test_a_resumed_request_without_a_session_keeps_its_one_off_session() -> None
     bm.free("r1")
     bm.allocate("r2", [1, 2, 3, 4], NS)
     assert pol._seqs["r2"] != first and pol.requests == 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "pop"]),
+                              st.integers(0, 20), st.integers(0, 20), st.integers(0, 40)),
+                    max_size=300),
+       now=st.integers(0, 20))
+def test_forecast_index_matches_its_definition(ops, now) -> None:
+    """The forecast's index (two heaps with lazy deletion): ``min`` is the smallest entry if its
+    ``due`` is past, else the smallest by ``(-far, entry)``; entries removed and added again
+    (equal values, new tuples) count once; long runs rebuild the heaps."""
+    pol = ForecastPolicy()
+    pol.clock = lambda: now
+    idx, model = ForecastIndex(pol), {}
+    for op, due, far, h in ops:
+        if op == "add" and bytes([h]) not in model:
+            e = (float(due), -float(far), 0.0, bytes([h]))
+            idx.add(e)
+            model[e[-1]] = e
+        elif op == "remove" and model:
+            k = sorted(model)[due % len(model)]
+            idx.remove(tuple(list(model.pop(k))))      # an equal tuple, not the one filed
+        elif op == "pop" and model:
+            first = min(model.values())
+            want = first if first[0] < now else min(model.values(), key=lambda e: (e[1], e))
+            assert idx.min() == want
+            assert idx.pop_min() == want
+            del model[want[-1]]
+        assert len(idx) == len(model)
+        assert all(e in idx for e in model.values())
+        idx.check_invariants()
+    assert list(idx) == sorted(model.values())
+    with pytest.raises(ValueError):
+        idx.remove((0.0, 0.0, 0.0, b"none"))
