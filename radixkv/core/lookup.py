@@ -59,7 +59,7 @@ class LookupOps:
         """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
         (a caller's guess, e.g. from ``locate_chain``; O(its length)), else O(1) for a node's
         first or last block, else a scan of the nodes (an inner block)."""
-        if near is not None and self._heads.get(near.hashes[0]) is near \
+        if near is not None and near.hashes and self._heads.get(near.hashes[0]) is near \
                 and block_hash in near.hashes:
             return near
         node = self._tails.get(block_hash)
