@@ -139,20 +139,33 @@ def paged_attention_forward(
             f"{type(module).__name__} passes {unknown} to its attention function "
             f"({UNSUPPORTED_ATTENTION_KWARGS[unknown[0]]}), which radixkv's paged attention "
             "does not implement")
-    batch = ctx.batch
-
-    from radixkv import kernels  # imported late: the package may pick a backend on import
-
-    t = batch.num_tokens
+    t = ctx.batch.num_tokens
     if query.shape[0] != 1 or query.shape[2] != t:
         raise RuntimeError(
             f"expected packed query [1, Hq, {t}, D], got {tuple(query.shape)}: the model must "
             "be called with batch size 1 (ModelRunner does this)")
-    q, k, v = _token_major(query), _token_major(key), _token_major(value)
-    k_cache = ctx.kv_cache[module.layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
-    v_cache = ctx.kv_cache[module.layer_idx, 1]
+    out = attend(ctx, module.layer_idx, _token_major(query), _token_major(key),
+                 _token_major(value), scaling, sliding_window, softcap)
+    return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+
+
+def attend(ctx: PagedAttentionContext, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, scaling: float | None, sliding_window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """Write this step's K/V of layer ``layer_idx`` into the paged cache, then attend.
+
+    The layout-free core of :func:`paged_attention_forward`, also called directly by
+    :mod:`radixkv.engine.decoder_forward` (which builds ``q``/``k``/``v`` token-major and so
+    skips the transposes). ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``, all contiguous;
+    returns ``[T, Hq, D]``.
+    """
+    from radixkv import kernels  # imported late: the package may pick a backend on import
+
+    batch = ctx.batch
+    k_cache = ctx.kv_cache[layer_idx, 0]  # [num_blocks, block_size, Hkv, D]
+    v_cache = ctx.kv_cache[layer_idx, 1]
     if k_cache.dtype in _QUANTIZED_STORAGE:   # int8/fp8 KV: write quantized rows, then attend
-        return _quantized(ctx, kernels, q, k, v, ctx.kv_cache[module.layer_idx], scaling,
+        return _quantized(ctx, kernels, q, k, v, ctx.kv_cache[layer_idx], scaling,
                           sliding_window, softcap)
     # check=False: ForwardBatch.build validated slots, tables and lengths once for the step and
     # ModelRunner.execute checked block ids against the pool; the launchers still check shapes,
@@ -181,7 +194,7 @@ def paged_attention_forward(
                 scale=scaling, check=False, plan=plan)
         from radixkv.kernels.backend import resolve_backend
         plan["direct"] = resolve_backend(None, q.device) == "torch"
-    return out.unsqueeze(0), None  # [T, Hq, D] -> [1, T, Hq, D]
+    return out
 
 
 def _torch_path_direct(ctx: PagedAttentionContext, q: torch.Tensor, k: torch.Tensor,
@@ -206,8 +219,7 @@ def _torch_path_direct(ctx: PagedAttentionContext, q: torch.Tensor, k: torch.Ten
 
 def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, kv_layer: torch.Tensor, scaling: float | None,
-               sliding_window: int | None, softcap: float | None
-               ) -> tuple[torch.Tensor, None]:
+               sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Attention over an int8 or fp8 cache (``engine/kv_quant.py``): this step's K/V are
     quantized as they are written (once), then the blocks the batch reads are scaled back into a
     compact scratch cache and the ordinary kernels run on it with remapped block tables. The
@@ -238,7 +250,7 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
             out = kernels.paged_prefill_attention(q, k_cache, v_cache, batch.block_tables,
                                                   batch.cu_seqlens_q, batch.seq_lens,
                                                   scale=scale, check=False)
-        return (rotate(out) if rotated else out).unsqueeze(0), None
+        return rotate(out) if rotated else out
     used, tables = ctx.scratch_tables()
     ks, vs = dequantize_blocks(kv_layer, used, q.dtype, ctx.scratch_workspace(), "kv")
     if windowed or softcap is not None:
@@ -253,7 +265,7 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
                                               batch.seq_lens, scale=scale, check=False)
     if rotated:
         out = rotate(out)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _token_major(x: torch.Tensor) -> torch.Tensor:

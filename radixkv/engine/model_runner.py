@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine import attention, kv_quant, packed_linear
+from radixkv.engine import attention, decoder_forward, kv_quant, packed_linear
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
@@ -89,7 +89,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor | DevicePool,
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: bool | None = None, lean_forward: bool | None = None) -> None:
         """Wrap a ready model and a cache allocated for it.
 
         Args:
@@ -102,6 +102,10 @@ class ModelRunner:
                 (:mod:`radixkv.engine.packed_linear`: bit-identical, faster decode, a second
                 copy of the weights in memory); ``None`` = where supported (bf16 on a CPU with
                 native bf16).
+            lean_forward: run the model through :mod:`radixkv.engine.decoder_forward` (its
+                own weights, fused q/k/v and gate/up GEMMs, fewer ops; bit-identical logits)
+                instead of transformers' modules; ``None`` = where the architecture is
+                supported, ``True`` = required (:class:`ConfigError` naming why not).
         """
         tensor = kv_cache.kv_cache if isinstance(kv_cache, DevicePool) else kv_cache
         param = next(model.parameters())
@@ -139,20 +143,26 @@ class ModelRunner:
             pack_weights = packed_linear.packing_supported(param.dtype, self.device)
         if pack_weights:
             packed_linear.pack_linears(model)
+        reason = decoder_forward.unsupported_reason(model) if lean_forward is not False else ""
+        if lean_forward and reason:
+            raise ConfigError(f"lean_forward=True but {reason}")
+        #: the lean forward, or None: transformers' modules with radixkv's attention hooked in
+        self.lean = (decoder_forward.DecoderForward(model, pack=bool(pack_weights))
+                     if reason is None else None)
         self._vocab_rows = model.get_input_embeddings().num_embeddings
 
     # -- construction helpers -------------------------------------------------------------
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
-                  kv_dtype: str = "auto") -> ModelRunner:
+                  kv_dtype: str = "auto", **runner_options: Any) -> ModelRunner:
         """Allocate a zeroed :class:`DevicePool` of ``num_blocks`` blocks for ``model`` (its
         dtype, or ``kv_dtype="int8"``/``"fp8_e4m3"``: quantized rows, on its device) and wrap
-        both."""
+        both; ``runner_options`` go to the constructor (``pack_weights``, ``lean_forward``)."""
         param = next(model.parameters())
         pool = DevicePool(model_kv_layout(model, block_size, kv_dtype), num_blocks,
                           device=param.device)
-        return cls(model, pool)
+        return cls(model, pool, **runner_options)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | None = None, gguf_file: str | None = None, *,
@@ -197,6 +207,8 @@ class ModelRunner:
         self._check(batch)
         ctx = attention.PagedAttentionContext(batch=batch, kv_cache=self.kv_cache)
         with torch.inference_mode():
+            if self.lean is not None:
+                return self.lean(ctx)
             out = self.model(
                 input_ids=batch.input_ids,           # [1, T]
                 position_ids=batch.position_ids,     # [1, T]

@@ -1,0 +1,107 @@
+"""The lean forward (engine/decoder_forward.py) computes exactly what transformers' modules do.
+
+For every supported architecture (Llama, Qwen2 with biases, tied embeddings and windowed upper
+layers, Qwen3's q/k norms, Mistral's window) and both dtypes, two runners over two copies of one
+model take the same steps: cold prefill chunks of several sequences, chunks that extend a cached
+prefix, and decode steps. The lean runner's logits and everything it wrote into its KV pool must
+be *bit-identical* to the transformers-module runner's (``lean_forward=False``). bf16 covers the
+fused, pre-packed q/k/v and gate/up GEMMs (up to ``MAX_PACKED_ROWS`` rows) and a 300-token chunk
+that takes the separate projections.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixkv.engine import decoder_forward, packed_linear
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import ToyPager  # noqa: E402
+from test_model_families import make_family_model  # noqa: E402
+
+LEAN_FAMILIES = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral_window"]
+
+
+def _runners(family: str, dtype: torch.dtype, num_blocks: int = 256):
+    model = make_family_model(family).to(dtype)
+    lean = ModelRunner.for_model(copy.deepcopy(model), num_blocks, 4, lean_forward=True)
+    hf = ModelRunner.for_model(model, num_blocks, 4, lean_forward=False)
+    assert lean.lean is not None and hf.lean is None
+    return lean, hf
+
+
+def _step(runners, pagers, plan):
+    """One step on both runners; ``plan`` = [(seq_id, num_tokens or None)]."""
+    outs = []
+    for runner, pager in zip(runners, pagers):
+        chunks = [pager.chunk(s, n) for s, n in plan]
+        outs.append(runner.execute(runner.build_batch(chunks)))
+    a, b = outs
+    assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+    assert torch.equal(a, b), (a - b).abs().max()
+    return a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+def test_lean_forward_is_bit_identical_to_transformers_modules(family, dtype):
+    runners = _runners(family, dtype)
+    pagers = [ToyPager(256, 4, seed=1), ToyPager(256, 4, seed=1)]
+    g = torch.Generator().manual_seed(5)
+    lengths = {0: 23, 1: 9, 2: 31}
+    for pager in pagers:
+        for s, n in lengths.items():
+            pager.add(s, torch.randint(0, 256, (n,), generator=g).tolist())
+        g.manual_seed(5)
+    _step(runners, pagers, [(0, 12), (1, None), (2, 16)])     # cold chunks
+    _step(runners, pagers, [(0, None), (2, None)])             # extends a cached prefix
+    for i in range(6):                                          # decode steps
+        for pager in pagers:
+            for s in lengths:
+                pager.append(s, 3 + 7 * s + i)
+        _step(runners, pagers, [(0, None), (1, None), (2, None)])
+    assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
+
+
+def test_long_bf16_chunk_takes_the_separate_projections_bit_identically():
+    runners = _runners("qwen2", torch.bfloat16)
+    pagers = [ToyPager(256, 4, seed=2), ToyPager(256, 4, seed=2)]
+    tokens = torch.randint(0, 256, (packed_linear.MAX_PACKED_ROWS + 44,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    for pager in pagers:
+        pager.add(0, tokens)
+    _step(runners, pagers, [(0, None)])
+    assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
+
+
+def test_fused_weights_follow_an_in_place_weight_edit():
+    """The fused, packed copy is rebuilt when a projection's weight changes in place."""
+    lean, hf = _runners("llama", torch.bfloat16)
+    pagers = [ToyPager(256, 4), ToyPager(256, 4)]
+    for pager in pagers:
+        pager.add(0, list(range(10)))
+    _step((lean, hf), pagers, [(0, 5)])
+    with torch.no_grad():
+        for runner in (lean, hf):
+            runner.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            runner.model.model.layers[1].mlp.up_proj.weight.mul_(0.5)
+    _step((lean, hf), pagers, [(0, None)])
+
+
+def test_unsupported_architectures_keep_transformers_modules():
+    gemma = make_family_model("gemma3")
+    assert "Gemma3ForCausalLM" in decoder_forward.unsupported_reason(gemma)
+    runner = ModelRunner.for_model(copy.deepcopy(gemma), 16, 4)
+    assert runner.lean is None            # lean_forward=None: falls back
+    with pytest.raises(ConfigError, match="lean_forward=True but Gemma3ForCausalLM"):
+        ModelRunner.for_model(gemma, 16, 4, lean_forward=True)
+    llama = make_family_model("llama")
+    llama.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert "activation GELU" in decoder_forward.unsupported_reason(llama)
