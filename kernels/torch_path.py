@@ -56,6 +56,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .reference import PAD_SLOT
 
 _MAX_PADDING = 1.25       # padded work / real work allowed within one group
@@ -84,7 +85,10 @@ def _gather_rows(cache: torch.Tensor, ids: torch.Tensor, which: int) -> torch.Te
         bufs = _workspace.bufs = {}
     key = (which, cache.dtype)
     buf = bufs.get(key)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under inference mode cannot be written outside it (and vice versa a normal
+    # one is fine inside): replace it when the mode differs.
+    if (buf is None or buf.numel() < numel
+            or (buf.is_inference() and not torch.is_inference_mode_enabled())):
         buf = bufs[key] = torch.empty(numel, dtype=cache.dtype)
     return torch.index_select(cache, 0, ids, out=buf[:numel].view(shape))
 
@@ -207,6 +211,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``seq_lens``, e.g. every layer of one forward): the grouping, gather ids and masks are
     derived from them at the first call and reused (saves their tensor work on every layer).
     """
+    # The native kernel (kernels/native.py) reads the pool in place; a plan remembers that the
+    # first layer could use it, so later layers skip the operand checks.
+    checked = plan is not None and plan.get("native", False)
+    if native.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, checked):
+        if plan is not None:
+            plan["native"] = True
+        return out
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads

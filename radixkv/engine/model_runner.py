@@ -150,6 +150,12 @@ class ModelRunner:
         self.lean = (decoder_forward.DecoderForward(model, pack=bool(pack_weights))
                      if reason is None else None)
         self._vocab_rows = model.get_input_embeddings().num_embeddings
+        if self.device.type == "cpu":
+            # Build (first time on this machine, ~6 s) or load the native decode kernel now, so
+            # that the first decode step neither waits for it nor runs another kernel than the
+            # later ones (kernels/native.py; without a compiler the torch path is used).
+            from radixkv.kernels import native
+            native.available()
 
     # -- construction helpers -------------------------------------------------------------
 

@@ -23,7 +23,6 @@ from radixkv.engine.model_runner import ModelRunner
 from radixkv.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import ToyPager  # noqa: E402
 from test_model_families import make_family_model  # noqa: E402
 
 LEAN_FAMILIES = ["llama", "qwen2", "qwen2_window", "qwen3", "mistral_window"]
@@ -51,9 +50,9 @@ def _step(runners, pagers, plan):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", LEAN_FAMILIES)
-def test_lean_forward_is_bit_identical_to_transformers_modules(family, dtype):
+def test_lean_forward_is_bit_identical_to_transformers_modules(family, dtype, toy_pager):
     runners = _runners(family, dtype)
-    pagers = [ToyPager(256, 4, seed=1), ToyPager(256, 4, seed=1)]
+    pagers = [toy_pager(256, 4, seed=1), toy_pager(256, 4, seed=1)]
     g = torch.Generator().manual_seed(5)
     lengths = {0: 23, 1: 9, 2: 31}
     for pager in pagers:
@@ -70,9 +69,9 @@ def test_lean_forward_is_bit_identical_to_transformers_modules(family, dtype):
     assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
 
 
-def test_long_bf16_chunk_takes_the_separate_projections_bit_identically():
+def test_long_bf16_chunk_takes_the_separate_projections_bit_identically(toy_pager):
     runners = _runners("qwen2", torch.bfloat16)
-    pagers = [ToyPager(256, 4, seed=2), ToyPager(256, 4, seed=2)]
+    pagers = [toy_pager(256, 4, seed=2), toy_pager(256, 4, seed=2)]
     tokens = torch.randint(0, 256, (packed_linear.MAX_PACKED_ROWS + 44,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     for pager in pagers:
@@ -81,10 +80,10 @@ def test_long_bf16_chunk_takes_the_separate_projections_bit_identically():
     assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
 
 
-def test_fused_weights_follow_an_in_place_weight_edit():
+def test_fused_weights_follow_an_in_place_weight_edit(toy_pager):
     """The fused, packed copy is rebuilt when a projection's weight changes in place."""
     lean, hf = _runners("llama", torch.bfloat16)
-    pagers = [ToyPager(256, 4), ToyPager(256, 4)]
+    pagers = [toy_pager(256, 4), toy_pager(256, 4)]
     for pager in pagers:
         pager.add(0, list(range(10)))
     _step((lean, hf), pagers, [(0, 5)])

@@ -15,14 +15,16 @@ import torch
 
 from kernel_cases import GARBAGE_BLOCK_ID, check_decode, check_prefill, make_case
 from radixkv.errors import InvalidRequestError
-from radixkv.kernels import (PAD_SLOT, paged_decode_attention, paged_prefill_attention,
-                             torch_path, write_kv)
+from radixkv.kernels import (PAD_SLOT, native, paged_decode_attention,
+                             paged_prefill_attention, torch_path, write_kv)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _force(monkeypatch, path: str) -> None:
-    """path: "exact" (every shape unmasked) or "masked" (every shape padded + masked)."""
+    """path: "exact" (every shape unmasked) or "masked" (every shape padded + masked). Decode
+    goes through SDPA (the native kernel, tests/kernels/test_native_decode.py, is off)."""
+    monkeypatch.setenv(native.ENV_VAR, "0")
     if path == "exact":
         monkeypatch.setattr(torch_path, "_MAX_EXACT_SHAPES", 1 << 30)
     else:
@@ -74,9 +76,19 @@ def test_prefill_empty_chunks_are_skipped():
     check_prefill("torch", case, q_lens, 9, torch.float32, gen)
 
 
+@pytest.fixture(params=["native", "sdpa"])
+def decode_impl(request, monkeypatch) -> str:
+    """Run a decode test through the native kernel (where it builds) and through SDPA."""
+    if request.param == "sdpa":
+        monkeypatch.setenv(native.ENV_VAR, "0")
+    elif not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native._state.get('error')}")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[37] * 5, [16] * 3, [1] * 4, [37, 37, 900, 3, 3, 40]])
-def test_decode_uniform_and_ragged_groups(dtype, lens):
+def test_decode_uniform_and_ragged_groups(dtype, lens, decode_impl):
     """Equal lengths with a ragged last block (no mask: a view cuts the NaN tail), and groups."""
     gen = torch.Generator().manual_seed(len(lens) * 1000 + lens[0])
     case = make_case(lens, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, gen=gen)
@@ -84,8 +96,9 @@ def test_decode_uniform_and_ragged_groups(dtype, lens):
     check_decode("torch", case, q, dtype)
 
 
-def test_decode_workspace_reused_across_calls_and_shapes():
+def test_decode_workspace_reused_across_calls_and_shapes(monkeypatch):
     """Gathers go through a per-thread workspace: results stay right as shapes change."""
+    monkeypatch.setenv(native.ENV_VAR, "0")
     gen = torch.Generator().manual_seed(24)
     for lens in ([300, 300], [5], [64] * 6, [300, 2]):
         case = make_case(lens, num_kv_heads=3, gen=gen)

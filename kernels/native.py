@@ -1,0 +1,173 @@
+"""Native CPU kernels (``cpu_decode.c``): built with the machine's C compiler on first use.
+
+Why: a CPU decode step's attention is many tiny (sequence, KV head) problems, for which torch's
+SDPA costs a fixed ~5 us each plus a gather of every sequence's blocks; the C kernel reads the
+paged pool in place (see the C file). It is an accelerator, never a requirement: without a
+compiler, with ``$RADIXKV_NATIVE_KERNELS=0``, on an unsupported shape or dtype, or if the build
+fails, :func:`paged_decode` returns ``False`` and the caller runs the torch path.
+
+Building: ``cc -O3 -march=native -ffast-math -fno-finite-math-only -shared -fPIC`` (about 6 s),
+into ``$RADIXKV_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/radixkv/kernels``, else
+``~/.cache/radixkv/kernels``). The file name is a digest of the source, the flags, the
+compiler's version and this CPU's feature flags, so a cache shared between machines never loads
+a library built for other instructions; a library is written under a temporary name and renamed
+into place, so concurrent processes never load a half-written file. ``$CC`` picks the compiler.
+
+Loaded with :mod:`ctypes` (no torch headers, no pybind: the build needs only a C compiler). The
+kernel runs on the calling thread, single-threaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("radixkv.kernels")
+
+ENV_VAR = "RADIXKV_NATIVE_KERNELS"
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
+_ABI = 1
+#: (head_dim, query heads per KV head) combinations instantiated in the C file.
+HEAD_DIMS = frozenset({16, 32, 64, 128})
+MAX_GROUP = 8
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_state: dict = {}   # "fn": the ctypes function or None once tried; "error": why not
+
+
+def enabled() -> bool:
+    """False when ``$RADIXKV_NATIVE_KERNELS`` is ``0``/``false``/``off``."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("RADIXKV_CACHE_DIR")
+    if env:
+        return Path(env) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "radixkv" / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([
+        source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+        platform.machine().encode()])).hexdigest()[:20]
+    target = cache_dir() / f"cpu_decode-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    """The kernel's ctypes function, building it if needed; None (and ``_state['error']``)
+    when it cannot be had. Tried once per process."""
+    with _lock:
+        if "fn" in _state:
+            return _state["fn"]
+        fn = None
+        try:
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            if lib.radixkv_native_abi() != _ABI:
+                raise RuntimeError("library interface version mismatch")
+            fn = lib.radixkv_paged_decode
+            vp, i32 = ctypes.c_void_p, ctypes.c_int
+            fn.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
+                           ctypes.c_float, i32]
+            fn.restype = i32
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _state["error"] = str(exc)
+            log.warning("radixkv: native CPU decode kernel unavailable, using the torch path "
+                        "(%s)", exc)
+        _state["fn"] = fn
+        return fn
+
+
+def available() -> bool:
+    """Whether the native decode kernel is enabled and loads (builds it on first call)."""
+    return enabled() and _load() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode` handles these operands (dtypes, device, sizes, layouts)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+            and v_cache.dtype == q.dtype and out.dtype == q.dtype
+            and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP
+            and group * num_kv_heads == q.shape[1] and out.shape == q.shape
+            and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+            and all(t.is_contiguous() and t.device.type == "cpu"
+                    for t in (q, k_cache, v_cache, block_tables, seq_lens, out)))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 out: torch.Tensor, checked: bool = False) -> bool:
+    """Decode attention into ``out`` (see ``cpu_decode.c`` for layouts); ``False`` when not run
+    (the caller then takes the torch path). Values are trusted: the launchers in ``ops.py``
+    checked shapes, dtypes and, unless told not to, tables and lengths. ``checked=True``: the
+    caller saw :func:`supports` hold for operands of the same kinds (a forward's later layers),
+    so it is not evaluated again."""
+    if not checked and not (enabled() and supports(q, k_cache, v_cache, block_tables,
+                                                   seq_lens, out)):
+        return False
+    fn = _state.get("fn") if "fn" in _state else _load()
+    if fn is None:
+        return False
+    n, hq, d = q.shape
+    return fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+              seq_lens.data_ptr(), out.data_ptr(), n, hq, k_cache.shape[2], d,
+              k_cache.shape[1], block_tables.shape[1], float(scale), _DTYPES[q.dtype]) == 0
