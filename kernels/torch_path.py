@@ -430,6 +430,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``plan``: as in :func:`paged_decode_attention`, a per-batch dict reused across layers.
     """
+    # The native bf16 kernel first (kernels/native.py), as in decode; the plan keeps the
+    # longest sequence (it sizes the kernel's scratch) once the first layer could use it.
+    if plan is not None and "native_max_len" in plan:
+        if native.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                plan["native_max_len"], scale, out, checked=True):
+            return out
+    elif q.dtype == torch.bfloat16:
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        if native.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                max_len, scale, out):
+            if plan is not None:
+                plan["native_max_len"] = max_len
+            return out
     flash = _flash_with_lse()
     items = None if plan is None else plan.get("prefill")
     if items is None:

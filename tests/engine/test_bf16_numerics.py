@@ -41,9 +41,12 @@ def _errors(arch, tiny_model, toy_pager, cached: int) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_cold_prefill_is_transformers_bf16(arch, tiny_model, toy_pager):
+def test_bf16_cold_prefill_is_as_close_as_transformers_bf16(arch, tiny_model, toy_pager):
+    """Cold prefill's logits are no farther from float32 than transformers' bf16 ones (the
+    native bf16 kernel, where it runs, attends in float32 and rounds once; elsewhere the torch
+    path runs transformers' own SDPA kernel and the two are equal)."""
     rkv_err, hf_err = _errors(arch, tiny_model, toy_pager, cached=0)
-    assert rkv_err == pytest.approx(hf_err, rel=0.02)
+    assert rkv_err <= 1.02 * hf_err
 
 
 @pytest.mark.parametrize("cached, q_len", [(48, 16), (5, 30), (100, 1)])

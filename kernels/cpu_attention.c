@@ -1,5 +1,7 @@
-/* Paged decode attention for the CPU: one query token per sequence, read through block tables.
+/* Paged attention for the CPU, read through block tables: decode (one query token per sequence,
+ * float32 and bfloat16) and, where the CPU has AVX512-BF16, bfloat16 prefill / extend.
  *
+ * Decode.
  * Why native code: on the CPU a decode step's attention is many tiny problems (per sequence and
  * KV head: G query rows against L keys of head_dim D). torch's SDPA pays a fixed cost per
  * (sequence, head) that dwarfs the arithmetic, and the torch path must first gather every
@@ -15,7 +17,8 @@
  * Built by kernels/native.py with the machine's C compiler (-O3 -march=native -ffast-math
  * -fno-finite-math-only) on first use and cached; the sizes are compile-time constants so the
  * compiler keeps a (sequence, KV head)'s accumulators in vector registers. Combinations not
- * instantiated below return -2 and the caller takes the torch path.
+ * instantiated below return -2 (-3: the CPU lacks the instructions) and the caller takes the
+ * torch path.
  *
  * Layouts (all contiguous):
  *   q, out        [n, hq, D]                     hq = G * hkv; query head h reads KV head h / G
@@ -25,6 +28,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef uint16_t bf16_t;
 
@@ -157,5 +161,158 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
     return 0;
 }
 
+/* ---------------------------------------------------------------- bf16 prefill / extend
+ *
+ * Query token i of a sequence (position cached + i, cached = seq_len - q_len) attends keys
+ * [0, cached + i]. Needs AVX512-BF16 (and AVX512F); without it the entry point returns -3.
+ * Why: torch's CPU flash kernel runs this at 36-64 GFLOP/s on one core; this one at ~90-100
+ * (kernels/native.py, docs/kernels.md). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 exp512(__m512 x) {   /* x <= 0 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* One sequence, every head. Per KV head, K is packed once into bf16 pairs (AVX512-BF16's dot
+ * product multiplies pairs exactly and accumulates in float32) as [tile][D/2][16 keys], V into
+ * float32 rows. Each query head then walks tiles of 16 query rows x 16 keys:
+ *   S[i] (16 keys in the lanes) = sum over dim pairs of dpbf16(broadcast(q[i] pair), K pair)
+ *   online softmax per row in float32 (exp512)
+ *   O[i][16 dims] += P[i][k] * V[k][16 dims]   float32 FMAs: P is not rounded to bf16 (as
+ *   flash kernels do), so the output is the float32 attention rounded once
+ * Query rows past q_len and keys past a row's causal bound are masked out.
+ * scratch: 24 * ceil(seq_len / 16) * D 32-bit words (kernels/native.py sizes it). */
+#define DEFINE_PREFILL(D) \
+static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int32_t *table, \
+    int q_len, int L, int bs, int hq, int hkv, float scale, bf16_t *out, uint32_t *scratch) { \
+    int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16; \
+    uint32_t *Kp = scratch;                               /* [nt][D/2][16] bf16 pairs */ \
+    float *Vf = (float *)(scratch + (int64_t)nt * (D / 2) * 16);  /* [nt * 16][D] */ \
+    for (int h = 0; h < hkv; h++) { \
+        for (int t = 0; t < nt; t++) { \
+            for (int k = 0; k < 16; k++) { \
+                int j = t * 16 + k; \
+                const uint32_t *kr = 0; const bf16_t *vr = 0; \
+                if (j < L) { int64_t row = (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * D; \
+                             kr = (const uint32_t *)(kc + row); vr = vc + row; } \
+                for (int p = 0; p < D / 2; p++) Kp[((int64_t)t * (D / 2) + p) * 16 + k] = kr ? kr[p] : 0u; \
+                float *vdst = Vf + (int64_t)j * D; \
+                for (int e = 0; e < D; e++) vdst[e] = vr ? bf16_to_f32(vr[e]) : 0.f; \
+            } \
+        } \
+        for (int hh = h * g; hh < (h + 1) * g; hh++) { \
+            for (int i0 = 0; i0 < q_len; i0 += 16) { \
+                int nr = q_len - i0 < 16 ? q_len - i0 : 16; \
+                uint32_t qp[16][D / 2]; \
+                float o[16][D], m[16], l[16]; \
+                for (int i = 0; i < 16; i++) { \
+                    if (i < nr) memcpy(qp[i], q + ((int64_t)(i0 + i) * hq + hh) * D, D * 2); \
+                    else memset(qp[i], 0, D * 2); \
+                    for (int e = 0; e < D; e++) o[i][e] = 0.f; \
+                    m[i] = -INFINITY; l[i] = 0.f; \
+                } \
+                int last = cached + i0 + nr - 1; \
+                for (int t = 0; t <= last / 16; t++) { \
+                    __m512 S[16]; \
+                    for (int i = 0; i < 16; i++) S[i] = _mm512_setzero_ps(); \
+                    const uint32_t *kt = Kp + (int64_t)t * (D / 2) * 16; \
+                    for (int p = 0; p < D / 2; p++) { \
+                        __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 16); \
+                        for (int i = 0; i < 16; i++) \
+                            S[i] = _mm512_dpbf16_ps(S[i], (__m512bh)_mm512_set1_epi32((int)qp[i][p]), kv); \
+                    } \
+                    float pf[16][16], cs[16]; \
+                    int k0 = t * 16; \
+                    for (int i = 0; i < 16; i++) { \
+                        __m512 s = _mm512_mul_ps(S[i], _mm512_set1_ps(scale)); \
+                        int lim = cached + i0 + i - k0; \
+                        __mmask16 vis = lim >= 15 ? (__mmask16)0xffff : (lim < 0 ? 0 : (__mmask16)((1u << (lim + 1)) - 1)); \
+                        if (i >= nr) vis = 0; \
+                        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, s); \
+                        float mx = _mm512_reduce_max_ps(s); \
+                        mx = mx > m[i] ? mx : m[i]; \
+                        if (mx == -INFINITY) { cs[i] = 1.f; memset(pf[i], 0, sizeof pf[i]); continue; } \
+                        float c = m[i] == -INFINITY ? 0.f : expf(m[i] - mx); \
+                        __m512 pr = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx)))); \
+                        l[i] = l[i] * c + _mm512_reduce_add_ps(pr); m[i] = mx; cs[i] = c; \
+                        _mm512_storeu_ps(pf[i], pr); \
+                    } \
+                    const float *vt = Vf + (int64_t)k0 * D; \
+                    for (int c0 = 0; c0 < D; c0 += 16) { \
+                        __m512 A[16]; \
+                        for (int i = 0; i < 16; i++) A[i] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(cs[i])); \
+                        for (int k = 0; k < 16; k++) { \
+                            __m512 vv = _mm512_loadu_ps(vt + (int64_t)k * D + c0); \
+                            for (int i = 0; i < 16; i++) \
+                                A[i] = _mm512_fmadd_ps(_mm512_set1_ps(pf[i][k]), vv, A[i]); \
+                        } \
+                        for (int i = 0; i < 16; i++) _mm512_storeu_ps(o[i] + c0, A[i]); \
+                    } \
+                } \
+                for (int i = 0; i < nr; i++) { \
+                    float inv = 1.f / l[i]; \
+                    bf16_t *op = out + ((int64_t)(i0 + i) * hq + hh) * D; \
+                    for (int c0 = 0; c0 < D; c0 += 16) { \
+                        __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(inv))); \
+                        _mm256_storeu_si256((__m256i *)(op + c0), (__m256i)r); \
+                    } \
+                } \
+            } \
+        } \
+    } \
+}
+DEFINE_PREFILL(16)
+DEFINE_PREFILL(32)
+DEFINE_PREFILL(64)
+DEFINE_PREFILL(128)
+typedef void (*prefill_fn)(const bf16_t *, const bf16_t *, const bf16_t *, const int32_t *, int,
+                           int, int, int, int, float, bf16_t *, uint32_t *);
+
+int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                               const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
+                               int bs, int max_blocks, float scale, void *scratch) {
+    prefill_fn fn;
+    switch (d) {
+        case 16: fn = prefill_16; break;
+        case 32: fn = prefill_32; break;
+        case 64: fn = prefill_64; break;
+        case 128: fn = prefill_128; break;
+        default: return -2;
+    }
+    if (hkv < 1 || hq % hkv != 0) return -2;
+    for (int s = 0; s < n; s++) {
+        int start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
+        if (q_len <= 0) continue;
+        int64_t off = (int64_t)start * hq * d;
+        fn((const bf16_t *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
+           q_len, seq_lens[s], bs, hq, hkv, scale, (bf16_t *)out + off, scratch);
+    }
+    return 0;
+}
+#else
+int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                               const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
+                               int bs, int max_blocks, float scale, void *scratch) {
+    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
+    (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
+    (void)max_blocks; (void)scale; (void)scratch;
+    return -3;
+}
+#endif
+
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 1; }
+int radixkv_native_abi(void) { return 2; }
