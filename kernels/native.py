@@ -9,7 +9,7 @@ accelerators, never requirements: without a compiler, with ``$RADIXKV_NATIVE_KER
 an unsupported shape, dtype or CPU, or if the build fails, :func:`paged_decode` and
 :func:`paged_prefill` return ``False`` and the caller runs the torch path.
 
-Building: ``cc -O3 -march=native -ffast-math -fno-finite-math-only -shared -fPIC`` (about 6 s),
+Building: ``cc -O3 -march=native -ffast-math -fno-finite-math-only -shared -fPIC`` (about 7 s),
 into ``$RADIXKV_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/radixkv/kernels``, else
 ``~/.cache/radixkv/kernels``). The file name is a digest of the source, the flags, the
 compiler's version and this CPU's feature flags, so a cache shared between machines never loads

@@ -151,7 +151,7 @@ class ModelRunner:
                      if reason is None else None)
         self._vocab_rows = model.get_input_embeddings().num_embeddings
         if self.device.type == "cpu":
-            # Build (first time on this machine, ~6 s) or load the native decode kernel now, so
+            # Build (first time on this machine, ~7 s) or load the native attention kernels now, so
             # that the first decode step neither waits for it nor runs another kernel than the
             # later ones (kernels/native.py; without a compiler the torch path is used).
             from radixkv.kernels import native
