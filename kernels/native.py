@@ -38,9 +38,11 @@ import torch
 log = logging.getLogger("radixkv.kernels")
 
 ENV_VAR = "RADIXKV_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+#: Compiled together into one library; cpu_math.h is included by both (and hashed with them).
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_sampling.c"))
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
-_ABI = 2
+_ABI = 3
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
@@ -88,10 +90,9 @@ def _cpu_flags() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([
-        source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
-        platform.machine().encode()])).hexdigest()[:20]
+        *(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+        version.encode(), _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
     target = cache_dir() / f"cpu_attention-{digest}.so"
     if target.exists():
         return target
@@ -99,7 +100,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -134,6 +135,10 @@ def _load():
                                 ctypes.c_float, vp]
             prefill.restype = i32
             _state["prefill"] = prefill
+            greedy = lib.radixkv_greedy_logsumexp
+            greedy.argtypes = [vp, i32, i32, ctypes.c_int64, vp, vp]
+            greedy.restype = i32
+            _state["greedy"] = greedy
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["error"] = str(exc)
             log.warning("radixkv: native CPU attention kernels unavailable, using the torch path "
@@ -224,3 +229,25 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if rc == -3:   # built without AVX512-BF16: never ask again in this process
         _state["no_prefill"] = True
     return rc == 0
+
+
+def greedy_logsumexp(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+    """(greedy token, log-sum-exp) of each row of float32 CPU ``[R, V]`` logits, in one native
+    pass per row (``cpu_sampling.c``): the token is the lowest index of the row's maximum, as
+    ``max(dim)`` gives. ``None`` when not run (the caller uses torch): disabled, no library,
+    another dtype or device, a non-unit inner stride, or a row holding a NaN."""
+    if (not enabled() or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or logits.stride(1) != 1 or logits.shape[0] == 0):
+        return None
+    if "fn" not in _state:
+        _load()
+    fn = _state.get("greedy")
+    if fn is None:
+        return None
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    if fn(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), tokens.data_ptr(),
+          lse.data_ptr()) != 0:
+        return None
+    return tokens.tolist(), lse.tolist()

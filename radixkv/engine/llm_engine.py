@@ -40,8 +40,8 @@ from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
-from radixkv.engine.sampling import (SamplingParams, eos_token_ids, greedy_tokens, make_generator,
-                                     sample_token)
+from radixkv.engine.sampling import (SamplingParams, eos_token_ids, make_generator, sample_token,
+                                     step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
@@ -381,8 +381,7 @@ class LLMEngine:
             run_kv_ops(self.kv_mover, copies)
         if not rows:
             return []
-        argmax = greedy_tokens(logits)       # greedy: ties -> lowest id
-        logp = torch.log_softmax(logits, dim=-1)
+        argmax, logp, lse = step_logprobs(logits, any(r.params.logprobs for r in reqs.values()))
         now = time.perf_counter()
         outputs = []
         for req in reqs.values():
@@ -393,7 +392,7 @@ class LLMEngine:
             if req.beam is not None:
                 self._beam_step(req, logits[idx])
             else:
-                self._sample_step(req, idx, logits, argmax, logp)
+                self._sample_step(req, idx, logits, argmax, logp, lse)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -419,7 +418,8 @@ class LLMEngine:
         return sample_token(logits[row], req.params, seq.generator)
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
-                     argmax: list[int], logp: torch.Tensor) -> None:
+                     argmax: list[int], logp: torch.Tensor | None,
+                     lse: list[float] | None) -> None:
         p = req.params
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
             # First token of n samples: one prompt forward, then fork n-1 children that share
@@ -440,7 +440,7 @@ class LLMEngine:
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            lp = float(logp[row, tok])
+            lp = float(logp[row, tok]) if logp is not None else float(logits[row, tok]) - lse[row]
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
