@@ -147,6 +147,14 @@ def _load():
         return fn
 
 
+def _entry(name: str):
+    """The library's entry point ``name`` ("fn": decode, "prefill", "greedy"), loading (and on
+    a machine's first use building) the library first; None when it cannot be had."""
+    if "fn" not in _state:
+        _load()
+    return _state.get(name)
+
+
 def available() -> bool:
     """Whether the native decode kernel is enabled and loads (builds it on first call)."""
     return enabled() and _load() is not None
@@ -184,7 +192,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not checked and not (enabled() and supports(q, k_cache, v_cache, block_tables,
                                                    seq_lens, out)):
         return False
-    fn = _state.get("fn") if "fn" in _state else _load()
+    fn = _entry("fn")
     if fn is None:
         return False
     n, hq, d = q.shape
@@ -212,9 +220,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             and cu_seqlens_q.is_contiguous()
                             and _operands_ok(q, k_cache, v_cache, block_tables, seq_lens, out)):
         return False
-    if "fn" not in _state:
-        _load()
-    fn = _state.get("prefill")
+    fn = _entry("prefill")
     if fn is None:
         return False
     n, hq, d = q.shape
@@ -239,9 +245,7 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[list[int], list[float]] | No
     if (not enabled() or logits.dim() != 2 or logits.dtype != torch.float32
             or logits.device.type != "cpu" or logits.stride(1) != 1 or logits.shape[0] == 0):
         return None
-    if "fn" not in _state:
-        _load()
-    fn = _state.get("greedy")
+    fn = _entry("greedy")
     if fn is None:
         return None
     rows = logits.shape[0]
