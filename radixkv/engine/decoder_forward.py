@@ -46,6 +46,7 @@ _WINDOW_SOURCE = {
     "Qwen3ForCausalLM": "layer",
 }
 _RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_LINEARS = (torch.nn.Linear, packed_linear.PackedLinear)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -58,6 +59,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"hidden_act {cfg.hidden_act!r} (the lean forward runs SiLU MLPs)"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return "its modules carry accelerate hooks (device_map offloading)"
     base = model.model
     norms = [base.norm]
     for layer in base.layers:
@@ -66,7 +69,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
         linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        # Exactly nn.Linear (or its pre-packed form): subclasses such as quantized linears
+        # keep other data in .weight, which the fused GEMMs would concatenate as floats.
+        if not all(type(m) in _LINEARS for m in linears):
             return f"layer {layer.self_attn.layer_idx} has projections other than nn.Linear"
         if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
             return f"activation {type(mlp.act_fn).__name__}"

@@ -104,3 +104,13 @@ def test_unsupported_architectures_keep_transformers_modules():
     llama = make_family_model("llama")
     llama.model.layers[1].mlp.act_fn = torch.nn.GELU()
     assert "activation GELU" in decoder_forward.unsupported_reason(llama)
+
+    class QuantLinear(torch.nn.Linear):   # e.g. a quantized linear: another .weight meaning
+        pass
+
+    llama = make_family_model("llama")
+    llama.model.layers[0].self_attn.k_proj.__class__ = QuantLinear
+    assert "other than nn.Linear" in decoder_forward.unsupported_reason(llama)
+    llama = make_family_model("llama")
+    llama.model.layers[0].mlp._hf_hook = object()   # what accelerate's offloading attaches
+    assert "accelerate hooks" in decoder_forward.unsupported_reason(llama)
