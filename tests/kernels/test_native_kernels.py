@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kernel_cases import assert_close, check_decode, make_case
@@ -33,7 +33,6 @@ def _run(case, q, out=None):
     return ran, out
 
 
-@settings(max_examples=40, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        head_dim=st.sampled_from(sorted(native.HEAD_DIMS)),
        group=st.integers(1, native.MAX_GROUP), num_kv_heads=st.integers(1, 3),
@@ -99,7 +98,6 @@ def _prefill_or_skip(case, q, cu):
     return out
 
 
-@settings(max_examples=40, deadline=None)
 @given(data=st.data(), head_dim=st.sampled_from(sorted(native.HEAD_DIMS)),
        group=st.integers(1, 12), num_kv_heads=st.integers(1, 3),
        block_size=st.sampled_from([1, 4, 16, 32]))
@@ -108,6 +106,7 @@ def test_native_prefill_is_float32_attention_rounded_once(data, head_dim, group,
     shapes = data.draw(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)),
                                 min_size=1, max_size=4), label="(cached, q_len)")
     shapes = [(c, n) if c + n else (c, 1) for c, n in shapes]
+    shapes[0] = (shapes[0][0], max(shapes[0][1], 1))   # at least one query token in all
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
     lens = [c + n for c, n in shapes]
     case = make_case(lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
