@@ -112,7 +112,7 @@ static const head_fn HEADS[4][8][2] = { ROW(16), ROW(32), ROW(64), ROW(128) };
 int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                          const int32_t *block_tables, const int32_t *seq_lens, void *out,
                          int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
-                         int is_bf16) {
+                         int is_bf16, int part, int parts) {
     int g = hq / hkv, di;
     switch (d) {
         case 16: di = 0; break;
@@ -124,8 +124,10 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
     if (g < 1 || g > 8 || g * hkv != hq || (is_bf16 != 0 && is_bf16 != 1)) return -2;
     head_fn fn = HEADS[di][g - 1][is_bf16];
     int64_t elem = is_bf16 ? 2 : 4;
+    if (parts < 1 || part < 0 || part >= parts) return -2;
     for (int s = 0; s < n; s++) {
         for (int h = 0; h < hkv; h++) {
+            if ((s * hkv + h) % parts != part) continue;   /* another thread's (seq, head) */
             int64_t off = ((int64_t)s * hq + (int64_t)h * g) * d * elem;
             fn((const char *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
                seq_lens[s], bs, hkv, h, scale, (char *)out + off);
@@ -169,11 +171,16 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
  * scratch: 24 * ceil(seq_len / 16) * D 32-bit words (kernels/native.py sizes it). */
 #define DEFINE_PREFILL(D) \
 static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int32_t *table, \
-    int q_len, int L, int bs, int hq, int hkv, float scale, bf16_t *out, uint32_t *scratch) { \
-    int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16; \
+    int q_len, int L, int bs, int hq, int hkv, float scale, bf16_t *out, uint32_t *scratch, \
+    int64_t tile0, int part, int parts) { \
+    int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
     uint32_t *Kp = scratch;                               /* [nt][D/2][16] bf16 pairs */ \
     float *Vf = (float *)(scratch + (int64_t)nt * (D / 2) * 16);  /* [nt * 16][D] */ \
     for (int h = 0; h < hkv; h++) { \
+        /* tiles are numbered from tile0 over (query head, query tile); this part takes every \
+           parts-th one (causal tiles grow with i0, so round robin balances) */ \
+        int64_t first = tile0 + (int64_t)h * g * qtiles, count = (int64_t)g * qtiles; \
+        if (count < parts && (((part - first) % parts) + parts) % parts >= count) continue; \
         for (int t = 0; t < nt; t++) { \
             for (int k = 0; k < 16; k++) { \
                 int j = t * 16 + k; \
@@ -187,6 +194,8 @@ static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, con
         } \
         for (int hh = h * g; hh < (h + 1) * g; hh++) { \
             for (int i0 = 0; i0 < q_len; i0 += 16) { \
+                int64_t tile = tile0 + (int64_t)hh * qtiles + i0 / 16; \
+                if (tile % parts != part) continue; \
                 int nr = q_len - i0 < 16 ? q_len - i0 : 16; \
                 uint32_t qp[16][D / 2]; \
                 float o[16][D], m[16], l[16]; \
@@ -251,12 +260,13 @@ DEFINE_PREFILL(32)
 DEFINE_PREFILL(64)
 DEFINE_PREFILL(128)
 typedef void (*prefill_fn)(const bf16_t *, const bf16_t *, const bf16_t *, const int32_t *, int,
-                           int, int, int, int, float, bf16_t *, uint32_t *);
+                           int, int, int, int, float, bf16_t *, uint32_t *, int64_t, int, int);
 
 int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *cu_seqlens_q,
                                const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
-                               int bs, int max_blocks, float scale, void *scratch) {
+                               int bs, int max_blocks, float scale, void *scratch, int part,
+                               int parts) {
     prefill_fn fn;
     switch (d) {
         case 16: fn = prefill_16; break;
@@ -265,13 +275,16 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
         case 128: fn = prefill_128; break;
         default: return -2;
     }
-    if (hkv < 1 || hq % hkv != 0) return -2;
+    if (hkv < 1 || hq % hkv != 0 || parts < 1 || part < 0 || part >= parts) return -2;
+    int64_t tile0 = 0;   /* (query head, query tile) pairs of the sequences before */
     for (int s = 0; s < n; s++) {
         int start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
         if (q_len <= 0) continue;
         int64_t off = (int64_t)start * hq * d;
         fn((const bf16_t *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
-           q_len, seq_lens[s], bs, hq, hkv, scale, (bf16_t *)out + off, scratch);
+           q_len, seq_lens[s], bs, hq, hkv, scale, (bf16_t *)out + off, scratch, tile0, part,
+           parts);
+        tile0 += (int64_t)hq * ((q_len + 15) / 16);
     }
     return 0;
 }
@@ -279,13 +292,14 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
 int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *cu_seqlens_q,
                                const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
-                               int bs, int max_blocks, float scale, void *scratch) {
+                               int bs, int max_blocks, float scale, void *scratch, int part,
+                               int parts) {
     (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
     (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
-    (void)max_blocks; (void)scale; (void)scratch;
+    (void)max_blocks; (void)scale; (void)scratch; (void)part; (void)parts;
     return -3;
 }
 #endif
 
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 3; }
+int radixkv_native_abi(void) { return 4; }

@@ -16,8 +16,11 @@ compiler's version and this CPU's feature flags, so a cache shared between machi
 a library built for other instructions; a library is written under a temporary name and renamed
 into place, so concurrent processes never load a half-written file. ``$CC`` picks the compiler.
 
-Loaded with :mod:`ctypes` (no torch headers, no pybind: the build needs only a C compiler). The
-kernel runs on the calling thread, single-threaded.
+Loaded with :mod:`ctypes` (no torch headers, no pybind: the build needs only a C compiler).
+Threads: with ``torch.get_num_threads() > 1`` a call is split into that many parts (decode: every
+n-th (sequence, KV head); prefill: every n-th (query head, 16-row tile)) run on the calling
+thread and a small pool of Python threads (ctypes releases the GIL for the call); each row is
+computed by the same code whatever the split, so results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,7 +46,7 @@ ENV_VAR = "RADIXKV_NATIVE_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_sampling.c"))
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
-_ABI = 3
+_ABI = 4
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
@@ -128,11 +132,11 @@ def _load():
             fn = lib.radixkv_paged_decode
             vp, i32 = ctypes.c_void_p, ctypes.c_int
             fn.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
-                           ctypes.c_float, i32]
+                           ctypes.c_float, i32, i32, i32]
             fn.restype = i32
             prefill = lib.radixkv_paged_prefill_bf16
             prefill.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
-                                ctypes.c_float, vp]
+                                ctypes.c_float, vp, i32, i32]
             prefill.restype = i32
             _state["prefill"] = prefill
             greedy = lib.radixkv_greedy_logsumexp
@@ -145,6 +149,38 @@ def _load():
                         "(%s)", exc)
         _state["fn"] = fn
         return fn
+
+
+#: A call is split only when each part gets at least this much work: (decode) keys read times
+#: KV heads, (prefill) query rows. Below, a pool round trip (tens of us, and the GIL handed
+#: between threads) costs more than it saves: 16 sequences of ~100 tokens decoded slower split.
+_MIN_DECODE_KEYS_PER_PART = 16384   # keys x KV heads: ~0.2 ms of work on one core
+_MIN_PREFILL_ROWS_PER_PART = 64
+_pool: list = [None, 0]   # (executor, its workers)
+
+
+def _parts(work: int, per_part: int, parts: int | None) -> int:
+    """How many parts to split a call into: ``parts`` if given, else torch's thread count,
+    bounded so each part has at least ``per_part`` of ``work``."""
+    if parts is None:
+        parts = min(torch.get_num_threads(), max(1, work // per_part))
+    return max(1, parts)
+
+
+def _run_parts(call, parts: int) -> bool:
+    """``call(part, parts)`` for every part (part 0 on this thread), True if all returned 0."""
+    if parts == 1:
+        return call(0, 1) == 0
+    with _lock:
+        pool, workers = _pool
+        if pool is None or workers < parts - 1:
+            # A larger pool replaces the old one, which is not shut down: another thread may
+            # be submitting to it right now (its idle threads end when it is collected).
+            pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="radixkv-attn")
+            _pool[:] = [pool, parts - 1]
+    futures = [pool.submit(call, p, parts) for p in range(1, parts)]
+    ok = call(0, parts) == 0
+    return all([f.result() == 0 for f in futures]) and ok
 
 
 def _entry(name: str):
@@ -183,12 +219,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 out: torch.Tensor, checked: bool = False) -> bool:
+                 out: torch.Tensor, checked: bool = False, parts: int | None = None) -> bool:
     """Decode attention into ``out`` (see ``cpu_attention.c`` for layouts); ``False`` when not run
     (the caller then takes the torch path). Values are trusted: the launchers in ``ops.py``
     checked shapes, dtypes and, unless told not to, tables and lengths. ``checked=True``: the
     caller saw :func:`supports` hold for operands of the same kinds (a forward's later layers),
-    so it is not evaluated again."""
+    so it is not evaluated again. ``parts``: split the call this many ways (default: by torch's
+    thread count, see the module docstring)."""
     if not checked and not (enabled() and supports(q, k_cache, v_cache, block_tables,
                                                    seq_lens, out)):
         return False
@@ -196,9 +233,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if fn is None:
         return False
     n, hq, d = q.shape
-    return fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-              seq_lens.data_ptr(), out.data_ptr(), n, hq, k_cache.shape[2], d,
-              k_cache.shape[1], block_tables.shape[1], float(scale), _DTYPES[q.dtype]) == 0
+    hkv = k_cache.shape[2]
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
+            block_tables.shape[1], float(scale), _DTYPES[q.dtype])
+    if parts is None and torch.get_num_threads() > 1:
+        parts = _parts(int(seq_lens.sum()) * hkv, _MIN_DECODE_KEYS_PER_PART, None)
+        parts = min(parts, n * hkv)
+    return _run_parts(lambda part, count: fn(*args, part, count), parts or 1)
 
 
 _scratch = threading.local()
@@ -207,7 +249,7 @@ _scratch = threading.local()
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor,
-                  checked: bool = False) -> bool:
+                  checked: bool = False, parts: int | None = None) -> bool:
     """Causal extend-case attention (q packed ``[total, hq, D]`` by ``cu_seqlens_q``; query i of
     a sequence sees keys up to ``seq_len - q_len + i``) into ``out``, bf16 only; ``False`` when
     not run (other dtypes or sizes, no AVX512-BF16, no compiler). ``max_seq_len`` (the longest
@@ -225,16 +267,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return False
     n, hq, d = q.shape
     words = 24 * d * (-(-max_seq_len // 16))   # K as bf16 pairs + V as float32 (C file)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < words:
-        buf = _scratch.buf = torch.empty(max(words, 1 << 16), dtype=torch.int32)
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], hq,
-            k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], float(scale),
-            buf.data_ptr())
-    if rc == -3:   # built without AVX512-BF16: never ask again in this process
-        _state["no_prefill"] = True
-    return rc == 0
+            k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], float(scale))
+
+    def call(part: int, count: int) -> int:
+        buf = getattr(_scratch, "buf", None)   # per thread: each part packs its own K/V
+        if buf is None or buf.numel() < words:
+            buf = _scratch.buf = torch.empty(max(words, 1 << 16), dtype=torch.int32)
+        rc = fn(*args, buf.data_ptr(), part, count)
+        if rc == -3:   # built without AVX512-BF16: never ask again in this process
+            _state["no_prefill"] = True
+        return rc
+
+    return _run_parts(call, _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART, parts))
 
 
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:

@@ -143,6 +143,38 @@ def test_native_prefill_long_sequence_and_declines():
                     torch.tensor([0, 30], dtype=torch.int32))[0] is False
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_calls_give_the_same_bits(dtype):
+    """Split over threads (every n-th (sequence, KV head) in decode, every n-th (query head,
+    tile) in prefill), the results are bit-identical to one part, whatever the count."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [300, 17, 64, 1, 90]
+    case = make_case(lens, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, gen=gen)
+    q = torch.randn(len(lens), 9, 64, generator=gen).to(dtype)
+    outs = []
+    for parts in (1, 2, 3, 7):
+        out = torch.full_like(q, float("nan"))
+        assert native.paged_decode(q, case.k_cache, case.v_cache, case.block_tables,
+                                   case.seq_lens, 0.125, out, parts=parts)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    if dtype != torch.bfloat16:
+        return
+    q_lens = [100, 17, 40, 1, 90]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qp = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+    outs = []
+    for parts in (1, 2, 3, 7):
+        out = torch.full_like(qp, float("nan"))
+        ran = native.paged_prefill(qp, case.k_cache, case.v_cache, case.block_tables, cu,
+                                   case.seq_lens, 300, 0.125, out, parts=parts)
+        if not ran:
+            pytest.skip("native bf16 prefill unavailable here (needs AVX512-BF16)")
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path))
     cc = native._compiler()
