@@ -167,6 +167,15 @@ def _parts(work: int, per_part: int, parts: int | None) -> int:
     return max(1, parts)
 
 
+def decode_parts(seq_lens: torch.Tensor, num_kv_heads: int) -> int:
+    """How many ways to split a decode call: 1 on one torch thread, else by the keys it reads
+    (one host read of the lengths; a forward's later layers reuse the answer)."""
+    if torch.get_num_threads() == 1:
+        return 1
+    parts = _parts(int(seq_lens.sum()) * num_kv_heads, _MIN_DECODE_KEYS_PER_PART, None)
+    return max(1, min(parts, seq_lens.shape[0] * num_kv_heads))
+
+
 def _run_parts(call, parts: int) -> bool:
     """``call(part, parts)`` for every part (part 0 on this thread), True if all returned 0."""
     if parts == 1:
@@ -237,10 +246,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
             block_tables.shape[1], float(scale), _DTYPES[q.dtype])
-    if parts is None and torch.get_num_threads() > 1:
-        parts = _parts(int(seq_lens.sum()) * hkv, _MIN_DECODE_KEYS_PER_PART, None)
-        parts = min(parts, n * hkv)
-    return _run_parts(lambda part, count: fn(*args, part, count), parts or 1)
+    if parts is None:
+        parts = decode_parts(seq_lens, hkv)
+    return _run_parts(lambda part, count: fn(*args, part, count), parts)
 
 
 _scratch = threading.local()

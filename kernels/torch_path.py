@@ -211,13 +211,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``seq_lens``, e.g. every layer of one forward): the grouping, gather ids and masks are
     derived from them at the first call and reused (saves their tensor work on every layer).
     """
-    # The native kernel (kernels/native.py) reads the pool in place; a plan remembers that the
-    # first layer could use it, so later layers skip the operand checks.
-    checked = plan is not None and plan.get("native", False)
-    if native.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, checked):
+    # The native kernel (kernels/native.py) reads the pool in place. A plan remembers what the
+    # first layer found: the split it ran with (later layers skip the operand checks and the
+    # host read of the lengths) or False (it declined: later layers do not ask again).
+    used = None if plan is None else plan.get("native")
+    if used is not False:
+        parts = used or native.decode_parts(seq_lens, k_cache.shape[2])
+        if native.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                               checked=bool(used), parts=parts):
+            if plan is not None:
+                plan["native"] = parts
+            return out
         if plan is not None:
-            plan["native"] = True
-        return out
+            plan["native"] = False
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -431,18 +437,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``plan``: as in :func:`paged_decode_attention`, a per-batch dict reused across layers.
     """
     # The native bf16 kernel first (kernels/native.py), as in decode; the plan keeps the
-    # longest sequence (it sizes the kernel's scratch) once the first layer could use it.
-    if plan is not None and "native_max_len" in plan:
+    # longest sequence (it sizes the kernel's scratch) once the first layer could use it, or
+    # False once it declined.
+    used = None if plan is None else plan.get("native_prefill")
+    if used is not False and q.dtype == torch.bfloat16:
+        max_len = used or (int(seq_lens.max()) if seq_lens.numel() else 0)
         if native.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                plan["native_max_len"], scale, out, checked=True):
-            return out
-    elif q.dtype == torch.bfloat16:
-        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        if native.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                max_len, scale, out):
+                                max_len, scale, out, checked=bool(used)):
             if plan is not None:
-                plan["native_max_len"] = max_len
+                plan["native_prefill"] = max_len
             return out
+        if plan is not None:
+            plan["native_prefill"] = False
     flash = _flash_with_lse()
     items = None if plan is None else plan.get("prefill")
     if items is None:
