@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.from_pretrained(
         cache_config=CacheConfig(device_memory="2GiB"),
         engine_config=EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
-                                   device="auto"))
+                                   device="auto"),
+        model_impl="transformers")   # the transformers baseline runs the same model object
     context = int(engine.core.max_model_len)
     naive_len = args.naive_max_len or context
     header = run_header(seed=0, benchmark="throughput", model=engine.model_id, batch=batch,

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(
         cache_config=CacheConfig(block_size=args.block_size, device_memory="2GiB"),
-        engine_config=ec)
+        engine_config=ec, model_impl="transformers")   # baselines run the same model object
     base = Engine(engine.model, engine.tokenizer,
                   CacheConfig(block_size=args.block_size, device_memory="2GiB",
                               enable_prefix_caching=False), ec, model_id=engine.model_id)

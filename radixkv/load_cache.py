@@ -68,7 +68,7 @@ def file_digest(path: Path) -> str:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, index_path)
     except OSError as exc:  # a read-only cache only costs the next start a re-hash
-        _say(f"could not record the digest in {index_path}: {exc}")
+        say(f"could not record the digest in {index_path}: {exc}")
     return digest
 
 
@@ -77,7 +77,8 @@ def converted_dir(gguf: Path) -> Path:
     return models_root() / f"{gguf.stem}-{file_digest(gguf)[:16]}"
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """One progress line on stderr, prefixed with radixkv."""
     print(f"radixkv: {msg}", file=sys.stderr, flush=True)
 
 
@@ -97,17 +98,17 @@ def cached_source(source: ModelSource, *, progress: bool = True,
     target = converted_dir(gguf)
     if (target / _COMPLETE).is_file():
         if progress:
-            _say(f"loading {gguf.name} from its converted copy in {target}")
+            say(f"loading {gguf.name} from its converted copy in {target}")
         return ModelSource(str(target), embedded=source.embedded)
     if not create:
         return source
     if progress:
-        _say(f"first load of {gguf.name}: de-quantizing the GGUF file and saving a converted "
+        say(f"first load of {gguf.name}: de-quantizing the GGUF file and saving a converted "
              f"copy to {target} (once; later starts load that copy in seconds)")
     try:
         _convert(source, gguf, target)
     except OSError as exc:
-        _say(f"could not save the converted copy ({exc}); loading from the GGUF file")
+        say(f"could not save the converted copy ({exc}); loading from the GGUF file")
         return source
     return ModelSource(str(target), embedded=source.embedded)
 

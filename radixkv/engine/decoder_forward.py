@@ -25,7 +25,8 @@ and decode.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
 ``Qwen3ForCausalLM`` (q/k norms) with SiLU MLPs, exactly those classes (a subclass may change the
-forward). Anything else, Gemma's scaled embeddings and soft-capping, Phi-3's fused projections,
+forward), and radixkv's own module tree of the same families
+(:mod:`radixkv.engine.native_model`, loaded without transformers' model classes). Anything else, Gemma's scaled embeddings and soft-capping, Phi-3's fused projections,
 runs through transformers' modules with radixkv's attention hooked in, as before.
 """
 
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from radixkv.engine import attention, packed_linear
+from radixkv.engine import attention, native_model, packed_linear
 
 #: Architectures with a lean forward, and where each layer's attention window comes from.
 _WINDOW_SOURCE = {
@@ -51,6 +52,8 @@ _LINEARS = (torch.nn.Linear, packed_linear.PackedLinear)
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot take the lean forward (``None``: it can)."""
+    if isinstance(model, native_model.NativeCausalLM):
+        return None          # built for it (native_model.parse_config checked the config)
     name = type(model).__name__
     if name not in _WINDOW_SOURCE or not type(model).__module__.startswith("transformers."):
         return f"{name} is not one of {sorted(_WINDOW_SOURCE)}"
@@ -173,7 +176,9 @@ class DecoderForward:
         self.num_kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None)
                             or cfg.hidden_size // cfg.num_attention_heads)
-        source = _WINDOW_SOURCE[type(model).__name__]
+        # the native model sets every layer's window on its attention module
+        source = ("layer" if isinstance(model, native_model.NativeCausalLM)
+                  else _WINDOW_SOURCE[type(model).__name__])
         self.layers = [_Layer(layer, source, cfg)
                        for layer in base.layers[: cfg.num_hidden_layers]]
         #: fused GEMMs run only where the separate projections would take the packed path

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine import attention, decoder_forward, kv_quant, packed_linear
+from radixkv.engine import attention, decoder_forward, kv_quant, native_model, packed_linear
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
@@ -129,15 +129,16 @@ class ModelRunner:
         if missing:
             raise ConfigError(f"{type(model).__name__} needs {'; '.join(missing)}, which "
                               "radixkv's paged attention does not implement")
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-            raise ConfigError(f"{type(model).__name__}.forward has no logits_to_keep argument")
         self.kv_cache = tensor
-        name = attention.register()
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            # transformers only logs a warning for models that hard-code their attention.
-            raise ConfigError(f"{type(model).__name__} does not dispatch attention through "
-                              "transformers' AttentionInterface; radixkv cannot page its KV")
+        if isinstance(model, native_model.NativeCausalLM):
+            # radixkv's own module tree: no transformers forward to hook, the lean forward is
+            # the only one it has.
+            if lean_forward is False:
+                raise ConfigError("radixkv's native model runs only through the lean forward; "
+                                  "load it with model_impl='transformers' for transformers' "
+                                  "modules")
+        else:
+            self._hook_transformers(model)
         model.eval()
         if pack_weights is None:
             pack_weights = packed_linear.packing_supported(param.dtype, self.device)
@@ -156,6 +157,18 @@ class ModelRunner:
             # later ones (kernels/native.py; without a compiler the torch path is used).
             from radixkv.kernels import native
             native.available()
+
+    @staticmethod
+    def _hook_transformers(model: torch.nn.Module) -> None:
+        """Route a transformers model's attention through radixkv's paged attention."""
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            raise ConfigError(f"{type(model).__name__}.forward has no logits_to_keep argument")
+        name = attention.register()
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            # transformers only logs a warning for models that hard-code their attention.
+            raise ConfigError(f"{type(model).__name__} does not dispatch attention through "
+                              "transformers' AttentionInterface; radixkv cannot page its KV")
 
     # -- construction helpers -------------------------------------------------------------
 

@@ -42,7 +42,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               load_tokens: int | None = None, replica_cpus: float = 1.0,
               model_name: str | None = None, api_keys: list[str] | None = None,
               max_queued: int = 256, default_max_tokens: int | None = None,
-              salt_secret: str | None = None, app_name: str = APP_NAME) -> Any:
+              salt_secret: str | None = None, app_name: str = APP_NAME,
+              model_impl: str = "auto") -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -57,7 +58,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
     if router not in ("kv", "pow2"):
         raise ConfigError(f"--router must be 'kv' or 'pow2', got {router!r}")
     spec = ReplicaSpec(model=model, gguf_file=gguf_file, cache_config=cache_config,
-                       engine_config=engine_config, threads=threads,
+                       engine_config=engine_config, threads=threads, model_impl=model_impl,
                        bus_name=bus_name(app_name), bus_namespace=RAY_NAMESPACE)
     opts: dict[str, Any] = dict(
         name="RadixkvEngine", num_replicas=replicas,
@@ -142,7 +143,7 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     router=args.router, load_tokens=args.route_load_tokens,
                     replica_cpus=args.replica_cpus, model_name=model_name, api_keys=api_keys,
                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
-                    salt_secret=args.salt_secret)
+                    salt_secret=args.salt_secret, model_impl=args.model_impl)
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "
           f"http://{args.host}:{args.port} (model name {model_name!r}, {replicas} replicas)",

@@ -38,6 +38,7 @@ class ReplicaSpec:
     cache_config: Any = None
     engine_config: Any = None
     threads: int | None = None
+    model_impl: str = "auto"
     bus_name: str = ""
     bus_namespace: str = ""
 
@@ -71,7 +72,8 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         cache_config = replica_cache_config(spec.cache_config, ctx.rank.rank)
         self.engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file,
-                                                     cache_config, spec.engine_config)
+                                                     cache_config, spec.engine_config,
+                                                     model_impl=spec.model_impl)
         self.replica_id = ctx.replica_id.unique_id
         self.load_s = time.perf_counter() - t0
         self._recorder = EventRecorder(self.engine.core.tree)

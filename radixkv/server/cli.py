@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients pass as 'model' (default: the model's name)")
     m.add_argument("--device", default="auto", help="torch device (default auto)")
     m.add_argument("--dtype", default=None, help="model/KV dtype, e.g. float16 (default: "
-                   "float32 on CPU)")
+                   "bfloat16 on a CPU with native bf16, else float32)")
+    m.add_argument("--model-impl", default="auto", choices=["auto", "radixkv", "transformers"],
+                   help="whose module tree holds the weights: radixkv's own for the Llama, "
+                        "Mistral, Qwen2 and Qwen3 checkpoints it defines (faster start, same "
+                        "logits), transformers' for the rest (auto, the default)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     c = p.add_argument_group("cache (CacheConfig)")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -154,11 +158,11 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
                 print(f"radixkv serve: loading {what} ... {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr, flush=True)
 
-        print(f"radixkv serve: loading {what} (about 20-60 s on a small CPU)", file=sys.stderr,
-              flush=True)
+        print(f"radixkv serve: loading {what}", file=sys.stderr, flush=True)
         threading.Thread(target=progress, daemon=True).start()
         try:
-            engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec)
+            engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
+                                                    model_impl=args.model_impl)
             engine.chat_template   # analyse the chat template now, not in the first request
         finally:
             done.set()
