@@ -13,7 +13,8 @@ Building: ``cc -O3 -march=native -ffast-math -fno-finite-math-only -shared -fPIC
 into ``$RADIXKV_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/radixkv/kernels``, else
 ``~/.cache/radixkv/kernels``). The file name is a digest of the source, the flags, the
 compiler's version and this CPU's feature flags, so a cache shared between machines never loads
-a library built for other instructions; a library is written under a temporary name and renamed
+a library built for other instructions (``$RADIXKV_NATIVE_MARCH`` builds for a named target
+instead of ``native``, e.g. ``x86-64-v3``); a library is written under a temporary name and renamed
 into place, so concurrent processes never load a half-written file. ``$CC`` picks the compiler.
 
 Loaded with :mod:`ctypes` (no torch headers, no pybind: the build needs only a C compiler).
@@ -46,6 +47,9 @@ ENV_VAR = "RADIXKV_NATIVE_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_sampling.c"))
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
+#: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
+#: library that every AVX2 machine sharing a cache folder can load).
+MARCH_VAR = "RADIXKV_NATIVE_MARCH"
 _ABI = 4
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
@@ -91,11 +95,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags: :data:`FLAGS` with ``$RADIXKV_NATIVE_MARCH`` as the ``-march``."""
+    march = os.environ.get(MARCH_VAR, "").strip()
+    return tuple(f"-march={march}" if march and f == "-march=native" else f for f in FLAGS)
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
+    build_flags = flags()
     digest = hashlib.sha256(b"\0".join([
-        *(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+        *(p.read_bytes() for p in SOURCES + HEADERS), " ".join(build_flags).encode(),
         version.encode(), _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
     target = cache_dir() / f"cpu_attention-{digest}.so"
     if target.exists():
@@ -104,8 +115,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run([cc, *build_flags, "-o", tmp, *map(str, SOURCES)],
+                              capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
