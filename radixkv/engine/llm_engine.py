@@ -64,7 +64,7 @@ class LLMEngine:
     """Continuous-batching engine over a transformers model with a prefix-cached paged KV pool.
 
     Args:
-        model: a transformers ``*ForCausalLM`` (moved to ``engine_config``'s device/dtype).
+        model: a transformers or radixkv-native ``*ForCausalLM`` (to ``engine_config``'s dtype).
         tokenizer: its tokenizer (for text and stop strings), or None (token ids only).
         cache_config, engine_config: see :mod:`radixkv.config`.
         model_id: name used in the cache namespace (with dtype and KV layout).
