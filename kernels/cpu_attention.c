@@ -14,8 +14,8 @@
  * reduction (relative error < 2e-7 for the arguments here, x <= 0), which the compiler can
  * vectorize (libm's expf is not, without -fopenmp and libmvec).
  *
- * Built by kernels/native.py with the machine's C compiler (-O3 -march=native -ffast-math
- * -fno-finite-math-only) on first use and cached; the sizes are compile-time constants so the
+ * Built by kernels/native.py with the machine's C compiler (-O3 -march=native and fast-math's
+ * reassociation flags, not -ffast-math: see FLAGS there) on first use and cached; the sizes are compile-time constants so the
  * compiler keeps a (sequence, KV head)'s accumulators in vector registers. Combinations not
  * instantiated below return -2 (-3: the CPU lacks the instructions) and the caller takes the
  * torch path.

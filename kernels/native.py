@@ -9,7 +9,8 @@ accelerators, never requirements: without a compiler, with ``$RADIXKV_NATIVE_KER
 an unsupported shape, dtype or CPU, or if the build fails, :func:`paged_decode` and
 :func:`paged_prefill` return ``False`` and the caller runs the torch path.
 
-Building: ``cc -O3 -march=native -ffast-math -fno-finite-math-only -shared -fPIC`` (about 7 s),
+Building: ``cc -O3 -march=native`` with the reassociation part of fast-math (:data:`FLAGS`; not
+``-ffast-math`` itself, which would change the process's float environment) (about 7 s),
 into ``$RADIXKV_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/radixkv/kernels``, else
 ``~/.cache/radixkv/kernels``). The file name is a digest of the source, the flags, the
 compiler's version and this CPU's feature flags, so a cache shared between machines never loads
@@ -46,7 +47,13 @@ ENV_VAR = "RADIXKV_NATIVE_KERNELS"
 #: Compiled together into one library; cpu_math.h is included by both (and hashed with them).
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_sampling.c"))
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
+#: -ffast-math's reassociation (so the compiler vectorizes the dot products and sums) without
+#: -ffast-math itself: with it, gcc < 13 and clang link crtfastmath.o into the library, whose
+#: constructor sets flush-to-zero and denormals-are-zero in the loading thread's MXCSR, which
+#: silently changed every later float computation of the process (torch's included: 1e-38 *
+#: 0.01 read 0 after an engine was built). Infinities and NaN keep their meaning.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
+         "-fassociative-math", "-freciprocal-math", "-ffp-contract=fast", "-shared", "-fPIC")
 #: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
 #: library that every AVX2 machine sharing a cache folder can load).
 MARCH_VAR = "RADIXKV_NATIVE_MARCH"
