@@ -20,9 +20,12 @@
  * instantiated below return -2 (-3: the CPU lacks the instructions) and the caller takes the
  * torch path.
  *
+ * Decode also reads int8 and fp8 (e4m3) caches in place (rows of D values + an fp16 scale,
+ * engine/kv_quant.py), widening each row as the torch path's dequantized scratch would hold it.
+ *
  * Layouts (all contiguous):
  *   q, out        [n, hq, D]                     hq = G * hkv; query head h reads KV head h / G
- *   k_cache, v    [num_blocks, bs, hkv, D]
+ *   k_cache, v    [num_blocks, bs, hkv, D]       (quantized: D + 2 bytes per row)
  *   block_tables  int32 [n, max_blocks]          entries past ceil(len / bs) are never read
  *   seq_lens      int32 [n], >= 1
  */
@@ -34,24 +37,30 @@
 
 #define TILE 16
 
-/* One (sequence, KV head): G query rows of head dim D against the sequence's L keys. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE, G, D)                                                 \
-static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int L,   \
-                 int bs, int hkv, int h, float scale, T *out) {                                 \
-    float qf[G][D], acc[G][D], mx[G], sum[G];                                                   \
+/* One (sequence, KV head): G query rows of head dim D against the sequence's L keys. The
+ * cache holds rows of ROWB bytes; ROWLOAD(dst, row) widens one into float dst[D]. GMAX sizes
+ * the accumulators and G bounds the loops: both the constant G for the float caches (the
+ * accumulators then live in vector registers), or GMAX 8 and the runtime group size g for the
+ * quantized ones (a quarter of the instantiations, so the build stays ~7 s). */
+#define DEFINE_HEAD(NAME, QT, QLOAD, STORE, ROWB, ROWLOAD, GMAX, G, D)                          \
+static void NAME(const QT *q, const char *k_cache, const char *v_cache, const int32_t *table,   \
+                 int L, int bs, int hkv, int h, float scale, QT *out, int g) {                  \
+    float qf[GMAX][D], acc[GMAX][D], mx[GMAX], sum[GMAX];                                       \
+    (void)g;                                                                                    \
     for (int i = 0; i < G; i++) {                                                               \
-        for (int e = 0; e < D; e++) { qf[i][e] = LOAD(q[i * D + e]) * scale; acc[i][e] = 0.f; } \
+        for (int e = 0; e < D; e++) { qf[i][e] = QLOAD(q[i * D + e]) * scale; acc[i][e] = 0.f; } \
         mx[i] = -INFINITY;                                                                      \
         sum[i] = 0.f;                                                                           \
     }                                                                                           \
     for (int j0 = 0; j0 < L; j0 += TILE) {                                                      \
         int nt = L - j0 < TILE ? L - j0 : TILE;                                                 \
-        float s[G][TILE];                                                                       \
+        float s[GMAX][TILE];                                                                    \
         for (int t = 0; t < nt; t++) {                                                          \
             int j = j0 + t;                                                                     \
-            const T *kp = k_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * D;     \
+            const char *kp = k_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h)       \
+                                       * (int64_t)(ROWB);                                       \
             float kf[D];                                                                        \
-            for (int e = 0; e < D; e++) kf[e] = LOAD(kp[e]);                                    \
+            ROWLOAD(kf, kp, D);                                                                 \
             for (int i = 0; i < G; i++) {                                                       \
                 float a = 0.f;                                                                  \
                 for (int e = 0; e < D; e++) a += qf[i][e] * kf[e];                              \
@@ -69,9 +78,10 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
         }                                                                                       \
         for (int t = 0; t < nt; t++) {                                                          \
             int j = j0 + t;                                                                     \
-            const T *vp = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * D;     \
+            const char *vp = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h)       \
+                                       * (int64_t)(ROWB);                                       \
             float vf[D];                                                                        \
-            for (int e = 0; e < D; e++) vf[e] = LOAD(vp[e]);                                    \
+            ROWLOAD(vf, vp, D);                                                                 \
             for (int i = 0; i < G; i++) {                                                       \
                 float p = s[i][t];                                                              \
                 for (int e = 0; e < D; e++) acc[i][e] += p * vf[e];                             \
@@ -88,31 +98,62 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *
 #define STORE_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
 #define STORE_BF16(x) f32_to_bf16(x)
+#define ROUND_BF16(x) round_bf16_finite(x)   /* a value times its scale: always finite */
+
+/* Float caches: the row as it is. */
+#define ROW_F32(dst, p, D) do { const float *r_ = (const float *)(p);                           \
+    for (int e = 0; e < D; e++) dst[e] = r_[e]; } while (0)
+#define ROW_BF16(dst, p, D) do { const bf16_t *r_ = (const bf16_t *)(p);                        \
+    for (int e = 0; e < D; e++) dst[e] = bf16_to_f32(r_[e]); } while (0)
+/* Quantized caches (engine/kv_quant.py): D one-byte values, then the row's fp16 scale. A value
+ * times its scale is exact in float32 (8 + 11 significant bits at most), then rounded to the
+ * model's dtype: what the torch path's dequantized scratch holds, element for element. */
+#define ROW_I8(dst, p, D, ROUND) do { const int8_t *r_ = (const int8_t *)(p);                   \
+    float sc_ = row_scale((const unsigned char *)(p) + D);                                      \
+    for (int e = 0; e < D; e++) dst[e] = ROUND((float)r_[e] * sc_); } while (0)
+#define ROW_E4M3(dst, p, D, ROUND) do { const uint8_t *r_ = (const uint8_t *)(p);               \
+    float sc_ = row_scale((const unsigned char *)(p) + D);                                      \
+    for (int e = 0; e < D; e++) dst[e] = ROUND(e4m3_to_f32(r_[e]) * sc_); } while (0)
+#define ROW_I8_F32(dst, p, D) ROW_I8(dst, p, D, LOAD_F32)
+#define ROW_I8_BF16(dst, p, D) ROW_I8(dst, p, D, ROUND_BF16)
+#define ROW_E4M3_F32(dst, p, D) ROW_E4M3(dst, p, D, LOAD_F32)
+#define ROW_E4M3_BF16(dst, p, D) ROW_E4M3(dst, p, D, ROUND_BF16)
 
 #define DEFINE_BOTH(G, D)                                                                       \
-    DEFINE_HEAD(head_f32_##G##_##D, float, LOAD_F32, STORE_F32, G, D)                           \
-    DEFINE_HEAD(head_bf16_##G##_##D, bf16_t, LOAD_BF16, STORE_BF16, G, D)
+    DEFINE_HEAD(head_f32_##G##_##D, float, LOAD_F32, STORE_F32, 4 * D, ROW_F32, G, G, D)        \
+    DEFINE_HEAD(head_bf16_##G##_##D, bf16_t, LOAD_BF16, STORE_BF16, 2 * D, ROW_BF16, G, G, D)
 
 #define DEFINE_D(D) DEFINE_BOTH(1, D) DEFINE_BOTH(2, D) DEFINE_BOTH(3, D) DEFINE_BOTH(4, D)     \
-                    DEFINE_BOTH(5, D) DEFINE_BOTH(6, D) DEFINE_BOTH(7, D) DEFINE_BOTH(8, D)
+                    DEFINE_BOTH(5, D) DEFINE_BOTH(6, D) DEFINE_BOTH(7, D) DEFINE_BOTH(8, D)     \
+    DEFINE_HEAD(head_i8_f32_##D, float, LOAD_F32, STORE_F32, D + 2, ROW_I8_F32, 8, g, D)        \
+    DEFINE_HEAD(head_i8_bf16_##D, bf16_t, LOAD_BF16, STORE_BF16, D + 2, ROW_I8_BF16, 8, g, D)   \
+    DEFINE_HEAD(head_e4m3_f32_##D, float, LOAD_F32, STORE_F32, D + 2, ROW_E4M3_F32, 8, g, D)    \
+    DEFINE_HEAD(head_e4m3_bf16_##D, bf16_t, LOAD_BF16, STORE_BF16, D + 2, ROW_E4M3_BF16, 8, g, D)
 DEFINE_D(16)
 DEFINE_D(32)
 DEFINE_D(64)
 DEFINE_D(128)
 
 typedef void (*head_fn)(const void *, const void *, const void *, const int32_t *, int, int, int,
-                        int, float, void *);
+                        int, float, void *, int);
 
-#define ENTRY(G, D) { (head_fn)head_f32_##G##_##D, (head_fn)head_bf16_##G##_##D }
+/* [head dim][group - 1][cache kind]: float32, bf16, int8 + f32 query, int8 + bf16 query,
+ * e4m3 + f32 query, e4m3 + bf16 query */
+#define ENTRY(G, D) { (head_fn)head_f32_##G##_##D, (head_fn)head_bf16_##G##_##D,               \
+                      (head_fn)head_i8_f32_##D, (head_fn)head_i8_bf16_##D,                     \
+                      (head_fn)head_e4m3_f32_##D, (head_fn)head_e4m3_bf16_##D }
 #define ROW(D) { ENTRY(1, D), ENTRY(2, D), ENTRY(3, D), ENTRY(4, D), ENTRY(5, D), ENTRY(6, D),   \
                  ENTRY(7, D), ENTRY(8, D) }
-static const head_fn HEADS[4][8][2] = { ROW(16), ROW(32), ROW(64), ROW(128) };
+#define KINDS 6
+static const head_fn HEADS[4][8][KINDS] = { ROW(16), ROW(32), ROW(64), ROW(128) };
 
-/* Returns 0, or -2 when (G, D, dtype) has no instantiation (the caller falls back). */
+/* Returns 0, or -2 when (G, D, kind) has no instantiation (the caller falls back). ``kind``:
+ * 0 float32, 1 bfloat16 (q, out and cache of that dtype); 2 / 3 an int8 cache with a float32 /
+ * bfloat16 query and output; 4 / 5 the same with an e4m3 cache. */
 int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                          const int32_t *block_tables, const int32_t *seq_lens, void *out,
                          int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
-                         int is_bf16, int part, int parts) {
+                         int kind, int part, int parts) {
     int g = hq / hkv, di;
     switch (d) {
         case 16: di = 0; break;
@@ -121,16 +162,16 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
         case 128: di = 3; break;
         default: return -2;
     }
-    if (g < 1 || g > 8 || g * hkv != hq || (is_bf16 != 0 && is_bf16 != 1)) return -2;
-    head_fn fn = HEADS[di][g - 1][is_bf16];
-    int64_t elem = is_bf16 ? 2 : 4;
+    if (g < 1 || g > 8 || g * hkv != hq || kind < 0 || kind >= KINDS) return -2;
+    head_fn fn = HEADS[di][g - 1][kind];
+    int64_t elem = kind % 2 ? 2 : 4;   /* the query's and output's element size */
     if (parts < 1 || part < 0 || part >= parts) return -2;
     for (int s = 0; s < n; s++) {
         for (int h = 0; h < hkv; h++) {
             if ((s * hkv + h) % parts != part) continue;   /* another thread's (seq, head) */
             int64_t off = ((int64_t)s * hq + (int64_t)h * g) * d * elem;
             fn((const char *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
-               seq_lens[s], bs, hkv, h, scale, (char *)out + off);
+               seq_lens[s], bs, hkv, h, scale, (char *)out + off, g);
         }
     }
     return 0;
@@ -302,4 +343,4 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
 #endif
 
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 4; }
+int radixkv_native_abi(void) { return 5; }

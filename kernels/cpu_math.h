@@ -20,6 +20,45 @@ static inline bf16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stay
     return (bf16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* fp16 (IEEE half) -> float32, exactly; the scale of a quantized KV row is stored as one,
+ * little-endian, in the row's last two bytes. No F16C needed (once per row). */
+static inline float row_scale(const unsigned char *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {                      /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-08f;
+        v.u |= sign;
+    } else if (exp == 31) {              /* inf / NaN */
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+/* float8 e4m3fn -> float32, exactly: 2^(e-7) (1 + m/8), subnormals m 2^-9. The NaN codes 0x7f
+ * / 0xff (never written: values are clamped to +-448) read as +-480, as in the torch path. */
+static inline float e4m3_to_f32(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
+    union { uint32_t u; float f; } v;
+    v.u = sign | ((e + 120u) << 23) | (m << 20);
+    float sub = (float)m * 0.001953125f;
+    union { uint32_t u; float f; } w;
+    w.f = sub;
+    w.u |= sign;
+    return e ? v.f : w.f;
+}
+
+/* x rounded to bfloat16 (nearest even) and widened back, for finite x: the float a bf16
+ * tensor would hold. Branch-free, so a row of them vectorizes. */
+static inline float round_bf16_finite(float x) {
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
+
 /* e^x for x <= 0: 2^k * p(r), r = x - k ln2, |r| <= ln2 / 2; p the degree-6 Taylor polynomial
  * (relative error < 2e-7 there). Arguments below -87 give e^-87 ~ 1.6e-38, i.e. nothing next to
  * the running maximum's term of 1. Written without branches or libm so it vectorizes. */

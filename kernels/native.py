@@ -10,7 +10,7 @@ an unsupported shape, dtype or CPU, or if the build fails, :func:`paged_decode` 
 :func:`paged_prefill` return ``False`` and the caller runs the torch path.
 
 Building: ``cc -O3 -march=native`` with the reassociation part of fast-math (:data:`FLAGS`; not
-``-ffast-math`` itself, which would change the process's float environment) (about 7 s),
+``-ffast-math`` itself, which would change the process's float environment) (about 9 s),
 into ``$RADIXKV_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/radixkv/kernels``, else
 ``~/.cache/radixkv/kernels``). The file name is a digest of the source, the flags, the
 compiler's version and this CPU's feature flags, so a cache shared between machines never loads
@@ -57,11 +57,13 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-t
 #: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
 #: library that every AVX2 machine sharing a cache folder can load).
 MARCH_VAR = "RADIXKV_NATIVE_MARCH"
-_ABI = 4
+_ABI = 5
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: quantized cache dtypes (engine/kv_quant.py) -> the C entry's kind, added to the query's
+_QUANT_KINDS = {torch.int8: 2, torch.float8_e4m3fn: 4}
 
 _lock = threading.Lock()
 _state: dict = {}   # "fn": the ctypes function or None once tried; "error": why not
@@ -264,6 +266,49 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
             block_tables.shape[1], float(scale), _DTYPES[q.dtype])
+    if parts is None:
+        parts = decode_parts(seq_lens, hkv)
+    return _run_parts(lambda part, count: fn(*args, part, count), parts)
+
+
+def supports_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       out: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode_quantized` handles these operands: a float32/bfloat16 query
+    and output, int8 or float8_e4m3fn caches of rows ``head_dim + 2`` wide (``kv_quant``'s
+    layout), an instantiated head_dim, at most :data:`MAX_GROUP` query heads per KV head."""
+    d = q.shape[-1]
+    return (q.dim() == 3 and q.device.type == "cpu" and q.dtype in _DTYPES
+            and out.dtype == q.dtype and out.shape == q.shape
+            and k_cache.dtype in _QUANT_KINDS and v_cache.dtype == k_cache.dtype
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.shape[3] == d + 2 and d in HEAD_DIMS
+            and q.shape[1] % k_cache.shape[2] == 0
+            and q.shape[1] // k_cache.shape[2] <= MAX_GROUP
+            and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+            and all(t.is_contiguous() and t.device.type == "cpu"
+                    for t in (q, k_cache, v_cache, block_tables, seq_lens, out)))
+
+
+def paged_decode_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, parts: int | None = None) -> bool:
+    """Decode attention over int8 / fp8 caches read in place (each row widened to what the
+    torch path's dequantized scratch holds, so the result is the same bits; no scratch, no
+    gather). Rows are in their stored (rotated) domain: the caller rotates ``q`` before and
+    the output after, as for the scratch. ``False`` when not run (the caller then
+    dequantizes and takes the float path)."""
+    if not (enabled() and supports_quantized(q, k_cache, v_cache, block_tables, seq_lens, out)):
+        return False
+    fn = _entry("fn")
+    if fn is None:
+        return False
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    kind = _QUANT_KINDS[k_cache.dtype] + _DTYPES[q.dtype]
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
+            block_tables.shape[1], float(scale), kind)
     if parts is None:
         parts = decode_parts(seq_lens, hkv)
     return _run_parts(lambda part, count: fn(*args, part, count), parts)

@@ -230,7 +230,8 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
     layer in one go (freshly allocated megabytes per layer cost more than the arithmetic on
     the CPU). Where the kernels run on Triton, int8 and fp8 blocks are read in place instead
     (the kernels dequantize in registers; no scratch), unless a window or a softcap needs the
-    windowed kernel, which reads float caches only."""
+    windowed kernel, which reads float caches only. On the CPU, decode reads them in place too,
+    through the native kernel, when it is available."""
     from radixkv.engine.kv_quant import dequantize_blocks, format_of, rotate, write_quantized
     from radixkv.kernels.backend import resolve_backend
 
@@ -251,6 +252,16 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
                                                   batch.cu_seqlens_q, batch.seq_lens,
                                                   scale=scale, check=False)
         return rotate(out) if rotated else out
+    if batch.mode is AttentionMode.DECODE and not windowed and softcap is None \
+            and q.device.type == "cpu":
+        # The native CPU decode kernel reads int8 / fp8 rows in place (kernels/native.py),
+        # widening each as the scratch below would hold it: the same bits, without the gather.
+        from radixkv.kernels import native
+
+        out = torch.empty_like(q)
+        if native.paged_decode_quantized(q, k_cache, v_cache, batch.block_tables,
+                                         batch.seq_lens, scale, out):
+            return rotate(out) if rotated else out
     used, tables = ctx.scratch_tables()
     ks, vs = dequantize_blocks(kv_layer, used, q.dtype, ctx.scratch_workspace(), "kv")
     if windowed or softcap is not None:

@@ -185,6 +185,45 @@ def test_quantized_engine_tracks_float32_and_its_cache_is_consistent(hf_llama, f
 
 
 @pytest.mark.parametrize("kv", QUANT)
+def test_cpu_decode_reads_quantized_rows_in_place_with_the_scratch_paths_bits(
+        hf_llama, float32_ref, kv, monkeypatch):
+    """The native kernel's in-place read of int8 / fp8 rows (CPU decode) and the dequantized
+    scratch it replaces give the same tokens, and log-probabilities equal to float32 rounding
+    (the kernels may sum in another order; the rows are widened exactly, see
+    tests/kernels/test_native_kernels.py)."""
+    from radixkv.kernels import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native._state.get('error')}")
+    prompts = float32_ref[0][:4]
+    calls = []
+    real = native.paged_decode_quantized
+    monkeypatch.setattr(native, "paged_decode_quantized",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(eng):
+        from radixkv.engine.sampling import SamplingParams
+
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8, logprobs=2))
+        final = {}
+        while eng.has_unfinished_requests():
+            final.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+        return [(final[f"r{i}"].token_ids, final[f"r{i}"].logprobs) for i in range(len(prompts))]
+
+    in_place = run(_engine(hf_llama, kv))
+    assert calls, "decode never reached the in-place kernel"
+    monkeypatch.setattr(native, "paged_decode_quantized", lambda *a, **k: False)
+    scratch = run(_engine(hf_llama, kv))
+    assert [t for t, _ in scratch] == [t for t, _ in in_place]
+    for (_, a), (_, b) in zip(in_place, scratch):
+        for x, y in zip(a, b):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert torch.allclose(torch.tensor([lp for _, lp in x.top]),
+                                  torch.tensor([lp for _, lp in y.top]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv", QUANT)
 def test_parallel_samples_copy_quantized_blocks_on_write(hf_llama, kv):
     """n > 1 forks a sequence whose last block is partial; the children's first appends copy
     that block (copy-on-write through ``kernels.copy_blocks``, which moves a quantized

@@ -52,6 +52,100 @@ def test_native_decode_matches_reference(data, dtype, head_dim, group, num_kv_he
     assert_close(out, ref, dtype, "native vs reference")
 
 
+def _quantized_case(case, fmt: str, gen: torch.Generator):
+    """``case``'s K/V quantized as ``engine/kv_quant.py`` stores them, random bytes in every
+    row no sequence reads (so a kernel that read one would differ)."""
+    from radixkv.engine.kv_quant import quantize_rows
+
+    unused = torch.isnan(case.k_cache[..., 0])
+    caches = []
+    for x in (case.k_cache, case.v_cache):
+        qx = quantize_rows(x.nan_to_num(0.0) * 3, fmt)
+        raw = qx.view(torch.int8)
+        junk = torch.randint(-128, 128, raw.shape, dtype=torch.int8, generator=gen)
+        raw[unused] = junk[unused]
+        caches.append(qx)
+    return caches
+
+
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       fmt=st.sampled_from(["int8", "fp8_e4m3"]),
+       head_dim=st.sampled_from(sorted(native.HEAD_DIMS)),
+       group=st.integers(1, native.MAX_GROUP), num_kv_heads=st.integers(1, 3),
+       block_size=st.sampled_from([1, 4, 16, 32]))
+def test_quantized_decode_in_place_matches_the_dequantized_scratch(data, dtype, fmt, head_dim,
+                                                                   group, num_kv_heads,
+                                                                   block_size):
+    """int8 / fp8 rows read in place give what the float kernel gives on the scratch the torch
+    path dequantizes them into (engine/attention.py's fallback), to float32 rounding: the
+    quantized heads take the group size at run time, so the compiler may sum in another
+    order. That the rows themselves are widened exactly is the next test's."""
+    from radixkv.engine.kv_quant import dequantize_rows
+
+    lens = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=5), label="lens")
+    share = data.draw(st.integers(0, min(lens) // block_size), label="shared blocks")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
+    case = make_case(lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     share_prefix=share, gen=gen)
+    kq, vq = _quantized_case(case, fmt, gen)
+    q = (torch.randn(len(lens), group * num_kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    assert native.paged_decode_quantized(q, kq, vq, case.block_tables, case.seq_lens, 0.125,
+                                         out)
+    ks, vs = (dequantize_rows(x, dtype, rotated=True) for x in (kq, vq))
+    ref = torch.full_like(q, float("nan"))
+    assert native.paged_decode(q, ks, vs, case.block_tables, case.seq_lens, 0.125, ref)
+    assert_close(out, ref, dtype, "in place vs scratch")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", sorted(native.HEAD_DIMS))
+def test_quantized_rows_are_widened_exactly(fmt, dtype, head_dim):
+    """Every value code, scales from fp16 subnormals up: with a zero query over two keys the
+    output is ``(v1 + v2) / 2``, exact in float32, so the rows must be widened to exactly what
+    the torch path's dequantized scratch holds (values times scale, rounded to the query's
+    dtype), bit for bit."""
+    from radixkv.engine.kv_quant import FORMATS, dequantize_rows
+
+    gen = torch.Generator().manual_seed(head_dim)
+    seqs, heads = 128, 2
+    raw = torch.empty(seqs, 2, heads, head_dim + 2, dtype=torch.int8)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    raw[..., :head_dim] = codes[torch.randint(0, 256, raw[..., :head_dim].shape, generator=gen)]
+    if fmt == "int8":
+        raw[..., :head_dim].clamp_(-127, 127)                      # -128 is never written
+    mags = torch.cat([torch.exp2(torch.linspace(-24, 15, 2 * seqs - 1)), torch.zeros(1)])
+    perm = torch.randperm(2 * seqs, generator=gen)
+    scales = mags[perm].half().view(seqs, 2, 1).expand(seqs, 2, heads).contiguous()
+    raw[..., head_dim:] = scales.view(torch.int8).view(seqs, 2, heads, 2)
+    cache = raw.view(FORMATS[fmt].storage)
+    deq = dequantize_rows(cache, dtype, rotated=True).float()       # [seqs, 2, heads, D]
+    ref = ((deq[:, 0] + deq[:, 1]) * 0.5).to(dtype)
+    q = torch.zeros(seqs, heads, head_dim, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    tables = torch.arange(seqs, dtype=torch.int32)[:, None]
+    assert native.paged_decode_quantized(q, cache, cache.clone(), tables,
+                                         torch.full((seqs,), 2, dtype=torch.int32), 1.0, out)
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
+
+
+def test_quantized_decode_declines_what_it_does_not_read():
+    gen = torch.Generator().manual_seed(3)
+    case = make_case([9, 20], head_dim=64, gen=gen)
+    kq, vq = _quantized_case(case, "int8", gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    out = torch.empty_like(q)
+    args = (case.block_tables, case.seq_lens, 0.125)
+    assert not native.paged_decode_quantized(q.half(), kq, vq, *args, out.half())   # fp16
+    assert not native.paged_decode_quantized(q, kq[..., :-1].contiguous(),          # row width
+                                             vq[..., :-1].contiguous(), *args, out)
+    assert not native.paged_decode_quantized(q, kq, vq.view(torch.float8_e4m3fn), *args, out)
+    assert not native.paged_decode_quantized(q[:, :, :32].contiguous(), kq, vq, *args,
+                                             out[:, :, :32].contiguous())
+    assert native.paged_decode_quantized(q, kq, vq, *args, out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_contexts_and_peaked_scores(dtype):
     """Thousands of keys (many tiles, the running max rising late) and scores so peaked that
