@@ -187,6 +187,26 @@ def prepare_source(model_dir: str | os.PathLike | None = None,
     return cached_source(source, progress=progress, create=create)
 
 
+def local_dir(source: ModelSource) -> Path | None:
+    """The local directory holding ``source``'s checkpoint files: its own path, or, for a hub id
+    loaded without downloads, its snapshot in the Hugging Face cache; None for GGUF files and
+    for what is not on disk."""
+    if source.gguf_file is not None:
+        return None
+    path = Path(source.name_or_path)
+    if path.is_dir():
+        return path
+    if not source.local_files_only:
+        return None                   # transformers may download: let it resolve the files
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(source.name_or_path, "config.json")
+    except (ValueError, OSError):
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
 #: model types whose ``TokenizersBackend`` tokenizer AutoTokenizer loads as it is (no
 #: per-type override in transformers' AutoTokenizer; Mistral's may switch to its own backend)
 _PLAIN_TOKENIZER_TYPES = frozenset({"llama", "qwen2", "qwen3"})
@@ -205,8 +225,8 @@ def _plain_tokenizer_dir(source: ModelSource) -> Path | None:
     """
     import json
 
-    path = Path(source.name_or_path)
-    if source.gguf_file is not None or not path.is_dir():
+    path = local_dir(source)
+    if path is None:
         return None
     try:
         tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
@@ -290,11 +310,12 @@ def _load_native(source: ModelSource, dtype: Any, required: bool, progress: bool
     does not define it and ``required`` is false."""
     from radixkv.engine import native_model
 
-    path = Path(source.name_or_path)
+    path = local_dir(source)
     try:
-        if source.gguf_file is not None or not (path / "config.json").is_file():
+        if path is None or not (path / "config.json").is_file():
             raise native_model.NativeUnsupported(
-                "it loads local safetensors checkpoints (a GGUF file's converted copy is one)")
+                "it loads local safetensors checkpoints (a directory, a hub model in the local "
+                "cache, or a GGUF file's converted copy)")
         from radixkv.load_cache import say
 
         return native_model.load(path, dtype, name_or_path=source.name_or_path,

@@ -273,6 +273,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise NativeUnsupported(f"shards {missing[:3]} of the index are not in {model_dir}")
         return [model_dir / s for s in shards]
     single = model_dir / "model.safetensors"
     if single.is_file():

@@ -228,3 +228,36 @@ def test_windows_without_layer_types_follow_transformers_config(case, saved):
     assert native.head_dim == (getattr(hf, "head_dim", None)
                                or hf.hidden_size // hf.num_attention_heads)
     assert native.rope_parameters == hf.rope_parameters
+
+
+def test_hub_model_in_the_local_cache_loads_natively(saved, tmp_path, monkeypatch):
+    """A hub id whose files are in the Hugging Face cache (snapshot of symlinks to blobs, as
+    huggingface_hub lays it out) loads into the native tree from there, named by its id; one
+    with a shard missing falls back."""
+    import huggingface_hub.constants
+
+    from radixkv import models
+
+    repo = tmp_path / "models--tiny--llama"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for f in saved["llama"].iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(blob)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    source = models.resolve_source("tiny/llama")
+    assert source.name_or_path == "tiny/llama" and models.local_dir(source) == snap
+    model = models.load_model(source=source, model_impl="radixkv")
+    assert isinstance(model, native_model.NativeCausalLM)
+    assert model.config._name_or_path == "tiny/llama"
+    ref = native_model.load(saved["llama"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 ref.state_dict().values()))
+    (snap / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match="shards"):
+        models.load_model(source=source, model_impl="radixkv")
