@@ -177,13 +177,25 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
     return 0;
 }
 
-/* ---------------------------------------------------------------- bf16 prefill / extend
+/* ---------------------------------------------------------------- prefill / extend
  *
  * Query token i of a sequence (position cached + i, cached = seq_len - q_len) attends keys
- * [0, cached + i]. Needs AVX512-BF16 (and AVX512F); without it the entry point returns -3.
- * Why: torch's CPU flash kernel runs this at 36-64 GFLOP/s on one core; this one at ~90-100
- * (kernels/native.py, docs/kernels.md). */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+ * [0, cached + i]. bfloat16 needs AVX512-BF16 (and AVX512F), float32 AVX512F; without them the
+ * entry points return -3. Why: torch's CPU flash kernel runs this at 36-64 GFLOP/s on one core;
+ * the bf16 kernel at ~90-100 (kernels/native.py, docs/kernels.md). */
+/* An entry point built without the instructions it needs: -3, the caller takes the torch path. */
+#define PREFILL_UNAVAILABLE(NAME)                                                               \
+int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,  \
+         const int32_t *cu_seqlens_q, const int32_t *seq_lens, void *out, int n, int hq,        \
+         int hkv, int d, int bs, int max_blocks, float scale, void *scratch, int part,          \
+         int parts) {                                                                           \
+    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;              \
+    (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;                 \
+    (void)max_blocks; (void)scale; (void)scratch; (void)part; (void)parts;                      \
+    return -3;                                                                                  \
+}
+
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 static inline __m512 exp512(__m512 x) {   /* x <= 0 */
@@ -201,22 +213,40 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
     return _mm512_scalef_ps(p, k);
 }
 
-/* One sequence, every head. Per KV head, K is packed once into bf16 pairs (AVX512-BF16's dot
- * product multiplies pairs exactly and accumulates in float32) as [tile][D/2][16 keys], V into
- * float32 rows. Each query head then walks tiles of 16 query rows x 16 keys:
- *   S[i] (16 keys in the lanes) = sum over dim pairs of dpbf16(broadcast(q[i] pair), K pair)
+/* How each dtype packs K and forms the scores. KW: 32-bit words per key and tile row.
+ * bf16: K in bf16 pairs [tile][D/2][16 keys]; AVX512-BF16's dot product multiplies pairs
+ * exactly and accumulates in float32. float32: K as [tile][D][16 keys], one FMA per dim. */
+#define KW_BF16(D) ((D) / 2)
+#define KW_F32(D) (D)
+#define DOT_BF16(S, qrow, kt, D) for (int p = 0; p < (D) / 2; p++) {                           \
+        __m512bh kv = (__m512bh)_mm512_loadu_si512((kt) + p * 16);                              \
+        for (int i = 0; i < 16; i++)                                                            \
+            S[i] = _mm512_dpbf16_ps(S[i], (__m512bh)_mm512_set1_epi32((int)qrow[i][p]), kv);    \
+    }
+#define DOT_F32(S, qrow, kt, D) for (int e = 0; e < (D); e++) {                                 \
+        __m512 kv = _mm512_loadu_ps((const float *)(kt) + e * 16);                              \
+        for (int i = 0; i < 16; i++)                                                            \
+            S[i] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)qrow[i])[e]), kv, S[i]);       \
+    }
+#define STORE16_BF16(op, v) _mm256_storeu_si256((__m256i *)(op), (__m256i)_mm512_cvtneps_pbh(v))
+#define STORE16_F32(op, v) _mm512_storeu_ps((op), (v))
+
+/* One sequence, every head. Per KV head, K is packed once (KW words per key row and tile, see
+ * above) and V widened into float32 rows. Each query head then walks tiles of 16 query rows x
+ * 16 keys:
+ *   S[i] (16 keys in the lanes) = DOT(q[i], K tile)
  *   online softmax per row in float32 (exp512)
  *   O[i][16 dims] += P[i][k] * V[k][16 dims]   float32 FMAs: P is not rounded to bf16 (as
  *   flash kernels do), so the output is the float32 attention rounded once
  * Query rows past q_len and keys past a row's causal bound are masked out.
- * scratch: 24 * ceil(seq_len / 16) * D 32-bit words (kernels/native.py sizes it). */
-#define DEFINE_PREFILL(D) \
-static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int32_t *table, \
-    int q_len, int L, int bs, int hq, int hkv, float scale, bf16_t *out, uint32_t *scratch, \
+ * scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words (kernels/native.py sizes it). */
+#define DEFINE_PREFILL(NAME, T, KW, LOADV, DOT, STORE16, D) \
+static void NAME(const T *q, const T *kc, const T *vc, const int32_t *table, \
+    int q_len, int L, int bs, int hq, int hkv, float scale, T *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
-    uint32_t *Kp = scratch;                               /* [nt][D/2][16] bf16 pairs */ \
-    float *Vf = (float *)(scratch + (int64_t)nt * (D / 2) * 16);  /* [nt * 16][D] */ \
+    uint32_t *Kp = scratch;                               /* [nt][KW][16] */ \
+    float *Vf = (float *)(scratch + (int64_t)nt * KW * 16);  /* [nt * 16][D] */ \
     for (int h = 0; h < hkv; h++) { \
         /* tiles are numbered from tile0 over (query head, query tile); this part takes every \
            parts-th one (causal tiles grow with i0, so round robin balances) */ \
@@ -225,12 +255,12 @@ static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, con
         for (int t = 0; t < nt; t++) { \
             for (int k = 0; k < 16; k++) { \
                 int j = t * 16 + k; \
-                const uint32_t *kr = 0; const bf16_t *vr = 0; \
+                const uint32_t *kr = 0; const T *vr = 0; \
                 if (j < L) { int64_t row = (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * D; \
                              kr = (const uint32_t *)(kc + row); vr = vc + row; } \
-                for (int p = 0; p < D / 2; p++) Kp[((int64_t)t * (D / 2) + p) * 16 + k] = kr ? kr[p] : 0u; \
+                for (int p = 0; p < KW; p++) Kp[((int64_t)t * KW + p) * 16 + k] = kr ? kr[p] : 0u; \
                 float *vdst = Vf + (int64_t)j * D; \
-                for (int e = 0; e < D; e++) vdst[e] = vr ? bf16_to_f32(vr[e]) : 0.f; \
+                for (int e = 0; e < D; e++) vdst[e] = vr ? LOADV(vr[e]) : 0.f; \
             } \
         } \
         for (int hh = h * g; hh < (h + 1) * g; hh++) { \
@@ -238,11 +268,11 @@ static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, con
                 int64_t tile = tile0 + (int64_t)hh * qtiles + i0 / 16; \
                 if (tile % parts != part) continue; \
                 int nr = q_len - i0 < 16 ? q_len - i0 : 16; \
-                uint32_t qp[16][D / 2]; \
+                uint32_t qp[16][KW]; \
                 float o[16][D], m[16], l[16]; \
                 for (int i = 0; i < 16; i++) { \
-                    if (i < nr) memcpy(qp[i], q + ((int64_t)(i0 + i) * hq + hh) * D, D * 2); \
-                    else memset(qp[i], 0, D * 2); \
+                    if (i < nr) memcpy(qp[i], q + ((int64_t)(i0 + i) * hq + hh) * D, D * sizeof(T)); \
+                    else memset(qp[i], 0, D * sizeof(T)); \
                     for (int e = 0; e < D; e++) o[i][e] = 0.f; \
                     m[i] = -INFINITY; l[i] = 0.f; \
                 } \
@@ -250,12 +280,8 @@ static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, con
                 for (int t = 0; t <= last / 16; t++) { \
                     __m512 S[16]; \
                     for (int i = 0; i < 16; i++) S[i] = _mm512_setzero_ps(); \
-                    const uint32_t *kt = Kp + (int64_t)t * (D / 2) * 16; \
-                    for (int p = 0; p < D / 2; p++) { \
-                        __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + p * 16); \
-                        for (int i = 0; i < 16; i++) \
-                            S[i] = _mm512_dpbf16_ps(S[i], (__m512bh)_mm512_set1_epi32((int)qp[i][p]), kv); \
-                    } \
+                    const uint32_t *kt = Kp + (int64_t)t * KW * 16; \
+                    DOT(S, qp, kt, D) \
                     float pf[16][16], cs[16]; \
                     int k0 = t * 16; \
                     for (int i = 0; i < 16; i++) { \
@@ -286,34 +312,30 @@ static void prefill_##D(const bf16_t *q, const bf16_t *kc, const bf16_t *vc, con
                 } \
                 for (int i = 0; i < nr; i++) { \
                     float inv = 1.f / l[i]; \
-                    bf16_t *op = out + ((int64_t)(i0 + i) * hq + hh) * D; \
-                    for (int c0 = 0; c0 < D; c0 += 16) { \
-                        __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(inv))); \
-                        _mm256_storeu_si256((__m256i *)(op + c0), (__m256i)r); \
-                    } \
+                    T *op = out + ((int64_t)(i0 + i) * hq + hh) * D; \
+                    for (int c0 = 0; c0 < D; c0 += 16) \
+                        STORE16(op + c0, _mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(inv))); \
                 } \
             } \
         } \
     } \
 }
-DEFINE_PREFILL(16)
-DEFINE_PREFILL(32)
-DEFINE_PREFILL(64)
-DEFINE_PREFILL(128)
-typedef void (*prefill_fn)(const bf16_t *, const bf16_t *, const bf16_t *, const int32_t *, int,
-                           int, int, int, int, float, bf16_t *, uint32_t *, int64_t, int, int);
 
-int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
-                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
-                               const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
-                               int bs, int max_blocks, float scale, void *scratch, int part,
-                               int parts) {
-    prefill_fn fn;
+typedef void (*prefill_fn)(const void *, const void *, const void *, const int32_t *, int, int,
+                           int, int, int, float, void *, uint32_t *, int64_t, int, int);
+
+/* Every sequence of a packed batch through FNS[head dim]; -2 when none is instantiated. */
+static int prefill_all(const prefill_fn fns[4], int64_t elem, const void *q, const void *k_cache,
+                       const void *v_cache, const int32_t *block_tables,
+                       const int32_t *cu_seqlens_q, const int32_t *seq_lens, void *out, int n,
+                       int hq, int hkv, int d, int bs, int max_blocks, float scale,
+                       void *scratch, int part, int parts) {
+    int di;
     switch (d) {
-        case 16: fn = prefill_16; break;
-        case 32: fn = prefill_32; break;
-        case 64: fn = prefill_64; break;
-        case 128: fn = prefill_128; break;
+        case 16: di = 0; break;
+        case 32: di = 1; break;
+        case 64: di = 2; break;
+        case 128: di = 3; break;
         default: return -2;
     }
     if (hkv < 1 || hq % hkv != 0 || parts < 1 || part < 0 || part >= parts) return -2;
@@ -321,26 +343,59 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
     for (int s = 0; s < n; s++) {
         int start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
         if (q_len <= 0) continue;
-        int64_t off = (int64_t)start * hq * d;
-        fn((const bf16_t *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
-           q_len, seq_lens[s], bs, hq, hkv, scale, (bf16_t *)out + off, scratch, tile0, part,
-           parts);
+        int64_t off = (int64_t)start * hq * d * elem;
+        fns[di]((const char *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
+                q_len, seq_lens[s], bs, hq, hkv, scale, (char *)out + off, scratch, tile0, part,
+                parts);
         tile0 += (int64_t)hq * ((q_len + 15) / 16);
     }
     return 0;
 }
+
+#define NO_OP_LOAD(x) (x)
+#define DEFINE_PREFILL_F32(D) \
+    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), NO_OP_LOAD, DOT_F32, STORE16_F32, D)
+DEFINE_PREFILL_F32(16)
+DEFINE_PREFILL_F32(32)
+DEFINE_PREFILL_F32(64)
+DEFINE_PREFILL_F32(128)
+static const prefill_fn PREFILL_F32[4] = { (prefill_fn)prefill_f32_16, (prefill_fn)prefill_f32_32,
+                                           (prefill_fn)prefill_f32_64, (prefill_fn)prefill_f32_128 };
+
+int radixkv_paged_prefill_f32(const void *q, const void *k_cache, const void *v_cache,
+                              const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                              const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
+                              int bs, int max_blocks, float scale, void *scratch, int part,
+                              int parts) {
+    return prefill_all(PREFILL_F32, 4, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                       out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
+}
 #else
+PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define DEFINE_PREFILL_BF16(D) \
+    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), bf16_to_f32, DOT_BF16, STORE16_BF16, D)
+DEFINE_PREFILL_BF16(16)
+DEFINE_PREFILL_BF16(32)
+DEFINE_PREFILL_BF16(64)
+DEFINE_PREFILL_BF16(128)
+static const prefill_fn PREFILL_BF16[4] = {
+    (prefill_fn)prefill_bf16_16, (prefill_fn)prefill_bf16_32, (prefill_fn)prefill_bf16_64,
+    (prefill_fn)prefill_bf16_128 };
+
 int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *cu_seqlens_q,
                                const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
                                int bs, int max_blocks, float scale, void *scratch, int part,
                                int parts) {
-    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
-    (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
-    (void)max_blocks; (void)scale; (void)scratch; (void)part; (void)parts;
-    return -3;
+    return prefill_all(PREFILL_BF16, 2, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                       seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
 }
+#else
+PREFILL_UNAVAILABLE(radixkv_paged_prefill_bf16)
 #endif
 
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 5; }
+int radixkv_native_abi(void) { return 6; }

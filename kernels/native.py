@@ -57,7 +57,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-t
 #: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
 #: library that every AVX2 machine sharing a cache folder can load).
 MARCH_VAR = "RADIXKV_NATIVE_MARCH"
-_ABI = 5
+_ABI = 6
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
@@ -154,11 +154,13 @@ def _load():
             fn.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
                            ctypes.c_float, i32, i32, i32]
             fn.restype = i32
-            prefill = lib.radixkv_paged_prefill_bf16
-            prefill.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
-                                ctypes.c_float, vp, i32, i32]
-            prefill.restype = i32
-            _state["prefill"] = prefill
+            for key, name in (("prefill", "radixkv_paged_prefill_bf16"),
+                              ("prefill_f32", "radixkv_paged_prefill_f32")):
+                prefill = getattr(lib, name)
+                prefill.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
+                                    ctypes.c_float, vp, i32, i32]
+                prefill.restype = i32
+                _state[key] = prefill
             greedy = lib.radixkv_greedy_logsumexp
             greedy.argtypes = [vp, i32, i32, ctypes.c_int64, vp, vp]
             greedy.restype = i32
@@ -315,6 +317,8 @@ def paged_decode_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 _scratch = threading.local()
+#: query dtype -> the prefill entry point (``_state`` key) that computes it
+_PREFILL_ENTRIES = {torch.bfloat16: "prefill", torch.float32: "prefill_f32"}
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -322,22 +326,23 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor,
                   checked: bool = False, parts: int | None = None) -> bool:
     """Causal extend-case attention (q packed ``[total, hq, D]`` by ``cu_seqlens_q``; query i of
-    a sequence sees keys up to ``seq_len - q_len + i``) into ``out``, bf16 only; ``False`` when
-    not run (other dtypes or sizes, no AVX512-BF16, no compiler). ``max_seq_len`` (the longest
-    ``seq_lens`` entry) sizes the per-thread scratch the kernel packs K and V into. Otherwise as
-    :func:`paged_decode`."""
-    if _state.get("no_prefill"):
+    a sequence sees keys up to ``seq_len - q_len + i``) into ``out``, bf16 (AVX512-BF16) or
+    float32 (AVX512F); ``False`` when not run (other dtypes or sizes, a CPU without those
+    instructions, no compiler). ``max_seq_len`` (the longest ``seq_lens`` entry) sizes the
+    per-thread scratch the kernel packs K and V into. Otherwise as :func:`paged_decode`."""
+    key = _PREFILL_ENTRIES.get(q.dtype)
+    if key is None or _state.get("no_" + key):
         return False
-    if not checked and not (enabled() and q.dtype == torch.bfloat16
-                            and cu_seqlens_q.dtype == torch.int32
+    if not checked and not (enabled() and cu_seqlens_q.dtype == torch.int32
                             and cu_seqlens_q.is_contiguous()
                             and _operands_ok(q, k_cache, v_cache, block_tables, seq_lens, out)):
         return False
-    fn = _entry("prefill")
+    fn = _entry(key)
     if fn is None:
         return False
     n, hq, d = q.shape
-    words = 24 * d * (-(-max_seq_len // 16))   # K as bf16 pairs + V as float32 (C file)
+    # 16 keys per tile: K packed (bf16 pairs: d / 2 words per key, float32: d) + V as float32
+    words = (16 * d // (2 if q.dtype == torch.bfloat16 else 1) + 16 * d) * (-(-max_seq_len // 16))
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], hq,
             k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], float(scale))
@@ -347,8 +352,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if buf is None or buf.numel() < words:
             buf = _scratch.buf = torch.empty(max(words, 1 << 16), dtype=torch.int32)
         rc = fn(*args, buf.data_ptr(), part, count)
-        if rc == -3:   # built without AVX512-BF16: never ask again in this process
-            _state["no_prefill"] = True
+        if rc == -3:   # built without the instructions: never ask again in this process
+            _state["no_" + key] = True
         return rc
 
     return _run_parts(call, _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART, parts))

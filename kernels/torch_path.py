@@ -436,11 +436,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``plan``: as in :func:`paged_decode_attention`, a per-batch dict reused across layers.
     """
-    # The native bf16 kernel first (kernels/native.py), as in decode; the plan keeps the
-    # longest sequence (it sizes the kernel's scratch) once the first layer could use it, or
-    # False once it declined.
+    # The native kernel first (kernels/native.py: bf16, float32), as in decode; the plan keeps
+    # the longest sequence (it sizes the kernel's scratch) once the first layer could use it,
+    # or False once it declined.
     used = None if plan is None else plan.get("native_prefill")
-    if used is not False and q.dtype == torch.bfloat16:
+    if used is not False and q.dtype in (torch.bfloat16, torch.float32):
         max_len = used or (int(seq_lens.max()) if seq_lens.numel() else 0)
         if native.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 max_len, scale, out, checked=bool(used)):
