@@ -260,6 +260,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not checked and not (enabled() and supports(q, k_cache, v_cache, block_tables,
                                                    seq_lens, out)):
         return False
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                   _DTYPES[q.dtype], parts)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+            kind: int, parts: int | None) -> bool:
+    """One call of the C decode entry for cache ``kind`` (see ``radixkv_paged_decode``)."""
     fn = _entry("fn")
     if fn is None:
         return False
@@ -267,7 +275,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv = k_cache.shape[2]
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
-            block_tables.shape[1], float(scale), _DTYPES[q.dtype])
+            block_tables.shape[1], float(scale), kind)
     if parts is None:
         parts = decode_parts(seq_lens, hkv)
     return _run_parts(lambda part, count: fn(*args, part, count), parts)
@@ -295,25 +303,16 @@ def supports_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def paged_decode_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, parts: int | None = None) -> bool:
-    """Decode attention over int8 / fp8 caches read in place (each row widened to what the
-    torch path's dequantized scratch holds, so the result is the same bits; no scratch, no
-    gather). Rows are in their stored (rotated) domain: the caller rotates ``q`` before and
-    the output after, as for the scratch. ``False`` when not run (the caller then
-    dequantizes and takes the float path)."""
+    """Decode attention over int8 / fp8 caches read in place: each row is widened to exactly
+    what the torch path's dequantized scratch holds, with no scratch and no gather (the
+    attention then agrees with the float kernel on the scratch to float32 rounding: these
+    heads take the group size at run time). Rows are in their stored (rotated) domain: the
+    caller rotates ``q`` before and the output after, as for the scratch. ``False`` when not
+    run (the caller then dequantizes and takes the float path)."""
     if not (enabled() and supports_quantized(q, k_cache, v_cache, block_tables, seq_lens, out)):
         return False
-    fn = _entry("fn")
-    if fn is None:
-        return False
-    n, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    kind = _QUANT_KINDS[k_cache.dtype] + _DTYPES[q.dtype]
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            seq_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, k_cache.shape[1],
-            block_tables.shape[1], float(scale), kind)
-    if parts is None:
-        parts = decode_parts(seq_lens, hkv)
-    return _run_parts(lambda part, count: fn(*args, part, count), parts)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                   _QUANT_KINDS[k_cache.dtype] + _DTYPES[q.dtype], parts)
 
 
 _scratch = threading.local()
