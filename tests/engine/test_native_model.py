@@ -201,7 +201,11 @@ def test_embedded_tokenizer_fast_path_equals_autotokenizer():
 
 def test_embedded_start_does_not_import_transformers_model_stack():
     """The cause of the start time (issue 17 goal 3): a default start must not import
-    transformers' model classes or the torch modules they pull in."""
+    transformers' model classes or the torch modules they pull in (the converted copy is made
+    here first: converting the GGUF file does use transformers' classes, once)."""
+    from radixkv import models
+
+    models.prepare_source(progress=False)
     code = ("import sys, radixkv; e = radixkv.Engine.from_pretrained(progress=False); "
             "print(type(e.model).__name__, sorted(m for m in ('torch.distributed.tensor', "
             "'torch._dynamo', 'sympy', 'transformers.modeling_utils') if m in sys.modules)); "
