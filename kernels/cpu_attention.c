@@ -37,6 +37,10 @@
 
 #define TILE 16
 
+/* Key j's row for KV head h in a cache of ROWB-byte rows, through the sequence's block table. */
+#define KV_ROW(cache, j, ROWB)                                                                  \
+    ((cache) + (((int64_t)table[(j) / bs] * bs + (j) % bs) * hkv + h) * (int64_t)(ROWB))
+
 /* One (sequence, KV head): G query rows of head dim D against the sequence's L keys. The
  * cache holds rows of ROWB bytes; ROWLOAD(dst, row) widens one into float dst[D]. GMAX sizes
  * the accumulators and G bounds the loops: both the constant G for the float caches (the
@@ -57,10 +61,8 @@ static void NAME(const QT *q, const char *k_cache, const char *v_cache, const in
         float s[GMAX][TILE];                                                                    \
         for (int t = 0; t < nt; t++) {                                                          \
             int j = j0 + t;                                                                     \
-            const char *kp = k_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h)       \
-                                       * (int64_t)(ROWB);                                       \
             float kf[D];                                                                        \
-            ROWLOAD(kf, kp, D);                                                                 \
+            ROWLOAD(kf, KV_ROW(k_cache, j, ROWB), D);                                         \
             for (int i = 0; i < G; i++) {                                                       \
                 float a = 0.f;                                                                  \
                 for (int e = 0; e < D; e++) a += qf[i][e] * kf[e];                              \
@@ -78,10 +80,8 @@ static void NAME(const QT *q, const char *k_cache, const char *v_cache, const in
         }                                                                                       \
         for (int t = 0; t < nt; t++) {                                                          \
             int j = j0 + t;                                                                     \
-            const char *vp = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * hkv + h)       \
-                                       * (int64_t)(ROWB);                                       \
             float vf[D];                                                                        \
-            ROWLOAD(vf, vp, D);                                                                 \
+            ROWLOAD(vf, KV_ROW(v_cache, j, ROWB), D);                                         \
             for (int i = 0; i < G; i++) {                                                       \
                 float p = s[i][t];                                                              \
                 for (int e = 0; e < D; e++) acc[i][e] += p * vf[e];                             \
