@@ -53,10 +53,8 @@ class NativeUnsupported(ValueError):
 class NativeConfig(SimpleNamespace):
     """Every field of ``config.json`` as an attribute (as transformers' configs give them),
     plus the normalised ones the model and the engine read: ``head_dim``, ``rope_parameters``,
-    ``sliding_window`` and ``layer_types`` as transformers' config class would set them."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
+    ``sliding_window`` and ``layer_types`` as transformers' config class would set them, and
+    the module tree's own: ``layer_windows`` and which projections have biases (``has_*``)."""
 
 
 def parse_config(raw: dict[str, Any], name_or_path: str = "") -> NativeConfig:
@@ -114,7 +112,7 @@ def parse_config(raw: dict[str, Any], name_or_path: str = "") -> NativeConfig:
             "mistral": (False, False, False),
             "qwen2": (True, False, False),
             "qwen3": (raw.get("attention_bias", False),) * 2 + (False,)}[model_type]
-    cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias_ = (bool(b) for b in bias)
+    cfg.has_qkv_bias, cfg.has_o_bias, cfg.has_mlp_bias = (bool(b) for b in bias)
     cfg.qk_norm = model_type == "qwen3"
     cfg.architectures = [arch]
     cfg._attn_implementation = "radixkv-native"
@@ -202,10 +200,10 @@ class Attention(nn.Module):
         self.head_dim = d
         self.scaling = d ** -0.5
         self.sliding_window = cfg.layer_windows[idx]
-        self.q_proj = nn.Linear(hidden, hq * d, bias=cfg.qkv_bias, **factory)
-        self.k_proj = nn.Linear(hidden, hkv * d, bias=cfg.qkv_bias, **factory)
-        self.v_proj = nn.Linear(hidden, hkv * d, bias=cfg.qkv_bias, **factory)
-        self.o_proj = nn.Linear(hq * d, hidden, bias=cfg.o_bias, **factory)
+        self.q_proj = nn.Linear(hidden, hq * d, bias=cfg.has_qkv_bias, **factory)
+        self.k_proj = nn.Linear(hidden, hkv * d, bias=cfg.has_qkv_bias, **factory)
+        self.v_proj = nn.Linear(hidden, hkv * d, bias=cfg.has_qkv_bias, **factory)
+        self.o_proj = nn.Linear(hq * d, hidden, bias=cfg.has_o_bias, **factory)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **factory)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **factory)
@@ -214,7 +212,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: NativeConfig, **factory: Any) -> None:
         super().__init__()
-        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias_
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.has_mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b, **factory)
         self.up_proj = nn.Linear(h, i, bias=b, **factory)
         self.down_proj = nn.Linear(i, h, bias=b, **factory)
