@@ -302,14 +302,17 @@ def supports_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def paged_decode_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor, parts: int | None = None) -> bool:
+                           out: torch.Tensor, parts: int | None = None,
+                           checked: bool = False) -> bool:
     """Decode attention over int8 / fp8 caches read in place: each row is widened to exactly
     what the torch path's dequantized scratch holds, with no scratch and no gather (the
     attention then agrees with the float kernel on the scratch to float32 rounding: these
     heads take the group size at run time). Rows are in their stored (rotated) domain: the
     caller rotates ``q`` before and the output after, as for the scratch. ``False`` when not
-    run (the caller then dequantizes and takes the float path)."""
-    if not (enabled() and supports_quantized(q, k_cache, v_cache, block_tables, seq_lens, out)):
+    run (the caller then dequantizes and takes the float path). ``checked`` and ``parts``: as
+    in :func:`paged_decode`."""
+    if not checked and not (enabled() and supports_quantized(q, k_cache, v_cache, block_tables,
+                                                             seq_lens, out)):
         return False
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
                    _QUANT_KINDS[k_cache.dtype] + _DTYPES[q.dtype], parts)

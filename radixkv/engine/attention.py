@@ -252,15 +252,20 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
                                                   batch.cu_seqlens_q, batch.seq_lens,
                                                   scale=scale, check=False)
         return rotate(out) if rotated else out
-    if batch.mode is AttentionMode.DECODE and not windowed and softcap is None \
-            and q.device.type == "cpu":
+    used = ctx.plan.get("native_quantized")   # the first layer's answer, for the others
+    if used is not False and batch.mode is AttentionMode.DECODE and not windowed \
+            and softcap is None and q.device.type == "cpu":
         # The native CPU decode kernel reads int8 / fp8 rows in place (kernels/native.py),
-        # widening each as the scratch below would hold it: the same bits, without the gather.
+        # widening each exactly as the scratch below would hold it, without the gather.
         from radixkv.kernels import native
 
+        parts = used or native.decode_parts(batch.seq_lens, k_cache.shape[2])
         out = torch.empty_like(q)
-        if native.paged_decode_quantized(q, k_cache, v_cache, batch.block_tables,
-                                         batch.seq_lens, scale, out):
+        ran = native.paged_decode_quantized(q, k_cache, v_cache, batch.block_tables,
+                                            batch.seq_lens, scale, out, parts=parts,
+                                            checked=bool(used))
+        ctx.plan["native_quantized"] = parts if ran else False
+        if ran:
             return rotate(out) if rotated else out
     used, tables = ctx.scratch_tables()
     ks, vs = dequantize_blocks(kv_layer, used, q.dtype, ctx.scratch_workspace(), "kv")
