@@ -168,12 +168,16 @@ class Engine:
 
         Raises:
             ConfigError: at once, before anything is loaded, when the directory, GGUF file or
-                cached hub model does not exist, or the device is not available here (see
+                cached hub model does not exist, ``model_impl`` is not one of ``"auto"``,
+                ``"radixkv"``, ``"transformers"``, or the device is not available here (see
                 :func:`radixkv.models.resolve_source`, :func:`radixkv.config.resolve_device`).
         """
         from radixkv import models
         from radixkv.config import EngineConfig, default_dtype, resolve_device
 
+        if model_impl not in models.MODEL_IMPLS:   # before anything is loaded or converted
+            raise ConfigError(f"model_impl must be one of {models.MODEL_IMPLS}, "
+                              f"got {model_impl!r}")
         ec = engine_config if engine_config is not None else EngineConfig()
         device = str(resolve_device(device, "device")) if device is not None \
             else str(ec.torch_device())

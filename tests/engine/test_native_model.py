@@ -136,6 +136,14 @@ def test_model_impl_choices(saved):
         models.load_model(source=phi, model_impl="radixkv")
     with pytest.raises(ConfigError, match="model_impl must be one of"):
         models.load_model(source=src, model_impl="vllm")
+    from radixkv import Engine
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:     # refused before any source is resolved
+        mp.setattr(models, "prepare_source", lambda *a, **k: calls.append(1))
+        with pytest.raises(ConfigError, match="model_impl must be one of"):
+            Engine.from_pretrained(str(saved["llama"]), model_impl="vllm")
+    assert not calls
 
 
 @pytest.mark.parametrize("change, reason", [
