@@ -43,6 +43,14 @@ Policies simulated here (per victim choice, among unlocked leaves):
     solution even without prefix chains), and on cost-weighted savings it can fall below plain
     Belady. Reports therefore use the better of the two as the cost reference, and the tests
     measure both against an exhaustive cost-weighted search on tiny traces.
+``end-blind``
+    Belady that knows every return time but not which sessions have ended: a reference for
+    what an online policy could reach if it forecast every return exactly and learned of an
+    end only from a session's silence. The blocks of a session's last request that are never
+    used again get a *phantom* next use, one turn gap of that session later (``phantoms``, see
+    :func:`session_phantoms`); once the phantom has passed without a return they are known
+    dead and go first (deepest first), as an online forecast writes off an overdue session.
+    Everything else is keyed as in ``belady``. Without phantoms it is ``belady``.
 ``infinite``
     No eviction: the most any cache can hit on the trace.
 
@@ -71,7 +79,7 @@ from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
 INF = sys.maxsize
 #: Candidates (farthest next uses first) the cost-aware Belady weighs at each eviction.
 COST_SAMPLE = 8
-POLICIES = ("belady", "cost-belady", "lru")
+POLICIES = ("belady", "cost-belady", "lru", "end-blind")
 
 
 class HasTokens(Protocol):
@@ -227,8 +235,13 @@ def infinite(bt: BlockTrace, l0: float = SMOLLM2_L0) -> SimResult:
 
 
 def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
-             check: bool = False, l0: float = SMOLLM2_L0) -> SimResult:
-    """Simulate a leaves-only cache of ``capacity_blocks`` with ``policy`` ('belady' or 'lru').
+             check: bool = False, l0: float = SMOLLM2_L0,
+             phantoms: Sequence[int] | None = None) -> SimResult:
+    """Simulate a leaves-only cache of ``capacity_blocks`` with ``policy`` (one of POLICIES).
+
+    ``phantoms`` (``end-blind`` only; :func:`session_phantoms`): per request, the request
+    index at which its session would have come back had it not ended (INF: not a session's
+    last request, or nothing to guess from).
 
     ``check=True`` verifies after every request that the cached set is prefix-closed and within
     capacity (O(cached blocks) per request: tests only).
@@ -240,10 +253,16 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
     if capacity_blocks < bt.min_capacity:
         raise ValueError(f"capacity {capacity_blocks} blocks < largest request "
                          f"({bt.min_capacity} blocks at block size {bt.block_size})")
+    if (policy == "end-blind") != (phantoms is not None):
+        raise ValueError("phantoms are given with the 'end-blind' policy and only with it")
+    if phantoms is not None and len(phantoms) != len(bt.chains):
+        raise ValueError(f"{len(phantoms)} phantoms for {len(bt.chains)} requests")
     belady = policy != "lru"
     weigh = policy == "cost-belady"
     bs = bt.block_size
     n = bt.num_blocks
+    dead: list[tuple[int, int, int, int]] = []  # end-blind: (phantom, -depth, block, version)
+    dead_at = [INF] * n if phantoms is not None else []
     next_use = [INF] * n if weigh else []  # cost-belady: each block's next prompt use
     parent, depth = bt.parent, bt.depth
     resident = bytearray(n)
@@ -266,7 +285,10 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
             locked[b] = 1
         over = used + (len(chain) - r) + bt.tails[j] - capacity_blocks
         while over > 0:
-            k, _, b, v = pop(heap)  # never empty: capacity >= the largest request
+            if dead and dead[0][0] < j:  # end-blind: a phantom return has not come
+                k, _, b, v = pop(dead)
+            else:
+                k, _, b, v = pop(heap)  # never empty: capacity >= the largest request
             if v != version[b] or not resident[b] or locked[b] or nchild[b]:
                 continue  # stale entry
             if weigh and next_use[b] != INF:
@@ -282,6 +304,8 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
                 if nchild[p] == 0 and not locked[p]:
                     version[p] += 1
                     push(heap, (key[p], -depth[p], p, version[p]))
+                    if phantoms is not None and dead_at[p] != INF:
+                        push(dead, (dead_at[p], -depth[p], p, version[p]))
         for b in chain[r:]:
             resident[b] = 1
             p = parent[b]
@@ -290,19 +314,49 @@ def simulate(bt: BlockTrace, capacity_blocks: int, policy: str = "belady",
         used += len(chain) - r
         inserted += len(chain) - r
         nu = bt.next_use[j]
+        ph = INF if phantoms is None else phantoms[j]
         for i, b in enumerate(chain):
             locked[b] = 0
             key[b] = -nu[i] if belady else j
             version[b] += 1
             if weigh:
                 next_use[b] = nu[i]
+            if phantoms is not None:
+                dead_at[b] = ph if nu[i] == INF else INF
+                if dead_at[b] != INF:
+                    key[b] = -ph
         last = chain[-1] if chain else -1
         if last >= 0 and nchild[last] == 0:
             push(heap, (key[last], -depth[last], last, version[last]))
+            if phantoms is not None and dead_at[last] != INF:
+                push(dead, (dead_at[last], -depth[last], last, version[last]))
         if check:
             _check(bt, resident, nchild, used, capacity_blocks)
     return SimResult(policy, bt.block_size, capacity_blocks, hit * bt.block_size,
                      bt.total_prompt_tokens, evictions, inserted, hit_cost, prompt_cost(bt, l0))
+
+
+def session_phantoms(requests: Sequence[Any]) -> list[int]:
+    """Per request, the request index at which its session would come back if it went on:
+    for a session's last request, that index + the session's last turn gap in requests (or
+    the mean turn gap of all sessions, for a one-turn session); INF for every other request,
+    and for every request when no session has two turns (nothing to guess a gap from).
+    Sessions are ``conv`` attributes (a request without one is its own session)."""
+    convs = [getattr(r, "conv", ("req", j)) for j, r in enumerate(requests)]
+    final = {c: j for j, c in enumerate(convs)}
+    prev: dict[Any, int] = {}
+    gap: dict[Any, int] = {}
+    total = count = 0
+    for j, c in enumerate(convs):
+        if c in prev:
+            gap[c] = j - prev[c]
+            total += gap[c]
+            count += 1
+        prev[c] = j
+    if not count:
+        return [INF] * len(convs)
+    mean = max(1, round(total / count))
+    return [j + gap.get(c, mean) if final[c] == j else INF for j, c in enumerate(convs)]
 
 
 def _cheapest(heap: list, first: tuple, now: int, next_use: list[int], version: list[int],

@@ -16,7 +16,10 @@ Policies: every name in ``radixkv.core.policy.POLICIES``, replayed through the r
 ``BlockManager``/``RadixTree`` (``benchmarks/replay.py``; ``priority`` gets a priority-1 hint on the
 shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use);
 optional candidates of ``benchmarks/policy_sim.py`` (``--candidates``), simulated at block level.
-References (``benchmarks/bounds.py``): infinite cache, Belady, cost-aware Belady. Prefill
+References (``benchmarks/bounds.py``): infinite cache, Belady, cost-aware Belady, and
+``end-blind`` Belady (every return time known, a session's end learned only from its silence:
+where it stays below 0.8 of Belady, no policy that is not told of ends can meet the target
+without predicting them). Prefill
 saved is cost-weighted (``benchmarks/prefill_cost.py``) and set against the better of the two
 Belady variants on that measure (neither is a proven bound for it).
 
@@ -48,7 +51,7 @@ from typing import Any
 from radixkv.benchmarks._common import (
     REPO_ROOT, plain_doc, print_table, results_dir, run_header, write_results,
 )
-from radixkv.benchmarks.bounds import BlockTrace, infinite, prepare, simulate
+from radixkv.benchmarks.bounds import BlockTrace, infinite, prepare, session_phantoms, simulate
 from radixkv.benchmarks.replay import THIS_CORE, ReplayConfig, replay, system_prefix_tokens
 
 BLOCK_SIZE = 16
@@ -115,18 +118,21 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
     t0 = time.perf_counter()
     bt = prepare(requests, BLOCK_SIZE)
     inf = infinite(bt)
+    phantoms = session_phantoms(requests)
     caps = list(capacities) if capacities else capacity_grid(bt, n)
     prio = system_prefix_tokens(header)
     rows: list[dict[str, Any]] = []
     for ci, cap in enumerate(caps):
         refs = {p: simulate(bt, cap, p) for p in ("belady", "cost-belady", "lru")}
         bel = refs["belady"]
+        blind = simulate(bt, cap, "end-blind", phantoms=phantoms)
         cost_ref = max(bel.cost_rate, refs["cost-belady"].cost_rate)
         base = {"capacity_blocks": cap, "capacity_tokens": cap * BLOCK_SIZE,
                 "of_working_set": cap / bt.num_blocks, "infinite": inf.hit_rate,
                 "belady": bel.hit_rate, "belady_cost": bel.cost_rate,
                 "cost_belady": refs["cost-belady"].hit_rate,
                 "cost_belady_cost": refs["cost-belady"].cost_rate, "cost_ref": cost_ref,
+                "end_blind": blind.hit_rate,
                 "zone": bel.hit_rate >= ZONE_FRACTION * inf.hit_rate}
         out: list[dict[str, Any]] = []
         for i, pol in enumerate(policies):
@@ -166,8 +172,11 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
             r["cost_of_ref"] = r["cost_rate"] / cost_ref if cost_ref else 1.0
             r["points_vs_lru"] = 100.0 * (r["hit_rate"] - lru)
         rows += out
+    blind_zone = [r["end_blind"] / r["belady"] for r in rows
+                  if r["zone"] and r["policy"] == rows[0]["policy"]]
     return {"working_set_blocks": bt.num_blocks, "min_capacity_blocks": bt.min_capacity,
             "infinite": inf.hit_rate, "infinite_cost": inf.cost_rate, "capacities": caps,
+            "end_blind_min_of_belady_in_zone": min(blind_zone) if blind_zone else None,
             "rows": rows, "seconds": time.perf_counter() - t0}
 
 
@@ -232,6 +241,8 @@ def wide(res: dict[str, Any], field: str) -> list[dict[str, Any]]:
         r0 = rows[0]
         row = {"blocks": cap, "of ws": f"{r0['of_working_set']:.2%}",
                "zone": "*" if r0["zone"] else "", "belady": round(r0["belady"], 3)}
+        if field == "hit_rate" and "end_blind" in r0:
+            row["end-blind"] = f"{r0['end_blind']:.3f} ({r0['end_blind'] / r0['belady']:.2f})"
         if field == "cost_rate":
             row = {**row, "belady": round(r0["belady_cost"], 3),
                    "cost-belady": round(r0["cost_belady_cost"], 3)}
@@ -302,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                     title="prefill compute saved (ratio to the better Belady on this measure)")
         print_table([{"policy": p, **v} for p, v in res["verdicts"].items()],
                     title="issue 15 target: >= 0.8 of Belady in the zone, >= LRU - 1 point")
+        z = res["end_blind_min_of_belady_in_zone"]
+        if z is not None:
+            print(f"end-blind Belady (every return time known, no session end): {z:.2f} of "
+                  "Belady at worst in the zone")
     header["wall_s"] = round(time.perf_counter() - t_start, 1)
     path = write_results(name, header, {"workloads": results})
     if not (args.no_plots or args.quick or args.name or args.baseline):   # the full run's
@@ -317,8 +332,10 @@ def markdown(path: Path, columns: Sequence[str]) -> str:
         out.append(f"\n**{res['workload']}** ({res['requests']:,} requests, working set "
                    f"{res['working_set_blocks']:,} blocks, infinite cache "
                    f"{res['infinite']:.3f})\n")
-        out.append("| blocks (of working set) | Belady | " + " | ".join(columns) + " |")
-        out.append("|---" * (len(columns) + 2) + "|")
+        blind = "end_blind" in res["rows"][0]
+        out.append("| blocks (of working set) | Belady | " + ("end-blind | " if blind else "")
+                   + " | ".join(columns) + " |")
+        out.append("|---" * (len(columns) + 2 + blind) + "|")
         for cap in res["capacities"]:
             rows: dict[str, dict[str, Any]] = {}
             for r in res["rows"]:
@@ -327,6 +344,8 @@ def markdown(path: Path, columns: Sequence[str]) -> str:
             r0 = next(iter(rows.values()))
             zone = "**" if r0["zone"] else ""
             cells = [f"{zone}{cap:,} ({r0['of_working_set']:.2%}){zone}", f"{r0['belady']:.3f}"]
+            if blind:
+                cells.append(f"{r0['end_blind']:.3f} ({r0['end_blind'] / r0['belady']:.2f})")
             cells += [f"{rows[c]['hit_rate']:.3f} ({rows[c]['of_belady']:.2f})" if c in rows
                       else "-" for c in columns]
             out.append("| " + " | ".join(cells) + " |")
@@ -365,6 +384,9 @@ def plot(path: Path) -> int:
         first = next(iter(by.values()))
         ax.plot(caps, [res["infinite"]] * len(caps), "k:", label="infinite cache")
         ax.plot(caps, [first[c]["belady"] for c in caps], "k-", lw=2, label="Belady")
+        if "end_blind" in first[caps[0]]:
+            ax.plot(caps, [first[c]["end_blind"] for c in caps], "k--", lw=1,
+                    label="Belady blind to session ends")
         zone = [c for c in caps if first[c]["zone"]]
         if zone:
             ax.axvspan(min(zone), max(zone), color="0.9", zorder=0, label="target zone")

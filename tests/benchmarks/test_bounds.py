@@ -5,6 +5,8 @@ No dataset and no tokenizer: tokens are small integers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from hitrate_strategies import R, traces
 
 from radixkv.benchmarks.bounds import (
-    chain_hashes, exhaustive_optimum, infinite, prepare, simulate,
+    INF, chain_hashes, exhaustive_optimum, infinite, prepare, session_phantoms, simulate,
 )
 
 
@@ -132,3 +134,74 @@ def test_no_policy_beats_exhaustive_cost_optimum(reqs, block_size, extra):
     best = exhaustive_optimum(bt, cap, l0=L0)
     for pol in ("belady", "cost-belady", "lru"):
         assert simulate(bt, cap, pol, l0=L0).hit_cost <= best + 1e-9
+
+
+# End-blind Belady (every return time known, session ends not): the reference for online
+# policies that learn of an end only from a session's silence.
+@dataclass
+class S:
+    prompt: list[int]
+    conv: str
+    reply: list[int] = field(default_factory=list)
+
+
+def test_session_phantoms_use_the_sessions_own_gap_else_the_mean():
+    # A: requests 0, 2, 4 (gap 2); B: 1 and 5 (gap 4); C: 3 only (mean gap (2+2+4)/3 -> 3).
+    reqs = [S([1], "A"), S([2], "B"), S([1], "A"), S([3], "C"), S([1], "A"), S([2], "B")]
+    assert session_phantoms(reqs) == [INF, INF, INF, 3 + 3, 4 + 2, 5 + 4]
+    # No session with two turns: nothing to guess a gap from, so no phantoms at all.
+    assert session_phantoms([R([1]), R([2])]) == [INF, INF]
+
+
+def test_end_blind_keeps_an_ended_session_until_its_phantom_passes():
+    # Block size 2, prompts [x, x, 0]: one matchable block + a tail slot each; capacity 3 holds
+    # two blocks. B ends at t=1 (one turn: phantom t=1 + mean gap 2 = 3). At t=3 (C arrives)
+    # Belady evicts b (never used again) and hits a at t=4 and c at t=5 (3 hits). End-blind
+    # still expects B at t=3, so it evicts a (next use t=4, the farthest); at t=4 B is overdue,
+    # b goes, A misses; it hits a at t=2 and c at t=5 (2 hits).
+    reqs = [S([1, 1, 0], "A"), S([2, 2, 0], "B"), S([1, 1, 0], "A"), S([3, 3, 0], "C"),
+            S([1, 1, 0], "A"), S([3, 3, 0], "C")]
+    bt = prepare(reqs, 2)
+    ph = session_phantoms(reqs)
+    assert ph[1] == 3
+    assert simulate(bt, 3, "belady", check=True).hit_tokens == 6
+    assert simulate(bt, 3, "end-blind", check=True, phantoms=ph).hit_tokens == 4
+
+
+def test_end_blind_needs_phantoms_and_only_it_takes_them():
+    bt = prepare([R([1, 2, 3])], 2)
+    with pytest.raises(ValueError, match="phantoms"):
+        simulate(bt, 4, "end-blind")
+    with pytest.raises(ValueError, match="phantoms"):
+        simulate(bt, 4, "belady", phantoms=[INF])
+    with pytest.raises(ValueError, match="1 requests"):
+        simulate(bt, 4, "end-blind", phantoms=[INF, INF])
+
+
+@st.composite
+def session_traces(draw, max_requests=20, max_len=24):
+    reqs = draw(traces(max_requests=max_requests, max_len=max_len))
+    convs = draw(st.lists(st.sampled_from("ABCD"), min_size=len(reqs), max_size=len(reqs)))
+    return [S(r.prompt, c, r.reply) for r, c in zip(reqs, convs)]
+
+
+@given(session_traces(), st.sampled_from([1, 2, 4]), st.integers(0, 30))
+def test_end_blind_is_a_valid_cache_and_without_phantoms_is_belady(reqs, block_size, extra):
+    bt = prepare(reqs, block_size)
+    cap = bt.min_capacity + extra
+    eb = simulate(bt, cap, "end-blind", check=True, phantoms=session_phantoms(reqs))
+    assert eb.hit_tokens <= infinite(bt).hit_tokens
+    if cap >= bt.num_blocks + 1:
+        assert eb.hit_tokens == infinite(bt).hit_tokens
+    none = simulate(bt, cap, "end-blind", phantoms=[INF] * len(reqs))
+    bel = simulate(bt, cap, "belady")
+    assert (none.hit_tokens, none.evictions) == (bel.hit_tokens, bel.evictions)
+
+
+@settings(max_examples=60)
+@given(session_traces(max_requests=6, max_len=6), st.sampled_from([1, 2]), st.integers(0, 3))
+def test_end_blind_never_beats_the_exhaustive_optimum(reqs, block_size, extra):
+    bt = prepare(reqs, block_size)
+    cap = bt.min_capacity + extra
+    eb = simulate(bt, cap, "end-blind", phantoms=session_phantoms(reqs)).hit_tokens
+    assert eb <= exhaustive_optimum(bt, cap)

@@ -7,10 +7,10 @@ import json
 from test_policy_sim import loop
 
 from radixkv.benchmarks import hit_rate_workloads as H
-from radixkv.benchmarks.bounds import infinite, prepare, simulate
+from radixkv.benchmarks.bounds import infinite, prepare, session_phantoms, simulate
 
 
-def test_evaluate_rows_ratios_and_zone():
+def _evaluate_loop():
     reqs = loop(n_conv=4, turns=5, size=20)
     bt = prepare(reqs, H.BLOCK_SIZE)
     caps = H.capacity_grid(bt, 4)
@@ -21,13 +21,36 @@ def test_evaluate_rows_ratios_and_zone():
     for r in res["rows"]:
         bel = simulate(bt, r["capacity_blocks"], "belady").hit_rate
         assert r["belady"] == bel and r["zone"] == (bel >= 0.5 * inf)
+        assert r["end_blind"] == simulate(bt, r["capacity_blocks"], "end-blind",
+                                          phantoms=session_phantoms(reqs)).hit_rate
         assert abs(r["of_belady"] - r["hit_rate"] / bel) < 1e-12
         assert abs(r["cost_of_ref"] * r["cost_ref"] - r["cost_rate"]) < 1e-12
         if r["policy"] == "lru":  # the real tree's LRU equals the block model's
             assert r["hit_rate"] == simulate(bt, r["capacity_blocks"], "lru").hit_rate
             assert r["points_vs_lru"] == 0.0
     assert set(H.verdicts(res["rows"])) == {"lru", "mru", "next-use"}
+    zone = [r["end_blind"] / r["belady"] for r in res["rows"] if r["zone"]]
+    assert res["end_blind_min_of_belady_in_zone"] == (min(zone) if zone else None)
     json.dumps(res)  # serialisable as written to benchmarks/results
+    return res, reqs
+
+
+def test_evaluate_rows_ratios_and_zone():
+    _evaluate_loop()
+
+
+def test_markdown_shows_the_end_blind_reference(tmp_path):
+    res, reqs = _evaluate_loop()
+    res.update(workload="loop", requests=len(reqs), verdicts=H.verdicts(res["rows"]))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": {"workloads": [res]}}))
+    lines = H.markdown(path, ["lru", "mru"]).splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("| blocks"))
+    assert lines[head] == "| blocks (of working set) | Belady | end-blind | lru | mru |"
+    assert lines[head + 1] == "|---|---|---|---|---|"
+    r0 = res["rows"][0]
+    assert lines[head + 2].split(" | ")[2] == (
+        f"{r0['end_blind']:.3f} ({r0['end_blind'] / r0['belady']:.2f})")
 
 
 def row(policy, of_belady, points, zone=True):
