@@ -111,22 +111,10 @@ static void NAME(const QT *q, const char *k_cache, const char *v_cache, const in
 #define ROW_I8(dst, p, D, ROUND) do { const int8_t *r_ = (const int8_t *)(p);                   \
     float sc_ = row_scale((const unsigned char *)(p) + D);                                      \
     for (int e = 0; e < D; e++) dst[e] = ROUND((float)r_[e] * sc_); } while (0)
-/* The branch-free e4m3 decode where AVX2 or better is there: the barrier keeps
- * -fassociative-math from folding 2^120 into the scale (which overflows). An SSE-only build
- * (x86-64-v2, gcc 12) read NaN for head_dim 128 with it (tests/kernels/test_native_portable.py
- * caught it; not understood), so those builds, and other architectures, keep the select-based
- * e4m3_to_f32. */
-#if defined(__has_builtin) && defined(__AVX2__)
-#if __has_builtin(__builtin_assoc_barrier)
-#define E4M3_VALUE(b) __builtin_assoc_barrier(e4m3_times_2m120(b) * 0x1p120f)
-#endif
-#endif
-#ifndef E4M3_VALUE
-#define E4M3_VALUE(b) e4m3_to_f32(b)
-#endif
 #define ROW_E4M3(dst, p, D, ROUND) do { const uint8_t *r_ = (const uint8_t *)(p);               \
     float sc_ = row_scale((const unsigned char *)(p) + D);                                      \
-    for (int e = 0; e < D; e++) dst[e] = ROUND(E4M3_VALUE(r_[e]) * sc_); } while (0)
+    uint32_t z_ = opaque_zero();                                                                \
+    for (int e = 0; e < D; e++) dst[e] = ROUND(e4m3_to_f32(r_[e], z_) * sc_); } while (0)
 #define ROW_I8_F32(dst, p, D) ROW_I8(dst, p, D, LOAD_F32)
 #define ROW_I8_BF16(dst, p, D) ROW_I8(dst, p, D, ROUND_BF16)
 #define ROW_E4M3_F32(dst, p, D) ROW_E4M3(dst, p, D, LOAD_F32)
