@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the JSON's tables as markdown with these policy columns")
     args = ap.parse_args(argv)
     name = args.name or "hit_rate_workloads" + ("_quick" if args.quick else "")
-    if args.plot_only:
-        return plot(results_dir() / f"{name}.json")
+    if args.plot_only:      # a named run's plot goes beside the full run's, named after it
+        img = IMG if name == "hit_rate_workloads" else IMG.with_name(f"{name}.png")
+        return plot(results_dir() / f"{name}.json", img)
     if args.markdown:
         print(markdown(results_dir() / f"{name}.json", args.markdown))
         return 0
@@ -365,8 +366,9 @@ def markdown(path: Path, columns: Sequence[str]) -> str:
     return "\n".join(out)
 
 
-def plot(path: Path) -> int:
-    """Hit rate against capacity per workload: policies, Belady, infinite; the zone shaded."""
+def plot(path: Path, img: Path = IMG) -> int:
+    """Hit rate against capacity per workload: policies, Belady (and end-blind Belady where
+    measured), infinite; the zone shaded. Written to ``img``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,10 +407,10 @@ def plot(path: Path) -> int:
     for ax in list(axes.flat)[len(data):]:
         ax.axis("off")
     fig.tight_layout()
-    IMG.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(IMG, dpi=100)
+    img.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(img, dpi=100)
     plt.close(fig)
-    print(f"wrote {IMG}")
+    print(f"wrote {img}")
     return 0
 
 
