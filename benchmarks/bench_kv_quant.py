@@ -27,6 +27,10 @@ K/V, which would swamp the quantization error). Three measurements, each against
 sequences of ``--context`` random tokens prefilled through ``ModelRunner``, then ``--steps``
 decode steps, per KV dtype, the dtypes interleaved over ``--rounds`` rounds (median step wall
 and CPU time), so that other load on a shared machine hits every dtype alike.
+
+``--extend C+S,...`` instead times cached-turn prefills (``kv_quant_extend.json``): S new tokens
+of one sequence over C tokens already cached (a later chat turn after a prefix hit), ``--steps``
+times per runner, per KV dtype, interleaved over ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -164,6 +168,69 @@ def decode_step_s(model, kv: str, batch: int, context: int, steps: int
     return statistics.median(wall), statistics.median(cpu)
 
 
+def extend_s(model, kv: str, context: int, suffix: int, repeats: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds to compute ``suffix`` new tokens of one sequence on top of
+    ``context`` cached ones (a later chat turn after a prefix hit: the new tokens attend to the
+    stored, possibly quantized, K/V of the prefix), ``repeats`` times over the same slots."""
+    import statistics
+
+    import torch
+
+    from radixkv.engine.batch import SequenceChunk
+    from radixkv.engine.model_runner import ModelRunner
+
+    bs = 16
+    nblocks = -(-(context + suffix) // bs)
+    runner = ModelRunner.for_model(model, nblocks, bs, kv)
+    table = list(range(nblocks))
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(100, 20000, (context + suffix,), generator=gen).tolist()
+    runner.execute(runner.build_batch([SequenceChunk(toks[:context], 0, table,
+                                                     list(range(context)))]))
+    chunk = SequenceChunk(toks[context:], context, table, list(range(context, context + suffix)))
+    wall, cpu = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        runner.execute(runner.build_batch([chunk]))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def extend_timing(args: argparse.Namespace) -> int:
+    """Cached-turn prefill per KV dtype, the dtypes interleaved over ``--rounds`` rounds, at
+    each ``--extend`` shape (context+suffix)."""
+    import statistics
+
+    import torch
+
+    from radixkv.models import load_model
+
+    header = run_header(None, benchmark="kv-quant-extend", **vars(args))
+    print(json.dumps(header))
+    model = load_model(dtype=torch.float32)
+    shapes = [tuple(int(x) for x in s.split("+")) for s in args.extend.split(",")]
+    rows = []
+    for context, suffix in shapes:
+        runs: dict[str, list[tuple[float, float]]] = {kv: [] for kv in DTYPES}
+        for _ in range(args.rounds):
+            for kv in DTYPES:
+                runs[kv].append(extend_s(model, kv, context, suffix, args.steps))
+        base = [statistics.median(x[i] for x in runs["auto"]) for i in (0, 1)]
+        for kv, r in runs.items():
+            wall, cpu = (statistics.median(x[i] for x in r) for i in (0, 1))
+            rows.append({"shape": f"{context}+{suffix}",
+                         "kv": "float32 (auto)" if kv == "auto" else kv,
+                         "wall_ms": round(1e3 * wall, 2),
+                         "wall_vs_float32": round(wall / base[0], 3),
+                         "cpu_ms": round(1e3 * cpu, 2), "cpu_vs_float32": round(cpu / base[1], 3),
+                         "rounds_cpu_ms": [round(1e3 * x[1], 1) for x in r]})
+    print_table(rows, title=f"cached-turn prefill (suffix over a cached context), float32 "
+                            f"SmolLM2, {args.threads} thread(s)")
+    write_results("kv_quant_extend" + ("_quick" if args.quick else ""), header, {"rows": rows})
+    return 0
+
+
 def decode_timing(args: argparse.Namespace) -> int:
     import statistics
 
@@ -229,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-timing", action="store_true",
                     help="only time decode steps per KV dtype (see below)")
+    ap.add_argument("--extend", nargs="?", const="1024+64,2048+128", default=None,
+                    metavar="C+S,...", help="only time cached-turn prefills: S new tokens over "
+                                            "C cached ones, per KV dtype (see below)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
@@ -241,12 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.tokens, args.heldout, args.reply_tokens = 4, 16, 4, 64
         args.batch, args.context, args.steps, args.rounds = 2, 64, 4, 1
+        if args.extend:
+            args.extend = "64+16"
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
     import torch
 
     torch.set_num_threads(args.threads)
     if args.decode_timing:
         return decode_timing(args)
+    if args.extend:
+        return extend_timing(args)
     if args.variants:
         return variants(args)
 
