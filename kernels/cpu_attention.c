@@ -148,9 +148,20 @@ typedef void (*head_fn)(const void *, const void *, const void *, const int32_t 
 #define KINDS 6
 static const head_fn HEADS[4][8][KINDS] = { ROW(16), ROW(32), ROW(64), ROW(128) };
 
-/* Returns 0, or -2 when (G, D, kind) has no instantiation (the caller falls back). ``kind``:
- * 0 float32, 1 bfloat16 (q, out and cache of that dtype); 2 / 3 an int8 cache with a float32 /
- * bfloat16 query and output; 4 / 5 the same with an e4m3 cache. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+/* Whether this thread reads denormal float inputs as zero (MXCSR.DAZ, set for example by
+ * torch.set_flush_denormal(True)): e4m3_to_f32 passes codes with e = 0 through float
+ * subnormals, which DAZ would read as 0. */
+static int denormals_are_zero(void) { return (_mm_getcsr() & 0x0040) != 0; }
+#else
+static int denormals_are_zero(void) { return 0; }
+#endif
+
+/* Returns 0, -2 when (G, D, kind) has no instantiation, or -4 for an e4m3 cache on a thread
+ * with denormals-are-zero set (the caller falls back: the torch path's conversion does not
+ * depend on it). ``kind``: 0 float32, 1 bfloat16 (q, out and cache of that dtype); 2 / 3 an
+ * int8 cache with a float32 / bfloat16 query and output; 4 / 5 the same with an e4m3 cache. */
 int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                          const int32_t *block_tables, const int32_t *seq_lens, void *out,
                          int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
@@ -167,6 +178,7 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
     head_fn fn = HEADS[di][g - 1][kind];
     int64_t elem = kind % 2 ? 2 : 4;   /* the query's and output's element size */
     if (parts < 1 || part < 0 || part >= parts) return -2;
+    if (kind >= 4 && denormals_are_zero()) return -4;
     for (int s = 0; s < n; s++) {
         for (int h = 0; h < hkv; h++) {
             if ((s * hkv + h) % parts != part) continue;   /* another thread's (seq, head) */

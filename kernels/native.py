@@ -309,8 +309,9 @@ def paged_decode_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attention then agrees with the float kernel on the scratch to float32 rounding: these
     heads take the group size at run time). Rows are in their stored (rotated) domain: the
     caller rotates ``q`` before and the output after, as for the scratch. ``False`` when not
-    run (the caller then dequantizes and takes the float path). ``checked`` and ``parts``: as
-    in :func:`paged_decode`."""
+    run (the caller then dequantizes and takes the float path), which includes an e4m3 cache
+    on a thread with denormals-are-zero set (the e4m3 decode goes through float subnormals).
+    ``checked`` and ``parts``: as in :func:`paged_decode`."""
     if not checked and not (enabled() and supports_quantized(q, k_cache, v_cache, block_tables,
                                                              seq_lens, out)):
         return False

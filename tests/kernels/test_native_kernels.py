@@ -131,6 +131,33 @@ def test_quantized_rows_are_widened_exactly(fmt, dtype, head_dim):
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
 
 
+def test_e4m3_decode_declines_where_denormals_read_as_zero():
+    """torch.set_flush_denormal(True) sets DAZ on this thread: the e4m3 decode, whose e = 0
+    codes pass through float subnormals, must decline (the caller's scratch path does not
+    depend on it) rather than read them as 0; int8 is unaffected and still runs."""
+    from radixkv.engine.kv_quant import FORMATS
+
+    heads, d = 2, 64
+    raw = torch.zeros(1, 2, heads, d + 2, dtype=torch.int8)
+    raw[..., :d] = 0x03                                           # e = 0: 3 x 2^-9
+    raw[..., d:] = torch.ones(1, 2, heads, 1).half().view(torch.int8)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32), 1.0)
+    q = torch.zeros(1, heads, d)
+    cache = raw.view(FORMATS["fp8_e4m3"].storage)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        out = torch.zeros_like(q)
+        declined = not native.paged_decode_quantized(q, cache, cache, *args, out, parts=1)
+        ran_int8 = native.paged_decode_quantized(q, raw, raw, *args, out, parts=1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert declined and ran_int8
+    out = torch.zeros_like(q)
+    assert native.paged_decode_quantized(q, cache, cache, *args, out, parts=1)
+    assert torch.equal(out, torch.full_like(q, 3 * 2.0 ** -9))
+
+
 def test_quantized_decode_declines_what_it_does_not_read():
     gen = torch.Generator().manual_seed(3)
     case = make_case([9, 20], head_dim=64, gen=gen)
