@@ -191,8 +191,8 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float],
     elif isinstance(policy, str) and policy.startswith("duel:"):
         # the duel with options: "duel:sample=<k>" (sampled shadows), "duel:members=a/b/c"
         opt, val = policy[len("duel:"):].split("=", 1)
-        policy = make_policy("duel", **{"sample": int(val)} if opt == "sample" else
-                             {"members": tuple(val.split("/"))})
+        policy = make_policy("duel", **{"sample": val if val == "auto" else int(val)}
+                             if opt == "sample" else {"members": tuple(val.split("/"))})
     elif isinstance(policy, str) and policy.startswith("aged-lfu"):
         # "aged-lfu" or "aged-lfu:<weight seconds>"
         w = float(policy.split(":", 1)[1]) if ":" in policy else 30.0

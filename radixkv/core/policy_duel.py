@@ -38,7 +38,10 @@ by a fixed hash of the group id, in caches of 1/k the device's capacity. A share
 interval and the volume inserted between two uses both shrink by k in the sampled stream, so
 each member's hit rate there estimates its hit rate in the full cache; the shadows' cost drops
 by about k. Scores then decay by ``decay ** k`` per replay, so they still span about the same
-number of real requests.
+number of real requests. The default, ``sample="auto"``, samples only where the shadows stay
+large (at least ``shadow_blocks`` blocks each): a device of fewer than 16,384 blocks runs the
+full duel; a GPU's 10^5 blocks sample 8-16 (measured on RAG: at most 0.2 points of hit rate
+for 0.41-0.67 of the CPU, docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ if TYPE_CHECKING:
     from radixkv.core.tree import RadixTree
 
 DEFAULT_MEMBERS = ("lru", "lfu-ghost", "forecast")
+#: The largest ``sample`` that ``sample="auto"`` picks (a device of 16 x 8,192 blocks and up).
+MAX_AUTO_SAMPLE = 16
 
 
 class DuelPolicy(EvictionPolicy):
@@ -69,13 +74,19 @@ class DuelPolicy(EvictionPolicy):
             shadow), at least two.
         decay: per-request decay of the shadows' hit scores, in (0, 1).
         sample: replay one group of requests (a session, or a request without one) in
-            ``sample`` into shadows of 1/``sample`` the device's capacity (1: every request).
+            ``sample`` into shadows of 1/``sample`` the device's capacity (1: every request);
+            ``"auto"``: the largest power of two up to :data:`MAX_AUTO_SAMPLE` that leaves
+            each shadow at least ``shadow_blocks`` blocks, chosen when the policy is bound
+            (so 1 for a device of fewer than 2 x ``shadow_blocks`` blocks).
+        shadow_blocks: with ``sample="auto"``, the smallest shadow (default 8,192 blocks: 16
+            requests of 8,192 tokens at block size 16; a shadow must hold several whole
+            requests, docs/eviction.md).
     """
 
     hooks = True
 
     def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, decay: float = 0.99,
-                 sample: int = 1) -> None:
+                 sample: int | str = "auto", shadow_blocks: int = 8192) -> None:
         if isinstance(members, str) or len(members) < 2 or \
                 not all(isinstance(m, str) for m in members):
             raise ConfigError(f"a duel needs at least two member policy names, got {members!r}")
@@ -83,14 +94,16 @@ class DuelPolicy(EvictionPolicy):
             raise ConfigError("a duel's members cannot be duels")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
             raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
-        if type(sample) is not int or sample < 1:
-            raise ConfigError(f"sample must be an int >= 1, got {sample!r}")
+        if sample != "auto" and (type(sample) is not int or sample < 1):
+            raise ConfigError(f"sample must be an int >= 1 or 'auto', got {sample!r}")
+        if type(shadow_blocks) is not int or shadow_blocks < 1:
+            raise ConfigError(f"shadow_blocks must be an int >= 1, got {shadow_blocks!r}")
         self.member_names = tuple(members)
         self.members = [make_policy(m) for m in members]
-        self.name = "duel-" + "-".join(members) + (f"/{sample}" if sample > 1 else "")
         self.decay = float(decay)
-        self.sample = sample
-        self._step_decay = float(decay) ** sample   # per replay: the same span of requests
+        self.auto_sample = sample == "auto"
+        self.shadow_blocks = shadow_blocks
+        self._set_sample(1 if self.auto_sample else int(sample))
         cuts, off = [], 0
         for i, m in enumerate(self.members):
             cuts.append((off, off + m.key_size))
@@ -122,6 +135,11 @@ class DuelPolicy(EvictionPolicy):
         self._reqs: dict[Hashable, tuple | None] = {}
         self._ids = count()
 
+    def _set_sample(self, sample: int) -> None:
+        self.sample = sample
+        self.name = "duel-" + "-".join(self.member_names) + (f"/{sample}" if sample > 1 else "")
+        self._step_decay = self.decay ** sample   # per replay: the same span of requests
+
     # ------------------------------------------------------------------ the key and index
     def key(self, node: Node, hints: NodeHints) -> tuple:
         """The members' keys concatenated (an instance gets ``_concat_keys``' version of
@@ -150,6 +168,11 @@ class DuelPolicy(EvictionPolicy):
             # asks per new block: no duel frame in between)
             self.insert_key = self._keyed[0].insert_key
             self.can_extend = self._keyed[0].can_extend
+        if self.auto_sample:
+            k, n = 1, tree._pools[0].num_blocks
+            while 2 * k <= MAX_AUTO_SAMPLE and n // (2 * k) >= self.shadow_blocks:
+                k *= 2
+            self._set_sample(k)
         cap = max(1, tree._pools[0].num_blocks // self.sample)
         self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
                                                 clock=tree.clock))

@@ -263,6 +263,34 @@ def test_sampled_duel_replays_whole_sessions_in_smaller_shadows() -> None:
             make_policy("duel", sample=bad)
 
 
+@pytest.mark.parametrize("device, shadow_blocks, sample", [
+    (64, 64, 1), (127, 64, 1), (128, 64, 2), (255, 64, 2), (256, 64, 4), (64, 4, 16),
+    (64, 2, 16), (64, 1000, 1)])
+def test_auto_sample_keeps_each_shadow_at_least_shadow_blocks(device, shadow_blocks,
+                                                              sample) -> None:
+    """``sample="auto"`` (the default): the largest power of two, at most MAX_AUTO_SAMPLE,
+    whose shadows still hold ``shadow_blocks`` blocks; chosen when bound, then as ``sample=k``
+    (name, shadow size, decay per replay)."""
+    from radixkv.core.policy_duel import MAX_AUTO_SAMPLE
+
+    assert MAX_AUTO_SAMPLE == 16
+    pol = BlockManager.create(device, 2, policy=make_policy(
+        "duel", shadow_blocks=shadow_blocks)).tree.policy
+    fixed = BlockManager.create(device, 2, policy=make_policy("duel", sample=sample)).tree.policy
+    assert pol.sample == sample and pol.name == fixed.name
+    assert [sh.pool.num_blocks for sh in pol._shadows] == [
+        sh.pool.num_blocks for sh in fixed._shadows] == [device // sample] * 3
+    assert pol._step_decay == fixed._step_decay == 0.99 ** sample
+
+
+def test_auto_sample_is_the_duels_default_and_bad_options_are_refused() -> None:
+    assert make_policy("duel").auto_sample
+    assert BlockManager.create(64, 2, policy="duel").tree.policy.sample == 1
+    for kw in ({"sample": "often"}, {"shadow_blocks": 0}, {"shadow_blocks": 8.0}):
+        with pytest.raises(ConfigError):
+            make_policy("duel", **kw)
+
+
 def test_a_resumed_request_without_a_session_keeps_its_one_off_session() -> None:
     bm = BlockManager.create(32, 2, policy="forecast", clock=FakeClock(0.0))
     pol = bm.tree.policy
