@@ -16,7 +16,9 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   releases it, or it is cached unheld): expected gap ``g`` = its own ``gap`` if known, else
   its session's last turn gap (else the mean turn gap) divided by the fraction of requests
   that had a follow-up (a new block is only reused if its session goes on); ``far`` = last
-  access + g; ``due`` = last access + ``overdue`` x g (``-inf``: its session has ended).
+  access + g; ``due`` = last access + ``overdue`` x the same gap *not* divided by that
+  fraction (the gap the session keeps if it goes on, against which ``overdue`` is learned;
+  ``-inf``: its session has ended).
 
 Per policy: per session, the time and gap of its last request; the mean turn gap; the fraction
 of requests that are follow-ups; ``overdue``: the ``quantile`` (median) of observed
@@ -125,7 +127,11 @@ class ForecastPolicy(EvictionPolicy):
         g = gap if gap > 0 else self.expected_gap(gap, owner)
         if owner in self._ended:
             return (_NEG_INF, -(last + g), gap, owner)
-        return (last + self.overdue * g, -(last + g), gap, owner)
+        # overdue: late against the gap the session would keep *if* it goes on (the factor
+        # was learned against that gap), not against the forecast, which also prices in the
+        # chance that it does not
+        due_gap = gap if gap > 0 else (self._gap.get(owner, self.mean_gap) or NEVER)
+        return (last + self.overdue * due_gap, -(last + g), gap, owner)
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,

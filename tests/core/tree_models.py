@@ -107,7 +107,9 @@ class ForecastModel:
 
     def snapshot(self, b: MBlock) -> None:
         g = self.expected(b)
-        due = float("-inf") if b.owner in self.ended else b.last_access + self.overdue * g
+        # overdue is judged against the gap the session keeps if it goes on, not against g
+        plain = b.gap if b.gap > 0 else (self.gapof.get(b.owner, self.mean_gap) or self.NEVER)
+        due = float("-inf") if b.owner in self.ended else b.last_access + self.overdue * plain
         b.fkey = (due, -(b.last_access + g))
 
     def hit(self, b: MBlock, prev: float, now: float) -> None:
