@@ -78,6 +78,8 @@ class ForecastPolicy(EvictionPolicy):
         self.mean_gap = 0.0         # seconds between a session's requests (moving average)
         self.requests = 0
         self.followups = 0
+        self.sessions = 0           # sessions seen (their first request)
+        self.announced = 0          # sessions the client said had ended (end_session)
         self._ratios: list[float] = []
         self._last: OrderedDict[Hashable, float] = OrderedDict()   # session -> last request
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
@@ -131,7 +133,14 @@ class ForecastPolicy(EvictionPolicy):
         # was learned against that gap), not against the forecast, which also prices in the
         # chance that it does not
         due_gap = gap if gap > 0 else (self._gap.get(owner, self.mean_gap) or NEVER)
-        return (last + self.overdue * due_gap, -(last + g), gap, owner)
+        return (last + self.overdue * self.patience() * due_gap, -(last + g), gap, owner)
+
+    def patience(self) -> float:
+        """How many times longer than ``overdue`` gaps a silent session is given because
+        clients announce their ends: 1 / (the share of sessions *not* announced as ended), at
+        most 16. Where clients say when a session is over, silence is weak evidence that one
+        is; where none do, this is 1."""
+        return 1.0 / max(1.0 - self.announced / max(self.sessions, 1), 1.0 / 16)
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
@@ -152,6 +161,8 @@ class ForecastPolicy(EvictionPolicy):
         self._seqs[seq_id] = conv
         self.current = conv
         if end_session:
+            if session is not None and conv not in self._ended:
+                self.announced += 1
             self._ended[conv] = None
             if len(self._ended) > MAX_SESSIONS:
                 self._ended.popitem(last=False)
@@ -161,6 +172,8 @@ class ForecastPolicy(EvictionPolicy):
         if session is None:
             return          # a request on its own: no follow-up to learn from
         last = self._last.get(conv)
+        if last is None:
+            self.sessions += 1
         if last is not None:
             self.followups += 1
             g = now - last
@@ -198,6 +211,8 @@ class ForecastPolicy(EvictionPolicy):
     def end_session(self, session: Hashable) -> None:
         """Mark ``session`` ended and re-key the nodes it was the last to use, from the last
         leaf it released up to the first node another session used since: they go first."""
+        if session not in self._ended:
+            self.announced += 1
         self._ended[session] = None
         if len(self._ended) > MAX_SESSIONS:
             self._ended.popitem(last=False)

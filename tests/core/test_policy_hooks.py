@@ -172,6 +172,36 @@ def test_end_session_lets_a_closed_session_go_first(policy) -> None:
     bm.check_invariants()
 
 
+def test_forecast_patience_grows_with_the_share_of_announced_ends() -> None:
+    """A silent session is written off after ``overdue x patience`` gaps: patience is 1 / the
+    share of sessions *not* announced as ended (each counted once, by the request flag or
+    ``end_session``), at most 16, and 1 where no client announces ends."""
+    bm = BlockManager.create(64, 2, policy="forecast", clock=FakeClock(0.0))
+    pol = bm.tree.policy
+
+    def turn(rid, session, end=False):
+        bm.allocate(rid, [1, 2, 3], NS, session=session, end_session=end)
+        bm.free(rid)
+
+    turn("a1", "a")
+    turn("b1", "b")
+    turn("c1", "c")
+    turn("d1", "d")
+    turn("x", None, end=True)             # a request on its own: not a session
+    assert (pol.sessions, pol.announced, pol.patience()) == (4, 0, 1.0)
+    turn("a2", "a", end=True)             # announced by its last request
+    bm.end_session("b")                   # announced afterwards
+    bm.end_session("b")                   # twice: counted once
+    assert (pol.sessions, pol.announced, pol.patience()) == (4, 2, 2.0)
+    bm.end_session("c")
+    assert pol.patience() == 4.0
+    bm.end_session("d")
+    assert pol.patience() == 16.0         # every session announced: the cap
+    turn("e1", "e")                       # a fifth session, not announced
+    assert pol.sessions == 5 and pol.patience() == 1.0 / (1 - 4 / 5)
+    bm.check_invariants()
+
+
 def test_bad_input_is_typed() -> None:
     bm = BlockManager.create(8, 2, policy="duel")
     with pytest.raises(InvalidRequestError):

@@ -63,6 +63,7 @@ class ForecastModel:
     def __init__(self, ghost_cap: int) -> None:
         self.overdue, self.mean_gap = 2.0, 0.0
         self.requests = self.followups = 0
+        self.sessions = self.announced = 0
         self.ratios: list[float] = []
         self.last: dict = {}
         self.gapof: dict = {}
@@ -81,9 +82,13 @@ class ForecastModel:
         self.current = conv
         self.requests += 1
         if end:
+            if session is not None and conv not in self.ended:
+                self.announced += 1
             self.ended.add(conv)
         if session is None:
             return
+        if conv not in self.last:
+            self.sessions += 1
         if conv in self.last:
             self.followups += 1
             g = now - self.last[conv]
@@ -109,7 +114,10 @@ class ForecastModel:
         g = self.expected(b)
         # overdue is judged against the gap the session keeps if it goes on, not against g
         plain = b.gap if b.gap > 0 else (self.gapof.get(b.owner, self.mean_gap) or self.NEVER)
-        due = float("-inf") if b.owner in self.ended else b.last_access + self.overdue * plain
+        # given 1 / (share of sessions not announced as ended) times longer, at most 16
+        patience = 1.0 / max(1.0 - self.announced / max(self.sessions, 1), 1.0 / 16)
+        due = (float("-inf") if b.owner in self.ended
+               else b.last_access + self.overdue * patience * plain)
         b.fkey = (due, -(b.last_access + g))
 
     def hit(self, b: MBlock, prev: float, now: float) -> None:
