@@ -16,9 +16,10 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   releases it, or it is cached unheld): expected gap ``g`` = its own ``gap`` if known, else
   its session's last turn gap (else the mean turn gap) divided by the fraction of requests
   that had a follow-up (a new block is only reused if its session goes on); ``far`` = last
-  access + g; ``due`` = last access + ``overdue`` x the same gap *not* divided by that
-  fraction (the gap the session keeps if it goes on, against which ``overdue`` is learned;
-  ``-inf``: its session has ended).
+  access + g; ``due`` = last access + ``overdue`` x ``patience()`` x the same gap *not*
+  divided by that fraction (the gap the session keeps if it goes on, against which
+  ``overdue`` is learned; ``patience``: 1 / the share of sessions not announced as ended, at
+  most 16, so 1 where clients never announce ends; ``-inf``: its session has ended).
 
 Per policy: per session, the time and gap of its last request; the mean turn gap; the fraction
 of requests that are follow-ups; ``overdue``: the ``quantile`` (median) of observed
