@@ -197,6 +197,16 @@ def extend_s(model, kv: str, context: int, suffix: int, repeats: int) -> tuple[f
     return statistics.median(wall), statistics.median(cpu)
 
 
+def _extend_shapes(text: str) -> str:
+    """``--extend``'s value, checked: comma-separated ``C+S`` with C >= 1 and S >= 1."""
+    for part in text.split(","):
+        c, plus, sfx = part.partition("+")
+        if not (plus and c.isdigit() and sfx.isdigit() and int(c) > 0 and int(sfx) > 0):
+            raise argparse.ArgumentTypeError(f"{part!r} is not C+S (cached + new tokens, "
+                                             "both >= 1), e.g. 1024+64")
+    return text
+
+
 def extend_timing(args: argparse.Namespace) -> int:
     """Cached-turn prefill per KV dtype, the dtypes interleaved over ``--rounds`` rounds, at
     each ``--extend`` shape (context+suffix)."""
@@ -297,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-timing", action="store_true",
                     help="only time decode steps per KV dtype (see below)")
     ap.add_argument("--extend", nargs="?", const="1024+64,2048+128", default=None,
+                    type=_extend_shapes,
                     metavar="C+S,...", help="only time cached-turn prefills: S new tokens over "
                                             "C cached ones, per KV dtype (see below)")
     ap.add_argument("--batch", type=int, default=8)

@@ -16,7 +16,7 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   releases it, or it is cached unheld): expected gap ``g`` = its own ``gap`` if known, else
   its session's last turn gap (else the mean turn gap) divided by the fraction of requests
   that had a follow-up (a new block is only reused if its session goes on); ``far`` = last
-  access + g; ``due`` = last access + ``overdue`` x ``patience()`` x the same gap *not*
+  access + g; ``due`` = last access + ``overdue`` x ``patience`` x the same gap *not*
   divided by that fraction (the gap the session keeps if it goes on, against which
   ``overdue`` is learned; ``patience``: 1 / the share of sessions not announced as ended, at
   most 16, so 1 where clients never announce ends; ``-inf``: its session has ended).
@@ -81,6 +81,7 @@ class ForecastPolicy(EvictionPolicy):
         self.followups = 0
         self.sessions = 0           # sessions seen (their first request)
         self.announced = 0          # sessions the client said had ended (end_session)
+        self.patience = 1.0         # see _count
         self._ratios: list[float] = []
         self._last: OrderedDict[Hashable, float] = OrderedDict()   # session -> last request
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
@@ -123,25 +124,35 @@ class ForecastPolicy(EvictionPolicy):
             return gap
         if not self.mean_gap:
             return NEVER
-        g = self._gap.get(owner, self.mean_gap)
-        return g / max(self.followups / max(self.requests, 1), 0.02)
+        return self._gap.get(owner, self.mean_gap) / self._followup_share()
+
+    def _followup_share(self) -> float:
+        return max(self.followups / max(self.requests, 1), 0.02)
 
     def _snapshot(self, last: float, gap: float, owner: Hashable) -> tuple:
-        g = gap if gap > 0 else self.expected_gap(gap, owner)
+        if gap > 0:
+            g = plain = gap
+        elif self.mean_gap:
+            plain = self._gap.get(owner, self.mean_gap)
+            g = plain / self._followup_share()
+        else:
+            g = plain = NEVER
         if owner in self._ended:
             return (_NEG_INF, -(last + g), gap, owner)
         # overdue: late against the gap the session would keep *if* it goes on (the factor
-        # was learned against that gap), not against the forecast, which also prices in the
+        # was learned against that gap), not against the forecast g, which also prices in the
         # chance that it does not
-        due_gap = gap if gap > 0 else (self._gap.get(owner, self.mean_gap) or NEVER)
-        return (last + self.overdue * self.patience() * due_gap, -(last + g), gap, owner)
+        return (last + self.overdue * self.patience * (plain or NEVER), -(last + g), gap, owner)
 
-    def patience(self) -> float:
-        """How many times longer than ``overdue`` gaps a silent session is given because
-        clients announce their ends: 1 / (the share of sessions *not* announced as ended), at
-        most 16. Where clients say when a session is over, silence is weak evidence that one
-        is; where none do, this is 1."""
-        return 1.0 / max(1.0 - self.announced / max(self.sessions, 1), 1.0 / 16)
+    def _count(self, sessions: int = 0, announced: int = 0) -> None:
+        """A new session, or one announced as ended: ``patience`` follows. How many times
+        longer than ``overdue`` gaps a silent session is given because clients announce their
+        ends: 1 / (the share of sessions *not* announced as ended), at most 16. Where clients
+        say when a session is over, silence is weak evidence that one is; where none do, it
+        is 1. (A session forgotten after MAX_SESSIONS others counts again when it returns.)"""
+        self.sessions += sessions
+        self.announced += announced
+        self.patience = 1.0 / max(1.0 - self.announced / max(self.sessions, 1), 1.0 / 16)
 
     # ------------------------------------------------------------------ request events
     def on_start(self, seq_id: Hashable, num_tokens: int, namespace: Namespace,
@@ -163,7 +174,7 @@ class ForecastPolicy(EvictionPolicy):
         self.current = conv
         if end_session:
             if session is not None and conv not in self._ended:
-                self.announced += 1
+                self._count(announced=1)
             self._ended[conv] = None
             if len(self._ended) > MAX_SESSIONS:
                 self._ended.popitem(last=False)
@@ -174,7 +185,7 @@ class ForecastPolicy(EvictionPolicy):
             return          # a request on its own: no follow-up to learn from
         last = self._last.get(conv)
         if last is None:
-            self.sessions += 1
+            self._count(sessions=1)
         if last is not None:
             self.followups += 1
             g = now - last
@@ -213,7 +224,7 @@ class ForecastPolicy(EvictionPolicy):
         """Mark ``session`` ended and re-key the nodes it was the last to use, from the last
         leaf it released up to the first node another session used since: they go first."""
         if session not in self._ended:
-            self.announced += 1
+            self._count(announced=1)
         self._ended[session] = None
         if len(self._ended) > MAX_SESSIONS:
             self._ended.popitem(last=False)

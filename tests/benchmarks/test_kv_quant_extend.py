@@ -16,3 +16,12 @@ def test_extend_timing_quick_run_writes_one_row_per_dtype(tmp_path, monkeypatch)
     assert rows[0]["wall_vs_float32"] == 1.0
     for r in rows:
         assert abs(r["wall_vs_float32"] - r["wall_ms"] / rows[0]["wall_ms"]) < 0.01
+
+
+def test_extend_shapes_are_checked_before_anything_runs(capsys):
+    import pytest
+
+    for bad in ("1024x64", "1024+0", "+64", "1024+64,abc"):
+        with pytest.raises(SystemExit):
+            bench_kv_quant.main(["--extend", bad])
+        assert "is not C+S" in capsys.readouterr().err

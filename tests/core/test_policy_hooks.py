@@ -188,17 +188,17 @@ def test_forecast_patience_grows_with_the_share_of_announced_ends() -> None:
     turn("c1", "c")
     turn("d1", "d")
     turn("x", None, end=True)             # a request on its own: not a session
-    assert (pol.sessions, pol.announced, pol.patience()) == (4, 0, 1.0)
+    assert (pol.sessions, pol.announced, pol.patience) == (4, 0, 1.0)
     turn("a2", "a", end=True)             # announced by its last request
     bm.end_session("b")                   # announced afterwards
     bm.end_session("b")                   # twice: counted once
-    assert (pol.sessions, pol.announced, pol.patience()) == (4, 2, 2.0)
+    assert (pol.sessions, pol.announced, pol.patience) == (4, 2, 2.0)
     bm.end_session("c")
-    assert pol.patience() == 4.0
+    assert pol.patience == 4.0
     bm.end_session("d")
-    assert pol.patience() == 16.0         # every session announced: the cap
+    assert pol.patience == 16.0         # every session announced: the cap
     turn("e1", "e")                       # a fifth session, not announced
-    assert pol.sessions == 5 and pol.patience() == 1.0 / (1 - 4 / 5)
+    assert pol.sessions == 5 and pol.patience == 1.0 / (1 - 4 / 5)
     bm.check_invariants()
 
 
