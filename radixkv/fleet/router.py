@@ -16,6 +16,10 @@ the first replica of the first rank that has room (``max_ongoing_requests``). Th
    longest prefix wins unless it is that much busier, so one hot prefix cannot pile every request
    onto one replica. A request with no cached prefix anywhere goes to the least-loaded replica.
 
+A request counts as in flight on a replica from the moment the router chooses it
+(:class:`InFlight`), not only once Serve reports it accepted a round trip later, so a burst of
+new conversations spreads instead of all seeing equal loads.
+
 A conversation sticks to its replica because its previous turn's blocks are there; it moves only
 if that replica dies (removed from the index at once) or is ``load_tokens`` per request busier.
 A routed request's blocks count as cached on its replica at once (tentatively, until its events
@@ -49,6 +53,9 @@ LOAD_TOKENS = 64
 #: Seconds a routed request's blocks count as cached on its replica before its events confirm
 #: them (see :meth:`radixkv.fleet.index.PrefixIndex.speculate`).
 SPECULATE_S = 20.0
+#: Seconds a request counts as in flight on the replica chosen for it before Serve reports it
+#: sent there (a request cancelled while queued in Serve is never reported either way).
+PLACED_S = 10.0
 
 
 @dataclass
@@ -129,6 +136,78 @@ def rank(hits: dict[str, int], load: dict[str, int], block_size: int,
     return ids, "prefix" if hits[ids[0]] == best_hit else "load"
 
 
+class InFlight:
+    """Requests in flight per replica, as this router knows them. Pure bookkeeping.
+
+    A request counts on its replica from the moment it is *chosen*, not when Serve reports it
+    accepted: between the two lies a round trip to the replica (Serve's rejection protocol), and
+    a burst of new conversations chosen inside that window would all see equal loads and could
+    pile onto one replica. A choice not confirmed within ``ttl`` seconds (the request was
+    cancelled while queued in Serve, which reports nothing) stops counting. Keyed by Serve's
+    internal request id, so a completion is counted once and only for a request it placed.
+    """
+
+    def __init__(self, ttl: float = PLACED_S) -> None:
+        self._ttl = ttl
+        #: request id -> (replica, deadline of an unconfirmed choice, or None once sent)
+        self._where: dict[str, tuple[str, float | None]] = {}
+        self._count: dict[str, int] = {}
+        self._unconfirmed = 0
+
+    def _drop(self, request: str) -> None:
+        replica, deadline = self._where.pop(request)
+        self._count[replica] -= 1
+        if not self._count[replica]:
+            del self._count[replica]
+        if deadline is not None:
+            self._unconfirmed -= 1
+
+    def _put(self, request: str, replica: str, deadline: float | None) -> None:
+        if request in self._where:
+            self._drop(request)
+        self._where[request] = (replica, deadline)
+        self._count[replica] = self._count.get(replica, 0) + 1
+        if deadline is not None:
+            self._unconfirmed += 1
+
+    def chosen(self, request: str, replica: str, now: float) -> None:
+        """The router ranked ``replica`` first for ``request`` (again, on a retry)."""
+        self._put(request, replica, now + self._ttl)
+
+    def sent(self, request: str, replica: str) -> None:
+        """Serve sent ``request`` to ``replica`` (the first choice or a fallback) and it was
+        accepted: it counts there until :meth:`done`."""
+        self._put(request, replica, None)
+
+    def done(self, request: str, replica: str) -> None:
+        """``request`` completed, failed, or was rejected on ``replica``. Ignored unless the
+        request is counted there: a rejected attempt's report may arrive after the retry was
+        placed elsewhere."""
+        got = self._where.get(request)
+        if got is not None and got[0] == replica:
+            self._drop(request)
+
+    def expire(self, now: float) -> list[str]:
+        """Stop counting choices unconfirmed past their deadline; their request ids."""
+        if not self._unconfirmed:
+            return []
+        gone = [r for r, (_, d) in self._where.items() if d is not None and d <= now]
+        for r in gone:
+            self._drop(r)
+        return gone
+
+    def forget(self, replica: str) -> None:
+        """``replica`` is gone: its requests no longer load anything."""
+        for r in [r for r, (rep, _) in self._where.items() if rep == replica]:
+            self._drop(r)
+
+    def load(self, replica: str) -> int:
+        return self._count.get(replica, 0)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 class KVAwareRouter(RequestRouter):
     """Ray Serve request router over the fleet's KV events (see the module docstring).
 
@@ -142,7 +221,7 @@ class KVAwareRouter(RequestRouter):
         self._bus_name, self._bus_ns = bus_name, bus_namespace
         self._block_size, self._load_tokens = block_size, load_tokens
         self._index = PrefixIndex()
-        self._inflight: dict[str, int] = {}
+        self._inflight = InFlight()
         self._pending_hits: dict[str, tuple[dict[str, int], int, list[bytes]]] = {}
         self._poller: asyncio.Task | None = None
         self.stats = RouterStats()
@@ -188,7 +267,7 @@ class KVAwareRouter(RequestRouter):
         """A replica left (died, or was replaced): drop it here and on the bus, so that no
         other router resurrects it from old events."""
         self._index.remove_replica(replica)
-        self._inflight.pop(replica, None)
+        self._inflight.forget(replica)
         self.stats.index_replicas = len(self._index.replicas)
         if self._bus_name:
             try:
@@ -215,16 +294,20 @@ class KVAwareRouter(RequestRouter):
         self._ensure_poller()
         if not candidate_replicas:
             return []
-        self._index.expire(time.monotonic())
+        now = time.monotonic()
+        self._index.expire(now)
+        for req in self._inflight.expire(now):   # cancelled while queued in Serve
+            self._pending_hits.pop(req, None)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         route = pending_request.kwargs.get("route") if pending_request is not None else None
         hashes = (route or {}).get("hashes") or []
         hits = self._index.match(hashes, by_id)
-        load = {r: self._inflight.get(r, 0) for r in by_id}
+        load = {r: self._inflight.load(r) for r in by_id}
         order, kind = rank(hits, load, self._block_size, self._load_tokens)
         if pending_request is not None:
-            self._pending_hits[pending_request.metadata.internal_request_id] = (
-                hits, max(hits.values()), hashes)
+            req = pending_request.metadata.internal_request_id
+            self._pending_hits[req] = (hits, max(hits.values()), hashes)
+            self._inflight.chosen(req, order[0], now)
             self.stats.requests[kind] += 1
         first, rest = by_id[order[0]], [by_id[r] for r in order[1:]]
         return [[first], rest] if rest else [[first]]
@@ -232,7 +315,7 @@ class KVAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         rid = replica_id.unique_id
-        self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        self._inflight.sent(pending_request.metadata.internal_request_id, rid)
         self.stats.per_replica[rid] = self.stats.per_replica.get(rid, 0) + 1
         got = self._pending_hits.pop(pending_request.metadata.internal_request_id, None)
         if got is not None:
@@ -243,10 +326,9 @@ class KVAwareRouter(RequestRouter):
             self._index.speculate(rid, hashes, time.monotonic() + SPECULATE_S)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = replica_id.unique_id
-        if self._inflight.get(rid, 0) > 0:
-            self._inflight[rid] -= 1
+        self._inflight.done(internal_request_id, replica_id.unique_id)
         self._pending_hits.pop(internal_request_id, None)
 
 
-__all__ = ["KVAwareRouter", "RouterStats", "rank", "LOAD_TOKENS", "SPECULATE_S"]
+__all__ = ["KVAwareRouter", "InFlight", "RouterStats", "rank", "LOAD_TOKENS", "SPECULATE_S",
+           "PLACED_S"]

@@ -65,18 +65,22 @@ class Fleet:
         return {r: v for (n, r), v in self.metrics().items() if n == name and r}
 
 
-def _wait_ready(fleet: Fleet, timeout: float = 420) -> None:
+def _wait_ready(fleet: Fleet, replicas: int = 2, timeout: float = 420) -> None:
+    """Until every replica serves. ``/health`` answers 200 as soon as the ingress and one
+    replica do (the ingress is built over the first replica up), which is not enough for tests
+    that need both: the command's "fleet ready" line comes once Serve runs all replicas, and
+    each replica's stats then reach the metrics."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if fleet.proc.poll() is not None:
             raise RuntimeError(f"fleet exited:\n{fleet.log.read_text()[-4000:]}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
+            if "fleet ready" in fleet.log.read_text() and len(
+                    fleet.per_replica("radixkv_num_requests_running")) == replicas:
+                return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     raise TimeoutError(f"fleet not ready:\n{fleet.log.read_text()[-4000:]}")
 
 
@@ -155,36 +159,44 @@ def test_a_conversation_sticks_to_its_replica_and_reports_cached_tokens(fleet: F
                 >= cached)
 
 
-def test_two_conversations_spread_over_the_replicas(fleet: Fleet) -> None:
+def test_a_burst_of_new_conversations_spreads_evenly(fleet: Fleet) -> None:
+    """Four new conversations sent at once: two per replica. None has a cached prefix anywhere,
+    so load decides, and each counts on its replica from the moment the router chooses it; were
+    it counted only once Serve confirms it sent (a round trip later), a burst would see equal
+    loads and could pile onto one replica (it did: 0/4 in every round of one run). Streams with
+    ``ignore_eos`` keep all four in flight while the others are routed."""
     client = fleet.client()
-    before = fleet.per_replica("radixkv_prefix_cache_queries_total")
-    started = threading.Event()
+    before = fleet.per_replica("radixkv_router_routed_total")
+    go = threading.Barrier(4)
     errors: list[BaseException] = []
 
-    def long_one() -> None:
+    def converse(i: int) -> None:
         try:
+            go.wait(30)
             # distinct system prompts: without one the template adds the same default, whose
             # cached block would weigh against load in the router's choice
-            s = _chat(client, [{"role": "system", "content": "Numbers are your trade."},
-                               {"role": "user", "content": "Count slowly from one to fifty."}],
-                      max_tokens=64, stream=True)
-            for _ in s:
-                started.set()
+            for _ in _chat(client, [{"role": "system", "content": f"Persona {i}: " + "ab" * i},
+                                    {"role": "user", "content": f"Tell me about topic {i}."}],
+                           max_tokens=24, stream=True, extra_body={"ignore_eos": True}):
+                pass
         except BaseException as exc:   # reported below
             errors.append(exc)
-            started.set()
 
-    t = threading.Thread(target=long_one)
-    t.start()
-    assert started.wait(120)
-    _chat(client, [{"role": "system", "content": "Geography is your trade."},
-                   {"role": "user", "content": "What is the capital of France?"}], max_tokens=8)
-    t.join(300)
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
     assert not errors
-    time.sleep(1.5)
-    after = fleet.per_replica("radixkv_prefix_cache_queries_total")
-    grew = [r for r, v in after.items() if v > before.get(r, 0.0)]
-    assert len(grew) == 2, (before, after)
+    deadline = time.monotonic() + 10                 # router reports lag <= 1 poll
+    while True:
+        after = fleet.per_replica("radixkv_router_routed_total")
+        split = sorted(after.get(r, 0.0) - before.get(r, 0.0) for r in after)
+        if sum(split) >= 4:
+            break
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.3)
+    assert split == [2.0, 2.0], (before, after)
 
 
 def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:

@@ -13,9 +13,9 @@ from radixkv.fleet.events import EventLog, EventRecorder
 from radixkv.fleet.index import PrefixIndex
 
 try:
-    from radixkv.fleet.router import rank
+    from radixkv.fleet.router import InFlight, rank
 except ImportError:   # ray missing: the router module imports Ray Serve's base class
-    rank = None
+    InFlight = rank = None
 
 REPLICAS = ["a", "b", "c"]
 HASHES = [bytes([i]) * 16 for i in range(12)]
@@ -314,3 +314,62 @@ def test_blocks_installed_in_a_lower_tier_are_announced() -> None:
     bm.install_lower(None, h[0], token_bytes(ids[:4]), 1)
     bm.install_lower(h[0], h[1], token_bytes(ids[4:]), 1)
     assert rec.drain() == ([h[0], h[1]], [])
+
+
+class InFlightMachine(RuleBasedStateMachine):
+    """The router's in-flight ledger == a naive list of live requests: a choice counts until its
+    deadline unless Serve confirms it sent; a confirmed request counts until its completion on
+    that replica; a completion elsewhere (a rejected attempt's late report) or of an unknown id
+    changes nothing; a removed replica loads nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        if InFlight is None:
+            import pytest
+
+            pytest.skip("ray[serve] not installed")
+        self.ledger = InFlight(ttl=5.0)
+        self.model: dict[str, tuple[str, float | None]] = {}
+        self.now = 0.0
+
+    reqs = st.sampled_from([f"q{i}" for i in range(6)])
+    reps = st.sampled_from(REPLICAS)
+
+    @rule(req=reqs, rep=reps)
+    def choose(self, req: str, rep: str) -> None:
+        self.ledger.chosen(req, rep, self.now)
+        self.model[req] = (rep, self.now + 5.0)
+
+    @rule(req=reqs, rep=reps)
+    def sent(self, req: str, rep: str) -> None:
+        self.ledger.sent(req, rep)
+        self.model[req] = (rep, None)
+
+    @rule(req=reqs, rep=reps)
+    def done(self, req: str, rep: str) -> None:
+        self.ledger.done(req, rep)
+        if req in self.model and self.model[req][0] == rep:
+            del self.model[req]
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 5.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        gone = self.ledger.expire(self.now)
+        want = {r for r, (_, d) in self.model.items() if d is not None and d <= self.now}
+        assert set(gone) == want
+        for r in want:
+            del self.model[r]
+
+    @rule(rep=reps)
+    def forget(self, rep: str) -> None:
+        self.ledger.forget(rep)
+        self.model = {r: v for r, v in self.model.items() if v[0] != rep}
+
+    @invariant()
+    def loads_match(self) -> None:
+        for rep in REPLICAS:
+            assert self.ledger.load(rep) == sum(v[0] == rep for v in self.model.values())
+        assert len(self.ledger) == len(self.model)
+
+
+TestInFlight = InFlightMachine.TestCase
