@@ -44,6 +44,10 @@ from radixkv.benchmarks.bench_serve import (_free_port, _pct, conversations, run
 
 
 def _start(extra: list[str], args: argparse.Namespace, log: Path) -> tuple[Any, str]:
+    """Start a server and wait until all of it serves. A fleet's ``/health`` is 200 once the
+    ingress and one replica are up; traffic sent then would all go to that replica, so a fleet
+    is ready at the command's "fleet ready" line with every replica in ``/metrics``."""
+    replicas = int(extra[extra.index("--replicas") + 1]) if "--replicas" in extra else 0
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
            "--dtype", "float32", "--max-num-seqs", str(args.max_seqs), *extra]
@@ -58,7 +62,9 @@ def _start(extra: list[str], args: argparse.Namespace, log: Path) -> tuple[Any, 
                                f"{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
+                if r.status == 200 and (not replicas or (
+                        "fleet ready" in log.read_text()
+                        and len(_per_replica_prompt_tokens(base)) == replicas)):
                     return proc, base
         except OSError:
             pass
