@@ -37,6 +37,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,15 +153,16 @@ class InFlight:
         #: request id -> (replica, deadline of an unconfirmed choice, or None once sent)
         self._where: dict[str, tuple[str, float | None]] = {}
         self._count: dict[str, int] = {}
-        self._unconfirmed = 0
+        #: (deadline, request) of choices in the order made: deadlines are ``now + ttl`` with a
+        #: monotonic clock, so they come out in order; an entry whose request was since sent,
+        #: chosen again or completed no longer matches ``_where`` and is skipped
+        self._deadlines: deque[tuple[float, str]] = deque()
 
     def _drop(self, request: str) -> None:
-        replica, deadline = self._where.pop(request)
+        replica, _ = self._where.pop(request)
         self._count[replica] -= 1
         if not self._count[replica]:
             del self._count[replica]
-        if deadline is not None:
-            self._unconfirmed -= 1
 
     def _put(self, request: str, replica: str, deadline: float | None) -> None:
         if request in self._where:
@@ -168,7 +170,7 @@ class InFlight:
         self._where[request] = (replica, deadline)
         self._count[replica] = self._count.get(replica, 0) + 1
         if deadline is not None:
-            self._unconfirmed += 1
+            self._deadlines.append((deadline, request))
 
     def chosen(self, request: str, replica: str, now: float) -> None:
         """The router ranked ``replica`` first for ``request`` (again, on a retry)."""
@@ -188,12 +190,15 @@ class InFlight:
             self._drop(request)
 
     def expire(self, now: float) -> list[str]:
-        """Stop counting choices unconfirmed past their deadline; their request ids."""
-        if not self._unconfirmed:
-            return []
-        gone = [r for r, (_, d) in self._where.items() if d is not None and d <= now]
-        for r in gone:
-            self._drop(r)
+        """Stop counting choices unconfirmed past their deadline; their request ids. Amortized
+        O(1) per choice: it runs on every routing decision."""
+        gone = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, r = self._deadlines.popleft()
+            got = self._where.get(r)
+            if got is not None and got[1] == deadline:
+                self._drop(r)
+                gone.append(r)
         return gone
 
     def forget(self, replica: str) -> None:
