@@ -34,7 +34,7 @@ Pure Python: imports no torch.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -69,7 +69,7 @@ class Allocation(NamedTuple):
     moves: tuple[MoveOp, ...]
 
 
-class _Seq:
+class SeqState:
     __slots__ = ("seed", "tokens", "blocks", "last_hash", "num_cached", "num_computed")
 
     def __init__(self, seed: bytes, tokens: array, blocks: list[int], last_hash: bytes | None,
@@ -94,9 +94,9 @@ class BlockManager(DecodeOps, TierPlans):
 
     def __init__(self, tree: RadixTree) -> None:
         self.tree = tree
-        self.pool: BlockPool = tree._pools[DEVICE]
+        self.pool: BlockPool = tree.pools[DEVICE]
         self.block_size = tree.block_size
-        self._seqs: dict[SeqId, _Seq] = {}
+        self._seqs: dict[SeqId, SeqState] = {}
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int = 16, policy: str = "lru",
@@ -116,6 +116,11 @@ class BlockManager(DecodeOps, TierPlans):
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def sequences(self) -> Iterator[tuple[SeqId, SeqState]]:
+        """``(seq_id, state)`` of every live sequence (read-only views: the caller must not
+        change them, nor the manager meanwhile). For checks and tests. O(1) per item."""
+        return iter(self._seqs.items())
+
     @staticmethod
     def _check_new_id(seq_id: SeqId) -> None:
         try:
@@ -130,7 +135,7 @@ class BlockManager(DecodeOps, TierPlans):
             raise InvalidTokensError(
                 f"namespace must be a radixkv.core.hashing.Namespace, got {type(namespace).__name__}")
 
-    def _seq(self, seq_id: SeqId) -> _Seq:
+    def _seq(self, seq_id: SeqId) -> SeqState:
         try:
             return self._seqs[seq_id]
         except (KeyError, TypeError):
@@ -153,7 +158,7 @@ class BlockManager(DecodeOps, TierPlans):
     def block_refcount(self, block_id: int) -> int:
         """How many live sequences hold device block ``block_id`` (its node's holders if it is
         cached, the pool's count if it is private). Runtime complexity: O(1)."""
-        node = self.tree._device_nodes[block_id]
+        node = self.tree.device_nodes[block_id]
         return self.pool.ref_counts[block_id] if node is None else node.ref
 
     @property
@@ -174,7 +179,7 @@ class BlockManager(DecodeOps, TierPlans):
         """Match a prompt: ``(path, k, device nodes, device blocks, unheld device blocks)``.
         At most (n-1)//B blocks: at least one prompt token must be computed to produce logits,
         and the block holding it must be private (no write into a shared block)."""
-        path, k = self.tree._match_path(tok, seed, (num_tokens - 1) // self.block_size)
+        path, k = self.tree.match_path(tok, seed, (num_tokens - 1) // self.block_size)
         d = dev = unheld = 0
         last = len(path) - 1
         for node in path:
@@ -199,9 +204,9 @@ class BlockManager(DecodeOps, TierPlans):
         short = n - self.pool.num_free
         if short > 0:
             tree = self.tree
-            if tree._pending:
+            if tree.pending_moves:
                 moves.extend(tree.take_moves())
-            tree._evict_from(DEVICE, short, moves)
+            tree.evict_from(DEVICE, short, moves)
         return self.pool.allocate_held(n) if held else self.pool.allocate(n)
 
     def can_allocate(self, token_ids: Sequence[int], namespace: Namespace) -> bool:
@@ -255,7 +260,7 @@ class BlockManager(DecodeOps, TierPlans):
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
-        if tree._hooks:
+        if tree.hooks:
             tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
         per_tier = [0] * tree.num_tiers
@@ -263,7 +268,7 @@ class BlockManager(DecodeOps, TierPlans):
         held = path[:d]
         if held:
             if d == len(path):
-                held = tree._cut(held, k)
+                held = tree.cut(held, k)
             tree.lock_nodes(held, now)
         blocks: list[int] = (held[0].slots.tolist() if len(held) == 1 else
                              [b for x in held for b in x.slots.tolist()])
@@ -276,7 +281,7 @@ class BlockManager(DecodeOps, TierPlans):
             last = len(path) - 1
             wanted = [h for i, x in enumerate(path[d:], d)
                       for h in (x.hashes[:k] if i == last else x.hashes)]
-            heads = tree._heads
+            heads = tree.heads
             prev = held[-1] if held else None
             for h in wanted:
                 [b] = self._take_blocks(1, moves)
@@ -292,14 +297,14 @@ class BlockManager(DecodeOps, TierPlans):
                     if op is not None:
                         moves.append(op)
                         continue
-                    node = tree._split(node, 1)[0]
+                    node = tree.split(node, 1)[0]
                 moves.extend(tree.promote_nodes([node], [b], now))
-                prev = tree._device_nodes[b]
+                prev = tree.device_nodes[b]
                 held = [prev]
         blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)
         num_cached = sum(per_tier) // self.block_size
         last_hash = held[-1].hashes[-1] if held else None
-        self._seqs[seq_id] = _Seq(seed, array("i", tok), blocks, last_hash, num_cached,
+        self._seqs[seq_id] = SeqState(seed, array("i", tok), blocks, last_hash, num_cached,
                                   num_cached * self.block_size)
         return Allocation(seq_id, tuple(blocks), num_cached * self.block_size, tuple(per_tier),
                           tuple(moves))
@@ -316,7 +321,7 @@ class BlockManager(DecodeOps, TierPlans):
         except TypeError:
             raise InvalidRequestError("session must be hashable (a str or int id), got "
                                       f"{type(session).__name__}") from None
-        if self.tree._hooks:
+        if self.tree.hooks:
             self.tree.policy.end_session(session)
 
     # ------------------------------------------------------------------ commit
@@ -342,10 +347,10 @@ class BlockManager(DecodeOps, TierPlans):
         first, last = s.num_cached, num_computed_tokens // bs
         if last <= first:
             return 0
-        if tree._hooks:
+        if tree.hooks:
             tree.policy.enter(seq_id)
         blocks = s.blocks
-        dn = tree._device_nodes
+        dn = tree.device_nodes
         c = first
         while c < last and dn[blocks[c]] is not None:
             c += 1
@@ -360,7 +365,7 @@ class BlockManager(DecodeOps, TierPlans):
                 return 0
         tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
-        heads = tree._heads
+        heads = tree.heads
         # the sequence's last cached block is held on the device: its slot names its node
         parent = dn[blocks[first - 1]] if s.last_hash is not None else None
         assert parent is None or parent.hashes[-1] == s.last_hash, (
@@ -422,10 +427,10 @@ class BlockManager(DecodeOps, TierPlans):
         refs, tree = self.pool.ref_counts, self.tree
         m = len(mine)
         holders = [q for q in self._seqs.values() if len(q.blocks) > i and q.blocks[i] == mine[0]]
-        assert len(holders) == refs[mine[0]] and tree._device_nodes[mine[0]] is None, (
+        assert len(holders) == refs[mine[0]] and tree.device_nodes[mine[0]] is None, (
             f"block {mine[0]}: {len(holders)} holders at position {i}, refcount {refs[mine[0]]}")
         if m < len(node.hashes):
-            node = tree._split(node, m)[0]
+            node = tree.split(node, m)[0]
         for q in holders:
             q.blocks[i:i + m] = node.slots
         tree.lock_nodes([node] * len(holders), now)
@@ -437,7 +442,7 @@ class BlockManager(DecodeOps, TierPlans):
     # ------------------------------------------------------------------ fork / free
     def _deepest_cached(self, blocks: list[int]) -> int:
         """Index of the last cached block of a table (cached blocks form a prefix), or -1."""
-        dn = self.tree._device_nodes
+        dn = self.tree.device_nodes
         i = len(blocks) - 1
         while i >= 0 and dn[blocks[i]] is None:
             i -= 1
@@ -454,12 +459,12 @@ class BlockManager(DecodeOps, TierPlans):
         refs = self.pool.ref_counts
         for b in blocks[c + 1:]:
             refs[b] += 1
-        if self.tree._hooks:
+        if self.tree.hooks:
             self.tree.policy.on_fork(parent_id, child_id)
             self.tree.policy.enter(child_id)
         if c >= 0:
-            self.tree.lock_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
-        self._seqs[child_id] = _Seq(p.seed, p.tokens[:], list(blocks), p.last_hash,
+            self.tree.lock_path(self.tree.device_nodes[blocks[c]])   # type: ignore[arg-type]
+        self._seqs[child_id] = SeqState(p.seed, p.tokens[:], list(blocks), p.last_hash,
                                     p.num_cached, p.num_computed)
 
     def free(self, seq_id: SeqId) -> None:
@@ -476,11 +481,11 @@ class BlockManager(DecodeOps, TierPlans):
             refs[b] = r
             if r == 0:
                 pool.free_one(b)
-        hooks = self.tree._hooks
+        hooks = self.tree.hooks
         if hooks:
             self.tree.policy.enter(seq_id)
         if c >= 0:
-            self.tree.release_path(self.tree._device_nodes[blocks[c]])   # type: ignore[arg-type]
+            self.tree.release_path(self.tree.device_nodes[blocks[c]])   # type: ignore[arg-type]
         if hooks:
             self.tree.policy.on_finish(seq_id, s.tokens)
 

@@ -120,34 +120,90 @@ class RecencyIndex:
             self._q = deque(e for e in self._q if live.get(e[-1]) is e)
             self._dead = 0
 
-    def _live_head(self) -> tuple | None:
+    @property
+    def num_side(self) -> int:
+        """Entries in the side list (those that arrived out of order). O(1)."""
+        return self._nside
+
+    def clear(self) -> None:
+        """Forget every entry, live and dead (an emptied index made ready for reuse). O(n)."""
+        self._q.clear()
+        self._live.clear()
+        self._dead = 0
+        self._side.clear()
+        self._nside = 0
+
+    def is_clear(self) -> bool:
+        """Whether nothing is queued, live, dead or on the side (as ``clear`` leaves it)."""
+        return not (self._q or self._live or self._side or self._dead or self._nside)
+
+    def pop_min(self) -> tuple:
+        # the head, skipping dead entries, inlined (called once per victim)
+        q, live = self._q, self._live
+        while q:
+            entry = q[0]
+            h = entry[-1]
+            if live.get(h) is entry:
+                if self._nside and self._side[0] < entry:
+                    break
+                q.popleft()
+                del live[h]
+                return entry
+            q.popleft()
+            self._dead -= 1
+        if self._nside:
+            self._nside -= 1
+            return self._side.pop(0)
+        raise IndexError("pop_min() of an empty index")
+
+    def pop_min_peek(self) -> tuple[tuple, tuple | None]:
+        """``(pop_min(), min() after it or None)`` in one call: the device-only LRU eviction
+        loop needs the next entry's key to apply the per-block tie rule (``EvictableSet.take``)
+        only where two victims have the same key. Runtime complexity: as ``pop_min``."""
+        q, live = self._q, self._live
+        while True:   # pop_min, inlined
+            if not q:
+                if not self._nside:
+                    raise IndexError("pop_min() of an empty index")
+                self._nside -= 1
+                entry = self._side.pop(0)
+                break
+            entry = q[0]
+            h = entry[-1]
+            if live.get(h) is entry:
+                if self._nside and self._side[0] < entry:
+                    self._nside -= 1
+                    entry = self._side.pop(0)
+                    break
+                q.popleft()
+                del live[h]
+                break
+            q.popleft()
+            self._dead -= 1
+        while q:
+            nxt = q[0]
+            if live.get(nxt[-1]) is nxt:
+                if self._nside and self._side[0] < nxt:
+                    return entry, self._side[0]
+                return entry, nxt
+            q.popleft()
+            self._dead -= 1
+        return entry, (self._side[0] if self._nside else None)
+
+    def min(self) -> tuple:
+        # the head, skipping dead entries, inlined (the tie rule asks once per victim)
         q, live = self._q, self._live
         while q:
             entry = q[0]
             if live.get(entry[-1]) is entry:
+                if self._nside and self._side[0] < entry:
+                    return self._side[0]
                 return entry
             q.popleft()
             self._dead -= 1
-        return None
-
-    def pop_min(self) -> tuple:
-        entry = self._live_head()
-        if self._nside and (entry is None or self._side[0] < entry):
-            self._nside -= 1
-            return self._side.pop(0)
-        if entry is None:
-            raise IndexError("pop_min() of an empty index")
-        self._q.popleft()
-        del self._live[entry[-1]]
-        return entry
-
-    def min(self) -> tuple:
-        entry = self._live_head()
-        if self._nside and (entry is None or self._side[0] < entry):
+        if self._nside:
             return self._side[0]
-        if entry is None:
-            raise IndexError("min() of an empty index")
-        return entry
+        raise IndexError("min() of an empty index")
 
     def __contains__(self, entry: tuple) -> bool:
         return self._live.get(entry[-1]) == entry or entry in self._side
@@ -217,9 +273,7 @@ class FrequencyIndex:
         index, emptied of dead queued entries, for reuse."""
         del self._buckets[hits]
         if len(self._spare) < self._SPARE:
-            if b._q:
-                b._q.clear()
-                b._dead = 0
+            b.clear()
             self._spare.append(b)
 
     def _top(self) -> int:
@@ -234,7 +288,7 @@ class FrequencyIndex:
         b = self._buckets[entry[0]]
         b.remove(entry)
         self._n -= 1
-        if not (b._live or b._nside):
+        if not len(b):
             self._close(entry[0], b)
 
     def pop_min(self) -> tuple:
@@ -244,7 +298,7 @@ class FrequencyIndex:
         b = self._buckets[hits]
         entry = b.pop_min()
         self._n -= 1
-        if not (b._live or b._nside):
+        if not len(b):
             self._close(hits, b)
         return entry
 
@@ -274,7 +328,7 @@ class FrequencyIndex:
             b.check_invariants()
             assert all(e[0] == hits for e in b), f"bucket {hits} holds another count"
         for b in self._spare:
-            assert not (b._q or b._live or b._side or b._dead or b._nside), "a spare not empty"
+            assert b.is_clear(), "a spare not empty"
             assert all(b is not x for x in self._buckets.values()), "a spare in use"
 
 

@@ -2,7 +2,7 @@
 
 ``EvictionOps`` is a mixin of ``RadixTree``. ``evict(tier, n)`` takes ``n`` blocks out of a tier
 in the policy's order, leaves first, block by block from the tail of each victim run, exactly as
-a per-block cache would (``_take`` breaks equal keys by block hash): from the last tier they are
+a per-block cache would (``EvictableSet.take`` breaks equal keys by block hash): from the last tier they are
 dropped, from the others demoted into the next tier, making room there first. Where no choice
 between the next tier's blocks and the victim's can arise (its smallest key is strictly below the
 victim's, ``_evict_below``, or it has free slots) a victim's blocks move together; otherwise one
@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.evictable import EvictableSet
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
 from radixkv.errors import InvalidBlockError, OutOfBlocks
@@ -39,27 +39,25 @@ class EvictionOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
-    _hooks: bool
-    _width: int
-    _pools: list[BlockPool]
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _slot_nodes: list[list[Node | None]]
-    _evictable: list[EvictionIndex]
+    hooks: bool
+    block_bytes: int
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    slot_nodes: list[list[Node | None]]
+    evictable: list[EvictableSet]
     _resident: list[int]
     _unreferenced: int
-    _device_nodes: list[Node | None]
-    _ttl_heap: list[tuple[float, bytes]]
-    _pending: list[MoveOp]
+    device_nodes: list[Node | None]
+    ttl_heap: list[tuple[float, bytes]]
+    pending_moves: list[MoveOp]
     drop_listener: Callable[[list[BlockRef]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
-        def _key(self, node: Node) -> tuple: ...
-        def _consider(self, node: Node) -> None: ...
         def _ref(self, node: Node, i: int) -> BlockRef: ...
-        def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+        def split(self, node: Node, k: int) -> tuple[Node, Node]: ...
         def _unlink(self, node: Node) -> None: ...
-        def _coalesce(self, parent: Node | None, child: Node) -> Node: ...
+        def coalesce(self, parent: Node | None, child: Node) -> Node: ...
         def _add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
         def num_evictable(self, tier: int = DEVICE) -> int: ...
         def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool: ...
@@ -81,20 +79,20 @@ class EvictionOps:
             raise InvalidBlockError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         available = self.num_evictable(tier)
         if num_blocks > available:
-            raise OutOfBlocks(num_blocks, self._pools[tier].num_free, available,
+            raise OutOfBlocks(num_blocks, self.pools[tier].num_free, available,
                               "every cached block of this tier is in use by a live sequence")
-        moves = self._pending    # queued write-through moves run first
-        self._pending = []
+        moves = self.pending_moves    # queued write-through moves run first
+        self.pending_moves = []
         if num_blocks:
-            self._evict_from(tier, num_blocks, moves)
+            self.evict_from(tier, num_blocks, moves)
         return moves
 
-    def _evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None:
+    def evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None:
         """Evict ``num`` blocks of ``tier`` (they are evictable), victim by victim."""
         if tier == DEVICE and self._evict_device_fast(num, moves):
             return
-        entries = self._evictable[tier]
-        tails = self._tails
+        entries = self.evictable[tier]
+        tails = self.tails
         while num > 0:
             e = entries.pop_min()
             h = e[-1]
@@ -103,25 +101,8 @@ class EvictionOps:
                 self.writes.drop_popped_copy(h, tier, moves)
                 num -= 1
                 continue
-            take = self._take(node, num, e, entries)
+            take = entries.take(node, num, e)
             num -= self._move_tail_out(node, take, moves)
-
-    @staticmethod
-    def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int:
-        """How many blocks of the victim ``node`` (popped as entry ``e``) go now: all of them,
-        or the ``num`` still wanted; where another entry has exactly the same key, only those
-        that a per-block cache would take before it (block hash order breaks the tie)."""
-        n = len(node.hashes)
-        take = n if num >= n else num
-        if take > 1 and entries:
-            m = entries.min()
-            if m[:-1] == e[:-1]:
-                key, hashes = e[:-1], node.hashes
-                j = 1
-                while j < take and (*key, hashes[n - 1 - j]) < m:
-                    j += 1
-                return j
-        return take
 
     def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int:
         """The last ``take`` blocks of ``node`` (an evictable node already out of its index)
@@ -141,7 +122,7 @@ class EvictionOps:
         t = node.tier
         n = len(node.hashes)
         if t + 1 == self.num_tiers:
-            if self._hooks:
+            if self.hooks:
                 self.policy.on_leave(node, take)
             if take == n:
                 self._drop_node(node, moves)
@@ -151,14 +132,14 @@ class EvictionOps:
         u = t + 1
         # The shortcuts below rely on a block keeping its key as it moves down: true of the key
         # policies, not of a hooked one (its on_leave may re-key what leaves): they stand aside.
-        write_back = not self.writes.tiers and not self._hooks
-        free = self._pools[u].num_free
+        write_back = not self.writes.tiers and not self.hooks
+        free = self.pools[u].num_free
         if take > free:
             if write_back:
                 # Room first, for as many blocks as it can be made without a choice between a
                 # block of tier u and one of this chain: while u's smallest key is strictly
                 # below the victim's, a per-block cache would evict exactly that entry too.
-                free += self._evict_below(u, take - free, self._key(node), moves)
+                free += self._evict_below(u, take - free, self.evictable[node.tier].key(node), moves)
                 need = take
             elif self.writes.tiers:
                 copy_slot = self.writes.copy_slot
@@ -168,20 +149,20 @@ class EvictionOps:
                 need = take
             if need > free:
                 take = max(1, free)
-        if self._hooks:
+        if self.hooks:
             self.policy.on_leave(node, take)
         if take == 1 and n > 1 and write_back and self._demote_tail_block(node, u, moves):
             return 1
         if take < n:
-            node = self._split(node, n - take)[1]
+            node = self.split(node, n - take)[1]
         self._demote(node, u, moves)
         return take
 
     def _evict_below(self, tier: int, num: int, bound: tuple, moves: list[MoveOp]) -> int:
         """Evict up to ``num`` blocks of ``tier`` in policy order, stopping at the first entry
         whose key is not strictly below ``bound``. Returns how many left."""
-        entries = self._evictable[tier]
-        tails = self._tails
+        entries = self.evictable[tier]
+        tails = self.tails
         done = 0
         while done < num and entries:
             e = entries.min()
@@ -193,7 +174,7 @@ class EvictionOps:
                 self.writes.drop_popped_copy(e[-1], tier, moves)
                 done += 1
                 continue
-            done += self._move_tail_out(node, self._take(node, num - done, e, entries), moves)
+            done += self._move_tail_out(node, entries.take(node, num - done, e), moves)
         return done
 
     def _demote_tail_block(self, node: Node, u: int, moves: list[MoveOp]) -> bool:
@@ -203,27 +184,27 @@ class EvictionOps:
         with (same holders, hints and key), move the block onto that run's front. The same
         steps, moves and state as ``_split`` + ``_demote`` + ``_coalesce``. False (after
         making room, changing nothing else): take the generic path."""
-        dst = self._pools[u]
+        dst = self.pools[u]
         if dst.num_free == 0:
-            self._evict_from(u, 1, moves)
+            self.evict_from(u, 1, moves)
         c = node.child
         if (c is None or c.next is not None or c.tier != u or c.ref != node.ref
                 or c.hints != node.hints or c.aux != node.aux
-                or self._key(c) != self._key(node)):
+                or self.evictable[u].key(c) != self.evictable[u].key(node)):
             return False
         t = node.tier
-        heads, tails = self._heads, self._tails
+        heads, tails = self.heads, self.tails
         h = node.hashes.pop()
         del tails[h]
         tails[node.hashes[-1]] = node
         old = node.slots.pop()
-        w = self._width
+        w = self.block_bytes
         tok = node.tokens[-w:]
         del node.tokens[-w:]
         new = dst.allocate_one()
         moves.append(_tuple_new(MoveOp, (h, t, old, u, new, False)))
-        self._pools[t].free_one(old)
-        self._slot_nodes[t][old] = None
+        self.pools[t].free_one(old)
+        self.slot_nodes[t][old] = None
         if t == DEVICE:
             self._unreferenced -= 1
         del heads[c.hashes[0]]
@@ -231,15 +212,15 @@ class EvictionOps:
         c.tokens[0:0] = tok
         c.slots.insert(0, new)
         heads[h] = c
-        self._slot_nodes[u][new] = c
+        self.slot_nodes[u][new] = c
         self._resident[t] -= 1
         self._resident[u] += 1
         self.stats.evicted[t] += 1
         self.stats.demoted_in[u] += 1
-        self._consider(node)   # still a leaf of its tier, under its new last block
+        self.evictable[node.tier].file(node)   # still a leaf of its tier, under its new last block
         hints = node.hints
         if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
+            heapq.heappush(self.ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
         return True
 
     def _demote(self, node: Node, u: int, moves: list[MoveOp]) -> None:
@@ -250,21 +231,16 @@ class EvictionOps:
         n = len(hashes)
         reuse = self.writes.take_for_demotion(node, u)
         need = n if reuse is None else sum(1 for s in reuse if s is None)
-        dst = self._pools[u]
+        dst = self.pools[u]
         short = need - dst.num_free
         if short > 0:
-            self._evict_from(u, short, moves)
+            self.evict_from(u, short, moves)
         old_ids = old.tolist()   # one int per block, made once (slots are packed)
         if reuse is None:
-            # BlockPool.allocate_one for each block, tail first, inlined: the tail takes the
-            # top of the free list
-            free = dst._free
-            new = free[-n:]
-            del free[-n:]
+            # BlockPool.allocate_one for each block, tail first: the tail takes the top of
+            # the free list
+            new = dst.take_top(n)
             new_ids = new.tolist()
-            is_free = dst._is_free
-            for s in new_ids:
-                is_free[s] = 0
             moves += [_tuple_new(MoveOp, (hashes[i], t, old_ids[i], u, new_ids[i], False))
                       for i in range(n - 1, -1, -1)]
         else:
@@ -277,18 +253,12 @@ class EvictionOps:
                 else:
                     self.stats.free_demotions += 1
                 new[i] = s
-        # BlockPool.free_one for each block, deepest first, inlined (an evictable node's device
-        # blocks have no pool references: its holders are counted in ``node.ref``, now 0)
-        src = self._pools[t]
-        is_free = src._is_free
-        sn = self._slot_nodes[t]
-        for s in old_ids:
-            is_free[s] = 1
-            sn[s] = None
-        src._free.extend(old[::-1])
+        # BlockPool.free_one for each block, deepest first (an evictable node's device blocks
+        # have no pool references: its holders are counted in ``node.ref``, now 0)
+        self.pools[t].free_run(old[::-1], self.slot_nodes[t])
         if t == DEVICE:
             self._unreferenced -= n
-        sn = self._slot_nodes[u]
+        sn = self.slot_nodes[u]
         for s in new:
             sn[s] = node
         node.slots = new
@@ -301,10 +271,10 @@ class EvictionOps:
         self._resident[u] += n
         self.stats.evicted[t] += n
         self.stats.demoted_in[u] += n
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         kid = node.child
         if kid is not None and kid.next is None and kid.tier == u:
-            self._coalesce(node, kid)   # back onto its own tail demoted before
+            self.coalesce(node, kid)   # back onto its own tail demoted before
 
     def _drop_tail(self, node: Node, take: int, moves: list[MoveOp]) -> None:
         """The last ``take`` blocks of ``node`` (an evictable leaf of the last tier, out of its
@@ -314,16 +284,16 @@ class EvictionOps:
         if self.drop_listener is not None:
             self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, cut - 1, -1)])
         self._free_blocks(node, cut, moves)
-        del self._tails[node.hashes[-1]]
-        self._tails[node.hashes[cut - 1]] = node
+        del self.tails[node.hashes[-1]]
+        self.tails[node.hashes[cut - 1]] = node
         del node.hashes[cut:]
-        del node.tokens[cut * self._width:]
+        del node.tokens[cut * self.block_bytes:]
         del node.slots[cut:]
         self.stats.evicted[t] += take
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         hints = node.hints
         if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
+            heapq.heappush(self.ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
 
     def _drop_node(self, node: Node, moves: list[MoveOp]) -> None:
         """``node`` (out of its index, with no children) leaves the cache."""
@@ -331,8 +301,8 @@ class EvictionOps:
         if self.drop_listener is not None:
             self.drop_listener([self._ref(node, i) for i in range(len(node.hashes) - 1, -1, -1)])
         self._free_blocks(node, 0, moves)
-        del self._heads[node.hashes[0]]
-        del self._tails[node.hashes[-1]]
+        del self.heads[node.hashes[0]]
+        del self.tails[node.hashes[-1]]
         if node.parent is not None:
             self._unlink(node)
         self.stats.evicted[node.tier] += len(node.hashes)
@@ -343,8 +313,8 @@ class EvictionOps:
         entries are left to the caller."""
         t = node.tier
         hashes, slots = node.hashes, node.slots
-        pool = self._pools[t]
-        sn = self._slot_nodes[t]
+        pool = self.pools[t]
+        sn = self.slot_nodes[t]
         report = self.num_tiers > 1
         for i in range(len(hashes) - 1, cut - 1, -1):
             h, s = hashes[i], slots[i]

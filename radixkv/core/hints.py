@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.evictable import EvictableSet
 from radixkv.core.node import MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, NodeHints
 from radixkv.errors import ConfigError, InvalidBlockError
@@ -34,21 +34,17 @@ class HintOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _ttl_heap: list[tuple[float, bytes]]
-    _evictable: list[EvictionIndex]
-    _pending: list[MoveOp]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    ttl_heap: list[tuple[float, bytes]]
+    evictable: list[EvictableSet]
+    pending_moves: list[MoveOp]
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
-        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
+        def find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
         def locate_chain(self, hashes: list[bytes]) -> list[tuple[Node, int]]: ...
-        def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
-        def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
-        def _is_evictable(self, node: Node) -> bool: ...
-        def _entry(self, node: Node) -> tuple: ...
-        def _discard(self, node: Node) -> None: ...
-        def _consider(self, node: Node) -> None: ...
+        def split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+        def node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
         def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int: ...
 
     # ------------------------------------------------------------------ hints
@@ -76,7 +72,7 @@ class HintOps:
         loc = {h: x[0] for h, x in zip(hashes, where)}
         for h in hashes[len(where):]:
             if h not in loc:
-                node = self._find(h)
+                node = self.find(h)
                 if node is None:
                     raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
                 loc[h] = node
@@ -91,22 +87,22 @@ class HintOps:
             while j < len(node.hashes) and node.hashes[j] in wanted:
                 j += 1
             if j < len(node.hashes):
-                node, rest = self._split(node, j)
+                node, rest = self.split(node, j)
                 self._relocate(rest, wanted, loc)
             if i:
-                before, node = self._split(node, i)
+                before, node = self.split(node, i)
                 self._relocate(before, wanted, loc)
             self._relocate(node, wanted, loc)
             done.add(id(node))
             old = DEFAULT_HINTS if node.hints is None else node.hints
             new = NodeHints(old.priority if priority is None else priority,
                             old.ttl if ttl is None else float(ttl))
-            self._discard(node)
+            self.evictable[node.tier].unfile(node)
             refile = self.writes.unfile(node)
             node.hints = None if new == DEFAULT_HINTS else new
             if new.ttl is not None:
-                heapq.heappush(self._ttl_heap, (node.last_access + new.ttl, node.hashes[-1]))
-            self._consider(node)
+                heapq.heappush(self.ttl_heap, (node.last_access + new.ttl, node.hashes[-1]))
+            self.evictable[node.tier].file(node)
             if refile is not None:
                 self.writes.refile(node, refile)
 
@@ -120,10 +116,10 @@ class HintOps:
         """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
         e.g. its session ended), re-filing it (and its copies) where it is filed.
         Runtime complexity: O(log n)."""
-        self._discard(node)
+        self.evictable[node.tier].unfile(node)
         refile = self.writes.unfile(node)
         node.aux = aux
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         if refile is not None:
             self.writes.refile(node, refile)
 
@@ -135,12 +131,12 @@ class HintOps:
         ``near``: the node holding it, if the caller located it (``locate_chain``).
         Runtime complexity: O(depth in nodes) (+ a cut of its node)."""
         now = self.clock() if now is None else now
-        n: Node | None = self._node_ending_at(block_hash, near)
+        n: Node | None = self.node_ending_at(block_hash, near)
         while n is not None:
-            self._discard(n)
+            self.evictable[n.tier].unfile(n)
             refile = self.writes.unfile(n)
             n.last_access = now
-            self._consider(n)
+            self.evictable[n.tier].file(n)
             if refile is not None:
                 self.writes.refile(n, refile)
             n = n.parent
@@ -158,14 +154,14 @@ class HintOps:
         Returns the moves (queued write-through moves first). O(expired blocks + nodes log n).
         """
         now = self.clock() if now is None else now
-        moves = self._pending
-        self._pending = []
+        moves = self.pending_moves
+        self.pending_moves = []
         expired = self.policy.expired
         for tier in range(self.num_tiers):
-            entries = self._evictable[tier]
+            entries = self.evictable[tier]
             while entries and expired(entries.min(), now):
                 h = entries.pop_min()[-1]
-                node = self._tails.get(h)   # a node is filed under its last block
+                node = self.tails.get(h)   # a node is filed under its last block
                 if node is not None and node.tier == tier:
                     self.stats.expired += self._move_tail_out(node, len(node.hashes), moves)
                 else:
@@ -177,7 +173,7 @@ class HintOps:
     def next_expiry(self) -> float | None:
         """The earliest due time of a per-block TTL hint (None: none set): when calling
         ``evict_expired`` can next do something for hinted blocks."""
-        return self._ttl_heap[0][0] if self._ttl_heap else None
+        return self.ttl_heap[0][0] if self.ttl_heap else None
 
     def _expire_hinted(self, now: float, moves: list[MoveOp]) -> None:
         """Hinted nodes whose TTL ran out move out of their tier, at most once each per call,
@@ -186,7 +182,7 @@ class HintOps:
         chain leaves in one call. A node that is held (or keeps an unexpired child) stays due
         and is tried again at the next call. A demoted node leaves its next tier at a later
         call."""
-        heap = self._ttl_heap
+        heap = self.ttl_heap
         moved: set[int] = set()
         while True:
             progressed = False
@@ -194,7 +190,7 @@ class HintOps:
             popped: set[int] = set()
             while heap and heap[0][0] <= now:
                 armed, h = heapq.heappop(heap)
-                node = self._tails.get(h)
+                node = self.tails.get(h)
                 if node is None or node.hints is None or node.hints.ttl is None or \
                         node.hashes[-1] != h or id(node) in popped:
                     continue   # gone, TTL lifted, no longer a node's end, or a duplicate
@@ -203,13 +199,14 @@ class HintOps:
                     heapq.heappush(heap, (due, h))   # used (or re-hinted) since: its real turn
                     continue
                 popped.add(id(node))
-                if id(node) not in moved and self._is_evictable(node):
-                    self._evictable[node.tier].remove(self._entry(node))   # type: ignore[attr-defined]
+                if id(node) not in moved and self.evictable[node.tier].qualifies(node):
+                    ev = self.evictable[node.tier]
+                    ev.remove(ev.entry(node))
                     moved.add(id(node))
                     n = len(node.hashes)
                     self.stats.expired += self._move_tail_out(node, n, moves)
                     progressed = True
-                if self._tails.get(h) is not None:   # still a node's end (held, or demoted)
+                if self.tails.get(h) is not None:   # still a node's end (held, or demoted)
                     later.append((due, h))
             for item in later:
                 heapq.heappush(heap, item)

@@ -29,9 +29,9 @@ from radixkv.core.policy import DEFAULT_HINTS, NodeHints
 class LookupOps:
     """Block lookups of ``RadixTree`` (a mixin; see the module docstring)."""
 
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _slot_nodes: list[list[Node | None]]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    slot_nodes: list[list[Node | None]]
 
     if TYPE_CHECKING:  # RadixTree's own helper, used here
         def _ref(self, node: Node, i: int) -> BlockRef: ...
@@ -39,7 +39,7 @@ class LookupOps:
     def block_index(self) -> dict[bytes, Node]:
         """A snapshot ``{block hash: node}`` of every cached block: O(cached blocks), built on
         each call, for tests and checks (the tree itself keeps no per-block index)."""
-        return {h: node for node in self._heads.values() for h in node.hashes}
+        return {h: node for node in self.heads.values() for h in node.hashes}
 
     def get(self, block_hash: bytes, scan: bool = True) -> BlockRef | None:
         """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
@@ -48,25 +48,25 @@ class LookupOps:
         (``block_at``), by its chain (``locate_chain``, ``refs_of``), or know it ends or
         starts a node."""
         if scan:
-            node = self._find(block_hash)
+            node = self.find(block_hash)
         else:
-            node = self._tails.get(block_hash) or self._heads.get(block_hash)
+            node = self.tails.get(block_hash) or self.heads.get(block_hash)
         if node is None:
             return None
         return self._ref(node, node.hashes.index(block_hash))
 
-    def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
+    def find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
         """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
         (a caller's guess, e.g. from ``locate_chain``; O(its length)), else O(1) for a node's
         first or last block, else a scan of the nodes (an inner block)."""
-        if near is not None and near.hashes and self._heads.get(near.hashes[0]) is near \
+        if near is not None and near.hashes and self.heads.get(near.hashes[0]) is near \
                 and block_hash in near.hashes:
             return near
-        node = self._tails.get(block_hash)
+        node = self.tails.get(block_hash)
         if node is None:
-            node = self._heads.get(block_hash)
+            node = self.heads.get(block_hash)
             if node is None:
-                for x in self._heads.values():
+                for x in self.heads.values():
                     if block_hash in x.hashes:
                         return x
         return node
@@ -74,7 +74,7 @@ class LookupOps:
     def block_at(self, tier: int, slot: int) -> BlockRef | None:
         """The cached block whose primary is slot ``slot`` of ``tier`` (None: the slot is
         free, a write-through copy, or a private device block). O(node length)."""
-        node = self._slot_nodes[tier][slot]
+        node = self.slot_nodes[tier][slot]
         return None if node is None else self._ref(node, node.slots.index(slot))
 
     def block_of(self, block_hash: bytes, *places: tuple[int | None, int | None]
@@ -85,7 +85,7 @@ class LookupOps:
         for tier, slot in places:
             if tier is None or slot is None:
                 continue
-            node = self._slot_nodes[tier][slot]
+            node = self.slot_nodes[tier][slot]
             if node is not None:
                 i = node.slots.index(slot)
                 if node.hashes[i] == block_hash:
@@ -98,7 +98,7 @@ class LookupOps:
         O(its length) and only the first block of each run is looked up by hash."""
         out: list[BlockRef | None] = []
         node, i = None, -1
-        heads = self._heads
+        heads = self.heads
         for h in hashes:
             if node is not None:
                 if i + 1 < len(node.hashes) and node.hashes[i + 1] == h:
@@ -110,7 +110,7 @@ class LookupOps:
                     node, i = c, 0
                     out.append(self._ref(node, 0))
                     continue
-            node = self._find(h)
+            node = self.find(h)
             if node is None:
                 out.append(None)
                 continue
@@ -133,13 +133,13 @@ class LookupOps:
         out: list[tuple[Node, int]] = []
         if not hashes:
             return out
-        node = self._find(hashes[0])
+        node = self.find(hashes[0])
         if node is None:
             return out
         i = node.hashes.index(hashes[0])
         for h in hashes:
             if i == len(node.hashes):
-                c = self._heads.get(h)
+                c = self.heads.get(h)
                 if c is None or c.parent is not node:
                     return out
                 node, i = c, 0
@@ -152,5 +152,5 @@ class LookupOps:
     def hints(self, block_hash: bytes) -> NodeHints:
         """The eviction hints of a cached block (defaults if none were set). O(1) for a node's
         first or last block, O(cached blocks) otherwise (``_find``)."""
-        node = self._find(block_hash)
+        node = self.find(block_hash)
         return DEFAULT_HINTS if node is None or node.hints is None else node.hints

@@ -20,7 +20,7 @@ class Node:
     Path compression. Every block of a node has the same parent chain before it, lives in the
     same tier, is held by the same live sequences and has the same policy key, so one object
     carries them all and lock, release, touch and filing in an eviction index cost O(1) per
-    node instead of O(blocks). A node is cut in two (``RadixTree._split``) where that stops
+    node instead of O(blocks). A node is cut in two (``RadixTree.split``) where that stops
     being true: where two chains diverge, where a request holds only a prefix of it, where
     eviction takes only its tail, where a hint marks only a prefix.
 

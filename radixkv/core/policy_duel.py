@@ -150,7 +150,7 @@ class DuelPolicy(EvictionPolicy):
         return out
 
     def new_index(self) -> DuelIndex:
-        return DuelIndex(self, [m.new_index() for m in self.members])
+        return DuelIndex(self, self._cuts, [m.new_index() for m in self.members])
 
     def bind(self, tree: RadixTree) -> None:
         from radixkv.core.block_manager import BlockManager
@@ -169,11 +169,11 @@ class DuelPolicy(EvictionPolicy):
             self.insert_key = self._keyed[0].insert_key
             self.can_extend = self._keyed[0].can_extend
         if self.auto_sample:
-            k, n = 1, tree._pools[0].num_blocks
+            k, n = 1, tree.pools[0].num_blocks
             while 2 * k <= MAX_AUTO_SAMPLE and n // (2 * k) >= self.shadow_blocks:
                 k *= 2
             self._set_sample(k)
-        cap = max(1, tree._pools[0].num_blocks // self.sample)
+        cap = max(1, tree.pools[0].num_blocks // self.sample)
         self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
                                                 clock=tree.clock))
                          for name in self.member_names]
@@ -319,10 +319,11 @@ class DuelIndex:
 
     __slots__ = ("_policy", "_subs", "_cuts", "_adds", "_removes")
 
-    def __init__(self, policy: DuelPolicy, subs: list) -> None:
+    def __init__(self, policy: DuelPolicy, cuts: list[tuple[int, int]], subs: list) -> None:
+        # cuts: member i's key is entry[a:b] for (a, b) = cuts[i]
         self._policy = policy
         self._subs = subs
-        self._cuts = policy._cuts
+        self._cuts = cuts
         self._adds = [(s.add, a, b) for (a, b), s in zip(self._cuts, subs)]
         self._removes = [(s.remove, a, b) for (a, b), s in zip(self._cuts, subs)]
 

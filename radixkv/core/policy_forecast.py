@@ -114,7 +114,7 @@ class ForecastPolicy(EvictionPolicy):
     def bind(self, tree: RadixTree) -> None:
         super().bind(tree)
         self.clock = tree.clock
-        self._ghost_cap = tree._pools[0].num_blocks
+        self._ghost_cap = tree.pools[0].num_blocks
         self._last_tier = tree.num_tiers - 1
 
     def expected_gap(self, gap: float, owner: Hashable) -> float:
@@ -230,7 +230,7 @@ class ForecastPolicy(EvictionPolicy):
             self._ended.popitem(last=False)
         tree = self._tree
         h = self._leaf.pop(session, None)
-        node = None if h is None else tree._find(h)
+        node = None if h is None else tree.find(h)
         while node is not None:
             a = self._aux(node)
             if a is None or a[3] != session:

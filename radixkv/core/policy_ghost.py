@@ -88,7 +88,7 @@ class LFUGhostPolicy(EvictionPolicy):
     def bind(self, tree: RadixTree) -> None:
         super().bind(tree)
         self._last_tier = tree.num_tiers - 1
-        want = self.ghost_factor * sum(p.num_blocks for p in tree._pools)
+        want = self.ghost_factor * sum(p.num_blocks for p in tree.pools)
         if want <= 0:
             self.insert_key = None    # no ghost: new blocks are all alike (plain LFU)
             return

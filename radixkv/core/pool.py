@@ -115,6 +115,35 @@ class BlockPool:
         self._is_free[block_id] = 1
         self._free.append(block_id)
 
+    def take_top(self, num_blocks: int) -> array:
+        """Take the top ``num_blocks`` of the free list (the caller checked there are that
+        many), as an ``array("i")`` in free-list order: its *last* entry is the block
+        ``allocate_one`` would have returned first. Refcounts stay 0. Internal fast path of
+        the tree's demotions (no int object per block). Runtime complexity: O(num_blocks)."""
+        free = self._free
+        taken = free[-num_blocks:]
+        del free[-num_blocks:]
+        is_free = self._is_free
+        for b in taken:
+            is_free[b] = 0
+        return taken
+
+    def free_run(self, block_ids: array, owners: list | None = None) -> None:
+        """Return unreferenced allocated blocks, pushed in the order given (the last one is
+        allocated first next). ``owners``: a list indexed by block id (the tree's slot -> node
+        map) whose entries for these blocks are reset to None in the same pass: one loop over
+        the blocks instead of two, on the eviction path. Internal fast path: no validation
+        (``check_invariants`` catches a misuse). Runtime complexity: O(len(block_ids))."""
+        is_free = self._is_free
+        if owners is None:
+            for b in block_ids:
+                is_free[b] = 1
+        else:
+            for b in block_ids:
+                is_free[b] = 1
+                owners[b] = None
+        self._free.extend(block_ids)
+
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
         return bool(self._is_free[block_id])

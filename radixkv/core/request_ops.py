@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from radixkv.core.evict_index import EvictionIndex, RecencyIndex
+from radixkv.core.evict_index import RecencyIndex
+from radixkv.core.evictable import EvictableSet
 from radixkv.core.node import _CMASK, DEVICE, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.pool import BlockPool
 
@@ -39,26 +40,22 @@ class RequestOps:
     clock: Callable[[], float]
     stats: TreeStats
     writes: TreeWrites
-    _width: int
+    block_bytes: int
     _lru: bool
-    _hooks: bool
+    hooks: bool
     policy: EvictionPolicy
-    _pools: list[BlockPool]
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _evictable: list[EvictionIndex]
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    evictable: list[EvictableSet]
     _resident: list[int]
     _unreferenced: int
-    _device_nodes: list[Node | None]
+    device_nodes: list[Node | None]
     drop_listener: Callable[[list[BlockRef]], None] | None
     insert_listener: Callable[[list[bytes], list[int] | None], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
-        def _entry(self, node: Node) -> tuple: ...
         def _link(self, parent: Node, node: Node) -> None: ...
-        def _consider(self, node: Node) -> None: ...
-        @staticmethod
-        def _take(node: Node, num: int, e: tuple, entries: EvictionIndex) -> int: ...
 
     # ------------------------------------------------------------------ references
     def lock_nodes(self, nodes: Sequence[Node], now: float | None = None) -> None:
@@ -66,14 +63,14 @@ class RequestOps:
         of them. Touches them (``last_access``, ``hits``).
         Runtime complexity: O(nodes) (+ O(log n) index work per node under a ``SortedIndex``)."""
         now = self.clock() if now is None else now
-        idx, writes = self._evictable[DEVICE], self.writes
-        on_hit = self.policy.on_hit if self._hooks else None
+        idx, writes = self.evictable[DEVICE], self.writes
+        on_hit = self.policy.on_hit if self.hooks else None
         for node in nodes:
             assert node.tier == DEVICE, f"lock of {node}: promote it first"
             if node.ref == 0:
                 self._unreferenced -= len(node.hashes)
                 if not node.children & _CMASK:
-                    idx.remove(self._entry(node))   # leaves the index before its key changes
+                    idx.remove(idx.entry(node))   # leaves the index before its key changes
             refile = writes.unfile(node)
             node.ref += 1
             prev = node.last_access
@@ -97,8 +94,8 @@ class RequestOps:
         nobody holds any more is touched and becomes evictable (if a leaf).
         Runtime complexity: O(depth in nodes)."""
         now = self.clock() if now is None else now
-        idx, writes = self._evictable[DEVICE], self.writes
-        on_release = self.policy.on_release if self._hooks else None
+        idx, writes = self.evictable[DEVICE], self.writes
+        on_release = self.policy.on_release if self.hooks else None
         unref = 0
         while node is not None:
             r = node.ref - 1
@@ -111,7 +108,7 @@ class RequestOps:
                     on_release(node, now)
                 unref += len(node.hashes)
                 if not node.children & _CMASK:
-                    idx.add(self._entry(node))
+                    idx.add(idx.entry(node))
                 if refile is not None:
                     writes.refile(node, refile)
             else:
@@ -136,8 +133,8 @@ class RequestOps:
         Returns ``(node holding the last inserted block, number inserted)``.
         Runtime complexity: O(blocks) (+ the write-through copies' evictions).
         """
-        w = self._width
-        heads = self._heads
+        w = self.block_bytes
+        heads = self.heads
         xxh = _xxh3_128
         hashes: list[bytes] = []
         append = hashes.append
@@ -158,7 +155,7 @@ class RequestOps:
         n = len(hashes)
         if not n:
             return parent, 0
-        refs = self._pools[DEVICE].ref_counts
+        refs = self.pools[DEVICE].ref_counts
         ids = block_ids if n == len(block_ids) else block_ids[:n]
         r0, r1 = refs[ids[0]], refs[ids[-1]]
         keys = None
@@ -198,9 +195,9 @@ class RequestOps:
         run is in). Returns ``(node, index of the first new block in it)``.
         Runtime complexity: O(blocks)."""
         n = len(hashes)
-        refs = self._pools[DEVICE].ref_counts
+        refs = self.pools[DEVICE].ref_counts
         slots = block_ids
-        assert refs[slots[0]] == ref == refs[slots[-1]] and self._device_nodes[slots[-1]] is None, (
+        assert refs[slots[0]] == ref == refs[slots[-1]] and self.device_nodes[slots[-1]] is None, (
             f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
                 and parent.hints is None and parent.tier == DEVICE
@@ -209,13 +206,13 @@ class RequestOps:
                      or self.policy.can_extend(parent, hashes[0]))):
             node = parent
             start = len(node.hashes)
-            tails = self._tails
+            tails = self.tails
             del tails[node.hashes[-1]]
             tails[hashes[-1]] = node
             node.hashes.extend(hashes)
             node.tokens += tokens
             node.slots.extend(slots)
-            if self._hooks:
+            if self.hooks:
                 self.policy.on_insert(node, start, now)
         else:
             node = _new_node(Node)
@@ -231,16 +228,16 @@ class RequestOps:
             node.hints = None
             node.aux = None
             start = 0
-            self._heads[node.hashes[0]] = node
-            self._tails[node.hashes[-1]] = node
-            if self._hooks:
+            self.heads[node.hashes[0]] = node
+            self.tails[node.hashes[-1]] = node
+            if self.hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
             if ref == 0:
                 self._unreferenced += n
-                self._consider(node)
-        dn = self._device_nodes
+                self.evictable[node.tier].file(node)
+        dn = self.device_nodes
         for b in slots:
             dn[b] = node
             refs[b] = 0
@@ -254,69 +251,44 @@ class RequestOps:
 
     # ------------------------------------------------------------------ eviction
     def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
-        """``_evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
-        under LRU with no drop listener); False (nothing done): take the generic path.
+        """``evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
+        under LRU); False (nothing done): take the generic path.
 
         A device-only tree reports no per-block drops: a block dropped from the device needs
-        no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it;
-        a drop listener (the fleet's events) still hears of every block."""
-        entries = self._evictable[DEVICE]
-        if self.num_tiers != 1 or not self._lru or type(entries) is not RecencyIndex or \
+        no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it."""
+        entries = self.evictable[DEVICE]
+        if self.num_tiers != 1 or not self._lru or type(entries.index) is not RecencyIndex or \
                 self.drop_listener is not None:
             return False
-        self._drop_device_lru(entries, num, moves)
+        self._drop_device_lru(entries, num)
         return True
 
-    def _drop_device_lru(self, entries: RecencyIndex, num: int, moves: list[MoveOp]) -> None:
-        """Device-only LRU eviction, victim node by victim node, with ``RecencyIndex``'s
-        ``pop_min`` and ``add`` inlined (same steps, same order; the index's counters are
-        written back at the end). A victim node's blocks leave together: one pass over their
-        hashes and slots, no call per block. A node only partly taken is cut in place (its
-        head stays, filed under its new last block)."""
-        heads, tails, dn = self._heads, self._tails, self._device_nodes
-        pool = self._pools[DEVICE]
-        is_free, free_extend = pool._is_free, pool._free.extend
-        q, live, side = entries._q, entries._live, entries._side
-        popleft, qappend, qappendleft = q.popleft, q.append, q.appendleft
-        dead, nside = entries._dead, entries._nside
-        w = self._width
+    def _drop_device_lru(self, entries: EvictableSet, num: int) -> None:
+        """Device-only LRU eviction, victim node by victim node, through the evictable set's
+        ``pop_min`` / ``take`` / ``add`` (the same steps and order as the generic loop). A
+        victim node's blocks leave together: one pass over their hashes and slots, no call per
+        block. A node only partly taken is cut in place (its head stays, filed under its new
+        last block)."""
+        heads, tails, dn = self.heads, self.tails, self.device_nodes
+        free_run = self.pools[DEVICE].free_run
+        pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
+        add, take_of = entries.add, entries.take
+        w = self.block_bytes
         dropped = 0
         try:
             while num > 0:
-                # -- RecencyIndex.pop_min: drop dead entries at the head, then the smaller head
-                while q:
-                    e = q[0]
-                    if live.get(e[1]) is e:
-                        if nside and side[0] < e:
-                            e = side.pop(0)
-                            nside -= 1
-                        else:
-                            popleft()
-                            del live[e[1]]
-                        break
-                    popleft()
-                    dead -= 1
-                else:
-                    e = side.pop(0)
-                    nside -= 1
+                e, nxt = pop_min_peek()
                 node = tails[e[1]]
                 hashes, slots = node.hashes, node.slots
                 n = len(hashes)
                 assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
                 take = n if num >= n else num
-                if take > 1 and ((q and q[0][0] == e[0]) or (nside and side[0][0] == e[0])):
-                    # maybe another leaf with the same time: per-block order decides (the
-                    # index's peek may drop dead heads: sync the counters around it)
-                    entries._dead, entries._nside = dead, nside
-                    take = self._take(node, num, e, entries)
-                    dead, nside = entries._dead, entries._nside
+                if take > 1 and nxt is not None and nxt[0] == e[0]:
+                    take = take_of(node, num, e)   # a tie: per-block (hash) order decides
                 cut = n - take
                 gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
                 del tails[hashes[-1]]
-                for s in gone_s:
-                    dn[s] = None
-                    is_free[s] = 1             # BlockPool.free_one, inlined
-                free_extend(gone_s)
+                free_run(gone_s, dn)
                 if cut:                        # the head stays, filed under its new tail
                     tails[hashes[cut - 1]] = node
                     del hashes[cut:]
@@ -339,24 +311,13 @@ class RequestOps:
                         if c or p.ref:
                             p = None           # not an evictable leaf
                 if p is not None:
-                    # -- RecencyIndex.add of its LRU entry
-                    e = (p.last_access, p.hashes[-1])
-                    if not q or e > q[-1]:
-                        live[e[1]] = e
-                        qappend(e)
-                    elif e < q[0]:
-                        live[e[1]] = e
-                        qappendleft(e)
-                    else:
-                        side.add(e)
-                        nside += 1
+                    add((p.last_access, p.hashes[-1]))   # its LRU entry
                     hints = p.hints
                     if cut and hints is not None and hints.ttl is not None:
                         self._rearm_ttl(p)
                 num -= take
                 dropped += take
         finally:
-            entries._dead, entries._nside = dead, nside
             self._resident[DEVICE] -= dropped
             self._unreferenced -= dropped
             self.stats.evicted[DEVICE] += dropped
@@ -365,5 +326,5 @@ class RequestOps:
     def _rearm_ttl(self, node: Node) -> None:
         import heapq
 
-        heapq.heappush(self._ttl_heap,   # type: ignore[attr-defined]
+        heapq.heappush(self.ttl_heap,   # type: ignore[attr-defined]
                        (node.last_access + node.hints.ttl, node.hashes[-1]))

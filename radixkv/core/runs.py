@@ -24,19 +24,16 @@ class RunOps:
     """Structural edits of ``RadixTree`` (a mixin; see the module docstring)."""
 
     stats: TreeStats
-    _width: int
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _slot_nodes: list[list[Node | None]]
-    _ttl_heap: list[tuple[float, bytes]]
+    block_bytes: int
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    slot_nodes: list[list[Node | None]]
+    ttl_heap: list[tuple[float, bytes]]
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
-        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
-        def _key(self, node: Node) -> tuple: ...
-        def _discard(self, node: Node) -> None: ...
-        def _consider(self, node: Node) -> None: ...
+        def find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
 
-    def _split(self, node: Node, k: int) -> tuple[Node, Node]:
+    def split(self, node: Node, k: int) -> tuple[Node, Node]:
         """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
         the only child of the first; both keep the node's tier, holders, key and hints. One of
         them is ``node`` itself: whichever side has fewer slots (and, for the tail, children)
@@ -48,7 +45,7 @@ class RunOps:
         """
         n = len(node.hashes)
         assert 0 < k < n, f"split of {node} at {k}"
-        w, t = self._width, node.tier
+        w, t = self.block_bytes, node.tier
         c = node.children
         nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
         new = _new_node(Node)
@@ -82,44 +79,44 @@ class RunOps:
             head.children, head.child = 1 << (_CBITS * t), node
             node.parent, node.prev, node.next = head, None, None
             moved = head
-        heads, tails = self._heads, self._tails
+        heads, tails = self.heads, self.tails
         heads[head.hashes[0]] = head
         tails[head.hashes[-1]] = head
         heads[tail.hashes[0]] = tail
         tails[tail.hashes[-1]] = tail
-        sn = self._slot_nodes[t]
+        sn = self.slot_nodes[t]
         for b in moved.slots:
             sn[b] = moved
         self.stats.splits += 1
         hints = head.hints
         if hints is not None and hints.ttl is not None:
-            heapq.heappush(self._ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
+            heapq.heappush(self.ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
         return head, tail
 
-    def _cut(self, path: list[Node], k: int) -> list[Node]:
+    def cut(self, path: list[Node], k: int) -> list[Node]:
         """``path`` with its last node cut after its first ``k`` blocks (the rest becomes its
         child): the nodes a request's match covers exactly."""
         last = path[-1]
         if k < len(last.hashes):
             path = path[:-1]
-            path.append(self._split(last, k)[0])
+            path.append(self.split(last, k)[0])
         return path
 
-    def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node:
+    def node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node:
         """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
         sits inside its node: the parent to hang a new node from. ``near``: a guess of the
         node holding it (see ``_find``)."""
-        node = self._tails.get(block_hash)
+        node = self.tails.get(block_hash)
         if node is not None:
             return node
-        node = self._find(block_hash, near)
+        node = self.find(block_hash, near)
         assert node is not None, f"block {block_hash.hex()[:16]} is not cached"
         i = node.hashes.index(block_hash)
         if i + 1 < len(node.hashes):
-            node = self._split(node, i + 1)[0]
+            node = self.split(node, i + 1)[0]
         return node
 
-    def _coalesce(self, parent: Node | None, child: Node) -> Node:
+    def coalesce(self, parent: Node | None, child: Node) -> Node:
         """Merge ``child`` into ``parent`` if they are one run again: ``child`` is the only
         child, and tier, holders, hints and policy key agree (a split whose reason went away,
         e.g. a tail demoted block by block onto its own earlier part, or blocks promoted one by
@@ -130,10 +127,10 @@ class RunOps:
         if (parent is None or parent.child is not child or child.next is not None
                 or parent.tier != child.tier or parent.ref != child.ref
                 or parent.hints != child.hints or parent.aux != child.aux
-                or self._key(parent) != self._key(child)):
+                or self.evictable[0].key(parent) != self.evictable[0].key(child)):
             return child
-        heads, tails = self._heads, self._tails
-        sn = self._slot_nodes[child.tier]
+        heads, tails = self.heads, self.tails
+        sn = self.slot_nodes[child.tier]
         hits = max(parent.hits, child.hits)
         del tails[parent.hashes[-1]]
         del heads[child.hashes[0]]
@@ -205,9 +202,9 @@ class RunOps:
             before = (parent.children >> shift) & _CMASK
             if (before == 0) != (before + delta == 0):
                 # the parent's own-tier count crosses zero: re-file it around the change
-                self._discard(parent)
+                self.evictable[parent.tier].unfile(parent)
                 parent.children += delta << shift
-                self._consider(parent)
+                self.evictable[parent.tier].file(parent)
                 return
         parent.children += delta << shift
         assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.evictable import EvictableSet
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import EvictionPolicy
 from radixkv.core.pool import BlockPool
@@ -38,34 +38,30 @@ class TierOps:
     stats: TreeStats
     writes: TreeWrites
     policy: EvictionPolicy
-    _hooks: bool
-    _width: int
-    _pools: list[BlockPool]
-    _heads: dict[bytes, Node]
-    _tails: dict[bytes, Node]
-    _slot_nodes: list[list[Node | None]]
-    _ttl_heap: list[tuple[float, bytes]]
-    _evictable: list[EvictionIndex]
+    hooks: bool
+    block_bytes: int
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    slot_nodes: list[list[Node | None]]
+    ttl_heap: list[tuple[float, bytes]]
+    evictable: list[EvictableSet]
     _resident: list[int]
     _unreferenced: int
-    _device_nodes: list[Node | None]
-    _pending: list[MoveOp]
+    device_nodes: list[Node | None]
+    pending_moves: list[MoveOp]
     drop_listener: Callable[[list[BlockRef]], None] | None
 
     if TYPE_CHECKING:  # RadixTree's own helpers, used here
-        def _find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
-        def _key(self, node: Node) -> tuple: ...
-        def _coalesce(self, parent: Node | None, child: Node) -> Node: ...
-        def _split(self, node: Node, k: int) -> tuple[Node, Node]: ...
-        def _node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
+        def find(self, block_hash: bytes, near: Node | None = None) -> Node | None: ...
+        def coalesce(self, parent: Node | None, child: Node) -> Node: ...
+        def split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+        def node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node: ...
         def _link(self, parent: Node, node: Node) -> None: ...
         def _unlink(self, node: Node) -> None: ...
         def _add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
-        def _is_evictable(self, node: Node) -> bool: ...
-        def _discard(self, node: Node) -> None: ...
-        def _consider(self, node: Node) -> None: ...
         def _ref(self, node: Node, i: int) -> BlockRef: ...
-        def _evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None: ...
+        def evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None: ...
         def _move_tail_out(self, node: Node, take: int, moves: list[MoveOp]) -> int: ...
         def num_evictable(self, tier: int = DEVICE) -> int: ...
 
@@ -87,21 +83,21 @@ class TierOps:
             prev = node.last_access
             node.last_access = now
             node.hits += 1
-            if self._hooks:
+            if self.hooks:
                 self.policy.on_hit(node, prev, now)
-            sn = self._slot_nodes[t]
+            sn = self.slot_nodes[t]
             for s in old:
                 sn[s] = None
             keep = self.writes.keep_sources(node, t, old)
             if not keep:
-                src = self._pools[t]
+                src = self.pools[t]
                 for s in old:
                     src.free_one(s)
             for h, s, b in zip(node.hashes, old, ids):
                 moves.append(_tuple_new(MoveOp, (h, t, s, DEVICE, b, keep)))
             if refile is not None:
                 self.writes.refile(node, refile)
-            self._coalesce(node.parent, node)
+            self.coalesce(node.parent, node)
         return moves
 
     def _rehome_on_device(self, node: Node, block_ids: list[int]) -> tuple[int, list[int],
@@ -112,14 +108,14 @@ class TierOps:
         and decides what becomes of the old slots."""
         t = node.tier
         assert t != DEVICE and (node.parent is None or node.parent.tier == DEVICE), node
-        self._discard(node)
+        self.evictable[node.tier].unfile(node)
         refile = self.writes.unfile(node)
         old = node.slots
         parent = node.parent
         if parent is not None:
             self._add_child_count(parent, t, -1)
             self._add_child_count(parent, DEVICE, 1)
-        dn = self._device_nodes
+        dn = self.device_nodes
         node.tier = DEVICE
         node.slots = array("i", block_ids)
         for b in block_ids:
@@ -139,23 +135,23 @@ class TierOps:
         block would coalesce (a write-back tree, ``parent`` held by one sequence with
         ``node`` its only child, the same hints, and the same key once touched); None,
         changing nothing, otherwise."""
-        if (self.writes.tiers or self._hooks or parent.ref != 1 or parent.child is not node
+        if (self.writes.tiers or self.hooks or parent.ref != 1 or parent.child is not node
                 or node.next is not None or parent.hints != node.hints
                 or parent.aux != node.aux):
             return None
         last, hits = node.last_access, node.hits   # the block's key once promoted
         node.last_access, node.hits = now, hits + 1
-        same = self._key(node) == self._key(parent)
+        same = self.evictable[node.tier].key(node) == self.evictable[node.tier].key(parent)
         node.last_access, node.hits = last, hits
         if not same:
             return None
         t = node.tier
-        heads, tails = self._heads, self._tails
+        heads, tails = self.heads, self.tails
         h = node.hashes.pop(0)
         del heads[h]
         heads[node.hashes[0]] = node
         old = node.slots.pop(0)
-        w = self._width
+        w = self.block_bytes
         tok = node.tokens[:w]
         del node.tokens[:w]
         b = block_id
@@ -164,9 +160,9 @@ class TierOps:
         parent.hashes.append(h)
         parent.tokens += tok
         parent.slots.append(b)
-        self._slot_nodes[t][old] = None
-        self._device_nodes[b] = parent
-        self._pools[t].free_one(old)
+        self.slot_nodes[t][old] = None
+        self.device_nodes[b] = parent
+        self.pools[t].free_one(old)
         self._resident[t] -= 1
         self._resident[DEVICE] += 1
         self.stats.promoted[t] += 1
@@ -180,26 +176,26 @@ class TierOps:
         it) or kept as a copy in a write-through tier. Returns the adopted node."""
         k = len(block_ids)
         if k < len(node.hashes):
-            node = self._split(node, k)[0]
-        refs, dn = self._pools[DEVICE].ref_counts, self._device_nodes
+            node = self.split(node, k)[0]
+        refs, dn = self.pools[DEVICE].ref_counts, self.device_nodes
         ref = refs[block_ids[0]]
         for b in block_ids:
             assert refs[b] == ref and dn[b] is None, f"adopt into block {b}"
             refs[b] = 0
         t, old, refile = self._rehome_on_device(node, block_ids)
         node.ref = ref
-        sn = self._slot_nodes[t]
+        sn = self.slot_nodes[t]
         for s in old:
             sn[s] = None
         if not self.writes.keep_sources(node, t, old):
-            src = self._pools[t]
+            src = self.pools[t]
             for h, s in zip(node.hashes, old):
                 src.free_one(s)
-                self._pending.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
+                self.pending_moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
         self.stats.adopted += k
         if ref == 0:
             self._unreferenced += k
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         if refile is not None:
             self.writes.refile(node, refile)
         return node
@@ -221,7 +217,7 @@ class TierOps:
         loads); ``[]`` (changing nothing) if no room can be made in ``tier``.
         Runtime complexity: O(blocks) per tier of the cascade.
         """
-        node = self._heads.get(block_hash)
+        node = self.heads.get(block_hash)
         assert node is not None and node.hashes[0] == block_hash, \
             f"promote_lower() of {block_hash.hex()[:16]}: not the first block of a cached node"
         t = node.tier
@@ -229,10 +225,10 @@ class TierOps:
         parent = node.parent
         assert parent is None or parent.tier <= tier, \
             f"promote_lower() into tier {tier} under a parent in tier {parent.tier}"
-        dst = self._pools[tier]
+        dst = self.pools[tier]
         pinned = 0   # blocks of the parent and its same-tier ancestors: not victims now
         guard = parent if parent is not None and parent.tier == tier and \
-            self._is_evictable(parent) else None
+            self.evictable[parent.tier].qualifies(parent) else None
         a = parent
         while a is not None and a.tier == tier:
             pinned += len(a.hashes)
@@ -242,26 +238,26 @@ class TierOps:
         if k <= 0:
             return []
         if k < len(node.hashes):
-            node = self._split(node, k)[0]
-        moves = self._pending
-        self._pending = []
-        self._discard(node)
+            node = self.split(node, k)[0]
+        moves = self.pending_moves
+        self.pending_moves = []
+        self.evictable[node.tier].unfile(node)
         refile = self.writes.unfile(node)
         if guard is not None:
-            self._discard(guard)
+            self.evictable[guard.tier].unfile(guard)
         old = node.slots
-        src = self._pools[t]
-        sn = self._slot_nodes[t]
+        src = self.pools[t]
+        sn = self.slot_nodes[t]
         for s in reversed(old):
             src.free_one(s)   # a victim demoted into tier t may take these
             sn[s] = None
         short = k - dst.num_free
         if short > 0:
-            self._evict_from(tier, short, moves)
+            self.evict_from(tier, short, moves)
         if guard is not None:
-            self._consider(guard)
+            self.evictable[guard.tier].file(guard)
         new = array("i", [dst.allocate_one() for _ in range(k)])
-        sn = self._slot_nodes[tier]
+        sn = self.slot_nodes[tier]
         for s in new:
             sn[s] = node
         if parent is not None:
@@ -273,12 +269,12 @@ class TierOps:
         self._resident[t] -= k
         self._resident[tier] += k
         keep = False
-        if t in self.writes.tiers and all(src._is_free[s] for s in old):
+        if t in self.writes.tiers and all(src.is_free(s) for s in old):
             # Nothing was allocated in tier t since the frees (else LIFO gave them away).
             took = array("i", [src.allocate_one() for _ in old])
             assert took == old, f"tier {t}: re-took slots {took}, expected {old}"
             keep = self.writes.keep_sources(node, t, old)
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         if refile is not None:
             self.writes.refile(node, refile)
         for h, s, d in zip(node.hashes, old, new):
@@ -299,46 +295,46 @@ class TierOps:
         node cut after it.
         """
         assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"
-        pool = self._pools[tier]
-        if pool.num_free == 0 or len(tokens) != self._width or block_hash in self._heads \
-                or block_hash in self._tails:
+        pool = self.pools[tier]
+        if pool.num_free == 0 or len(tokens) != self.block_bytes or block_hash in self.heads \
+                or block_hash in self.tails:
             return None
         parent = None
         if parent_hash is not None:
-            parent = self._find(parent_hash)
+            parent = self.find(parent_hash)
             if parent is None:
                 return None
             i = parent.hashes.index(parent_hash)
             if i + 1 < len(parent.hashes):
                 if parent.hashes[i + 1] == block_hash:
                     return None   # cached inside the parent's run
-                parent = self._split(parent, i + 1)[0]
+                parent = self.split(parent, i + 1)[0]
         assert parent is None or parent.tier <= tier, "parent must be in a faster or equal tier"
         slot = pool.allocate_one()
         now = self.clock()
         if parent is not None and parent.tier == tier and parent.child is None and \
                 parent.hints is None:
-            self._discard(parent)
+            self.evictable[parent.tier].unfile(parent)
             node = parent
-            del self._tails[node.hashes[-1]]
-            self._tails[block_hash] = node
+            del self.tails[node.hashes[-1]]
+            self.tails[block_hash] = node
             node.hashes.append(block_hash)
             node.tokens += tokens
             node.slots.append(slot)
             node.last_access = now
-            if self._hooks:
+            if self.hooks:
                 self.policy.on_insert(node, len(node.hashes) - 1, now)
         else:
             node = Node([block_hash], bytearray(tokens), [slot], tier, None, now)
-            self._heads[block_hash] = node
-            self._tails[block_hash] = node
-            if self._hooks:
+            self.heads[block_hash] = node
+            self.tails[block_hash] = node
+            if self.hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self._link(parent, node)
-        self._slot_nodes[tier][slot] = node
+        self.slot_nodes[tier][slot] = node
         self._resident[tier] += 1
-        self._consider(node)
+        self.evictable[node.tier].file(node)
         return self._ref(node, len(node.hashes) - 1)
 
     def invalidate(self, block_hash: bytes) -> list[MoveOp]:
@@ -349,7 +345,7 @@ class TierOps:
         blocks, each node's blocks last first. Everything dropped must be unheld (raises
         InvalidBlockError, changing nothing, otherwise). Runtime complexity: O(dropped blocks).
         """
-        node = self._find(block_hash)
+        node = self.find(block_hash)
         if node is None:
             raise InvalidBlockError(f"block {block_hash.hex()[:16]} is not cached")
         order: list[Node] = []
@@ -363,19 +359,19 @@ class TierOps:
             raise InvalidBlockError(f"cannot invalidate: {held} of its nodes are in use")
         i = node.hashes.index(block_hash)
         if i:
-            order[0] = self._split(node, i)[1]
-        moves = self._pending
-        self._pending = []
+            order[0] = self.split(node, i)[1]
+        moves = self.pending_moves
+        self.pending_moves = []
         writes = self.writes
         for n in reversed(order):
-            self._discard(n)   # (not an eviction: the policy's hooks do not hear of it)
+            self.evictable[n.tier].unfile(n)   # (not an eviction: the policy's hooks do not hear of it)
             if self.drop_listener is not None:
                 self.drop_listener([self._ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
             t = n.tier
-            pool = self._pools[t]
-            sn = self._slot_nodes[t]
-            del self._heads[n.hashes[0]]
-            del self._tails[n.hashes[-1]]
+            pool = self.pools[t]
+            sn = self.slot_nodes[t]
+            del self.heads[n.hashes[0]]
+            del self.tails[n.hashes[-1]]
             for h, s in zip(reversed(n.hashes), reversed(n.slots)):
                 writes.drop_block_copies(n, h, moves)   # each block's copies, then itself
                 pool.free_one(s)

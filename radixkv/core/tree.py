@@ -37,7 +37,7 @@ device block's pool refcount is 0: its references live in its node.
 its tier* when it has no child node in that tier and (on the device) no holder. Each tier files
 its evictable nodes in an eviction index (``evict_index.py``) under ``(*policy key, hash of the
 node's last block)``: every block of a node has the node's key, so the node's tail is the
-smallest of them, and evicting from it block by block (``_take``, which breaks exact ties by
+smallest of them, and evicting from it block by block (``EvictableSet.take``, which breaks exact ties by
 block hash as a per-block cache would) is exactly per-block LRU (or LFU, ...) over the whole
 tree. Evicting from tier t demotes the node's tail into tier t+1 (making room there first,
 recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import xxhash
-from radixkv.core.evict_index import EvictionIndex
+from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, make_policy
@@ -91,6 +91,15 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         write_through: the tree's write policy: a ``TreeWrites`` object, or the slower tiers
             (each in ``1 .. num_tiers-1``) that get a copy of every block inserted on the
             device; empty (default) is write-back. See ``writes.py``.
+
+    Structure the other core parts read (the block manager's hot paths, the write and
+    eviction policies, ``tree_check``); only the tree's own methods change them:
+    ``pools[t]`` (tier t's ``BlockPool``), ``heads`` / ``tails`` (a node's first / last
+    block's hash -> node), ``slot_nodes[t][slot]`` (the node whose primary block is in that
+    slot; ``device_nodes`` is tier 0's), ``evictable[t]`` (tier t's ``EvictableSet``),
+    ``pending_moves`` (write-through moves queued by inserts; the write policy appends),
+    ``block_bytes`` (token bytes per block), ``hooks`` (the policy hears events),
+    ``ttl_heap`` (``(due, tail hash)`` of TTL-hinted nodes).
     """
 
     def __init__(self, block_size: int, device_pool: BlockPool,
@@ -102,26 +111,27 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         if len(lower_pools) + 1 > MAX_TIERS:
             raise ConfigError(f"at most {MAX_TIERS} tiers (device, host, disk)")
         self.block_size = block_size
-        self._width = block_size * TOKEN_BYTES
+        self.block_bytes = block_size * TOKEN_BYTES
         self.policy = make_policy(policy)
         self._lru = type(self.policy) is LRUPolicy  # fast path: key = (last_access,)
         #: whether the policy hears node and request events (policy.py's seam); False for
         #: LRU and the other plain key policies, which then cost nothing for it
-        self._hooks = self.policy.hooks
+        self.hooks = self.policy.hooks
         self.clock = clock
-        self._pools: list[BlockPool] = [device_pool, *lower_pools]
-        self.num_tiers = len(self._pools)
-        self._heads: dict[bytes, Node] = {}         # first block's hash -> node
-        self._tails: dict[bytes, Node] = {}         # last block's hash -> node
-        self._evictable: list[EvictionIndex] = [self.policy.new_index() for _ in self._pools]
+        self.pools: list[BlockPool] = [device_pool, *lower_pools]
+        self.num_tiers = len(self.pools)
+        self.heads: dict[bytes, Node] = {}         # first block's hash -> node
+        self.tails: dict[bytes, Node] = {}         # last block's hash -> node
+        #: per tier, its evictable blocks in policy order (``evictable.py``)
+        self.evictable = [EvictableSet(t, self.policy) for t in range(self.num_tiers)]
         self._resident = [0] * self.num_tiers      # blocks (primaries) per tier
         self._unreferenced = 0                      # device blocks of unheld nodes
         #: per tier, slot -> the node whose primary block it holds (None: free, a copy, or
         #: a private device block); the device's is ``_device_nodes``
-        self._slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self._pools]
-        self._device_nodes: list[Node | None] = self._slot_nodes[DEVICE]
-        self._ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
-        self._pending: list[MoveOp] = []            # write-through moves of inserts, not taken yet
+        self.slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self.pools]
+        self.device_nodes: list[Node | None] = self.slot_nodes[DEVICE]
+        self.ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
+        self.pending_moves: list[MoveOp] = []            # write-through moves of inserts, not taken yet
         self.stats = TreeStats(self.num_tiers)
         #: Listeners (must not touch the tree; the remote tier, a fleet replica's events):
         #: blocks about to leave the cache (``BlockRef``\ s, still linked), and the hashes of
@@ -130,7 +140,7 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         self.insert_listener: Callable[[list[bytes], list[int] | None], None] | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
-        if self._hooks:
+        if self.hooks:
             self.policy.bind(self)
 
     # ------------------------------------------------------------------ queries
@@ -140,14 +150,14 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
 
     def num_nodes(self) -> int:
         """Nodes (runs) in the tree. Runtime complexity: O(1)."""
-        return len(self._heads)
+        return len(self.heads)
 
     def nodes(self):
         """Every node (an iterator; the tree must not change meanwhile). O(nodes)."""
-        return iter(self._heads.values())
+        return iter(self.heads.values())
 
     def _ref(self, node: Node, i: int) -> BlockRef:
-        w = self._width
+        w = self.block_bytes
         if i:
             parent_hash = node.hashes[i - 1]
         else:
@@ -157,7 +167,7 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
 
     def device_block(self, block_id: int) -> BlockRef | None:
         """The cached block in device block ``block_id`` (None: free or private)."""
-        node = self._device_nodes[block_id]
+        node = self.device_nodes[block_id]
         return None if node is None else self._ref(node, node.slots.index(block_id))
 
     def num_resident(self, tier: int = DEVICE) -> int:
@@ -189,8 +199,8 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         """The queued MoveOps of write-through copies made by inserts (and of the evictions
         that made room for them), in execution order; clears the queue. Run them before any
         later move. Always ``[]`` under write-back. Runtime complexity: O(1)."""
-        moves = self._pending
-        self._pending = []
+        moves = self.pending_moves
+        self.pending_moves = []
         return moves
 
     def match_tokens(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
@@ -199,7 +209,7 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         non-decreasing tier order. A pure read (changes nothing). ``tok_bytes``: the request's
         token ids (``hashing.token_bytes``); ``seed``: its namespace seed.
         Runtime complexity: O(matched blocks)."""
-        path, k = self._match_path(tok_bytes, seed, max_blocks)
+        path, k = self.match_path(tok_bytes, seed, max_blocks)
         out = []
         for j, node in enumerate(path):
             for i in range(k if j == len(path) - 1 else len(node.hashes)):
@@ -210,7 +220,7 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
                      ) -> list[bytes]:
         """The chain hashes of the blocks ``match_tokens`` would return (cheaper: no
         snapshot per block). A pure read. Runtime complexity: O(matched blocks)."""
-        path, k = self._match_path(tok_bytes, seed, max_blocks)
+        path, k = self.match_path(tok_bytes, seed, max_blocks)
         out: list[bytes] = []
         for node in path[:-1]:
             out.extend(node.hashes)
@@ -218,7 +228,7 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
             out.extend(path[-1].hashes[:k])
         return out
 
-    def _match_path(self, tok: bytes, seed: bytes, max_blocks: int | None
+    def match_path(self, tok: bytes, seed: bytes, max_blocks: int | None
                     ) -> tuple[list[Node], int]:
         """``(path, k)``: the nodes the request's longest cached chain crosses, root first, and
         how many blocks of the last one it uses (``1 <= k <= len``); ``([], 0)`` if none.
@@ -227,14 +237,14 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         found by its tokens; inside a node, compares the node's token bytes with the request's.
         Runtime complexity: O(matched blocks) byte comparisons, O(nodes crossed) hashes.
         """
-        w = self._width
+        w = self.block_bytes
         n = len(tok) // w
         if max_blocks is not None and max_blocks < n:
             n = max_blocks
         if n <= 0:
             return [], 0
         h = _xxh3_128(seed + tok[:w])
-        node = self._heads.get(h)
+        node = self.heads.get(h)
         if node is None or node.parent is not None or node.hashes[0] != h:
             return [], 0
         path = [node]
@@ -264,41 +274,11 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
             c = node.child
             if c is None or c.tokens[:w] != chunk:
                 h = _xxh3_128(node.hashes[-1] + chunk)
-                c = self._heads.get(h)
+                c = self.heads.get(h)
                 if c is None or c.parent is not node or c.hashes[0] != h:
                     return path, L
             path.append(c)
             node = c
-
-    # ------------------------------------------------------------------ evictable sets
-    def _key(self, node: Node) -> tuple:
-        """The policy key of every block of ``node``."""
-        if self._lru:
-            return (node.last_access,)
-        return self.policy.key(node, DEFAULT_HINTS if node.hints is None else node.hints)
-
-    def _entry(self, node: Node) -> tuple:
-        """Index entry of an evictable node: its key plus its last block's hash (unique)."""
-        if self._lru:
-            return (node.last_access, node.hashes[-1])
-        return (*self.policy.key(node, DEFAULT_HINTS if node.hints is None else node.hints),
-                node.hashes[-1])
-
-    def _is_evictable(self, node: Node) -> bool:
-        t = node.tier
-        if (node.children >> (_CBITS * t)) & _CMASK:
-            return False
-        return t != DEVICE or node.ref == 0
-
-    def _discard(self, node: Node) -> None:
-        """Take ``node`` out of its tier's evictable set if it is there (before a mutation)."""
-        if self._is_evictable(node):
-            self._evictable[node.tier].remove(self._entry(node))
-
-    def _consider(self, node: Node) -> None:
-        """Put ``node`` into its tier's evictable set if it qualifies (after a mutation)."""
-        if self._is_evictable(node):
-            self._evictable[node.tier].add(self._entry(node))
 
     # ------------------------------------------------------------------ insertion
     def insert(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
@@ -314,19 +294,19 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         ends its node (+ write-through copies); a parent inside a node is found by a scan of
         the nodes and its node cut.
         """
-        pool = self._pools[DEVICE]
-        if block_hash in self._heads or block_hash in self._tails:
+        pool = self.pools[DEVICE]
+        if block_hash in self.heads or block_hash in self.tails:
             raise InvalidBlockError(f"block {block_hash.hex()[:16]} is already cached")
         if type(block_id) is not int or not 0 <= block_id < pool.num_blocks:
             raise InvalidBlockError(f"block id {block_id!r} is outside [0, {pool.num_blocks})")
-        if self._device_nodes[block_id] is not None:
+        if self.device_nodes[block_id] is not None:
             raise InvalidBlockError(f"device block {block_id} already caches another hash")
         if pool.is_free(block_id):
             raise InvalidBlockError(f"device block {block_id} is free; allocate it first")
         parent = None
         ref = pool.ref_counts[block_id]
         if parent_hash is not None:
-            parent = self._find(parent_hash)
+            parent = self.find(parent_hash)
             if parent is None or parent.tier != DEVICE:
                 raise InvalidBlockError("the parent of a new block must be cached on the device")
             i = parent.hashes.index(parent_hash)
@@ -335,11 +315,11 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
             if parent.ref < ref:
                 raise InvalidBlockError(f"block {block_id} has {ref} holders, its parent only "
                                         f"{parent.ref}: a block's holders hold its parent")
-        if len(tokens) != self._width:
+        if len(tokens) != self.block_bytes:
             raise InvalidBlockError(f"a block holds {self.block_size} tokens, got "
                                     f"{len(tokens) // TOKEN_BYTES}")
         if parent is not None:
-            parent = self._node_ending_at(parent_hash)   # type: ignore[arg-type]
+            parent = self.node_ending_at(parent_hash)   # type: ignore[arg-type]
         node, i = self._attach(parent, [block_hash], bytes(tokens), [block_id], ref,
                                self.clock() if now is None else now)
         return self._ref(node, i)

@@ -26,8 +26,8 @@ def check_tree(tree: RadixTree) -> None:
     lists and packed child counts; residency and unheld counters; copies; the evictable sets
     (exactly the evictable nodes under their current entries, plus every copy); pool usage and
     capacity; TTL hints."""
-    w = tree._width
-    heads, tails = tree._heads, tree._tails
+    w = tree.block_bytes
+    heads, tails = tree.heads, tree.tails
     nodes: dict[int, Node] = {id(x): x for x in heads.values()}
     assert len(nodes) == len(heads) == len(tails), (
         f"{len(heads)} head entries, {len(tails)} tail entries, {len(nodes)} distinct nodes")
@@ -36,7 +36,7 @@ def check_tree(tree: RadixTree) -> None:
     resident = [0] * tree.num_tiers
     unref = 0
     taken: set[tuple[int, int]] = set()
-    pools = tree._pools
+    pools = tree.pools
     for node in nodes.values():
         n = len(node.hashes)
         t = node.tier
@@ -51,8 +51,8 @@ def check_tree(tree: RadixTree) -> None:
             f"{node}: not filed under its first and last blocks")
         for i, (h, s) in enumerate(zip(node.hashes, node.slots)):
             assert index.setdefault(h, node) is node, f"{node}: block {i} ({h.hex()[:8]}) cached twice"
-            assert tree._slot_nodes[t][s] is node, f"slot {s} of tier {t} not mapped to {node}"
-            assert not pools[t]._is_free[s], f"{node}: block {i} in free slot {s} of tier {t}"
+            assert tree.slot_nodes[t][s] is node, f"slot {s} of tier {t} not mapped to {node}"
+            assert not pools[t].is_free(s), f"{node}: block {i} in free slot {s} of tier {t}"
             assert (t, s) not in taken, f"{node}: slot {s} of tier {t} shared"
             taken.add((t, s))
             if i:
@@ -79,9 +79,11 @@ def check_tree(tree: RadixTree) -> None:
         _check_children(node)
     assert total == len(index) == len(tree), (
         f"nodes hold {total} blocks, {len(index)} distinct, the tree counts {len(tree)}")
-    assert resident == tree._resident, f"resident per tier {tree._resident} != actual {resident}"
-    assert unref == tree._unreferenced, f"unreferenced {tree._unreferenced} != actual {unref}"
-    for t, sn in enumerate(tree._slot_nodes):
+    counted = [tree.num_resident(t) for t in range(tree.num_tiers)]
+    assert resident == counted, f"resident per tier {counted} != actual {resident}"
+    assert unref == tree.num_evictable(DEVICE), (
+        f"unreferenced {tree.num_evictable(DEVICE)} != actual {unref}")
+    for t, sn in enumerate(tree.slot_nodes):
         assert len(sn) == pools[t].num_blocks, f"tier {t}: slot map of {len(sn)} slots"
         for b, node in enumerate(sn):
             assert node is None or (node.tier == t and nodes.get(id(node)) is node
@@ -94,16 +96,14 @@ def check_tree(tree: RadixTree) -> None:
             node = index.get(h)
             assert node is not None, f"tier {u}: copy of uncached block {h.hex()}"
             assert node.tier < u, f"{node}: copy in tier {u}, not slower than its primary"
-            assert not pools[u]._is_free[slot], f"{node}: copy in free slot {slot} of tier {u}"
+            assert not pools[u].is_free(slot), f"{node}: copy in free slot {slot} of tier {u}"
             assert (u, slot) not in taken, f"{node}: copy slot {slot} of tier {u} shared"
             taken.add((u, slot))
-    for t, entries in enumerate(tree._evictable):
-        own_check = getattr(entries, "check_invariants", None)   # an index's own order
-        if own_check is not None:
-            own_check()
-        want = sorted([tree._entry(x) for x in nodes.values()
-                       if x.tier == t and tree._is_evictable(x)]
-                      + [(*tree._key(index[h]), h) for h in copies_in[t]])
+    for t, entries in enumerate(tree.evictable):
+        entries.check_invariants()   # the index's own order
+        want = sorted([entries.entry(x) for x in nodes.values()
+                       if x.tier == t and entries.qualifies(x)]
+                      + [(*entries.key(index[h]), h) for h in copies_in[t]])
         got = list(entries)
         assert got == want, (f"tier {t}: evictable set has {len(got)} entries, expected "
                              f"{len(want)}; first difference "
@@ -115,7 +115,7 @@ def check_tree(tree: RadixTree) -> None:
             assert used == held, (f"tier {t}: {used} slots used, {resident[t]} resident + "
                                   f"{len(copies_in[t])} copies")
         assert held <= pool.num_blocks, f"tier {t} over capacity"
-    for due, h in tree._ttl_heap:
+    for due, h in tree.ttl_heap:
         assert isinstance(due, float) or isinstance(due, int), f"TTL heap entry {due!r}"
 
 
@@ -147,10 +147,10 @@ def check_manager(bm: BlockManager) -> None:
     pool.check_invariants()
     tree.check_invariants()
     bs = bm.block_size
-    w = tree._width
-    dn = tree._device_nodes
+    w = tree.block_bytes
+    dn = tree.device_nodes
     held = [0] * pool.num_blocks
-    for sid, s in bm._seqs.items():
+    for sid, s in bm.sequences():
         blocks = s.blocks
         assert len(blocks) == -(-len(s.tokens) // bs), (
             f"seq {sid!r}: {len(blocks)} blocks for {len(s.tokens)} tokens")
@@ -191,7 +191,7 @@ def check_manager(bm: BlockManager) -> None:
         node = dn[b]
         refs = node.ref if node is not None else pool.ref_counts[b]
         assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
-        free = pool._is_free[b]
+        free = pool.is_free(b)
         assert not (free and (node is not None or pool.ref_counts[b])), (
             f"block {b} is free but cached={node is not None} refs={pool.ref_counts[b]}")
         assert free or node is not None or pool.ref_counts[b], (

@@ -41,8 +41,8 @@ class TreeWrites:
     """Write-back: the null policy (see the module docstring). Subclasses override the hooks.
 
     The hooks run inside tree operations, with the tree's structures consistent except for the
-    change being made; they may evict in the policy's tiers (through ``tree._evict_from``) and
-    append moves to the list they are given (or to ``tree._pending``)."""
+    change being made; they may evict in the policy's tiers (through ``tree.evict_from``) and
+    append moves to the list they are given (or to ``tree.pending_moves``)."""
 
     name = "write_back"
     tiers: tuple[int, ...] = ()
@@ -140,27 +140,28 @@ class WriteThrough(TreeWrites):
         the tier's own eviction (a copy is dropped, a primary demoted, cascading as usual);
         if nothing there can give way the copy is skipped (best effort)."""
         tree = self.tree
-        pending = tree._pending
+        pending = tree.pending_moves
         stats = tree.stats
         key = None
         for i in range(start, len(node.hashes)):
             h = node.hashes[i]
             for u in self.tiers:
-                pool = tree._pools[u]
+                pool = tree.pools[u]
                 if pool.num_free == 0:
-                    if not tree._evictable[u]:
+                    if not tree.evictable[u]:
                         stats.copies_skipped += 1
                         continue
-                    tree._evict_from(u, 1, pending)
+                    tree.evict_from(u, 1, pending)
                     if len(node.hashes) <= i or node.hashes[i] is not h or \
-                            tree._heads.get(node.hashes[0]) is not node:
+                            tree.heads.get(node.hashes[0]) is not node:
                         # the cascade cannot take it: a guard
                         raise AssertionError(f"making room for a copy dropped its block {h.hex()}")
                 slot = pool.allocate_one()
                 self._copies[u][h] = slot
+                ev = tree.evictable[u]
                 if key is None:
-                    key = tree._key(node)
-                tree._evictable[u].add((*key, h))
+                    key = ev.key(node)
+                ev.add((*key, h))
                 stats.copies_made += 1
                 pending.append(_tuple_new(MoveOp, (h, DEVICE, node.slots[i], u, slot, True)))
 
@@ -174,18 +175,19 @@ class WriteThrough(TreeWrites):
             found = False
             for h in node.hashes:
                 if h in copies:
+                    ev = self.tree.evictable[u]
                     if key is None:
-                        key = self.tree._key(node)
-                    self.tree._evictable[u].remove((*key, h))
+                        key = ev.key(node)
+                    ev.remove((*key, h))
                     found = True
             if found:
                 out = [u] if out is None else [*out, u]
         return out
 
     def refile(self, node: Node, tiers: list[int]) -> None:
-        key = self.tree._key(node)
+        key = self.tree.evictable[node.tier].key(node)
         for u in tiers:
-            copies, idx = self._copies[u], self.tree._evictable[u]
+            copies, idx = self._copies[u], self.tree.evictable[u]
             for h in node.hashes:
                 if h in copies:
                     idx.add((*key, h))
@@ -197,8 +199,8 @@ class WriteThrough(TreeWrites):
         out: list[int | None] = [copies.pop(h, None) for h in node.hashes]
         if all(s is None for s in out):
             return None
-        key = self.tree._key(node)
-        idx = self.tree._evictable[tier]
+        idx = self.tree.evictable[tier]
+        key = idx.key(node)
         for h, s in zip(node.hashes, out):
             if s is not None:
                 idx.remove((*key, h))
@@ -208,8 +210,8 @@ class WriteThrough(TreeWrites):
         if tier not in self.tiers:
             return False
         copies = self._copies[tier]
-        key = self.tree._key(node)
-        idx = self.tree._evictable[tier]
+        idx = self.tree.evictable[tier]
+        key = idx.key(node)
         for h, s in zip(node.hashes, slots):
             copies[h] = s
             idx.add((*key, h))
@@ -220,15 +222,16 @@ class WriteThrough(TreeWrites):
         key = None
         for u in self.tiers:
             if block_hash in self._copies[u]:
+                ev = self.tree.evictable[u]
                 if key is None:
-                    key = self.tree._key(node)
-                self.tree._evictable[u].remove((*key, block_hash))
+                    key = ev.key(node)
+                ev.remove((*key, block_hash))
                 self.drop_popped_copy(block_hash, u, moves)
 
     def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
         """Free ``block_hash``'s copy in ``tier`` (its entry already out of the index)."""
         slot = self._copies[tier].pop(block_hash)
-        self.tree._pools[tier].free_one(slot)
+        self.tree.pools[tier].free_one(slot)
         self.tree.stats.copies_dropped += 1
         moves.append(_tuple_new(MoveOp, (block_hash, tier, slot, None, None, False)))
 
@@ -236,8 +239,9 @@ class WriteThrough(TreeWrites):
         slot = self._copies[tier].get(block_hash)
         if slot is None:
             return None
-        node = self.tree._find(block_hash)
-        self.tree._evictable[tier].remove((*self.tree._key(node), block_hash))
+        node = self.tree.find(block_hash)
+        ev = self.tree.evictable[tier]
+        ev.remove((*ev.key(node), block_hash))
         moves: list[MoveOp] = []
         self.drop_popped_copy(block_hash, tier, moves)
         return moves[0]

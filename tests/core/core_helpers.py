@@ -65,17 +65,17 @@ def snapshot_tree(tree: RadixTree) -> tuple:
         for n in nodes.values()))
     return (
         nodes_t,
-        tuple(tuple(e) for e in tree._evictable),
+        tuple(tuple(e) for e in tree.evictable),
         tuple(tree._resident),
         tree._unreferenced,
         tuple(tuple(None if n is None else n.hashes[n.slots.index(b)] for b, n in enumerate(sn))
-              for sn in tree._slot_nodes),
-        tuple(sorted((h, n.hashes[-1]) for h, n in tree._heads.items())),
-        tuple(sorted((h, n.hashes[0]) for h, n in tree._tails.items())),
-        tuple(snapshot_pool(p) for p in tree._pools),
+              for sn in tree.slot_nodes),
+        tuple(sorted((h, n.hashes[-1]) for h, n in tree.heads.items())),
+        tuple(sorted((h, n.hashes[0]) for h, n in tree.tails.items())),
+        tuple(snapshot_pool(p) for p in tree.pools),
         tuple(tuple(sorted(tree.writes.copies(u).items())) for u in range(tree.num_tiers)),
-        tuple(tree._pending),
-        tuple(sorted(tree._ttl_heap)),
+        tuple(tree.pending_moves),
+        tuple(sorted(tree.ttl_heap)),
     )
 
 

@@ -77,11 +77,11 @@ def test_parent_filed_in_the_side_list_is_evicted_in_order() -> None:
             bm.commit(i, len(prompt))
         for i in range(3):
             bm.free(i)
-    index = inline.tree._evictable[DEVICE]
-    side_max = index._nside
+    index = inline.tree.evictable[DEVICE].index
+    side_max = index.num_side
     for _ in range(6):
         assert inline.tree.evict(DEVICE, 1) == generic.tree.evict(DEVICE, 1)
-        side_max = max(side_max, index._nside)
+        side_max = max(side_max, index.num_side)
         assert snapshot_manager(inline) == snapshot_manager(generic)
     assert side_max >= 1 and len(inline.tree) == 0   # the side list was used
     inline.check_invariants()

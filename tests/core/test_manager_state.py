@@ -209,7 +209,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def queued(self) -> set[tuple[int, int]]:
         """Residencies that queued (untaken) write-through moves have not written yet."""
-        return {(op.dst_tier, op.dst_slot) for op in self.tree._pending if op.dst_tier is not None}
+        return {(op.dst_tier, op.dst_slot) for op in self.tree.pending_moves if op.dst_tier is not None}
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

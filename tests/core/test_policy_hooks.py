@@ -105,7 +105,8 @@ def test_duel_index_pops_in_the_leaders_order(ops, leader, now) -> None:
     pol = DuelPolicy(("lru", "lfu", "forecast"))
     pol.members[2].clock = lambda: now
     pol.leader = leader
-    idx = DuelIndex(pol, [m.new_index() for m in pol.members])
+    idx = pol.new_index()
+    assert type(idx) is DuelIndex
     live: dict[bytes, tuple] = {}
     for add, t, hits, due in ops:
         h = bytes([len(live), t, hits, due])
@@ -231,7 +232,7 @@ def test_plain_policies_hear_nothing() -> None:
         pol = make_policy(name)
         assert pol.hooks == (name in ("fifo", "lfu-da", "lfu-ghost", "forecast", "duel")), name
     bm = BlockManager.create(8, 2, policy="lru")
-    assert bm.tree._hooks is False
+    assert bm.tree.hooks is False
     bm.end_session("s")     # accepted, ignored
 
 

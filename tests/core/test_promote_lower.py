@@ -113,10 +113,10 @@ def test_no_room_changes_nothing() -> None:
     sink(bm, 2)
     assert [(m.block_hash, m.dst_tier) for m in tree.promote_lower(P, 1, 1)] == [(P, 1)]
     tree.check_invariants()
-    free_before = [tree._pools[t].num_free for t in range(3)]
+    free_before = [tree.pools[t].num_free for t in range(3)]
     assert tree.promote_lower(C, 1, 1) == []
     assert tree.get(C).tier == 2 and tree.get(P).tier == 1
-    assert [tree._pools[t].num_free for t in range(3)] == free_before
+    assert [tree.pools[t].num_free for t in range(3)] == free_before
     tree.check_invariants()
 
 

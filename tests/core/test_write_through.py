@@ -141,7 +141,7 @@ def test_failed_write_drops_the_copy() -> None:
     tree = bm.tree
     assert bm.drop_copy(A, 1) == MoveOp(A, 1, 0, None, None)
     assert tree.copy_slot(A, 1) is None and tree.num_copies(1) == 0
-    assert tree._pools[1].num_free == 2 and tree.stats.copies_dropped == 1
+    assert tree.pools[1].num_free == 2 and tree.stats.copies_dropped == 1
     assert bm.drop_copy(A, 1) is None
     assert tree.evict(0, 1) == [MoveOp(A, 0, 0, 1, 0)]   # a real demotion now
     assert bm.drop_copy(A, 1) is None                # the primary is not a copy
