@@ -40,10 +40,8 @@ from typing import NamedTuple
 import xxhash
 
 from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
-from radixkv.core.decode import CopyOp, DecodeOps, SlotAssignment
 from radixkv.core.pool import BlockPool
-from radixkv.core.tier_plans import TierPlans
-from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
+from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
     InvalidRequestError, InvalidTokensError, OutOfBlocks, SequenceExistsError,
     UnknownSequenceError,
@@ -52,6 +50,25 @@ from radixkv.errors import (
 SeqId = Hashable
 _xxh3_128 = xxhash.xxh3_128_digest
 _tuple_new = tuple.__new__
+
+
+class CopyOp(NamedTuple):
+    """Copy device block ``src`` onto device block ``dst`` (copy-on-write of a shared tail)."""
+
+    src: int
+    dst: int
+
+
+class SlotAssignment(NamedTuple):
+    """Where the KV of a sequence's newest token goes, and what must run before writing it.
+
+    ``slot = block_id * block_size + offset``. ``moves`` (tier demotions caused by allocating a
+    new block) run first, then ``copy`` (if the tail block was shared), then the write.
+    """
+
+    slot: int
+    copy: CopyOp | None
+    moves: tuple[MoveOp, ...]
 
 
 class Allocation(NamedTuple):
@@ -82,7 +99,7 @@ class SeqState:
         self.num_computed = num_computed  # tokens whose KV is written
 
 
-class BlockManager(DecodeOps, TierPlans):
+class BlockManager:
     """Block tables, copy-on-write and prefix reuse for live sequences.
 
     A sequence refers to the tree only by block hash (``last_hash``) and by its block table,
@@ -495,6 +512,169 @@ class BlockManager(DecodeOps, TierPlans):
         from radixkv.core.tree_check import check_manager
 
         check_manager(self)
+
+    # ================================================================== decode, slots for new tokens
+    # Decoding through the block manager: a slot for each new token's KV, and copy-on-write.
+    def blocks_needed_to_append(self, seq_id: SeqId) -> int:
+        """Device blocks the next ``append_slot`` takes: 1 at a block boundary or CoW, else 0."""
+        s = self._seq(seq_id)
+        if len(s.tokens) % self.block_size == 0:
+            return 1
+        return 1 if self.pool.ref_counts[s.blocks[-1]] > 1 else 0
+
+    def append_slot(self, seq_id: SeqId, token_id: int) -> SlotAssignment:
+        """Append one token and return the slot for its KV (plus a CoW copy if needed).
+
+        A new block is taken at a block boundary; a shared partial tail (after ``fork``) is
+        copied first so that this sequence never writes into a block others read.
+        All-or-nothing (OutOfBlocks changes nothing). Runtime complexity: O(1) amortised.
+        This is the per-token hot path of decoding: it allocates one tuple in the common case.
+        """
+        try:
+            s = self._seqs[seq_id]
+        except (KeyError, TypeError):
+            s = self._seq(seq_id)  # raises UnknownSequenceError
+        if type(token_id) is not int or not 0 <= token_id <= 0x7FFFFFFF:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
+                raise InvalidTokensError(f"token id must be an int in [0, 2**31), got {token_id!r}")
+        bs = self.block_size
+        tokens = s.tokens
+        off = len(tokens) % bs
+        refs = self.pool.ref_counts
+        if off and refs[s.blocks[-1]] == 1:
+            tokens.append(token_id)
+            return _tuple_new(SlotAssignment, (s.blocks[-1] * bs + off, None, ()))
+        if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0:
+            raise OutOfBlocks(1, 0, 0, "preempt a sequence (free it and recompute later)")
+        moves: list[MoveOp] = []
+        [b] = self._take_blocks(1, moves)
+        refs[b] += 1
+        copy = None
+        if off:
+            old = s.blocks[-1]
+            refs[old] -= 1   # was > 1: still referenced by a fork, never freed here
+            s.blocks[-1] = b
+            copy = CopyOp(old, b)
+        else:
+            s.blocks.append(b)
+        tokens.append(token_id)
+        return SlotAssignment(b * bs + off, copy, tuple(moves))
+
+    def append_slots(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[list[int], CopyOp | None, tuple[MoveOp, ...]]:
+        """Append several tokens at once (a chunk, a replayed reply, speculative tokens).
+
+        Returns ``(slots, copy, moves)``: one KV slot per token, the CoW copy of a shared tail
+        (if any) and the demotions that made room; same contract as ``append_slot``.
+        All-or-nothing. Runtime complexity: O(tokens + new blocks * log n).
+        """
+        s = self._seq(seq_id)
+        tok = token_bytes(token_ids)  # validates
+        n = len(tok) // TOKEN_BYTES
+        bs, refs = self.block_size, self.pool.ref_counts
+        pos = len(s.tokens)
+        cow = pos % bs != 0 and refs[s.blocks[-1]] > 1
+        new_blocks = self._blocks_for(pos + n) - len(s.blocks) + (1 if cow else 0)
+        if new_blocks > self.num_available_blocks:
+            raise OutOfBlocks(new_blocks, self.pool.num_free, self.tree.num_evictable(DEVICE),
+                              "preempt a sequence (free it and recompute later)")
+        moves: list[MoveOp] = []
+        fresh = self._take_blocks(new_blocks, moves)
+        for b in fresh:
+            refs[b] += 1
+        copy = None
+        if cow:
+            old, b = s.blocks[-1], fresh.pop(0)
+            refs[old] -= 1
+            s.blocks[-1] = b
+            copy = CopyOp(old, b)
+        s.blocks.extend(fresh)
+        s.tokens.extend(array("i", tok))
+        # Slots block by block: one range per block instead of a divmod per token; the partial
+        # head and tail blocks apart, so a full block costs a multiply and a range.
+        slots: list[int] = []
+        extend = slots.extend
+        blocks = s.blocks
+        i, off = divmod(pos, bs)
+        left = n
+        if off:
+            k = left if left < bs - off else bs - off
+            base = blocks[i] * bs + off
+            extend(range(base, base + k))
+            left -= k
+            i += 1
+        full, tail = divmod(left, bs)
+        for b in blocks[i:i + full]:
+            b *= bs
+            extend(range(b, b + bs))
+        if tail:
+            b = blocks[i + full] * bs
+            extend(range(b, b + tail))
+        return slots, copy, tuple(moves)
+
+
+    # ================================================================== tier plans
+    # The block manager's tier plans: every change the tier components ask of the radix tree.
+    def expire(self, now: float | None = None) -> list[MoveOp]:
+        """Blocks whose TTL ran out at ``now`` (the TTL policy's, or a per-block ``ttl`` hint
+        under any policy, e.g. a cache breakpoint's) leave their tier: the moves to run.
+        Runtime complexity: O(expired blocks + nodes * log n)."""
+        return self.tree.evict_expired(now)
+
+    def take_moves(self) -> list[MoveOp]:
+        """The MoveOps of write-through copies made by ``commit`` (and of the evictions that
+        made room for them), in execution order; clears them. Empty without write-through.
+        Runtime complexity: O(1)."""
+        return self.tree.take_moves()
+
+    def get(self, block_hash: bytes) -> BlockRef | None:
+        """The cached block ``block_hash`` (a snapshot, read only). O(its node's length)."""
+        return self.tree.get(block_hash)
+
+    def install_lower(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
+                      tier: int) -> BlockRef | None:
+        """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
+        found at start, a remote block fetched into the host) after ``parent_hash``; None if
+        it cannot be placed. The tree's insert listener hears of it as of a computed block
+        (a block entered the cache; e.g. a fleet replica announces it to the router).
+        Runtime complexity: O(1) (+ a cut of the parent's node)."""
+        ref = self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
+        listener = self.tree.insert_listener
+        if ref is not None and listener is not None:
+            listener([block_hash], None)
+        return ref
+
+    def promote_lower(self, block_hash: bytes, tier: int, max_blocks: int | None = None
+                      ) -> list[MoveOp]:
+        """Plan moving the slower-tier run starting at ``block_hash`` (up to ``max_blocks``
+        blocks) up into slower tier ``tier`` (a prefetch): its moves."""
+        return self.tree.promote_lower(block_hash, tier, max_blocks)
+
+    def invalidate(self, block_hash: bytes) -> list[MoveOp]:
+        """``block_hash`` and everything after it leave the cache (their bytes are bad or
+        lost): the drops to run. Runtime complexity: O(dropped blocks)."""
+        return self.tree.invalidate(block_hash)
+
+    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
+        """Forget ``block_hash``'s write-through copy in ``tier`` (its write failed)."""
+        return self.tree.writes.drop_copy(block_hash, tier)
+
+    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+              ) -> None:
+        """Mark ``block_hash`` and its prefix used now (so making room next to it does not
+        evict it); ``near``: the node holding it, if known (``RadixTree.locate_chain``)."""
+        self.tree.touch(block_hash, now, near)
+
+    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
+        """Make room: ``num_blocks`` unheld blocks leave ``tier`` by the policy's order
+        (demoted when a slower tier exists, else dropped); the moves to run."""
+        return self.tree.evict(tier, num_blocks)
+
+    def set_hints(self, block_hashes: Sequence[bytes], priority: int | None = None,
+                  ttl: float | None = None) -> None:
+        """Eviction hints (priority, TTL) for cached blocks (cache breakpoints)."""
+        self.tree.set_hints(block_hashes, priority=priority, ttl=ttl)
+
+
 
 
 __all__ = ["Allocation", "BlockManager", "CopyOp", "SlotAssignment"]

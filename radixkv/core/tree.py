@@ -52,20 +52,20 @@ Pure Python: this module imports no torch.
 
 from __future__ import annotations
 
+import heapq
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
 import xxhash
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, make_policy
+from radixkv.core.evict_index import RecencyIndex
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.eviction import EvictionOps
 from radixkv.core.hints import HintOps
-from radixkv.core.lookup import LookupOps
-from radixkv.core.request_ops import RequestOps
-from radixkv.core.runs import RunOps
 from radixkv.core.tiers import TierOps
 from radixkv.core.writes import TreeWrites, make_writes
 from radixkv.errors import ConfigError, InvalidBlockError
@@ -77,7 +77,7 @@ _tuple_new = tuple.__new__
 _new_node = object.__new__
 
 
-class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
+class RadixTree(EvictionOps, TierOps, HintOps):
     """Path-compressed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -331,3 +331,585 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
         from radixkv.core.tree_check import check_tree
 
         check_tree(self)
+
+    # ================================================================== cutting and merging runs
+    # Cutting and merging runs: the ``RadixTree``'s structural edits.
+    def split(self, node: Node, k: int) -> tuple[Node, Node]:
+        """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
+        the only child of the first; both keep the node's tier, holders, key and hints. One of
+        them is ``node`` itself: whichever side has fewer slots (and, for the tail, children)
+        to re-point stays, the other is a new object. Returns ``(head, tail)``.
+
+        The evictable sets need no change: the tail keeps the node's last block (so its entry,
+        if it has one, names it), and the head has a child in its own tier (not a leaf).
+        Runtime complexity: O(min(k, n - k) + children).
+        """
+        n = len(node.hashes)
+        assert 0 < k < n, f"split of {node} at {k}"
+        w, t = self.block_bytes, node.tier
+        c = node.children
+        nkids = (c & _CMASK) + ((c >> _CBITS) & _CMASK) + ((c >> 2 * _CBITS) & _CMASK)
+        new = _new_node(Node)
+        new.tier, new.ref, new.last_access, new.hits, new.hints, new.aux = (
+            t, node.ref, node.last_access, node.hits, node.hints, node.aux)
+        if n - k + nkids <= k:        # the tail becomes the new object
+            head, tail = node, new
+            tail.hashes = node.hashes[k:]
+            del node.hashes[k:]
+            tail.tokens = node.tokens[k * w:]
+            del node.tokens[k * w:]
+            tail.slots = node.slots[k:]
+            del node.slots[k:]
+            tail.children, tail.child = c, node.child
+            kid = node.child
+            while kid is not None:
+                kid.parent = tail
+                kid = kid.next
+            tail.parent, tail.next, tail.prev = node, None, None
+            node.children, node.child = 1 << (_CBITS * t), tail
+            moved = tail
+        else:                          # the head becomes the new object
+            head, tail = new, node
+            head.hashes = node.hashes[:k]
+            del node.hashes[:k]
+            head.tokens = node.tokens[:k * w]
+            del node.tokens[:k * w]
+            head.slots = node.slots[:k]
+            del node.slots[:k]
+            self._take_place(node, head)
+            head.children, head.child = 1 << (_CBITS * t), node
+            node.parent, node.prev, node.next = head, None, None
+            moved = head
+        heads, tails = self.heads, self.tails
+        heads[head.hashes[0]] = head
+        tails[head.hashes[-1]] = head
+        heads[tail.hashes[0]] = tail
+        tails[tail.hashes[-1]] = tail
+        sn = self.slot_nodes[t]
+        for b in moved.slots:
+            sn[b] = moved
+        self.stats.splits += 1
+        hints = head.hints
+        if hints is not None and hints.ttl is not None:
+            heapq.heappush(self.ttl_heap, (head.last_access + hints.ttl, head.hashes[-1]))
+        return head, tail
+
+    def cut(self, path: list[Node], k: int) -> list[Node]:
+        """``path`` with its last node cut after its first ``k`` blocks (the rest becomes its
+        child): the nodes a request's match covers exactly."""
+        last = path[-1]
+        if k < len(last.hashes):
+            path = path[:-1]
+            path.append(self.split(last, k)[0])
+        return path
+
+    def node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node:
+        """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
+        sits inside its node: the parent to hang a new node from. ``near``: a guess of the
+        node holding it (see ``_find``)."""
+        node = self.tails.get(block_hash)
+        if node is not None:
+            return node
+        node = self.find(block_hash, near)
+        assert node is not None, f"block {block_hash.hex()[:16]} is not cached"
+        i = node.hashes.index(block_hash)
+        if i + 1 < len(node.hashes):
+            node = self.split(node, i + 1)[0]
+        return node
+
+    def coalesce(self, parent: Node | None, child: Node) -> Node:
+        """Merge ``child`` into ``parent`` if they are one run again: ``child`` is the only
+        child, and tier, holders, hints and policy key agree (a split whose reason went away,
+        e.g. a tail demoted block by block onto its own earlier part, or blocks promoted one by
+        one under their parent). The side with fewer blocks is re-pointed. The eviction sets
+        need no change: the merged node's last block is ``child``'s, and ``parent`` was no leaf
+        of its tier. Returns the merged node (``child`` unchanged if they differ).
+        Runtime complexity: O(min(len(parent), len(child))) (+ the child's children)."""
+        if (parent is None or parent.child is not child or child.next is not None
+                or parent.tier != child.tier or parent.ref != child.ref
+                or parent.hints != child.hints or parent.aux != child.aux
+                or self.evictable[0].key(parent) != self.evictable[0].key(child)):
+            return child
+        heads, tails = self.heads, self.tails
+        sn = self.slot_nodes[child.tier]
+        hits = max(parent.hits, child.hits)
+        del tails[parent.hashes[-1]]
+        del heads[child.hashes[0]]
+        if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
+            heads[parent.hashes[0]] = child
+            for b in parent.slots:
+                sn[b] = child
+            child.hashes[0:0] = parent.hashes
+            child.tokens[0:0] = parent.tokens
+            child.slots[0:0] = parent.slots
+            self._take_place(parent, child)
+            merged = child
+        else:                                          # parent absorbs child at its end
+            tails[child.hashes[-1]] = parent
+            for b in child.slots:
+                sn[b] = parent
+            parent.hashes.extend(child.hashes)
+            parent.tokens += child.tokens
+            parent.slots.extend(child.slots)
+            parent.children, parent.child = child.children, child.child
+            kid = child.child
+            while kid is not None:
+                kid.parent = parent
+                kid = kid.next
+            merged = parent
+        merged.hits = hits
+        return merged
+
+    @staticmethod
+    def _take_place(old: Node, new: Node) -> None:
+        """``new`` takes ``old``'s place under ``old``'s parent (same position among its
+        siblings; counts unchanged: the caller keeps the tier). ``old``'s own links are left
+        to the caller."""
+        p = old.parent
+        new.parent, new.prev, new.next = p, old.prev, old.next
+        if new.prev is not None:
+            new.prev.next = new
+        elif p is not None:
+            p.child = new
+        if new.next is not None:
+            new.next.prev = new
+
+    def _link(self, parent: Node, node: Node) -> None:
+        """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
+        node.parent, node.prev = parent, None
+        first = parent.child
+        node.next = first
+        if first is not None:
+            first.prev = node
+        parent.child = node
+        self._add_child_count(parent, node.tier, 1)
+
+    def _unlink(self, node: Node) -> None:
+        """Take ``node`` out of its parent's child list (counts and the parent's filing kept)."""
+        parent = node.parent
+        p, q = node.prev, node.next
+        if p is None:
+            parent.child = q   # type: ignore[union-attr]
+        else:
+            p.next = q
+        if q is not None:
+            q.prev = p
+        node.prev = node.next = None
+        self._add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
+
+    def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
+        shift = _CBITS * tier
+        if parent.tier == tier:
+            before = (parent.children >> shift) & _CMASK
+            if (before == 0) != (before + delta == 0):
+                # the parent's own-tier count crosses zero: re-file it around the change
+                self.evictable[parent.tier].unfile(parent)
+                parent.children += delta << shift
+                self.evictable[parent.tier].file(parent)
+                return
+        parent.children += delta << shift
+        assert parent.children >= 0 and (parent.children >> shift) & _CMASK <= _CMASK, parent
+
+
+    # ================================================================== finding single blocks
+    # Finding single blocks in a ``RadixTree`` that indexes nodes, not blocks.
+    #
+    # * by its **place**, ``(tier, slot)``: ``block_at``, ``block_of`` (a ``MoveOp``'s ends, a block
+    # table's device block ids);
+    # * by its **chain** from a root: ``locate_chain``, ``refs_of``, ``chain_hints`` (a prompt's
+    # blocks, cache points, the remote tier's persisted prefixes), one step per block;
+    # * by its **hash** when it starts or ends its node (``get(h, scan=False)``, ``_find``: O(1));
+    # * by its hash alone when it is inside a node: ``get``/``_find`` scan the nodes, O(cached
+    # blocks). Only rare paths do (fault filing, a session's end after its leaf was extended, disk
+    # restore at a branch point, tests); ``near`` lets a caller that has located the node skip it.
+    def block_index(self) -> dict[bytes, Node]:
+        """A snapshot ``{block hash: node}`` of every cached block: O(cached blocks), built on
+        each call, for tests and checks (the tree itself keeps no per-block index)."""
+        return {h: node for node in self.heads.values() for h in node.hashes}
+
+    def get(self, block_hash: bytes, scan: bool = True) -> BlockRef | None:
+        """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
+        or last block of a node; O(cached blocks) for an inner one (``_find``), or None at
+        once with ``scan=False``: callers on a hot path address a block by ``(tier, slot)``
+        (``block_at``), by its chain (``locate_chain``, ``refs_of``), or know it ends or
+        starts a node."""
+        if scan:
+            node = self.find(block_hash)
+        else:
+            node = self.tails.get(block_hash) or self.heads.get(block_hash)
+        if node is None:
+            return None
+        return self._ref(node, node.hashes.index(block_hash))
+
+    def find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
+        """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
+        (a caller's guess, e.g. from ``locate_chain``; O(its length)), else O(1) for a node's
+        first or last block, else a scan of the nodes (an inner block)."""
+        if near is not None and near.hashes and self.heads.get(near.hashes[0]) is near \
+                and block_hash in near.hashes:
+            return near
+        node = self.tails.get(block_hash)
+        if node is None:
+            node = self.heads.get(block_hash)
+            if node is None:
+                for x in self.heads.values():
+                    if block_hash in x.hashes:
+                        return x
+        return node
+
+    def block_at(self, tier: int, slot: int) -> BlockRef | None:
+        """The cached block whose primary is slot ``slot`` of ``tier`` (None: the slot is
+        free, a write-through copy, or a private device block). O(node length)."""
+        node = self.slot_nodes[tier][slot]
+        return None if node is None else self._ref(node, node.slots.index(slot))
+
+    def block_of(self, block_hash: bytes, *places: tuple[int | None, int | None]
+                 ) -> BlockRef | None:
+        """The cached block ``block_hash``, looked for first at the ``(tier, slot)`` places
+        given (e.g. a ``MoveOp``'s destination and source: O(node length) each), then by its
+        hash (``get``, which may scan for an inner block)."""
+        for tier, slot in places:
+            if tier is None or slot is None:
+                continue
+            node = self.slot_nodes[tier][slot]
+            if node is not None:
+                i = node.slots.index(slot)
+                if node.hashes[i] == block_hash:
+                    return self._ref(node, i)
+        return self.get(block_hash)
+
+    def refs_of(self, hashes: Sequence[bytes]) -> list[BlockRef | None]:
+        """``get`` of each hash, walking runs of consecutive blocks (the next block of the
+        previous one's node, or the first block of one of its children) so that a chain costs
+        O(its length) and only the first block of each run is looked up by hash."""
+        out: list[BlockRef | None] = []
+        node, i = None, -1
+        heads = self.heads
+        for h in hashes:
+            if node is not None:
+                if i + 1 < len(node.hashes) and node.hashes[i + 1] == h:
+                    i += 1
+                    out.append(self._ref(node, i))
+                    continue
+                c = heads.get(h)
+                if c is not None and c.parent is node and i + 1 == len(node.hashes):
+                    node, i = c, 0
+                    out.append(self._ref(node, 0))
+                    continue
+            node = self.find(h)
+            if node is None:
+                out.append(None)
+                continue
+            i = node.hashes.index(h)
+            out.append(self._ref(node, i))
+        return out
+
+    def chain_hints(self, hashes: Sequence[bytes]) -> list[NodeHints]:
+        """The hints of each block of a chain from a root (``locate_chain``); defaults past
+        its cached prefix. O(len(hashes))."""
+        where = self.locate_chain(hashes)
+        out = [DEFAULT_HINTS if node.hints is None else node.hints for node, _ in where]
+        out += [DEFAULT_HINTS] * (len(hashes) - len(where))
+        return out
+
+    def locate_chain(self, hashes: Sequence[bytes]) -> list[tuple[Node, int]]:
+        """``(node, offset)`` of each block of the chain ``hashes`` (consecutive blocks, the
+        first one a root or any block ``_find`` locates), for its longest cached prefix.
+        A pure read. Runtime complexity: O(len(hashes)) (+ ``_find`` of the first)."""
+        out: list[tuple[Node, int]] = []
+        if not hashes:
+            return out
+        node = self.find(hashes[0])
+        if node is None:
+            return out
+        i = node.hashes.index(hashes[0])
+        for h in hashes:
+            if i == len(node.hashes):
+                c = self.heads.get(h)
+                if c is None or c.parent is not node:
+                    return out
+                node, i = c, 0
+            elif node.hashes[i] != h:
+                return out
+            out.append((node, i))
+            i += 1
+        return out
+
+    def hints(self, block_hash: bytes) -> NodeHints:
+        """The eviction hints of a cached block (defaults if none were set). O(1) for a node's
+        first or last block, O(cached blocks) otherwise (``_find``)."""
+        node = self.find(block_hash)
+        return DEFAULT_HINTS if node is None or node.hints is None else node.hints
+
+
+    # ================================================================== per-request paths
+    # The block manager's per-request paths through the ``RadixTree``: one pass per request.
+    # ------------------------------------------------------------------ references
+    def lock_nodes(self, nodes: Sequence[Node], now: float | None = None) -> None:
+        """Take one reference on each (whole) device node: a sequence now holds every block
+        of them. Touches them (``last_access``, ``hits``).
+        Runtime complexity: O(nodes) (+ O(log n) index work per node under a ``SortedIndex``)."""
+        now = self.clock() if now is None else now
+        idx, writes = self.evictable[DEVICE], self.writes
+        on_hit = self.policy.on_hit if self.hooks else None
+        for node in nodes:
+            assert node.tier == DEVICE, f"lock of {node}: promote it first"
+            if node.ref == 0:
+                self._unreferenced -= len(node.hashes)
+                if not node.children & _CMASK:
+                    idx.remove(idx.entry(node))   # leaves the index before its key changes
+            refile = writes.unfile(node)
+            node.ref += 1
+            prev = node.last_access
+            node.last_access = now
+            node.hits += 1
+            if on_hit is not None:
+                on_hit(node, prev, now)
+            if refile is not None:
+                writes.refile(node, refile)
+
+    def lock_path(self, node: Node, now: float | None = None) -> None:
+        """``lock_nodes`` of ``node`` and all its ancestors (a fork's shared chain)."""
+        path = []
+        while node is not None:
+            path.append(node)
+            node = node.parent   # type: ignore[assignment]
+        self.lock_nodes(path, now)
+
+    def release_path(self, node: Node, now: float | None = None) -> None:
+        """Drop one reference on ``node`` and each of its ancestors (a sequence ends): a node
+        nobody holds any more is touched and becomes evictable (if a leaf).
+        Runtime complexity: O(depth in nodes)."""
+        now = self.clock() if now is None else now
+        idx, writes = self.evictable[DEVICE], self.writes
+        on_release = self.policy.on_release if self.hooks else None
+        unref = 0
+        while node is not None:
+            r = node.ref - 1
+            assert r >= 0 and node.tier == DEVICE, f"release of unheld {node}"
+            if r == 0:
+                refile = writes.unfile(node)
+                node.ref = 0
+                node.last_access = now
+                if on_release is not None:
+                    on_release(node, now)
+                unref += len(node.hashes)
+                if not node.children & _CMASK:
+                    idx.add(idx.entry(node))
+                if refile is not None:
+                    writes.refile(node, refile)
+            else:
+                node.ref = r
+            node = node.parent   # type: ignore[assignment]
+        self._unreferenced += unref
+
+    # ------------------------------------------------------------------ insertion
+    def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
+                   block_ids: Sequence[int], now: float, first_hash: bytes | None = None
+                   ) -> tuple[Node | None, int]:
+        """Cache consecutive computed device blocks as the continuation of ``parent``.
+
+        ``tok_bytes`` holds the blocks' tokens (``len(block_ids)`` full blocks) and
+        ``prev_hash`` is the chain hash of ``parent``'s last block (the namespace seed at the
+        root). Blocks are hashed until one is already cached; those before it are inserted
+        (the caller decides what to do with that one). The blocks must be uncached and held
+        (pool refcount > 0: the holders' references move into the tree); the parent's last
+        block must precede them and be on the device. Holders of a later block are a subset of
+        an earlier one's, so blocks are grouped into nodes by refcount. ``first_hash``: the
+        first block's chain hash, if the caller has it already.
+        Returns ``(node holding the last inserted block, number inserted)``.
+        Runtime complexity: O(blocks) (+ the write-through copies' evictions).
+        """
+        w = self.block_bytes
+        heads = self.heads
+        xxh = _xxh3_128
+        hashes: list[bytes] = []
+        append = hashes.append
+        h = prev_hash
+        start = 0
+        if first_hash is not None:
+            h = first_hash
+            append(h)
+            start = w
+        for start in range(start, len(block_ids) * w, w):
+            h = xxh(h + tok_bytes[start:start + w])
+            append(h)
+        if not heads.keys().isdisjoint(hashes):
+            # One is cached already: a cached block's parent is cached, so only the first can
+            # be (as the first block of a child of ``parent``), or a hash collides with the
+            # first block of another node. Keep the ones before it.
+            hashes = hashes[:next(i for i, x in enumerate(hashes) if x in heads)]
+        n = len(hashes)
+        if not n:
+            return parent, 0
+        refs = self.pools[DEVICE].ref_counts
+        ids = block_ids if n == len(block_ids) else block_ids[:n]
+        r0, r1 = refs[ids[0]], refs[ids[-1]]
+        keys = None
+        if self.policy.insert_key is not None:
+            # the policy tells new blocks apart (lfu-ghost: counts restored per block)
+            keys = list(map(self.policy.insert_key, hashes))
+            if keys.count(keys[0]) == n:
+                keys = None
+        if r0 == r1 and keys is None:
+            tokens = tok_bytes if len(tok_bytes) == n * w else tok_bytes[:n * w]
+            node, _ = self._attach(parent, hashes, tokens, ids, r0, now)
+            return node, n
+        i = 0
+        node = parent
+        made: list[tuple[Node, int]] = []
+        while i < n:    # one node per holder set (fork siblings share a prefix of the blocks)
+            r = refs[ids[i]]   # and per policy insert key
+            j = i + 1
+            while j < n and refs[ids[j]] == r and (keys is None or keys[j] == keys[i]):
+                j += 1
+            node, start = self._attach(node, hashes[i:j], tok_bytes[i * w:j * w], ids[i:j], r,
+                                       now, False)
+            made.append((node, start))
+            i = j
+        for x, start in made:   # write-through copies once the whole run is in (as one run's)
+            self.writes.after_insert(x, start)
+        return node, n
+
+    def _attach(self, parent: Node | None, hashes: list[bytes], tokens: bytes,
+                block_ids: Sequence[int], ref: int, now: float, copies: bool = True
+                ) -> tuple[Node, int]:
+        """Cache uncached computed device blocks held by ``ref`` sequences (their pool
+        refcounts move into the node) right after ``parent``'s last block. The blocks join
+        ``parent``'s run when it is the same run (on the device, no child, held by the same
+        sequences, no hints, alike for the policy); otherwise they form a new child node.
+        ``copies``: make the write-through copies now (False: the caller does, once its whole
+        run is in). Returns ``(node, index of the first new block in it)``.
+        Runtime complexity: O(blocks)."""
+        n = len(hashes)
+        refs = self.pools[DEVICE].ref_counts
+        slots = block_ids
+        assert refs[slots[0]] == ref == refs[slots[-1]] and self.device_nodes[slots[-1]] is None, (
+            f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
+        if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
+                and parent.hints is None and parent.tier == DEVICE
+                and not (parent.hits and self.policy.fresh_counts)
+                and (self.policy.insert_key is None
+                     or self.policy.can_extend(parent, hashes[0]))):
+            node = parent
+            start = len(node.hashes)
+            tails = self.tails
+            del tails[node.hashes[-1]]
+            tails[hashes[-1]] = node
+            node.hashes.extend(hashes)
+            node.tokens += tokens
+            node.slots.extend(slots)
+            if self.hooks:
+                self.policy.on_insert(node, start, now)
+        else:
+            node = _new_node(Node)
+            node.hashes = hashes if type(hashes) is list else list(hashes)
+            node.tokens = bytearray(tokens)
+            node.slots = array("i", slots)
+            node.tier = DEVICE
+            node.ref = ref
+            node.parent = node.child = node.next = node.prev = None
+            node.children = 0
+            node.last_access = now
+            node.hits = 0
+            node.hints = None
+            node.aux = None
+            start = 0
+            self.heads[node.hashes[0]] = node
+            self.tails[node.hashes[-1]] = node
+            if self.hooks:
+                self.policy.on_insert(node, 0, now)
+            if parent is not None:
+                self._link(parent, node)
+            if ref == 0:
+                self._unreferenced += n
+                self.evictable[node.tier].file(node)
+        dn = self.device_nodes
+        for b in slots:
+            dn[b] = node
+            refs[b] = 0
+        self._resident[DEVICE] += n
+        self.stats.inserted += n
+        if copies:
+            self.writes.after_insert(node, start)
+        if self.insert_listener is not None:
+            self.insert_listener(list(hashes), list(slots))
+        return node, start
+
+    # ------------------------------------------------------------------ eviction
+    def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
+        """``evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
+        under LRU); False (nothing done): take the generic path.
+
+        A device-only tree reports no per-block drops: a block dropped from the device needs
+        no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it."""
+        entries = self.evictable[DEVICE]
+        if self.num_tiers != 1 or not self._lru or type(entries.index) is not RecencyIndex or \
+                self.drop_listener is not None:
+            return False
+        self._drop_device_lru(entries, num)
+        return True
+
+    def _drop_device_lru(self, entries: EvictableSet, num: int) -> None:
+        """Device-only LRU eviction, victim node by victim node, through the evictable set's
+        ``pop_min`` / ``take`` / ``add`` (the same steps and order as the generic loop). A
+        victim node's blocks leave together: one pass over their hashes and slots, no call per
+        block. A node only partly taken is cut in place (its head stays, filed under its new
+        last block)."""
+        heads, tails, dn = self.heads, self.tails, self.device_nodes
+        free_run = self.pools[DEVICE].free_run
+        pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
+        add, take_of = entries.add, entries.take
+        w = self.block_bytes
+        dropped = 0
+        try:
+            while num > 0:
+                e, nxt = pop_min_peek()
+                node = tails[e[1]]
+                hashes, slots = node.hashes, node.slots
+                n = len(hashes)
+                assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
+                take = n if num >= n else num
+                if take > 1 and nxt is not None and nxt[0] == e[0]:
+                    take = take_of(node, num, e)   # a tie: per-block (hash) order decides
+                cut = n - take
+                gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
+                del tails[hashes[-1]]
+                free_run(gone_s, dn)
+                if cut:                        # the head stays, filed under its new tail
+                    tails[hashes[cut - 1]] = node
+                    del hashes[cut:]
+                    del node.tokens[cut * w:]
+                    del slots[cut:]
+                    p = node
+                else:                          # the whole node leaves: unlink it
+                    del heads[hashes[0]]
+                    p = node.parent
+                    if p is not None:
+                        a, b = node.prev, node.next
+                        if a is None:
+                            p.child = b
+                        else:
+                            a.next = b
+                        if b is not None:
+                            b.prev = a
+                        c = p.children - 1
+                        p.children = c
+                        if c or p.ref:
+                            p = None           # not an evictable leaf
+                if p is not None:
+                    add((p.last_access, p.hashes[-1]))   # its LRU entry
+                    hints = p.hints
+                    if cut and hints is not None and hints.ttl is not None:
+                        self.rearm_ttl(p)
+                num -= take
+                dropped += take
+        finally:
+            self._resident[DEVICE] -= dropped
+            self._unreferenced -= dropped
+            self.stats.evicted[DEVICE] += dropped
+            self.stats.dropped += dropped
+
+    def rearm_ttl(self, node: Node) -> None:
+        """File ``node`` (TTL-hinted) again under its current last block and due time."""
+        heapq.heappush(self.ttl_heap, (node.last_access + node.hints.ttl, node.hashes[-1]))
