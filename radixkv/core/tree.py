@@ -53,20 +53,18 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.evict_index import RecencyIndex
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
 from radixkv.core.pool import BlockPool
-from radixkv.core.eviction import EvictionOps
-from radixkv.core.hints import HintOps
-from radixkv.core.tiers import TierOps
+from radixkv.core.move_planner import MovePlanner
 from radixkv.core.writes import TreeWrites, make_writes
 from radixkv.errors import ConfigError, InvalidBlockError
 
@@ -77,7 +75,7 @@ _tuple_new = tuple.__new__
 _new_node = object.__new__
 
 
-class RadixTree(EvictionOps, TierOps, HintOps):
+class RadixTree:
     """Path-compressed tree of cached blocks over one device pool and optional slower tiers.
 
     Args:
@@ -124,8 +122,10 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         self.tails: dict[bytes, Node] = {}         # last block's hash -> node
         #: per tier, its evictable blocks in policy order (``evictable.py``)
         self.evictable = [EvictableSet(t, self.policy) for t in range(self.num_tiers)]
-        self._resident = [0] * self.num_tiers      # blocks (primaries) per tier
-        self._unreferenced = 0                      # device blocks of unheld nodes
+        #: counters the tree and its planner keep: cached blocks (primaries) per tier, and
+        #: device blocks of unheld nodes (``num_resident``, ``num_evictable(DEVICE)``)
+        self.resident = [0] * self.num_tiers
+        self.unreferenced = 0
         #: per tier, slot -> the node whose primary block it holds (None: free, a copy, or
         #: a private device block); the device's is ``_device_nodes``
         self.slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self.pools]
@@ -140,13 +140,26 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         self.insert_listener: Callable[[list[bytes], list[int] | None], None] | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
+        #: the tier moves (``move_planner.py``); its public methods are the tree's
+        self.planner = MovePlanner(self)
+        planner = self.planner
+        self.evict = planner.evict
+        self.evict_from = planner.evict_from
+        self.evict_expired = planner.evict_expired
+        self.next_expiry = planner.next_expiry
+        self.promote_nodes = planner.promote_nodes
+        self.promote_head_block = planner.promote_head_block
+        self.adopt = planner.adopt
+        self.promote_lower = planner.promote_lower
+        self.insert_lower = planner.insert_lower
+        self.invalidate = planner.invalidate
         if self.hooks:
             self.policy.bind(self)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
         """Cached blocks (in any tier; each has one primary). Runtime complexity: O(tiers)."""
-        return sum(self._resident)
+        return sum(self.resident)
 
     def num_nodes(self) -> int:
         """Nodes (runs) in the tree. Runtime complexity: O(1)."""
@@ -156,7 +169,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         """Every node (an iterator; the tree must not change meanwhile). O(nodes)."""
         return iter(self.heads.values())
 
-    def _ref(self, node: Node, i: int) -> BlockRef:
+    def block_ref(self, node: Node, i: int) -> BlockRef:
         w = self.block_bytes
         if i:
             parent_hash = node.hashes[i - 1]
@@ -168,11 +181,11 @@ class RadixTree(EvictionOps, TierOps, HintOps):
     def device_block(self, block_id: int) -> BlockRef | None:
         """The cached block in device block ``block_id`` (None: free or private)."""
         node = self.device_nodes[block_id]
-        return None if node is None else self._ref(node, node.slots.index(block_id))
+        return None if node is None else self.block_ref(node, node.slots.index(block_id))
 
     def num_resident(self, tier: int = DEVICE) -> int:
         """Cached blocks resident in ``tier`` (primaries). Runtime complexity: O(1)."""
-        return self._resident[tier]
+        return self.resident[tier]
 
     def num_evictable(self, tier: int = DEVICE) -> int:
         """Blocks of ``tier`` that eviction can free (now or after their children go).
@@ -182,8 +195,8 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         blocks are evictable, primaries and copies. Runtime complexity: O(1).
         """
         if tier == DEVICE:
-            return self._unreferenced
-        return self._resident[tier] + self.writes.num_copies(tier)
+            return self.unreferenced
+        return self.resident[tier] + self.writes.num_copies(tier)
 
     def num_copies(self, tier: int) -> int:
         """Write-through copies held in ``tier``. O(1)."""
@@ -213,7 +226,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         out = []
         for j, node in enumerate(path):
             for i in range(k if j == len(path) - 1 else len(node.hashes)):
-                out.append(self._ref(node, i))
+                out.append(self.block_ref(node, i))
         return out
 
     def match_hashes(self, tok_bytes: bytes, seed: bytes, max_blocks: int | None = None
@@ -322,7 +335,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             parent = self.node_ending_at(parent_hash)   # type: ignore[arg-type]
         node, i = self._attach(parent, [block_hash], bytes(tokens), [block_id], ref,
                                self.clock() if now is None else now)
-        return self._ref(node, i)
+        return self.block_ref(node, i)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
@@ -474,7 +487,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         if new.next is not None:
             new.next.prev = new
 
-    def _link(self, parent: Node, node: Node) -> None:
+    def link(self, parent: Node, node: Node) -> None:
         """Make ``node`` the first child of ``parent`` (counts and the parent's filing kept)."""
         node.parent, node.prev = parent, None
         first = parent.child
@@ -482,9 +495,9 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         if first is not None:
             first.prev = node
         parent.child = node
-        self._add_child_count(parent, node.tier, 1)
+        self.add_child_count(parent, node.tier, 1)
 
-    def _unlink(self, node: Node) -> None:
+    def unlink(self, node: Node) -> None:
         """Take ``node`` out of its parent's child list (counts and the parent's filing kept)."""
         parent = node.parent
         p, q = node.prev, node.next
@@ -495,9 +508,9 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         if q is not None:
             q.prev = p
         node.prev = node.next = None
-        self._add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
+        self.add_child_count(parent, node.tier, -1)   # type: ignore[arg-type]
 
-    def _add_child_count(self, parent: Node, tier: int, delta: int) -> None:
+    def add_child_count(self, parent: Node, tier: int, delta: int) -> None:
         shift = _CBITS * tier
         if parent.tier == tier:
             before = (parent.children >> shift) & _CMASK
@@ -539,7 +552,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             node = self.tails.get(block_hash) or self.heads.get(block_hash)
         if node is None:
             return None
-        return self._ref(node, node.hashes.index(block_hash))
+        return self.block_ref(node, node.hashes.index(block_hash))
 
     def find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
         """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
@@ -561,7 +574,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         """The cached block whose primary is slot ``slot`` of ``tier`` (None: the slot is
         free, a write-through copy, or a private device block). O(node length)."""
         node = self.slot_nodes[tier][slot]
-        return None if node is None else self._ref(node, node.slots.index(slot))
+        return None if node is None else self.block_ref(node, node.slots.index(slot))
 
     def block_of(self, block_hash: bytes, *places: tuple[int | None, int | None]
                  ) -> BlockRef | None:
@@ -575,7 +588,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             if node is not None:
                 i = node.slots.index(slot)
                 if node.hashes[i] == block_hash:
-                    return self._ref(node, i)
+                    return self.block_ref(node, i)
         return self.get(block_hash)
 
     def refs_of(self, hashes: Sequence[bytes]) -> list[BlockRef | None]:
@@ -589,19 +602,19 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             if node is not None:
                 if i + 1 < len(node.hashes) and node.hashes[i + 1] == h:
                     i += 1
-                    out.append(self._ref(node, i))
+                    out.append(self.block_ref(node, i))
                     continue
                 c = heads.get(h)
                 if c is not None and c.parent is node and i + 1 == len(node.hashes):
                     node, i = c, 0
-                    out.append(self._ref(node, 0))
+                    out.append(self.block_ref(node, 0))
                     continue
             node = self.find(h)
             if node is None:
                 out.append(None)
                 continue
             i = node.hashes.index(h)
-            out.append(self._ref(node, i))
+            out.append(self.block_ref(node, i))
         return out
 
     def chain_hints(self, hashes: Sequence[bytes]) -> list[NodeHints]:
@@ -655,7 +668,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         for node in nodes:
             assert node.tier == DEVICE, f"lock of {node}: promote it first"
             if node.ref == 0:
-                self._unreferenced -= len(node.hashes)
+                self.unreferenced -= len(node.hashes)
                 if not node.children & _CMASK:
                     idx.remove(idx.entry(node))   # leaves the index before its key changes
             refile = writes.unfile(node)
@@ -701,7 +714,7 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             else:
                 node.ref = r
             node = node.parent   # type: ignore[assignment]
-        self._unreferenced += unref
+        self.unreferenced += unref
 
     # ------------------------------------------------------------------ insertion
     def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
@@ -820,15 +833,15 @@ class RadixTree(EvictionOps, TierOps, HintOps):
             if self.hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
-                self._link(parent, node)
+                self.link(parent, node)
             if ref == 0:
-                self._unreferenced += n
+                self.unreferenced += n
                 self.evictable[node.tier].file(node)
         dn = self.device_nodes
         for b in slots:
             dn[b] = node
             refs[b] = 0
-        self._resident[DEVICE] += n
+        self.resident[DEVICE] += n
         self.stats.inserted += n
         if copies:
             self.writes.after_insert(node, start)
@@ -837,79 +850,103 @@ class RadixTree(EvictionOps, TierOps, HintOps):
         return node, start
 
     # ------------------------------------------------------------------ eviction
-    def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
-        """``evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
-        under LRU); False (nothing done): take the generic path.
-
-        A device-only tree reports no per-block drops: a block dropped from the device needs
-        no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it."""
-        entries = self.evictable[DEVICE]
-        if self.num_tiers != 1 or not self._lru or type(entries.index) is not RecencyIndex or \
-                self.drop_listener is not None:
-            return False
-        self._drop_device_lru(entries, num)
-        return True
-
-    def _drop_device_lru(self, entries: EvictableSet, num: int) -> None:
-        """Device-only LRU eviction, victim node by victim node, through the evictable set's
-        ``pop_min`` / ``take`` / ``add`` (the same steps and order as the generic loop). A
-        victim node's blocks leave together: one pass over their hashes and slots, no call per
-        block. A node only partly taken is cut in place (its head stays, filed under its new
-        last block)."""
-        heads, tails, dn = self.heads, self.tails, self.device_nodes
-        free_run = self.pools[DEVICE].free_run
-        pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
-        add, take_of = entries.add, entries.take
-        w = self.block_bytes
-        dropped = 0
-        try:
-            while num > 0:
-                e, nxt = pop_min_peek()
-                node = tails[e[1]]
-                hashes, slots = node.hashes, node.slots
-                n = len(hashes)
-                assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
-                take = n if num >= n else num
-                if take > 1 and nxt is not None and nxt[0] == e[0]:
-                    take = take_of(node, num, e)   # a tie: per-block (hash) order decides
-                cut = n - take
-                gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
-                del tails[hashes[-1]]
-                free_run(gone_s, dn)
-                if cut:                        # the head stays, filed under its new tail
-                    tails[hashes[cut - 1]] = node
-                    del hashes[cut:]
-                    del node.tokens[cut * w:]
-                    del slots[cut:]
-                    p = node
-                else:                          # the whole node leaves: unlink it
-                    del heads[hashes[0]]
-                    p = node.parent
-                    if p is not None:
-                        a, b = node.prev, node.next
-                        if a is None:
-                            p.child = b
-                        else:
-                            a.next = b
-                        if b is not None:
-                            b.prev = a
-                        c = p.children - 1
-                        p.children = c
-                        if c or p.ref:
-                            p = None           # not an evictable leaf
-                if p is not None:
-                    add((p.last_access, p.hashes[-1]))   # its LRU entry
-                    hints = p.hints
-                    if cut and hints is not None and hints.ttl is not None:
-                        self.rearm_ttl(p)
-                num -= take
-                dropped += take
-        finally:
-            self._resident[DEVICE] -= dropped
-            self._unreferenced -= dropped
-            self.stats.evicted[DEVICE] += dropped
-            self.stats.dropped += dropped
-
     def rearm_ttl(self, node: Node) -> None:
         """File ``node`` (TTL-hinted) again under its current last block and due time."""
         heapq.heappush(self.ttl_heap, (node.last_access + node.hints.ttl, node.hashes[-1]))
+
+    # ================================================================== hints
+    # Hints set by callers (priorities, TTLs), policy state changed outside a node event, and
+    # marks of use: each re-files what it changes.
+    # ------------------------------------------------------------------ hints
+    def set_hints(self, block_hashes: Iterable[bytes], priority: int | None = None,
+                  ttl: float | None = None) -> None:
+        """Set the priority and/or TTL hints of cached blocks (e.g. a system prompt's chain).
+
+        ``priority``: an int (higher survives longer under the priority policy); ``ttl``:
+        finite seconds >= 0 after the block's last use (under any policy, see
+        ``evict_expired``). Nodes are cut so that hints cover exactly the given blocks.
+        All-or-nothing (all validated first). Runtime complexity: O(blocks + nodes * log n).
+        """
+        if priority is not None and type(priority) is not int:
+            raise ConfigError(f"priority must be an int, got {priority!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not math.isfinite(ttl) or ttl < 0):
+            raise ConfigError(f"ttl must be a finite number of seconds >= 0, got {ttl!r}")
+        hashes = list(block_hashes)
+        for h in hashes:
+            if not isinstance(h, bytes):
+                raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
+        # A chain (a prompt's prefix, the common case) is located in one walk; anything else
+        # block by block (``_find``). ``loc`` follows the cuts below.
+        where = self.locate_chain(hashes)
+        loc = {h: x[0] for h, x in zip(hashes, where)}
+        for h in hashes[len(where):]:
+            if h not in loc:
+                node = self.find(h)
+                if node is None:
+                    raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
+                loc[h] = node
+        wanted = set(hashes)
+        done: set[int] = set()
+        for h in hashes:
+            node = loc[h]
+            if id(node) in done:
+                continue
+            i = node.hashes.index(h)
+            j = i + 1
+            while j < len(node.hashes) and node.hashes[j] in wanted:
+                j += 1
+            if j < len(node.hashes):
+                node, rest = self.split(node, j)
+                self._relocate(rest, wanted, loc)
+            if i:
+                before, node = self.split(node, i)
+                self._relocate(before, wanted, loc)
+            self._relocate(node, wanted, loc)
+            done.add(id(node))
+            old = DEFAULT_HINTS if node.hints is None else node.hints
+            new = NodeHints(old.priority if priority is None else priority,
+                            old.ttl if ttl is None else float(ttl))
+            self.evictable[node.tier].unfile(node)
+            refile = self.writes.unfile(node)
+            node.hints = None if new == DEFAULT_HINTS else new
+            if new.ttl is not None:
+                heapq.heappush(self.ttl_heap, (node.last_access + new.ttl, node.hashes[-1]))
+            self.evictable[node.tier].file(node)
+            if refile is not None:
+                self.writes.refile(node, refile)
+
+    @staticmethod
+    def _relocate(node: Node, wanted: set[bytes], loc: dict[bytes, Node]) -> None:
+        for h in node.hashes:
+            if h in wanted:
+                loc[h] = node
+
+    def rekey(self, node: Node, aux) -> None:
+        """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
+        e.g. its session ended), re-filing it (and its copies) where it is filed.
+        Runtime complexity: O(log n)."""
+        self.evictable[node.tier].unfile(node)
+        refile = self.writes.unfile(node)
+        node.aux = aux
+        self.evictable[node.tier].file(node)
+        if refile is not None:
+            self.writes.refile(node, refile)
+
+    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+              ) -> None:
+        """Mark cached block ``block_hash`` and everything before it as used now (their policy
+        keys move, as a hit's would): e.g. the parent of blocks about to be installed below
+        it from the remote tier, so that making room for them does not evict it first.
+        ``near``: the node holding it, if the caller located it (``locate_chain``).
+        Runtime complexity: O(depth in nodes) (+ a cut of its node)."""
+        now = self.clock() if now is None else now
+        n: Node | None = self.node_ending_at(block_hash, near)
+        while n is not None:
+            self.evictable[n.tier].unfile(n)
+            refile = self.writes.unfile(n)
+            n.last_access = now
+            self.evictable[n.tier].file(n)
+            if refile is not None:
+                self.writes.refile(n, refile)
+            n = n.parent

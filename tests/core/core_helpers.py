@@ -66,8 +66,8 @@ def snapshot_tree(tree: RadixTree) -> tuple:
     return (
         nodes_t,
         tuple(tuple(e) for e in tree.evictable),
-        tuple(tree._resident),
-        tree._unreferenced,
+        tuple(tree.resident),
+        tree.unreferenced,
         tuple(tuple(None if n is None else n.hashes[n.slots.index(b)] for b, n in enumerate(sn))
               for sn in tree.slot_nodes),
         tuple(sorted((h, n.hashes[-1]) for h, n in tree.heads.items())),
