@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from radixkv.core.events import KVEventQueue
 from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
@@ -620,6 +621,11 @@ class BlockManager:
         Runtime complexity: O(expired blocks + nodes * log n)."""
         return self.tree.evict_expired(now)
 
+    def event_queue(self) -> KVEventQueue:
+        """The cache's KV event queue (``RadixTree.event_queue``): ``subscribe()`` to it and
+        drain with ``take_events()`` on the engine loop."""
+        return self.tree.event_queue()
+
     def take_moves(self) -> list[MoveOp]:
         """The MoveOps of write-through copies made by ``commit`` (and of the evictions that
         made room for them), in execution order; clears them. Empty without write-through.
@@ -634,14 +640,10 @@ class BlockManager:
                       tier: int) -> BlockRef | None:
         """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
         found at start, a remote block fetched into the host) after ``parent_hash``; None if
-        it cannot be placed. The tree's insert listener hears of it as of a computed block
-        (a block entered the cache; e.g. a fleet replica announces it to the router).
+        it cannot be placed. A ``BlockStored`` event says so (a block entered the cache; e.g.
+        a fleet replica announces it to the router).
         Runtime complexity: O(1) (+ a cut of the parent's node)."""
-        ref = self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
-        listener = self.tree.insert_listener
-        if ref is not None and listener is not None:
-            listener([block_hash], None)
-        return ref
+        return self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
 
     def promote_lower(self, block_hash: bytes, tier: int, max_blocks: int | None = None
                       ) -> list[MoveOp]:

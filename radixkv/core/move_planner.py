@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from radixkv.core.evict_index import RecencyIndex
 from radixkv.core.evictable import EvictableSet
+from radixkv.core.events import BlockStored
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node
 from radixkv.core.policy import LRUPolicy
 from radixkv.errors import InvalidBlockError, OutOfBlocks
@@ -296,8 +297,9 @@ class MovePlanner:
         index, with no children) leave the cache; the rest stays, filed under its new tail."""
         t = node.tier
         cut = len(node.hashes) - take
-        if self.tree.drop_listener is not None:
-            self.tree.drop_listener([self.tree.block_ref(node, i) for i in range(len(node.hashes) - 1, cut - 1, -1)])
+        events = self.tree.events
+        if events is not None:
+            events.append(self.tree.removed_event(node, cut))
         self._free_blocks(node, cut, moves)
         del self.tails[node.hashes[-1]]
         self.tails[node.hashes[cut - 1]] = node
@@ -313,8 +315,9 @@ class MovePlanner:
     def _drop_node(self, node: Node, moves: list[MoveOp]) -> None:
         """``node`` (out of its index, with no children) leaves the cache."""
         assert node.children == 0 and node.child is None, f"dropping {node} would orphan children"
-        if self.tree.drop_listener is not None:
-            self.tree.drop_listener([self.tree.block_ref(node, i) for i in range(len(node.hashes) - 1, -1, -1)])
+        events = self.tree.events
+        if events is not None:
+            events.append(self.tree.removed_event(node, 0))
         self._free_blocks(node, 0, moves)
         del self.heads[node.hashes[0]]
         del self.tails[node.hashes[-1]]
@@ -353,7 +356,7 @@ class MovePlanner:
         no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it."""
         entries = self.evictable[DEVICE]
         if self.num_tiers != 1 or not self._lru or type(entries.index) is not RecencyIndex or \
-                self.tree.drop_listener is not None:
+                self.tree.events is not None:
             return False
         self._drop_device_lru(entries, num)
         return True
@@ -687,6 +690,9 @@ class MovePlanner:
         self.slot_nodes[tier][slot] = node
         self.resident[tier] += 1
         self.evictable[node.tier].file(node)
+        events = self.tree.events
+        if events is not None:
+            events.append(BlockStored((block_hash,), parent_hash, bytes(tokens), tier, (slot,)))
         return self.tree.block_ref(node, len(node.hashes) - 1)
 
     def invalidate(self, block_hash: bytes) -> list[MoveOp]:
@@ -716,8 +722,8 @@ class MovePlanner:
         writes = self.writes
         for n in reversed(order):
             self.evictable[n.tier].unfile(n)   # (not an eviction: the policy's hooks do not hear of it)
-            if self.tree.drop_listener is not None:
-                self.tree.drop_listener([self.tree.block_ref(n, j) for j in range(len(n.hashes) - 1, -1, -1)])
+            if self.tree.events is not None:
+                self.tree.events.append(self.tree.removed_event(n, 0))
             t = n.tier
             pool = self.pools[t]
             sn = self.slot_nodes[t]

@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 from radixkv.core.evictable import EvictableSet
+from radixkv.core.events import BlockRemoved, BlockStored, KVEventQueue
 from radixkv.core.hashing import TOKEN_BYTES
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
@@ -133,11 +134,9 @@ class RadixTree:
         self.ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
         self.pending_moves: list[MoveOp] = []            # write-through moves of inserts, not taken yet
         self.stats = TreeStats(self.num_tiers)
-        #: Listeners (must not touch the tree; the remote tier, a fleet replica's events):
-        #: blocks about to leave the cache (``BlockRef``\ s, still linked), and the hashes of
-        #: blocks that entered it with their device block ids (None: placed in a slower tier).
-        self.drop_listener: Callable[[list[BlockRef]], None] | None = None
-        self.insert_listener: Callable[[list[bytes], list[int] | None], None] | None = None
+        #: KV events (``events.py``): None until someone subscribes (``event_queue()``), and
+        #: then every block entering or leaving the cache is appended as a typed event
+        self.events: KVEventQueue | None = None
         self.writes: TreeWrites = make_writes(write_through).bind(self)
         self.write_through: tuple[int, ...] = self.writes.tiers
         #: the tier moves (``move_planner.py``); its public methods are the tree's
@@ -155,6 +154,38 @@ class RadixTree:
         self.invalidate = planner.invalidate
         if self.hooks:
             self.policy.bind(self)
+
+    # ------------------------------------------------------------------ events
+    def event_queue(self) -> KVEventQueue:
+        """The tree's KV event queue (made on the first call; from then on the tree appends an
+        event for every block entering or leaving the cache). Readers ``subscribe()`` to it,
+        with ``snapshot=tree.snapshot_events()`` to start from the cache as it is.
+        Runtime complexity: O(1)."""
+        if self.events is None:
+            self.events = KVEventQueue()
+        return self.events
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """One ``BlockStored`` per node, parents before children: the cache as it is now
+        (for a reader that starts late). Runtime complexity: O(cached blocks)."""
+        out: list[BlockStored] = []
+        stack = [x for x in self.heads.values() if x.parent is None]
+        while stack:
+            node = stack.pop()
+            out.append(BlockStored(tuple(node.hashes), None if node.parent is None else
+                                   node.parent.hashes[-1], bytes(node.tokens), node.tier,
+                                   tuple(node.slots)))
+            stack.extend(node.iter_children())
+        return out
+
+    def removed_event(self, node: Node, cut: int) -> BlockRemoved:
+        """The ``BlockRemoved`` of blocks ``[cut, n)`` of ``node`` (before they go)."""
+        if cut:
+            parent_hash: bytes | None = node.hashes[cut - 1]
+        else:
+            parent_hash = None if node.parent is None else node.parent.hashes[-1]
+        return BlockRemoved(tuple(node.hashes[cut:]), parent_hash,
+                            bytes(node.tokens[cut * self.block_bytes:]), node.tier)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -845,8 +876,12 @@ class RadixTree:
         self.stats.inserted += n
         if copies:
             self.writes.after_insert(node, start)
-        if self.insert_listener is not None:
-            self.insert_listener(list(hashes), list(slots))
+        events = self.events
+        if events is not None:
+            events.append(BlockStored(
+                tuple(hashes), node.hashes[start - 1] if start else
+                (None if node.parent is None else node.parent.hashes[-1]),
+                bytes(tokens), DEVICE, tuple(slots)))
         return node, start
 
     # ------------------------------------------------------------------ eviction

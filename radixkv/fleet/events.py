@@ -2,9 +2,10 @@
 
 Three pieces, the first two pure Python (tested without Ray):
 
-* :class:`EventRecorder` sits on one engine's radix tree (its insert and drop listeners) and
-  collects the chain hashes of blocks that entered or left the replica's cache since the last
-  :meth:`~EventRecorder.drain` (an entry and a later exit of the same block cancel out).
+* :class:`EventRecorder` reads one engine's KV events (``radixkv.core.events``: the tree's
+  event queue) and collects the chain hashes of blocks that entered or left the replica's cache
+  since the last :meth:`~EventRecorder.drain` (an entry and a later exit of the same block
+  cancel out).
 * :class:`EventLog` is the fleet's ordered log of those batches, with each replica's current
   set so that a listener that fell behind (or just started) gets a snapshot instead of history.
 * :class:`KVEventBus` is that log as a Ray actor: replicas ``publish`` a batch every
@@ -23,10 +24,11 @@ A block counts as cached on a replica while it is in that replica's tree, whatev
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
+
+from radixkv.core.events import BlockRemoved, BlockStored
 
 #: How often a replica ships its events and load (seconds): the router's view lags by this much.
 PUBLISH_PERIOD_S = 0.05
@@ -38,43 +40,37 @@ _ABSENT = object()
 class EventRecorder:
     """Collects the block hashes entering and leaving one engine's tree.
 
-    Chains onto the tree's listeners (keeping any already installed, e.g. the remote tier's),
-    and starts from the tree's current content (blocks restored from disk at start-up).
-    The listeners run on the engine's loop thread; :meth:`drain` may run on any thread.
+    A reader of the tree's KV event queue (``RadixTree.event_queue()``; other readers, e.g.
+    the remote tier, read the same events independently), started from a snapshot of the
+    tree's current content (blocks restored from disk at start-up). The tree appends events on
+    the engine's loop thread; :meth:`drain` may run on any thread (the queue is locked).
     """
 
     def __init__(self, tree: Any) -> None:
-        self._lock = threading.Lock()
-        self._added: dict[bytes, None] = dict.fromkeys(tree.block_index())
-        self._removed: dict[bytes, None] = {}
-        prev_insert, prev_drop = tree.insert_listener, tree.drop_listener
-
-        def on_insert(hashes: list[bytes], slots: list[int] | None = None) -> None:
-            with self._lock:
-                for h in hashes:
-                    if self._removed.pop(h, _ABSENT) is _ABSENT:   # else: left, came back
-                        self._added[h] = None
-            if prev_insert is not None:
-                prev_insert(hashes, slots)
-
-        def on_drop(blocks: list[Any]) -> None:
-            with self._lock:
-                for b in blocks:
-                    h = b.block_hash
-                    if self._added.pop(h, _ABSENT) is _ABSENT:   # else: came and went
-                        self._removed[h] = None
-            if prev_drop is not None:
-                prev_drop(blocks)
-
-        tree.insert_listener, tree.drop_listener = on_insert, on_drop
+        self._cursor = tree.event_queue().subscribe(tree.snapshot_events())
 
     def drain(self) -> tuple[list[bytes], list[bytes]]:
-        """(added, removed) since the last drain, each hash at most once, disjoint."""
-        with self._lock:
-            added, removed = list(self._added), list(self._removed)
-            self._added.clear()
-            self._removed.clear()
-        return added, removed
+        """(added, removed) since the last drain, each hash at most once, disjoint: a block
+        that entered and left (or left and came back) in between is in neither."""
+        added: dict[bytes, None] = {}
+        removed: dict[bytes, None] = {}
+        for e in self._cursor.take_events():
+            if type(e) is BlockStored:
+                for h in e.block_hashes:
+                    if removed.pop(h, _ABSENT) is _ABSENT:   # else: left, came back
+                        added[h] = None
+            elif type(e) is BlockRemoved:
+                for h in e.block_hashes:
+                    if added.pop(h, _ABSENT) is _ABSENT:     # else: came, left
+                        removed[h] = None
+            else:   # AllCleared: what follows describes the whole cache (the first batch
+                added.clear()   # resets this replica's entry in the log anyway)
+                removed.clear()
+        return list(added), list(removed)
+
+    def close(self) -> None:
+        """Stop reading the tree's events."""
+        self._cursor.close()
 
 
 class EventLog:

@@ -25,12 +25,12 @@ Write path (the policy objects of :mod:`radixkv.tiers.write_policy` install thes
 * ``write_back`` (default): a block leaving the host tier (demoted to disk or dropped) is
   written. The mover shows :meth:`apply_moves` each group of moves before running it: the host
   slot of such a move still holds the block (unless an earlier move of the same list wrote the
-  slot, then it is skipped). Parent hash and tokens of a dropped block come from
-  ``RadixTree.drop_listener`` (:meth:`on_drop`; the block is gone from the tree by the time the group
-  runs).
-* ``write_through``: also every block as soon as it is computed (``RadixTree.insert_listener``,
-  :meth:`on_computed`),
-  copied off the device after the step, so another replica finds a conversation at once.
+  slot, then it is skipped). Parent hash and tokens of a dropped block come from the tree's
+  KV events (``BlockRemoved``, taken from the tier's reader of ``RadixTree.event_queue()`` at
+  :meth:`apply_moves`; the block is gone from the tree by the time the group runs).
+* ``write_through``: also every block as soon as it is computed (the events' ``BlockStored``
+  on the device), copied off the device after the step, so another replica finds a
+  conversation at once.
 * retention (any policy but ``read_only``): :meth:`persist` writes the blocks a request asks to
   keep (a ``CachePoint(persist=True)``, the server's ``"24h"`` retention) after the step, with
   their TTL on the keys; a block written before only has its key's expiry restarted.
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.core.hashing import TOKEN_BYTES, token_bytes
+from radixkv.core.events import BlockRemoved, BlockStored, EventCursor
 from radixkv.core.node import BlockRef, MoveOp
 from radixkv.core.tree import RadixTree
 from radixkv.errors import StorageError
@@ -123,6 +124,8 @@ class RemoteTier(KVMover):
         self._arrivals: dict[str, _Arrival] = {}
         self._dropped: dict[bytes, tuple[bytes | None, bytes]] = {}
         self._computed: list[tuple[bytes, int | None]] = []   # (hash, device block id)
+        self._events: EventCursor | None = None   # the tree's KV events (read_events)
+        self._read_computed = False
         # blocks kept for a retention (``persist``): hash -> the retention in seconds, most
         # recently used last; bounded, since forgetting one only costs rewriting it once
         self._retained: OrderedDict[bytes, float] = OrderedDict()
@@ -275,22 +278,32 @@ class RemoteTier(KVMover):
         return n
 
     # ------------------------------------------------------------------ write path
-    def on_computed(self, hashes: list[bytes], slots: list[int] | None = None) -> None:
-        """Blocks just committed into device blocks ``slots`` (write-through: written after
-        the step; None: placed in a slower tier, not written)."""
-        if slots is not None:
-            self._computed.extend(zip(hashes, slots))
+    def read_events(self, cursor: EventCursor, computed: bool) -> None:
+        """Read the tree's KV events from ``cursor`` (the write policy's wiring): blocks that
+        left the host tier (write-back needs their parent hash and tokens) and, with
+        ``computed``, blocks committed on the device (write-through writes them)."""
+        self._events, self._read_computed = cursor, computed
 
-    def on_drop(self, blocks: list[BlockRef]) -> None:
-        """Blocks about to leave the cache: keep what a write-back of the host ones needs."""
-        for b in blocks:
-            if b.tier == self.host_tier:
-                self._dropped[b.block_hash] = (b.parent_hash, b.tokens)
+    def _take_events(self) -> None:
+        """Take the events since the last call (on the loop thread, before their use)."""
+        if self._events is None:
+            return
+        w = self.block_size * TOKEN_BYTES
+        for e in self._events.take_events():
+            if type(e) is BlockRemoved:
+                if e.tier == self.host_tier:
+                    parent = e.parent_hash
+                    for i, h in enumerate(e.block_hashes):
+                        self._dropped[h] = (parent, e.tokens[i * w:(i + 1) * w])
+                        parent = h
+            elif type(e) is BlockStored and self._read_computed and e.tier == 0:
+                self._computed.extend(zip(e.block_hashes, e.block_ids))
 
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         """Write back the blocks leaving the host tier in ``moves``, a group of one direction
         that the mover is about to run (the groups before it have landed, so each source
         slot holds exactly its block)."""
+        self._take_events()
         t = self.host_tier
         if not moves or moves[0].src_tier != t:
             return
@@ -316,6 +329,7 @@ class RemoteTier(KVMover):
         """Write-through: queue the blocks computed this step (copied off the device), and the
         blocks ``persist`` asked for. Forget drop records no move list used (blocks
         invalidated, never written)."""
+        self._take_events()
         self._dropped.clear()
         self._forget_lost()
         computed, self._computed = self._computed, []

@@ -7,10 +7,11 @@ its paths. ``CacheConfig.remote_write`` names one (``write_back``, ``write_throu
 
 * :class:`WriteBack` (default): a block is written when it leaves the host tier (demoted to disk
   or dropped): the mover shows the remote tier each group of moves while the host slots still
-  hold the blocks, and the tree's drop listener keeps the parent hash and tokens of a block
-  whose node is unlinked before its group runs.
-* :class:`WriteThrough`: also every block as soon as it is computed (the tree's insert
-  listener), copied off the device after the step: another replica finds it at once.
+  hold the blocks, and the tree's KV events (``BlockRemoved``, read from the tree's event queue)
+  give the parent hash and tokens of a block whose node is unlinked before its group runs.
+* :class:`WriteThrough`: also every block as soon as it is computed (the events'
+  ``BlockStored`` on the device), copied off the device after the step: another replica finds it
+  at once.
 * :class:`ReadOnly`: never writes (a replica that only consumes a shared cache).
 """
 
@@ -46,7 +47,7 @@ class WriteBack(WritePolicy):
     name = "write_back"
 
     def attach(self, tier: Any, tree: Any, mover: Any) -> None:
-        tree.drop_listener = tier.on_drop
+        tier.read_events(tree.event_queue().subscribe(), computed=False)
         mover.add_observer(tier.apply_moves)
 
 
@@ -54,8 +55,8 @@ class WriteThrough(WriteBack):
     name = "write_through"
 
     def attach(self, tier: Any, tree: Any, mover: Any) -> None:
-        super().attach(tier, tree, mover)
-        tree.insert_listener = tier.on_computed
+        tier.read_events(tree.event_queue().subscribe(), computed=True)
+        mover.add_observer(tier.apply_moves)
 
 
 POLICIES: dict[str, type[WritePolicy]] = {p.name: p for p in (WriteBack, WriteThrough, ReadOnly)}

@@ -98,3 +98,15 @@ def assert_unchanged(before: tuple, after: tuple, what: str) -> None:
                     return diff(x, y, f"{path}[{i}]")
         return f"{path}: {a!r} -> {b!r}"
     raise AssertionError(f"{what} raised but changed state at {diff(before, after, 'state')}")
+
+
+def removed_in_order(cursor) -> list[bytes]:
+    """The hashes of the blocks removed since the reader's last take, in the order they left
+    (each ``BlockRemoved`` is a chain that leaves from its deepest block)."""
+    from radixkv.core.events import BlockRemoved
+
+    out: list[bytes] = []
+    for e in cursor.take_events():
+        if type(e) is BlockRemoved:
+            out.extend(reversed(e.block_hashes))
+    return out

@@ -1,8 +1,8 @@
-"""The inlined LRU eviction loop (``RequestOps._drop_device_lru``) against the generic one.
+"""The device-only LRU eviction loop (``MovePlanner._drop_device_lru``) against the generic one.
 
-A device-only LRU tree evicts through ``_drop_device_lru``, which inlines the
-``RecencyIndex``'s pop and add; with a drop listener set it takes the generic loop
-(``pop_min``/``add`` calls). Two managers fed the same requests, one with a no-op listener, must
+A device-only LRU tree evicts through ``_drop_device_lru``, one loop over victim nodes (the
+``RecencyIndex``'s ``pop_min_peek`` and ``add``); with a KV event reader it takes the generic
+loop. Two managers fed the same requests, one with an event reader, must
 return the same moves and end in the same state after every eviction, including when parents
 land in the index's side list (equal access times make the hash decide the order) and when dead
 pairs sit at the head of its queue.
@@ -33,7 +33,7 @@ def _managers() -> tuple[BlockManager, BlockManager, FakeClock]:
     clock = FakeClock()
     inline = BlockManager.create(24, B, clock=clock)
     generic = BlockManager.create(24, B, clock=clock)
-    generic.tree.drop_listener = lambda node: None   # forces the generic loop
+    generic.event_queue().subscribe()   # an event reader forces the generic loop
     return inline, generic, clock
 
 

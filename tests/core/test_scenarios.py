@@ -6,7 +6,7 @@ Block size 2 throughout; ``FakeClock`` gives every event a distinct, known time.
 from __future__ import annotations
 
 import pytest
-from core_helpers import FakeClock
+from core_helpers import FakeClock, removed_in_order
 
 from radixkv.core.block_manager import BlockManager, CopyOp
 from radixkv.core.hashing import Namespace, hash_token_blocks
@@ -44,10 +44,9 @@ def test_lru_evicts_in_release_order_and_a_hit_refreshes() -> None:
     run(bm, clock, "c", [3, 3, 9])
     a = run(bm, clock, "a2", [1, 1, 8])  # hit on [1,1]: now the most recently used
     assert a.num_cached_tokens == 2
-    dropped = []
-    bm.tree.drop_listener = lambda blocks: dropped.extend(b.block_hash for b in blocks)
+    events = bm.event_queue().subscribe()
     assert bm.tree.evict(0, 3) == []     # one tier: drops need no storage work, no MoveOps
-    assert dropped == [h([2, 2])[0], h([3, 3])[0], h([1, 1])[0]]
+    assert removed_in_order(events) == [h([2, 2])[0], h([3, 3])[0], h([1, 1])[0]]
 
 
 def test_leaf_first_even_when_the_parent_ranks_lower() -> None:
@@ -56,9 +55,9 @@ def test_leaf_first_even_when_the_parent_ranks_lower() -> None:
     root, mid, leaf = (bm.tree.get(x) for x in h([1, 1, 2, 2, 3, 3]))
     bm.tree.set_hints([root.block_hash], priority=-10)   # the root ranks lowest...
     bm.tree.set_hints([leaf.block_hash], priority=5)
-    order = []
-    bm.tree.drop_listener = lambda blocks: order.extend(b.block_hash for b in blocks)
+    events = bm.event_queue().subscribe()
     bm.tree.evict(0, 3)
+    order = removed_in_order(events)
     assert order == [leaf.block_hash, mid.block_hash, root.block_hash]  # ...but goes last
 
 
@@ -90,13 +89,12 @@ def test_ttl_expiry_with_a_fake_clock() -> None:
     bm.allocate("b", [2, 2, 9], NS); bm.commit("b", 3); bm.free("b")
     bm.tree.set_hints([h([2, 2])[0]], ttl=3600.0)                       # the 1-hour tier
     assert bm.tree.evict_expired(299.0) == []                           # default TTL 300 s
-    dropped = []
-    bm.tree.drop_listener = lambda blocks: dropped.extend(b.block_hash for b in blocks)
+    events = bm.event_queue().subscribe()
     assert bm.tree.evict_expired(300.0) == []                           # device only: no MoveOps
-    assert dropped == [h([1, 1])[0]]
+    assert removed_in_order(events) == [h([1, 1])[0]]
     assert bm.tree.get(h([2, 2])[0]) is not None
     bm.tree.evict_expired(3600.0)
-    assert dropped == [h([1, 1])[0], h([2, 2])[0]]
+    assert removed_in_order(events) == [h([2, 2])[0]]
     assert len(bm.tree) == 0 and bm.num_free_blocks == 8
     bm.check_invariants()
 

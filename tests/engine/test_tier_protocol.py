@@ -36,28 +36,32 @@ def test_write_policies_are_objects_that_wire_hooks() -> None:
     with pytest.raises(ConfigError):
         write_policy("write_sometimes")
 
-    class Hooks:
-        drop_listener = insert_listener = None
-        observed: list = []
+    from radixkv.core.block_manager import BlockManager
+
+    class Mover:
+        def __init__(self) -> None:
+            self.observed: list = []
 
         def add_observer(self, fn):
             self.observed.append(fn)
 
     class Tier:
-        def on_drop(self, node): ...
-        def on_computed(self, nodes): ...
+        reads: tuple | None = None
+
+        def read_events(self, cursor, computed):
+            self.reads = (cursor, computed)
+
         def apply_moves(self, moves): ...
 
-    tier = Tier()
-    for policy, drops, inserts, observers in ((ReadOnly(), False, False, 0),
-                                              (WriteBack(), True, False, 1),
-                                              (WriteThrough(), True, True, 1)):
-        h = Hooks()
-        h.observed = []
-        policy.attach(tier, h, h)
-        assert (h.drop_listener is not None) == drops
-        assert (h.insert_listener is not None) == inserts
-        assert len(h.observed) == observers
+    for policy, reads, computed, observers in ((ReadOnly(), False, False, 0),
+                                               (WriteBack(), True, False, 1),
+                                               (WriteThrough(), True, True, 1)):
+        tree, tier, mover = BlockManager.create(4, 2, lower_tier_blocks=[4]).tree, Tier(), Mover()
+        policy.attach(tier, tree, mover)
+        assert (tier.reads is not None) == reads
+        assert tier.reads is None or tier.reads[1] == computed
+        assert (tree.events is not None and tree.events.num_readers == 1) == reads
+        assert len(mover.observed) == observers
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -151,34 +151,38 @@ def _apply(idx: PrefixIndex, batches: list[Any]) -> PrefixIndex:
     return idx
 
 
-class _Node:
-    def __init__(self, h: bytes) -> None:
-        self.block_hash = h
+def test_recorder_starts_from_the_tree_reads_beside_others_and_cancels_round_trips() -> None:
+    """The recorder reads the tree's KV events beside another reader (the remote tier's),
+    starts from what the tree holds, and a block that came and went (or left and came back)
+    between two drains is announced neither way."""
+    from itertools import count
 
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.events import BlockRemoved
+    from radixkv.core.hashing import Namespace, hash_token_blocks
 
-class _Tree:
-    def __init__(self, held: list[bytes]) -> None:
-        self._held = held
-        self.insert_listener = None
-        self.drop_listener = None
+    ticks = count()
+    bm = BlockManager.create(8, 2, clock=lambda: float(next(ticks)))
+    ns = Namespace("m")
 
-    def block_index(self) -> dict[bytes, None]:
-        return dict.fromkeys(self._held)
+    def run(sid: str, toks: list[int]) -> bytes:
+        bm.allocate(sid, toks + [9], ns)
+        bm.commit(sid, len(toks) + 1)
+        bm.free(sid)
+        return hash_token_blocks(toks, 2, ns)[0]
 
-
-def test_recorder_starts_from_the_tree_chains_listeners_and_cancels_round_trips() -> None:
-    seen: list[str] = []
-    tree = _Tree([HASHES[0]])
-    tree.drop_listener = lambda n: seen.append("remote-tier-drop")
-    rec = EventRecorder(tree)
-    tree.insert_listener([HASHES[1], HASHES[2]])
-    tree.drop_listener([_Node(HASHES[2])])          # came and went: no event
-    tree.drop_listener([_Node(HASHES[3])])          # an older block left
-    assert seen == ["remote-tier-drop", "remote-tier-drop"]   # the earlier listener still runs
-    assert rec.drain() == ([HASHES[0], HASHES[1]], [HASHES[3]])
-    tree.drop_listener([_Node(HASHES[1])])
-    tree.insert_listener([HASHES[1]])                # left and came back: no event
+    h0 = run("z", [0, 0])
+    other = bm.event_queue().subscribe()          # e.g. the remote tier's reader
+    rec = EventRecorder(bm.tree)
+    assert rec.drain() == ([h0], [])
+    h2, h3 = run("b", [2, 2]), run("c", [3, 3])
+    bm.tree.evict(0, 2)                           # LRU: h0 (an older block) and h2 (came, went)
+    assert rec.drain() == ([h3], [h0])
+    bm.tree.evict(0, 1)                           # h3 leaves and comes back: no event
+    assert run("c2", [3, 3]) == h3
     assert rec.drain() == ([], [])
+    gone = [h for e in other.take_events() if type(e) is BlockRemoved for h in e.block_hashes]
+    assert gone == [h0, h2, h3]                   # the other reader saw every event itself
 
 
 def test_rank_prefers_the_cached_prefix_until_load_outweighs_it() -> None:
