@@ -40,8 +40,8 @@ from typing import NamedTuple
 import xxhash
 
 from radixkv.core.events import KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
-from radixkv.core.pool import BlockPool
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, token_bytes
+from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
     InvalidRequestError, InvalidTokensError, OutOfBlocks, SequenceExistsError,
@@ -173,7 +173,7 @@ class BlockManager:
     def token_ids(self, seq_id: SeqId) -> list[int]:
         return list(self._seq(seq_id).tokens)
 
-    def block_refcount(self, block_id: int) -> int:
+    def block_refcount(self, block_id: BlockId) -> int:
         """How many live sequences hold device block ``block_id`` (its node's holders if it is
         cached, the pool's count if it is private). Runtime complexity: O(1)."""
         node = self.tree.device_nodes[block_id]
@@ -632,11 +632,11 @@ class BlockManager:
         Runtime complexity: O(1)."""
         return self.tree.take_moves()
 
-    def get(self, block_hash: bytes) -> BlockRef | None:
+    def get(self, block_hash: BlockHash) -> BlockRef | None:
         """The cached block ``block_hash`` (a snapshot, read only). O(its node's length)."""
         return self.tree.get(block_hash)
 
-    def install_lower(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
+    def install_lower(self, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: bytes,
                       tier: int) -> BlockRef | None:
         """Cache a block whose bytes the caller places in slower tier ``tier`` (a disk file
         found at start, a remote block fetched into the host) after ``parent_hash``; None if
@@ -645,22 +645,22 @@ class BlockManager:
         Runtime complexity: O(1) (+ a cut of the parent's node)."""
         return self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
 
-    def promote_lower(self, block_hash: bytes, tier: int, max_blocks: int | None = None
+    def promote_lower(self, block_hash: BlockHash, tier: int, max_blocks: int | None = None
                       ) -> list[MoveOp]:
         """Plan moving the slower-tier run starting at ``block_hash`` (up to ``max_blocks``
         blocks) up into slower tier ``tier`` (a prefetch): its moves."""
         return self.tree.promote_lower(block_hash, tier, max_blocks)
 
-    def invalidate(self, block_hash: bytes) -> list[MoveOp]:
+    def invalidate(self, block_hash: BlockHash) -> list[MoveOp]:
         """``block_hash`` and everything after it leave the cache (their bytes are bad or
         lost): the drops to run. Runtime complexity: O(dropped blocks)."""
         return self.tree.invalidate(block_hash)
 
-    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
+    def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
         """Forget ``block_hash``'s write-through copy in ``tier`` (its write failed)."""
         return self.tree.writes.drop_copy(block_hash, tier)
 
-    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+    def touch(self, block_hash: BlockHash, now: float | None = None, near: Node | None = None
               ) -> None:
         """Mark ``block_hash`` and its prefix used now (so making room next to it does not
         evict it); ``near``: the node holding it, if known (``RadixTree.locate_chain``)."""

@@ -26,7 +26,8 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple, Union
 
-from radixkv.core.hashing import TOKEN_BYTES
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash
+from radixkv.core.pool import BlockId
 
 __all__ = ["AllCleared", "BlockRemoved", "BlockStored", "EventCursor", "KVEvent",
            "KVEventQueue"]
@@ -38,11 +39,11 @@ class BlockStored(NamedTuple):
     little-endian ``tokens`` (``block_size`` per block), and their block ids in ``tier``'s
     pool (``block_ids[i]`` holds ``block_hashes[i]``)."""
 
-    block_hashes: tuple[bytes, ...]
-    parent_hash: bytes | None
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
     tokens: bytes
     tier: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[BlockId, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +55,8 @@ class BlockRemoved(NamedTuple):
     first, after ``parent_hash``, with their token ids (what the blocks held, for a reader
     that keeps them elsewhere)."""
 
-    block_hashes: tuple[bytes, ...]
-    parent_hash: bytes | None
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
     tokens: bytes
     tier: int
 

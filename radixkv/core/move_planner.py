@@ -36,11 +36,13 @@ import heapq
 from array import array
 from typing import TYPE_CHECKING
 
+from radixkv.core.events import BlockStored
 from radixkv.core.evict_index import RecencyIndex
 from radixkv.core.evictable import EvictableSet
-from radixkv.core.events import BlockStored
+from radixkv.core.hashing import BlockHash
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node
 from radixkv.core.policy import LRUPolicy
+from radixkv.core.pool import BlockId
 from radixkv.errors import InvalidBlockError, OutOfBlocks
 
 if TYPE_CHECKING:
@@ -422,7 +424,7 @@ class MovePlanner:
             self.stats.dropped += dropped
 
     # ------------------------------------------------------------------ to the device
-    def promote_nodes(self, nodes: list[Node], block_ids: list[int], now: float) -> list[MoveOp]:
+    def promote_nodes(self, nodes: list[Node], block_ids: list[BlockId], now: float) -> list[MoveOp]:
         """Load slower-tier ``nodes`` (whole nodes of one chain, root first, whose first
         parent is on the device) into device blocks ``block_ids`` (allocated by the caller,
         in chain order) and lock each for one holder. A source in a write-through tier stays
@@ -456,7 +458,7 @@ class MovePlanner:
             self.tree.coalesce(node.parent, node)
         return moves
 
-    def _rehome_on_device(self, node: Node, block_ids: list[int]) -> tuple[int, list[int],
+    def _rehome_on_device(self, node: Node, block_ids: list[BlockId]) -> tuple[int, list[int],
                                                                             list[int] | None]:
         """Move slower-tier ``node`` (whose parent is on the device) onto device blocks
         ``block_ids``: out of its tier's index, child counts, device map, residency counts.
@@ -482,7 +484,7 @@ class MovePlanner:
         self.stats.promoted[t] += n
         return t, old, refile
 
-    def promote_head_block(self, node: Node, parent: Node, block_id: int, now: float
+    def promote_head_block(self, node: Node, parent: Node, block_id: BlockId, now: float
                            ) -> MoveOp | None:
         """Promote the first block of slower-tier ``node`` (2+ blocks, child of the held
         device node ``parent``) into device block ``block_id`` and lock it, onto the end of
@@ -524,7 +526,7 @@ class MovePlanner:
         self.stats.promoted[t] += 1
         return _tuple_new(MoveOp, (h, t, old, DEVICE, b, False))
 
-    def adopt(self, node: Node, block_ids: list[int]) -> Node:
+    def adopt(self, node: Node, block_ids: list[BlockId]) -> Node:
         """The first ``len(block_ids)`` blocks of slower-tier ``node`` were recomputed into
         device blocks ``block_ids`` (held; their pool refcounts move into the node): they
         become those blocks, and nothing is loaded. Their old residency is released (a drop
@@ -557,7 +559,7 @@ class MovePlanner:
         return node
 
     # ------------------------------------------------------------------ slower tiers
-    def promote_lower(self, block_hash: bytes, tier: int, max_blocks: int | None = None
+    def promote_lower(self, block_hash: BlockHash, tier: int, max_blocks: int | None = None
                       ) -> list[MoveOp]:
         """Move the slower-tier node that starts with ``block_hash`` (at most ``max_blocks``
         of its blocks) up into the faster non-device ``tier``: a prefetch (disk -> host),
@@ -636,7 +638,7 @@ class MovePlanner:
             moves.append(_tuple_new(MoveOp, (h, t, s, tier, d, keep)))
         return moves
 
-    def insert_lower(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
+    def insert_lower(self, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: bytes,
                      tier: int) -> BlockRef | None:
         """Cache a block that already lives in slower tier ``tier`` (found on disk at start,
         fetched from the remote tier) after cached block ``parent_hash`` (None: a root).
@@ -695,7 +697,7 @@ class MovePlanner:
             events.append(BlockStored((block_hash,), parent_hash, bytes(tokens), tier, (slot,)))
         return self.tree.block_ref(node, len(node.hashes) - 1)
 
-    def invalidate(self, block_hash: bytes) -> list[MoveOp]:
+    def invalidate(self, block_hash: BlockHash) -> list[MoveOp]:
         """Drop cached block ``block_hash`` and everything after it (the rest of its node and
         every descendant), in any tier, with all their copies (its bytes proved bad, e.g. a
         disk block that failed its checksum on load). Returns drop MoveOps (dst None): queued

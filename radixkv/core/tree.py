@@ -61,10 +61,10 @@ from collections.abc import Callable, Iterable, Sequence
 import xxhash
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.events import BlockRemoved, BlockStored, KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
 from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
-from radixkv.core.pool import BlockPool
+from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.move_planner import MovePlanner
 from radixkv.core.writes import TreeWrites, make_writes
 from radixkv.errors import ConfigError, InvalidBlockError
@@ -209,7 +209,7 @@ class RadixTree:
         return BlockRef(node.hashes[i], node.tier, node.slots[i], parent_hash,
                         bytes(node.tokens[i * w:(i + 1) * w]))
 
-    def device_block(self, block_id: int) -> BlockRef | None:
+    def device_block(self, block_id: BlockId) -> BlockRef | None:
         """The cached block in device block ``block_id`` (None: free or private)."""
         node = self.device_nodes[block_id]
         return None if node is None else self.block_ref(node, node.slots.index(block_id))
@@ -233,7 +233,7 @@ class RadixTree:
         """Write-through copies held in ``tier``. O(1)."""
         return self.writes.num_copies(tier)
 
-    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
+    def copy_slot(self, block_hash: BlockHash, tier: int) -> int | None:
         """The slot of ``block_hash``'s copy in ``tier``, or None (no copy there). O(1)."""
         if type(tier) is not int or not 0 <= tier < self.num_tiers:
             raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
@@ -325,8 +325,8 @@ class RadixTree:
             node = c
 
     # ------------------------------------------------------------------ insertion
-    def insert(self, parent_hash: bytes | None, block_hash: bytes, tokens: bytes,
-               block_id: int, now: float | None = None) -> BlockRef:
+    def insert(self, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: bytes,
+               block_id: BlockId, now: float | None = None) -> BlockRef:
         """Cache device block ``block_id`` (whose KV is computed) right after cached block
         ``parent_hash`` (None: a root). One block at a time: the block manager's commit path
         is ``insert_run``.
@@ -447,7 +447,7 @@ class RadixTree:
             path.append(self.split(last, k)[0])
         return path
 
-    def node_ending_at(self, block_hash: bytes, near: Node | None = None) -> Node:
+    def node_ending_at(self, block_hash: BlockHash, near: Node | None = None) -> Node:
         """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
         sits inside its node: the parent to hang a new node from. ``near``: a guess of the
         node holding it (see ``_find``)."""
@@ -571,7 +571,7 @@ class RadixTree:
         each call, for tests and checks (the tree itself keeps no per-block index)."""
         return {h: node for node in self.heads.values() for h in node.hashes}
 
-    def get(self, block_hash: bytes, scan: bool = True) -> BlockRef | None:
+    def get(self, block_hash: BlockHash, scan: bool = True) -> BlockRef | None:
         """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
         or last block of a node; O(cached blocks) for an inner one (``_find``), or None at
         once with ``scan=False``: callers on a hot path address a block by ``(tier, slot)``
@@ -585,7 +585,7 @@ class RadixTree:
             return None
         return self.block_ref(node, node.hashes.index(block_hash))
 
-    def find(self, block_hash: bytes, near: Node | None = None) -> Node | None:
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None:
         """The node holding cached block ``block_hash``, or None: ``near`` if it holds it
         (a caller's guess, e.g. from ``locate_chain``; O(its length)), else O(1) for a node's
         first or last block, else a scan of the nodes (an inner block)."""
@@ -607,7 +607,7 @@ class RadixTree:
         node = self.slot_nodes[tier][slot]
         return None if node is None else self.block_ref(node, node.slots.index(slot))
 
-    def block_of(self, block_hash: bytes, *places: tuple[int | None, int | None]
+    def block_of(self, block_hash: BlockHash, *places: tuple[int | None, int | None]
                  ) -> BlockRef | None:
         """The cached block ``block_hash``, looked for first at the ``(tier, slot)`` places
         given (e.g. a ``MoveOp``'s destination and source: O(node length) each), then by its
@@ -622,7 +622,7 @@ class RadixTree:
                     return self.block_ref(node, i)
         return self.get(block_hash)
 
-    def refs_of(self, hashes: Sequence[bytes]) -> list[BlockRef | None]:
+    def refs_of(self, hashes: Sequence[BlockHash]) -> list[BlockRef | None]:
         """``get`` of each hash, walking runs of consecutive blocks (the next block of the
         previous one's node, or the first block of one of its children) so that a chain costs
         O(its length) and only the first block of each run is looked up by hash."""
@@ -648,7 +648,7 @@ class RadixTree:
             out.append(self.block_ref(node, i))
         return out
 
-    def chain_hints(self, hashes: Sequence[bytes]) -> list[NodeHints]:
+    def chain_hints(self, hashes: Sequence[BlockHash]) -> list[NodeHints]:
         """The hints of each block of a chain from a root (``locate_chain``); defaults past
         its cached prefix. O(len(hashes))."""
         where = self.locate_chain(hashes)
@@ -656,7 +656,7 @@ class RadixTree:
         out += [DEFAULT_HINTS] * (len(hashes) - len(where))
         return out
 
-    def locate_chain(self, hashes: Sequence[bytes]) -> list[tuple[Node, int]]:
+    def locate_chain(self, hashes: Sequence[BlockHash]) -> list[tuple[Node, int]]:
         """``(node, offset)`` of each block of the chain ``hashes`` (consecutive blocks, the
         first one a root or any block ``_find`` locates), for its longest cached prefix.
         A pure read. Runtime complexity: O(len(hashes)) (+ ``_find`` of the first)."""
@@ -679,7 +679,7 @@ class RadixTree:
             i += 1
         return out
 
-    def hints(self, block_hash: bytes) -> NodeHints:
+    def hints(self, block_hash: BlockHash) -> NodeHints:
         """The eviction hints of a cached block (defaults if none were set). O(1) for a node's
         first or last block, O(cached blocks) otherwise (``_find``)."""
         node = self.find(block_hash)
@@ -748,8 +748,8 @@ class RadixTree:
         self.unreferenced += unref
 
     # ------------------------------------------------------------------ insertion
-    def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
-                   block_ids: Sequence[int], now: float, first_hash: bytes | None = None
+    def insert_run(self, parent: Node | None, prev_hash: BlockHash, tok_bytes: bytes,
+                   block_ids: Sequence[BlockId], now: float, first_hash: BlockHash | None = None
                    ) -> tuple[Node | None, int]:
         """Cache consecutive computed device blocks as the continuation of ``parent``.
 
@@ -816,7 +816,7 @@ class RadixTree:
         return node, n
 
     def _attach(self, parent: Node | None, hashes: list[bytes], tokens: bytes,
-                block_ids: Sequence[int], ref: int, now: float, copies: bool = True
+                block_ids: Sequence[BlockId], ref: int, now: float, copies: bool = True
                 ) -> tuple[Node, int]:
         """Cache uncached computed device blocks held by ``ref`` sequences (their pool
         refcounts move into the node) right after ``parent``'s last block. The blocks join
@@ -893,7 +893,7 @@ class RadixTree:
     # Hints set by callers (priorities, TTLs), policy state changed outside a node event, and
     # marks of use: each re-files what it changes.
     # ------------------------------------------------------------------ hints
-    def set_hints(self, block_hashes: Iterable[bytes], priority: int | None = None,
+    def set_hints(self, block_hashes: Iterable[BlockHash], priority: int | None = None,
                   ttl: float | None = None) -> None:
         """Set the priority and/or TTL hints of cached blocks (e.g. a system prompt's chain).
 
@@ -968,7 +968,7 @@ class RadixTree:
         if refile is not None:
             self.writes.refile(node, refile)
 
-    def touch(self, block_hash: bytes, now: float | None = None, near: Node | None = None
+    def touch(self, block_hash: BlockHash, now: float | None = None, near: Node | None = None
               ) -> None:
         """Mark cached block ``block_hash`` and everything before it as used now (their policy
         keys move, as a hit's would): e.g. the parent of blocks about to be installed below

@@ -4,9 +4,9 @@
 matter (a run inserted, a node's policy key about to change, a demotion, a promotion, a node
 invalidated) and never checks a flag.
 
-* :class:`WriteBack` (the default, a null object): a block reaches a slower tier only when it is
+* :class:`TreeWriteBack` (the default, a null object): a block reaches a slower tier only when it is
   evicted from a faster one. Every hook does nothing.
-* :class:`WriteThrough`: every block inserted on the device is also *copied* into each of the
+* :class:`TreeWriteThrough`: every block inserted on the device is also *copied* into each of the
   policy's tiers at once (an inclusive hierarchy; KV blocks are immutable, so a copy stays
   valid for as long as its block is cached). A promotion out of such a tier keeps its source
   as a copy, and a demotion onto an existing copy moves no bytes (a *free demotion*). Copies
@@ -95,10 +95,10 @@ class TreeWrites:
         return f"{type(self).__name__}({list(self.tiers)})"
 
 
-WriteBack = TreeWrites
+TreeWriteBack = TreeWrites
 
 
-class WriteThrough(TreeWrites):
+class TreeWriteThrough(TreeWrites):
     """Copies of every inserted block in ``tiers`` (each in ``1 .. num_tiers - 1``)."""
 
     name = "write_through"
@@ -116,7 +116,7 @@ class WriteThrough(TreeWrites):
 
     def bind(self, tree: RadixTree) -> TreeWrites:
         if self.tree is not None and self.tree is not tree:
-            raise ConfigError("a WriteThrough policy belongs to one tree")
+            raise ConfigError("a TreeWriteThrough policy belongs to one tree")
         if any(u >= tree.num_tiers for u in self.tiers):
             raise ConfigError(f"write_through must list distinct slower tiers in "
                               f"1..{tree.num_tiers - 1}, got {list(self.tiers)}")
@@ -256,7 +256,7 @@ def make_writes(write_through: Sequence[int] | TreeWrites) -> TreeWrites:
         tiers = tuple(write_through)
     except TypeError:
         raise ConfigError(f"write_through must be a sequence of tiers, got {write_through!r}") from None
-    return WriteThrough(tiers) if tiers else TreeWrites()
+    return TreeWriteThrough(tiers) if tiers else TreeWrites()
 
 
-__all__ = ["TreeWrites", "WriteBack", "WriteThrough", "make_writes"]
+__all__ = ["TreeWrites", "TreeWriteBack", "TreeWriteThrough", "make_writes"]
