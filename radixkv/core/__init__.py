@@ -32,5 +32,6 @@ __all__ = [
     "BlockPool", "BlockRef", "BlockRemoved", "BlockStored", "CopyOp", "EventCursor",
     "EvictableSet", "EvictionPolicy", "KVEvent", "KVEventQueue", "MoveOp", "MovePlanner",
     "Namespace", "Node", "NodeHints", "RadixTree", "SlotAssignment", "TreeStats", "TreeWrites",
-    "TreeWriteBack", "TreeWriteThrough", "chain_hash", "hash_token_blocks", "make_policy", "token_bytes",
+    "TreeWriteBack", "TreeWriteThrough", "chain_hash", "hash_token_blocks", "make_policy",
+    "token_bytes",
 ]

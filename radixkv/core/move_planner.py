@@ -157,7 +157,8 @@ class MovePlanner:
                 # Room first, for as many blocks as it can be made without a choice between a
                 # block of tier u and one of this chain: while u's smallest key is strictly
                 # below the victim's, a per-block cache would evict exactly that entry too.
-                free += self._evict_below(u, take - free, self.evictable[node.tier].key(node), moves)
+                bound = self.evictable[t].key(node)
+                free += self._evict_below(u, take - free, bound, moves)
                 need = take
             elif self.writes.tiers:
                 copy_slot = self.writes.copy_slot
@@ -424,7 +425,8 @@ class MovePlanner:
             self.stats.dropped += dropped
 
     # ------------------------------------------------------------------ to the device
-    def promote_nodes(self, nodes: list[Node], block_ids: list[BlockId], now: float) -> list[MoveOp]:
+    def promote_nodes(self, nodes: list[Node], block_ids: list[BlockId], now: float
+                      ) -> list[MoveOp]:
         """Load slower-tier ``nodes`` (whole nodes of one chain, root first, whose first
         parent is on the device) into device blocks ``block_ids`` (allocated by the caller,
         in chain order) and lock each for one holder. A source in a write-through tier stays
@@ -723,7 +725,8 @@ class MovePlanner:
         moves = self.tree.take_moves()
         writes = self.writes
         for n in reversed(order):
-            self.evictable[n.tier].unfile(n)   # (not an eviction: the policy's hooks do not hear of it)
+            # (not an eviction: the policy's hooks do not hear of it)
+            self.evictable[n.tier].unfile(n)
             if self.tree.events is not None:
                 self.tree.events.append(self.tree.removed_event(n, 0))
             t = n.tier

@@ -113,7 +113,8 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c['policy']}-{len(c.get('lower_tier_blocks', ()))+1}t")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}-{}t".format(
+    c["policy"], len(c.get("lower_tier_blocks", ())) + 1))
 def test_replayed_events_equal_the_cache(config, seed) -> None:
     clock = FakeClock()
     bm = BlockManager.create(block_size=B, clock=clock, **config)

@@ -24,7 +24,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("engine/decoder_forward.py", "torch.ops.mkldnn._reorder_linear_weight"): "torch: no public op",
     ("engine/packed_linear.py", "torch.ops.mkldnn._linear_pointwise"): "torch: no public op",
     ("engine/packed_linear.py", "torch.ops.mkldnn._reorder_linear_weight"): "torch: no public op",
-    ("engine/packed_linear.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"): "torch: no public op",
+    ("engine/packed_linear.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"):
+        "torch: no public op",
     ("engine/packed_linear.py", "t._version"): "torch: a tensor's in-place version counter",
     ("engine/model_runner.py", "model.config._attn_implementation"): "transformers config field",
     ("engine/native_model.py", "cfg._attn_implementation"): "transformers config field",
