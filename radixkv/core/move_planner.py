@@ -201,7 +201,7 @@ class MovePlanner:
         node (a write-back tree; ``node`` has 2+ blocks, is out of its index): make room in
         ``u`` for one block, then, if ``node``'s only child is a run in ``u`` it would coalesce
         with (same holders, hints and key), move the block onto that run's front. The same
-        steps, moves and state as ``_split`` + ``_demote`` + ``_coalesce``. False (after
+        steps, moves and state as ``split`` + ``_demote`` + ``coalesce``. False (after
         making room, changing nothing else): take the generic path."""
         dst = self.pools[u]
         if dst.num_free == 0:
@@ -650,7 +650,7 @@ class MovePlanner:
         the parent is not. The parent must be in a tier <= ``tier``; a parent that is a same-
         tier run's last block with nothing after it is extended (one node per restored chain).
         Runtime complexity: O(1) when the parent ends its node (a chain restored or installed
-        in order); a parent inside a node is found by a scan of the nodes (``_find``) and the
+        in order); a parent inside a node is found by a scan of the nodes (``find``) and the
         node cut after it.
         """
         assert 0 < tier < self.num_tiers, f"insert_lower into tier {tier}"

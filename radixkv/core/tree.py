@@ -4,21 +4,21 @@ per-block eviction in policy order.
 **Nodes are runs** (``node.py``): one node holds consecutive blocks of a chain that are alike in
 everything the cache tracks (tier, holders, policy key, hints), so a conversation that goes on
 turn after turn is one node that grows at its end, and locking, releasing or filing it costs
-O(1) however long it is. Where blocks stop being alike, a node is cut in two (``_split``): at a
+O(1) however long it is. Where blocks stop being alike, a node is cut in two (``split``): at a
 divergence (another chain branches off inside it), at the end of a request's match (it holds
 only a prefix), at the start of an eviction (only the tail leaves its tier), at the end of a
 hinted prefix. A split re-points the index entries of the smaller side (the side that becomes
 a new object), so it costs O(min(k, n - k) + children).
 
-**Lookup: one index entry per node, not per block.** ``_heads`` maps each node's first block's
-chain hash to the node, ``_tails`` its last block's; ``_slot_nodes[t][slot]`` maps a slot of tier
+**Lookup: one index entry per node, not per block.** ``heads`` maps each node's first block's
+chain hash to the node, ``tails`` its last block's; ``slot_nodes[t][slot]`` maps a slot of tier
 ``t`` to the node whose primary block it holds. That is all ``match`` (a root's first block, a
 child's first block), eviction (a victim is filed under its last block), TTL expiry (the same)
 and the tier layer (a ``MoveOp``'s ``(tier, slot)``) need, so a cached block costs no dict entry
 and no Python object of its own, and evicting one deletes nothing from a hash table. A block
 inside a node is found by its chain (``locate_chain``: from a root, node by node) or, for the
 rare caller that has only its hash (``get`` of an inner block: fault handling, tests), by a scan
-of the nodes (``_find``, O(cached blocks)). ``match`` hashes only the first block of a request
+of the nodes (``find``, O(cached blocks)). ``match`` hashes only the first block of a request
 and where it crosses from a node into a child: inside a node it compares the request's token
 bytes with the node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at
 a node's end it tries the most recently linked child's first block before hashing.
@@ -35,17 +35,18 @@ device block's pool refcount is 0: its references live in its node.
 
 **Eviction** is per block, leaf-first per tier, in the policy's order. A node is *evictable in
 its tier* when it has no child node in that tier and (on the device) no holder. Each tier files
-its evictable nodes in an eviction index (``evict_index.py``) under ``(*policy key, hash of the
-node's last block)``: every block of a node has the node's key, so the node's tail is the
-smallest of them, and evicting from it block by block (``EvictableSet.take``, which breaks exact ties by
-block hash as a per-block cache would) is exactly per-block LRU (or LFU, ...) over the whole
-tree. Evicting from tier t demotes the node's tail into tier t+1 (making room there first,
+its evictable nodes in its ``EvictableSet`` (``evictable.py``: an eviction index under
+``(*policy key, hash of the node's last block)``): every block of a node has the node's key, so
+the node's tail is the smallest of them, and evicting from it block by block
+(``EvictableSet.take``, which breaks exact ties by block hash as a per-block cache would) is
+exactly per-block LRU (or LFU, ...) over the whole tree. Evicting from tier t demotes the node's tail into tier t+1 (making room there first,
 recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
-storage layer to execute *in order* before the freed slots are reused. The per-request paths
-(lock, release, insert, the device-only eviction loop) live in ``request_ops.py``, the slower
-tiers' operations in ``tiers.py``, cutting and merging runs in ``runs.py``, eviction in
-``eviction.py``, hints and TTL expiry in ``hints.py``, the consistency check in
-``tree_check.py``, finding single blocks in ``lookup.py``.
+storage layer to execute *in order* before the freed slots are reused; the tree's
+``MovePlanner`` (``move_planner.py``, ``tree.planner``) plans them all: eviction, demotion,
+promotion, prefetch, invalidation, TTL expiry. This class keeps the structure: nodes and their
+maps, match and insert, cutting and merging runs, the per-request paths (lock, release, insert),
+single-block lookups, hints, and the KV event queue (``events.py``). The consistency check is
+``tree_check.py``.
 
 Pure Python: this module imports no torch.
 """
@@ -450,7 +451,7 @@ class RadixTree:
     def node_ending_at(self, block_hash: BlockHash, near: Node | None = None) -> Node:
         """The node whose *last* block is ``block_hash`` (cached), splitting after it if it
         sits inside its node: the parent to hang a new node from. ``near``: a guess of the
-        node holding it (see ``_find``)."""
+        node holding it (see ``find``)."""
         node = self.tails.get(block_hash)
         if node is not None:
             return node
@@ -562,8 +563,8 @@ class RadixTree:
     # table's device block ids);
     # * by its **chain** from a root: ``locate_chain``, ``refs_of``, ``chain_hints`` (a prompt's
     # blocks, cache points, the remote tier's persisted prefixes), one step per block;
-    # * by its **hash** when it starts or ends its node (``get(h, scan=False)``, ``_find``: O(1));
-    # * by its hash alone when it is inside a node: ``get``/``_find`` scan the nodes, O(cached
+    # * by its **hash** when it starts or ends its node (``get(h, scan=False)``, ``find``: O(1));
+    # * by its hash alone when it is inside a node: ``get``/``find`` scan the nodes, O(cached
     # blocks). Only rare paths do (fault filing, a session's end after its leaf was extended, disk
     # restore at a branch point, tests); ``near`` lets a caller that has located the node skip it.
     def block_index(self) -> dict[bytes, Node]:
@@ -573,7 +574,7 @@ class RadixTree:
 
     def get(self, block_hash: BlockHash, scan: bool = True) -> BlockRef | None:
         """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
-        or last block of a node; O(cached blocks) for an inner one (``_find``), or None at
+        or last block of a node; O(cached blocks) for an inner one (``find``), or None at
         once with ``scan=False``: callers on a hot path address a block by ``(tier, slot)``
         (``block_at``), by its chain (``locate_chain``, ``refs_of``), or know it ends or
         starts a node."""
@@ -658,8 +659,8 @@ class RadixTree:
 
     def locate_chain(self, hashes: Sequence[BlockHash]) -> list[tuple[Node, int]]:
         """``(node, offset)`` of each block of the chain ``hashes`` (consecutive blocks, the
-        first one a root or any block ``_find`` locates), for its longest cached prefix.
-        A pure read. Runtime complexity: O(len(hashes)) (+ ``_find`` of the first)."""
+        first one a root or any block ``find`` locates), for its longest cached prefix.
+        A pure read. Runtime complexity: O(len(hashes)) (+ ``find`` of the first)."""
         out: list[tuple[Node, int]] = []
         if not hashes:
             return out
@@ -681,7 +682,7 @@ class RadixTree:
 
     def hints(self, block_hash: BlockHash) -> NodeHints:
         """The eviction hints of a cached block (defaults if none were set). O(1) for a node's
-        first or last block, O(cached blocks) otherwise (``_find``)."""
+        first or last block, O(cached blocks) otherwise (``find``)."""
         node = self.find(block_hash)
         return DEFAULT_HINTS if node is None or node.hints is None else node.hints
 
@@ -912,7 +913,7 @@ class RadixTree:
             if not isinstance(h, bytes):
                 raise InvalidBlockError(f"{h!r} is not a cached block of this tree")
         # A chain (a prompt's prefix, the common case) is located in one walk; anything else
-        # block by block (``_find``). ``loc`` follows the cuts below.
+        # block by block (``find``). ``loc`` follows the cuts below.
         where = self.locate_chain(hashes)
         loc = {h: x[0] for h, x in zip(hashes, where)}
         for h in hashes[len(where):]:
