@@ -63,9 +63,9 @@ IMG = REPO_ROOT / "docs" / "img" / "hit_rate_workloads.png"
 #: Lines drawn (when measured): priority and ttl replay as LRU here, the other candidates sit
 #: between these; the JSON and the tables have them all.
 PLOT_POLICIES = ("lru", "lfu", "mru", "fifo", "lfu-da", "forecast", "duel", "duel+end-hint",
-                 "forecast+end-hint")
+                 "forecast+end-hint", "auto+end-hint")
 #: Policies that read the session-end hint, replayed with it too.
-END_HINT_POLICIES = ("forecast", "duel")
+END_HINT_POLICIES = ("forecast", "duel", "auto")
 
 
 def core_policies() -> list[str]:
@@ -254,13 +254,14 @@ def wide(res: dict[str, Any], field: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixkv.benchmarks.traces import WORKLOADS
+    from radixkv.benchmarks.traces import HELD_OUT, WORKLOADS
 
     ap = argparse.ArgumentParser(prog="radixkv bench hit-rate --workloads",
                                  description=plain_doc(__doc__))
     ap.add_argument("--workloads", action="store_true", help="(selects this benchmark)")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=list(WORKLOADS),
-                    help="comma-separated subset of " + ",".join(WORKLOADS))
+    ap.add_argument("--only", type=lambda s: s.split(","), default=[*WORKLOADS, *HELD_OUT],
+                    help="comma-separated subset of " + ",".join((*WORKLOADS, *HELD_OUT))
+                         + " (the last: held out, no policy was tuned on it)")
     ap.add_argument("--quick", action="store_true", help="small traces, 6 capacities (CI)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=None,

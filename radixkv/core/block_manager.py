@@ -41,6 +41,7 @@ import xxhash
 
 from radixkv.core.hashing import TOKEN_BYTES, Namespace, token_bytes
 from radixkv.core.decode import CopyOp, DecodeOps, SlotAssignment
+from radixkv.core.policy import DEFAULT_POLICY
 from radixkv.core.pool import BlockPool
 from radixkv.core.tier_plans import TierPlans
 from radixkv.core.tree import DEVICE, MoveOp, Node, RadixTree
@@ -99,7 +100,7 @@ class BlockManager(DecodeOps, TierPlans):
         self._seqs: dict[SeqId, _Seq] = {}
 
     @classmethod
-    def create(cls, num_blocks: int, block_size: int = 16, policy: str = "lru",
+    def create(cls, num_blocks: int, block_size: int = 16, policy: str = DEFAULT_POLICY,
                lower_tier_blocks: Sequence[int] = (), write_through: Sequence[int] = (),
                **tree_kwargs) -> BlockManager:
         """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities);
@@ -255,6 +256,8 @@ class BlockManager(DecodeOps, TierPlans):
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
+        if end_session and tree.policy.on_end_hint is not None:
+            tree.switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
         if tree._hooks:
             tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
@@ -316,6 +319,8 @@ class BlockManager(DecodeOps, TierPlans):
         except TypeError:
             raise InvalidRequestError("session must be hashable (a str or int id), got "
                                       f"{type(session).__name__}") from None
+        if self.tree.policy.on_end_hint is not None:
+            self.tree.switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
         if self.tree._hooks:
             self.tree.policy.end_session(session)
 
