@@ -14,8 +14,9 @@ the largest request + 2 blocks and the smallest capacity at which Belady reaches
 0.95 of the infinite cache (found by bisection; hit rates grow with capacity on these traces).
 Policies: every name in ``radixkv.core.policy.POLICIES``, replayed through the real
 ``BlockManager``/``RadixTree`` (``benchmarks/replay.py``; ``priority`` gets a priority-1 hint on the
-shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use);
-optional candidates of ``benchmarks/policy_sim.py`` (``--candidates``), simulated at block level.
+shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use).
+(The block-level simulator of candidate policies that chose which ones to build,
+``policy_sim.py``, was removed after commit 9a8ebbf; its findings are in docs/eviction.md.)
 References (``benchmarks/bounds.py``): infinite cache, Belady, cost-aware Belady, and
 ``end-blind`` Belady (every return time known, a session's end learned only from its silence:
 where it stays below 0.8 of Belady, no policy that is not told of ends can meet the target
@@ -23,7 +24,7 @@ without predicting them). Prefill
 saved is cost-weighted (``benchmarks/prefill_cost.py``) and set against the better of the two
 Belady variants on that measure (neither is a proven bound for it).
 
-    radixkv bench hit-rate --workloads [--quick] [--candidates all] [--jobs 2]
+    radixkv bench hit-rate --workloads [--quick] [--jobs 2] [--only chat-rr,...]
         [--policies lru,duel] [--baseline COMMIT --name NAME]
 
 ``--baseline COMMIT`` replays every policy also through ``radixkv/core`` as of ``COMMIT``
@@ -106,7 +107,7 @@ def capacity_grid(bt: BlockTrace, n: int) -> list[int]:
 
 
 def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequence[int] | None,
-             policies: Sequence[str], candidates: Sequence[str] = (), n: int = N_CAPACITIES,
+             policies: Sequence[str], n: int = N_CAPACITIES,
              ttl_s: float = 300.0, baseline: Any = None) -> dict[str, Any]:
     """All references and policies on one trace; returns ``{"rows": [...], ...}``.
 
@@ -156,16 +157,6 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
                            baseline_cpu_us_per_request=1e6 * old.cpu_s / max(old.requests, 1),
                            same_hits_as_baseline=old.hits_digest == res.hits_digest)
             out.append(row)
-        if candidates:
-            from radixkv.benchmarks.policy_sim import run_policy
-
-            for name in candidates:
-                t1 = time.perf_counter()
-                res = run_policy(bt, cap, name, requests)
-                label = f"{name} (sim)" if name in policies else name
-                out.append({**base, "policy": label, "kind": "candidate",
-                            "hit_rate": res.hit_rate, "cost_rate": res.cost_rate,
-                            "seconds": time.perf_counter() - t1})
         lru = next((r["hit_rate"] for r in out if r["policy"] == "lru"), refs["lru"].hit_rate)
         for r in out:
             r["of_belady"] = r["hit_rate"] / bel.hit_rate if bel.hit_rate else 1.0
@@ -224,8 +215,7 @@ def _work(task: dict[str, Any]) -> dict[str, Any]:
         baseline = load_core_parts(task["baseline"])
         if baseline is None:
             raise SystemExit(f"--baseline {task['baseline']}: cannot load that commit's core")
-    res = evaluate(tr, tr.header, None, task["policies"], task["candidates"], task["n"],
-                   baseline=baseline)
+    res = evaluate(tr, tr.header, None, task["policies"], task["n"], baseline=baseline)
     res.update(workload=task["workload"], load_s=load_s, trace_params=tr.header.get("params"),
                trace_stats=tr.header.get("stats"), requests=len(tr),
                prompt_tokens=tr.prompt_tokens)
@@ -266,8 +256,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=None,
                     help="radixkv policy names (default: all of radixkv.core.policy.POLICIES)")
-    ap.add_argument("--candidates", type=lambda s: s.split(","), default=[],
-                    help="policy_sim candidates to add ('all' for every one)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--name", default=None,
@@ -288,17 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(results_dir() / f"{name}.json", args.markdown))
         return 0
-    cands = args.candidates
-    if cands == ["all"]:
-        from radixkv.benchmarks.policy_sim import CANDIDATES
-
-        cands = list(CANDIDATES)
     t_start = time.perf_counter()
     header = run_header(seed=args.seed, quick=args.quick, block_size=BLOCK_SIZE,
                         workloads=args.only, baseline=args.baseline)
     print(json.dumps(header))
     tasks = [dict(workload=w, quick=args.quick, seed=args.seed, baseline=args.baseline,
-                  policies=args.policies or core_policies(), candidates=cands,
+                  policies=args.policies or core_policies(),
                   n=QUICK_CAPACITIES if args.quick else N_CAPACITIES) for w in args.only]
     if args.jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(min(args.jobs, len(tasks))) as ex:
