@@ -151,34 +151,39 @@ def _apply(idx: PrefixIndex, batches: list[Any]) -> PrefixIndex:
     return idx
 
 
-class _Node:
-    def __init__(self, h: bytes) -> None:
-        self.block_hash = h
-
-
-class _Tree:
-    def __init__(self, held: list[bytes]) -> None:
-        self._held = held
-        self.insert_listener = None
-        self.drop_listener = None
-
-    def block_index(self) -> dict[bytes, None]:
-        return dict.fromkeys(self._held)
-
-
 def test_recorder_starts_from_the_tree_chains_listeners_and_cancels_round_trips() -> None:
-    seen: list[str] = []
-    tree = _Tree([HASHES[0]])
-    tree.drop_listener = lambda n: seen.append("remote-tier-drop")
-    rec = EventRecorder(tree)
-    tree.insert_listener([HASHES[1], HASHES[2]])
-    tree.drop_listener([_Node(HASHES[2])])          # came and went: no event
-    tree.drop_listener([_Node(HASHES[3])])          # an older block left
-    assert seen == ["remote-tier-drop", "remote-tier-drop"]   # the earlier listener still runs
-    assert rec.drain() == ([HASHES[0], HASHES[1]], [HASHES[3]])
-    tree.drop_listener([_Node(HASHES[1])])
-    tree.insert_listener([HASHES[1]])                # left and came back: no event
+    """On a real tree (the listeners' real signatures: ``insert(hashes, slots)``,
+    ``drop(blocks)``): the recorder starts from the blocks already cached, keeps the
+    listeners installed before it (as the remote tier's are) running, and an entry and a
+    later exit of one block between two drains cancel out."""
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace, hash_token_blocks
+
+    ns = Namespace("m")
+    bm = BlockManager.create(4, 2, policy="lru")       # 4 device blocks of 2 tokens
+
+    def serve(sid: str, tokens: list[int]) -> None:
+        bm.allocate(sid, tokens, ns)
+        bm.commit(sid, len(tokens))
+        bm.free(sid)
+
+    [h1], [h2] = hash_token_blocks([1, 1], 2, ns), hash_token_blocks([2, 2], 2, ns)
+    serve("a", [1, 1, 9])                               # cached before the recorder starts
+    seen: list[tuple] = []
+    bm.tree.insert_listener = lambda hashes, slots: seen.append(("insert", list(hashes)))
+    bm.tree.drop_listener = lambda blocks: seen.append(("drop", [b.block_hash for b in blocks]))
+    rec = EventRecorder(bm.tree)
+    assert rec.drain() == ([h1], [])                    # starts from the tree's content
+    serve("b", [2, 2, 9])
+    bm.tree.evict(0, 2)                                 # LRU: h1, then h2, leave
+    assert rec.drain() == ([], [h1])                    # h2 came and went: no event
+    assert seen == [("insert", [h2]), ("drop", [h1]), ("drop", [h2])]   # earlier ones ran
+    serve("c", [1, 1, 9])
+    assert rec.drain() == ([h1], [])
+    bm.tree.evict(0, 1)
+    serve("d", [1, 1, 9])                               # left and came back: no event
     assert rec.drain() == ([], [])
+    bm.check_invariants()
 
 
 def test_rank_prefers_the_cached_prefix_until_load_outweighs_it() -> None:
