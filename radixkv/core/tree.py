@@ -96,7 +96,8 @@ class RadixTree(LookupOps, RunOps, EvictionOps, RequestOps, TierOps, HintOps):
     """
 
     def __init__(self, block_size: int, device_pool: BlockPool,
-                 lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = DEFAULT_POLICY,
+                 lower_pools: Sequence[BlockPool] = (),
+                 policy: str | EvictionPolicy = DEFAULT_POLICY,
                  clock: Callable[[], float] = time.monotonic,
                  write_through: Sequence[int] | TreeWrites = ()) -> None:
         if type(block_size) is not int or block_size <= 0:

@@ -243,7 +243,7 @@ def test_last_prompt_token_is_always_computed(n) -> None:
     run(bm, clock, "a", prompt + [0])                   # caches the prompt's n full blocks
     assert set(h(prompt)) <= set(bm.tree.block_index())  # the block the rule is about
     a = bm.allocate("b", prompt, NS)
-    assert a.num_cached_tokens == 2 * (n - 1)            # a full-block prompt recomputes its last block
+    assert a.num_cached_tokens == 2 * (n - 1)   # the prompt's last block is recomputed
     assert bm.block_table("b")[-1] not in bm.block_table("b")[:-1]
     bm.commit("b", len(prompt))
     bm.free("b")
