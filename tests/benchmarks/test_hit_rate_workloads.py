@@ -94,3 +94,15 @@ def test_baseline_core_replays_beside_this_one():
     assert v["duel"]["same_hits_as_baseline"] and v["duel"]["cpu_vs_baseline_median"] > 0
     assert v["lru"]["cpu_vs_lru_median"] == v["lru"]["cpu_vs_lru_median_baseline"] == 1.0
     json.dumps(res)
+
+
+def test_reused_references_give_the_same_rows():
+    """``--reuse``: an earlier run's references at its capacities stand in for simulating them
+    again; the rows are the same (the replays are deterministic)."""
+    res, reqs = _evaluate_loop()
+    refs = {r["capacity_blocks"]: r for r in res["rows"]}
+    again = H.evaluate(reqs, {}, None, ["lru", "mru", "forecast"], references=refs)
+    assert again["capacities"] == res["capacities"]
+    drop = ("seconds", "cpu_us_per_request")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in again["rows"]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in res["rows"]]
