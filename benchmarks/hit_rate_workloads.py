@@ -14,8 +14,9 @@ the largest request + 2 blocks and the smallest capacity at which Belady reaches
 0.95 of the infinite cache (found by bisection; hit rates grow with capacity on these traces).
 Policies: every name in ``radixkv.core.policy.POLICIES``, replayed through the real
 ``BlockManager``/``RadixTree`` (``benchmarks/replay.py``; ``priority`` gets a priority-1 hint on the
-shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use);
-optional candidates of ``benchmarks/policy_sim.py`` (``--candidates``), simulated at block level.
+shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use).
+(The block-level simulator of candidate policies that chose which ones to build,
+``policy_sim.py``, was removed after commit 9a8ebbf; its findings are in docs/eviction.md.)
 References (``benchmarks/bounds.py``): infinite cache, Belady, cost-aware Belady, and
 ``end-blind`` Belady (every return time known, a session's end learned only from its silence:
 where it stays below 0.8 of Belady, no policy that is not told of ends can meet the target
@@ -23,7 +24,7 @@ without predicting them). Prefill
 saved is cost-weighted (``benchmarks/prefill_cost.py``) and set against the better of the two
 Belady variants on that measure (neither is a proven bound for it).
 
-    radixkv bench hit-rate --workloads [--quick] [--candidates all] [--jobs 2]
+    radixkv bench hit-rate --workloads [--quick] [--jobs 2] [--only chat-rr,...]
         [--policies lru,duel] [--baseline COMMIT --name NAME]
 
 ``--baseline COMMIT`` replays every policy also through ``radixkv/core`` as of ``COMMIT``
@@ -59,13 +60,17 @@ N_CAPACITIES, QUICK_CAPACITIES = 10, 6
 ZONE_FRACTION = 0.5  # Belady >= this x infinite: the capacities where the 0.8 target applies
 TARGET_OF_BELADY = 0.8
 MAX_POINTS_BELOW_LRU = 1.0
+#: A row's fields that depend only on the trace and the capacity (``--reuse`` copies them).
+REFERENCE_FIELDS = ("capacity_blocks", "capacity_tokens", "of_working_set", "infinite", "belady",
+                    "belady_cost", "cost_belady", "cost_belady_cost", "cost_ref", "end_blind",
+                    "zone")
 IMG = REPO_ROOT / "docs" / "img" / "hit_rate_workloads.png"
 #: Lines drawn (when measured): priority and ttl replay as LRU here, the other candidates sit
 #: between these; the JSON and the tables have them all.
 PLOT_POLICIES = ("lru", "lfu", "mru", "fifo", "lfu-da", "forecast", "duel", "duel+end-hint",
-                 "forecast+end-hint")
+                 "forecast+end-hint", "auto+end-hint")
 #: Policies that read the session-end hint, replayed with it too.
-END_HINT_POLICIES = ("forecast", "duel")
+END_HINT_POLICIES = ("forecast", "duel", "auto")
 
 
 def core_policies() -> list[str]:
@@ -106,34 +111,42 @@ def capacity_grid(bt: BlockTrace, n: int) -> list[int]:
 
 
 def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequence[int] | None,
-             policies: Sequence[str], candidates: Sequence[str] = (), n: int = N_CAPACITIES,
-             ttl_s: float = 300.0, baseline: Any = None) -> dict[str, Any]:
+             policies: Sequence[str], n: int = N_CAPACITIES,
+             ttl_s: float = 300.0, baseline: Any = None,
+             references: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """All references and policies on one trace; returns ``{"rows": [...], ...}``.
 
     One row per (capacity, policy) with ``hit_rate``, ``cost_rate``, ``of_belady``,
     ``cost_of_ref`` (cost_rate / the better Belady's), ``points_vs_lru`` and ``zone``; with
     ``baseline`` (``_core_baseline.load_core_parts``) also ``baseline_hit_rate``,
-    ``baseline_cpu_us_per_request`` and ``same_hits_as_baseline``.
+    ``baseline_cpu_us_per_request`` and ``same_hits_as_baseline``. ``references``: capacity ->
+    the reference fields of an earlier run's row on the same trace (``--reuse``): those
+    capacities are not simulated again (the references depend only on trace and capacity).
     """
     t0 = time.perf_counter()
     bt = prepare(requests, BLOCK_SIZE)
     inf = infinite(bt)
     phantoms = session_phantoms(requests)
-    caps = list(capacities) if capacities else capacity_grid(bt, n)
+    caps = list(capacities) if capacities else (sorted(references) if references
+                                                else capacity_grid(bt, n))
     prio = system_prefix_tokens(header)
     rows: list[dict[str, Any]] = []
     for ci, cap in enumerate(caps):
-        refs = {p: simulate(bt, cap, p) for p in ("belady", "cost-belady", "lru")}
-        bel = refs["belady"]
-        blind = simulate(bt, cap, "end-blind", phantoms=phantoms)
-        cost_ref = max(bel.cost_rate, refs["cost-belady"].cost_rate)
-        base = {"capacity_blocks": cap, "capacity_tokens": cap * BLOCK_SIZE,
-                "of_working_set": cap / bt.num_blocks, "infinite": inf.hit_rate,
-                "belady": bel.hit_rate, "belady_cost": bel.cost_rate,
-                "cost_belady": refs["cost-belady"].hit_rate,
-                "cost_belady_cost": refs["cost-belady"].cost_rate, "cost_ref": cost_ref,
-                "end_blind": blind.hit_rate,
-                "zone": bel.hit_rate >= ZONE_FRACTION * inf.hit_rate}
+        if references and cap in references:
+            base = {k: references[cap][k] for k in REFERENCE_FIELDS}
+        else:
+            refs = {p: simulate(bt, cap, p) for p in ("belady", "cost-belady")}
+            bel = refs["belady"]
+            blind = simulate(bt, cap, "end-blind", phantoms=phantoms)
+            base = {"capacity_blocks": cap, "capacity_tokens": cap * BLOCK_SIZE,
+                    "of_working_set": cap / bt.num_blocks, "infinite": inf.hit_rate,
+                    "belady": bel.hit_rate, "belady_cost": bel.cost_rate,
+                    "cost_belady": refs["cost-belady"].hit_rate,
+                    "cost_belady_cost": refs["cost-belady"].cost_rate,
+                    "cost_ref": max(bel.cost_rate, refs["cost-belady"].cost_rate),
+                    "end_blind": blind.hit_rate,
+                    "zone": bel.hit_rate >= ZONE_FRACTION * inf.hit_rate}
+        belady, cost_ref = base["belady"], base["cost_ref"]
         out: list[dict[str, Any]] = []
         for i, pol in enumerate(policies):
             cfg = ReplayConfig(BLOCK_SIZE, cap, pol, ttl_s=ttl_s)
@@ -156,19 +169,11 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
                            baseline_cpu_us_per_request=1e6 * old.cpu_s / max(old.requests, 1),
                            same_hits_as_baseline=old.hits_digest == res.hits_digest)
             out.append(row)
-        if candidates:
-            from radixkv.benchmarks.policy_sim import run_policy
-
-            for name in candidates:
-                t1 = time.perf_counter()
-                res = run_policy(bt, cap, name, requests)
-                label = f"{name} (sim)" if name in policies else name
-                out.append({**base, "policy": label, "kind": "candidate",
-                            "hit_rate": res.hit_rate, "cost_rate": res.cost_rate,
-                            "seconds": time.perf_counter() - t1})
-        lru = next((r["hit_rate"] for r in out if r["policy"] == "lru"), refs["lru"].hit_rate)
+        lru = next((r["hit_rate"] for r in out if r["policy"] == "lru"), None)
+        if lru is None:
+            lru = simulate(bt, cap, "lru").hit_rate     # the block model's LRU, equal to the tree's
         for r in out:
-            r["of_belady"] = r["hit_rate"] / bel.hit_rate if bel.hit_rate else 1.0
+            r["of_belady"] = r["hit_rate"] / belady if belady else 1.0
             r["cost_of_ref"] = r["cost_rate"] / cost_ref if cost_ref else 1.0
             r["points_vs_lru"] = 100.0 * (r["hit_rate"] - lru)
         rows += out
@@ -224,8 +229,15 @@ def _work(task: dict[str, Any]) -> dict[str, Any]:
         baseline = load_core_parts(task["baseline"])
         if baseline is None:
             raise SystemExit(f"--baseline {task['baseline']}: cannot load that commit's core")
-    res = evaluate(tr, tr.header, None, task["policies"], task["candidates"], task["n"],
-                   baseline=baseline)
+    refs = None
+    if task.get("reuse"):
+        old = json.loads(Path(task["reuse"]).read_text())["results"]["workloads"]
+        mine = [w for w in old if w["workload"] == task["workload"]
+                and w.get("trace_params") == tr.header.get("params")]
+        if mine:
+            refs = {r["capacity_blocks"]: r for r in mine[0]["rows"]}
+    res = evaluate(tr, tr.header, task.get("capacities"), task["policies"], task["n"],
+                   baseline=baseline, references=refs)
     res.update(workload=task["workload"], load_s=load_s, trace_params=tr.header.get("params"),
                trace_stats=tr.header.get("stats"), requests=len(tr),
                prompt_tokens=tr.prompt_tokens)
@@ -254,19 +266,18 @@ def wide(res: dict[str, Any], field: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixkv.benchmarks.traces import WORKLOADS
+    from radixkv.benchmarks.traces import HELD_OUT, WORKLOADS
 
     ap = argparse.ArgumentParser(prog="radixkv bench hit-rate --workloads",
                                  description=plain_doc(__doc__))
     ap.add_argument("--workloads", action="store_true", help="(selects this benchmark)")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=list(WORKLOADS),
-                    help="comma-separated subset of " + ",".join(WORKLOADS))
+    ap.add_argument("--only", type=lambda s: s.split(","), default=[*WORKLOADS, *HELD_OUT],
+                    help="comma-separated subset of " + ",".join((*WORKLOADS, *HELD_OUT))
+                         + " (the last: held out, no policy was tuned on it)")
     ap.add_argument("--quick", action="store_true", help="small traces, 6 capacities (CI)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=None,
                     help="radixkv policy names (default: all of radixkv.core.policy.POLICIES)")
-    ap.add_argument("--candidates", type=lambda s: s.split(","), default=[],
-                    help="policy_sim candidates to add ('all' for every one)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--name", default=None,
@@ -276,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, metavar="COMMIT",
                     help="also replay every policy through radixkv/core as of COMMIT, beside "
                          "this checkout's (CPU ratios, hit identity request by request)")
+    ap.add_argument("--reuse", default=None, metavar="NAME",
+                    help="take capacities and references (Belady, end-blind, infinite) from an "
+                         "earlier run's JSON under benchmarks/results/ for the workloads it has "
+                         "with the same trace parameters (only the policies are replayed)")
+    ap.add_argument("--capacities", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="device capacities in blocks (default: the geometric grid, found by "
+                         "bisection; with --reuse, the earlier run's)")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--markdown", type=lambda s: s.split(","), default=None, metavar="COLS",
                     help="print the JSON's tables as markdown with these policy columns")
@@ -287,17 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(results_dir() / f"{name}.json", args.markdown))
         return 0
-    cands = args.candidates
-    if cands == ["all"]:
-        from radixkv.benchmarks.policy_sim import CANDIDATES
-
-        cands = list(CANDIDATES)
     t_start = time.perf_counter()
     header = run_header(seed=args.seed, quick=args.quick, block_size=BLOCK_SIZE,
-                        workloads=args.only, baseline=args.baseline)
+                        workloads=args.only, baseline=args.baseline, reuse=args.reuse)
     print(json.dumps(header))
+    reuse = str(results_dir() / f"{args.reuse}.json") if args.reuse else None
     tasks = [dict(workload=w, quick=args.quick, seed=args.seed, baseline=args.baseline,
-                  policies=args.policies or core_policies(), candidates=cands,
+                  reuse=reuse, capacities=args.capacities,
+                  policies=args.policies or core_policies(),
                   n=QUICK_CAPACITIES if args.quick else N_CAPACITIES) for w in args.only]
     if args.jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(min(args.jobs, len(tasks))) as ex:

@@ -144,31 +144,6 @@ class _TraceClock:
         return self.now
 
 
-class AgedFrequencyPolicy:
-    """Frequency with ageing (greedy-dual style): evict the smallest ``last_access + w * hits``.
-
-    A block used by many turns of a live conversation (or many requests behind one prefix)
-    earns ``w`` seconds of extra life per use, so a burst of new one-off blocks cannot flush
-    it the way it does under LRU; but unlike LFU the credit is in seconds, so blocks of
-    finished conversations still age out. ``hits`` is capped at ``max_hits`` so that credit
-    cannot grow without bound. Parent keys are >= child keys (a parent is used whenever its
-    child is), so leaf-first eviction stays consistent. Runs through the tree's policy
-    interface (an ``EvictionPolicy`` instance); not (yet) one of ``radixkv.core.policy``'s.
-    """
-
-    name = "aged-lfu"
-
-    def __init__(self, weight_s: float = 30.0, max_hits: int = 16) -> None:
-        self.weight_s = weight_s
-        self.max_hits = max_hits
-
-    def key(self, node: Any, hints: Any) -> tuple:
-        return (node.last_access + self.weight_s * min(node.hits, self.max_hits),)
-
-    def expired(self, key: tuple, now: float) -> bool:
-        return False
-
-
 #: What ``build_manager`` builds a manager from by default: this checkout's core.
 THIS_CORE = SimpleNamespace(commit=None, BlockManager=BlockManager, RadixTree=RadixTree,
                             BlockPool=BlockPool, make_policy=make_policy)
@@ -193,10 +168,6 @@ def build_manager(cfg: ReplayConfig, clock: Callable[[], float],
         opt, val = policy[len("duel:"):].split("=", 1)
         policy = make_policy("duel", **{"sample": val if val == "auto" else int(val)}
                              if opt == "sample" else {"members": tuple(val.split("/"))})
-    elif isinstance(policy, str) and policy.startswith("aged-lfu"):
-        # "aged-lfu" or "aged-lfu:<weight seconds>"
-        w = float(policy.split(":", 1)[1]) if ":" in policy else 30.0
-        policy = AgedFrequencyPolicy(w)
     tree = core.RadixTree(cfg.block_size, BlockPool(cfg.device_blocks), lower, policy=policy,
                           clock=clock)
     return core.BlockManager(tree)

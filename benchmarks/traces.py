@@ -15,6 +15,8 @@ kind          workload                                                       mod
               fixed round robin
 ``chat``      issue 15 #2: the same conversations, open loop: Poisson        ``traces_chat``
               arrivals, reply + think time between turns
+``chat-shu``  held out (``chat-shuffled``): ``slots`` live conversations,     ``traces_chat``
+              each request from one drawn at random; other conversations
 ``rag``       issue 15 #3: system prompt + k Zipf-popular documents +        ``traces_prefix``
               question
 ``agent``     issue 15 #4: long shared system prompt + tools, many short     ``traces_agent``
@@ -44,7 +46,9 @@ from typing import Any
 
 from radixkv.benchmarks._common import cache_dir
 from radixkv.benchmarks.traces_agent import build_agent
-from radixkv.benchmarks.traces_chat import build_chat, build_chat_rr
+from radixkv.benchmarks.traces_chat import (
+    build_chat, build_chat_rr, build_chat_shuffled,
+)
 from radixkv.benchmarks.traces_format import (
     TRACE_FORMAT, Request, Trace, read_trace, trace_stats, write_trace,
 )
@@ -54,8 +58,9 @@ from radixkv.benchmarks.traces_sharegpt import (
     iter_sharegpt, lcp, load_conversations,
 )
 
-__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "KINDS", "WORKLOADS", "DEFAULTS", "QUICK", "Request",
-           "Trace", "ChatTokenizer", "build_chat", "build_chat_rr", "build_rag", "build_system",
+__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "KINDS", "WORKLOADS", "HELD_OUT", "DEFAULTS",
+           "QUICK", "Request", "Trace", "ChatTokenizer", "build_chat", "build_chat_rr",
+           "build_chat_shuffled", "build_rag", "build_system",
            "build_sampling", "build_agent", "clean_conversation", "iter_sharegpt", "lcp",
            "load_conversations", "load_trace", "read_trace", "write_trace", "trace_params",
            "trace_path", "trace_stats", "_msgs", "_pick_texts", "_poisson_times",
@@ -63,15 +68,18 @@ __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "KINDS", "WORKLOADS", "DEFAULTS", "Q
 
 #: Bump when generation changes so stale cached files are not reused.
 TRACE_VERSION = 1
-KINDS = ("chat", "chat-rr", "rag", "agent", "system", "sampling")
+KINDS = ("chat", "chat-rr", "chat-shuffled", "rag", "agent", "system", "sampling")
 #: The four workloads of issue 15, in its order.
 WORKLOADS = ("chat-rr", "chat", "rag", "agent")
+#: Traces no policy was tuned on; ``bench hit-rate --workloads`` replays them too.
+HELD_OUT = ("chat-shuffled",)
 
 #: Default and --quick parameters per kind. Anything here can be overridden by keyword.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "chat": dict(n_conversations=2000, window=64, rate=0.5, think_s=30.0, decode_tps=50.0,
                  max_context=8192),
     "chat-rr": dict(n_conversations=2000, slots=32, interval_s=1.0, max_context=8192),
+    "chat-shuffled": dict(n_conversations=2000, slots=24, interval_s=1.0, max_context=8192),
     "rag": dict(n_requests=4000, n_docs=1000, k=4, zipf_s=1.0, doc_tokens=(150, 600),
                 question_tokens=(8, 128), reply_tokens=512, rate=5.0),
     "agent": dict(n_sessions=400, n_tools=12, instruction_tokens=(500, 1200),
@@ -85,13 +93,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 QUICK: dict[str, dict[str, Any]] = {
     "chat": dict(n_conversations=60),
     "chat-rr": dict(n_conversations=60, slots=8),
+    "chat-shuffled": dict(n_conversations=60, slots=6),
     "rag": dict(n_requests=300, n_docs=100),
     "agent": dict(n_sessions=16, max_steps=24),
     "system": dict(n_requests=300, n_prefixes=4),
     "sampling": dict(n_groups=20),
 }
 
-BUILDERS = {"chat": build_chat, "chat-rr": build_chat_rr, "rag": build_rag,
+BUILDERS = {"chat": build_chat, "chat-rr": build_chat_rr, "chat-shuffled": build_chat_shuffled,
+            "rag": build_rag,
             "agent": build_agent, "system": build_system, "sampling": build_sampling}
 
 

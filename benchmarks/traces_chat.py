@@ -16,6 +16,12 @@ Which conversations, and in which order, depends only on the seed, ``n_conversat
     ``interval_s`` seconds, and a slot whose conversation has ended takes the next one. Every
     live conversation comes back exactly ``slots`` requests later: the loop that LRU handles
     worst when the active histories exceed the cache.
+``chat-shuffled`` (held out)
+    ``slots`` conversations are live, and each request (one every ``interval_s`` seconds) is
+    the next turn of one of them drawn at random; a slot whose conversation has ended takes
+    the next one. The conversations are drawn with another seed than ``chat``'s and
+    ``chat-rr``'s (no policy was tuned on them): the check that a default does not only fit
+    the four workloads it was chosen on.
 """
 
 from __future__ import annotations
@@ -141,4 +147,36 @@ def build_chat_rr(convs: list[list[tuple[str, str]]], tk: ChatTokenizer, *, seed
             progressed = True
         if not progressed:
             break
+    return reqs, stats
+
+
+def build_chat_shuffled(convs: list[list[tuple[str, str]]], tk: ChatTokenizer, *, seed: int,
+                        n_conversations: int, slots: int, interval_s: float, max_context: int,
+                        system: str | None = None, batch: int = 128,
+                        progress: bool = True) -> tuple[list[Request], dict[str, Any]]:
+    """The held-out chat trace: ``slots`` live conversations, each request the next turn of
+    one of them drawn at random (seeded), conversations drawn with a seed of their own."""
+    if slots < 1 or not interval_s > 0:
+        raise ValueError(f"need slots >= 1 and interval_s > 0, got {slots}, {interval_s}")
+    rng = random.Random(f"held-out-{seed}")
+    kept, stats = tokenize_conversations(convs, tk, rng, n_conversations, max_context, system,
+                                         batch, progress)
+    queue = iter(enumerate(kept))
+    live: list[list[Any]] = []      # [cid, (ci, ps, rs), next turn]
+    reqs: list[Request] = []
+    while True:
+        while len(live) < slots:
+            nxt = next(queue, None)
+            if nxt is None:
+                break
+            live.append([nxt[0], nxt[1], 0])
+        if not live:
+            break
+        i = rng.randrange(len(live))
+        cid, (ci, ps, rs), k = live[i]
+        reqs.append(Request(len(reqs) * interval_s, cid, k, ps[k], rs[k], {"src": ci}))
+        live[i][2] = k + 1
+        if k + 1 >= len(ps):
+            live[i] = live[-1]
+            live.pop()
     return reqs, stats

@@ -68,14 +68,16 @@ class CacheConfig:
             both None means ``DEFAULT_DEVICE_MEMORY``.
         host_blocks / host_memory: CPU-RAM tier capacity (0/None: no host tier).
         disk_dir, disk_blocks / disk_memory: NVMe tier directory and capacity (None: no disk tier).
-        policy: eviction policy name (``radixkv.core.policy.POLICIES``: ``duel``, the default,
-            set-duels LRU, ``lfu-ghost`` (LFU whose counts survive a drop) and the next-use
-            ``forecast`` and follows whichever its shadow caches say is hitting most
-            (docs/eviction.md); ``lru``, ``lfu``, ``lfu-ghost``, ``lfu-da``, ``fifo``, ``mru``,
-            ``priority``, ``ttl``, ``forecast``).
-        policy_options: keyword arguments of the policy (``{"sample": 4}`` for the duel's
-            sampled shadows, ``{"quantile": 0.9}`` for the forecast; docs/eviction.md); checked
-            when the config is built.
+        policy: eviction policy name (``radixkv.core.policy.POLICIES``): ``auto``, the
+            default (``radixkv.core.policy.DEFAULT_POLICY``, also ``RadixTree``'s and
+            ``BlockManager.create``'s), is LRU, at LRU's cost, until a request says its
+            session ends, then the next-use ``forecast``; ``duel`` set-duels LRU,
+            ``lfu-ghost`` and ``forecast`` (pays on loops and RAG, for about 10x LRU's
+            bookkeeping); ``lru``, ``lfu``, ``lfu-ghost``, ``lfu-da``, ``fifo``, ``mru``,
+            ``priority``, ``ttl``, ``forecast`` (docs/eviction.md says when each pays).
+        policy_options: keyword arguments of the policy (``{"then": "fifo"}`` for ``auto``,
+            ``{"sample": 4}`` for the duel's sampled shadows, ``{"quantile": 0.9}`` for the
+            forecast; docs/eviction.md); checked when the config is built.
         enable_prefix_caching: False makes every request its own namespace, so nothing is ever
             reused across requests (the "no cache" baseline; forks still share within a request).
         write_through: lower tiers (``"host"``, ``"disk"``) that get a copy of every block as
@@ -122,7 +124,7 @@ class CacheConfig:
     disk_dir: str | None = None
     disk_blocks: int | None = 0
     disk_memory: str | None = None
-    policy: str = "duel"
+    policy: str = "auto"         # radixkv.core.policy.DEFAULT_POLICY (a test keeps them equal)
     policy_options: dict[str, Any] | None = None
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()

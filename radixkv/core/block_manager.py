@@ -41,6 +41,7 @@ import xxhash
 
 from radixkv.core.events import KVEventQueue
 from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, token_bytes
+from radixkv.core.policy import DEFAULT_POLICY
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
@@ -117,7 +118,7 @@ class BlockManager:
         self._seqs: dict[SeqId, SeqState] = {}
 
     @classmethod
-    def create(cls, num_blocks: int, block_size: int = 16, policy: str = "lru",
+    def create(cls, num_blocks: int, block_size: int = 16, policy: str = DEFAULT_POLICY,
                lower_tier_blocks: Sequence[int] = (), write_through: Sequence[int] = (),
                **tree_kwargs) -> BlockManager:
         """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities);
@@ -278,6 +279,8 @@ class BlockManager:
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
+        if end_session and tree.policy.on_end_hint is not None:
+            tree.switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
         if tree.hooks:
             tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
@@ -339,6 +342,8 @@ class BlockManager:
         except TypeError:
             raise InvalidRequestError("session must be hashable (a str or int id), got "
                                       f"{type(session).__name__}") from None
+        if self.tree.policy.on_end_hint is not None:
+            self.tree.switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
         if self.tree.hooks:
             self.tree.policy.end_session(session)
 

@@ -47,6 +47,12 @@ class EvictableSet:
 
     def __init__(self, tier: int, policy: EvictionPolicy) -> None:
         self.tier = tier
+        self._shift = _CBITS * tier
+        self.use_policy(policy)
+
+    def use_policy(self, policy: EvictionPolicy) -> None:
+        """Order this tier by ``policy`` from now on, starting from an empty index (the
+        tree's ``switch_policy`` files every evictable node again). O(1)."""
         self.policy = policy
         self.index: EvictionIndex = policy.new_index()
         #: ``add(entry)``, ``remove(entry)`` (must be present), ``pop_min()``, ``min()``: the
@@ -57,7 +63,6 @@ class EvictableSet:
         self.pop_min = self.index.pop_min
         self.min = self.index.min
         self._lru = type(policy) is LRUPolicy   # key = (last_access,): no call
-        self._shift = _CBITS * tier
 
     # ------------------------------------------------------------------ keys
     def key(self, node: Node) -> tuple:

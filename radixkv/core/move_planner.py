@@ -73,12 +73,16 @@ class MovePlanner:
         self.ttl_heap = tree.ttl_heap
         self.stats = tree.stats
         self.writes = tree.writes
-        self.policy = tree.policy
-        self.hooks = tree.hooks
+        self.use_policy(tree.policy)
         self.clock = tree.clock
         self.num_tiers = tree.num_tiers
         self.block_bytes = tree.block_bytes
-        self._lru = type(tree.policy) is LRUPolicy
+
+    def use_policy(self, policy: EvictionPolicy) -> None:
+        """Plan with ``policy`` from now on (the tree's ``switch_policy``). O(1)."""
+        self.policy = policy
+        self.hooks = policy.hooks
+        self._lru = type(policy) is LRUPolicy
 
     # ------------------------------------------------------------------ eviction and demotion
     def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:

@@ -64,7 +64,9 @@ from radixkv.core.evictable import EvictableSet
 from radixkv.core.events import BlockRemoved, BlockStored, KVEventQueue
 from radixkv.core.hashing import TOKEN_BYTES, BlockHash
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints, make_policy
+from radixkv.core.policy import (
+    DEFAULT_HINTS, DEFAULT_POLICY, EvictionPolicy, LRUPolicy, NodeHints, make_policy,
+)
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.move_planner import MovePlanner
 from radixkv.core.writes import TreeWrites, make_writes
@@ -85,8 +87,8 @@ class RadixTree:
         device_pool: the device tier's BlockPool.
         lower_pools: pools of the slower tiers, fastest first (host, then disk), each sized
             to that tier's capacity in blocks.
-        policy: eviction policy name or instance (``lru`` default, ``lfu``, ``mru``,
-            ``priority``, ``ttl``).
+        policy: eviction policy name or instance (``radixkv.core.policy.POLICIES``; default
+            ``auto``: LRU until a client sends a session-end hint, then ``forecast``).
         clock: seconds, monotonic; injected so tests can pin the eviction order.
         write_through: the tree's write policy: a ``TreeWrites`` object, or the slower tiers
             (each in ``1 .. num_tiers-1``) that get a copy of every block inserted on the
@@ -103,7 +105,8 @@ class RadixTree:
     """
 
     def __init__(self, block_size: int, device_pool: BlockPool,
-                 lower_pools: Sequence[BlockPool] = (), policy: str | EvictionPolicy = "lru",
+                 lower_pools: Sequence[BlockPool] = (),
+                 policy: str | EvictionPolicy = DEFAULT_POLICY,
                  clock: Callable[[], float] = time.monotonic,
                  write_through: Sequence[int] | TreeWrites = ()) -> None:
         if type(block_size) is not int or block_size <= 0:
@@ -986,3 +989,37 @@ class RadixTree:
             if refile is not None:
                 self.writes.refile(n, refile)
             n = n.parent
+
+    # ================================================================== policy hand-over
+    def switch_policy(self, policy: str | EvictionPolicy) -> None:
+        """Hand eviction to ``policy`` from now on (``auto``'s switch on the first session-end
+        hint): every node's policy state starts afresh (``on_insert`` as if it had just been
+        cached, at its last access) and every evictable node, and write-through copy, is
+        filed again under the new key, once. Raises ConfigError, changing nothing, for a
+        policy that cuts runs differently from the current one (``insert_key`` or
+        ``fresh_counts``). The parts that cache the policy (each tier's ``EvictableSet``, the
+        ``MovePlanner``) are told in place, so references to them stay valid.
+        Runtime complexity: O(nodes) + one filing per evictable node."""
+        new = make_policy(policy)
+        if new.insert_key is not None or new.fresh_counts != self.policy.fresh_counts:
+            raise ConfigError(f"cannot switch a {self.policy.name!r} tree to {new.name!r}: "
+                              "it cuts runs differently; select it when building the tree")
+        if new.hooks:
+            new.bind(self)
+        self.policy = new
+        self._lru = type(new) is LRUPolicy
+        self.hooks = new.hooks
+        self.planner.use_policy(new)
+        nodes = list(self.heads.values())
+        for node in nodes:
+            node.aux = None
+        if new.hooks:
+            for node in nodes:
+                new.on_insert(node, 0, node.last_access)
+        for ev in self.evictable:
+            ev.use_policy(new)
+        copies = list(self.writes.tiers)
+        for node in nodes:
+            self.evictable[node.tier].file(node)
+            if copies:
+                self.writes.refile(node, copies)

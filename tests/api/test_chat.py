@@ -134,3 +134,22 @@ def test_session_hints_reach_the_policy_and_close_ends_the_session(make_engine):
         e.end_session(None)
     lru = make_engine()
     lru.chat(session_id="c").send("Hi.", P20, end_session=True)   # ignored by LRU
+
+
+def test_the_default_policy_turns_to_the_forecast_when_a_session_closes(make_engine):
+    """The default (``auto``) is LRU until a client says a session is over, end to end: the
+    engine's tree hands eviction to the forecast at the first ``close()``."""
+    from radixkv.core.policy import DEFAULT_POLICY, LRUPolicy
+    from radixkv.core.policy_forecast import ForecastPolicy
+
+    e = make_engine(policy=DEFAULT_POLICY)
+    tree = e.core.block_manager.tree
+    s = e.chat(session_id="conv-1")
+    s.send("Hi there.", P20)
+    assert type(tree.policy) is LRUPolicy and tree.policy.name == "auto"
+    s.close()
+    assert type(tree.policy) is ForecastPolicy
+    t = e.chat(session_id="conv-2")
+    t.send("Only turn.", P20, end_session=True)
+    assert "conv-2" in tree.policy._ended
+    e.core.block_manager.check_invariants()

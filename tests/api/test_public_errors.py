@@ -123,14 +123,14 @@ def test_policy_options_reach_the_policy_and_bad_ones_fail_at_config(tiny_model_
             CacheConfig(policy_options=bad)
     with pytest.raises(ConfigError):
         CacheConfig(policy="lru", policy_options={"sample": 4})   # LRU takes no options
-    cc = CacheConfig(num_device_blocks=64, policy_options={"sample": 4})
+    cc = CacheConfig(num_device_blocks=64, policy="duel", policy_options={"sample": 4})
     e = Engine(tiny_model_shared, smol_tokenizer, cc, EngineConfig(device="cpu"))
     try:
         pol = e.core.block_manager.tree.policy
         assert pol.sample == 4 and all(sh.pool.num_blocks == 16 for sh in pol._shadows)
     finally:
         e.close()
-    args = build_parser().parse_args(["--policy-options", '{"sample": 2}'])
+    args = build_parser().parse_args(["--policy", "duel", "--policy-options", '{"sample": 2}'])
     assert configs(args)[0].policy_options == {"sample": 2}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--policy-options", "[2]"])

@@ -31,3 +31,27 @@ def traces(draw, max_requests=8, max_len=8):
         seqs.append(prompt + reply)
         reqs.append(R(prompt, reply))
     return reqs
+
+
+@dataclass
+class T:
+    """A request with its time, conversation and turn (what ``bounds.session_phantoms`` reads)."""
+
+    t: float
+    conv: int
+    turn: int
+    prompt: list[int]
+    reply: list[int] = field(default_factory=list)
+
+
+def loop(n_conv=4, turns=6, size=4):
+    """Round-robin chats: conversation c's turn k re-sends its history plus ``size`` tokens."""
+    hist: dict[int, list[int]] = {c: [] for c in range(n_conv)}
+    out = []
+    for k in range(turns):
+        for c in range(n_conv):
+            prompt = hist[c] + [1000 * c + 10 * k + i for i in range(size)]
+            reply = [1000 * c + 10 * k + 5 + i for i in range(2)]
+            out.append(T(float(len(out)), c, k, prompt, reply))
+            hist[c] = prompt + reply
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from test_policy_sim import loop
+from hitrate_strategies import loop
 
 from radixkv.benchmarks import hit_rate_workloads as H
 from radixkv.benchmarks.bounds import infinite, prepare, session_phantoms, simulate
@@ -15,7 +15,7 @@ def _evaluate_loop():
     bt = prepare(reqs, H.BLOCK_SIZE)
     caps = H.capacity_grid(bt, 4)
     assert caps[0] == bt.min_capacity + 2 and caps == sorted(set(caps)) and len(caps) <= 4
-    res = H.evaluate(reqs, {}, caps, ["lru", "mru"], ["next-use"])
+    res = H.evaluate(reqs, {}, caps, ["lru", "mru", "forecast"])
     assert len(res["rows"]) == 3 * len(caps)
     inf = infinite(bt).hit_rate
     for r in res["rows"]:
@@ -28,7 +28,7 @@ def _evaluate_loop():
         if r["policy"] == "lru":  # the real tree's LRU equals the block model's
             assert r["hit_rate"] == simulate(bt, r["capacity_blocks"], "lru").hit_rate
             assert r["points_vs_lru"] == 0.0
-    assert set(H.verdicts(res["rows"])) == {"lru", "mru", "next-use"}
+    assert set(H.verdicts(res["rows"])) == {"lru", "mru", "forecast"}
     zone = [r["end_blind"] / r["belady"] for r in res["rows"] if r["zone"]]
     assert res["end_blind_min_of_belady_in_zone"] == (min(zone) if zone else None)
     json.dumps(res)  # serialisable as written to benchmarks/results
@@ -94,3 +94,15 @@ def test_baseline_core_replays_beside_this_one():
     assert v["duel"]["same_hits_as_baseline"] and v["duel"]["cpu_vs_baseline_median"] > 0
     assert v["lru"]["cpu_vs_lru_median"] == v["lru"]["cpu_vs_lru_median_baseline"] == 1.0
     json.dumps(res)
+
+
+def test_reused_references_give_the_same_rows():
+    """``--reuse``: an earlier run's references at its capacities stand in for simulating them
+    again; the rows are the same (the replays are deterministic)."""
+    res, reqs = _evaluate_loop()
+    refs = {r["capacity_blocks"]: r for r in res["rows"]}
+    again = H.evaluate(reqs, {}, None, ["lru", "mru", "forecast"], references=refs)
+    assert again["capacities"] == res["capacities"]
+    drop = ("seconds", "cpu_us_per_request")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in again["rows"]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in res["rows"]]

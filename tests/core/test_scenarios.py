@@ -233,7 +233,16 @@ def test_namespaces_never_share() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_last_prompt_token_is_always_computed(n) -> None:
+    """A prompt of n full blocks, all n cached, reuses n - 1: its last token must be computed
+    (for the logits) in a private block. The warm-up caches every block of the prompt, the
+    last one included, so a manager that reused it would fail here."""
     bm, clock = make(8)
-    run(bm, clock, "a", [1, 1, 2, 2][: 2 * n - 1] + [0] if n < 3 else [1, 1, 2, 2, 3, 3])
-    a = bm.allocate("b", [1, 1, 2, 2, 3, 3][: 2 * n], NS)
-    assert a.num_cached_tokens == 2 * (n - 1)            # a full-block prompt recomputes its last block
+    prompt = [1, 1, 2, 2, 3, 3][: 2 * n]
+    run(bm, clock, "a", prompt + [0])                   # caches the prompt's n full blocks
+    assert set(h(prompt)) <= set(bm.tree.block_index())  # the block the rule is about
+    a = bm.allocate("b", prompt, NS)
+    assert a.num_cached_tokens == 2 * (n - 1)   # the prompt's last block is recomputed
+    assert bm.block_table("b")[-1] not in bm.block_table("b")[:-1]
+    bm.commit("b", len(prompt))
+    bm.free("b")
+    bm.check_invariants()

@@ -93,14 +93,14 @@ def test_chunked_prefill_matches_hf(hf_llama):
 def test_preemption_resumes_with_identical_output(hf_llama):
     prompts = _prompts([10, 13, 7, 11])
     # 4 requests x (prompt + 20 tokens) need ~26 blocks of 4; the pool has 16.
-    eng = _engine(hf_llama, num_blocks=16)
+    eng = _engine(hf_llama, num_blocks=16, policy="duel")   # a policy that counts turns
     out = _run(eng, [(f"r{i}", p, _greedy(20)) for i, p in enumerate(prompts)])
     st = eng.stats()
     assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0
     assert any(o.num_preemptions for o in out.values())
     for i, p in enumerate(prompts):
         assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 20), f"request {i}"
-    # the default policy's forecast saw 4 turns, not one more per resumption
+    # the duel's forecast saw 4 turns, not one more per resumption
     forecast = next(m for m in eng.tree.policy.members if m.name == "forecast")
     assert forecast.requests == 4
 
