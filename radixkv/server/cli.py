@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Mistral, Qwen2 and Qwen3 checkpoints it defines (faster start, same "
                         "logits), transformers' for the rest (auto, the default)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--model-id", default=None, metavar="NAME",
+                   help="pin the name of the model's cached blocks in every tier (default: a "
+                        "fingerprint of the weights, so changed weights reuse nothing; rename "
+                        "it whenever the weights change)")
     c = p.add_argument_group("cache (CacheConfig)")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--device-blocks", type=int, default=None, help="device pool size in blocks")
@@ -94,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key TTL on the remote server (default: none)")
     c.add_argument("--remote-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="bound on a request's remote lookup and on every server call")
+    c.add_argument("--shutdown-flush", type=float, default=5.0, metavar="SECONDS",
+                   help="at a graceful shutdown (SIGTERM, Ctrl-C), spend up to this long "
+                        "writing the cached blocks the remote server lacks, so the replica "
+                        "that replaces this one finds them (default 5; 0: off)")
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="live sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -136,7 +144,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      write_through=tuple(args.write_through), kv_dtype=args.kv_dtype,
                      remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
-                     remote_timeout_s=args.remote_timeout)
+                     remote_timeout_s=args.remote_timeout, model_id=args.model_id,
+                     remote_shutdown_flush_s=args.shutdown_flush)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
