@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key TTL on the remote server (default: none)")
     c.add_argument("--remote-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="bound on a request's remote lookup and on every server call")
+    c.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                   help="file holding a secret (>= 16 bytes, surrounding whitespace ignored) "
+                        "that signs every KV block written to the disk and remote tiers and "
+                        "verifies every read, so a value forged into a shared server is a miss; "
+                        "give every replica the same one (default: $RADIXKV_KV_SECRET, else "
+                        "checksums only)")
     c.add_argument("--shutdown-flush", type=float, default=5.0, metavar="SECONDS",
                    help="at a graceful shutdown (SIGTERM, Ctrl-C), spend up to this long "
                         "writing the cached blocks the remote server lacks, so the replica "
@@ -131,6 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_secret_file(path: str | None) -> bytes | None:
+    """The secret in ``path`` (its bytes without surrounding whitespace, so a trailing newline
+    does not matter), None for no path; ConfigError naming the file when it cannot be read or
+    holds nothing (CacheConfig checks the length)."""
+    from radixkv.errors import ConfigError
+
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--kv-secret-file {path!r}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ConfigError(f"--kv-secret-file {path!r} is empty")
+    return secret
+
+
 def configs(args: argparse.Namespace) -> tuple[Any, Any]:
     """(CacheConfig, EngineConfig) from the parsed flags (ConfigError on a bad combination)."""
     from radixkv.config import CacheConfig, EngineConfig
@@ -145,7 +169,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
                      remote_timeout_s=args.remote_timeout, model_id=args.model_id,
-                     remote_shutdown_flush_s=args.shutdown_flush)
+                     remote_shutdown_flush_s=args.shutdown_flush,
+                     disk_secret=read_secret_file(args.kv_secret_file))
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,

@@ -130,6 +130,12 @@ class RemoteTier(KVMover):
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
         self.write.attach(self, tree, mover)
+        if getattr(store, "signer", None) is None:
+            log.warning(
+                "radixkv: the remote tier's values are not authenticated: anyone who can write "
+                "to the server can make this engine serve forged KV (checksums are "
+                "recomputable). Give every replica the same secret: radixkv serve "
+                "--kv-secret-file PATH, $RADIXKV_KV_SECRET or CacheConfig(disk_secret=...)")
 
     # ------------------------------------------------------------------ read path
     def lookup(self, req: Any) -> None:
