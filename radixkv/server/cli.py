@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose module tree holds the weights: radixkv's own for the Llama, "
                         "Mistral, Qwen2 and Qwen3 checkpoints it defines (faster start, same "
                         "logits), transformers' for the rest (auto, the default)")
-    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the CPUs this process may use: its "
+                        "affinity mask capped by the cgroup CPU quota; idle threads sleep, "
+                        "OMP_WAIT_POLICY=PASSIVE, unless the environment sets it)")
     m.add_argument("--model-id", default=None, metavar="NAME",
                    help="pin the name of the model's cached blocks in every tier (default: a "
                         "fingerprint of the weights, so changed weights reuse nothing; rename "
@@ -210,6 +213,9 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from radixkv.server.cpu import prepare_openmp
+
+    wait_policy = prepare_openmp()   # before anything loads torch's OpenMP runtime
     from radixkv.errors import ConfigError
 
     try:
@@ -229,10 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        print(f"radixkv serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     if args.served_model_name is None and args.model is None:
         from radixkv.models import EMBEDDED_NAME
 
@@ -250,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"radixkv serve: {exc}", file=sys.stderr)
             return 2
+    from radixkv.server.cpu import apply_threads
+
+    print(f"radixkv serve: {apply_threads(args.threads)}; OMP_WAIT_POLICY {wait_policy}",
+          file=sys.stderr, flush=True)
     app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret)

@@ -161,6 +161,8 @@ def test_a_rolling_restart_with_default_flags_keeps_the_cache(tmp_path) -> None:
         ra, rb = answers
         assert ra.usage.prompt_tokens_details.cached_tokens == 0
         written = int(outputs[0].split("shutdown: wrote ")[1].split()[0])
+        # the start-up line says how threads wait (issue 33, item 4)
+        assert "1 CPU threads (--threads); OMP_WAIT_POLICY PASSIVE" in outputs[0]
         assert written >= ra.usage.prompt_tokens // 16 > 0
         tiers = rb.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
         assert tiers["remote"] == rb.usage.prompt_tokens_details.cached_tokens > 0
