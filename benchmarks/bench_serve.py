@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="4 conversations, 2 turns; results to a temp dir")
     ap.add_argument("--background-load", type=int, default=None, metavar="N",
-                    help="instead: TTFT of thread settings beside N busy processes (issue 33)")
+                    help="instead: TTFT of thread settings beside N busy processes")
     ap.add_argument("--requests", type=int, default=6,
                     help="--background-load: requests per setting and round")
     args = ap.parse_args(argv)

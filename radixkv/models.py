@@ -399,9 +399,10 @@ def checkpoint_fingerprint(source: ModelSource) -> str | None:
 
 def tensor_fingerprint(model: Any) -> str:
     """128-bit hex fingerprint of a model's tensors as they are now (every parameter and buffer:
-    name, dtype, shape, bytes; xxh3, about memory bandwidth: ~0.1 s per GB on a CPU, plus the
-    copy to the host for a model on an accelerator). For models built in memory, whose weights
-    have no files to name them (a fine-tune, random test weights)."""
+    name, dtype, shape, bytes; xxh3: 0.40 s for SmolLM2-135M in float32, 540 MB, 0.16 s in bf16,
+    on the project's 2-core machine, plus the copy to the host for a model on an accelerator).
+    For models built in memory, whose weights have no files to name them (a fine-tune, random
+    test weights)."""
     import itertools
 
     import torch

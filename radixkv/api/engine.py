@@ -46,7 +46,8 @@ ParamsLike = Union["SamplingParams", dict, None]
 
 def default_model_id(model: Any, dtype: Any = None, weights: str | None = None) -> str:
     """The model id that names an engine's cached blocks when none is given: a fingerprint of
-    the weights themselves, the dtype it runs in and its KV geometry, so that blocks are shared
+    the weights themselves, the dtype it runs in, its KV geometry and its config's architecture
+    fields (RoPE scaling, norm epsilon, windows, ...), so that blocks are shared
     exactly by engines that compute the same K/V, in every tier (device, host, disk, remote),
     whatever the path or name the weights were loaded from.
 
@@ -73,7 +74,29 @@ def default_model_id(model: Any, dtype: Any = None, weights: str | None = None) 
             getattr(cfg, "vocab_size", "?"))
     if weights is None:
         weights = tensor_fingerprint(model)
-    return f"weights-{weights}/{dtype}{geo}"
+    return f"weights-{weights}/{dtype}{geo}{_config_digest(cfg)}"
+
+
+#: config keys that say nothing about the K/V a model computes for given token ids
+_NON_KV_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache",
+                                 "bos_token_id", "eos_token_id", "pad_token_id",
+                                 "output_attentions", "output_hidden_states", "return_dict"})
+
+
+def _config_digest(cfg: Any) -> str:
+    """``/c<16 hex>``: every architecture field of ``cfg`` (RoPE, norms, windows, ...; not
+    private fields, the load path or generation settings), "" without a config."""
+    import json
+
+    import xxhash
+
+    to_dict = getattr(cfg, "to_dict", None)
+    if to_dict is None:
+        return ""
+    fields = {k: v for k, v in to_dict().items()
+              if not k.startswith("_") and k not in _NON_KV_CONFIG_KEYS}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return "/c" + xxhash.xxh3_64(text.encode()).hexdigest()
 
 
 def as_params(params: ParamsLike) -> SamplingParams:

@@ -15,8 +15,9 @@ So ``radixkv serve`` starts with:
   ``cpu.cfs_quota_us / cpu.cfs_period_us`` in v1), rounded up; never more than torch's own
   default. ``--threads`` overrides it.
 * ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep as soon as they are idle) unless the environment
-  sets it (an empty value keeps the runtime's own default: spin a while, then sleep). libgomp reads it once, when torch loads it, so it is set before torch is imported;
-  when torch was already imported the effective policy is whatever was there, and the start-up
+  sets it (an empty value keeps the runtime's own default: spin a while, then sleep).
+  libgomp reads it once, when torch loads it, so it is set before torch is imported; when
+  torch was already imported the effective policy is whatever was there, and the start-up
   line says so.
 
 ``radixkv bench serve --background-load N`` measures the result (docs/serve.md).

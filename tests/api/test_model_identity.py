@@ -75,6 +75,9 @@ def test_in_memory_models_are_named_by_their_tensors(tiny_model_shared: Any) -> 
     assert default_model_id(model) != base
     other = make_tiny_vocab_model(model.config.vocab_size, seed=7)       # same shapes
     assert default_model_id(other) != base
+    same = copy.deepcopy(tiny_model_shared)
+    same.config.rms_norm_eps *= 10                                       # same weights
+    assert default_model_id(same) != default_model_id(tiny_model_shared)
 
 
 def test_a_pinned_model_id_is_the_namespace(tiny_model_shared: Any, smol_tokenizer: Any,
