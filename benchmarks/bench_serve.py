@@ -16,6 +16,17 @@ Per request the client measures TTFT (first content chunk) and end-to-end latenc
 reports the engine's TTFT and the cached prompt tokens in ``usage``. Server overhead = client
 TTFT - engine TTFT (HTTP, JSON, chat templating and tokenization, waiting for the loop thread).
 Targets (issue 11): p50 TTFT cache <= 0.5x nocache; server overhead <= 5% of p50 TTFT.
+
+``--background-load N`` asks another question (issue 33, item 4): with N busy processes beside
+the server (each a Python loop spinning one core), how do the server's default threads and
+OpenMP wait policy hold up against other settings? One server per setting (``default``: no
+``--threads`` and no ``OMP_WAIT_POLICY``; ``--threads 1``; ``--threads C`` for C up to the
+CPUs; ``--threads C`` with ``OMP_WAIT_POLICY`` empty, the OpenMP runtime's own spin-then-sleep:
+the defaults before issue 33), all loaded
+before the load starts, prefix caching off (every request computes its prompt); then rounds in
+which each setting in turn serves the same ``--requests`` first turns of ShareGPT
+conversations, one at a time, streamed. p50/p99 client TTFT per setting; target: the default's
+p50 and p99 within 1.3x of the best setting's.
 """
 
 from __future__ import annotations
@@ -59,11 +70,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str], threads: int, max_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], threads: int | None, max_seqs: int,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
-           "--max-num-seqs", str(max_seqs), "--threads", str(threads), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "--max-num-seqs", str(max_seqs), *extra]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -198,6 +213,87 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def contention_settings(cpus: int) -> list[tuple[str, int | None, dict[str, str]]]:
+    """(name, --threads or None, environment changes) of each server compared under load."""
+    out: list[tuple[str, int | None, dict[str, str]]] = [("default", None, {})]
+    out += [(f"threads={c}", c, {}) for c in range(1, cpus + 1)]
+    # the defaults before issue 33: torch's threads, the OpenMP runtime's spin-then-sleep
+    out.append((f"threads={cpus},omp-default", cpus, {"OMP_WAIT_POLICY": ""}))
+    return out
+
+
+def run_contention(args: argparse.Namespace) -> int:
+    """``--background-load N``: TTFT of each thread setting with N busy processes beside it."""
+    import openai
+
+    from radixkv.models import EMBEDDED_NAME
+    from radixkv.server.cpu import affinity_cpus
+
+    cpus = affinity_cpus()
+    prompts = [c[0] for c in conversations(args.requests * args.rounds, 2, args.max_chars)]
+    header = run_header(args.seed, benchmark="serve-contention", cpus=cpus,
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    settings = contention_settings(cpus)
+    base_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    servers = {}
+    busy: list[subprocess.Popen] = []
+    records: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in settings}
+    try:
+        for name, threads, env in settings:   # loaded before the load starts
+            servers[name] = start_server(["--no-prefix-caching"], threads, 4,
+                                         {**base_env, **env})
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.background_load)]
+        time.sleep(1.0)
+        for r in range(args.rounds):
+            part = prompts[r * args.requests:(r + 1) * args.requests]
+            for name, _, _ in settings:   # same prompts for every setting, settings in turn
+                api = openai.OpenAI(base_url=servers[name][1] + "/v1", api_key="none",
+                                    max_retries=0, timeout=900)
+                t_round = time.perf_counter()
+                for text in part:
+                    t0 = time.perf_counter()
+                    first = None
+                    for chunk in api.chat.completions.create(
+                            model=EMBEDDED_NAME, temperature=0, max_tokens=args.max_tokens,
+                            messages=[{"role": "user", "content": text}], stream=True):
+                        if first is None and chunk.choices and chunk.choices[0].delta.content:
+                            first = time.perf_counter()
+                    end = time.perf_counter()
+                    records[name].append({"round": r, "ttft": (first or end) - t0,
+                                          "e2e": end - t0})
+                print(f"round {r} {name}: {len(part)} requests in "
+                      f"{time.perf_counter() - t_round:.1f} s", flush=True)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    rows = []
+    for name, recs in records.items():
+        ttft = [x["ttft"] for x in recs]
+        rows.append({"setting": name, "requests": len(recs),
+                     "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": _pct(ttft, 0.99),
+                     "e2e_p50_s": statistics.median(x["e2e"] for x in recs)})
+    best50 = min(r["ttft_p50_s"] for r in rows)
+    best99 = min(r["ttft_p99_s"] for r in rows)
+    for row in rows:
+        row["p50_vs_best"] = row["ttft_p50_s"] / best50
+        row["p99_vs_best"] = row["ttft_p99_s"] / best99
+    print_table(rows, title=f"radixkv serve beside {args.background_load} busy processes "
+                            f"({cpus} CPUs; client TTFT, one request at a time)")
+    d = rows[0]
+    ok = d["p50_vs_best"] <= 1.3 and d["p99_vs_best"] <= 1.3
+    print(f"\ndefault vs best: p50 {d['p50_vs_best']:.2f}x, p99 {d['p99_vs_best']:.2f}x "
+          f"(target <= 1.3x: {'met' if ok else 'NOT met'})")
+    write_results(f"serve-contention-{args.background_load}" + ("-quick" if args.quick else ""),
+                  header, {"summary": rows, "records": records, "target_met": ok})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -212,7 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="4 conversations, 2 turns; results to a temp dir")
+    ap.add_argument("--background-load", type=int, default=None, metavar="N",
+                    help="instead: TTFT of thread settings beside N busy processes")
+    ap.add_argument("--requests", type=int, default=6,
+                    help="--background-load: requests per setting and round")
     args = ap.parse_args(argv)
+    if args.background_load is not None:
+        if args.background_load < 0:
+            ap.error("--background-load must be >= 0")
+        if args.quick:
+            args.requests, args.rounds, args.max_tokens = 2, 1, 8
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_contention(args)
     if args.quick:
         args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))

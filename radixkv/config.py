@@ -114,6 +114,15 @@ class CacheConfig:
         remote_ttl_s: optional key TTL on the server (refreshed by every write of a block).
         remote_timeout_s: how long a new request waits for its remote lookup before it is
             scheduled without it; also bounds every call to the server.
+        remote_shutdown_flush_s: at ``Engine.close()``, how long to spend writing the cached
+            device and host blocks the remote server lacks (0: nothing), so that a replica
+            started after this one (a rolling restart, a scale-down) finds them. Write-back
+            alone writes a block only when it leaves the host tier.
+        model_id: a name you pin for the model's cached blocks (their namespace in every
+            tier, with the dtype and KV layout). None (default): a fingerprint of the weights
+            themselves (``radixkv.api.engine.default_model_id``), so changed weights never
+            reuse a block the old ones computed. Pin a name only if you rename it whenever
+            the weights, tokenizer or config change.
     """
 
     block_size: int = 16
@@ -134,6 +143,8 @@ class CacheConfig:
     remote_write: str = "write_back"
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 1.0
+    remote_shutdown_flush_s: float = 5.0
+    model_id: str | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -184,6 +195,10 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.write_through names tier(s) {missing} that are not "
                               "configured (set host_blocks/host_memory, disk_dir + disk_blocks)")
         self._check_remote()
+        if self.model_id is not None and (not isinstance(self.model_id, str)
+                                          or not self.model_id.strip()):
+            raise ConfigError(f"CacheConfig.model_id must be a non-empty string or None, got "
+                              f"{self.model_id!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"CacheConfig.kv_dtype must be one of {KV_DTYPES}, got "
                               f"{self.kv_dtype!r}")
@@ -203,6 +218,10 @@ class CacheConfig:
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
                                 or not 0 < ttl < float("inf")):
             raise ConfigError(f"CacheConfig.remote_ttl_s must be > 0 seconds or None, got {ttl!r}")
+        f = self.remote_shutdown_flush_s
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < float("inf"):
+            raise ConfigError("CacheConfig.remote_shutdown_flush_s must be >= 0 seconds, got "
+                              f"{f!r}")
         t = self.remote_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 60:
             raise ConfigError(f"CacheConfig.remote_timeout_s must be in (0, 60] seconds, got {t!r}")

@@ -10,7 +10,8 @@ Where: :func:`models_root` (``$RADIXKV_MODEL_CACHE_DIR``, ``$RADIXKV_CACHE_DIR/m
 ``$XDG_CACHE_HOME/radixkv/models`` or ``~/.cache/radixkv/models``, the first that is set). A folder is published only when complete (written under a temporary
 name, then renamed), so a crash mid-write or a second process converting at the same time never
 leaves a half copy that a later start would load. Hashing a 100 MB file takes a fraction of a
-second; the digest is remembered per (path, size, mtime) in ``digests.json`` beside the copies.
+second; the digest is remembered per (path, size, mtime, ctime, inode) in ``digests.json``
+beside the copies.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def models_root() -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of ``path``'s bytes, remembered per (path, size, mtime) in ``digests.json``."""
+    """SHA-256 of ``path``'s bytes, remembered per (path, size, mtime, ctime, inode) in
+    ``digests.json``: a file replaced by one of the same size and copied mtime (``cp -p``,
+    ``rsync -a``) still has a new ctime or inode, so it is hashed again."""
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
     index_path = models_root() / "digests.json"
     try:
         index = json.loads(index_path.read_text())

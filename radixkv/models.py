@@ -325,3 +325,99 @@ def _load_native(source: ModelSource, dtype: Any, required: bool, progress: bool
             raise ConfigError(f"model_impl='radixkv' cannot load {source.name_or_path}: "
                               f"{exc}") from None
         return None
+
+
+# ---------------------------------------------------------------------- what the model computes
+#: Files of a checkpoint directory whose bytes decide the K/V it computes for given token ids
+#: (besides the weights): the architecture and its hyper-parameters, and the tokenizer's
+#: vocabulary (conservative: token ids are the cache key, so a changed vocabulary costs a miss,
+#: never a stale block). ``tokenizer_config.json`` is not one of them: its chat template only
+#: decides which ids a prompt becomes, and those ids are hashed anyway.
+_KV_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt",
+             "vocab.txt", "spiece.model", "added_tokens.json")
+#: suffixes of weight files (safetensors shards and their index, PyTorch pickles)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _content_digest(path: Path) -> str:
+    """A digest of ``path``'s bytes: the blob name of a Hugging Face cache snapshot file (the
+    hub names blobs by their SHA-256, or git SHA-1 for small files: free), else its SHA-256,
+    remembered per (path, size, mtime, ctime, inode) by :func:`radixkv.load_cache.file_digest`
+    so that only the first start after a change reads the file."""
+    from radixkv.load_cache import file_digest
+
+    real = path.resolve()
+    if real.parent.name == "blobs" and _HEX.fullmatch(real.name):
+        return real.name
+    return file_digest(real)
+
+
+def checkpoint_fingerprint(source: ModelSource) -> str | None:
+    """128-bit hex fingerprint of the checkpoint files behind ``source``: its weights, config
+    and tokenizer vocabulary (:data:`_KV_FILES`); equal for equal bytes wherever they lie, so
+    replicas on different machines share cached blocks, and different after any change of the
+    weights, so a restart on replaced weights reuses no block computed by the old ones.
+
+    A GGUF file is named by its SHA-256, and so is its converted copy (recorded at conversion;
+    its weights are a function of the GGUF bytes). None when the files are not on this machine
+    (a hub id that transformers downloads while loading): the caller then fingerprints the
+    loaded tensors (:func:`tensor_fingerprint`).
+    """
+    import dataclasses
+    import json
+
+    import xxhash
+
+    from radixkv.load_cache import _COMPLETE, file_digest
+
+    parts: list[str] = []
+    gguf = source.gguf_path
+    if gguf is not None:
+        parts.append(f"gguf={file_digest(gguf)}")
+    else:
+        path = local_dir(dataclasses.replace(source, local_files_only=True))
+        if path is None:
+            return None
+        try:
+            record = json.loads((path / _COMPLETE).read_text())
+        except (OSError, ValueError):
+            record = None
+        weights = []
+        if isinstance(record, dict) and isinstance(record.get("sha256"), str):
+            parts.append(f"gguf={record['sha256']}")   # a converted copy: its GGUF's digest
+        else:
+            weights = sorted(p.name for p in path.iterdir()
+                             if p.name.endswith(_WEIGHT_SUFFIXES) and p.is_file())
+            if not any(not w.endswith(".index.json") for w in weights):
+                return None   # no weight file here: let the loaded tensors speak
+        for name in (*_KV_FILES, *weights):
+            if (path / name).is_file():
+                parts.append(f"{name}={_content_digest(path / name)}")
+    return xxhash.xxh3_128("\n".join(parts).encode()).hexdigest()
+
+
+def tensor_fingerprint(model: Any) -> str:
+    """128-bit hex fingerprint of a model's tensors as they are now (every parameter and buffer:
+    name, dtype, shape, bytes; xxh3: 0.40 s for SmolLM2-135M in float32, 540 MB, 0.16 s in bf16,
+    on the project's 2-core machine, plus the copy to the host for a model on an accelerator).
+    For models built in memory, whose weights have no files to name them (a fine-tune, random
+    test weights)."""
+    import itertools
+
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    seen: set[int] = set()
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        if t.numel():
+            flat = t.to("cpu").contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy() if flat.dtype != torch.uint8
+                     else flat.numpy())
+    return h.hexdigest()

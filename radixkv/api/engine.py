@@ -21,6 +21,7 @@ produced them, so no caller loses another's tokens.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
@@ -37,21 +38,29 @@ if TYPE_CHECKING:
     from radixkv.engine.outputs import RequestOutput
     from radixkv.engine.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
+
 Prompt = Union[str, Sequence[int]]
 ParamsLike = Union["SamplingParams", dict, None]
 
 
-def model_fingerprint(model: Any, dtype: Any = None) -> str:
-    """A namespace string for a model: name or path, dtype and KV geometry. ``dtype`` (the
-    dtype the engine will run in, when it converts the model) overrides the weights' own.
+def default_model_id(model: Any, dtype: Any = None, weights: str | None = None) -> str:
+    """The model id that names an engine's cached blocks when none is given: a fingerprint of
+    the weights themselves, the dtype it runs in, its KV geometry and its config's architecture
+    fields (RoPE scaling, norm epsilon, windows, ...), so that blocks are shared
+    exactly by engines that compute the same K/V, in every tier (device, host, disk, remote),
+    whatever the path or name the weights were loaded from.
 
-    Two engines that compute different K/V for the same tokens must get different fingerprints
-    when they share a disk tier; pass ``model_id`` explicitly for fine-tuned weights that keep
-    their base model's name. ``dtype`` is the dtype the engine will run the model in (it casts
-    the model), default the model's own.
+    ``weights``: a fingerprint of the checkpoint's files
+    (:func:`radixkv.models.checkpoint_fingerprint`); None fingerprints ``model``'s tensors now
+    (:func:`radixkv.models.tensor_fingerprint`). ``dtype``: the dtype the engine will run the
+    model in (it casts the model), default the model's own. Pin a name instead with
+    ``model_id=`` / ``CacheConfig.model_id`` / ``--model-id`` when you manage versions
+    yourself (then a changed model under the same name is yours to rename).
     """
+    from radixkv.models import tensor_fingerprint
+
     cfg = getattr(model, "config", None)
-    name = getattr(cfg, "_name_or_path", "") or type(model).__name__
     try:
         dtype = str(dtype if dtype is not None else next(model.parameters()).dtype)
         dtype = dtype.replace("torch.", "")
@@ -63,7 +72,31 @@ def model_fingerprint(model: Any, dtype: Any = None) -> str:
             getattr(cfg, "num_hidden_layers", "?"), getattr(cfg, "num_attention_heads", "?"),
             getattr(cfg, "num_key_value_heads", "?"), getattr(cfg, "hidden_size", "?"),
             getattr(cfg, "vocab_size", "?"))
-    return f"{name}/{dtype}{geo}"
+    if weights is None:
+        weights = tensor_fingerprint(model)
+    return f"weights-{weights}/{dtype}{geo}{_config_digest(cfg)}"
+
+
+#: config keys that say nothing about the K/V a model computes for given token ids
+_NON_KV_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache",
+                                 "bos_token_id", "eos_token_id", "pad_token_id",
+                                 "output_attentions", "output_hidden_states", "return_dict"})
+
+
+def _config_digest(cfg: Any) -> str:
+    """``/c<16 hex>``: every architecture field of ``cfg`` (RoPE, norms, windows, ...; not
+    private fields, the load path or generation settings), "" without a config."""
+    import json
+
+    import xxhash
+
+    to_dict = getattr(cfg, "to_dict", None)
+    if to_dict is None:
+        return ""
+    fields = {k: v for k, v in to_dict().items()
+              if not k.startswith("_") and k not in _NON_KV_CONFIG_KEYS}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return "/c" + xxhash.xxh3_64(text.encode()).hexdigest()
 
 
 def as_params(params: ParamsLike) -> SamplingParams:
@@ -106,7 +139,9 @@ class Engine:
         tokenizer: its tokenizer (needs a chat template for :meth:`chat` and :meth:`rag`).
         cache_config: block size, pool size, tiers, eviction policy (default ``CacheConfig()``).
         engine_config: batch limits, device, dtype (default ``EngineConfig()``).
-        model_id: namespace of the cached blocks (default: :func:`model_fingerprint`).
+        model_id: names the cached blocks (their namespace in every tier); default
+            ``cache_config.model_id``, else :func:`default_model_id` (a fingerprint of the
+            model's tensors, dtype and KV geometry).
         kv_mover: optional tier mover passed to the core engine.
 
     Attributes:
@@ -125,7 +160,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config if cache_config is not None else CacheConfig()
         self.engine_config = engine_config if engine_config is not None else EngineConfig()
-        self.model_id = model_id or model_fingerprint(
+        self.model_id = model_id or self.cache_config.model_id or default_model_id(
             model, self.engine_config.torch_dtype(None))   # the dtype it will run in
         self.core = LLMEngine(model, tokenizer, self.cache_config, self.engine_config,
                               model_id=self.model_id, kv_mover=kv_mover)
@@ -187,9 +222,11 @@ class Engine:
         tokenizer = models.load_tokenizer(source=source)
         model = models.load_model(dtype=dtype, device=device, source=source,
                                   model_impl=model_impl, progress=progress)
-        if model_id is None and source.embedded:
-            model_id = f"{models.EMBEDDED_NAME}/{models.EMBEDDED_GGUF}/" + \
-                str(_run_dtype(model, ec)).replace("torch.", "")
+        if model_id is None and (cache_config is None or cache_config.model_id is None):
+            # the checkpoint's files name the weights (digests cached per file): no pass over
+            # the loaded tensors unless the files are not here
+            model_id = default_model_id(model, _run_dtype(model, ec),
+                                        models.checkpoint_fingerprint(source))
         return cls(model, tokenizer, cache_config, engine_config, model_id=model_id,
                    kv_mover=kv_mover)
 
@@ -441,11 +478,28 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.has_unfinished_requests())
 
-    def close(self) -> None:
+    def close(self, remote_flush_s: float | None = None) -> dict[str, Any] | None:
         """Stop the engine loop and the tier worker threads; the engine refuses work
-        afterwards (EngineClosedError). Idempotent."""
+        afterwards (EngineClosedError). Idempotent.
+
+        With a remote tier, first write the cached device and host blocks the server lacks
+        for up to ``remote_flush_s`` seconds (default ``cache_config.remote_shutdown_flush_s``;
+        0: none), so that the replica that replaces this one finds them (write-back alone
+        writes only what leaves the host tier). Returns that flush's counts
+        (``RemoteTier.flush_resident``), None when there was none."""
+        flush_s = self.cache_config.remote_shutdown_flush_s if remote_flush_s is None \
+            else remote_flush_s
         self.loop.stop()
+        report = None
+        thread = getattr(self.loop, "_thread", None)
+        if flush_s and (thread is None or not thread.is_alive()):   # nothing steps the core
+            report = self.core.flush_remote(flush_s)
+            if report is not None:
+                log.info("radixkv: wrote %d cached blocks to the remote tier at close in "
+                         "%.2f s (%d there already, %d left)", report["written"],
+                         report["seconds"], report["present"], report["left"])
         self.core.close()
+        return report
 
 
 def _check_args(model: Any, cache_config: Any, engine_config: Any, model_id: Any) -> None:

@@ -49,9 +49,11 @@ from radixkv.engine.sequence import Request, Sequence, check_session
 from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 
-def model_fingerprint(model_id: str, layout: Any) -> str:
-    """Namespace string: model id + dtype + KV layout + block size (blocks of different models,
-    precisions or geometries can never match)."""
+def namespace_model(model_id: str, layout: Any) -> str:
+    """The ``Namespace.model`` string that seeds every block's chain hash: the model id (by
+    default a fingerprint of the weights: ``radixkv.api.engine.default_model_id``) + KV dtype +
+    KV layout + block size, so blocks of different weights, precisions or geometries never
+    match."""
     return (f"{model_id}|{layout.dtype}|L{layout.num_layers}-kv{layout.num_kv_heads}"
             f"-d{layout.head_dim}|B{layout.block_size}")
 
@@ -120,7 +122,7 @@ class LLMEngine:
         #: Names of ``RequestOutput.cached_tokens_per_tier``'s entries: the tree's tiers, then
         #: "remote" when a remote tier is configured.
         self.output_tier_names = self.tier_names + (["remote"] if self._remote else [])
-        self._namespace = Namespace(model_fingerprint(model_id, layout))
+        self._namespace = Namespace(namespace_model(model_id, layout))
         self._eos = eos_token_ids(model, tokenizer)
         limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
@@ -167,6 +169,15 @@ class LLMEngine:
         assert not failed, "demotions cannot fail a load"
         self._drain_kv()   # the files are written when this returns
         return sum(1 for m in moves if m.dst_tier is not None)
+
+    def flush_remote(self, timeout_s: float) -> dict[str, Any] | None:
+        """Write the cached device and host blocks the remote server lacks, for at most about
+        ``timeout_s`` (``RemoteTier.flush_resident``); call between steps, e.g. at shutdown.
+        None without a remote tier or once closed."""
+        if self._remote is None or self._closed:
+            return None
+        self._drain_kv()   # host slots hold their blocks' bytes once moves have landed
+        return self._remote.flush_resident(timeout_s)
 
     def close(self) -> None:
         """Stop the mover's threads; add_request/step then raise EngineClosedError. Idempotent."""
@@ -496,5 +507,5 @@ class LLMEngine:
         return engine_stats(self)
 
 
-__all__ = ["LLMEngine", "model_fingerprint"]
+__all__ = ["LLMEngine", "namespace_model"]
 

@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose module tree holds the weights: radixkv's own for the Llama, "
                         "Mistral, Qwen2 and Qwen3 checkpoints it defines (faster start, same "
                         "logits), transformers' for the rest (auto, the default)")
-    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the CPUs this process may use: its "
+                        "affinity mask capped by the cgroup CPU quota; idle threads sleep, "
+                        "OMP_WAIT_POLICY=PASSIVE, unless the environment sets it)")
+    m.add_argument("--model-id", default=None, metavar="NAME",
+                   help="pin the name of the model's cached blocks in every tier (default: a "
+                        "fingerprint of the weights, so changed weights reuse nothing; rename "
+                        "it whenever the weights change)")
     c = p.add_argument_group("cache (CacheConfig)")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--device-blocks", type=int, default=None, help="device pool size in blocks")
@@ -94,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key TTL on the remote server (default: none)")
     c.add_argument("--remote-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="bound on a request's remote lookup and on every server call")
+    c.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                   help="file holding a secret (>= 16 bytes, surrounding whitespace ignored) "
+                        "that signs every KV block written to the disk and remote tiers and "
+                        "verifies every read, so a value forged into a shared server is a miss; "
+                        "give every replica the same one (default: $RADIXKV_KV_SECRET, else "
+                        "checksums only)")
+    c.add_argument("--shutdown-flush", type=float, default=5.0, metavar="SECONDS",
+                   help="at a graceful shutdown (SIGTERM, Ctrl-C), spend up to this long "
+                        "writing the cached blocks the remote server lacks, so the replica "
+                        "that replaces this one finds them (default 5; 0: off)")
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="live sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -123,6 +140,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_secret_file(path: str | None) -> bytes | None:
+    """The secret in ``path`` (its bytes without surrounding whitespace, so a trailing newline
+    does not matter), None for no path; ConfigError naming the file when it cannot be read or
+    holds nothing (CacheConfig checks the length)."""
+    from radixkv.errors import ConfigError
+
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--kv-secret-file {path!r}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ConfigError(f"--kv-secret-file {path!r} is empty")
+    return secret
+
+
 def configs(args: argparse.Namespace) -> tuple[Any, Any]:
     """(CacheConfig, EngineConfig) from the parsed flags (ConfigError on a bad combination)."""
     from radixkv.config import CacheConfig, EngineConfig
@@ -136,7 +171,9 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      write_through=tuple(args.write_through), kv_dtype=args.kv_dtype,
                      remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
-                     remote_timeout_s=args.remote_timeout)
+                     remote_timeout_s=args.remote_timeout, model_id=args.model_id,
+                     remote_shutdown_flush_s=args.shutdown_flush,
+                     disk_secret=read_secret_file(args.kv_secret_file))
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
@@ -176,6 +213,9 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from radixkv.server.cpu import prepare_openmp
+
+    wait_policy = prepare_openmp()   # before anything loads torch's OpenMP runtime
     from radixkv.errors import ConfigError
 
     try:
@@ -195,10 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        print(f"radixkv serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     if args.served_model_name is None and args.model is None:
         from radixkv.models import EMBEDDED_NAME
 
@@ -216,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"radixkv serve: {exc}", file=sys.stderr)
             return 2
+    from radixkv.server.cpu import apply_threads
+
+    print(f"radixkv serve: {apply_threads(args.threads)}; OMP_WAIT_POLICY {wait_policy}",
+          file=sys.stderr, flush=True)
     app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret)

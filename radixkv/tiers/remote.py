@@ -133,6 +133,12 @@ class RemoteTier(KVMover):
         self._remote_tokens: dict[str, int] = {}
         self.counters = RemoteCounters()
         self.write.attach(self, tree, mover)
+        if getattr(store, "signer", None) is None:
+            log.warning(
+                "radixkv: the remote tier's values are not authenticated: anyone who can write "
+                "to the server can make this engine serve forged KV (checksums are "
+                "recomputable). Give every replica the same secret: radixkv serve "
+                "--kv-secret-file PATH, $RADIXKV_KV_SECRET or CacheConfig(disk_secret=...)")
 
     # ------------------------------------------------------------------ read path
     def lookup(self, req: Any) -> None:
@@ -443,6 +449,104 @@ class RemoteTier(KVMover):
 
     def counters(self) -> dict[str, Any]:
         return self.stats()
+
+    # ------------------------------------------------------------------ shutdown
+    #: blocks per round of :meth:`flush_resident` (one EXISTS batch + one SET batch each)
+    FLUSH_BATCH = 32
+
+    def flush_resident(self, timeout_s: float) -> dict[str, Any]:
+        """Write every cached device and host block that the server does not hold yet, parents
+        before children (shortest prefixes first: the most shared), until done or
+        ``timeout_s`` has passed; for a graceful shutdown. Why: write-back writes a block only
+        when it leaves the host tier, so a replica whose memory never filled would otherwise
+        leave nothing for the replica that replaces it (a rolling restart, a scale-down).
+
+        Synchronous, on the caller's thread, once the engine no longer steps (so the tree and
+        the slots hold still): the writer's queue is drained first, then rounds of
+        :data:`FLUSH_BATCH` blocks each cost one pipelined ``EXISTS`` and one pipelined ``SET``
+        of the missing ones. The deadline is checked between rounds, so a hung server can
+        overrun it by one call's socket timeout at most. A read-only tier, a server that is
+        down, or ``timeout_s <= 0`` writes nothing. Returns counts: ``written``,
+        ``present`` (the server had them), ``skipped`` (a host slot whose bytes may be
+        garbage), ``left`` (not reached by the deadline), ``seconds``.
+        """
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"written": 0, "present": 0, "skipped": 0, "left": 0,
+                               "seconds": 0.0}
+        if self.write.name == "read_only" or not timeout_s > 0:
+            return out
+        deadline = t0 + timeout_s
+        self.flush_retained()
+        self.store.flush(timeout_s)   # what is queued goes first (it may be most of it)
+        refs = self._resident_refs()
+        for start in range(0, len(refs), self.FLUSH_BATCH):
+            batch = refs[start:start + self.FLUSH_BATCH]
+            if time.perf_counter() >= deadline or not self.store.available:
+                out["left"] = len(refs) - start
+                break
+            held = self.store.contains_many([r.block_hash for r in batch])
+            todo = []
+            for r, there in zip(batch, held):
+                if there:
+                    out["present"] += 1
+                elif r.tier == self.host_tier and self._unsafe(r.block_hash):
+                    out["skipped"] += 1
+                else:
+                    todo.append(r)
+            out["written"] += self._put_now(todo)
+        out["seconds"] = time.perf_counter() - t0
+        self.counters.blocks_written += out["written"]
+        return out
+
+    def _resident_refs(self) -> list[BlockRef]:
+        """The cached blocks whose primary is in the device or host tier, by depth in their
+        chain (a parent before its children)."""
+        tiers = (0, self.host_tier)
+        depth: dict[int, int] = {}   # id(node) -> blocks above its first block
+
+        def depth_of(node: Any) -> int:
+            path = []
+            while node is not None and id(node) not in depth:
+                path.append(node)
+                node = node.parent
+            d = 0 if node is None else depth[id(node)] + len(node.hashes)
+            for n in reversed(path):
+                depth[id(n)] = d
+                d += len(n.hashes)
+            return depth[id(path[0])] if path else d
+
+        keyed = []
+        for node in self.tree.nodes():
+            if node.tier in tiers:
+                d = depth_of(node)
+                keyed.extend((d + i, h) for i, h in enumerate(node.hashes))
+        keyed.sort(key=lambda x: x[0])
+        return [r for r in self.tree.refs_of([h for _, h in keyed]) if r is not None]
+
+    def _put_now(self, refs: list[BlockRef]) -> int:
+        """Write these device/host blocks now (``put_many(wait=True)``; blocks under a
+        retention keep it). Returns how many the server acknowledged."""
+        import torch
+
+        if not refs:
+            return 0
+        kv = self._device_cache   # [L, 2, N, bs, h, d]
+        dev = [r for r in refs if r.tier == 0]
+        payload: dict[bytes, Any] = {}
+        if dev:
+            idx = torch.tensor([r.slot for r in dev], dtype=torch.long, device=kv.device)
+            blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            for i, r in enumerate(dev):
+                payload[r.block_hash] = blocks[i].view(-1).view(torch.uint8).numpy()
+        groups: dict[float | None, list[Any]] = {}
+        for r in refs:
+            data = payload.get(r.block_hash)
+            if data is None:
+                data = self.host.slot_bytes(r.slot)
+            groups.setdefault(self._retained.get(r.block_hash) or None, []).append(
+                (r.block_hash, r.parent_hash, _ids(r.tokens), data))
+        return sum(sum(self.store.put_many(g, wait=True, ttl_s=ttl))
+                   for ttl, g in groups.items())
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> dict[str, Any]:

@@ -92,11 +92,11 @@ def test_progress_line_for_slow_steps():
 def test_model_id_names_the_dtype_the_engine_runs_in(tiny_model_shared, smol_tokenizer):
     import torch
 
-    from radixkv.api.engine import Engine, model_fingerprint
+    from radixkv.api.engine import Engine, default_model_id
     from radixkv.config import CacheConfig, EngineConfig
 
     model = copy.deepcopy(tiny_model_shared)
-    assert "float32" in model_fingerprint(model)
+    assert "float32" in default_model_id(model)
     e = Engine(model, smol_tokenizer, CacheConfig(block_size=16, num_device_blocks=8),
                EngineConfig(dtype="bfloat16", device="cpu", max_model_len=256))
     assert "bfloat16" in e.model_id and "float32" not in e.model_id

@@ -122,3 +122,52 @@ def test_24h_retention_reaches_the_other_replica_in_memory_does_not(replicas) ->
         fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     assert [s.value for s in fams["radixkv_remote_blocks_persisted"].samples
             if s.name.endswith("_total")] == [tiers["remote"] // 16]
+
+
+def test_a_rolling_restart_with_default_flags_keeps_the_cache(tmp_path) -> None:
+    """Issue 33, item 2: replica A (default write-back; its memory never fills) serves a
+    conversation and gets SIGTERM; it writes its cached blocks to the server on the way out
+    (``--shutdown-flush``, default 5 s) and says so; replica B, started after A is gone, is
+    served the conversation from the server with A's greedy answer."""
+    srv = RedisServer(tmp_path / "redis").start()
+    msgs = [{"role": "system", "content": "A rolling restart must keep the cache. " * 12},
+            {"role": "user", "content": "What survives?"}]
+    try:
+        answers, outputs = [], []
+        for _ in range(2):
+            port = free_port()
+            cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port),
+                   "--device", "cpu", "--threads", "1", "--device-blocks", "256",
+                   "--remote-url", srv.url]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            try:
+                _wait_ready(port, proc)
+                client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                       max_retries=0, timeout=300)
+                answers.append(client.chat.completions.create(
+                    model=MODEL, messages=msgs, temperature=0, max_tokens=8))
+                if len(answers) == 1:
+                    assert srv.client().dbsize() == 0   # write-back wrote nothing yet
+            finally:
+                proc.terminate()                        # SIGTERM: a graceful shutdown
+                try:
+                    outputs.append(proc.communicate(timeout=60)[0])
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    raise
+            # uvicorn re-raises the SIGTERM once its graceful shutdown is done
+            assert proc.returncode in (0, -15), outputs[-1]
+        ra, rb = answers
+        assert ra.usage.prompt_tokens_details.cached_tokens == 0
+        written = int(outputs[0].split("shutdown: wrote ")[1].split()[0])
+        # the start-up line says how threads wait (issue 33, item 4)
+        assert "1 CPU threads (--threads); OMP_WAIT_POLICY PASSIVE" in outputs[0]
+        assert written >= ra.usage.prompt_tokens // 16 > 0
+        tiers = rb.usage.model_extra["radixkv"]["cached_tokens_per_tier"]
+        assert tiers["remote"] == rb.usage.prompt_tokens_details.cached_tokens > 0
+        assert tiers["remote"] == ra.usage.prompt_tokens // 16 * 16 - \
+            (16 if ra.usage.prompt_tokens % 16 == 0 else 0)
+        assert rb.choices[0].message.content == ra.choices[0].message.content
+    finally:
+        srv.stop()

@@ -1,0 +1,72 @@
+"""The server's CPU defaults (issue 33, item 4): threads from the affinity mask capped by the
+cgroup quota, and ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it. The effect under
+load is measured by ``radixkv bench serve --background-load N`` (docs/serve.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixkv.server import cpu
+
+
+@pytest.mark.parametrize("text, quota", [("150000 100000\n", 1.5), ("max 100000\n", None),
+                                         ("400000 100000", 4.0), ("garbage", None)])
+def test_cgroup_v2_quota(tmp_path: Path, text: str, quota: float | None) -> None:
+    (tmp_path / "cpu.max").write_text(text)
+    assert cpu.cgroup_quota(tmp_path) == quota
+
+
+def test_cgroup_v1_quota(tmp_path: Path) -> None:
+    base = tmp_path / "cpu,cpuacct"
+    base.mkdir()
+    (base / "cpu.cfs_quota_us").write_text("50000\n")
+    (base / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu.cgroup_quota(tmp_path) == 0.5
+    (base / "cpu.cfs_quota_us").write_text("-1\n")       # unlimited
+    assert cpu.cgroup_quota(tmp_path) is None
+    assert cpu.cgroup_quota(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("affinity, quota, torch_default, want",
+                         [(8, None, 8, 8), (8, 1.5, 8, 2), (8, 0.2, 8, 1), (4, 6.0, 8, 4),
+                          (16, None, 8, 8)])
+def test_default_threads(monkeypatch, affinity, quota, torch_default, want) -> None:
+    monkeypatch.setattr(cpu, "affinity_cpus", lambda: affinity)
+    monkeypatch.setattr(cpu, "cgroup_quota", lambda: quota)
+    n, why = cpu.default_threads(torch_default)
+    assert n == want and why["affinity"] == affinity and why["quota"] == quota
+
+
+def test_wait_policy_is_passive_unless_the_environment_says(monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch", raising=False)   # as in `radixkv serve` before the model loads
+    env: dict[str, str] = {}
+    assert cpu.prepare_openmp(env).startswith("PASSIVE") and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert "from the environment" in cpu.prepare_openmp(env) and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = {"OMP_WAIT_POLICY": ""}
+    assert "runtime's default" in cpu.prepare_openmp(env) and env["OMP_WAIT_POLICY"] == ""
+
+
+def test_too_late_is_said_not_pretended(monkeypatch) -> None:
+    import torch  # noqa: F401  (loaded: its OpenMP runtime has read the environment)
+
+    env: dict[str, str] = {}
+    assert "torch was loaded" in cpu.prepare_openmp(env) and "OMP_WAIT_POLICY" not in env
+
+
+def test_apply_threads_sets_torch(monkeypatch) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert cpu.apply_threads(1) == "1 CPU threads (--threads)" and torch.get_num_threads() == 1
+        monkeypatch.setattr(cpu, "affinity_cpus", lambda: 64)
+        monkeypatch.setattr(cpu, "cgroup_quota", lambda: 1.0)
+        torch.set_num_threads(2)
+        line = cpu.apply_threads(None)
+        assert torch.get_num_threads() == 1 and "quota 1 CPUs" in line and "affinity 64" in line
+    finally:
+        torch.set_num_threads(before)
