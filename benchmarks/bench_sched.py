@@ -9,21 +9,27 @@ Workloads (``benchmarks.traces``, built from the packaged ShareGPT dump and the 
 tokenizer): ``rag`` (system prompt + 4 Zipf-popular documents + a question) and ``chat``
 (multi-turn conversations, each turn's prompt the whole history). The first ``--requests``
 requests of each trace are replayed open loop through a real ``LLMEngine``: each is added at its
-arrival time (``arrival_time`` = that instant, so TTFT includes the wait in the queue), the
-engine steps while it has work, and every request generates ``--max-tokens`` tokens.
+arrival time (so TTFT includes the wait in the queue), the engine steps while it has work, and
+every request generates ``--max-tokens`` tokens.
+
+Clock. Time is this process's CPU time with one torch thread (:class:`CPUClock`; idle gaps
+before the next arrival are skipped): the engine step is CPU-bound work of this process, so
+on an idle machine this is the wall time, and on a shared one (seven jobs on two cores here)
+other processes do not stretch it. TTFT is the clock at the end of the step that produced
+a request's first token minus its arrival; lpm's age limit runs on the same clock.
 
 Load. The trace's arrival times are rescaled (keeping their order and burstiness) so that the
 requests arrive over ``W / (P * load)`` seconds, where ``P`` is the engine's prefill rate
-(prompt tokens per second, measured on a cold prompt at warm-up) and ``W`` the prompt tokens an
+(prompt tokens per CPU second, measured on a cold prompt at warm-up) and ``W`` the prompt tokens an
 unbounded cache would still compute (each prompt minus its longest full-block prefix shared with
-an earlier prompt). ``--load 1`` thus offers exactly the prefill work a perfect cache leaves,
+an earlier prompt). ``--loads 1`` thus offers exactly the prefill work a perfect cache leaves,
 at the rate the engine can do it; decode steps and misses come on top, so queues form.
 The device pool (``--pool-tokens``) is smaller than the trace's distinct prefixes, so the
 order decides what is still cached when a request is admitted.
 
-Both policies run on one model object, each on a fresh engine (empty cache), in the same
-process, alternating ``--repeat`` times (fcfs, lpm, fcfs, lpm, ...); the summary gives medians
-over repeats and the lpm/fcfs ratios. ``--model tiny`` runs a random-weight Llama (4 layers,
+Every policy (``fcfs``, and ``lpm`` once per age limit in ``--max-wait``) runs on one model
+object, each on a fresh engine (empty cache), in the same process, in turn, ``--repeat``
+times; the summary gives medians over repeats and each lpm variant's ratios to fcfs. ``--model tiny`` runs a random-weight Llama (4 layers,
 hidden 256, the embedded vocabulary) instead of the embedded SmolLM2-135M, about ten times
 faster: TTFT figures are then about scheduling, not about that model.
 """
@@ -38,7 +44,15 @@ from typing import Any
 
 from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
-POLICIES = ("fcfs", "lpm")
+
+
+def policy_names(max_waits: list[float]) -> list[str]:
+    """``fcfs`` then one ``lpm/<age limit>s`` per age limit.
+
+    >>> policy_names([2.0, 10.0])
+    ['fcfs', 'lpm/2s', 'lpm/10s']
+    """
+    return ["fcfs"] + [f"lpm/{w:g}s" for w in max_waits]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -59,8 +73,8 @@ def uncached_work(prompts: list[list[int]], block_size: int) -> int:
     minus its longest prefix of full blocks that an earlier prompt also had (at most all but
     the last token, as the engine matches).
 
-    >>> uncached_work([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], 2)
-    7
+    >>> uncached_work([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], 2)   # 5, then 1 past 2 blocks
+    6
     """
     from radixkv.core.hashing import Namespace, hash_blocks, token_bytes
 
@@ -94,16 +108,19 @@ def tiny_model() -> Any:
 
 
 def make_engine(model: Any, tokenizer: Any, model_id: str, policy: str, args: Any) -> Any:
+    """A fresh engine (empty cache) for ``policy`` (a :func:`policy_names` entry)."""
     from radixkv.config import CacheConfig, EngineConfig
     from radixkv.engine.llm_engine import LLMEngine
+
+    name, _, wait = policy.partition("/")
 
     bs = args.block_size
     return LLMEngine(model, tokenizer,
                      CacheConfig(block_size=bs, num_device_blocks=args.pool_tokens // bs),
                      EngineConfig(max_num_seqs=args.max_seqs,
                                   max_num_batched_tokens=args.batch_tokens,
-                                  scheduling_policy=policy,
-                                  scheduling_max_wait_s=args.max_wait),
+                                  scheduling_policy=name,
+                                  scheduling_max_wait_s=float(wait[:-1]) if wait else 10.0),
                      model_id=model_id)
 
 
@@ -210,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--pool-tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-wait", type=float, default=10.0, help="lpm's age limit (s)")
+    ap.add_argument("--max-wait", default="2,10",
+                    help="lpm's age limits (s, comma-separated): one lpm run per limit")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: the CPU clock then measures the step's time)")
     ap.add_argument("--out", default=None, help="results name (default sched[-tiny][-quick])")
@@ -236,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     workloads = [w for w in args.workloads.split(",") if w]
     loads = [float(x) for x in args.loads.split(",") if x]
+    max_waits = [float(x) for x in args.max_wait.split(",") if x]
+    policies = policy_names(max_waits)
     traces = {w: load_trace(w, quick=True, progress=False)[:n_req] for w in workloads}
     probe = make_engine(model, tokenizer, model_id, "fcfs", args)
     warm = traces[workloads[0]][0].prompt
@@ -246,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         quick=args.quick, requests=n_req, loads=loads,
                         max_tokens=args.max_tokens, max_num_seqs=args.max_seqs,
                         max_num_batched_tokens=args.batch_tokens, pool_tokens=args.pool_tokens,
-                        block_size=args.block_size, lpm_max_wait_s=args.max_wait,
+                        block_size=args.block_size, lpm_max_wait_s=max_waits,
                         repeat=args.repeat, prefill_tok_per_s=round(rate, 1),
                         torch_threads=torch.get_num_threads())
     print(header, flush=True)
@@ -265,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             t_first, t_last = tr[0].t, tr[-1].t
             arrivals = [(r.t - t_first) / max(t_last - t_first, 1e-9) * span for r in tr]
             key = f"{w}@{load:g}"
-            runs[key] = {p: [] for p in POLICIES}
+            runs[key] = {p: [] for p in policies}
             for rep in range(args.repeat):
-                for policy in POLICIES:
+                for policy in policies:
                     eng = make_engine(model, tokenizer, model_id, policy, args)
                     res = replay(eng, prompts, arrivals, args.max_tokens)
                     runs[key][policy].append(res)
@@ -276,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"rate {res['hit_rate']:.3f}, makespan {res['makespan_s']:.1f} s",
                           flush=True)
             med = {}
-            for policy in POLICIES:
+            for policy in policies:
                 rs = runs[key][policy]
                 med[policy] = {k: statistics.median(r[k] for r in rs) for k in rs[0]
                                if k != "ttft_s"}
@@ -285,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "hit_rate", "prefill_tokens",
                         "makespan_s", "held", "preemptions", "max_waiting",
                         "order_ms_per_step")}})
-            f, m = med["fcfs"], med["lpm"]
-            ratios.append({"workload": w, "load": load,
-                           "p50_lpm/fcfs": m["ttft_p50_s"] / f["ttft_p50_s"],
-                           "p99_lpm/fcfs": m["ttft_p99_s"] / f["ttft_p99_s"],
-                           "mean_lpm/fcfs": m["ttft_mean_s"] / f["ttft_mean_s"],
-                           "hit_rate_fcfs": f["hit_rate"], "hit_rate_lpm": m["hit_rate"],
-                           "prefill_lpm/fcfs": m["prefill_tokens"] / f["prefill_tokens"]})
+            f = med["fcfs"]
+            for policy in policies[1:]:
+                m = med[policy]
+                ratios.append({"workload": w, "load": load, "policy": policy,
+                               "p50/fcfs": m["ttft_p50_s"] / f["ttft_p50_s"],
+                               "p99/fcfs": m["ttft_p99_s"] / f["ttft_p99_s"],
+                               "mean/fcfs": m["ttft_mean_s"] / f["ttft_mean_s"],
+                               "hit_rate_fcfs": f["hit_rate"], "hit_rate": m["hit_rate"],
+                               "prefill/fcfs": m["prefill_tokens"] / f["prefill_tokens"]})
     print_table(rows, title=f"medians over {args.repeat} repeat(s), {model_id}; seconds of "
                             "the CPU clock")
     print_table(ratios, title="lpm against fcfs (same run)")
