@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "numerics": ("radixkv.benchmarks.bench_numerics", "main"),
     "engine": ("radixkv.benchmarks.bench_engine", "main"),
     "kv-quant": ("radixkv.benchmarks.bench_kv_quant", "main"),
+    "sched": ("radixkv.benchmarks.bench_sched", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),

@@ -336,6 +336,13 @@ class EngineConfig:
             requests compute; the request whose blocks are loading joins the batch once they
             have landed (False: the scheduler waits for each promotion). Host -> device
             promotions (memory copies) are always waited for.
+        scheduling_policy: the order waiting requests are admitted in: ``"fcfs"`` (arrival
+            order) or ``"lpm"`` (longest cached prefix first; requests sharing an uncached
+            prefix wait for one of them to compute it; see ``engine/admission_order.py``).
+        scheduling_window: lpm ranks only the this many oldest waiting requests each step
+            (bounds its matching cost per step).
+        scheduling_max_wait_s: lpm's age limit: a request waiting this many seconds or more is
+            admitted in arrival order before any other (so lpm never starves a request).
     """
 
     max_num_seqs: int = 32
@@ -345,8 +352,17 @@ class EngineConfig:
     max_model_len: int | None = None
     prefetch_requests: int = 4
     async_loads: bool = True
+    scheduling_policy: str = "fcfs"
+    scheduling_window: int = 32
+    scheduling_max_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
+        from radixkv.engine.admission_order import POLICIES, check_lpm_options
+
+        if self.scheduling_policy not in POLICIES:
+            raise ConfigError(f"EngineConfig.scheduling_policy must be one of "
+                              f"{', '.join(POLICIES)}, got {self.scheduling_policy!r}")
+        check_lpm_options(self.scheduling_window, self.scheduling_max_wait_s)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

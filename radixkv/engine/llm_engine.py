@@ -43,6 +43,7 @@ from radixkv.engine.outputs import (
 from radixkv.engine.sampling import (SamplingParams, eos_token_ids, make_generator, sample_token,
                                      step_logprobs)
 from radixkv.engine.schedule_types import drive
+from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
 from radixkv.engine.sequence import Request, Sequence, check_session
@@ -131,7 +132,10 @@ class LLMEngine:
         self._loads = loads
         self._scheduler = Scheduler(self._bm, engine_config.max_num_seqs,
                                     engine_config.max_num_batched_tokens, loads=loads,
-                                    immediate=True)
+                                    immediate=True, admission=make_admission_order(
+                                        engine_config.scheduling_policy, self._bm,
+                                        engine_config.scheduling_window,
+                                        engine_config.scheduling_max_wait_s))
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         #: session ends the client announced (``end_session``: a request's flag, or the call)

@@ -17,7 +17,9 @@ Every step the scheduler, in this order,
    victim would be re-admitted at once and thrash). A waiting request that shares a prefix
    with a running sequence still prefilling it is *held* (skipped, not blocking the queue)
    until that prefix is committed, so a shared new prefix is computed once
-   (:mod:`radixkv.engine.shared_prefix`).
+   (:mod:`radixkv.engine.shared_prefix`). The order admission tries is the queue's, as an
+   :class:`~radixkv.engine.admission_order.AdmissionOrder` leaves it: FCFS (default), or
+   longest cached prefix first with an age limit (``lpm``; see that module).
 
 A request with several live sequences (n samples or beams resumed after a preemption) is
 allocated *staged*: its first sequence alone, the others once the first has computed the
@@ -64,6 +66,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 
 from radixkv.core.block_manager import BlockManager
+from radixkv.engine.admission_order import AdmissionOrder, FCFSOrder
 from radixkv.engine.schedule_types import (
     POLL, WAIT, IORequest, Loads, Plan, RunOps, ScheduledChunk, SchedulerCounters,
     SchedulerOutput, drive,
@@ -81,8 +84,11 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, run_ops: RunOps | None = None,
-                 loads: Loads | None = None, immediate: bool | None = None) -> None:
+                 loads: Loads | None = None, immediate: bool | None = None,
+                 admission: AdmissionOrder | None = None) -> None:
         self.bm = block_manager
+        #: reorders the waiting queue before each step's admissions (FCFS: leaves it)
+        self.admission: AdmissionOrder = FCFSOrder() if admission is None else admission
         # Executors for the convenience drivers schedule()/remove() only; the plans never call
         # them. ``immediate``: plans yield each allocation's KV ops to be run at once (default:
         # when an executor is given).
@@ -184,6 +190,7 @@ class Scheduler:
             if req.request_id not in self.loading:
                 budget -= self._schedule_tokens(req, budget, out)
         if not out.preempted:
+            self.admission.reorder(self.waiting)
             budget = yield from self._admit(budget, out)
         yield from self._flush(out)
         if self.loading and not out.chunks:
