@@ -20,6 +20,16 @@ K/V, which would swamp the quantization error). Three measurements, each against
    position attends over stored (quantized) K/V of all positions before it and itself.
 3. Bytes per block and blocks per GiB (SmolLM2 geometry, block size 16), and a bf16 block.
 
+``--quality`` instead gives the table quantization is judged by (``kv_quant_quality.json``):
+over a reference continuation made by the float32 model with float32 KV (``--tokens`` greedy
+tokens after ``--heldout`` held-back ShareGPT prompts for the embedded SmolLM2; after
+``--tiny-prompts`` random prompts of ``--tiny-prompt-len`` tokens, ``--tiny-tokens`` for the tiny
+random models of :data:`TINY_ARCHS`), every position teacher-forced: top-1 agreement with the
+reference token, KL(reference || row) per position, perplexity of the continuation, for
+float32 / int8 / fp8_e4m3 KV (float32 weights) and the bf16 model (bf16 weights and KV, the bar);
+cold (one prefill) and served from the cache (prompt prefilled, then one decode step per
+token). ``--archs`` picks the architectures.
+
 ``--variants`` instead compares candidate formats by fake quantization on the tuning prompts
 (teacher-forced flip rate and free-running identity; ``benchmarks/kv_quant_variants.py``).
 
@@ -30,7 +40,9 @@ and CPU time), so that other load on a shared machine hits every dtype alike.
 
 ``--extend C+S,...`` instead times cached-turn prefills (``kv_quant_extend.json``): S new tokens
 of one sequence over C tokens already cached (a later chat turn after a prefix hit), ``--steps``
-times per runner, per KV dtype, interleaved over ``--rounds`` rounds.
+times per runner, per KV dtype, interleaved over ``--rounds`` rounds; each quantized dtype also
+through the dequantizing scratch (``+ scratch``: the native prefill kernel's in-place read
+switched off), the same-run baseline of that kernel.
 """
 
 from __future__ import annotations
@@ -207,6 +219,21 @@ def _extend_shapes(text: str) -> str:
     return text
 
 
+@contextlib.contextmanager
+def _scratch_only(on: bool) -> Iterator[None]:
+    """With ``on``, quantized prefill goes through the dequantizing scratch (the native
+    in-place kernel reports itself not run)."""
+    from radixkv.kernels import native
+
+    orig = native.paged_prefill_quantized
+    if on:
+        native.paged_prefill_quantized = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        native.paged_prefill_quantized = orig
+
+
 def extend_timing(args: argparse.Namespace) -> int:
     """Cached-turn prefill per KV dtype, the dtypes interleaved over ``--rounds`` rounds, at
     each ``--extend`` shape (context+suffix)."""
@@ -221,11 +248,16 @@ def extend_timing(args: argparse.Namespace) -> int:
     model = load_model(dtype=torch.float32)
     shapes = [tuple(int(x) for x in s.split("+")) for s in args.extend.split(",")]
     rows = []
+    # "+ scratch": the same quantized cache read through the dequantizing scratch (the path
+    # before the native prefill kernel read int8 / fp8 rows in place), the same-run baseline.
+    names = [*DTYPES, *(f"{kv} + scratch" for kv in DTYPES if kv != "auto")]
     for context, suffix in shapes:
-        runs: dict[str, list[tuple[float, float]]] = {kv: [] for kv in DTYPES}
+        runs: dict[str, list[tuple[float, float]]] = {kv: [] for kv in names}
         for _ in range(args.rounds):
-            for kv in DTYPES:
-                runs[kv].append(extend_s(model, kv, context, suffix, args.steps))
+            for kv in names:
+                with _scratch_only(kv.endswith(" + scratch")):
+                    runs[kv].append(extend_s(model, kv.split()[0], context, suffix,
+                                             args.steps))
         base = [statistics.median(x[i] for x in runs["auto"]) for i in (0, 1)]
         for kv, r in runs.items():
             wall, cpu = (statistics.median(x[i] for x in r) for i in (0, 1))
