@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the teacher-forced quality table per architecture (see below)")
     ap.add_argument("--archs", default=",".join([SMOLLM2, *TINY_ARCHS]),
                     help="--quality: comma-separated architectures")
-    ap.add_argument("--tiny-prompts", type=int, default=8)
+    ap.add_argument("--tiny-prompts", type=int, default=32)
     ap.add_argument("--tiny-prompt-len", type=int, default=48)
     ap.add_argument("--tiny-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens; temp results")
