@@ -252,9 +252,38 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
  *   O[i][16 dims] += P[i][k] * V[k][16 dims]   float32 FMAs: P is not rounded to bf16 (as
  *   flash kernels do), so the output is the float32 attention rounded once
  * Query rows past q_len and keys past a row's causal bound are masked out.
- * scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words (kernels/native.py sizes it). */
-#define DEFINE_PREFILL(NAME, T, KW, LOADV, DOT, STORE16, D) \
-static void NAME(const T *q, const T *kc, const T *vc, const int32_t *table, \
+ * scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words (kernels/native.py sizes it).
+ * PACK(key row, value row, the key's first word in its tile (words 16 apart), V's float row,
+ * KW, D) packs one key; a cache row is ROWB bytes. Quantized caches (int8 / e4m3 rows and
+ * their fp16 scale) are read in place here: each row is widened once, as the dequantized
+ * scratch would hold it (ROW_I8 / ROW_E4M3 above), into the same packed tiles. */
+/* Float caches: K's words as they are, V widened to float32. */
+#define PACK_F32(kb, vb, kw, vdst, KW, D) do { const uint32_t *kr_ = (const uint32_t *)(kb);   \
+    const float *vr_ = (const float *)(vb);                                                     \
+    for (int p = 0; p < KW; p++) (kw)[p * 16] = kr_[p];                                         \
+    for (int e = 0; e < D; e++) (vdst)[e] = vr_[e]; } while (0)
+#define PACK_BF16(kb, vb, kw, vdst, KW, D) do { const uint32_t *kr_ = (const uint32_t *)(kb);  \
+    const bf16_t *vr_ = (const bf16_t *)(vb);                                                   \
+    for (int p = 0; p < KW; p++) (kw)[p * 16] = kr_[p];                                         \
+    for (int e = 0; e < D; e++) (vdst)[e] = bf16_to_f32(vr_[e]); } while (0)
+/* Quantized caches, float32 query: K's widened values as float32 words. */
+#define PACK_Q_F32(ROWLOAD, kb, vb, kw, vdst, KW, D) do { float kf_[D];                         \
+    ROWLOAD(kf_, kb, D);                                                                        \
+    for (int p = 0; p < KW; p++) (kw)[p * 16] = f32_bits(kf_[p]);                               \
+    ROWLOAD(vdst, vb, D); } while (0)
+/* bfloat16 query: the widened values are bf16-exact; pairs packed as a bf16 row's words are. */
+#define PACK_Q_BF16(ROWLOAD, kb, vb, kw, vdst, KW, D) do { float kf_[D];                        \
+    ROWLOAD(kf_, kb, D);                                                                        \
+    for (int p = 0; p < KW; p++)                                                                \
+        (kw)[p * 16] = (f32_bits(kf_[2 * p]) >> 16) | (f32_bits(kf_[2 * p + 1]) & 0xffff0000u); \
+    ROWLOAD(vdst, vb, D); } while (0)
+#define PACK_I8_F32(kb, vb, kw, vdst, KW, D) PACK_Q_F32(ROW_I8_F32, kb, vb, kw, vdst, KW, D)
+#define PACK_E4M3_F32(kb, vb, kw, vdst, KW, D) PACK_Q_F32(ROW_E4M3_F32, kb, vb, kw, vdst, KW, D)
+#define PACK_I8_BF16(kb, vb, kw, vdst, KW, D) PACK_Q_BF16(ROW_I8_BF16, kb, vb, kw, vdst, KW, D)
+#define PACK_E4M3_BF16(kb, vb, kw, vdst, KW, D)                                                 \
+    PACK_Q_BF16(ROW_E4M3_BF16, kb, vb, kw, vdst, KW, D)
+#define DEFINE_PREFILL(NAME, T, KW, PACK, ROWB, DOT, STORE16, D) \
+static void NAME(const T *q, const char *kc, const char *vc, const int32_t *table, \
     int q_len, int L, int bs, int hq, int hkv, float scale, T *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
@@ -268,12 +297,15 @@ static void NAME(const T *q, const T *kc, const T *vc, const int32_t *table, \
         for (int t = 0; t < nt; t++) { \
             for (int k = 0; k < 16; k++) { \
                 int j = t * 16 + k; \
-                const uint32_t *kr = 0; const T *vr = 0; \
-                if (j < L) { int64_t row = (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * D; \
-                             kr = (const uint32_t *)(kc + row); vr = vc + row; } \
-                for (int p = 0; p < KW; p++) Kp[((int64_t)t * KW + p) * 16 + k] = kr ? kr[p] : 0u; \
                 float *vdst = Vf + (int64_t)j * D; \
-                for (int e = 0; e < D; e++) vdst[e] = vr ? LOADV(vr[e]) : 0.f; \
+                if (j < L) { \
+                    int64_t row = ((int64_t)table[j / bs] * bs + j % bs) * hkv + h; \
+                    PACK(kc + row * (ROWB), vc + row * (ROWB), Kp + (int64_t)t * KW * 16 + k, \
+                         vdst, KW, D); \
+                } else { \
+                    for (int p = 0; p < KW; p++) Kp[((int64_t)t * KW + p) * 16 + k] = 0u; \
+                    for (int e = 0; e < D; e++) vdst[e] = 0.f; \
+                } \
             } \
         } \
         for (int hh = h * g; hh < (h + 1) * g; hh++) { \
@@ -365,15 +397,24 @@ static int prefill_all(const prefill_fn fns[4], int64_t elem, const void *q, con
     return 0;
 }
 
-#define NO_OP_LOAD(x) (x)
 #define DEFINE_PREFILL_F32(D) \
-    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), NO_OP_LOAD, DOT_F32, STORE16_F32, D)
+    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, 4 * (D), DOT_F32, STORE16_F32, D) \
+    DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, (D) + 2, DOT_F32, \
+                   STORE16_F32, D) \
+    DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, (D) + 2, DOT_F32, \
+                   STORE16_F32, D)
 DEFINE_PREFILL_F32(16)
 DEFINE_PREFILL_F32(32)
 DEFINE_PREFILL_F32(64)
 DEFINE_PREFILL_F32(128)
 static const prefill_fn PREFILL_F32[4] = { (prefill_fn)prefill_f32_16, (prefill_fn)prefill_f32_32,
                                            (prefill_fn)prefill_f32_64, (prefill_fn)prefill_f32_128 };
+static const prefill_fn PREFILL_I8_F32[4] = {
+    (prefill_fn)prefill_i8_f32_16, (prefill_fn)prefill_i8_f32_32, (prefill_fn)prefill_i8_f32_64,
+    (prefill_fn)prefill_i8_f32_128 };
+static const prefill_fn PREFILL_E4M3_F32[4] = {
+    (prefill_fn)prefill_e4m3_f32_16, (prefill_fn)prefill_e4m3_f32_32,
+    (prefill_fn)prefill_e4m3_f32_64, (prefill_fn)prefill_e4m3_f32_128 };
 
 int radixkv_paged_prefill_f32(const void *q, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *cu_seqlens_q,
@@ -389,7 +430,12 @@ PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define DEFINE_PREFILL_BF16(D) \
-    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), bf16_to_f32, DOT_BF16, STORE16_BF16, D)
+    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, 2 * (D), DOT_BF16, \
+                   STORE16_BF16, D) \
+    DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, (D) + 2, DOT_BF16, \
+                   STORE16_BF16, D) \
+    DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, (D) + 2, \
+                   DOT_BF16, STORE16_BF16, D)
 DEFINE_PREFILL_BF16(16)
 DEFINE_PREFILL_BF16(32)
 DEFINE_PREFILL_BF16(64)
@@ -397,6 +443,13 @@ DEFINE_PREFILL_BF16(128)
 static const prefill_fn PREFILL_BF16[4] = {
     (prefill_fn)prefill_bf16_16, (prefill_fn)prefill_bf16_32, (prefill_fn)prefill_bf16_64,
     (prefill_fn)prefill_bf16_128 };
+static const prefill_fn PREFILL_I8_BF16[4] = {
+    (prefill_fn)prefill_i8_bf16_16, (prefill_fn)prefill_i8_bf16_32,
+    (prefill_fn)prefill_i8_bf16_64, (prefill_fn)prefill_i8_bf16_128 };
+static const prefill_fn PREFILL_E4M3_BF16[4] = {
+    (prefill_fn)prefill_e4m3_bf16_16, (prefill_fn)prefill_e4m3_bf16_32,
+    (prefill_fn)prefill_e4m3_bf16_64, (prefill_fn)prefill_e4m3_bf16_128 };
+#define HAVE_PREFILL_BF16 1
 
 int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v_cache,
                                const int32_t *block_tables, const int32_t *cu_seqlens_q,
@@ -410,5 +463,41 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
 PREFILL_UNAVAILABLE(radixkv_paged_prefill_bf16)
 #endif
 
+/* Prefill / extend over an int8 or e4m3 cache read in place. ``kind`` as in decode: 2 / 3 int8
+ * with a float32 / bfloat16 query and output, 4 / 5 e4m3. -3 when built without the
+ * instructions that query dtype needs, -4 for e4m3 with denormals-are-zero set, -2 otherwise
+ * unsupported. Otherwise as radixkv_paged_prefill_f32. */
+#if defined(__AVX512F__)
+int radixkv_paged_prefill_quantized(const void *q, const void *k_cache, const void *v_cache,
+                                    const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                                    const int32_t *seq_lens, void *out, int n, int hq, int hkv,
+                                    int d, int bs, int max_blocks, float scale, void *scratch,
+                                    int part, int parts, int kind) {
+    const prefill_fn *fns = 0;
+    if (kind < 2 || kind > 5) return -2;
+    if (kind >= 4 && denormals_are_zero()) return -4;
+    if (kind == 2) fns = PREFILL_I8_F32;
+    if (kind == 4) fns = PREFILL_E4M3_F32;
+#ifdef HAVE_PREFILL_BF16
+    if (kind == 3) fns = PREFILL_I8_BF16;
+    if (kind == 5) fns = PREFILL_E4M3_BF16;
+#endif
+    if (!fns) return -3;
+    return prefill_all(fns, kind % 2 ? 2 : 4, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                       seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
+}
+#else
+int radixkv_paged_prefill_quantized(const void *q, const void *k_cache, const void *v_cache,
+                                    const int32_t *block_tables, const int32_t *cu_seqlens_q,
+                                    const int32_t *seq_lens, void *out, int n, int hq, int hkv,
+                                    int d, int bs, int max_blocks, float scale, void *scratch,
+                                    int part, int parts, int kind) {
+    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
+    (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
+    (void)max_blocks; (void)scale; (void)scratch; (void)part; (void)parts; (void)kind;
+    return -3;
+}
+#endif
+
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 6; }
+int radixkv_native_abi(void) { return 7; }

@@ -7,6 +7,13 @@
 
 typedef uint16_t bf16_t;
 
+/* A float's bits, e.g. to pack a widened value where the kernels read 32-bit words. */
+static inline uint32_t f32_bits(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    return v.u;
+}
+
 static inline float bf16_to_f32(bf16_t x) {
     union { uint32_t u; float f; } v;
     v.u = ((uint32_t)x) << 16;

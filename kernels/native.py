@@ -57,7 +57,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-t
 #: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
 #: library that every AVX2 machine sharing a cache folder can load).
 MARCH_VAR = "RADIXKV_NATIVE_MARCH"
-_ABI = 6
+_ABI = 7
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
@@ -161,6 +161,11 @@ def _load():
                                     ctypes.c_float, vp, i32, i32]
                 prefill.restype = i32
                 _state[key] = prefill
+            prefill_q = lib.radixkv_paged_prefill_quantized
+            prefill_q.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
+                                  ctypes.c_float, vp, i32, i32, i32]
+            prefill_q.restype = i32
+            _state["prefill_quantized"] = prefill_q
             greedy = lib.radixkv_greedy_logsumexp
             greedy.argtypes = [vp, i32, i32, ctypes.c_int64, vp, vp]
             greedy.restype = i32
@@ -327,20 +332,23 @@ _PREFILL_ENTRIES = {torch.bfloat16: "prefill", torch.float32: "prefill_f32"}
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor,
-                  checked: bool = False, parts: int | None = None) -> bool:
+                  checked: bool = False, parts: int | None = None,
+                  _quantized_kind: int | None = None) -> bool:
     """Causal extend-case attention (q packed ``[total, hq, D]`` by ``cu_seqlens_q``; query i of
     a sequence sees keys up to ``seq_len - q_len + i``) into ``out``, bf16 (AVX512-BF16) or
     float32 (AVX512F); ``False`` when not run (other dtypes or sizes, a CPU without those
     instructions, no compiler). ``max_seq_len`` (the longest ``seq_lens`` entry) sizes the
     per-thread scratch the kernel packs K and V into. Otherwise as :func:`paged_decode`."""
     key = _PREFILL_ENTRIES.get(q.dtype)
+    if _quantized_kind is not None and key is not None:
+        key += "_quantized"   # "no_" flags per query dtype; the C entry is one
     if key is None or _state.get("no_" + key):
         return False
-    if not checked and not (enabled() and cu_seqlens_q.dtype == torch.int32
-                            and cu_seqlens_q.is_contiguous()
-                            and _operands_ok(q, k_cache, v_cache, block_tables, seq_lens, out)):
+    if not checked and _quantized_kind is None and not (
+            enabled() and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
+            and _operands_ok(q, k_cache, v_cache, block_tables, seq_lens, out)):
         return False
-    fn = _entry(key)
+    fn = _entry(key if _quantized_kind is None else "prefill_quantized")
     if fn is None:
         return False
     n, hq, d = q.shape
@@ -354,12 +362,33 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         buf = getattr(_scratch, "buf", None)   # per thread: each part packs its own K/V
         if buf is None or buf.numel() < words:
             buf = _scratch.buf = torch.empty(max(words, 1 << 16), dtype=torch.int32)
-        rc = fn(*args, buf.data_ptr(), part, count)
+        rc = fn(*args, buf.data_ptr(), part, count,
+                *(() if _quantized_kind is None else (_quantized_kind,)))
         if rc == -3:   # built without the instructions: never ask again in this process
             _state["no_" + key] = True
         return rc
 
     return _run_parts(call, _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART, parts))
+
+
+def paged_prefill_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                            out: torch.Tensor, parts: int | None = None) -> bool:
+    """:func:`paged_prefill` over int8 / fp8 caches read in place: the kernel packs each
+    sequence's K and V tiles straight from the quantized rows, each widened once to exactly
+    what the dequantized scratch holds, so the attention equals the float kernel on the scratch
+    (same packing, same arithmetic) without the scratch. Rows are in their stored (rotated)
+    domain, as for :func:`paged_decode_quantized`. ``False`` when not run: operands
+    :func:`supports_quantized` refuses (cu_seqlens_q must be int32 and contiguous too), a CPU
+    without AVX512F (float32 query) / AVX512-BF16 (bfloat16), e4m3 under denormals-are-zero."""
+    if not (enabled() and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
+            and cu_seqlens_q.device.type == "cpu"
+            and supports_quantized(q, k_cache, v_cache, block_tables, seq_lens, out)):
+        return False
+    return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                         max_seq_len, scale, out, checked=True, parts=parts,
+                         _quantized_kind=_QUANT_KINDS[k_cache.dtype] + _DTYPES[q.dtype])
 
 
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:

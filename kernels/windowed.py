@@ -16,6 +16,13 @@ transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - window``)::
 A sequence's gather starts at the block holding ``max(0, cached - window + 1)``, the first key
 any of its queries can see, so decode reads at most ``window + block_size`` keys however long the
 sequence is. The Python loop runs over sequences, not tokens or blocks.
+
+Quantized caches (int8 / float8_e4m3fn rows of ``head_dim`` values and an fp16 scale,
+engine/kv_quant.py) are read in place: only the blocks a sequence's window reaches are gathered
+as bytes and widened (values times scale, in float32, the values the dequantizing scratch would
+hold), so a windowed layer over a long context touches ``window + block_size`` rows per
+sequence instead of dequantizing every block the batch reads first. The query is expected in
+the rows' (rotated) domain, as for every kernel reading a quantized cache.
 """
 
 from __future__ import annotations
@@ -30,13 +37,17 @@ def paged_attention_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """Causal attention of packed chunks against their paged K/V, windowed and/or capped.
 
     q:            [total_q, num_q_heads, head_dim], packed as in ``paged_prefill_attention``.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], holding the chunks' K/V.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], holding the chunks' K/V,
+                  or int8 / float8_e4m3fn rows of head_dim + 2 bytes (quantized, read in place).
     block_tables: int32 [num_seqs, max_blocks] (on q's device).
     cu_seqlens_q: host ints [num_seqs + 1]; seq_lens: host ints [num_seqs] (chunk included).
     window:       keys a query sees, itself included (None: all earlier keys).
     softcap:      scores become ``softcap * tanh(scores / softcap)`` before the mask (None: off).
     out:          [total_q, num_q_heads, head_dim], written and returned.
     """
+    from radixkv.engine.kv_quant import dequantize_rows, format_of
+
+    quantized = format_of(k_cache.dtype) is not None
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -50,8 +61,14 @@ def paged_attention_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         first_key = 0 if window is None else max(0, cached - window + 1)
         b0, b1 = first_key // block_size, -(-length // block_size)
         ids = block_tables[s, b0:b1].long()
-        k = k_cache.index_select(0, ids).flatten(0, 1)[: length - b0 * block_size]
-        v = v_cache.index_select(0, ids).flatten(0, 1)[: length - b0 * block_size]
+        n_keys = length - b0 * block_size
+        if quantized:   # the window's blocks only, widened as the scratch would hold them
+            k, v = (dequantize_rows(
+                c.view(torch.int8).index_select(0, ids).flatten(0, 1)[:n_keys].view(c.dtype),
+                q.dtype, rotated=True) for c in (k_cache, v_cache))
+        else:
+            k = k_cache.index_select(0, ids).flatten(0, 1)[:n_keys]
+            v = v_cache.index_select(0, ids).flatten(0, 1)[:n_keys]
         # [Hkv, G * q_len, D] x [Hkv, D, nk]: the G query heads of a KV head share its keys.
         qs = q[r0:r1].float().view(q_len, num_kv_heads, group, head_dim)
         qs = qs.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)

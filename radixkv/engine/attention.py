@@ -267,13 +267,28 @@ def _quantized(ctx: PagedAttentionContext, kernels: Any, q: torch.Tensor, k: tor
         ctx.plan["native_quantized"] = parts if ran else False
         if ran:
             return rotate(out) if rotated else out
+    if windowed or softcap is not None:   # reads only the window's quantized blocks, in place
+        out = kernels.paged_attention_windowed(
+            q, k_cache, v_cache, batch.block_tables, batch.host_cu_seqlens_q,
+            batch.host_seq_lens, scale, torch.empty_like(q),
+            window=sliding_window if windowed else None, softcap=softcap)
+        return rotate(out) if rotated else out
+    if batch.mode is not AttentionMode.DECODE and q.device.type == "cpu" \
+            and ctx.plan.get("native_prefill_quantized") is not False:
+        # Prefill / extend over the cached prefix: the native kernel packs its K/V tiles
+        # straight from the int8 / fp8 rows (kernels/native.py), no scratch.
+        from radixkv.kernels import native
+
+        out = torch.empty_like(q)
+        ran = native.paged_prefill_quantized(q, k_cache, v_cache, batch.block_tables,
+                                             batch.cu_seqlens_q, batch.seq_lens,
+                                             batch.max_seq_len, scale, out)
+        ctx.plan["native_prefill_quantized"] = ran
+        if ran:
+            return rotate(out) if rotated else out
     used, tables = ctx.scratch_tables()
     ks, vs = dequantize_blocks(kv_layer, used, q.dtype, ctx.scratch_workspace(), "kv")
-    if windowed or softcap is not None:
-        out = kernels.paged_attention_windowed(
-            q, ks, vs, tables, batch.host_cu_seqlens_q, batch.host_seq_lens, scale,
-            torch.empty_like(q), window=sliding_window if windowed else None, softcap=softcap)
-    elif batch.mode is AttentionMode.DECODE:
+    if batch.mode is AttentionMode.DECODE:
         out = kernels.paged_decode_attention(q, ks, vs, tables, batch.seq_lens, scale=scale,
                                              check=False)
     else:

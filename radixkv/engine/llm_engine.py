@@ -95,6 +95,12 @@ class LLMEngine:
         self.model_id = model_id
         bs = cache_config.block_size
         layout = model_kv_layout(model, bs, cache_config.kv_dtype)
+        if cache_config.kv_dtype == "fp8_e4m3":   # measured below bf16's quality (issue 31)
+            import warnings
+
+            from radixkv.engine.kv_quant import QuantizedKVWarning, fp8_warning
+            warnings.warn(fp8_warning(getattr(getattr(model, "config", None), "model_type",
+                                              None)), QuantizedKVWarning, stacklevel=2)
         n_dev, n_host, n_disk = cache_config.resolve_blocks(layout.bytes_per_block)
         lower = [n for n in (n_host, n_disk) if n]
         self.layout = layout

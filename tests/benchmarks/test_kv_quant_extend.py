@@ -1,4 +1,5 @@
-"""``bench kv-quant --extend``: cached-turn prefill timed per KV dtype (a quick run end to end)."""
+"""``bench kv-quant --extend``: cached-turn prefill timed per KV dtype, quantized caches read in
+place and through the dequantizing scratch (a quick run end to end)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ def test_extend_timing_quick_run_writes_one_row_per_dtype(tmp_path, monkeypatch)
     monkeypatch.setenv("RADIXKV_RESULTS_DIR", str(tmp_path))
     assert bench_kv_quant.main(["--extend", "--quick"]) == 0
     rows = json.loads((tmp_path / "kv_quant_extend_quick.json").read_text())["results"]["rows"]
-    assert [r["kv"] for r in rows] == ["float32 (auto)", "int8", "fp8_e4m3"]
+    assert [r["kv"] for r in rows] == ["float32 (auto)", "int8", "fp8_e4m3", "int8 + scratch",
+                                       "fp8_e4m3 + scratch"]
     assert all(r["shape"] == "64+16" and r["wall_ms"] > 0 and r["cpu_ms"] > 0 for r in rows)
     assert rows[0]["wall_vs_float32"] == 1.0
     for r in rows:

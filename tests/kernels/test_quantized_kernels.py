@@ -183,6 +183,7 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
     got = run()                                   # RADIXKV_KERNEL_BACKEND=triton (fixture)
     assert not scratch_calls
     monkeypatch.setenv("RADIXKV_KERNEL_BACKEND", "torch")
+    monkeypatch.setenv("RADIXKV_NATIVE_KERNELS", "0")   # the CPU's in-place kernels off too
     want = run()
     assert scratch_calls
     for g, w in zip(got, want):
@@ -202,3 +203,103 @@ def test_triton_copy_blocks_moves_quantized_bytes(triton_backend, storage):
     want = before.clone()
     want[:, :, [0, 4, 2]] = before[:, :, [1, 1, 5]]
     assert torch.equal(pool.view(torch.int8), want)
+
+
+# -- CPU paths (torch / native): the quantized rows read in place equal the dequantized scratch
+
+def _scratch(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the dequantizing scratch holds for ``cache``: values times scale, in ``dtype``
+    (NaN where the scale is NaN: rows never to be read)."""
+    from radixkv.engine.kv_quant import dequantize_rows
+
+    return dequantize_rows(cache, dtype, rotated=True)
+
+
+@STORAGE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, 5.0), (8, None), (20, 5.0)])
+def test_windowed_reads_quantized_blocks_in_place(storage, dtype, window, softcap):
+    """``paged_attention_windowed`` over int8 / fp8 caches (only the window's blocks gathered
+    and widened) gives exactly what it gives over the dequantized caches, for prefill chunks
+    over a cached prefix and for decode rows; rows outside every window carry a NaN scale in
+    the quantized cache *and* are poisoned, so reading one would show."""
+    from radixkv.kernels import paged_attention_windowed
+
+    gen = torch.Generator().manual_seed(11)
+    lens, q_lens = [5, 40, 77, 33], [5, 7, 1, 16]
+    case = make_case(lens, block_size=8, num_kv_heads=2, head_dim=32, gen=gen)
+    k8, v8 = _quantize(case.k_cache, storage), _quantize(case.v_cache, storage)
+    if window is not None:   # keys no query of its sequence can see: never to be read
+        for s, (n, ql) in enumerate(zip(lens, q_lens)):
+            first = max(0, n - ql - window + 1)
+            for p in range(first - first % 8):
+                blk, off = int(case.block_tables[s, p // 8]), p % 8
+                for c in (k8, v8):
+                    c.view(torch.int8)[blk, off, :, -2:] = -1   # fp16 0xffff: NaN scale
+    cu = [0]
+    for ql in q_lens:
+        cu.append(cu[-1] + ql)
+    q = torch.randn(cu[-1], 6, 32, generator=gen).to(dtype)
+    got = paged_attention_windowed(q, k8, v8, case.block_tables, cu, lens, 0.3,
+                                   torch.empty_like(q), window=window, softcap=softcap)
+    want = paged_attention_windowed(q, _scratch(k8, dtype), _scratch(v8, dtype),
+                                    case.block_tables, cu, lens, 0.3, torch.empty_like(q),
+                                    window=window, softcap=softcap)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
+@STORAGE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 2, 3), (32, 1, 4), (128, 2, 1)])
+def test_native_prefill_reads_quantized_blocks_in_place(storage, dtype, head_dim, kv_heads,
+                                                        group):
+    """The native prefill / extend kernel over int8 / fp8 caches (K/V tiles packed straight
+    from the quantized rows) equals the same kernel over the dequantized scratch bit for bit:
+    chunks over a cached prefix, a whole prompt, a decode row in the same batch; rows past each
+    sequence carry a NaN scale (poisoned), so reading one would show. Skips where the native
+    prefill cannot run (no compiler, or a CPU without AVX512F / AVX512-BF16)."""
+    from radixkv.kernels import native
+
+    gen = torch.Generator().manual_seed(17)
+    lens, q_lens = [40, 77, 9, 130], [7, 77, 1, 33]
+    case = make_case(lens, block_size=16, num_kv_heads=kv_heads, head_dim=head_dim, gen=gen)
+    k8, v8 = _quantize(case.k_cache, storage), _quantize(case.v_cache, storage)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), kv_heads * group, head_dim, generator=gen).to(dtype)
+    got = poisoned_like(q)
+    if not native.paged_prefill_quantized(q, k8, v8, case.block_tables, cu, case.seq_lens,
+                                          max(lens), 0.125, got):
+        pytest.skip(f"native prefill not run here ({native._state.get('error')!r}, "
+                    f"{dtype} needs AVX512F{'-BF16' if dtype == torch.bfloat16 else ''})")
+    want = poisoned_like(q)
+    assert native.paged_prefill(q, _scratch(k8, dtype), _scratch(v8, dtype), case.block_tables,
+                                cu, case.seq_lens, max(lens), 0.125, want)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+    two = poisoned_like(q)                   # split in parts: the same rows, the same bits
+    assert native.paged_prefill_quantized(q, k8, v8, case.block_tables, cu, case.seq_lens,
+                                          max(lens), 0.125, two, parts=3)
+    assert torch.equal(two, got)
+
+
+def test_native_prefill_refuses_what_it_cannot_read():
+    """A float cache, a head_dim without an instantiation, or a float64 query: not run (the
+    caller falls back to the scratch), nothing written."""
+    from radixkv.kernels import native
+
+    gen = torch.Generator().manual_seed(3)
+    case = make_case([20], block_size=16, num_kv_heads=1, head_dim=64, gen=gen)
+    k8, v8 = _quantize(case.k_cache), _quantize(case.v_cache)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q = torch.randn(4, 2, 64, generator=gen)
+    out = poisoned_like(q)
+    assert not native.paged_prefill_quantized(q, case.k_cache, case.v_cache, case.block_tables,
+                                              cu, case.seq_lens, 20, 0.1, out)
+    assert not native.paged_prefill_quantized(q.double(), k8, v8, case.block_tables, cu,
+                                              case.seq_lens, 20, 0.1, out.double())
+    k48 = _quantize(torch.randn(case.k_cache.shape[:3] + (48,), generator=gen))
+    assert not native.paged_prefill_quantized(q[..., :48].contiguous(), k48, k48,
+                                              case.block_tables, cu, case.seq_lens, 20, 0.1,
+                                              out[..., :48].contiguous())
+    assert torch.isnan(out).all()
