@@ -11,6 +11,10 @@ Formulas (in the code below): decode bytes = sum(seq_len) * kv_heads * head_dim 
 element size; attention FLOPs = 4 * q_heads * head_dim * (number of (query, key) pairs attended);
 copy GB/s = bytes read + bytes written, over time.
 
+On CUDA the cases run for two attention shapes (SmolLM2's 9/3 heads x 64 and Llama-3.1-8B's
+32/8 x 128), int8 / fp8 decode is timed against bf16 KV of the same shape, and every row names
+the card.
+
 Usage: ``radixkv bench kernels [--quick] [--threads N] [--seed S]``.
 """
 
@@ -28,6 +32,8 @@ from ._common import plain_doc, print_table, run_header, time_median, write_resu
 
 # The embedded model's attention shape (SmolLM2: 9 query heads, 3 KV heads, head_dim 64).
 MODEL = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+# On CUDA also the Llama-3.1-8B attention shape (32 / 8 heads, head_dim 128): both head dims.
+MODEL_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 
 
 def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, head_dim,
@@ -70,13 +76,15 @@ def _timer(device: torch.device, quick: bool):
     return run
 
 
-def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool,
+                 shape: dict | None = None) -> list[dict]:
+    shape = shape or MODEL
     rows = []
     for name, lens in cases:
         for dtype in dtypes:
-            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
-            n, hq, hkv, d = len(lens), MODEL["num_q_heads"], MODEL["num_kv_heads"], \
-                MODEL["head_dim"]
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **shape)
+            n, hq, hkv, d = len(lens), shape["num_q_heads"], shape["num_kv_heads"], \
+                shape["head_dim"]
             q = torch.randn(n, hq, d, generator=gen).to(dtype).to(device)
             out = torch.empty_like(q)
             ragged = len(set(lens)) > 1
@@ -88,7 +96,8 @@ def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> lis
                                                            out=out))
             kv_bytes = sum(lens) * hkv * d * 2 * q.element_size()
             row: dict[str, Any] = dict(
-                op="decode", case=name, dtype=str(dtype).replace("torch.", ""),
+                op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                dtype=str(dtype).replace("torch.", ""),
                 dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
                 paged_GBps=kv_bytes / t_paged / 1e9)
             if with_reference:
@@ -100,13 +109,15 @@ def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> lis
     return rows
 
 
-def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool,
+                  shape: dict | None = None) -> list[dict]:
+    shape = shape or MODEL
     rows = []
     for name, cached, chunk, num_seqs in cases:
         for dtype in dtypes:
             lens = [cached + chunk] * num_seqs
-            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
-            hq, d = MODEL["num_q_heads"], MODEL["head_dim"]
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **shape)
+            hq, d = shape["num_q_heads"], shape["head_dim"]
             q = torch.randn(num_seqs * chunk, hq, d, generator=gen).to(dtype).to(device)
             cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * chunk
             out = torch.empty_like(q)
@@ -124,7 +135,8 @@ def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> li
             pairs = num_seqs * (chunk * cached + chunk * (chunk + 1) // 2)
             flops = 4 * hq * d * pairs
             row: dict[str, Any] = dict(
-                op="prefill", case=name, dtype=str(dtype).replace("torch.", ""),
+                op="prefill", case=name, heads=f"{hq}/{shape['num_kv_heads']} x {d}",
+                dtype=str(dtype).replace("torch.", ""),
                 dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
                 paged_TFLOPs=flops / t_paged / 1e12, dense_TFLOPs=flops / t_dense / 1e12)
             if with_reference:
@@ -136,14 +148,39 @@ def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> li
     return rows
 
 
+def bench_quantized_decode(lens: list[int], device, gen, timer) -> list[dict]:
+    """int8 / fp8 caches read in place by the decode kernel vs the same shape in bf16 (the
+    quantized rows hold head_dim bytes + an fp16 scale: about half the bytes)."""
+    shape = MODEL
+    k_cache, v_cache, bt, seq_lens, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+    n, hq, d = len(lens), shape["num_q_heads"], shape["head_dim"]
+    q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16).to(device)
+    out = torch.empty_like(q)
+    t_bf16 = timer(lambda: paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out))
+    rows = []
+    for storage in (torch.int8, torch.float8_e4m3fn):
+        qk, qv = (torch.randint(-100, 100, (*c.shape[:3], d + 2), generator=gen,
+                                dtype=torch.int8).to(device) for c in (k_cache, v_cache))
+        for c in (qk, qv):   # a valid scale in every row (the bytes after the values)
+            c[..., d:] = torch.tensor([0.01], dtype=torch.float16).view(torch.int8).to(device)
+        qk, qv = qk.view(storage), qv.view(storage)
+        t = timer(lambda: paged_decode_attention(q, qk, qv, bt, seq_lens, out=out))
+        rows.append(dict(op="decode quantized", case=f"{n} x {lens[0]}",
+                         dtype=str(storage).replace("torch.", ""), paged_ms=t * 1e3,
+                         bf16_ms=t_bf16 * 1e3, over_bf16=t / t_bf16,
+                         paged_GBps=sum(lens) * shape["num_kv_heads"] * (d + 2) * 2 / t / 1e9))
+    return rows
+
+
 def bench_copies(device, gen, timer, quick: bool) -> list[dict]:
     """write_kv and copy_blocks GB/s, and a plain tensor copy of the same bytes as baseline."""
     layers, blocks, bs, hkv, d = (4 if quick else 30), 512, 16, 3, 64
     dtype = torch.bfloat16
     pool = torch.randn(layers, 2, blocks, bs, hkv, d, generator=gen).to(dtype).to(device)
     n = 64
-    src = torch.arange(0, n, device=device)
-    dst = torch.arange(blocks - n, blocks, device=device)
+    # Host ids, as a block manager has them: checked on the host, one transfer, no sync.
+    src = torch.arange(0, n)
+    dst = torch.arange(blocks - n, blocks)
     block_bytes = pool[:, :, 0].numel() * pool.element_size()
     t_copy = timer(lambda: copy_blocks(pool, src, dst))
     flat = pool[:, :, :n].contiguous()
@@ -196,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             decode_cases, prefill_cases = decode_cases[:1], prefill_cases[1:]
         dtypes = [torch.bfloat16]
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, False)
+        decode += bench_decode(decode_cases, dtypes, device, gen, timer, False, MODEL_8B)
+        decode += bench_quantized_decode([4096] * 64, device, gen, timer)
         for r in decode:
+            r["device"] = torch.cuda.get_device_name(device)
             r["copy_GBps"] = copy_bw
             r["fraction_of_copy_bw"] = r["paged_GBps"] / copy_bw
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, False)
+        prefill += bench_prefill(prefill_cases, dtypes, device, gen, timer, False, MODEL_8B)
     else:
         rng = torch.Generator().manual_seed(args.seed + 1)
         ragged = [int(x) for x in torch.randint(128, 1024, (16,), generator=rng)]
@@ -216,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, True)
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, args.quick)
     copies = bench_copies(device, gen, timer, args.quick)
+    if device.type == "cuda":
+        for r in prefill + copies:
+            r["device"] = torch.cuda.get_device_name(device)
     print_table(decode, title="decode: paged vs dense SDPA on the same K/V")
     print_table(prefill, title="prefill over a cached prefix: paged vs dense SDPA (same shape)")
     print_table(copies, title="block copies and KV writes")

@@ -178,13 +178,17 @@ def _summary(card: str, results: dict) -> None:
                                f"(gain x{r['ttft_gain']:.2f})"})
     kern = results.get("kernels") or {}
     for r in kern.get("decode", []):
-        frac = r.get("fraction_of_copy_bw")
-        rows.append({"device": card, "what": f"kernel decode {r['case']} {r['dtype']}",
+        frac, dense, bf16 = (r.get(k) for k in ("fraction_of_copy_bw", "paged_over_dense",
+                                                  "over_bf16"))
+        rows.append({"device": card, "what": f"kernel {r['op']} {r['case']} "
+                                             f"{r.get('heads', '')} {r['dtype']}",
                      "figure": f"{r['paged_GBps']:.0f} GB/s" +
                                (f" ({frac:.2f} of copy)" if frac else "") +
-                               f", x{r['paged_over_dense']:.2f} of dense SDPA time"})
+                               (f", x{dense:.2f} of dense SDPA time" if dense else "") +
+                               (f", x{bf16:.2f} of bf16 KV time" if bf16 else "")})
     for r in kern.get("prefill", []):
-        rows.append({"device": card, "what": f"kernel prefill {r['case']} {r['dtype']}",
+        rows.append({"device": card, "what": f"kernel prefill {r['case']} "
+                                             f"{r.get('heads', '')} {r['dtype']}",
                      "figure": f"{r['paged_TFLOPs']:.3g} TFLOP/s (SDPA "
                                f"{r['dense_TFLOPs']:.3g})"})
     for r in kern.get("copies", []):
