@@ -54,12 +54,25 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
+def _mask2d(rows_ok, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # [N, BLOCK_D] (or [N, 1] when nothing is padded) mask of live rows x real head dims.
+    # A head_dim that is not a power of two (Phi-3: 96) is padded to BLOCK_D lanes that are
+    # never loaded or stored; a power of two gets no per-lane mask (loads stay vectorized).
+    if BLOCK_D == HEAD_DIM:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & (d < HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _load_rows(ptr, scale_ptr, row, d, live, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
-               QUANT: tl.constexpr):
-    # [N, HEAD_DIM] fp32 (QUANT) or cache-dtype values of cache rows ``row``; dead rows read 0.
+               QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
+    # [N, BLOCK_D] fp32 (QUANT) or cache-dtype values of cache rows ``row``; dead rows and
+    # padding lanes read 0.
     # QUANT = 1: int8 values; 2: e4m3 bytes (``ptr`` is a uint8 view); both times the row's
     # fp16 scale, read through ``scale_ptr`` (a float16 view of the same cache).
-    x = tl.load(ptr + row[:, None] * ROW + d[None, :], mask=live[:, None], other=0)
+    x = tl.load(ptr + row[:, None] * ROW + d[None, :], mask=_mask2d(live, d, HEAD_DIM, BLOCK_D),
+                other=0)
     if QUANT:
         if QUANT == 2:
             x = _e4m3_to_f32(x)
@@ -72,20 +85,21 @@ def _load_rows(ptr, scale_ptr, row, d, live, HEAD_DIM: tl.constexpr, ROW: tl.con
 def _decode_tile(q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh,
                  num_kv_heads, scale_log2, n, d,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
-                 QUANT: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
+                 QUANT: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     # One online-softmax step of decode over token positions [tile, tile + BLOCK_N) < end.
     pos = tile + n
     live = pos < end
     block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     row = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kvh
-    k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
+    k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT, BLOCK_D).to(DOT_TY)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2   # [BLOCK_G, N]
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: a tile has >= 1 live token
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
+    v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT, BLOCK_D).to(DOT_TY)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -96,6 +110,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    scale_log2, stride_bt, num_kv_heads, tokens_per_split, num_splits,
                    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
                    HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two >= 16
                    ROW: tl.constexpr,          # cache elements per (token, head) row
                    QUANT: tl.constexpr,        # 1: int8 / 2: e4m3 rows + fp16 scale (ks_ptr)
                    GROUP: tl.constexpr,        # query heads per KV head
@@ -119,35 +134,37 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
     end = tl.minimum(seq_len, start + tokens_per_split)
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     head = kvh * GROUP + g                                       # query heads of this program
     q_rows = seq.to(tl.int64) * num_kv_heads * GROUP + head      # rows of q viewed [S*Hq, D]
-    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=(g < GROUP)[:, None],
+    g_ok = _mask2d(g < GROUP, d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=g_ok,
                 other=0.0).to(DOT_TY)
 
     # Phase 1: online softmax over this split's tokens.
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if WHILE_LOOP:
         tile = start
         while tile < end:
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, ks_ptr,
                                          vs_ptr, bt_row, kvh, num_kv_heads, scale_log2, n, d,
-                                         BLOCK_SIZE, HEAD_DIM, ROW, QUANT, DOT_TY, PRECISION)
+                                         BLOCK_SIZE, HEAD_DIM, ROW, QUANT, DOT_TY, PRECISION,
+                                         BLOCK_D)
             tile += BLOCK_N
     else:
         for tile in range(start, end, BLOCK_N):
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, ks_ptr,
                                          vs_ptr, bt_row, kvh, num_kv_heads, scale_log2, n, d,
-                                         BLOCK_SIZE, HEAD_DIM, ROW, QUANT, DOT_TY, PRECISION)
+                                         BLOCK_SIZE, HEAD_DIM, ROW, QUANT, DOT_TY, PRECISION,
+                                         BLOCK_D)
 
     # Phase 2: normalise; an empty split (start >= seq_len) has l_i == 0 and lse == -inf.
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    g_ok = (g < GROUP)[:, None]
     if SPLIT:
         part = q_rows * num_splits + split                        # [S, Hq, num_splits] index
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=g_ok)
@@ -160,14 +177,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
 
 @triton.jit
 def _merge_chunk(part_out_ptr, part_lse_ptr, row, j0, used, m, w_sum, acc, num_splits,
-                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # Fold partials [j0, j0 + BLOCK_S) (those < used) into the running (max, weight sum, acc).
     j = j0 + tl.arange(0, BLOCK_S)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
     ok = j < used
     lse = tl.load(part_lse_ptr + row * num_splits + j, mask=ok, other=float("-inf"))
     o = tl.load(part_out_ptr + (row * num_splits + j)[:, None] * HEAD_DIM + d[None, :],
-                mask=ok[:, None], other=0.0)
+                mask=_mask2d(ok, d, HEAD_DIM, BLOCK_D), other=0.0)
     m_new = tl.maximum(m, tl.max(lse, 0))      # finite: split j0 < used holds >= 1 token
     alpha = tl.exp2(m - m_new)
     w = tl.exp2(lse - m_new)                   # 0 for masked entries
@@ -177,7 +194,7 @@ def _merge_chunk(part_out_ptr, part_lse_ptr, row, j0, used, m, w_sum, acc, num_s
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_q_heads, tokens_per_split,
                   num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  WHILE_LOOP: tl.constexpr):
+                  BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr):
     # Grid (seq * num_q_heads,). out = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max lse),
     # over the splits that hold tokens of this sequence: j < ceil(seq_len / tokens_per_split)
     # (split 0 always does: seq_len >= 1). Partials of the other splits are never read, so
@@ -187,32 +204,34 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_q_heads, to
     used = tl.minimum(tl.cdiv(seq_len, tokens_per_split), num_splits)
     m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     w_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     if WHILE_LOOP:
         j0 = used * 0
         while j0 < used:
             m, w_sum, acc = _merge_chunk(part_out_ptr, part_lse_ptr, row, j0, used, m, w_sum,
-                                         acc, num_splits, HEAD_DIM, BLOCK_S)
+                                         acc, num_splits, HEAD_DIM, BLOCK_S, BLOCK_D)
             j0 += BLOCK_S
     else:
         for j0 in range(0, used, BLOCK_S):
             m, w_sum, acc = _merge_chunk(part_out_ptr, part_lse_ptr, row, j0, used, m, w_sum,
-                                         acc, num_splits, HEAD_DIM, BLOCK_S)
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(out_ptr + row * HEAD_DIM + d, (acc / w_sum).to(out_ptr.dtype.element_ty))
+                                         acc, num_splits, HEAD_DIM, BLOCK_S, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + row * HEAD_DIM + d, (acc / w_sum).to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 @triton.jit
 def _prefill_tile(q, m_i, l_i, acc, key0, kv_end, cached, i, k_ptr, v_ptr, ks_ptr, vs_ptr,
                   bt_row, kvh, num_kv_heads, scale_log2, n, d,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
-                  QUANT: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
+                  QUANT: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     # One online-softmax step of prefill: query rows i against keys [key0, key0 + BLOCK_N).
     pos = key0 + n
     live = pos < kv_end
     block_id = tl.load(bt_row + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     row = (block_id * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kvh
-    k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
+    k = _load_rows(k_ptr, ks_ptr, row, d, live, HEAD_DIM, ROW, QUANT, BLOCK_D).to(DOT_TY)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2   # [M, N]
     allowed = live[None, :] & (pos[None, :] <= cached + i[:, None])
     s = tl.where(allowed, s, float("-inf"))
@@ -220,7 +239,7 @@ def _prefill_tile(q, m_i, l_i, acc, key0, kv_end, cached, i, k_ptr, v_ptr, ks_pt
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT).to(DOT_TY)
+    v = _load_rows(v_ptr, vs_ptr, row, d, live, HEAD_DIM, ROW, QUANT, BLOCK_D).to(DOT_TY)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -228,7 +247,7 @@ def _prefill_tile(q, m_i, l_i, acc, key0, kv_end, cached, i, k_ptr, v_ptr, ks_pt
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, lens_ptr, out_ptr,
                     scale_log2, stride_bt, num_q_heads, num_kv_heads,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     ROW: tl.constexpr, QUANT: tl.constexpr,   # as in _decode_kernel
                     GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr,     # queries per tile
@@ -250,18 +269,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, lens_
     cached = seq_len - q_len
 
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     i_ok = i < q_len
     q_rows = (q_start + i).to(tl.int64) * num_q_heads + head
-    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=i_ok[:, None],
+    io_mask = _mask2d(i_ok, d, HEAD_DIM, BLOCK_D)
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=io_mask,
                 other=0.0).to(DOT_TY)
 
     kv_end = tl.minimum(seq_len, cached + tile * BLOCK_M + BLOCK_M)
     kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if WHILE_LOOP:
         key0 = kv_end * 0
@@ -269,18 +289,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_q_ptr, lens_
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, key0, kv_end, cached, i, k_ptr,
                                           v_ptr, ks_ptr, vs_ptr, bt_row, kvh, num_kv_heads,
                                           scale_log2, n, d, BLOCK_SIZE, HEAD_DIM, ROW, QUANT,
-                                          DOT_TY, PRECISION)
+                                          DOT_TY, PRECISION, BLOCK_D)
             key0 += BLOCK_N
     else:
         for key0 in range(0, kv_end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, key0, kv_end, cached, i, k_ptr,
                                           v_ptr, ks_ptr, vs_ptr, bt_row, kvh, num_kv_heads,
                                           scale_log2, n, d, BLOCK_SIZE, HEAD_DIM, ROW, QUANT,
-                                          DOT_TY, PRECISION)
+                                          DOT_TY, PRECISION, BLOCK_D)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=i_ok[:, None])
+             mask=io_mask)
 
 
 def _dot_config(dtype: torch.dtype, device: torch.device) -> dict:
@@ -329,9 +349,15 @@ MAX_SPLITS = 256
 MIN_TILES_PER_SPLIT = 4
 
 
+def _block_d(head_dim: int) -> int:
+    """Lanes of a row in the kernels: head_dim padded to a power of two (tl.arange) >= 16
+    (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _launch_config(table: dict, head_dim: int, device: torch.device,
                    override: dict | None) -> dict:
-    cfg = dict(table[64 if head_dim <= 64 else 128])
+    cfg = dict(table[64 if _block_d(head_dim) <= 64 else 128])
     if override:
         cfg.update(override)
     if device.type != "cuda":   # the interpreter: no warps or stages
@@ -446,13 +472,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
         split.part_out if many else out, split.part_lse if many else out,
         scale * LOG2E, block_tables.stride(0), num_kv_heads, split.tokens_per_split,
         split.num_splits,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=group,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), **rows,
+        GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), SPLIT=many,
         **_loop_form(_decode_kernel), **_dot_config(q.dtype, q.device), **cfg)
     if many:
         _merge_kernel[(num_seqs * num_q_heads,)](
             split.part_out, split.part_lse, seq_lens, out, num_q_heads,
             split.tokens_per_split, split.num_splits, HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
             BLOCK_S=min(32, max(2, triton.next_power_of_2(split.num_splits))),
             **_loop_form(_merge_kernel))
     return out
@@ -485,6 +513,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
         q, rows.pop("k_ptr"), rows.pop("v_ptr"), rows.pop("ks_ptr"), rows.pop("vs_ptr"),
         block_tables, cu_seqlens_q,
         seq_lens, out, scale * LOG2E, block_tables.stride(0), num_q_heads, num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **rows, GROUP=num_q_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), **rows,
+        GROUP=num_q_heads // num_kv_heads,
         **_loop_form(_prefill_kernel), **_dot_config(q.dtype, q.device), **cfg)
     return out

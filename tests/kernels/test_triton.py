@@ -57,11 +57,15 @@ SPLIT_CASES = [
     # head_dim 128 tiles 32 tokens: with 64-token blocks every split of 32 * k tokens ends in
     # the middle of a cache block; the 40-token sequence is shorter than one split.
     (128, 64, 2, 4, 5, [40, 300, 64 * 3 + 1]),
-    # 48 splits of 64 tokens: more splits than one merge chunk (32), and sequences of 1, 63
+    # 49 splits of 64 tokens: more splits than one merge chunk (32), and sequences of 1, 63
     # and 65 tokens (shorter than one split, one split and a token).
-    (64, 16, 1, 8, 48, [1, 63, 65, 48 * 64 - 7]),
+    (64, 16, 1, 8, 60, [1, 63, 65, 48 * 64 - 7]),
     # A 24-token block size (not a power of two) against 64-token splits: splits end mid-block.
     (64, 24, 3, 1, 7, [24 * 5 + 11, 2, 400]),
+    # head_dims that are not powers of two (Phi-3: 96) or below tl.dot's 16 lanes: padded
+    # lanes are never loaded or stored.
+    (96, 16, 2, 2, 3, [5, 150, 33]),
+    (8, 16, 1, 4, 2, [70, 3]),
 ]
 
 
@@ -71,19 +75,34 @@ def test_decode_triton_split_k_boundaries(triton_backend, triton_device, head_di
     """Split-K (flash decoding): splits that start and end inside a cache block, sequences
     shorter than one split (their later splits are empty and never merged), more splits than
     the merge kernel folds at once, GQA with both head dims."""
-    from radixkv.kernels.triton_attention import DECODE_CONFIG
-
     gen = torch.Generator().manual_seed(head_dim + block_size + num_splits)
     case = make_case(lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                      gen=gen, device=triton_device)
-    tile = DECODE_CONFIG[head_dim]["BLOCK_N"]
-    capacity = case.block_tables.shape[1] * block_size
-    per_split = -(-(-(-capacity // num_splits)) // tile) * tile
-    assert per_split % block_size or block_size % tile, "the case must split mid-block"
-    assert min(lens) < per_split
+    assert min(lens) < _plan(case, head_dim, num_splits).tokens_per_split
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
     check_decode(triton_backend, case, q.to(triton_device), torch.float32,
                  num_splits=num_splits)
+
+
+def _plan(case, head_dim: int, num_splits: int):
+    from radixkv.kernels.triton_attention import DECODE_CONFIG, plan_decode
+
+    tile = DECODE_CONFIG[64 if head_dim <= 64 else 128]["BLOCK_N"]
+    capacity = case.block_tables.shape[1] * case.block_size
+    return plan_decode(1, 1, 1, head_dim, capacity, tile, torch.device("cpu"), num_splits)
+
+
+def test_split_cases_cover_the_boundaries():
+    """The SPLIT_CASES do what their comments say: some split ends inside a cache block, and
+    one case has more splits than the merge kernel folds in one chunk (32)."""
+    gen = torch.Generator().manual_seed(0)
+    plans = []
+    for head_dim, block_size, kv_heads, _, num_splits, lens in SPLIT_CASES:
+        case = make_case(lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=8,
+                         gen=gen)
+        plans.append((_plan(case, head_dim, num_splits), block_size))
+    assert sum(p.tokens_per_split % bs != 0 for p, bs in plans) >= 2
+    assert max(p.num_splits for p, _ in plans) > 32
 
 
 def test_decode_triton_plan_is_made_once_per_step(triton_backend, triton_device):
@@ -112,6 +131,8 @@ PREFILL_CASES = [
     (torch.float32, 1, 3, 128, 8),
     (torch.float16, 1, 8, 64, 32),
     (torch.bfloat16, 3, 3, 64, 16),
+    (torch.float32, 2, 2, 96, 16),     # padded head_dim (Phi-3's 96)
+    (torch.float16, 1, 4, 16, 8),      # the tiny test models' head_dim
 ]
 
 
