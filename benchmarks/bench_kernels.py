@@ -43,8 +43,12 @@ def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, he
     nbs = [-(-n // block_size) for n in lens]
     num_blocks = sum(nbs) + 8
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    # Drawn on the device (seeded from gen): a GPU case holds up to 2 x 268M values, which
+    # would take seconds to draw on the CPU and copy over.
+    dev_gen = torch.Generator(device=device).manual_seed(
+        int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    k_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
     pos = 0
