@@ -15,7 +15,10 @@ On CUDA the cases run for two attention shapes (SmolLM2's 9/3 heads x 64 and Lla
 32/8 x 128), int8 / fp8 decode is timed against bf16 KV of the same shape, and every row names
 the card.
 
-Usage: ``radixkv bench kernels [--quick] [--threads N] [--seed S]``.
+``--sweep`` (CUDA) times every launch shape in SWEEP_DECODE / SWEEP_PREFILL instead, fastest
+first, to tune ``triton_attention.DECODE_CONFIG`` / ``PREFILL_CONFIG`` on the card at hand.
+
+Usage: ``radixkv bench kernels [--quick] [--sweep] [--threads N] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -204,6 +207,66 @@ def bench_copies(device, gen, timer, quick: bool) -> list[dict]:
     ]
 
 
+#: Launch shapes ``--sweep`` times on CUDA (the defaults are in triton_attention.*_CONFIG).
+SWEEP_DECODE = [dict(BLOCK_N=n, num_warps=w, num_stages=st)
+                for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP_PREFILL = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                 for m in (64, 128) for n in (32, 64) for w in (4, 8) for st in (2, 3)]
+
+
+def sweep(device, gen, timer, copy_bw: float) -> list[dict]:
+    """Time each launch shape of decode (64 x 4096 and 1 x 131072) and prefill
+    (8 x (2048 cached + 512 new)) for both head dims; rows sorted fastest first per case, the
+    defaults marked. For tuning DECODE_CONFIG / PREFILL_CONFIG on the card at hand."""
+    from radixkv.kernels import triton_attention as ta
+
+    rows: list[dict] = []
+    for shape in (MODEL, MODEL_8B):
+        hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+        default = ta.DECODE_CONFIG[64 if d <= 64 else 128]
+        for name, lens in (("64 x 4096", [4096] * 64), ("1 x 131072", [131072])):
+            k, v, bt, sl, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+            q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16).to(device)
+            out = torch.empty_like(q)
+            kv_bytes = sum(lens) * hkv * d * 2 * 2
+            case = []
+            for cfg in SWEEP_DECODE:
+                try:
+                    t = timer(lambda: ta.paged_decode_attention(
+                        q, k, v, bt, sl, d ** -0.5, out, None, config=cfg))
+                except Exception as e:  # noqa: BLE001 - a shape the card cannot run
+                    case.append(dict(op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                                     config=str(cfg), error=type(e).__name__))
+                    continue
+                case.append(dict(op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                                 config=str(cfg), default=cfg == default, ms=t * 1e3,
+                                 fraction_of_copy_bw=kv_bytes / t / 1e9 / copy_bw))
+            rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
+            del k, v
+        default = ta.PREFILL_CONFIG[64 if d <= 64 else 128]
+        lens = [2048 + 512] * 8
+        k, v, bt, sl, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+        q = torch.randn(8 * 512, hq, d, generator=gen).to(torch.bfloat16).to(device)
+        cu = torch.arange(0, 9, dtype=torch.int32, device=device) * 512
+        out = torch.empty_like(q)
+        flops = 4 * hq * d * 8 * (512 * 2048 + 512 * 513 // 2)
+        case = []
+        for cfg in SWEEP_PREFILL:
+            try:
+                t = timer(lambda: ta.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5,
+                                                             out, 512, config=cfg))
+            except Exception as e:  # noqa: BLE001
+                case.append(dict(op="prefill", case="8 x (2048 + 512)",
+                                 heads=f"{hq}/{hkv} x {d}", config=str(cfg),
+                                 error=type(e).__name__))
+                continue
+            case.append(dict(op="prefill", case="8 x (2048 + 512)", heads=f"{hq}/{hkv} x {d}",
+                             config=str(cfg), default=cfg == default, ms=t * 1e3,
+                             TFLOPs=flops / t / 1e12))
+        rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
+    return rows
+
+
 def bench_device_copy(device, timer) -> float:
     """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -217,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA: time the Triton launch shapes (tile, warps, stages) of decode "
+                             "and prefill instead, for tuning (writes kernels_sweep.json)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     timer = _timer(device, args.quick)
     results: dict[str, Any] = {}
+    if args.sweep:
+        if device.type != "cuda":
+            print("--sweep times compiled Triton launch shapes: it needs CUDA")
+            return 2
+        copy_bw = bench_device_copy(device, timer)
+        rows = sweep(device, gen, timer, copy_bw)
+        for r in rows:
+            r["device"] = torch.cuda.get_device_name(device)
+        print_table(rows, title=f"launch shapes, fastest first per case (copy {copy_bw:.0f} GB/s)")
+        write_results("kernels_sweep", header, {"copy_GBps": copy_bw, "rows": rows})
+        return 0
     if device.type == "cuda":
         copy_bw = bench_device_copy(device, timer)
         decode_cases = [("64 x 4096", [4096] * 64), ("8 x 32768", [32768] * 8),
