@@ -340,10 +340,14 @@ PREFILL_CONFIG = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                   128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
 
 #: Programs per SM the split plan aims for: enough resident warps per SM for the tiles' loads
-#: to overlap (a decode program is a bandwidth stream; 1-2 per SM cannot fill HBM).
+#: to overlap (a decode program is a bandwidth stream; 1-2 per SM cannot fill HBM). Compiled
+#: for sm_90 (tests/kernels/triton_aot.py), a decode program takes 64 (head_dim 64) to 80
+#: (128) registers x 128 threads and ~21 KB of shared memory, so 8 are resident per SM: one
+#: full wave.
 PROGRAMS_PER_SM = 8
 #: Upper bound of splits per (sequence, KV head); the merge kernel loops over them in chunks.
-MAX_SPLITS = 256
+#: 1 x 131072 tokens with 3 KV heads needs ~350 splits to fill 132 SMs.
+MAX_SPLITS = 512
 #: Least tiles of work per split: below that, writing and merging partials costs more than the
 #: extra parallelism gives.
 MIN_TILES_PER_SPLIT = 4
