@@ -42,6 +42,11 @@ Measured in one run, in one process per side (except start time):
 The machine is shared and busy: compare ratios within one run, not absolute figures across
 runs; the header records the load average. ``--quick`` writes to a temp folder. Writes
 ``benchmarks/results/engine.json`` and the plot ``docs/img/bench_engine.png``.
+
+``--device cuda`` (or ``cpu``) measures something else: random-weight models of named shapes
+on that device, decode ms/step per batch size next to transformers and the hardware limit,
+prefill and cached-prefix TTFT (``bench_engine_device.py``; ``benchmarks/results/
+engine_cuda.json``).
 """
 
 from __future__ import annotations
@@ -366,7 +371,17 @@ def main(argv: list[str] | None = None) -> int:
                          "engine_epyc for a run on another machine, kept beside the last one)")
     ap.add_argument("--replot", default=None, metavar="RESULTS_JSON",
                     help="only redraw docs/img/bench_engine.png from a results file")
+    ap.add_argument("--device", default=None,
+                    help="cuda (or cpu): random-weight models of named shapes on that device, "
+                         "vs transformers and the hardware limit (bench_engine_device.py); "
+                         "the options marked --device apply")
+    from .bench_engine_device import add_arguments, main_device
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.device:
+        if args.name == "engine":
+            args.name = f"engine_{args.device.split(':')[0]}"
+        return main_device(args)
     if args.replot:
         print(f"plot: {replot(Path(args.replot))}")
         return 0

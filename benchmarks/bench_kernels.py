@@ -11,7 +11,14 @@ Formulas (in the code below): decode bytes = sum(seq_len) * kv_heads * head_dim 
 element size; attention FLOPs = 4 * q_heads * head_dim * (number of (query, key) pairs attended);
 copy GB/s = bytes read + bytes written, over time.
 
-Usage: ``radixkv bench kernels [--quick] [--threads N] [--seed S]``.
+On CUDA the cases run for two attention shapes (SmolLM2's 9/3 heads x 64 and Llama-3.1-8B's
+32/8 x 128), int8 / fp8 decode is timed against bf16 KV of the same shape, and every row names
+the card.
+
+``--sweep`` (CUDA) times every launch shape in SWEEP_DECODE / SWEEP_PREFILL instead, fastest
+first, to tune ``triton_attention.DECODE_CONFIG`` / ``PREFILL_CONFIG`` on the card at hand.
+
+Usage: ``radixkv bench kernels [--quick] [--sweep] [--threads N] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from ._common import plain_doc, print_table, run_header, time_median, write_resu
 
 # The embedded model's attention shape (SmolLM2: 9 query heads, 3 KV heads, head_dim 64).
 MODEL = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+# On CUDA also the Llama-3.1-8B attention shape (32 / 8 heads, head_dim 128): both head dims.
+MODEL_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 
 
 def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, head_dim,
@@ -37,8 +46,12 @@ def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, he
     nbs = [-(-n // block_size) for n in lens]
     num_blocks = sum(nbs) + 8
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    # Drawn on the device (seeded from gen): a GPU case holds up to 2 x 268M values, which
+    # would take seconds to draw on the CPU and copy over.
+    dev_gen = torch.Generator(device=device).manual_seed(
+        int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    k_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
     pos = 0
@@ -70,13 +83,15 @@ def _timer(device: torch.device, quick: bool):
     return run
 
 
-def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool,
+                 shape: dict | None = None) -> list[dict]:
+    shape = shape or MODEL
     rows = []
     for name, lens in cases:
         for dtype in dtypes:
-            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
-            n, hq, hkv, d = len(lens), MODEL["num_q_heads"], MODEL["num_kv_heads"], \
-                MODEL["head_dim"]
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **shape)
+            n, hq, hkv, d = len(lens), shape["num_q_heads"], shape["num_kv_heads"], \
+                shape["head_dim"]
             q = torch.randn(n, hq, d, generator=gen).to(dtype).to(device)
             out = torch.empty_like(q)
             ragged = len(set(lens)) > 1
@@ -88,7 +103,8 @@ def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> lis
                                                            out=out))
             kv_bytes = sum(lens) * hkv * d * 2 * q.element_size()
             row: dict[str, Any] = dict(
-                op="decode", case=name, dtype=str(dtype).replace("torch.", ""),
+                op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                dtype=str(dtype).replace("torch.", ""),
                 dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
                 paged_GBps=kv_bytes / t_paged / 1e9)
             if with_reference:
@@ -100,13 +116,15 @@ def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool) -> lis
     return rows
 
 
-def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> list[dict]:
+def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool,
+                  shape: dict | None = None) -> list[dict]:
+    shape = shape or MODEL
     rows = []
     for name, cached, chunk, num_seqs in cases:
         for dtype in dtypes:
             lens = [cached + chunk] * num_seqs
-            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **MODEL)
-            hq, d = MODEL["num_q_heads"], MODEL["head_dim"]
+            k_cache, v_cache, bt, seq_lens, dk, dv = _paged(lens, dtype, device, gen, **shape)
+            hq, d = shape["num_q_heads"], shape["head_dim"]
             q = torch.randn(num_seqs * chunk, hq, d, generator=gen).to(dtype).to(device)
             cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * chunk
             out = torch.empty_like(q)
@@ -124,7 +142,8 @@ def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> li
             pairs = num_seqs * (chunk * cached + chunk * (chunk + 1) // 2)
             flops = 4 * hq * d * pairs
             row: dict[str, Any] = dict(
-                op="prefill", case=name, dtype=str(dtype).replace("torch.", ""),
+                op="prefill", case=name, heads=f"{hq}/{shape['num_kv_heads']} x {d}",
+                dtype=str(dtype).replace("torch.", ""),
                 dense_ms=t_dense * 1e3, paged_ms=t_paged * 1e3, paged_over_dense=t_paged / t_dense,
                 paged_TFLOPs=flops / t_paged / 1e12, dense_TFLOPs=flops / t_dense / 1e12)
             if with_reference:
@@ -136,14 +155,39 @@ def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool) -> li
     return rows
 
 
+def bench_quantized_decode(lens: list[int], device, gen, timer) -> list[dict]:
+    """int8 / fp8 caches read in place by the decode kernel vs the same shape in bf16 (the
+    quantized rows hold head_dim bytes + an fp16 scale: about half the bytes)."""
+    shape = MODEL
+    k_cache, v_cache, bt, seq_lens, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+    n, hq, d = len(lens), shape["num_q_heads"], shape["head_dim"]
+    q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16).to(device)
+    out = torch.empty_like(q)
+    t_bf16 = timer(lambda: paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out))
+    rows = []
+    for storage in (torch.int8, torch.float8_e4m3fn):
+        qk, qv = (torch.randint(-100, 100, (*c.shape[:3], d + 2), generator=gen,
+                                dtype=torch.int8).to(device) for c in (k_cache, v_cache))
+        for c in (qk, qv):   # a valid scale in every row (the bytes after the values)
+            c[..., d:] = torch.tensor([0.01], dtype=torch.float16).view(torch.int8).to(device)
+        qk, qv = qk.view(storage), qv.view(storage)
+        t = timer(lambda: paged_decode_attention(q, qk, qv, bt, seq_lens, out=out))
+        rows.append(dict(op="decode quantized", case=f"{n} x {lens[0]}",
+                         dtype=str(storage).replace("torch.", ""), paged_ms=t * 1e3,
+                         bf16_ms=t_bf16 * 1e3, over_bf16=t / t_bf16,
+                         paged_GBps=sum(lens) * shape["num_kv_heads"] * (d + 2) * 2 / t / 1e9))
+    return rows
+
+
 def bench_copies(device, gen, timer, quick: bool) -> list[dict]:
     """write_kv and copy_blocks GB/s, and a plain tensor copy of the same bytes as baseline."""
     layers, blocks, bs, hkv, d = (4 if quick else 30), 512, 16, 3, 64
     dtype = torch.bfloat16
     pool = torch.randn(layers, 2, blocks, bs, hkv, d, generator=gen).to(dtype).to(device)
     n = 64
-    src = torch.arange(0, n, device=device)
-    dst = torch.arange(blocks - n, blocks, device=device)
+    # Host ids, as a block manager has them: checked on the host, one transfer, no sync.
+    src = torch.arange(0, n)
+    dst = torch.arange(blocks - n, blocks)
     block_bytes = pool[:, :, 0].numel() * pool.element_size()
     t_copy = timer(lambda: copy_blocks(pool, src, dst))
     flat = pool[:, :, :n].contiguous()
@@ -163,6 +207,66 @@ def bench_copies(device, gen, timer, quick: bool) -> list[dict]:
     ]
 
 
+#: Launch shapes ``--sweep`` times on CUDA (the defaults are in triton_attention.*_CONFIG).
+SWEEP_DECODE = [dict(BLOCK_N=n, num_warps=w, num_stages=st)
+                for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP_PREFILL = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                 for m in (64, 128) for n in (32, 64) for w in (4, 8) for st in (2, 3)]
+
+
+def sweep(device, gen, timer, copy_bw: float) -> list[dict]:
+    """Time each launch shape of decode (64 x 4096 and 1 x 131072) and prefill
+    (8 x (2048 cached + 512 new)) for both head dims; rows sorted fastest first per case, the
+    defaults marked. For tuning DECODE_CONFIG / PREFILL_CONFIG on the card at hand."""
+    from radixkv.kernels import triton_attention as ta
+
+    rows: list[dict] = []
+    for shape in (MODEL, MODEL_8B):
+        hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+        default = ta.DECODE_CONFIG[64 if d <= 64 else 128]
+        for name, lens in (("64 x 4096", [4096] * 64), ("1 x 131072", [131072])):
+            k, v, bt, sl, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+            q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16).to(device)
+            out = torch.empty_like(q)
+            kv_bytes = sum(lens) * hkv * d * 2 * 2
+            case = []
+            for cfg in SWEEP_DECODE:
+                try:
+                    t = timer(lambda: ta.paged_decode_attention(
+                        q, k, v, bt, sl, d ** -0.5, out, None, config=cfg))
+                except Exception as e:  # noqa: BLE001 - a shape the card cannot run
+                    case.append(dict(op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                                     config=str(cfg), error=type(e).__name__))
+                    continue
+                case.append(dict(op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
+                                 config=str(cfg), default=cfg == default, ms=t * 1e3,
+                                 fraction_of_copy_bw=kv_bytes / t / 1e9 / copy_bw))
+            rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
+            del k, v
+        default = ta.PREFILL_CONFIG[64 if d <= 64 else 128]
+        lens = [2048 + 512] * 8
+        k, v, bt, sl, _, _ = _paged(lens, torch.bfloat16, device, gen, **shape)
+        q = torch.randn(8 * 512, hq, d, generator=gen).to(torch.bfloat16).to(device)
+        cu = torch.arange(0, 9, dtype=torch.int32, device=device) * 512
+        out = torch.empty_like(q)
+        flops = 4 * hq * d * 8 * (512 * 2048 + 512 * 513 // 2)
+        case = []
+        for cfg in SWEEP_PREFILL:
+            try:
+                t = timer(lambda: ta.paged_prefill_attention(q, k, v, bt, cu, sl, d ** -0.5,
+                                                             out, 512, config=cfg))
+            except Exception as e:  # noqa: BLE001
+                case.append(dict(op="prefill", case="8 x (2048 + 512)",
+                                 heads=f"{hq}/{hkv} x {d}", config=str(cfg),
+                                 error=type(e).__name__))
+                continue
+            case.append(dict(op="prefill", case="8 x (2048 + 512)", heads=f"{hq}/{hkv} x {d}",
+                             config=str(cfg), default=cfg == default, ms=t * 1e3,
+                             TFLOPs=flops / t / 1e12))
+        rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
+    return rows
+
+
 def bench_device_copy(device, timer) -> float:
     """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -176,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA: time the Triton launch shapes (tile, warps, stages) of decode "
+                             "and prefill instead, for tuning (writes kernels_sweep.json)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     timer = _timer(device, args.quick)
     results: dict[str, Any] = {}
+    if args.sweep:
+        if device.type != "cuda":
+            print("--sweep times compiled Triton launch shapes: it needs CUDA")
+            return 2
+        copy_bw = bench_device_copy(device, timer)
+        rows = sweep(device, gen, timer, copy_bw)
+        for r in rows:
+            r["device"] = torch.cuda.get_device_name(device)
+        print_table(rows, title=f"launch shapes, fastest first per case (copy {copy_bw:.0f} GB/s)")
+        write_results("kernels_sweep", header, {"copy_GBps": copy_bw, "rows": rows})
+        return 0
     if device.type == "cuda":
         copy_bw = bench_device_copy(device, timer)
         decode_cases = [("64 x 4096", [4096] * 64), ("8 x 32768", [32768] * 8),
@@ -196,10 +314,14 @@ def main(argv: list[str] | None = None) -> int:
             decode_cases, prefill_cases = decode_cases[:1], prefill_cases[1:]
         dtypes = [torch.bfloat16]
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, False)
+        decode += bench_decode(decode_cases, dtypes, device, gen, timer, False, MODEL_8B)
+        decode += bench_quantized_decode([4096] * 64, device, gen, timer)
         for r in decode:
+            r["device"] = torch.cuda.get_device_name(device)
             r["copy_GBps"] = copy_bw
             r["fraction_of_copy_bw"] = r["paged_GBps"] / copy_bw
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, False)
+        prefill += bench_prefill(prefill_cases, dtypes, device, gen, timer, False, MODEL_8B)
     else:
         rng = torch.Generator().manual_seed(args.seed + 1)
         ragged = [int(x) for x in torch.randint(128, 1024, (16,), generator=rng)]
@@ -216,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, True)
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, args.quick)
     copies = bench_copies(device, gen, timer, args.quick)
+    if device.type == "cuda":
+        for r in prefill + copies:
+            r["device"] = torch.cuda.get_device_name(device)
     print_table(decode, title="decode: paged vs dense SDPA on the same K/V")
     print_table(prefill, title="prefill over a cached prefix: paged vs dense SDPA (same shape)")
     print_table(copies, title="block copies and KV writes")

@@ -126,8 +126,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   None picks one that fills the GPU.
     check:        False skips the value checks (seq_lens range, used table entries in the pool)
                   for a caller that validated the batch already; structure is always checked.
-    plan:         torch backend: a dict kept for one batch (same block_tables and seq_lens, e.g.
-                  every layer of a forward); grouping, gather ids and masks are derived once.
+    plan:         a dict kept for one batch (same block_tables and seq_lens, e.g. every layer
+                  of a forward): the torch backend derives grouping, gather ids and masks once;
+                  Triton its split plan and partials' buffers (host-side, no device readback).
     Returns out:  [num_seqs, num_q_heads, head_dim].
 
     out[s, h] = softmax(scale * q[s, h] . K[s, :, h // G]) @ V[s, :, h // G], where K[s, t] is the
@@ -158,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if name == "triton":
         return _triton_attention().paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, sc, out, num_splits)
+            q, k_cache, v_cache, block_tables, seq_lens, sc, out, num_splits, plan)
     k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
@@ -172,7 +173,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, *, scale: float | None = None,
                             out: torch.Tensor | None = None,
                             backend: str | None = None, check: bool = True,
-                            plan: dict | None = None) -> torch.Tensor:
+                            plan: dict | None = None,
+                            max_q_len: int | None = None) -> torch.Tensor:
     """A chunk of new tokens per sequence attends causally to its cached prefix and itself.
 
     q:            [total_q_tokens, num_q_heads, head_dim], packed: the chunk of sequence s is
@@ -187,6 +189,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check:        False skips the value checks (cu_seqlens_q, seq_lens, used table entries)
                   for a caller that validated the batch already; structure is always checked.
     plan:         torch backend: a per-batch dict, as in :func:`paged_decode_attention`.
+    max_q_len:    Triton: the longest chunk (max of cu_seqlens_q's differences) when the caller
+                  has it on the host; otherwise it is read from the device (one sync on CUDA).
+                  Not checked against cu_seqlens_q: a smaller value leaves rows unwritten.
     Returns out:  [total_q_tokens, num_q_heads, head_dim].
 
     Query i (0-based within its chunk) attends to keys [0, cached_len + i]. Example: a sequence
@@ -209,6 +214,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                       block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                                       seq_lens=seq_lens)
     checks.check_out(out, q)
+    if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 0):
+        fail(f"max_q_len must be a non-negative int or None, got {max_q_len!r}")
     if check and device.type == "cpu":
         cu = cu_seqlens_q.tolist()
         q_lens = [b - a for a, b in zip(cu, cu[1:])]
@@ -219,6 +226,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if any(n < m for n, m in zip(lens, q_lens)):
             fail("seq_lens must include the chunk: seq_len >= q_len for every sequence")
         _check_tables(block_tables, lens, block_size, num_blocks, min_len=0)
+        if max_q_len is not None and num_seqs and max_q_len != max(q_lens):
+            fail(f"max_q_len ({max_q_len}) must be the longest chunk ({max(q_lens)})")
     sc = _scale(scale, head_dim)
     name = resolve_backend(backend, device)
     if out is None:
@@ -227,7 +236,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if name == "triton":
         return _triton_attention().paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out)
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out, max_q_len)
     k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_prefill_attention(q, k_cache, v_cache, block_tables,
@@ -298,9 +307,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _check_block_ids(name: str, ids: object, kv_cache: torch.Tensor) -> torch.Tensor:
+def _check_block_ids(name: str, ids: object, kv_cache: torch.Tensor, *,
+                     host_ok: bool = False) -> torch.Tensor:
+    """int64 [n] ids in [0, num_blocks), on kv_cache's device (or, with host_ok, the CPU)."""
     t = checks.check_tensor(name, ids, ndim=1, dtypes=(torch.int64,))
-    checks.check_same_device(kv_cache=kv_cache, **{name: t})
+    if not (host_ok and t.device.type == "cpu"):
+        checks.check_same_device(kv_cache=kv_cache, **{name: t})
     checks.check_block_ids_in_range(name, t, kv_cache.shape[2])
     return t
 
@@ -311,12 +323,17 @@ def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
 
     kv_cache:      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
     src_block_ids, dst_block_ids: int64 [n], in [0, num_blocks). Destinations must be distinct
-                   and must not also be sources (the copies run in parallel). Reads the ids
-                   (a host sync on CUDA) to check that.
+                   and must not also be sources (the copies run in parallel). The ids are read
+                   to check that: ids on kv_cache's device cost host syncs on CUDA; CPU ids
+                   (what a block manager has) are checked on the host and moved to the device
+                   in one transfer, with no sync.
+
+    One launch on Triton, for every pair, layer, K and V.
     """
     kv = _check_pool(kv_cache)
-    src = _check_block_ids("src_block_ids", src_block_ids, kv)
-    dst = _check_block_ids("dst_block_ids", dst_block_ids, kv)
+    src = _check_block_ids("src_block_ids", src_block_ids, kv, host_ok=True)
+    dst = _check_block_ids("dst_block_ids", dst_block_ids, kv, host_ok=True)
+    checks.check_same_device(src_block_ids=src, dst_block_ids=dst)
     if src.shape != dst.shape:
         fail(f"src_block_ids ({src.shape[0]}) and dst_block_ids ({dst.shape[0]}) must pair up")
     if dst.numel() == 0:
@@ -327,6 +344,9 @@ def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor,
         fail("a block cannot be both a source and a destination of one copy_blocks call")
     name = resolve_backend(backend, kv.device)
     kv = _as_bytes(kv)
+    if src.device != kv.device:
+        ids = torch.stack([src, dst]).to(kv.device, non_blocking=True)
+        src, dst = ids[0], ids[1]
     if name == "triton":
         _triton_cache().copy_blocks(kv, src, dst)
     elif name == "torch":

@@ -25,3 +25,8 @@ def check_mode(kernel: object, device: torch.device) -> None:
     if device.type == "cuda" and interpreted:
         raise ConfigError("triton was imported with TRITON_INTERPRET=1: kernels would run "
                           "interpreted on the host; unset it to compile for CUDA")
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs under the Triton interpreter."""
+    return isinstance(kernel, InterpretedFunction)

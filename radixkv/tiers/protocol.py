@@ -136,9 +136,10 @@ class DeviceOnlyMover(KVMover):
     def copy_blocks(self, copies: Sequence[CopyOp]) -> None:
         if not copies:
             return
-        dev = self.kv_cache.device
-        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=dev)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=dev)
+        # Host ids: the kernels check them on the host and move them in one transfer (ids
+        # built on a GPU would cost host syncs for the same checks).
+        src = torch.tensor([c.src for c in copies], dtype=torch.long)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long)
         _copy_blocks_kernel()(self.kv_cache, src, dst)
         self.num_copies += len(copies)
 

@@ -6,9 +6,12 @@
   at the first ``import triton`` -- so the variable must be set before anything in the process
   imports triton. This conftest sets it (on machines without CUDA) when triton is not imported
   yet; nothing else in the repository imports triton, and the variable changes nothing for code
-  that does not decorate Triton kernels. If triton was already imported in compiled mode, the
-  ``triton_backend`` fixture skips the in-process Triton cases and
-  ``test_triton.py::test_triton_cases_in_subprocess`` reruns them in a fresh interpreter.
+  that does not decorate Triton kernels.
+* On a machine with CUDA the variable is left unset and the same Triton cases run compiled on
+  the GPU (``triton_device`` fixture), and ``test_triton_cases_in_subprocess`` reruns them
+  interpreted. If triton was already imported compiled on a machine without CUDA, the
+  ``triton_backend`` fixture skips the in-process Triton cases and that test reruns them in a
+  fresh interpreter.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ _HERE = Path(__file__).resolve().parent
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from triton_probe import triton_interpreted_here  # noqa: E402  (after the variable is set)
+from triton_probe import triton_device_here  # noqa: E402  (after the variable is set)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,10 +42,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    """"triton", with "auto" launchers also routed to Triton; skips if not interpretable here."""
+    """"triton", with "auto" launchers also routed to Triton; skips if Triton cannot run in
+    this process (see :func:`triton_device_here`)."""
     pytest.importorskip("triton")
-    if not triton_interpreted_here():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; "
-                    "test_triton_cases_in_subprocess runs these cases")
+    if triton_device_here() is None:
+        pytest.skip("triton was imported compiled on a machine without CUDA (before "
+                    "TRITON_INTERPRET=1 could be set); test_triton_cases_in_subprocess runs "
+                    "these cases")
     monkeypatch.setenv("RADIXKV_KERNEL_BACKEND", "triton")
     return "triton"
+
+
+@pytest.fixture
+def triton_device(triton_backend: str) -> torch.device:
+    """The device the Triton cases run on here: CUDA (compiled kernels) on a machine with a
+    GPU, the CPU (interpreted) otherwise."""
+    device = triton_device_here()
+    assert device is not None
+    return device

@@ -34,11 +34,17 @@ class PagedCase:
     def block_size(self) -> int:
         return self.k_cache.shape[1]
 
+    def to(self, device: torch.device | str) -> PagedCase:
+        return PagedCase(self.k_cache.to(device), self.v_cache.to(device),
+                         self.block_tables.to(device), self.seq_lens.to(device))
+
 
 def make_case(lens: list[int], *, block_size: int = 16, num_kv_heads: int = 2,
               head_dim: int = 64, dtype: torch.dtype = torch.float32, share_prefix: int = 0,
-              spare_blocks: int = 3, gen: torch.Generator) -> PagedCase:
-    """Sequences of the given lengths over shuffled, non-contiguous physical blocks.
+              spare_blocks: int = 3, gen: torch.Generator,
+              device: torch.device | str = "cpu") -> PagedCase:
+    """Sequences of the given lengths over shuffled, non-contiguous physical blocks (built on
+    the CPU from ``gen``, then moved to ``device``: the same case on every device).
 
     share_prefix: the first ``share_prefix`` whole blocks of every sequence are the same physical
     blocks (a shared cached prefix); every length must cover them.
@@ -64,7 +70,7 @@ def make_case(lens: list[int], *, block_size: int = 16, num_kv_heads: int = 2,
             used[bt[s, p // block_size], p % block_size] = True
     k[~used] = float("nan")
     v[~used] = float("nan")
-    return PagedCase(k, v, bt, torch.tensor(lens, dtype=torch.int32))
+    return PagedCase(k, v, bt, torch.tensor(lens, dtype=torch.int32)).to(device)
 
 
 def gathered_kv(case: PagedCase, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +87,9 @@ def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_len: in
                scale: float | None = None) -> torch.Tensor:
     """Oracle in float32: q [q_len, Hq, D] vs dense k, v [seq_len, Hkv, D], bottom-right causal."""
     q_len, seq_len = q.shape[0], k.shape[0]
-    allowed = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + cached_len
+    arange = torch.arange   # the mask on q's device: SDPA rejects a CPU mask for CUDA tensors
+    allowed = arange(seq_len, device=q.device)[None, :] <= \
+        arange(q_len, device=q.device)[:, None] + cached_len
     o = F.scaled_dot_product_attention(
         q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
         attn_mask=allowed, scale=scale, enable_gqa=True)
@@ -100,11 +108,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 def check_decode(backend: str, case, q: torch.Tensor, dtype: torch.dtype, **kw) -> None:
-    """backend vs reference, and both vs dense SDPA per sequence; output poisoned first."""
+    """backend (on the case's device) vs the reference, and both vs dense SDPA per sequence;
+    output poisoned first. The reference and SDPA run on CPU copies (the reference's
+    per-token loops would sync a GPU thousands of times)."""
     out = poisoned_like(q)
     got = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
                                  case.seq_lens, out=out, backend=backend, **kw)
     assert got is out
+    got, case, q = got.cpu(), case.to("cpu"), q.cpu()
     ref = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
                                  case.seq_lens, backend="reference")
     assert_close(got, ref, dtype, f"{backend} vs reference")
@@ -116,15 +127,18 @@ def check_decode(backend: str, case, q: torch.Tensor, dtype: torch.dtype, **kw) 
 
 
 def check_prefill(backend: str, case, q_lens: list[int], num_q_heads: int,
-                  dtype: torch.dtype, gen: torch.Generator) -> None:
-    """Fresh random queries for the given chunk lengths; checked as in check_decode."""
+                  dtype: torch.dtype, gen: torch.Generator, **kw) -> None:
+    """Fresh random queries for the given chunk lengths (on the case's device); checked as in
+    check_decode."""
     head_dim = case.k_cache.shape[3]
+    device = case.k_cache.device
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = poisoned_like(q)
-    got = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
-                                  case.seq_lens, out=out, backend=backend)
+    out = poisoned_like(q).to(device)
+    got = paged_prefill_attention(q.to(device), case.k_cache, case.v_cache, case.block_tables,
+                                  cu.to(device), case.seq_lens, out=out, backend=backend, **kw)
     assert got is out
+    got, case = got.cpu(), case.to("cpu")
     ref = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
                                   case.seq_lens, backend="reference")
     assert_close(got, ref, dtype, f"{backend} vs reference")

@@ -1,6 +1,6 @@
 """Attention over quantized caches (rows of head_dim int8 or float8_e4m3fn values + the row's
 fp16 scale, as radixkv/engine/kv_quant.py writes them): the Triton kernels read them in place
-(under the interpreter here) and must equal the float32 reference run on the dequantized caches.
+(compiled on CUDA where a GPU is present, under the interpreter otherwise) and must equal the float32 reference run on the dequantized caches.
 
 Rows the contract says are never read (unused blocks, the tail of a ragged last block) get a
 NaN scale, so a kernel that reads one produces NaN and fails. The kernels' e4m3 decoding (integer
@@ -77,18 +77,20 @@ DECODE = [
 
 @STORAGE
 @pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size,num_splits", DECODE)
-def test_decode_triton_reads_quantized_blocks_in_place(triton_backend, storage, dtype,
-                                                       kv_heads, group, head_dim, block_size,
-                                                       num_splits):
+def test_decode_triton_reads_quantized_blocks_in_place(triton_backend, triton_device, storage,
+                                                       dtype, kv_heads, group, head_dim,
+                                                       block_size, num_splits):
     gen = torch.Generator().manual_seed(block_size * 13 + group)
     lens = [1, block_size + 3, 150]
     q8, dq = _int8(make_case(lens, block_size=block_size, num_kv_heads=kv_heads,
                              head_dim=head_dim, share_prefix=0, gen=gen), storage)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
-    out = poisoned_like(q)
-    got = paged_decode_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, q8.seq_lens,
-                                 out=out, backend="triton", num_splits=num_splits)
+    d8 = q8.to(triton_device)
+    out = poisoned_like(q).to(triton_device)
+    got = paged_decode_attention(q.to(triton_device), d8.k_cache, d8.v_cache, d8.block_tables,
+                                 d8.seq_lens, out=out, backend="triton", num_splits=num_splits)
     assert got is out and got.dtype == dtype
+    got = got.cpu()
     ref = paged_decode_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables,
                                  dq.seq_lens, backend="reference")
     assert_close(got, ref, dtype, f"triton {storage} vs reference on the dequantized cache")
@@ -102,8 +104,9 @@ def test_decode_triton_reads_quantized_blocks_in_place(triton_backend, storage, 
     (torch.float32, 2, 1, 64, 16),
     (torch.bfloat16, 1, 3, 64, 8),
 ])
-def test_prefill_triton_reads_quantized_blocks_in_place(triton_backend, storage, dtype,
-                                                        kv_heads, group, head_dim, block_size):
+def test_prefill_triton_reads_quantized_blocks_in_place(triton_backend, triton_device, storage,
+                                                        dtype, kv_heads, group, head_dim,
+                                                        block_size):
     gen = torch.Generator().manual_seed(block_size * 5 + group)
     cached, q_lens = [0, 5, 2 * block_size], [20, 1, 70]
     lens = [c + n for c, n in zip(cached, q_lens)]
@@ -111,23 +114,26 @@ def test_prefill_triton_reads_quantized_blocks_in_place(triton_backend, storage,
                              head_dim=head_dim, share_prefix=0, gen=gen), storage)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = poisoned_like(q)
-    got = paged_prefill_attention(q, q8.k_cache, q8.v_cache, q8.block_tables, cu, q8.seq_lens,
-                                  out=out, backend="triton")
+    d8, dev = q8.to(triton_device), triton_device
+    out = poisoned_like(q).to(dev)
+    got = paged_prefill_attention(q.to(dev), d8.k_cache, d8.v_cache, d8.block_tables,
+                                  cu.to(dev), d8.seq_lens, out=out, backend="triton")
     assert got is out
+    got = got.cpu()
     ref = paged_prefill_attention(q.float(), dq.k_cache, dq.v_cache, dq.block_tables, cu,
                                   dq.seq_lens, backend="reference")
     assert_close(got, ref, dtype,
                  f"triton {storage} prefill vs reference on the dequantized cache")
 
 
-def test_e4m3_decoding_in_the_kernel_is_exact_for_every_code(triton_backend):
+def test_e4m3_decoding_in_the_kernel_is_exact_for_every_code(triton_backend, triton_device):
     """The kernels' integer decoding of e4m3 bytes equals torch's cast on all 256 codes
     (normals, subnormals, both zeros, NaN)."""
     decode = _decode_kernel()
     codes = torch.arange(256, dtype=torch.uint8)
-    got = torch.empty(256)
-    decode[(1,)](codes, got, N=256)
+    got = torch.empty(256, device=triton_device)
+    decode[(1,)](codes.to(triton_device), got, N=256)
+    got = got.cpu()
     want = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
@@ -149,8 +155,8 @@ def test_quantized_caches_are_checked(storage):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backend, monkeypatch,
-                                                                    kv_dtype):
+def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backend, triton_device,
+                                                                    monkeypatch, kv_dtype):
     """The model runner with int8 / fp8 KV: logits of a prefill and a decode step on the Triton
     path (in-place reads, rotated query and output) equal those of the torch path (dequantized
     scratch), and the in-place path really ran (no scratch tables were built)."""
@@ -165,6 +171,7 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
                                    num_key_value_heads=1, max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = model.to(triton_device)
     bs, prompts = 8, [list(range(3, 22)), list(range(40, 45))]
 
     def run() -> list[torch.Tensor]:
@@ -191,18 +198,23 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
 
 
 @STORAGE
-def test_triton_copy_blocks_moves_quantized_bytes(triton_backend, storage):
-    """Copy-on-write of a quantized pool on Triton copies its bytes (an int8 view for e4m3)."""
+def test_triton_copy_blocks_moves_quantized_bytes(triton_backend, triton_device, storage):
+    """Copy-on-write of a quantized pool on Triton copies its bytes (as 8-byte words: a
+    block is 8 x 3 x 66 = 1,584 bytes), from device ids and from host ids alike."""
     from radixkv.kernels import copy_blocks
 
     gen = torch.Generator().manual_seed(9)
     pool = torch.randint(-128, 128, (2, 2, 6, 8, 3, 66), dtype=torch.int8,
                          generator=gen).view(storage)
     before = pool.view(torch.int8).clone()
-    copy_blocks(pool, torch.tensor([1, 1, 5]), torch.tensor([0, 4, 2]), backend=triton_backend)
+    pool = pool.to(triton_device)
+    copy_blocks(pool, torch.tensor([1, 1, 5], device=triton_device),
+                torch.tensor([0, 4, 2], device=triton_device), backend=triton_backend)
+    copy_blocks(pool, torch.tensor([3]), torch.tensor([1]), backend=triton_backend)
     want = before.clone()
     want[:, :, [0, 4, 2]] = before[:, :, [1, 1, 5]]
-    assert torch.equal(pool.view(torch.int8), want)
+    want[:, :, 1] = before[:, :, 3]
+    assert torch.equal(pool.view(torch.int8).cpu(), want)
 
 
 # -- CPU paths (torch / native): the quantized rows read in place equal the dequantized scratch

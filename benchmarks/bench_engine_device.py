@@ -1,0 +1,358 @@
+"""``radixkv bench engine --device cuda``: the engine on a GPU, next to transformers and the
+hardware's limit, on random-weight models of named shapes (no download).
+
+Per model shape and decode batch size B (default 1, 64, 256), in one run on one device:
+
+* ``radixkv_ms``: radixkv's decode ms per step: ``Engine.generate`` of B fresh random prompts
+  of ``--prompt`` tokens with ``max_tokens = T + 1`` minus the same with ``max_tokens = 1``
+  (prefill and start-up cancel), over T steps; the fastest of ``--repeat`` runs of each. One engine per B, ``max_num_seqs = B``, a pool
+  sized to hold every sequence (no preemption).
+* ``transformers_ms``: the same difference for ``model.generate`` (greedy, eager: no
+  ``torch.compile``, the model's default attention), batch B of the same length.
+* ``limit_ms``: the hardware limit of one step, max(bytes read / device-copy bandwidth,
+  FLOPs / matmul peak). Bytes: every weight read once (the input embedding only when tied to
+  the output head) + the K/V of B sequences at the mean context (prompt + T / 2). FLOPs:
+  2 x B x (parameters less the untied input embedding) + 4 x B x layers x q_heads x head_dim x
+  context. Copy bandwidth is (read + write bytes) / time of a 1 GiB device copy and the peak
+  is a bf16 8192^3 matmul, both measured in the same run (on the CPU: a 256 MiB copy and a
+  1024^3 fp32 matmul).
+* prefill: ``--prefill-batch`` x ``--prefill-len`` new tokens, radixkv ``generate``
+  (``max_tokens = 1``) tok/s vs transformers' plain forward of the same batch
+  (``logits_to_keep = 1``, no cache) tok/s.
+* TTFT: a ``--ttft-prefix``-token prefix cached, then prefix + 64 new tokens: TTFT cached vs
+  a cold prompt of the same length (``ttft_gain`` = cold / cached, medians of 3).
+
+Every row carries the device's name. ``--shapes tiny`` on ``--device cpu`` is the CPU
+self-check of ``scripts/gpu_check.sh``: the same code on a 2-layer model in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Any
+
+#: Named model shapes (random weights): Llama-3.2-1B, Llama-3.1-8B and a tiny one for CPUs.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                         max_position_embeddings=131072),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                         max_position_embeddings=131072),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                 tie_word_embeddings=True, max_position_embeddings=4096),
+}
+#: Bytes of device memory a shape needs besides its KV pool (weights + activations), to
+#: decide whether it runs ("8B if memory allows").
+_WORKSPACE_FRACTION = 0.35
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: Any) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def device_limits(device: Any) -> dict[str, float]:
+    """Device-copy bandwidth (GB/s, read + write) and matmul peak (TFLOP/s), measured now."""
+    import torch
+
+    cuda = device.type == "cuda"
+    n = (1 << 30) if cuda else (256 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_t = min(_timed(lambda: dst.copy_(src), device) for _ in range(5))
+    del src, dst
+    size, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    mm_t = min(_timed(lambda: a @ b, device) for _ in range(5))
+    return {"copy_GBps": 2 * n / copy_t / 1e9, "matmul_TFLOPs": 2 * size ** 3 / mm_t / 1e12}
+
+
+def build_model(shape: str, dtype: Any, device: Any) -> Any:
+    """A random-weight LlamaForCausalLM of the named shape, built directly on ``device``."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def _weights(model: Any) -> tuple[int, int]:
+    """(bytes one decode step reads, parameters multiplied per token): every parameter once,
+    less the input embedding when the output head is not tied to it (a few rows are read)."""
+    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    count = sum(p.numel() for p in params)
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not emb:
+        nbytes -= emb.numel() * emb.element_size()
+        count -= emb.numel()
+    return nbytes, count
+
+
+def step_limit_ms(model: Any, batch: int, context: float, limits: dict) -> dict[str, float]:
+    """Hardware limit of one decode step of ``batch`` sequences at mean length ``context``."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem
+    w_bytes, w_params = _weights(model)
+    nbytes = w_bytes + batch * context * kv_token
+    flops = 2 * batch * w_params + \
+        4 * batch * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    bw_ms = nbytes / (limits["copy_GBps"] * 1e9) * 1e3
+    fl_ms = flops / (limits["matmul_TFLOPs"] * 1e12) * 1e3
+    return {"limit_ms": max(bw_ms, fl_ms), "limit_bytes_ms": bw_ms, "limit_flops_ms": fl_ms,
+            "bytes_per_step": nbytes}
+
+
+def _prompts(rng: Any, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[int(x) for x in rng.integers(0, vocab, length)] for _ in range(n)]
+
+
+def _engine(model: Any, device: Any, dtype: str, max_seqs: int, tokens: int,
+            batched: int) -> Any:
+    """An engine whose device pool holds ``tokens`` tokens (plus a margin of 4 blocks per
+    sequence) and that schedules up to ``max_seqs`` sequences / ``batched`` tokens a step."""
+    from radixkv.api.engine import Engine
+    from radixkv.config import CacheConfig, EngineConfig
+
+    block = 16
+    blocks = math.ceil(tokens / block) + 4 * max_seqs + 16
+    return Engine(model, None, CacheConfig(num_device_blocks=blocks, block_size=block),
+                  EngineConfig(device=str(device), dtype=dtype, max_num_seqs=max_seqs,
+                               max_num_batched_tokens=batched),
+                  model_id=f"bench-device-{max_seqs}")
+
+
+def _generate_s(engine: Any, prompts: list[list[int]], max_tokens: int, device: Any) -> float:
+    from radixkv import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs: list = []
+    t = _timed(lambda: outs.extend(engine.generate(prompts, sp)), device)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs), "a request ended early"
+    engine.preemptions = getattr(engine, "preemptions", 0) + \
+        sum(o.num_preemptions for o in outs)
+    return t
+
+
+def _hf_generate_s(model: Any, prompts: list[list[int]], new: int, device: Any) -> float:
+    import torch
+
+    from .bench_ttft import hf_attention
+
+    ids = torch.tensor(prompts, device=device)
+    with torch.inference_mode(), hf_attention(model):
+        return _timed(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0), device)
+
+
+def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rng: Any,
+                dtype: str) -> list[dict]:
+    rows = []
+    vocab = model.config.vocab_size
+    steps = args.decode_tokens
+    for batch in args.batches:
+        ctx = args.prompt + steps / 2
+        row: dict[str, Any] = {"device": args.device_name, "shape": shape, "batch": batch,
+                               "prompt": args.prompt, "steps": steps}
+        # transformers as a plain model (sdpa): an engine switches the model's attention.
+        _hf_generate_s(model, _prompts(rng, batch, args.prompt, vocab), 2, device)   # warm-up
+        hf_full = min(_hf_generate_s(model, _prompts(rng, batch, args.prompt, vocab),
+                                     steps + 1, device) for _ in range(args.repeat))
+        hf_one = min(_hf_generate_s(model, _prompts(rng, batch, args.prompt, vocab), 1, device)
+                     for _ in range(args.repeat))
+        row["transformers_ms"] = (hf_full - hf_one) / steps * 1e3
+        engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
+                         max(2048, min(8192, batch * args.prompt)))
+        try:
+            _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 2, device)   # warm-up
+            full = min(
+                _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
+                for _ in range(args.repeat))
+            one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
+                      for _ in range(args.repeat))
+        finally:
+            engine.close()
+        row["preemptions"] = engine.preemptions   # 0 unless the pool was too small
+        row["radixkv_ms"] = (full - one) / steps * 1e3
+        row.update(step_limit_ms(model, batch, ctx, limits))
+        row["radixkv_over_limit"] = row["radixkv_ms"] / row["limit_ms"]
+        row["transformers_over_radixkv"] = row["transformers_ms"] / row["radixkv_ms"]
+        rows.append(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+              flush=True)
+    return rows
+
+
+def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: str) -> dict:
+    import torch
+
+    vocab, n, length = model.config.vocab_size, args.prefill_batch, args.prefill_len
+    from .bench_ttft import hf_attention
+
+    ids = torch.tensor(_prompts(rng, n, length, vocab), device=device)
+    with torch.inference_mode(), hf_attention(model):
+        model(ids[:1, :16], use_cache=False, logits_to_keep=1)   # warm-up
+        hf_t = min(_timed(lambda: model(ids, use_cache=False, logits_to_keep=1), device)
+                   for _ in range(args.repeat))
+    del ids
+    engine = _engine(model, device, dtype, n, n * (length + 2), max(2048, 4 * length))
+    try:
+        _generate_s(engine, _prompts(rng, 2, length, vocab), 1, device)   # warm-up
+        t = statistics.median(_generate_s(engine, _prompts(rng, n, length, vocab), 1, device)
+                              for _ in range(args.repeat))
+    finally:
+        engine.close()
+    tokens = n * length
+    return {"device": args.device_name, "shape": shape, "batch": n, "new_tokens": length,
+            "radixkv_tok_s": tokens / t, "transformers_forward_tok_s": tokens / hf_t,
+            "radixkv_over_transformers": hf_t / t}
+
+
+def ttft_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: str) -> dict:
+    from radixkv import SamplingParams
+
+    vocab, prefix_len, new = model.config.vocab_size, args.ttft_prefix, 64
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine = _engine(model, device, dtype, 4, 8 * (prefix_len + new), 8192)
+    cold, cached, hit = [], [], []
+    try:
+        engine.generate(_prompts(rng, 1, prefix_len + new, vocab), one)   # warm-up
+        for _ in range(3):
+            cold.append(engine.generate(_prompts(rng, 1, prefix_len + new, vocab), one)[0].ttft)
+            prefix = _prompts(rng, 1, prefix_len, vocab)[0]
+            engine.generate([prefix], one)
+            out = engine.generate([prefix + _prompts(rng, 1, new, vocab)[0]], one)[0]
+            cached.append(out.ttft)
+            hit.append(out.num_cached_tokens)
+    finally:
+        engine.close()
+    med = statistics.median
+    return {"device": args.device_name, "shape": shape, "prefix": prefix_len, "new_tokens": new,
+            "cold_ttft_ms": med(cold) * 1e3, "cached_ttft_ms": med(cached) * 1e3,
+            "ttft_gain": med(cold) / med(cached), "cached_tokens": min(hit)}
+
+
+def _fits(shape: str, device: Any) -> bool:
+    """Whether a shape's bf16 weights fit the device with room for KV and activations."""
+    import torch
+
+    if device.type != "cuda":
+        return shape == "tiny"
+    cfg = SHAPES[shape]
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * cfg["intermediate_size"]) + \
+        cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
+    free, _ = torch.cuda.mem_get_info(device)
+    return 2 * params < free * (1 - _WORKSPACE_FRACTION)
+
+
+def run(args: Any) -> dict:
+    """Measure every shape that fits; return the results (rows per table)."""
+    import numpy as np
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        args.device_name = torch.cuda.get_device_name(device)
+    else:
+        import platform
+        args.device_name = f"cpu ({platform.processor() or platform.machine()})"
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    limits = device_limits(device)
+    print(f"{args.device_name}: device copy {limits['copy_GBps']:.0f} GB/s (read + write), "
+          f"matmul {limits['matmul_TFLOPs']:.3g} TFLOP/s", flush=True)
+    rng = np.random.default_rng(args.seed)
+    results: dict[str, Any] = {"device": args.device_name, "dtype": dtype, **limits,
+                               "decode": [], "prefill": [], "ttft": [], "skipped": []}
+    for shape in args.shapes:
+        if not _fits(shape, device):
+            results["skipped"].append(shape)
+            print(f"{shape}: skipped (does not fit {args.device_name})", flush=True)
+            continue
+        model = build_model(shape, getattr(torch, dtype), device)
+        results["decode"] += decode_rows(model, shape, args, limits, device, rng, dtype)
+        results["prefill"].append(prefill_row(model, shape, args, device, rng, dtype))
+        results["ttft"].append(ttft_row(model, shape, args, device, rng, dtype))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def print_tables(results: dict) -> None:
+    from ._common import print_table
+
+    dev = results["device"]
+    print_table(results["decode"], ["device", "shape", "batch", "radixkv_ms", "transformers_ms",
+                                    "limit_ms", "radixkv_over_limit",
+                                    "transformers_over_radixkv"],
+                title=f"decode ms/step on {dev} ({results['dtype']}; limit = max(bytes / "
+                      f"{results['copy_GBps']:.0f} GB/s, FLOPs / "
+                      f"{results['matmul_TFLOPs']:.3g} TFLOP/s), same run)")
+    print_table(results["prefill"], ["device", "shape", "batch", "new_tokens", "radixkv_tok_s",
+                                     "transformers_forward_tok_s", "radixkv_over_transformers"],
+                title=f"prefill tok/s on {dev}")
+    print_table(results["ttft"], ["device", "shape", "prefix", "new_tokens", "cold_ttft_ms",
+                                  "cached_ttft_ms", "ttft_gain", "cached_tokens"],
+                title=f"TTFT of a cached prefix vs cold on {dev}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES),
+                    default=["llama-3.2-1b", "llama-3.1-8b"],
+                    help="--device: random-weight model shapes (8B only where it fits)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256],
+                    help="--device: decode batch sizes")
+    ap.add_argument("--prompt", type=int, default=128, help="--device: decode prompt tokens")
+    ap.add_argument("--prefill-batch", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--ttft-prefix", type=int, default=4096)
+    ap.add_argument("--dtype", default=None, help="--device: default bfloat16 on CUDA, "
+                                                  "float32 on the CPU")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def main_device(args: Any) -> int:
+    """Entry of ``radixkv bench engine --device D`` (``args`` from bench_engine's parser)."""
+    from ._common import run_header, write_results
+
+    if args.quick:
+        args.batches, args.prompt, args.decode_tokens = args.batches[:2], 32, 8
+        args.prefill_batch, args.prefill_len, args.ttft_prefix, args.repeat = 4, 64, 256, 1
+    header = run_header(seed=args.seed, benchmark="engine-device", args=vars(args),
+                        quick=args.quick)
+    results = run(args)
+    header["device_name"] = results["device"]
+    print_tables(results)
+    path = write_results(args.name, header, results)
+    print(f"results: {path}")
+    return 0
