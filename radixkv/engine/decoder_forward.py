@@ -8,11 +8,16 @@ the attention function), and they run q/k/v and gate/up as five GEMMs where two 
 the wide ones. This module runs the same arithmetic as transformers' ``*ForCausalLM`` forward
 for the architectures it knows, with
 
-* q/k/v as one GEMM and gate/up as one GEMM over pre-packed, concatenated bf16 weights
-  (:mod:`radixkv.engine.packed_linear`'s oneDNN path, up to its row limit; larger inputs run the
-  separate projections, exactly as transformers does);
-* the rotary embedding applied to q and k together in five elementwise ops;
-* token-major tensors throughout, handed straight to :func:`radixkv.engine.attention.attend`;
+* q/k/v as one GEMM and gate/up as one GEMM: over weights concatenated once (the parts'
+  parameters re-pointed as row views of them, :class:`_Concat`), or, for bf16 on a CPU with
+  native bf16 up to :data:`packed_linear.MAX_PACKED_ROWS` rows, over a oneDNN-packed copy of
+  the concatenation (:class:`_Fused`);
+* the residual add fused with the next RMSNorm, the rotary embedding fused with the K/V write,
+  decode attention as one op and SiLU x up as one op: the ``radixkv::`` custom ops of
+  :mod:`radixkv.kernels.fused` (torch references on the CPU, one Triton kernel each on CUDA),
+  so a decode layer is nine launches with no dtype conversion and no host read
+  (tests/engine/test_decode_ops.py; docs/gpu.md);
+* token-major tensors throughout;
 * the final norm and the output head on the rows whose logits are wanted only.
 
 Numerics: every op computes what transformers' op computes, in the same dtype, element by
@@ -249,6 +254,7 @@ class DecoderForward:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         packed = (self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
                   and t <= packed_linear.MAX_PACKED_ROWS)
+        host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
         delta = None
         for lay in self.layers:
             if delta is None:
@@ -260,7 +266,7 @@ class DecoderForward:
             if lay.q_norm is not None:
                 q = fused.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
                 k = fused.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
-            out = self._attention(ctx, lay, q, k, v, cos, sin)
+            out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens)
             delta = lay.o.forward(out.view(t, hq * d))
             h, x = fused.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
             gate_up = lay.gate_up(h) if packed else lay.gate_up_cat(h)
@@ -273,7 +279,7 @@ class DecoderForward:
     @staticmethod
     def _attention(ctx: attention.PagedAttentionContext, lay: _Layer, q: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, host_lens: list[int]) -> torch.Tensor:
         """Rope, the K/V write and attention of one layer; ``[T, Hq, D]`` out."""
         batch = ctx.batch
         kv = ctx.kv_cache[lay.idx]                  # [2, num_blocks, block_size, Hkv, D]
@@ -294,7 +300,7 @@ class DecoderForward:
                 softcap=None)
         if batch.mode is AttentionMode.DECODE:
             return fused.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                      scale, list(batch.host_seq_lens))
+                                      scale, host_lens)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
             scale=scale, check=False, plan=ctx.plan)

@@ -170,3 +170,32 @@ def test_decode_step_reads_nothing_back_but_the_sampled_tokens(arch, make_tiny, 
     # tensor
     assert not step.syncs, step.syncs
     assert sum(step_reads.values()) <= 3, step_reads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_forward_passes_cuda_sync_debug_mode(arch, make_tiny, toy_pager):
+    """On CUDA: a whole decode forward under ``set_sync_debug_mode("error")`` (any device
+    sync raises), with the Triton kernels."""
+    from radixkv.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.for_model(make_tiny(arch).cuda(), 32, 4)
+    pager = toy_pager(32, 4)
+    for s in range(3):
+        pager.add(s, [s + 1, 5, 9, 2, 7][: 3 + s])
+    runner.execute(runner.build_batch([pager.chunk(s) for s in range(3)]))
+    for s in range(3):
+        pager.append(s, 11)
+    batch = runner.build_batch([pager.chunk(s) for s in range(3)])
+    runner.execute(batch)                  # compiles the kernels outside the checked region
+    for s in range(3):
+        pager.append(s, 12)
+    batch = runner.build_batch([pager.chunk(s) for s in range(3)])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = runner.execute(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (3, runner.vocab_size) and bool(torch.isfinite(logits).all())
