@@ -194,13 +194,15 @@ def _parts(work: int, per_part: int, parts: int | None) -> int:
     return max(1, parts)
 
 
-def decode_parts(seq_lens: torch.Tensor, num_kv_heads: int) -> int:
+def decode_parts(seq_lens: torch.Tensor | list[int], num_kv_heads: int) -> int:
     """How many ways to split a decode call: 1 on one torch thread, else by the keys it reads
-    (one host read of the lengths; a forward's later layers reuse the answer)."""
+    (one host read of the lengths, none when they are given as host ints; a forward's later
+    layers reuse the answer)."""
     if torch.get_num_threads() == 1:
         return 1
-    parts = _parts(int(seq_lens.sum()) * num_kv_heads, _MIN_DECODE_KEYS_PER_PART, None)
-    return max(1, min(parts, seq_lens.shape[0] * num_kv_heads))
+    total = sum(seq_lens) if isinstance(seq_lens, list) else int(seq_lens.sum())
+    parts = _parts(total * num_kv_heads, _MIN_DECODE_KEYS_PER_PART, None)
+    return max(1, min(parts, len(seq_lens) * num_kv_heads))
 
 
 def _run_parts(call, parts: int) -> bool:

@@ -161,12 +161,14 @@ class _DecodeGroup:
         self.length, self.mask, self.pad_rows = length, mask, pad_rows
 
 
-def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   block_size: int) -> list[_DecodeGroup]:
+def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                   lens_list: list[int] | None = None) -> list[_DecodeGroup]:
     """Group a decode batch by length (bounded padding) and compute each group's gather ids and
     mask: everything that depends on the tables and lengths only, i.e. the same for every
-    layer of one forward."""
-    lens_list = seq_lens.tolist()
+    layer of one forward. ``lens_list``: ``seq_lens`` as host ints when the caller has them
+    (no read-back of the tensor)."""
+    if lens_list is None:
+        lens_list = seq_lens.tolist()
     dev = block_tables.device
     if min(lens_list) == max(lens_list):   # the common case: no grouping, no mask
         n, length = len(lens_list), lens_list[0]
@@ -215,8 +217,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # first layer found: the split it ran with (later layers skip the operand checks and the
     # host read of the lengths) or False (it declined: later layers do not ask again).
     used = None if plan is None else plan.get("native")
+    host_lens = None if plan is None else plan.get("host_seq_lens")   # host ints, if known
     if used is not False:
-        parts = used or native.decode_parts(seq_lens, k_cache.shape[2])
+        parts = used or native.decode_parts(seq_lens if host_lens is None else host_lens,
+                                            k_cache.shape[2])
         if native.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
                                checked=bool(used), parts=parts):
             if plan is not None:
@@ -229,7 +233,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_q_heads // num_kv_heads
     groups = None if plan is None else plan.get("decode")
     if groups is None:
-        groups = _decode_groups(block_tables, seq_lens, k_cache.shape[1])
+        groups = _decode_groups(block_tables, seq_lens, k_cache.shape[1], host_lens)
         if plan is not None:
             plan["decode"] = groups
     kv_shape = k_cache.shape[2:]

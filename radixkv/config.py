@@ -65,7 +65,12 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block (a power of two; only full blocks are shared).
         num_device_blocks / device_memory: device pool size, in blocks or bytes (blocks win);
-            both None means ``DEFAULT_DEVICE_MEMORY``.
+            both None means: on CUDA, what ``gpu_memory_utilization`` leaves; elsewhere
+            ``DEFAULT_DEVICE_MEMORY``.
+        gpu_memory_utilization: on CUDA with no pool size given, the fraction of the card's
+            memory radixkv may use in all (vLLM's setting, same default 0.9): the pool gets it
+            less the memory in use after loading (weights, context, other processes) and the
+            activation peak of a profiled forward at the largest batch (engine/memory.py).
         host_blocks / host_memory: CPU-RAM tier capacity (0/None: no host tier).
         disk_dir, disk_blocks / disk_memory: NVMe tier directory and capacity (None: no disk tier).
         policy: eviction policy name (``radixkv.core.policy.POLICIES``): ``auto``, the
@@ -145,8 +150,12 @@ class CacheConfig:
     remote_timeout_s: float = 1.0
     remote_shutdown_flush_s: float = 5.0
     model_id: str | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs & (bs - 1):
             raise ConfigError(f"CacheConfig.block_size must be a positive power of 2, got {bs!r}")
@@ -343,6 +352,10 @@ class EngineConfig:
             (bounds its matching cost per step).
         scheduling_max_wait_s: lpm's age limit: a request waiting this many seconds or more is
             admitted in arrival order before any other (so lpm never starves a request).
+        cuda_graphs: replay decode steps from CUDA graphs captured per batch-size bucket at
+            start-up (engine/cuda_graphs.py; CUDA and a lean-forward model without sliding
+            windows or quantized KV, else a ConfigError). Off by default until
+            ``scripts/gpu_check.sh`` has passed with it on a GPU (docs/gpu.md).
     """
 
     max_num_seqs: int = 32
@@ -355,6 +368,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     scheduling_window: int = 32
     scheduling_max_wait_s: float = 10.0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         from radixkv.engine.admission_order import POLICIES, check_lpm_options
@@ -363,6 +377,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.scheduling_policy must be one of "
                               f"{', '.join(POLICIES)}, got {self.scheduling_policy!r}")
         check_lpm_options(self.scheduling_window, self.scheduling_max_wait_s)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

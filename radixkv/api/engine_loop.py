@@ -33,8 +33,10 @@ the reverse.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -119,6 +121,7 @@ class EngineLoop:
         self._ops: deque[tuple[Callable[[], Any], Future]] = deque()
         self._streams: dict[str, RequestStream] = {}   # touched on the loop thread only
         self._thread: threading.Thread | None = None
+        self._at_exit: Callable[[], None] | None = None   # registered while a thread may run
         self._closed = False
         # True after a step raised: do not step again until a new operation arrives (a broken
         # batch is not retried in a hot loop; the aborts of the failed requests are flushed by
@@ -221,6 +224,9 @@ class EngineLoop:
             self._closed = True
             thread = self._thread
             self._cv.notify_all()
+            hook, self._at_exit = self._at_exit, None
+        if hook is not None:
+            atexit.unregister(hook)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -228,6 +234,12 @@ class EngineLoop:
     def _ensure_thread(self) -> None:
         # Called with self._cv held.
         if self._thread is None:
+            if self._at_exit is None:
+                # Stop (and join) the thread before the interpreter finalizes: a daemon thread
+                # still inside a CUDA call then re-takes the GIL during finalization and is
+                # unwound through C++ frames: "terminate called without an active exception".
+                self._at_exit = _stop_at_exit(weakref.ref(self))
+                atexit.register(self._at_exit)
             self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop",
                                             daemon=True)
             self._thread.start()
@@ -288,6 +300,16 @@ class EngineLoop:
         for rid, stream in streams.items():
             self.core.abort_request(rid)
             stream.put(exc)
+
+
+def _stop_at_exit(loop_ref: Any) -> Callable[[], None]:
+    """An ``atexit`` hook that stops the loop if it still exists (a weak reference: the hook
+    does not keep an unused loop alive)."""
+    def stop() -> None:
+        loop = loop_ref()
+        if loop is not None:
+            loop.stop()
+    return stop
 
 
 def _set_ttft(out: Any, seconds: float) -> None:

@@ -34,6 +34,7 @@ from radixkv.engine.kv_quant import FORMATS, Workspace
 
 #: Cache tensor dtypes that hold quantized rows (engine/kv_quant.py FORMATS).
 _QUANTIZED_STORAGE = frozenset(f.storage for f in FORMATS.values())
+QUANTIZED_STORAGE = _QUANTIZED_STORAGE
 #: The name under which the attention function is registered with transformers.
 ATTN_IMPLEMENTATION = "radixkv_paged"
 #: The keyword argument of ``model(...)`` that carries the :class:`PagedAttentionContext`.

@@ -140,7 +140,10 @@ class ForwardBatch:
         num_tokens, num_seqs, max_seq_len, max_block_id, max_token_id, min_token_id: host ints
             so the runner and the attention function validate without a device sync.
         host_cu_seqlens_q, host_seq_lens: ``cu_seqlens_q`` and ``seq_lens`` as host ints, for
-            the paths that decide per sequence (windowed / soft-capped attention).
+            the paths that decide per sequence (windowed / soft-capped attention) and the CPU
+            decode planning (no read-back of the tensors).
+        has_pad_slots: ``slot_mapping`` may hold ``PAD_SLOT`` rows (a CUDA-graph batch padded
+            to its bucket); :meth:`build` never makes them, so the K/V write needs no mask.
     """
 
     mode: AttentionMode
@@ -161,6 +164,7 @@ class ForwardBatch:
     min_token_id: int
     host_cu_seqlens_q: tuple[int, ...] = ()
     host_seq_lens: tuple[int, ...] = ()
+    has_pad_slots: bool = False
 
     @property
     def num_logits(self) -> int:

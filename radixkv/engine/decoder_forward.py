@@ -8,11 +8,16 @@ the attention function), and they run q/k/v and gate/up as five GEMMs where two 
 the wide ones. This module runs the same arithmetic as transformers' ``*ForCausalLM`` forward
 for the architectures it knows, with
 
-* q/k/v as one GEMM and gate/up as one GEMM over pre-packed, concatenated bf16 weights
-  (:mod:`radixkv.engine.packed_linear`'s oneDNN path, up to its row limit; larger inputs run the
-  separate projections, exactly as transformers does);
-* the rotary embedding applied to q and k together in five elementwise ops;
-* token-major tensors throughout, handed straight to :func:`radixkv.engine.attention.attend`;
+* q/k/v as one GEMM and gate/up as one GEMM: over weights concatenated once (the parts'
+  parameters re-pointed as row views of them, :class:`_Concat`), or, for bf16 on a CPU with
+  native bf16 up to :data:`packed_linear.MAX_PACKED_ROWS` rows, over a oneDNN-packed copy of
+  the concatenation (:class:`_Fused`);
+* the residual add fused with the next RMSNorm, the rotary embedding fused with the K/V write,
+  decode attention as one op and SiLU x up as one op: the ``radixkv::`` custom ops of
+  :mod:`radixkv.kernels.fused` (torch references on the CPU, one Triton kernel each on CUDA),
+  so a decode layer is nine launches with no dtype conversion and no host read
+  (tests/engine/test_decode_ops.py; docs/gpu.md);
+* token-major tensors throughout;
 * the final norm and the output head on the rows whose logits are wanted only.
 
 Numerics: every op computes what transformers' op computes, in the same dtype, element by
@@ -37,7 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from radixkv import kernels
 from radixkv.engine import attention, native_model, packed_linear
+from radixkv.engine.batch import AttentionMode
+from radixkv.kernels import fused
 
 #: Architectures with a lean forward, and where each layer's attention window comes from.
 _WINDOW_SOURCE = {
@@ -84,14 +92,48 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm.forward``, op for op (float32 statistics, scale in the
-    input dtype)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    var = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(var + eps)
-    return weight * h.to(dtype)
+class _Concat:
+    """q/k/v (or gate/up) weights in one tensor, the parts' parameters re-pointed as row views
+    of it ("packed at load", as vLLM's ``QKVParallelLinear``): one GEMM instead of three with
+    no second copy of the weights; transformers' modules, the state dict and in-place weight
+    loads see the same memory. A part whose parameter is replaced later (a new tensor, so a new
+    pointer) is noticed at the next call and the concatenation is rebuilt around it.
+    """
+
+    __slots__ = ("parts", "ptrs", "weight", "bias")
+
+    def __init__(self, parts: list[torch.nn.Linear]) -> None:
+        self.parts = parts
+        self.ptrs: tuple = ()
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def _current(self) -> tuple:
+        return tuple(m.weight.data_ptr() for m in self.parts) + tuple(
+            -1 if m.bias is None else m.bias.data_ptr() for m in self.parts)
+
+    def _build(self) -> None:
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                tensors = [getattr(m, name) for m in self.parts]
+                if tensors[0] is None:
+                    setattr(self, name, None)
+                    continue
+                whole = torch.cat([t.detach() for t in tensors])
+                row = 0
+                for m, t in zip(self.parts, tensors):
+                    n = t.shape[0]
+                    if whole.device.type != "meta":
+                        setattr(m, name, torch.nn.Parameter(whole[row:row + n],
+                                                            requires_grad=t.requires_grad))
+                    row += n
+                setattr(self, name, whole)
+        self.ptrs = self._current()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._current() != self.ptrs:
+            self._build()
+        return F.linear(x, self.weight, self.bias)
 
 
 class _Fused:
@@ -129,7 +171,8 @@ class _Layer:
     """What one decoder layer's forward reads, resolved once."""
 
     __slots__ = ("idx", "in_norm", "in_eps", "post_norm", "post_eps", "q", "k", "v", "o",
-                 "q_norm", "k_norm", "gate", "up", "down", "qkv", "gate_up", "window",
+                 "q_norm", "k_norm", "gate", "up", "down", "qkv", "gate_up", "qkv_cat",
+                 "gate_up_cat", "window",
                  "scaling")
 
     def __init__(self, layer: torch.nn.Module, window_source: str, config: Any) -> None:
@@ -145,6 +188,8 @@ class _Layer:
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.qkv = _Fused([self.q, self.k, self.v])
         self.gate_up = _Fused([self.gate, self.up])
+        self.qkv_cat = _Concat([self.q, self.k, self.v])
+        self.gate_up_cat = _Concat([self.gate, self.up])
         self.scaling = attn.scaling
         if window_source == "config":
             self.window = getattr(config, "sliding_window", None)
@@ -185,56 +230,77 @@ class DecoderForward:
         self.pack = pack
 
     def __call__(self, ctx: attention.PagedAttentionContext) -> torch.Tensor:
-        """Logits (float32 ``[num_logits, vocab]``) of ``ctx.batch``, writing its K/V."""
+        """Logits (float32 ``[num_logits, vocab]``) of ``ctx.batch``, writing its K/V.
+
+        Per layer (the launches of a decode step; ``fused`` = :mod:`radixkv.kernels.fused`)::
+
+            h, x = fused.add_rms_norm(delta, x)      residual add + input norm (layer 0: norm)
+            qkv  = h @ Wqkv^T (+ b)                   one GEMM
+            q    = fused.rope_write_kv(q, k, v)       rope, K/V into their slots
+            out  = fused.paged_decode(q)              attention (prefill: the prefill kernel)
+            delta = out @ Wo^T
+            h, x = fused.add_rms_norm(delta, x)      residual add + post-attention norm
+            act  = fused.silu_mul(h @ Wgate_up^T)     one GEMM, one activation
+            delta = act @ Wdown^T                     (added at the next layer's norm)
+
+        No op inside a layer reads a tensor's value on the host or converts a dtype.
+        """
         batch = ctx.batch
         ids = batch.input_ids[0]
         t = ids.shape[0]
         x = self.embed(ids)                                        # [T, hidden]
         cos, sin = self.rotary(x, batch.position_ids)              # [1, T, D] each
-        half = self.head_dim // 2
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]          # [T, 1, D]
-        c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+        cos, sin = cos[0], sin[0]                                  # [T, D]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = (self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
-                 and t <= packed_linear.MAX_PACKED_ROWS)
+        packed = (self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+                  and t <= packed_linear.MAX_PACKED_ROWS)
+        host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
+        delta = None
         for lay in self.layers:
-            h = _rms_norm(x, lay.in_norm, lay.in_eps)
-            if fused:
-                qkv = lay.qkv(h).view(t, hq + 2 * hkv, d)
-                q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+            if delta is None:
+                h = fused.rms_norm(x, lay.in_norm, lay.in_eps)
             else:
-                q = lay.q.forward(h).view(t, hq, d)
-                k = lay.k.forward(h).view(t, hkv, d)
-                v = lay.v.forward(h).view(t, hkv, d)
+                h, x = fused.add_rms_norm(delta, x, lay.in_norm, lay.in_eps)
+            qkv = (lay.qkv(h) if packed else lay.qkv_cat(h)).view(t, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
             if lay.q_norm is not None:
-                q = _rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
-                k = _rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
-            q = _rope(q, cos, c1, c2, s1, s2, half)
-            k = _rope(k, cos, c1, c2, s1, s2, half)
-            out = attention.attend(ctx, lay.idx, q, k, v.contiguous(), lay.scaling, lay.window)
-            h = lay.o.forward(out.view(t, hq * d))
-            x = h.add_(x)                       # residual + attention (addition commutes)
-            h = _rms_norm(x, lay.post_norm, lay.post_eps)
-            if fused:
-                gu = lay.gate_up(h)
-                inter = gu.shape[1] // 2
-                act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-            else:
-                act = F.silu(lay.gate.forward(h)).mul_(lay.up.forward(h))
-            x = lay.down.forward(act).add_(x)  # residual + MLP
-        rows = x.index_select(0, batch.logits_indices)
-        rows = _rms_norm(rows, self.norm, self.norm_eps)
+                q = fused.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
+                k = fused.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
+            out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens)
+            delta = lay.o.forward(out.view(t, hq * d))
+            h, x = fused.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
+            gate_up = lay.gate_up(h) if packed else lay.gate_up_cat(h)
+            delta = lay.down.forward(fused.silu_mul(gate_up))
+        rows = batch.logits_indices
+        rows, _ = fused.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
+                                     self.norm, self.norm_eps)
         return self.head.forward(rows).float()
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
-          s1: torch.Tensor, s2: torch.Tensor, half: int) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin`` (``rotate_half(x) = [-x2, x1]``) in
-    five ops instead of seven, rounding exactly as it does: ``x1*c1 + (-x2)*s1`` is
-    ``x1*c1 - x2*s1`` in IEEE arithmetic, product by product. Returns a new contiguous
-    ``[T, H, D]`` tensor (``x`` may be a strided view of the fused q/k/v output)."""
-    x1, x2 = x[..., :half], x[..., half:]
-    out = x * cos
-    out[..., :half].sub_(x2 * s1)
-    out[..., half:].add_(x1 * s2)
-    return out
+    @staticmethod
+    def _attention(ctx: attention.PagedAttentionContext, lay: _Layer, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, host_lens: list[int]) -> torch.Tensor:
+        """Rope, the K/V write and attention of one layer; ``[T, Hq, D]`` out."""
+        batch = ctx.batch
+        kv = ctx.kv_cache[lay.idx]                  # [2, num_blocks, block_size, Hkv, D]
+        if kv.dtype in attention.QUANTIZED_STORAGE:
+            # int8 / fp8 rows: kv_quant writes them (quantizing once); attend reads them.
+            return attention.attend(ctx, lay.idx, fused.rope_ref(q, cos, sin),
+                                    fused.rope_ref(k, cos, sin), v.contiguous(), lay.scaling,
+                                    lay.window)
+        k_cache, v_cache = kv[0], kv[1]
+        q = fused.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                                batch.has_pad_slots)
+        scale = lay.scaling if lay.scaling is not None else q.shape[-1] ** -0.5
+        if lay.window is not None and batch.max_seq_len > lay.window:
+            # A window that no sequence reaches changes nothing: those layers keep the fast path.
+            return kernels.paged_attention_windowed(
+                q, k_cache, v_cache, batch.block_tables, batch.host_cu_seqlens_q,
+                batch.host_seq_lens, scale, torch.empty_like(q), window=lay.window,
+                softcap=None)
+        if batch.mode is AttentionMode.DECODE:
+            return fused.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                      scale, host_lens)
+        return kernels.paged_prefill_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
+            scale=scale, check=False, plan=ctx.plan)

@@ -15,8 +15,10 @@ requests only once its bytes are valid.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence as Seq
 from typing import Any
 
@@ -36,6 +38,7 @@ from radixkv.engine.cache_points import (
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.engine_stats import engine_stats
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover, run_kv_ops
+from radixkv.engine.memory import PoolSizing, size_device_pool
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
@@ -102,6 +105,14 @@ class LLMEngine:
             warnings.warn(fp8_warning(getattr(getattr(model, "config", None), "model_type",
                                               None)), QuantizedKVWarning, stacklevel=2)
         n_dev, n_host, n_disk = cache_config.resolve_blocks(layout.bytes_per_block)
+        #: how the device pool was sized from the GPU's memory (None: given, or not CUDA)
+        self.pool_sizing: PoolSizing | None = None
+        if (device.type == "cuda" and cache_config.num_device_blocks is None
+                and cache_config.device_memory is None):
+            self.pool_sizing = size_device_pool(
+                model, layout, bs, cache_config.kv_dtype, cache_config.gpu_memory_utilization,
+                engine_config.max_num_batched_tokens, engine_config.max_num_seqs, device)
+            n_dev = self.pool_sizing.num_blocks
         lower = [n for n in (n_host, n_disk) if n]
         self.layout = layout
         self.tier_names = ["device"] + (["host"] if n_host else []) + (["disk"] if n_disk else [])
@@ -112,6 +123,12 @@ class LLMEngine:
         self._bm = BlockManager.create(n_dev, bs, policy, lower_tier_blocks=lower,
                                        write_through=wt)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
+        if engine_config.cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(f"EngineConfig.cuda_graphs needs a CUDA device, got {device}")
+            limit = getattr(model.config, "max_position_embeddings", None)
+            longest = min(x for x in (limit, engine_config.max_model_len, n_dev * bs) if x)
+            self._runner.enable_decode_graphs(engine_config.max_num_seqs, -(-longest // bs))
         self.restore_report: dict[str, Any] | None = None
         if kv_mover is None and lower:
             kv_mover = self._tiered_mover(n_host, n_disk, model_id)
@@ -148,6 +165,10 @@ class LLMEngine:
         self.session_ends = 0
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
+        # Close (join the tier threads) before the interpreter finalizes: a daemon thread in a
+        # CUDA copy at finalization aborts the process (see api/engine_loop.py).
+        self._at_exit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
         self._next_expiry = float("-inf")   # the next time _expire may run
         self._closed = False
 
@@ -194,6 +215,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
         self.kv_mover.close()
         if self._remote is not None:
             self._remote.close()
@@ -403,6 +425,13 @@ class LLMEngine:
         if not rows:
             return []
         argmax, logp, lse = step_logprobs(logits, any(r.params.logprobs for r in reqs.values()))
+        # The greedy tokens' log-probabilities (or logits, where lse came back) in one read for
+        # the whole batch, not one float(...) per sequence: each is a device sync on CUDA.
+        source = logp if logp is not None else logits
+        picked = source.gather(1, torch.tensor(argmax, device=source.device)[:, None])[:, 0]
+        greedy_lp = picked.tolist()
+        if logp is None:
+            greedy_lp = [v - lse[r] for r, v in enumerate(greedy_lp)]
         now = time.perf_counter()
         outputs = []
         for req in reqs.values():
@@ -413,7 +442,7 @@ class LLMEngine:
             if req.beam is not None:
                 self._beam_step(req, logits[idx])
             else:
-                self._sample_step(req, idx, logits, argmax, logp, lse)
+                self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -440,7 +469,7 @@ class LLMEngine:
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
                      argmax: list[int], logp: torch.Tensor | None,
-                     lse: list[float] | None) -> None:
+                     lse: list[float] | None, greedy_lp: list[float]) -> None:
         p = req.params
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
             # First token of n samples: one prompt forward, then fork n-1 children that share
@@ -461,7 +490,12 @@ class LLMEngine:
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            lp = float(logp[row, tok]) if logp is not None else float(logits[row, tok]) - lse[row]
+            if tok == argmax[row]:
+                lp = greedy_lp[row]
+            elif logp is not None:
+                lp = float(logp[row, tok])
+            else:
+                lp = float(logits[row, tok]) - lse[row]
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
@@ -519,3 +553,11 @@ class LLMEngine:
 
 __all__ = ["LLMEngine", "namespace_model"]
 
+
+def _close_at_exit(engine_ref: Any) -> Callable[[], None]:
+    """An ``atexit`` hook closing the engine if it still exists (weakly referenced)."""
+    def close() -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine.close()
+    return close

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from radixkv.engine import attention, decoder_forward, kv_quant, native_model, packed_linear
+from radixkv.engine import (attention, cuda_graphs, decoder_forward, kv_quant, native_model,
+                            packed_linear)
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
@@ -151,12 +152,41 @@ class ModelRunner:
         self.lean = (decoder_forward.DecoderForward(model, pack=bool(pack_weights))
                      if reason is None else None)
         self._vocab_rows = model.get_input_embeddings().num_embeddings
+        #: decode steps replayed from per-bucket graphs (:meth:`enable_decode_graphs`), or None
+        self.graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.device.type == "cpu":
             # Build (first time on this machine, ~7 s) or load the native attention kernels now, so
             # that the first decode step neither waits for it nor runs another kernel than the
             # later ones (kernels/native.py; without a compiler the torch path is used).
             from radixkv.kernels import native
             native.available()
+
+    def decode_graphs_unsupported(self) -> str | None:
+        """Why this runner's decode steps cannot be replayed from a graph (None: they can):
+        the step must read no host value that changes between steps."""
+        if self.lean is None:
+            return "the model runs through transformers' modules (no lean forward)"
+        if kv_quant.format_of(self.kv_cache.dtype) is not None:
+            return "the KV cache is quantized (its attention path plans on the host)"
+        if any(lay.window is not None for lay in self.lean.layers):
+            return "a sliding window (decided per step from host lengths)"
+        return None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int,
+                             use_cuda_graphs: bool = True) -> None:
+        """Capture one decode graph per batch-size bucket up to ``max_num_seqs`` sequences of
+        at most ``max_blocks`` blocks (:mod:`radixkv.engine.cuda_graphs`); later decode
+        steps that fit replay them. ``use_cuda_graphs=False`` runs the same buffers and
+        padding eagerly (the CPU check of that logic). Raises :class:`ConfigError` naming
+        why when the model cannot take them."""
+        reason = self.decode_graphs_unsupported()
+        if reason is not None:
+            raise ConfigError(f"decode graphs need a step without host-side decisions: {reason}")
+        self.graphs = None
+        self.graphs = cuda_graphs.DecodeGraphRunner(
+            self._forward, self.block_size, max_num_seqs, max(1, min(max_blocks,
+                                                                     self.num_blocks)),
+            self.device, use_cuda_graphs)
 
     @staticmethod
     def _hook_transformers(model: torch.nn.Module) -> None:
@@ -224,7 +254,18 @@ class ModelRunner:
             (unnormalised) after packed token ``batch.logits_indices[r]``.
         """
         self._check(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The eager step of :meth:`execute` (also what a decode graph captures)."""
         ctx = attention.PagedAttentionContext(batch=batch, kv_cache=self.kv_cache)
+        # What the torch path would otherwise read back from the tensors (a device sync on
+        # CUDA): the batch's host lengths, and that no slot is PAD (None: every slot is live).
+        ctx.plan["host_seq_lens"] = list(batch.host_seq_lens)
+        if not batch.has_pad_slots:
+            ctx.plan["write_keep"] = None
         with torch.inference_mode():
             if self.lean is not None:
                 return self.lean(ctx)

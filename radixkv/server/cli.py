@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--device-blocks", type=int, default=None, help="device pool size in blocks")
     c.add_argument("--device-memory", default=None, help="device pool size, e.g. 512MiB")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA, no pool size given: fraction of the card's memory to use in all; "
+                        "the KV pool gets what weights and a profiled forward leave (0.9)")
     c.add_argument("--host-blocks", type=int, default=0, help="host (CPU RAM) tier, blocks")
     c.add_argument("--host-memory", default=None, help="host tier size, e.g. 2GiB")
     c.add_argument("--disk-dir", default=None, help="disk tier directory")
@@ -173,7 +176,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,
                      remote_timeout_s=args.remote_timeout, model_id=args.model_id,
                      remote_shutdown_flush_s=args.shutdown_flush,
-                     disk_secret=read_secret_file(args.kv_secret_file))
+                     disk_secret=read_secret_file(args.kv_secret_file),
+                     gpu_memory_utilization=args.gpu_memory_utilization)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
@@ -204,8 +208,12 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         finally:
             done.set()
         print(f"radixkv serve: ready in {time.perf_counter() - t0:.1f} s "
-              f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks)",
+              f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks "
+              f"= {engine.core.tier_capacity_blocks[0] * cc.block_size} tokens)",
               file=sys.stderr, flush=True)
+        sizing = getattr(engine.core, "pool_sizing", None)
+        if sizing is not None:
+            print(f"radixkv serve: {sizing.describe()}", file=sys.stderr, flush=True)
         return engine
 
     return load
