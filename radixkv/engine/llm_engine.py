@@ -40,8 +40,9 @@ from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
-from radixkv.engine.sampling import (SamplingParams, eos_token_ids, make_generator, sample_token,
-                                     step_logprobs)
+from radixkv.engine.grammar import accept as grammar_accept
+from radixkv.engine.sampling import (SamplingParams, choice_logits, eos_token_ids, greedy_tokens,
+                                     make_generator, sample_token, step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
@@ -382,6 +383,12 @@ class LLMEngine:
         if not rows:
             return []
         argmax, logp, lse = step_logprobs(logits, any(r.params.logprobs for r in reqs.values()))
+        pick = None   # penalties, logit_bias, grammars: the logits tokens are chosen from
+        adjusted = [(rows[s.seq_id], r, s) for r in reqs.values() if r.params.adjusts_logits
+                    for s in r.seqs]
+        if adjusted:
+            adj = choice_logits(logits, adjusted)
+            pick = (adj, greedy_tokens(adj))
         now = time.perf_counter()
         outputs = []
         for req in reqs.values():
@@ -392,7 +399,7 @@ class LLMEngine:
             if req.beam is not None:
                 self._beam_step(req, logits[idx])
             else:
-                self._sample_step(req, idx, logits, argmax, logp, lse)
+                self._sample_step(req, idx, logits, argmax, logp, lse, pick)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -419,8 +426,13 @@ class LLMEngine:
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
                      argmax: list[int], logp: torch.Tensor | None,
-                     lse: list[float] | None) -> None:
+                     lse: list[float] | None, pick: Any = None) -> None:
+        """``pick``: (adjusted logits, their argmax) when some request adjusts its logits;
+        tokens are chosen from them, log-probabilities come from the raw ``logits``."""
         p = req.params
+        raw = logits
+        if pick is not None and p.adjusts_logits:
+            logits, argmax = pick
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
             # First token of n samples: one prompt forward, then fork n-1 children that share
             # every prompt block (the partial tail is copied on the first append: CoW).
@@ -440,7 +452,9 @@ class LLMEngine:
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            lp = float(logp[row, tok]) if logp is not None else float(logits[row, tok]) - lse[row]
+            if p.grammar is not None:
+                grammar_accept(req, seq, tok)
+            lp = float(logp[row, tok]) if logp is not None else float(raw[row, tok]) - lse[row]
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))

@@ -50,6 +50,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "the request body is not valid JSON: "
                         f"{first.get('ctx', {}).get('error', first.get('msg', ''))}",
                         code="invalid_json")
+    err = (first.get("ctx") or {}).get("error")
+    if getattr(err, "name", None) and type(err).__name__ == "UnsupportedField":
+        return APIError(400, f"{err.name} is not supported by this server (radixkv answers "
+                        "an error rather than ignoring it; docs/serve.md lists what is)",
+                        param=err.name, code="unsupported_parameter")
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         msg = f"missing required field {param!r}"

@@ -11,7 +11,25 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+#: Request fields radixkv does not implement and would otherwise silently ignore (a 200 with
+#: ordinary text where the client asked for something else): each is a 400 naming it when
+#: given a value other than its "off" value (listed).
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,),
+    # vLLM extensions with no radixkv equivalent yet
+    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +65,37 @@ class _SamplingFields(BaseModel):
     # to, and whether it is its last request
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     end_session: StrictBool = False
+    # OpenAI's penalties (engine/sampling.adjust_logits) and logit_bias {"token id": bias}
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional["ResponseFormat"] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED.items():
+                if name in data and not any(data[name] == o and type(data[name]) is type(o)
+                                            for o in off):
+                    raise UnsupportedField(name)
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        for k, b in v.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise ValueError(f"keys must be token ids, got {k!r}") from None
+            if tid < 0:
+                raise ValueError(f"token id {tid} is negative")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"bias {b} for token {k} is outside [-100, 100]")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +113,34 @@ class _SamplingFields(BaseModel):
         if v != v or v in (float("inf"), float("-inf")):
             raise ValueError("must be a finite number")
         return v
+
+
+class UnsupportedField(ValueError):
+    """A request field radixkv does not implement (answered 400 naming it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} is not supported by this server")
+        self.name = name
+
+
+class JSONSchemaFormat(BaseModel):
+    name: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a schema")
+        return self
 
 
 class CacheControl(BaseModel):
@@ -131,4 +208,26 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-__all__ = ["CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+_SamplingFields.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+__all__ = ["TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]

@@ -466,3 +466,93 @@ def test_cache_breakpoints_and_cache_read_write_usage(ready: Server) -> None:
               extra_body={"session_id": "conv-7", "end_session": end})
     api.completions.create(model=MODEL, prompt="One-off", max_tokens=1, temperature=0,
                            extra_body={"end_session": True})
+
+
+def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
+    """Before: accepted and ignored (a 200 with the same text)."""
+    api = ready.client()
+    # a +100 bias on one token makes greedy pick it at every step
+    tid = 504
+    word = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": [tid],
+                                                 "max_tokens": 1, "temperature": 0})[1]
+    biased = api.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                    logit_bias={str(tid): 100})
+    status, toks = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+        "logit_bias": {str(tid): 100}, "logprobs": 0})
+    assert status == 200 and word
+    assert biased.choices[0].text == toks["choices"][0]["text"]
+    assert len(set(toks["choices"][0]["logprobs"]["tokens"])) == 1   # the same token 4 times
+    # the raw model's logprobs are reported, not the biased distribution's
+    assert all(lp < -1e-3 for lp in toks["choices"][0]["logprobs"]["token_logprobs"])
+    # strong penalties make greedy repeat fewer of its own tokens
+    def repeats(**kw: Any) -> int:
+        toks = ready.raw("POST", "/v1/completions", {
+            "model": MODEL, "prompt": "hello hello hello hello hello hello", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "logprobs": 0, **kw})[1]
+        toks = toks["choices"][0]["logprobs"]["tokens"]
+        return len(toks) - len(set(toks))
+
+    plain_repeats = repeats()
+    assert plain_repeats >= 6
+    assert repeats(frequency_penalty=2.0, presence_penalty=2.0) < plain_repeats / 2
+    # a -100 bias bans a token greedy would pick
+    first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 1, "temperature": 0,
+                                                  "logprobs": 0})[1]
+    chosen = first["choices"][0]["logprobs"]["tokens"][0]
+    ids = ready.raw("POST", "/tokenize", {"model": MODEL, "prompt": chosen,
+                                          "add_special_tokens": False}, key=None)[1]["tokens"]
+    banned = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 1, "temperature": 0, "logprobs": 0,
+        "logit_bias": {str(ids[0]): -100}})[1]
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != chosen
+
+
+def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -> None:
+    api = ready.client()
+    msgs = [{"role": "user", "content": "Describe a cat as JSON with its name and age."}]
+    # any object: the tiny model may go on adding keys, but what it writes is an object
+    plain = _chat(api, msgs, temperature=0, max_tokens=8)
+    r = _chat(api, msgs, temperature=0, max_tokens=8, response_format={"type": "json_object"})
+    assert not plain.choices[0].message.content.lstrip().startswith("{")
+    assert r.choices[0].message.content.lstrip().startswith("{"), r.choices[0]
+    # a schema bounds the value: it completes, and it parses and validates
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for temperature in (0, 1.0):
+        r = _chat(api, msgs, temperature=temperature, seed=3, max_tokens=60, n=2,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "cat", "schema": schema}})
+        for c in r.choices:
+            assert c.finish_reason == "stop", c
+            value = json.loads(c.message.content)
+            assert set(value) == {"name", "age"} and isinstance(value["age"], int), value
+    status, err = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    assert status == 400 and err["error"]["param"] == "response_format", err
+
+
+UNSUPPORTED = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
+    ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}), ("min_tokens", 3),
+]
+
+
+@pytest.mark.parametrize("field, value", UNSUPPORTED)
+def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, value: Any
+                                                  ) -> None:
+    """Before: a 200 with ordinary text, the field silently ignored."""
+    status, err = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        field: value})
+    assert status == 400 and err["error"]["param"] == field, err
+    assert err["error"]["code"] == "unsupported_parameter"
+    # their "off" values are fine (clients send them by default)
+    ok = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
+    assert ok[0] == 200, ok
