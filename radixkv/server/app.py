@@ -439,9 +439,9 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     seqs = len(prompts) * _num_seqs(req)
     state.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     if req.stream:
-        return StreamingResponse(_events(state, req, rid, prompts[0], params[0], salt, timing,
-                                         chat, points[0], seqs),
-                                 media_type="text/event-stream")
+        release = _once(lambda: state.release(seqs))
+        return _Stream(_events(state, req, rid, prompts[0], params[0], salt, timing, chat,
+                               points[0], release), release)
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
             _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, serving.session_hints(req))
@@ -523,7 +523,7 @@ async def _disconnected(request: Request) -> None:
 
 async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params: Any,
                   salt: str | None, timing: serving.Timing, chat: bool, points: Any = None,
-                  seqs: int = 1) -> Any:
+                  release: Callable[[], None] = lambda: None) -> Any:
     """Server-Sent Events of one request, OpenAI's chunk format."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -584,7 +584,36 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
         yield serving.sse(exc.body())
         yield serving.SSE_DONE
     finally:
-        state.release(seqs)
+        release()
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` made idempotent: the first call runs it, later ones do nothing."""
+    done = [False]
+
+    def call() -> None:
+        if not done[0]:
+            done[0] = True
+            fn()
+
+    return call
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends. The event generator releases
+    the request's admission slot in its ``finally``, but a client that disconnects before the
+    generator's first step cancels it unstarted, and an unstarted generator runs no
+    ``finally``: without this the slot would leak."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 __all__ = ["create_app", "ServerState"]

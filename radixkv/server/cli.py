@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policy-options", type=_json_object, default=None, metavar="JSON",
                    help="the policy's options as a JSON object, e.g. '{\"sample\": 4}' for the "
                         "duel's sampled shadows (docs/eviction.md)")
-    c.add_argument("--no-prefix-caching", action="store_true",
+    c.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
