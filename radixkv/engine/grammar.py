@@ -8,8 +8,8 @@ precomputed), and the mask sets every other logit to ``-inf`` before the choice.
 sampled outputs are both valid by construction, and the model's own end-of-sequence token is
 only allowed once the value is complete.
 
-* :class:`GrammarCompiler`: one per tokenizer (the server keeps one); ``json_object()`` and
-  ``json_schema(schema)`` give a :class:`Grammar`.
+* :class:`GrammarCompiler`: one per tokenizer (the server keeps one); ``json_object()``,
+  ``json_schema(schema)`` and ``tool_call(tools, ...)`` give a :class:`Grammar`.
 * :class:`Grammar` travels in ``SamplingParams.grammar``; the engine makes one matcher per
   sequence (:func:`matcher_for`), masks the rows (:func:`mask_rows`) and advances the matcher
   with each chosen token (:func:`accept`).
@@ -90,6 +90,30 @@ class GrammarCompiler:
         except Exception as exc:   # xgrammar raises RuntimeError/ValueError on a bad schema
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
         return Grammar(compiled, "json_schema", self.vocab_size)
+
+
+    def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str
+                  ) -> Grammar:
+        """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
+        written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
+        valid against the schema (OpenAI's ``tool_choice`` required or named)."""
+        xgr = _xgr()
+        try:
+            calls = [xgr.Grammar.from_json_schema(json.dumps({
+                "type": "object", "properties": {"name": {"const": name},
+                                                 "arguments": schema or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}))
+                for name, schema in tools]
+            body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+            grammar = xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
+            with self._lock:
+                compiled = self._compiler.compile_grammar(grammar)
+        except Exception as exc:   # a tool's parameters schema xgrammar cannot compile
+            raise InvalidRequestError(f"the tools' parameters cannot be compiled: {exc}"
+                                      ) from None
+        return Grammar(compiled, "tool_call", self.vocab_size)
 
 
 def matcher_for(req: Any, seq: Any) -> Any:

@@ -335,6 +335,8 @@ def _routes(api: FastAPI, state: ServerState,
             raise APIError(400, str(exc), param="messages") from None
         serving.check_text(eng, [m["content"] for m in messages], "messages",
                            await _max_token_chars(state, eng))
+        if req.tools or any(m.tool_calls for m in req.messages):
+            return await _chat_with_tools(state, request, req, eng)
         try:
             ids = await asyncio.to_thread(eng.chat_template.prompt_ids, messages)
             points = None
@@ -380,28 +382,82 @@ async def _max_token_chars(state: ServerState, eng: Backend) -> int:
 
 
 async def _grammar(state: ServerState, eng: Backend, fmt: Any) -> Any:
-    """The compiled grammar of ``response_format`` (None for none or ``text``). The compiler
-    (the vocabulary's token table, about a second) is built once, in a thread."""
+    """The compiled grammar of ``response_format`` (None for none or ``text``)."""
     if fmt is None or fmt.type == "text":
         return None
-    if not isinstance(eng, LocalBackend):
-        raise APIError(400, "response_format is not supported by a fleet (--replicas) yet",
-                       param="response_format", code="unsupported_parameter")
-    from radixkv.engine.grammar import GrammarCompiler
-    from radixkv.errors import ConfigError, InvalidRequestError
+    gc = await _compiler(state, eng, "response_format")
+    from radixkv.errors import InvalidRequestError
 
     try:
-        if state.grammar_compiler is None:
-            core = eng.engine.core
-            state.grammar_compiler = await asyncio.to_thread(
-                GrammarCompiler, eng.chat_template.tokenizer, eng.vocab_size,
-                getattr(core, "_eos", None))
-        gc = state.grammar_compiler
         if fmt.type == "json_object":
             return await asyncio.to_thread(gc.json_object)
         return await asyncio.to_thread(gc.json_schema, fmt.json_schema.schema_)
-    except (InvalidRequestError, ConfigError) as exc:
+    except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="response_format") from None
+
+
+async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
+    """The server's grammar compiler (the vocabulary's token table, about a second), built
+    once in a thread; a 400 naming ``param`` where grammars cannot run."""
+    if not isinstance(eng, LocalBackend):
+        raise APIError(400, f"{param} is not supported by a fleet (--replicas) yet",
+                       param=param, code="unsupported_parameter")
+    from radixkv.engine.grammar import GrammarCompiler
+    from radixkv.errors import ConfigError
+
+    try:
+        if state.grammar_compiler is None:
+            state.grammar_compiler = await asyncio.to_thread(
+                GrammarCompiler, eng.chat_template.tokenizer, eng.vocab_size,
+                getattr(eng.engine.core, "_eos", None))
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return state.grammar_compiler
+
+
+async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: Backend
+                           ) -> Any:
+    """A chat request with ``tools`` (``tool_choice`` auto, required or named): the tools
+    rendered by the model's template, calls forced by a grammar when required, and the reply's
+    ``<tool_call>`` blocks answered as OpenAI ``tool_calls`` (radixkv/server/tools.py)."""
+    from radixkv.api.chat import _ids
+    from radixkv.errors import InvalidRequestError
+    from radixkv.server import tools as tool_calls
+
+    tok = eng.chat_template.tokenizer
+    tool_calls.check_template(getattr(tok, "chat_template", None))
+    for name, bad in (("stream", req.stream), ("use_beam_search", req.use_beam_search),
+                      ("response_format", req.response_format is not None
+                       and req.response_format.type != "text"),
+                      ("messages", any(m.cache_control for m in req.messages))):
+        if bad:
+            raise APIError(400, f"{name} is not supported together with tools yet",
+                           param=name, code="unsupported_parameter")
+    # tool_choice none: the tools are not offered (nor parsed), but a history with calls and
+    # their results is still rendered as the template writes them
+    active = bool(req.tools) and req.tool_choice != "none"
+    defs = [t.model_dump(exclude_none=True) for t in req.tools] if active else None
+    msgs = tool_calls.template_messages(req.messages)
+    try:
+        ids = await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
+            msgs, tools=defs, tokenize=True, add_generation_prompt=True)))
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}",
+                       param="messages") from None
+    grammar = None
+    choice = req.tool_choice
+    if choice == "required" or not isinstance(choice, (str, type(None))):
+        wanted = [t.function for t in req.tools
+                  if choice == "required" or t.function.name == choice.function.name]
+        gc = await _compiler(state, eng, "tool_choice")
+        try:
+            grammar = await asyncio.to_thread(
+                gc.tool_call, [(f.name, f.parameters) for f in wanted], tool_calls.CALL_OPEN,
+                tool_calls.CALL_CLOSE)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+    return await _serve(state, request, req, [ids], chat=True, grammar=grammar,
+                        tool_names={t.function.name for t in req.tools} if active else None)
 
 
 def _num_seqs(req: Any) -> int:
@@ -416,13 +472,17 @@ def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> N
 
 
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
-                 chat: bool, points: list[Any] | None = None) -> Any:
+                 chat: bool, points: list[Any] | None = None, grammar: Any = None,
+                 tool_names: set[str] | None = None) -> Any:
     """Validate every prompt, then answer with one body or an SSE stream. ``points``: per
-    prompt, its cache points (breakpoints, retention) or None."""
+    prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
+    constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
+    the replies' tool calls to these tools."""
     points = points or [None] * len(prompts)
     eng = state.engine
     vocab = eng.vocab_size
-    grammar = await _grammar(state, eng, req.response_format)
+    if grammar is None:
+        grammar = await _grammar(state, eng, req.response_format)
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -459,7 +519,16 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                 text = eng.decode(out.prompt_token_ids) + text
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
                                       "logprobs": _logprobs(eng, chat, c.logprobs, 0)}
-            if chat:
+            if chat and tool_names is not None:
+                from radixkv.server.tools import parse
+
+                content, calls = parse(text, tool_names)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    if c.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model, as vllm serve takes it (same as --model)")
     v.add_argument("--enable-prefix-caching", action="store_true",
                    help="accepted for vLLM compatibility: prefix caching is on by default")
+    v.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file to use instead of the model's (e.g. one "
+                        "that declares tools)")
     v.add_argument("--allow-download", action="store_true",
                    help="let a Hugging Face hub id that is not in the local cache be "
                         "downloaded (default: load only what is on disk)")
@@ -178,6 +181,8 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
             engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
                                                     model_impl=args.model_impl,
                                                     allow_download=args.allow_download)
+            if args.chat_template:
+                engine.tokenizer.chat_template = _read_template(args.chat_template)
             engine.chat_template   # analyse the chat template now, not in the first request
         finally:
             done.set()
@@ -262,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _read_template(path: str) -> str:
+    from radixkv.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"--chat-template: {exc}") from None
+
+
 def _vllm_flags(args: argparse.Namespace) -> None:
     """Fold vLLM's spellings into radixkv's flags (ConfigError on a contradiction)."""
     from radixkv.errors import ConfigError
@@ -275,6 +290,8 @@ def _vllm_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--enable-prefix-caching and --no-prefix-caching contradict")
     if args.kv_dtype == "fp8":
         args.kv_dtype = "fp8_e4m3"
+    if args.chat_template:
+        _read_template(args.chat_template)   # a missing file fails now, not after loading
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 

@@ -51,10 +51,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                         f"{first.get('ctx', {}).get('error', first.get('msg', ''))}",
                         code="invalid_json")
     err = (first.get("ctx") or {}).get("error")
-    if getattr(err, "name", None) and type(err).__name__ == "UnsupportedField":
-        return APIError(400, f"{err.name} is not supported by this server (radixkv answers "
-                        "an error rather than ignoring it; docs/serve.md lists what is)",
-                        param=err.name, code="unsupported_parameter")
+    from radixkv.server.protocol import FieldError
+
+    if isinstance(err, FieldError):   # a request-level check that names its field
+        return APIError(400, str(err), param=err.name, code=err.code)
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         msg = f"missing required field {param!r}"

@@ -9,7 +9,7 @@ Range checks live here so a bad value never reaches the engine; the error handle
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -71,12 +71,15 @@ class _SamplingFields(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional["ResponseFormat"] = None
 
+    #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
+    _implemented: ClassVar[frozenset[str]] = frozenset()
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, off in UNSUPPORTED.items():
-                if name in data and not any(data[name] == o and type(data[name]) is type(o)
+                if name in data and name not in cls._implemented and not any(data[name] == o and type(data[name]) is type(o)
                                             for o in off):
                     raise UnsupportedField(name)
         return data
@@ -115,12 +118,24 @@ class _SamplingFields(BaseModel):
         return v
 
 
-class UnsupportedField(ValueError):
+class FieldError(ValueError):
+    """A whole-request check that fails because of one field: the 400 names it (``param``)."""
+
+    code = "invalid_value"
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class UnsupportedField(FieldError):
     """A request field radixkv does not implement (answered 400 naming it)."""
 
+    code = "unsupported_parameter"
+
     def __init__(self, name: str) -> None:
-        super().__init__(f"{name} is not supported by this server")
-        self.name = name
+        super().__init__(name, f"{name} is not supported by this server (radixkv answers an "
+                         "error rather than ignoring it; docs/serve.md lists what is)")
 
 
 class JSONSchemaFormat(BaseModel):
@@ -170,6 +185,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     cache_control: Optional[CacheControl] = None
+    # an assistant turn's calls, and a tool result's call id / tool name (OpenAI's fields)
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
 
     def text(self) -> str:
         """The message's text; OpenAI's list-of-parts form keeps its ``text`` parts."""
@@ -185,10 +204,46 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
+    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or []}:
+            raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, "
+                             "which is not in tools")
+        if choice == "required" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
@@ -230,4 +285,4 @@ _SamplingFields.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
-__all__ = ["TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
