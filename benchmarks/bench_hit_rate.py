@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only redraw the PNGs from the JSON results")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--workloads", action="store_true",
-                    help="issue 15's suite instead: every policy on the four workloads")
+                    help="the policy suite instead: every policy on the four workloads")
     ap.add_argument("--capacity-bytes", default=None,
-                    help="issue 16 instead: hit rate at equal device bytes per KV dtype "
+                    help="instead: hit rate at equal device bytes per KV dtype "
                          "(see radixkv bench hit-rate --capacity-bytes X --help)")
     args = ap.parse_args(argv)
     name = f"hit_rate_{args.trace}" + ("_quick" if args.quick else "")

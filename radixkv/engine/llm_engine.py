@@ -43,8 +43,9 @@ from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
-from radixkv.engine.sampling import (SamplingParams, eos_token_ids, make_generator, sample_token,
-                                     step_logprobs)
+from radixkv.engine.grammar import accept as grammar_accept
+from radixkv.engine.sampling import (SamplingParams, choice_logits, eos_token_ids, greedy_tokens,
+                                     make_generator, sample_token, step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -432,6 +433,12 @@ class LLMEngine:
         greedy_lp = picked.tolist()
         if logp is None:
             greedy_lp = [v - lse[r] for r, v in enumerate(greedy_lp)]
+        pick = None   # penalties, logit_bias, grammars: the logits tokens are chosen from
+        adjusted = [(rows[s.seq_id], r, s) for r in reqs.values() if r.params.adjusts_logits
+                    for s in r.seqs]
+        if adjusted:
+            adj = choice_logits(logits, adjusted)
+            pick = (adj, greedy_tokens(adj))
         now = time.perf_counter()
         outputs = []
         for req in reqs.values():
@@ -442,7 +449,7 @@ class LLMEngine:
             if req.beam is not None:
                 self._beam_step(req, logits[idx])
             else:
-                self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp)
+                self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp, pick)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -469,8 +476,16 @@ class LLMEngine:
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
                      argmax: list[int], logp: torch.Tensor | None,
-                     lse: list[float] | None, greedy_lp: list[float]) -> None:
+                     lse: list[float] | None, greedy_lp: list[float],
+                     pick: Any = None) -> None:
+        """``greedy_lp``: the log-probability of each row's argmax of the raw ``logits``
+        (read for the whole batch at once). ``pick``: (adjusted logits, their argmax) when
+        some request adjusts its logits; tokens are chosen from them, log-probabilities
+        come from the raw ``logits``."""
         p = req.params
+        raw, raw_argmax = logits, argmax
+        if pick is not None and p.adjusts_logits:
+            logits, argmax = pick
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
             # First token of n samples: one prompt forward, then fork n-1 children that share
             # every prompt block (the partial tail is copied on the first append: CoW).
@@ -490,12 +505,14 @@ class LLMEngine:
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            if tok == argmax[row]:
+            if p.grammar is not None:
+                grammar_accept(req, seq, tok)
+            if tok == raw_argmax[row]:
                 lp = greedy_lp[row]
             elif logp is not None:
                 lp = float(logp[row, tok])
             else:
-                lp = float(logits[row, tok]) - lse[row]
+                lp = float(raw[row, tok]) - lse[row]
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))

@@ -67,6 +67,14 @@ class SamplingParams:
             token's own log-probability plus the k most likely tokens at that position
             (``CompletionOutput.logprobs``). Raw model distribution, like
             ``cumulative_logprob``. Not with beam search (its tokens are re-ranked at the end).
+        frequency_penalty, presence_penalty: in [-2, 2], OpenAI's (and vLLM's) semantics: the
+            logit of token j is lowered by ``frequency_penalty * c[j] + presence_penalty *
+            (c[j] > 0)``, where ``c[j]`` counts j among the tokens this sequence generated so
+            far (not the prompt).
+        logit_bias: ``{token id: bias}`` (bias in [-100, 100]) added to those logits before
+            sampling, as OpenAI's ``logit_bias``; stored as sorted ``(id, bias)`` pairs.
+        grammar: a compiled grammar (:class:`radixkv.engine.grammar.Grammar`, e.g. a JSON
+            schema) that masks every token the output could not continue with.
     """
 
     max_tokens: int = 64
@@ -83,8 +91,20 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Any = None
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            try:
+                bias = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"logit_bias must map token ids to numbers, got "
+                                          f"{self.logit_bias!r}") from None
+            object.__setattr__(self, "logit_bias", bias)
         # Normalise list inputs to tuples (frozen: set through object.__setattr__).
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids)):
@@ -101,6 +121,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the choice (penalties, bias, grammar)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.grammar is not None)
 
     @property
     def use_beam_search(self) -> bool:
@@ -161,7 +187,23 @@ def _first_error(p: SamplingParams) -> str | None:
     if p.logprobs is not None and (not _is_int(p.logprobs)
                                    or not 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(p, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+            return f"{name} must be a number in [-2, 2], got {v!r}"
+    try:
+        bias_ok = all(_is_int(t) and t >= 0 and isinstance(b, (int, float))
+                      and not isinstance(b, bool) and -100.0 <= b <= 100.0
+                      for t, b in p.logit_bias)
+    except (TypeError, ValueError):
+        bias_ok = False
+    if not bias_ok:
+        return ("logit_bias must map token ids >= 0 to biases in [-100, 100], got "
+                f"{p.logit_bias!r}")
     if p.beam_width > 1:
+        if p.adjusts_logits:
+            return ("beam search does not take frequency_penalty, presence_penalty, "
+                    "logit_bias or a grammar")
         if p.logprobs is not None:
             return "per-token logprobs are not available with beam search"
         if p.temperature != 0 or p.top_k or p.top_p != 1.0:
@@ -262,6 +304,58 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def adjust_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, Sequence[int]]]
+                  ) -> torch.Tensor:
+    """A copy of ``[R, V]`` logits with each listed row's penalties and ``logit_bias`` applied.
+
+    ``rows``: ``(row, params, output token ids of that row's sequence)``. Vectorized over the
+    rows: the generated tokens are counted with one ``scatter_add`` into ``[K, V]`` counts
+    (padding goes to a spare column), then ``logits[rows] -= f * counts + p * (counts > 0)``
+    and the biases are added with one ``index_put``. No Python loop over tokens or vocabulary.
+    """
+    import torch
+
+    out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+    dev, vocab = out.device, out.shape[-1]
+    pen = [(r, p, ids) for r, p, ids in rows if p.frequency_penalty or p.presence_penalty]
+    if pen:
+        idx = torch.tensor([r for r, _, _ in pen], device=dev, dtype=torch.long)
+        width = max(1, max(len(ids) for _, _, ids in pen))
+        padded = torch.full((len(pen), width), vocab, dtype=torch.long)
+        for k, (_, _, ids) in enumerate(pen):
+            if ids:
+                padded[k, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        counts = torch.zeros((len(pen), vocab + 1), device=dev, dtype=torch.float32)
+        counts.scatter_add_(1, padded.to(dev), torch.ones_like(padded, dtype=torch.float32,
+                                                                device=dev))
+        counts = counts[:, :vocab]
+        freq = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)[:, None]
+        out[idx] -= freq * counts + pres * (counts > 0).float()
+    bias = [(r, t, b) for r, p, _ in rows for t, b in p.logit_bias if t < vocab]
+    if bias:
+        r_i, t_i, b_v = zip(*bias)
+        out.index_put_((torch.tensor(r_i, device=dev), torch.tensor(t_i, device=dev)),
+                       torch.tensor(b_v, device=dev, dtype=out.dtype), accumulate=True)
+    return out
+
+
+def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]]
+                  ) -> torch.Tensor:
+    """The logits tokens are chosen from when some rows adjust them: ``items`` are ``(row,
+    request, sequence)`` of those rows. Penalties and biases (:func:`adjust_logits`), then each
+    grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
+    reported log-probabilities stay the model's own."""
+    out = adjust_logits(logits, [(r, req.params, seq.output_token_ids)
+                                 for r, req, seq in items])
+    masked = [(r, req, seq) for r, req, seq in items if req.params.grammar is not None]
+    if masked:
+        from radixkv.engine import grammar
+
+        grammar.mask_rows(out, [(r, grammar.matcher_for(req, seq)) for r, req, seq in masked])
+    return out
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     """The model's end-of-sequence token ids (generation config, then model config, then the
     tokenizer); empty if none is known."""
@@ -275,5 +369,5 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
            "filtered_probs", "sample_token"]

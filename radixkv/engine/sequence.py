@@ -109,6 +109,8 @@ class Request:
         self.num_preemptions = 0
         self.beam: Any = None
         self.finished_outputs_sent = False
+        # response_format: each sequence's grammar matcher by output index (engine/grammar.py)
+        self.grammar_state: dict[int, Any] = {}
 
     def policy_hints(self) -> dict[str, Any]:
         """The eviction policy's hints for allocating one of its sequences: the session, whether

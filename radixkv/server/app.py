@@ -26,15 +26,25 @@ from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     DetokenizeRequest, TokenizeRequest)
 from radixkv.server.tenants import Tenants
+
+
+#: ``--max-request-bytes`` by default: far above any prompt a context of 128k tokens holds as
+#: JSON text or token ids, far below what would take seconds to parse.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+#: Most ``cache_control`` breakpoints in one chat request (Anthropic allows 4 too): each costs
+#: a render and a tokenization of the conversation up to it, so they are capped before any work.
+MAX_CACHE_MARKS = 4
 
 
 class ServerState:
     """What the handlers share: the backend (once loaded), tenants, limits, metrics."""
 
     def __init__(self, model_name: str, tenants: Tenants, max_queued: int,
-                 default_max_tokens: int | None) -> None:
+                 default_max_tokens: int | None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -42,7 +52,13 @@ class ServerState:
         self.max_queued = max_queued
         self.default_max_tokens = default_max_tokens
         self.metrics = ServerMetrics(model_name)
-        self.in_flight = 0          # HTTP requests holding a slot (event-loop thread only)
+        self.max_request_bytes = max_request_bytes
+        self.max_token_chars: int | None = None   # of the vocabulary, once loaded
+        self.grammar_compiler: Any = None         # response_format, built on first use
+        #: Sequences (every prompt x n, or x beams) admitted and not finished: the engine
+        #: holds each as its own row, so admission counts them, not HTTP requests (event-loop
+        #: thread only).
+        self.in_flight = 0
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ admission
@@ -55,19 +71,28 @@ class ServerState:
 
     @property
     def capacity(self) -> int:
-        """Requests held at once: a full running batch plus ``max_queued`` waiting."""
+        """Sequences held at once: a full running batch plus ``max_queued`` waiting."""
         return self.engine.max_num_seqs + self.max_queued
 
-    def acquire(self) -> None:
-        if self.in_flight >= self.capacity:
+    def acquire(self, seqs: int, param: str) -> None:
+        """Admit a request of ``seqs`` sequences (prompts x n, or x beams), or refuse it: 400
+        when it could never fit (``param`` names the field that makes it too big), 429 when
+        it would fit once others finish."""
+        if seqs > self.capacity:
+            raise APIError(400, f"this request needs {seqs} sequences (prompts x n, or x "
+                           f"best_of beams); the server holds at most {self.capacity} at once "
+                           f"(--max-num-seqs {self.engine.max_num_seqs} + --max-queued "
+                           f"{self.max_queued}): split it", param=param,
+                           code="too_many_sequences")
+        if self.in_flight + seqs > self.capacity:
             self.metrics.rejected.labels(self.model_name, "429").inc()
-            raise APIError(429, f"the server is at capacity ({self.in_flight} requests running "
-                           f"or queued, --max-queued {self.max_queued}); retry later",
-                           code="queue_full")
-        self.in_flight += 1
+            raise APIError(429, f"the server is at capacity ({self.in_flight} sequences running "
+                           f"or queued, this request needs {seqs}, --max-queued "
+                           f"{self.max_queued}); retry later", code="queue_full")
+        self.in_flight += seqs
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    def release(self, seqs: int) -> None:
+        self.in_flight -= seqs
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -84,8 +109,9 @@ class ServerState:
             m.itl.labels(lab).observe(gap)
         m.prompt_tokens.labels(lab).inc(len(out.prompt_token_ids))
         m.generation_tokens.labels(lab).inc(sum(len(c.token_ids) for c in out.outputs))
-        for c in out.outputs:
-            m.success.labels(lab, c.finish_reason or "unknown").inc()
+        # one request, however many choices (n) it has: the first choice's reason
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        m.success.labels(lab, reason or "unknown").inc()
 
 
 class _Gate:
@@ -110,34 +136,85 @@ class _Gate:
                                 "<key>'", code="invalid_api_key").response()
                 return await resp(scope, receive, send)
             st["api_key"] = key
+        if scope["method"] == "POST":
+            receive = await self._bounded(scope, receive, send)
+            if receive is None:
+                return None
         return await self.app(scope, receive, send)
+
+    async def _bounded(self, scope: dict, receive: Any, send: Any) -> Any:
+        """``receive`` for a body within ``--max-request-bytes``, or None after answering 413.
+        A declared ``Content-Length`` is checked before anything is read; a chunked body is
+        read up to the limit (never past it) and replayed to the app."""
+        limit = self.state.max_request_bytes
+        declared = next((v for k, v in scope.get("headers", []) if k == b"content-length"),
+                        None)
+        too_big = APIError(413, f"the request body is larger than this server's limit of "
+                           f"{limit} bytes (--max-request-bytes)", code="request_too_large")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size > limit:
+                self.state.metrics.rejected.labels(self.state.model_name, "413").inc()
+                await too_big.response()(scope, receive, send)
+                return None
+            return receive
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                chunks.append(msg)
+                break
+            total += len(msg.get("body", b""))
+            if total > limit:
+                self.state.metrics.rejected.labels(self.state.model_name, "413").inc()
+                await too_big.response()(scope, receive, send)
+                return None
+            chunks.append(msg)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replayed() -> Any:
+            return replay.pop() if replay else await receive()
+
+        return replayed
 
 
 def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                model_name: str | None = None, api_keys: list[str] | None = None,
                max_queued: int = 256, default_max_tokens: int | None = None,
                salt_secret: str | None = None,
-               extra_metrics: Callable[[], Awaitable[bytes]] | None = None) -> Any:
+               extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               on_load_error: Callable[[str], None] | None = None) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
     (default: the engine's ``model_id``). ``extra_metrics``: awaited for more Prometheus text appended to
-    ``/metrics`` (the fleet's router). Returns the app wrapped in its gate middleware; the
-    FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
+    ``/metrics`` (the fleet's router). ``max_request_bytes``: larger bodies get 413 before
+    they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
+    fails, e.g. to stop the server (``radixkv serve`` exits non-zero). Returns the app wrapped in
+    its gate middleware; the FastAPI object is ``app.fastapi`` and the shared state
+    ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
     if engine is not None:
         engine = _backend(engine)
     name = model_name or (engine.model_id if engine is not None else "radixkv")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
-                        default_max_tokens)
+                        default_max_tokens, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         if engine is not None:
             state.engine = engine
         else:
-            threading.Thread(target=_load, args=(state, load), name="radixkv-load",
+            threading.Thread(target=_load, args=(state, load, on_load_error),
+                             name="radixkv-load",
                              daemon=True).start()
         yield
         if state.engine is not None:
@@ -155,12 +232,15 @@ def _backend(engine: Any) -> Backend:
     return engine if isinstance(engine, Backend) else LocalBackend(engine)
 
 
-def _load(state: ServerState, load: Callable[[], Any]) -> None:
+def _load(state: ServerState, load: Callable[[], Any],
+          on_error: Callable[[str], None] | None = None) -> None:
     try:
         state.engine = _backend(load())
     except Exception as exc:   # reported by /health and every endpoint (503), and on stderr
         state.load_error = f"{type(exc).__name__}: {exc}"
         print(f"radixkv serve: {state.load_error}", file=sys.stderr, flush=True)
+        if on_error is not None:
+            on_error(state.load_error)
 
 
 def _routes(api: FastAPI, state: ServerState,
@@ -180,6 +260,58 @@ def _routes(api: FastAPI, state: ServerState,
             body += await extra_metrics()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    @api.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: 200 once the model is loaded."""
+        state.ready_engine()
+        return Response(status_code=200)
+
+    @api.get("/version")
+    async def version() -> Any:
+        from radixkv import __version__
+
+        return {"version": __version__}
+
+    @api.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        """vLLM's ``/tokenize``: a prompt (``add_special_tokens``, default true) or chat
+        ``messages`` (rendered with the template, generation prompt included) to token ids."""
+        eng = state.ready_engine()
+        if req.model is not None:
+            state.check_model(req.model)
+        limit = await _max_token_chars(state, eng)
+        if req.messages is not None:
+            try:
+                msgs = [{"role": "system" if m.role == "developer" else m.role,
+                         "content": m.text()} for m in req.messages]
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
+            try:
+                ids = await asyncio.to_thread(eng.chat_template.prompt_ids, msgs)
+            except TemplateError as exc:
+                raise APIError(400, f"the chat template rejected the messages: {exc}",
+                               param="messages") from None
+        elif req.prompt is not None:
+            serving.check_text(eng, [req.prompt], "prompt", limit)
+            ids = await asyncio.to_thread(
+                eng.encode if req.add_special_tokens else eng.chat_template.encode, req.prompt)
+        else:
+            raise APIError(400, "give a prompt or messages", param="prompt")
+        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    @api.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        eng = state.ready_engine()
+        if req.model is not None:
+            state.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < eng.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is not in [0, {eng.vocab_size})",
+                           param="tokens")
+        return {"prompt": await asyncio.to_thread(eng.decode, req.tokens, False)}
+
     @api.get("/v1/models")
     async def models() -> Any:
         eng = state.ready_engine()
@@ -191,14 +323,22 @@ def _routes(api: FastAPI, state: ServerState,
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         eng = state.ready_engine()
         state.check_model(req.model)
+        marks = [m.cache_control for m in req.messages]
+        if sum(m is not None for m in marks) > MAX_CACHE_MARKS:
+            raise APIError(400, f"at most {MAX_CACHE_MARKS} messages may carry cache_control "
+                           f"(got {sum(m is not None for m in marks)})", param="messages",
+                           code="too_many_cache_breakpoints")
         try:
             messages = [{"role": "system" if m.role == "developer" else m.role,
                          "content": m.text()} for m in req.messages]
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        serving.check_text(eng, [m["content"] for m in messages], "messages",
+                           await _max_token_chars(state, eng))
+        if req.tools or any(m.tool_calls for m in req.messages):
+            return await _chat_with_tools(state, request, req, eng)
         try:
             ids = await asyncio.to_thread(eng.chat_template.prompt_ids, messages)
-            marks = [m.cache_control for m in req.messages]
             points = None
             if any(marks) or req.prompt_cache_retention:
                 points = await asyncio.to_thread(
@@ -219,6 +359,12 @@ def _routes(api: FastAPI, state: ServerState,
         p = req.prompt
         prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) \
             else list(p)
+        _admissible(state, len(prompts), req, "prompt")
+        texts = [x for x in prompts if isinstance(x, str)]
+        if texts:
+            limit = await _max_token_chars(state, eng)
+            for x in texts:   # each prompt alone must fit the context
+                serving.check_text(eng, [x], "prompt", limit)
         ids = [await asyncio.to_thread(eng.encode, x) if isinstance(x, str) else list(x)
                for x in prompts]
         points = None
@@ -228,38 +374,141 @@ def _routes(api: FastAPI, state: ServerState,
         return await _serve(state, request, req, ids, chat=False, points=points)
 
 
+async def _max_token_chars(state: ServerState, eng: Backend) -> int:
+    """The longest token of the vocabulary in characters (computed once, in a thread)."""
+    if state.max_token_chars is None:
+        state.max_token_chars = await asyncio.to_thread(serving.max_token_chars, eng)
+    return state.max_token_chars
+
+
+async def _grammar(state: ServerState, eng: Backend, fmt: Any) -> Any:
+    """The compiled grammar of ``response_format`` (None for none or ``text``)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    gc = await _compiler(state, eng, "response_format")
+    from radixkv.errors import InvalidRequestError
+
+    try:
+        if fmt.type == "json_object":
+            return await asyncio.to_thread(gc.json_object)
+        return await asyncio.to_thread(gc.json_schema, fmt.json_schema.schema_)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="response_format") from None
+
+
+async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
+    """The server's grammar compiler (the vocabulary's token table, about a second), built
+    once in a thread; a 400 naming ``param`` where grammars cannot run."""
+    if not isinstance(eng, LocalBackend):
+        raise APIError(400, f"{param} is not supported by a fleet (--replicas) yet",
+                       param=param, code="unsupported_parameter")
+    from radixkv.engine.grammar import GrammarCompiler
+    from radixkv.errors import ConfigError
+
+    try:
+        if state.grammar_compiler is None:
+            state.grammar_compiler = await asyncio.to_thread(
+                GrammarCompiler, eng.chat_template.tokenizer, eng.vocab_size,
+                getattr(eng.engine.core, "_eos", None))
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return state.grammar_compiler
+
+
+async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: Backend
+                           ) -> Any:
+    """A chat request with ``tools`` (``tool_choice`` auto, required or named): the tools
+    rendered by the model's template, calls forced by a grammar when required, and the reply's
+    ``<tool_call>`` blocks answered as OpenAI ``tool_calls`` (radixkv/server/tools.py)."""
+    from radixkv.api.chat import _ids
+    from radixkv.errors import InvalidRequestError
+    from radixkv.server import tools as tool_calls
+
+    tok = eng.chat_template.tokenizer
+    tool_calls.check_template(getattr(tok, "chat_template", None))
+    for name, bad in (("stream", req.stream), ("use_beam_search", req.use_beam_search),
+                      ("response_format", req.response_format is not None
+                       and req.response_format.type != "text"),
+                      ("messages", any(m.cache_control for m in req.messages))):
+        if bad:
+            raise APIError(400, f"{name} is not supported together with tools yet",
+                           param=name, code="unsupported_parameter")
+    # tool_choice none: the tools are not offered (nor parsed), but a history with calls and
+    # their results is still rendered as the template writes them
+    active = bool(req.tools) and req.tool_choice != "none"
+    defs = [t.model_dump(exclude_none=True) for t in req.tools] if active else None
+    msgs = tool_calls.template_messages(req.messages)
+    try:
+        ids = await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
+            msgs, tools=defs, tokenize=True, add_generation_prompt=True)))
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}",
+                       param="messages") from None
+    grammar = None
+    choice = req.tool_choice
+    if choice == "required" or not isinstance(choice, (str, type(None))):
+        wanted = [t.function for t in req.tools
+                  if choice == "required" or t.function.name == choice.function.name]
+        gc = await _compiler(state, eng, "tool_choice")
+        try:
+            grammar = await asyncio.to_thread(
+                gc.tool_call, [(f.name, f.parameters) for f in wanted], tool_calls.CALL_OPEN,
+                tool_calls.CALL_CLOSE)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+    return await _serve(state, request, req, [ids], chat=True, grammar=grammar,
+                        tool_names={t.function.name for t in req.tools} if active else None)
+
+
+def _num_seqs(req: Any) -> int:
+    """Sequences one prompt of ``req`` holds in the engine: its samples, or its beams."""
+    return max(req.n, req.best_of or req.n) if req.use_beam_search else req.n
+
+
+def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> None:
+    """Refuse a request that could never be admitted before any prompt is tokenized."""
+    if num_prompts * _num_seqs(req) > state.capacity:
+        state.acquire(num_prompts * _num_seqs(req), param if num_prompts > 1 else "n")
+
+
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
-                 chat: bool, points: list[Any] | None = None) -> Any:
+                 chat: bool, points: list[Any] | None = None, grammar: Any = None,
+                 tool_names: set[str] | None = None) -> Any:
     """Validate every prompt, then answer with one body or an SSE stream. ``points``: per
-    prompt, its cache points (breakpoints, retention) or None."""
+    prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
+    constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
+    the replies' tool calls to these tools."""
     points = points or [None] * len(prompts)
     eng = state.engine
     vocab = eng.vocab_size
+    if grammar is None:
+        grammar = await _grammar(state, eng, req.response_format)
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
-                                              state.default_max_tokens))
+                                              state.default_max_tokens, vocab, grammar))
     if req.stream and len(prompts) > 1:
         raise APIError(400, "stream one prompt per request", param="prompt")
     key = request.state.api_key if hasattr(request.state, "api_key") else ""
     salt = state.tenants.cache_salt(key, serving.request_salt(req))
     timing = serving.Timing(arrived=getattr(request.state, "arrived", time.perf_counter()))
     rid = serving.new_id("chatcmpl" if chat else "cmpl")
-    state.acquire()
+    seqs = len(prompts) * _num_seqs(req)
+    state.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     if req.stream:
-        return StreamingResponse(_events(state, req, rid, prompts[0], params[0], salt, timing,
-                                         chat, points[0]), media_type="text/event-stream")
+        release = _once(lambda: state.release(seqs))
+        return _Stream(_events(state, req, rid, prompts[0], params[0], salt, timing, chat,
+                               points[0], release), release)
     try:
-        outs = await asyncio.gather(*(
-            _final(state, f"{rid}-{i}", ids, sp, salt, timing, request, pts,
-                   serving.session_hints(req))
-            for i, (ids, sp, pts) in enumerate(zip(prompts, params, points))))
+        outs = await _unless_disconnected(request, asyncio.gather(*(
+            _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, serving.session_hints(req))
+            for i, (ids, sp, pts) in enumerate(zip(prompts, params, points)))))
     finally:
-        state.release()
-    if any(o is None for o in outs):
+        state.release(seqs)
+    if outs is None or any(o is None for o in outs):
         return Response(status_code=499)   # the client is gone; nobody reads this
     choices = []
     n = req.n
@@ -270,7 +519,16 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                 text = eng.decode(out.prompt_token_ids) + text
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
                                       "logprobs": _logprobs(eng, chat, c.logprobs, 0)}
-            if chat:
+            if chat and tool_names is not None:
+                from radixkv.server.tools import parse
+
+                content, calls = parse(text, tool_names)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    if c.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -292,18 +550,49 @@ def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | N
 
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
-                 timing: serving.Timing, request: Request, points: Any = None,
+                 timing: serving.Timing, points: Any = None,
                  hints: dict[str, Any] | None = None) -> Any:
     last = None
-    async for last in serving.run(state, rid, ids, params, salt, timing, request, points,
-                                  hints):
+    async for last in serving.run(state, rid, ids, params, salt, timing, points, hints,
+                                  restartable=True):
         pass
     return last if last is not None and last.finished else None
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``await work``, unless the client goes away first: then ``work`` is cancelled (which
+    aborts its engine requests in :func:`serving.run`, freeing their blocks within a step) and
+    None is returned. The disconnect is ASGI's ``http.disconnect`` message, awaited as soon as
+    the body is read, so it is seen at once however often the engine produces tokens."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:   # this handler was cancelled: take the work down with it
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next message the
+    server sends the app is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params: Any,
-                  salt: str | None, timing: serving.Timing, chat: bool, points: Any = None
-                  ) -> Any:
+                  salt: str | None, timing: serving.Timing, chat: bool, points: Any = None,
+                  release: Callable[[], None] = lambda: None) -> Any:
     """Server-Sent Events of one request, OpenAI's chunk format."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -364,7 +653,36 @@ async def _events(state: ServerState, req: Any, rid: str, ids: list[int], params
         yield serving.sse(exc.body())
         yield serving.SSE_DONE
     finally:
-        state.release()
+        release()
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` made idempotent: the first call runs it, later ones do nothing."""
+    done = [False]
+
+    def call() -> None:
+        if not done[0]:
+            done[0] = True
+            fn()
+
+    return call
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends. The event generator releases
+    the request's admission slot in its ``finally``, but a client that disconnects before the
+    generator's first step cancels it unstarted, and an unstarted generator runs no
+    ``finally``: without this the slot would leak."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 __all__ = ["create_app", "ServerState"]

@@ -41,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "salt (default: random per start; set it to reuse a disk cache across "
                    "restarts)")
     g.add_argument("--max-queued", type=int, default=256, metavar="N",
-                   help="requests that may wait beyond a full batch; past it: 429 (default 256)")
-    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="sequences (prompts x n) that may wait beyond a full batch; past it: "
+                        "429 (default 256)")
+    g.add_argument("--default-max-tokens", "--max-tokens-default", type=int, default=None,
+                   metavar="N",
                    help="max_tokens when a request gives none (default: the rest of the context)")
     g.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     m = p.add_argument_group("model")
@@ -86,13 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policy-options", type=_json_object, default=None, metavar="JSON",
                    help="the policy's options as a JSON object, e.g. '{\"sample\": 4}' for the "
                         "duel's sampled shadows (docs/eviction.md)")
-    c.add_argument("--no-prefix-caching", action="store_true",
+    c.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="never reuse blocks across requests (the no-cache baseline)")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
-    c.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
-                   help="KV block storage: the model's dtype, or int8 / fp8_e4m3 with a per-row "
-                        "scale (about half the bytes in every tier)")
+    c.add_argument("--kv-dtype", "--kv-cache-dtype", default="auto",
+                   choices=["auto", "int8", "fp8_e4m3", "fp8"],
+                   help="KV block storage: the model's dtype, or int8 / fp8_e4m3 (vLLM's fp8) "
+                        "with a per-row scale (about half the bytes in every tier)")
     c.add_argument("--remote-url", default=None, metavar="URL",
                    help="remote tier shared by replicas: redis://host:port/db, rediss://, "
                         "valkey://, redis+cluster:// (default: none)")
@@ -123,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
                    help="wait for disk -> device promotions instead of overlapping them")
+    v = p.add_argument_group("vLLM compatibility and limits (docs/serve.md has vLLM's flags)")
+    v.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vllm serve takes it (same as --model)")
+    v.add_argument("--enable-prefix-caching", action="store_true",
+                   help="accepted for vLLM compatibility: prefix caching is on by default")
+    v.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file to use instead of the model's (e.g. one "
+                        "that declares tools)")
+    v.add_argument("--allow-download", action="store_true",
+                   help="let a Hugging Face hub id that is not in the local cache be "
+                        "downloaded (default: load only what is on disk)")
+    v.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="largest request body; larger ones get 413 before they are read "
+                        "(default 16 MiB)")
     f = p.add_argument_group("fleet (Ray Serve; needs the cluster extra, see docs/fleet.md)")
     f.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N engine replicas on Ray Serve behind this endpoint")
@@ -203,7 +220,10 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         threading.Thread(target=progress, daemon=True).start()
         try:
             engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
-                                                    model_impl=args.model_impl)
+                                                    model_impl=args.model_impl,
+                                                    allow_download=args.allow_download)
+            if args.chat_template:
+                engine.tokenizer.chat_template = _read_template(args.chat_template)
             engine.chat_template   # analyse the chat template now, not in the first request
         finally:
             done.set()
@@ -236,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        _vllm_flags(args)
         cc, ec = configs(args)
         keys = read_keys(args.api_key, args.api_key_file)
         if args.max_queued < 0:
@@ -267,13 +288,63 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"radixkv serve: {apply_threads(args.threads)}; OMP_WAIT_POLICY {wait_policy}",
           file=sys.stderr, flush=True)
+    failed: list[str] = []
+    server: Any = None
+
+    def stop(message: str) -> None:
+        """The model failed to load: stop serving and exit non-zero, as ``vllm serve`` does
+        (a server answering 503 forever looks alive to a supervisor)."""
+        failed.append(message)
+        if "allow_download" in message:
+            print("radixkv serve: pass --allow-download to fetch it", file=sys.stderr,
+                  flush=True)
+        if server is not None:
+            server.should_exit = True
+
+    from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES
+
     app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
-                     salt_secret=args.salt_secret)
+                     salt_secret=args.salt_secret,
+                     max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                     on_load_error=stop)
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    if failed:   # failed before the server object existed
+        server.should_exit = True
+    server.run()
+    return 1 if failed else 0
+
+
+def _read_template(path: str) -> str:
+    from radixkv.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"--chat-template: {exc}") from None
+
+
+def _vllm_flags(args: argparse.Namespace) -> None:
+    """Fold vLLM's spellings into radixkv's flags (ConfigError on a contradiction)."""
+    from radixkv.errors import ConfigError
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"the model is given twice: {args.model_tag!r} and --model "
+                              f"{args.model!r}")
+        args.model = args.model_tag
+    if args.enable_prefix_caching and args.no_prefix_caching:
+        raise ConfigError("--enable-prefix-caching and --no-prefix-caching contradict")
+    if args.kv_dtype == "fp8":
+        args.kv_dtype = "fp8_e4m3"
+    if args.chat_template:
+        _read_template(args.chat_template)   # a missing file fails now, not after loading
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "the request body is not valid JSON: "
                         f"{first.get('ctx', {}).get('error', first.get('msg', ''))}",
                         code="invalid_json")
+    err = (first.get("ctx") or {}).get("error")
+    from radixkv.server.protocol import FieldError
+
+    if isinstance(err, FieldError):   # a request-level check that names its field
+        return APIError(400, str(err), param=err.name, code=err.code)
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         msg = f"missing required field {param!r}"

@@ -113,6 +113,18 @@ class _EngineCollector:
             yield per_tier(CounterMetricFamily, f"radixkv_{key}", doc, st[key])
         yield counter("radixkv_num_preemptions", "Requests preempted (vllm:num_preemptions).",
                       st["preemptions"])
+        # vLLM's own names for the same figures, so its dashboards work unchanged
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache (= radixkv_prefix_cache_queries).", st["prompt_tokens"])
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache "
+                      "(= radixkv_prefix_cache_hits).", st["cached_prompt_tokens"])
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    st["num_running_requests"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    st["num_waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the device KV blocks in use.",
+                    used[0] / caps[0] if caps and caps[0] else 0.0)
+        yield counter("vllm:num_preemptions", "Requests preempted.", st["preemptions"])
 
     def describe(self) -> list[Any]:
         return []
@@ -148,6 +160,24 @@ class _GenericCollector:
         return []
 
 
+class _Twin:
+    """Observations sent to two metrics at once: radixkv's and vLLM's name for the same one."""
+
+    def __init__(self, *metrics: Any) -> None:
+        self.metrics = metrics
+
+    def labels(self, *values: str) -> _Twin:
+        return _Twin(*(m.labels(*values) for m in self.metrics))
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+
 class ServerMetrics:
     """All metrics of one server app. ``labels``: constant labels (``model_name``)."""
 
@@ -167,12 +197,30 @@ class ServerMetrics:
         self.itl = Histogram("radixkv_inter_token_latency_seconds",
                              "Time between two output tokens of a request (streamed requests).",
                              names, buckets=ITL_BUCKETS, registry=reg)
-        self.success = Counter("radixkv_request_success", "Finished requests by finish reason.",
-                               [*names, "finished_reason"], registry=reg)
+        self.success = Counter("radixkv_request_success", "Finished engine requests (one per "
+                               "prompt, whatever its n) by the finish reason of its first "
+                               "choice.", [*names, "finished_reason"], registry=reg)
         self.prompt_tokens = Counter("radixkv_prompt_tokens", "Prompt tokens of served "
                                      "requests.", names, registry=reg)
         self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.",
                                          names, registry=reg)
+        # The same series under vLLM's names (prometheus allows ':' in names; vLLM uses it).
+        self.ttft = _Twin(self.ttft, Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", names,
+            buckets=TTFT_BUCKETS, registry=reg))
+        self.e2e = _Twin(self.e2e, Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
+            buckets=E2E_BUCKETS, registry=reg))
+        self.itl = _Twin(self.itl, Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", names,
+            buckets=ITL_BUCKETS, registry=reg))
+        self.success = _Twin(self.success, Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            [*names, "finished_reason"], registry=reg))
+        self.prompt_tokens = _Twin(self.prompt_tokens, Counter(
+            "vllm:prompt_tokens", "Prompt tokens.", names, registry=reg))
+        self.generation_tokens = _Twin(self.generation_tokens, Counter(
+            "vllm:generation_tokens", "Generated tokens.", names, registry=reg))
         self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
                                 "before reaching the engine, by HTTP status.",
                                 [*names, "status"], registry=reg)

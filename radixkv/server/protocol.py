@@ -9,9 +9,27 @@ Range checks live here so a bad value never reaches the engine; the error handle
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+#: Request fields radixkv does not implement and would otherwise silently ignore (a 200 with
+#: ordinary text where the client asked for something else): each is a 400 naming it when
+#: given a value other than its "off" value (listed).
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,),
+    # vLLM extensions with no radixkv equivalent yet
+    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +65,40 @@ class _SamplingFields(BaseModel):
     # to, and whether it is its last request
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     end_session: StrictBool = False
+    # OpenAI's penalties (engine/sampling.adjust_logits) and logit_bias {"token id": bias}
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional["ResponseFormat"] = None
+
+    #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
+    _implemented: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED.items():
+                if name in data and name not in cls._implemented and not any(data[name] == o and type(data[name]) is type(o)
+                                            for o in off):
+                    raise UnsupportedField(name)
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        for k, b in v.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise ValueError(f"keys must be token ids, got {k!r}") from None
+            if tid < 0:
+                raise ValueError(f"token id {tid} is negative")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"bias {b} for token {k} is outside [-100, 100]")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +116,46 @@ class _SamplingFields(BaseModel):
         if v != v or v in (float("inf"), float("-inf")):
             raise ValueError("must be a finite number")
         return v
+
+
+class FieldError(ValueError):
+    """A whole-request check that fails because of one field: the 400 names it (``param``)."""
+
+    code = "invalid_value"
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class UnsupportedField(FieldError):
+    """A request field radixkv does not implement (answered 400 naming it)."""
+
+    code = "unsupported_parameter"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, f"{name} is not supported by this server (radixkv answers an "
+                         "error rather than ignoring it; docs/serve.md lists what is)")
+
+
+class JSONSchemaFormat(BaseModel):
+    name: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a schema")
+        return self
 
 
 class CacheControl(BaseModel):
@@ -93,6 +185,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     cache_control: Optional[CacheControl] = None
+    # an assistant turn's calls, and a tool result's call id / tool name (OpenAI's fields)
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
 
     def text(self) -> str:
         """The message's text; OpenAI's list-of-parts form keeps its ``text`` parts."""
@@ -108,10 +204,46 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
+    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or []}:
+            raise FieldError("tool_choice", f"tool_choice names {choice.function.name!r}, "
+                             "which is not in tools")
+        if choice == "required" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
@@ -131,4 +263,26 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-__all__ = ["CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+_SamplingFields.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]

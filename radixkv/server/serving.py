@@ -51,9 +51,11 @@ def request_salt(req: Any) -> str | None:
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
-                    max_model_len: int, default_max_tokens: int | None) -> Any:
-    """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens.
-    Raises :class:`APIError` (400) naming the field for anything the engine cannot honour."""
+                    max_model_len: int, default_max_tokens: int | None,
+                    vocab_size: int | None = None, grammar: Any = None) -> Any:
+    """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens
+    (``grammar``: the compiled ``response_format``, or None). Raises :class:`APIError` (400)
+    naming the field for anything the engine cannot honour."""
     from radixkv.engine.sampling import SamplingParams
 
     if prompt_len >= max_model_len:
@@ -79,8 +81,25 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
-        ignore_eos=req.ignore_eos, logprobs=top_logprobs)
+        ignore_eos=req.ignore_eos, logprobs=top_logprobs,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0, grammar=grammar)
+    if req.logit_bias:
+        bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        over = [t for t in bias if vocab_size is not None and t >= vocab_size]
+        if over:
+            raise APIError(400, f"logit_bias names token {over[0]}, outside the vocabulary "
+                           f"[0, {vocab_size})", param="logit_bias")
+        kwargs["logit_bias"] = bias
+    if grammar is not None and req.ignore_eos:
+        raise APIError(400, "ignore_eos would run past the end of the response_format's value",
+                       param="ignore_eos")
     if req.use_beam_search:
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format"):
+            value = getattr(req, name)
+            if value and not (name == "response_format" and value.type == "text"):
+                raise APIError(400, f"{name} is not available with use_beam_search",
+                               param=name)
         if top_logprobs is not None:
             raise APIError(400, "logprobs are not available with use_beam_search (beams are "
                            "re-ranked at the end)", param="logprobs")
@@ -155,6 +174,41 @@ def cache_points(template: Any, messages: list[dict[str, str]], marks: list[Any]
     return points
 
 
+def max_token_chars(backend: Any) -> int:
+    """Characters of the longest token in the backend's vocabulary (special tokens included).
+    A text of ``c`` characters then has at least ``c / max_token_chars`` tokens, whatever the
+    tokenizer does; see :func:`check_text`."""
+    tok = backend.chat_template.tokenizer
+    return max((len(t) for t in tok.get_vocab()), default=1) or 1
+
+
+def check_text(backend: Any, texts: Sequence[str], param: str, token_chars: int) -> None:
+    """Refuse, before any tokenization, prompt text that no tokenizer could take or that cannot
+    fit the context. Linear in the text's length.
+
+    * A lone surrogate (``"\\ud800"`` in JSON) is not Unicode text: 400 naming ``param``.
+    * ``context_length_exceeded`` when the text is so long that even if every token were the
+      vocabulary's longest (``token_chars`` characters), and Unicode normalisation halved it,
+      it would still have ``max_model_len`` tokens or more: a 10 MiB body is refused in
+      milliseconds instead of being tokenized for seconds first.
+    """
+    chars = 0
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"the text in {param} is not valid Unicode ({exc.reason} at "
+                           f"position {exc.start}); decode input bytes with errors='replace'",
+                           param=param, code="invalid_text") from None
+        chars += len(text)
+    at_least = chars // (2 * token_chars)
+    limit = backend.max_model_len
+    if at_least >= limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                       f"text in {param} has {chars} characters, at least {at_least} tokens",
+                       param=param, code="context_length_exceeded")
+
+
 def chat_logprobs(decode: Any, items: Sequence[Any] | None) -> dict[str, Any] | None:
     """OpenAI's chat ``choice.logprobs`` for ``TokenLogprob`` items (None when not asked)."""
     if items is None:
@@ -194,28 +248,23 @@ def session_hints(req: Any) -> dict[str, Any]:
 
 
 async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
-              cache_salt: str | None, timing: Timing, http_request: Any = None,
-              cache_points: Any = None, hints: dict[str, Any] | None = None
+              cache_salt: str | None, timing: Timing, cache_points: Any = None,
+              hints: dict[str, Any] | None = None, restartable: bool = False
               ) -> AsyncIterator[Any]:
     """Submit one request to the engine loop and yield its outputs until it finishes.
 
-    ``http_request``: poll it for a client disconnect while waiting (non-streaming answers; a
-    streaming response learns of it from its failed writes). Whatever ends the iteration early
-    aborts the request; a finished request is recorded in the metrics.
+    ``restartable``: nothing of it reaches the client before it finishes (a non-streamed
+    answer). Whatever ends the iteration early (the caller stops reading, or its task is
+    cancelled because the client went away: ``app._unless_disconnected``) aborts the request;
+    a finished request is recorded in the metrics.
     """
-    # a non-streamed answer (http_request given) reaches the client only when finished
     stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
-                                     restartable=http_request is not None, **(hints or {}))
+                                     restartable=restartable, **(hints or {}))
     timing.submitted = time.perf_counter()
     finished = False
     try:
         while not finished:
-            try:
-                out = await asyncio.wait_for(stream.aget(), 0.5)
-            except asyncio.TimeoutError:
-                if http_request is not None and await http_request.is_disconnected():
-                    return
-                continue
+            out = await stream.aget()
             now = time.perf_counter()
             if any(o.delta_token_ids for o in out.outputs):
                 if timing.first_token is None:

@@ -203,33 +203,75 @@ def test_streaming_with_usage_matches_the_plain_answer(ready: Server) -> None:
     assert usage.prompt_tokens_details.cached_tokens > 0   # same prompt as the plain request
 
 
-def test_n2_and_text_and_token_prompts_and_beam_search(ready: Server) -> None:
+def test_n2_and_text_and_token_prompts_and_beam_search(ready: Server, engine: Any) -> None:
+    """n samples, text and token prompts, and beams: each equal to what the engine itself
+    produces for the same prompt and parameters (float32: the batch does not change a row)."""
+    from radixkv import SamplingParams
+
     client = ready.client()
-    r = _chat(client, [{"role": "user", "content": "Say something."}], n=2, temperature=0.9,
-              seed=7, max_tokens=6)
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = _chat(client, msgs, n=2, temperature=0.9, seed=7, max_tokens=6)
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert r.usage.completion_tokens >= 2   # both samples are counted
+    ref = engine.generate(engine.chat_template.prompt_ids(msgs),
+                          SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=6))[0]
+    got = {c.index: c.message.content for c in r.choices}
+    assert [got[0], got[1]] == [o.text for o in sorted(ref.outputs, key=lambda o: o.index)]
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
     c1 = client.completions.create(model=MODEL, prompt="The capital of France is",
                                    max_tokens=5, temperature=0)
+    ref = engine.generate(engine.encode("The capital of France is"),
+                          SamplingParams(max_tokens=5))[0].outputs[0]
+    assert c1.choices[0].text == ref.text
+    assert c1.usage.prompt_tokens == len(engine.encode("The capital of France is"))
     ids = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 504, 3575, 282],
                                                 "max_tokens": 3, "temperature": 0})
     assert ids[0] == 200 and ids[1]["usage"]["prompt_tokens"] == 4
-    assert c1.choices[0].text and c1.usage.prompt_tokens > 0
+    assert ids[1]["choices"][0]["text"] == engine.generate(
+        [1, 504, 3575, 282], SamplingParams(max_tokens=3))[0].outputs[0].text
     status, beam = ready.raw("POST", "/v1/completions", {
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
         "n": 2, "use_beam_search": True})
     assert status == 200 and len(beam["choices"]) == 2
+    ref = engine.generate(engine.encode("Once upon a time"),
+                          SamplingParams(max_tokens=4, beam_width=2, n=2))[0]
+    assert [c["text"] for c in sorted(beam["choices"], key=lambda c: c["index"])] == \
+        [o.text for o in ref.outputs]
+    assert beam["choices"][0]["text"] != beam["choices"][1]["text"]
+    scores = beam["usage"]["radixkv"]["cumulative_logprobs"]
+    assert scores == pytest.approx([o.cumulative_logprob for o in ref.outputs], abs=1e-4)
 
 
 def test_sixteen_concurrent_clients(ready: Server) -> None:
+    """16 clients at once against a batch of 8: they share the batch (the running gauge goes
+    past 1 while they run), and each gets exactly the answer it gets alone."""
+    import threading
+
     def one(i: int) -> Any:
         return _chat(ready.client(), [{"role": "user", "content": f"Give me fact number {i}."}],
-                     temperature=0, max_tokens=6)
+                     temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
 
-    with cf.ThreadPoolExecutor(16) as pool:
-        outs = list(pool.map(one, range(16)))
-    assert all(o.choices[0].message.content is not None for o in outs)
-    assert all(o.usage.completion_tokens >= 1 for o in outs)
+    peak, stop = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _value(ready.metrics(), "radixkv_num_requests_running"))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with cf.ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(one, range(16)))
+    finally:
+        stop.set()
+        watcher.join()
+    assert peak[0] >= 2, peak   # they ran together, not one after another
+    alone = [one(i) for i in (0, 7, 15)]
+    for i, a in zip((0, 7, 15), alone):
+        assert outs[i].choices[0].message.content == a.choices[0].message.content
+    assert all(o.usage.completion_tokens == 6 for o in outs)
+    assert len({o.id for o in outs}) == 16
+    assert len({o.choices[0].message.content for o in outs}) > 1   # each its own prompt
 
 
 def _held_blocks(fams: dict) -> float:
@@ -466,3 +508,141 @@ def test_cache_breakpoints_and_cache_read_write_usage(ready: Server) -> None:
               extra_body={"session_id": "conv-7", "end_session": end})
     api.completions.create(model=MODEL, prompt="One-off", max_tokens=1, temperature=0,
                            extra_body={"end_session": True})
+
+
+def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
+    """Before: accepted and ignored (a 200 with the same text)."""
+    api = ready.client()
+    # a +100 bias on one token makes greedy pick it at every step
+    tid = 504
+    word = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": [tid],
+                                                 "max_tokens": 1, "temperature": 0})[1]
+    biased = api.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                    logit_bias={str(tid): 100})
+    status, toks = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+        "logit_bias": {str(tid): 100}, "logprobs": 0})
+    assert status == 200 and word
+    assert biased.choices[0].text == toks["choices"][0]["text"]
+    assert len(set(toks["choices"][0]["logprobs"]["tokens"])) == 1   # the same token 4 times
+    # the raw model's logprobs are reported, not the biased distribution's
+    assert all(lp < -1e-3 for lp in toks["choices"][0]["logprobs"]["token_logprobs"])
+    # strong penalties make greedy repeat fewer of its own tokens
+    def repeats(**kw: Any) -> int:
+        toks = ready.raw("POST", "/v1/completions", {
+            "model": MODEL, "prompt": "hello hello hello hello hello hello", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "logprobs": 0, **kw})[1]
+        toks = toks["choices"][0]["logprobs"]["tokens"]
+        return len(toks) - len(set(toks))
+
+    plain_repeats = repeats()
+    assert plain_repeats >= 6
+    assert repeats(frequency_penalty=2.0, presence_penalty=2.0) < plain_repeats / 2
+    # a -100 bias bans a token greedy would pick
+    first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 1, "temperature": 0,
+                                                  "logprobs": 0})[1]
+    chosen = first["choices"][0]["logprobs"]["tokens"][0]
+    ids = ready.raw("POST", "/tokenize", {"model": MODEL, "prompt": chosen,
+                                          "add_special_tokens": False}, key=None)[1]["tokens"]
+    banned = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 1, "temperature": 0, "logprobs": 0,
+        "logit_bias": {str(ids[0]): -100}})[1]
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != chosen
+
+
+def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -> None:
+    api = ready.client()
+    msgs = [{"role": "user", "content": "Describe a cat as JSON with its name and age."}]
+    # any object: the tiny model may go on adding keys, but what it writes is an object
+    plain = _chat(api, msgs, temperature=0, max_tokens=8)
+    r = _chat(api, msgs, temperature=0, max_tokens=8, response_format={"type": "json_object"})
+    assert not plain.choices[0].message.content.lstrip().startswith("{")
+    assert r.choices[0].message.content.lstrip().startswith("{"), r.choices[0]
+    # a schema bounds the value: it completes, and it parses and validates
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for temperature in (0, 1.0):
+        r = _chat(api, msgs, temperature=temperature, seed=3, max_tokens=60, n=2,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "cat", "schema": schema}})
+        for c in r.choices:
+            assert c.finish_reason == "stop", c
+            value = json.loads(c.message.content)
+            assert set(value) == {"name", "age"} and isinstance(value["age"], int), value
+    status, err = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    assert status == 400 and err["error"]["param"] == "response_format", err
+
+
+UNSUPPORTED = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
+    ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}), ("min_tokens", 3),
+]
+
+
+@pytest.mark.parametrize("field, value", UNSUPPORTED)
+def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, value: Any
+                                                  ) -> None:
+    """Before: a 200 with ordinary text, the field silently ignored. (``tools``: the embedded
+    model's chat template declares none.)"""
+    status, err = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        field: value})
+    assert status == 400 and err["error"]["param"] == field, err
+    assert err["error"]["code"] == "unsupported_parameter"
+    # their "off" values are fine (clients send them by default)
+    ok = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
+    assert ok[0] == 200, ok
+
+
+def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
+    """/tokenize, /detokenize, /version, /ping as vLLM answers them, and vLLM's metric names
+    beside radixkv's (the same values), so vLLM dashboards work unchanged."""
+    text = "The capital of France is"
+    status, tok = ready.raw("POST", "/tokenize", {"model": MODEL, "prompt": text}, key=None)
+    assert status == 200 and tok["tokens"] == engine.encode(text)
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 8192
+    msgs = [{"role": "user", "content": "hi"}]
+    status, chat = ready.raw("POST", "/tokenize", {"model": MODEL, "messages": msgs}, key=None)
+    assert chat["tokens"] == engine.chat_template.prompt_ids(msgs)
+    status, de = ready.raw("POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]},
+                           key=None)
+    assert status == 200 and de["prompt"].endswith(text)
+    assert ready.raw("POST", "/detokenize", {"tokens": [10**9]}, key=None)[0] == 400
+    assert ready.raw("POST", "/tokenize", {"model": "other", "prompt": "x"}, key=None)[0] == 404
+    import radixkv
+
+    assert ready.raw("GET", "/version", key=None) == (200, {"version": radixkv.__version__})
+    assert ready.raw("GET", "/ping", key=None)[0] == 200
+
+    before = ready.metrics()
+    _chat(ready.client(), msgs, temperature=0, max_tokens=2, n=3)
+    fams = ready.metrics()
+    for vname, rname in (("vllm:prefix_cache_queries", "radixkv_prefix_cache_queries"),
+                         ("vllm:prefix_cache_hits", "radixkv_prefix_cache_hits"),
+                         ("vllm:num_preemptions", "radixkv_num_preemptions"),
+                         ("vllm:prompt_tokens", "radixkv_prompt_tokens"),
+                         ("vllm:generation_tokens", "radixkv_generation_tokens")):
+        assert _value(fams, vname) == _value(fams, rname), vname
+    for vname in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc"):
+        assert fams[vname].type == "gauge"
+    counts = {name: [x.value for x in fams[name].samples if x.name.endswith("_count")][0]
+              for name in ("vllm:time_to_first_token_seconds",
+                           "radixkv_time_to_first_token_seconds")}
+    assert counts["vllm:time_to_first_token_seconds"] == \
+        counts["radixkv_time_to_first_token_seconds"] > 0
+    # one request with n=3 is one success, not three
+    total = sum(_value(fams, "radixkv_request_success", finished_reason=r)
+                for r in ("stop", "length"))
+    total_before = sum(_value(before, "radixkv_request_success", finished_reason=r)
+                       for r in ("stop", "length"))
+    assert total - total_before == 1
+    assert sum(_value(fams, "vllm:request_success", finished_reason=r)
+               for r in ("stop", "length")) == total

@@ -1,0 +1,153 @@
+"""Structured output: a grammar (any JSON, or a JSON schema) applied as a token mask every step.
+
+Built on xgrammar, the grammar engine vLLM and SGLang use by default (the ``grammar`` extra):
+it compiles a JSON schema against the tokenizer's vocabulary once, then for each sequence a
+``GrammarMatcher`` fills a bitmask of the tokens that can continue the output (a few
+microseconds per token: the expensive part, which tokens fit which grammar state, is
+precomputed), and the mask sets every other logit to ``-inf`` before the choice. So greedy and
+sampled outputs are both valid by construction, and the model's own end-of-sequence token is
+only allowed once the value is complete.
+
+* :class:`GrammarCompiler`: one per tokenizer (the server keeps one); ``json_object()``,
+  ``json_schema(schema)`` and ``tool_call(tools, ...)`` give a :class:`Grammar`.
+* :class:`Grammar` travels in ``SamplingParams.grammar``; the engine makes one matcher per
+  sequence (:func:`matcher_for`), masks the rows (:func:`mask_rows`) and advances the matcher
+  with each chosen token (:func:`accept`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from radixkv.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _xgr() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ConfigError(f"structured output needs xgrammar ({exc}): pip install "
+                          "'radixkv[grammar]'") from None
+    return xgrammar
+
+
+class Grammar:
+    """A grammar compiled for one vocabulary. Immutable; shared by every request using it.
+
+    Attributes:
+        kind: ``"json_object"`` or ``"json_schema"`` (for messages).
+        vocab_size: the model's logits width the masks are made for.
+    """
+
+    def __init__(self, compiled: Any, kind: str, vocab_size: int) -> None:
+        self.compiled, self.kind, self.vocab_size = compiled, kind, vocab_size
+
+    def matcher(self) -> Any:
+        """A fresh matcher (the state of one output sequence)."""
+        return _xgr().GrammarMatcher(self.compiled)
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind})"
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (``vocab_size``: the model's logits width, which may
+    exceed the tokenizer's vocabulary). Thread-safe; xgrammar caches compiled schemas."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int,
+                 stop_token_ids: Iterable[int] | None = None) -> None:
+        xgr = _xgr()
+        stops = sorted(stop_token_ids) if stop_token_ids else None
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stops)
+        self._compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+
+    def json_object(self) -> Grammar:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        with self._lock:
+            # not strict: an object with any properties (strict would forbid unlisted ones)
+            compiled = self._compiler.compile_json_schema('{"type": "object"}',
+                                                          strict_mode=False)
+        return Grammar(compiled, "json_object", self.vocab_size)
+
+    def json_schema(self, schema: Any) -> Grammar:
+        """Output that validates against ``schema`` (a JSON schema as a dict).
+        Raises :class:`InvalidRequestError` for a schema xgrammar cannot compile."""
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"the JSON schema must be an object, got {schema!r}")
+        try:
+            text = json.dumps(schema)
+            with self._lock:
+                compiled = self._compiler.compile_json_schema(text)
+        except Exception as exc:   # xgrammar raises RuntimeError/ValueError on a bad schema
+            raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
+        return Grammar(compiled, "json_schema", self.vocab_size)
+
+
+    def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str
+                  ) -> Grammar:
+        """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
+        written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
+        valid against the schema (OpenAI's ``tool_choice`` required or named)."""
+        xgr = _xgr()
+        try:
+            calls = [xgr.Grammar.from_json_schema(json.dumps({
+                "type": "object", "properties": {"name": {"const": name},
+                                                 "arguments": schema or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}))
+                for name, schema in tools]
+            body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+            grammar = xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
+            with self._lock:
+                compiled = self._compiler.compile_grammar(grammar)
+        except Exception as exc:   # a tool's parameters schema xgrammar cannot compile
+            raise InvalidRequestError(f"the tools' parameters cannot be compiled: {exc}"
+                                      ) from None
+        return Grammar(compiled, "tool_call", self.vocab_size)
+
+
+def matcher_for(req: Any, seq: Any) -> Any:
+    """The grammar matcher of ``seq`` (a sequence of ``req``), made on first use. Stored on the
+    request by the sequence's output index, so it lives and dies with the request; a sample
+    forked at its first token gets a fresh matcher, which is right since it has accepted
+    nothing yet."""
+    m = req.grammar_state.get(seq.index)
+    if m is None:
+        m = req.grammar_state[seq.index] = req.params.grammar.matcher()
+    return m
+
+
+def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
+    """Set to ``-inf``, in place, every logit of row ``r`` that matcher ``m`` does not allow
+    next, for each ``(r, m)`` in ``rows``. One bitmask for the batch, one apply call."""
+    if not rows:
+        return
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for r, m in rows:
+        m.fill_next_token_bitmask(bitmask, r)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                    indices=[r for r, _ in rows])
+
+
+def accept(req: Any, seq: Any, token: int) -> None:
+    """Advance ``seq``'s matcher by the token just chosen for it (masked, so always allowed;
+    a token the grammar refuses would be a bug, reported loudly)."""
+    m = matcher_for(req, seq)
+    if m.is_terminated():
+        return
+    if not m.accept_token(int(token)):
+        raise RuntimeError(f"grammar {req.params.grammar!r} refused token {token} it allowed")
+
+
+__all__ = ["Grammar", "GrammarCompiler", "accept", "mask_rows", "matcher_for"]
