@@ -315,6 +315,7 @@ def test_qwen2_quantized_path_adds_no_error_beyond_the_formats_own(make_tiny, kv
     element; docs/quantization.md)."""
     from radixkv.benchmarks import bench_kv_quant as bq
     from radixkv.engine import attention
+    from radixkv.kernels import fused
 
     hf = copy.deepcopy(make_tiny("qwen2"))
     g = torch.Generator().manual_seed(5)
@@ -331,7 +332,15 @@ def test_qwen2_quantized_path_adds_no_error_beyond_the_formats_own(make_tiny, kv
         rt = [dequantize_rows(quantize_rows(x, kv), x.dtype) for x in (k, v)]
         return orig(ctx, layer, q, *rt, *a, **kw)
 
-    monkeypatch.setattr(attention, "attend", round_trip)
+    def write_round_trip(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, has_pad):
+        # the lean forward's fused rope + K/V write: the same rows, through the format and back
+        q, k = fused.rope_ref(q, cos, sin), fused.rope_ref(k, cos, sin)
+        k, v = (dequantize_rows(quantize_rows(x, kv), x.dtype) for x in (k, v))
+        return fused.rope_write_kv_ref(q, k, v, torch.ones_like(cos), torch.zeros_like(sin),
+                                       k_cache, v_cache, slot_mapping, has_pad)
+
+    monkeypatch.setattr(attention, "attend", round_trip)           # transformers' modules
+    monkeypatch.setattr(fused, "rope_write_kv", write_round_trip)  # the lean forward
     for cached, got in real.items():
         want = bq.teacher_forced(hf, "auto", seqs, cached=cached)
         for a, b in zip(got, want):
