@@ -102,6 +102,12 @@ def test_the_engine_reads_only_the_protocol_of_its_mover(served) -> None:
 
 
 def test_write_policies_are_objects_that_wire_hooks() -> None:
+    """Each write policy wires the remote tier's hooks into a real tree and a mover, with the
+    listeners' real signatures: write-back hears drops and the mover's groups, write-through
+    also every computed block, read-only nothing."""
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.core.hashing import Namespace, hash_token_blocks
+
     assert isinstance(write_policy("write_back"), WriteBack)
     assert isinstance(write_policy("write_through"), WriteThrough)
     assert isinstance(write_policy("read_only"), ReadOnly)
@@ -110,28 +116,45 @@ def test_write_policies_are_objects_that_wire_hooks() -> None:
     with pytest.raises(ConfigError):
         write_policy("write_sometimes")
 
-    class Hooks:
-        drop_listener = insert_listener = None
-        observed: list = []
+    class Tier:     # RemoteTier's three hooks, with its signatures
+        def __init__(self) -> None:
+            self.seen: list[tuple] = []
 
-        def add_observer(self, fn):
-            self.observed.append(fn)
+        def on_drop(self, blocks) -> None:
+            self.seen.append(("drop", [b.block_hash for b in blocks]))
 
-    class Tier:
-        def on_drop(self, node): ...
-        def on_computed(self, nodes): ...
-        def apply_moves(self, moves): ...
+        def on_computed(self, hashes, slots=None) -> None:
+            self.seen.append(("computed", list(hashes)))
 
-    tier = Tier()
-    for policy, drops, inserts, observers in ((ReadOnly(), False, False, 0),
-                                              (WriteBack(), True, False, 1),
-                                              (WriteThrough(), True, True, 1)):
-        h = Hooks()
-        h.observed = []
-        policy.attach(tier, h, h)
-        assert (h.drop_listener is not None) == drops
-        assert (h.insert_listener is not None) == inserts
-        assert len(h.observed) == observers
+        def apply_moves(self, moves) -> None:
+            self.seen.append(("moves", len(moves)))
+
+    class Mover(KVMover):
+        def __init__(self) -> None:
+            self.observers: list = []
+
+        def apply_moves(self, moves) -> None:
+            for fn in self.observers:
+                fn(moves)
+
+        def copy_blocks(self, copies) -> None: ...
+
+        def add_observer(self, fn) -> None:
+            self.observers.append(fn)
+
+    ns = Namespace("m")
+    [h] = hash_token_blocks([1, 1], 2, ns)
+    for policy, want in ((ReadOnly(), []),
+                         (WriteBack(), [("drop", [h]), ("moves", 0)]),
+                         (WriteThrough(), [("computed", [h]), ("drop", [h]), ("moves", 0)])):
+        bm, tier, mover = BlockManager.create(4, 2, policy="lru"), Tier(), Mover()
+        policy.attach(tier, bm.tree, mover)
+        bm.allocate("a", [1, 1, 9], ns)
+        bm.commit("a", 3)
+        bm.free("a")
+        bm.tree.evict(0, 1)
+        mover.apply_moves([])
+        assert tier.seen == want, policy
 
 
 def _imports(path: pathlib.Path) -> set[str]:
