@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     if "remote-engines" in parts:
         from radixkv.benchmarks.bench_remote_engines import bench_remote_engines
         re_ = bench_remote_engines(args.quick)
-        print_table(re_["rows"], ["device", "run", "engines", "device_blocks_each", "host_blocks_each",
+        print_table(re_["rows"], ["device", "run", "engines", "device_blocks_each",
+                                  "host_blocks_each",
                                   "hit_rate", "remote_share", "of_single", "of_single+remote",
                                   "seconds"],
                     title=f"replicas sharing a remote tier: chat trace, {re_['requests']} "

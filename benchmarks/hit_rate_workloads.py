@@ -60,6 +60,11 @@ N_CAPACITIES, QUICK_CAPACITIES = 10, 6
 ZONE_FRACTION = 0.5  # Belady >= this x infinite: the capacities where the 0.8 target applies
 TARGET_OF_BELADY = 0.8
 MAX_POINTS_BELOW_LRU = 1.0
+#: Issue 30's bounds for the default policy: at most this many points below LRU at any
+#: capacity of any workload (held-out traces included), at most this many times LRU's
+#: bookkeeping CPU per request (median over capacities, same run).
+DEFAULT_MAX_POINTS_BELOW_LRU = 0.2
+DEFAULT_MAX_CPU_VS_LRU = 1.3
 #: A row's fields that depend only on the trace and the capacity (``--reuse`` copies them).
 REFERENCE_FIELDS = ("capacity_blocks", "capacity_tokens", "of_working_set", "infinite", "belady",
                     "belady_cost", "cost_belady", "cost_belady_cost", "cost_ref", "end_blind",
@@ -187,7 +192,9 @@ def evaluate(requests: Sequence[Any], header: dict[str, Any], capacities: Sequen
 
 def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per policy: the worst ratio to Belady inside the zone, the worst points vs LRU anywhere,
-    and whether issue 15's target holds (an empty zone counts as met for the 0.8 part)."""
+    whether issue 15's target holds (an empty zone counts as met for the 0.8 part), and
+    whether issue 30's bounds for a default hold (``within_default_bounds``: never more than
+    0.2 points below LRU, at most 1.3x its bookkeeping CPU at the median)."""
     out: dict[str, dict[str, Any]] = {}
     for pol in dict.fromkeys(r["policy"] for r in rows):
         mine = [r for r in rows if r["policy"] == pol]
@@ -206,6 +213,9 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                             if r.get(field) and lru_cpu.get(r["capacity_blocks"]))
             if ratios:
                 v["cpu_vs_lru_median" + ("_baseline" if pre else "")] = ratios[len(ratios) // 2]
+        cpu = v.get("cpu_vs_lru_median")
+        v["within_default_bounds"] = (v["min_points_vs_lru"] >= -DEFAULT_MAX_POINTS_BELOW_LRU
+                                      and cpu is not None and cpu <= DEFAULT_MAX_CPU_VS_LRU)
         if any("same_hits_as_baseline" in r for r in mine):
             ratios = sorted(r["cpu_us_per_request"] / r["baseline_cpu_us_per_request"]
                             for r in mine)

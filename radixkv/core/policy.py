@@ -368,10 +368,12 @@ def auto_policy(then: str = AUTO_THEN) -> LRUPolicy:
 
     Why: without hints no policy measured beats LRU on every workload, held-out traces
     included, at a cost near LRU's (``duel`` gains up to 53 points on round-robin chat but
-    falls up to 0.85 below LRU on a held-out trace, for 10-13x LRU's bookkeeping); told of
-    session ends, ``forecast`` stays above LRU on every workload measured for about 1.4x its
-    cost (docs/eviction.md). ``then`` must keep runs as LRU cut them (no ``insert_key``, no
-    ``fresh_counts``): ``forecast``, ``fifo``, ``priority``, ``mru``, ``ttl``.
+    falls up to 0.57 points below LRU on open-loop chat and a held-out trace, for 7-13x LRU's
+    bookkeeping); told of session ends, ``forecast`` stays above LRU at every capacity of the
+    five traces measured, for 1.5-1.7x LRU's bookkeeping (docs/eviction.md). ``then`` must
+    keep runs as LRU cut them (no ``insert_key``, no ``fresh_counts``): ``forecast``,
+    ``fifo``, ``priority``, ``mru``, ``ttl``. Runtime complexity: the switch is O(nodes) once
+    (``RadixTree.switch_policy``); before it, LRU's.
     """
     if not isinstance(then, str) or then not in POLICIES or then == "auto":
         raise ConfigError(f"auto's 'then' must be a policy name other than 'auto', one of "

@@ -66,6 +66,20 @@ def test_verdicts_apply_both_halves_of_the_target():
     assert v["d"]["meets_target"] and v["d"]["min_of_belady_in_zone"] is None
 
 
+def test_verdicts_say_whether_a_policy_is_fit_to_be_the_default():
+    """Issue 30's bounds: >= LRU - 0.2 points everywhere, <= 1.3x LRU's CPU at the median."""
+    def r(policy, cap, points, cpu):
+        return {**row(policy, 0.9, points), "capacity_blocks": cap, "cpu_us_per_request": cpu}
+
+    rows = [r("lru", c, 0.0, 100.0) for c in (1, 2, 3)]
+    rows += [r("ok", 1, -0.2, 120.0), r("ok", 2, 3.0, 130.0), r("ok", 3, 0.0, 200.0)]
+    rows += [r("low", 1, -0.21, 100.0), r("low", 2, 0.0, 100.0), r("low", 3, 0.0, 100.0)]
+    rows += [r("dear", c, 1.0, 131.0) for c in (1, 2, 3)]
+    v = H.verdicts(rows)
+    assert v["lru"]["within_default_bounds"] and v["ok"]["within_default_bounds"]
+    assert not v["low"]["within_default_bounds"] and not v["dear"]["within_default_bounds"]
+
+
 def test_every_core_policy_is_benchmarked():
     from radixkv.core.policy import POLICIES
 

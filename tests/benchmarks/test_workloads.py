@@ -54,6 +54,40 @@ def test_round_robin_validates():
         rr(slots=0)
 
 
+def shuffled(**kw):
+    params = dict(n_conversations=25, slots=4, interval_s=2.0, max_context=400)
+    params.update(kw)
+    return T.build_chat_shuffled(CONVS, tk(), seed=3, progress=False, **params)
+
+
+def test_held_out_chat_is_shuffled_and_drawn_apart():
+    """``chat-shuffled``: every turn of every kept conversation once, in order, at most
+    ``slots`` conversations live, the next request from a random live one (not a round robin),
+    and other conversations than ``chat-rr``'s with the same seed."""
+    reqs, _ = shuffled()
+    assert [r.t for r in reqs] == [2.0 * j for j in range(len(reqs))]
+    turns: dict[int, list] = {}
+    for j, r in enumerate(reqs):
+        turns.setdefault(r.conv, []).append((j, r))
+    assert len(turns) == 25
+    for rs in turns.values():
+        assert [r.turn for _, r in rs] == list(range(len(rs)))
+        for (_, a), (_, b) in zip(rs, rs[1:]):
+            assert b.prompt[:len(a.prompt) + len(a.reply)] == a.prompt + a.reply
+    live = set()
+    for j, r in enumerate(reqs):
+        live.add(r.conv)
+        live -= {c for c in live if turns[c][-1][0] < j}
+        assert len(live) <= 4
+    gaps = [j1 - j0 for rs in turns.values() for (j0, _), (j1, _) in zip(rs, rs[1:])]
+    assert len(set(gaps)) > 1                       # not a fixed period
+    src = [r.meta["src"] for r in reqs if r.turn == 0]
+    assert src != [r.meta["src"] for r in rr()[0] if r.turn == 0]
+    assert shuffled()[0] == reqs                    # deterministic
+    with pytest.raises(ValueError, match="slots"):
+        shuffled(slots=0)
+
+
 AGENT_CONVS = [[(f"task {i} " + "word " * (3 + i % 30), f"result {i} " + "x " * (10 + i % 90))]
                for i in range(300)]
 

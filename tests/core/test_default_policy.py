@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import random
 
+import hypothesis.strategies as st
 import pytest
 from core_helpers import FakeClock, snapshot_manager
 
@@ -162,3 +163,73 @@ def test_switch_to_a_policy_that_cuts_runs_differently_changes_nothing() -> None
         tree.switch_policy("lfu")
     assert tree.policy is policy and tree._lru and snapshot_manager(bm) == before
     bm.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree state machine (test_tree_state.py) on the default policy: its per-block model orders
+# by LRU until the first request that says its session ends, then starts a fresh forecast model
+# (every cached block's state as if just cached at its last access, no session, no ghost) and
+# orders by it, so every eviction after the switch is checked against the forecast's order.
+
+from hypothesis.stateful import initialize  # noqa: E402
+from test_tree_state import TreeMachine  # noqa: E402
+from tree_models import ForecastModel  # noqa: E402
+
+
+class _SwitchOnEnd:
+    """The machine's forecast model until the switch: the request rule calls ``start`` right
+    after ``allocate``, which is where the block manager switches the tree."""
+
+    def __init__(self, machine: AutoTreeMachine, inner: ForecastModel) -> None:
+        self.machine, self.inner = machine, inner
+
+    def start(self, session, end: bool, now: float) -> None:
+        m = self.machine
+        if end:
+            m.switch()
+            m.fm.start(session, end, now)
+        else:
+            self.inner.start(session, end, now)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class AutoTreeMachine(TreeMachine):
+    num_tiers = 1
+    write_through: tuple[int, ...] = ()
+    _mode: str | None = None
+
+    @property
+    def policy(self) -> str:            # the order the model follows (``auto`` to build it)
+        return self._mode or "auto"
+
+    @property
+    def name(self) -> str:
+        wt = f", wt={list(self.write_through)}" if self.write_through else ""
+        return f"tree[{self.num_tiers} tiers, auto{wt}]"
+
+    @initialize(caps=st.tuples(st.integers(3, 8), st.integers(1, 4), st.integers(1, 4)))
+    def setup(self, caps) -> None:
+        super().setup(caps)
+        assert type(self.bm.tree.policy) is LRUPolicy and self.bm.tree.policy.name == "auto"
+        self._mode = "lru"
+        self.fm = _SwitchOnEnd(self, self.fm)
+
+    def switch(self) -> None:
+        assert type(self.bm.tree.policy) is ForecastPolicy, "the first end hint must switch"
+        self._mode = "forecast"
+        self.fm = ForecastModel(self.caps[0])
+        for b in self.m.values():
+            b.gap, b.owner = 0.0, None
+            self.fm.snapshot(b)
+
+
+def _auto_machine(tiers: int, wt: tuple[int, ...] = ()):
+    return type(f"AutoTree{tiers}{''.join(map(str, wt))}", (AutoTreeMachine,),
+                {"num_tiers": tiers, "write_through": wt}).TestCase
+
+
+TestAutoTree1Tier = _auto_machine(1)
+TestAutoTree3Tier = _auto_machine(3)
+TestAutoTree3TierWT12 = _auto_machine(3, (1, 2))

@@ -22,12 +22,13 @@ def make(num_blocks=8, lower=(), policy="lru"):
     return bm, clock
 
 
-def run(bm, clock, sid, tokens, ns=NS):
-    """One request: allocate, compute, commit everything, free; returns the allocation."""
-    clock.advance()
+def run(bm, clock, sid, tokens, ns=NS, advance=True):
+    """One request: allocate, compute, commit everything, free; returns the allocation.
+    The clock moves a second before and after (``advance``; False: it stands still)."""
+    clock.advance(1.0 if advance else 0.0)
     a = bm.allocate(sid, tokens, ns)
     bm.commit(sid, len(tokens))
-    clock.advance()
+    clock.advance(1.0 if advance else 0.0)
     bm.free(sid)
     bm.check_invariants()
     return a
@@ -85,8 +86,8 @@ def test_lru_without_priority_loses_the_system_prompt() -> None:
 def test_ttl_expiry_with_a_fake_clock() -> None:
     clock = FakeClock(0.0)
     bm = BlockManager.create(8, block_size=2, policy="ttl", clock=clock)
-    bm.allocate("a", [1, 1, 9], NS); bm.commit("a", 3); bm.free("a")     # released at t=0
-    bm.allocate("b", [2, 2, 9], NS); bm.commit("b", 3); bm.free("b")
+    run(bm, clock, "a", [1, 1, 9], advance=False)                       # released at t=0
+    run(bm, clock, "b", [2, 2, 9], advance=False)
     bm.tree.set_hints([h([2, 2])[0]], ttl=3600.0)                       # the 1-hour tier
     assert bm.tree.evict_expired(299.0) == []                           # default TTL 300 s
     events = bm.event_queue().subscribe()
@@ -102,7 +103,7 @@ def test_ttl_expiry_with_a_fake_clock() -> None:
 def test_ttl_expired_blocks_leave_through_the_slow_tiers() -> None:
     clock = FakeClock(0.0)
     bm = BlockManager.create(4, block_size=2, policy="ttl", lower_tier_blocks=[2], clock=clock)
-    bm.allocate("a", [1, 1, 9], NS); bm.commit("a", 3); bm.free("a")
+    run(bm, clock, "a", [1, 1, 9], advance=False)
     moves = bm.tree.evict_expired(1000.0)
     x = h([1, 1])[0]
     assert moves == [MoveOp(x, 0, 0, 1, 0), MoveOp(x, 1, 0, None, None)]
