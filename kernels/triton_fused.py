@@ -128,10 +128,13 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
         res2, sr = _rows(residual)
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        # one row per program: more warps for wide rows (hidden 4096-8192) keep the row in
+        # registers without spilling
         _rms_norm_kernel[(n_rows,)](x2, res2, weight, out, x2 if total is None else total,
                                     sx, sr, n_cols, float(eps),
-                                    HAS_RESIDUAL=residual is not None,
-                                    BLOCK=triton.next_power_of_2(n_cols))
+                                    HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                    num_warps=max(1, min(16, block // 512)))
     return out, total
 
 

@@ -113,7 +113,9 @@ class _Concat:
             -1 if m.bias is None else m.bias.data_ptr() for m in self.parts)
 
     def _build(self) -> None:
-        with torch.no_grad():
+        # Ordinary tensors even when called inside the runner's inference mode: the model's
+        # parameters must stay loadable (in-place copies) and usable with autograd outside it.
+        with torch.inference_mode(False), torch.no_grad():
             for name in ("weight", "bias"):
                 tensors = [getattr(m, name) for m in self.parts]
                 if tensors[0] is None:
@@ -190,6 +192,9 @@ class _Layer:
         self.gate_up = _Fused([self.gate, self.up])
         self.qkv_cat = _Concat([self.q, self.k, self.v])
         self.gate_up_cat = _Concat([self.gate, self.up])
+        if self.q.weight.device.type != "meta":   # concatenate now, not in the first step
+            self.qkv_cat._build()
+            self.gate_up_cat._build()
         self.scaling = attn.scaling
         if window_source == "config":
             self.window = getattr(config, "sliding_window", None)

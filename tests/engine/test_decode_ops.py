@@ -199,3 +199,38 @@ def test_decode_forward_passes_cuda_sync_debug_mode(arch, make_tiny, toy_pager):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (3, runner.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+def test_fused_weights_are_views_of_one_tensor_and_stay_loadable(make_tiny, toy_pager):
+    """q/k/v (and gate/up) parameters become row views of one concatenated tensor at runner
+    construction (no second copy), ordinary tensors (loadable in place after a step), and a
+    later in-place load or a replaced parameter is what the next step computes with."""
+    from radixkv.engine.model_runner import ModelRunner
+
+    model = make_tiny("qwen2")
+    reference = make_tiny("qwen2", seed=1)
+    runner = ModelRunner.for_model(model, 32, 4)
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() \
+        == v.untyped_storage().data_ptr()
+    assert attn.q_proj.bias.untyped_storage().data_ptr() \
+        == attn.v_proj.bias.untyped_storage().data_ptr()
+
+    def logits() -> torch.Tensor:
+        pager = toy_pager(32, 4)
+        pager.add(0, [3, 1, 4, 1, 5])
+        return runner.execute(runner.build_batch([pager.chunk(0)]))
+
+    first = logits()
+    assert not q.is_inference()
+    model.load_state_dict(reference.state_dict())          # in place, after a step
+    loaded = logits()
+    fresh = ModelRunner.for_model(copy.deepcopy(reference), 32, 4)
+    pager = toy_pager(32, 4)
+    pager.add(0, [3, 1, 4, 1, 5])
+    assert torch.equal(loaded, fresh.execute(fresh.build_batch([pager.chunk(0)])))
+    assert not torch.equal(first, loaded)
+    with torch.no_grad():                                   # a replaced parameter
+        attn.k_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.k_proj.weight))
+    assert not torch.equal(logits(), loaded)

@@ -108,3 +108,18 @@ def test_cpu_engine_keeps_the_fixed_default(make_tiny):
     per_block = model_kv_layout(model, 4).bytes_per_block
     assert engine.tier_capacity_blocks[0] == parse_memory(DEFAULT_DEVICE_MEMORY) // per_block
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_size_device_pool_on_cuda(make_tiny):
+    """On CUDA, with the card's own numbers: a profiled forward, a positive pool, a line."""
+    model = make_tiny("llama").cuda()
+    layout = model_kv_layout(model, 16)
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(1.0, (total - free) / total + 0.05)   # room for ~5% of the card
+    sizing = memory.size_device_pool(model, layout, 16, "auto", utilization, 512, 8,
+                                     torch.device("cuda"))
+    assert sizing.activation_peak_bytes > 0 and sizing.num_blocks > 0
+    assert sizing.total_bytes == total
+    assert "blocks x 16 tokens" in sizing.describe()
