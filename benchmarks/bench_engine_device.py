@@ -275,8 +275,10 @@ def _fits(shape: str, device: Any) -> bool:
     return 2 * params < free * (1 - _WORKSPACE_FRACTION)
 
 
-def run(args: Any) -> dict:
-    """Measure every shape that fits; return the results (rows per table)."""
+def run(args: Any, checkpoint: Any = None) -> dict:
+    """Measure every shape that fits; return the results (rows per table). ``checkpoint``
+    (results -> None) is called after each shape, so a run stopped by a time limit keeps the
+    shapes it finished."""
     import numpy as np
     import torch
 
@@ -302,6 +304,8 @@ def run(args: Any) -> dict:
         results["decode"] += decode_rows(model, shape, args, limits, device, rng, dtype)
         results["prefill"].append(prefill_row(model, shape, args, device, rng, dtype))
         results["ttft"].append(ttft_row(model, shape, args, device, rng, dtype))
+        if checkpoint is not None:
+            checkpoint(results)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -350,7 +354,11 @@ def main_device(args: Any) -> int:
         args.prefill_batch, args.prefill_len, args.ttft_prefix, args.repeat = 4, 64, 256, 1
     header = run_header(seed=args.seed, benchmark="engine-device", args=vars(args),
                         quick=args.quick)
-    results = run(args)
+    def checkpoint(partial: dict) -> None:
+        header["device_name"] = partial["device"]
+        write_results(args.name, header, partial)
+
+    results = run(args, checkpoint)
     header["device_name"] = results["device"]
     print_tables(results)
     path = write_results(args.name, header, results)
