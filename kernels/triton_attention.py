@@ -321,7 +321,7 @@ def _loop_form(kernel: object) -> dict:
     The kernels' token loops have bounds read from memory. Compiled, they are ``for`` loops
     (``scf.for``, which Triton software-pipelines: the next tile's loads overlap this tile's
     math). Triton 3.6's interpreter cannot run such a ``for``: it turns the bound into a Python
-    int with ``int(array)`` on a one-element 1-d numpy array, which numpy >= 2.4 rejects
+    int with ``int(array)`` on a one-element 1-d numpy array, which recent numpy (2.4) rejects
     (``TypeError: only 0-dimensional arrays can be converted to Python scalars``; 3.9 squeezes
     first). A ``while`` loop only needs ``bool()`` of the condition, which both versions handle,
     so under the interpreter the same loop body (a shared ``@triton.jit`` helper) runs in a
