@@ -5,8 +5,8 @@ Per model shape and decode batch size B (default 1, 64, 256), in one run on one 
 
 * ``radixkv_ms``: radixkv's decode ms per step: ``Engine.generate`` of B fresh random prompts
   of ``--prompt`` tokens with ``max_tokens = T + 1`` minus the same with ``max_tokens = 1``
-  (prefill and start-up cancel), over T steps; the fastest of ``--repeat`` runs of each. One engine per B, ``max_num_seqs = B``, a pool
-  sized to hold every sequence (no preemption).
+  (prefill and start-up cancel), over T steps; the fastest of ``--repeat`` runs of each. One
+  engine per B, ``max_num_seqs = B``, a pool sized to hold every sequence (no preemption).
 * ``transformers_ms``: the same difference for ``model.generate`` (greedy, eager: no
   ``torch.compile``, the model's default attention), batch B of the same length.
 * ``limit_ms``: the hardware limit of one step, max(bytes read / device-copy bandwidth,
