@@ -48,8 +48,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                  tie_word_embeddings=True, max_position_embeddings=4096),
 }
-#: Bytes of device memory a shape needs besides its KV pool (weights + activations), to
-#: decide whether it runs ("8B if memory allows").
+#: Share of the free device memory kept for KV pools, activations and transformers' own cache
+#: when deciding whether a shape's bf16 weights fit ("8B if memory allows").
 _WORKSPACE_FRACTION = 0.35
 
 
