@@ -149,6 +149,18 @@ def _engine(model: Any, device: Any, dtype: str, max_seqs: int, tokens: int,
                   model_id=f"bench-device-{max_seqs}")
 
 
+def _release(engine: Any) -> None:
+    """Close an engine and give its pool back to the device before the next one is made."""
+    import gc
+
+    import torch
+
+    engine.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _generate_s(engine: Any, prompts: list[list[int]], max_tokens: int, device: Any) -> float:
     from radixkv import SamplingParams
 
@@ -199,7 +211,7 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
             one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
                       for _ in range(args.repeat))
         finally:
-            engine.close()
+            _release(engine)
         row["preemptions"] = engine.preemptions   # 0 unless the pool was too small
         row["radixkv_ms"] = (full - one) / steps * 1e3
         row.update(step_limit_ms(model, batch, ctx, limits))
@@ -229,7 +241,7 @@ def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype:
         t = statistics.median(_generate_s(engine, _prompts(rng, n, length, vocab), 1, device)
                               for _ in range(args.repeat))
     finally:
-        engine.close()
+        _release(engine)
     tokens = n * length
     return {"device": args.device_name, "shape": shape, "batch": n, "new_tokens": length,
             "radixkv_tok_s": tokens / t, "transformers_forward_tok_s": tokens / hf_t,
@@ -253,7 +265,7 @@ def ttft_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: st
             cached.append(out.ttft)
             hit.append(out.num_cached_tokens)
     finally:
-        engine.close()
+        _release(engine)
     med = statistics.median
     return {"device": args.device_name, "shape": shape, "prefix": prefix_len, "new_tokens": new,
             "cold_ttft_ms": med(cold) * 1e3, "cached_ttft_ms": med(cached) * 1e3,
