@@ -492,20 +492,26 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                             scale: float, out: torch.Tensor, max_q: int | None = None,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, plan: dict | None = None
+                            ) -> torch.Tensor:
     """q [T, Hq, D] packed by cu_seqlens_q int32 [S+1]; seq_lens int32 [S] include the chunk;
     caches as in :func:`paged_decode_attention`.
 
     max_q: the longest chunk, when the caller knows it on the host; else it is read from
-    cu_seqlens_q to size the grid (one sync on CUDA). config: launch-shape override
+    cu_seqlens_q to size the grid (one sync on CUDA), once per step when a ``plan`` dict is
+    kept for the step (key ``"triton_max_q"``). config: launch-shape override
     (:data:`PREFILL_CONFIG`).
     """
     check_mode(_prefill_kernel, q.device)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    if max_q is None and plan is not None:
+        max_q = plan.get("triton_max_q")
     if max_q is None:
         max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if plan is not None:
+            plan["triton_max_q"] = max_q
     if max_q == 0:
         return out
     cfg = _launch_config(PREFILL_CONFIG, head_dim, q.device, config)
