@@ -5,8 +5,8 @@ Per model shape and decode batch size B (default 1, 64, 256), in one run on one 
 
 * ``radixkv_ms``: radixkv's decode ms per step: ``Engine.generate`` of B fresh random prompts
   of ``--prompt`` tokens with ``max_tokens = T + 1`` minus the same with ``max_tokens = 1``
-  (prefill and start-up cancel), over T steps; the fastest of ``--repeat`` runs of each. One engine per B, ``max_num_seqs = B``, a pool
-  sized to hold every sequence (no preemption).
+  (prefill and start-up cancel), over T steps; the fastest of ``--repeat`` runs of each. One
+  engine per B, ``max_num_seqs = B``, a pool sized to hold every sequence (no preemption).
 * ``transformers_ms``: the same difference for ``model.generate`` (greedy, eager: no
   ``torch.compile``, the model's default attention), batch B of the same length.
 * ``limit_ms``: the hardware limit of one step, max(bytes read / device-copy bandwidth,
@@ -48,8 +48,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                  tie_word_embeddings=True, max_position_embeddings=4096),
 }
-#: Bytes of device memory a shape needs besides its KV pool (weights + activations), to
-#: decide whether it runs ("8B if memory allows").
+#: Share of the free device memory kept for KV pools, activations and transformers' own cache
+#: when deciding whether a shape's bf16 weights fit ("8B if memory allows").
 _WORKSPACE_FRACTION = 0.35
 
 
@@ -149,6 +149,18 @@ def _engine(model: Any, device: Any, dtype: str, max_seqs: int, tokens: int,
                   model_id=f"bench-device-{max_seqs}")
 
 
+def _release(engine: Any) -> None:
+    """Close an engine and give its pool back to the device before the next one is made."""
+    import gc
+
+    import torch
+
+    engine.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _generate_s(engine: Any, prompts: list[list[int]], max_tokens: int, device: Any) -> float:
     from radixkv import SamplingParams
 
@@ -199,7 +211,7 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
             one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
                       for _ in range(args.repeat))
         finally:
-            engine.close()
+            _release(engine)
         row["preemptions"] = engine.preemptions   # 0 unless the pool was too small
         row["radixkv_ms"] = (full - one) / steps * 1e3
         row.update(step_limit_ms(model, batch, ctx, limits))
@@ -229,7 +241,7 @@ def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype:
         t = statistics.median(_generate_s(engine, _prompts(rng, n, length, vocab), 1, device)
                               for _ in range(args.repeat))
     finally:
-        engine.close()
+        _release(engine)
     tokens = n * length
     return {"device": args.device_name, "shape": shape, "batch": n, "new_tokens": length,
             "radixkv_tok_s": tokens / t, "transformers_forward_tok_s": tokens / hf_t,
@@ -253,7 +265,7 @@ def ttft_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: st
             cached.append(out.ttft)
             hit.append(out.num_cached_tokens)
     finally:
-        engine.close()
+        _release(engine)
     med = statistics.median
     return {"device": args.device_name, "shape": shape, "prefix": prefix_len, "new_tokens": new,
             "cold_ttft_ms": med(cold) * 1e3, "cached_ttft_ms": med(cached) * 1e3,
@@ -275,8 +287,10 @@ def _fits(shape: str, device: Any) -> bool:
     return 2 * params < free * (1 - _WORKSPACE_FRACTION)
 
 
-def run(args: Any) -> dict:
-    """Measure every shape that fits; return the results (rows per table)."""
+def run(args: Any, checkpoint: Any = None) -> dict:
+    """Measure every shape that fits; return the results (rows per table). ``checkpoint``
+    (results -> None) is called after each shape, so a run stopped by a time limit keeps the
+    shapes it finished."""
     import numpy as np
     import torch
 
@@ -302,6 +316,8 @@ def run(args: Any) -> dict:
         results["decode"] += decode_rows(model, shape, args, limits, device, rng, dtype)
         results["prefill"].append(prefill_row(model, shape, args, device, rng, dtype))
         results["ttft"].append(ttft_row(model, shape, args, device, rng, dtype))
+        if checkpoint is not None:
+            checkpoint(results)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -350,7 +366,11 @@ def main_device(args: Any) -> int:
         args.prefill_batch, args.prefill_len, args.ttft_prefix, args.repeat = 4, 64, 256, 1
     header = run_header(seed=args.seed, benchmark="engine-device", args=vars(args),
                         quick=args.quick)
-    results = run(args)
+    def checkpoint(partial: dict) -> None:
+        header["device_name"] = partial["device"]
+        write_results(args.name, header, partial)
+
+    results = run(args, checkpoint)
     header["device_name"] = results["device"]
     print_tables(results)
     path = write_results(args.name, header, results)

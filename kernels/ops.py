@@ -188,7 +188,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                   cached_len = seq_len - q_len >= 0.
     check:        False skips the value checks (cu_seqlens_q, seq_lens, used table entries)
                   for a caller that validated the batch already; structure is always checked.
-    plan:         torch backend: a per-batch dict, as in :func:`paged_decode_attention`.
+    plan:         a per-batch dict, as in :func:`paged_decode_attention` (Triton keeps the
+                  longest chunk there: one device read per step, not per layer).
     max_q_len:    Triton: the longest chunk (max of cu_seqlens_q's differences) when the caller
                   has it on the host; otherwise it is read from the device (one sync on CUDA).
                   Not checked against cu_seqlens_q: a smaller value leaves rows unwritten.
@@ -236,7 +237,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if name == "triton":
         return _triton_attention().paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out, max_q_len)
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc, out, max_q_len,
+            plan=plan)
     k_cache, v_cache = _dequantized(k_cache, q.dtype), _dequantized(v_cache, q.dtype)
     if name == "torch":
         return torch_path.paged_prefill_attention(q, k_cache, v_cache, block_tables,

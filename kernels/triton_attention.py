@@ -321,7 +321,7 @@ def _loop_form(kernel: object) -> dict:
     The kernels' token loops have bounds read from memory. Compiled, they are ``for`` loops
     (``scf.for``, which Triton software-pipelines: the next tile's loads overlap this tile's
     math). Triton 3.6's interpreter cannot run such a ``for``: it turns the bound into a Python
-    int with ``int(array)`` on a one-element 1-d numpy array, which numpy >= 2.4 rejects
+    int with ``int(array)`` on a one-element 1-d numpy array, which recent numpy (2.4) rejects
     (``TypeError: only 0-dimensional arrays can be converted to Python scalars``; 3.9 squeezes
     first). A ``while`` loop only needs ``bool()`` of the condition, which both versions handle,
     so under the interpreter the same loop body (a shared ``@triton.jit`` helper) runs in a
@@ -492,20 +492,26 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                             scale: float, out: torch.Tensor, max_q: int | None = None,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, plan: dict | None = None
+                            ) -> torch.Tensor:
     """q [T, Hq, D] packed by cu_seqlens_q int32 [S+1]; seq_lens int32 [S] include the chunk;
     caches as in :func:`paged_decode_attention`.
 
     max_q: the longest chunk, when the caller knows it on the host; else it is read from
-    cu_seqlens_q to size the grid (one sync on CUDA). config: launch-shape override
+    cu_seqlens_q to size the grid (one sync on CUDA), once per step when a ``plan`` dict is
+    kept for the step (key ``"triton_max_q"``). config: launch-shape override
     (:data:`PREFILL_CONFIG`).
     """
     check_mode(_prefill_kernel, q.device)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    if max_q is None and plan is not None:
+        max_q = plan.get("triton_max_q")
     if max_q is None:
         max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if plan is not None:
+            plan["triton_max_q"] = max_q
     if max_q == 0:
         return out
     cfg = _launch_config(PREFILL_CONFIG, head_dim, q.device, config)

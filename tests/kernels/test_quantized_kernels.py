@@ -9,6 +9,8 @@ operations, no fp8 cast) is checked against torch's on all 256 codes.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -171,10 +173,10 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
                                    num_key_value_heads=1, max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model = model.to(triton_device)
+    on_device = copy.deepcopy(model).to(triton_device)
     bs, prompts = 8, [list(range(3, 22)), list(range(40, 45))]
 
-    def run() -> list[torch.Tensor]:
+    def run(model) -> list[torch.Tensor]:
         runner = ModelRunner.for_model(model, 16, bs, kv_dtype)
         tables = [[0, 1, 2, 3], [4, 5]]
         pre = [SequenceChunk(p, 0, t, [t[i // bs] * bs + i % bs for i in range(len(p))])
@@ -187,14 +189,14 @@ def test_engine_attention_reads_quantized_blocks_in_place_on_triton(triton_backe
     real = attention.PagedAttentionContext.scratch_tables
     monkeypatch.setattr(attention.PagedAttentionContext, "scratch_tables",
                         lambda self: scratch_calls.append(1) or real(self))
-    got = run()                                   # RADIXKV_KERNEL_BACKEND=triton (fixture)
+    got = run(on_device)              # RADIXKV_KERNEL_BACKEND=triton (fixture), any device
     assert not scratch_calls
     monkeypatch.setenv("RADIXKV_KERNEL_BACKEND", "torch")
     monkeypatch.setenv("RADIXKV_NATIVE_KERNELS", "0")   # the CPU's in-place kernels off too
-    want = run()
+    want = run(model)                 # the torch path, on the CPU (where it is made to run)
     assert scratch_calls
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
 
 
 @STORAGE

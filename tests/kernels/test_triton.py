@@ -152,6 +152,32 @@ def test_prefill_triton(triton_backend, triton_device, dtype, kv_heads, group, h
                   torch.Generator().manual_seed(1), max_q_len=max(q_lens))
 
 
+def test_prefill_triton_reads_the_longest_chunk_once_per_plan(triton_backend, triton_device):
+    """With a plan dict, the grid's size (the longest chunk) is read from the device on the
+    first call only; later calls (the other layers) reuse it."""
+    from radixkv.kernels import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(6)
+    case = make_case([9, 30], block_size=8, num_kv_heads=1, head_dim=64, gen=gen,
+                     device=triton_device)
+    q = torch.randn(9 + 20, 2, 64, generator=gen).to(triton_device)
+    cu = torch.tensor([0, 9, 29], dtype=torch.int32, device=triton_device)
+    plan: dict = {}
+    first = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
+                                    case.seq_lens, plan=plan)
+    assert plan["triton_max_q"] == 20
+    again = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
+                                    case.seq_lens, plan=plan)
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    # The kept value (not the device's) sizes the grid: a (wrong) 16 leaves the second
+    # chunk's rows 16..19 unwritten.
+    plan["triton_max_q"] = 16
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu,
+                            case.seq_lens, plan=plan, out=out)
+    assert torch.isnan(out[9 + 16:]).all() and not torch.isnan(out[:9 + 16]).any()
+
+
 def test_prefill_triton_shared_prefix(triton_backend, triton_device):
     gen = torch.Generator().manual_seed(12)
     q_lens, cached = [3, 17], [32, 48]
