@@ -213,10 +213,13 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def contention_settings(cpus: int) -> list[tuple[str, int | None, dict[str, str]]]:
-    """(name, --threads or None, environment changes) of each server compared under load."""
-    out: list[tuple[str, int | None, dict[str, str]]] = [("default", None, {})]
-    out += [(f"threads={c}", c, {}) for c in range(1, cpus + 1)]
+def contention_settings(cpus: int, default: int) -> list[tuple[str, int | None, dict[str, str]]]:
+    """(name, --threads or None, environment changes) of each server compared under load;
+    ``default``: the server's default thread count, whose explicit twin is left out (the same
+    configuration twice would only measure the machine's noise)."""
+    out: list[tuple[str, int | None, dict[str, str]]] = [(f"default ({default} threads)", None,
+                                                          {})]
+    out += [(f"threads={c}", c, {}) for c in range(1, cpus + 1) if c != default]
     # the defaults before issue 33: torch's threads, the OpenMP runtime's spin-then-sleep
     out.append((f"threads={cpus},omp-default", cpus, {"OMP_WAIT_POLICY": ""}))
     return out
@@ -227,14 +230,17 @@ def run_contention(args: argparse.Namespace) -> int:
     import openai
 
     from radixkv.models import EMBEDDED_NAME
-    from radixkv.server.cpu import affinity_cpus
+    import torch
+
+    from radixkv.server.cpu import affinity_cpus, default_threads
 
     cpus = affinity_cpus()
+    default_n = default_threads(torch.get_num_threads())[0]
     prompts = [c[0] for c in conversations(args.requests * args.rounds, 2, args.max_chars)]
     header = run_header(args.seed, benchmark="serve-contention", cpus=cpus,
                         **{k: v for k, v in vars(args).items() if k != "seed"})
     print(json.dumps(header))
-    settings = contention_settings(cpus)
+    settings = contention_settings(cpus, default_n)
     base_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     servers = {}
     busy: list[subprocess.Popen] = []

@@ -70,3 +70,13 @@ def test_apply_threads_sets_torch(monkeypatch) -> None:
         assert torch.get_num_threads() == 1 and "quota 1 CPUs" in line and "affinity 64" in line
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_compares_the_default_with_every_other_setting() -> None:
+    from radixkv.benchmarks.bench_serve import contention_settings
+
+    got = contention_settings(4, 2)
+    assert [(n, t) for n, t, _ in got] == [
+        ("default (2 threads)", None), ("threads=1", 1), ("threads=3", 3), ("threads=4", 4),
+        ("threads=4,omp-default", 4)]
+    assert got[0][2] == {} and got[-1][2] == {"OMP_WAIT_POLICY": ""}
