@@ -73,6 +73,9 @@ class SamplingParams:
             far (not the prompt).
         logit_bias: ``{token id: bias}`` (bias in [-100, 100]) added to those logits before
             sampling, as OpenAI's ``logit_bias``; stored as sorted ``(id, bias)`` pairs.
+        repetition_penalty: > 0, 1 = off; vLLM's (and transformers') multiplicative penalty on
+            every token of the prompt or the output so far: a positive logit is divided by it,
+            a negative one multiplied.
         grammar: a compiled grammar (:class:`radixkv.engine.grammar.Grammar`, e.g. a JSON
             schema) that masks every token the output could not continue with.
     """
@@ -94,6 +97,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
     grammar: Any = None
 
     def __post_init__(self) -> None:
@@ -126,7 +130,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the choice (penalties, bias, grammar)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.grammar is not None)
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
     def use_beam_search(self) -> bool:
@@ -191,6 +195,10 @@ def _first_error(p: SamplingParams) -> str | None:
         v = getattr(p, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
             return f"{name} must be a number in [-2, 2], got {v!r}"
+    rp = p.repetition_penalty
+    if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp <= 100 \
+            or not math.isfinite(rp):
+        return f"repetition_penalty must be a number in (0, 100], got {rp!r}"
     try:
         bias_ok = all(_is_int(t) and t >= 0 and isinstance(b, (int, float))
                       and not isinstance(b, bool) and -100.0 <= b <= 100.0
@@ -304,39 +312,58 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, Sequence[int]]]
-                  ) -> torch.Tensor:
+def _counts(ids: Sequence[Sequence[int]], vocab: int, device: Any) -> torch.Tensor:
+    """``[K, V]`` float32 counts of each token id in each list, with one ``scatter_add`` (the
+    lists are padded to one width with a spare column ``V``, dropped after)."""
+    import torch
+
+    width = max(1, max(len(x) for x in ids))
+    padded = torch.full((len(ids), width), vocab, dtype=torch.long)
+    for k, x in enumerate(ids):
+        if x:
+            padded[k, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+    counts = torch.zeros((len(ids), vocab + 1), device=device, dtype=torch.float32)
+    counts.scatter_add_(1, padded.to(device), torch.ones((len(ids), width), device=device))
+    return counts[:, :vocab]
+
+
+def adjust_logits(logits: torch.Tensor,
+                  rows: Sequence[tuple[int, SamplingParams, Sequence[int]]],
+                  prompts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """A copy of ``[R, V]`` logits with each listed row's penalties and ``logit_bias`` applied.
 
-    ``rows``: ``(row, params, output token ids of that row's sequence)``. Vectorized over the
-    rows: the generated tokens are counted with one ``scatter_add`` into ``[K, V]`` counts
-    (padding goes to a spare column), then ``logits[rows] -= f * counts + p * (counts > 0)``
-    and the biases are added with one ``index_put``. No Python loop over tokens or vocabulary.
+    ``rows``: ``(row, params, output token ids of that row's sequence)``; ``prompts``: each
+    row's prompt ids (for ``repetition_penalty``, which also counts the prompt). In vLLM's
+    order: the biases (one ``index_put``), the repetition penalty (one ``where`` over the
+    tokens seen), then ``logits[rows] -= f * counts + p * (counts > 0)``. Vectorized over the
+    rows: tokens are counted with one ``scatter_add`` into ``[K, V]`` counts; no Python loop
+    over tokens or the vocabulary.
     """
     import torch
 
     out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
     dev, vocab = out.device, out.shape[-1]
-    pen = [(r, p, ids) for r, p, ids in rows if p.frequency_penalty or p.presence_penalty]
-    if pen:
-        idx = torch.tensor([r for r, _, _ in pen], device=dev, dtype=torch.long)
-        width = max(1, max(len(ids) for _, _, ids in pen))
-        padded = torch.full((len(pen), width), vocab, dtype=torch.long)
-        for k, (_, _, ids) in enumerate(pen):
-            if ids:
-                padded[k, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
-        counts = torch.zeros((len(pen), vocab + 1), device=dev, dtype=torch.float32)
-        counts.scatter_add_(1, padded.to(dev), torch.ones_like(padded, dtype=torch.float32,
-                                                                device=dev))
-        counts = counts[:, :vocab]
-        freq = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)[:, None]
-        out[idx] -= freq * counts + pres * (counts > 0).float()
+    # vLLM's order: the bias, then the repetition penalty, then frequency and presence
     bias = [(r, t, b) for r, p, _ in rows for t, b in p.logit_bias if t < vocab]
     if bias:
         r_i, t_i, b_v = zip(*bias)
         out.index_put_((torch.tensor(r_i, device=dev), torch.tensor(t_i, device=dev)),
                        torch.tensor(b_v, device=dev, dtype=out.dtype), accumulate=True)
+    rep = [(k, r, p, ids) for k, (r, p, ids) in enumerate(rows) if p.repetition_penalty != 1.0]
+    if rep:
+        idx = torch.tensor([r for _, r, _, _ in rep], device=dev, dtype=torch.long)
+        seen = _counts([list(prompts[k] if prompts is not None else ()) + list(ids)
+                        for k, _, _, ids in rep], vocab, dev) > 0
+        rp = torch.tensor([p.repetition_penalty for _, _, p, _ in rep], device=dev)[:, None]
+        x = out[idx]
+        out[idx] = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    pen = [(r, p, ids) for r, p, ids in rows if p.frequency_penalty or p.presence_penalty]
+    if pen:
+        idx = torch.tensor([r for r, _, _ in pen], device=dev, dtype=torch.long)
+        counts = _counts([ids for _, _, ids in pen], vocab, dev)
+        freq = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)[:, None]
+        out[idx] -= freq * counts + pres * (counts > 0).float()
     return out
 
 
@@ -347,7 +374,8 @@ def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]]
     grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
     reported log-probabilities stay the model's own."""
     out = adjust_logits(logits, [(r, req.params, seq.output_token_ids)
-                                 for r, req, seq in items])
+                                 for r, req, seq in items],
+                        [seq.token_ids[:seq.prompt_len] for _, _, seq in items])
     masked = [(r, req, seq) for r, req, seq in items if req.params.grammar is not None]
     if masked:
         from radixkv.engine import grammar

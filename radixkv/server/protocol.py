@@ -22,9 +22,9 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
-    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "stop_token_ids": (None, []),
+    "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
@@ -70,6 +70,10 @@ class _SamplingFields(BaseModel):
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional["ResponseFormat"] = None
+    # vLLM extensions: its multiplicative penalty (prompt and output tokens), and token ids
+    # that end a choice like the end-of-sequence token
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=100.0)
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
 
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
     _implemented: ClassVar[frozenset[str]] = frozenset()
