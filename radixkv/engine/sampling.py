@@ -397,5 +397,5 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
-           "filtered_probs", "sample_token"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids",
+           "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs", "sample_token"]

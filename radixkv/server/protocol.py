@@ -83,8 +83,8 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, off in UNSUPPORTED.items():
-                if name in data and name not in cls._implemented and not any(data[name] == o and type(data[name]) is type(o)
-                                            for o in off):
+                if name in data and name not in cls._implemented and not any(
+                        data[name] == o and type(data[name]) is type(o) for o in off):
                     raise UnsupportedField(name)
         return data
 
@@ -289,4 +289,6 @@ _SamplingFields.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
-__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
+           "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
+           "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice"]

@@ -9,7 +9,6 @@ in ``run``'s ``finally``, which frees its blocks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -333,5 +332,6 @@ def sse(obj: Any) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
-__all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked", "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
-           "request_salt"]
+__all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked",
+           "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing",
+           "new_id", "request_salt", "check_text", "max_token_chars"]
