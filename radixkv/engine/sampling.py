@@ -312,19 +312,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _counts(ids: Sequence[Sequence[int]], vocab: int, device: Any) -> torch.Tensor:
-    """``[K, V]`` float32 counts of each token id in each list, with one ``scatter_add`` (the
-    lists are padded to one width with a spare column ``V``, dropped after)."""
+def _pairs(rows: Sequence[int], ids: Sequence[Sequence[int]], vocab: int, device: Any
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ``(row, token)`` pairs of ``ids[k]`` under ``rows[k]``, and how often each
+    occurs: ``(rows, tokens, counts)`` as 1-D tensors. One ``unique`` over ``row * V + token``:
+    work in proportion to the tokens, not to the vocabulary."""
     import torch
 
-    width = max(1, max(len(x) for x in ids))
-    padded = torch.full((len(ids), width), vocab, dtype=torch.long)
-    for k, x in enumerate(ids):
-        if x:
-            padded[k, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-    counts = torch.zeros((len(ids), vocab + 1), device=device, dtype=torch.float32)
-    counts.scatter_add_(1, padded.to(device), torch.ones((len(ids), width), device=device))
-    return counts[:, :vocab]
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    toks = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    keys, counts = torch.unique(owner * vocab + toks, return_counts=True)
+    keys, counts = keys.to(device), counts.to(device)
+    return keys // vocab, keys % vocab, counts
 
 
 def adjust_logits(logits: torch.Tensor,
@@ -334,36 +334,41 @@ def adjust_logits(logits: torch.Tensor,
 
     ``rows``: ``(row, params, output token ids of that row's sequence)``; ``prompts``: each
     row's prompt ids (for ``repetition_penalty``, which also counts the prompt). In vLLM's
-    order: the biases (one ``index_put``), the repetition penalty (one ``where`` over the
-    tokens seen), then ``logits[rows] -= f * counts + p * (counts > 0)``. Vectorized over the
-    rows: tokens are counted with one ``scatter_add`` into ``[K, V]`` counts; no Python loop
-    over tokens or the vocabulary.
+    order: the biases, the repetition penalty on every token seen (a positive logit divided,
+    the others multiplied), then ``logit[j] -= f * c[j] + p * (c[j] > 0)`` over the generated
+    tokens. Vectorized over the batch and sparse: each step is one ``unique`` of the
+    ``(row, token)`` pairs and one gather or ``index_put`` over them, so its cost follows the
+    tokens involved, never ``rows x vocabulary``; no Python loop over tokens.
     """
     import torch
 
     out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
     dev, vocab = out.device, out.shape[-1]
-    # vLLM's order: the bias, then the repetition penalty, then frequency and presence
     bias = [(r, t, b) for r, p, _ in rows for t, b in p.logit_bias if t < vocab]
     if bias:
         r_i, t_i, b_v = zip(*bias)
         out.index_put_((torch.tensor(r_i, device=dev), torch.tensor(t_i, device=dev)),
                        torch.tensor(b_v, device=dev, dtype=out.dtype), accumulate=True)
-    rep = [(k, r, p, ids) for k, (r, p, ids) in enumerate(rows) if p.repetition_penalty != 1.0]
+    rep = [(k, r, p) for k, (r, p, _) in enumerate(rows) if p.repetition_penalty != 1.0]
     if rep:
-        idx = torch.tensor([r for _, r, _, _ in rep], device=dev, dtype=torch.long)
-        seen = _counts([list(prompts[k] if prompts is not None else ()) + list(ids)
-                        for k, _, _, ids in rep], vocab, dev) > 0
-        rp = torch.tensor([p.repetition_penalty for _, _, p, _ in rep], device=dev)[:, None]
-        x = out[idx]
-        out[idx] = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-    pen = [(r, p, ids) for r, p, ids in rows if p.frequency_penalty or p.presence_penalty]
+        seen = [list(prompts[k] if prompts is not None else ()) + list(rows[k][2])
+                for k, _, _ in rep]
+        factor = torch.ones(out.shape[0], device=dev)
+        factor[[r for _, r, _ in rep]] = torch.tensor([p.repetition_penalty for _, _, p in rep],
+                                                      device=dev)
+        r_u, t_u, _ = _pairs([r for _, r, _ in rep], seen, vocab, dev)
+        x, f = out[r_u, t_u], factor[r_u]
+        out[r_u, t_u] = torch.where(x > 0, x / f, x * f)
+    pen = [(r, p, ids) for r, p, ids in rows
+           if (p.frequency_penalty or p.presence_penalty) and ids]
     if pen:
-        idx = torch.tensor([r for r, _, _ in pen], device=dev, dtype=torch.long)
-        counts = _counts([ids for _, _, ids in pen], vocab, dev)
-        freq = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)[:, None]
-        out[idx] -= freq * counts + pres * (counts > 0).float()
+        freq = torch.zeros(out.shape[0], device=dev)
+        pres = torch.zeros(out.shape[0], device=dev)
+        idx = [r for r, _, _ in pen]
+        freq[idx] = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)
+        pres[idx] = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)
+        r_u, t_u, c_u = _pairs(idx, [ids for _, _, ids in pen], vocab, dev)
+        out[r_u, t_u] = out[r_u, t_u] - (freq[r_u] * c_u + pres[r_u])   # distinct pairs
     return out
 
 
