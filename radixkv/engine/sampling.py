@@ -7,6 +7,9 @@ reaches the scheduler). The functions below turn logits rows into tokens:
 * random: temperature, then top-k, then top-p, then one draw from the request's own
   ``torch.Generator``. Each row is drawn with its own generator, so a seeded request produces the
   same tokens whatever else is in the batch.
+* before either, for the rows that ask: ``logit_bias``, the repetition, frequency and presence
+  penalties (:func:`adjust_logits`) and a grammar's mask (:func:`choice_logits`,
+  ``engine/grammar.py``), on a copy: the reported log-probabilities stay the raw model's.
 
 Log-probabilities reported to users (``cumulative_logprob``) are those of the *raw* model
 distribution, ``log_softmax(logits)``, before temperature/top-k/top-p: they measure how likely
