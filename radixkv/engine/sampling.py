@@ -54,6 +54,8 @@ class SamplingParams:
             them overflows.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches top_p (1.0 = all).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (after the
+            temperature, before top-k/top-p, as vLLM; 0 = off).
         seed: seeds this request's generator (sample i of ``n`` uses ``seed + i``); any int,
             used modulo 2**64; None = random.
         stop_token_ids: tokens that end a sequence (kept in ``token_ids``, dropped from the text).
@@ -87,6 +89,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -176,6 +179,9 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"top_k must be an int >= 0 (0 disables it), got {p.top_k!r}"
     if not isinstance(p.top_p, (int, float)) or isinstance(p.top_p, bool) or not 0 < p.top_p <= 1:
         return f"top_p must be in (0, 1], got {p.top_p!r}"
+    if not isinstance(p.min_p, (int, float)) or isinstance(p.min_p, bool) \
+            or not 0 <= p.min_p <= 1:
+        return f"min_p must be in [0, 1], got {p.min_p!r}"
     if p.seed is not None and not _is_int(p.seed):
         return f"seed must be an int or None, got {p.seed!r}"
     if not all(_is_int(t) and t >= 0 for t in p.stop_token_ids):
@@ -217,8 +223,9 @@ def _first_error(p: SamplingParams) -> str | None:
                     "logit_bias or a grammar")
         if p.logprobs is not None:
             return "per-token logprobs are not available with beam search"
-        if p.temperature != 0 or p.top_k or p.top_p != 1.0:
-            return "beam search is deterministic: leave temperature at 0, top_k at 0, top_p at 1"
+        if p.temperature != 0 or p.top_k or p.top_p != 1.0 or p.min_p:
+            return ("beam search is deterministic: leave temperature at 0, top_k and min_p at "
+                    "0, top_p at 1")
         if p.n > p.beam_width:
             return f"n ({p.n}) must be <= beam_width ({p.beam_width}) with beam search"
         if p.stop:
@@ -290,10 +297,14 @@ def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` after temperature, top-k and top-p for one row (sum to 1)."""
+    """Probabilities ``[V]`` after temperature, min-p, top-k and top-p for one row (sum to
+    1)."""
     import torch
 
     x = logits.float() / params.temperature
+    if params.min_p > 0:
+        p0 = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p0 < params.min_p * p0.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

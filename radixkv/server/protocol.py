@@ -22,7 +22,7 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
-    "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
@@ -73,6 +73,7 @@ class _SamplingFields(BaseModel):
     # vLLM extensions: its multiplicative penalty (prompt and output tokens), and token ids
     # that end a choice like the end-of-sequence token
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=100.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
 
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).

@@ -79,6 +79,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
         top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
         ignore_eos=req.ignore_eos, logprobs=top_logprobs,
         frequency_penalty=req.frequency_penalty or 0.0,

@@ -61,9 +61,20 @@ def test_a_bias_of_100_forces_the_token_and_minus_100_bans_it() -> None:
     assert int(out[0].argmax()) == 7 and int(out[1].argmax()) != 3
 
 
+def test_min_p_keeps_the_tokens_within_that_share_of_the_most_likely() -> None:
+    from radixkv.engine.sampling import filtered_probs
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.15))
+    assert (probs > 0).tolist() == [True, True, True, False, False]   # 0.1 >= 0.15 * 0.5
+    torch.testing.assert_close(probs[:3], torch.tensor([0.5, 0.3, 0.1]) / 0.9)
+    assert torch.equal(filtered_probs(logits, SamplingParams(temperature=1.0)) > 0,
+                       torch.ones(5, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("kw", [
     {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"logit_bias": {1: 101}},
-    {"logit_bias": {-1: 1}}, {"logit_bias": {"x": 1}}, {"repetition_penalty": 0},
+    {"logit_bias": {-1: 1}}, {"logit_bias": {"x": 1}}, {"repetition_penalty": 0}, {"min_p": 1.5},
     {"frequency_penalty": 1.0, "beam_width": 2},
 ])
 def test_out_of_range_values_are_refused(kw: dict) -> None:

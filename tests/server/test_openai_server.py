@@ -539,6 +539,13 @@ def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
     assert plain_repeats >= 6
     assert repeats(frequency_penalty=2.0, presence_penalty=2.0) < plain_repeats / 2
     assert repeats(repetition_penalty=3.0) < plain_repeats   # vLLM's, prompt tokens too
+    # min_p 1 keeps only the most likely token: sampling at temperature 1 is then greedy
+    greedy = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                   "max_tokens": 6, "temperature": 0})[1]
+    sharp = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 6, "temperature": 1.0,
+                                                  "min_p": 1.0, "seed": 11})[1]
+    assert sharp["choices"][0]["text"] == greedy["choices"][0]["text"]
     # vLLM's stop_token_ids end a choice at that token
     first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
                                                   "max_tokens": 6, "temperature": 0,
@@ -591,7 +598,7 @@ def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
-    ("min_p", 0.1), ("guided_json", {"type": "object"}), ("min_tokens", 3),
+    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("min_tokens", 3),
 ]
 
 
