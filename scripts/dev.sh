@@ -33,7 +33,10 @@ setup() {
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
     # Each step says what it installs (pip is quiet): set-up takes a minute or more.
     say() { echo "scripts/dev.sh setup: $*" >&2; }
-    [ -x "$VENV/bin/python" ] || { say "creating the virtual environment $VENV"; "$PY" -m venv "$VENV"; }
+    if [ ! -x "$VENV/bin/python" ]; then
+        say "creating the virtual environment $VENV"
+        "$PY" -m venv "$VENV"
+    fi
     local pip="$VENV/bin/python -m pip"
     say "upgrading pip"
     $pip install -q --upgrade pip >/dev/null 2>&1 || true

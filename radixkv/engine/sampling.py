@@ -7,6 +7,9 @@ reaches the scheduler). The functions below turn logits rows into tokens:
 * random: temperature, then top-k, then top-p, then one draw from the request's own
   ``torch.Generator``. Each row is drawn with its own generator, so a seeded request produces the
   same tokens whatever else is in the batch.
+* before either, for the rows that ask: ``logit_bias``, the repetition, frequency and presence
+  penalties (:func:`adjust_logits`) and a grammar's mask (:func:`choice_logits`,
+  ``engine/grammar.py``), on a copy: the reported log-probabilities stay the raw model's.
 
 Log-probabilities reported to users (``cumulative_logprob``) are those of the *raw* model
 distribution, ``log_softmax(logits)``, before temperature/top-k/top-p: they measure how likely
@@ -51,6 +54,8 @@ class SamplingParams:
             them overflows.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches top_p (1.0 = all).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (after the
+            temperature, before top-k/top-p, as vLLM; 0 = off).
         seed: seeds this request's generator (sample i of ``n`` uses ``seed + i``); any int,
             used modulo 2**64; None = random.
         stop_token_ids: tokens that end a sequence (kept in ``token_ids``, dropped from the text).
@@ -73,6 +78,9 @@ class SamplingParams:
             far (not the prompt).
         logit_bias: ``{token id: bias}`` (bias in [-100, 100]) added to those logits before
             sampling, as OpenAI's ``logit_bias``; stored as sorted ``(id, bias)`` pairs.
+        repetition_penalty: > 0, 1 = off; vLLM's (and transformers') multiplicative penalty on
+            every token of the prompt or the output so far: a positive logit is divided by it,
+            a negative one multiplied.
         grammar: a compiled grammar (:class:`radixkv.engine.grammar.Grammar`, e.g. a JSON
             schema) that masks every token the output could not continue with.
     """
@@ -81,6 +89,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -94,6 +103,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
     grammar: Any = None
 
     def __post_init__(self) -> None:
@@ -126,7 +136,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the choice (penalties, bias, grammar)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.grammar is not None)
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
     def use_beam_search(self) -> bool:
@@ -169,6 +179,9 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"top_k must be an int >= 0 (0 disables it), got {p.top_k!r}"
     if not isinstance(p.top_p, (int, float)) or isinstance(p.top_p, bool) or not 0 < p.top_p <= 1:
         return f"top_p must be in (0, 1], got {p.top_p!r}"
+    if not isinstance(p.min_p, (int, float)) or isinstance(p.min_p, bool) \
+            or not 0 <= p.min_p <= 1:
+        return f"min_p must be in [0, 1], got {p.min_p!r}"
     if p.seed is not None and not _is_int(p.seed):
         return f"seed must be an int or None, got {p.seed!r}"
     if not all(_is_int(t) and t >= 0 for t in p.stop_token_ids):
@@ -191,6 +204,10 @@ def _first_error(p: SamplingParams) -> str | None:
         v = getattr(p, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
             return f"{name} must be a number in [-2, 2], got {v!r}"
+    rp = p.repetition_penalty
+    if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp <= 100 \
+            or not math.isfinite(rp):
+        return f"repetition_penalty must be a number in (0, 100], got {rp!r}"
     try:
         bias_ok = all(_is_int(t) and t >= 0 and isinstance(b, (int, float))
                       and not isinstance(b, bool) and -100.0 <= b <= 100.0
@@ -206,8 +223,9 @@ def _first_error(p: SamplingParams) -> str | None:
                     "logit_bias or a grammar")
         if p.logprobs is not None:
             return "per-token logprobs are not available with beam search"
-        if p.temperature != 0 or p.top_k or p.top_p != 1.0:
-            return "beam search is deterministic: leave temperature at 0, top_k at 0, top_p at 1"
+        if p.temperature != 0 or p.top_k or p.top_p != 1.0 or p.min_p:
+            return ("beam search is deterministic: leave temperature at 0, top_k and min_p at "
+                    "0, top_p at 1")
         if p.n > p.beam_width:
             return f"n ({p.n}) must be <= beam_width ({p.beam_width}) with beam search"
         if p.stop:
@@ -279,10 +297,14 @@ def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[V]`` after temperature, top-k and top-p for one row (sum to 1)."""
+    """Probabilities ``[V]`` after temperature, min-p, top-k and top-p for one row (sum to
+    1)."""
     import torch
 
     x = logits.float() / params.temperature
+    if params.min_p > 0:
+        p0 = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p0 < params.min_p * p0.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -304,39 +326,63 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def adjust_logits(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, Sequence[int]]]
-                  ) -> torch.Tensor:
+def _pairs(rows: Sequence[int], ids: Sequence[Sequence[int]], vocab: int, device: Any
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ``(row, token)`` pairs of ``ids[k]`` under ``rows[k]``, and how often each
+    occurs: ``(rows, tokens, counts)`` as 1-D tensors. One ``unique`` over ``row * V + token``:
+    work in proportion to the tokens, not to the vocabulary."""
+    import torch
+
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    toks = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
+    keys, counts = torch.unique(owner * vocab + toks, return_counts=True)
+    keys, counts = keys.to(device), counts.to(device)
+    return keys // vocab, keys % vocab, counts
+
+
+def adjust_logits(logits: torch.Tensor,
+                  rows: Sequence[tuple[int, SamplingParams, Sequence[int]]],
+                  prompts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """A copy of ``[R, V]`` logits with each listed row's penalties and ``logit_bias`` applied.
 
-    ``rows``: ``(row, params, output token ids of that row's sequence)``. Vectorized over the
-    rows: the generated tokens are counted with one ``scatter_add`` into ``[K, V]`` counts
-    (padding goes to a spare column), then ``logits[rows] -= f * counts + p * (counts > 0)``
-    and the biases are added with one ``index_put``. No Python loop over tokens or vocabulary.
+    ``rows``: ``(row, params, output token ids of that row's sequence)``; ``prompts``: each
+    row's prompt ids (for ``repetition_penalty``, which also counts the prompt). In vLLM's
+    order: the biases, the repetition penalty on every token seen (a positive logit divided,
+    the others multiplied), then ``logit[j] -= f * c[j] + p * (c[j] > 0)`` over the generated
+    tokens. Vectorized over the batch and sparse: each step is one ``unique`` of the
+    ``(row, token)`` pairs and one gather or ``index_put`` over them, so its cost follows the
+    tokens involved, never ``rows x vocabulary``; no Python loop over tokens.
     """
     import torch
 
     out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
     dev, vocab = out.device, out.shape[-1]
-    pen = [(r, p, ids) for r, p, ids in rows if p.frequency_penalty or p.presence_penalty]
-    if pen:
-        idx = torch.tensor([r for r, _, _ in pen], device=dev, dtype=torch.long)
-        width = max(1, max(len(ids) for _, _, ids in pen))
-        padded = torch.full((len(pen), width), vocab, dtype=torch.long)
-        for k, (_, _, ids) in enumerate(pen):
-            if ids:
-                padded[k, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
-        counts = torch.zeros((len(pen), vocab + 1), device=dev, dtype=torch.float32)
-        counts.scatter_add_(1, padded.to(dev), torch.ones_like(padded, dtype=torch.float32,
-                                                                device=dev))
-        counts = counts[:, :vocab]
-        freq = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)[:, None]
-        out[idx] -= freq * counts + pres * (counts > 0).float()
     bias = [(r, t, b) for r, p, _ in rows for t, b in p.logit_bias if t < vocab]
     if bias:
         r_i, t_i, b_v = zip(*bias)
         out.index_put_((torch.tensor(r_i, device=dev), torch.tensor(t_i, device=dev)),
                        torch.tensor(b_v, device=dev, dtype=out.dtype), accumulate=True)
+    rep = [(k, r, p) for k, (r, p, _) in enumerate(rows) if p.repetition_penalty != 1.0]
+    if rep:
+        seen = [list(prompts[k] if prompts is not None else ()) + list(rows[k][2])
+                for k, _, _ in rep]
+        factor = torch.ones(out.shape[0], device=dev)
+        factor[[r for _, r, _ in rep]] = torch.tensor([p.repetition_penalty for _, _, p in rep],
+                                                      device=dev)
+        r_u, t_u, _ = _pairs([r for _, r, _ in rep], seen, vocab, dev)
+        x, f = out[r_u, t_u], factor[r_u]
+        out[r_u, t_u] = torch.where(x > 0, x / f, x * f)
+    pen = [(r, p, ids) for r, p, ids in rows
+           if (p.frequency_penalty or p.presence_penalty) and ids]
+    if pen:
+        freq = torch.zeros(out.shape[0], device=dev)
+        pres = torch.zeros(out.shape[0], device=dev)
+        idx = [r for r, _, _ in pen]
+        freq[idx] = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)
+        pres[idx] = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)
+        r_u, t_u, c_u = _pairs(idx, [ids for _, _, ids in pen], vocab, dev)
+        out[r_u, t_u] = out[r_u, t_u] - (freq[r_u] * c_u + pres[r_u])   # distinct pairs
     return out
 
 
@@ -347,7 +393,8 @@ def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]]
     grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
     reported log-probabilities stay the model's own."""
     out = adjust_logits(logits, [(r, req.params, seq.output_token_ids)
-                                 for r, req, seq in items])
+                                 for r, req, seq in items],
+                        [seq.token_ids[:seq.prompt_len] for _, _, seq in items])
     masked = [(r, req, seq) for r, req, seq in items if req.params.grammar is not None]
     if masked:
         from radixkv.engine import grammar
@@ -369,5 +416,5 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs",
-           "filtered_probs", "sample_token"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids",
+           "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs", "sample_token"]

@@ -22,9 +22,9 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
-    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "stop_token_ids": (None, []),
+    "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
@@ -70,6 +70,11 @@ class _SamplingFields(BaseModel):
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional["ResponseFormat"] = None
+    # vLLM extensions: its multiplicative penalty (prompt and output tokens), and token ids
+    # that end a choice like the end-of-sequence token
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=100.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
 
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
     _implemented: ClassVar[frozenset[str]] = frozenset()
@@ -79,8 +84,8 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, off in UNSUPPORTED.items():
-                if name in data and name not in cls._implemented and not any(data[name] == o and type(data[name]) is type(o)
-                                            for o in off):
+                if name in data and name not in cls._implemented and not any(
+                        data[name] == o and type(data[name]) is type(o) for o in off):
                     raise UnsupportedField(name)
         return data
 
@@ -285,4 +290,6 @@ _SamplingFields.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
-__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField", "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
+           "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
+           "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice"]

@@ -9,7 +9,6 @@ in ``run``'s ``finally``, which frees its blocks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -80,10 +79,18 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
         top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
         ignore_eos=req.ignore_eos, logprobs=top_logprobs,
         frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0, grammar=grammar)
+        presence_penalty=req.presence_penalty or 0.0, grammar=grammar,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        stop_token_ids=tuple(req.stop_token_ids or ()))
+    bad = next((t for t in kwargs["stop_token_ids"] if vocab_size is not None
+                and not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: {bad} is not in [0, {vocab_size})",
+                       param="stop_token_ids")
     if req.logit_bias:
         bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         over = [t for t in bias if vocab_size is not None and t >= vocab_size]
@@ -95,9 +102,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         raise APIError(400, "ignore_eos would run past the end of the response_format's value",
                        param="ignore_eos")
     if req.use_beam_search:
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format"):
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+                     "repetition_penalty"):
             value = getattr(req, name)
-            if value and not (name == "response_format" and value.type == "text"):
+            if value and not (name == "response_format" and value.type == "text") \
+                    and not (name == "repetition_penalty" and value == 1.0):
                 raise APIError(400, f"{name} is not available with use_beam_search",
                                param=name)
         if top_logprobs is not None:
@@ -324,5 +333,6 @@ def sse(obj: Any) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
-__all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked", "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing", "new_id",
-           "request_salt"]
+__all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked",
+           "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing",
+           "new_id", "request_salt", "check_text", "max_token_chars"]

@@ -538,6 +538,24 @@ def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
     plain_repeats = repeats()
     assert plain_repeats >= 6
     assert repeats(frequency_penalty=2.0, presence_penalty=2.0) < plain_repeats / 2
+    assert repeats(repetition_penalty=3.0) < plain_repeats   # vLLM's, prompt tokens too
+    # min_p 1 keeps only the most likely token: sampling at temperature 1 is then greedy
+    greedy = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                   "max_tokens": 6, "temperature": 0})[1]
+    sharp = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 6, "temperature": 1.0,
+                                                  "min_p": 1.0, "seed": 11})[1]
+    assert sharp["choices"][0]["text"] == greedy["choices"][0]["text"]
+    # vLLM's stop_token_ids end a choice at that token
+    first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True})[1]["choices"][0]["text"]
+    third = ready.raw("POST", "/tokenize", {"prompt": first, "add_special_tokens": False},
+                      key=None)[1]["tokens"][2]
+    stopped = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "stop_token_ids": [third]})[1]["choices"][0]
+    assert stopped["finish_reason"] == "stop" and len(stopped["text"]) < len(first)
     # a -100 bias bans a token greedy would pick
     first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
                                                   "max_tokens": 1, "temperature": 0,
@@ -580,7 +598,7 @@ def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
-    ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}), ("min_tokens", 3),
+    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("min_tokens", 3),
 ]
 
 
