@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 POLICIES = ("fcfs", "lpm")
 #: Defaults of :class:`LongestPrefixFirst` (``EngineConfig`` carries the same).
 DEFAULT_WINDOW = 32
-DEFAULT_MAX_WAIT_S = 10.0
+DEFAULT_MAX_WAIT_S = 2.0
 
 
 class AdmissionOrder(Protocol):
