@@ -315,11 +315,12 @@ class EngineConfig:
             requests compute; the request whose blocks are loading joins the batch once they
             have landed (False: the scheduler waits for each promotion). Host -> device
             promotions (memory copies) are always waited for.
-        scheduling_policy: the order waiting requests are admitted in: ``"lpm"`` (default:
-            longest cached prefix first; requests sharing an uncached prefix wait for one of
-            them to compute it; see ``engine/admission_order.py``) or ``"fcfs"`` (arrival
-            order). lpm with a 2 s age limit was at least as good as fcfs in TTFT p50/p99 and
-            better in hit rate on the rag and chat traces (docs/benchmarks.md).
+        scheduling_policy: the order waiting requests are admitted in: ``"fcfs"`` (default:
+            arrival order) or ``"lpm"`` (longest cached prefix first; requests sharing an
+            uncached prefix wait for one of them to compute it; see
+            ``engine/admission_order.py``). lpm with a 2 s age limit was at least as good as
+            fcfs in TTFT p50/p99 and better in hit rate on the rag and chat traces
+            (docs/benchmarks.md, which says why it is not the default yet).
         scheduling_window: lpm ranks only the this many oldest waiting requests each step
             (bounds its matching cost per step).
         scheduling_max_wait_s: lpm's age limit: a request waiting this many seconds or more is
@@ -333,7 +334,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prefetch_requests: int = 4
     async_loads: bool = True
-    scheduling_policy: str = "lpm"
+    scheduling_policy: str = "fcfs"
     scheduling_window: int = 32
     scheduling_max_wait_s: float = 2.0
 
