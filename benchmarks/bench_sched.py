@@ -45,7 +45,6 @@ from typing import Any
 from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
 
 
-
 def policy_names(max_waits: list[float]) -> list[str]:
     """``fcfs`` then one ``lpm/<age limit>s`` per age limit.
 
@@ -238,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     n_req = args.requests or (16 if args.quick else 40)
 
     import torch
-
     from radixkv.benchmarks.traces import load_trace
 
     torch.set_num_threads(args.threads)

@@ -227,5 +227,13 @@ def make_admission_order(policy: str, block_manager: BlockManager,
     raise ConfigError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
 
-__all__ = ["AdmissionOrder", "FCFSOrder", "LongestPrefixFirst", "POLICIES", "DEFAULT_WINDOW",
-           "DEFAULT_MAX_WAIT_S", "check_lpm_options", "make_admission_order"]
+__all__ = [
+    "DEFAULT_MAX_WAIT_S",
+    "DEFAULT_WINDOW",
+    "POLICIES",
+    "AdmissionOrder",
+    "FCFSOrder",
+    "LongestPrefixFirst",
+    "check_lpm_options",
+    "make_admission_order",
+]

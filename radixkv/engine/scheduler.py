@@ -18,9 +18,8 @@ Every step the scheduler, in this order,
    with a running sequence still prefilling it is *held* (skipped, not blocking the queue)
    until that prefix is committed, so a shared new prefix is computed once
    (:mod:`radixkv.engine.shared_prefix`). The order admission tries is the queue's, as an
-   :class:`~radixkv.engine.admission_order.AdmissionOrder` leaves it: FCFS (this class's
-   default), or longest cached prefix first with an age limit (``lpm``, the engine's default;
-   see that module).
+   :class:`~radixkv.engine.admission_order.AdmissionOrder` leaves it: FCFS (default), or
+   longest cached prefix first with an age limit (``lpm``; see that module).
 
 A request with several live sequences (n samples or beams resumed after a preemption) is
 allocated *staged*: its first sequence alone, the others once the first has computed the

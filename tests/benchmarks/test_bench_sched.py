@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from radixkv.benchmarks.bench_sched import (
+    CPUClock,
+    make_engine,
+    percentile,
+    policy_names,
+    replay,
+    uncached_work,
+)
 
 from radixkv import cli
-from radixkv.benchmarks.bench_sched import (
-    CPUClock, make_engine, percentile, policy_names, replay, uncached_work,
-)
 
 
 def test_percentile_and_uncached_work_and_policy_names():

@@ -23,7 +23,9 @@ from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace
 from radixkv.engine.admission_order import (
-    FCFSOrder, LongestPrefixFirst, make_admission_order,
+    FCFSOrder,
+    LongestPrefixFirst,
+    make_admission_order,
 )
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.llm_engine import LLMEngine
@@ -34,8 +36,8 @@ from radixkv.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "core"))
-from engine_helpers import run_requests  # noqa: E402
-import test_scheduler_manager_state as sm  # noqa: E402
+import test_scheduler_manager_state as sm
+from engine_helpers import run_requests
 
 NS = Namespace("lpm")
 BS = 4
@@ -51,17 +53,20 @@ class Clock:
         return self.now
 
 
-def _req(rid: str, tokens: list[int], t: float = 0.0, max_tokens: int = 1, ns=NS,
-         seq_id=iter(range(10**6))) -> Request:
+_SEQ_IDS = iter(range(10**6))        # sequence ids of requests
+_CACHE_IDS = iter(range(10**6, 2 * 10**6))   # sequence ids that only fill the cache
+
+
+def _req(rid: str, tokens: list[int], t: float = 0.0, max_tokens: int = 1, ns=NS) -> Request:
     r = Request(rid, tokens, SamplingParams(max_tokens=max_tokens), ns, arrival_time=t)
-    r.seqs.append(Sequence(next(seq_id), 0, list(tokens), len(tokens),
+    r.seqs.append(Sequence(next(_SEQ_IDS), 0, list(tokens), len(tokens),
                            IncrementalDetokenizer(None)))
     return r
 
 
-def _cache(bm: BlockManager, tokens: list[int], ns=NS, ids=iter(range(10**6, 2 * 10**6))) -> None:
+def _cache(bm: BlockManager, tokens: list[int], ns=NS) -> None:
     """Put ``tokens``' full blocks in the cache (what a finished request leaves behind)."""
-    sid = next(ids)
+    sid = next(_CACHE_IDS)
     bm.allocate(sid, tokens, ns)
     bm.commit(sid, len(tokens))
     bm.free(sid)

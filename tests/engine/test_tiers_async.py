@@ -69,8 +69,10 @@ def test_write_behind_overlaps_steps_and_matches_hf(hf_llama, tmp_path):
 
 def _prefetch_scenario(hf, tmp_path, prefetch, corrupt=None):
     """Cache prompt P, persist it to disk; then a long request A runs alone
-    (max_num_seqs=1) while B (P plus a tail) waits; B is scheduled once A is done."""
-    eng = make_engine(hf, tmp_path, device=32, host=8, disk=64, max_num_seqs=1, prefetch=prefetch)
+    (max_num_seqs=1) while B (P plus a tail) waits; B is scheduled once A is done. In arrival
+    order (fcfs): lpm would admit B, the longer cached prefix, first, and nothing would wait."""
+    eng = make_engine(hf, tmp_path, device=32, host=8, disk=64, max_num_seqs=1, prefetch=prefetch,
+                      scheduling_policy="fcfs")
     p = rand_tokens(33, 7)
     _serve(eng, [("warm", p)])
     assert eng.persist() > 0 and eng.tree.num_resident(0) == 0

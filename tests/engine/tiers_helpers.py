@@ -16,14 +16,15 @@ GEN = 6    # tokens generated per request
 
 
 def make_engine(hf, tmp_path, device=16, host=6, disk=64, max_num_seqs=4, prefetch=4,
-                async_loads=True, **cache_kw) -> LLMEngine:
+                async_loads=True, scheduling_policy="lpm", **cache_kw) -> LLMEngine:
     """A tiny tiered engine over a copy of ``hf`` (no disk tier when ``disk`` is 0)."""
     return LLMEngine(copy.deepcopy(hf), None,
                      CacheConfig(block_size=BS, num_device_blocks=device, host_blocks=host,
                                  disk_dir=str(tmp_path / "kv") if disk else None,
                                  disk_blocks=disk, **cache_kw),
                      EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128,
-                                  prefetch_requests=prefetch, async_loads=async_loads),
+                                  prefetch_requests=prefetch, async_loads=async_loads,
+                                  scheduling_policy=scheduling_policy),
                      model_id="tiny")
 
 
