@@ -41,7 +41,7 @@ from radixkv.core.evict_index import RecencyIndex
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import BlockHash
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node
-from radixkv.core.policy import LRUPolicy
+from radixkv.core.policy import EvictionPolicy, LRUPolicy
 from radixkv.core.pool import BlockId
 from radixkv.errors import InvalidBlockError, OutOfBlocks
 

@@ -112,7 +112,8 @@ class _Concat:
         return tuple(m.weight.data_ptr() for m in self.parts) + tuple(
             -1 if m.bias is None else m.bias.data_ptr() for m in self.parts)
 
-    def _build(self) -> None:
+    def build(self) -> None:
+        """(Re)concatenate the parts' current tensors and re-point the parts at row views."""
         # Ordinary tensors even when called inside the runner's inference mode: the model's
         # parameters must stay loadable (in-place copies) and usable with autograd outside it.
         with torch.inference_mode(False), torch.no_grad():
@@ -134,7 +135,7 @@ class _Concat:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._current() != self.ptrs:
-            self._build()
+            self.build()
         return F.linear(x, self.weight, self.bias)
 
 
@@ -193,8 +194,8 @@ class _Layer:
         self.qkv_cat = _Concat([self.q, self.k, self.v])
         self.gate_up_cat = _Concat([self.gate, self.up])
         if self.q.weight.device.type != "meta":   # concatenate now, not in the first step
-            self.qkv_cat._build()
-            self.gate_up_cat._build()
+            self.qkv_cat.build()
+            self.gate_up_cat.build()
         self.scaling = attn.scaling
         if window_source == "config":
             self.window = getattr(config, "sliding_window", None)
