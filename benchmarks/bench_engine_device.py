@@ -74,11 +74,15 @@ def device_limits(device: Any) -> dict[str, float]:
 
     cuda = device.type == "cuda"
     n = (1 << 30) if cuda else (256 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy_t = min(_timed(lambda: dst.copy_(src), device) for _ in range(5))
-    del src, dst
+
+    def copy_time() -> float:
+        # The two buffers live only in this frame: freed before the matmuls allocate.
+        src = torch.empty(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        return min(_timed(lambda: dst.copy_(src), device) for _ in range(5))
+
+    copy_t = copy_time()
     size, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
@@ -229,12 +233,15 @@ def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype:
     vocab, n, length = model.config.vocab_size, args.prefill_batch, args.prefill_len
     from .bench_ttft import hf_attention
 
-    ids = torch.tensor(_prompts(rng, n, length, vocab), device=device)
-    with torch.inference_mode(), hf_attention(model):
-        model(ids[:1, :16], use_cache=False, logits_to_keep=1)   # warm-up
-        hf_t = min(_timed(lambda: model(ids, use_cache=False, logits_to_keep=1), device)
-                   for _ in range(args.repeat))
-    del ids
+    def hf_time() -> float:
+        # The prompt tensor lives only in this frame: freed before the engine allocates its pool.
+        ids = torch.tensor(_prompts(rng, n, length, vocab), device=device)
+        with torch.inference_mode(), hf_attention(model):
+            model(ids[:1, :16], use_cache=False, logits_to_keep=1)   # warm-up
+            return min(_timed(lambda: model(ids, use_cache=False, logits_to_keep=1), device)
+                       for _ in range(args.repeat))
+
+    hf_t = hf_time()
     engine = _engine(model, device, dtype, n, n * (length + 2), max(2048, 4 * length))
     try:
         _generate_s(engine, _prompts(rng, 2, length, vocab), 1, device)   # warm-up

@@ -121,13 +121,13 @@ def size_device_pool(model: torch.nn.Module, layout, block_size: int, kv_dtype: 
     from radixkv.engine.model_runner import ModelRunner
 
     chunks, blocks = profile_batch_chunks(max_num_batched_tokens, max_num_seqs, block_size)
-    runner = ModelRunner.for_model(model, blocks, block_size, kv_dtype)
 
-    def run() -> None:
-        runner.execute(runner.build_batch(chunks))
+    def profile() -> int:
+        # The temporary runner (and its pool) lives only in this frame: gone when it returns.
+        runner = ModelRunner.for_model(model, blocks, block_size, kv_dtype)
+        return measure_activation_peak(lambda: runner.execute(runner.build_batch(chunks)), device)
 
-    peak = measure_activation_peak(run, device)
-    del runner
+    peak = profile()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return plan_pool(total, free, peak, utilization, layout.bytes_per_block, block_size)

@@ -61,8 +61,11 @@ def test_top_k_top_p_filtering():
 def test_seeded_generator_is_reproducible():
     logits = torch.zeros(50)
     params = SamplingParams(temperature=1.0, seed=5)
-    draw = lambda: [sample_token(logits, params, g) for g in [make_generator(5, torch.device("cpu"))]
-                    for _ in range(20)]
+
+    def draw():
+        g = make_generator(5, torch.device("cpu"))
+        return [sample_token(logits, params, g) for _ in range(20)]
+
     assert draw() == draw()
     g = make_generator(6, torch.device("cpu"))
     assert [sample_token(logits, params, g) for _ in range(20)] != draw()

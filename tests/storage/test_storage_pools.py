@@ -19,12 +19,12 @@ def test_device_round_trip_and_layout(dtype):
     blocks = torch.randn(2, *lay.block_shape).to(getattr(torch, dtype))
     pool.write_blocks([4, 1], blocks)
     assert torch.equal(pool.read_blocks([4, 1]), blocks)
-    # the kernels' view: k_cache[block, token, head, dim] of layer l is blocks[i, l, 0]
-    for l in range(3):
-        k, v = pool.layer(l)
+    # the kernels' view: k_cache[block, token, head, dim] of layer i is blocks[j, i, 0]
+    for i in range(3):
+        k, v = pool.layer(i)
         assert k.shape == (6, 4, 2, 4)
-        assert torch.equal(k[4], blocks[0, l, 0]) and torch.equal(v[1], blocks[1, l, 1])
-        assert k.data_ptr() == pool.kv_cache[l, 0].data_ptr()  # a view, not a copy
+        assert torch.equal(k[4], blocks[0, i, 0]) and torch.equal(v[1], blocks[1, i, 1])
+        assert k.data_ptr() == pool.kv_cache[i, 0].data_ptr()  # a view, not a copy
     assert torch.count_nonzero(pool.read_blocks([0, 2, 3, 5])) == 0  # others untouched
     pool.copy_blocks([4], [0])
     assert torch.equal(pool.read_blocks([0])[0], blocks[0])
