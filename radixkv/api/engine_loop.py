@@ -264,7 +264,7 @@ class EngineLoop:
                     continue
                 try:
                     fut.set_result(fn())
-                except BaseException as exc:   # delivered to the caller, who re-raises it
+                except BaseException as exc:  # noqa: BLE001 (thread boundary: the caller re-raises it)
                     fut.set_exception(exc)
             if closed:
                 self._fail_all(EngineLoopClosed("the engine loop was stopped"))
@@ -280,7 +280,7 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
-        except Exception as exc:   # every caller in flight gets it; the loop goes on
+        except Exception as exc:  # noqa: BLE001 (loop thread: callers in flight get it, it goes on)
             self._stalled = True
             self._fail_all(exc)
             return

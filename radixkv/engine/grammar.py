@@ -87,7 +87,9 @@ class GrammarCompiler:
             text = json.dumps(schema)
             with self._lock:
                 compiled = self._compiler.compile_json_schema(text)
-        except Exception as exc:   # xgrammar raises RuntimeError/ValueError on a bad schema
+        except (RuntimeError, TypeError, ValueError) as exc:
+            # xgrammar raises RuntimeError on a schema it cannot compile; json.dumps raises
+            # TypeError or ValueError on one that is not JSON
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
         return Grammar(compiled, "json_schema", self.vocab_size)
 
@@ -110,7 +112,7 @@ class GrammarCompiler:
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
             with self._lock:
                 compiled = self._compiler.compile_grammar(grammar)
-        except Exception as exc:   # a tool's parameters schema xgrammar cannot compile
+        except (RuntimeError, TypeError, ValueError) as exc:   # as in json_schema
             raise InvalidRequestError(f"the tools' parameters cannot be compiled: {exc}"
                                       ) from None
         return Grammar(compiled, "tool_call", self.vocab_size)

@@ -78,7 +78,7 @@ class _FleetHandle(RequestHandle):
                     return
                 log.warning("radixkv fleet: replica failed before answering %s (%s); routing "
                             "it again", self._args[0], type(exc).__name__)
-            except Exception as exc:   # an engine error: the single server's behaviour
+            except Exception as exc:  # noqa: BLE001 (any engine error goes to the caller, as in one server)
                 self._queue.put_nowait(exc)
                 return
 

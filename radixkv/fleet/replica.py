@@ -111,7 +111,7 @@ class EngineReplica:
             try:
                 ray.get(self._bus.publish.remote(self.replica_id, list(pending_add),
                                                  list(pending_rm), reset, stats), timeout=5)
-            except Exception as exc:   # the bus is restarting: keep the batch, try again
+            except Exception as exc:  # noqa: BLE001 (publisher thread must not die: keep batch, retry)
                 log.warning("radixkv replica %s: publishing KV events failed (%s)",
                             self.replica_id, exc)
                 continue

@@ -250,7 +250,7 @@ class KVAwareRouter(RequestRouter):
                 bus.report_router.remote(self._key, asdict(self.stats))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:   # the bus restarting: retry, resync by snapshot
+            except Exception as exc:  # noqa: BLE001 (poll task must not die: retry, resync by snapshot)
                 log.warning("radixkv router: KV event poll failed (%s); retrying", exc)
                 bus = None
                 cursor = -1
@@ -279,7 +279,7 @@ class KVAwareRouter(RequestRouter):
                 import ray
 
                 ray.get_actor(self._bus_name, namespace=self._bus_ns).remove.remote(replica)
-            except Exception as exc:   # the bus is down: its snapshot will be stale, not wrong
+            except Exception as exc:  # noqa: BLE001 (Serve callback must not raise; bus down: stale)
                 log.warning("radixkv router: could not drop %s from the bus (%s)", replica, exc)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -52,7 +52,7 @@ def test_generate_stream_and_chat_from_many_threads_match_one_thread(make_engine
         def run() -> None:
             try:
                 fn(*args)
-            except BaseException as exc:  # re-raised in the main thread below
+            except BaseException as exc:  # noqa: BLE001 (harness: re-raised in the main thread)
                 errors.append(exc)
         return threading.Thread(target=run)
 

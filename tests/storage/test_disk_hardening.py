@@ -26,7 +26,7 @@ def _in_thread(fn, timeout=10.0):
     def run():
         try:
             box["value"] = fn()
-        except BaseException as e:  # re-raised in the test thread
+        except BaseException as e:  # noqa: BLE001 (harness: re-raised in the test thread)
             box["error"] = e
     t = threading.Thread(target=run, daemon=True)
     t.start()
