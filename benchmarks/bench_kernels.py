@@ -1,6 +1,7 @@
 """How fast are the paged KV kernels compared with dense attention on the same K/V?
 
-On the CPU (the engine's torch path): paged decode / prefill time vs ``scaled_dot_product_attention``
+On the CPU (the engine's torch path): paged decode / prefill time vs
+``scaled_dot_product_attention``
 on the same K/V laid out densely (baseline measured in the same run: causal SDPA without a mask
 when nothing is cached, a boolean mask otherwise), and vs the plain reference.
 On CUDA (Triton): decode achieved bandwidth (K/V bytes read / time) against a device-to-device

@@ -29,7 +29,8 @@ order decides what is still cached when a request is admitted.
 
 Every policy (``fcfs``, and ``lpm`` once per age limit in ``--max-wait``) runs on one model
 object, each on a fresh engine (empty cache), in the same process, in turn, ``--repeat``
-times; the summary gives medians over repeats and each lpm variant's ratios to fcfs. ``--model tiny`` runs a random-weight Llama (4 layers,
+times; the summary gives medians over repeats and each lpm variant's ratios to fcfs.
+``--model tiny`` runs a random-weight Llama (4 layers,
 hidden 256, the embedded vocabulary) instead of the embedded SmolLM2-135M, about ten times
 faster: TTFT figures are then about scheduling, not about that model.
 """

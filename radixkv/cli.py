@@ -32,8 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sched": ("radixkv.benchmarks.bench_sched", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("radixkv.api.demo", "main", "scripted multi-turn chat + RAG round on the embedded model"),
-    "chat": ("radixkv.api.demo", "chat_main", "interactive streaming chat with per-turn cache figures"),
+    "demo": ("radixkv.api.demo", "main",
+             "scripted multi-turn chat + RAG round on the embedded model"),
+    "chat": ("radixkv.api.demo", "chat_main",
+             "interactive streaming chat with per-turn cache figures"),
     "serve": ("radixkv.server.cli", "main", "OpenAI-compatible HTTP server (docs/serve.md)"),
 }
 

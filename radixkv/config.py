@@ -109,7 +109,8 @@ class CacheConfig:
             request's blocks missing locally are looked up there in one round trip before it
             is scheduled; hits land in the host tier (one of ``REMOTE_STAGING_BLOCKS`` blocks
             or a quarter of the device's blocks, whichever is more, is added when none is
-            configured; it bounds how many remote blocks one request can take). A server that is down at start or dies later
+            configured; it bounds how many remote blocks one request can take). A server that
+            is down at start or dies later
             only costs misses (see docs/tiers.md). Keys are namespaced by model fingerprint,
             KV layout and tenant salt, values verified on every read; ``disk_secret`` signs
             them too.
@@ -162,7 +163,8 @@ class CacheConfig:
         for name in ("num_device_blocks", "host_blocks", "disk_blocks"):
             _check_count(name, getattr(self, name))
         if self.num_device_blocks == 0:
-            raise ConfigError("CacheConfig.num_device_blocks must be > 0 (or None to size from memory)")
+            raise ConfigError(
+                "CacheConfig.num_device_blocks must be > 0 (or None to size from memory)")
         for name in ("device_memory", "host_memory", "disk_memory"):
             v = getattr(self, name)
             if v is not None:
@@ -394,10 +396,12 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each "
+                "step")
         if self.max_model_len is not None and (
                 not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
-            raise ConfigError(f"EngineConfig.max_model_len must be an int > 1, got {self.max_model_len!r}")
+            raise ConfigError(
+                f"EngineConfig.max_model_len must be an int > 1, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"EngineConfig.device must be a device string, got {self.device!r}")
         if self.dtype is not None:
@@ -411,7 +415,8 @@ class EngineConfig:
         return resolve_device(self.device, "EngineConfig.device")
 
     def torch_dtype(self, default):
-        """The dtype to run in: ``dtype`` resolved (strings like ``"bfloat16"``), else ``default``."""
+        """The dtype to run in: ``dtype`` resolved (strings like ``"bfloat16"``), else
+        ``default``."""
         import torch
 
         if self.dtype is None:

@@ -65,7 +65,8 @@ class OutOfBlocks(RadixKVError):
     def __init__(self, needed: int, free: int, evictable: int, hint: str = "") -> None:
         self.needed, self.free, self.evictable = needed, free, evictable
         msg = f"need {needed} blocks, {free} free, {evictable} evictable"
-        msg += f": {hint}" if hint else ": raise the number of device blocks or lower the batch size"
+        msg += (f": {hint}" if hint
+                else ": raise the number of device blocks or lower the batch size")
         super().__init__(msg)
 
 

@@ -7,7 +7,8 @@ the de-quantized weights) and its tokenizer under the user's cache folder, keyed
 file's SHA-256; later starts load that checkpoint (memory-mapped safetensors) instead.
 
 Where: :func:`models_root` (``$RADIXKV_MODEL_CACHE_DIR``, ``$RADIXKV_CACHE_DIR/models``,
-``$XDG_CACHE_HOME/radixkv/models`` or ``~/.cache/radixkv/models``, the first that is set). A folder is published only when complete (written under a temporary
+``$XDG_CACHE_HOME/radixkv/models`` or ``~/.cache/radixkv/models``, the first that is set). A
+folder is published only when complete (written under a temporary
 name, then renamed), so a crash mid-write or a second process converting at the same time never
 leaves a half copy that a later start would load. Hashing a 100 MB file takes a fraction of a
 second; the digest is remembered per (path, size, mtime, ctime, inode) in ``digests.json``

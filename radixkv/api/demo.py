@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None, *, engine: Any = None, baseline: Any = N
         print(LEGEND)
     prompt = sum(r["prompt_tok"] for r in rows)
     cached = sum(r["cached_tok"] for r in rows)
-    print(f"\nhit rate over these turns: {cached}/{prompt} prompt tokens = {cached / max(prompt, 1):.1%}"
+    print(f"\nhit rate over these turns: {cached}/{prompt} prompt tokens"
+          f" = {cached / max(prompt, 1):.1%}"
           f" (engine lifetime, warm-up included: {engine.stats().get('hit_rate', 0.0):.1%})")
     print(f"demo ran in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -441,7 +441,8 @@ class Engine:
     # ------------------------------------------------------------------ apps
     @property
     def chat_template(self) -> ChatTemplate:
-        """The tokenizer's chat template, analysed once (see :class:`radixkv.api.chat.ChatTemplate`)."""
+        """The tokenizer's chat template, analysed once (see
+        :class:`radixkv.api.chat.ChatTemplate`)."""
         if self._chat_template is None:
             from radixkv.api.chat import ChatTemplate
 

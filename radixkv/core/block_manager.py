@@ -146,13 +146,15 @@ class BlockManager:
             hash(seq_id)
         except TypeError:
             raise InvalidTokensError(
-                f"sequence ids must be hashable (str, int, tuple), got {type(seq_id).__name__}") from None
+                f"sequence ids must be hashable (str, int, tuple), got {type(seq_id).__name__}"
+            ) from None
 
     @staticmethod
     def _check_namespace(namespace: Namespace) -> None:
         if not isinstance(namespace, Namespace):
             raise InvalidTokensError(
-                f"namespace must be a radixkv.core.hashing.Namespace, got {type(namespace).__name__}")
+                "namespace must be a radixkv.core.hashing.Namespace, got "
+                f"{type(namespace).__name__}")
 
     def _seq(self, seq_id: SeqId) -> SeqState:
         try:
@@ -361,7 +363,8 @@ class BlockManager:
         Runtime complexity: O(new blocks) (+ write-through copies).
         """
         s = self._seq(seq_id)
-        if type(num_computed_tokens) is not int or not s.num_computed <= num_computed_tokens <= len(s.tokens):
+        if (type(num_computed_tokens) is not int
+                or not s.num_computed <= num_computed_tokens <= len(s.tokens)):
             raise InvalidTokensError(
                 f"num_computed_tokens must be in [{s.num_computed}, {len(s.tokens)}] for sequence "
                 f"{seq_id!r}, got {num_computed_tokens!r}")
@@ -519,7 +522,7 @@ class BlockManager:
 
         check_manager(self)
 
-    # ================================================================== decode, slots for new tokens
+    # ============================================================= decode, slots for new tokens
     # Decoding through the block manager: a slot for each new token's KV, and copy-on-write.
     def blocks_needed_to_append(self, seq_id: SeqId) -> int:
         """Device blocks the next ``append_slot`` takes: 1 at a block boundary or CoW, else 0."""
@@ -541,7 +544,8 @@ class BlockManager:
         except (KeyError, TypeError):
             s = self._seq(seq_id)  # raises UnknownSequenceError
         if type(token_id) is not int or not 0 <= token_id <= 0x7FFFFFFF:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
+            if (not isinstance(token_id, int) or isinstance(token_id, bool)
+                    or not 0 <= token_id < 2**31):
                 raise InvalidTokensError(f"token id must be an int in [0, 2**31), got {token_id!r}")
         bs = self.block_size
         tokens = s.tokens
@@ -566,7 +570,8 @@ class BlockManager:
         tokens.append(token_id)
         return SlotAssignment(b * bs + off, copy, tuple(moves))
 
-    def append_slots(self, seq_id: SeqId, token_ids: Sequence[int]) -> tuple[list[int], CopyOp | None, tuple[MoveOp, ...]]:
+    def append_slots(self, seq_id: SeqId, token_ids: Sequence[int]
+                     ) -> tuple[list[int], CopyOp | None, tuple[MoveOp, ...]]:
         """Append several tokens at once (a chunk, a replayed reply, speculative tokens).
 
         Returns ``(slots, copy, moves)``: one KV slot per token, the CoW copy of a shared tail

@@ -92,7 +92,8 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     '0100000002000000'
     """
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
-        raise InvalidTokensError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+        raise InvalidTokensError(
+            f"token ids must be a sequence of ints, got {type(tokens).__name__}")
     try:
         arr = array("i", tokens)
     except TypeError as exc:

@@ -27,7 +27,8 @@ class Node:
     Block ``i`` (``0 <= i < len(hashes)``) of the node has chain hash ``hashes[i]``, token ids
     ``tokens[i*w:(i+1)*w]`` (``w = block_size * 4`` bytes, little-endian int32) and block id
     ``slots[i]`` in the pool of tier ``tier`` (``slots`` is an ``array("i")``: 4 bytes a block,
-    no int object per cached block; reading one makes a transient int). Its first block's parent is the *last* block of
+    no int object per cached block; reading one makes a transient int). Its first block's parent
+    is the *last* block of
     ``parent`` (None: a root); children hang off the last block only.
 
     ``children`` packs the number of child nodes per tier (20 bits each); the child nodes form

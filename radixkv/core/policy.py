@@ -274,7 +274,8 @@ class TTLPolicy(EvictionPolicy):
     name = "ttl"
 
     def __init__(self, ttl: float = 300.0) -> None:
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (ttl > 0 and math.isfinite(ttl)):
+        if (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                or not (ttl > 0 and math.isfinite(ttl))):
             raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self.ttl = ttl
 

@@ -12,7 +12,8 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   between its hits; 0 until it is reused. A block that comes back after being dropped gets it
   from a *ghost*: the last access and gap of the last ``capacity`` blocks that left the cache.
 - ``owner``: the session of its last use.
-- ``(due, -far)``, its key (then ``last_access``), snapshotted when the node becomes evictable (its last holder
+- ``(due, -far)``, its key (then ``last_access``), snapshotted when the node becomes evictable
+  (its last holder
   releases it, or it is cached unheld): expected gap ``g`` = its own ``gap`` if known, else
   its session's last turn gap (else the mean turn gap) divided by the fraction of requests
   that had a follow-up (a new block is only reused if its session goes on); ``far`` = last
@@ -61,7 +62,8 @@ _NEG_INF = float("-inf")
 
 
 class ForecastPolicy(EvictionPolicy):
-    """Overdue first, then the farthest forecast next use. Key: ``(due, -far, last_access)``; see the module
+    """Overdue first, then the farthest forecast next use. Key: ``(due, -far, last_access)``; see
+    the module
     docstring. ``quantile``/``slack``: how late a session may come back before it counts as
     ended; ``alpha``: weight of the newest reuse interval."""
 

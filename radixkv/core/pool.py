@@ -36,7 +36,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ConfigError(f"a pool needs a positive integer number of blocks, got {num_blocks!r}")
+            raise ConfigError(
+                f"a pool needs a positive integer number of blocks, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.ref_counts = array("i", bytes(4 * num_blocks))
         self._free = array("i", range(num_blocks - 1, -1, -1))  # pop() from the end: lowest first

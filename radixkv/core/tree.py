@@ -39,7 +39,8 @@ its evictable nodes in its ``EvictableSet`` (``evictable.py``: an eviction index
 ``(*policy key, hash of the node's last block)``): every block of a node has the node's key, so
 the node's tail is the smallest of them, and evicting from it block by block
 (``EvictableSet.take``, which breaks exact ties by block hash as a per-block cache would) is
-exactly per-block LRU (or LFU, ...) over the whole tree. Evicting from tier t demotes the node's tail into tier t+1 (making room there first,
+exactly per-block LRU (or LFU, ...) over the whole tree. Evicting from tier t demotes the node's
+tail into tier t+1 (making room there first,
 recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
 storage layer to execute *in order* before the freed slots are reused; the tree's
 ``MovePlanner`` (``move_planner.py``, ``tree.planner``) plans them all: eviction, demotion,
@@ -136,7 +137,8 @@ class RadixTree:
         self.slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self.pools]
         self.device_nodes: list[Node | None] = self.slot_nodes[DEVICE]
         self.ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
-        self.pending_moves: list[MoveOp] = []            # write-through moves of inserts, not taken yet
+        self.pending_moves: list[MoveOp] = []            # write-through moves of inserts, not
+                                                         # taken yet
         self.stats = TreeStats(self.num_tiers)
         #: KV events (``events.py``): None until someone subscribes (``event_queue()``), and
         #: then every block entering or leaving the cache is appended as a typed event
@@ -310,7 +312,8 @@ class RadixTree:
             else:   # a divergence inside the node (or a hash collision at its first block)
                 k = 0
                 tokens = node.tokens
-                while k < avail and tokens[k * w:(k + 1) * w] == tok[start + k * w:start + (k + 1) * w]:
+                while (k < avail
+                       and tokens[k * w:(k + 1) * w] == tok[start + k * w:start + (k + 1) * w]):
                     k += 1
                 if k == 0:
                     path.pop()

@@ -50,7 +50,8 @@ def check_tree(tree: RadixTree) -> None:
         assert heads.get(node.hashes[0]) is node and tails.get(node.hashes[-1]) is node, (
             f"{node}: not filed under its first and last blocks")
         for i, (h, s) in enumerate(zip(node.hashes, node.slots)):
-            assert index.setdefault(h, node) is node, f"{node}: block {i} ({h.hex()[:8]}) cached twice"
+            assert index.setdefault(h, node) is node, (
+                f"{node}: block {i} ({h.hex()[:8]}) cached twice")
             assert tree.slot_nodes[t][s] is node, f"slot {s} of tier {t} not mapped to {node}"
             assert not pools[t].is_free(s), f"{node}: block {i} in free slot {s} of tier {t}"
             assert (t, s) not in taken, f"{node}: slot {s} of tier {t} shared"
@@ -91,7 +92,8 @@ def check_tree(tree: RadixTree) -> None:
     writes = tree.writes
     copies_in = [writes.copies(u) for u in range(tree.num_tiers)]
     for u, copies in enumerate(copies_in):
-        assert not copies or u in writes.tiers, f"tier {u} holds {len(copies)} copies, not write-through"
+        assert not copies or u in writes.tiers, (
+            f"tier {u} holds {len(copies)} copies, not write-through")
         for h, slot in copies.items():
             node = index.get(h)
             assert node is not None, f"tier {u}: copy of uncached block {h.hex()}"

@@ -109,7 +109,8 @@ class TreeWriteThrough(TreeWrites):
         except TypeError:
             raise ConfigError(f"write_through must be a sequence of tiers, got {tiers!r}") from None
         if not wt or any(type(u) is not int or u < 1 for u in wt) or len(set(wt)) != len(wt):
-            raise ConfigError(f"write_through must list distinct slower tiers (>= 1), got {tiers!r}")
+            raise ConfigError(
+                f"write_through must list distinct slower tiers (>= 1), got {tiers!r}")
         self.tiers = tuple(sorted(wt))
         self.tree: RadixTree | None = None
         self._copies: list[dict[bytes, int]] = []
@@ -255,7 +256,8 @@ def make_writes(write_through: Sequence[int] | TreeWrites) -> TreeWrites:
     try:
         tiers = tuple(write_through)
     except TypeError:
-        raise ConfigError(f"write_through must be a sequence of tiers, got {write_through!r}") from None
+        raise ConfigError(
+            f"write_through must be a sequence of tiers, got {write_through!r}") from None
     return TreeWriteThrough(tiers) if tiers else TreeWrites()
 
 

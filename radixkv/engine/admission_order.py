@@ -113,7 +113,8 @@ class LongestPrefixFirst:
         self.window = window
         self.max_wait_s = float(max_wait_s)
         self.clock = clock
-        self._memo: dict[str, tuple[int, bytes, _Match]] = {}   # request id -> (id(), tokens, match)
+        # request id -> (id(), tokens, match)
+        self._memo: dict[str, tuple[int, bytes, _Match]] = {}
         #: counters since construction: steps reordered, requests matched (tree read) and
         #: taken from the memo, over-age requests placed first (per step, so one request
         #: counts once per step it is over age)

@@ -95,7 +95,8 @@ class BeamSearch:
         top_lp_list = top_lp.tolist()
         self.fin_out = [old_out[i] if i < k else cand_out[i - k] for i in keep]
         self.fin_raw = [old_raw[i] if i < k else top_lp_list[i - k] for i in keep]
-        self.fin_flag = torch.tensor([old_flag[i] if i < k else bool(just_done[i - k]) for i in keep])
+        self.fin_flag = torch.tensor(
+            [old_flag[i] if i < k else bool(just_done[i - k]) for i in keep])
         self.fin_scores = merged[keep]
 
         self.running_scores = run_lp[sel]
@@ -116,7 +117,8 @@ class BeamSearch:
                     and not bool(hits.all()))
         live_parents = [self.beam_to_live[p] for p in parents]
         self.beam_to_live = list(range(k))
-        return BeamStep(live_parents, [cand_tok[i] for i in sel], self.running_scores.tolist(), done)
+        return BeamStep(live_parents, [cand_tok[i] for i in sel], self.running_scores.tolist(),
+                        done)
 
     def best(self, n: int) -> list[tuple[list[int], float, float]]:
         """The ``n`` best finished hypotheses: (output tokens, score, cumulative logprob)."""

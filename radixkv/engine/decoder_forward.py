@@ -31,7 +31,8 @@ and decode.
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
 ``Qwen3ForCausalLM`` (q/k norms) with SiLU MLPs, exactly those classes (a subclass may change the
 forward), and radixkv's own module tree of the same families
-(:mod:`radixkv.engine.native_model`, loaded without transformers' model classes). Anything else, Gemma's scaled embeddings and soft-capping, Phi-3's fused projections,
+(:mod:`radixkv.engine.native_model`, loaded without transformers' model classes). Anything else,
+Gemma's scaled embeddings and soft-capping, Phi-3's fused projections,
 runs through transformers' modules with radixkv's attention hooked in, as before.
 """
 

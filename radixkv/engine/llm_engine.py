@@ -149,7 +149,8 @@ class LLMEngine:
         self.output_tier_names = self.tier_names + (["remote"] if self._remote else [])
         self._namespace = Namespace(namespace_model(model_id, layout))
         self._eos = eos_token_ids(model, tokenizer)
-        limits = [getattr(model.config, "max_position_embeddings", None), engine_config.max_model_len]
+        limits = [getattr(model.config, "max_position_embeddings", None),
+                  engine_config.max_model_len]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 2**31 - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
         loads = tiering.MoverLoads(kv_mover) if kv_mover.async_loads else None

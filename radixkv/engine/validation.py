@@ -26,7 +26,8 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
     elif isinstance(params, Mapping):
         params = SamplingParams.from_dict(params)
     elif not isinstance(params, SamplingParams):
-        raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        raise InvalidRequestError(
+            f"params must be SamplingParams or a dict, got {type(params).__name__}")
     if salt is not None and not isinstance(salt, str):
         raise InvalidRequestError(f"cache_salt must be a string or None, got {type(salt).__name__}")
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Seq):

@@ -194,7 +194,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
-    (default: the engine's ``model_id``). ``extra_metrics``: awaited for more Prometheus text appended to
+    (default: the engine's ``model_id``). ``extra_metrics``: awaited for more Prometheus text
+    appended to
     ``/metrics`` (the fleet's router). ``max_request_bytes``: larger bodies get 413 before
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). Returns the app wrapped in
@@ -236,7 +237,7 @@ def _load(state: ServerState, load: Callable[[], Any],
           on_error: Callable[[str], None] | None = None) -> None:
     try:
         state.engine = _backend(load())
-    except Exception as exc:   # reported by /health and every endpoint (503), and on stderr
+    except Exception as exc:  # noqa: BLE001 (any load failure: 503 from /health and every endpoint)
         state.load_error = f"{type(exc).__name__}: {exc}"
         print(f"radixkv serve: {state.load_error}", file=sys.stderr, flush=True)
         if on_error is not None:

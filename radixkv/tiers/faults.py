@@ -1,5 +1,6 @@
 """How the tiered mover files failed moves: the bookkeeping must never claim bytes a tier does
-not hold. Split out of ``mover.py``; each function takes the ``TieredKVMover`` (``self``) and changes the
+not hold. Split out of ``mover.py``; each function takes the ``TieredKVMover`` (``self``) and
+changes the
 tree only through its writer (the block manager).
 """
 

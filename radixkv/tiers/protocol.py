@@ -25,7 +25,8 @@ and when idle). Promotions into the device are synchronous unless ``async_loads`
 reported by :meth:`KVMover.take_failed_loads`, the block manager invalidates the node (and its
 subtree) and the request recomputes it. A failed *write* drops the block from the tier it was
 written to (the bookkeeping never claims bytes a tier does not hold). Both are logged and
-counted (:meth:`KVMover.counters`); I/O errors are caught narrowly (``OSError``, :class:`StorageError`, bad
+counted (:meth:`KVMover.counters`); I/O errors are caught narrowly (``OSError``,
+:class:`StorageError`, bad
 blocks), a bug is not swallowed.
 
 Observers: a mover may let another component see each group of moves before it runs

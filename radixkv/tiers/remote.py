@@ -263,7 +263,8 @@ class RemoteTier(KVMover):
         installed = 0
         parent_hash = a.parent_hash
         for block, h, tok in zip(blocks, a.hashes, a.tokens):
-            if block.block_hash != h or (parent_hash is not None and block.parent_hash != parent_hash):
+            if block.block_hash != h or (parent_hash is not None
+                                         and block.parent_hash != parent_hash):
                 break   # the store verified the value against its key; a chain break ends it
             ref = self._writer.install_lower(parent_hash, h, tok, t)
             if ref is None:

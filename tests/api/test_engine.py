@@ -15,7 +15,8 @@ def test_generate_accepts_text_ids_and_lists_and_keeps_order(make_engine):
     [a] = e.generate("Hello world", GREEDY8)
     [b] = e.generate(ids, GREEDY8)
     outs = e.generate(["Hello world", ids], GREEDY8)
-    assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids, b.outputs[0].token_ids]
+    assert ([o.outputs[0].token_ids for o in outs]
+            == [a.outputs[0].token_ids, b.outputs[0].token_ids])
     assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in outs)
     assert outs[1].prompt_token_ids == ids
     assert e.generate([], GREEDY8) == []
@@ -93,7 +94,8 @@ def test_cache_salts_never_share_blocks(make_engine):
     assert e.cached_prefix_tokens(prompt, "tenant-b") == 64
     assert e.cached_prefix_tokens(prompt, "tenant-c") == 0
     # the same content is stored once per tenant: no block is shared across namespaces
-    blocks = {s: {n.slot for n in e.cached_prefix_nodes(prompt, s)} for s in ("tenant-a", "tenant-b", None)}
+    blocks = {s: {n.slot for n in e.cached_prefix_nodes(prompt, s)}
+              for s in ("tenant-a", "tenant-b", None)}
     assert not (blocks["tenant-a"] & blocks["tenant-b"]) and not (blocks["tenant-a"] & blocks[None])
 
 

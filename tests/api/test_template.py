@@ -12,7 +12,8 @@ def test_end_of_turn_is_derived_from_the_template(smol_tokenizer):
     t = ChatTemplate(smol_tokenizer)
     assert t.append_only
     assert t.end_of_turn_text == "<|im_end|>\n"
-    assert t.end_of_turn_ids == smol_tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert (t.end_of_turn_ids
+            == smol_tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"])
 
 
 def test_close_reply_appends_only_what_the_model_did_not_emit(smol_tokenizer):

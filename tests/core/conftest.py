@@ -16,7 +16,8 @@ def pytest_terminal_summary(terminalreporter):
             ev = STEPS.events.get(name)
             extra = ("; " + ", ".join(f"{k} {v}" for k, v in sorted(ev.items()))) if ev else ""
             terminalreporter.write_line(
-                f"  {name}: {STEPS.steps[name]} steps, {STEPS.programs.get(name, 0)} programs{extra}")
+                f"  {name}: {STEPS.steps[name]} steps, {STEPS.programs.get(name, 0)} programs"
+                f"{extra}")
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ from radixkv.errors import (
 NS = Namespace("m")
 BAD_TOKENS = [
     ([], "empty"), ([-1], ">= 0"), ([3, -7], ">= 0"), ([2**31], "0, "), ([1, 2**63], "0, "),
-    ([1.5], "integers"), (["a"], "integers"), ("abc", "sequence of ints"), (b"\x01\x02", "sequence"),
+    ([1.5], "integers"), (["a"], "integers"), ("abc", "sequence of ints"),
+    (b"\x01\x02", "sequence"),
     ([None], "integers"),
 ]
 
@@ -194,7 +195,8 @@ def test_tree_insert_under_host_parent(bm) -> None:
     b = bm.pool.allocate_one()
     before = snapshot_tree(tree)
     with pytest.raises(InvalidBlockError, match="must be cached on the device"):
-        tree.insert(parent.block_hash, hash_token_blocks([1, 1, 7, 7], 2, NS)[1], token_bytes([7, 7]), b)
+        tree.insert(parent.block_hash, hash_token_blocks([1, 1, 7, 7], 2, NS)[1],
+                    token_bytes([7, 7]), b)
     assert_unchanged(before, snapshot_tree(tree), "insert under host parent")
 
 
@@ -233,7 +235,8 @@ def test_append_slot_bad_token(bm, token) -> None:
 
 
 def test_allocate_existing(bm) -> None:
-    expect(bm, SequenceExistsError, bm.allocate, "live", [1], NS, match="already live; free it first")
+    expect(bm, SequenceExistsError, bm.allocate, "live", [1], NS,
+           match="already live; free it first")
 
 
 def test_out_of_blocks_is_actionable(bm) -> None:
@@ -278,7 +281,8 @@ def test_fork_into_live_id(bm) -> None:
 @pytest.mark.parametrize("n", [-1, 2, 6, 100, 5.0, "5", None])
 def test_commit_out_of_range(bm, n) -> None:
     # "live" has 5 tokens, 5 computed: only commit(live, 5) is valid
-    expect(bm, InvalidTokensError, bm.commit, "live", n, match=r"num_computed_tokens must be in \[5, 5\]")
+    expect(bm, InvalidTokensError, bm.commit, "live", n,
+           match=r"num_computed_tokens must be in \[5, 5\]")
 
 
 @bug4("commit(seq, True) is accepted and stores num_computed=True")
@@ -311,7 +315,8 @@ def test_core_imports_no_torch() -> None:
     code = ("import sys\n"
             "import radixkv.core.hashing, radixkv.core.policy, radixkv.core.pool\n"
             "import radixkv.core.tree, radixkv.core.block_manager, radixkv.errors\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'numpy', 'transformers'))\n"
+            "bad = sorted(m for m in sys.modules\n"
+            "             if m.split('.')[0] in ('torch', 'triton', 'numpy', 'transformers'))\n"
             "assert not bad, bad\n"
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -104,7 +104,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for i, h in enumerate(hashes):
             ref = self.tree.get(h)
             if ref is None or ref.parent_hash != prev or \
-                    ref.tokens != b"".join(x.to_bytes(4, "little") for x in tokens[i * B:(i + 1) * B]):
+                    ref.tokens != b"".join(x.to_bytes(4, "little")
+                                           for x in tokens[i * B:(i + 1) * B]):
                 break
             out.append(ref)
             prev = h
@@ -130,7 +131,8 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.seqs[sid]
         refs = self.bm.block_refcount(block)
         assert refs == 1, f"seq {sid} writes position {p} into block {block} with refcount {refs}"
-        self.content.setdefault((DEVICE, block), [None] * B)[p % B] = self.payload(s.ns, s.tokens, p)
+        payload = self.payload(s.ns, s.tokens, p)
+        self.content.setdefault((DEVICE, block), [None] * B)[p % B] = payload
 
     def raises(self, exc, fn, *args):
         before = snapshot_manager(self.bm)
@@ -209,7 +211,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def queued(self) -> set[tuple[int, int]]:
         """Residencies that queued (untaken) write-through moves have not written yet."""
-        return {(op.dst_tier, op.dst_slot) for op in self.tree.pending_moves if op.dst_tier is not None}
+        return {(op.dst_tier, op.dst_slot) for op in self.tree.pending_moves
+                if op.dst_tier is not None}
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -310,7 +313,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(got) >= s.cached, f"freed seq {sid}: {len(got)}/{s.cached} blocks cached"
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), width=st.integers(2, 3), tokens=st.lists(ALPHABET, min_size=3, max_size=3))
+    @rule(data=st.data(), width=st.integers(2, 3),
+          tokens=st.lists(ALPHABET, min_size=3, max_size=3))
     def beam_step(self, data, width, tokens) -> None:
         """One beam-search step: fork the survivor into ``width`` beams, free the old beam,
         each beam appends its own token and commits; then the worst beam is dropped."""
@@ -371,7 +375,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=PROMPTS)
     def existing_id(self, data, tokens) -> None:
         STEPS.step(self.name)
-        a, b = data.draw(st.sampled_from(sorted(self.seqs))), data.draw(st.sampled_from(sorted(self.seqs)))
+        a = data.draw(st.sampled_from(sorted(self.seqs)))
+        b = data.draw(st.sampled_from(sorted(self.seqs)))
         self.raises(SequenceExistsError, self.bm.allocate, a, tokens, NAMESPACES[0])
         self.raises(SequenceExistsError, self.bm.fork, a, b)
 
@@ -461,7 +466,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert refs == held.get(b, 0), f"block {b}: refcount {refs}, held by {held.get(b, 0)}"
             cached = tree.device_block(b) is not None
             free = pool.is_free(b)
-            assert free == (not cached and refs == 0), f"block {b}: free={free} cached={cached} refs={refs}"
+            assert free == (not cached and refs == 0), (
+                f"block {b}: free={free} cached={cached} refs={refs}")
         per_tier = [0] * tree.num_tiers
         queued = self.queued()
         for h in tree.block_index():

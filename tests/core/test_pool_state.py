@@ -52,7 +52,8 @@ class PoolMachine(RuleBasedStateMachine):
             return
         got = self.pool.allocate(k)
         assert len(got) == len(set(got)) == k
-        assert not (set(got) & self.allocated), f"handed out held blocks {set(got) & self.allocated}"
+        assert not (set(got) & self.allocated), (
+            f"handed out held blocks {set(got) & self.allocated}")
         assert all(0 <= b < self.n and self.refs[b] == 0 for b in got)
         self.allocated |= set(got)
 

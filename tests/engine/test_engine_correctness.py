@@ -143,7 +143,8 @@ def test_beam_search_matches_hf(hf_llama, k, lp, es, eos_step):
 def test_beam_search_survives_preemption(hf_llama):
     prompts = _prompts([9, 14, 5], seed=4)
     eng = _engine(hf_llama, num_blocks=12, max_num_seqs=9)   # 3 x 3 beams, 48 token slots
-    reqs = [(f"b{i}", p, SamplingParams(max_tokens=14, beam_width=3)) for i, p in enumerate(prompts)]
+    reqs = [(f"b{i}", p, SamplingParams(max_tokens=14, beam_width=3))
+            for i, p in enumerate(prompts)]
     out = _run(eng, reqs)
     assert eng.stats()["preemptions"] > 0
     for i, p in enumerate(prompts):
@@ -171,7 +172,8 @@ def test_n_samples_seeded_reproducible_and_distinct(hf_llama):
 
 def test_topk1_sampling_equals_greedy(hf_llama):
     [p] = _prompts([8])
-    out = _run(_engine(hf_llama), [("s", p, SamplingParams(max_tokens=8, temperature=0.8, top_k=1))])
+    out = _run(_engine(hf_llama),
+               [("s", p, SamplingParams(max_tokens=8, temperature=0.8, top_k=1))])
     assert out["s"].outputs[0].token_ids == _hf(hf_llama, p, 8)
 
 
@@ -198,7 +200,8 @@ def test_stop_token_ids_and_stop_strings(hf_llama):
     out = _run(eng, [
         ("tok", p, SamplingParams(max_tokens=12, stop_token_ids=[stop_tok])),
         ("str", p, SamplingParams(max_tokens=12, stop=[stop_str])),
-        ("keep", p, SamplingParams(max_tokens=12, stop=[stop_str], include_stop_str_in_output=True)),
+        ("keep", p, SamplingParams(max_tokens=12, stop=[stop_str],
+                                   include_stop_str_in_output=True)),
     ])
     o = out["tok"].outputs[0]
     assert o.token_ids == full[:n_tok] and o.finish_reason == "stop" and o.stop_reason == stop_tok

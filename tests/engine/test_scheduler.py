@@ -60,7 +60,8 @@ def test_fcfs_admission_and_batched_decode():
     assert [(c.request.request_id, c.start, c.num_tokens, c.wants_logits) for c in out.chunks] == [
         ("a", 0, 5, True), ("b", 0, 6, True), ("c", 0, 3, True)]
     out = _fake_step(s)   # one decode token per sequence, in admission order
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("c", 1)]
+    assert ([(c.request.request_id, c.num_tokens) for c in out.chunks]
+            == [("a", 1), ("b", 1), ("c", 1)])
     _fake_step(s)
     assert not s.has_unfinished()
 

@@ -1,6 +1,7 @@
 """Attention over quantized caches (rows of head_dim int8 or float8_e4m3fn values + the row's
 fp16 scale, as radixkv/engine/kv_quant.py writes them): the Triton kernels read them in place
-(compiled on CUDA where a GPU is present, under the interpreter otherwise) and must equal the float32 reference run on the dequantized caches.
+(compiled on CUDA where a GPU is present, under the interpreter otherwise) and must equal the
+float32 reference run on the dequantized caches.
 
 Rows the contract says are never read (unused blocks, the tail of a ragged last block) get a
 NaN scale, so a kernel that reads one produces NaN and fails. The kernels' e4m3 decoding (integer

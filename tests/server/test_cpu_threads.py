@@ -41,7 +41,8 @@ def test_default_threads(monkeypatch, affinity, quota, torch_default, want) -> N
 
 
 def test_wait_policy_is_passive_unless_the_environment_says(monkeypatch) -> None:
-    monkeypatch.delitem(sys.modules, "torch", raising=False)   # as in `radixkv serve` before the model loads
+    # as in `radixkv serve` before the model loads
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
     env: dict[str, str] = {}
     assert cpu.prepare_openmp(env).startswith("PASSIVE") and env["OMP_WAIT_POLICY"] == "PASSIVE"
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
