@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for set-up and the two README commands.
 #   bash scripts/dev.sh demo   -> create .venv if needed, run the chat/RAG demo
-#   bash scripts/dev.sh test   -> create .venv if needed, run the test suite
+#   bash scripts/dev.sh test   -> create .venv if needed, run ruff, then the test suite
 #   bash scripts/dev.sh setup  -> only create/refresh .venv
 # Extra arguments after the subcommand go to the program (pytest or radixkv).
 set -euo pipefail
@@ -68,7 +68,12 @@ setup() {
 cmd=${1:-test}; shift || true
 case "$cmd" in
     setup) setup ;;
-    test)  setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+    test)  setup
+           # Lint first (ruff, pinned in the dev extra; rules in pyproject.toml): a finding fails
+           # the run, as CI runs this command. mypy (scripts/lint.sh mypy) is not in CI yet.
+           "$VENV/bin/ruff" check radixkv kernels benchmarks tests scripts \
+               || { echo "scripts/dev.sh test: ruff found the problems above" >&2; exit 1; }
+           exec "$VENV/bin/python" -m pytest -q "$@" ;;
     demo)  setup; exec "$VENV/bin/radixkv" demo "$@" ;;
     bench) setup; exec "$VENV/bin/radixkv" bench "$@" ;;
     *) echo "usage: bash scripts/dev.sh {setup|test|demo|bench} [args...]" >&2; exit 2 ;;

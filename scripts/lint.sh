@@ -3,7 +3,8 @@
 # radixkv/storage, with the configuration in pyproject.toml. Exits non-zero if either fails.
 #   bash scripts/lint.sh            # both
 #   bash scripts/lint.sh ruff|mypy  # one
-# Needs ruff and mypy in the venv (`.venv/bin/python -m pip install ruff mypy`).
+# ruff (pinned in the dev extra) also runs in `scripts/dev.sh test`, i.e. in CI; mypy does not yet.
+# mypy is not installed by set-up (`.venv/bin/python -m pip install mypy`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
@@ -13,13 +14,13 @@ for tool in ruff mypy; do
     [ "$what" = all ] || [ "$what" = "$tool" ] || continue
     if [ ! -x "$VENV/bin/$tool" ]; then
         echo "scripts/lint.sh: $tool is not installed in $VENV" \
-             "(run: $VENV/bin/python -m pip install ruff mypy)" >&2
+             "(run: bash scripts/dev.sh setup for ruff; $VENV/bin/python -m pip install mypy)" >&2
         rc=1
         continue
     fi
     echo "== $tool" >&2
     case $tool in
-        ruff) "$VENV/bin/ruff" check radixkv benchmarks kernels tests scripts || rc=1 ;;
+        ruff) "$VENV/bin/ruff" check radixkv kernels benchmarks tests scripts || rc=1 ;;   # as dev.sh
         mypy) "$VENV/bin/mypy" || rc=1 ;;   # files and strictness: [tool.mypy] in pyproject
     esac
 done
