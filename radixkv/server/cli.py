@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
                    help="wait for disk -> device promotions instead of overlapping them")
+    e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs"],
+                   help="order waiting requests are admitted in: lpm (longest cached prefix "
+                        "first, with an age limit) or fcfs (default: EngineConfig's, lpm)")
+    e.add_argument("--scheduling-max-wait", type=float, default=None, metavar="SECONDS",
+                   help="lpm's age limit: a request waiting this long is admitted next "
+                        "(default: EngineConfig's, 2)")
     v = p.add_argument_group("vLLM compatibility and limits (docs/serve.md has vLLM's flags)")
     v.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vllm serve takes it (same as --model)")
@@ -199,8 +205,19 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
                       prefetch_requests=args.prefetch_requests,
-                      async_loads=not args.no_async_loads)
+                      async_loads=not args.no_async_loads, **_scheduling(args))
     return cc, ec
+
+
+def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
+    """The scheduling flags given, as EngineConfig keywords (absent: EngineConfig's default);
+    EngineConfig raises ConfigError on a bad age limit."""
+    out: dict[str, Any] = {}
+    if args.scheduling_policy is not None:
+        out["scheduling_policy"] = args.scheduling_policy
+    if args.scheduling_max_wait is not None:
+        out["scheduling_max_wait_s"] = args.scheduling_max_wait
+    return out
 
 
 def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
