@@ -95,6 +95,8 @@ class LocalBackend(Backend):
         the engine, so it sends the last events first), e.g. ``ZmqEventPublisher``."""
         self.engine = engine
         self.kv_events = kv_events
+        # /metrics' radixkv_kv_blocks_{stored,removed}_total: a KV-event reader on the loop
+        engine.loop.call(engine.core.count_kv_events)
         core = engine.core
         self.model_id = engine.model_id
         self.vocab_size = core.vocab_size

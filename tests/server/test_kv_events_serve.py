@@ -1,6 +1,7 @@
 """``radixkv serve --kv-events-endpoint``: the engine's KV events over ZMQ in vLLM's wire format,
 read by a real ZMQ ``SUB`` socket while the openai client sends a completion to a real
-``radixkv serve`` subprocess (127.0.0.1, free ports)."""
+``radixkv serve`` subprocess (127.0.0.1, free ports); and the ``/metrics`` counters fed by the
+same events (``radixkv_kv_blocks_{stored,removed}_total``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
 from tests.fleet.test_zmq_events import BlockStored, KVEventBatch  # noqa: E402
-from tests.server.test_openai_server import MODEL, Server, _free_port  # noqa: E402
+from tests.server.test_openai_server import MODEL, Server, _free_port, _value  # noqa: E402
 from tests.server.test_serve_limits import _wait_ready  # noqa: E402
 
 BLOCK = 16
+DEVICE_BLOCKS = 24
 PROMPT = [(7 * i + 100) % 4000 + 50 for i in range(3 * BLOCK + 5)]   # token ids, 3 full blocks
 
 
@@ -29,7 +31,8 @@ def srv() -> Any:
     port, zport = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port),
            "--kv-events-endpoint", f"tcp://127.0.0.1:{zport}", "--block-size", str(BLOCK),
-           "--device-blocks", "64", "--threads", "1", "--device", "cpu", "--dtype", "float32"]
+           "--device-blocks", str(DEVICE_BLOCKS), "--threads", "1", "--device", "cpu",
+           "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     server = Server(port, proc)
     server.zmq_endpoint = f"tcp://127.0.0.1:{zport}"  # type: ignore[attr-defined]
@@ -82,6 +85,24 @@ def test_a_completion_publishes_its_prompt_blocks(srv: Server) -> None:
         assert all(isinstance(h, bytes) and len(h) == 16 for h in e.block_hashes)
     finally:
         sub.close()
+
+
+def test_metrics_count_the_blocks_stored_and_removed(srv: Server) -> None:
+    client = srv.client("none")
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    fams = srv.metrics()
+    stored = _value(fams, "radixkv_kv_blocks_stored", tier="device")
+    assert stored >= 3   # at least the prompt's three full blocks (cached by the other test)
+    for i in range(8):   # 8 new prompts of 4 blocks: more than the device tier holds
+        prompt = [t + 1 + i for t in PROMPT[:3 * BLOCK]] + [11 + i] * 10
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    fams = srv.metrics()
+    stored = _value(fams, "radixkv_kv_blocks_stored", tier="device")
+    removed = _value(fams, "radixkv_kv_blocks_removed", tier="device")
+    assert stored >= 3 * 9 and removed > 0
+    # one tier and no moves: what is cached is exactly what was stored and not removed
+    cached = _value(fams, "radixkv_engine_cached_blocks_per_tier", tier="device")
+    assert stored - removed == cached <= DEVICE_BLOCKS
 
 
 def test_a_taken_endpoint_is_an_error_exit() -> None:
