@@ -30,7 +30,7 @@ from radixkv.core.hashing import TOKEN_BYTES, BlockHash
 from radixkv.core.pool import BlockId
 
 __all__ = ["AllCleared", "BlockRemoved", "BlockStored", "EventCursor", "KVEvent",
-           "KVEventQueue"]
+           "KVEventCounts", "KVEventQueue"]
 
 
 class BlockStored(NamedTuple):
@@ -166,3 +166,40 @@ class KVEventQueue:
         if low > 0:
             del self._events[:low]
             self._base += low
+
+
+class KVEventCounts:
+    """Blocks stored in and removed from each tier, counted by a reader of a ``KVEventQueue``
+    (the server's ``radixkv_kv_blocks_{stored,removed}_total``). Call ``drain()`` on the
+    engine loop (every step, so the queue keeps no backlog for this reader whether or not
+    anyone reads the counts); a move between tiers is no event, so it counts nowhere.
+
+    >>> q = KVEventQueue()
+    >>> c = KVEventCounts(q.subscribe(), num_tiers=2)
+    >>> q.append(BlockStored((b"a", b"b"), None, bytes(16), 0, ()))
+    >>> q.append(BlockRemoved((b"a",), None, bytes(8), 1))
+    >>> c.drain(), c.stored, c.removed
+    (2, [2, 0], [0, 1])
+    """
+
+    __slots__ = ("_cursor", "stored", "removed")
+
+    def __init__(self, cursor: EventCursor, num_tiers: int) -> None:
+        self._cursor = cursor
+        self.stored = [0] * num_tiers    # blocks, per tier (0 = device)
+        self.removed = [0] * num_tiers
+
+    def drain(self) -> int:
+        """Count the events since the last call; returns how many there were.
+        Runtime complexity: O(events)."""
+        events = self._cursor.take_events()
+        for e in events:
+            if type(e) is BlockStored:
+                self.stored[e.tier] += len(e.block_hashes)
+            elif type(e) is BlockRemoved:
+                self.removed[e.tier] += len(e.block_hashes)
+        return len(events)
+
+    def close(self) -> None:
+        """Stop counting (the queue no longer keeps events for this reader)."""
+        self._cursor.close()

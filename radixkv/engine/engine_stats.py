@@ -14,6 +14,9 @@ def engine_stats(engine: Any) -> dict[str, Any]:
     tree_stats = engine.tree.stats
     tiers = engine.tree.num_tiers
     stored, slots = _kv_utilization(engine)
+    counts = engine.kv_event_counts
+    events = {} if counts is None else {"kv_blocks_stored": list(counts.stored),
+                                        "kv_blocks_removed": list(counts.removed)}
     return {
         "prompt_tokens": c.prompt_tokens,
         "cached_prompt_tokens": c.cached_prompt_tokens,
@@ -44,6 +47,7 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         "steps": c.steps,
         "forwards": engine._num_forwards,
         **tier_stats(engine),
+        **events,
     }
 
 

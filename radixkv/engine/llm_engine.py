@@ -26,6 +26,7 @@ import torch
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
+from radixkv.core.events import KVEventCounts
 from radixkv.core.hashing import Namespace
 from radixkv.core.policy import make_policy
 from radixkv.core.tree import RadixTree
@@ -172,6 +173,8 @@ class LLMEngine:
         self._at_exit = _close_at_exit(weakref.ref(self))
         atexit.register(self._at_exit)
         self._next_expiry = float("-inf")   # the next time _expire may run
+        #: blocks stored/removed per tier from the KV events, once ``count_kv_events`` asked
+        self.kv_event_counts: KVEventCounts | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ tiers
@@ -377,6 +380,8 @@ class LLMEngine:
     def _after_step(self) -> None:
         if self._remote is not None:
             self._remote.after_step()   # write-through of the blocks computed this step
+        if self.kv_event_counts is not None:
+            self.kv_event_counts.drain()   # O(this step's events): no backlog in the queue
         if not self.has_unfinished_requests():
             self._drain_kv()   # idle: the disk tier's files are exactly its blocks
 
@@ -566,7 +571,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Cache and scheduling figures since construction (see docs/api.md)."""
+        if self.kv_event_counts is not None:
+            self.kv_event_counts.drain()   # events of aborts between steps, too
         return engine_stats(self)
+
+    def count_kv_events(self) -> KVEventCounts:
+        """Count the blocks stored in and removed from each tier from now on (a reader of the
+        tree's KV event queue, drained after every step; the counts appear in ``stats()`` as
+        ``kv_blocks_stored`` / ``kv_blocks_removed``). Call it on the engine loop. Turning the
+        queue on makes the tree build events, a cost per block entering or leaving; the
+        server does it for ``/metrics``. Idempotent; returns the counter."""
+        if self.kv_event_counts is None:
+            self.kv_event_counts = KVEventCounts(self._bm.event_queue().subscribe(),
+                                                 self.tree.num_tiers)
+        return self.kv_event_counts
 
 
 __all__ = ["LLMEngine", "namespace_model"]

@@ -66,7 +66,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
         # the engine batches: let Serve send it a full batch plus the server's queue
         max_ongoing_requests=engine_config.max_num_seqs + max_queued,
         health_check_period_s=2.0, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0)
+        # room for the replica's remote-tier flush at close (EngineReplica.close)
+        graceful_shutdown_timeout_s=5.0 + (cache_config.remote_shutdown_flush_s or 0.0))
     if router == "kv":
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class=KVAwareRouter,

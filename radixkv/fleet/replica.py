@@ -71,19 +71,33 @@ class EngineReplica:
         t0 = time.perf_counter()
         ctx = serve.get_replica_context()
         cache_config = replica_cache_config(spec.cache_config, ctx.rank.rank)
-        self.engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file,
-                                                     cache_config, spec.engine_config,
-                                                     model_impl=spec.model_impl)
-        self.replica_id = ctx.replica_id.unique_id
-        self.load_s = time.perf_counter() - t0
-        self._recorder = EventRecorder(self.engine.core.tree)
-        self._bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \
+        engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file, cache_config,
+                                                spec.engine_config, model_impl=spec.model_impl)
+        bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \
             if spec.bus_name else None
-        self._stop = threading.Event()
-        if self._bus is not None:
-            threading.Thread(target=self._publish_loop, name="radixkv-kv-events",
-                             daemon=True).start()
+        self._attach(engine, ctx.replica_id.unique_id, bus, time.perf_counter() - t0)
         log.info("radixkv replica %s ready in %.1f s", self.replica_id, self.load_s)
+
+    @classmethod
+    def from_engine(cls, engine: Any, replica_id: str, bus: Any = None) -> EngineReplica:
+        """A replica around an engine built elsewhere (outside Serve: tests, embedding);
+        ``bus``: the fleet's ``KVEventBus`` actor handle, None to publish nothing."""
+        self = cls.__new__(cls)
+        self._attach(engine, replica_id, bus, 0.0)
+        return self
+
+    def _attach(self, engine: Any, replica_id: str, bus: Any, load_s: float) -> None:
+        self.engine, self.replica_id, self.load_s = engine, replica_id, load_s
+        # the fleet's /metrics radixkv_kv_blocks_{stored,removed}_total, as the server's
+        engine.loop.call(engine.core.count_kv_events)
+        self._recorder = EventRecorder(engine.core.tree)
+        self._bus = bus
+        self._stop = threading.Event()
+        self._publisher: threading.Thread | None = None
+        if bus is not None:
+            self._publisher = threading.Thread(target=self._publish_loop,
+                                               name="radixkv-kv-events", daemon=True)
+            self._publisher.start()
 
     # ------------------------------------------------------------------ events
     def _publish_loop(self) -> None:
@@ -155,10 +169,29 @@ class EngineReplica:
             if not finished:
                 loop.call_future(loop.abort_op(request_id))
 
-    def __del__(self) -> None:
+    def close(self) -> dict[str, Any] | None:
+        """Shut down gracefully: stop publishing, then close the engine, which first writes
+        the cached blocks its remote tier lacks (``CacheConfig.remote_shutdown_flush_s``), so
+        the replica that replaces this one finds them. Returns that flush's counts
+        (``Engine.close``), None without one. Idempotent."""
         stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        if stop is None:   # __init__ failed before the engine was attached
+            return None
+        stop.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=10)
+            self._publisher = None
+        report = self.engine.close()
+        if report is not None:
+            log.info("radixkv replica %s: shutdown: wrote %d cached blocks to the remote tier "
+                     "in %.2f s (%d there already, %d not reached in time)", self.replica_id,
+                     report["written"], report["seconds"], report["present"], report["left"])
+        return report
+
+    def __del__(self) -> None:
+        """Ray Serve calls it at a graceful replica shutdown (``graceful_shutdown_timeout_s``
+        bounds it; ``deploy.py`` leaves room for the remote flush)."""
+        self.close()
 
 
 __all__ = ["EngineReplica", "ReplicaSpec"]

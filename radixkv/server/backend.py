@@ -90,8 +90,13 @@ class LocalBackend(Backend):
     """An :class:`radixkv.Engine` in this process, stepped by its loop thread (handlers never
     step it: they submit to the loop and await outputs)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, kv_events: Any = None) -> None:
+        """``kv_events``: a started publisher of the engine's KV events (``close()``d after
+        the engine, so it sends the last events first), e.g. ``ZmqEventPublisher``."""
         self.engine = engine
+        self.kv_events = kv_events
+        # /metrics' radixkv_kv_blocks_{stored,removed}_total: a KV-event reader on the loop
+        engine.loop.call(engine.core.count_kv_events)
         core = engine.core
         self.model_id = engine.model_id
         self.vocab_size = core.vocab_size
@@ -130,6 +135,8 @@ class LocalBackend(Backend):
                   f"remote tier in {report['seconds']:.2f} s ({report['present']} there "
                   f"already, {report['left']} not reached in time)", file=sys.stderr,
                   flush=True)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 __all__ = ["Backend", "LocalBackend", "RequestHandle"]

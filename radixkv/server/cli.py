@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--default-max-tokens", "--max-tokens-default", type=int, default=None,
                    metavar="N",
                    help="max_tokens when a request gives none (default: the rest of the context)")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="publish the engine's KV events in vLLM's wire format on a ZMQ PUB "
+                        "socket bound here, e.g. tcp://*:5557, for external KV-aware routers "
+                        "(needs the events extra; single server only)")
     g.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, metavar="DIR",
@@ -126,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
                    help="wait for disk -> device promotions instead of overlapping them")
+    e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs"],
+                   help="order waiting requests are admitted in: lpm (longest cached prefix "
+                        "first, with an age limit) or fcfs (default: EngineConfig's, lpm)")
+    e.add_argument("--scheduling-max-wait", type=float, default=None, metavar="SECONDS",
+                   help="lpm's age limit: a request waiting this long is admitted next "
+                        "(default: EngineConfig's, 2)")
     v = p.add_argument_group("vLLM compatibility and limits (docs/serve.md has vLLM's flags)")
     v.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vllm serve takes it (same as --model)")
@@ -199,8 +209,19 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
                       prefetch_requests=args.prefetch_requests,
-                      async_loads=not args.no_async_loads)
+                      async_loads=not args.no_async_loads, **_scheduling(args))
     return cc, ec
+
+
+def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
+    """The scheduling flags given, as EngineConfig keywords (absent: EngineConfig's default);
+    EngineConfig raises ConfigError on a bad age limit."""
+    out: dict[str, Any] = {}
+    if args.scheduling_policy is not None:
+        out["scheduling_policy"] = args.scheduling_policy
+    if args.scheduling_max_wait is not None:
+        out["scheduling_max_wait_s"] = args.scheduling_max_wait
+    return out
 
 
 def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
@@ -227,6 +248,7 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
             engine.chat_template   # analyse the chat template now, not in the first request
         finally:
             done.set()
+        backend = _with_kv_events(engine, args.kv_events_endpoint, cc.block_size)
         print(f"radixkv serve: ready in {time.perf_counter() - t0:.1f} s "
               f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks "
               f"= {engine.core.tier_capacity_blocks[0] * cc.block_size} tokens)",
@@ -234,9 +256,33 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         sizing = getattr(engine.core, "pool_sizing", None)
         if sizing is not None:
             print(f"radixkv serve: {sizing.describe()}", file=sys.stderr, flush=True)
-        return engine
+        return backend
 
     return load
+
+
+def _with_kv_events(engine: Any, endpoint: str | None, block_size: int) -> Any:
+    """The backend serving ``engine``: with ``endpoint``, one that also publishes its KV events
+    there (from a snapshot of the cache, so a subscriber starts from ``AllBlocksCleared``)
+    until shutdown. A bind failure stops the engine and raises ConfigError (the server exits
+    non-zero, as for a model that fails to load)."""
+    from radixkv.server.backend import LocalBackend
+
+    if endpoint is None:
+        return LocalBackend(engine)
+    import zmq
+
+    from radixkv.errors import ConfigError
+    from radixkv.fleet.zmq_events import ZmqEventPublisher
+
+    try:   # before any request: the snapshot reads the tree while nothing steps it
+        publisher = ZmqEventPublisher(engine.core.tree, endpoint, block_size)
+    except zmq.ZMQError as exc:
+        engine.close(remote_flush_s=0)
+        raise ConfigError(f"--kv-events-endpoint {endpoint!r}: {exc}") from None
+    print(f"radixkv serve: KV events on {publisher.endpoint} (ZMQ PUB, topic "
+          f"{publisher.topic.decode()!r}, vLLM's KVEventBatch)", file=sys.stderr, flush=True)
+    return LocalBackend(engine, kv_events=publisher.start())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = read_keys(args.api_key, args.api_key_file)
         if args.max_queued < 0:
             raise ConfigError(f"--max-queued must be >= 0, got {args.max_queued}")
+        _check_kv_events(args)
     except ConfigError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
@@ -316,6 +363,24 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
     server.run()
     return 1 if failed else 0
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    """ConfigError unless ``--kv-events-endpoint`` can be served: the events extra is
+    installed and the server is a single one (each fleet replica would need its own socket)."""
+    from radixkv.errors import ConfigError
+
+    if args.kv_events_endpoint is None:
+        return
+    if args.replicas is not None or args.ray_address:
+        raise ConfigError("--kv-events-endpoint serves a single server's events; it is not "
+                          "available with --replicas or --ray-address")
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--kv-events-endpoint needs the events extra ({exc}): "
+                          "pip install 'radixkv[events]'") from None
 
 
 def _read_template(path: str) -> str:

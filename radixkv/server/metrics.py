@@ -12,7 +12,8 @@ Two sources:
 * **Engine state** comes from ``engine.stats()``: a snapshot taken on the engine loop by the
   ``/metrics`` handler just before rendering (:meth:`ServerMetrics.render`), exposed by a custom
   collector: prefix-cache queries and hits (tokens, hits per tier), running/waiting requests,
-  cache usage per tier, evictions/promotions/demotions per tier, preemptions; and, under
+  cache usage per tier, evictions/promotions/demotions per tier, preemptions, blocks stored and
+  removed per tier (from the engine's KV events, counted on its loop); and, under
   ``radixkv_engine_*``, every other engine stat (see :mod:`radixkv.api.metrics`).
 """
 
@@ -113,6 +114,15 @@ class _EngineCollector:
             yield per_tier(CounterMetricFamily, f"radixkv_{key}", doc, st[key])
         yield counter("radixkv_num_preemptions", "Requests preempted (vllm:num_preemptions).",
                       st["preemptions"])
+        if "kv_blocks_stored" in st:   # the engine counts its KV events (the server asks)
+            yield per_tier(CounterMetricFamily, "radixkv_kv_blocks_stored",
+                           "Blocks entering the cache in each tier (KV events BlockStored: a "
+                           "device commit, a block written into a slower tier).",
+                           st["kv_blocks_stored"])
+            yield per_tier(CounterMetricFamily, "radixkv_kv_blocks_removed",
+                           "Blocks leaving the cache from each tier (KV events BlockRemoved: "
+                           "dropped from the last tier, invalidated, expired).",
+                           st["kv_blocks_removed"])
         # vLLM's own names for the same figures, so its dashboards work unchanged
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                       "cache (= radixkv_prefix_cache_queries).", st["prompt_tokens"])

@@ -13,7 +13,7 @@ import pytest
 from radixkv import CacheConfig
 from radixkv.api.engine import Engine
 from radixkv.config import EngineConfig
-from radixkv.errors import ConfigError
+from radixkv.errors import ConfigError, EngineClosedError
 
 from .conftest import BLOCK_SIZE
 
@@ -88,3 +88,24 @@ def test_flush_writes_only_what_the_server_lacks_and_keeps_the_deadline(
     for bad in (-1.0, float("nan"), True):
         with pytest.raises(ConfigError, match="remote_shutdown_flush_s"):
             CacheConfig(remote_shutdown_flush_s=bad)
+
+
+def test_a_fleet_replica_flushes_at_its_graceful_shutdown(tiny_model_shared, smol_tokenizer,
+                                                          one_thread, redis_srv) -> None:
+    """Ray Serve calls a replica's ``__del__`` at a graceful shutdown (``serve.shutdown()``,
+    a scale-down, a rolling update): it closes the engine, so the remote flush happens in a
+    fleet as in ``radixkv serve``. The replica outside Serve (``EngineReplica.from_engine``)."""
+    from radixkv.fleet.replica import EngineReplica
+
+    r = redis_srv.client()
+    r.flushall()
+    replica = EngineReplica.from_engine(_engine(tiny_model_shared, smol_tokenizer,
+                                                redis_srv.url), "r0")
+    replica.engine.generate([PROMPT], GREEDY)
+    st = replica.stats()
+    assert st["kv_blocks_stored"][0] >= 6 and r.dbsize() == 0   # write-back: nothing yet
+    replica.__del__()   # what Serve calls
+    assert r.dbsize() == 6                                  # the prompt's full blocks
+    assert replica.close() is None                          # idempotent
+    with pytest.raises(EngineClosedError):
+        replica.engine.generate([PROMPT], GREEDY)

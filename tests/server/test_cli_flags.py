@@ -1,0 +1,36 @@
+"""``radixkv serve`` flags reach the configs they name (``server/cli.py``'s ``configs``), and a bad
+value is a usage error (exit 2) before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.config import EngineConfig
+from radixkv.server.cli import build_parser, configs, main
+
+
+def test_scheduling_flags_reach_the_engine_config() -> None:
+    p = build_parser()
+    _, ec = configs(p.parse_args(["--scheduling-policy", "fcfs", "--scheduling-max-wait", "0.5"]))
+    assert ec.scheduling_policy == "fcfs" and ec.scheduling_max_wait_s == 0.5
+    _, ec = configs(p.parse_args(["--scheduling-policy", "lpm"]))
+    assert ec.scheduling_policy == "lpm"
+    assert ec.scheduling_max_wait_s == EngineConfig().scheduling_max_wait_s
+    _, ec = configs(p.parse_args([]))   # no flag: EngineConfig's defaults
+    assert ec.scheduling_policy == EngineConfig().scheduling_policy
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--scheduling-policy", "sjf"], "invalid choice"),
+    (["--scheduling-max-wait", "-1"], "max_wait_s"),
+    (["--scheduling-max-wait", "soon"], "invalid float"),
+])
+def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
+                                                 monkeypatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")   # main() must not set it for this process
+    try:
+        rc = main(argv)
+    except SystemExit as exc:   # argparse's own usage error
+        rc = exc.code
+    assert rc == 2
+    assert words in capsys.readouterr().err
