@@ -18,8 +18,8 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
 from tests.fleet.test_zmq_events import BlockStored, KVEventBatch  # noqa: E402
-from tests.server.test_openai_server import MODEL, Server, _free_port, _value  # noqa: E402
-from tests.server.test_serve_limits import _wait_ready  # noqa: E402
+from tests.server.test_openai_server import (MODEL, Server, _free_port,  # noqa: E402
+                                             _value, _wait_ready)
 
 BLOCK = 16
 DEVICE_BLOCKS = 24

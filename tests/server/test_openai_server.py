@@ -9,6 +9,7 @@ The test process loads the same model once to compare greedy text with ``Engine.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import http.client
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +39,42 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_ready(srv: Server, timeout: float = 600) -> None:
+    """Until ``/health`` answers 200; raises with the server's output if it exited first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"server exited: {srv.proc.stdout.read()}")
+        try:
+            if srv.raw("GET", "/health", key=None)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not ready")
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], port: int | None = None,
+                   wait: bool = True) -> Iterator[Server]:
+    """``radixkv serve`` as a subprocess on 127.0.0.1 (a free port unless ``port``) with
+    ``args``; ready (``/health`` 200) when ``wait``; SIGTERM on exit, killed after 30 s."""
+    port = _free_port() if port is None else port
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv.server.cli", "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    srv = Server(port, proc)
+    try:
+        if wait:
+            _wait_ready(srv)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class Server:
@@ -86,23 +124,14 @@ def _value(fams: dict, name: str, **labels: str) -> float:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
     keyfile.write_text(f"# tenants\n{KEY_B}\n")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--api-key", KEY_A,
-           "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS), "--max-queued",
-           str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1", "--device", "cpu",
-           # float32: greedy equality with Engine.generate below (a CPU with native bf16
-           # would default to bf16, whose cached and cold continuations may differ)
-           "--dtype", "float32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    srv = Server(port, proc)
-    try:
+    args = ["--api-key", KEY_A, "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS),
+            "--max-queued", str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1",
+            "--device", "cpu",
+            # float32: greedy equality with Engine.generate below (a CPU with native bf16
+            # would default to bf16, whose cached and cold continuations may differ)
+            "--dtype", "float32"]
+    with running_server(args, wait=False) as srv:   # the first test waits for /health itself
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -22,44 +22,18 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from tests.server.test_openai_server import (MODEL, Server, _free_port,  # noqa: E402
-                                             _held_blocks, _value)
+                                             _held_blocks, _value, running_server)
 
 MAX_SEQS, MAX_QUEUED = 2, 1
 MAX_BYTES = 12 * 2**20
 
 
-def _wait_ready(srv: Server, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if srv.proc.poll() is not None:
-            raise RuntimeError(f"server exited: {srv.proc.stdout.read()}")
-        try:
-            if srv.raw("GET", "/health", key=None)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server not ready")
-
-
 @pytest.fixture(scope="module")
 def srv() -> Any:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port),
-           "--max-num-seqs", str(MAX_SEQS), "--max-queued", str(MAX_QUEUED),
-           "--max-request-bytes", str(MAX_BYTES), "--device-blocks", "256", "--threads", "1",
-           "--device", "cpu", "--dtype", "float32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server = Server(port, proc)
-    try:
-        _wait_ready(server)
+    with running_server(["--max-num-seqs", str(MAX_SEQS), "--max-queued", str(MAX_QUEUED),
+                         "--max-request-bytes", str(MAX_BYTES), "--device-blocks", "256",
+                         "--threads", "1", "--device", "cpu", "--dtype", "float32"]) as server:
         yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _post(port: int, path: str, body: bytes, headers: dict | None = None

@@ -21,8 +21,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from radixkv.server.tools import parse  # noqa: E402
-from tests.server.test_openai_server import MODEL, Server, _free_port  # noqa: E402
-from tests.server.test_serve_limits import _wait_ready  # noqa: E402
+from tests.server.test_openai_server import MODEL, Server, _free_port, running_server  # noqa: E402
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call these functions:
@@ -68,21 +67,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("tpl") / "tools.jinja"
     path.write_text(TEMPLATE)
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--chat-template",
-         str(path), "--device-blocks", "256", "--threads", "1", "--device", "cpu",
-         "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server = Server(port, proc)
-    try:
-        _wait_ready(server)
+    with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
+                         "1", "--device", "cpu", "--dtype", "float32"]) as server:
         yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _chat(srv: Server, **kw: Any) -> Any:
