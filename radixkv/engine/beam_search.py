@@ -1,6 +1,7 @@
 """Beam search with transformers' exact semantics, for one request, on top of fork/free.
 
-This mirrors ``GenerationMixin._beam_search`` (transformers 5.x, batch size 1) tensor for tensor,
+This mirrors transformers' ``generate()`` beam search (``_beam_search``, transformers 5.x, batch
+size 1) tensor for tensor,
 so that radixkv returns what ``model.generate(num_beams=k, do_sample=False, length_penalty=...,
 early_stopping=...)`` returns:
 
