@@ -22,7 +22,8 @@ from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import BlockHash, Namespace, chain_hash, hash_token_blocks, token_bytes
 from radixkv.core.move_planner import MovePlanner
 from radixkv.core.node import DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import EvictionPolicy, NodeHints, make_policy
+from radixkv.core.policy import EvictionPolicy, NodeHints
+from radixkv.core.policy_registry import make_policy
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import RadixTree
 from radixkv.core.writes import TreeWriteBack, TreeWrites, TreeWriteThrough

@@ -40,8 +40,8 @@ from typing import NamedTuple
 import xxhash
 
 from radixkv.core.events import KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, token_bytes
-from radixkv.core.policy import DEFAULT_POLICY
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, chain_hash, token_bytes
+from radixkv.core.policy_registry import DEFAULT_POLICY
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
@@ -116,6 +116,8 @@ class BlockManager:
         self.pool: BlockPool = tree.pools[DEVICE]
         self.block_size = tree.block_size
         self._seqs: dict[SeqId, SeqState] = {}
+        if tree.hooks:
+            tree.policy.bind_manager(self)
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int = 16, policy: str = DEFAULT_POLICY,
@@ -127,6 +129,21 @@ class BlockManager:
                          [BlockPool(n) for n in lower_tier_blocks], policy=policy,
                          write_through=write_through, **tree_kwargs)
         return cls(tree)
+
+    def shadow(self, num_blocks: int, policy: str) -> BlockManager:
+        """A manager over a fresh device-only tree of ``num_blocks`` blocks with this one's
+        block size and clock and eviction by ``policy``: a shadow cache that a policy replays
+        requests into (``EvictionPolicy.bind_manager``; ``policy_duel.py``)."""
+        tree = self.tree
+        return BlockManager(RadixTree(tree.block_size, BlockPool(num_blocks), policy=policy,
+                                      clock=tree.clock))
+
+    def _switch_policy(self, policy: str) -> None:
+        """Hand eviction to ``policy`` (``auto``'s first session-end hint): the tree re-files
+        its nodes, and the new policy meets this manager."""
+        self.tree.switch_policy(policy)
+        if self.tree.hooks:
+            self.tree.policy.bind_manager(self)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -282,7 +299,7 @@ class BlockManager:
         tree = self.tree
         now = tree.clock()
         if end_session and tree.policy.on_end_hint is not None:
-            tree.switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
+            self._switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
         if tree.hooks:
             tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
@@ -345,7 +362,7 @@ class BlockManager:
             raise InvalidRequestError("session must be hashable (a str or int id), got "
                                       f"{type(session).__name__}") from None
         if self.tree.policy.on_end_hint is not None:
-            self.tree.switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
+            self._switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
         if self.tree.hooks:
             self.tree.policy.end_session(session)
 
@@ -517,10 +534,68 @@ class BlockManager:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Pool, tree and tables agree (see ``tree_check.check_manager``)."""
-        from radixkv.core.tree_check import check_manager
-
-        check_manager(self)
+        """Raise AssertionError, with the numbers that disagree, unless pool, tree and block
+        tables agree. Every device
+        block is exactly one of free, cached (its holders counted by its node), or held privately
+        (counted by the pool); a block's count equals the number of tables holding it; each table's
+        cached blocks are a prefix of it made of whole nodes, a chain from a root whose tokens are
+        the sequence's own and whose first hash is its namespace's; ``last_hash`` names its block
+        ``num_cached - 1``; tables cover their tokens."""
+        bm = self
+        pool, tree = bm.pool, bm.tree
+        pool.check_invariants()
+        tree.check_invariants()
+        bs = bm.block_size
+        w = tree.block_bytes
+        dn = tree.device_nodes
+        held = [0] * pool.num_blocks
+        for sid, s in bm.sequences():
+            blocks = s.blocks
+            assert len(blocks) == -(-len(s.tokens) // bs), (
+                f"seq {sid!r}: {len(blocks)} blocks for {len(s.tokens)} tokens")
+            assert len(set(blocks)) == len(blocks), f"seq {sid!r} holds a block twice"
+            assert s.num_computed <= len(s.tokens)
+            assert s.num_cached <= s.num_computed // bs, (
+                f"seq {sid!r}: {s.num_cached} cached blocks, {s.num_computed} computed tokens")
+            c = 0
+            while c < len(blocks) and dn[blocks[c]] is not None:
+                c += 1
+            assert all(dn[b] is None for b in blocks[c:]), (
+                f"seq {sid!r}: cached blocks not a prefix")
+            assert c >= s.num_cached, f"seq {sid!r}: {s.num_cached} cached, table has {c}"
+            if s.num_cached:
+                node = dn[blocks[s.num_cached - 1]]
+                assert node is not None and node.tier == DEVICE, f"seq {sid!r}: last hash uncached"
+                assert s.last_hash in node.hashes and \
+                    node.slots[node.hashes.index(s.last_hash)] == blocks[s.num_cached - 1], (
+                    f"seq {sid!r}: last hash is not block {s.num_cached - 1}")
+            else:
+                assert s.last_hash is None, f"seq {sid!r}: last hash without cached blocks"
+            if c:
+                chain: list[Node] = []
+                node = dn[blocks[c - 1]]
+                assert node.slots[-1] == blocks[c - 1], f"seq {sid!r} holds part of {node}"
+                while node is not None:
+                    chain.append(node)
+                    node = node.parent
+                chain.reverse()
+                assert [b for x in chain for b in x.slots] == blocks[:c], (
+                    f"seq {sid!r}: its cached blocks are not the chain of whole nodes above them")
+                assert b"".join(bytes(x.tokens) for x in chain) == s.tokens[:c * bs].tobytes(), (
+                    f"seq {sid!r}: cached tokens differ from its own")
+                assert chain_hash(s.seed, bytes(chain[0].tokens[:w])) == chain[0].hashes[0], (
+                    f"seq {sid!r}: its root block is not of its namespace")
+            for b in blocks:
+                held[b] += 1
+        for b in range(pool.num_blocks):
+            node = dn[b]
+            refs = node.ref if node is not None else pool.ref_counts[b]
+            assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
+            free = pool.is_free(b)
+            assert not (free and (node is not None or pool.ref_counts[b])), (
+                f"block {b} is free but cached={node is not None} refs={pool.ref_counts[b]}")
+            assert free or node is not None or pool.ref_counts[b], (
+                f"block {b} leaked: not free, not cached, no references")
 
     # ============================================================= decode, slots for new tokens
     # Decoding through the block manager: a slot for each new token's KV, and copy-on-write.

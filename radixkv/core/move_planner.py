@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.events import BlockStored
 from radixkv.core.evict_index import RecencyIndex
@@ -46,11 +46,63 @@ from radixkv.core.pool import BlockId
 from radixkv.errors import InvalidBlockError, OutOfBlocks
 
 if TYPE_CHECKING:
-    from radixkv.core.tree import RadixTree
+    from collections.abc import Callable
+
+    from radixkv.core.events import BlockRemoved, KVEventQueue
+    from radixkv.core.node import TreeStats
+    from radixkv.core.pool import BlockPool
+    from radixkv.core.writes import TreeWrites
 
 _tuple_new = tuple.__new__
 
-__all__ = ["MovePlanner"]
+__all__ = ["MovePlanner", "PlannerHost"]
+
+
+class PlannerHost(Protocol):
+    """The tree as its planner sees it (``RadixTree`` is one; ``RadixTree``'s docstring says
+    what each map is): the structure the planner reads and rewires through the tree's own
+    structural edits (split, coalesce, link, unlink, child counts), and the counters it keeps
+    with the tree. Declared here so that this module imports no tree (the tree builds it)."""
+
+    num_tiers: int
+    block_bytes: int
+    clock: Callable[[], float]
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    slot_nodes: list[list[Node | None]]
+    device_nodes: list[Node | None]
+    evictable: list[EvictableSet]
+    resident: list[int]
+    unreferenced: int
+    ttl_heap: list[tuple[float, bytes]]
+    pending_moves: list[MoveOp]
+    stats: TreeStats
+    events: KVEventQueue | None
+    writes: TreeWrites
+    policy: EvictionPolicy
+
+    def num_evictable(self, tier: int = DEVICE) -> int: ...
+
+    def take_moves(self) -> list[MoveOp]: ...
+
+    def block_ref(self, node: Node, i: int) -> BlockRef: ...
+
+    def removed_event(self, node: Node, cut: int) -> BlockRemoved: ...
+
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None: ...
+
+    def split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+
+    def coalesce(self, parent: Node | None, child: Node) -> Node: ...
+
+    def link(self, parent: Node, node: Node) -> None: ...
+
+    def unlink(self, node: Node) -> None: ...
+
+    def add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
+
+    def rearm_ttl(self, node: Node) -> None: ...
 
 
 class MovePlanner:
@@ -60,7 +112,7 @@ class MovePlanner:
         tree: the tree whose structure it moves (the planner is built by the tree).
     """
 
-    def __init__(self, tree: RadixTree) -> None:
+    def __init__(self, tree: PlannerHost) -> None:
         self.tree = tree
         # the tree's structure: the same objects (``RadixTree``'s docstring says what each is)
         self.heads = tree.heads

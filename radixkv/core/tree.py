@@ -47,7 +47,7 @@ storage layer to execute *in order* before the freed slots are reused; the tree'
 promotion, prefetch, invalidation, TTL expiry. This class keeps the structure: nodes and their
 maps, match and insert, cutting and merging runs, the per-request paths (lock, release, insert),
 single-block lookups, hints, and the KV event queue (``events.py``). The consistency check is
-``tree_check.py``.
+``RadixTree.check_invariants``.
 
 Pure Python: this module imports no torch.
 """
@@ -63,11 +63,10 @@ from collections.abc import Callable, Iterable, Sequence
 import xxhash
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.events import BlockRemoved, BlockStored, KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES, BlockHash
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, chain_hash
 from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import (
-    DEFAULT_HINTS, DEFAULT_POLICY, EvictionPolicy, LRUPolicy, NodeHints, make_policy,
-)
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints
+from radixkv.core.policy_registry import DEFAULT_POLICY, make_policy
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.move_planner import MovePlanner
 from radixkv.core.writes import TreeWrites, make_writes
@@ -88,7 +87,7 @@ class RadixTree:
         device_pool: the device tier's BlockPool.
         lower_pools: pools of the slower tiers, fastest first (host, then disk), each sized
             to that tier's capacity in blocks.
-        policy: eviction policy name or instance (``radixkv.core.policy.POLICIES``; default
+        policy: eviction policy name or instance (``radixkv.core.policy_registry.POLICIES``; default
             ``auto``: LRU until a client sends a session-end hint, then ``forecast``).
         clock: seconds, monotonic; injected so tests can pin the eviction order.
         write_through: the tree's write policy: a ``TreeWrites`` object, or the slower tiers
@@ -96,7 +95,7 @@ class RadixTree:
             device; empty (default) is write-back. See ``writes.py``.
 
     Structure the other core parts read (the block manager's hot paths, the write and
-    eviction policies, ``tree_check``); only the tree's own methods change them:
+    eviction policies, ``check_invariants``); only the tree's own methods change them:
     ``pools[t]`` (tier t's ``BlockPool``), ``heads`` / ``tails`` (a node's first / last
     block's hash -> node), ``slot_nodes[t][slot]`` (the node whose primary block is in that
     slot; ``device_nodes`` is tier 0's), ``evictable[t]`` (tier t's ``EvictableSet``),
@@ -377,11 +376,116 @@ class RadixTree:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails
-        (see ``tree_check.py``). Runtime complexity: O(n log n); for tests."""
-        from radixkv.core.tree_check import check_tree
+        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails.
+        Runtime complexity: O(n log n) in cached blocks; for tests (property tests call it
+        after every step).
 
-        check_tree(self)
+        Checks, in order: every node is well formed (aligned hashes/tokens/block ids,
+        non-empty, chain hashes inside it and across its parent link); each node is filed under
+        its first and last block, no block is cached twice, and the block-id maps name exactly
+        the nodes' blocks; block ids are allocated and never shared between residencies; the
+        device map and pool refcounts (0 for cached blocks: references live in nodes); holders
+        (a child's holders are a subset of its parent's: ``parent.ref >= child.ref``); per-tier
+        prefix closure; child lists and packed child counts; residency and unheld counters;
+        copies; the evictable sets (exactly the evictable nodes under their current entries,
+        plus every copy); pool usage and capacity; TTL hints."""
+        tree = self
+        w = tree.block_bytes
+        heads, tails = tree.heads, tree.tails
+        nodes: dict[int, Node] = {id(x): x for x in heads.values()}
+        assert len(nodes) == len(heads) == len(tails), (
+            f"{len(heads)} head entries, {len(tails)} tail entries, {len(nodes)} distinct nodes")
+        index: dict[bytes, Node] = {}
+        total = 0
+        resident = [0] * tree.num_tiers
+        unref = 0
+        taken: set[tuple[int, int]] = set()
+        pools = tree.pools
+        for node in nodes.values():
+            n = len(node.hashes)
+            t = node.tier
+            assert n > 0, f"{node}: empty node"
+            assert len(node.slots) == n and len(node.tokens) == n * w, (
+                f"{node}: {n} hashes, {len(node.slots)} slots, {len(node.tokens)} token bytes")
+            assert type(node.tokens) is bytearray, (
+                f"{node}: tokens are {type(node.tokens).__name__}")
+            assert 0 <= t < tree.num_tiers, f"{node}: tier {t}"
+            total += n
+            resident[t] += n
+            assert heads.get(node.hashes[0]) is node and tails.get(node.hashes[-1]) is node, (
+                f"{node}: not filed under its first and last blocks")
+            for i, (h, s) in enumerate(zip(node.hashes, node.slots)):
+                assert index.setdefault(h, node) is node, (
+                    f"{node}: block {i} ({h.hex()[:8]}) cached twice")
+                assert tree.slot_nodes[t][s] is node, f"slot {s} of tier {t} not mapped to {node}"
+                assert not pools[t].is_free(s), f"{node}: block {i} in free slot {s} of tier {t}"
+                assert (t, s) not in taken, f"{node}: slot {s} of tier {t} shared"
+                taken.add((t, s))
+                if i:
+                    tok = bytes(node.tokens[i * w:(i + 1) * w])
+                    assert chain_hash(node.hashes[i - 1], tok) == h, (
+                        f"{node}: block {i}'s hash is not chain(block {i - 1}, tokens)")
+                if t == DEVICE:
+                    assert pools[DEVICE].ref_counts[s] == 0, (
+                        f"cached device block {s} has pool refcount {pools[DEVICE].ref_counts[s]}")
+            if t == DEVICE:
+                assert node.ref >= 0, f"{node}: negative holders"
+                if node.ref == 0:
+                    unref += n
+            else:
+                assert node.ref == 0, f"{node}: held in tier {t}"
+            assert node.hints is None or node.hints != type(node.hints)(), (
+                f"{node}: default hints kept")
+            p = node.parent
+            if p is not None:
+                assert nodes.get(id(p)) is p, f"parent of {node} is not cached"
+                assert p.tier <= t, f"{node} in tier {t} under parent in slower tier {p.tier}"
+                assert chain_hash(p.hashes[-1], bytes(node.tokens[:w])) == node.hashes[0], (
+                    f"{node}: first hash is not chain(parent's last block, tokens)")
+                if t == DEVICE:
+                    assert p.ref >= node.ref, f"parent holders {p.ref} < child holders {node.ref}"
+            _check_children(node)
+        assert total == len(index) == len(tree), (
+            f"nodes hold {total} blocks, {len(index)} distinct, the tree counts {len(tree)}")
+        counted = [tree.num_resident(t) for t in range(tree.num_tiers)]
+        assert resident == counted, f"resident per tier {counted} != actual {resident}"
+        assert unref == tree.num_evictable(DEVICE), (
+            f"unreferenced {tree.num_evictable(DEVICE)} != actual {unref}")
+        for t, sn in enumerate(tree.slot_nodes):
+            assert len(sn) == pools[t].num_blocks, f"tier {t}: slot map of {len(sn)} slots"
+            for b, node in enumerate(sn):
+                assert node is None or (node.tier == t and nodes.get(id(node)) is node
+                                        and b in node.slots), f"tier {t} slot map {b} -> {node}"
+        writes = tree.writes
+        copies_in = [writes.copies(u) for u in range(tree.num_tiers)]
+        for u, copies in enumerate(copies_in):
+            assert not copies or u in writes.tiers, (
+                f"tier {u} holds {len(copies)} copies, not write-through")
+            for h, slot in copies.items():
+                node = index.get(h)
+                assert node is not None, f"tier {u}: copy of uncached block {h.hex()}"
+                assert node.tier < u, f"{node}: copy in tier {u}, not slower than its primary"
+                assert not pools[u].is_free(slot), f"{node}: copy in free slot {slot} of tier {u}"
+                assert (u, slot) not in taken, f"{node}: copy slot {slot} of tier {u} shared"
+                taken.add((u, slot))
+        for t, entries in enumerate(tree.evictable):
+            entries.check_invariants()   # the index's own order
+            want = sorted([entries.entry(x) for x in nodes.values()
+                           if x.tier == t and entries.qualifies(x)]
+                          + [(*entries.key(index[h]), h) for h in copies_in[t]])
+            got = list(entries)
+            assert got == want, (f"tier {t}: evictable set has {len(got)} entries, expected "
+                                 f"{len(want)}; first difference "
+                                 f"{next(((a, b) for a, b in zip(got, want) if a != b), None)}")
+            pool = pools[t]
+            held = resident[t] + len(copies_in[t])
+            if t > DEVICE:
+                used = pool.num_blocks - pool.num_free
+                assert used == held, (f"tier {t}: {used} slots used, {resident[t]} resident + "
+                                      f"{len(copies_in[t])} copies")
+            assert held <= pool.num_blocks, f"tier {t} over capacity"
+        for due, h in tree.ttl_heap:
+            assert isinstance(due, float) or isinstance(due, int), f"TTL heap entry {due!r}"
 
     # ================================================================== cutting and merging runs
     # Cutting and merging runs: the ``RadixTree``'s structural edits.
@@ -1026,3 +1130,20 @@ class RadixTree:
             self.evictable[node.tier].file(node)
             if copies:
                 self.writes.refile(node, copies)
+
+
+def _check_children(node: Node) -> None:
+    counts = [0] * MAX_TIERS
+    prev = None
+    c = node.child
+    seen = 0
+    while c is not None:
+        assert c.parent is node, f"{c} is in the child list of {node} but its parent is {c.parent}"
+        assert c.prev is prev, f"{c}: prev link broken"
+        counts[c.tier] += 1
+        prev = c
+        c = c.next
+        seen += 1
+        assert seen <= 1 << _CBITS, f"{node}: child list loops"
+    got = [(node.children >> (_CBITS * t)) & _CMASK for t in range(MAX_TIERS)]
+    assert got == counts, f"{node}: packed child counts {got} != actual {counts}"

@@ -26,13 +26,33 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.node import DEVICE, MoveOp, Node
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from radixkv.core.tree import RadixTree
+    from radixkv.core.evictable import EvictableSet
+    from radixkv.core.hashing import BlockHash
+    from radixkv.core.node import TreeStats
+    from radixkv.core.pool import BlockPool
+
+
+class WritesHost(Protocol):
+    """The tree as a write policy sees it (``RadixTree`` is one): the structure it reads, the
+    moves list it appends to, and the eviction it may ask for in its tiers. Declared here so
+    that this module imports no tree (the tree imports it)."""
+
+    num_tiers: int
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    evictable: list[EvictableSet]
+    pending_moves: list[MoveOp]
+    stats: TreeStats
+
+    def evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None: ...
+
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None: ...
 
 _tuple_new = tuple.__new__
 
@@ -47,7 +67,7 @@ class TreeWrites:
     name = "write_back"
     tiers: tuple[int, ...] = ()
 
-    def bind(self, tree: RadixTree) -> TreeWrites:
+    def bind(self, tree: WritesHost) -> TreeWrites:
         """Attach to ``tree`` (once); returns the policy object the tree keeps."""
         return self
 
@@ -112,10 +132,10 @@ class TreeWriteThrough(TreeWrites):
             raise ConfigError(
                 f"write_through must list distinct slower tiers (>= 1), got {tiers!r}")
         self.tiers = tuple(sorted(wt))
-        self.tree: RadixTree | None = None
+        self.tree: WritesHost | None = None
         self._copies: list[dict[bytes, int]] = []
 
-    def bind(self, tree: RadixTree) -> TreeWrites:
+    def bind(self, tree: WritesHost) -> TreeWrites:
         if self.tree is not None and self.tree is not tree:
             raise ConfigError("a TreeWriteThrough policy belongs to one tree")
         if any(u >= tree.num_tiers for u in self.tiers):

@@ -28,7 +28,7 @@ from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.events import KVEventCounts
 from radixkv.core.hashing import Namespace
-from radixkv.core.policy import make_policy
+from radixkv.core.policy_registry import make_policy
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.tiers import setup as tiering
