@@ -236,6 +236,20 @@ class LLMEngine:
         return self._bm
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (a closed engine takes no requests)."""
+        return self._closed
+
+    @property
+    def num_forwards(self) -> int:
+        """Forward passes run so far (``stats()["forwards"]``)."""
+        return self._num_forwards
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight (added, not finished or aborted). O(1)."""
+        return request_id in self._requests
+
+    @property
     def tree(self) -> RadixTree:
         return self._bm.tree
 
