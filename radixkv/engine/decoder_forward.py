@@ -158,7 +158,8 @@ class _Fused:
         self.bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        key = tuple((m.weight.data_ptr(), packed_linear.weight_version(m.weight)) for m in self.parts)
+        version = packed_linear.weight_version
+        key = tuple((m.weight.data_ptr(), version(m.weight)) for m in self.parts)
         if key != self.key:
             with torch.no_grad():
                 w = torch.cat([m.weight.detach() for m in self.parts])

@@ -43,11 +43,12 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
         raise InvalidRequestError(
             f"the prompt has {len(prompt)} tokens; the model's context is {engine.max_model_len} "
             "tokens and at least one must be left to generate")
-    blocks = -(-len(prompt) // engine.block_manager.block_size)
-    if blocks > engine.block_manager.pool.num_blocks:
+    bm = engine.block_manager
+    blocks = -(-len(prompt) // bm.block_size)
+    if blocks > bm.pool.num_blocks:
         raise InvalidRequestError(
             f"the prompt needs {blocks} KV blocks; the device pool has "
-            f"{engine.block_manager.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
+            f"{bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
     if params.num_seqs > engine.engine_config.max_num_seqs:
         raise InvalidRequestError(
             f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "
