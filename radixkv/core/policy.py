@@ -23,12 +23,12 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.evict_index import (
     AgingIndex, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex,
 )
+from radixkv.core.node import NodeHints as NodeHints  # re-exported: it lived here
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,18 +83,6 @@ class CacheMaker(Protocol):
     the same block size and clock, eviction by ``policy``)."""
 
     def shadow(self, num_blocks: int, policy: str) -> ShadowCache: ...
-
-
-@dataclass(frozen=True)
-class NodeHints:
-    """Per-node scheduling hints set by callers (e.g. pin a system prompt).
-
-    ``priority``: higher survives longer under PriorityPolicy (default 0).
-    ``ttl``: seconds a block is kept after its last use under TTLPolicy (None: the policy's).
-    """
-
-    priority: int = 0
-    ttl: float | None = None
 
 
 DEFAULT_HINTS = NodeHints()

@@ -174,7 +174,7 @@ def test_tree_insert_rejects(bm) -> None:
     host_node = None
     cases = [
         ((None, node0.block_hash, node0.tokens, private), "already cached"),
-        ((None, h, tok, node0.slot), "already caches another hash"),
+        ((None, h, tok, node0.block_id), "already caches another hash"),
         ((None, h, tok, free_block), "is free; allocate it first"),
         ((None, h, tok[:4], private), "a block holds 2 tokens, got 1"),
     ]

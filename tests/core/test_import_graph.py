@@ -21,12 +21,13 @@ ROOT = Path(radixkv.__file__).parent
 #: radixkv.core's layers, lowest first (docs/architecture.md draws the same): a module imports
 #: only modules of lower layers (and ``radixkv.errors``).
 CORE_LAYERS: list[set[str]] = [
-    {"hashing", "node", "pool", "evict_index"},      # ids, nodes, free lists, ordered sets
-    {"events", "policy"},                            # KV events; the policy seam + simple ones
+    {"hashing", "pool", "evict_index"},              # chain hashes, block ids, ordered sets
+    {"node", "events"},                              # runs of blocks, MoveOp, hints; KV events
+    {"policy"},                                      # the policy seam + the simple policies
     {"evictable", "policy_forecast", "policy_ghost"},
     {"writes", "policy_members"},                    # write policies; single policies by name
-    {"policy_duel"},                                 # the composite of single policies
-    {"move_planner", "policy_registry"},             # tier moves; every policy by name
+    {"policy_duel", "move_planner"},                 # the composite policy; tier moves
+    {"policy_registry"},                             # every policy by name
     {"tree"},                                        # the structure; builds the parts above
     {"block_manager"},                               # tables, CoW; builds shadow caches
     {"__init__"},                                    # the package's public surface
