@@ -724,7 +724,7 @@ class RadixTree:
                         return x
         return node
 
-    def block_at(self, tier: int, block_id: int) -> BlockRef | None:
+    def block_at(self, tier: int, block_id: BlockId) -> BlockRef | None:
         """The cached block whose primary is block ``block_id`` of ``tier`` (None: the block is
         free, a write-through copy, or a private device block). O(node length)."""
         node = self.block_nodes[tier][block_id]
