@@ -20,10 +20,10 @@ def drop_failed_prefetches(self: Any, failed: list[MoveOp]) -> None:
     is poisoned, so its next move out of the host fails instead of copying garbage."""
     tree = self.tree
     for m in failed:
-        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
+        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_block_id))
         if node is None:
             continue
-        if node.tier == m.dst_tier and node.slot == m.dst_slot:
+        if node.tier == m.dst_tier and node.block_id == m.dst_block_id:
             drops = self._writer.invalidate(m.block_hash)
             self.stats.invalidated_blocks += len(drops)
             for d in drops:
@@ -38,13 +38,13 @@ def drop_failed_writes(self: Any, failed: list[MoveOp]) -> None:
     them (and their subtrees, which live on disk too) so that they degrade to a miss."""
     tree = self.tree
     for m in failed:
-        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
+        node = tree.block_of(m.block_hash, (m.dst_tier, m.dst_block_id))
         if node is None:
             continue
-        if node.tier != m.dst_tier or node.slot != m.dst_slot:
+        if node.tier != m.dst_tier or node.block_id != m.dst_block_id:
             # a write-through copy: drop just the copy (the node lives on faster up);
             # otherwise promoted (its load failed too, handled there) or dropped since
-            if tree.copy_slot(m.block_hash, m.dst_tier) == m.dst_slot:
+            if tree.copy_block_id(m.block_hash, m.dst_tier) == m.dst_block_id:
                 self._writer.drop_copy(m.block_hash, m.dst_tier)
                 self.stats.dropped_copies += 1
             continue

@@ -269,7 +269,7 @@ class RemoteTier(KVMover):
             ref = self._writer.install_lower(parent_hash, h, tok, t)
             if ref is None:
                 break
-            self.host.slot_bytes(ref.slot)[:] = block.payload
+            self.host.slot_bytes(ref.block_id)[:] = block.payload
             parent_hash = h
             installed += 1
         self.counters.blocks_installed += installed
@@ -320,7 +320,7 @@ class RemoteTier(KVMover):
                 continue
             meta = self._dropped.pop(m.block_hash, None)
             if meta is None:   # (a demotion: the block is where the move puts it)
-                ref = self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot))
+                ref = self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_block_id))
                 if ref is None:
                     continue
                 meta = (ref.parent_hash, ref.tokens)
@@ -328,7 +328,7 @@ class RemoteTier(KVMover):
                 self.counters.writes_skipped += 1
                 continue
             items.append((m.block_hash, meta[0], _ids(meta[1]),
-                          self.host.slot_bytes(m.src_slot)))
+                          self.host.slot_bytes(m.src_block_id)))
         if items:
             self._put(items)
 
@@ -383,7 +383,7 @@ class RemoteTier(KVMover):
         import torch
 
         kv = self._device_cache   # [L, 2, N, bs, h, d]
-        idx = torch.tensor([r.slot for r in refs], dtype=torch.long, device=kv.device)
+        idx = torch.tensor([r.block_id for r in refs], dtype=torch.long, device=kv.device)
         blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
         n = self._put([(r.block_hash, r.parent_hash, _ids(r.tokens),
                         blocks[i].view(-1).view(torch.uint8).numpy())
@@ -535,7 +535,7 @@ class RemoteTier(KVMover):
         dev = [r for r in refs if r.tier == 0]
         payload: dict[bytes, Any] = {}
         if dev:
-            idx = torch.tensor([r.slot for r in dev], dtype=torch.long, device=kv.device)
+            idx = torch.tensor([r.block_id for r in dev], dtype=torch.long, device=kv.device)
             blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
             for i, r in enumerate(dev):
                 payload[r.block_hash] = blocks[i].view(-1).view(torch.uint8).numpy()
@@ -543,7 +543,7 @@ class RemoteTier(KVMover):
         for r in refs:
             data = payload.get(r.block_hash)
             if data is None:
-                data = self.host.slot_bytes(r.slot)
+                data = self.host.slot_bytes(r.block_id)
             groups.setdefault(self._retained.get(r.block_hash) or None, []).append(
                 (r.block_hash, r.parent_hash, _ids(r.tokens), data))
         return sum(sum(self.store.put_many(g, wait=True, ttl_s=ttl))

@@ -112,7 +112,7 @@ def fence(mover: KVMover, tree: RadixTree, chunks: Sequence[Any]) -> None:
     if used.isdisjoint(busy):
         return
     mover.wait_loads()
-    bad = {n.slot for n in map(tree.get, mover.failed_loads) if n is not None}
+    bad = {n.block_id for n in map(tree.get, mover.failed_loads) if n is not None}
     if not used.isdisjoint(bad):
         raise StorageError("a scheduled sequence reads a KV block whose load failed")
 
