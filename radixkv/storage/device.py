@@ -30,7 +30,8 @@ def _gather(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[n, L, 2, bs, h, d]`` contiguous copy of blocks ``ids`` (int64 on kv_cache's device):
     the kernels' ``gather_blocks`` (a Triton/torch kernel behind a checked launcher)."""
     from radixkv.kernels import gather_blocks  # lazy: keeps `import radixkv.storage` light
-    return gather_blocks(kv_cache, ids)
+    out: torch.Tensor = gather_blocks(kv_cache, ids)
+    return out
 
 
 def _scatter(kv_cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:

@@ -41,15 +41,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.backend import BlockWrite, Pins, PutResult, block_view, check_hash, check_outs
 from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
 from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
                                          check_header, check_mac, decode_header, encode_header,
@@ -137,6 +139,7 @@ class DiskStore:
         self._stats = DiskStats()
         self._last_warn: dict[str, float] = {}
         self._seq = count()
+        self._pins = Pins()
         self._host = f"{xxhash.xxh32_intdigest(socket.gethostname().encode()):08x}"
         try:  # the 256 fan-out subdirectories are created on first use
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -163,17 +166,10 @@ class DiskStore:
             if block.device.type != "cpu" or not block.is_contiguous():
                 block = block.detach().to("cpu").contiguous()
             return byte_view(block)
-        view = memoryview(block)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes != self.layout.bytes_per_block or not view.c_contiguous:
-            raise InvalidBlockError(f"{what}: expected {self.layout.bytes_per_block} contiguous "
-                                    f"bytes, got {view.nbytes}")
-        return view
+        return block_view(block, self.layout.bytes_per_block, what)
 
-    def _check_hash(self, block_hash: bytes, what: str = "block_hash") -> None:
-        if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
-            raise InvalidBlockError(f"{what} must be {HASH_BYTES} bytes, got {block_hash!r}")
+    def _check_hash(self, block_hash: object, what: str = "block_hash") -> None:
+        check_hash(block_hash, what)
 
     # ---- write -----------------------------------------------------------------------------
     def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Iterable[int],
@@ -185,13 +181,27 @@ class DiskStore:
         (disk full, I/O error): the failure is counted and warned about, nothing is left visible.
         Raises ``InvalidBlockError`` for a wrong hash length or tensor shape/dtype (caller bugs).
         """
+        tokens, payload = self._check_put(block_hash, parent_hash, token_ids, block,
+                                          "DiskStore.put")
+        return self._put_checked(block_hash, parent_hash, tokens, payload)
+
+    def _check_put(self, block_hash: object, parent_hash: object, token_ids: Iterable[int],
+                   block: torch.Tensor | memoryview, what: str
+                   ) -> tuple[tuple[int, ...], memoryview]:
+        """Validate one block to write (raises ``InvalidBlockError``, writes nothing): its
+        token ids as a tuple and its payload as a byte view."""
         self._check_hash(block_hash)
         if parent_hash is not None:
             self._check_hash(parent_hash, "parent_hash")
         tokens = tuple(int(t) for t in token_ids)
+        if any(not -2**63 <= t < 2**63 for t in tokens):
+            raise InvalidBlockError(f"{what}: token ids must fit in int64")
         if header_len_for(len(tokens), self.signer is not None) > MAX_HEADER_LEN:
             raise InvalidBlockError(f"{len(tokens)} token ids do not fit in a block header")
-        payload = self._payload_view(block, "DiskStore.put")
+        return tokens, self._payload_view(block, what)
+
+    def _put_checked(self, block_hash: bytes, parent_hash: bytes | None,
+                     tokens: tuple[int, ...], payload: memoryview) -> bool:
         h = block_hash.hex()
         path = self._path_str(h)
         if self.contains(block_hash) and os.path.exists(path):  # content-addressed: same bytes
@@ -293,9 +303,8 @@ class DiskStore:
             check_blocks(out, self.layout, None, "DiskStore.read_into(out=)")
             dst = byte_view(out)
         else:
-            dst = self._payload_view(out, "DiskStore.read_into(out=)")
-            if dst.readonly:
-                raise InvalidBlockError("DiskStore.read_into(out=) needs a writable buffer")
+            dst = block_view(out, self.layout.bytes_per_block, "DiskStore.read_into(out=)",
+                             writable=True)
         path = self._path_str(block_hash.hex())
         try:
             fd, st = open_block_file(path)
@@ -418,8 +427,11 @@ class DiskStore:
             return list(self._index.values())
 
     def remove(self, block_hash: bytes) -> bool:
-        """Delete a block's file; True if a file was removed. I/O errors are warned, not raised."""
+        """Delete a block's file; True if a file was removed. A pinned block (:meth:`pin`) is
+        kept (False). I/O errors are warned, not raised."""
         self._check_hash(block_hash)
+        if self._pins.pinned(block_hash):
+            return False
         with self._lock:
             self._forget(block_hash)
         try:
@@ -432,6 +444,51 @@ class DiskStore:
         with self._lock:
             self._stats.removed += 1
         return True
+
+    # ---- the StorageBackend interface (radixkv/storage/backend.py) -------------------------
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether this process's index lists the block (see :meth:`contains`)."""
+        for h in keys:
+            self._check_hash(h)
+        with self._lock:
+            return [h in self._index for h in keys]
+
+    def read_into_many(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """:meth:`read_into` per block, after validating every hash and buffer (a bad one
+        raises ``InvalidBlockError`` and reads nothing)."""
+        for h in keys:
+            self._check_hash(h)
+        views = check_outs(keys, outs, self.layout.bytes_per_block,
+                           "DiskStore.read_into_many(outs=)")
+        return [self.read_into(h, v) for h, v in zip(keys, views)]
+
+    def put_many(self, blocks: Sequence[BlockWrite]) -> PutResult:
+        """:meth:`put` per block, after validating all of them (a malformed one raises
+        ``InvalidBlockError`` and writes nothing). Failed writes (disk full, I/O error) are
+        False, counted in ``stats().put_failures``."""
+        checked = [(b[0], b[1], *self._check_put(b[0], b[1], b[2], b[3], "DiskStore.put_many"))
+                   for b in blocks]
+        return PutResult(self._put_checked(h, p, t, v) for h, p, t, v in checked)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keep these blocks from :meth:`remove` / :meth:`remove_many` (counted; per
+        process: another process may still remove the file, which is then a miss)."""
+        keys = list(keys)
+        for h in keys:
+            self._check_hash(h)
+        self._pins.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._pins.unpin(keys)
+
+    def remove_many(self, keys: Sequence[bytes]) -> int:
+        """:meth:`remove` per block (pinned ones are kept); the number of files removed."""
+        for h in keys:
+            self._check_hash(h)
+        return sum(self.remove(h) for h in keys)
+
+    def close(self) -> None:
+        """Nothing to release (no file stays open between calls); the files stay."""
 
     def check_invariants(self) -> None:
         """Raise AssertionError, with the numbers, if the index disagrees with itself."""

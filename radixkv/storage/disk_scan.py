@@ -16,11 +16,14 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import xxhash
 
-from radixkv.storage.disk_format import HASH_BYTES, BadBlockFile, check_header, check_mac
+from radixkv.storage.disk_format import (HASH_BYTES, BadBlockFile, BlockHeader, check_header,
+                                         check_mac)
+from radixkv.storage.integrity import BlockSigner
+from radixkv.storage.layout import KVLayout
 
 log = logging.getLogger("radixkv.storage.disk")
 
@@ -28,7 +31,7 @@ SUFFIX = ".kvb"
 BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb\Z")
 
 
-class DiskStore(Protocol):
+class ScanTarget(Protocol):
     """What the scan uses of :class:`radixkv.storage.disk.DiskStore` (declared here so that
     this module does not import disk.py, which imports it)."""
 
@@ -36,18 +39,18 @@ class DiskStore(Protocol):
     scan_threads: int
     stale_tmp_s: float
     namespace: bytes
-    layout: Any
-    signer: Any
+    layout: KVLayout
+    signer: BlockSigner | None
     _host: str
     _header_len: int
 
     def _reset_index(self, found: list[DiskEntry]) -> None: ...
 
-    def _bad_file(self, path: Path, bad: BadBlockFile, st: os.stat_result | None) -> Any: ...
+    def _bad_file(self, path: Path, bad: BadBlockFile, st: os.stat_result | None) -> None: ...
 
-    def _fail(self, op: str, exc: BaseException) -> Any: ...
+    def _fail(self, op: str, e: OSError) -> None: ...
 
-    def _decode(self, fd: int, raw: bytes) -> Any: ...
+    def _decode(self, fd: int, head: bytes | bytearray) -> BlockHeader: ...
 
 
 class DiskEntry(NamedTuple):
@@ -103,7 +106,7 @@ def open_block_file(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def scan_store(store: DiskStore, verify_payload: bool) -> ScanReport:
+def scan_store(store: ScanTarget, verify_payload: bool) -> ScanReport:
     """Rebuild ``store``'s index from its files (``DiskStore.scan`` documents the contract)."""
     t0 = time.perf_counter()
     try:
@@ -123,7 +126,7 @@ def scan_store(store: DiskStore, verify_payload: bool) -> ScanReport:
                       tally["stale_tmp"], time.perf_counter() - t0, tally["forged"])
 
 
-def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
+def _scan_dir(store: ScanTarget, d: Path, verify_payload: bool
               ) -> tuple[list[DiskEntry], dict[str, int]]:
     """Entries of one fan-out directory. The hot loop works on str paths: at 10^5 files,
     pathlib objects alone would cost about a second."""
@@ -158,7 +161,7 @@ def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
     return entries, counts
 
 
-def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
+def _read_entry(store: ScanTarget, path: str, name: str, verify_payload: bool
                 ) -> DiskEntry | None:
     """Index entry of one file from its header (and payload checksum if asked)."""
     block_hash = bytes.fromhex(name[:2 * HASH_BYTES])
@@ -187,7 +190,7 @@ def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
     return DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size)
 
 
-def _maybe_drop_tmp(store: DiskStore, path: Path) -> int:
+def _maybe_drop_tmp(store: ScanTarget, path: Path) -> int:
     """Remove a temporary file whose writer is dead (same host) or that is stale."""
     try:
         _, _, writer = path.name.split(".")[:3]

@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,7 +50,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the remote tier needs the 'redis' package: "
                       "pip install 'radixkv[remote]'") from e
 
-from radixkv.errors import ConfigError, InvalidBlockError
+from radixkv.errors import ConfigError
+from radixkv.storage.backend import Pins, block_view, check_hash, check_outs
 from radixkv.storage.layout import KVLayout
 from radixkv.storage.remote_client import make_client, parse_url
 from radixkv.storage.remote_format import (HASH_BYTES, BadValue, RemoteBlock, Signer,
@@ -129,6 +130,7 @@ class RemoteStore(RemoteWrites):
         self._timeouts = (socket_timeout, connect_timeout, max_connections)
         self._write_batch, self._backoff_s = write_batch, backoff_s
         self._lock = threading.Lock()
+        self._pins = Pins()
         self._stats = RemoteStats()
         self._client: Any = None
         self._available = False
@@ -152,8 +154,7 @@ class RemoteStore(RemoteWrites):
 
     def _keys(self, hashes: Sequence[bytes]) -> list[bytes]:
         for h in hashes:
-            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-                raise InvalidBlockError(f"block hashes must be {HASH_BYTES} bytes, got {h!r}")
+            check_hash(h, "block hashes")
         p = self._prefix
         return [p + h.hex().encode() for h in hashes]
 
@@ -300,9 +301,9 @@ class RemoteStore(RemoteWrites):
         """Read blocks into caller buffers (writable bytes-like, ``bytes_per_block`` bytes each,
         e.g. ``buffers.byte_view`` of host slots); True where ``outs[i]`` now holds the verified
         block. One round trip plus one copy per hit; a False buffer is left untouched."""
-        if len(outs) != len(hashes):
-            raise InvalidBlockError(f"{len(hashes)} hashes but {len(outs)} output buffers")
-        views = [self._view(o, "RemoteStore.read_into_many(outs=)", writable=True) for o in outs]
+        self._keys(hashes)   # validates the hashes before any buffer is touched
+        views = check_outs(hashes, outs, self.layout.bytes_per_block,
+                           "RemoteStore.read_into_many(outs=)")
         ok = []
         for blk, dst in zip(self.get_many(hashes), views):
             if blk is not None:
@@ -311,20 +312,27 @@ class RemoteStore(RemoteWrites):
         return ok
 
     def _view(self, buf: Any, what: str, writable: bool = False) -> memoryview:
-        view = memoryview(buf)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes != self.layout.bytes_per_block or not view.c_contiguous:
-            raise InvalidBlockError(f"{what}: expected {self.layout.bytes_per_block} contiguous "
-                                    f"bytes, got {view.nbytes}")
-        if writable and view.readonly:
-            raise InvalidBlockError(f"{what} needs writable buffers")
-        return view
+        return block_view(buf, self.layout.bytes_per_block, what, writable)
 
     # ---- removal, stats, lifetime ----------------------------------------------------------
-    def delete_many(self, hashes: Sequence[bytes]) -> int:
-        """Delete blocks; the number of keys removed (0 on failure, counted and logged)."""
-        return self._delete_keys(self._keys(hashes), "delete", count=False)
+    def remove_many(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks from the server, except those pinned here (:meth:`pin`); the number
+        of keys removed (0 on failure, counted and logged)."""
+        keys = [h for h, k in zip(keys, self._keys(keys)) if not self._pins.pinned(h)]
+        return self._delete_keys(self._keys(keys), "delete", count=False) if keys else 0
+
+    delete_many = remove_many
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keep these blocks from this process's :meth:`remove_many` (counted). Local only:
+        the server's ``maxmemory`` eviction, a TTL or another replica may still remove
+        them (a miss)."""
+        keys = list(keys)
+        self._keys(keys)
+        self._pins.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._pins.unpin(keys)
 
     def _delete_keys(self, keys: list[bytes], op: str, count: bool = True) -> int:
         if not self._available:
@@ -334,9 +342,9 @@ class RemoteStore(RemoteWrites):
                 pipe = self._pipeline()
                 for k in keys:
                     pipe.delete(k)
-                n = sum(pipe.execute())
+                n = sum(int(r) for r in pipe.execute())
             else:
-                n = self._client.delete(*keys)
+                n = int(self._client.delete(*keys))
         except RedisError as e:
             self._fail(op, e)
             return 0

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from radixkv.errors import InvalidBlockError
-from radixkv.storage.remote_format import HASH_BYTES, Signer, encode_value
+from radixkv.storage.backend import PutResult, check_hash
+from radixkv.storage.remote_format import Signer, encode_value
 
 if TYPE_CHECKING:
     from radixkv.storage.layout import KVLayout
@@ -61,9 +62,8 @@ class RemoteWrites:
                payload: Any) -> tuple[bytes, bytes]:
         """(key, value) of a block; copies ``payload`` (the caller may reuse its buffer)."""
         (key,) = self._keys([block_hash])
-        if parent_hash is not None and (not isinstance(parent_hash, bytes)
-                                        or len(parent_hash) != HASH_BYTES):
-            raise InvalidBlockError(f"parent_hash must be {HASH_BYTES} bytes, got {parent_hash!r}")
+        if parent_hash is not None:
+            check_hash(parent_hash, "parent_hash")
         tokens = tuple(int(t) for t in token_ids)
         if any(not 0 <= t < 2**32 for t in tokens):
             raise InvalidBlockError("token ids must be in [0, 2**32)")
@@ -78,7 +78,7 @@ class RemoteWrites:
         return self.put_many([(block_hash, parent_hash, token_ids, payload)], wait)[0]
 
     def put_many(self, blocks: Iterable[PutItem], wait: bool = False,
-                 ttl_s: float | None = None) -> list[bool]:
+                 ttl_s: float | None = None) -> PutResult:
         """Store blocks: queued for the background writer (never blocks; a full queue or an
         unavailable server drops the write and counts it), or with ``wait=True`` written in
         this thread as one pipelined batch (True once the server acknowledged).
@@ -91,7 +91,7 @@ class RemoteWrites:
         # value as soon as it is encoded was tried: no faster on two shared cores (the GIL
         # alternates between encoder and writer, and the writer sends 1-value pipelines).
         px = self._px(ttl_s)
-        return self._enqueue([(*self.encode(*b), px) for b in blocks], wait)
+        return PutResult(self._enqueue([(*self.encode(*b), px) for b in blocks], wait))
 
     def refresh_many(self, hashes: Sequence[bytes], ttl_s: float | None = None,
                      wait: bool = False) -> list[bool]:

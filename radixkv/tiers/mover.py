@@ -77,15 +77,17 @@ import torch
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, RadixTree
-from radixkv.tiers.protocol import DeviceOnlyMover, KVMover
+from radixkv.core.hashing import BlockHash
+from radixkv.tiers.protocol import CacheWriter, DeviceOnlyMover, KVMover, TreeCacheWriter
 from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
-from radixkv.errors import ConfigError, StorageError
+from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.backend import BlockWrite
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import (IO_ERRORS, DeviceBlock, DiskBlock, HostSlot, Move,
-                                     TransferEngine)
+from radixkv.tiers.transfer import (IO_ERRORS, BatchResult, DeviceBlock, DiskBlock, HostSlot,
+                                     Location, Move, TransferEngine)
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +117,13 @@ class TieredKVMover(KVMover):
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: HostPool | None,
                  disk: DiskStore | None, tree: RadixTree, io_threads: int = 4,
                  async_loads: bool = False, async_host_loads: bool = False,
-                 writer: Any = None) -> None:
+                 writer: CacheWriter | None = None) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.host, self.disk, self.tree = host, disk, tree
         # who changes the tree when a move fails (the engine's block manager, the tree's only
         # writer; unit tests may pass none and let the tree itself take the calls)
-        self._writer = writer if writer is not None else tree
+        self._writer: CacheWriter = writer if writer is not None else TreeCacheWriter(tree)
         self.kinds = ["device"] + (["host"] if host is not None else []) \
             + (["disk"] if disk is not None else [])
         if len(self.kinds) != tree.num_tiers:
@@ -172,7 +174,7 @@ class TieredKVMover(KVMover):
         # place, not its hash): its last move in this list that leaves it somewhere. And the
         # writes whose very residency a later move of the list drops (not worth writing).
         self._last_moves = {m.block_hash: m for m in moves if m.dst_tier is not None}
-        self._wasted: set[int] = set()
+        self._wasted = set()
         dropped: set[tuple[bytes, int, int]] = set()
         for m in reversed(moves):
             if m.dst_tier is None:
@@ -224,7 +226,7 @@ class TieredKVMover(KVMover):
         done = []
         for p in self._pending:
             if p.kind == "load":
-                result = self.engine.complete(p.batch)
+                result = self.engine.complete(p.transfer)
                 if result is not None:
                     done.append((p, result))
         if done:
@@ -259,11 +261,12 @@ class TieredKVMover(KVMover):
         failed_writes: list[MoveOp] = []
         failed_loads: list[MoveOp] = []
         for p in pending:
+            result: BatchResult | _Outcome | None
             if p.kind == "write":
-                errors = [f.result() for f in p.batch]
+                errors = [f.result() for f in p.writes]
                 result = _Outcome(tuple(e is None for e in errors), tuple(errors))
             else:
-                result = self.engine.wait(p.batch)
+                result = self.engine.wait(p.transfer)
             if result is None:  # wait() without timeout only returns a result
                 raise StorageError(f"transfer batch of {len(p.ops)} {p.direction} moves vanished")
             self._settle(p.ops, result, failed_writes, failed_loads)
@@ -337,13 +340,25 @@ class TieredKVMover(KVMover):
             self._io.shutdown(wait=True)
 
     # ------------------------------------------------------------------ internals
-    def _loc(self, tier: int, slot: int, block_hash: bytes) -> object:
+    def _loc(self, tier: int | None, slot: int | None, block_hash: bytes) -> Location:
+        if tier is None or slot is None:
+            raise InvalidBlockError(f"a drop of {block_hash.hex()[:16]} has no location")
         kind = self.kinds[tier]
         if kind == "device":
             return DeviceBlock(slot)
         if kind == "host":
             return HostSlot(slot)
         return DiskBlock(block_hash)
+
+    def _disk(self) -> DiskStore:
+        if self.disk is None:   # the tree has no disk tier then: a bug if reached
+            raise ConfigError("a move needs the disk tier, and there is none")
+        return self.disk
+
+    def _host(self) -> HostPool:
+        if self.host is None:
+            raise ConfigError("a move needs the host tier, and there is none")
+        return self.host
 
     def _still_cached(self, m: MoveOp) -> BlockRef | None:
         """The block ``m`` writes, if the written residency is still wanted (None: a later
@@ -352,7 +367,7 @@ class TieredKVMover(KVMover):
         if id(m) in self._wasted:
             return None
         last = self._last_moves.get(m.block_hash, m)
-        return self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_slot),
+        return self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_slot),
                                   (last.dst_tier, last.dst_slot), (m.src_tier, m.src_slot))
 
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
@@ -367,7 +382,7 @@ class TieredKVMover(KVMover):
             self.stats.drops += len(ops)
             if src_kind == "disk":
                 for m in ops:
-                    self.stats.files_removed += self.disk.remove(m.block_hash)
+                    self.stats.files_removed += self._disk().remove_many([m.block_hash])
             return
         dst_kind = self.kinds[m0.dst_tier]
         direction = f"{src_kind}->{dst_kind}"
@@ -387,15 +402,16 @@ class TieredKVMover(KVMover):
         if direction == "disk->host":
             # A prefetch: it writes host slots only, which only later moves read (and they
             # drain first); it runs while the step computes.
-            self._pending.append(_Pending(submitted, ops, direction, "prefetch"))
+            self._pending.append(_Pending(ops, direction, "prefetch", submitted))
             self.stats.async_batches += 1
             return
         if dst_kind == "device" and src_kind in self._async_src:
             # A promotion: the caller keeps its device blocks out of every forward until it
             # is settled (poll_loads/wait_loads); it runs while other requests compute.
             host_src = frozenset(m.src_slot for m in ops) if src_kind == "host" else frozenset()
-            self._pending.append(_Pending(submitted, ops, direction, "load",
-                                          frozenset(m.dst_slot for m in ops), host_src))
+            self._pending.append(_Pending(ops, direction, "load", submitted,
+                                          dev=frozenset(_slot_of(m.dst_slot) for m in ops),
+                                          host_src=host_src))
             self.stats.async_batches += 1
             self.stats.async_loads += 1
             return
@@ -410,10 +426,10 @@ class TieredKVMover(KVMover):
         returns), then write the files on the I/O threads while the step goes on."""
         src = [m.src_slot for m in ops]
         if src_kind == "host":
-            staged = self.host.read_slots(src)
+            staged = self._host().read_slots(src)
         else:  # the device block may be rewritten by the next forward: copy it out first
             staged = self.device.read_blocks(src).to("cpu")
-        disk = self.disk
+        disk = self._disk()
         # parent hash and tokens are read from the tree here, never on the I/O threads
         locs = [DiskBlock(m.block_hash, r.parent_hash, tuple(array("i", r.tokens)))
                 for m, r in zip(ops, refs)]
@@ -421,13 +437,14 @@ class TieredKVMover(KVMover):
         def put(i: int) -> str | None:
             loc = locs[i]
             try:
-                good = disk.put(loc.block_hash, loc.parent_hash, loc.token_ids, staged[i])
+                good = disk.put_many([BlockWrite(loc.block_hash, loc.parent_hash, loc.token_ids,
+                                                 staged[i])])[0]
             except IO_ERRORS as e:  # reported per move, like the transfer engine does
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"
 
         futures = [self._io.submit(put, i) for i in range(len(ops))]
-        self._pending.append(_Pending(futures, ops, direction, "write"))
+        self._pending.append(_Pending(ops, direction, "write", writes=futures))
         self.stats.batches += 1
         self.stats.async_batches += 1
 
@@ -452,18 +469,19 @@ class TieredKVMover(KVMover):
                 failed_writes.append(m)
         return keep
 
-    def _settle(self, ops: Sequence[MoveOp], result: object, failed_writes: list[MoveOp],
+    def _settle(self, ops: Sequence[MoveOp], result: BatchResult | _Outcome,
+                failed_writes: list[MoveOp],
                 failed_prefetches: list[MoveOp] | None) -> None:
         """Account a finished batch; file its failures (see the module docstring)."""
         m0 = ops[0]
-        src_kind, dst_kind = self.kinds[m0.src_tier], self.kinds[m0.dst_tier]
+        src_kind, dst_kind = self.kinds[m0.src_tier], self.kinds[_slot_of(m0.dst_tier)]
         direction = f"{src_kind}->{dst_kind}"
         ok_n = 0
         for m, ok, err in zip(ops, result.ok, result.errors):
             if ok:
                 ok_n += 1
                 if src_kind == "disk" and not m.keep_src:  # promoted: the disk no longer holds it
-                    self.stats.files_removed += self.disk.remove(m.block_hash)
+                    self.stats.files_removed += self._disk().remove_many([m.block_hash])
                     if dst_kind == "host":
                         self._prefetched.add(m.block_hash)
                         self.stats.prefetched_blocks += 1
@@ -474,7 +492,7 @@ class TieredKVMover(KVMover):
                     self.stats.load_failures += 1
                 log.warning("loading KV block %s from disk failed (%s); it will be recomputed",
                             m.block_hash.hex()[:16], err)
-                self.disk.remove(m.block_hash)  # corrupt ones are gone already
+                self._disk().remove_many([m.block_hash])  # corrupt ones are gone already
                 if dst_kind == "host" and failed_prefetches is not None:
                     failed_prefetches.append(m)
                 else:
@@ -488,6 +506,12 @@ class TieredKVMover(KVMover):
         self.stats.moves[direction] = self.stats.moves.get(direction, 0) + ok_n
         self.stats.bytes_moved[direction] = (self.stats.bytes_moved.get(direction, 0)
                                              + ok_n * self._block_bytes)
+
+
+def _slot_of(slot: int | None) -> int:
+    if slot is None:
+        raise InvalidBlockError("a move into a tier without a slot")
+    return slot
 
 
 __all__ = ["TieredKVMover", "MoverStats", "wrap_device_pool"]

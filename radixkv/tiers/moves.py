@@ -8,7 +8,10 @@ every name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:   # (a type only: this module stays torch-free)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Batch:
     id: int
     moves: tuple[Move, ...]
     state: str = "prepared"  # prepared -> queued -> done -> completed (or aborted)
-    ready_event: object = None  # torch.cuda.Event recorded on the caller's stream at submit
+    ready_event: torch.cuda.Event | None = None  # recorded on the caller's stream at submit
 
 
 @dataclass(frozen=True)

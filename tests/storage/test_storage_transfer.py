@@ -107,7 +107,7 @@ def test_exception_in_a_copy_fails_the_group_and_the_worker_lives(tiers, monkeyp
         raise RuntimeError("injected DMA failure")
     monkeypatch.setattr(host, "write_slots", broken)
     monkeypatch.setattr(eng, "_cpu_copies", broken)  # the device<->host path of a CPU device
-    monkeypatch.setattr(disk, "put", broken)
+    monkeypatch.setattr(disk, "put_many", broken)
     r = _run(eng, [Move(DeviceBlock(0), HostSlot(0)), Move(DeviceBlock(1), HostSlot(2)),
                    Move(HostSlot(5), DiskBlock(os.urandom(16))),
                    Move(DeviceBlock(2), DeviceBlock(3))])
