@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from radixkv.errors import InvalidBlockError
 from radixkv.storage.layout import KVLayout
@@ -121,6 +121,17 @@ class StorageBackend(Protocol[K_contra]):
     def close(self) -> None:
         """Finish background work and release resources; the stored data stays."""
         ...
+
+
+if TYPE_CHECKING:   # the type checker proves the three stores implement the interface
+    from radixkv.storage.disk import DiskStore
+    from radixkv.storage.host import HostPool
+    from radixkv.storage.remote import RemoteStore
+
+    def _implementations(host: HostPool, disk: DiskStore, remote: RemoteStore
+                         ) -> tuple[StorageBackend[int], StorageBackend[bytes],
+                                    StorageBackend[bytes]]:
+        return host, disk, remote
 
 
 def check_hash(block_hash: object, what: str = "block_hash") -> bytes:

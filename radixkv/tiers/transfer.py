@@ -40,10 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
-from radixkv.storage.backend import BlockWrite
+from radixkv.storage.backend import BlockWrite, StorageBackend
 from radixkv.storage.buffers import byte_view, torch_dtype
 from radixkv.storage.device import DevicePool
-from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.tiers.moves import (
     Batch, BatchResult, DeviceBlock, DiskBlock, HostSlot, Location, Move, TransferStats, _key,
@@ -89,14 +88,16 @@ class TransferEngine:
     """Executes batches of moves between ``device``, ``host`` and ``disk`` on a worker thread.
 
     Args:
-        device, host, disk: the tiers (any may be None if no move uses it).
+        device, host, disk: the tiers (any may be None if no move uses it). ``disk`` is any
+            hash-keyed :class:`~radixkv.storage.backend.StorageBackend` (the engine's is a
+            ``DiskStore``): the engine calls only its ``put_many`` and ``read_into_many``.
         queue_depth: batches that may wait for the worker; ``submit`` blocks beyond that.
         io_threads: threads doing the per-block disk reads/writes of one batch in parallel
             (``None``: 4).
     """
 
     def __init__(self, device: DevicePool | None = None, host: HostPool | None = None,
-                 disk: DiskStore | None = None, queue_depth: int = 8,
+                 disk: StorageBackend[bytes] | None = None, queue_depth: int = 8,
                  io_threads: int | None = None) -> None:
         if io_threads is None:
             io_threads = 4
