@@ -207,3 +207,13 @@ def test_block_view_is_the_one_validator(layout):
                           (memoryview(bytearray(2 * n))[::2], False)]:
         with pytest.raises(InvalidBlockError):
             block_view(buf, n, "x", writable=writable)
+
+
+def test_the_package_exports_resolve():
+    """Every public name of ``radixkv.storage`` loads (a lazy export pointing at a moved module
+    failed only when used), and the interface comes from the package itself."""
+    import radixkv.storage as storage
+
+    for name in storage.__all__:
+        assert getattr(storage, name) is not None, name
+    assert storage.StorageBackend is StorageBackend and storage.HostPool is HostPool
