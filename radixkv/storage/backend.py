@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from radixkv.errors import InvalidBlockError
 from radixkv.storage.layout import KVLayout
@@ -51,12 +51,16 @@ from radixkv.storage.layout import KVLayout
 #: Length of a block hash (xxh3-128 chain hash) and of a namespace fingerprint, in bytes.
 HASH_BYTES = 16
 
+if TYPE_CHECKING:
+    # any object with the buffer protocol (bytes, bytearray, memoryview, array; a NumPy array
+    # through its ``.data``); typing_extensions ships with torch's dependencies
+    from typing_extensions import Buffer
+
 #: A backend's key type: ``int`` (host slot) or ``bytes`` (block hash).
 K = TypeVar("K")
-K_contra = TypeVar("K_contra", contravariant=True)
 
 
-class BlockWrite(NamedTuple):
+class BlockWrite(NamedTuple, Generic[K]):
     """One block to store: ``key`` (slot or hash), its parent's hash (None for a first block)
     and token ids (written with the block so that another process can rebuild the tree; the
     host pool ignores both), and ``payload``, a bytes-like object of ``bytes_per_block`` bytes.
@@ -64,10 +68,10 @@ class BlockWrite(NamedTuple):
     A plain tuple ``(key, parent_hash, token_ids, payload)`` is accepted wherever a
     ``BlockWrite`` is."""
 
-    key: Any
+    key: K
     parent_hash: bytes | None
     token_ids: Sequence[int]
-    payload: Any
+    payload: Buffer
 
 
 class PutResult(list[bool]):
@@ -82,39 +86,39 @@ class PutResult(list[bool]):
 
 
 @runtime_checkable
-class StorageBackend(Protocol[K_contra]):
+class StorageBackend(Protocol[K]):
     """Byte storage of KV blocks addressed by a key (see the module docstring for the
     contract). ``layout`` fixes the block size: every payload and output buffer is
     ``layout.bytes_per_block`` bytes."""
 
     layout: KVLayout
 
-    def contains_many(self, keys: Sequence[K_contra]) -> list[bool]:
+    def contains_many(self, keys: Sequence[K]) -> list[bool]:
         """Per key, whether the backend holds the block now (a True may still miss on read:
         evicted meanwhile, or failing verification). Raises ``InvalidBlockError`` on a bad
         key."""
         ...
 
-    def read_into_many(self, keys: Sequence[K_contra], outs: Sequence[Any]) -> list[bool]:
+    def read_into_many(self, keys: Sequence[K], outs: Sequence[Buffer]) -> list[bool]:
         """Copy each block into ``outs[i]`` (writable, ``bytes_per_block`` bytes); True where
         ``outs[i]`` now holds the verified block. Raises ``InvalidBlockError`` (and reads
         nothing) on a bad key or buffer, or ``len(outs) != len(keys)``."""
         ...
 
-    def put_many(self, blocks: Sequence[BlockWrite]) -> PutResult:
+    def put_many(self, blocks: Sequence[BlockWrite[K]]) -> PutResult:
         """Store blocks; per block True once stored or queued. Raises ``InvalidBlockError``
         (and stores nothing) if any item is malformed."""
         ...
 
-    def pin(self, keys: Iterable[K_contra]) -> None:
+    def pin(self, keys: Iterable[K]) -> None:
         """Keep these blocks from ``remove_many`` until as many ``unpin`` calls."""
         ...
 
-    def unpin(self, keys: Iterable[K_contra]) -> None:
+    def unpin(self, keys: Iterable[K]) -> None:
         """Release pins taken by ``pin``; raises ``InvalidBlockError`` for a key not pinned."""
         ...
 
-    def remove_many(self, keys: Sequence[K_contra]) -> int:
+    def remove_many(self, keys: Sequence[K]) -> int:
         """Remove blocks (pinned ones are kept); the number removed."""
         ...
 
@@ -141,12 +145,12 @@ def check_hash(block_hash: object, what: str = "block_hash") -> bytes:
     return block_hash
 
 
-def block_view(buf: Any, nbytes: int, what: str, writable: bool = False) -> memoryview:
+def block_view(buf: Buffer, nbytes: int, what: str, writable: bool = False) -> memoryview:
     """The one byte-view check of every backend: a flat ``memoryview`` (format ``B``) of a
     bytes-like ``buf`` that is C-contiguous and exactly ``nbytes`` long (and writable when
     ``writable``), else ``InvalidBlockError`` naming ``what``. Aliases ``buf`` (no copy)."""
     try:
-        view = memoryview(buf)
+        view = memoryview(buf)   # a TypeError for what is no buffer (checked at run time too)
     except TypeError:
         raise InvalidBlockError(f"{what}: expected a bytes-like object of {nbytes} bytes, "
                                 f"got {type(buf).__name__}") from None
@@ -162,7 +166,7 @@ def block_view(buf: Any, nbytes: int, what: str, writable: bool = False) -> memo
     return view
 
 
-def check_outs(keys: Sequence[Any], outs: Sequence[Any], nbytes: int, what: str
+def check_outs(keys: Sequence[object], outs: Sequence[Buffer], nbytes: int, what: str
                ) -> list[memoryview]:
     """Writable byte views of ``outs`` after checking there is one per key (``read_into_many``
     validates every buffer before reading any block)."""
@@ -171,23 +175,23 @@ def check_outs(keys: Sequence[Any], outs: Sequence[Any], nbytes: int, what: str
     return [block_view(o, nbytes, what, writable=True) for o in outs]
 
 
-class Pins:
+class Pins(Generic[K]):
     """Per-key pin counts of one backend (thread-safe). ``pin``/``unpin`` as in
     :class:`StorageBackend`; ``pinned(key)`` is O(1)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[Any, int] = {}
+        self._counts: dict[K, int] = {}
 
-    def pin(self, keys: Iterable[Any]) -> None:
+    def pin(self, keys: Iterable[K]) -> None:
         with self._lock:
             for k in keys:
                 self._counts[k] = self._counts.get(k, 0) + 1
 
-    def unpin(self, keys: Iterable[Any]) -> None:
+    def unpin(self, keys: Iterable[K]) -> None:
         keys = list(keys)
         with self._lock:
-            need: dict[Any, int] = {}
+            need: dict[K, int] = {}
             for k in keys:
                 need[k] = need.get(k, 0) + 1
             short = [k for k, n in need.items() if self._counts.get(k, 0) < n]
@@ -201,7 +205,7 @@ class Pins:
                 else:
                     del self._counts[k]
 
-    def pinned(self, key: Any) -> bool:
+    def pinned(self, key: K) -> bool:
         with self._lock:
             return key in self._counts
 

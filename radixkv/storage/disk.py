@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -60,6 +60,9 @@ from radixkv.storage.integrity import BlockSigner
 from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport,
                                        open_block_file, scan_store)
 from radixkv.storage.layout import KVLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class DiskStore:
         self._stats = DiskStats()
         self._last_warn: dict[str, float] = {}
         self._seq = count()
-        self._pins = Pins()
+        self._pins: Pins[bytes] = Pins()
         self._host = f"{xxhash.xxh32_intdigest(socket.gethostname().encode()):08x}"
         try:  # the 256 fan-out subdirectories are created on first use
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +159,7 @@ class DiskStore:
     def _path_str(self, h: str) -> str:
         return f"{self._dir_s}{h[:2]}{os.sep}{h}{SUFFIX}"
 
-    def _payload_view(self, block: torch.Tensor | memoryview, what: str) -> memoryview:
+    def _payload_view(self, block: torch.Tensor | Buffer, what: str) -> memoryview:
         """Flat byte view of one block: a tensor ``[L, 2, block_size, h, d]`` of the layout
         dtype (any device: copied to the CPU when needed), or a bytes-like object of exactly
         ``bytes_per_block`` bytes (the transfer engine passes slices of a pool's byte view, so
@@ -173,7 +176,7 @@ class DiskStore:
 
     # ---- write -----------------------------------------------------------------------------
     def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Iterable[int],
-            block: torch.Tensor | memoryview) -> bool:
+            block: torch.Tensor | Buffer) -> bool:
         """Store one block ``[L, 2, block_size, h, d]`` (layout dtype, any device; or its
         ``bytes_per_block`` raw bytes as a bytes-like object) atomically.
 
@@ -186,7 +189,7 @@ class DiskStore:
         return self._put_checked(block_hash, parent_hash, tokens, payload)
 
     def _check_put(self, block_hash: object, parent_hash: object, token_ids: Iterable[int],
-                   block: torch.Tensor | memoryview, what: str
+                   block: torch.Tensor | Buffer, what: str
                    ) -> tuple[tuple[int, ...], memoryview]:
         """Validate one block to write (raises ``InvalidBlockError``, writes nothing): its
         token ids as a tuple and its payload as a byte view."""
@@ -293,7 +296,7 @@ class DiskStore:
         out = torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout.dtype))
         return out if self.read_into(block_hash, out) else None
 
-    def read_into(self, block_hash: bytes, out: torch.Tensor | memoryview) -> bool:
+    def read_into(self, block_hash: bytes, out: torch.Tensor | Buffer) -> bool:
         """Read one block into ``out`` (contiguous CPU ``[L, 2, block_size, h, d]``, e.g. a host
         slot, or a writable bytes-like object of ``bytes_per_block`` bytes). True when ``out``
         now holds the verified block (header and payload checksums checked); on False ``out``
@@ -453,7 +456,7 @@ class DiskStore:
         with self._lock:
             return [h in self._index for h in keys]
 
-    def read_into_many(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+    def read_into_many(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[bool]:
         """:meth:`read_into` per block, after validating every hash and buffer (a bad one
         raises ``InvalidBlockError`` and reads nothing)."""
         for h in keys:
@@ -462,7 +465,7 @@ class DiskStore:
                            "DiskStore.read_into_many(outs=)")
         return [self.read_into(h, v) for h, v in zip(keys, views)]
 
-    def put_many(self, blocks: Sequence[BlockWrite]) -> PutResult:
+    def put_many(self, blocks: Sequence[BlockWrite[bytes]]) -> PutResult:
         """:meth:`put` per block, after validating all of them (a malformed one raises
         ``InvalidBlockError`` and writes nothing). Failed writes (disk full, I/O error) are
         False, counted in ``stats().put_failures``."""

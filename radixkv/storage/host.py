@@ -15,7 +15,7 @@ RAM has no stored form to corrupt or truncate, so a read of a filled slot always
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,9 @@ from radixkv.errors import ConfigError, InvalidBlockError
 from radixkv.storage.backend import BlockWrite, Pins, PutResult, block_view, check_outs
 from radixkv.storage.buffers import byte_view, check_blocks, index_tensor, torch_dtype
 from radixkv.storage.layout import KVLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 class HostPool:
@@ -48,7 +51,7 @@ class HostPool:
                                   dtype=torch_dtype(layout.dtype), pin_memory=self.pinned)
         self._bytes: memoryview | None = None  # byte view of ``blocks``, made on first use
         self._filled = bytearray(num_slots)     # 1: the slot holds a block (StorageBackend)
-        self._pins = Pins()
+        self._pins: Pins[int] = Pins()
 
     @property
     def num_bytes(self) -> int:
@@ -113,7 +116,7 @@ class HostPool:
         """Per slot, whether it holds a block written since its last :meth:`remove_many`."""
         return [bool(self._filled[s]) for s in self._check_slots(keys, "HostPool.contains_many")]
 
-    def read_into_many(self, keys: Sequence[int], outs: Sequence[Any]) -> list[bool]:
+    def read_into_many(self, keys: Sequence[int], outs: Sequence[Buffer]) -> list[bool]:
         """Copy filled slots into ``outs`` (``bytes_per_block`` writable bytes each); an
         unfilled slot is a miss and leaves its buffer untouched."""
         slots = self._check_slots(keys, "HostPool.read_into_many")
@@ -126,7 +129,7 @@ class HostPool:
             ok.append(bool(self._filled[s]))
         return ok
 
-    def put_many(self, blocks: Sequence[BlockWrite]) -> PutResult:
+    def put_many(self, blocks: Sequence[BlockWrite[int]]) -> PutResult:
         """Copy each payload into its slot (``BlockWrite.key``; parent hash and token ids are
         the tree's, ignored here). Validates every item first (slots in range and distinct,
         payloads ``bytes_per_block`` bytes); a memory copy cannot fail, so all are True."""

@@ -135,7 +135,7 @@ class RemoteStore:
         self._timeouts = (socket_timeout, connect_timeout, max_connections)
         self._backoff_s = backoff_s
         self._lock = threading.Lock()
-        self._pins = Pins()
+        self._pins: Pins[bytes] = Pins()
         self._stats = RemoteStats()
         self._client: Any = None
         self._available = False

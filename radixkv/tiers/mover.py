@@ -83,6 +83,7 @@ from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
 from radixkv.storage.backend import BlockWrite
+from radixkv.storage.buffers import byte_view
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
@@ -430,15 +431,16 @@ class TieredKVMover(KVMover):
         else:  # the device block may be rewritten by the next forward: copy it out first
             staged = self.device.read_blocks(src).to("cpu")
         disk = self._disk()
+        # per-block byte views of the staging copy (one view of it, sliced)
+        view, n = byte_view(staged), self._block_bytes
         # parent hash and tokens are read from the tree here, never on the I/O threads
-        locs = [DiskBlock(m.block_hash, r.parent_hash, tuple(array("i", r.tokens)))
-                for m, r in zip(ops, refs)]
+        items = [BlockWrite(m.block_hash, r.parent_hash, array("i", r.tokens).tolist(),
+                            view[i * n:(i + 1) * n])
+                 for i, (m, r) in enumerate(zip(ops, refs))]
 
         def put(i: int) -> str | None:
-            loc = locs[i]
             try:
-                good = disk.put_many([BlockWrite(loc.block_hash, loc.parent_hash, loc.token_ids,
-                                                 staged[i])])[0]
+                good = disk.put_many([items[i]])[0]
             except IO_ERRORS as e:  # reported per move, like the transfer engine does
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"

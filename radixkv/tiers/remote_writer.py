@@ -282,7 +282,7 @@ class RemoteWriter(KVMover):
         for h in self.store.take_lost():
             self._retained.pop(h, None)
 
-    def _put(self, items: list[BlockWrite]) -> int:
+    def _put(self, items: list[BlockWrite[bytes]]) -> int:
         """Queue ``items``; those under a retention keep it. Returns how many were queued."""
         ok = 0
         for ttl, group in self._by_retention(items).items():
@@ -292,10 +292,11 @@ class RemoteWriter(KVMover):
         self.counts.blocks_written += ok
         return ok
 
-    def _by_retention(self, items: Iterable[BlockWrite]) -> dict[float | None, list[BlockWrite]]:
+    def _by_retention(self, items: Iterable[BlockWrite[bytes]]
+                      ) -> dict[float | None, list[BlockWrite[bytes]]]:
         """``items`` grouped by the retention their keys need (None: the store's TTL), the
         plain ones first."""
-        groups: dict[float | None, list[BlockWrite]] = {None: []}
+        groups: dict[float | None, list[BlockWrite[bytes]]] = {None: []}
         for it in items:
             groups.setdefault(self._retained.get(it.key) or None, []).append(it)
         if not groups[None]:
