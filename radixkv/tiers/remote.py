@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
 from radixkv.core.node import MoveOp
 from radixkv.tiers.protocol import CacheWriter, KVMover, TreeCacheWriter
-from radixkv.tiers.remote_lookup import LookupCounters, LookupRequest, RemoteLookup
+from radixkv.tiers.remote_lookup import LookupCounters, R, RemoteLookup
 from radixkv.tiers.remote_writer import RemoteWriter, WriteCounters
 from radixkv.tiers.write_policy import RemoteWritePolicy, write_policy
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class RemoteTier:
+class RemoteTier(Generic[R]):
     """The engine's remote tier: a :class:`RemoteLookup` (``lookups``) and a
     :class:`RemoteWriter` (``writer``) over one store (see the module docstring).
 
@@ -70,8 +70,8 @@ class RemoteTier:
         self.store = store
         self.write = write_policy(write)
         cache = writer if writer is not None else TreeCacheWriter(tree)
-        self.lookups = RemoteLookup(store, tree, host_pool, host_tier, cache, block_size,
-                                    timeout_s)
+        self.lookups: RemoteLookup[R] = RemoteLookup(store, tree, host_pool, host_tier, cache,
+                                                     block_size, timeout_s)
         self.writer = RemoteWriter(store, tree, host_pool, host_tier, device_cache, block_size,
                                    read_only=self.write.name == "read_only", unsafe=unsafe)
         self.write.attach(self.writer, tree, mover)
@@ -83,7 +83,7 @@ class RemoteTier:
                 "--kv-secret-file PATH, $RADIXKV_KV_SECRET or CacheConfig(disk_secret=...)")
 
     # ---- scheduler side (RemoteLookup) -----------------------------------------------------
-    def lookup(self, req: LookupRequest) -> None:
+    def lookup(self, req: R) -> None:
         self.lookups.lookup(req)
 
     def has_arrivals(self) -> bool:
@@ -92,13 +92,13 @@ class RemoteTier:
     def is_arriving(self, request_id: str) -> bool:
         return self.lookups.is_arriving(request_id)
 
-    def forget(self, request_id: str) -> LookupRequest | None:
+    def forget(self, request_id: str) -> R | None:
         return self.lookups.forget(request_id)
 
     def admit(self, run_ops: Callable[[list[MoveOp]], object], wait: bool
-              ) -> list[Any]:
+              ) -> list[R]:
         """:meth:`RemoteLookup.admit` (the engine's own requests come back)."""
-        return list(self.lookups.admit(run_ops, wait))
+        return self.lookups.admit(run_ops, wait)
 
     def take_remote_tokens(self, request_id: str) -> int:
         return self.lookups.take_remote_tokens(request_id)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import xxhash
 
@@ -88,9 +88,13 @@ class LookupCounters:
     lookup_seconds: float = 0.0   # total wall time of finished lookups
 
 
+#: The engine's request type (the tier hands back the objects it was given).
+R = TypeVar("R", bound=LookupRequest)
+
+
 @dataclass
-class _Arrival:
-    req: LookupRequest
+class _Arrival(Generic[R]):
+    req: R
     hashes: list[bytes]           # chain hashes of the blocks past the local match
     tokens: list[bytes]           # their tokens (int32 bytes), for install_lower
     parent_hash: bytes | None     # the last locally cached block's hash (None: root)
@@ -100,7 +104,7 @@ class _Arrival:
     started: float = field(default_factory=time.perf_counter)
 
 
-class RemoteLookup:
+class RemoteLookup(Generic[R]):
     """Looks new requests' blocks up on the shared server and installs the hits in the host
     tier (see the module docstring). Every method runs on the engine's loop thread except the
     lookup jobs, which only call the store.
@@ -122,11 +126,11 @@ class RemoteLookup:
         self._writer = writer
         self.block_size, self.timeout_s = block_size, timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixkv-remote-lookup")
-        self._arrivals: dict[str, _Arrival] = {}
+        self._arrivals: dict[str, _Arrival[R]] = {}
         self._remote_tokens: dict[str, int] = {}
         self.counts = LookupCounters()
 
-    def lookup(self, req: LookupRequest) -> None:
+    def lookup(self, req: R) -> None:
         """Start the remote lookup of ``req``'s prompt; the request waits in here until
         :meth:`admit` hands it to the scheduler."""
         ids = req.seqs[0].token_ids
@@ -174,13 +178,13 @@ class RemoteLookup:
     def is_arriving(self, request_id: str) -> bool:
         return request_id in self._arrivals
 
-    def forget(self, request_id: str) -> LookupRequest | None:
+    def forget(self, request_id: str) -> R | None:
         """Drop a request still waiting for its lookup (abort); returns it, or None."""
         a = self._arrivals.pop(request_id, None)
         return None if a is None else a.req
 
     def admit(self, run_ops: Callable[[list[MoveOp]], object], wait: bool
-              ) -> list[LookupRequest]:
+              ) -> list[R]:
         """Requests whose lookup finished (their blocks installed) or timed out, in arrival
         order; ``wait``: nothing else to do, so block until the first one is ready.
         ``run_ops(moves)`` runs the moves that make room in the host tier."""
@@ -211,7 +215,7 @@ class RemoteLookup:
             ready.append(a.req)
         return ready
 
-    def _install(self, a: _Arrival, run_ops: Callable[[list[MoveOp]], object]) -> None:
+    def _install(self, a: _Arrival[R], run_ops: Callable[[list[MoveOp]], object]) -> None:
         if a.future is None:
             return
         try:

@@ -57,7 +57,7 @@ def build_mover(kv_cache: torch.Tensor, layout: KVLayout, cc: CacheConfig, bm: B
 
 def build_remote(cc: CacheConfig, layout: KVLayout, bm: BlockManager, mover: KVMover,
                  tier_names: Sequence[str], kv_cache: torch.Tensor, model_id: str
-                 ) -> RemoteTier | None:
+                 ) -> RemoteTier[Any] | None:
     """The engine's remote tier (``CacheConfig.remote_url``), or None. The store connects in
     the background: a server that is down now only costs misses until it is back."""
     if cc.remote_url is None:
