@@ -57,7 +57,7 @@ from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFil
                                          check_header, check_mac, decode_header, encode_header,
                                          header_len_for)
 from radixkv.storage.integrity import BlockSigner
-from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport,
+from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport, ScanTarget,
                                        open_block_file, scan_store)
 from radixkv.storage.layout import KVLayout
 
@@ -516,13 +516,14 @@ class DiskStore:
         Corrupt files are removed/quarantined, foreign ones counted and left, temporary files of
         dead writers removed. Runtime: O(files) syscalls, spread over ``scan_threads`` threads.
         """
-        return scan_store(self, verify_payload)
-
-    def _reset_index(self, found: list[DiskEntry]) -> None:
-        """Replace the index by the entries a scan found (disk_scan.py)."""
-        with self._lock:
+        target = ScanTarget(self.dir, self.layout, self.namespace, self.signer, self._host,
+                            self._header_len, self.scan_threads, self.stale_tmp_s,
+                            self._decode, self._bad_file, self._fail)
+        report, found = scan_store(target, verify_payload)
+        with self._lock:   # the index becomes exactly what the scan found
             self._index = {e.block_hash: e for e in found}
             self._bytes_used = sum(e.num_bytes for e in found)
+        return report
 
 
 def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:

@@ -30,21 +30,14 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("engine/model_runner.py", "model.config._attn_implementation"): "transformers config field",
     ("engine/native_model.py", "cfg._attn_implementation"): "transformers config field",
     ("engine/native_model.py", "cfg._name_or_path"): "transformers config field",
-    # Helpers split off the class they serve (radixkv/engine and radixkv/storage, outside this
-    # issue's files): they take the object and read its state. To become methods or public
-    # accessors of LLMEngine / DiskStore.
+    # Helpers split off the class they serve (radixkv/engine, outside this files): they
+    # take the object and read its state. To become methods or public accessors of LLMEngine.
     ("engine/decoder_forward.py", "packed_linear._version"): "module helper of packed_linear",
     ("engine/decoder_forward.py", "packed_linear._PACK_HINT_ROWS"): "packed_linear's constant",
     ("engine/engine_stats.py", "engine._num_forwards"): "LLMEngine's counter",
     ("engine/validation.py", "engine._closed"): "LLMEngine.add_request's checks",
     ("engine/validation.py", "engine._requests"): "LLMEngine.add_request's checks",
     ("engine/validation.py", "engine._bm"): "LLMEngine.add_request's checks",
-    ("storage/disk_scan.py", "store._reset_index"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._bad_file"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._decode"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._host"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._fail"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._header_len"): "DiskStore's start-up scan",
 }
 
 
