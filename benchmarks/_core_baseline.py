@@ -56,6 +56,15 @@ def load_core(commit: str) -> tuple[Any, str] | None:
 _PARTS: dict[str, SimpleNamespace | None] = {}
 
 
+def _make_policy(pkg: str) -> Any:
+    """``make_policy`` of a loaded core: in ``policy_registry`` since the registry left
+    ``policy.py`` (issue 30: one-way imports), in ``policy`` before."""
+    try:
+        return importlib.import_module(f"{pkg}.policy_registry").make_policy
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{pkg}.policy").make_policy
+
+
 def load_core_parts(commit: str) -> SimpleNamespace | None:
     """``radixkv/core`` at ``commit`` as what a replay builds a manager from: a namespace with
     ``BlockManager``, ``RadixTree``, ``BlockPool``, ``make_policy`` and ``commit`` (loaded once
@@ -70,5 +79,5 @@ def load_core_parts(commit: str) -> SimpleNamespace | None:
             _PARTS[commit] = SimpleNamespace(
                 commit=commit, BlockManager=loaded[0], RadixTree=mod(f"{pkg}.tree").RadixTree,
                 BlockPool=mod(f"{pkg}.pool").BlockPool,
-                make_policy=mod(f"{pkg}.policy").make_policy)
+                make_policy=_make_policy(pkg))
     return _PARTS[commit]

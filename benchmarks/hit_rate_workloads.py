@@ -12,7 +12,7 @@ the tables), and never more than 1 point below LRU at any capacity.
 Method. Block size 16, device tier only. Capacities: ``n`` points spaced geometrically between
 the largest request + 2 blocks and the smallest capacity at which Belady reaches 0.99 and LRU
 0.95 of the infinite cache (found by bisection; hit rates grow with capacity on these traces).
-Policies: every name in ``radixkv.core.policy.POLICIES``, replayed through the real
+Policies: every name in ``radixkv.core.policy_registry.POLICIES``, replayed through the real
 ``BlockManager``/``RadixTree`` (``benchmarks/replay.py``; ``priority`` gets a priority-1 hint on the
 shared system prompt where the trace has one, ``ttl`` keeps blocks 300 s after their last use).
 (The block-level simulator of candidate policies that chose which ones to build,
@@ -82,7 +82,7 @@ def core_policies() -> list[str]:
     """Every eviction policy radixkv selects by name (read, not hard-coded: the core may add),
     and, for those that read request hints (``hooks``), the same told each session's last
     request (``+end-hint``)."""
-    from radixkv.core.policy import POLICIES
+    from radixkv.core.policy_registry import POLICIES
 
     names = list(POLICIES)
     return names + [f"{n}+end-hint" for n in names if n in END_HINT_POLICIES]
@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small traces, 6 capacities (CI)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=None,
-                    help="radixkv policy names (default: all of radixkv.core.policy.POLICIES)")
+                    help="radixkv policy names "
+                         "(default: all of radixkv.core.policy_registry.POLICIES)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--name", default=None,

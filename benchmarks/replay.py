@@ -30,7 +30,8 @@ import xxhash
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, token_bytes
-from radixkv.core.policy import EvictionPolicy, make_policy
+from radixkv.core.policy import EvictionPolicy
+from radixkv.core.policy_registry import make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import RadixTree
 

@@ -73,8 +73,8 @@ class CacheConfig:
             activation peak of a profiled forward at the largest batch (engine/memory.py).
         host_blocks / host_memory: CPU-RAM tier capacity (0/None: no host tier).
         disk_dir, disk_blocks / disk_memory: NVMe tier directory and capacity (None: no disk tier).
-        policy: eviction policy name (``radixkv.core.policy.POLICIES``): ``auto``, the
-            default (``radixkv.core.policy.DEFAULT_POLICY``, also ``RadixTree``'s and
+        policy: eviction policy name (``radixkv.core.policy_registry.POLICIES``): ``auto``, the
+            default (``radixkv.core.policy_registry.DEFAULT_POLICY``, also ``RadixTree``'s and
             ``BlockManager.create``'s), is LRU, at LRU's cost, until a request says its
             session ends, then the next-use ``forecast``; ``duel`` set-duels LRU,
             ``lfu-ghost`` and ``forecast`` (pays on loops and RAG, for about 10x LRU's
@@ -139,7 +139,7 @@ class CacheConfig:
     disk_dir: str | None = None
     disk_blocks: int | None = 0
     disk_memory: str | None = None
-    policy: str = "auto"         # radixkv.core.policy.DEFAULT_POLICY (a test keeps them equal)
+    policy: str = "auto"         # core.policy_registry.DEFAULT_POLICY (a test keeps them equal)
     policy_options: dict[str, Any] | None = None
     enable_prefix_caching: bool = True
     write_through: tuple[str, ...] = ()
@@ -190,7 +190,7 @@ class CacheConfig:
             if not isinstance(opts, dict) or not all(isinstance(k, str) for k in opts):
                 raise ConfigError("CacheConfig.policy_options must be a dict of keyword "
                                   f"arguments, got {opts!r}")
-            from radixkv.core.policy import make_policy
+            from radixkv.core.policy_registry import make_policy
 
             make_policy(self.policy, **opts)   # ConfigError for an unknown or bad option
         wt = self.write_through

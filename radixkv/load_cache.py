@@ -23,11 +23,28 @@ import os
 import shutil
 import sys
 import tempfile
+import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from radixkv.models import ModelSource
+
+class _Source(Protocol):
+    """A model source as this module reads it (``models.ModelSource`` is the one; declared here
+    so that this module imports no ``models``, which imports it)."""
+
+    @property
+    def name_or_path(self) -> str: ...
+
+    @property
+    def embedded(self) -> bool: ...
+
+    @property
+    def gguf_path(self) -> Path | None: ...
+
+    def hf_kwargs(self) -> dict[str, Any]: ...
+
+
+_S = TypeVar("_S", bound=_Source)
 
 _COMPLETE = "radixkv-converted.json"   # written last: its presence means the copy is whole
 
@@ -86,16 +103,13 @@ def say(msg: str) -> None:
     print(f"radixkv: {msg}", file=sys.stderr, flush=True)
 
 
-def cached_source(source: ModelSource, *, progress: bool = True,
-                  create: bool = True) -> ModelSource:
+def cached_source(source: _S, *, progress: bool = True, create: bool = True) -> _S:
     """``source`` itself, or for a GGUF file the local converted checkpoint, made on first use
     (``create=False``: used only if it exists; a tokenizer alone is not worth converting for).
 
     Never raises for a cache problem (a full or read-only disk): it says so and returns
     ``source`` unchanged, so the model loads from the GGUF file as before.
     """
-    from radixkv.models import ModelSource
-
     gguf = source.gguf_path
     if gguf is None:
         return source
@@ -103,7 +117,7 @@ def cached_source(source: ModelSource, *, progress: bool = True,
     if (target / _COMPLETE).is_file():
         if progress:
             say(f"loading {gguf.name} from its converted copy in {target}")
-        return ModelSource(str(target), embedded=source.embedded)
+        return _converted(source, target)
     if not create:
         return source
     if progress:
@@ -114,10 +128,17 @@ def cached_source(source: ModelSource, *, progress: bool = True,
     except OSError as exc:
         say(f"could not save the converted copy ({exc}); loading from the GGUF file")
         return source
-    return ModelSource(str(target), embedded=source.embedded)
+    return _converted(source, target)
 
 
-def _convert(source: ModelSource, gguf: Path, target: Path) -> None:
+def _converted(source: _S, target: Path) -> _S:
+    """``source`` pointed at its converted checkpoint in ``target``: a local directory of
+    safetensors (no GGUF file name, nothing to download), the same ``embedded`` flag."""
+    return dataclasses.replace(source, name_or_path=str(target),  # type: ignore[type-var]
+                               gguf_file=None, local_files_only=True)
+
+
+def _convert(source: _Source, gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One entry point for set-up and the two README commands.
 #   bash scripts/dev.sh demo   -> create .venv if needed, run the chat/RAG demo
-#   bash scripts/dev.sh test   -> create .venv if needed, run ruff, then the test suite
+#   bash scripts/dev.sh test   -> create .venv if needed, run ruff and mypy, then the test suite
 #   bash scripts/dev.sh setup  -> only create/refresh .venv
 # Extra arguments after the subcommand go to the program (pytest or radixkv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
 PY=${PYTHON:-python3}
+# Packages `test` type-checks (strict; [tool.mypy] in pyproject.toml).
+MYPY_PATHS="radixkv/core"
 
 # The remote tier's tests start a real redis-server on 127.0.0.1 (Debian package redis-server).
 # Installed where missing and apt-get is usable as root; otherwise a clear message, and those
@@ -69,10 +71,14 @@ cmd=${1:-test}; shift || true
 case "$cmd" in
     setup) setup ;;
     test)  setup
-           # Lint first (ruff, pinned in the dev extra; rules in pyproject.toml): a finding fails
-           # the run, as CI runs this command. mypy (scripts/lint.sh mypy) is not in CI yet.
+           # Lint first (ruff and mypy, pinned in the dev extra; rules in pyproject.toml): a
+           # finding fails the run, as CI runs this command. mypy runs strict on the packages in
+           # MYPY_PATHS (radixkv/core today; add radixkv/storage radixkv/tiers once they are
+           # clean: scripts/lint.sh mypy checks all three, as [tool.mypy] files lists them).
            "$VENV/bin/ruff" check radixkv kernels benchmarks tests scripts \
                || { echo "scripts/dev.sh test: ruff found the problems above" >&2; exit 1; }
+           "$VENV/bin/mypy" $MYPY_PATHS \
+               || { echo "scripts/dev.sh test: mypy found the problems above" >&2; exit 1; }
            exec "$VENV/bin/python" -m pytest -q "$@" ;;
     demo)  setup; exec "$VENV/bin/radixkv" demo "$@" ;;
     bench) setup; exec "$VENV/bin/radixkv" bench "$@" ;;

@@ -3,8 +3,8 @@
 # radixkv/storage, with the configuration in pyproject.toml. Exits non-zero if either fails.
 #   bash scripts/lint.sh            # both
 #   bash scripts/lint.sh ruff|mypy  # one
-# ruff (pinned in the dev extra) also runs in `scripts/dev.sh test`, i.e. in CI; mypy does not yet.
-# mypy is not installed by set-up (`.venv/bin/python -m pip install mypy`).
+# Both are pinned in the dev extra (installed by scripts/dev.sh setup). `scripts/dev.sh test`
+# (CI) runs ruff and mypy on the packages in its MYPY_PATHS (radixkv/core today).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
@@ -14,7 +14,7 @@ for tool in ruff mypy; do
     [ "$what" = all ] || [ "$what" = "$tool" ] || continue
     if [ ! -x "$VENV/bin/$tool" ]; then
         echo "scripts/lint.sh: $tool is not installed in $VENV" \
-             "(run: bash scripts/dev.sh setup for ruff; $VENV/bin/python -m pip install mypy)" >&2
+             "(run: bash scripts/dev.sh setup)" >&2
         rc=1
         continue
     fi

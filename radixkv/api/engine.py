@@ -398,7 +398,7 @@ class Engine:
 
     def cached_prefix_nodes(self, token_ids: Sequence[int], cache_salt: str | None = None
                             ) -> list[BlockRef]:
-        """The cached blocks (any tier; snapshots: hash, tier, slot, parent hash, tokens) of
+        """The cached blocks (any tier; snapshots: hash, tier, block id, parent hash, tokens) of
         the longest cached full-block prefix of ``token_ids``. No side effects (does not
         touch LRU order). O(matched tokens)."""
         from radixkv.core.hashing import token_bytes

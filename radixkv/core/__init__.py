@@ -18,20 +18,24 @@ from radixkv.core.events import (
     KVEvent,
     KVEventQueue,
 )
+from radixkv.core.evict_index import Entry, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import BlockHash, Namespace, chain_hash, hash_token_blocks, token_bytes
-from radixkv.core.move_planner import MovePlanner
-from radixkv.core.node import DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import EvictionPolicy, NodeHints, make_policy
+from radixkv.core.move_planner import MovePlanner, PlannerHost
+from radixkv.core.node import DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, NodeHints, TreeStats
+from radixkv.core.policy import CacheMaker, EvictionPolicy, PolicyHost, ShadowCache
+from radixkv.core.policy_registry import DEFAULT_POLICY, POLICIES, make_policy
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import RadixTree
-from radixkv.core.writes import TreeWriteBack, TreeWrites, TreeWriteThrough
+from radixkv.core.writes import TreeWriteBack, TreeWrites, TreeWriteThrough, WritesHost
 
 __all__ = [
-    "DEVICE", "MAX_TIERS", "AllCleared", "Allocation", "BlockHash", "BlockId", "BlockManager",
-    "BlockPool", "BlockRef", "BlockRemoved", "BlockStored", "CopyOp", "EventCursor",
-    "EvictableSet", "EvictionPolicy", "KVEvent", "KVEventQueue", "MoveOp", "MovePlanner",
-    "Namespace", "Node", "NodeHints", "RadixTree", "SlotAssignment", "TreeStats", "TreeWrites",
-    "TreeWriteBack", "TreeWriteThrough", "chain_hash", "hash_token_blocks", "make_policy",
-    "token_bytes",
+    "DEFAULT_POLICY", "DEVICE", "MAX_TIERS", "POLICIES", "AllCleared", "Allocation", "BlockHash",
+    "BlockId", "BlockManager", "BlockPool", "BlockRef", "BlockRemoved", "BlockStored",
+    "CacheMaker", "CopyOp", "Entry", "EventCursor", "EvictableSet", "EvictionIndex",
+    "EvictionPolicy", "FrequencyIndex", "KVEvent", "KVEventQueue", "MoveOp", "MovePlanner",
+    "Namespace", "Node", "NodeHints", "PlannerHost", "PolicyHost", "RadixTree", "RecencyIndex",
+    "ShadowCache", "SlotAssignment", "SortedIndex", "TreeStats", "TreeWriteBack",
+    "TreeWriteThrough", "TreeWrites", "WritesHost", "chain_hash", "hash_token_blocks",
+    "make_policy", "token_bytes",
 ]

@@ -34,14 +34,14 @@ Pure Python: imports no torch.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NamedTuple, cast
 
 import xxhash
 
 from radixkv.core.events import KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, token_bytes
-from radixkv.core.policy import DEFAULT_POLICY
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, chain_hash, token_bytes
+from radixkv.core.policy_registry import DEFAULT_POLICY
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
@@ -50,7 +50,9 @@ from radixkv.errors import (
 )
 
 SeqId = Hashable
-_xxh3_128 = xxhash.xxh3_128_digest
+#: xxh3-128 of bytes, typed as what it makes here: a chain hash (``hashing.chain_hash``'s
+#: arithmetic, inlined on the hot paths)
+_xxh3_128 = cast("Callable[[bytes], BlockHash]", xxhash.xxh3_128_digest)
 _tuple_new = tuple.__new__
 
 
@@ -91,7 +93,8 @@ class Allocation(NamedTuple):
 class SeqState:
     __slots__ = ("seed", "tokens", "blocks", "last_hash", "num_cached", "num_computed")
 
-    def __init__(self, seed: bytes, tokens: array, blocks: list[int], last_hash: bytes | None,
+    def __init__(self, seed: bytes, tokens: array[int], blocks: list[BlockId],
+                 last_hash: BlockHash | None,
                  num_cached: int, num_computed: int) -> None:
         self.seed = seed
         self.tokens = tokens            # every token id so far (array('i'): no int objects)
@@ -116,17 +119,34 @@ class BlockManager:
         self.pool: BlockPool = tree.pools[DEVICE]
         self.block_size = tree.block_size
         self._seqs: dict[SeqId, SeqState] = {}
+        if tree.hooks:
+            tree.policy.bind_manager(self)
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int = 16, policy: str = DEFAULT_POLICY,
                lower_tier_blocks: Sequence[int] = (), write_through: Sequence[int] = (),
-               **tree_kwargs) -> BlockManager:
+               **tree_kwargs: Any) -> BlockManager:
         """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities);
         ``write_through`` lists the slower tiers that get a copy of every committed block."""
         tree = RadixTree(block_size, BlockPool(num_blocks),
                          [BlockPool(n) for n in lower_tier_blocks], policy=policy,
                          write_through=write_through, **tree_kwargs)
         return cls(tree)
+
+    def shadow(self, num_blocks: int, policy: str) -> BlockManager:
+        """A manager over a fresh device-only tree of ``num_blocks`` blocks with this one's
+        block size and clock and eviction by ``policy``: a shadow cache that a policy replays
+        requests into (``EvictionPolicy.bind_manager``; ``policy_duel.py``)."""
+        tree = self.tree
+        return BlockManager(RadixTree(tree.block_size, BlockPool(num_blocks), policy=policy,
+                                      clock=tree.clock))
+
+    def _switch_policy(self, policy: str) -> None:
+        """Hand eviction to ``policy`` (``auto``'s first session-end hint): the tree re-files
+        its nodes, and the new policy meets this manager."""
+        self.tree.switch_policy(policy)
+        if self.tree.hooks:
+            self.tree.policy.bind_manager(self)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -163,7 +183,7 @@ class BlockManager:
             raise UnknownSequenceError(
                 f"sequence {seq_id!r} is not live (never allocated, or already freed)") from None
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
+    def block_table(self, seq_id: SeqId) -> list[BlockId]:
         """The sequence's device block ids (a copy). Runtime complexity: O(blocks)."""
         return list(self._seq(seq_id).blocks)
 
@@ -219,7 +239,7 @@ class BlockManager:
         if need > self.pool.num_free + evictable:
             raise OutOfBlocks(need, self.pool.num_free, evictable)
 
-    def _take_blocks(self, n: int, moves: list[MoveOp], held: bool = False) -> list[int]:
+    def _take_blocks(self, n: int, moves: list[MoveOp], held: bool = False) -> list[BlockId]:
         """``n`` device blocks, evicting what is missing (the caller checked capacity);
         ``held``: with one reference each already."""
         short = n - self.pool.num_free
@@ -282,7 +302,7 @@ class BlockManager:
         tree = self.tree
         now = tree.clock()
         if end_session and tree.policy.on_end_hint is not None:
-            tree.switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
+            self._switch_policy(tree.policy.on_end_hint)    # ``auto``: the first hint
         if tree.hooks:
             tree.policy.on_start(seq_id, n, namespace, session, end_session, now, resumed)
         moves: list[MoveOp] = tree.take_moves()   # write-through moves not taken yet run first
@@ -293,14 +313,15 @@ class BlockManager:
             if d == len(path):
                 held = tree.cut(held, k)
             tree.lock_nodes(held, now)
-        blocks: list[int] = (held[0].slots.tolist() if len(held) == 1 else
-                             [b for x in held for b in x.slots.tolist()])
+        blocks = _as_block_ids(held[0].block_ids.tolist() if len(held) == 1 else
+                               [b for x in held for b in x.block_ids.tolist()])
         if d < len(path):
             # Promote the slower-tier match block by block: take one device block (making
             # room may demote a device block into the host, and evict from the slower tiers,
             # even part of this match), check that the block is still cached right after the
-            # held chain, promote it (which frees its slow slot for the next demotion). Exactly
-            # the order a per-block cache takes; the blocks join one run again (coalescing).
+            # held chain, promote it (which frees its block in the slower tier for the next
+            # demotion). Exactly the order a per-block cache takes; the blocks join one run
+            # again (coalescing).
             last = len(path) - 1
             wanted = [h for i, x in enumerate(path[d:], d)
                       for h in (x.hashes[:k] if i == last else x.hashes)]
@@ -323,6 +344,7 @@ class BlockManager:
                     node = tree.split(node, 1)[0]
                 moves.extend(tree.promote_nodes([node], [b], now))
                 prev = tree.device_nodes[b]
+                assert prev is not None, f"promoted block {b} is not cached"
                 held = [prev]
         blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)
         num_cached = sum(per_tier) // self.block_size
@@ -345,7 +367,7 @@ class BlockManager:
             raise InvalidRequestError("session must be hashable (a str or int id), got "
                                       f"{type(session).__name__}") from None
         if self.tree.policy.on_end_hint is not None:
-            self.tree.switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
+            self._switch_policy(self.tree.policy.on_end_hint)    # ``auto``: the first hint
         if self.tree.hooks:
             self.tree.policy.end_session(session)
 
@@ -385,14 +407,14 @@ class BlockManager:
             # catch up. The cached part of a table is whole nodes, so from here on the
             # sequence's last block is its node's last.
             node = dn[blocks[c - 1]]
-            s.last_hash = node.hashes[node.slots.index(blocks[c - 1])]   # type: ignore[union-attr]
+            s.last_hash = node.hashes[node.block_ids.index(blocks[c - 1])]   # type: ignore[union-attr]
             s.num_cached = first = c
             if c == last:
                 return 0
         tok = s.tokens[first * bs:last * bs].tobytes()
         width = bs * TOKEN_BYTES
         heads = tree.heads
-        # the sequence's last cached block is held on the device: its slot names its node
+        # the sequence's last cached block is held on the device: its block id names its node
         parent = dn[blocks[first - 1]] if s.last_hash is not None else None
         assert parent is None or parent.hashes[-1] == s.last_hash, (
             f"sequence {seq_id!r}: its last cached block is not its node's last")
@@ -430,7 +452,7 @@ class BlockManager:
             s.last_hash, s.num_cached = h, i
         return added
 
-    def _run_like(self, node: Node, tok: bytes, off: int, blocks: list[int], i: int,
+    def _run_like(self, node: Node, tok: bytes, off: int, blocks: list[BlockId], i: int,
                   last: int) -> int:
         """How many blocks from ``i`` on equal ``node``'s leading blocks (its first already
         does) and are held by as many sequences as block ``i`` (one node per holder set)."""
@@ -444,7 +466,7 @@ class BlockManager:
             m += 1
         return m
 
-    def _switch_to_cached(self, i: int, mine: list[int], node: Node, now: float) -> Node:
+    def _switch_to_cached(self, i: int, mine: list[BlockId], node: Node, now: float) -> Node:
         """Every live sequence holding our private blocks ``mine`` at positions ``[i, i+m)``
         (the committing one and its fork siblings: equal refcounts, so the same sequences)
         takes a reference on the cached ``node``'s first ``m`` blocks instead; our duplicates
@@ -458,7 +480,7 @@ class BlockManager:
         if m < len(node.hashes):
             node = tree.split(node, m)[0]
         for q in holders:
-            q.blocks[i:i + m] = node.slots
+            q.blocks[i:i + m] = _ids_of(node.block_ids)
         tree.lock_nodes([node] * len(holders), now)
         for b in mine:
             refs[b] = 0
@@ -466,7 +488,7 @@ class BlockManager:
         return node
 
     # ------------------------------------------------------------------ fork / free
-    def _deepest_cached(self, blocks: list[int]) -> int:
+    def _deepest_cached(self, blocks: list[BlockId]) -> int:
         """Index of the last cached block of a table (cached blocks form a prefix), or -1."""
         dn = self.tree.device_nodes
         i = len(blocks) - 1
@@ -517,10 +539,69 @@ class BlockManager:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Pool, tree and tables agree (see ``tree_check.check_manager``)."""
-        from radixkv.core.tree_check import check_manager
-
-        check_manager(self)
+        """Raise AssertionError, with the numbers that disagree, unless pool, tree and block
+        tables agree. Every device
+        block is exactly one of free, cached (its holders counted by its node), or held privately
+        (counted by the pool); a block's count equals the number of tables holding it; each table's
+        cached blocks are a prefix of it made of whole nodes, a chain from a root whose tokens are
+        the sequence's own and whose first hash is its namespace's; ``last_hash`` names its block
+        ``num_cached - 1``; tables cover their tokens."""
+        bm = self
+        pool, tree = bm.pool, bm.tree
+        pool.check_invariants()
+        tree.check_invariants()
+        bs = bm.block_size
+        w = tree.block_bytes
+        dn = tree.device_nodes
+        held = [0] * pool.num_blocks
+        for sid, s in bm.sequences():
+            blocks = s.blocks
+            assert len(blocks) == -(-len(s.tokens) // bs), (
+                f"seq {sid!r}: {len(blocks)} blocks for {len(s.tokens)} tokens")
+            assert len(set(blocks)) == len(blocks), f"seq {sid!r} holds a block twice"
+            assert s.num_computed <= len(s.tokens)
+            assert s.num_cached <= s.num_computed // bs, (
+                f"seq {sid!r}: {s.num_cached} cached blocks, {s.num_computed} computed tokens")
+            c = 0
+            while c < len(blocks) and dn[blocks[c]] is not None:
+                c += 1
+            assert all(dn[b] is None for b in blocks[c:]), (
+                f"seq {sid!r}: cached blocks not a prefix")
+            assert c >= s.num_cached, f"seq {sid!r}: {s.num_cached} cached, table has {c}"
+            if s.num_cached:
+                node = dn[blocks[s.num_cached - 1]]
+                assert node is not None and node.tier == DEVICE, f"seq {sid!r}: last hash uncached"
+                assert s.last_hash in node.hashes and \
+                    node.block_ids[node.hashes.index(s.last_hash)] == blocks[s.num_cached - 1], (
+                    f"seq {sid!r}: last hash is not block {s.num_cached - 1}")
+            else:
+                assert s.last_hash is None, f"seq {sid!r}: last hash without cached blocks"
+            if c:
+                chain: list[Node] = []
+                node = dn[blocks[c - 1]]
+                assert node is not None and node.block_ids[-1] == blocks[c - 1], (
+                    f"seq {sid!r} holds part of {node}")
+                while node is not None:
+                    chain.append(node)
+                    node = node.parent
+                chain.reverse()
+                assert [b for x in chain for b in x.block_ids] == blocks[:c], (
+                    f"seq {sid!r}: its cached blocks are not the chain of whole nodes above them")
+                assert b"".join(bytes(x.tokens) for x in chain) == s.tokens[:c * bs].tobytes(), (
+                    f"seq {sid!r}: cached tokens differ from its own")
+                assert chain_hash(s.seed, bytes(chain[0].tokens[:w])) == chain[0].hashes[0], (
+                    f"seq {sid!r}: its root block is not of its namespace")
+            for b in blocks:
+                held[b] += 1
+        for b in map(BlockId, range(pool.num_blocks)):
+            node = dn[b]
+            refs = node.ref if node is not None else pool.ref_counts[b]
+            assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
+            free = pool.is_free(b)
+            assert not (free and (node is not None or pool.ref_counts[b])), (
+                f"block {b} is free but cached={node is not None} refs={pool.ref_counts[b]}")
+            assert free or node is not None or pool.ref_counts[b], (
+                f"block {b} leaked: not free, not cached, no references")
 
     # ============================================================= decode, slots for new tokens
     # Decoding through the block manager: a slot for each new token's KV, and copy-on-write.
@@ -615,11 +696,11 @@ class BlockManager:
             i += 1
         full, tail = divmod(left, bs)
         for b in blocks[i:i + full]:
-            b *= bs
-            extend(range(b, b + bs))
+            base = b * bs
+            extend(range(base, base + bs))
         if tail:
-            b = blocks[i + full] * bs
-            extend(range(b, b + tail))
+            base = blocks[i + full] * bs
+            extend(range(base, base + tail))
         return slots, copy, tuple(moves)
 
 
@@ -681,7 +762,7 @@ class BlockManager:
         (demoted when a slower tier exists, else dropped); the moves to run."""
         return self.tree.evict(tier, num_blocks)
 
-    def set_hints(self, block_hashes: Sequence[bytes], priority: int | None = None,
+    def set_hints(self, block_hashes: Sequence[BlockHash], priority: int | None = None,
                   ttl: float | None = None) -> None:
         """Eviction hints (priority, TTL) for cached blocks (cache breakpoints)."""
         self.tree.set_hints(block_hashes, priority=priority, ttl=ttl)
@@ -690,3 +771,14 @@ class BlockManager:
 
 
 __all__ = ["Allocation", "BlockManager", "CopyOp", "SlotAssignment"]
+
+
+def _as_block_ids(ids: Sequence[int]) -> list[BlockId]:
+    """Device block ids read back from a packed run (``Node.block_ids``) or a list of its ints,
+    as a block table holds them: the same ints, typed (no copy)."""
+    return cast("list[BlockId]", ids)
+
+
+def _ids_of(run: array[int]) -> Sequence[BlockId]:
+    """A run's packed device block ids (``Node.block_ids``), typed as ids (no copy)."""
+    return cast("Sequence[BlockId]", run)

@@ -29,10 +29,15 @@ object with this interface (``add``, ``remove``, ``pop_min``, ``min``, ``__len__
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from heapq import heappop, heappush, merge
+from typing import Any
 
 from sortedcontainers import SortedList
+
+#: An index entry: ``(*policy key, tail block hash)``, compared lexicographically (the policy's
+#: key fields are numbers; the trailing hash makes entries unique).
+Entry = tuple[Any, ...]
 
 
 class SortedIndex:
@@ -43,26 +48,28 @@ class SortedIndex:
     def __init__(self) -> None:
         self._s = SortedList()
 
-    def add(self, entry: tuple) -> None:
+    def add(self, entry: Entry) -> None:
         self._s.add(entry)
 
-    def remove(self, entry: tuple) -> None:
+    def remove(self, entry: Entry) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
         self._s.remove(entry)
 
-    def pop_min(self) -> tuple:
-        return self._s.pop(0)
+    def pop_min(self) -> Entry:
+        entry: Entry = self._s.pop(0)
+        return entry
 
-    def min(self) -> tuple:
-        return self._s[0]
+    def min(self) -> Entry:
+        entry: Entry = self._s[0]
+        return entry
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         return entry in self._s
 
     def __len__(self) -> int:
         return len(self._s)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         return iter(self._s)
 
 
@@ -85,13 +92,13 @@ class RecencyIndex:
     __slots__ = ("_q", "_live", "_dead", "_side", "_nside")
 
     def __init__(self) -> None:
-        self._q: deque[tuple] = deque()
-        self._live: dict[bytes, tuple] = {}
+        self._q: deque[Entry] = deque()
+        self._live: dict[bytes, Entry] = {}
         self._dead = 0      # dead entries still in _q
         self._side = SortedList()
         self._nside = 0     # len(self._side), kept here: SortedList.__len__ is a Python call
 
-    def add(self, entry: tuple) -> None:
+    def add(self, entry: Entry) -> None:
         """Add ``entry`` (a tuple not in the index, ending with its unique block hash; pass a
         new tuple, not one added and removed before)."""
         q = self._q
@@ -105,7 +112,7 @@ class RecencyIndex:
             self._side.add(entry)
             self._nside += 1
 
-    def remove(self, entry: tuple) -> None:
+    def remove(self, entry: Entry) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
         live = self._live
         h = entry[-1]
@@ -137,7 +144,7 @@ class RecencyIndex:
         """Whether nothing is queued, live, dead or on the side (as ``clear`` leaves it)."""
         return not (self._q or self._live or self._side or self._dead or self._nside)
 
-    def pop_min(self) -> tuple:
+    def pop_min(self) -> Entry:
         # the head, skipping dead entries, inlined (called once per victim)
         q, live = self._q, self._live
         while q:
@@ -153,14 +160,16 @@ class RecencyIndex:
             self._dead -= 1
         if self._nside:
             self._nside -= 1
-            return self._side.pop(0)
+            side: Entry = self._side.pop(0)
+            return side
         raise IndexError("pop_min() of an empty index")
 
-    def pop_min_peek(self) -> tuple[tuple, tuple | None]:
+    def pop_min_peek(self) -> tuple[Entry, Entry | None]:
         """``(pop_min(), min() after it or None)`` in one call: the device-only LRU eviction
         loop needs the next entry's key to apply the per-block tie rule (``EvictableSet.take``)
         only where two victims have the same key. Runtime complexity: as ``pop_min``."""
         q, live = self._q, self._live
+        entry: Entry
         while True:   # pop_min, inlined
             if not q:
                 if not self._nside:
@@ -184,34 +193,39 @@ class RecencyIndex:
             nxt = q[0]
             if live.get(nxt[-1]) is nxt:
                 if self._nside and self._side[0] < nxt:
-                    return entry, self._side[0]
+                    side: Entry = self._side[0]
+                    return entry, side
                 return entry, nxt
             q.popleft()
             self._dead -= 1
-        return entry, (self._side[0] if self._nside else None)
+        after: Entry | None = self._side[0] if self._nside else None
+        return entry, after
 
-    def min(self) -> tuple:
+    def min(self) -> Entry:
         # the head, skipping dead entries, inlined (the tie rule asks once per victim)
         q, live = self._q, self._live
+        side: Entry
         while q:
             entry = q[0]
             if live.get(entry[-1]) is entry:
                 if self._nside and self._side[0] < entry:
-                    return self._side[0]
+                    side = self._side[0]
+                    return side
                 return entry
             q.popleft()
             self._dead -= 1
         if self._nside:
-            return self._side[0]
+            side = self._side[0]
+            return side
         raise IndexError("min() of an empty index")
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         return self._live.get(entry[-1]) == entry or entry in self._side
 
     def __len__(self) -> int:
         return len(self._live) + self._nside
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         live = self._live
         return merge((e for e in self._q if live.get(e[-1]) is e), self._side)
 
@@ -256,7 +270,7 @@ class FrequencyIndex:
         self._n = 0
         self._spare: list[RecencyIndex] = []
 
-    def add(self, entry: tuple) -> None:
+    def add(self, entry: Entry) -> None:
         b = self._buckets.get(entry[0])
         if b is None:
             b = self._buckets[entry[0]] = self._spare.pop() if self._spare else RecencyIndex()
@@ -283,7 +297,7 @@ class FrequencyIndex:
             heappop(heap)
         return heap[0]
 
-    def remove(self, entry: tuple) -> None:
+    def remove(self, entry: Entry) -> None:
         """Remove ``entry`` (must be present; KeyError or ValueError otherwise)."""
         b = self._buckets[entry[0]]
         b.remove(entry)
@@ -291,7 +305,7 @@ class FrequencyIndex:
         if not len(b):
             self._close(entry[0], b)
 
-    def pop_min(self) -> tuple:
+    def pop_min(self) -> Entry:
         if not self._n:
             raise IndexError("pop_min() of an empty index")
         hits = self._top()
@@ -302,19 +316,19 @@ class FrequencyIndex:
             self._close(hits, b)
         return entry
 
-    def min(self) -> tuple:
+    def min(self) -> Entry:
         if not self._n:
             raise IndexError("min() of an empty index")
         return self._buckets[self._top()].min()
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         b = self._buckets.get(entry[0])
         return b is not None and entry in b
 
     def __len__(self) -> int:
         return self._n
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         for hits in sorted(self._buckets):
             yield from self._buckets[hits]
 
@@ -338,12 +352,12 @@ class AgingIndex(SortedIndex):
 
     __slots__ = ("_on_pop",)
 
-    def __init__(self, on_pop) -> None:
+    def __init__(self, on_pop: Callable[[Entry], None]) -> None:
         super().__init__()
         self._on_pop = on_pop
 
-    def pop_min(self) -> tuple:
-        e = self._s.pop(0)
+    def pop_min(self) -> Entry:
+        e: Entry = self._s.pop(0)
         self._on_pop(e)
         return e
 

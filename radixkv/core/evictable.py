@@ -28,7 +28,7 @@ from radixkv.core.node import _CBITS, _CMASK, DEVICE, Node
 from radixkv.core.policy import DEFAULT_HINTS, LRUPolicy
 
 if TYPE_CHECKING:
-    from radixkv.core.evict_index import EvictionIndex
+    from radixkv.core.evict_index import Entry, EvictionIndex
     from radixkv.core.policy import EvictionPolicy
 
 __all__ = ["EvictableSet"]
@@ -65,13 +65,13 @@ class EvictableSet:
         self._lru = type(policy) is LRUPolicy   # key = (last_access,): no call
 
     # ------------------------------------------------------------------ keys
-    def key(self, node: Node) -> tuple:
+    def key(self, node: Node) -> Entry:
         """The policy key of every block of ``node``. O(1) (the policy's ``key``)."""
         if self._lru:
             return (node.last_access,)
         return self.policy.key(node, DEFAULT_HINTS if node.hints is None else node.hints)
 
-    def entry(self, node: Node) -> tuple:
+    def entry(self, node: Node) -> Entry:
         """The entry ``node`` is filed under: its key plus its last block's hash (unique)."""
         if self._lru:
             return (node.last_access, node.hashes[-1])
@@ -100,7 +100,7 @@ class EvictableSet:
             return
         self.remove(self.entry(node))
 
-    def take(self, node: Node, num: int, e: tuple) -> int:
+    def take(self, node: Node, num: int, e: Entry) -> int:
         """How many blocks of the victim ``node`` (just popped as entry ``e``) go now: all of
         them, or the ``num`` still wanted; where another entry has exactly the same key, only
         those that a per-block cache would take before it (block hash order breaks the tie).
@@ -124,11 +124,11 @@ class EvictableSet:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         """The entries in eviction order."""
         return iter(self.index)
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         return entry in self.index
 
     def check_invariants(self) -> None:

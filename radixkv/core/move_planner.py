@@ -11,7 +11,7 @@ first, block by block from the tail of each victim run, exactly as a per-block c
 (``EvictableSet.take`` breaks equal keys by block hash): from the last tier they are dropped,
 from the others demoted into the next tier, making room there first. Where no choice between the
 next tier's blocks and the victim's can arise (its smallest key is strictly below the victim's,
-``_evict_below``, or it has free slots) a victim's blocks move together; otherwise one at a time,
+``_evict_below``, or it has free blocks) a victim's blocks move together; otherwise one at a time,
 straight onto the run below them (``_demote_tail_block``). A device-only tree reports no drops
 (they need no storage work) and evicts under LRU in one loop (``_drop_device_lru``).
 
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.events import BlockStored
-from radixkv.core.evict_index import RecencyIndex
+from radixkv.core.evict_index import Entry, RecencyIndex
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.hashing import BlockHash
 from radixkv.core.node import DEVICE, BlockRef, MoveOp, Node
@@ -46,11 +46,63 @@ from radixkv.core.pool import BlockId
 from radixkv.errors import InvalidBlockError, OutOfBlocks
 
 if TYPE_CHECKING:
-    from radixkv.core.tree import RadixTree
+    from collections.abc import Callable
+
+    from radixkv.core.events import BlockRemoved, KVEventQueue
+    from radixkv.core.node import TreeStats
+    from radixkv.core.pool import BlockPool
+    from radixkv.core.writes import TreeWrites
 
 _tuple_new = tuple.__new__
 
-__all__ = ["MovePlanner"]
+__all__ = ["MovePlanner", "PlannerHost"]
+
+
+class PlannerHost(Protocol):
+    """The tree as its planner sees it (``RadixTree`` is one; ``RadixTree``'s docstring says
+    what each map is): the structure the planner reads and rewires through the tree's own
+    structural edits (split, coalesce, link, unlink, child counts), and the counters it keeps
+    with the tree. Declared here so that this module imports no tree (the tree builds it)."""
+
+    num_tiers: int
+    block_bytes: int
+    clock: Callable[[], float]
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    tails: dict[bytes, Node]
+    block_nodes: list[list[Node | None]]
+    device_nodes: list[Node | None]
+    evictable: list[EvictableSet]
+    resident: list[int]
+    unreferenced: int
+    ttl_heap: list[tuple[float, bytes]]
+    pending_moves: list[MoveOp]
+    stats: TreeStats
+    events: KVEventQueue | None
+    writes: TreeWrites
+    policy: EvictionPolicy
+
+    def num_evictable(self, tier: int = DEVICE) -> int: ...
+
+    def take_moves(self) -> list[MoveOp]: ...
+
+    def block_ref(self, node: Node, i: int) -> BlockRef: ...
+
+    def removed_event(self, node: Node, cut: int) -> BlockRemoved: ...
+
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None: ...
+
+    def split(self, node: Node, k: int) -> tuple[Node, Node]: ...
+
+    def coalesce(self, parent: Node | None, child: Node) -> Node: ...
+
+    def link(self, parent: Node, node: Node) -> None: ...
+
+    def unlink(self, node: Node) -> None: ...
+
+    def add_child_count(self, parent: Node, tier: int, delta: int) -> None: ...
+
+    def rearm_ttl(self, node: Node) -> None: ...
 
 
 class MovePlanner:
@@ -60,12 +112,12 @@ class MovePlanner:
         tree: the tree whose structure it moves (the planner is built by the tree).
     """
 
-    def __init__(self, tree: RadixTree) -> None:
+    def __init__(self, tree: PlannerHost) -> None:
         self.tree = tree
         # the tree's structure: the same objects (``RadixTree``'s docstring says what each is)
         self.heads = tree.heads
         self.tails = tree.tails
-        self.slot_nodes = tree.slot_nodes
+        self.block_nodes = tree.block_nodes
         self.device_nodes = tree.device_nodes
         self.pools = tree.pools
         self.evictable = tree.evictable
@@ -131,7 +183,7 @@ class MovePlanner:
         leave its tier: demoted into the next one, or dropped from the last. Returns how many
         left.
 
-        Drops, and demotions into a tier with a free slot for each block, move all ``take``
+        Drops, and demotions into a tier with a free block_id for each block, move all ``take``
         blocks at once. A demotion into a tier that must evict first evicts there while that
         tier's smallest key is strictly below the victim's (``_evict_below``: a per-block cache
         would take exactly those too), then moves as many blocks as there is room for. Past
@@ -165,9 +217,9 @@ class MovePlanner:
                 free += self._evict_below(u, take - free, bound, moves)
                 need = take
             elif self.writes.tiers:
-                copy_slot = self.writes.copy_slot
+                copy_block_id = self.writes.copy_block_id
                 need = take - sum(1 for h in node.hashes[n - take:]
-                                  if copy_slot(h, u) is not None)
+                                  if copy_block_id(h, u) is not None)
             else:
                 need = take
             if need > free:
@@ -181,7 +233,7 @@ class MovePlanner:
         self._demote(node, u, moves)
         return take
 
-    def _evict_below(self, tier: int, num: int, bound: tuple, moves: list[MoveOp]) -> int:
+    def _evict_below(self, tier: int, num: int, bound: Entry, moves: list[MoveOp]) -> int:
         """Evict up to ``num`` blocks of ``tier`` in policy order, stopping at the first entry
         whose key is not strictly below ``bound``. Returns how many left."""
         entries = self.evictable[tier]
@@ -220,22 +272,22 @@ class MovePlanner:
         h = node.hashes.pop()
         del tails[h]
         tails[node.hashes[-1]] = node
-        old = node.slots.pop()
+        old = node.block_ids.pop()
         w = self.block_bytes
         tok = node.tokens[-w:]
         del node.tokens[-w:]
         new = dst.allocate_one()
         moves.append(_tuple_new(MoveOp, (h, t, old, u, new, False)))
         self.pools[t].free_one(old)
-        self.slot_nodes[t][old] = None
+        self.block_nodes[t][old] = None
         if t == DEVICE:
             self.tree.unreferenced -= 1
         del heads[c.hashes[0]]
         c.hashes.insert(0, h)
         c.tokens[0:0] = tok
-        c.slots.insert(0, new)
+        c.block_ids.insert(0, new)
         heads[h] = c
-        self.slot_nodes[u][new] = c
+        self.block_nodes[u][new] = c
         self.resident[t] -= 1
         self.resident[u] += 1
         self.stats.evicted[t] += 1
@@ -250,7 +302,7 @@ class MovePlanner:
         """Move every block of ``node`` (out of its index) one tier down into ``u``, onto its
         copies there if it has any (free demotions), making room in ``u`` first."""
         t = node.tier
-        hashes, old = node.hashes, node.slots
+        hashes, old = node.hashes, node.block_ids
         n = len(hashes)
         reuse = self.writes.take_for_demotion(node, u)
         need = n if reuse is None else sum(1 for s in reuse if s is None)
@@ -258,7 +310,7 @@ class MovePlanner:
         short = need - dst.num_free
         if short > 0:
             self.evict_from(u, short, moves)
-        old_ids = old.tolist()   # one int per block, made once (slots are packed)
+        old_ids = old.tolist()   # one int per block, made once (block_ids are packed)
         if reuse is None:
             # BlockPool.allocate_one for each block, tail first: the tail takes the top of
             # the free list
@@ -278,13 +330,13 @@ class MovePlanner:
                 new[i] = s
         # BlockPool.free_one for each block, deepest first (an evictable node's device blocks
         # have no pool references: its holders are counted in ``node.ref``, now 0)
-        self.pools[t].free_run(old[::-1], self.slot_nodes[t])
+        self.pools[t].free_run(old[::-1], self.block_nodes[t])
         if t == DEVICE:
             self.tree.unreferenced -= n
-        sn = self.slot_nodes[u]
+        sn = self.block_nodes[u]
         for s in new:
             sn[s] = node
-        node.slots = new
+        node.block_ids = new
         node.tier = u
         parent = node.parent
         if parent is not None:
@@ -312,7 +364,7 @@ class MovePlanner:
         self.tails[node.hashes[cut - 1]] = node
         del node.hashes[cut:]
         del node.tokens[cut * self.block_bytes:]
-        del node.slots[cut:]
+        del node.block_ids[cut:]
         self.stats.evicted[t] += take
         self.evictable[node.tier].file(node)
         hints = node.hints
@@ -337,12 +389,12 @@ class MovePlanner:
         device-only tree: see ``_evict_device_fast``). The node's lists and its head and tail
         entries are left to the caller."""
         t = node.tier
-        hashes, slots = node.hashes, node.slots
+        hashes, block_ids = node.hashes, node.block_ids
         pool = self.pools[t]
-        sn = self.slot_nodes[t]
+        sn = self.block_nodes[t]
         report = self.num_tiers > 1
         for i in range(len(hashes) - 1, cut - 1, -1):
-            h, s = hashes[i], slots[i]
+            h, s = hashes[i], block_ids[i]
             pool.free_one(s)
             sn[s] = None
             if report:
@@ -371,7 +423,7 @@ class MovePlanner:
     def _drop_device_lru(self, entries: EvictableSet, num: int) -> None:
         """Device-only LRU eviction, victim node by victim node, through the evictable set's
         ``pop_min`` / ``take`` / ``add`` (the same steps and order as the generic loop). A
-        victim node's blocks leave together: one pass over their hashes and slots, no call per
+        victim node's blocks leave together: one pass over their hashes and block_ids, no call per
         block. A node only partly taken is cut in place (its head stays, filed under its new
         last block)."""
         heads, tails, dn = self.heads, self.tails, self.device_nodes
@@ -380,25 +432,26 @@ class MovePlanner:
         add, take_of = entries.add, entries.take
         w = self.block_bytes
         dropped = 0
+        p: Node | None
         try:
             while num > 0:
                 e, nxt = pop_min_peek()
                 node = tails[e[1]]
-                hashes, slots = node.hashes, node.slots
+                hashes, block_ids = node.hashes, node.block_ids
                 n = len(hashes)
                 assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
                 take = n if num >= n else num
                 if take > 1 and nxt is not None and nxt[0] == e[0]:
                     take = take_of(node, num, e)   # a tie: per-block (hash) order decides
                 cut = n - take
-                gone_s = slots[:cut - 1:-1] if cut else slots[::-1]   # deepest first
+                gone_s = block_ids[:cut - 1:-1] if cut else block_ids[::-1]   # deepest first
                 del tails[hashes[-1]]
                 free_run(gone_s, dn)
                 if cut:                        # the head stays, filed under its new tail
                     tails[hashes[cut - 1]] = node
                     del hashes[cut:]
                     del node.tokens[cut * w:]
-                    del slots[cut:]
+                    del block_ids[cut:]
                     p = node
                 else:                          # the whole node leaves: unlink it
                     del heads[hashes[0]]
@@ -449,7 +502,7 @@ class MovePlanner:
             node.hits += 1
             if self.hooks:
                 self.policy.on_hit(node, prev, now)
-            sn = self.slot_nodes[t]
+            sn = self.block_nodes[t]
             for s in old:
                 sn[s] = None
             keep = self.writes.keep_sources(node, t, old)
@@ -464,24 +517,24 @@ class MovePlanner:
             self.tree.coalesce(node.parent, node)
         return moves
 
-    def _rehome_on_device(self, node: Node, block_ids: list[BlockId]) -> tuple[int, list[int],
-                                                                            list[int] | None]:
+    def _rehome_on_device(self, node: Node, block_ids: list[BlockId]
+                          ) -> tuple[int, array[int], list[int] | None]:
         """Move slower-tier ``node`` (whose parent is on the device) onto device blocks
         ``block_ids``: out of its tier's index, child counts, device map, residency counts.
-        Returns ``(old tier, old slots, copies to re-file)``; the caller sets holders and key
-        and decides what becomes of the old slots."""
+        Returns ``(old tier, old block_ids, copies to re-file)``; the caller sets holders and key
+        and decides what becomes of the old block_ids."""
         t = node.tier
         assert t != DEVICE and (node.parent is None or node.parent.tier == DEVICE), node
         self.evictable[node.tier].unfile(node)
         refile = self.writes.unfile(node)
-        old = node.slots
+        old = node.block_ids
         parent = node.parent
         if parent is not None:
             self.tree.add_child_count(parent, t, -1)
             self.tree.add_child_count(parent, DEVICE, 1)
         dn = self.device_nodes
         node.tier = DEVICE
-        node.slots = array("i", block_ids)
+        node.block_ids = array("i", block_ids)
         for b in block_ids:
             dn[b] = node
         n = len(block_ids)
@@ -514,7 +567,7 @@ class MovePlanner:
         h = node.hashes.pop(0)
         del heads[h]
         heads[node.hashes[0]] = node
-        old = node.slots.pop(0)
+        old = node.block_ids.pop(0)
         w = self.block_bytes
         tok = node.tokens[:w]
         del node.tokens[:w]
@@ -523,8 +576,8 @@ class MovePlanner:
         tails[h] = parent
         parent.hashes.append(h)
         parent.tokens += tok
-        parent.slots.append(b)
-        self.slot_nodes[t][old] = None
+        parent.block_ids.append(b)
+        self.block_nodes[t][old] = None
         self.device_nodes[b] = parent
         self.pools[t].free_one(old)
         self.resident[t] -= 1
@@ -548,7 +601,7 @@ class MovePlanner:
             refs[b] = 0
         t, old, refile = self._rehome_on_device(node, block_ids)
         node.ref = ref
-        sn = self.slot_nodes[t]
+        sn = self.block_nodes[t]
         for s in old:
             sn[s] = None
         if not self.writes.keep_sources(node, t, old):
@@ -571,8 +624,8 @@ class MovePlanner:
         of its blocks) up into the faster non-device ``tier``: a prefetch (disk -> host),
         making room there by evicting leaf-first like any eviction. The node's parent must be
         in a tier <= ``tier`` (prefix closure); it is kept out of the victims. The node's old
-        slots are freed before room is made, so victims demoted into its old tier take them
-        (the node's bytes are still read from its old slots: run the moves in order). If the
+        block_ids are freed before room is made, so victims demoted into its old tier take them
+        (the node's bytes are still read from its old block_ids: run the moves in order). If the
         old tier is a write-through tier and no victim took them, they stay as copies
         (``keep_src``). The node is touched, so the policy keeps it for the request that is
         about to use it.
@@ -608,9 +661,9 @@ class MovePlanner:
         refile = self.writes.unfile(node)
         if guard is not None:
             self.evictable[guard.tier].unfile(guard)
-        old = node.slots
+        old = node.block_ids
         src = self.pools[t]
-        sn = self.slot_nodes[t]
+        sn = self.block_nodes[t]
         for s in reversed(old):
             src.free_one(s)   # a victim demoted into tier t may take these
             sn[s] = None
@@ -620,14 +673,14 @@ class MovePlanner:
         if guard is not None:
             self.evictable[guard.tier].file(guard)
         new = array("i", [dst.allocate_one() for _ in range(k)])
-        sn = self.slot_nodes[tier]
+        sn = self.block_nodes[tier]
         for s in new:
             sn[s] = node
         if parent is not None:
             self.tree.add_child_count(parent, t, -1)
             self.tree.add_child_count(parent, tier, 1)
         node.tier = tier
-        node.slots = new
+        node.block_ids = new
         node.last_access = self.clock()
         self.resident[t] -= k
         self.resident[tier] += k
@@ -635,7 +688,7 @@ class MovePlanner:
         if t in self.writes.tiers and all(src.is_free(s) for s in old):
             # Nothing was allocated in tier t since the frees (else LIFO gave them away).
             took = array("i", [src.allocate_one() for _ in old])
-            assert took == old, f"tier {t}: re-took slots {took}, expected {old}"
+            assert took == old, f"tier {t}: re-took block_ids {took}, expected {old}"
             keep = self.writes.keep_sources(node, t, old)
         self.evictable[node.tier].file(node)
         if refile is not None:
@@ -649,7 +702,7 @@ class MovePlanner:
         """Cache a block that already lives in slower tier ``tier`` (found on disk at start,
         fetched from the remote tier) after cached block ``parent_hash`` (None: a root).
 
-        Returns its ``BlockRef`` (its slot is where the caller puts the bytes), or None
+        Returns its ``BlockRef`` (its block_id is where the caller puts the bytes), or None
         (changing nothing) if the tier is full (primaries and copies), the hash is cached or
         the parent is not. The parent must be in a tier <= ``tier``; a parent that is a same-
         tier run's last block with nothing after it is extended (one node per restored chain).
@@ -673,7 +726,7 @@ class MovePlanner:
                     return None   # cached inside the parent's run
                 parent = self.tree.split(parent, i + 1)[0]
         assert parent is None or parent.tier <= tier, "parent must be in a faster or equal tier"
-        slot = pool.allocate_one()
+        block_id = pool.allocate_one()
         now = self.clock()
         if parent is not None and parent.tier == tier and parent.child is None and \
                 parent.hints is None:
@@ -683,24 +736,24 @@ class MovePlanner:
             self.tails[block_hash] = node
             node.hashes.append(block_hash)
             node.tokens += tokens
-            node.slots.append(slot)
+            node.block_ids.append(block_id)
             node.last_access = now
             if self.hooks:
                 self.policy.on_insert(node, len(node.hashes) - 1, now)
         else:
-            node = Node([block_hash], bytearray(tokens), [slot], tier, None, now)
+            node = Node([block_hash], bytearray(tokens), [block_id], tier, None, now)
             self.heads[block_hash] = node
             self.tails[block_hash] = node
             if self.hooks:
                 self.policy.on_insert(node, 0, now)
             if parent is not None:
                 self.tree.link(parent, node)
-        self.slot_nodes[tier][slot] = node
+        self.block_nodes[tier][block_id] = node
         self.resident[tier] += 1
         self.evictable[node.tier].file(node)
         events = self.tree.events
         if events is not None:
-            events.append(BlockStored((block_hash,), parent_hash, bytes(tokens), tier, (slot,)))
+            events.append(BlockStored((block_hash,), parent_hash, bytes(tokens), tier, (block_id,)))
         return self.tree.block_ref(node, len(node.hashes) - 1)
 
     def invalidate(self, block_hash: BlockHash) -> list[MoveOp]:
@@ -735,10 +788,10 @@ class MovePlanner:
                 self.tree.events.append(self.tree.removed_event(n, 0))
             t = n.tier
             pool = self.pools[t]
-            sn = self.slot_nodes[t]
+            sn = self.block_nodes[t]
             del self.heads[n.hashes[0]]
             del self.tails[n.hashes[-1]]
-            for h, s in zip(reversed(n.hashes), reversed(n.slots)):
+            for h, s in zip(reversed(n.hashes), reversed(n.block_ids)):
                 writes.drop_block_copies(n, h, moves)   # each block's copies, then itself
                 pool.free_one(s)
                 sn[s] = None

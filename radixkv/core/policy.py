@@ -23,30 +23,66 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.evict_index import (
     AgingIndex, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex,
 )
+from radixkv.core.node import NodeHints as NodeHints  # re-exported: it lived here
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from radixkv.core.hashing import Namespace
+    from collections.abc import Callable
+
+    from radixkv.core.hashing import BlockHash, Namespace
     from radixkv.core.node import Node
-    from radixkv.core.tree import RadixTree
+    from radixkv.core.pool import BlockPool
 
 
-@dataclass(frozen=True)
-class NodeHints:
-    """Per-node scheduling hints set by callers (e.g. pin a system prompt).
+class PolicyHost(Protocol):
+    """The tree as a policy sees it in ``bind`` (``RadixTree`` is one): what a policy may read
+    and the one change it may ask for (``rekey``). Declared here so that policies import no
+    tree (the tree imports them)."""
 
-    ``priority``: higher survives longer under PriorityPolicy (default 0).
-    ``ttl``: seconds a block is kept after its last use under TTLPolicy (None: the policy's).
-    """
+    block_size: int
+    num_tiers: int
+    pools: list[BlockPool]
+    clock: Callable[[], float]
 
-    priority: int = 0
-    ttl: float | None = None
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None: ...
+
+    def rekey(self, node: Node, aux: object) -> None: ...
+
+
+class ShadowCache(Protocol):
+    """A cache a policy replays requests into (``BlockManager`` is one; ``policy_duel.py``)."""
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], namespace: Namespace,
+                 session: Hashable | None = None, end_session: bool = False,
+                 resumed: bool = False) -> CachedPrefix: ...
+
+    def commit(self, seq_id: Hashable, num_computed_tokens: int) -> int: ...
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int]) -> object: ...
+
+    def free(self, seq_id: Hashable) -> None: ...
+
+    def end_session(self, session: Hashable) -> None: ...
+
+
+class CachedPrefix(Protocol):
+    """What a ``ShadowCache.allocate`` tells: the prompt tokens it had cached."""
+
+    @property
+    def num_cached_tokens(self) -> int: ...
+
+
+class CacheMaker(Protocol):
+    """The block manager as a policy sees it in ``bind_manager``: a maker of shadow caches
+    (``BlockManager.shadow``: a manager over a fresh device-only tree of ``num_blocks`` blocks,
+    the same block size and clock, eviction by ``policy``)."""
+
+    def shadow(self, num_blocks: int, policy: str) -> ShadowCache: ...
 
 
 DEFAULT_HINTS = NodeHints()
@@ -140,13 +176,18 @@ class EvictionPolicy(abc.ABC):
         return SortedIndex()
 
     # ---------------------------------------------------------------- hooks (hooks = True)
-    def bind(self, tree: RadixTree) -> None:
+    def bind(self, tree: PolicyHost) -> None:
         """Attach to the tree that calls the hooks (once: a hooked policy's state belongs to
         one tree)."""
         if getattr(self, "_tree", None) is not None and self._tree is not tree:
             raise ConfigError(f"a {self.name!r} policy object belongs to one tree; "
                               "pass the policy's name (or a fresh object) to each tree")
         self._tree = tree
+
+    def bind_manager(self, manager: CacheMaker) -> None:
+        """The block manager that drives the request hooks (``on_start`` ... ``on_finish``)
+        introduces itself (after ``bind``, and again after a ``switch_policy``); a policy that
+        simulates other caches makes them here. Default: nothing."""
 
     def on_insert(self, node: Node, start: int, now: float) -> None:
         pass
@@ -354,67 +395,3 @@ class LFUDAPolicy(EvictionPolicy):
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
         self._set_aux(node, (self.L + node.hits, node.hits))
-
-
-#: The default eviction policy of ``CacheConfig``, ``RadixTree`` and ``BlockManager.create``.
-DEFAULT_POLICY = "auto"
-#: What ``auto`` turns into once clients send session-end hints (see ``auto_policy``).
-AUTO_THEN = "forecast"
-
-
-def auto_policy(then: str = AUTO_THEN) -> LRUPolicy:
-    """The default: LRU, with LRU's cost (the same key, index and fast paths: the tree sees an
-    ``LRUPolicy``), until the first request that says its session ends; then the tree hands
-    eviction to ``then`` (``RadixTree.switch_policy``: every node re-filed once).
-
-    Why: without hints no policy measured beats LRU on every workload, held-out traces
-    included, at a cost near LRU's (``duel`` gains up to 53 points on round-robin chat but
-    falls up to 0.57 points below LRU on open-loop chat and a held-out trace, for 7-13x LRU's
-    bookkeeping); told of session ends, ``forecast`` stays above LRU at every capacity of the
-    five traces measured, for 1.5-1.7x LRU's bookkeeping (docs/eviction.md). ``then`` must
-    keep runs as LRU cut them (no ``insert_key``, no ``fresh_counts``): ``forecast``,
-    ``fifo``, ``priority``, ``mru``, ``ttl``. Runtime complexity: the switch is O(nodes) once
-    (``RadixTree.switch_policy``); before it, LRU's.
-    """
-    if not isinstance(then, str) or then not in POLICIES or then == "auto":
-        raise ConfigError(f"auto's 'then' must be a policy name other than 'auto', one of "
-                          f"{sorted(n for n in POLICIES if n != 'auto')}; got {then!r}")
-    probe = POLICIES[then]()
-    if probe.insert_key is not None or probe.fresh_counts:
-        raise ConfigError(f"auto cannot hand over to {then!r}: it cuts runs differently from "
-                          "LRU (fresh counts or per-block insert keys); choose forecast, fifo, "
-                          "priority, mru or ttl, or select it by name from the start")
-    pol = LRUPolicy()
-    pol.name = "auto"
-    pol.on_end_hint = then
-    return pol
-
-
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "mru": MRUPolicy, "priority": PriorityPolicy,
-            "ttl": TTLPolicy, "fifo": FIFOPolicy, "lfu-da": LFUDAPolicy}
-
-
-def make_policy(name: str | EvictionPolicy, **kwargs) -> EvictionPolicy:
-    """A policy by name (one of ``POLICIES``) or an instance passed through."""
-    if not isinstance(name, str):
-        return name
-    if name not in POLICIES:
-        raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
-    try:
-        return POLICIES[name](**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"bad options for the {name!r} policy: {exc}") from None
-
-
-# Policies with their own modules (they import this one; registered here so every name is in
-# one table).
-from radixkv.core.policy_forecast import ForecastPolicy  # noqa: E402
-
-POLICIES["forecast"] = ForecastPolicy
-from radixkv.core.policy_ghost import LFUGhostPolicy  # noqa: E402
-
-POLICIES["lfu-ghost"] = LFUGhostPolicy
-from radixkv.core.policy_duel import DuelPolicy  # noqa: E402
-
-POLICIES["duel"] = DuelPolicy
-POLICIES["auto"] = auto_policy

@@ -52,14 +52,13 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from radixkv.core.policy import EvictionPolicy, NodeHints, make_policy
+from radixkv.core.policy import CacheMaker, EvictionPolicy, NodeHints, PolicyHost, ShadowCache
+from radixkv.core.policy_members import make_member
 from radixkv.errors import ConfigError, OutOfBlocks
 
 if TYPE_CHECKING:
-    from radixkv.core.block_manager import BlockManager
     from radixkv.core.hashing import Namespace
     from radixkv.core.node import Node
-    from radixkv.core.tree import RadixTree
 
 DEFAULT_MEMBERS = ("lru", "lfu-ghost", "forecast")
 #: The largest ``sample`` that ``sample="auto"`` picks (a device of 16 x 8,192 blocks and up).
@@ -99,7 +98,7 @@ class DuelPolicy(EvictionPolicy):
         if type(shadow_blocks) is not int or shadow_blocks < 1:
             raise ConfigError(f"shadow_blocks must be an int >= 1, got {shadow_blocks!r}")
         self.member_names = tuple(members)
-        self.members = [make_policy(m) for m in members]
+        self.members = [make_member(m) for m in members]
         self.decay = float(decay)
         self.auto_sample = sample == "auto"
         self.shadow_blocks = shadow_blocks
@@ -130,7 +129,8 @@ class DuelPolicy(EvictionPolicy):
         self.scores = [0.0] * len(members)
         self.led = [0] * len(members)          # requests each member led (statistics)
         self.shadow_hits = [0] * len(members)  # prompt tokens each shadow hit (statistics)
-        self._shadows: list[BlockManager] = []
+        self._shadows: list[ShadowCache] = []
+        self._shadow_blocks = 1   # per shadow; set by ``bind``
         # live sequence -> (prompt tokens, ns, session, end, resumed); None: not in the sample
         self._reqs: dict[Hashable, tuple | None] = {}
         self._ids = count()
@@ -152,11 +152,7 @@ class DuelPolicy(EvictionPolicy):
     def new_index(self) -> DuelIndex:
         return DuelIndex(self, self._cuts, [m.new_index() for m in self.members])
 
-    def bind(self, tree: RadixTree) -> None:
-        from radixkv.core.block_manager import BlockManager
-        from radixkv.core.pool import BlockPool
-        from radixkv.core.tree import RadixTree
-
+    def bind(self, tree: PolicyHost) -> None:
         super().bind(tree)
         for m in self._hooked:
             m.bind(tree)
@@ -173,10 +169,12 @@ class DuelPolicy(EvictionPolicy):
             while 2 * k <= MAX_AUTO_SAMPLE and n // (2 * k) >= self.shadow_blocks:
                 k *= 2
             self._set_sample(k)
-        cap = max(1, tree.pools[0].num_blocks // self.sample)
-        self._shadows = [BlockManager(RadixTree(tree.block_size, BlockPool(cap), policy=name,
-                                                clock=tree.clock))
-                         for name in self.member_names]
+        self._shadow_blocks = max(1, tree.pools[0].num_blocks // self.sample)
+
+    def bind_manager(self, manager: CacheMaker) -> None:
+        """One shadow cache per member, of 1/``sample`` of the device's blocks, made by the
+        block manager that drives this policy (``BlockManager.shadow``)."""
+        self._shadows = [manager.shadow(self._shadow_blocks, name) for name in self.member_names]
 
     def insert_key(self, block_hash: bytes):
         """The members' insert keys (``EvictionPolicy.insert_key``): new blocks are alike
@@ -261,7 +259,7 @@ class DuelPolicy(EvictionPolicy):
             self.leader = best
         self.led[self.leader] += 1
 
-    def _replay(self, sh: BlockManager, tokens: Sequence[int], n: int, ns: Namespace,
+    def _replay(self, sh: ShadowCache, tokens: Sequence[int], n: int, ns: Namespace,
                 session: Hashable | None, end: bool, resumed: bool) -> int:
         """One request through a shadow: the prompt tokens it would have hit."""
         sid = next(self._ids)

@@ -48,13 +48,12 @@ from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING
 
-from radixkv.core.policy import EvictionPolicy, NodeHints
+from radixkv.core.policy import EvictionPolicy, NodeHints, PolicyHost
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from radixkv.core.hashing import Namespace
     from radixkv.core.node import Node
-    from radixkv.core.tree import RadixTree
 
 NEVER = 1e12           # the forecast gap of a block nothing suggests will come back (seconds)
 MAX_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first)
@@ -113,7 +112,7 @@ class ForecastPolicy(EvictionPolicy):
     def new_index(self) -> ForecastIndex:
         return ForecastIndex(self)
 
-    def bind(self, tree: RadixTree) -> None:
+    def bind(self, tree: PolicyHost) -> None:
         super().bind(tree)
         self.clock = tree.clock
         self._ghost_cap = tree.pools[0].num_blocks

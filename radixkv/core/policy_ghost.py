@@ -36,12 +36,11 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from radixkv.core.evict_index import FrequencyIndex
-from radixkv.core.policy import EvictionPolicy, NodeHints
+from radixkv.core.policy import EvictionPolicy, NodeHints, PolicyHost
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from radixkv.core.node import Node
-    from radixkv.core.tree import RadixTree
 
 _MAX_COUNT = 255
 
@@ -85,7 +84,7 @@ class LFUGhostPolicy(EvictionPolicy):
         self._last_tier = 0
         self.restored = 0      # new nodes that started from a remembered count (statistics)
 
-    def bind(self, tree: RadixTree) -> None:
+    def bind(self, tree: PolicyHost) -> None:
         super().bind(tree)
         self._last_tier = tree.num_tiers - 1
         want = self.ghost_factor * sum(p.num_blocks for p in tree.pools)

@@ -1,9 +1,9 @@
-"""BlockPool: the physical slots of one tier, with reference counts and a free list.
+"""BlockPool: the physical block_ids of one tier, with reference counts and a free list.
 
 Pure bookkeeping: a block id is an index into the tier's storage tensor (or file set); the pool
-never touches bytes. Per-slot state is packed (``array``: 4 bytes a reference count, 4 a free-list
-entry, 1 a free flag) and the tree keeps its runs' block ids packed too (``Node.slots``), so no
-slot costs a Python ``int`` object anywhere while it is cached: the metadata per cached block is
+never touches bytes. Per-block state is packed (``array``: 4 bytes a reference count, 4 a free-list
+entry, 1 a free flag) and the tree keeps its runs' block ids packed too (``Node.block_ids``), so no
+block id costs a Python ``int`` object anywhere while it is cached: the metadata per cached block is
 what issue 14 counts, and 36 of its bytes were a list of canonical ids.
 
 Invariant (checked by ``check_invariants``): every block is either free (refcount 0, on the free
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
-from typing import NewType
+from typing import NewType, TypeVar
 
 from radixkv.errors import ConfigError, InvalidBlockError, OutOfBlocks
+
+_T = TypeVar("_T")
 
 BlockId = NewType("BlockId", int)
 
@@ -116,7 +118,7 @@ class BlockPool:
         self._is_free[block_id] = 1
         self._free.append(block_id)
 
-    def take_top(self, num_blocks: int) -> array:
+    def take_top(self, num_blocks: int) -> array[int]:
         """Take the top ``num_blocks`` of the free list (the caller checked there are that
         many), as an ``array("i")`` in free-list order: its *last* entry is the block
         ``allocate_one`` would have returned first. Refcounts stay 0. Internal fast path of
@@ -129,9 +131,9 @@ class BlockPool:
             is_free[b] = 0
         return taken
 
-    def free_run(self, block_ids: array, owners: list | None = None) -> None:
+    def free_run(self, block_ids: array[int], owners: list[_T | None] | None = None) -> None:
         """Return unreferenced allocated blocks, pushed in the order given (the last one is
-        allocated first next). ``owners``: a list indexed by block id (the tree's slot -> node
+        allocated first next). ``owners``: a list indexed by block id (the tree's block id -> node
         map) whose entries for these blocks are reset to None in the same pass: one loop over
         the blocks instead of two, on the eviction path. Internal fast path: no validation
         (``check_invariants`` catches a misuse). Runtime complexity: O(len(block_ids))."""

@@ -10,21 +10,21 @@ only a prefix), at the start of an eviction (only the tail leaves its tier), at 
 hinted prefix. A split re-points the index entries of the smaller side (the side that becomes
 a new object), so it costs O(min(k, n - k) + children).
 
-**Lookup: one index entry per node, not per block.** ``heads`` maps each node's first block's
-chain hash to the node, ``tails`` its last block's; ``slot_nodes[t][slot]`` maps a slot of tier
+**Lookup: one index entry per node, not per block.** ``heads`` maps each node's first block's chain
+hash to the node, ``tails`` its last block's; ``block_nodes[t][block_id]`` maps a block id of tier
 ``t`` to the node whose primary block it holds. That is all ``match`` (a root's first block, a
-child's first block), eviction (a victim is filed under its last block), TTL expiry (the same)
-and the tier layer (a ``MoveOp``'s ``(tier, slot)``) need, so a cached block costs no dict entry
-and no Python object of its own, and evicting one deletes nothing from a hash table. A block
-inside a node is found by its chain (``locate_chain``: from a root, node by node) or, for the
-rare caller that has only its hash (``get`` of an inner block: fault handling, tests), by a scan
-of the nodes (``find``, O(cached blocks)). ``match`` hashes only the first block of a request
-and where it crosses from a node into a child: inside a node it compares the request's token
-bytes with the node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at
-a node's end it tries the most recently linked child's first block before hashing.
+child's first block), eviction (a victim is filed under its last block), TTL expiry (the same) and
+the tier layer (a ``MoveOp``'s ``(tier, block_id)``) need, so a cached block costs no dict entry
+and no Python object of its own, and evicting one deletes nothing from a hash table. A block inside
+a node is found by its chain (``locate_chain``: from a root, node by node) or, for the rare caller
+that has only its hash (``get`` of an inner block: fault handling, tests), by a scan of the nodes
+(``find``, O(cached blocks)). ``match`` hashes only the first block of a request and where it
+crosses from a node into a child: inside a node it compares the request's token bytes with the
+node's in one ``memcmp`` (a hash collision is a miss, never a wrong block), and at a node's end it
+tries the most recently linked child's first block before hashing.
 
 **Tiers.** Tier 0 is the device (block ids from a ``BlockPool``), tiers 1.. are slower stores
-(host RAM, disk) with slots from their own pools. Residency is *prefix-closed per tier
+(host RAM, disk) with block_ids from their own pools. Residency is *prefix-closed per tier
 prefix*: the parent of a node in tier t is in a tier <= t, so the device set is a subtree, the
 device+host set is a subtree, and the whole tree is prefix-closed. The tree's write policy
 (``writes.py``: write-back, or write-through copies in chosen tiers) is a strategy object.
@@ -42,12 +42,12 @@ the node's tail is the smallest of them, and evicting from it block by block
 exactly per-block LRU (or LFU, ...) over the whole tree. Evicting from tier t demotes the node's
 tail into tier t+1 (making room there first,
 recursively) or, from the last tier, drops it. Every change of residency is a ``MoveOp`` for the
-storage layer to execute *in order* before the freed slots are reused; the tree's
+storage layer to execute *in order* before the freed block_ids are reused; the tree's
 ``MovePlanner`` (``move_planner.py``, ``tree.planner``) plans them all: eviction, demotion,
 promotion, prefetch, invalidation, TTL expiry. This class keeps the structure: nodes and their
 maps, match and insert, cutting and merging runs, the per-request paths (lock, release, insert),
 single-block lookups, hints, and the KV event queue (``events.py``). The consistency check is
-``tree_check.py``.
+``RadixTree.check_invariants``.
 
 Pure Python: this module imports no torch.
 """
@@ -58,16 +58,18 @@ import heapq
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import cast
 
 import xxhash
 from radixkv.core.evictable import EvictableSet
 from radixkv.core.events import BlockRemoved, BlockStored, KVEventQueue
-from radixkv.core.hashing import TOKEN_BYTES, BlockHash
-from radixkv.core.node import _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats
-from radixkv.core.policy import (
-    DEFAULT_HINTS, DEFAULT_POLICY, EvictionPolicy, LRUPolicy, NodeHints, make_policy,
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, chain_hash
+from radixkv.core.node import (
+    _CBITS, _CMASK, DEVICE, MAX_TIERS, BlockRef, MoveOp, Node, TreeStats,
 )
+from radixkv.core.policy import DEFAULT_HINTS, EvictionPolicy, LRUPolicy, NodeHints
+from radixkv.core.policy_registry import DEFAULT_POLICY, make_policy
 from radixkv.core.pool import BlockId, BlockPool
 from radixkv.core.move_planner import MovePlanner
 from radixkv.core.writes import TreeWrites, make_writes
@@ -75,7 +77,9 @@ from radixkv.errors import ConfigError, InvalidBlockError
 
 __all__ = ["DEVICE", "MAX_TIERS", "BlockRef", "MoveOp", "Node", "RadixTree", "TreeStats"]
 
-_xxh3_128 = xxhash.xxh3_128_digest
+#: xxh3-128 of bytes, typed as what it makes here: a chain hash (``hashing.chain_hash``'s
+#: arithmetic, inlined on the hot paths)
+_xxh3_128 = cast("Callable[[bytes], BlockHash]", xxhash.xxh3_128_digest)
 _tuple_new = tuple.__new__
 _new_node = object.__new__
 
@@ -88,7 +92,7 @@ class RadixTree:
         device_pool: the device tier's BlockPool.
         lower_pools: pools of the slower tiers, fastest first (host, then disk), each sized
             to that tier's capacity in blocks.
-        policy: eviction policy name or instance (``radixkv.core.policy.POLICIES``; default
+        policy: eviction policy name or instance (``radixkv.core.policy_registry.POLICIES``; default
             ``auto``: LRU until a client sends a session-end hint, then ``forecast``).
         clock: seconds, monotonic; injected so tests can pin the eviction order.
         write_through: the tree's write policy: a ``TreeWrites`` object, or the slower tiers
@@ -96,10 +100,10 @@ class RadixTree:
             device; empty (default) is write-back. See ``writes.py``.
 
     Structure the other core parts read (the block manager's hot paths, the write and
-    eviction policies, ``tree_check``); only the tree's own methods change them:
+    eviction policies, ``check_invariants``); only the tree's own methods change them:
     ``pools[t]`` (tier t's ``BlockPool``), ``heads`` / ``tails`` (a node's first / last
-    block's hash -> node), ``slot_nodes[t][slot]`` (the node whose primary block is in that
-    slot; ``device_nodes`` is tier 0's), ``evictable[t]`` (tier t's ``EvictableSet``),
+    block's hash -> node), ``block_nodes[t][block_id]`` (the node whose primary block is in that
+    block_id; ``device_nodes`` is tier 0's), ``evictable[t]`` (tier t's ``EvictableSet``),
     ``pending_moves`` (write-through moves queued by inserts; the write policy appends),
     ``block_bytes`` (token bytes per block), ``hooks`` (the policy hears events),
     ``ttl_heap`` (``(due, tail hash)`` of TTL-hinted nodes).
@@ -132,10 +136,10 @@ class RadixTree:
         #: device blocks of unheld nodes (``num_resident``, ``num_evictable(DEVICE)``)
         self.resident = [0] * self.num_tiers
         self.unreferenced = 0
-        #: per tier, slot -> the node whose primary block it holds (None: free, a copy, or
+        #: per tier, block_id -> the node whose primary block it holds (None: free, a copy, or
         #: a private device block); the device's is ``_device_nodes``
-        self.slot_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self.pools]
-        self.device_nodes: list[Node | None] = self.slot_nodes[DEVICE]
+        self.block_nodes: list[list[Node | None]] = [[None] * p.num_blocks for p in self.pools]
+        self.device_nodes: list[Node | None] = self.block_nodes[DEVICE]
         self.ttl_heap: list[tuple[float, bytes]] = []   # (due, tail hash) of TTL-hinted nodes
         self.pending_moves: list[MoveOp] = []            # write-through moves of inserts, not
                                                          # taken yet
@@ -180,14 +184,14 @@ class RadixTree:
             node = stack.pop()
             out.append(BlockStored(tuple(node.hashes), None if node.parent is None else
                                    node.parent.hashes[-1], bytes(node.tokens), node.tier,
-                                   tuple(node.slots)))
+                                   _block_ids(node.block_ids)))
             stack.extend(node.iter_children())
         return out
 
     def removed_event(self, node: Node, cut: int) -> BlockRemoved:
         """The ``BlockRemoved`` of blocks ``[cut, n)`` of ``node`` (before they go)."""
         if cut:
-            parent_hash: bytes | None = node.hashes[cut - 1]
+            parent_hash: BlockHash | None = node.hashes[cut - 1]
         else:
             parent_hash = None if node.parent is None else node.parent.hashes[-1]
         return BlockRemoved(tuple(node.hashes[cut:]), parent_hash,
@@ -202,23 +206,24 @@ class RadixTree:
         """Nodes (runs) in the tree. Runtime complexity: O(1)."""
         return len(self.heads)
 
-    def nodes(self):
+    def nodes(self) -> Iterator[Node]:
         """Every node (an iterator; the tree must not change meanwhile). O(nodes)."""
         return iter(self.heads.values())
 
     def block_ref(self, node: Node, i: int) -> BlockRef:
         w = self.block_bytes
+        parent_hash: BlockHash | None
         if i:
             parent_hash = node.hashes[i - 1]
         else:
             parent_hash = None if node.parent is None else node.parent.hashes[-1]
-        return BlockRef(node.hashes[i], node.tier, node.slots[i], parent_hash,
+        return BlockRef(node.hashes[i], node.tier, BlockId(node.block_ids[i]), parent_hash,
                         bytes(node.tokens[i * w:(i + 1) * w]))
 
     def device_block(self, block_id: BlockId) -> BlockRef | None:
         """The cached block in device block ``block_id`` (None: free or private)."""
         node = self.device_nodes[block_id]
-        return None if node is None else self.block_ref(node, node.slots.index(block_id))
+        return None if node is None else self.block_ref(node, node.block_ids.index(block_id))
 
     def num_resident(self, tier: int = DEVICE) -> int:
         """Cached blocks resident in ``tier`` (primaries). Runtime complexity: O(1)."""
@@ -239,11 +244,11 @@ class RadixTree:
         """Write-through copies held in ``tier``. O(1)."""
         return self.writes.num_copies(tier)
 
-    def copy_slot(self, block_hash: BlockHash, tier: int) -> int | None:
-        """The slot of ``block_hash``'s copy in ``tier``, or None (no copy there). O(1)."""
+    def copy_block_id(self, block_hash: BlockHash, tier: int) -> int | None:
+        """The block_id of ``block_hash``'s copy in ``tier``, or None (no copy there). O(1)."""
         if type(tier) is not int or not 0 <= tier < self.num_tiers:
             raise InvalidBlockError(f"tier must be an int in [0, {self.num_tiers}), got {tier!r}")
-        return self.writes.copy_slot(block_hash, tier)
+        return self.writes.copy_block_id(block_hash, tier)
 
     def take_moves(self) -> list[MoveOp]:
         """The queued MoveOps of write-through copies made by inserts (and of the evictions
@@ -377,18 +382,129 @@ class RadixTree:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails
-        (see ``tree_check.py``). Runtime complexity: O(n log n); for tests."""
-        from radixkv.core.tree_check import check_tree
+        """Raise AssertionError, with the numbers that disagree, if any tree invariant fails.
+        Runtime complexity: O(n log n) in cached blocks; for tests (property tests call it
+        after every step).
 
-        check_tree(self)
+        Checks, in order: every node is well formed (aligned hashes/tokens/block ids,
+        non-empty, chain hashes inside it and across its parent link); each node is filed under
+        its first and last block, no block is cached twice, and the block-id maps name exactly
+        the nodes' blocks; block ids are allocated and never shared between residencies; the
+        device map and pool refcounts (0 for cached blocks: references live in nodes); holders
+        (a child's holders are a subset of its parent's: ``parent.ref >= child.ref``); per-tier
+        prefix closure; child lists and packed child counts; residency and unheld counters;
+        copies; the evictable sets (exactly the evictable nodes under their current entries,
+        plus every copy); pool usage and capacity; TTL hints."""
+        tree = self
+        w = tree.block_bytes
+        heads, tails = tree.heads, tree.tails
+        nodes: dict[int, Node] = {id(x): x for x in heads.values()}
+        assert len(nodes) == len(heads) == len(tails), (
+            f"{len(heads)} head entries, {len(tails)} tail entries, {len(nodes)} distinct nodes")
+        index: dict[bytes, Node] = {}
+        total = 0
+        resident = [0] * tree.num_tiers
+        unref = 0
+        taken: set[tuple[int, int]] = set()
+        pools = tree.pools
+        for node in nodes.values():
+            n = len(node.hashes)
+            t = node.tier
+            assert n > 0, f"{node}: empty node"
+            assert len(node.block_ids) == n and len(node.tokens) == n * w, (
+                f"{node}: {n} hashes, {len(node.block_ids)} block ids, "
+                f"{len(node.tokens)} token bytes")
+            assert type(node.tokens) is bytearray, (
+                f"{node}: tokens are {type(node.tokens).__name__}")
+            assert 0 <= t < tree.num_tiers, f"{node}: tier {t}"
+            total += n
+            resident[t] += n
+            assert heads.get(node.hashes[0]) is node and tails.get(node.hashes[-1]) is node, (
+                f"{node}: not filed under its first and last blocks")
+            for i, (h, s) in enumerate(zip(node.hashes, node.block_ids)):
+                assert index.setdefault(h, node) is node, (
+                    f"{node}: block {i} ({h.hex()[:8]}) cached twice")
+                assert tree.block_nodes[t][s] is node, (
+                    f"block id {s} of tier {t} not mapped to {node}")
+                assert not pools[t].is_free(s), f"{node}: block {i} in free block {s} of tier {t}"
+                assert (t, s) not in taken, f"{node}: block id {s} of tier {t} shared"
+                taken.add((t, s))
+                if i:
+                    tok = bytes(node.tokens[i * w:(i + 1) * w])
+                    assert chain_hash(node.hashes[i - 1], tok) == h, (
+                        f"{node}: block {i}'s hash is not chain(block {i - 1}, tokens)")
+                if t == DEVICE:
+                    assert pools[DEVICE].ref_counts[s] == 0, (
+                        f"cached device block {s} has pool refcount {pools[DEVICE].ref_counts[s]}")
+            if t == DEVICE:
+                assert node.ref >= 0, f"{node}: negative holders"
+                if node.ref == 0:
+                    unref += n
+            else:
+                assert node.ref == 0, f"{node}: held in tier {t}"
+            assert node.hints is None or node.hints != type(node.hints)(), (
+                f"{node}: default hints kept")
+            p = node.parent
+            if p is not None:
+                assert nodes.get(id(p)) is p, f"parent of {node} is not cached"
+                assert p.tier <= t, f"{node} in tier {t} under parent in slower tier {p.tier}"
+                assert chain_hash(p.hashes[-1], bytes(node.tokens[:w])) == node.hashes[0], (
+                    f"{node}: first hash is not chain(parent's last block, tokens)")
+                if t == DEVICE:
+                    assert p.ref >= node.ref, f"parent holders {p.ref} < child holders {node.ref}"
+            _check_children(node)
+        assert total == len(index) == len(tree), (
+            f"nodes hold {total} blocks, {len(index)} distinct, the tree counts {len(tree)}")
+        counted = [tree.num_resident(t) for t in range(tree.num_tiers)]
+        assert resident == counted, f"resident per tier {counted} != actual {resident}"
+        assert unref == tree.num_evictable(DEVICE), (
+            f"unreferenced {tree.num_evictable(DEVICE)} != actual {unref}")
+        for t, sn in enumerate(tree.block_nodes):
+            assert len(sn) == pools[t].num_blocks, f"tier {t}: block-id map of {len(sn)} block_ids"
+            for b, owner in enumerate(sn):
+                assert owner is None or (owner.tier == t and nodes.get(id(owner)) is owner
+                                         and b in owner.block_ids), (
+                    f"tier {t} block-id map {b} -> {owner}")
+        writes = tree.writes
+        copies_in = [writes.copies(u) for u in range(tree.num_tiers)]
+        for u, copies in enumerate(copies_in):
+            assert not copies or u in writes.tiers, (
+                f"tier {u} holds {len(copies)} copies, not write-through")
+            for h, block_id in copies.items():
+                primary = index.get(h)
+                assert primary is not None, f"tier {u}: copy of uncached block {h.hex()}"
+                node = primary
+                assert node.tier < u, f"{node}: copy in tier {u}, not slower than its primary"
+                assert not pools[u].is_free(block_id), (
+                    f"{node}: copy in free block {block_id} of tier {u}")
+                assert (u, block_id) not in taken, (
+                    f"{node}: copy block id {block_id} of tier {u} shared")
+                taken.add((u, block_id))
+        for t, entries in enumerate(tree.evictable):
+            entries.check_invariants()   # the index's own order
+            want = sorted([entries.entry(x) for x in nodes.values()
+                           if x.tier == t and entries.qualifies(x)]
+                          + [(*entries.key(index[h]), h) for h in copies_in[t]])
+            got = list(entries)
+            assert got == want, (f"tier {t}: evictable set has {len(got)} entries, expected "
+                                 f"{len(want)}; first difference "
+                                 f"{next(((a, b) for a, b in zip(got, want) if a != b), None)}")
+            pool = pools[t]
+            held = resident[t] + len(copies_in[t])
+            if t > DEVICE:
+                used = pool.num_blocks - pool.num_free
+                assert used == held, (f"tier {t}: {used} block_ids used, {resident[t]} resident + "
+                                      f"{len(copies_in[t])} copies")
+            assert held <= pool.num_blocks, f"tier {t} over capacity"
+        for due, _ in tree.ttl_heap:
+            assert isinstance(due, float) or isinstance(due, int), f"TTL heap entry {due!r}"
 
     # ================================================================== cutting and merging runs
     # Cutting and merging runs: the ``RadixTree``'s structural edits.
     def split(self, node: Node, k: int) -> tuple[Node, Node]:
         """Cut ``node`` into its blocks ``[0, k)`` and ``[k, n)`` (``0 < k < n``), the second
         the only child of the first; both keep the node's tier, holders, key and hints. One of
-        them is ``node`` itself: whichever side has fewer slots (and, for the tail, children)
+        them is ``node`` itself: whichever side has fewer block_ids (and, for the tail, children)
         to re-point stays, the other is a new object. Returns ``(head, tail)``.
 
         The evictable sets need no change: the tail keeps the node's last block (so its entry,
@@ -409,8 +525,8 @@ class RadixTree:
             del node.hashes[k:]
             tail.tokens = node.tokens[k * w:]
             del node.tokens[k * w:]
-            tail.slots = node.slots[k:]
-            del node.slots[k:]
+            tail.block_ids = node.block_ids[k:]
+            del node.block_ids[k:]
             tail.children, tail.child = c, node.child
             kid = node.child
             while kid is not None:
@@ -425,8 +541,8 @@ class RadixTree:
             del node.hashes[:k]
             head.tokens = node.tokens[:k * w]
             del node.tokens[:k * w]
-            head.slots = node.slots[:k]
-            del node.slots[:k]
+            head.block_ids = node.block_ids[:k]
+            del node.block_ids[:k]
             self._take_place(node, head)
             head.children, head.child = 1 << (_CBITS * t), node
             node.parent, node.prev, node.next = head, None, None
@@ -436,8 +552,8 @@ class RadixTree:
         tails[head.hashes[-1]] = head
         heads[tail.hashes[0]] = tail
         tails[tail.hashes[-1]] = tail
-        sn = self.slot_nodes[t]
-        for b in moved.slots:
+        sn = self.block_nodes[t]
+        for b in moved.block_ids:
             sn[b] = moved
         self.stats.splits += 1
         hints = head.hints
@@ -482,26 +598,26 @@ class RadixTree:
                 or self.evictable[0].key(parent) != self.evictable[0].key(child)):
             return child
         heads, tails = self.heads, self.tails
-        sn = self.slot_nodes[child.tier]
+        sn = self.block_nodes[child.tier]
         hits = max(parent.hits, child.hits)
         del tails[parent.hashes[-1]]
         del heads[child.hashes[0]]
         if len(parent.hashes) <= len(child.hashes):   # child absorbs parent at its front
             heads[parent.hashes[0]] = child
-            for b in parent.slots:
+            for b in parent.block_ids:
                 sn[b] = child
             child.hashes[0:0] = parent.hashes
             child.tokens[0:0] = parent.tokens
-            child.slots[0:0] = parent.slots
+            child.block_ids[0:0] = parent.block_ids
             self._take_place(parent, child)
             merged = child
         else:                                          # parent absorbs child at its end
             tails[child.hashes[-1]] = parent
-            for b in child.slots:
+            for b in child.block_ids:
                 sn[b] = parent
             parent.hashes.extend(child.hashes)
             parent.tokens += child.tokens
-            parent.slots.extend(child.slots)
+            parent.block_ids.extend(child.block_ids)
             parent.children, parent.child = child.children, child.child
             kid = child.child
             while kid is not None:
@@ -565,8 +681,8 @@ class RadixTree:
     # ================================================================== finding single blocks
     # Finding single blocks in a ``RadixTree`` that indexes nodes, not blocks.
     #
-    # * by its **place**, ``(tier, slot)``: ``block_at``, ``block_of`` (a ``MoveOp``'s ends, a block
-    # table's device block ids);
+    # * by its **place**, ``(tier, block_id)``: ``block_at``, ``block_of`` (a ``MoveOp``'s ends,
+    # a block table's device block ids);
     # * by its **chain** from a root: ``locate_chain``, ``refs_of``, ``chain_hints`` (a prompt's
     # blocks, cache points, the remote tier's persisted prefixes), one step per block;
     # * by its **hash** when it starts or ends its node (``get(h, scan=False)``, ``find``: O(1));
@@ -581,7 +697,7 @@ class RadixTree:
     def get(self, block_hash: BlockHash, scan: bool = True) -> BlockRef | None:
         """The cached block ``block_hash`` (a snapshot), or None. O(node length) for the first
         or last block of a node; O(cached blocks) for an inner one (``find``), or None at
-        once with ``scan=False``: callers on a hot path address a block by ``(tier, slot)``
+        once with ``scan=False``: callers on a hot path address a block by ``(tier, block_id)``
         (``block_at``), by its chain (``locate_chain``, ``refs_of``), or know it ends or
         starts a node."""
         if scan:
@@ -608,23 +724,23 @@ class RadixTree:
                         return x
         return node
 
-    def block_at(self, tier: int, slot: int) -> BlockRef | None:
-        """The cached block whose primary is slot ``slot`` of ``tier`` (None: the slot is
+    def block_at(self, tier: int, block_id: BlockId) -> BlockRef | None:
+        """The cached block whose primary is block ``block_id`` of ``tier`` (None: the block is
         free, a write-through copy, or a private device block). O(node length)."""
-        node = self.slot_nodes[tier][slot]
-        return None if node is None else self.block_ref(node, node.slots.index(slot))
+        node = self.block_nodes[tier][block_id]
+        return None if node is None else self.block_ref(node, node.block_ids.index(block_id))
 
     def block_of(self, block_hash: BlockHash, *places: tuple[int | None, int | None]
                  ) -> BlockRef | None:
-        """The cached block ``block_hash``, looked for first at the ``(tier, slot)`` places
+        """The cached block ``block_hash``, looked for first at the ``(tier, block_id)`` places
         given (e.g. a ``MoveOp``'s destination and source: O(node length) each), then by its
         hash (``get``, which may scan for an inner block)."""
-        for tier, slot in places:
-            if tier is None or slot is None:
+        for tier, block_id in places:
+            if tier is None or block_id is None:
                 continue
-            node = self.slot_nodes[tier][slot]
+            node = self.block_nodes[tier][block_id]
             if node is not None:
-                i = node.slots.index(slot)
+                i = node.block_ids.index(block_id)
                 if node.hashes[i] == block_hash:
                     return self.block_ref(node, i)
         return self.get(block_hash)
@@ -659,7 +775,8 @@ class RadixTree:
         """The hints of each block of a chain from a root (``locate_chain``); defaults past
         its cached prefix. O(len(hashes))."""
         where = self.locate_chain(hashes)
-        out = [DEFAULT_HINTS if node.hints is None else node.hints for node, _ in where]
+        out: list[NodeHints] = [DEFAULT_HINTS if node.hints is None else node.hints
+                            for node, _ in where]
         out += [DEFAULT_HINTS] * (len(hashes) - len(where))
         return out
 
@@ -755,7 +872,7 @@ class RadixTree:
         self.unreferenced += unref
 
     # ------------------------------------------------------------------ insertion
-    def insert_run(self, parent: Node | None, prev_hash: BlockHash, tok_bytes: bytes,
+    def insert_run(self, parent: Node | None, prev_hash: bytes, tok_bytes: bytes,
                    block_ids: Sequence[BlockId], now: float, first_hash: BlockHash | None = None
                    ) -> tuple[Node | None, int]:
         """Cache consecutive computed device blocks as the continuation of ``parent``.
@@ -774,9 +891,9 @@ class RadixTree:
         w = self.block_bytes
         heads = self.heads
         xxh = _xxh3_128
-        hashes: list[bytes] = []
+        hashes: list[BlockHash] = []
         append = hashes.append
-        h = prev_hash
+        h: bytes = prev_hash
         start = 0
         if first_hash is not None:
             h = first_hash
@@ -804,10 +921,10 @@ class RadixTree:
                 keys = None
         if r0 == r1 and keys is None:
             tokens = tok_bytes if len(tok_bytes) == n * w else tok_bytes[:n * w]
-            node, _ = self._attach(parent, hashes, tokens, ids, r0, now)
-            return node, n
+            attached, _ = self._attach(parent, hashes, tokens, ids, r0, now)
+            return attached, n
         i = 0
-        node = parent
+        node: Node | None = parent
         made: list[tuple[Node, int]] = []
         while i < n:    # one node per holder set (fork siblings share a prefix of the blocks)
             r = refs[ids[i]]   # and per policy insert key
@@ -822,7 +939,7 @@ class RadixTree:
             self.writes.after_insert(x, start)
         return node, n
 
-    def _attach(self, parent: Node | None, hashes: list[bytes], tokens: bytes,
+    def _attach(self, parent: Node | None, hashes: list[BlockHash], tokens: bytes,
                 block_ids: Sequence[BlockId], ref: int, now: float, copies: bool = True
                 ) -> tuple[Node, int]:
         """Cache uncached computed device blocks held by ``ref`` sequences (their pool
@@ -834,9 +951,9 @@ class RadixTree:
         Runtime complexity: O(blocks)."""
         n = len(hashes)
         refs = self.pools[DEVICE].ref_counts
-        slots = block_ids
-        assert refs[slots[0]] == ref == refs[slots[-1]] and self.device_nodes[slots[-1]] is None, (
-            f"attach of blocks {slots[0]}..{slots[-1]} held by {ref}")
+        assert refs[block_ids[0]] == ref == refs[block_ids[-1]] and \
+            self.device_nodes[block_ids[-1]] is None, (
+            f"attach of blocks {block_ids[0]}..{block_ids[-1]} held by {ref}")
         if (parent is not None and parent.child is None and parent.ref == ref and ref > 0
                 and parent.hints is None and parent.tier == DEVICE
                 and not (parent.hits and self.policy.fresh_counts)
@@ -849,14 +966,14 @@ class RadixTree:
             tails[hashes[-1]] = node
             node.hashes.extend(hashes)
             node.tokens += tokens
-            node.slots.extend(slots)
+            node.block_ids.extend(block_ids)
             if self.hooks:
                 self.policy.on_insert(node, start, now)
         else:
             node = _new_node(Node)
-            node.hashes = hashes if type(hashes) is list else list(hashes)
+            node.hashes = hashes
             node.tokens = bytearray(tokens)
-            node.slots = array("i", slots)
+            node.block_ids = array("i", block_ids)
             node.tier = DEVICE
             node.ref = ref
             node.parent = node.child = node.next = node.prev = None
@@ -876,7 +993,7 @@ class RadixTree:
                 self.unreferenced += n
                 self.evictable[node.tier].file(node)
         dn = self.device_nodes
-        for b in slots:
+        for b in block_ids:
             dn[b] = node
             refs[b] = 0
         self.resident[DEVICE] += n
@@ -888,13 +1005,15 @@ class RadixTree:
             events.append(BlockStored(
                 tuple(hashes), node.hashes[start - 1] if start else
                 (None if node.parent is None else node.parent.hashes[-1]),
-                bytes(tokens), DEVICE, tuple(slots)))
+                bytes(tokens), DEVICE, tuple(block_ids)))
         return node, start
 
     # ------------------------------------------------------------------ eviction
     def rearm_ttl(self, node: Node) -> None:
         """File ``node`` (TTL-hinted) again under its current last block and due time."""
-        heapq.heappush(self.ttl_heap, (node.last_access + node.hints.ttl, node.hashes[-1]))
+        hints = node.hints
+        assert hints is not None and hints.ttl is not None, f"{node} has no TTL hint"
+        heapq.heappush(self.ttl_heap, (node.last_access + hints.ttl, node.hashes[-1]))
 
     # ================================================================== hints
     # Hints set by callers (priorities, TTLs), policy state changed outside a node event, and
@@ -959,12 +1078,12 @@ class RadixTree:
                 self.writes.refile(node, refile)
 
     @staticmethod
-    def _relocate(node: Node, wanted: set[bytes], loc: dict[bytes, Node]) -> None:
+    def _relocate(node: Node, wanted: set[BlockHash], loc: dict[BlockHash, Node]) -> None:
         for h in node.hashes:
             if h in wanted:
                 loc[h] = node
 
-    def rekey(self, node: Node, aux) -> None:
+    def rekey(self, node: Node, aux: object) -> None:
         """Give ``node`` new policy state ``aux`` (the policy's decision outside any node event,
         e.g. its session ended), re-filing it (and its copies) where it is filed.
         Runtime complexity: O(log n)."""
@@ -1026,3 +1145,25 @@ class RadixTree:
             self.evictable[node.tier].file(node)
             if copies:
                 self.writes.refile(node, copies)
+
+
+def _check_children(node: Node) -> None:
+    counts = [0] * MAX_TIERS
+    prev = None
+    c = node.child
+    seen = 0
+    while c is not None:
+        assert c.parent is node, f"{c} is in the child list of {node} but its parent is {c.parent}"
+        assert c.prev is prev, f"{c}: prev link broken"
+        counts[c.tier] += 1
+        prev = c
+        c = c.next
+        seen += 1
+        assert seen <= 1 << _CBITS, f"{node}: child list loops"
+    got = [(node.children >> (_CBITS * t)) & _CMASK for t in range(MAX_TIERS)]
+    assert got == counts, f"{node}: packed child counts {got} != actual {counts}"
+
+
+def _block_ids(ids: array[int] | Sequence[int]) -> tuple[BlockId, ...]:
+    """A run's block ids as an event carries them (one tuple; the ids are the pool's)."""
+    return cast("tuple[BlockId, ...]", tuple(ids))

@@ -10,13 +10,13 @@ invalidated) and never checks a flag.
   policy's tiers at once (an inclusive hierarchy; KV blocks are immutable, so a copy stays
   valid for as long as its block is cached). A promotion out of such a tier keeps its source
   as a copy, and a demotion onto an existing copy moves no bytes (a *free demotion*). Copies
-  take slots of their tier's pool, compete with that tier's primaries for them under the same
+  take block_ids of their tier's pool, compete with that tier's primaries for them under the same
   policy key (their node's), are always evictable (dropping one loses nothing) and do not count
   for prefix closure. Why: a crash or restart loses the device and host tiers; with the disk
   tier written through, every computed block survives it, and demotions of blocks that already
   have copies cost nothing.
 
-Copies are kept per block (``copies[tier]: block hash -> slot``), because a copy can be evicted
+Copies are kept per block (``copies[tier]: block hash -> block_id``), because a copy can be evicted
 on its own; each one is filed in its tier's eviction index as ``(*policy key of its node, its
 block hash)``, which is how eviction tells it from a primary (whose node lives in that tier).
 
@@ -26,13 +26,34 @@ Pure Python: this module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.node import DEVICE, MoveOp, Node
+from radixkv.core.pool import BlockId
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from radixkv.core.tree import RadixTree
+    from radixkv.core.evictable import EvictableSet
+    from radixkv.core.hashing import BlockHash
+    from radixkv.core.node import TreeStats
+    from radixkv.core.pool import BlockPool
+
+
+class WritesHost(Protocol):
+    """The tree as a write policy sees it (``RadixTree`` is one): the structure it reads, the
+    moves list it appends to, and the eviction it may ask for in its tiers. Declared here so
+    that this module imports no tree (the tree imports it)."""
+
+    num_tiers: int
+    pools: list[BlockPool]
+    heads: dict[bytes, Node]
+    evictable: list[EvictableSet]
+    pending_moves: list[MoveOp]
+    stats: TreeStats
+
+    def evict_from(self, tier: int, num: int, moves: list[MoveOp]) -> None: ...
+
+    def find(self, block_hash: BlockHash, near: Node | None = None) -> Node | None: ...
 
 _tuple_new = tuple.__new__
 
@@ -47,7 +68,7 @@ class TreeWrites:
     name = "write_back"
     tiers: tuple[int, ...] = ()
 
-    def bind(self, tree: RadixTree) -> TreeWrites:
+    def bind(self, tree: WritesHost) -> TreeWrites:
         """Attach to ``tree`` (once); returns the policy object the tree keeps."""
         return self
 
@@ -64,31 +85,31 @@ class TreeWrites:
 
     def take_for_demotion(self, node: Node, tier: int) -> list[int | None] | None:
         """``node`` is about to be demoted into ``tier``: hand over its copies there as its
-        new primary slots (a list aligned with its blocks, None where it has none), or None."""
+        new primary block_ids (a list aligned with its blocks, None where it has none), or None."""
         return None
 
-    def keep_sources(self, node: Node, tier: int, slots: Sequence[int]) -> bool:
-        """``node`` moved out of ``tier`` up to a faster one: keep ``slots`` (its old slots
+    def keep_sources(self, node: Node, tier: int, block_ids: Sequence[int]) -> bool:
+        """``node`` moved out of ``tier`` up to a faster one: keep ``block_ids`` (its old block_ids
         there, still allocated) as copies? False: the caller frees them."""
         return False
 
-    def drop_block_copies(self, node: Node, block_hash: bytes, moves: list[MoveOp]) -> None:
+    def drop_block_copies(self, node: Node, block_hash: BlockHash, moves: list[MoveOp]) -> None:
         """Block ``block_hash`` of ``node`` leaves the cache: drop its copies, fastest tier
         first."""
 
-    def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
+    def drop_popped_copy(self, block_hash: BlockHash, tier: int, moves: list[MoveOp]) -> None:
         raise AssertionError("a write-back tree has no copies")
 
-    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
+    def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
         return None
 
-    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
+    def copy_block_id(self, block_hash: BlockHash, tier: int) -> BlockId | None:
         return None
 
     def num_copies(self, tier: int) -> int:
         return 0
 
-    def copies(self, tier: int) -> dict[bytes, int]:
+    def copies(self, tier: int) -> dict[BlockHash, int]:
         return {}
 
     def __repr__(self) -> str:
@@ -112,11 +133,12 @@ class TreeWriteThrough(TreeWrites):
             raise ConfigError(
                 f"write_through must list distinct slower tiers (>= 1), got {tiers!r}")
         self.tiers = tuple(sorted(wt))
-        self.tree: RadixTree | None = None
-        self._copies: list[dict[bytes, int]] = []
+        self.tree: WritesHost      # set by ``bind``
+        self._copies: list[dict[BlockHash, int]] = []
 
-    def bind(self, tree: RadixTree) -> TreeWrites:
-        if self.tree is not None and self.tree is not tree:
+    def bind(self, tree: WritesHost) -> TreeWrites:
+        bound = getattr(self, "tree", None)
+        if bound is not None and bound is not tree:
             raise ConfigError("a TreeWriteThrough policy belongs to one tree")
         if any(u >= tree.num_tiers for u in self.tiers):
             raise ConfigError(f"write_through must list distinct slower tiers in "
@@ -126,13 +148,14 @@ class TreeWriteThrough(TreeWrites):
         return self
 
     # ------------------------------------------------------------------ queries
-    def copy_slot(self, block_hash: bytes, tier: int) -> int | None:
-        return self._copies[tier].get(block_hash)
+    def copy_block_id(self, block_hash: BlockHash, tier: int) -> BlockId | None:
+        block_id = self._copies[tier].get(block_hash)
+        return None if block_id is None else BlockId(block_id)
 
     def num_copies(self, tier: int) -> int:
         return len(self._copies[tier])
 
-    def copies(self, tier: int) -> dict[bytes, int]:
+    def copies(self, tier: int) -> dict[BlockHash, int]:
         return self._copies[tier]
 
     # ------------------------------------------------------------------ hooks
@@ -157,14 +180,15 @@ class TreeWriteThrough(TreeWrites):
                             tree.heads.get(node.hashes[0]) is not node:
                         # the cascade cannot take it: a guard
                         raise AssertionError(f"making room for a copy dropped its block {h.hex()}")
-                slot = pool.allocate_one()
-                self._copies[u][h] = slot
+                block_id = pool.allocate_one()
+                self._copies[u][h] = block_id
                 ev = tree.evictable[u]
                 if key is None:
                     key = ev.key(node)
                 ev.add((*key, h))
                 stats.copies_made += 1
-                pending.append(_tuple_new(MoveOp, (h, DEVICE, node.slots[i], u, slot, True)))
+                pending.append(
+                    _tuple_new(MoveOp, (h, DEVICE, node.block_ids[i], u, block_id, True)))
 
     def unfile(self, node: Node) -> list[int] | None:
         out: list[int] | None = None
@@ -207,19 +231,19 @@ class TreeWriteThrough(TreeWrites):
                 idx.remove((*key, h))
         return out
 
-    def keep_sources(self, node: Node, tier: int, slots: Sequence[int]) -> bool:
+    def keep_sources(self, node: Node, tier: int, block_ids: Sequence[int]) -> bool:
         if tier not in self.tiers:
             return False
         copies = self._copies[tier]
         idx = self.tree.evictable[tier]
         key = idx.key(node)
-        for h, s in zip(node.hashes, slots):
+        for h, s in zip(node.hashes, block_ids):
             copies[h] = s
             idx.add((*key, h))
-        self.tree.stats.copies_made += len(slots)
+        self.tree.stats.copies_made += len(block_ids)
         return True
 
-    def drop_block_copies(self, node: Node, block_hash: bytes, moves: list[MoveOp]) -> None:
+    def drop_block_copies(self, node: Node, block_hash: BlockHash, moves: list[MoveOp]) -> None:
         key = None
         for u in self.tiers:
             if block_hash in self._copies[u]:
@@ -229,18 +253,19 @@ class TreeWriteThrough(TreeWrites):
                 ev.remove((*key, block_hash))
                 self.drop_popped_copy(block_hash, u, moves)
 
-    def drop_popped_copy(self, block_hash: bytes, tier: int, moves: list[MoveOp]) -> None:
+    def drop_popped_copy(self, block_hash: BlockHash, tier: int, moves: list[MoveOp]) -> None:
         """Free ``block_hash``'s copy in ``tier`` (its entry already out of the index)."""
-        slot = self._copies[tier].pop(block_hash)
-        self.tree.pools[tier].free_one(slot)
+        block_id = self._copies[tier].pop(block_hash)
+        self.tree.pools[tier].free_one(block_id)
         self.tree.stats.copies_dropped += 1
-        moves.append(_tuple_new(MoveOp, (block_hash, tier, slot, None, None, False)))
+        moves.append(_tuple_new(MoveOp, (block_hash, tier, block_id, None, None, False)))
 
-    def drop_copy(self, block_hash: bytes, tier: int) -> MoveOp | None:
-        slot = self._copies[tier].get(block_hash)
-        if slot is None:
+    def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
+        block_id = self._copies[tier].get(block_hash)
+        if block_id is None:
             return None
         node = self.tree.find(block_hash)
+        assert node is not None, f"a copy of uncached block {block_hash.hex()}"
         ev = self.tree.evictable[tier]
         ev.remove((*ev.key(node), block_hash))
         moves: list[MoveOp] = []

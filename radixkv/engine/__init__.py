@@ -1,1 +1,27 @@
-"""See docs/architecture.md for what this layer owns."""
+"""The engine: ``LLMEngine``'s step loop (``Scheduler`` -> ``ModelRunner`` -> sampling); see
+docs/architecture.md. The public surface is ``__all__`` (each name imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "LLMEngine": "radixkv.engine.llm_engine",
+    "Scheduler": "radixkv.engine.scheduler",
+    "ModelRunner": "radixkv.engine.model_runner",
+    "SamplingParams": "radixkv.engine.sampling",
+    "RequestOutput": "radixkv.engine.outputs",
+    "CompletionOutput": "radixkv.engine.outputs",
+    "TokenLogprob": "radixkv.engine.outputs",
+    "CachePoint": "radixkv.engine.cache_points",
+}
+"""name -> module that defines it: imported on first attribute access, so importing one
+submodule of this package does not import the others (nor torch, where they need it)."""
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

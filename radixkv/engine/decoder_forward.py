@@ -158,12 +158,13 @@ class _Fused:
         self.bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        key = tuple((m.weight.data_ptr(), packed_linear._version(m.weight)) for m in self.parts)
+        version = packed_linear.weight_version
+        key = tuple((m.weight.data_ptr(), version(m.weight)) for m in self.parts)
         if key != self.key:
             with torch.no_grad():
                 w = torch.cat([m.weight.detach() for m in self.parts])
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(
-                    w, packed_linear._PACK_HINT_ROWS)
+                    w, packed_linear.PACK_HINT_ROWS)
                 biases = [m.bias for m in self.parts]
                 self.bias = (None if biases[0] is None
                              else torch.cat([b.detach() for b in biases]))

@@ -45,7 +45,7 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         "num_waiting": len(engine.scheduler.waiting),
         "session_ends": engine.session_ends,
         "steps": c.steps,
-        "forwards": engine._num_forwards,
+        "forwards": engine.num_forwards,
         **tier_stats(engine),
         **events,
     }

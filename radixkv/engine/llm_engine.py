@@ -28,7 +28,7 @@ from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.events import KVEventCounts
 from radixkv.core.hashing import Namespace
-from radixkv.core.policy import make_policy
+from radixkv.core.policy_registry import make_policy
 from radixkv.core.tree import RadixTree
 from radixkv.engine.batch import SequenceChunk
 from radixkv.tiers import setup as tiering
@@ -234,6 +234,20 @@ class LLMEngine:
     @property
     def block_manager(self) -> BlockManager:
         return self._bm
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (a closed engine takes no requests)."""
+        return self._closed
+
+    @property
+    def num_forwards(self) -> int:
+        """Forward passes run so far (``stats()["forwards"]``)."""
+        return self._num_forwards
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight (added, not finished or aborted). O(1)."""
+        return request_id in self._requests
 
     @property
     def tree(self) -> RadixTree:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 #: results up to here, on the shapes tested).
 MAX_PACKED_ROWS = 256
 #: The batch-size hint given to oneDNN when packing (decode batches are a few to tens of rows).
-_PACK_HINT_ROWS = 16
+PACK_HINT_ROWS = 16
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -78,7 +78,7 @@ class _Packed:
 _BF16 = torch.bfloat16
 
 
-def _version(t: torch.Tensor) -> int:
+def weight_version(t: torch.Tensor) -> int:
     """``t._version``, or -2 for an inference tensor (weights created under
     ``torch.inference_mode`` track no version; only their pointer is compared then)."""
     return -2 if t.is_inference() else t._version
@@ -102,11 +102,11 @@ class PackedLinear(torch.nn.Linear):
                 or (w.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, w, params["bias"])
         holder = self._packed
-        if holder.ptr != w.data_ptr() or holder.version != _version(w):
+        if holder.ptr != w.data_ptr() or holder.version != weight_version(w):
             with torch.no_grad():
                 holder.tensor = torch.ops.mkldnn._reorder_linear_weight(
-                    w.detach(), _PACK_HINT_ROWS)
-            holder.ptr, holder.version = w.data_ptr(), _version(w)
+                    w.detach(), PACK_HINT_ROWS)
+            holder.ptr, holder.version = w.data_ptr(), weight_version(w)
         return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, params["bias"], "none",
                                                   [], "")
 

@@ -233,7 +233,8 @@ class Scheduler:
         while self._failed:
             failed = list(dict.fromkeys(self._failed))
             self._failed = []
-            bad = {n.slot for n in (tree.get(h) for h in failed) if n is not None and n.tier == 0}
+            bad = {n.block_id for n in (tree.get(h) for h in failed)
+                   if n is not None and n.tier == 0}
             holders = [r for r in self.running if self._holds(r, bad)] if bad else []
             for req in holders:
                 self.running.remove(req)

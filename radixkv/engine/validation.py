@@ -15,11 +15,11 @@ def check_request(engine: Any, request_id: Any, prompt: Any, params: Any, salt: 
     """Validate one ``add_request`` call against ``engine`` (an ``LLMEngine``) without
     changing anything; returns the request's ``SamplingParams``. Raises the typed errors the
 API documents (``InvalidRequestError``, ``EngineClosedError``)."""
-    if engine._closed:
+    if engine.closed:
         raise EngineClosedError("the engine is closed; build a new one")
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-    if request_id in engine._requests:
+    if engine.has_request(request_id):
         raise InvalidRequestError(f"request {request_id!r} is already in flight")
     if params is None:
         params = SamplingParams()
@@ -43,11 +43,12 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
         raise InvalidRequestError(
             f"the prompt has {len(prompt)} tokens; the model's context is {engine.max_model_len} "
             "tokens and at least one must be left to generate")
-    blocks = -(-len(prompt) // engine._bm.block_size)
-    if blocks > engine._bm.pool.num_blocks:
+    bm = engine.block_manager
+    blocks = -(-len(prompt) // bm.block_size)
+    if blocks > bm.pool.num_blocks:
         raise InvalidRequestError(
             f"the prompt needs {blocks} KV blocks; the device pool has "
-            f"{engine._bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
+            f"{bm.pool.num_blocks}: raise CacheConfig.num_device_blocks/device_memory")
     if params.num_seqs > engine.engine_config.max_num_seqs:
         raise InvalidRequestError(
             f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "

@@ -1,4 +1,27 @@
 """radixkv's OpenAI-compatible HTTP server (``radixkv serve``); see docs/serve.md.
 
 Needs the ``serve`` extra (FastAPI, uvicorn, prometheus-client): ``pip install radixkv[serve]``.
+The public surface is ``__all__`` (each name imported on first use).
 """
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "create_app": "radixkv.server.app",
+    "ServerState": "radixkv.server.app",
+    "Backend": "radixkv.server.backend",
+    "LocalBackend": "radixkv.server.backend",
+    "RequestHandle": "radixkv.server.backend",
+}
+"""name -> module that defines it: imported on first attribute access, so importing one
+submodule of this package does not import the others (nor FastAPI, where they need it)."""
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

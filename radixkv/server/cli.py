@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c.add_argument("--policy", default=CacheConfig.policy,
                    help=f"eviction policy (default {CacheConfig.policy}): one of "
-                        "radixkv.core.policy.POLICIES (docs/eviction.md)")
+                        "radixkv.core.policy_registry.POLICIES (docs/eviction.md)")
     c.add_argument("--policy-options", type=_json_object, default=None, metavar="JSON",
                    help="the policy's options as a JSON object, e.g. '{\"sample\": 4}' for the "
                         "duel's sampled shadows (docs/eviction.md)")

@@ -58,9 +58,11 @@ if TYPE_CHECKING:
 
 #: A backend's key type: ``int`` (host slot) or ``bytes`` (block hash).
 K = TypeVar("K")
+K_contra = TypeVar("K_contra", contravariant=True)
+K_co = TypeVar("K_co", covariant=True)   # a BlockWrite[BlockHash] is a BlockWrite[bytes]
 
 
-class BlockWrite(NamedTuple, Generic[K]):
+class BlockWrite(NamedTuple, Generic[K_co]):
     """One block to store: ``key`` (slot or hash), its parent's hash (None for a first block)
     and token ids (written with the block so that another process can rebuild the tree; the
     host pool ignores both), and ``payload``, a bytes-like object of ``bytes_per_block`` bytes.
@@ -68,7 +70,7 @@ class BlockWrite(NamedTuple, Generic[K]):
     A plain tuple ``(key, parent_hash, token_ids, payload)`` is accepted wherever a
     ``BlockWrite`` is."""
 
-    key: K
+    key: K_co
     parent_hash: bytes | None
     token_ids: Sequence[int]
     payload: Buffer
@@ -86,39 +88,39 @@ class PutResult(list[bool]):
 
 
 @runtime_checkable
-class StorageBackend(Protocol[K]):
+class StorageBackend(Protocol[K_contra]):
     """Byte storage of KV blocks addressed by a key (see the module docstring for the
     contract). ``layout`` fixes the block size: every payload and output buffer is
     ``layout.bytes_per_block`` bytes."""
 
     layout: KVLayout
 
-    def contains_many(self, keys: Sequence[K]) -> list[bool]:
+    def contains_many(self, keys: Sequence[K_contra]) -> list[bool]:
         """Per key, whether the backend holds the block now (a True may still miss on read:
         evicted meanwhile, or failing verification). Raises ``InvalidBlockError`` on a bad
         key."""
         ...
 
-    def read_into_many(self, keys: Sequence[K], outs: Sequence[Buffer]) -> list[bool]:
+    def read_into_many(self, keys: Sequence[K_contra], outs: Sequence[Buffer]) -> list[bool]:
         """Copy each block into ``outs[i]`` (writable, ``bytes_per_block`` bytes); True where
         ``outs[i]`` now holds the verified block. Raises ``InvalidBlockError`` (and reads
         nothing) on a bad key or buffer, or ``len(outs) != len(keys)``."""
         ...
 
-    def put_many(self, blocks: Sequence[BlockWrite[K]]) -> PutResult:
+    def put_many(self, blocks: Sequence[BlockWrite[K_contra]]) -> PutResult:
         """Store blocks; per block True once stored or queued. Raises ``InvalidBlockError``
         (and stores nothing) if any item is malformed."""
         ...
 
-    def pin(self, keys: Iterable[K]) -> None:
+    def pin(self, keys: Iterable[K_contra]) -> None:
         """Keep these blocks from ``remove_many`` until as many ``unpin`` calls."""
         ...
 
-    def unpin(self, keys: Iterable[K]) -> None:
+    def unpin(self, keys: Iterable[K_contra]) -> None:
         """Release pins taken by ``pin``; raises ``InvalidBlockError`` for a key not pinned."""
         ...
 
-    def remove_many(self, keys: Sequence[K]) -> int:
+    def remove_many(self, keys: Sequence[K_contra]) -> int:
         """Remove blocks (pinned ones are kept); the number removed."""
         ...
 

@@ -25,10 +25,10 @@ def drop_failed_prefetches(self: TieredKVMover, failed: list[MoveOp]) -> None:
     tree = self.tree
     for m in failed:
         h = BlockHash(m.block_hash)
-        node = tree.block_of(h, (m.dst_tier, m.dst_slot))
+        node = tree.block_of(h, (m.dst_tier, m.dst_block_id))
         if node is None:
             continue
-        if node.tier == m.dst_tier and node.slot == m.dst_slot:
+        if node.tier == m.dst_tier and node.block_id == m.dst_block_id:
             drops = self._writer.invalidate(h)
             self.stats.invalidated_blocks += len(drops)
             for d in drops:
@@ -47,13 +47,13 @@ def drop_failed_writes(self: TieredKVMover, failed: list[MoveOp]) -> None:
         h, dst_tier = BlockHash(m.block_hash), m.dst_tier
         if dst_tier is None:
             continue   # a drop writes nothing, so it cannot fail a write
-        node = tree.block_of(h, (dst_tier, m.dst_slot))
+        node = tree.block_of(h, (dst_tier, m.dst_block_id))
         if node is None:
             continue
-        if node.tier != dst_tier or node.slot != m.dst_slot:
+        if node.tier != dst_tier or node.block_id != m.dst_block_id:
             # a write-through copy: drop just the copy (the node lives on faster up);
             # otherwise promoted (its load failed too, handled there) or dropped since
-            if tree.copy_slot(h, dst_tier) == m.dst_slot:
+            if tree.copy_block_id(h, dst_tier) == m.dst_block_id:
                 self._writer.drop_copy(h, dst_tier)
                 self.stats.dropped_copies += 1
             continue

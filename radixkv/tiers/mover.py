@@ -1,7 +1,7 @@
 """TieredKVMover: execute the radix tree's tier moves on real memory (device, host RAM, disk).
 
-The tree decides residency and returns ``MoveOp(block_hash, src_tier, src_slot, dst_tier,
-dst_slot)``; this mover makes the bytes follow, in list order, before anything reads them.
+The tree decides residency and returns ``MoveOp(block_hash, src_tier, src_block_id, dst_tier,
+dst_block_id)``; this mover makes the bytes follow, in list order, before anything reads them.
 Tier indices are the tree's: 0 is the device, then the configured lower tiers fastest first
 (host, disk; a disk tier without a host tier is tier 1). Each consecutive run of moves with the
 same direction becomes one batch: a :class:`~radixkv.tiers.transfer.TransferEngine` batch
@@ -179,16 +179,16 @@ class TieredKVMover(KVMover):
         dropped: set[tuple[bytes, int, int]] = set()
         for m in reversed(moves):
             if m.dst_tier is None:
-                dropped.add((m.block_hash, m.src_tier, m.src_slot))
-            elif (m.block_hash, m.dst_tier, m.dst_slot) in dropped:
+                dropped.add((m.block_hash, m.src_tier, m.src_block_id))
+            elif (m.block_hash, m.dst_tier, m.dst_block_id) in dropped:
                 self._wasted.add(id(m))
         i = 0
         while i < len(moves):
             key = (moves[i].src_tier, moves[i].dst_tier)
-            writes = {moves[i].dst_slot}
+            writes = {moves[i].dst_block_id}
             j = i + 1
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == key:
-                dst = moves[j].dst_slot   # a slot written twice in the run (freed by a move
+                dst = moves[j].dst_block_id   # a slot written twice in the run (freed by a move
                 if dst is not None and dst in writes:   # that emits no op): a new group
                     break
                 writes.add(dst)
@@ -304,12 +304,12 @@ class TieredKVMover(KVMover):
         dst_kind = self.kinds[m0.dst_tier]
         if dst_kind == "host":
             busy = frozenset().union(*(p.host_src for p in self._pending if p.kind == "load"))
-            if any(m.dst_slot in busy for m in group):
+            if any(m.dst_block_id in busy for m in group):
                 self.wait_loads()
                 return
         dev = self.inflight_device_blocks()
-        touched = [m.dst_slot for m in group if m.dst_tier == DEVICE] + \
-            [m.src_slot for m in group if m.src_tier == DEVICE]
+        touched = [m.dst_block_id for m in group if m.dst_tier == DEVICE] + \
+            [m.src_block_id for m in group if m.src_tier == DEVICE]
         if any(b in dev for b in touched):
             self.wait_loads()
 
@@ -368,8 +368,8 @@ class TieredKVMover(KVMover):
         if id(m) in self._wasted:
             return None
         last = self._last_moves.get(m.block_hash, m)
-        return self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_slot),
-                                  (last.dst_tier, last.dst_slot), (m.src_tier, m.src_slot))
+        return self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_block_id),
+                                  (last.dst_tier, last.dst_block_id), (m.src_tier, m.src_block_id))
 
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
         m0 = group[0]
@@ -395,8 +395,8 @@ class TieredKVMover(KVMover):
                 self._write_behind([m for m, _ in keep], [r for _, r in keep], src_kind,
                                    direction)
             return
-        batch = [Move(self._loc(m.src_tier, m.src_slot, m.block_hash),
-                      self._loc(m.dst_tier, m.dst_slot, m.block_hash)) for m in ops]
+        batch = [Move(self._loc(m.src_tier, m.src_block_id, m.block_hash),
+                      self._loc(m.dst_tier, m.dst_block_id, m.block_hash)) for m in ops]
         eng = self.engine
         submitted = eng.submit(eng.prepare(batch))
         self.stats.batches += 1
@@ -409,9 +409,9 @@ class TieredKVMover(KVMover):
         if dst_kind == "device" and src_kind in self._async_src:
             # A promotion: the caller keeps its device blocks out of every forward until it
             # is settled (poll_loads/wait_loads); it runs while other requests compute.
-            host_src = frozenset(m.src_slot for m in ops) if src_kind == "host" else frozenset()
+            host_src = frozenset(m.src_block_id for m in ops) if src_kind == "host" else frozenset()
             self._pending.append(_Pending(ops, direction, "load", submitted,
-                                          dev=frozenset(_slot_of(m.dst_slot) for m in ops),
+                                          dev=frozenset(_slot_of(m.dst_block_id) for m in ops),
                                           host_src=host_src))
             self.stats.async_batches += 1
             self.stats.async_loads += 1
@@ -425,7 +425,7 @@ class TieredKVMover(KVMover):
                       direction: str) -> None:
         """Copy the sources to a staging buffer now (the slots are free for reuse when this
         returns), then write the files on the I/O threads while the step goes on."""
-        src = [m.src_slot for m in ops]
+        src = [m.src_block_id for m in ops]
         if src_kind == "host":
             staged = self._host().read_slots(src)
         else:  # the device block may be rewritten by the next forward: copy it out first

@@ -1,7 +1,7 @@
 """The tier protocol: one contract for everything that moves KV blocks between tiers.
 
 The bookkeeping (block manager, radix tree) decides *what* happens to blocks and returns a plan:
-``MoveOp(block_hash, src_tier, src_slot, dst_tier, dst_slot, keep_src)`` tier moves and
+``MoveOp(block_hash, src_tier, src_block_id, dst_tier, dst_block_id, keep_src)`` tier moves and
 ``CopyOp(src, dst)`` device copies, in the order they must happen. A :class:`KVMover` makes the
 bytes follow. Every mover -- :class:`DeviceOnlyMover` (the device alone), the tiered mover over
 host RAM and disk (:mod:`radixkv.tiers.mover`), and the remote tier

@@ -260,7 +260,7 @@ class RemoteLookup(Generic[R]):
                 None if parent_hash is None else BlockHash(parent_hash), BlockHash(h), tok, t)
             if ref is None:
                 break
-            self.host.put_many([BlockWrite(ref.slot, parent_hash, (), block.payload)])
+            self.host.put_many([BlockWrite(ref.block_id, parent_hash, (), block.payload)])
             parent_hash = h
             installed += 1
         self.counts.blocks_installed += installed

@@ -41,6 +41,7 @@ import torch
 
 from radixkv.core.events import BlockRemoved, BlockStored, EventCursor
 from radixkv.core.hashing import TOKEN_BYTES, BlockHash
+from radixkv.core.pool import BlockId
 from radixkv.core.node import BlockRef, MoveOp
 from radixkv.storage.backend import BlockWrite
 from radixkv.tiers.protocol import KVMover
@@ -119,7 +120,7 @@ class RemoteWriter(KVMover):
         self._device_cache = device_cache
         self._unsafe = unsafe or _never_unsafe
         self._dropped: dict[bytes, tuple[bytes | None, bytes]] = {}
-        self._computed: list[tuple[bytes, int]] = []   # (hash, device block id)
+        self._computed: list[tuple[BlockHash, BlockId]] = []   # (hash, device block id)
         self._events: EventCursor | None = None   # the tree's KV events (read_events)
         self._read_computed = False
         # blocks kept for a retention (``persist``): hash -> the retention in seconds, most
@@ -165,7 +166,7 @@ class RemoteWriter(KVMover):
                 continue
             meta = self._dropped.pop(m.block_hash, None)
             if meta is None:   # (a demotion: the block is where the move puts it)
-                ref = self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_slot))
+                ref = self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_block_id))
                 if ref is None:
                     continue
                 meta = (ref.parent_hash, ref.tokens)
@@ -173,7 +174,7 @@ class RemoteWriter(KVMover):
                 self.counts.writes_skipped += 1
                 continue
             items.append(BlockWrite(m.block_hash, meta[0], _ids(meta[1]),
-                                    self.host.slot_bytes(m.src_slot)))
+                                    self.host.slot_bytes(m.src_block_id)))
         if items:
             self._put(items)
 
@@ -234,7 +235,7 @@ class RemoteWriter(KVMover):
         """Byte views (``bytes_per_block`` each) of copies of these device blocks, taken off
         the device in one gather."""
         kv = self._device_cache   # [L, 2, N, bs, h, d]
-        idx = torch.tensor([r.slot for r in refs], dtype=torch.long, device=kv.device)
+        idx = torch.tensor([r.block_id for r in refs], dtype=torch.long, device=kv.device)
         blocks = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
         return [blocks[i].view(-1).view(torch.uint8).numpy() for i in range(len(refs))]
 
@@ -282,7 +283,7 @@ class RemoteWriter(KVMover):
         for h in self.store.take_lost():
             self._retained.pop(h, None)
 
-    def _put(self, items: list[BlockWrite[bytes]]) -> int:
+    def _put(self, items: Sequence[BlockWrite[bytes]]) -> int:
         """Queue ``items``; those under a retention keep it. Returns how many were queued."""
         ok = 0
         for ttl, group in self._by_retention(items).items():
@@ -383,7 +384,7 @@ class RemoteWriter(KVMover):
         for r in refs:
             data = payload.get(r.block_hash)
             if data is None:
-                data = self.host.slot_bytes(r.slot)
+                data = self.host.slot_bytes(r.block_id)
             items.append(BlockWrite(r.block_hash, r.parent_hash, _ids(r.tokens), data))
         return sum(sum(self.store.put_many(g, wait=True, ttl_s=ttl))
                    for ttl, g in self._by_retention(items).items())

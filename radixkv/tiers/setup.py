@@ -131,7 +131,7 @@ def fence(mover: KVMover, tree: RadixTree, chunks: Sequence[_Chunk]) -> None:
     if used.isdisjoint(busy):
         return
     mover.wait_loads()
-    bad = {n.slot for n in (tree.get(BlockHash(h)) for h in mover.failed_loads)
+    bad = {n.block_id for n in (tree.get(BlockHash(h)) for h in mover.failed_loads)
            if n is not None}
     if not used.isdisjoint(bad):
         raise StorageError("a scheduled sequence reads a KV block whose load failed")

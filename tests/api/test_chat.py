@@ -139,7 +139,8 @@ def test_session_hints_reach_the_policy_and_close_ends_the_session(make_engine):
 def test_the_default_policy_turns_to_the_forecast_when_a_session_closes(make_engine):
     """The default (``auto``) is LRU until a client says a session is over, end to end: the
     engine's tree hands eviction to the forecast at the first ``close()``."""
-    from radixkv.core.policy import DEFAULT_POLICY, LRUPolicy
+    from radixkv.core.policy import LRUPolicy
+    from radixkv.core.policy_registry import DEFAULT_POLICY
     from radixkv.core.policy_forecast import ForecastPolicy
 
     e = make_engine(policy=DEFAULT_POLICY)

@@ -94,7 +94,7 @@ def test_cache_salts_never_share_blocks(make_engine):
     assert e.cached_prefix_tokens(prompt, "tenant-b") == 64
     assert e.cached_prefix_tokens(prompt, "tenant-c") == 0
     # the same content is stored once per tenant: no block is shared across namespaces
-    blocks = {s: {n.slot for n in e.cached_prefix_nodes(prompt, s)}
+    blocks = {s: {n.block_id for n in e.cached_prefix_nodes(prompt, s)}
               for s in ("tenant-a", "tenant-b", None)}
     assert not (blocks["tenant-a"] & blocks["tenant-b"]) and not (blocks["tenant-a"] & blocks[None])
 

@@ -81,7 +81,7 @@ def test_verdicts_say_whether_a_policy_is_fit_to_be_the_default():
 
 
 def test_every_core_policy_is_benchmarked():
-    from radixkv.core.policy import POLICIES
+    from radixkv.core.policy_registry import POLICIES
 
     names = H.core_policies()
     assert names[:len(POLICIES)] == list(POLICIES)

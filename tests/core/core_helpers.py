@@ -60,7 +60,7 @@ def snapshot_tree(tree: RadixTree) -> tuple:
     nodes = {id(n): n for n in tree.block_index().values()}
     nodes_t = tuple(sorted(
         (tuple(n.hashes), None if n.parent is None else n.parent.hashes[-1], bytes(n.tokens),
-         n.tier, tuple(n.slots), n.ref, n.children, n.last_access, n.hits, n.hints,
+         n.tier, tuple(n.block_ids), n.ref, n.children, n.last_access, n.hits, n.hints,
          tuple(c.hashes[0] for c in n.iter_children()))
         for n in nodes.values()))
     return (
@@ -68,8 +68,8 @@ def snapshot_tree(tree: RadixTree) -> tuple:
         tuple(tuple(e) for e in tree.evictable),
         tuple(tree.resident),
         tree.unreferenced,
-        tuple(tuple(None if n is None else n.hashes[n.slots.index(b)] for b, n in enumerate(sn))
-              for sn in tree.slot_nodes),
+        tuple(tuple(None if n is None else n.hashes[n.block_ids.index(b)] for b, n in enumerate(sn))
+              for sn in tree.block_nodes),
         tuple(sorted((h, n.hashes[-1]) for h, n in tree.heads.items())),
         tuple(sorted((h, n.hashes[0]) for h, n in tree.tails.items())),
         tuple(snapshot_pool(p) for p in tree.pools),

@@ -17,7 +17,8 @@ from core_helpers import FakeClock, assert_unchanged, snapshot_manager, snapshot
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace, hash_token_blocks, token_bytes
-from radixkv.core.policy import TTLPolicy, make_policy
+from radixkv.core.policy import TTLPolicy
+from radixkv.core.policy_registry import make_policy
 from radixkv.core.pool import BlockPool
 from radixkv.core.tree import RadixTree
 from radixkv.errors import (
@@ -152,7 +153,7 @@ def test_bad_policy_is_config_error(make) -> None:
 
 
 def test_bad_policy_message() -> None:
-    from radixkv.core.policy import POLICIES
+    from radixkv.core.policy_registry import POLICIES
 
     names = ", ".join(repr(n) for n in sorted(POLICIES))
     assert {"lru", "lfu", "lfu-da", "fifo", "mru", "priority", "ttl"} <= set(POLICIES)
@@ -173,7 +174,7 @@ def test_tree_insert_rejects(bm) -> None:
     host_node = None
     cases = [
         ((None, node0.block_hash, node0.tokens, private), "already cached"),
-        ((None, h, tok, node0.slot), "already caches another hash"),
+        ((None, h, tok, node0.block_id), "already caches another hash"),
         ((None, h, tok, free_block), "is free; allocate it first"),
         ((None, h, tok[:4], private), "a block holds 2 tokens, got 1"),
     ]

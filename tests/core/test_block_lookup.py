@@ -56,9 +56,9 @@ def test_every_way_to_find_a_block_agrees_with_the_per_block_view(seqs, evict, h
         i = node.hashes.index(h)
         ref = tree.get(h)
         assert ref is not None and ref.block_hash == h and ref.tier == node.tier
-        assert ref.slot == node.slots[i]
-        assert tree.block_at(ref.tier, ref.slot) == ref
-        assert tree.block_of(h, (ref.tier, ref.slot)) == ref
+        assert ref.block_id == node.block_ids[i]
+        assert tree.block_at(ref.tier, ref.block_id) == ref
+        assert tree.block_of(h, (ref.tier, ref.block_id)) == ref
         assert tree.block_of(h, (None, None)) == ref          # no place: by hash
         at_end = i in (0, len(node.hashes) - 1)
         assert (tree.get(h, scan=False) is not None) == at_end
@@ -91,6 +91,6 @@ def test_a_slot_that_holds_no_primary_names_no_block() -> None:
     moves = tree.evict(0, 2)                         # both demoted into the host tier
     assert [m.dst_tier for m in moves] == [1, 1]
     assert all(tree.block_at(0, b) is None for b in blocks[:2])
-    assert {tree.block_at(1, m.dst_slot).block_hash for m in moves} == set(chain)
+    assert {tree.block_at(1, m.dst_block_id).block_hash for m in moves} == set(chain)
     # a MoveOp's source place is stale now: block_of finds the block where it is
-    assert tree.block_of(moves[0].block_hash, (0, moves[0].src_slot)).tier == 1
+    assert tree.block_of(moves[0].block_hash, (0, moves[0].src_block_id)).tier == 1

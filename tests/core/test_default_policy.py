@@ -13,7 +13,8 @@ from core_helpers import FakeClock, snapshot_manager
 from radixkv.config import CacheConfig
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace
-from radixkv.core.policy import AUTO_THEN, DEFAULT_POLICY, LRUPolicy, auto_policy, make_policy
+from radixkv.core.policy import LRUPolicy
+from radixkv.core.policy_registry import AUTO_THEN, DEFAULT_POLICY, auto_policy, make_policy
 from radixkv.core.policy_forecast import ForecastPolicy
 from radixkv.core.tree import RadixTree
 from radixkv.errors import ConfigError

@@ -13,7 +13,7 @@ reads back exactly its own payload through the block table, and that every cache
 every tier holds exactly the payload of its prefix: a wrong-block serve, a write into a shared
 block, a reference lost or a move executed in the wrong order all show up as wrong content.
 With write-through tiers every residency of a cached block counts: its primary and each copy
-(``RadixTree.copy_slot``) must hold exactly its payload. The write-through moves of a commit are
+(``RadixTree.copy_block_id``) must hold exactly its payload. The write-through moves of a commit are
 run right after it (``take_moves``), or, in half of the programs, left queued until a
 ``take_moves`` rule or the next returned move list, which must start with them (until then their
 destinations are not checked). A copy whose write "failed" is dropped with ``drop_copy``.
@@ -117,15 +117,16 @@ class ManagerMachine(RuleBasedStateMachine):
     def run_moves(self, moves, held_before: set[int]) -> None:
         for op in moves:
             assert isinstance(op, MoveOp)
-            src = (op.src_tier, op.src_slot)
+            src = (op.src_tier, op.src_block_id)
             if op.src_tier == DEVICE and not op.keep_src:
-                assert op.src_slot not in held_before, (
-                    f"{op}: evicted device block {op.src_slot} is referenced by a live sequence")
+                assert op.src_block_id not in held_before, (
+                    f"{op}: evicted device block {op.src_block_id} is referenced by a live "
+                    "sequence")
             assert self.content.get(src) == self.hash_content.get(op.block_hash), (
                 f"{op}: source holds {self.content.get(src)}, "
                 f"expected {self.hash_content.get(op.block_hash)}")
             if op.dst_tier is not None:
-                self.content[(op.dst_tier, op.dst_slot)] = list(self.content[src])
+                self.content[(op.dst_tier, op.dst_block_id)] = list(self.content[src])
 
     def write(self, sid: int, p: int, block: int) -> None:
         s = self.seqs[sid]
@@ -165,7 +166,7 @@ class ManagerMachine(RuleBasedStateMachine):
         matched = self.naive_match(tokens, ns, (n - 1) // B)
         on_dev = [x for x in matched if x.tier == DEVICE]
         need = -(-n // B) - len(on_dev)
-        avail = self.pool.num_free + self.evictable_device_blocks({x.slot for x in on_dev})
+        avail = self.pool.num_free + self.evictable_device_blocks({x.block_id for x in on_dev})
         assert self.bm.can_allocate(tokens, ns) == (need <= avail)
         if need > avail:
             err = self.raises(OutOfBlocks, self.bm.allocate, sid, tokens, ns)
@@ -204,14 +205,14 @@ class ManagerMachine(RuleBasedStateMachine):
             node = self.tree.get(h)
             # matching after insert: every committed block is cached, on the device, in the table
             assert node is not None and node.tier == DEVICE, f"committed block {i} of {sid} missing"
-            assert self.bm.block_table(sid)[i] == node.slot
+            assert self.bm.block_table(sid)[i] == node.block_id
         assert self.bm._seqs[sid].num_cached == s.cached
         if self.take:
             self.take_moves()
 
     def queued(self) -> set[tuple[int, int]]:
         """Residencies that queued (untaken) write-through moves have not written yet."""
-        return {(op.dst_tier, op.dst_slot) for op in self.tree.pending_moves
+        return {(op.dst_tier, op.dst_block_id) for op in self.tree.pending_moves
                 if op.dst_tier is not None}
 
     @precondition(lambda self: self.seqs)
@@ -352,9 +353,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert got_hashes == [x.block_hash for x in got]
         queued = self.queued()
         for i, node in enumerate(got):
-            if (node.tier, node.slot) in queued:
+            if (node.tier, node.block_id) in queued:
                 continue
-            assert self.content.get((node.tier, node.slot)) == self.block_payload(ns, tokens, i), (
+            payload = self.block_payload(ns, tokens, i)
+            assert self.content.get((node.tier, node.block_id)) == payload, (
                 f"match serves wrong content for block {i} ({node})")
 
     @rule(data=st.data(), kind=st.sampled_from(["unknown", "freed"]),
@@ -430,12 +432,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.run_moves(self.bm.take_moves(), self.held())
         copies = sorted((h, u, slot) for h in self.tree.block_index()
                         for u in self.write_through
-                        if (slot := self.tree.copy_slot(h, u)) is not None)
+                        if (slot := self.tree.copy_block_id(h, u)) is not None)
         if not copies:
             return
         h, u, slot = data.draw(st.sampled_from(copies))
         assert self.bm.drop_copy(h, u) == MoveOp(h, u, slot, None, None)
-        assert self.tree.copy_slot(h, u) is None and self.bm.drop_copy(h, u) is None
+        assert self.tree.copy_block_id(h, u) is None and self.bm.drop_copy(h, u) is None
         STEPS.event(self.name, "drop_copy")
 
     def teardown(self) -> None:
@@ -473,9 +475,9 @@ class ManagerMachine(RuleBasedStateMachine):
         for h in tree.block_index():
             node = tree.get(h)
             per_tier[node.tier] += 1
-            residencies = [(node.tier, node.slot)]
+            residencies = [(node.tier, node.block_id)]
             for u in range(1, tree.num_tiers):
-                slot = tree.copy_slot(h, u)
+                slot = tree.copy_block_id(h, u)
                 if slot is not None:
                     assert u in self.write_through and u > node.tier, (node, u)
                     residencies.append((u, slot))

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.hashing import Namespace
-from radixkv.core.policy import make_policy
+from radixkv.core.policy_registry import make_policy
 from radixkv.errors import ConfigError
 
 NS = Namespace("ghost")

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from radixkv.core.block_manager import BlockManager
 from radixkv.core.evict_index import SortedIndex
 from radixkv.core.hashing import Namespace
-from radixkv.core.policy import POLICIES, make_policy
+from radixkv.core.policy_registry import POLICIES, make_policy
 from radixkv.core.policy_duel import DEFAULT_MEMBERS, DuelIndex, DuelPolicy
 from radixkv.core.policy_forecast import ForecastIndex, ForecastPolicy
 from radixkv.errors import ConfigError, InvalidRequestError, OutOfBlocks

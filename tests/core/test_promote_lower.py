@@ -51,12 +51,12 @@ def test_free_host_slot_one_load_and_lru_touch() -> None:
     tree = bm.tree
     [A] = h([1, 1])
     node = tree.get(A)
-    assert (node.tier, node.slot) == (2, 0)
+    assert (node.tier, node.block_id) == (2, 0)
     before = tree.block_index()[A].last_access
     clock.advance()
     assert tree.promote_lower(A, 1) == [MoveOp(A, 2, 0, 1, 0)]
     node = tree.get(A)
-    assert (node.tier, node.slot) == (1, 0) and tree.block_index()[A].last_access > before
+    assert (node.tier, node.block_id) == (1, 0) and tree.block_index()[A].last_access > before
     assert tree.num_resident(1) == 1 and tree.num_resident(2) == 0
     tree.check_invariants()
     # the allocation then promotes it host -> device, counted as a host hit

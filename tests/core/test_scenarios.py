@@ -193,7 +193,7 @@ def test_recompute_adopts_a_host_copy() -> None:
     assert bm.tree.get(h([1, 1])[0]).tier == 1
     assert bm.commit("s", 3) == 1
     node = bm.tree.get(h([1, 1])[0])
-    assert node.tier == 0 and node.slot == bm.block_table("s")[0]
+    assert node.tier == 0 and node.block_id == bm.block_table("s")[0]
     assert bm.tree.stats.adopted == 1 and bm.tree.num_resident(1) == 0
     bm.check_invariants()
 

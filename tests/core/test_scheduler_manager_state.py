@@ -86,7 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         in_use = set().union(*(held_before[sid] for sid in survivors)) if survivors else set()
         for op in out.kv_ops:
             if isinstance(op, MoveOp) and op.src_tier == DEVICE and not op.keep_src:
-                assert op.src_slot not in in_use, f"{op}: block held by a live sequence evicted"
+                assert op.src_block_id not in in_use, f"{op}: block held by a live sequence evicted"
         if out.preempted:
             STEPS.event(self.name, "preempted", len(out.preempted))
             for r in out.preempted:

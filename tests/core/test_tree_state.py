@@ -422,7 +422,7 @@ class TreeMachine(RuleBasedStateMachine):
             node = index[h]
             ref = tree.get(h)
             got = (ref.tier, node.ref, ref.parent_hash, tree.hints(h).priority,
-                   {u for u in range(1, self.num_tiers) if tree.copy_slot(h, u) is not None})
+                   {u for u in range(1, self.num_tiers) if tree.copy_block_id(h, u) is not None})
             want = (b.tier, b.refs, b.parent, b.priority, b.copies)
             assert got == want, f"block {h.hex()[:8]}: tree {got}, model {want}"
             assert node.last_access == b.last_access, (

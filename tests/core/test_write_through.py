@@ -45,7 +45,7 @@ def h(tokens):
 def loc(tree, block_hash):
     """Where a cached block's primary lives now: (tier, slot)."""
     ref = tree.get(block_hash)
-    return (ref.tier, ref.slot)
+    return (ref.tier, ref.block_id)
 
 
 def test_commit_copies_to_the_host_then_the_demotion_is_free() -> None:
@@ -55,12 +55,12 @@ def test_commit_copies_to_the_host_then_the_demotion_is_free() -> None:
     a, wt = run(bm, clock, "a", [1, 1, 9])
     assert a.moves == ()
     assert wt == [MoveOp(A, 0, 0, 1, 0, keep_src=True)]   # device block 0 -> host slot 0, kept
-    assert loc(tree, A) == (0, 0) and tree.copy_slot(A, 1) == 0
+    assert loc(tree, A) == (0, 0) and tree.copy_block_id(A, 1) == 0
     assert tree.num_copies(1) == 1 and tree.num_resident(1) == 0 and tree.num_evictable(1) == 1
     assert bm.take_moves() == []                          # taken once
     # evicting it from the device moves no bytes: the host copy becomes the primary
     assert tree.evict(0, 1) == []
-    assert loc(tree, A) == (1, 0) and tree.copy_slot(A, 1) is None
+    assert loc(tree, A) == (1, 0) and tree.copy_block_id(A, 1) is None
     assert tree.num_copies(1) == 0 and tree.num_resident(1) == 1
     assert tree.stats.free_demotions == 1 and tree.stats.copies_made == 1
     tree.check_invariants()
@@ -75,7 +75,7 @@ def test_promotion_out_of_a_write_through_tier_keeps_the_source() -> None:
     a, _ = run(bm, clock, "b", [1, 1, 7])
     assert a.cached_tokens_per_tier == (0, 2)
     assert a.moves == (MoveOp(A, 1, 0, 0, 0, keep_src=True),)   # load, host slot stays a copy
-    assert loc(tree, A) == (0, 0) and tree.copy_slot(A, 1) == 0
+    assert loc(tree, A) == (0, 0) and tree.copy_block_id(A, 1) == 0
     assert tree.evict(0, 1) == []                         # and the next demotion is free again
     assert tree.stats.free_demotions == 2
 
@@ -89,7 +89,7 @@ def test_copies_and_primaries_compete_by_policy_and_lock_refreshes_a_copy() -> N
     run(bm, clock, "a", [1, 1, 9])
     _, wt_b = run(bm, clock, "b", [2, 2, 9])
     tree = bm.tree
-    dev = lambda x: tree.get(x).slot                     # noqa: E731 - device block of x
+    dev = lambda x: tree.get(x).block_id                     # noqa: E731 - device block of x
     assert wt_b == [MoveOp(B, 0, dev(B), 1, 1, keep_src=True)]
     _, wt = run(bm, clock, "c", [3, 3, 9])
     assert wt == [MoveOp(A, 1, 0, None, None),            # A's copy is the LRU host entry
@@ -97,7 +97,7 @@ def test_copies_and_primaries_compete_by_policy_and_lock_refreshes_a_copy() -> N
     run(bm, clock, "b2", [2, 2, 8])                       # hit on B: B's copy refreshed
     _, wt = run(bm, clock, "d", [4, 4, 9])
     assert wt == [MoveOp(C, 1, 0, None, None), MoveOp(D, 0, dev(D), 1, 0, keep_src=True)]
-    assert tree.copy_slot(B, 1) == 1 and tree.copy_slot(A, 1) is None
+    assert tree.copy_block_id(B, 1) == 1 and tree.copy_block_id(A, 1) is None
     assert tree.stats.copies_dropped == 2
     # A (no copy any more) is demoted for real; B (copy kept) for free
     assert tree.evict(0, 1) == [MoveOp(B, 1, 1, None, None),  # room: LRU host entry is B's copy
@@ -114,7 +114,7 @@ def test_a_host_primary_is_demoted_to_make_room_for_a_copy() -> None:
     tree = bm.tree
     assert tree.evict(0, 1) == []                         # A: device -> host, free
     _, wt = run(bm, clock, "b", [2, 2, 9])
-    assert wt == [MoveOp(A, 1, 0, 2, 0), MoveOp(B, 0, tree.get(B).slot, 1, 0, keep_src=True)]
+    assert wt == [MoveOp(A, 1, 0, 2, 0), MoveOp(B, 0, tree.get(B).block_id, 1, 0, keep_src=True)]
     assert tree.get(A).tier == 2
 
 
@@ -125,7 +125,7 @@ def test_write_through_to_host_and_disk() -> None:
     assert wt == [MoveOp(A, 0, 0, 1, 0, keep_src=True), MoveOp(A, 0, 0, 2, 0, keep_src=True)]
     tree = bm.tree
     assert tree.evict(0, 1) == [] and loc(tree, A) == (1, 0)     # onto the host copy
-    assert tree.copy_slot(A, 2) == 0                                    # disk copy stays
+    assert tree.copy_block_id(A, 2) == 0                                    # disk copy stays
     assert tree.evict(1, 1) == [] and loc(tree, A) == (2, 0)     # onto the disk copy
     assert tree.num_copies(1) == tree.num_copies(2) == 0
     assert tree.stats.free_demotions == 2
@@ -140,7 +140,7 @@ def test_failed_write_drops_the_copy() -> None:
     run(bm, clock, "a", [1, 1, 9])
     tree = bm.tree
     assert bm.drop_copy(A, 1) == MoveOp(A, 1, 0, None, None)
-    assert tree.copy_slot(A, 1) is None and tree.num_copies(1) == 0
+    assert tree.copy_block_id(A, 1) is None and tree.num_copies(1) == 0
     assert tree.pools[1].num_free == 2 and tree.stats.copies_dropped == 1
     assert bm.drop_copy(A, 1) is None
     assert tree.evict(0, 1) == [MoveOp(A, 0, 0, 1, 0)]   # a real demotion now
@@ -171,10 +171,10 @@ def test_prefetch_keeps_the_disk_copy() -> None:
     assert wt == [MoveOp(A, 0, 0, 2, 0, keep_src=True)]
     tree = bm.tree
     assert tree.evict(0, 1) == [MoveOp(A, 0, 0, 1, 0)]   # no host copy: a real move
-    assert tree.copy_slot(A, 2) == 0
+    assert tree.copy_block_id(A, 2) == 0
     assert tree.evict(1, 1) == []                         # onto the disk copy
     assert tree.promote_lower(A, 1) == [MoveOp(A, 2, 0, 1, 0, keep_src=True)]
-    assert loc(tree, A) == (1, 0) and tree.copy_slot(A, 2) == 0
+    assert loc(tree, A) == (1, 0) and tree.copy_block_id(A, 2) == 0
     tree.check_invariants()
 
 
@@ -186,13 +186,13 @@ def test_prefetch_gives_up_the_copy_when_a_victim_takes_its_slot() -> None:
     run(bm, clock, "a", [1, 1, 9])                        # A: copy on disk slot 0
     run(bm, clock, "b", [2, 2, 9])                        # disk full: A's copy gives way to B's
     tree = bm.tree
-    b = tree.get(B).slot
+    b = tree.get(B).block_id
     bm.drop_copy(B, 2)                        # (B's write failed)
     assert tree.evict(0, 2) == [MoveOp(A, 0, 0, 1, 0), MoveOp(A, 1, 0, 2, 0),
                                 MoveOp(B, 0, b, 1, 0)]
     moves = tree.promote_lower(A, 1)
     assert moves == [MoveOp(B, 1, 0, 2, 0), MoveOp(A, 2, 0, 1, 0, keep_src=False)]
-    assert tree.copy_slot(A, 2) is None
+    assert tree.copy_block_id(A, 2) is None
     tree.check_invariants()
 
 
@@ -207,7 +207,7 @@ def test_recompute_adopts_and_keeps_the_host_copy() -> None:
     assert bm.commit("s", 3) == 1
     assert bm.take_moves() == []
     assert loc(bm.tree, A) == (0, bm.block_table("s")[0])
-    assert bm.tree.copy_slot(A, 1) == 0 and bm.tree.stats.adopted == 1
+    assert bm.tree.copy_block_id(A, 1) == 0 and bm.tree.stats.adopted == 1
     bm.check_invariants()
 
 

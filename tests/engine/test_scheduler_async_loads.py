@@ -41,9 +41,9 @@ class FakeMover:
                 assert op.src not in self.flight.values() and op.dst not in self.flight.values()
                 continue
             if op.dst_tier == DEVICE and op.src_tier != DEVICE:
-                self.flight[op.block_hash] = op.dst_slot
+                self.flight[op.block_hash] = op.dst_block_id
             else:
-                assert op.src_tier != DEVICE or op.src_slot not in self.flight.values()
+                assert op.src_tier != DEVICE or op.src_block_id not in self.flight.values()
         return []
 
     def land(self, hashes=None) -> list[bytes]:

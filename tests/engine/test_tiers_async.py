@@ -238,7 +238,8 @@ def test_async_load_is_waited_for_before_its_host_slot_is_rewritten(tmp_path):
     mover.apply_moves(tree.evict(0, 1))            # LRU x -> host slot 0 (a sync copy)
     a = bm.allocate("x2", [1, 2, 3, 4] + [9] * 5, ns)   # 3 blocks: x host -> device, and
     # y device -> host slot 0 to make room for the tail
-    kinds = [(m.src_tier, m.dst_tier, m.src_slot if m.src_tier else m.dst_slot) for m in a.moves]
+    kinds = [(m.src_tier, m.dst_tier, m.src_block_id if m.src_tier else m.dst_block_id)
+             for m in a.moves]
     assert kinds == [(1, 0, 0), (0, 1, 0)], kinds
     mover.apply_moves(a.moves)
     assert not mover.inflight_device_blocks()      # the demotion waited for the load

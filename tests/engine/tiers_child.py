@@ -69,7 +69,7 @@ def prompt_kv(eng: LLMEngine, prompt: list[int]) -> tuple[list[bytes], torch.Ten
     hashes = [n.block_hash for n in nodes]
     assert all(n.tier == 0 for n in nodes), [n.tier for n in nodes]
     kv = eng.model_runner.kv_cache
-    return hashes, torch.stack([kv[:, :, n.slot].clone() for n in nodes])
+    return hashes, torch.stack([kv[:, :, n.block_id].clone() for n in nodes])
 
 
 def main(argv: list[str]) -> int:

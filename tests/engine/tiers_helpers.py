@@ -53,7 +53,7 @@ def check_tiers(eng: LLMEngine) -> None:
         return
     tree, disk_t = eng.tree, mover.disk_tier
     on_disk = {h for h, n in tree.block_index().items()      # primaries and write-through copies
-               if n.tier == disk_t or tree.copy_slot(h, disk_t) is not None}
+               if n.tier == disk_t or tree.copy_block_id(h, disk_t) is not None}
     indexed = {e.block_hash for e in mover.disk.entries()}
     files = {bytes.fromhex(p.stem) for p in mover.disk.dir.glob("*/*.kvb")}
     assert on_disk == indexed == files, (len(on_disk), len(indexed), len(files))
