@@ -6,17 +6,17 @@ implement (after LMCache's ``StorageBackendInterface``), and what the tier code 
 ``radixkv/tiers`` calls. The contract, checked for all three by one test suite
 (``tests/storage/test_backend_contract.py``):
 
-**Keys.** A backend addresses a block by a key: the host pool by *slot* (``BlockId``, an
-``int``: which block a slot holds is the radix tree's business), the disk and remote stores by
+**Keys.** A backend addresses a block by a key: the host pool by *block id* (``BlockId``,
+an ``int``: which block an id holds is the radix tree's business), the disk and remote stores by
 *chain hash* (``BlockHash``, 16 ``bytes``: they are content-addressed and outlive the process).
 
 **Batched calls, caller buffers.** Every call takes a batch: ``contains_many`` answers per key;
 ``read_into_many`` copies each found block into the caller's buffer (a writable bytes-like
-object of exactly ``layout.bytes_per_block`` bytes, e.g. ``HostPool.slot_bytes(slot)``), so no
+object of exactly ``layout.bytes_per_block`` bytes, e.g. ``HostPool.block_bytes(block_id)``), so no
 backend allocates a block per read; ``put_many`` stores :class:`BlockWrite` items and returns a
 :class:`PutResult` (per block whether it was stored or queued, and how many failed).
 
-**Bad input raises, and changes nothing.** A key of the wrong type or length, a slot out of
+**Bad input raises, and changes nothing.** A key of the wrong type or length, a block id out of
 range, a buffer of the wrong size, a read-only output buffer, mismatched batch lengths: the
 call raises :class:`~radixkv.errors.InvalidBlockError` before touching any block (every item
 is validated first). The byte-view check is :func:`block_view`, the one validator all three
@@ -56,14 +56,14 @@ if TYPE_CHECKING:
     # through its ``.data``); typing_extensions ships with torch's dependencies
     from typing_extensions import Buffer
 
-#: A backend's key type: ``int`` (host slot) or ``bytes`` (block hash).
+#: A backend's key type: ``int`` (host block id) or ``bytes`` (block hash).
 K = TypeVar("K")
 K_contra = TypeVar("K_contra", contravariant=True)
 K_co = TypeVar("K_co", covariant=True)   # a BlockWrite[BlockHash] is a BlockWrite[bytes]
 
 
 class BlockWrite(NamedTuple, Generic[K_co]):
-    """One block to store: ``key`` (slot or hash), its parent's hash (None for a first block)
+    """One block to store: ``key`` (block id or hash), its parent's hash (None for a first block)
     and token ids (written with the block so that another process can rebuild the tree; the
     host pool ignores both), and ``payload``, a bytes-like object of ``bytes_per_block`` bytes.
 

@@ -141,7 +141,7 @@ class DevicePool:
 
     def read_blocks_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` into ``out [n, L, 2, block_size, h, d]`` (any device, e.g.
-        a run of pinned host slots), asynchronously on the current stream when ``out`` is pinned.
+        a run of pinned host blocks), asynchronously on the current stream when ``out`` is pinned.
 
         On CUDA: one gather kernel, then one DMA. On the CPU: one ``index_select`` over the
         block axis of a block-major view, written straight into ``out`` (a single pass over

@@ -305,7 +305,7 @@ class RemoteStore:
 
     def read_into_many(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         """Read blocks into caller buffers (writable bytes-like, ``bytes_per_block`` bytes each,
-        e.g. ``buffers.byte_view`` of host slots); True where ``outs[i]`` now holds the verified
+        e.g. ``buffers.byte_view`` of host blocks); True where ``outs[i]`` now holds the verified
         block. One round trip plus one copy per hit; a False buffer is left untouched."""
         self._keys(hashes)   # validates the hashes before any buffer is touched
         views = check_outs(hashes, outs, self.layout.bytes_per_block,

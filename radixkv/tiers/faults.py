@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from radixkv.core.hashing import BlockHash
 from radixkv.core.node import MoveOp
 
 if TYPE_CHECKING:
@@ -19,12 +18,12 @@ log = logging.getLogger("radixkv.tiers.mover")
 
 
 def drop_failed_prefetches(self: TieredKVMover, failed: list[MoveOp]) -> None:
-    """Prefetch loads (disk -> host) that failed: the host slot holds garbage. A node still
+    """Prefetch loads (disk -> host) that failed: the host block holds garbage. A node still
     there is dropped with its subtree (host/disk, unreferenced); one the tree moved since
     is poisoned, so its next move out of the host fails instead of copying garbage."""
     tree = self.tree
     for m in failed:
-        h = BlockHash(m.block_hash)
+        h = m.block_hash
         node = tree.block_of(h, (m.dst_tier, m.dst_block_id))
         if node is None:
             continue
@@ -44,7 +43,7 @@ def drop_failed_writes(self: TieredKVMover, failed: list[MoveOp]) -> None:
     them (and their subtrees, which live on disk too) so that they degrade to a miss."""
     tree = self.tree
     for m in failed:
-        h, dst_tier = BlockHash(m.block_hash), m.dst_tier
+        h, dst_tier = m.block_hash, m.dst_tier
         if dst_tier is None:
             continue   # a drop writes nothing, so it cannot fail a write
         node = tree.block_of(h, (dst_tier, m.dst_block_id))

@@ -13,19 +13,19 @@ memory starts.
 Off the critical path (write-behind and prefetch):
 
 * **Writes to disk** (host/device -> disk) copy their source blocks into a staging buffer at
-  once (so the host slot or device block is free for reuse when ``apply_moves`` returns) and
+  once (so the host block or device block is free for reuse when ``apply_moves`` returns) and
   write the files on the mover's I/O threads; they are *pending* until :meth:`drain`. The next
   group drains them only if it reads or removes a file (a load from disk, a drop of a disk
   block); device/host copies and further writes go on. The engine drains at the start of each
   step and when it goes idle, so the writes overlap the forward pass.
 * **Prefetch loads** (disk -> host, from ``RadixTree.promote_lower``) are transfer-engine
-  batches left running too; they write host slots, so any later group drains them first.
+  batches left running too; they write host blocks, so any later group drains them first.
 * **Promotions into the device** (disk -> device with ``async_loads``, host -> device with
   ``async_host_loads``) are left running
   too: :meth:`inflight_device_blocks` names the device blocks they write, and the caller (the
   engine's scheduler) keeps every sequence holding one of them out of the forward until
   :meth:`poll_loads` (non-blocking) or :meth:`wait_loads` settles it. A later group that would
-  rewrite a host slot such a load still reads (a demotion into the slot the promotion freed),
+  rewrite a host block such a load still reads (a demotion into the slot the promotion freed),
   or touch one of its device blocks, waits for it first. ``drain(loads=False)`` settles
   everything else and leaves unfinished promotions running.
 * At drain, failures are filed exactly as for synchronous moves (below); a prefetch load that
@@ -36,7 +36,7 @@ Off the critical path (write-behind and prefetch):
 What each move does:
 
 =====================  =====================================================================
-device -> host         copy the device block into the host slot
+device -> host         copy the device block into the host block
 host/device -> disk    ``DiskStore.put`` with the node's parent hash and token ids (so another
                        process can rebuild the tree); skipped if the tree no longer caches the
                        block (it was dropped later in the same list)
@@ -77,7 +77,6 @@ import torch
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, RadixTree
-from radixkv.core.hashing import BlockHash
 from radixkv.tiers.protocol import CacheWriter, DeviceOnlyMover, KVMover, TreeCacheWriter
 from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
@@ -87,7 +86,7 @@ from radixkv.storage.buffers import byte_view
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import (IO_ERRORS, BatchResult, DeviceBlock, DiskBlock, HostSlot,
+from radixkv.tiers.transfer import (IO_ERRORS, BatchResult, DeviceBlock, DiskBlock, HostBlock,
                                      Location, Move, TransferEngine)
 
 log = logging.getLogger(__name__)
@@ -147,7 +146,7 @@ class TieredKVMover(KVMover):
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
         #: Called with each group of a move list right before it runs, after the groups before
-        #: it have landed (the remote tier's write-back reads the host slots of blocks leaving
+        #: it have landed (the remote tier's write-back reads the host blocks of blocks leaving
         #: the host tier: at that moment they hold exactly those blocks).
         self._observers: list[Callable[[Sequence[MoveOp]], None]] = []
 
@@ -168,7 +167,7 @@ class TieredKVMover(KVMover):
 
         Writes to disk, disk -> host prefetch loads and (with ``async_loads``) promotions into
         the device are left running (see the module docstring); a later group that could touch
-        what they touch waits for them first. Nothing but moves reads or writes host slots or
+        what they touch waits for them first. Nothing but moves reads or writes host blocks or
         block files, so the result is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
         # Where a block written to disk is found (the tree indexes nodes, not blocks: by its
@@ -278,8 +277,8 @@ class TieredKVMover(KVMover):
 
     def _wait_conflicts(self, group: Sequence[MoveOp]) -> None:
         """Wait for the pending batches the next group may touch. A pending prefetch writes
-        host slots (drain everything first); a pending write only its own file (drain before a
-        load or removal of a file); a pending promotion reads its host slots (wait before one
+        host blocks (drain everything first); a pending write only its own file (drain before a
+        load or removal of a file); a pending promotion reads its host blocks (wait before one
         of them is rewritten) and writes its device blocks (wait before one is read or
         written)."""
         if not self._pending:
@@ -348,7 +347,7 @@ class TieredKVMover(KVMover):
         if kind == "device":
             return DeviceBlock(slot)
         if kind == "host":
-            return HostSlot(slot)
+            return HostBlock(slot)
         return DiskBlock(block_hash)
 
     def _disk(self) -> DiskStore:
@@ -368,7 +367,7 @@ class TieredKVMover(KVMover):
         if id(m) in self._wasted:
             return None
         last = self._last_moves.get(m.block_hash, m)
-        return self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_block_id),
+        return self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_block_id),
                                   (last.dst_tier, last.dst_block_id), (m.src_tier, m.src_block_id))
 
     def _run_group(self, group: Sequence[MoveOp], failed_writes: list[MoveOp]) -> None:
@@ -401,7 +400,7 @@ class TieredKVMover(KVMover):
         submitted = eng.submit(eng.prepare(batch))
         self.stats.batches += 1
         if direction == "disk->host":
-            # A prefetch: it writes host slots only, which only later moves read (and they
+            # A prefetch: it writes host blocks only, which only later moves read (and they
             # drain first); it runs while the step computes.
             self._pending.append(_Pending(ops, direction, "prefetch", submitted))
             self.stats.async_batches += 1
@@ -427,7 +426,7 @@ class TieredKVMover(KVMover):
         returns), then write the files on the I/O threads while the step goes on."""
         src = [m.src_block_id for m in ops]
         if src_kind == "host":
-            staged = self._host().read_slots(src)
+            staged = self._host().read_blocks(src)
         else:  # the device block may be rewritten by the next forward: copy it out first
             staged = self.device.read_blocks(src).to("cpu")
         disk = self._disk()

@@ -29,7 +29,7 @@ class _Pending:
     """A batch left running past ``apply_moves``: ``kind`` is ``"write"`` (staged file writes:
     ``writes`` holds their futures, each the move's error or None), ``"prefetch"`` (disk ->
     host) or ``"load"`` (host/disk -> device, with ``async_loads``; ``dev``/``host_src``:
-    device blocks it writes, host slots it reads); those two are a transfer engine ``batch``."""
+    device blocks it writes, host blocks it reads); those two are a transfer engine ``batch``."""
 
     ops: list[MoveOp]
     direction: str

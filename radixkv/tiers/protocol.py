@@ -31,7 +31,7 @@ blocks), a bug is not swallowed.
 
 Observers: a mover may let another component see each group of moves before it runs
 (:meth:`KVMover.add_observer`): the remote tier writes blocks leaving the host back to the shared
-server while their host slots still hold them.
+server while their host blocks still hold them.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class RemoteLookup(Generic[R]):
                 self._writer.touch(BlockHash(a.parent_hash), near=where[-1][0])
         # Make room in the host tier by its own eviction (demotions/drops run now, before the
         # slots are written: the tree hands out the freed slots).
-        free = self.host.num_slots - tree.num_resident(t) - tree.num_copies(t)
+        free = self.host.num_blocks - tree.num_resident(t) - tree.num_copies(t)
         short = len(blocks) - free
         if short > 0:
             moves = self._writer.evict(t, min(short, tree.num_evictable(t)))

@@ -2,14 +2,14 @@
 
 vLLM splits a KV connector into a scheduler role and a worker role; :class:`RemoteWriter` is
 the worker role of radixkv's remote tier (the scheduler role is
-:class:`~radixkv.tiers.remote_lookup.RemoteLookup`). It reads bytes (host slots, device blocks)
+:class:`~radixkv.tiers.remote_lookup.RemoteLookup`). It reads bytes (host blocks, device blocks)
 and queues them to the store; it never changes the radix tree.
 
 What it writes, as its :mod:`~radixkv.tiers.write_policy` wires it:
 
 * write-back (default): a block leaving the host tier (demoted to disk or dropped). The tiered
   mover shows :meth:`RemoteWriter.apply_moves` each group of moves before running it, so the
-  host slot of such a move still holds the block (unless an earlier move of the same list
+  host block of such a move still holds the block (unless an earlier move of the same list
   wrote the slot: then it is skipped). Parent hash and tokens of a dropped block come from the
   tree's KV events (``BlockRemoved``, drained from this writer's own cursor on
   ``RadixTree.event_queue()`` with ``take_events()``; the block is gone from the tree by the time
@@ -68,7 +68,7 @@ class WriteCounters:
 @dataclass
 class FlushReport:
     """What :meth:`RemoteWriter.flush_resident` wrote: ``written`` (acknowledged), ``present``
-    (the server had them), ``skipped`` (a host slot whose bytes may be garbage), ``left`` (not
+    (the server had them), ``skipped`` (a host block whose bytes may be garbage), ``left`` (not
     reached by the deadline), ``seconds``."""
 
     written: int = 0
@@ -166,7 +166,7 @@ class RemoteWriter(KVMover):
                 continue
             meta = self._dropped.pop(m.block_hash, None)
             if meta is None:   # (a demotion: the block is where the move puts it)
-                ref = self.tree.block_of(BlockHash(m.block_hash), (m.dst_tier, m.dst_block_id))
+                ref = self.tree.block_of(m.block_hash, (m.dst_tier, m.dst_block_id))
                 if ref is None:
                     continue
                 meta = (ref.parent_hash, ref.tokens)
@@ -174,7 +174,7 @@ class RemoteWriter(KVMover):
                 self.counts.writes_skipped += 1
                 continue
             items.append(BlockWrite(m.block_hash, meta[0], _ids(meta[1]),
-                                    self.host.slot_bytes(m.src_block_id)))
+                                    self.host.block_bytes(m.src_block_id)))
         if items:
             self._put(items)
 
@@ -384,7 +384,7 @@ class RemoteWriter(KVMover):
         for r in refs:
             data = payload.get(r.block_hash)
             if data is None:
-                data = self.host.slot_bytes(r.block_id)
+                data = self.host.block_bytes(r.block_id)
             items.append(BlockWrite(r.block_hash, r.parent_hash, _ids(r.tokens), data))
         return sum(sum(self.store.put_many(g, wait=True, ttl_s=ttl))
                    for ttl, g in self._by_retention(items).items())

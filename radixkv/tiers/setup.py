@@ -159,12 +159,12 @@ def prefetch(bm: BlockManager, mover: KVMover, waiting: Iterable[LookupRequest],
             i = next((j for j, x in enumerate(refs) if x.tier >= disk_t), len(refs))
             while i < len(refs) and budget > 0:
                 # the disk part of the match, a run at a time (its first block starts a node)
-                x = tree.get(BlockHash(refs[i].block_hash), scan=False)   # a node's first
+                x = tree.get(refs[i].block_hash, scan=False)   # a node's first block
                 parent = None if x is None or x.parent_hash is None else \
-                    tree.get(BlockHash(x.parent_hash), scan=False)         # its parent's last
+                    tree.get(x.parent_hash, scan=False)         # its parent's last
                 if x is None or x.tier != disk_t or (parent is not None and parent.tier > host_t):
                     break   # dropped or left behind by an earlier prefetch's eviction
-                ms = bm.promote_lower(BlockHash(x.block_hash), host_t, budget)
+                ms = bm.promote_lower(x.block_hash, host_t, budget)
                 loaded = sum(1 for m in ms if m.src_tier == disk_t and m.dst_tier == host_t)
                 if not loaded:
                     break

@@ -1,6 +1,6 @@
 """Block moves between the device, host and disk tiers, off the critical path.
 
-The bookkeeping layer decides *what* moves (``Move(DeviceBlock(17), HostSlot(5))``); this engine
+The bookkeeping layer decides *what* moves (``Move(DeviceBlock(17), HostBlock(5))``); this engine
 moves the bytes on a worker thread (and its own CUDA stream on a GPU) and reports, per move,
 whether it happened. Protocol (two-phase, after vLLM's offloading connector)::
 
@@ -45,7 +45,7 @@ from radixkv.storage.buffers import byte_view, torch_dtype
 from radixkv.storage.device import DevicePool
 from radixkv.storage.host import HostPool
 from radixkv.tiers.moves import (
-    Batch, BatchResult, DeviceBlock, DiskBlock, HostSlot, Location, Move, TransferStats, _key,
+    Batch, BatchResult, DeviceBlock, DiskBlock, HostBlock, Location, Move, TransferStats, _key,
 )
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ def _block_bytes(staged: torch.Tensor) -> list[memoryview]:
 
 
 def _slot(loc: Location) -> int:
-    """The block id or host slot of a memory location (disk blocks have none)."""
+    """The device or host block id of a memory location (disk blocks have none)."""
     if isinstance(loc, DeviceBlock):
         return loc.block_id
-    if isinstance(loc, HostSlot):
-        return loc.slot
+    if isinstance(loc, HostBlock):
+        return loc.block_id
     raise InvalidBlockError(f"{loc} is not a memory location")
 
 
@@ -165,12 +165,12 @@ class TransferEngine:
                 if not 0 <= loc.block_id < self.device.num_blocks:
                     raise InvalidBlockError(f"device block {loc.block_id} outside "
                                             f"[0, {self.device.num_blocks})")
-            elif isinstance(loc, HostSlot):
+            elif isinstance(loc, HostBlock):
                 if self.host is None:
                     raise ConfigError(f"{m}: no host pool")
-                if not 0 <= loc.slot < self.host.num_slots:
-                    raise InvalidBlockError(f"host slot {loc.slot} outside "
-                                            f"[0, {self.host.num_slots})")
+                if not 0 <= loc.block_id < self.host.num_blocks:
+                    raise InvalidBlockError(f"host block id {loc.block_id} outside "
+                                            f"[0, {self.host.num_blocks})")
             elif isinstance(loc, DiskBlock):
                 if self.disk is None:
                     raise ConfigError(f"{m}: no disk store")
@@ -386,14 +386,14 @@ class TransferEngine:
         """Execute moves of one direction; per move None (ok) or the reason it failed."""
         if direction == "host->disk":
             host = self._host()
-            return self._puts(moves, [host.slot_bytes(_slot(m.src)) for m in moves])
+            return self._puts(moves, [host.block_bytes(_slot(m.src)) for m in moves])
         if direction == "device->disk":
             staged = self._dev().read_blocks([_slot(m.src) for m in moves]).to("cpu")
             return self._puts(moves, _block_bytes(staged))
         dst = [_slot(m.dst) for m in moves]
         if direction == "disk->host":
             host = self._host()
-            res = self._gets(moves, [host.slot_bytes(s) for s in dst])
+            res = self._gets(moves, [host.block_bytes(s) for s in dst])
             host.mark_filled(s for s, r in zip(dst, res) if r is None)
             return res
         if direction == "disk->device":
@@ -411,7 +411,7 @@ class TransferEngine:
         src = [_slot(m.src) for m in moves]
         if direction == "host->host":
             host = self._host()
-            host.write_slots(dst, host.read_slots(src))
+            host.write_blocks(dst, host.read_blocks(src))
             return [None] * len(moves)
         dev = self._dev()
         if direction == "device->device":
@@ -430,10 +430,10 @@ class TransferEngine:
                 dev.read_blocks_into(src, host.blocks[run])
                 host.mark_filled(dst)
             else:
-                host.write_slots(dst, dev.read_blocks(src))
+                host.write_blocks(dst, dev.read_blocks(src))
         else:
             run = _as_range(src)
-            dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_slots(src))
+            dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_blocks(src))
         return [None] * len(moves)
 
     def _puts(self, moves: list[Move], blocks: list[memoryview]) -> list[str | None]:
@@ -511,5 +511,5 @@ class TransferEngine:
         return [r for chunk in parts for r in chunk]
 
 
-__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostSlot", "Location", "Move",
+__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostBlock", "Location", "Move",
            "TransferEngine", "TransferStats"]

@@ -7,7 +7,7 @@ writes whatever those hooks hand it, with no policy checks on its paths.
 :func:`write_policy` turns the name into the object.
 
 * :class:`RemoteWriteBack` (default): a block is written when it leaves the host tier (demoted
-  to disk or dropped): the mover shows the writer each group of moves while the host slots still
+  to disk or dropped): the mover shows the writer each group of moves while the host blocks still
   hold the blocks, and the tree's KV events (``BlockRemoved``, drained from the writer's cursor
   on the tree's event queue) give the parent hash and tokens of a block whose node is unlinked
   before its group runs.

@@ -1,4 +1,4 @@
-"""One contract suite, run against every StorageBackend: HostPool (keys: slots), DiskStore and
+"""One contract suite, run against every StorageBackend: HostPool (keys: block ids), DiskStore and
 RemoteStore (keys: block hashes; the remote one against a real redis-server on 127.0.0.1 and a
 free port). The contract is the docstring of radixkv/storage/backend.py."""
 
@@ -51,8 +51,8 @@ def harness(request, tmp_path, layout, namespace) -> Iterator[Harness]:
     kind = request.param
     if kind == "host":
         pool = HostPool(layout, 8, pin_memory=False)
-        slots = iter(range(8))
-        yield Harness(pool, lambda n: [next(slots) for _ in range(n)],
+        ids = iter(range(8))
+        yield Harness(pool, lambda n: [next(ids) for _ in range(n)],
                       [8, -1, b"x" * 16, 1.0], lambda: None, None)
         return
     if kind == "disk":

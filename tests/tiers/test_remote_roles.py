@@ -118,7 +118,7 @@ def test_writer_writes_back_what_leaves_the_host_and_lookup_installs_it(replica)
     refs = b.bm.tree.match_tokens(token_bytes(PROMPT), NS.seed, 3)
     assert [r.block_hash for r in refs] == hashes and {r.tier for r in refs} == {1}
     for i, r in enumerate(refs):
-        assert torch.equal(b.host.slot_view(r.block_id), torch.full(LAYOUT.block_shape, i + 1.0))
+        assert torch.equal(b.host.block_tensor(r.block_id), torch.full(LAYOUT.block_shape, i + 1.0))
     assert b.host.contains_many([r.block_id for r in refs]) == [True] * 3
     assert lookup.counts.blocks_installed == 3 and lookup.counts.lookups == 1
     lookup.close()
