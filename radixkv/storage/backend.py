@@ -129,17 +129,6 @@ class StorageBackend(Protocol[K_contra]):
         ...
 
 
-if TYPE_CHECKING:   # the type checker proves the three stores implement the interface
-    from radixkv.storage.disk import DiskStore
-    from radixkv.storage.host import HostPool
-    from radixkv.storage.remote import RemoteStore
-
-    def _implementations(host: HostPool, disk: DiskStore, remote: RemoteStore
-                         ) -> tuple[StorageBackend[int], StorageBackend[bytes],
-                                    StorageBackend[bytes]]:
-        return host, disk, remote
-
-
 def check_hash(block_hash: object, what: str = "block_hash") -> bytes:
     """``block_hash`` itself if it is ``HASH_BYTES`` bytes, else ``InvalidBlockError``."""
     if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:

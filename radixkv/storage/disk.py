@@ -51,7 +51,8 @@ import torch
 import xxhash
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
-from radixkv.storage.backend import BlockWrite, Pins, PutResult, block_view, check_hash, check_outs
+from radixkv.storage.backend import (BlockWrite, Pins, PutResult, StorageBackend, block_view,
+                                     check_hash, check_outs)
 from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
 from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
                                          check_header, check_mac, decode_header, encode_header,
@@ -540,5 +541,10 @@ def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
 def _is_hex_name(path: Path) -> bool:
     return BLOCK_NAME.match(path.name) is not None
 
+
+
+if TYPE_CHECKING:   # the type checker proves that DiskStore implements the interface
+    def _implements(store: DiskStore) -> StorageBackend[bytes]:
+        return store
 
 __all__ = ["DiskStore", "DiskEntry", "DiskStats", "ScanReport"]

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixkv.errors import ConfigError, InvalidBlockError
-from radixkv.storage.backend import BlockWrite, Pins, PutResult, block_view, check_outs
+from radixkv.storage.backend import (BlockWrite, Pins, PutResult, StorageBackend, block_view,
+                                     check_outs)
 from radixkv.storage.buffers import byte_view, check_blocks, index_tensor, torch_dtype
 from radixkv.storage.layout import KVLayout
 
@@ -167,5 +168,10 @@ class HostPool:
     def close(self) -> None:
         """Nothing to release: the memory goes with the pool object."""
 
+
+
+if TYPE_CHECKING:   # the type checker proves that HostPool implements the interface
+    def _implements(store: HostPool) -> StorageBackend[int]:
+        return store
 
 __all__ = ["HostPool"]

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -52,7 +52,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'radixkv[remote]'") from e
 
 from radixkv.errors import ConfigError, InvalidBlockError
-from radixkv.storage.backend import Pins, PutResult, block_view, check_hash, check_outs
+from radixkv.storage.backend import (Pins, PutResult, StorageBackend, block_view, check_hash,
+                                     check_outs)
 from radixkv.storage.layout import KVLayout
 from radixkv.storage.remote_client import make_client, parse_url
 from radixkv.storage.remote_format import (HASH_BYTES, BadValue, RemoteBlock, Signer,
@@ -458,5 +459,10 @@ class RemoteStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+if TYPE_CHECKING:   # the type checker proves that RemoteStore implements the interface
+    def _implements(store: RemoteStore) -> StorageBackend[bytes]:
+        return store
 
 __all__ = ["RemoteStore", "RemoteStats", "RemoteBlock", "PutItem"]

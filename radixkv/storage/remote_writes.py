@@ -13,16 +13,27 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
-
-if TYPE_CHECKING:
-    from radixkv.storage.remote import RemoteStats
 
 #: One queued write: ``(key, value, px)`` is a ``SET`` of ``value`` with expiry ``px`` ms (None:
 #: none); ``(key, None, px)`` a ``PEXPIRE`` (a refresh).
 WriteItem = tuple[bytes, bytes | None, int | None]
+
+
+class WriteCounters(Protocol):
+    """The counters of ``RemoteStats`` the write path updates (declared here so that this
+    module does not import remote.py, which imports it)."""
+
+    puts: int
+    put_failures: int
+    put_dropped: int
+    put_skipped: int
+    round_trips: int
+    bytes_written: int
+    refreshes: int
+    refresh_missed: int
 
 
 class RemoteWriteQueue:
@@ -42,7 +53,7 @@ class RemoteWriteQueue:
         name: the writer thread's name.
     """
 
-    def __init__(self, *, lock: threading.Lock, stats: RemoteStats,
+    def __init__(self, *, lock: threading.Lock, stats: WriteCounters,
                  available: Callable[[], bool], pipeline: Callable[[], Any],
                  fail: Callable[[str, RedisError], None], probe_if_due: Callable[[], None],
                  queue_blocks: int, write_batch: int, name: str) -> None:
@@ -174,4 +185,4 @@ class RemoteWriteQueue:
                 f"{self._queue.qsize()} queued > {self._pending} pending"
 
 
-__all__ = ["RemoteWriteQueue", "WriteItem"]
+__all__ = ["RemoteWriteQueue", "WriteCounters", "WriteItem"]

@@ -78,7 +78,6 @@ import torch
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, RadixTree
 from radixkv.tiers.protocol import CacheWriter, DeviceOnlyMover, KVMover, TreeCacheWriter
-from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
 from radixkv.storage.backend import BlockWrite
@@ -198,7 +197,7 @@ class TieredKVMover(KVMover):
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
-            drop_failed_writes(self, failed_writes)
+            self._drop_failed_writes(failed_writes)
 
     def drain(self, loads: bool = True) -> None:
         """Wait for the batches left running by :meth:`apply_moves` and settle their outcome:
@@ -271,9 +270,9 @@ class TieredKVMover(KVMover):
                 raise StorageError(f"transfer batch of {len(p.ops)} {p.direction} moves vanished")
             self._settle(p.ops, result, failed_writes, failed_loads)
         if failed_writes:
-            drop_failed_writes(self, failed_writes)
+            self._drop_failed_writes(failed_writes)
         if failed_loads:
-            drop_failed_prefetches(self, failed_loads)
+            self._drop_failed_prefetches(failed_loads)
 
     def _wait_conflicts(self, group: Sequence[MoveOp]) -> None:
         """Wait for the pending batches the next group may touch. A pending prefetch writes
@@ -325,6 +324,56 @@ class TieredKVMover(KVMover):
         self.stats.copies += len(copies)
 
     # ------------------------------------------------------------------ faults
+    # How failed moves are filed: the bookkeeping must never claim bytes a tier does not hold
+    # (changes go through the writer, the block manager).
+    def _drop_failed_prefetches(self, failed: list[MoveOp]) -> None:
+        """Prefetch loads (disk -> host) that failed: the host block holds garbage. A node still
+        there is dropped with its subtree (host/disk, unreferenced); one the tree moved since
+        is poisoned, so its next move out of the host fails instead of copying garbage."""
+        tree = self.tree
+        for m in failed:
+            h = m.block_hash
+            node = tree.block_of(h, (m.dst_tier, m.dst_block_id))
+            if node is None:
+                continue
+            if node.tier == m.dst_tier and node.block_id == m.dst_block_id:
+                drops = self._writer.invalidate(h)
+                self.stats.invalidated_blocks += len(drops)
+                for d in drops:
+                    self._prefetched.discard(d.block_hash)
+                    if self.kinds[d.src_tier] == "disk":
+                        self.stats.files_removed += self._disk().remove_many([d.block_hash])
+            else:
+                self._poisoned.add(m.block_hash)
+
+
+    def _drop_failed_writes(self, failed: list[MoveOp]) -> None:
+        """Nodes the tree still places on disk although their file was never written: drop
+        them (and their subtrees, which live on disk too) so that they degrade to a miss."""
+        tree = self.tree
+        for m in failed:
+            h, dst_tier = m.block_hash, m.dst_tier
+            if dst_tier is None:
+                continue   # a drop writes nothing, so it cannot fail a write
+            node = tree.block_of(h, (dst_tier, m.dst_block_id))
+            if node is None:
+                continue
+            if node.tier != dst_tier or node.block_id != m.dst_block_id:
+                # a write-through copy: drop just the copy (the node lives on faster up);
+                # otherwise promoted (its load failed too, handled there) or dropped since
+                if tree.copy_block_id(h, dst_tier) == m.dst_block_id:
+                    self._writer.drop_copy(h, dst_tier)
+                    self.stats.dropped_copies += 1
+                continue
+            drops = self._writer.invalidate(h)
+            self.stats.invalidated_blocks += len(drops)
+            for d in drops:  # descendants on disk: remove their files
+                if self.kinds[d.src_tier] == "disk" and d.block_hash != m.block_hash:
+                    self.stats.files_removed += self._disk().remove_many([d.block_hash])
+        if failed:
+            log.warning("%d KV block(s) could not be written to the disk tier; dropped from "
+                        "the cache (they will be recomputed when needed)", len(failed))
+
     def take_failed_loads(self) -> list[bytes]:
         """Hashes of blocks whose promotion failed since the last call (the caller must
         invalidate them before any sequence reads them)."""
