@@ -89,13 +89,13 @@ def _bench(server: LocalRedis, lay: KVLayout, n: int, repeat: int, interleaved: 
            batch: int) -> list[dict[str, Any]]:
     host = HostPool(lay, n, pin_memory=False)
     for i in range(n):
-        host.slot_view(i).normal_()
+        host.block_tensor(i).normal_()
     ns = lay.fingerprint("bench-model@rev0")
     store = RemoteStore(server.url, lay, ns, queue_blocks=n, write_batch=batch)
     raw = redis.Redis.from_url(server.url)
     hashes = [os.urandom(16) for _ in range(n)]
     raw_keys = [b"raw:" + h.hex().encode() for h in hashes]
-    items = [(h, None, range(i * lay.block_size, (i + 1) * lay.block_size), host.slot_bytes(i))
+    items = [(h, None, range(i * lay.block_size, (i + 1) * lay.block_size), host.block_bytes(i))
              for i, h in enumerate(hashes)]
     runs = [range(i, min(i + batch, n)) for i in range(0, n, batch)]
     nbytes = n * lay.bytes_per_block
@@ -115,7 +115,7 @@ def _bench(server: LocalRedis, lay: KVLayout, n: int, repeat: int, interleaved: 
         for r in runs:
             pipe = raw.pipeline(transaction=False)
             for i in r:
-                pipe.set(raw_keys[i], host.slot_bytes(i))
+                pipe.set(raw_keys[i], host.block_bytes(i))
             assert all(pipe.execute())
 
     rows = interleaved([("raw redis SET (pipelined)", raw_set, flush),
@@ -125,7 +125,7 @@ def _bench(server: LocalRedis, lay: KVLayout, n: int, repeat: int, interleaved: 
     assert store.stats().put_dropped == 0, store.stats()
     raw_set()
     store_put_sync()
-    outs = [host.slot_bytes(i) for i in range(n)]
+    outs = [host.block_bytes(i) for i in range(n)]
 
     def store_get() -> None:
         for r in runs:

@@ -4,11 +4,11 @@ tiers recover on a real chat trace?
 
 Four questions, each against a baseline measured in the same run:
 
-1. host<->disk: ``TransferEngine`` moves (HostSlot <-> DiskBlock through ``DiskStore``: header,
+1. host<->disk: ``TransferEngine`` moves (HostBlock <-> DiskBlock through ``DiskStore``: header,
    checksums, temp file + rename) vs plain file I/O of the same bytes (one ``open/write/close``
    per block, and one big slab file), warm (page cache) and cold (``fadvise(DONTNEED)`` before
    reading). Target: >= 70% of raw per-file I/O.
-2. device<->host: ``TransferEngine`` moves (DeviceBlock <-> HostSlot: gather/scatter + copy) vs a
+2. device<->host: ``TransferEngine`` moves (DeviceBlock <-> HostBlock: gather/scatter + copy) vs a
    single contiguous ``torch`` copy of the same number of bytes between the same devices.
 3. index rebuild: ``DiskStore.scan()`` over 10^5 block files (headers only) vs a bare
    ``listdir + open + pread + close`` of the same files.
@@ -57,7 +57,7 @@ from radixkv.storage.device import DevicePool, default_device
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostBlock, Move, TransferEngine
 
 # SmolLM2-135M (the embedded model) in fp32, 16-token blocks: 720 KiB per block
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -147,7 +147,7 @@ def bench_host_disk(root: Path, n: int, repeat: int, threads: int | None = None
                 p.unlink()
 
         def engine_write() -> None:
-            _run_batch(eng, [Move(HostSlot(i), DiskBlock(hashes[i], None, tokens))
+            _run_batch(eng, [Move(HostBlock(i), DiskBlock(hashes[i], None, tokens))
                              for i in range(n)])
 
         def raw_files_write() -> None:
@@ -184,7 +184,7 @@ def bench_host_disk(root: Path, n: int, repeat: int, threads: int | None = None
     eng = TransferEngine(host=dst, disk=store, io_threads=threads)
 
     def engine_read() -> None:
-        _run_batch(eng, [Move(DiskBlock(hashes[i]), HostSlot(i)) for i in range(n)])
+        _run_batch(eng, [Move(DiskBlock(hashes[i]), HostBlock(i)) for i in range(n)])
 
     def raw_files_read() -> None:
         for i in range(n):
@@ -251,8 +251,8 @@ def bench_device_host(n: int, repeat: int) -> list[dict[str, Any]]:
         src_flat.copy_(dst_flat, non_blocking=host.pinned)
         sync()
 
-    d2h = [Move(DeviceBlock(b), HostSlot(i)) for i, b in enumerate(scattered)]
-    h2d = [Move(HostSlot(i), DeviceBlock(b)) for i, b in enumerate(scattered)]
+    d2h = [Move(DeviceBlock(b), HostBlock(i)) for i, b in enumerate(scattered)]
+    h2d = [Move(HostBlock(i), DeviceBlock(b)) for i, b in enumerate(scattered)]
     for direction, cases in [
             ("device->host", [("torch copy", torch_d2h, _nothing),
                               ("engine", lambda: _run_batch(eng, d2h), _nothing)]),

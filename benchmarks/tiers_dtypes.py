@@ -31,7 +31,7 @@ from radixkv.storage.device import DevicePool, default_device
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostBlock, Move, TransferEngine
 
 DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 BASELINE = "bfloat16"
@@ -107,8 +107,8 @@ def bench_device_host(n: int, repeat: int, dtypes: tuple[str, ...]) -> list[dict
         host = HostPool(layout(kv), n)
         eng = TransferEngine(device=dev, host=host)
         keep.append((dev, host, eng))
-        down = [Move(DeviceBlock(b), HostSlot(i)) for i, b in enumerate(scattered)]
-        up = [Move(HostSlot(i), DeviceBlock(b)) for i, b in enumerate(scattered)]
+        down = [Move(DeviceBlock(b), HostBlock(i)) for i, b in enumerate(scattered)]
+        up = [Move(HostBlock(i), DeviceBlock(b)) for i, b in enumerate(scattered)]
         d2h.append((kv, lambda e=eng, m=down: _run_batch(e, m), _nothing))
         h2d.append((kv, lambda e=eng, m=up: _run_batch(e, m), _nothing))
     rows = _rounds(d2h, repeat, n, direction="device->host", mode=str(default_device()))
@@ -144,8 +144,8 @@ def bench_host_disk(root: Path, n: int, repeat: int, dtypes: tuple[str, ...],
             for h in hashes:
                 store.remove(h)
 
-        put = [Move(HostSlot(i), DiskBlock(hashes[i], None, tokens)) for i in range(n)]
-        get = [Move(DiskBlock(hashes[i]), HostSlot(i)) for i in range(n)]
+        put = [Move(HostBlock(i), DiskBlock(hashes[i], None, tokens)) for i in range(n)]
+        get = [Move(DiskBlock(hashes[i]), HostBlock(i)) for i in range(n)]
         files = [store.path_of(h) for h in hashes]
         writes.append((kv, lambda e=eng, m=put: _run_batch(e, m), clear))
         warm.append((kv, lambda e=reader, m=get: _run_batch(e, m), _nothing))
@@ -185,8 +185,8 @@ def bench_remote_dtypes(n: int, repeat: int, dtypes: tuple[str, ...],
                                 write_batch=batch)
             hashes = [os.urandom(16) for _ in range(n)]
             items = [(h, None, range(i * lay.block_size, (i + 1) * lay.block_size),
-                      host.slot_bytes(i)) for i, h in enumerate(hashes)]
-            outs = [dst.slot_bytes(i) for i in range(n)]
+                      host.block_bytes(i)) for i, h in enumerate(hashes)]
+            outs = [dst.block_bytes(i) for i in range(n)]
             runs = [range(i, min(i + batch, n)) for i in range(0, n, batch)]
             keep.append((host, dst, store))
 

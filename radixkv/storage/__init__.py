@@ -1,8 +1,11 @@
-"""Storage tiers: the bytes of KV blocks in device memory, CPU RAM and disk files, and the
-engine that moves them. See docs/tiers.md.
+"""The byte stores of KV blocks: the device pool, host RAM, disk files and a shared Redis/Valkey
+server. See docs/tiers.md.
 
-``radixkv.storage.layout`` is torch-free (the bookkeeping layer sizes its pools with it); the
-other modules import torch, so they are loaded lazily on first attribute access.
+Every store but the device pool implements one interface, :class:`StorageBackend`
+(``storage/backend.py``); what moves blocks between them is the ``radixkv.tiers`` package.
+``radixkv.storage.layout`` and ``radixkv.storage.backend`` are torch-free (the bookkeeping layer
+sizes its pools with ``KVLayout``); the other modules import torch (or ``redis``, the remote
+store), so they are loaded lazily on first attribute access.
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from radixkv.storage.backend import BlockWrite, PutResult, StorageBackend, block_view
 from radixkv.storage.layout import KVLayout, parse_capacity, parse_size
 
 _LAZY = {
     "DevicePool": "device", "HostPool": "host",
     "DiskStore": "disk", "DiskEntry": "disk", "DiskStats": "disk", "ScanReport": "disk",
-    "TransferEngine": "transfer", "Move": "transfer", "DeviceBlock": "transfer",
-    "HostSlot": "transfer", "DiskBlock": "transfer", "BatchResult": "transfer",
-    "TransferStats": "transfer", "BlockSigner": "integrity",
+    "RemoteStore": "remote", "RemoteStats": "remote", "RemoteBlock": "remote",
+    "BlockSigner": "integrity",
 }
 
 
@@ -27,4 +30,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'radixkv.storage' has no attribute {name!r}")
 
 
-__all__ = ["KVLayout", "parse_capacity", "parse_size", *_LAZY]
+__all__ = ["KVLayout", "parse_capacity", "parse_size", "StorageBackend", "BlockWrite",
+           "PutResult", "block_view", *_LAZY]

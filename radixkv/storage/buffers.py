@@ -6,6 +6,8 @@ slot, a staging tensor) through these views: no pickle, no intermediate copy.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from radixkv.errors import InvalidBlockError
@@ -16,7 +18,10 @@ def torch_dtype(name: str) -> torch.dtype:
     """``torch.dtype`` of a canonical or alias dtype name ("float16", "bf16"; the scaled
     ``fp8_e4m3`` KV format is stored as ``float8_e4m3fn``)."""
     canonical = dtype_name(name)
-    return getattr(torch, TORCH_NAMES.get(canonical, canonical))
+    dtype = getattr(torch, TORCH_NAMES.get(canonical, canonical))
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidBlockError(f"{name!r} names no torch dtype")
+    return dtype
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -30,7 +35,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
             f"byte_view needs a contiguous CPU tensor, got device={tensor.device}, "
             f"contiguous={tensor.is_contiguous()}")
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def check_blocks(blocks: torch.Tensor, layout: KVLayout, n: int | None = None,
@@ -44,17 +49,17 @@ def check_blocks(blocks: torch.Tensor, layout: KVLayout, n: int | None = None,
             f"got shape {list(blocks.shape)} dtype {str(blocks.dtype).removeprefix('torch.')}")
 
 
-def index_tensor(ids: list[int] | tuple[int, ...], limit: int, what: str,
+def index_tensor(ids: Iterable[int], limit: int, what: str,
                  device: torch.device | str = "cpu", unique: bool = False) -> torch.Tensor:
     """int64 index tensor of ``ids`` after checking ``0 <= id < limit`` (and no duplicates when
     ``unique``: a scatter with duplicate targets would keep an arbitrary one)."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < limit]
+    idx = [int(i) for i in ids]
+    bad = [i for i in idx if not 0 <= i < limit]
     if bad:
         raise InvalidBlockError(f"{what} {bad[:5]} outside [0, {limit})")
-    if unique and len(set(ids)) != len(ids):
-        raise InvalidBlockError(f"duplicate {what} in one write: {sorted(ids)[:10]}...")
-    return torch.tensor(ids, dtype=torch.int64, device=device)
+    if unique and len(set(idx)) != len(idx):
+        raise InvalidBlockError(f"duplicate {what} in one write: {sorted(idx)[:10]}...")
+    return torch.tensor(idx, dtype=torch.int64, device=device)
 
 
 __all__ = ["torch_dtype", "byte_view", "check_blocks", "index_tensor"]

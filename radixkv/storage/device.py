@@ -30,7 +30,8 @@ def _gather(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[n, L, 2, bs, h, d]`` contiguous copy of blocks ``ids`` (int64 on kv_cache's device):
     the kernels' ``gather_blocks`` (a Triton/torch kernel behind a checked launcher)."""
     from radixkv.kernels import gather_blocks  # lazy: keeps `import radixkv.storage` light
-    return gather_blocks(kv_cache, ids)
+    out: torch.Tensor = gather_blocks(kv_cache, ids)
+    return out
 
 
 def _scatter(kv_cache: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -140,7 +141,7 @@ class DevicePool:
 
     def read_blocks_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` into ``out [n, L, 2, block_size, h, d]`` (any device, e.g.
-        a run of pinned host slots), asynchronously on the current stream when ``out`` is pinned.
+        a run of pinned host blocks), asynchronously on the current stream when ``out`` is pinned.
 
         On CUDA: one gather kernel, then one DMA. On the CPU: one ``index_select`` over the
         block axis of a block-major view, written straight into ``out`` (a single pass over

@@ -41,23 +41,29 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.backend import (BlockWrite, Pins, PutResult, StorageBackend, block_view,
+                                     check_hash, check_outs)
 from radixkv.storage.buffers import byte_view, check_blocks, torch_dtype
 from radixkv.storage.disk_format import (HASH_BYTES, MAX_HEADER_LEN, BadBlockFile, BlockHeader,
                                          check_header, check_mac, decode_header, encode_header,
                                          header_len_for)
 from radixkv.storage.integrity import BlockSigner
-from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport,
+from radixkv.storage.disk_scan import (BLOCK_NAME, SUFFIX, DiskEntry, ScanReport, ScanTarget,
                                        open_block_file, scan_store)
 from radixkv.storage.layout import KVLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +143,7 @@ class DiskStore:
         self._stats = DiskStats()
         self._last_warn: dict[str, float] = {}
         self._seq = count()
+        self._pins: Pins[bytes] = Pins()
         self._host = f"{xxhash.xxh32_intdigest(socket.gethostname().encode()):08x}"
         try:  # the 256 fan-out subdirectories are created on first use
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +160,7 @@ class DiskStore:
     def _path_str(self, h: str) -> str:
         return f"{self._dir_s}{h[:2]}{os.sep}{h}{SUFFIX}"
 
-    def _payload_view(self, block: torch.Tensor | memoryview, what: str) -> memoryview:
+    def _payload_view(self, block: torch.Tensor | Buffer, what: str) -> memoryview:
         """Flat byte view of one block: a tensor ``[L, 2, block_size, h, d]`` of the layout
         dtype (any device: copied to the CPU when needed), or a bytes-like object of exactly
         ``bytes_per_block`` bytes (the transfer engine passes slices of a pool's byte view, so
@@ -163,21 +170,14 @@ class DiskStore:
             if block.device.type != "cpu" or not block.is_contiguous():
                 block = block.detach().to("cpu").contiguous()
             return byte_view(block)
-        view = memoryview(block)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes != self.layout.bytes_per_block or not view.c_contiguous:
-            raise InvalidBlockError(f"{what}: expected {self.layout.bytes_per_block} contiguous "
-                                    f"bytes, got {view.nbytes}")
-        return view
+        return block_view(block, self.layout.bytes_per_block, what)
 
-    def _check_hash(self, block_hash: bytes, what: str = "block_hash") -> None:
-        if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
-            raise InvalidBlockError(f"{what} must be {HASH_BYTES} bytes, got {block_hash!r}")
+    def _check_hash(self, block_hash: object, what: str = "block_hash") -> None:
+        check_hash(block_hash, what)
 
     # ---- write -----------------------------------------------------------------------------
     def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Iterable[int],
-            block: torch.Tensor | memoryview) -> bool:
+            block: torch.Tensor | Buffer) -> bool:
         """Store one block ``[L, 2, block_size, h, d]`` (layout dtype, any device; or its
         ``bytes_per_block`` raw bytes as a bytes-like object) atomically.
 
@@ -185,13 +185,27 @@ class DiskStore:
         (disk full, I/O error): the failure is counted and warned about, nothing is left visible.
         Raises ``InvalidBlockError`` for a wrong hash length or tensor shape/dtype (caller bugs).
         """
+        tokens, payload = self._check_put(block_hash, parent_hash, token_ids, block,
+                                          "DiskStore.put")
+        return self._put_checked(block_hash, parent_hash, tokens, payload)
+
+    def _check_put(self, block_hash: object, parent_hash: object, token_ids: Iterable[int],
+                   block: torch.Tensor | Buffer, what: str
+                   ) -> tuple[tuple[int, ...], memoryview]:
+        """Validate one block to write (raises ``InvalidBlockError``, writes nothing): its
+        token ids as a tuple and its payload as a byte view."""
         self._check_hash(block_hash)
         if parent_hash is not None:
             self._check_hash(parent_hash, "parent_hash")
         tokens = tuple(int(t) for t in token_ids)
+        if any(not -2**63 <= t < 2**63 for t in tokens):
+            raise InvalidBlockError(f"{what}: token ids must fit in int64")
         if header_len_for(len(tokens), self.signer is not None) > MAX_HEADER_LEN:
             raise InvalidBlockError(f"{len(tokens)} token ids do not fit in a block header")
-        payload = self._payload_view(block, "DiskStore.put")
+        return tokens, self._payload_view(block, what)
+
+    def _put_checked(self, block_hash: bytes, parent_hash: bytes | None,
+                     tokens: tuple[int, ...], payload: memoryview) -> bool:
         h = block_hash.hex()
         path = self._path_str(h)
         if self.contains(block_hash) and os.path.exists(path):  # content-addressed: same bytes
@@ -283,7 +297,7 @@ class DiskStore:
         out = torch.empty(self.layout.block_shape, dtype=torch_dtype(self.layout.dtype))
         return out if self.read_into(block_hash, out) else None
 
-    def read_into(self, block_hash: bytes, out: torch.Tensor | memoryview) -> bool:
+    def read_into(self, block_hash: bytes, out: torch.Tensor | Buffer) -> bool:
         """Read one block into ``out`` (contiguous CPU ``[L, 2, block_size, h, d]``, e.g. a host
         slot, or a writable bytes-like object of ``bytes_per_block`` bytes). True when ``out``
         now holds the verified block (header and payload checksums checked); on False ``out``
@@ -293,9 +307,8 @@ class DiskStore:
             check_blocks(out, self.layout, None, "DiskStore.read_into(out=)")
             dst = byte_view(out)
         else:
-            dst = self._payload_view(out, "DiskStore.read_into(out=)")
-            if dst.readonly:
-                raise InvalidBlockError("DiskStore.read_into(out=) needs a writable buffer")
+            dst = block_view(out, self.layout.bytes_per_block, "DiskStore.read_into(out=)",
+                             writable=True)
         path = self._path_str(block_hash.hex())
         try:
             fd, st = open_block_file(path)
@@ -418,8 +431,11 @@ class DiskStore:
             return list(self._index.values())
 
     def remove(self, block_hash: bytes) -> bool:
-        """Delete a block's file; True if a file was removed. I/O errors are warned, not raised."""
+        """Delete a block's file; True if a file was removed. A pinned block (:meth:`pin`) is
+        kept (False). I/O errors are warned, not raised."""
         self._check_hash(block_hash)
+        if self._pins.pinned(block_hash):
+            return False
         with self._lock:
             self._forget(block_hash)
         try:
@@ -432,6 +448,51 @@ class DiskStore:
         with self._lock:
             self._stats.removed += 1
         return True
+
+    # ---- the StorageBackend interface (radixkv/storage/backend.py) -------------------------
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether this process's index lists the block (see :meth:`contains`)."""
+        for h in keys:
+            self._check_hash(h)
+        with self._lock:
+            return [h in self._index for h in keys]
+
+    def read_into_many(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[bool]:
+        """:meth:`read_into` per block, after validating every hash and buffer (a bad one
+        raises ``InvalidBlockError`` and reads nothing)."""
+        for h in keys:
+            self._check_hash(h)
+        views = check_outs(keys, outs, self.layout.bytes_per_block,
+                           "DiskStore.read_into_many(outs=)")
+        return [self.read_into(h, v) for h, v in zip(keys, views)]
+
+    def put_many(self, blocks: Sequence[BlockWrite[bytes]]) -> PutResult:
+        """:meth:`put` per block, after validating all of them (a malformed one raises
+        ``InvalidBlockError`` and writes nothing). Failed writes (disk full, I/O error) are
+        False, counted in ``stats().put_failures``."""
+        checked = [(b[0], b[1], *self._check_put(b[0], b[1], b[2], b[3], "DiskStore.put_many"))
+                   for b in blocks]
+        return PutResult(self._put_checked(h, p, t, v) for h, p, t, v in checked)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keep these blocks from :meth:`remove` / :meth:`remove_many` (counted; per
+        process: another process may still remove the file, which is then a miss)."""
+        keys = list(keys)
+        for h in keys:
+            self._check_hash(h)
+        self._pins.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._pins.unpin(keys)
+
+    def remove_many(self, keys: Sequence[bytes]) -> int:
+        """:meth:`remove` per block (pinned ones are kept); the number of files removed."""
+        for h in keys:
+            self._check_hash(h)
+        return sum(self.remove(h) for h in keys)
+
+    def close(self) -> None:
+        """Nothing to release (no file stays open between calls); the files stay."""
 
     def check_invariants(self) -> None:
         """Raise AssertionError, with the numbers, if the index disagrees with itself."""
@@ -456,13 +517,14 @@ class DiskStore:
         Corrupt files are removed/quarantined, foreign ones counted and left, temporary files of
         dead writers removed. Runtime: O(files) syscalls, spread over ``scan_threads`` threads.
         """
-        return scan_store(self, verify_payload)
-
-    def _reset_index(self, found: list[DiskEntry]) -> None:
-        """Replace the index by the entries a scan found (disk_scan.py)."""
-        with self._lock:
+        target = ScanTarget(self.dir, self.layout, self.namespace, self.signer, self._host,
+                            self._header_len, self.scan_threads, self.stale_tmp_s,
+                            self._decode, self._bad_file, self._fail)
+        report, found = scan_store(target, verify_payload)
+        with self._lock:   # the index becomes exactly what the scan found
             self._index = {e.block_hash: e for e in found}
             self._bytes_used = sum(e.num_bytes for e in found)
+        return report
 
 
 def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
@@ -479,5 +541,10 @@ def _read_rest(fd: int, dst: memoryview, have: int, offset: int) -> int:
 def _is_hex_name(path: Path) -> bool:
     return BLOCK_NAME.match(path.name) is not None
 
+
+
+if TYPE_CHECKING:   # the type checker proves that DiskStore implements the interface
+    def _implements(store: DiskStore) -> StorageBackend[bytes]:
+        return store
 
 __all__ = ["DiskStore", "DiskEntry", "DiskStats", "ScanReport"]

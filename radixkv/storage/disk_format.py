@@ -140,7 +140,7 @@ def encode_header(namespace: bytes, block_hash: bytes, parent_hash: bytes | None
     return body + bytes(hlen - len(body))
 
 
-def peek_header_len(buf: bytes | memoryview) -> int:
+def peek_header_len(buf: bytes | bytearray | memoryview) -> int:
     """``header_len`` field of a version-1/2 file prefix (>= 12 bytes); raises BadBlockFile."""
     if len(buf) < _PREFIX.size:
         raise BadBlockFile("corrupt", f"file shorter than {_PREFIX.size} bytes")
@@ -150,7 +150,7 @@ def peek_header_len(buf: bytes | memoryview) -> int:
     if version not in (FORMAT_VERSION, SIGNED_VERSION):
         raise BadBlockFile("foreign", f"format version {version}, this reader knows "
                                       f"{FORMAT_VERSION} and {SIGNED_VERSION}")
-    return header_len
+    return int(header_len)
 
 
 def decode_header(buf: bytes | bytearray) -> BlockHeader:

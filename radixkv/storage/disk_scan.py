@@ -13,14 +13,18 @@ import re
 import stat
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import xxhash
 
-from radixkv.storage.disk_format import HASH_BYTES, BadBlockFile, check_header, check_mac
+from radixkv.storage.disk_format import (HASH_BYTES, BadBlockFile, BlockHeader, check_header,
+                                         check_mac)
+from radixkv.storage.integrity import BlockSigner
+from radixkv.storage.layout import KVLayout
 
 log = logging.getLogger("radixkv.storage.disk")
 
@@ -28,26 +32,25 @@ SUFFIX = ".kvb"
 BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb\Z")
 
 
-class DiskStore(Protocol):
-    """What the scan uses of :class:`radixkv.storage.disk.DiskStore` (declared here so that
-    this module does not import disk.py, which imports it)."""
+@dataclass(frozen=True)
+class ScanTarget:
+    """What a scan reads and calls of its :class:`radixkv.storage.disk.DiskStore`, handed over
+    by ``DiskStore.scan`` (this module does not import disk.py, which imports it): where the
+    files are, what a valid one looks like, and the store's handlers of a bad file
+    (``bad_file``: count it, remove or quarantine it), of an I/O error (``fail``) and of a header
+    (``decode``)."""
 
     dir: Path
-    scan_threads: int
-    stale_tmp_s: float
+    layout: KVLayout
     namespace: bytes
-    layout: Any
-    signer: Any
-    _host: str
-    _header_len: int
-
-    def _reset_index(self, found: list[DiskEntry]) -> None: ...
-
-    def _bad_file(self, path: Path, bad: BadBlockFile, st: os.stat_result | None) -> Any: ...
-
-    def _fail(self, op: str, exc: BaseException) -> Any: ...
-
-    def _decode(self, fd: int, raw: bytes) -> Any: ...
+    signer: BlockSigner | None
+    host_tag: str        # this host's tag in temporary file names (a dead writer's are removed)
+    header_len: int      # bytes of a header of this layout (read per file)
+    threads: int
+    stale_tmp_s: float
+    decode: Callable[[int, bytes | bytearray], BlockHeader]
+    bad_file: Callable[[Path, BadBlockFile, os.stat_result | None], None]
+    fail: Callable[[str, OSError], None]
 
 
 class DiskEntry(NamedTuple):
@@ -103,27 +106,28 @@ def open_block_file(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def scan_store(store: DiskStore, verify_payload: bool) -> ScanReport:
-    """Rebuild ``store``'s index from its files (``DiskStore.scan`` documents the contract)."""
+def scan_store(store: ScanTarget, verify_payload: bool
+               ) -> tuple[ScanReport, list[DiskEntry]]:
+    """Read the store's files (``DiskStore.scan`` documents the contract): the report and every
+    valid entry found (the store's new index)."""
     t0 = time.perf_counter()
     try:
         subdirs = [store.dir / n for n in os.listdir(store.dir) if len(n) == 2]
     except FileNotFoundError:
         subdirs = []
     tally: dict[str, int] = defaultdict(int)
-    with ThreadPoolExecutor(max(1, store.scan_threads)) as pool:
+    with ThreadPoolExecutor(max(1, store.threads)) as pool:
         parts = list(pool.map(lambda d: _scan_dir(store, d, verify_payload), subdirs))
     found: list[DiskEntry] = []
     for entries, counts in parts:
         found.extend(entries)
         for k, v in counts.items():
             tally[k] += v
-    store._reset_index(found)
     return ScanReport(_parents_first(found), tally["corrupt"], tally["foreign"],
-                      tally["stale_tmp"], time.perf_counter() - t0, tally["forged"])
+                      tally["stale_tmp"], time.perf_counter() - t0, tally["forged"]), found
 
 
-def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
+def _scan_dir(store: ScanTarget, d: Path, verify_payload: bool
               ) -> tuple[list[DiskEntry], dict[str, int]]:
     """Entries of one fan-out directory. The hot loop works on str paths: at 10^5 files,
     pathlib objects alone would cost about a second."""
@@ -142,7 +146,7 @@ def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
             if name.endswith(".tmp"):
                 counts["stale_tmp"] += _maybe_drop_tmp(store, d / name)
             elif name.endswith(SUFFIX):
-                store._bad_file(d / name, BadBlockFile("corrupt", "not a block file name"), None)
+                store.bad_file(d / name, BadBlockFile("corrupt", "not a block file name"), None)
                 counts["corrupt"] += 1
             continue
         try:
@@ -151,14 +155,14 @@ def _scan_dir(store: DiskStore, d: Path, verify_payload: bool
             counts[bad.kind] += 1
             continue
         except OSError as e:
-            store._fail("scan", e)
+            store.fail("scan", e)
             continue
         if entry is not None:
             entries.append(entry)
     return entries, counts
 
 
-def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
+def _read_entry(store: ScanTarget, path: str, name: str, verify_payload: bool
                 ) -> DiskEntry | None:
     """Index entry of one file from its header (and payload checksum if asked)."""
     block_hash = bytes.fromhex(name[:2 * HASH_BYTES])
@@ -167,11 +171,11 @@ def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
     except FileNotFoundError:
         return None  # removed meanwhile
     except BadBlockFile as bad:
-        store._bad_file(Path(path), bad, None)
+        store.bad_file(Path(path), bad, None)
         raise
     try:
         try:
-            hdr = store._decode(fd, os.pread(fd, store._header_len, 0))
+            hdr = store.decode(fd, os.pread(fd, store.header_len, 0))
             check_header(hdr, store.namespace, store.layout, block_hash, st.st_size,
                          store.signer)
             if verify_payload:
@@ -180,19 +184,19 @@ def _read_entry(store: DiskStore, path: str, name: str, verify_payload: bool
                     raise BadBlockFile("corrupt", "payload checksum mismatch")
                 check_mac(hdr, payload, store.signer)
         except BadBlockFile as bad:
-            store._bad_file(Path(path), bad, st)
+            store.bad_file(Path(path), bad, st)
             raise
     finally:
         os.close(fd)
     return DiskEntry(block_hash, hdr.parent_hash, hdr.token_ids, st.st_size)
 
 
-def _maybe_drop_tmp(store: DiskStore, path: Path) -> int:
+def _maybe_drop_tmp(store: ScanTarget, path: Path) -> int:
     """Remove a temporary file whose writer is dead (same host) or that is stale."""
     try:
         _, _, writer = path.name.split(".")[:3]
         host, pid = writer.split("-")[:2]
-        dead = host == store._host and not _pid_alive(int(pid))
+        dead = host == store.host_tag and not _pid_alive(int(pid))
         if dead or time.time() - path.stat().st_mtime > store.stale_tmp_s:
             path.unlink()
             return 1

@@ -1,9 +1,10 @@
 """The remote tier's store: KV blocks in a Redis (>= 6) or Valkey server that replicas share.
 
 One ``RemoteStore`` per (server, namespace). Keys and values are defined in
-``remote_format.py``; URLs and the client in ``remote_client.py``; the write path (queue,
-writer thread, key TTLs) in ``remote_writes.py``. The store is torch-free: blocks
-go in and out as byte views (``buffers.byte_view(tensor)`` of a host slot), like the disk tier's.
+``remote_format.py``; URLs and the client in ``remote_client.py``; the write queue and its
+thread in ``remote_writes.py`` (a part the store owns, not a base class). The store is
+torch-free: blocks go in and out as byte views (``buffers.byte_view(tensor)`` of a host
+slot), like the disk tier's.
 
 What costs a round trip:
   * ``contains_many(hashes)``: one pipelined batch of ``EXISTS`` (one write, one read).
@@ -35,12 +36,12 @@ in it) is caught; anything else is a bug and propagates.
 from __future__ import annotations
 
 import logging
-import queue
+import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -51,11 +52,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install 'radixkv[remote]'") from e
 
 from radixkv.errors import ConfigError, InvalidBlockError
+from radixkv.storage.backend import (Pins, PutResult, StorageBackend, block_view, check_hash,
+                                     check_outs)
 from radixkv.storage.layout import KVLayout
 from radixkv.storage.remote_client import make_client, parse_url
 from radixkv.storage.remote_format import (HASH_BYTES, BadValue, RemoteBlock, Signer,
-                                           decode_value, key_prefix)
-from radixkv.storage.remote_writes import RemoteWrites
+                                           decode_value, encode_value, key_prefix)
+from radixkv.storage.remote_writes import RemoteWriteQueue, WriteItem
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,11 @@ class RemoteStats:
     refresh_missed: int = 0     # refreshes of a key the server no longer had
 
 
-class RemoteStore(RemoteWrites):
+#: One block to put: ``(block_hash, parent_hash, token_ids, payload)`` (a ``BlockWrite``).
+PutItem = tuple[bytes, bytes | None, Sequence[int], Any]
+
+
+class RemoteStore:
     """Blocks of one namespace in a Redis/Valkey server; thread-safe.
 
     Args:
@@ -127,23 +134,20 @@ class RemoteStore(RemoteWrites):
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self._prefix = key_prefix(prefix, namespace, signer)
         self._timeouts = (socket_timeout, connect_timeout, max_connections)
-        self._write_batch, self._backoff_s = write_batch, backoff_s
+        self._backoff_s = backoff_s
         self._lock = threading.Lock()
+        self._pins: Pins[bytes] = Pins()
         self._stats = RemoteStats()
         self._client: Any = None
         self._available = False
         self._backoff = backoff_s[0]
         self._retry_at = 0.0
-        # (key, value, px): a SET with that expiry, or (key, None, px) a PEXPIRE
-        self._queue: queue.Queue[tuple[bytes, bytes | None, int | None]] = queue.Queue(queue_blocks)
-        self._lost: list[bytes] = []   # keys a refresh found gone (block hashes), for take_lost
-        self._pending = 0   # values queued or being written
-        self._idle = threading.Condition(self._lock)
-        self._closed = threading.Event()
         self._probe(first=True)
-        self._writer = threading.Thread(target=self._write_loop, daemon=True,
-                                        name=f"radixkv-remote-writer-{self.remote.display}")
-        self._writer.start()
+        self._writes = RemoteWriteQueue(
+            lock=self._lock, stats=self._stats, available=lambda: self._available,
+            pipeline=self._pipeline, fail=self._fail, probe_if_due=self._probe_if_due,
+            queue_blocks=queue_blocks, write_batch=write_batch,
+            name=f"radixkv-remote-writer-{self.remote.display}")
 
     # ---- keys and state --------------------------------------------------------------------
     def key_of(self, block_hash: bytes) -> bytes:
@@ -152,8 +156,7 @@ class RemoteStore(RemoteWrites):
 
     def _keys(self, hashes: Sequence[bytes]) -> list[bytes]:
         for h in hashes:
-            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-                raise InvalidBlockError(f"block hashes must be {HASH_BYTES} bytes, got {h!r}")
+            check_hash(h, "block hashes")
         p = self._prefix
         return [p + h.hex().encode() for h in hashes]
 
@@ -186,6 +189,11 @@ class RemoteStore(RemoteWrites):
         if was_down:
             log.warning("remote tier %s is back", self.remote.display)
         return True
+
+    def _probe_if_due(self) -> None:
+        """Reconnect attempt of the writer thread while the server is down (backed off)."""
+        if not self._available and time.monotonic() >= self._retry_at:
+            self._probe()
 
     def _count_error(self, e: RedisError) -> None:
         if isinstance(e, RedisTimeoutError):
@@ -298,11 +306,11 @@ class RemoteStore(RemoteWrites):
 
     def read_into_many(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         """Read blocks into caller buffers (writable bytes-like, ``bytes_per_block`` bytes each,
-        e.g. ``buffers.byte_view`` of host slots); True where ``outs[i]`` now holds the verified
+        e.g. ``buffers.byte_view`` of host blocks); True where ``outs[i]`` now holds the verified
         block. One round trip plus one copy per hit; a False buffer is left untouched."""
-        if len(outs) != len(hashes):
-            raise InvalidBlockError(f"{len(hashes)} hashes but {len(outs)} output buffers")
-        views = [self._view(o, "RemoteStore.read_into_many(outs=)", writable=True) for o in outs]
+        self._keys(hashes)   # validates the hashes before any buffer is touched
+        views = check_outs(hashes, outs, self.layout.bytes_per_block,
+                           "RemoteStore.read_into_many(outs=)")
         ok = []
         for blk, dst in zip(self.get_many(hashes), views):
             if blk is not None:
@@ -311,20 +319,93 @@ class RemoteStore(RemoteWrites):
         return ok
 
     def _view(self, buf: Any, what: str, writable: bool = False) -> memoryview:
-        view = memoryview(buf)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes != self.layout.bytes_per_block or not view.c_contiguous:
-            raise InvalidBlockError(f"{what}: expected {self.layout.bytes_per_block} contiguous "
-                                    f"bytes, got {view.nbytes}")
-        if writable and view.readonly:
-            raise InvalidBlockError(f"{what} needs writable buffers")
-        return view
+        return block_view(buf, self.layout.bytes_per_block, what, writable)
+
+    # ---- writes (queued to RemoteWriteQueue) ----------------------------------------------
+    def encode(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
+               payload: Any) -> tuple[bytes, bytes]:
+        """(key, value) of a block; copies ``payload`` (the caller may reuse its buffer)."""
+        (key,) = self._keys([block_hash])
+        if parent_hash is not None:
+            check_hash(parent_hash, "parent_hash")
+        tokens = tuple(int(t) for t in token_ids)
+        if any(not 0 <= t < 2**32 for t in tokens):
+            raise InvalidBlockError("token ids must be in [0, 2**32)")
+        view = self._view(payload, "RemoteStore.put")
+        return key, encode_value(self.namespace, block_hash, parent_hash, tokens, self.layout,
+                                 view, self.signer)
+
+    def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
+            payload: Any, wait: bool = False) -> bool:
+        """Store one block (``payload``: bytes-like of ``bytes_per_block`` bytes). Returns
+        whether it was queued (``wait=False``) or written (``wait=True``)."""
+        return self.put_many([(block_hash, parent_hash, token_ids, payload)], wait)[0]
+
+    def put_many(self, blocks: Iterable[PutItem], wait: bool = False,
+                 ttl_s: float | None = None) -> PutResult:
+        """Store blocks (``BlockWrite`` items or plain tuples): queued for the background
+        writer (never blocks; a full queue or an unavailable server drops the write and counts
+        it), or with ``wait=True`` written in this thread as one pipelined batch (True once
+        the server acknowledged).
+
+        ``ttl_s``: a retention these blocks must have at least (a 24-hour prompt cache): their
+        keys expire after the longer of it and the store's ``ttl_s``; a store without a key TTL
+        keeps every key until the server's own eviction anyway, so it changes nothing there."""
+        # Encode the whole call first (it validates every block: a caller bug raises before
+        # anything is queued), then queue: the writer then sees full batches. Queueing each
+        # value as soon as it is encoded was tried: no faster on two shared cores (the GIL
+        # alternates between encoder and writer, and the writer sends 1-value pipelines).
+        px = self._px(ttl_s)
+        items: list[WriteItem] = [(*self.encode(*b), px) for b in blocks]
+        return PutResult(self._writes.submit(items, wait))
+
+    def refresh_many(self, hashes: Sequence[bytes], ttl_s: float | None = None,
+                     wait: bool = False) -> list[bool]:
+        """Restart the expiry clock of blocks already written (``PEXPIRE``, no payload sent):
+        a block kept for a retention is used again. A key the server no longer has is counted
+        (``refresh_missed``) and its hash handed out by :meth:`take_lost`, so the caller writes
+        it again. A store without a key TTL has nothing to refresh: a no-op."""
+        px = self._px(ttl_s)
+        if px is None:
+            return [True] * len(hashes)
+        keys = self._keys(hashes)
+        return self._writes.submit([(k, None, px) for k in keys], wait)
+
+    def take_lost(self) -> list[bytes]:
+        """Block hashes whose refresh found no key since the last call (thread-safe)."""
+        n = len(self._prefix)
+        return [bytes.fromhex(k[n:].decode()) for k in self._writes.take_lost_keys()]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued value was written or failed; False on timeout."""
+        return self._writes.flush(timeout)
+
+    def _px(self, ttl_s: float | None) -> int | None:
+        if ttl_s is not None and not (ttl_s > 0 and math.isfinite(ttl_s)):
+            raise InvalidBlockError(f"ttl_s must be a positive, finite time, got {ttl_s!r}")
+        if self.ttl_ms is None or ttl_s is None:
+            return self.ttl_ms
+        return max(self.ttl_ms, int(ttl_s * 1000))
 
     # ---- removal, stats, lifetime ----------------------------------------------------------
-    def delete_many(self, hashes: Sequence[bytes]) -> int:
-        """Delete blocks; the number of keys removed (0 on failure, counted and logged)."""
-        return self._delete_keys(self._keys(hashes), "delete", count=False)
+    def remove_many(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks from the server, except those pinned here (:meth:`pin`); the number
+        of keys removed (0 on failure, counted and logged)."""
+        keys = [h for h, k in zip(keys, self._keys(keys)) if not self._pins.pinned(h)]
+        return self._delete_keys(self._keys(keys), "delete", count=False) if keys else 0
+
+    delete_many = remove_many
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keep these blocks from this process's :meth:`remove_many` (counted). Local only:
+        the server's ``maxmemory`` eviction, a TTL or another replica may still remove
+        them (a miss)."""
+        keys = list(keys)
+        self._keys(keys)
+        self._pins.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._pins.unpin(keys)
 
     def _delete_keys(self, keys: list[bytes], op: str, count: bool = True) -> int:
         if not self._available:
@@ -334,9 +415,9 @@ class RemoteStore(RemoteWrites):
                 pipe = self._pipeline()
                 for k in keys:
                     pipe.delete(k)
-                n = sum(pipe.execute())
+                n = sum(int(r) for r in pipe.execute())
             else:
-                n = self._client.delete(*keys)
+                n = int(self._client.delete(*keys))
         except RedisError as e:
             self._fail(op, e)
             return 0
@@ -353,22 +434,19 @@ class RemoteStore(RemoteWrites):
 
     def check_invariants(self) -> None:
         """Raise AssertionError, with the numbers, if the counters disagree with each other."""
+        self._writes.check_invariants()
         with self._lock:
             s = self._stats
-            assert self._pending >= 0, f"pending {self._pending} < 0"
-            assert self._queue.qsize() <= self._pending, \
-                f"{self._queue.qsize()} queued > {self._pending} pending"
             assert s.hits + s.misses == s.gets, f"hits {s.hits} + misses {s.misses} != {s.gets}"
             bad = s.corrupt + s.stale + s.foreign
             assert bad <= s.misses, f"{bad} bad values > {s.misses} misses"
 
     def close(self, flush_timeout: float = 1.0) -> None:
         """Write what is queued (up to ``flush_timeout`` s), stop the writer, close sockets."""
-        if self._closed.is_set():
+        if self._writes.closed:
             return
         self.flush(flush_timeout)
-        self._closed.set()
-        self._writer.join(timeout=flush_timeout + 1.0)
+        self._writes.close(flush_timeout + 1.0)
         if self._client is not None:
             try:
                 self._client.close()
@@ -382,4 +460,9 @@ class RemoteStore(RemoteWrites):
         self.close()
 
 
-__all__ = ["RemoteStore", "RemoteStats", "RemoteBlock"]
+
+if TYPE_CHECKING:   # the type checker proves that RemoteStore implements the interface
+    def _implements(store: RemoteStore) -> StorageBackend[bytes]:
+        return store
+
+__all__ = ["RemoteStore", "RemoteStats", "RemoteBlock", "PutItem"]

@@ -1,129 +1,81 @@
-"""The remote store's write path: encoding, the bounded queue, the writer thread, key TTLs.
+"""The remote store's write path: the bounded queue, the writer thread, pipelined batches.
 
-``RemoteWrites`` is a mixin of :class:`~radixkv.storage.remote.RemoteStore` (one owner: what
-reaches the server and when). Writes are queued and sent by one background thread in pipelined
-batches (``SET`` with the key's expiry; ``PEXPIRE`` for a refresh, which sends no payload), so
-the caller never waits on the network unless it asks (``wait=True``). A full queue or a server
-that is down drops the write and counts it: a write is only a future hit.
+:class:`RemoteWriteQueue` is a part of :class:`~radixkv.storage.remote.RemoteStore` (it owns the
+queue, the thread and what they count; the store owns the connection and encodes values).
+Writes are queued and sent by one background thread in pipelined batches (``SET`` with the
+key's expiry; ``PEXPIRE`` for a refresh, which sends no payload), so the caller never waits on
+the network unless it asks (``wait=True``). A full queue or a server that is down drops the
+write and counts it: a write is only a future hit.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import queue
 import threading
-import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
-from radixkv.errors import InvalidBlockError
-from radixkv.storage.remote_format import HASH_BYTES, Signer, encode_value
-
-if TYPE_CHECKING:
-    from radixkv.storage.layout import KVLayout
-    from radixkv.storage.remote import RemoteStats
-
-log = logging.getLogger(__name__)
-
-PutItem = tuple[bytes, bytes | None, Sequence[int], Any]  # (hash, parent, token ids, payload)
+#: One queued write: ``(key, value, px)`` is a ``SET`` of ``value`` with expiry ``px`` ms (None:
+#: none); ``(key, None, px)`` a ``PEXPIRE`` (a refresh).
+WriteItem = tuple[bytes, bytes | None, int | None]
 
 
-class RemoteWrites:
-    """The write path of ``RemoteStore`` (a mixin; see the module docstring)."""
+class WriteCounters(Protocol):
+    """The counters of ``RemoteStats`` the write path updates (declared here so that this
+    module does not import remote.py, which imports it)."""
 
-    layout: KVLayout
-    namespace: bytes
-    signer: Signer | None
-    ttl_ms: int | None
-    _prefix: bytes
-    _lock: threading.Lock
-    _stats: RemoteStats
-    _available: bool
-    _retry_at: float
-    _write_batch: int
-    _queue: queue.Queue[tuple[bytes, bytes | None, int | None]]
-    _lost: list[bytes]
-    _pending: int
-    _idle: threading.Condition
-    _closed: threading.Event
+    puts: int
+    put_failures: int
+    put_dropped: int
+    put_skipped: int
+    round_trips: int
+    bytes_written: int
+    refreshes: int
+    refresh_missed: int
 
-    if TYPE_CHECKING:  # RemoteStore's own helpers, used here
-        def _keys(self, hashes: Sequence[bytes]) -> list[bytes]: ...
-        def _view(self, buf: Any, what: str, writable: bool = False) -> memoryview: ...
-        def _pipeline(self) -> Any: ...
-        def _probe(self, first: bool = False) -> bool: ...
-        def _fail(self, op: str, e: RedisError) -> None: ...
 
-    def encode(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
-               payload: Any) -> tuple[bytes, bytes]:
-        """(key, value) of a block; copies ``payload`` (the caller may reuse its buffer)."""
-        (key,) = self._keys([block_hash])
-        if parent_hash is not None and (not isinstance(parent_hash, bytes)
-                                        or len(parent_hash) != HASH_BYTES):
-            raise InvalidBlockError(f"parent_hash must be {HASH_BYTES} bytes, got {parent_hash!r}")
-        tokens = tuple(int(t) for t in token_ids)
-        if any(not 0 <= t < 2**32 for t in tokens):
-            raise InvalidBlockError("token ids must be in [0, 2**32)")
-        view = self._view(payload, "RemoteStore.put")
-        return key, encode_value(self.namespace, block_hash, parent_hash, tokens, self.layout,
-                                 view, self.signer)
+class RemoteWriteQueue:
+    """The write path of one ``RemoteStore`` (see the module docstring); thread-safe.
 
-    def put(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
-            payload: Any, wait: bool = False) -> bool:
-        """Store one block (``payload``: bytes-like of ``bytes_per_block`` bytes). Returns
-        whether it was queued (``wait=False``) or written (``wait=True``)."""
-        return self.put_many([(block_hash, parent_hash, token_ids, payload)], wait)[0]
+    Args:
+        lock, stats: the store's lock and counters (``puts``, ``put_failures``,
+            ``put_dropped``, ``put_skipped``, ``round_trips``, ``bytes_written``,
+            ``refreshes``, ``refresh_missed``), updated under the lock.
+        available: whether the server is up (the store's view).
+        pipeline: a new non-transactional pipeline on the store's client.
+        fail: the store's handler of a client error (counts it; may take the store down).
+        probe_if_due: the store's reconnect attempt, called by the thread while the server is
+            down (it backs off by itself).
+        queue_blocks: values the queue may hold; a put beyond it is dropped.
+        write_batch: values per pipelined batch.
+        name: the writer thread's name.
+    """
 
-    def put_many(self, blocks: Iterable[PutItem], wait: bool = False,
-                 ttl_s: float | None = None) -> list[bool]:
-        """Store blocks: queued for the background writer (never blocks; a full queue or an
-        unavailable server drops the write and counts it), or with ``wait=True`` written in
-        this thread as one pipelined batch (True once the server acknowledged).
+    def __init__(self, *, lock: threading.Lock, stats: WriteCounters,
+                 available: Callable[[], bool], pipeline: Callable[[], Any],
+                 fail: Callable[[str, RedisError], None], probe_if_due: Callable[[], None],
+                 queue_blocks: int, write_batch: int, name: str) -> None:
+        self._lock, self._stats = lock, stats
+        self._available, self._pipeline, self._fail = available, pipeline, fail
+        self._probe_if_due = probe_if_due
+        self._write_batch = write_batch
+        self._queue: queue.Queue[WriteItem] = queue.Queue(queue_blocks)
+        self._lost: list[bytes] = []   # keys a refresh found gone, for take_lost_keys
+        self._pending = 0   # values queued or being written
+        self._idle = threading.Condition(lock)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
 
-        ``ttl_s``: a retention these blocks must have at least (a 24-hour prompt cache): their
-        keys expire after the longer of it and the store's ``ttl_s``; a store without a key TTL
-        keeps every key until the server's own eviction anyway, so it changes nothing there."""
-        # Encode the whole call first (it validates every block: a caller bug raises before
-        # anything is queued), then queue: the writer then sees full batches. Queueing each
-        # value as soon as it is encoded was tried: no faster on two shared cores (the GIL
-        # alternates between encoder and writer, and the writer sends 1-value pipelines).
-        px = self._px(ttl_s)
-        return self._enqueue([(*self.encode(*b), px) for b in blocks], wait)
-
-    def refresh_many(self, hashes: Sequence[bytes], ttl_s: float | None = None,
-                     wait: bool = False) -> list[bool]:
-        """Restart the expiry clock of blocks already written (``PEXPIRE``, no payload sent):
-        a block kept for a retention is used again. A key the server no longer has is counted
-        (``refresh_missed``) and its hash handed out by :meth:`take_lost`, so the caller writes
-        it again. A store without a key TTL has nothing to refresh: a no-op."""
-        px = self._px(ttl_s)
-        if px is None:
-            return [True] * len(hashes)
-        keys = self._keys(hashes)
-        return self._enqueue([(k, None, px) for k in keys], wait)
-
-    def take_lost(self) -> list[bytes]:
-        """Block hashes whose refresh found no key since the last call (thread-safe)."""
-        with self._lock:
-            lost, self._lost = self._lost, []
-        n = len(self._prefix)
-        return [bytes.fromhex(k[n:].decode()) for k in lost]
-
-    def _px(self, ttl_s: float | None) -> int | None:
-        if ttl_s is not None and not (ttl_s > 0 and math.isfinite(ttl_s)):
-            raise InvalidBlockError(f"ttl_s must be a positive, finite time, got {ttl_s!r}")
-        if self.ttl_ms is None or ttl_s is None:
-            return self.ttl_ms
-        return max(self.ttl_ms, int(ttl_s * 1000))
-
-    def _enqueue(self, items: list[tuple[bytes, bytes | None, int | None]],
-                 wait: bool) -> list[bool]:
+    def submit(self, items: list[WriteItem], wait: bool) -> list[bool]:
+        """Queue ``items`` (never blocks: a full queue or an unavailable server drops the write
+        and counts it), or with ``wait`` write them in this thread as one pipelined batch
+        (True once the server acknowledged)."""
         if wait:
-            return self._write(items)
-        if not self._available:
+            return self.write(items)
+        if not self._available():
             with self._lock:
                 self._stats.put_skipped += len(items)
             return [False] * len(items)
@@ -141,10 +93,11 @@ class RemoteWrites:
                 queued.append(False)
         return queued
 
-    def _write(self, items: list[tuple[bytes, bytes | None, int | None]]) -> list[bool]:
+    def write(self, items: list[WriteItem]) -> list[bool]:
+        """Send ``items`` now as one pipelined batch; per item whether the server did it."""
         if not items:
             return []
-        if not self._available:
+        if not self._available():
             with self._lock:
                 self._stats.put_skipped += len(items)
             return [False] * len(items)
@@ -182,11 +135,17 @@ class RemoteWrites:
             self._fail("put", errors[0])
         return ok
 
-    def _write_loop(self) -> None:
+    def take_lost_keys(self) -> list[bytes]:
+        """Keys whose refresh found them gone since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def _loop(self) -> None:
         """Background writer: batches queued values into pipelines; probes while down."""
         while not self._closed.is_set():
-            if not self._available and time.monotonic() >= self._retry_at:
-                self._probe()
+            if not self._available():
+                self._probe_if_due()
             try:
                 first = self._queue.get(timeout=0.02)
             except queue.Empty:
@@ -198,7 +157,7 @@ class RemoteWrites:
                 except queue.Empty:
                     break
             try:
-                self._write(batch)
+                self.write(batch)
             finally:
                 with self._lock:
                     self._pending -= len(batch)
@@ -209,5 +168,21 @@ class RemoteWrites:
         with self._lock:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
+    def close(self, timeout: float) -> None:
+        """Stop the thread (after the batch in hand), waiting up to ``timeout`` s."""
+        self._closed.set()
+        self._thread.join(timeout=timeout)
 
-__all__ = ["PutItem", "RemoteWrites"]
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the numbers, if the queue and its count disagree."""
+        with self._lock:
+            assert self._pending >= 0, f"pending {self._pending} < 0"
+            assert self._queue.qsize() <= self._pending, \
+                f"{self._queue.qsize()} queued > {self._pending} pending"
+
+
+__all__ = ["RemoteWriteQueue", "WriteCounters", "WriteItem"]

@@ -13,19 +13,19 @@ memory starts.
 Off the critical path (write-behind and prefetch):
 
 * **Writes to disk** (host/device -> disk) copy their source blocks into a staging buffer at
-  once (so the host slot or device block is free for reuse when ``apply_moves`` returns) and
+  once (so the host block or device block is free for reuse when ``apply_moves`` returns) and
   write the files on the mover's I/O threads; they are *pending* until :meth:`drain`. The next
   group drains them only if it reads or removes a file (a load from disk, a drop of a disk
   block); device/host copies and further writes go on. The engine drains at the start of each
   step and when it goes idle, so the writes overlap the forward pass.
 * **Prefetch loads** (disk -> host, from ``RadixTree.promote_lower``) are transfer-engine
-  batches left running too; they write host slots, so any later group drains them first.
+  batches left running too; they write host blocks, so any later group drains them first.
 * **Promotions into the device** (disk -> device with ``async_loads``, host -> device with
   ``async_host_loads``) are left running
   too: :meth:`inflight_device_blocks` names the device blocks they write, and the caller (the
   engine's scheduler) keeps every sequence holding one of them out of the forward until
   :meth:`poll_loads` (non-blocking) or :meth:`wait_loads` settles it. A later group that would
-  rewrite a host slot such a load still reads (a demotion into the slot the promotion freed),
+  rewrite a host block such a load still reads (a demotion into the slot the promotion freed),
   or touch one of its device blocks, waits for it first. ``drain(loads=False)`` settles
   everything else and leaves unfinished promotions running.
 * At drain, failures are filed exactly as for synchronous moves (below); a prefetch load that
@@ -36,7 +36,7 @@ Off the critical path (write-behind and prefetch):
 What each move does:
 
 =====================  =====================================================================
-device -> host         copy the device block into the host slot
+device -> host         copy the device block into the host block
 host/device -> disk    ``DiskStore.put`` with the node's parent hash and token ids (so another
                        process can rebuild the tree); skipped if the tree no longer caches the
                        block (it was dropped later in the same list)
@@ -77,15 +77,16 @@ import torch
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, RadixTree
-from radixkv.tiers.protocol import DeviceOnlyMover, KVMover
-from radixkv.tiers.faults import drop_failed_prefetches, drop_failed_writes
+from radixkv.tiers.protocol import CacheWriter, DeviceOnlyMover, KVMover, TreeCacheWriter
 from radixkv.tiers.mover_state import MoverStats, _Outcome, _Pending, wrap_device_pool
-from radixkv.errors import ConfigError, StorageError
+from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.backend import BlockWrite
+from radixkv.storage.buffers import byte_view
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import (IO_ERRORS, DeviceBlock, DiskBlock, HostSlot, Move,
-                                     TransferEngine)
+from radixkv.tiers.transfer import (IO_ERRORS, BatchResult, DeviceBlock, DiskBlock, HostBlock,
+                                     Location, Move, TransferEngine)
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,13 @@ class TieredKVMover(KVMover):
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, host: HostPool | None,
                  disk: DiskStore | None, tree: RadixTree, io_threads: int = 4,
                  async_loads: bool = False, async_host_loads: bool = False,
-                 writer: Any = None) -> None:
+                 writer: CacheWriter | None = None) -> None:
         self.kv_cache = kv_cache
         self.layout = layout
         self.host, self.disk, self.tree = host, disk, tree
         # who changes the tree when a move fails (the engine's block manager, the tree's only
         # writer; unit tests may pass none and let the tree itself take the calls)
-        self._writer = writer if writer is not None else tree
+        self._writer: CacheWriter = writer if writer is not None else TreeCacheWriter(tree)
         self.kinds = ["device"] + (["host"] if host is not None else []) \
             + (["disk"] if disk is not None else [])
         if len(self.kinds) != tree.num_tiers:
@@ -144,7 +145,7 @@ class TieredKVMover(KVMover):
         self.stats = MoverStats()
         self._block_bytes = layout.bytes_per_block
         #: Called with each group of a move list right before it runs, after the groups before
-        #: it have landed (the remote tier's write-back reads the host slots of blocks leaving
+        #: it have landed (the remote tier's write-back reads the host blocks of blocks leaving
         #: the host tier: at that moment they hold exactly those blocks).
         self._observers: list[Callable[[Sequence[MoveOp]], None]] = []
 
@@ -165,14 +166,14 @@ class TieredKVMover(KVMover):
 
         Writes to disk, disk -> host prefetch loads and (with ``async_loads``) promotions into
         the device are left running (see the module docstring); a later group that could touch
-        what they touch waits for them first. Nothing but moves reads or writes host slots or
+        what they touch waits for them first. Nothing but moves reads or writes host blocks or
         block files, so the result is the same as waiting for each batch at once."""
         failed_writes: list[MoveOp] = []
         # Where a block written to disk is found (the tree indexes nodes, not blocks: by its
         # place, not its hash): its last move in this list that leaves it somewhere. And the
         # writes whose very residency a later move of the list drops (not worth writing).
         self._last_moves = {m.block_hash: m for m in moves if m.dst_tier is not None}
-        self._wasted: set[int] = set()
+        self._wasted = set()
         dropped: set[tuple[bytes, int, int]] = set()
         for m in reversed(moves):
             if m.dst_tier is None:
@@ -196,7 +197,7 @@ class TieredKVMover(KVMover):
             self._run_group(moves[i:j], failed_writes)
             i = j
         if failed_writes:
-            drop_failed_writes(self, failed_writes)
+            self._drop_failed_writes(failed_writes)
 
     def drain(self, loads: bool = True) -> None:
         """Wait for the batches left running by :meth:`apply_moves` and settle their outcome:
@@ -224,7 +225,7 @@ class TieredKVMover(KVMover):
         done = []
         for p in self._pending:
             if p.kind == "load":
-                result = self.engine.complete(p.batch)
+                result = self.engine.complete(p.transfer)
                 if result is not None:
                     done.append((p, result))
         if done:
@@ -259,23 +260,24 @@ class TieredKVMover(KVMover):
         failed_writes: list[MoveOp] = []
         failed_loads: list[MoveOp] = []
         for p in pending:
+            result: BatchResult | _Outcome | None
             if p.kind == "write":
-                errors = [f.result() for f in p.batch]
+                errors = [f.result() for f in p.writes]
                 result = _Outcome(tuple(e is None for e in errors), tuple(errors))
             else:
-                result = self.engine.wait(p.batch)
+                result = self.engine.wait(p.transfer)
             if result is None:  # wait() without timeout only returns a result
                 raise StorageError(f"transfer batch of {len(p.ops)} {p.direction} moves vanished")
             self._settle(p.ops, result, failed_writes, failed_loads)
         if failed_writes:
-            drop_failed_writes(self, failed_writes)
+            self._drop_failed_writes(failed_writes)
         if failed_loads:
-            drop_failed_prefetches(self, failed_loads)
+            self._drop_failed_prefetches(failed_loads)
 
     def _wait_conflicts(self, group: Sequence[MoveOp]) -> None:
         """Wait for the pending batches the next group may touch. A pending prefetch writes
-        host slots (drain everything first); a pending write only its own file (drain before a
-        load or removal of a file); a pending promotion reads its host slots (wait before one
+        host blocks (drain everything first); a pending write only its own file (drain before a
+        load or removal of a file); a pending promotion reads its host blocks (wait before one
         of them is rewritten) and writes its device blocks (wait before one is read or
         written)."""
         if not self._pending:
@@ -322,6 +324,56 @@ class TieredKVMover(KVMover):
         self.stats.copies += len(copies)
 
     # ------------------------------------------------------------------ faults
+    # How failed moves are filed: the bookkeeping must never claim bytes a tier does not hold
+    # (changes go through the writer, the block manager).
+    def _drop_failed_prefetches(self, failed: list[MoveOp]) -> None:
+        """Prefetch loads (disk -> host) that failed: the host block holds garbage. A node still
+        there is dropped with its subtree (host/disk, unreferenced); one the tree moved since
+        is poisoned, so its next move out of the host fails instead of copying garbage."""
+        tree = self.tree
+        for m in failed:
+            h = m.block_hash
+            node = tree.block_of(h, (m.dst_tier, m.dst_block_id))
+            if node is None:
+                continue
+            if node.tier == m.dst_tier and node.block_id == m.dst_block_id:
+                drops = self._writer.invalidate(h)
+                self.stats.invalidated_blocks += len(drops)
+                for d in drops:
+                    self._prefetched.discard(d.block_hash)
+                    if self.kinds[d.src_tier] == "disk":
+                        self.stats.files_removed += self._disk().remove_many([d.block_hash])
+            else:
+                self._poisoned.add(m.block_hash)
+
+
+    def _drop_failed_writes(self, failed: list[MoveOp]) -> None:
+        """Nodes the tree still places on disk although their file was never written: drop
+        them (and their subtrees, which live on disk too) so that they degrade to a miss."""
+        tree = self.tree
+        for m in failed:
+            h, dst_tier = m.block_hash, m.dst_tier
+            if dst_tier is None:
+                continue   # a drop writes nothing, so it cannot fail a write
+            node = tree.block_of(h, (dst_tier, m.dst_block_id))
+            if node is None:
+                continue
+            if node.tier != dst_tier or node.block_id != m.dst_block_id:
+                # a write-through copy: drop just the copy (the node lives on faster up);
+                # otherwise promoted (its load failed too, handled there) or dropped since
+                if tree.copy_block_id(h, dst_tier) == m.dst_block_id:
+                    self._writer.drop_copy(h, dst_tier)
+                    self.stats.dropped_copies += 1
+                continue
+            drops = self._writer.invalidate(h)
+            self.stats.invalidated_blocks += len(drops)
+            for d in drops:  # descendants on disk: remove their files
+                if self.kinds[d.src_tier] == "disk" and d.block_hash != m.block_hash:
+                    self.stats.files_removed += self._disk().remove_many([d.block_hash])
+        if failed:
+            log.warning("%d KV block(s) could not be written to the disk tier; dropped from "
+                        "the cache (they will be recomputed when needed)", len(failed))
+
     def take_failed_loads(self) -> list[bytes]:
         """Hashes of blocks whose promotion failed since the last call (the caller must
         invalidate them before any sequence reads them)."""
@@ -337,13 +389,25 @@ class TieredKVMover(KVMover):
             self._io.shutdown(wait=True)
 
     # ------------------------------------------------------------------ internals
-    def _loc(self, tier: int, slot: int, block_hash: bytes) -> object:
+    def _loc(self, tier: int | None, slot: int | None, block_hash: bytes) -> Location:
+        if tier is None or slot is None:
+            raise InvalidBlockError(f"a drop of {block_hash.hex()[:16]} has no location")
         kind = self.kinds[tier]
         if kind == "device":
             return DeviceBlock(slot)
         if kind == "host":
-            return HostSlot(slot)
+            return HostBlock(slot)
         return DiskBlock(block_hash)
+
+    def _disk(self) -> DiskStore:
+        if self.disk is None:   # the tree has no disk tier then: a bug if reached
+            raise ConfigError("a move needs the disk tier, and there is none")
+        return self.disk
+
+    def _host(self) -> HostPool:
+        if self.host is None:
+            raise ConfigError("a move needs the host tier, and there is none")
+        return self.host
 
     def _still_cached(self, m: MoveOp) -> BlockRef | None:
         """The block ``m`` writes, if the written residency is still wanted (None: a later
@@ -367,7 +431,7 @@ class TieredKVMover(KVMover):
             self.stats.drops += len(ops)
             if src_kind == "disk":
                 for m in ops:
-                    self.stats.files_removed += self.disk.remove(m.block_hash)
+                    self.stats.files_removed += self._disk().remove_many([m.block_hash])
             return
         dst_kind = self.kinds[m0.dst_tier]
         direction = f"{src_kind}->{dst_kind}"
@@ -385,17 +449,18 @@ class TieredKVMover(KVMover):
         submitted = eng.submit(eng.prepare(batch))
         self.stats.batches += 1
         if direction == "disk->host":
-            # A prefetch: it writes host slots only, which only later moves read (and they
+            # A prefetch: it writes host blocks only, which only later moves read (and they
             # drain first); it runs while the step computes.
-            self._pending.append(_Pending(submitted, ops, direction, "prefetch"))
+            self._pending.append(_Pending(ops, direction, "prefetch", submitted))
             self.stats.async_batches += 1
             return
         if dst_kind == "device" and src_kind in self._async_src:
             # A promotion: the caller keeps its device blocks out of every forward until it
             # is settled (poll_loads/wait_loads); it runs while other requests compute.
             host_src = frozenset(m.src_block_id for m in ops) if src_kind == "host" else frozenset()
-            self._pending.append(_Pending(submitted, ops, direction, "load",
-                                          frozenset(m.dst_block_id for m in ops), host_src))
+            self._pending.append(_Pending(ops, direction, "load", submitted,
+                                          dev=frozenset(_slot_of(m.dst_block_id) for m in ops),
+                                          host_src=host_src))
             self.stats.async_batches += 1
             self.stats.async_loads += 1
             return
@@ -410,24 +475,26 @@ class TieredKVMover(KVMover):
         returns), then write the files on the I/O threads while the step goes on."""
         src = [m.src_block_id for m in ops]
         if src_kind == "host":
-            staged = self.host.read_slots(src)
+            staged = self._host().read_blocks(src)
         else:  # the device block may be rewritten by the next forward: copy it out first
             staged = self.device.read_blocks(src).to("cpu")
-        disk = self.disk
+        disk = self._disk()
+        # per-block byte views of the staging copy (one view of it, sliced)
+        view, n = byte_view(staged), self._block_bytes
         # parent hash and tokens are read from the tree here, never on the I/O threads
-        locs = [DiskBlock(m.block_hash, r.parent_hash, tuple(array("i", r.tokens)))
-                for m, r in zip(ops, refs)]
+        items = [BlockWrite(m.block_hash, r.parent_hash, array("i", r.tokens).tolist(),
+                            view[i * n:(i + 1) * n])
+                 for i, (m, r) in enumerate(zip(ops, refs))]
 
         def put(i: int) -> str | None:
-            loc = locs[i]
             try:
-                good = disk.put(loc.block_hash, loc.parent_hash, loc.token_ids, staged[i])
+                good = disk.put_many([items[i]])[0]
             except IO_ERRORS as e:  # reported per move, like the transfer engine does
                 return f"{type(e).__name__}: {e}"
             return None if good else "disk write failed (disk full or I/O error; see log)"
 
         futures = [self._io.submit(put, i) for i in range(len(ops))]
-        self._pending.append(_Pending(futures, ops, direction, "write"))
+        self._pending.append(_Pending(ops, direction, "write", writes=futures))
         self.stats.batches += 1
         self.stats.async_batches += 1
 
@@ -452,18 +519,19 @@ class TieredKVMover(KVMover):
                 failed_writes.append(m)
         return keep
 
-    def _settle(self, ops: Sequence[MoveOp], result: object, failed_writes: list[MoveOp],
+    def _settle(self, ops: Sequence[MoveOp], result: BatchResult | _Outcome,
+                failed_writes: list[MoveOp],
                 failed_prefetches: list[MoveOp] | None) -> None:
         """Account a finished batch; file its failures (see the module docstring)."""
         m0 = ops[0]
-        src_kind, dst_kind = self.kinds[m0.src_tier], self.kinds[m0.dst_tier]
+        src_kind, dst_kind = self.kinds[m0.src_tier], self.kinds[_slot_of(m0.dst_tier)]
         direction = f"{src_kind}->{dst_kind}"
         ok_n = 0
         for m, ok, err in zip(ops, result.ok, result.errors):
             if ok:
                 ok_n += 1
                 if src_kind == "disk" and not m.keep_src:  # promoted: the disk no longer holds it
-                    self.stats.files_removed += self.disk.remove(m.block_hash)
+                    self.stats.files_removed += self._disk().remove_many([m.block_hash])
                     if dst_kind == "host":
                         self._prefetched.add(m.block_hash)
                         self.stats.prefetched_blocks += 1
@@ -474,7 +542,7 @@ class TieredKVMover(KVMover):
                     self.stats.load_failures += 1
                 log.warning("loading KV block %s from disk failed (%s); it will be recomputed",
                             m.block_hash.hex()[:16], err)
-                self.disk.remove(m.block_hash)  # corrupt ones are gone already
+                self._disk().remove_many([m.block_hash])  # corrupt ones are gone already
                 if dst_kind == "host" and failed_prefetches is not None:
                     failed_prefetches.append(m)
                 else:
@@ -488,6 +556,12 @@ class TieredKVMover(KVMover):
         self.stats.moves[direction] = self.stats.moves.get(direction, 0) + ok_n
         self.stats.bytes_moved[direction] = (self.stats.bytes_moved.get(direction, 0)
                                              + ok_n * self._block_bytes)
+
+
+def _slot_of(slot: int | None) -> int:
+    if slot is None:
+        raise InvalidBlockError("a move into a tier without a slot")
+    return slot
 
 
 __all__ = ["TieredKVMover", "MoverStats", "wrap_device_pool"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from radixkv.core.tree import MoveOp
-from radixkv.errors import ConfigError
+from radixkv.errors import ConfigError, StorageError
 from radixkv.storage.device import DevicePool
 from radixkv.storage.layout import KVLayout
 from radixkv.tiers.transfer import Batch
@@ -27,16 +27,24 @@ class _Outcome(NamedTuple):
 @dataclass
 class _Pending:
     """A batch left running past ``apply_moves``: ``kind`` is ``"write"`` (staged file writes:
-    ``batch`` is their futures), ``"prefetch"`` (disk -> host) or ``"load"`` (host/disk ->
-    device, with ``async_loads``; ``dev``/``host_src``: device blocks it writes, host slots it
-    reads)."""
+    ``writes`` holds their futures, each the move's error or None), ``"prefetch"`` (disk ->
+    host) or ``"load"`` (host/disk -> device, with ``async_loads``; ``dev``/``host_src``:
+    device blocks it writes, host blocks it reads); those two are a transfer engine ``batch``."""
 
-    batch: Batch | list[Future]
     ops: list[MoveOp]
     direction: str
     kind: str
+    batch: Batch | None = None
+    writes: list[Future[str | None]] = field(default_factory=list)
     dev: frozenset[int] = frozenset()
     host_src: frozenset[int] = frozenset()
+
+    @property
+    def transfer(self) -> Batch:
+        """The transfer engine batch of a prefetch or a load."""
+        if self.batch is None:
+            raise StorageError(f"a pending {self.kind} of {len(self.ops)} moves has no batch")
+        return self.batch
 
 
 def wrap_device_pool(kv_cache: torch.Tensor, layout: KVLayout) -> DevicePool:
@@ -74,7 +82,7 @@ class MoverStats:
     async_loads: int = 0         # promotion batches left running past apply_moves
     dropped_copies: int = 0      # write-through copies dropped because their write failed
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 

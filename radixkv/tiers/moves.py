@@ -8,7 +8,10 @@ every name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:   # (a type only: this module stays torch-free)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -19,10 +22,10 @@ class DeviceBlock:
 
 
 @dataclass(frozen=True)
-class HostSlot:
-    """A slot of the host pool."""
+class HostBlock:
+    """A block id of the host pool."""
 
-    slot: int
+    block_id: int
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,8 @@ class DiskBlock:
     token_ids: tuple[int, ...] = ()
 
 
-Location = Union[DeviceBlock, HostSlot, DiskBlock]
-_TIER = {DeviceBlock: "device", HostSlot: "host", DiskBlock: "disk"}
+Location = Union[DeviceBlock, HostBlock, DiskBlock]
+_TIER = {DeviceBlock: "device", HostBlock: "host", DiskBlock: "disk"}
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class Move:
 def _key(loc: Location) -> tuple[str, object]:
     if isinstance(loc, DeviceBlock):
         return ("device", loc.block_id)
-    if isinstance(loc, HostSlot):
-        return ("host", loc.slot)
+    if isinstance(loc, HostBlock):
+        return ("host", loc.block_id)
     return ("disk", loc.block_hash)
 
 
@@ -66,7 +69,7 @@ class Batch:
     id: int
     moves: tuple[Move, ...]
     state: str = "prepared"  # prepared -> queued -> done -> completed (or aborted)
-    ready_event: object = None  # torch.cuda.Event recorded on the caller's stream at submit
+    ready_event: torch.cuda.Event | None = None  # recorded on the caller's stream at submit
 
 
 @dataclass(frozen=True)
@@ -109,5 +112,5 @@ class TransferStats:
         return self.bytes_moved.get(direction, 0) / s / 1e9 if s > 0 else 0.0
 
 
-__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostSlot", "Location", "Move",
+__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostBlock", "Location", "Move",
            "TransferStats"]

@@ -31,20 +31,74 @@ blocks), a bug is not swallowed.
 
 Observers: a mover may let another component see each group of moves before it runs
 (:meth:`KVMover.add_observer`): the remote tier writes blocks leaving the host back to the shared
-server while their host slots still hold them.
+server while their host blocks still hold them.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from radixkv.core.block_manager import CopyOp
-from radixkv.core.tree import DEVICE, MoveOp
+from radixkv.core.hashing import BlockHash
+from radixkv.core.node import BlockRef, Node
+from radixkv.core.tree import DEVICE, MoveOp, RadixTree
 from radixkv.errors import ConfigError
+
+
+class CacheWriter(Protocol):
+    """The changes tier code asks of the cache (the block manager, the tree's only writer;
+    unit tests may pass the tree itself). Each returns the moves to run, if any."""
+
+    def install_lower(self, parent_hash: BlockHash | None, block_hash: BlockHash,
+                      tokens: bytes, tier: int) -> BlockRef | None:
+        """Cache a block whose bytes the caller places in slower tier ``tier``."""
+        ...
+
+    def touch(self, block_hash: BlockHash, now: float | None = None,
+              near: Node | None = None) -> None:
+        """Mark ``block_hash`` and its prefix used now."""
+        ...
+
+    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
+        """Make room in ``tier``: the moves to run."""
+        ...
+
+    def invalidate(self, block_hash: BlockHash) -> list[MoveOp]:
+        """``block_hash`` and everything after it leave the cache: the drops to run."""
+        ...
+
+    def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
+        """Forget ``block_hash``'s write-through copy in ``tier`` (its write failed)."""
+        ...
+
+
+class TreeCacheWriter:
+    """A :class:`CacheWriter` straight over a ``RadixTree``, for tier components built without
+    a block manager (unit tests of the mover); the engine always passes its block manager."""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+
+    def install_lower(self, parent_hash: BlockHash | None, block_hash: BlockHash,
+                      tokens: bytes, tier: int) -> BlockRef | None:
+        return self.tree.insert_lower(parent_hash, block_hash, tokens, tier)
+
+    def touch(self, block_hash: BlockHash, now: float | None = None,
+              near: Node | None = None) -> None:
+        self.tree.touch(block_hash, now, near)
+
+    def evict(self, tier: int, num_blocks: int) -> list[MoveOp]:
+        return self.tree.evict(tier, num_blocks)
+
+    def invalidate(self, block_hash: BlockHash) -> list[MoveOp]:
+        return self.tree.invalidate(block_hash)
+
+    def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
+        return self.tree.writes.drop_copy(block_hash, tier)
 
 
 class KVMover(abc.ABC):
@@ -101,19 +155,6 @@ class KVMover(abc.ABC):
         """Finish background work and release threads and files."""
 
 
-def _copy_blocks_kernel():
-    """``radixkv.kernels.copy_blocks`` when the kernels package provides it, else the torch
-    reference (the kernels land separately; both have the same signature)."""
-    from radixkv import kernels
-
-    fn = getattr(kernels, "copy_blocks", None)
-    if fn is None:
-        from radixkv.kernels import reference
-
-        fn = reference.copy_blocks
-    return fn
-
-
 class DeviceOnlyMover(KVMover):
     """Mover for a device-only cache: moves can only be drops; copies run on the pool tensor.
 
@@ -141,7 +182,9 @@ class DeviceOnlyMover(KVMover):
         # built on a GPU would cost host syncs for the same checks).
         src = torch.tensor([c.src for c in copies], dtype=torch.long)
         dst = torch.tensor([c.dst for c in copies], dtype=torch.long)
-        _copy_blocks_kernel()(self.kv_cache, src, dst)
+        from radixkv.kernels import copy_blocks   # lazy: kernels load Triton where present
+
+        copy_blocks(self.kv_cache, src, dst)
         self.num_copies += len(copies)
 
 
@@ -160,4 +203,4 @@ def run_kv_ops(mover: KVMover, ops: Sequence[MoveOp | CopyOp]) -> None:
         i = j
 
 
-__all__ = ["KVMover", "DeviceOnlyMover", "run_kv_ops"]
+__all__ = ["CacheWriter", "TreeCacheWriter", "KVMover", "DeviceOnlyMover", "run_kv_ops"]

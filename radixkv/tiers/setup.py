@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from radixkv.core.hashing import TOKEN_BYTES, chain_hash, token_bytes
+import torch
+
+from radixkv.core.hashing import TOKEN_BYTES, BlockHash, chain_hash, token_bytes
+from radixkv.core.node import MoveOp
 from radixkv.core.tree import RadixTree
 from radixkv.tiers.mover import TieredKVMover
 from radixkv.tiers.protocol import KVMover
@@ -21,16 +24,25 @@ from radixkv.errors import ConfigError, StorageError
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.integrity import signer_from
+from radixkv.storage.layout import KVLayout
+from radixkv.tiers.remote_lookup import LookupRequest
+
+if TYPE_CHECKING:
+    from radixkv.config import CacheConfig
+    from radixkv.core.block_manager import BlockManager
+    from radixkv.tiers.remote import RemoteTier
 
 
-def build_mover(kv_cache: Any, layout: Any, cc: Any, bm: Any, async_loads: bool,
-                n_host: int, n_disk: int, model_id: str
+def build_mover(kv_cache: torch.Tensor, layout: KVLayout, cc: CacheConfig, bm: BlockManager,
+                async_loads: bool, n_host: int, n_disk: int, model_id: str
                 ) -> tuple[TieredKVMover, dict[str, Any] | None]:
     """HostPool/DiskStore for the configured lower tiers, the mover over them, and the tree
     rebuilt from the disk tier's files (a previous process's blocks are hits)."""
     host = HostPool(layout, n_host) if n_host else None
     disk = None
     if n_disk:
+        if cc.disk_dir is None:
+            raise ConfigError("a disk tier needs CacheConfig.disk_dir")
         # Namespace = model fingerprint (model id, dtype, KV layout); cache salts are inside
         # the chain hashes, so tenants share the directory but never each other's blocks.
         disk = DiskStore(cc.disk_dir, layout, layout.fingerprint(model_id), scan=False,
@@ -38,13 +50,14 @@ def build_mover(kv_cache: Any, layout: Any, cc: Any, bm: Any, async_loads: bool,
     mover = TieredKVMover(kv_cache, layout, host, disk, bm.tree, async_loads=async_loads,
                           writer=bm)
     report = None
-    if disk is not None:
+    if disk is not None and mover.disk_tier is not None:
         report = restore_from_disk(bm, disk, mover.disk_tier, cc.block_size)
     return mover, report
 
 
-def build_remote(cc: Any, layout: Any, bm: Any, mover: KVMover,
-                 tier_names: Sequence[str], kv_cache: Any, model_id: str) -> Any:
+def build_remote(cc: CacheConfig, layout: KVLayout, bm: BlockManager, mover: KVMover,
+                 tier_names: Sequence[str], kv_cache: torch.Tensor, model_id: str
+                 ) -> RemoteTier[Any] | None:
     """The engine's remote tier (``CacheConfig.remote_url``), or None. The store connects in
     the background: a server that is down now only costs misses until it is back."""
     if cc.remote_url is None:
@@ -64,7 +77,7 @@ def build_remote(cc: Any, layout: Any, bm: Any, mover: KVMover,
                       unsafe=mover.unsafe_host_block, writer=bm)
 
 
-def restore_from_disk(bm: Any, disk: DiskStore, tier: int, block_size: int
+def restore_from_disk(bm: BlockManager, disk: DiskStore, tier: int, block_size: int
                       ) -> dict[str, Any]:
     """Insert the disk tier's valid files into the tree (through the block manager ``bm``),
     parents first.
@@ -82,16 +95,17 @@ def restore_from_disk(bm: Any, disk: DiskStore, tier: int, block_size: int
     restored = orphans = skipped = 0
     for e in report.entries:
         tokens = array("i", e.token_ids).tobytes()
-        if e.parent_hash is not None and bm.get(e.parent_hash) is None:
+        parent = None if e.parent_hash is None else BlockHash(e.parent_hash)
+        if parent is not None and bm.get(parent) is None:
             orphans += 1
-            disk.remove(e.block_hash)
+            disk.remove_many([e.block_hash])
             continue
         ok = len(tokens) == width and (
-            e.parent_hash is None or chain_hash(e.parent_hash, tokens) == e.block_hash)
-        node = bm.install_lower(e.parent_hash, e.block_hash, tokens, tier) if ok else None
+            parent is None or chain_hash(parent, tokens) == e.block_hash)
+        node = bm.install_lower(parent, BlockHash(e.block_hash), tokens, tier) if ok else None
         if node is None:
             skipped += 1
-            disk.remove(e.block_hash)
+            disk.remove_many([e.block_hash])
         else:
             restored += 1
     return {"restored_blocks": restored, "orphan_files": orphans, "skipped_files": skipped,
@@ -100,7 +114,12 @@ def restore_from_disk(bm: Any, disk: DiskStore, tier: int, block_size: int
             "stale_tmp_files": report.stale_tmp, "scan_s": report.seconds}
 
 
-def fence(mover: KVMover, tree: RadixTree, chunks: Sequence[Any]) -> None:
+class _Chunk(Protocol):
+    @property
+    def block_table(self) -> Sequence[int]: ...
+
+
+def fence(mover: KVMover, tree: RadixTree, chunks: Sequence[_Chunk]) -> None:
     """The forward must not read or write a device block a promotion is still writing.
     The scheduler keeps loading requests out of the batch, so this never waits in
     practice; it is the guarantee should that ever fail (and a failed load there is a bug,
@@ -112,13 +131,14 @@ def fence(mover: KVMover, tree: RadixTree, chunks: Sequence[Any]) -> None:
     if used.isdisjoint(busy):
         return
     mover.wait_loads()
-    bad = {n.block_id for n in map(tree.get, mover.failed_loads) if n is not None}
+    bad = {n.block_id for n in (tree.get(BlockHash(h)) for h in mover.failed_loads)
+           if n is not None}
     if not used.isdisjoint(bad):
         raise StorageError("a scheduled sequence reads a KV block whose load failed")
 
 
-def prefetch(bm: Any, mover: KVMover, waiting: Sequence[Any], names: Sequence[str],
-             capacity: Sequence[int], k: int) -> None:
+def prefetch(bm: BlockManager, mover: KVMover, waiting: Iterable[LookupRequest],
+             names: Sequence[str], capacity: Sequence[int], k: int) -> None:
     """Best effort: the disk-tier blocks matched by the first ``k`` waiting requests are
     moved disk -> host (planned by the block manager) as a batch that runs behind the step;
     the request's allocation later promotes them host -> device. At most the host tier's
@@ -131,7 +151,7 @@ def prefetch(bm: Any, mover: KVMover, waiting: Sequence[Any], names: Sequence[st
     host_t, disk_t = names.index("host"), names.index("disk")
     tree, bs = bm.tree, bm.block_size
     budget = capacity[host_t]
-    moves: list[Any] = []
+    moves: list[MoveOp] = []
     for req in itertools.islice(waiting, k):
         for seq in req.seqs:
             ids = seq.token_ids
@@ -158,7 +178,7 @@ def prefetch(bm: Any, mover: KVMover, waiting: Sequence[Any], names: Sequence[st
 class MoverLoads:
     """The scheduler's view of a mover's promotions in flight (``Scheduler(loads=...)``)."""
 
-    def __init__(self, mover: Any) -> None:
+    def __init__(self, mover: KVMover) -> None:
         self._mover = mover
 
     def poll(self) -> list[bytes]:

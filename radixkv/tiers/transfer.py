@@ -1,6 +1,6 @@
 """Block moves between the device, host and disk tiers, off the critical path.
 
-The bookkeeping layer decides *what* moves (``Move(DeviceBlock(17), HostSlot(5))``); this engine
+The bookkeeping layer decides *what* moves (``Move(DeviceBlock(17), HostBlock(5))``); this engine
 moves the bytes on a worker thread (and its own CUDA stream on a GPU) and reports, per move,
 whether it happened. Protocol (two-phase, after vLLM's offloading connector)::
 
@@ -34,17 +34,18 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from radixkv.errors import ConfigError, InvalidBlockError, StorageError
+from radixkv.storage.backend import BlockWrite, StorageBackend
 from radixkv.storage.buffers import byte_view, torch_dtype
 from radixkv.storage.device import DevicePool
-from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.tiers.moves import (
-    Batch, BatchResult, DeviceBlock, DiskBlock, HostSlot, Location, Move, TransferStats, _key,
+    Batch, BatchResult, DeviceBlock, DiskBlock, HostBlock, Location, Move, TransferStats, _key,
 )
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ IO_ERRORS: tuple[type[BaseException], ...] = (OSError, StorageError, InvalidBloc
 
 
 _STOP = object()
+_T = TypeVar("_T")
 
 
 def _block_bytes(staged: torch.Tensor) -> list[memoryview]:
@@ -66,7 +68,16 @@ def _block_bytes(staged: torch.Tensor) -> list[memoryview]:
     return [view[i * n:(i + 1) * n] for i in range(staged.shape[0])]
 
 
-def _as_range(ids: list) -> slice | None:
+def _slot(loc: Location) -> int:
+    """The device or host block id of a memory location (disk blocks have none)."""
+    if isinstance(loc, DeviceBlock):
+        return loc.block_id
+    if isinstance(loc, HostBlock):
+        return loc.block_id
+    raise InvalidBlockError(f"{loc} is not a memory location")
+
+
+def _as_range(ids: list[int]) -> slice | None:
     """``slice(a, b)`` when ids are ``a, a+1, ..., b-1`` (a view instead of a gather)."""
     if ids and all(b == a + 1 for a, b in zip(ids, ids[1:])):
         return slice(ids[0], ids[-1] + 1)
@@ -77,14 +88,16 @@ class TransferEngine:
     """Executes batches of moves between ``device``, ``host`` and ``disk`` on a worker thread.
 
     Args:
-        device, host, disk: the tiers (any may be None if no move uses it).
+        device, host, disk: the tiers (any may be None if no move uses it). ``disk`` is any
+            hash-keyed :class:`~radixkv.storage.backend.StorageBackend` (the engine's is a
+            ``DiskStore``): the engine calls only its ``put_many`` and ``read_into_many``.
         queue_depth: batches that may wait for the worker; ``submit`` blocks beyond that.
         io_threads: threads doing the per-block disk reads/writes of one batch in parallel
             (``None``: 4).
     """
 
     def __init__(self, device: DevicePool | None = None, host: HostPool | None = None,
-                 disk: DiskStore | None = None, queue_depth: int = 8,
+                 disk: StorageBackend[bytes] | None = None, queue_depth: int = 8,
                  io_threads: int | None = None) -> None:
         if io_threads is None:
             io_threads = 4
@@ -96,7 +109,8 @@ class TransferEngine:
             raise ConfigError(f"tiers disagree on the block layout: {layouts}")
         self.device, self.host, self.disk = device, host, disk
         self._cuda = device is not None and device.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device.device) if self._cuda else None
+        self._stream = torch.cuda.Stream(device.device) \
+            if device is not None and self._cuda else None
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_depth)
         self.io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="radixkv-io")
@@ -151,12 +165,12 @@ class TransferEngine:
                 if not 0 <= loc.block_id < self.device.num_blocks:
                     raise InvalidBlockError(f"device block {loc.block_id} outside "
                                             f"[0, {self.device.num_blocks})")
-            elif isinstance(loc, HostSlot):
+            elif isinstance(loc, HostBlock):
                 if self.host is None:
                     raise ConfigError(f"{m}: no host pool")
-                if not 0 <= loc.slot < self.host.num_slots:
-                    raise InvalidBlockError(f"host slot {loc.slot} outside "
-                                            f"[0, {self.host.num_slots})")
+                if not 0 <= loc.block_id < self.host.num_blocks:
+                    raise InvalidBlockError(f"host block id {loc.block_id} outside "
+                                            f"[0, {self.host.num_blocks})")
             elif isinstance(loc, DiskBlock):
                 if self.disk is None:
                     raise ConfigError(f"{m}: no disk store")
@@ -182,8 +196,9 @@ class TransferEngine:
         if batch.state != "prepared":
             raise InvalidBlockError(f"batch {batch.id} is {batch.state}, not prepared")
         if self._cuda:  # the worker's stream must see what compute wrote to source blocks
-            batch.ready_event = torch.cuda.Event()
-            batch.ready_event.record(torch.cuda.current_stream(self.device.device))
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._dev().device))
+            batch.ready_event = event
         try:
             batch.state = "queued"
             self._queue.put(batch, timeout=timeout)
@@ -337,17 +352,19 @@ class TransferEngine:
         groups: dict[str, list[int]] = defaultdict(list)
         for i, m in enumerate(batch.moves):
             groups[m.direction].append(i)
-        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+        stream = self._stream
+        stream_ctx = torch.cuda.stream(stream) if stream is not None \
+            else contextlib.nullcontext()
         with stream_ctx:
-            if self._cuda and batch.ready_event is not None:
-                self._stream.wait_event(batch.ready_event)
+            if stream is not None and batch.ready_event is not None:
+                stream.wait_event(batch.ready_event)
             for direction, idx in groups.items():
                 t0 = time.perf_counter()
                 moves = [batch.moves[i] for i in idx]
                 try:
                     results = self._copy_group(direction, moves)
-                    if self._cuda:
-                        self._stream.synchronize()  # done means visible to every stream
+                    if stream is not None:
+                        stream.synchronize()  # done means visible to every stream
                 except IO_ERRORS as e:
                     log.warning("transfer %s of %d blocks failed: %s", direction, len(idx), e)
                     results = [f"{type(e).__name__}: {e}"] * len(idx)
@@ -355,35 +372,32 @@ class TransferEngine:
                 for i, r in zip(idx, results):
                     ok[i], errors[i] = r is None, r
 
+    def _dev(self) -> DevicePool:
+        if self.device is None:   # prepare() refuses such moves; a bug if reached
+            raise ConfigError("a move needs the device pool, and there is none")
+        return self.device
+
+    def _host(self) -> HostPool:
+        if self.host is None:
+            raise ConfigError("a move needs the host pool, and there is none")
+        return self.host
+
     def _copy_group(self, direction: str, moves: list[Move]) -> list[str | None]:
         """Execute moves of one direction; per move None (ok) or the reason it failed."""
-        dev, host = self.device, self.host
-        src = [_key(m.src)[1] for m in moves]
-        dst = [_key(m.dst)[1] for m in moves]
-        if direction in ("device->host", "host->device") and dev.device.type == "cpu" \
-                and host.blocks.device.type == "cpu":
-            self._cpu_copies(direction, src, dst)
-        elif direction == "device->host":
-            run = _as_range(dst)
-            if run is not None:  # consecutive slots: straight into place (one DMA on a GPU)
-                dev.read_blocks_into(src, host.blocks[run])
-            else:
-                host.write_slots(dst, dev.read_blocks(src))
-        elif direction == "host->device":
-            run = _as_range(src)
-            dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_slots(src))
-        elif direction == "device->device":
-            dev.copy_blocks(src, dst)
-        elif direction == "host->host":
-            host.write_slots(dst, host.read_slots(src))
-        elif direction == "host->disk":
-            return self._puts(moves, [host.slot_bytes(s) for s in src])
-        elif direction == "device->disk":
-            staged = dev.read_blocks(src).to("cpu")
+        if direction == "host->disk":
+            host = self._host()
+            return self._puts(moves, [host.block_bytes(_slot(m.src)) for m in moves])
+        if direction == "device->disk":
+            staged = self._dev().read_blocks([_slot(m.src) for m in moves]).to("cpu")
             return self._puts(moves, _block_bytes(staged))
-        elif direction == "disk->host":
-            return self._gets(moves, [host.slot_bytes(s) for s in dst])
-        elif direction == "disk->device":
+        dst = [_slot(m.dst) for m in moves]
+        if direction == "disk->host":
+            host = self._host()
+            res = self._gets(moves, [host.block_bytes(s) for s in dst])
+            host.mark_filled(s for s, r in zip(dst, res) if r is None)
+            return res
+        if direction == "disk->device":
+            dev = self._dev()
             staged = torch.empty((len(moves), *dev.layout.block_shape),
                                  dtype=torch_dtype(dev.layout.dtype),
                                  pin_memory=self._cuda)
@@ -394,31 +408,70 @@ class TransferEngine:
             elif good:
                 dev.write_blocks([dst[i] for i in good], staged[good])
             return res
-        else:
+        src = [_slot(m.src) for m in moves]
+        if direction == "host->host":
+            host = self._host()
+            host.write_blocks(dst, host.read_blocks(src))
+            return [None] * len(moves)
+        dev = self._dev()
+        if direction == "device->device":
+            dev.copy_blocks(src, dst)
+            return [None] * len(moves)
+        host = self._host()
+        if direction not in ("device->host", "host->device"):
             raise ConfigError(f"unsupported move direction {direction}")
+        if dev.device.type == "cpu" and host.blocks.device.type == "cpu":
+            self._cpu_copies(direction, src, dst)
+            if direction == "device->host":
+                host.mark_filled(dst)
+        elif direction == "device->host":
+            run = _as_range(dst)
+            if run is not None:  # consecutive slots: straight into place (one DMA on a GPU)
+                dev.read_blocks_into(src, host.blocks[run])
+                host.mark_filled(dst)
+            else:
+                host.write_blocks(dst, dev.read_blocks(src))
+        else:
+            run = _as_range(src)
+            dev.write_blocks(dst, host.blocks[run] if run is not None else host.read_blocks(src))
         return [None] * len(moves)
 
     def _puts(self, moves: list[Move], blocks: list[memoryview]) -> list[str | None]:
-        def one(i: int) -> str | None:
-            d = moves[i].dst
-            assert isinstance(d, DiskBlock)
+        """Disk writes through the store's ``put_many``, one batch per I/O thread."""
+        disk = self.disk
+        assert disk is not None
+
+        def part(a: int, b: int) -> list[str | None]:
+            items = []
+            for m, buf in zip(moves[a:b], blocks[a:b]):
+                d = m.dst
+                assert isinstance(d, DiskBlock)
+                items.append(BlockWrite(d.block_hash, d.parent_hash, d.token_ids, buf))
             try:
-                good = self.disk.put(d.block_hash, d.parent_hash, d.token_ids, blocks[i])
+                res = disk.put_many(items)
             except IO_ERRORS as e:  # reported per move; the worker goes on
-                return f"{type(e).__name__}: {e}"
-            return None if good else "disk write failed (disk full or I/O error; see log)"
-        return self._spread(one, len(moves))
+                return [f"{type(e).__name__}: {e}"] * (b - a)
+            return [None if good else "disk write failed (disk full or I/O error; see log)"
+                    for good in res]
+        return self._spread(part, len(moves))
 
     def _gets(self, moves: list[Move], outs: list[memoryview]) -> list[str | None]:
-        def one(i: int) -> str | None:
-            s = moves[i].src
-            assert isinstance(s, DiskBlock)
+        """Disk reads through the store's ``read_into_many``, one batch per I/O thread."""
+        disk = self.disk
+        assert disk is not None
+
+        def part(a: int, b: int) -> list[str | None]:
+            hashes = []
+            for m in moves[a:b]:
+                assert isinstance(m.src, DiskBlock)
+                hashes.append(m.src.block_hash)
             try:
-                good = self.disk.read_into(s.block_hash, outs[i])
+                res = disk.read_into_many(hashes, outs[a:b])
             except IO_ERRORS as e:   # a miss: reported, counted, the block is recomputed
-                return f"{type(e).__name__}: {e}"
-            return None if good else "disk block missing, corrupt or unreadable"
-        return self._spread(one, len(moves))
+                return [f"{type(e).__name__}: {e}"] * (b - a)
+            return [None if good else "disk block missing, corrupt or unreadable"
+                    for good in res]
+        return self._spread(part, len(moves))
 
     def _cpu_copies(self, direction: str, src: list[int], dst: list[int]) -> None:
         """device<->host when the device tier is the CPU: one strided copy per block through
@@ -428,8 +481,8 @@ class TransferEngine:
         ``index_put_`` move one element at a time), and per-block torch copies each open an
         OpenMP parallel region, which collapses when other processes hold the cores. Ids were
         range-checked by ``prepare``, and a batch never writes one location twice."""
-        kv = self.device.kv_cache.view(torch.uint8).numpy()  # [L, 2, N, bs, h, d * esize]
-        hb = self.host.blocks.view(torch.uint8).numpy()      # [slots, L, 2, bs, h, d * esize]
+        kv = self._dev().kv_cache.view(torch.uint8).numpy()  # [L, 2, N, bs, h, d * esize]
+        hb = self._host().blocks.view(torch.uint8).numpy()    # [slots, L, 2, bs, h, d * esize]
         if direction == "device->host":
             def part(a: int, b: int) -> None:
                 for i in range(a, b):
@@ -440,7 +493,7 @@ class TransferEngine:
                     kv[:, :, dst[i]] = hb[src[i]]
         self._chunks(part, len(src))
 
-    def _chunks(self, part: Callable[[int, int], object], n: int) -> list[object]:
+    def _chunks(self, part: Callable[[int, int], _T], n: int) -> list[_T]:
         """``part(a, b)`` over ``min(io_threads, n)`` contiguous chunks of ``range(n)`` on the
         I/O threads (one hand-off per thread, not per block); results in chunk order."""
         k = min(self.io_threads, n)
@@ -449,12 +502,14 @@ class TransferEngine:
         bounds = [n * j // k for j in range(k + 1)]
         return list(self._io.map(lambda j: part(bounds[j], bounds[j + 1]), range(k)))
 
-    def _spread(self, one: Callable[[int], str | None], n: int) -> list[str | None]:
-        """Run one(0..n-1) over the I/O threads in ``io_threads`` contiguous chunks (one
-        hand-off per thread, not per block; file I/O and xxhash release the GIL)."""
-        parts = self._chunks(lambda a, b: [one(i) for i in range(a, b)], n)
-        return [r for part in parts for r in part]
+    def _spread(self, part: Callable[[int, int], list[str | None]], n: int
+                ) -> list[str | None]:
+        """``part(a, b)`` (per-move results of moves ``a..b-1``) over the I/O threads in
+        ``io_threads`` contiguous chunks (one hand-off per thread, not per block; file I/O and
+        xxhash release the GIL)."""
+        parts = self._chunks(part, n)
+        return [r for chunk in parts for r in chunk]
 
 
-__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostSlot", "Location", "Move",
+__all__ = ["Batch", "BatchResult", "DeviceBlock", "DiskBlock", "HostBlock", "Location", "Move",
            "TransferEngine", "TransferStats"]

@@ -40,9 +40,6 @@ KNOWN_CYCLES: dict[tuple[str, ...], str] = {
         "Engine.chat()/rag() build the helpers (imports in the function), which annotate "
         "with Engine (type-only): the facade and its helpers; a Protocol for the engine as "
         "the helpers use it would cut it",
-    ("radixkv.storage.remote", "radixkv.storage.remote_writes"):
-        "RemoteStore starts its background writer, which annotates with RemoteStore "
-        "(the storage engineer's StorageBackend split, issue 30 item 3)",
 }
 
 

@@ -33,15 +33,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("engine/native_model.py", "cfg._name_or_path"):
         "transformers' config field, set on radixkv's own config so code that reads a "
         "transformers config (and `name_or_path`) finds it",
-    # DiskStore's start-up scan, a helper split off the class it serves (radixkv/storage, the
-    # storage engineer's files in issue 30's split): it takes the store and drives its index
-    # and decoder. To become DiskStore methods or public accessors there.
-    ("storage/disk_scan.py", "store._reset_index"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._bad_file"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._decode"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._host"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._fail"): "DiskStore's start-up scan",
-    ("storage/disk_scan.py", "store._header_len"): "DiskStore's start-up scan",
 }
 
 

@@ -51,16 +51,16 @@ def test_host_round_trip_views_and_pinning(layout):
     assert pool.pinned == torch.cuda.is_available()
     assert pool.blocks.shape == (5, *layout.block_shape) and pool.blocks.is_contiguous()
     blocks = torch.randn(3, *layout.block_shape)
-    pool.write_slots([2, 0, 4], blocks)
-    assert torch.equal(pool.read_slots([2, 0, 4]), blocks)
+    pool.write_blocks([2, 0, 4], blocks)
+    assert torch.equal(pool.read_blocks([2, 0, 4]), blocks)
     out = torch.empty(2, *layout.block_shape)
-    assert pool.read_slots([4, 2], out=out) is out and torch.equal(out, blocks[[2, 0]])
-    pool.slot_view(1).fill_(7.0)                   # a live view writes into the pool
-    assert torch.all(pool.read_slots([1]) == 7.0)
+    assert pool.read_blocks([4, 2], out=out) is out and torch.equal(out, blocks[[2, 0]])
+    pool.block_tensor(1).fill_(7.0)                   # a live view writes into the pool
+    assert torch.all(pool.read_blocks([1]) == 7.0)
     with pytest.raises(InvalidBlockError):
-        pool.write_slots([0, 0, 1], blocks)
+        pool.write_blocks([0, 0, 1], blocks)
     with pytest.raises(InvalidBlockError):
-        pool.read_slots([5])
+        pool.read_blocks([5])
     assert pool.num_bytes == 5 * layout.bytes_per_block
 
 
@@ -68,7 +68,7 @@ def test_read_blocks_into_a_view(layout):
     dev, host = DevicePool(layout, 8, device="cpu"), HostPool(layout, 8)
     dev.kv_cache.normal_()
     dev.read_blocks_into([6, 1, 3], host.blocks[2:5])
-    assert torch.equal(host.read_slots([2, 3, 4]), dev.read_blocks([6, 1, 3]))
+    assert torch.equal(host.read_blocks([2, 3, 4]), dev.read_blocks([6, 1, 3]))
     with pytest.raises(InvalidBlockError):
         dev.read_blocks_into([1, 2], host.blocks[0:3])
 
@@ -76,9 +76,9 @@ def test_read_blocks_into_a_view(layout):
 def test_device_to_host_via_staging(layout):
     dev, host = DevicePool(layout, 8, device="cpu"), HostPool(layout, 8)
     dev.kv_cache.normal_()
-    host.write_slots([3, 6], dev.read_blocks([7, 2]))
+    host.write_blocks([3, 6], dev.read_blocks([7, 2]))
     dev2 = DevicePool(layout, 8, device="cpu")
-    dev2.write_blocks([0, 1], host.read_slots([3, 6]))
+    dev2.write_blocks([0, 1], host.read_blocks([3, 6]))
     assert torch.equal(dev2.read_blocks([0, 1]), dev.read_blocks([7, 2]))
 
 
@@ -90,8 +90,8 @@ def test_cuda_pool_round_trip(layout):
     assert dev.kv_cache.is_cuda and host.pinned
     blocks = torch.randn(2, *layout.block_shape)
     dev.write_blocks([5, 3], blocks)
-    host.write_slots([0, 1], dev.read_blocks([5, 3]))
-    assert torch.equal(host.read_slots([0, 1]), blocks)
+    host.write_blocks([0, 1], dev.read_blocks([5, 3]))
+    assert torch.equal(host.read_blocks([0, 1]), blocks)
 
 
 def test_cpu_write_blocks_runs_and_scattered_ids_match_the_reference(layout):
@@ -115,11 +115,11 @@ def test_cpu_write_blocks_runs_and_scattered_ids_match_the_reference(layout):
 
 def test_host_slot_bytes_alias_the_pool(layout):
     host = HostPool(layout, 3)
-    view = host.slot_bytes(1)
+    view = host.block_bytes(1)
     assert view.nbytes == layout.bytes_per_block and not view.readonly
     view[:] = bytes(range(256)) * (layout.bytes_per_block // 256)
-    assert torch.equal(host.slot_view(1).reshape(-1).view(torch.uint8)[:256],
+    assert torch.equal(host.block_tensor(1).reshape(-1).view(torch.uint8)[:256],
                        torch.arange(256, dtype=torch.uint8))
-    assert not host.slot_view(0).any() and not host.slot_view(2).any()
+    assert not host.block_tensor(0).any() and not host.block_tensor(2).any()
     with pytest.raises(ConfigError):
-        host.slot_bytes(3)
+        host.block_bytes(3)

@@ -20,13 +20,13 @@ from radixkv.storage.device import DevicePool
 from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
-from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostSlot, Move, TransferEngine
+from radixkv.tiers.transfer import DeviceBlock, DiskBlock, HostBlock, Move, TransferEngine
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype="float32")
 N_DEV, N_HOST, HASHES = 4, 4, [bytes([i]) * 16 for i in range(6)]
 
 locations = st.one_of(st.builds(DeviceBlock, st.integers(0, N_DEV - 1)),
-                      st.builds(HostSlot, st.integers(0, N_HOST - 1)),
+                      st.builds(HostBlock, st.integers(0, N_HOST - 1)),
                       st.builds(DiskBlock, st.sampled_from(HASHES)))
 
 
@@ -107,8 +107,8 @@ class TiersMachine(RuleBasedStateMachine):
     def _read(self, loc):
         if isinstance(loc, DeviceBlock):
             return self.dev.read_blocks([loc.block_id])[0]
-        if isinstance(loc, HostSlot):
-            return self.host.read_slots([loc.slot])[0]
+        if isinstance(loc, HostBlock):
+            return self.host.read_blocks([loc.block_id])[0]
         return self.disk.get(loc.block_hash)
 
     @invariant()
