@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
 PY=${PYTHON:-python3}
 # Packages `test` type-checks (strict; [tool.mypy] in pyproject.toml).
-MYPY_PATHS="radixkv/core"
+MYPY_PATHS="radixkv/core radixkv/storage radixkv/tiers"
 
 # The remote tier's tests start a real redis-server on 127.0.0.1 (Debian package redis-server).
 # Installed where missing and apt-get is usable as root; otherwise a clear message, and those
