@@ -71,14 +71,22 @@ def _free_port() -> int:
 
 
 def start_server(extra: list[str], threads: int | None, max_seqs: int,
-                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default)."""
+                 env: dict[str, str] | None = None, code: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default).
+    ``code``: a source tree (e.g. an export of an earlier commit) whose ``radixkv`` the server
+    runs instead of the installed one (it goes first on ``PYTHONPATH``, and is the cwd)."""
+    if code is not None:
+        env = {**(os.environ if env is None else env),
+               "PYTHONPATH": os.pathsep.join(filter(None, [
+                   code, (env or os.environ).get("PYTHONPATH", "")]))}
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
            "--max-num-seqs", str(max_seqs), *extra]
     if threads is not None:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=code)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -300,6 +308,159 @@ def run_contention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _busy_load(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning one core each (the load of ``--background-load``)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    """``--overhead``: the server's own cost, paired request by request against the engine
+    in this process (``Engine.stream`` on the chat template's prompt ids: what an application
+    that imports radixkv gets), per ``--overhead-threads`` setting, quiet and with
+    ``--background-load`` busy processes.
+
+    One conversation at a time; each turn is sent to every side (the in-process engine, the
+    server, and with ``--compare-code DIR`` a second server running the code in DIR), in an
+    order that rotates from turn to turn so that a drift of the machine's load hits all alike,
+    with the same history (the in-process reply is appended for all, so the prompts are
+    identical token for token). Each side has prefix caching on and its own cache, which sees
+    the same requests in the same order. Overhead = client TTFT through HTTP (the official
+    openai client, streamed) - TTFT of the in-process stream, both from the moment the caller
+    starts (templating and tokenization included on both sides).
+    """
+    from radixkv.server.cpu import prepare_openmp
+
+    policy = prepare_openmp()   # the in-process engine sleeps its idle threads as the server
+    import openai
+    import torch
+
+    import radixkv
+    from radixkv.models import EMBEDDED_NAME
+
+    convs = conversations(args.conversations, args.turns, args.max_chars)
+    loads = sorted({0, args.background_load or 0})
+    header = run_header(args.seed, benchmark="serve-overhead", omp_wait_policy=policy,
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    codes: dict[str, str | None] = {"serve": None}
+    if args.compare_code:
+        codes[f"serve@{Path(args.compare_code).name}"] = args.compare_code
+    records: list[dict[str, Any]] = []
+    rows = []
+    for threads in args.overhead_threads:
+        torch.set_num_threads(threads)
+        engine = radixkv.Engine.from_pretrained(progress=False)
+        servers = {name: start_server([], threads, 8, code=code) for name, code in codes.items()}
+        params = radixkv.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+        def inproc(msgs: list[dict[str, str]]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            first, text = None, []
+            for out in engine.stream(engine.chat_template.prompt_ids(msgs), params):
+                if first is None and out.outputs[0].delta_token_ids:
+                    first = time.perf_counter()
+                text.append(out.outputs[0].delta_text)
+            return {"ttft": (first or time.perf_counter()) - t0, "reply": "".join(text)}
+
+        def http(api: Any, msgs: list[dict[str, str]]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            first, usage = None, None
+            for chunk in api.chat.completions.create(
+                    model=EMBEDDED_NAME, messages=msgs, temperature=0,
+                    max_tokens=args.max_tokens, stream=True,
+                    stream_options={"include_usage": True}):
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            ext = usage.model_extra["radixkv"]
+            return {"ttft": (first or time.perf_counter()) - t0,
+                    "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                    "in_server_ttft": ext["server_ttft_s"],
+                    "pre_engine": ext["queue_and_tokenize_s"],
+                    "delivery": ext["delivery_s"]}
+
+        sides: dict[str, Any] = {"engine": inproc}
+        for name, (_, base) in servers.items():
+            api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                timeout=900)
+            sides[name] = lambda msgs, api=api: http(api, msgs)
+        names = list(sides)
+        busy: list[subprocess.Popen] = []
+        try:
+            for side in sides.values():   # first-call costs (thread start, template)
+                side([{"role": "user", "content": "Say hi."}])
+            for load in loads:
+                busy = _busy_load(load)
+                time.sleep(1.0 if load else 0.0)
+                k = 0
+                for i, conv in enumerate(convs):
+                    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+                    for turn, text in enumerate(conv):
+                        msgs.append({"role": "user", "content": text})
+                        got = {}
+                        for j in range(len(names)):
+                            name = names[(k + j) % len(names)]
+                            got[name] = sides[name](msgs)
+                        k += 1
+                        msgs.append({"role": "assistant", "content": got["engine"]["reply"]})
+                        for name in servers:
+                            records.append({"threads": threads, "load": load, "conv": i,
+                                            "turn": turn, "server": name,
+                                            "engine_ttft": got["engine"]["ttft"],
+                                            **got[name]})
+                _stop(busy)
+                busy = []
+                for name in servers:
+                    recs = [r for r in records if r["threads"] == threads and r["load"] == load
+                            and r["server"] == name and r["turn"] > 0]
+                    rows.append(_overhead_row(name, threads, load, recs))
+                    print(f"threads {threads}, {load} busy, {name}: overhead p50 "
+                          f"{rows[-1]['overhead_p50_ms']:.1f} ms, p99 "
+                          f"{rows[-1]['overhead_p99_ms']:.1f} ms, "
+                          f"{rows[-1]['overhead_share']:.1%} of cached TTFT", flush=True)
+        finally:
+            _stop(busy)
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+            engine.close()
+    print_table(rows, title="radixkv serve vs the engine in-process, same requests paired "
+                            "(later turns; overhead = HTTP TTFT - in-process TTFT; ms)")
+    ok = all(r["met"] for r in rows if r["server"] == "serve")
+    print(f"\ntarget (p50 overhead <= 5 ms and <= 5% of cached TTFT, every 'serve' row): "
+          f"{'met' if ok else 'NOT met'}")
+    write_results("serve-overhead" + ("-quick" if args.quick else ""), header,
+                  {"summary": rows, "records": records, "target_met": ok})
+    return 0
+
+
+def _overhead_row(name: str, threads: int, load: int, recs: list[dict[str, Any]]
+                  ) -> dict[str, Any]:
+    """One row of ``--overhead``'s table from paired records of later turns."""
+    over = [r["ttft"] - r["engine_ttft"] for r in recs]
+    eng = statistics.median(r["engine_ttft"] for r in recs)
+    row = {"server": name, "threads": threads, "busy": load, "turns": len(recs),
+           "engine_ttft_p50_ms": 1e3 * eng,
+           "http_ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in recs),
+           "overhead_p50_ms": 1e3 * statistics.median(over),
+           "overhead_p99_ms": 1e3 * _pct(over, 0.99),
+           "overhead_share": statistics.median(over) / eng,
+           # where it goes (p50s): outside the server process (client library, loopback),
+           # arrival -> the engine loop took it, the first token's hand-over to the event loop
+           "outside_ms": 1e3 * statistics.median(r["ttft"] - r["in_server_ttft"] for r in recs),
+           "pre_engine_ms": 1e3 * statistics.median(r["pre_engine"] for r in recs),
+           "delivery_ms": 1e3 * statistics.median(r["delivery"] for r in recs)}
+    row["met"] = row["overhead_p50_ms"] <= 5 and row["overhead_share"] <= 0.05
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -316,12 +477,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="4 conversations, 2 turns; results to a temp dir")
     ap.add_argument("--background-load", type=int, default=None, metavar="N",
                     help="instead: TTFT of thread settings beside N busy processes")
+    ap.add_argument("--overhead", action="store_true",
+                    help="instead: the server's overhead, paired per request against the "
+                         "engine in this process (with --background-load N: quiet, then N)")
+    ap.add_argument("--compare-code", default=None, metavar="DIR",
+                    help="--overhead: also time a server running the radixkv in DIR (e.g. "
+                         "'git archive OLD | tar -x -C DIR'), paired in the same run")
+    ap.add_argument("--overhead-threads", type=int, nargs="+", default=[1, 2], metavar="T",
+                    help="--overhead: torch threads of both sides, one setting per value")
     ap.add_argument("--requests", type=int, default=6,
                     help="--background-load: requests per setting and round")
     args = ap.parse_args(argv)
+    if args.background_load is not None and args.background_load < 0:
+        ap.error("--background-load must be >= 0")
+    if args.overhead:
+        if args.quick:
+            args.conversations, args.turns, args.max_tokens = 2, 2, 4
+            args.overhead_threads = args.overhead_threads[:1]
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_overhead(args)
     if args.background_load is not None:
-        if args.background_load < 0:
-            ap.error("--background-load must be >= 0")
         if args.quick:
             args.requests, args.rounds, args.max_tokens = 2, 1, 8
             os.environ.setdefault("RADIXKV_RESULTS_DIR",
