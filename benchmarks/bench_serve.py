@@ -103,11 +103,17 @@ def start_server(extra: list[str], threads: int | None, max_seqs: int,
     raise TimeoutError("server did not become ready")
 
 
-def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
+def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace,
+                model: str | None = None) -> dict[str, Any]:
+    """Replay ``convs`` against the OpenAI-compatible server at ``base`` (serving ``model``,
+    default the embedded model's name); one record per request. Fields only radixkv reports
+    (``usage.radixkv``, and ``cached_tokens`` where a server leaves it out) are None for
+    another server."""
     import openai
 
     from radixkv.models import EMBEDDED_NAME
 
+    model = model or EMBEDDED_NAME
     rng = random.Random(args.seed)
     arrivals, t = [], 0.0
     for _ in convs:
@@ -135,7 +141,7 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                 t0 = time.perf_counter()
                 first, reply, usage = None, [], None
                 for chunk in api.chat.completions.create(
-                        model=EMBEDDED_NAME, messages=msgs, temperature=0,
+                        model=model, messages=msgs, temperature=0,
                         max_tokens=args.max_tokens, stream=True,
                         stream_options={"include_usage": True}):
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -145,15 +151,17 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                         usage = chunk.usage
                 end = time.perf_counter()
                 msgs.append({"role": "assistant", "content": "".join(reply)})
-                ext = usage.model_extra["radixkv"]
+                ext = (usage.model_extra or {}).get("radixkv") or {}
+                details = usage.prompt_tokens_details
                 with lock:
                     records.append({
                         "conv": i, "turn": turn, "ttft": (first or end) - t0, "e2e": end - t0,
-                        "engine_ttft": ext["ttft_s"], "pre_engine": ext["queue_and_tokenize_s"],
+                        "engine_ttft": ext.get("ttft_s"),
+                        "pre_engine": ext.get("queue_and_tokenize_s"),
                         "server_ttft": ext.get("server_ttft_s"),
                         "delivery": ext.get("delivery_s"),
                         "prompt_tokens": usage.prompt_tokens,
-                        "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "cached_tokens": details.cached_tokens if details else None,
                         "output_tokens": usage.completion_tokens})
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
@@ -305,6 +313,85 @@ def run_contention(args: argparse.Namespace) -> int:
           f"(target <= 1.3x: {'met' if ok else 'NOT met'})")
     write_results(f"serve-contention-{args.background_load}" + ("-quick" if args.quick else ""),
                   header, {"summary": rows, "records": records, "target_met": ok})
+    return 0
+
+
+def _other_server(url: str, model: str | None) -> tuple[str, str]:
+    """(base URL without ``/v1``, model name) of the server at ``url``; the model is the first
+    one its ``/v1/models`` lists unless ``model`` names it."""
+    base = url.rstrip("/")
+    base = base[:-3] if base.endswith("/v1") else base
+    if model is None:
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+            model = json.load(r)["data"][0]["id"]
+    return base, model
+
+
+def vs_summary(side: str, clients: int, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``--vs-vllm``: later turns' client TTFT, the replay's throughput."""
+    later = [r["ttft"] for r in run["requests"] if r["turn"] > 0]
+    cached = [r["cached_tokens"] for r in run["requests"]]
+    prompt = sum(r["prompt_tokens"] for r in run["requests"])
+    return {"server": side, "clients": clients, "requests": len(run["requests"]),
+            "ttft_p50_s": statistics.median(later), "ttft_p99_s": _pct(later, 0.99),
+            "requests_per_s": len(run["requests"]) / run["wall_s"],
+            "output_tok_s": sum(r["output_tokens"] for r in run["requests"]) / run["wall_s"],
+            "cached_share": None if None in cached else sum(cached) / max(1, prompt)}
+
+
+def run_vs(args: argparse.Namespace) -> int:
+    """``--vs-vllm URL``: the same multi-turn chat replay against ``radixkv serve`` (started
+    here, default flags) and the OpenAI-compatible server at URL (a ``vllm serve`` of the same
+    model, started by the user: docs/serve.md has the recipe), at each ``--vs-clients`` count,
+    the two taking turns over ``--rounds`` disjoint slices of the conversations (which of them
+    goes first alternates), so that a drift of the machine's load hits both alike.
+
+    Targets (issue 33): later turns' p50 and p99 TTFT <= 0.8x the other's, and replay
+    throughput (requests/s) >= the other's at the most clients."""
+    other_base, other_model = _other_server(args.vs_vllm, args.vs_model)
+    counts = args.vs_clients
+    convs = conversations(args.conversations * len(counts), args.turns, args.max_chars)
+    header = run_header(args.seed, benchmark="serve-vs", other=other_base,
+                        other_model=other_model,
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    proc, base = start_server([], args.threads, max(8, max(counts)))
+    sides = {"radixkv": (base, None), "other": (other_base, other_model)}
+    runs = {(side, c): {"wall_s": 0.0, "requests": []} for side in sides for c in counts}
+    try:
+        for k, c in enumerate(counts):
+            mine = convs[k * args.conversations:(k + 1) * args.conversations]
+            for r in range(args.rounds):
+                part = mine[r::args.rounds]
+                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+                for side in order:
+                    got = run_clients(sides[side][0], part,
+                                      argparse.Namespace(**{**vars(args), "clients": c}),
+                                      model=sides[side][1])
+                    runs[side, c]["wall_s"] += got["wall_s"]
+                    runs[side, c]["requests"] += [{**x, "round": r} for x in got["requests"]]
+                    print(f"{c} clients, round {r}, {side}: {len(got['requests'])} requests in "
+                          f"{got['wall_s']:.1f} s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    rows = [vs_summary(side, c, runs[side, c]) for c in counts for side in sides]
+    print_table(rows, title=f"radixkv serve vs {other_base} ({other_model}); later turns' "
+                            "client TTFT, same replay")
+    checks = {}
+    for c in counts:
+        mine, theirs = (next(x for x in rows if x["server"] == s and x["clients"] == c)
+                        for s in sides)
+        checks[c] = {"ttft_p50_ratio": mine["ttft_p50_s"] / theirs["ttft_p50_s"],
+                     "ttft_p99_ratio": mine["ttft_p99_s"] / theirs["ttft_p99_s"],
+                     "throughput_ratio": mine["requests_per_s"] / theirs["requests_per_s"]}
+        x = checks[c]
+        print(f"{c} clients: radixkv / other TTFT p50 {x['ttft_p50_ratio']:.2f}x, p99 "
+              f"{x['ttft_p99_ratio']:.2f}x (target <= 0.8x); throughput "
+              f"{x['throughput_ratio']:.2f}x (target >= 1 at {max(counts)} clients)")
+    write_results("serve-vs" + ("-quick" if args.quick else ""), header,
+                  {"summary": rows, "ratios": {str(c): v for c, v in checks.items()},
+                   "runs": {f"{s}-{c}": v for (s, c), v in runs.items()}})
     return 0
 
 
@@ -470,13 +557,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think", type=float, default=1.0, help="mean think time between turns")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=800, help="cut user messages to this")
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the servers' --threads (default: half the CPUs for cache vs nocache, "
+                         "the server's own default for --vs-vllm)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of cache/nocache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="4 conversations, 2 turns; results to a temp dir")
     ap.add_argument("--background-load", type=int, default=None, metavar="N",
                     help="instead: TTFT of thread settings beside N busy processes")
+    ap.add_argument("--vs-vllm", default=None, metavar="URL",
+                    help="instead: the same replay against radixkv serve (started here) and "
+                         "the OpenAI-compatible server at URL, e.g. a vllm serve of the same "
+                         "model (docs/serve.md)")
+    ap.add_argument("--vs-model", default=None, metavar="NAME",
+                    help="--vs-vllm: the model name to send there (default: its first model)")
+    ap.add_argument("--vs-clients", type=int, nargs="+", default=[1, 4], metavar="C",
+                    help="--vs-vllm: client counts to compare at (default 1 4)")
     ap.add_argument("--overhead", action="store_true",
                     help="instead: the server's overhead, paired per request against the "
                          "engine in this process (with --background-load N: quiet, then N)")
@@ -490,6 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.background_load is not None and args.background_load < 0:
         ap.error("--background-load must be >= 0")
+    if args.vs_vllm:
+        if args.quick:
+            args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 1
+            args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_vs(args)
     if args.overhead:
         if args.quick:
             args.conversations, args.turns, args.max_tokens = 2, 2, 4
@@ -503,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("RADIXKV_RESULTS_DIR",
                                   tempfile.mkdtemp(prefix="radixkv-bench-"))
         return run_contention(args)
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // 2)
     if args.quick:
         args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))

@@ -1,0 +1,44 @@
+"""``radixkv bench serve --vs-vllm URL`` drives another OpenAI-compatible server with the same
+multi-turn replay as the ``radixkv serve`` it starts (issue 33). vLLM is not installable here, so
+the "other" server is a second ``radixkv serve`` on 127.0.0.1 (a real subprocess) under another
+model name: the code path a vLLM user runs, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from tests.server.test_openai_server import _value, running_server  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+
+def test_vs_vllm_replays_the_same_chats_against_another_server(tmp_path, monkeypatch) -> None:
+    from radixkv.benchmarks import bench_serve
+
+    monkeypatch.setenv("RADIXKV_RESULTS_DIR", str(tmp_path))
+    with running_server(["--served-model-name", "other-model", "--threads", "1",
+                         "--device", "cpu"]) as other:
+        rc = bench_serve.main(["--vs-vllm", other.base + "/v1", "--quick", "--threads", "1"])
+        assert rc == 0
+        # the other server served every request of the replay, under the name it lists
+        served = _value(other.metrics(), "radixkv_request_success", model_name="other-model")
+    result = json.loads((tmp_path / "serve-vs-quick.json").read_text())
+    assert result["header"]["other_model"] == "other-model"
+    rows = {r["server"]: r for r in result["results"]["summary"]}
+    assert set(rows) == {"radixkv", "other"}
+    # --quick: 2 conversations x 2 turns, one client, against each server
+    assert rows["radixkv"]["requests"] == rows["other"]["requests"] == 4
+    assert served == 4
+    for row in rows.values():
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert row["requests_per_s"] > 0
+        # the second turn re-sends the first (system prompt, question, reply): a radixkv server
+        # serves part of it from its cache, whichever of the two it is
+        assert row["cached_share"] > 0
+    ratios = result["results"]["ratios"]["1"]
+    assert ratios["ttft_p50_ratio"] > 0 and ratios["throughput_ratio"] > 0
