@@ -26,7 +26,13 @@ the defaults before issue 33), all loaded
 before the load starts, prefix caching off (every request computes its prompt); then rounds in
 which each setting in turn serves the same ``--requests`` first turns of ShareGPT
 conversations, one at a time, streamed. p50/p99 client TTFT per setting; target: the default's
-p50 and p99 within 1.3x of the best setting's.
+p50 and p99 within 1.3x of the best setting's. With ``--replay`` each setting instead replays
+``--conversations`` multi-turn chats with ``--clients`` at once (issue 33's slow replays: 2
+threads, cache off, 4 clients) and the replay's wall time is reported too.
+
+``--overhead`` (:func:`run_overhead`): the server's own cost, paired per request against the
+engine in this process; ``--vs-vllm URL`` (:func:`run_vs`): the same replay against radixkv serve
+and any OpenAI-compatible server (a ``vllm serve`` of the same model). docs/serve.md has both.
 """
 
 from __future__ import annotations
