@@ -42,3 +42,29 @@ def test_vs_vllm_replays_the_same_chats_against_another_server(tmp_path, monkeyp
         assert row["cached_share"] > 0
     ratios = result["results"]["ratios"]["1"]
     assert ratios["ttft_p50_ratio"] > 0 and ratios["throughput_ratio"] > 0
+
+
+@pytest.mark.slow   # ~50 s: a model load in this process besides the server's
+def test_overhead_pairs_the_server_with_the_engine_in_process(tmp_path, monkeypatch) -> None:
+    """``--overhead --quick``: each later turn goes to the server and to the in-process engine
+    with the same history; both caches see the same turns, so the server reports cached
+    tokens on the second turn and the pair's difference is a finite number."""
+    import math
+
+    import torch
+
+    from radixkv.benchmarks import bench_serve
+
+    monkeypatch.setenv("RADIXKV_RESULTS_DIR", str(tmp_path))
+    before = torch.get_num_threads()
+    try:
+        assert bench_serve.main(["--overhead", "--quick"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads((tmp_path / "serve-overhead-quick.json").read_text())["results"]
+    (row,) = result["summary"]   # --quick: 1 thread, no background load, this code only
+    assert row["server"] == "serve" and row["threads"] == 1 and row["busy"] == 0
+    assert row["turns"] == 2   # 2 conversations x their second turn
+    assert math.isfinite(row["overhead_p50_ms"]) and row["engine_ttft_p50_ms"] > 0
+    later = [r for r in result["records"] if r["turn"] > 0]
+    assert all(r["cached_tokens"] > 0 and r["ttft"] > 0 for r in later)
