@@ -6,6 +6,7 @@ model name: the code path a vLLM user runs, end to end."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -45,6 +46,8 @@ def test_vs_vllm_replays_the_same_chats_against_another_server(tmp_path, monkeyp
 
 
 @pytest.mark.slow   # ~50 s: a model load in this process besides the server's
+@pytest.mark.skipif(os.environ.get("RADIXKV_PROFILE") != "soak",
+                    reason="slow: set RADIXKV_PROFILE=soak to run")
 def test_overhead_pairs_the_server_with_the_engine_in_process(tmp_path, monkeypatch) -> None:
     """``--overhead --quick``: each later turn goes to the server and to the in-process engine
     with the same history; both caches see the same turns, so the server reports cached
