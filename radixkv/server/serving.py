@@ -36,9 +36,10 @@ class Timing:
     engine_first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
-    #: The engine's last output (``finished``) reached the handler.
+    #: The engine's last output (``finished``) reached the handler (of a request's prompts:
+    #: one of them; a streamed request has one).
     finished: bool = False
-    #: The request was aborted before it finished (:func:`abort`).
+    #: A prompt of the request was aborted before it finished.
     aborted: bool = False
 
 
@@ -308,13 +309,15 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
                 state.observe_finished(out, timing)
             yield out
     finally:
-        if not finished:
-            abort(state, stream, timing)
+        if not finished:   # this prompt's own request (several may share ``timing``)
+            timing.aborted = True
+            stream.abort()   # fire and forget: the engine drops it between two steps
+            state.metrics.success.labels(state.model_name, "abort").inc()
 
 
 def abort(state: Any, handle: Any, timing: Timing) -> None:
-    """Abort a submitted request that has not finished, once (fire and forget: the engine
-    drops it between two steps), and count it."""
+    """Abort a streamed request (one prompt: ``timing`` is its own) unless it finished or was
+    aborted already, and count it; for a response whose event generator may never have run."""
     if timing.finished or timing.aborted:
         return
     timing.aborted = True
