@@ -26,7 +26,13 @@ the defaults before issue 33), all loaded
 before the load starts, prefix caching off (every request computes its prompt); then rounds in
 which each setting in turn serves the same ``--requests`` first turns of ShareGPT
 conversations, one at a time, streamed. p50/p99 client TTFT per setting; target: the default's
-p50 and p99 within 1.3x of the best setting's.
+p50 and p99 within 1.3x of the best setting's. With ``--replay`` each setting instead replays
+``--conversations`` multi-turn chats with ``--clients`` at once (issue 33's slow replays: 2
+threads, cache off, 4 clients) and the replay's wall time is reported too.
+
+``--overhead`` (:func:`run_overhead`): the server's own cost, paired per request against the
+engine in this process; ``--vs-vllm URL`` (:func:`run_vs`): the same replay against radixkv serve
+and any OpenAI-compatible server (a ``vllm serve`` of the same model). docs/serve.md has both.
 """
 
 from __future__ import annotations
@@ -71,14 +77,22 @@ def _free_port() -> int:
 
 
 def start_server(extra: list[str], threads: int | None, max_seqs: int,
-                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default)."""
+                 env: dict[str, str] | None = None, code: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default).
+    ``code``: a source tree (e.g. an export of an earlier commit) whose ``radixkv`` the server
+    runs instead of the installed one (it goes first on ``PYTHONPATH``, and is the cwd)."""
+    if code is not None:
+        env = {**(os.environ if env is None else env),
+               "PYTHONPATH": os.pathsep.join(filter(None, [
+                   code, (env or os.environ).get("PYTHONPATH", "")]))}
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
            "--max-num-seqs", str(max_seqs), *extra]
     if threads is not None:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=code)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -95,11 +109,17 @@ def start_server(extra: list[str], threads: int | None, max_seqs: int,
     raise TimeoutError("server did not become ready")
 
 
-def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
+def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace,
+                model: str | None = None) -> dict[str, Any]:
+    """Replay ``convs`` against the OpenAI-compatible server at ``base`` (serving ``model``,
+    default the embedded model's name); one record per request. Fields only radixkv reports
+    (``usage.radixkv``, and ``cached_tokens`` where a server leaves it out) are None for
+    another server."""
     import openai
 
     from radixkv.models import EMBEDDED_NAME
 
+    model = model or EMBEDDED_NAME
     rng = random.Random(args.seed)
     arrivals, t = [], 0.0
     for _ in convs:
@@ -127,7 +147,7 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                 t0 = time.perf_counter()
                 first, reply, usage = None, [], None
                 for chunk in api.chat.completions.create(
-                        model=EMBEDDED_NAME, messages=msgs, temperature=0,
+                        model=model, messages=msgs, temperature=0,
                         max_tokens=args.max_tokens, stream=True,
                         stream_options={"include_usage": True}):
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -137,15 +157,17 @@ def run_clients(base: str, convs: list[list[str]], args: argparse.Namespace) -> 
                         usage = chunk.usage
                 end = time.perf_counter()
                 msgs.append({"role": "assistant", "content": "".join(reply)})
-                ext = usage.model_extra["radixkv"]
+                ext = (usage.model_extra or {}).get("radixkv") or {}
+                details = usage.prompt_tokens_details
                 with lock:
                     records.append({
                         "conv": i, "turn": turn, "ttft": (first or end) - t0, "e2e": end - t0,
-                        "engine_ttft": ext["ttft_s"], "pre_engine": ext["queue_and_tokenize_s"],
+                        "engine_ttft": ext.get("ttft_s"),
+                        "pre_engine": ext.get("queue_and_tokenize_s"),
                         "server_ttft": ext.get("server_ttft_s"),
                         "delivery": ext.get("delivery_s"),
                         "prompt_tokens": usage.prompt_tokens,
-                        "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "cached_tokens": details.cached_tokens if details else None,
                         "output_tokens": usage.completion_tokens})
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
@@ -237,6 +259,8 @@ def run_contention(args: argparse.Namespace) -> int:
     cpus = affinity_cpus()
     default_n = default_threads(torch.get_num_threads())[0]
     prompts = [c[0] for c in conversations(args.requests * args.rounds, 2, args.max_chars)]
+    convs = conversations(args.conversations, args.turns, args.max_chars) if args.replay \
+        else []
     header = run_header(args.seed, benchmark="serve-contention", cpus=cpus,
                         **{k: v for k, v in vars(args).items() if k != "seed"})
     print(json.dumps(header))
@@ -253,6 +277,14 @@ def run_contention(args: argparse.Namespace) -> int:
                 for _ in range(args.background_load)]
         time.sleep(1.0)
         for r in range(args.rounds):
+            if args.replay:   # --clients conversations at once, the same ones for every setting
+                for name, _, _ in settings:
+                    got = run_clients(servers[name][1], convs[r::args.rounds], args)
+                    records[name] += [{"round": r, "ttft": x["ttft"], "e2e": x["e2e"],
+                                       "wall_s": got["wall_s"]} for x in got["requests"]]
+                    print(f"round {r} {name}: replay of {len(got['requests'])} requests in "
+                          f"{got['wall_s']:.1f} s", flush=True)
+                continue
             part = prompts[r * args.requests:(r + 1) * args.requests]
             for name, _, _ in settings:   # same prompts for every setting, settings in turn
                 api = openai.OpenAI(base_url=servers[name][1] + "/v1", api_key="none",
@@ -284,20 +316,257 @@ def run_contention(args: argparse.Namespace) -> int:
         rows.append({"setting": name, "requests": len(recs),
                      "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": _pct(ttft, 0.99),
                      "e2e_p50_s": statistics.median(x["e2e"] for x in recs)})
+        if args.replay:   # the replays' wall time, summed over rounds
+            rows[-1]["replay_wall_s"] = sum({x["round"]: x["wall_s"] for x in recs}.values())
     best50 = min(r["ttft_p50_s"] for r in rows)
     best99 = min(r["ttft_p99_s"] for r in rows)
     for row in rows:
         row["p50_vs_best"] = row["ttft_p50_s"] / best50
         row["p99_vs_best"] = row["ttft_p99_s"] / best99
+    how = (f"a replay of {args.conversations} chats, {args.clients} at once" if args.replay
+           else "one request at a time")
     print_table(rows, title=f"radixkv serve beside {args.background_load} busy processes "
-                            f"({cpus} CPUs; client TTFT, one request at a time)")
+                            f"({cpus} CPUs; client TTFT, {how})")
     d = rows[0]
     ok = d["p50_vs_best"] <= 1.3 and d["p99_vs_best"] <= 1.3
     print(f"\ndefault vs best: p50 {d['p50_vs_best']:.2f}x, p99 {d['p99_vs_best']:.2f}x "
           f"(target <= 1.3x: {'met' if ok else 'NOT met'})")
-    write_results(f"serve-contention-{args.background_load}" + ("-quick" if args.quick else ""),
+    write_results(f"serve-contention-{args.background_load}" + ("-replay" if args.replay else "")
+                  + ("-quick" if args.quick else ""),
                   header, {"summary": rows, "records": records, "target_met": ok})
     return 0
+
+
+def _other_server(url: str, model: str | None) -> tuple[str, str]:
+    """(base URL without ``/v1``, model name) of the server at ``url``; the model is the first
+    one its ``/v1/models`` lists unless ``model`` names it."""
+    base = url.rstrip("/")
+    base = base[:-3] if base.endswith("/v1") else base
+    if model is None:
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+            model = json.load(r)["data"][0]["id"]
+    return base, model
+
+
+def vs_summary(side: str, clients: int, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``--vs-vllm``: later turns' client TTFT, the replay's throughput."""
+    later = [r["ttft"] for r in run["requests"] if r["turn"] > 0]
+    cached = [r["cached_tokens"] for r in run["requests"]]
+    prompt = sum(r["prompt_tokens"] for r in run["requests"])
+    return {"server": side, "clients": clients, "requests": len(run["requests"]),
+            "ttft_p50_s": statistics.median(later), "ttft_p99_s": _pct(later, 0.99),
+            "requests_per_s": len(run["requests"]) / run["wall_s"],
+            "output_tok_s": sum(r["output_tokens"] for r in run["requests"]) / run["wall_s"],
+            "cached_share": None if None in cached else sum(cached) / max(1, prompt)}
+
+
+def run_vs(args: argparse.Namespace) -> int:
+    """``--vs-vllm URL``: the same multi-turn chat replay against ``radixkv serve`` (started
+    here, default flags) and the OpenAI-compatible server at URL (a ``vllm serve`` of the same
+    model, started by the user: docs/serve.md has the recipe), at each ``--vs-clients`` count,
+    the two taking turns over ``--rounds`` disjoint slices of the conversations (which of them
+    goes first alternates), so that a drift of the machine's load hits both alike.
+
+    Targets (issue 33): later turns' p50 and p99 TTFT <= 0.8x the other's, and replay
+    throughput (requests/s) >= the other's at the most clients."""
+    other_base, other_model = _other_server(args.vs_vllm, args.vs_model)
+    counts = args.vs_clients
+    convs = conversations(args.conversations * len(counts), args.turns, args.max_chars)
+    header = run_header(args.seed, benchmark="serve-vs", other=other_base,
+                        other_model=other_model,
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    proc, base = start_server([], args.threads, max(8, max(counts)))
+    sides = {"radixkv": (base, None), "other": (other_base, other_model)}
+    runs = {(side, c): {"wall_s": 0.0, "requests": []} for side in sides for c in counts}
+    try:
+        for k, c in enumerate(counts):
+            mine = convs[k * args.conversations:(k + 1) * args.conversations]
+            for r in range(args.rounds):
+                part = mine[r::args.rounds]
+                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+                for side in order:
+                    got = run_clients(sides[side][0], part,
+                                      argparse.Namespace(**{**vars(args), "clients": c}),
+                                      model=sides[side][1])
+                    runs[side, c]["wall_s"] += got["wall_s"]
+                    runs[side, c]["requests"] += [{**x, "round": r} for x in got["requests"]]
+                    print(f"{c} clients, round {r}, {side}: {len(got['requests'])} requests in "
+                          f"{got['wall_s']:.1f} s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    rows = [vs_summary(side, c, runs[side, c]) for c in counts for side in sides]
+    print_table(rows, title=f"radixkv serve vs {other_base} ({other_model}); later turns' "
+                            "client TTFT, same replay")
+    checks = {}
+    for c in counts:
+        mine, theirs = (next(x for x in rows if x["server"] == s and x["clients"] == c)
+                        for s in sides)
+        checks[c] = {"ttft_p50_ratio": mine["ttft_p50_s"] / theirs["ttft_p50_s"],
+                     "ttft_p99_ratio": mine["ttft_p99_s"] / theirs["ttft_p99_s"],
+                     "throughput_ratio": mine["requests_per_s"] / theirs["requests_per_s"]}
+        x = checks[c]
+        print(f"{c} clients: radixkv / other TTFT p50 {x['ttft_p50_ratio']:.2f}x, p99 "
+              f"{x['ttft_p99_ratio']:.2f}x (target <= 0.8x); throughput "
+              f"{x['throughput_ratio']:.2f}x (target >= 1 at {max(counts)} clients)")
+    write_results("serve-vs" + ("-quick" if args.quick else ""), header,
+                  {"summary": rows, "ratios": {str(c): v for c, v in checks.items()},
+                   "runs": {f"{s}-{c}": v for (s, c), v in runs.items()}})
+    return 0
+
+
+def _busy_load(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning one core each (the load of ``--background-load``)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    """``--overhead``: the server's own cost, paired request by request against the engine
+    in this process (``Engine.stream`` on the chat template's prompt ids: what an application
+    that imports radixkv gets), per ``--overhead-threads`` setting, quiet and with
+    ``--background-load`` busy processes.
+
+    One conversation at a time; each turn is sent to every side (the in-process engine, the
+    server, and with ``--compare-code DIR`` a second server running the code in DIR), in an
+    order that rotates from turn to turn so that a drift of the machine's load hits all alike,
+    with the same history (the in-process reply is appended for all, so the prompts are
+    identical token for token). Each side has prefix caching on and its own cache, which sees
+    the same requests in the same order. Overhead = client TTFT through HTTP (the official
+    openai client, streamed) - TTFT of the in-process stream, both from the moment the caller
+    starts (templating and tokenization included on both sides).
+    """
+    from radixkv.server.cpu import prepare_openmp
+
+    policy = prepare_openmp()   # the in-process engine sleeps its idle threads as the server
+    import openai
+    import torch
+
+    import radixkv
+    from radixkv.models import EMBEDDED_NAME
+
+    convs = conversations(args.conversations, args.turns, args.max_chars)
+    loads = sorted({0, args.background_load or 0})
+    header = run_header(args.seed, benchmark="serve-overhead", omp_wait_policy=policy,
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    codes: dict[str, str | None] = {"serve": None}
+    if args.compare_code:
+        codes[f"serve@{Path(args.compare_code).name}"] = args.compare_code
+    records: list[dict[str, Any]] = []
+    rows = []
+    for threads in args.overhead_threads:
+        torch.set_num_threads(threads)
+        engine = radixkv.Engine.from_pretrained(progress=False)
+        servers = {name: start_server([], threads, 8, code=code) for name, code in codes.items()}
+        params = radixkv.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+        def inproc(msgs: list[dict[str, str]]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            first, text = None, []
+            for out in engine.stream(engine.chat_template.prompt_ids(msgs), params):
+                if first is None and out.outputs[0].delta_token_ids:
+                    first = time.perf_counter()
+                text.append(out.outputs[0].delta_text)
+            return {"ttft": (first or time.perf_counter()) - t0, "reply": "".join(text)}
+
+        def http(api: Any, msgs: list[dict[str, str]]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            first, usage = None, None
+            for chunk in api.chat.completions.create(
+                    model=EMBEDDED_NAME, messages=msgs, temperature=0,
+                    max_tokens=args.max_tokens, stream=True,
+                    stream_options={"include_usage": True}):
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            ext = usage.model_extra["radixkv"]
+            return {"ttft": (first or time.perf_counter()) - t0,
+                    "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                    "in_server_ttft": ext["server_ttft_s"],
+                    "pre_engine": ext["queue_and_tokenize_s"],
+                    "delivery": ext["delivery_s"]}
+
+        sides: dict[str, Any] = {"engine": inproc}
+        for name, (_, base) in servers.items():
+            api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                timeout=900)
+            sides[name] = lambda msgs, api=api: http(api, msgs)
+        names = list(sides)
+        busy: list[subprocess.Popen] = []
+        try:
+            for side in sides.values():   # first-call costs (thread start, template)
+                side([{"role": "user", "content": "Say hi."}])
+            for load in loads:
+                busy = _busy_load(load)
+                time.sleep(1.0 if load else 0.0)
+                k = 0
+                for i, conv in enumerate(convs):
+                    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+                    for turn, text in enumerate(conv):
+                        msgs.append({"role": "user", "content": text})
+                        got = {}
+                        for j in range(len(names)):
+                            name = names[(k + j) % len(names)]
+                            got[name] = sides[name](msgs)
+                        k += 1
+                        msgs.append({"role": "assistant", "content": got["engine"]["reply"]})
+                        for name in servers:
+                            records.append({"threads": threads, "load": load, "conv": i,
+                                            "turn": turn, "server": name,
+                                            "engine_ttft": got["engine"]["ttft"],
+                                            **got[name]})
+                _stop(busy)
+                busy = []
+                for name in servers:
+                    recs = [r for r in records if r["threads"] == threads and r["load"] == load
+                            and r["server"] == name and r["turn"] > 0]
+                    rows.append(_overhead_row(name, threads, load, recs))
+                    print(f"threads {threads}, {load} busy, {name}: overhead p50 "
+                          f"{rows[-1]['overhead_p50_ms']:.1f} ms, p99 "
+                          f"{rows[-1]['overhead_p99_ms']:.1f} ms, "
+                          f"{rows[-1]['overhead_share']:.1%} of cached TTFT", flush=True)
+        finally:
+            _stop(busy)
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+            engine.close()
+    print_table(rows, title="radixkv serve vs the engine in-process, same requests paired "
+                            "(later turns; overhead = HTTP TTFT - in-process TTFT; ms)")
+    ok = all(r["met"] for r in rows if r["server"] == "serve")
+    print(f"\ntarget (p50 overhead <= 5 ms and <= 5% of cached TTFT, every 'serve' row): "
+          f"{'met' if ok else 'NOT met'}")
+    write_results("serve-overhead" + ("-quick" if args.quick else ""), header,
+                  {"summary": rows, "records": records, "target_met": ok})
+    return 0
+
+
+def _overhead_row(name: str, threads: int, load: int, recs: list[dict[str, Any]]
+                  ) -> dict[str, Any]:
+    """One row of ``--overhead``'s table from paired records of later turns."""
+    over = [r["ttft"] - r["engine_ttft"] for r in recs]
+    eng = statistics.median(r["engine_ttft"] for r in recs)
+    row = {"server": name, "threads": threads, "busy": load, "turns": len(recs),
+           "engine_ttft_p50_ms": 1e3 * eng,
+           "http_ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in recs),
+           "overhead_p50_ms": 1e3 * statistics.median(over),
+           "overhead_p99_ms": 1e3 * _pct(over, 0.99),
+           "overhead_share": statistics.median(over) / eng,
+           # where it goes (p50s): outside the server process (client library, loopback),
+           # arrival -> the engine loop took it, the first token's hand-over to the event loop
+           "outside_ms": 1e3 * statistics.median(r["ttft"] - r["in_server_ttft"] for r in recs),
+           "pre_engine_ms": 1e3 * statistics.median(r["pre_engine"] for r in recs),
+           "delivery_ms": 1e3 * statistics.median(r["delivery"] for r in recs)}
+    row["met"] = row["overhead_p50_ms"] <= 5 and row["overhead_share"] <= 0.05
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,24 +578,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think", type=float, default=1.0, help="mean think time between turns")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=800, help="cut user messages to this")
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the servers' --threads (default: half the CPUs for cache vs nocache, "
+                         "the server's own default for --vs-vllm)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of cache/nocache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="4 conversations, 2 turns; results to a temp dir")
     ap.add_argument("--background-load", type=int, default=None, metavar="N",
                     help="instead: TTFT of thread settings beside N busy processes")
+    ap.add_argument("--vs-vllm", default=None, metavar="URL",
+                    help="instead: the same replay against radixkv serve (started here) and "
+                         "the OpenAI-compatible server at URL, e.g. a vllm serve of the same "
+                         "model (docs/serve.md)")
+    ap.add_argument("--vs-model", default=None, metavar="NAME",
+                    help="--vs-vllm: the model name to send there (default: its first model)")
+    ap.add_argument("--vs-clients", type=int, nargs="+", default=[1, 4], metavar="C",
+                    help="--vs-vllm: client counts to compare at (default 1 4)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="instead: the server's overhead, paired per request against the "
+                         "engine in this process (with --background-load N: quiet, then N)")
+    ap.add_argument("--compare-code", default=None, metavar="DIR",
+                    help="--overhead: also time a server running the radixkv in DIR (e.g. "
+                         "'git archive OLD | tar -x -C DIR'), paired in the same run")
+    ap.add_argument("--overhead-threads", type=int, nargs="+", default=[1, 2], metavar="T",
+                    help="--overhead: torch threads of both sides, one setting per value")
+    ap.add_argument("--replay", action="store_true",
+                    help="--background-load: each setting replays --conversations multi-turn "
+                         "chats with --clients at once (the issue 33 case: 2 threads, cache "
+                         "off, 4 clients) instead of single first turns")
     ap.add_argument("--requests", type=int, default=6,
                     help="--background-load: requests per setting and round")
     args = ap.parse_args(argv)
+    if args.background_load is not None and args.background_load < 0:
+        ap.error("--background-load must be >= 0")
+    if args.vs_vllm:
+        if args.quick:
+            args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 1
+            args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_vs(args)
+    if args.overhead:
+        if args.quick:
+            args.conversations, args.turns, args.max_tokens = 2, 2, 4
+            args.overhead_threads = args.overhead_threads[:1]
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_overhead(args)
     if args.background_load is not None:
-        if args.background_load < 0:
-            ap.error("--background-load must be >= 0")
         if args.quick:
             args.requests, args.rounds, args.max_tokens = 2, 1, 8
+            args.conversations, args.turns, args.rate, args.think = 2, 2, 100.0, 0.0
             os.environ.setdefault("RADIXKV_RESULTS_DIR",
                                   tempfile.mkdtemp(prefix="radixkv-bench-"))
         return run_contention(args)
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // 2)
     if args.quick:
         args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
         os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))

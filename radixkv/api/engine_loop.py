@@ -15,7 +15,8 @@ stepping; here exactly one thread ever touches the core, and everybody else talk
   unchanged, exactly as before.
 * **Outputs** of each request go to its own :class:`RequestStream`, a small thread-safe queue
   that can be read with :meth:`RequestStream.get` (blocking) or :meth:`RequestStream.aget`
-  (awaitable; the loop thread wakes the event loop with ``call_soon_threadsafe``).
+  (awaitable; the loop thread wakes each event loop with one ``call_soon_threadsafe`` per
+  step, for all of its streams that got an output).
 * **Stepping**: while any request is unfinished the thread alternates "run queued operations,
   one ``step()``, route outputs". When there is nothing to do it waits on a condition variable
   and, after ``idle_exit_s`` without work, exits; the next operation starts a fresh thread. So
@@ -67,17 +68,22 @@ class RequestStream:
         self._items: deque[Any] = deque()
         self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
-    def put(self, item: Any) -> None:
-        """Append an output (or an exception). Called on the loop thread."""
+    def put(self, item: Any, wake: bool = True
+            ) -> tuple[asyncio.AbstractEventLoop, asyncio.Event] | None:
+        """Append an output (or an exception). Called on the loop thread.
+
+        An asyncio consumer is woken with ``call_soon_threadsafe``; with ``wake=False`` the
+        caller does it instead, from the returned ``(event loop, event)`` (None when no
+        asyncio consumer waits): :meth:`EngineLoop._step` wakes each event loop once per step
+        for all its streams (:func:`_wake`)."""
         with self._cv:
             self._items.append(item)
             self._cv.notify_all()
             aio = self._aio
-        if aio is not None:
-            try:
-                aio[0].call_soon_threadsafe(aio[1].set)
-            except RuntimeError:   # the consumer's event loop is closed: nobody is listening
-                pass
+        if aio is not None and wake:
+            _wake({aio[0]: [aio[1]]})
+            return None
+        return aio
 
     def _pop(self) -> Any:
         item = self._items.popleft()
@@ -285,6 +291,9 @@ class EngineLoop:
             self._fail_all(exc)
             return
         now = time.perf_counter()
+        # One wake-up per event loop per step, however many of its streams got an output: each
+        # call_soon_threadsafe writes the loop's self-pipe and costs it a pass of its selector.
+        wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -293,7 +302,10 @@ class EngineLoop:
                 _set_ttft(out, now - stream.submitted)
             if out.finished:
                 del self._streams[out.request_id]
-            stream.put(out)
+            aio = stream.put(out, wake=False)
+            if aio is not None:
+                wake.setdefault(aio[0], []).append(aio[1])
+        _wake(wake)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -310,6 +322,20 @@ def _stop_at_exit(loop_ref: Any) -> Callable[[], None]:
         if loop is not None:
             loop.stop()
     return stop
+
+
+def _wake(events: dict[asyncio.AbstractEventLoop, list[asyncio.Event]]) -> None:
+    """Set ``events`` on their event loops: one ``call_soon_threadsafe`` per loop."""
+    for loop, evs in events.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, evs)
+        except RuntimeError:   # the consumer's event loop is closed: nobody is listening
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for ev in events:
+        ev.set()
 
 
 def _set_ttft(out: Any, seconds: float) -> None:

@@ -36,6 +36,11 @@ class Timing:
     engine_first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
+    #: The engine's last output (``finished``) reached the handler (of a request's prompts:
+    #: one of them; a streamed request has one).
+    finished: bool = False
+    #: A prompt of the request was aborted before it finished.
+    aborted: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -256,20 +261,34 @@ def session_hints(req: Any) -> dict[str, Any]:
     return {"session": req.session_id, "end_session": req.end_session}
 
 
-async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
-              cache_salt: str | None, timing: Timing, cache_points: Any = None,
-              hints: dict[str, Any] | None = None, restartable: bool = False
-              ) -> AsyncIterator[Any]:
-    """Submit one request to the engine loop and yield its outputs until it finishes.
+async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any,
+                 cache_salt: str | None, timing: Timing, cache_points: Any = None,
+                 hints: dict[str, Any] | None = None, restartable: bool = False) -> Any:
+    """Submit one request to the backend; returns its handle for :func:`run`.
 
     ``restartable``: nothing of it reaches the client before it finishes (a non-streamed
-    answer). Whatever ends the iteration early (the caller stops reading, or its task is
-    cancelled because the client went away: ``app._unless_disconnected``) aborts the request;
-    a finished request is recorded in the metrics.
-    """
-    stream = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
+    answer). A streamed answer submits before its response starts, so the engine computes the
+    prompt while the event loop sends the headers and the first (role) chunk."""
+    handle = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
                                      restartable=restartable, **(hints or {}))
     timing.submitted = time.perf_counter()
+    return handle
+
+
+async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
+              cache_salt: str | None, timing: Timing, cache_points: Any = None,
+              hints: dict[str, Any] | None = None, restartable: bool = False,
+              handle: Any = None) -> AsyncIterator[Any]:
+    """Submit one request (unless ``handle``: one :func:`submit` returned) and yield its
+    outputs until it finishes.
+
+    Whatever ends the iteration early (the caller stops reading, or its task is cancelled
+    because the client went away: ``app._unless_disconnected``) aborts the request; a finished
+    request is recorded in the metrics and sets ``timing.finished``.
+    """
+    stream = handle if handle is not None else await submit(
+        state, request_id, prompt_ids, params, cache_salt, timing, cache_points, hints,
+        restartable)
     finished = False
     try:
         while not finished:
@@ -286,12 +305,24 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
                 timing.last_token = now
             finished = bool(out.finished)
             if finished:
+                timing.finished = True
                 state.observe_finished(out, timing)
             yield out
     finally:
-        if not finished:   # fire and forget: the engine aborts it between two steps
-            stream.abort()
+        if not finished:   # this prompt's own request (several may share ``timing``)
+            timing.aborted = True
+            stream.abort()   # fire and forget: the engine drops it between two steps
             state.metrics.success.labels(state.model_name, "abort").inc()
+
+
+def abort(state: Any, handle: Any, timing: Timing) -> None:
+    """Abort a streamed request (one prompt: ``timing`` is its own) unless it finished or was
+    aborted already, and count it; for a response whose event generator may never have run."""
+    if timing.finished or timing.aborted:
+        return
+    timing.aborted = True
+    handle.abort()
+    state.metrics.success.labels(state.model_name, "abort").inc()
 
 
 def usage(outs: Sequence[Any], timing: Timing,
@@ -334,5 +365,6 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 __all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked",
-           "chat_logprobs", "completion_logprobs", "run", "usage", "sse", "SSE_DONE", "Timing",
+           "chat_logprobs", "completion_logprobs", "run", "submit", "usage", "sse", "SSE_DONE",
+           "Timing", "abort",
            "new_id", "request_salt", "check_text", "max_token_chars"]

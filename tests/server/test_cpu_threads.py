@@ -81,3 +81,20 @@ def test_bench_compares_the_default_with_every_other_setting() -> None:
         ("default (2 threads)", None), ("threads=1", 1), ("threads=3", 3), ("threads=4", 4),
         ("threads=4,omp-default", 4)]
     assert got[0][2] == {} and got[-1][2] == {"OMP_WAIT_POLICY": ""}
+
+
+def test_serve_sets_the_wait_policy_before_anything_loads_torch() -> None:
+    """Everything ``radixkv serve`` runs before :func:`cpu.prepare_openmp` (the ``radixkv``
+    entry point, the server's flag parser and its configs) leaves torch unloaded, so libgomp
+    reads ``PASSIVE`` when torch loads it. If an import on that path loaded torch, the server
+    would fall back to spinning threads: issue 33's 4-client replay with 2 threads and the cache
+    off then took 176-364 s instead of 20-45 s (reproduced on the 2-core box beside 2 busy
+    processes: 384 s spinning, 36 s PASSIVE; docs/serve.md)."""
+    import subprocess
+
+    code = ("import sys, radixkv.cli, radixkv.server.cli as c\n"
+            "c.configs(c.build_parser().parse_args([]))\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
