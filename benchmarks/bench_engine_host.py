@@ -55,14 +55,16 @@ def _build_tiny(torch: Any) -> Any:
 
 
 def _timed_runner(runner: Any) -> list[float]:
-    """Wrap ``runner.execute`` (the forward) so that its seconds accumulate in the list."""
-    spent = [0.0]
+    """Wrap ``runner.execute`` (the forward) so that its wall seconds accumulate in
+    ``spent[0]`` and its thread CPU seconds in ``spent[1]``."""
+    spent = [0.0, 0.0]
     execute = runner.execute
 
     def timed(batch: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = execute(batch)
         spent[0] += time.perf_counter() - t0
+        spent[1] += time.thread_time() - c0
         return out
 
     runner.execute = timed
@@ -104,24 +106,26 @@ def core_path(model: Any, batch: int, prompt: int, steps: int, seed: int,
     if profile:
         import cProfile
         prof = cProfile.Profile()
-    step_s, fwd_s = [], []
+    step_s, fwd_s, host_cpu = [], [], []
     for _ in range(steps):
-        f0 = fwd[0]
-        t0 = time.perf_counter()
+        f0, fc0 = fwd
+        t0, c0 = time.perf_counter(), time.thread_time()
         if prof is not None:
             prof.enable()
         outs = engine.step()
         if prof is not None:
             prof.disable()
         step_s.append(time.perf_counter() - t0)
+        host_cpu.append(time.thread_time() - c0 - (fwd[1] - fc0))
         fwd_s.append(fwd[0] - f0)
         assert len(outs) == batch and not any(o.finished for o in outs), "a request ended"
     engine.close()
     host = [s - f for s, f in zip(step_s, fwd_s)]
-    row = {"path": "core", "batch": batch, "step_ms": statistics.median(step_s) * 1e3,
-           "forward_ms": statistics.median(fwd_s) * 1e3,
-           "host_ms": statistics.median(host) * 1e3,
-           "host_us_per_seq": statistics.median(host) / batch * 1e6}
+    med = statistics.median
+    row = {"path": "core", "batch": batch, "step_ms": med(step_s) * 1e3,
+           "forward_ms": med(fwd_s) * 1e3, "host_ms": med(host) * 1e3,
+           "host_us_per_seq": med(host) / batch * 1e6,
+           "host_cpu_us_per_seq": med(host_cpu) / batch * 1e6}
     if prof is not None:
         import io
         import pstats
@@ -223,13 +227,16 @@ def main_host(args: Any) -> int:
         path, batch = key
         row: dict[str, Any] = {"path": path, "batch": batch}
         for name, _ in sides:
-            for metric in ("step_ms", "forward_ms", "host_us_per_seq"):
-                row[f"{name}_{metric}"] = statistics.median(g[name][key][metric]
-                                                            for g in rounds)
+            for metric in ("step_ms", "forward_ms", "host_us_per_seq", "host_cpu_us_per_seq"):
+                if metric in rounds[0][name][key]:
+                    row[f"{name}_{metric}"] = statistics.median(g[name][key][metric]
+                                                                for g in rounds)
         if args.baseline_tree:
-            row["host_ratio"] = statistics.median(
-                g["baseline"][key]["host_us_per_seq"] / g["this"][key]["host_us_per_seq"]
-                for g in rounds)
+            for metric, label in (("host_us_per_seq", "host_ratio"),
+                                  ("host_cpu_us_per_seq", "host_cpu_ratio")):
+                if metric in rounds[0]["this"][key]:
+                    row[label] = statistics.median(
+                        g["baseline"][key][metric] / g["this"][key][metric] for g in rounds)
             row["step_ratio"] = statistics.median(
                 g["baseline"][key]["step_ms"] / g["this"][key]["step_ms"] for g in rounds)
         table.append(row)

@@ -18,6 +18,8 @@ the model found the text, independent of the sampling knobs.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -128,11 +130,11 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the choice (penalties, bias, grammar)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
@@ -142,7 +144,7 @@ class SamplingParams:
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def num_seqs(self) -> int:
         """Live sequences this request will hold at once (samples or beams)."""
         return max(self.n, self.beam_width)
