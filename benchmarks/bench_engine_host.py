@@ -16,6 +16,10 @@ Per batch size B (default 64 and 256), B random prompts of ``--prompt`` tokens, 
 * ``api`` path (``Engine.generate``: the loop thread + one consumer reading every output):
   wall time of ``generate(max_tokens = steps + 1)`` minus ``generate(max_tokens = 1)``
   (prefill and submission cancel), less the same difference of forward time, / steps / B.
+* ``host_cpu_us_per_seq``: the core path's host cost as the thread's CPU time
+  (``time.thread_time``; the forward runs on it with one torch thread), which a busy shared
+  machine does not inflate the way it does wall time; ``admit_cpu_ms``: the host CPU time of
+  the first step, which admits all B requests (shared-prefix hold checks) and prefills them.
 
 Baseline in the same run: ``--baseline-tree PATH`` (a checkout of another commit, e.g.
 ``git worktree add --detach /tmp/base main``) is measured by the same worker code with that
@@ -100,7 +104,10 @@ def core_path(model: Any, batch: int, prompt: int, steps: int, seed: int,
     sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for i, p in enumerate(_prompts(batch, prompt, model.config.vocab_size, seed)):
         engine.add_request(f"r{i}", p, sp)
-    for _ in range(3):   # the prefill step and two warm-up decode steps
+    f0, c0 = fwd[1], time.thread_time()
+    engine.step()   # admits every request (the shared-prefix hold checks) and prefills
+    admit_cpu = time.thread_time() - c0 - (fwd[1] - f0)
+    for _ in range(2):   # warm-up decode steps
         engine.step()
     prof = None
     if profile:
@@ -125,7 +132,8 @@ def core_path(model: Any, batch: int, prompt: int, steps: int, seed: int,
     row = {"path": "core", "batch": batch, "step_ms": med(step_s) * 1e3,
            "forward_ms": med(fwd_s) * 1e3, "host_ms": med(host) * 1e3,
            "host_us_per_seq": med(host) / batch * 1e6,
-           "host_cpu_us_per_seq": med(host_cpu) / batch * 1e6}
+           "host_cpu_us_per_seq": med(host_cpu) / batch * 1e6,
+           "admit_cpu_ms": admit_cpu * 1e3}
     if prof is not None:
         import io
         import pstats
@@ -227,7 +235,8 @@ def main_host(args: Any) -> int:
         path, batch = key
         row: dict[str, Any] = {"path": path, "batch": batch}
         for name, _ in sides:
-            for metric in ("step_ms", "forward_ms", "host_us_per_seq", "host_cpu_us_per_seq"):
+            for metric in ("step_ms", "forward_ms", "host_us_per_seq", "host_cpu_us_per_seq",
+                           "admit_cpu_ms"):
                 if metric in rounds[0][name][key]:
                     row[f"{name}_{metric}"] = statistics.median(g[name][key][metric]
                                                                 for g in rounds)

@@ -72,7 +72,7 @@ from radixkv.engine.schedule_types import (
     SchedulerOutput, drive,
 )
 from radixkv.engine.sequence import Request, RequestStatus, Sequence
-from radixkv.engine.shared_prefix import blocks_to_wait_for, share_target
+from radixkv.engine.shared_prefix import Leaders, blocks_to_wait_for, share_target
 from radixkv.errors import OutOfBlocks
 
 
@@ -367,7 +367,8 @@ class Scheduler:
         num_seqs = sum(r.num_seq_slots for r in self.running)
         # The running sequences that may still compute a block a waiting request could share
         # (those that have not computed all but their last token); admissions add theirs.
-        leaders = self._prefilling(self.running)
+        leaders = Leaders(self.bm.block_size)
+        self._add_leaders(leaders, self.running)
         i = 0   # position in the queue: requests before it are held
         while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
@@ -392,7 +393,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += req.num_seq_slots
-            leaders.extend(self._prefilling([req]))
+            self._add_leaders(leaders, [req])
             inflight = self.loads.inflight() if self.loads is not None else None
             if inflight and self._holds(req, inflight):
                 self.loading.add(req.request_id)   # computes once its blocks have landed
@@ -407,27 +408,27 @@ class Scheduler:
         self.counters.unschedulable += 1
         out.unschedulable.append(req)
 
-    def _prefilling(self, requests: Seq[Request]) -> list[tuple[Request, Sequence]]:
-        """The allocated sequences of ``requests`` that have not computed all but their last
-        token: the only ones :func:`blocks_to_wait_for` can find a block to wait for in (a
-        decoding sequence has computed all it will ever share). O(sequences)."""
+    def _add_leaders(self, leaders: Leaders, requests: Seq[Request]) -> None:
+        """File the allocated sequences of ``requests`` that have not computed all but their
+        last token: the only ones :func:`blocks_to_wait_for` can find a block to wait for in
+        (a decoding sequence has computed all it will ever share). O(sequences)."""
         bm = self.bm
-        return [(r, s) for r in requests for s in r.seqs
-                if s.seq_id in bm and bm.num_computed_tokens(s.seq_id) < len(s.token_ids) - 1]
+        for r in requests:
+            for s in r.seqs:
+                if s.seq_id in bm and bm.num_computed_tokens(s.seq_id) < len(s.token_ids) - 1:
+                    leaders.add(r.namespace, s, r)
 
-    def _held(self, req: Request, leaders: Seq[tuple[Request, Sequence]] | None = None
-              ) -> bool:
+    def _held(self, req: Request, leaders: Leaders | None = None) -> bool:
         """Whether ``req`` should wait for a running sequence that is still computing blocks it
-        could share (see :mod:`radixkv.engine.shared_prefix`). ``leaders``: the candidates
-        (:meth:`_prefilling`; default: every running sequence). O(running prefills x shared
-        prefix)."""
+        could share (see :mod:`radixkv.engine.shared_prefix`). ``leaders``: the candidates of
+        this admission pass (default: every running sequence). O(candidates x shared prefix).
+        """
         toks, bs, bm = req.seqs[0].token_ids, self.bm.block_size, self.bm
         if leaders is None:
-            leaders = [(r, s) for r in self.running for s in r.seqs]
-        for r, s in leaders:
-            # (a request a failed promotion sent back meanwhile holds no blocks: not in bm)
-            if r.namespace != req.namespace:
-                continue
+            leaders = Leaders(bs)
+            self._add_leaders(leaders, self.running)
+        # (a request a failed promotion sent back meanwhile holds no blocks: not in bm)
+        for _r, s in leaders.candidates(req.namespace, toks):
             if s.seq_id in bm and blocks_to_wait_for(
                     toks, s.token_ids, bm.num_computed_tokens(s.seq_id), bs):
                 return True
