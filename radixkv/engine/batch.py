@@ -272,43 +272,46 @@ class ForwardBatch:
         """
         bs = block_size
         s = len(chunks)
-        max_blocks = max(len(c.block_table) for c in chunks)
-        pad = [BLOCK_TABLE_PAD] * max_blocks
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        logits_per_seq: list[int] = []
-        flat_tables: list[int] = []
-        max_block_id = -1
-        for i, c in enumerate(chunks):
-            pos = c.start_position
-            table = c.block_table
-            slot = c.slot_mapping
+        positions = [c.start_position for c in chunks]
+        tables = [c.block_table for c in chunks]
+        slot_lists = [c.slot_mapping for c in chunks]
+        max_blocks = max(map(len, tables))
+        exact = True   # every table holds exactly the blocks its sequence reads
+        for i, (pos, table, slot) in enumerate(zip(positions, tables, slot_lists)):
             j = pos // bs   # the block of the new token: the last one the kernels read
-            offsets = c.logit_offsets
-            if (pos < 0 or len(slot) != 1 or len(table) <= j
-                    or slot[0] != table[j] * bs + pos % bs
-                    or (offsets is not None and any(off != 0 for off in offsets))):
-                _check_chunk(i, c, bs)   # raises with the numbers that disagree
-                raise AssertionError(f"chunk {i} failed the decode checks only: {c}")
-            input_ids.append(c.token_ids[0])
-            positions.append(pos)
-            slots.append(slot[0])
-            seq_lens.append(pos + 1)
-            if offsets is None:
-                logits_indices.append(i)
-                logits_per_seq.append(1)
-            else:   # () for none; every offset is 0 (checked above)
+            if pos < 0 or len(slot) != 1 or len(table) <= j or slot[0] != table[j] * bs + pos % bs:
+                _check_chunk(i, chunks[i], bs)   # raises with the numbers that disagree
+                raise AssertionError(f"chunk {i} failed the decode checks only: {chunks[i]}")
+            if len(table) != j + 1:
+                exact = False
+        input_ids = [c.token_ids[0] for c in chunks]
+        slots = [slot[0] for slot in slot_lists]
+        seq_lens = [pos + 1 for pos in positions]
+        if all(c.logit_offsets is None for c in chunks):   # ordinary generation
+            logits_indices = list(range(s))
+            logits_per_seq = [1] * s
+        else:
+            logits_indices, logits_per_seq = [], []
+            for i, c in enumerate(chunks):
+                offsets = c.logit_offsets
+                if offsets is None:
+                    offsets = (0,)
+                elif any(off != 0 for off in offsets):
+                    _check_chunk(i, c, bs)
+                    raise AssertionError(f"chunk {i} failed the decode checks only: {c}")
                 logits_indices.extend([i] * len(offsets))
                 logits_per_seq.append(len(offsets))
-            flat_tables.extend(table)
-            if len(table) < max_blocks:
-                flat_tables.extend(pad[:max_blocks - len(table)])
-            top = max(table[:j + 1])
-            if top > max_block_id:
-                max_block_id = top
+        if all(len(t) == max_blocks for t in tables):
+            flat_tables = [b for t in tables for b in t]
+        else:
+            pad = [BLOCK_TABLE_PAD] * max_blocks
+            flat_tables = []
+            for t in tables:
+                flat_tables.extend(t)
+                flat_tables.extend(pad[:max_blocks - len(t)])
+        # the highest block a kernel reads (pads are 0, never above a real id)
+        max_block_id = (max(flat_tables) if exact else
+                        max(max(t[:p // bs + 1]) for t, p in zip(tables, positions)))
         cu_seqlens = list(range(s + 1))
         t, r = s, len(logits_indices)
         wide = torch.tensor(input_ids + positions + slots + logits_indices,

@@ -45,8 +45,9 @@ from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
 from radixkv.engine.grammar import accept as grammar_accept
-from radixkv.engine.sampling import (SamplingParams, choice_logits, eos_token_ids, greedy_tokens,
-                                     make_generator, sample_token, step_logprobs)
+from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, choice_logits,
+                                     eos_token_ids, greedy_tokens, make_generator, sample_token,
+                                     step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -483,7 +484,7 @@ class LLMEngine:
                 drive(self._scheduler.remove_plan(req), self._run_ops, self._loads)
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
-            elif req.beam is None:
+            elif req.beam is None and p.output_kind == OUTPUT_CUMULATIVE:
                 outputs.append(self._output(req, finished=False))
         return outputs
 
