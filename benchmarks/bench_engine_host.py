@@ -15,7 +15,9 @@ Per batch size B (default 64 and 256), B random prompts of ``--prompt`` tokens, 
   wrapped to time it separately. ``host_us_per_seq`` = sum(step - forward) / steps / B.
 * ``api`` path (``Engine.generate``: the loop thread + one consumer reading every output):
   wall time of ``generate(max_tokens = steps + 1)`` minus ``generate(max_tokens = 1)``
-  (prefill and submission cancel), less the same difference of forward time, / steps / B.
+  (prefill and submission cancel), less the same difference of forward time, / steps / B;
+  ``host_cpu_us_per_seq`` the same with the process's CPU time (all threads: the loop thread
+  and the caller reading the outputs) less the forward's thread CPU time.
 * ``host_cpu_us_per_seq``: the core path's host cost as the thread's CPU time
   (``time.thread_time``; the forward runs on it with one torch thread), which a busy shared
   machine does not inflate the way it does wall time; ``admit_cpu_ms``: the host CPU time of
@@ -154,23 +156,27 @@ def api_path(model: Any, batch: int, prompt: int, steps: int, seed: int) -> dict
     fwd = _timed_runner(engine.core.model_runner)
     vocab = model.config.vocab_size
 
-    def run(max_tokens: int, s: int) -> tuple[float, float]:
+    def run(max_tokens: int, s: int) -> tuple[float, float, float, float]:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         prompts = _prompts(batch, prompt, vocab, s)
-        f0, t0 = fwd[0], time.perf_counter()
+        f0, fc0 = fwd
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.generate(prompts, sp)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-        return wall, fwd[0] - f0
+        return wall, fwd[0] - f0, cpu, fwd[1] - fc0
 
     run(3, seed + 1000)   # warm-up
-    full_w, full_f = run(steps + 1, seed + 1)
-    one_w, one_f = run(1, seed + 2)
+    full_w, full_f, full_c, full_fc = run(steps + 1, seed + 1)
+    one_w, one_f, one_c, one_fc = run(1, seed + 2)
     engine.close()
     host = (full_w - one_w) - (full_f - one_f)
+    # CPU of every thread of the process (the loop thread, the caller reading its outputs)
+    host_cpu = (full_c - one_c) - (full_fc - one_fc)
     return {"path": "api", "batch": batch, "step_ms": (full_w - one_w) / steps * 1e3,
             "forward_ms": (full_f - one_f) / steps * 1e3, "host_ms": host / steps * 1e3,
-            "host_us_per_seq": host / steps / batch * 1e6}
+            "host_us_per_seq": host / steps / batch * 1e6,
+            "host_cpu_us_per_seq": host_cpu / steps / batch * 1e6}
 
 
 def worker(args: Any) -> None:

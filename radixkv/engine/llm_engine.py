@@ -456,6 +456,8 @@ class LLMEngine:
             pick = (adj, greedy_tokens(adj))
         now = time.perf_counter()
         outputs = []
+        host = self.tier_names.index("host") if self._remote is not None else None
+        tokenizer = self.tokenizer
         for req in reqs.values():
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -485,7 +487,7 @@ class LLMEngine:
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
             elif req.beam is None and p.output_kind == OUTPUT_CUMULATIVE:
-                outputs.append(self._output(req, finished=False))
+                outputs.append(request_output(req, False, tokenizer, host))   # (= _output)
         return outputs
 
     def _prefilled(self, req: Request) -> None:

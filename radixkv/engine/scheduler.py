@@ -312,7 +312,25 @@ class Scheduler:
         self._fresh.discard(req.request_id)
         staged = req.request_id in self._staged
         if len(req.seqs) == 1 and not staged:
-            return self._schedule_one(req, req.seqs[0], budget, out)
+            # one live sequence (the decode step's common case, once per sequence per step):
+            # the same decision and counters as below, without the group's lists
+            seq = req.seqs[0]
+            computed = self.bm.num_computed_tokens(seq.seq_id)
+            total = len(seq.token_ids)
+            rem = total - computed
+            assert rem >= 1, f"live {seq} of {req} has nothing to compute ({computed} computed)"
+            whole = rem <= budget
+            n = rem if whole else min(rem - 1, budget)
+            if n <= 0:
+                return 0
+            out.chunks.append(ScheduledChunk(req, seq, computed, n, whole))
+            c = self.counters
+            c.computed_tokens += n
+            if n > 1 or computed < seq.prompt_len:
+                c.prefill_tokens += n
+            if req.num_preemptions and computed < total - 1:
+                c.recomputed_tokens += min(n, total - 1 - computed)
+            return n
         rems = []
         for seq in req.seqs:
             if staged and seq.seq_id not in self.bm:
@@ -336,28 +354,6 @@ class Scheduler:
             if req.num_preemptions and computed < len(seq.token_ids) - 1:
                 self.counters.recomputed_tokens += min(n, len(seq.token_ids) - 1 - computed)
         return used
-
-    def _schedule_one(self, req: Request, seq: Sequence, budget: int,
-                      out: SchedulerOutput) -> int:
-        """:meth:`_schedule_tokens` of a request with one live sequence, nothing staged (the
-        decode step's common case, once per sequence per step): the same decision and
-        counters without the group's lists."""
-        computed = self.bm.num_computed_tokens(seq.seq_id)
-        total = len(seq.token_ids)
-        rem = total - computed
-        assert rem >= 1, f"live {seq} of {req} has nothing to compute ({computed} computed)"
-        whole = rem <= budget
-        n = rem if whole else min(rem - 1, budget)
-        if n <= 0:
-            return 0
-        out.chunks.append(ScheduledChunk(req, seq, computed, n, whole))
-        c = self.counters
-        c.computed_tokens += n
-        if n > 1 or computed < seq.prompt_len:
-            c.prefill_tokens += n
-        if req.num_preemptions and computed < total - 1:
-            c.recomputed_tokens += min(n, total - 1 - computed)
-        return n
 
     def _admit(self, budget: int, out: SchedulerOutput) -> Plan[int]:
         """Admit waiting requests FCFS (held ones are skipped, see
