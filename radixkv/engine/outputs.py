@@ -139,9 +139,9 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
             comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
     else:
         comps = []
-        seqs = req.seqs + req.done
+        seqs = req.seqs + req.done if req.done else req.seqs
         if len(seqs) > 1:
-            seqs.sort(key=_index)
+            seqs = sorted(seqs, key=_index)   # (a new list: req.seqs keeps its order)
         for seq in seqs:
             detok = seq.detok
             text = detok.text

@@ -174,10 +174,11 @@ class Scheduler:
         if self.loads is not None:
             yield from self._settle_loads(out, wait=False)
         pending = yield from self._reserve_appends(out)
+        recovering = bool(self._failed)   # a failed promotion may send requests back (freed)
         yield from self._recover_failed(out)
         bm = self.bm
         for seq in pending:
-            if seq.seq_id in bm:   # (a failed promotion may have sent its request back)
+            if not recovering or seq.seq_id in bm:
                 s = bm.append_slot(seq.seq_id, seq.token_ids[-1])
                 if s.moves:
                     out.kv_ops.extend(s.moves)
@@ -278,7 +279,9 @@ class Scheduler:
         exact count is only needed when fewer blocks are available than sequences pending."""
         bm = self.bm
         while self.running:
-            pending = [s for r in self.running for s in r.seqs if self._pending(s)]
+            num_tokens = bm.num_tokens   # (= self._pending, inlined: once per sequence)
+            pending = [s for r in self.running for s in r.seqs
+                       if s.seq_id in bm and num_tokens(s.seq_id) < len(s.token_ids)]
             available = bm.num_available_blocks
             if len(pending) <= available or sum(
                     bm.blocks_needed_to_append(s.seq_id) for s in pending) <= available:
