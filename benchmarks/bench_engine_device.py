@@ -139,9 +139,10 @@ def _prompts(rng: Any, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def _engine(model: Any, device: Any, dtype: str, max_seqs: int, tokens: int,
-            batched: int) -> Any:
+            batched: int, cuda_graphs: bool = False) -> Any:
     """An engine whose device pool holds ``tokens`` tokens (plus a margin of 4 blocks per
-    sequence) and that schedules up to ``max_seqs`` sequences / ``batched`` tokens a step."""
+    sequence) and that schedules up to ``max_seqs`` sequences / ``batched`` tokens a step
+    (``cuda_graphs``: decode steps replayed from graphs captured at start-up)."""
     from radixkv.api.engine import Engine
     from radixkv.config import CacheConfig, EngineConfig
 
@@ -149,7 +150,7 @@ def _engine(model: Any, device: Any, dtype: str, max_seqs: int, tokens: int,
     blocks = math.ceil(tokens / block) + 4 * max_seqs + 16
     return Engine(model, None, CacheConfig(num_device_blocks=blocks, block_size=block),
                   EngineConfig(device=str(device), dtype=dtype, max_num_seqs=max_seqs,
-                               max_num_batched_tokens=batched),
+                               max_num_batched_tokens=batched, cuda_graphs=cuda_graphs),
                   model_id=f"bench-device-{max_seqs}")
 
 
@@ -218,6 +219,9 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
             _release(engine)
         row["preemptions"] = engine.preemptions   # 0 unless the pool was too small
         row["radixkv_ms"] = (full - one) / steps * 1e3
+        if getattr(args, "cuda_graphs", False) and device.type == "cuda":
+            row.update(_graphs_row(model, args, device, rng, dtype, batch, steps, vocab,
+                                   row["radixkv_ms"]))
         row.update(step_limit_ms(model, batch, ctx, limits))
         row["radixkv_over_limit"] = row["radixkv_ms"] / row["limit_ms"]
         row["transformers_over_radixkv"] = row["transformers_ms"] / row["radixkv_ms"]
@@ -225,6 +229,42 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
               flush=True)
     return rows
+
+
+def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch: int,
+                steps: int, vocab: int, eager_ms: float) -> dict[str, Any]:
+    """The same decode measurement with ``EngineConfig(cuda_graphs=True)``: ms/step, the
+    start-up that includes the captures, and whether greedy tokens match the eager engine's
+    on the same prompts (``graphs_token_match``: share of sequences identical; bf16 GEMMs of a
+    padded bucket may round differently, so this is reported, not asserted)."""
+    prompts = _prompts(rng, batch, args.prompt, vocab)
+    from radixkv import SamplingParams
+
+    sp = SamplingParams(max_tokens=steps, ignore_eos=True)
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
+                     max(2048, min(8192, batch * args.prompt)), cuda_graphs=True)
+    out["graphs_startup_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        graphed = [o.outputs[0].token_ids for o in engine.generate(prompts, sp)]
+        full = min(
+            _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
+            for _ in range(args.repeat))
+        one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
+                  for _ in range(args.repeat))
+    finally:
+        _release(engine)
+    eager = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
+                    max(2048, min(8192, batch * args.prompt)))
+    try:
+        plain = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
+    finally:
+        _release(eager)
+    out["radixkv_graphs_ms"] = (full - one) / steps * 1e3
+    out["graphs_speedup"] = eager_ms / out["radixkv_graphs_ms"]
+    out["graphs_token_match"] = sum(a == b for a, b in zip(graphed, plain)) / len(plain)
+    return out
 
 
 def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: str) -> dict:
@@ -337,7 +377,9 @@ def print_tables(results: dict) -> None:
     dev = results["device"]
     print_table(results["decode"], ["device", "shape", "batch", "radixkv_ms", "transformers_ms",
                                     "limit_ms", "radixkv_over_limit",
-                                    "transformers_over_radixkv"],
+                                    "transformers_over_radixkv"] +
+                (["radixkv_graphs_ms", "graphs_speedup", "graphs_token_match"]
+                 if any("radixkv_graphs_ms" in r for r in results["decode"]) else []),
                 title=f"decode ms/step on {dev} ({results['dtype']}; limit = max(bytes / "
                       f"{results['copy_GBps']:.0f} GB/s, FLOPs / "
                       f"{results['matmul_TFLOPs']:.3g} TFLOP/s), same run)")
@@ -362,6 +404,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None, help="--device: default bfloat16 on CUDA, "
                                                   "float32 on the CPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="--device cuda: also time decode with EngineConfig(cuda_graphs=True) "
+                         "(graphs_speedup = eager ms / graphs ms, same run) and compare its "
+                         "greedy tokens with the eager engine's")
 
 
 def main_device(args: Any) -> int:

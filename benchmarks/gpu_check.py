@@ -4,12 +4,14 @@ every figure.
 
 On a machine with CUDA (budget <= 8 minutes on one H100/H200, no network):
 
-1. ``pytest`` on the suites that run on CUDA there: tests/kernels (every Triton case compiled
-   on the GPU, then rerun interpreted in a subprocess), tests/storage's pool and transfer
-   tests; pass / fail / skip counts and the failures' names are recorded.
-2. ``radixkv bench engine --device cuda`` on random-weight Llama-3.2-1B and (where it fits)
-   Llama-3.1-8B shapes: decode ms/step at batch 1, 64, 256 vs transformers and the limit,
-   prefill tok/s, cached-prefix TTFT gain.
+1. ``pytest`` on the suites that run on CUDA there: the engine's CUDA-only cases first (CUDA
+   graphs, a decode forward under sync-debug mode, pool sizing), then tests/kernels (every
+   Triton case compiled on the GPU, then rerun interpreted in a subprocess), tests/storage's
+   pool and transfer tests; pass / fail / skip counts and the failures' names are recorded
+   (verbose, so a step stopped by its limit still names them; the whole log is kept).
+2. ``radixkv bench engine --device cuda --cuda-graphs`` on random-weight Llama-3.2-1B and
+   (where it fits) Llama-3.1-8B shapes: decode ms/step at batch 1, 64, 256, eager and with
+   CUDA graphs, vs transformers and the limit, prefill tok/s, cached-prefix TTFT gain.
 3. ``radixkv bench kernels`` (CUDA mode): paged decode GB/s vs device copy, prefill TFLOP/s vs
    SDPA, copy_blocks and write_kv.
 
@@ -38,13 +40,19 @@ from typing import Any
 from ._common import REPO_ROOT, plain_doc, print_table, run_header
 
 #: pytest selections per mode.
-CUDA_TESTS = ["tests/kernels", "tests/storage/test_storage_pools.py",
-              "tests/storage/test_storage_transfer.py"]
+CUDA_TESTS = [
+    # the engine's CUDA-only cases first (they never run in CI): CUDA graphs, a decode forward
+    # under torch.cuda.set_sync_debug_mode("error"), pool sizing by gpu_memory_utilization
+    "tests/engine/test_cuda_graphs.py", "tests/engine/test_memory_sizing.py",
+    "tests/engine/test_decode_ops.py::test_decode_forward_passes_cuda_sync_debug_mode",
+    "tests/kernels/test_engine_on_cuda.py", "tests/kernels/test_fused.py",
+    "tests/kernels", "tests/storage/test_storage_pools.py",
+    "tests/storage/test_storage_transfer.py"]
 CPU_TESTS = ["tests/kernels/test_triton.py", "-k",
              "split_k_boundaries or plan_is_made or copy_blocks or write_kv"]
 
 #: Wall-clock limits per step (seconds): the whole check stays within 8 minutes on a GPU.
-CUDA_LIMITS = {"tests": 250, "engine": 150, "kernels": 80}
+CUDA_LIMITS = {"tests": 200, "engine": 190, "kernels": 70}
 #: A step stopped by its limit still reports what it finished: the engine benchmark writes its
 #: JSON after each model shape (1B first), and the summary shows it with the step FAILED.
 CPU_LIMITS = {"tests": 60, "engine": 60, "kernels": 40}
@@ -64,6 +72,7 @@ def _run(name: str, cmd: list[str], limit: int, env: dict[str, str]) -> dict[str
             else (e.stdout or "")
         out += f"\n[timed out after {limit} s]"
     print(out[-6000:], flush=True)
+    (Path(env["RADIXKV_RESULTS_DIR"]) / f"{name}.log").write_text(out)
     return {"step": name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
             "ok": rc == 0, "tail": out[-3000:]}
 
@@ -72,6 +81,9 @@ def _pytest_counts(tail: str) -> dict[str, Any]:
     """passed / failed / skipped / errors from pytest's closing line, and failed test ids."""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", tail)}
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", tail, re.M)
+    if not failed:   # no closing summary (stopped by its limit): the verbose per-case lines
+        pairs = re.findall(r"(?:FAILED|ERROR) (\S+::\S+)|(\S+::\S+) (?:FAILED|ERROR)", tail)
+        failed = sorted({a or b for a, b in pairs})
     return {**counts, "failed_tests": failed}
 
 
@@ -91,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                          "folder for the CPU self-check)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "engine", "kernels"],
                     help="steps to leave out")
+    ap.add_argument("--engine-shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"],
+                    help="model shapes of the engine step on CUDA (8B only where it fits)")
     args = ap.parse_args(argv)
 
     import torch
@@ -115,13 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     steps, results = [], {}
     if "tests" not in args.skip:
         sel = CUDA_TESTS if cuda else CPU_TESTS
-        step = _run("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sel],
+        # On a GPU machine the cases are bound by Triton's JIT compiles (one per kernel
+        # variant, a cold cache on a fresh machine): pytest-xdist, where installed, spreads
+        # the files over workers (loadfile: each file's in-process state stays together).
+        par = ["-n", "12", "--dist", "loadfile"] if cuda and _has("xdist") else []
+        # -v: each case's verdict as it ends, so a step stopped by its limit still names
+        # its failures (the full log is kept next to the JSON).
+        par += ["-v", "--timeout", "120"] if _has("pytest_timeout") else ["-v"]
+        step = _run("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, *sel],
                     limits["tests"], env)
-        results["tests"] = {"device": card, "selection": sel, **_pytest_counts(step["tail"])}
+        log = (work / "tests.log").read_text()
+        results["tests"] = {"device": card, "selection": sel, **_pytest_counts(log)}
         steps.append(step)
     if "engine" not in args.skip:
         cmd = [py, "-m", "radixkv.cli", "bench", "engine", "--name", "gpu_check_engine"]
-        cmd += (["--device", "cuda", "--decode-tokens", "32", "--repeat", "2"] if cuda else
+        cmd += (["--device", "cuda", "--decode-tokens", "32", "--repeat", "2", "--cuda-graphs",
+                 "--shapes", *args.engine_shapes] if cuda else
                 ["--device", "cpu", "--shapes", "tiny", "--batches", "1", "4", "--prompt", "16",
                  "--decode-tokens", "4", "--prefill-batch", "2", "--prefill-len", "32",
                  "--ttft-prefix", "128", "--repeat", "1"])
@@ -134,11 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     results["steps"] = [{k: v for k, v in s.items() if k != "tail"} for s in steps]
     path = out_dir / ("gpu_check.json" if cuda else "gpu_check_cpu.json")
     path.write_text(json.dumps({"header": header, "results": results}, indent=2, default=str))
+    for s in steps:   # each step's whole output beside the JSON (gpu_check_<step>.log)
+        log = work / f"{s['step']}.log"
+        if log.exists():
+            (out_dir / f"{path.stem}_{s['step']}.log").write_text(log.read_text())
     _summary(card, results)
     print(f"\nwrote {path}")
     ok = all(s["ok"] for s in steps) and results.get("engine", True) is not None
     print("gpu_check:", "PASSED" if ok else "FAILED", f"on {card}")
     return 0 if ok else 1
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
 
 
 def _version(name: str) -> str:
@@ -167,6 +199,12 @@ def _summary(card: str, results: dict) -> None:
                      "figure": f"{r['radixkv_ms']:.2f} ms/step (transformers "
                                f"{r['transformers_ms']:.2f}, limit {r['limit_ms']:.3f}, "
                                f"x{r['radixkv_over_limit']:.1f} of limit)"})
+        if "radixkv_graphs_ms" in r:
+            rows.append({"device": card, "what": f"decode {r['shape']} batch {r['batch']}, "
+                                                 "CUDA graphs",
+                         "figure": f"{r['radixkv_graphs_ms']:.2f} ms/step (x"
+                                   f"{r['graphs_speedup']:.2f} of eager; tokens match "
+                                   f"{r['graphs_token_match']:.2f})"})
     for r in eng.get("prefill", []):
         rows.append({"device": card, "what": f"prefill {r['shape']} {r['batch']}x"
                                              f"{r['new_tokens']}",

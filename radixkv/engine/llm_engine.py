@@ -126,7 +126,10 @@ class LLMEngine:
         self._bm = BlockManager.create(n_dev, bs, policy, lower_tier_blocks=lower,
                                        write_through=wt)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
-        if engine_config.cuda_graphs:
+        graphs = engine_config.cuda_graphs
+        if graphs is None:   # where possible: CUDA and a step without host-side decisions
+            graphs = device.type == "cuda" and self._runner.decode_graphs_unsupported() is None
+        if graphs:
             if device.type != "cuda":
                 raise ConfigError(f"EngineConfig.cuda_graphs needs a CUDA device, got {device}")
             limit = getattr(model.config, "max_position_embeddings", None)

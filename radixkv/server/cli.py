@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
                    help="wait for disk -> device promotions instead of overlapping them")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode eagerly instead of replaying CUDA graphs (graphs are "
+                        "on by default where the model allows; docs/gpu.md)")
     e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs"],
                    help="order waiting requests are admitted in: lpm (longest cached prefix "
                         "first, with an age limit) or fcfs (default: EngineConfig's, lpm)")
@@ -209,7 +212,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                       dtype=args.dtype, max_model_len=args.max_model_len,
                       prefetch_requests=args.prefetch_requests,
-                      async_loads=not args.no_async_loads, **_scheduling(args))
+                      async_loads=not args.no_async_loads,
+                      cuda_graphs=False if args.enforce_eager else None, **_scheduling(args))
     return cc, ec
 
 

@@ -95,15 +95,32 @@ def test_models_whose_decode_plans_on_the_host_are_refused(make_tiny):
         ModelRunner.for_model(make_tiny("llama"), 16, BLOCK).enable_decode_graphs(4, 8)
 
 
-def test_engine_setting_is_off_by_default_and_needs_cuda(make_tiny):
+def test_engine_setting_is_on_where_possible_and_true_needs_cuda(make_tiny):
+    """Default None: graphs wherever they can run (never on the CPU, never for a model whose
+    step decides on the host); True insists and names why it cannot; False is eager."""
     from radixkv.engine.llm_engine import LLMEngine
 
-    assert EngineConfig().cuda_graphs is False
+    assert EngineConfig().cuda_graphs is None
     with pytest.raises(ConfigError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="yes")
     with pytest.raises(ConfigError, match="CUDA device"):
         LLMEngine(make_tiny("llama"), None, CacheConfig(block_size=4, num_device_blocks=16),
                   EngineConfig(device="cpu", cuda_graphs=True), model_id="m")
+    cpu = LLMEngine(make_tiny("llama"), None, CacheConfig(block_size=4, num_device_blocks=16),
+                    EngineConfig(device="cpu"), model_id="m")
+    assert cpu.model_runner.graphs is None
+    cpu.close()
+    if torch.cuda.is_available():
+        on = LLMEngine(make_tiny("llama").cuda(), None,
+                       CacheConfig(block_size=4, num_device_blocks=64),
+                       EngineConfig(device="cuda", max_num_seqs=4), model_id="m")
+        assert on.model_runner.graphs is not None
+        on.close()
+        q8 = LLMEngine(make_tiny("llama").cuda(), None,
+                       CacheConfig(block_size=4, num_device_blocks=64, kv_dtype="int8"),
+                       EngineConfig(device="cuda", max_num_seqs=4), model_id="m")
+        assert q8.model_runner.graphs is None   # quantized KV plans on the host: eager
+        q8.close()
 
 
 @pytest.mark.gpu

@@ -130,33 +130,41 @@ def triton_fused(triton_backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_norms_and_silu_match_references(triton_fused, dtype):
+def test_triton_norms_and_silu_match_references(triton_fused, triton_device, dtype):
+    """Built on the CPU, run where the Triton cases run (the GPU with CUDA, else the
+    interpreter), compared with the torch references on the CPU."""
+    dev = triton_device
     g = _gen(2)
     x = torch.randn(7, 40, generator=g).to(dtype)          # 40: not a power of two (masked)
     r = torch.randn(7, 40, generator=g).to(dtype)
     w = (torch.rand(40, generator=g) + 0.5).to(dtype)
-    _close(triton_fused.rms_norm(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6))
-    got, total = triton_fused.add_rms_norm(x, r, w, 1e-6)
+    _close(triton_fused.rms_norm(x.to(dev), w.to(dev), 1e-6).cpu(),
+           fused.rms_norm_ref(x, w, 1e-6))
+    got, total = triton_fused.add_rms_norm(x.to(dev), r.to(dev), w.to(dev), 1e-6)
     want, want_total = fused.add_rms_norm_ref(x, r, w, 1e-6)
-    _close(total, want_total)   # the interpreter may round bf16 otherwise than the GPU
-    _close(got, want)
+    _close(total.cpu(), want_total)   # the interpreter may round bf16 otherwise than the GPU
+    _close(got.cpu(), want)
     heads = torch.randn(3, 4, 16, generator=g).to(dtype)   # q/k norm: rows of [T, H, D]
     hw = torch.rand(16, generator=g).to(dtype)
-    _close(triton_fused.rms_norm(heads, hw, 1e-6), fused.rms_norm_ref(heads, hw, 1e-6))
+    _close(triton_fused.rms_norm(heads.to(dev), hw.to(dev), 1e-6).cpu(),
+           fused.rms_norm_ref(heads, hw, 1e-6))
     gu = torch.randn(5, 2 * 24, generator=g).to(dtype)
-    _close(triton_fused.silu_mul(gu), fused.silu_mul_ref(gu))
+    _close(triton_fused.silu_mul(gu.to(dev)).cpu(), fused.silu_mul_ref(gu))
 
 
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, ()), (torch.bfloat16, (0, 3)),
                                        (torch.float16, ())])
-def test_triton_rope_write_kv_matches_reference(triton_fused, dtype, pad):
+def test_triton_rope_write_kv_matches_reference(triton_fused, triton_device, dtype, pad):
+    dev = triton_device
     q, k, v, cos, sin, kc, vc, slots = _rope_case(dtype, d=32, hq=6, hkv=2, pad=pad, seed=3)
     kc_want, vc_want = kc.clone(), vc.clone()
     want = fused.rope_write_kv_ref(q, k, v, cos, sin, kc_want, vc_want, slots, True)
-    got = triton_fused.rope_write_kv(q, k, v, cos, sin, kc, vc, slots)
-    _close(got, want)
-    _close(kc, kc_want)
-    assert torch.equal(vc, vc_want)      # V is copied, never rounded
+    kd, vd = kc.to(dev), vc.to(dev)
+    got = triton_fused.rope_write_kv(q.to(dev), k.to(dev), v.to(dev), cos.to(dev),
+                                     sin.to(dev), kd, vd, slots.to(dev))
+    _close(got.cpu(), want)
+    _close(kd.cpu(), kc_want)
+    assert torch.equal(vd.cpu(), vc_want)      # V is copied, never rounded
 
 
 def test_triton_fused_cases_in_subprocess():

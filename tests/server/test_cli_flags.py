@@ -20,6 +20,13 @@ def test_scheduling_flags_reach_the_engine_config() -> None:
     assert ec.scheduling_policy == EngineConfig().scheduling_policy
 
 
+def test_enforce_eager_turns_cuda_graphs_off() -> None:
+    """vLLM's --enforce-eager: graphs off; without it EngineConfig decides (on where possible)."""
+    p = build_parser()
+    assert configs(p.parse_args(["--enforce-eager"]))[1].cuda_graphs is False
+    assert configs(p.parse_args([]))[1].cuda_graphs is None
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--scheduling-policy", "sjf"], "invalid choice"),
     (["--scheduling-max-wait", "-1"], "max_wait_s"),
