@@ -47,6 +47,10 @@ runs; the header records the load average. ``--quick`` writes to a temp folder. 
 on that device, decode ms/step per batch size next to transformers and the hardware limit,
 prefill and cached-prefix TTFT (``bench_engine_device.py``; ``benchmarks/results/
 engine_cuda.json``).
+
+``--host-overhead`` measures the host's Python per sequence per decode step with the forward
+taken out, on a tiny CPU model, against ``--baseline-tree`` in the same run
+(``bench_engine_host.py``; ``benchmarks/results/engine_host.json``).
 """
 
 from __future__ import annotations
@@ -377,7 +381,15 @@ def main(argv: list[str] | None = None) -> int:
                          "the options marked --device apply")
     from .bench_engine_device import add_arguments, main_device
     add_arguments(ap)
+    from .bench_engine_host import add_arguments as add_host_arguments, main_host
+    add_host_arguments(ap)
     args = ap.parse_args(argv)
+    if args.host_overhead:
+        if args.name == "engine":
+            args.name = "engine_host"
+        if args.batches == [1, 64, 256]:   # --device's default; the host question is 64, 256
+            args.batches = [64, 256]
+        return main_host(args)
     if args.device:
         if args.name == "engine":
             args.name = f"engine_{args.device.split(':')[0]}"

@@ -20,6 +20,7 @@ produced them, so no caller loses another's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -355,7 +356,19 @@ class Engine:
             plist = [params] * len(items)
         # Everything is converted first and added in one loop operation, so an invalid prompt
         # means nothing ran (the loop cannot step between two of these adds).
-        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), as_params(sp), cache_salt)
+        # Only the final outputs are read here: the engine builds and routes no snapshot per
+        # step for these requests (``output_kind="final_only"``).
+        from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
+
+        final_only: dict[int, SamplingParams] = {}
+
+        def once(sp: ParamsLike) -> SamplingParams:
+            if id(sp) not in final_only:
+                final_only[id(sp)] = dataclasses.replace(as_params(sp),
+                                                         output_kind=OUTPUT_FINAL_ONLY)
+            return final_only[id(sp)]
+
+        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), once(sp), cache_salt)
                  for p, sp in zip(items, plist)]
         rids = [b[0] for b in batch]
         for rid, stream in zip(rids, self.loop.submit_many(batch)):

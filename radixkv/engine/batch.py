@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,9 +50,9 @@ class AttentionMode(enum.Enum):
     DECODE = "decode"
 
 
-@dataclass(frozen=True)
-class SequenceChunk:
-    """The work for one sequence in one model step, as plain Python lists.
+class SequenceChunk(NamedTuple):
+    """The work for one sequence in one model step, as plain Python lists (immutable: a
+    NamedTuple, made once per sequence per step, half the cost of a frozen dataclass).
 
     Attributes:
         token_ids: tokens whose K/V and hidden states are computed now (``num_new >= 1``).
@@ -187,15 +188,24 @@ class ForwardBatch:
             raise InvalidTokensError("a forward batch needs at least one sequence")
         if block_size <= 0:
             raise InvalidBlockError(f"block_size {block_size} must be positive")
-        for i, chunk in enumerate(chunks):
-            _check_chunk(i, chunk, block_size)
         all_single = all(len(c.token_ids) == 1 for c in chunks)
         if mode is None:
             mode = AttentionMode.DECODE if all_single else AttentionMode.PREFILL
         elif mode is AttentionMode.DECODE and not all_single:
+            for i, chunk in enumerate(chunks):
+                _check_chunk(i, chunk, block_size)
             sizes = [len(c.token_ids) for c in chunks]
             raise InvalidTokensError(f"decode mode needs one token per sequence, got {sizes}")
+        if all_single:
+            return cls._build_single(chunks, block_size, torch.device(device), mode)
+        return cls._build_packed(chunks, block_size, torch.device(device), mode)
 
+    @classmethod
+    def _build_packed(cls, chunks: Sequence[SequenceChunk], block_size: int,
+                      dev: torch.device, mode: AttentionMode) -> ForwardBatch:
+        """:meth:`build` for any chunk sizes: check each chunk, then pack."""
+        for i, chunk in enumerate(chunks):
+            _check_chunk(i, chunk, block_size)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -219,7 +229,6 @@ class ForwardBatch:
             table = list(chunk.block_table)
             tables.append(table + [BLOCK_TABLE_PAD] * (max_blocks - len(table)))
 
-        dev = torch.device(device)
         # Two host buffers (int64 and int32 fields), each copied to the device once; the
         # fields are views of them. Pageable memory: pinning a fresh buffer per step costs more
         # than the copy of a few kilobytes.
@@ -244,6 +253,86 @@ class ForwardBatch:
             num_seqs=len(chunks),
             max_seq_len=max(seq_lens),
             max_block_id=max(max(c.block_table[: -(-c.seq_len // block_size)]) for c in chunks),
+            max_token_id=max(input_ids),
+            min_token_id=min(input_ids),
+            host_cu_seqlens_q=tuple(cu_seqlens),
+            host_seq_lens=tuple(seq_lens),
+        )
+
+    @classmethod
+    def _build_single(cls, chunks: Sequence[SequenceChunk], block_size: int, dev: torch.device,
+                      mode: AttentionMode) -> ForwardBatch:
+        """:meth:`build` of a batch where every chunk computes one token (a decode step):
+        the same checks and tensors, in one pass per chunk without the general packing's
+        per-token loops (the host's cost per sequence per decode step is what bounds a large
+        decode batch). A chunk that fails a check is handed to ``_check_chunk``, which raises
+        with its numbers.
+
+        Runtime complexity: O(S * max_blocks), two host-to-device copies.
+        """
+        bs = block_size
+        s = len(chunks)
+        positions = [c.start_position for c in chunks]
+        tables = [c.block_table for c in chunks]
+        slot_lists = [c.slot_mapping for c in chunks]
+        max_blocks = max(map(len, tables))
+        exact = True   # every table holds exactly the blocks its sequence reads
+        for i, (pos, table, slot) in enumerate(zip(positions, tables, slot_lists)):
+            j = pos // bs   # the block of the new token: the last one the kernels read
+            if pos < 0 or len(slot) != 1 or len(table) <= j or slot[0] != table[j] * bs + pos % bs:
+                _check_chunk(i, chunks[i], bs)   # raises with the numbers that disagree
+                raise AssertionError(f"chunk {i} failed the decode checks only: {chunks[i]}")
+            if len(table) != j + 1:
+                exact = False
+        input_ids = [c.token_ids[0] for c in chunks]
+        slots = [slot[0] for slot in slot_lists]
+        seq_lens = [pos + 1 for pos in positions]
+        if all(c.logit_offsets is None for c in chunks):   # ordinary generation
+            logits_indices = list(range(s))
+            logits_per_seq = [1] * s
+        else:
+            logits_indices, logits_per_seq = [], []
+            for i, c in enumerate(chunks):
+                offsets = c.logit_offsets
+                if offsets is None:
+                    offsets = (0,)
+                elif any(off != 0 for off in offsets):
+                    _check_chunk(i, c, bs)
+                    raise AssertionError(f"chunk {i} failed the decode checks only: {c}")
+                logits_indices.extend([i] * len(offsets))
+                logits_per_seq.append(len(offsets))
+        if all(len(t) == max_blocks for t in tables):
+            flat_tables = [b for t in tables for b in t]
+        else:
+            pad = [BLOCK_TABLE_PAD] * max_blocks
+            flat_tables = []
+            for t in tables:
+                flat_tables.extend(t)
+                flat_tables.extend(pad[:max_blocks - len(t)])
+        # the highest block a kernel reads (pads are 0, never above a real id)
+        max_block_id = (max(flat_tables) if exact else
+                        max(max(t[:p // bs + 1]) for t, p in zip(tables, positions)))
+        cu_seqlens = list(range(s + 1))
+        t, r = s, len(logits_indices)
+        wide = torch.tensor(input_ids + positions + slots + logits_indices,
+                            dtype=torch.int64).to(dev, non_blocking=True)
+        narrow = torch.tensor(cu_seqlens + seq_lens + flat_tables,
+                              dtype=torch.int32).to(dev, non_blocking=True)
+        return cls(
+            mode=mode,
+            input_ids=wide[:t].view(1, t),
+            position_ids=wide[t:2 * t].view(1, t),
+            slot_mapping=wide[2 * t:3 * t],
+            cu_seqlens_q=narrow[:s + 1],
+            seq_lens=narrow[s + 1:2 * s + 1],
+            block_tables=narrow[2 * s + 1:].view(s, max_blocks),
+            logits_indices=wide[3 * t:3 * t + r],
+            logits_per_seq=tuple(logits_per_seq),
+            block_size=bs,
+            num_tokens=t,
+            num_seqs=s,
+            max_seq_len=max(seq_lens),
+            max_block_id=max_block_id,
             max_token_id=max(input_ids),
             min_token_id=min(input_ids),
             host_cu_seqlens_q=tuple(cu_seqlens),

@@ -45,8 +45,9 @@ from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
 from radixkv.engine.grammar import accept as grammar_accept
-from radixkv.engine.sampling import (SamplingParams, choice_logits, eos_token_ids, greedy_tokens,
-                                     make_generator, sample_token, step_logprobs)
+from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, choice_logits,
+                                     eos_token_ids, greedy_tokens, make_generator, sample_token,
+                                     step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -426,10 +427,16 @@ class LLMEngine:
         bm, bs = self._bm, self._bm.block_size
         chunks = []
         for c in sched.chunks:
-            table = bm.block_table(c.seq.seq_id)
-            end = c.start + c.num_tokens
-            slots = [table[p // bs] * bs + p % bs for p in range(c.start, end)]
-            chunks.append(SequenceChunk(c.seq.token_ids[c.start:end], c.start, table, slots,
+            seq, start = c.seq, c.start
+            table = bm.block_table(seq.seq_id)
+            if c.num_tokens == 1:   # a decode token (the common case: no range, no slice)
+                chunks.append(SequenceChunk(
+                    [seq.token_ids[start]], start, table,
+                    [table[start // bs] * bs + start % bs], None if c.wants_logits else ()))
+                continue
+            end = start + c.num_tokens
+            slots = [table[p // bs] * bs + p % bs for p in range(start, end)]
+            chunks.append(SequenceChunk(seq.token_ids[start:end], start, table, slots,
                                         None if c.wants_logits else ()))
         tiering.fence(self.kv_mover, self.tree, chunks)
         self._num_forwards += 1
@@ -438,10 +445,12 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows: dict[int, int] = {}
         reqs: dict[str, Request] = {}
+        commit = self._bm.commit
         for c in sched.chunks:
-            self._bm.commit(c.seq.seq_id, c.start + c.num_tokens)
+            seq_id = c.seq.seq_id
+            commit(seq_id, c.start + c.num_tokens)
             if c.wants_logits:
-                rows[c.seq.seq_id] = len(rows)
+                rows[seq_id] = len(rows)
                 reqs[c.request.request_id] = c.request
         copies = self._bm.take_moves()   # write-through copies of the blocks just committed
         if copies:
@@ -464,14 +473,29 @@ class LLMEngine:
             pick = (adj, greedy_tokens(adj))
         now = time.perf_counter()
         outputs = []
+        host = self.tier_names.index("host") if self._remote is not None else None
+        tokenizer = self.tokenizer
         for req in reqs.values():
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prefilled(req)
-            idx = [rows[s.seq_id] for s in req.seqs]
+            seqs = req.seqs
+            p = req.params
             if req.beam is not None:
-                self._beam_step(req, logits[idx])
+                self._beam_step(req, logits[[rows[s.seq_id] for s in seqs]])
+            elif len(seqs) == 1 and p.n == 1 and not p.logprobs:
+                # one sequence, no fork, no top-k: the token alone (the decode step's common
+                # case, once per sequence per step)
+                seq = seqs[0]
+                row = rows[seq.seq_id]
+                if pick is not None and p.adjusts_logits:
+                    tok = self._choose(req, seq, row, pick[0], pick[1])
+                else:
+                    tok = argmax[row] if p.greedy else self._choose(req, seq, row, logits,
+                                                                    argmax)
+                self._accept(req, seq, tok, row, logits, argmax, logp, lse, greedy_lp, None)
             else:
+                idx = [rows[s.seq_id] for s in seqs]
                 self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp, pick)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
@@ -479,8 +503,8 @@ class LLMEngine:
                 drive(self._scheduler.remove_plan(req), self._run_ops, self._loads)
                 del self._requests[req.request_id]
                 outputs.append(self._output(req, finished=True))
-            elif req.beam is None:
-                outputs.append(self._output(req, finished=False))
+            elif req.beam is None and p.output_kind == OUTPUT_CUMULATIVE:
+                outputs.append(request_output(req, False, tokenizer, host))   # (= _output)
         return outputs
 
     def _prefilled(self, req: Request) -> None:
@@ -528,22 +552,30 @@ class LLMEngine:
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
         for (seq, tok), row in zip(picks, rows_for):
-            if p.grammar is not None:
-                grammar_accept(req, seq, tok)
-            if tok == raw_argmax[row]:
-                lp = greedy_lp[row]
-            elif logp is not None:
-                lp = float(logp[row, tok])
-            else:
-                lp = float(raw[row, tok]) - lse[row]
-            seq.cumulative_logprob += lp
-            if seq.logprobs is not None:
-                seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
-            seq.token_ids.append(tok)
-            check_stop(seq, req.params, tok, self._eos, self.max_model_len)
-            if seq.finished:
-                self._scheduler.free_seq(req, seq)
-                req.done.append(seq)
+            self._accept(req, seq, tok, row, raw, raw_argmax, logp, lse, greedy_lp, top)
+
+    def _accept(self, req: Request, seq: Sequence, tok: int, row: int, raw: torch.Tensor,
+                raw_argmax: list[int], logp: torch.Tensor | None, lse: list[float] | None,
+                greedy_lp: list[float], top: dict[int, Any] | None) -> None:
+        """``tok`` (chosen from logits row ``row``) joins ``seq``: its grammar, its
+        log-probability from the raw logits, the stop checks, and the sequence's end."""
+        p = req.params
+        if p.grammar is not None:
+            grammar_accept(req, seq, tok)
+        if tok == raw_argmax[row]:
+            lp = greedy_lp[row]
+        elif logp is not None:
+            lp = float(logp[row, tok])
+        else:
+            lp = float(raw[row, tok]) - lse[row]
+        seq.cumulative_logprob += lp
+        if seq.logprobs is not None:
+            seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))
+        seq.token_ids.append(tok)
+        check_stop(seq, p, tok, self._eos, self.max_model_len)
+        if seq.finished:
+            self._scheduler.free_seq(req, seq)
+            req.done.append(seq)
 
     def _beam_step(self, req: Request, logits: torch.Tensor) -> None:
         step = req.beam.step(logits)

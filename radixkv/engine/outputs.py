@@ -72,7 +72,8 @@ class RequestOutput:
 
     Attributes:
         request_id: the caller's id.
-        prompt_token_ids: the prompt as given.
+        prompt_token_ids: the prompt as given (one list per request, shared by its snapshots:
+            copying it per snapshot cost O(prompt) per sequence per step).
         outputs: the completions (``n`` of them; beam search: the best ``n`` once finished).
         finished: True when every completion is finished (sent once).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
@@ -109,16 +110,19 @@ def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) ->
     """Set ``seq.finish_reason`` (and ``stop_reason``) if ``tok``, just appended, ends it: an
     end-of-sequence token (unless ``ignore_eos``), a stop token, a stop string in the new text
     (which is cut there, or after it with ``include_stop_str_in_output``), or the length."""
-    new_text = seq.detok.append(tok)
+    detok = seq.detok
+    new_text = detok.append(tok)
     if (not params.ignore_eos and tok in eos) or tok in params.stop_token_ids:
         seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
         return
-    hit = seq.detok.find_stop(len(new_text))
+    hit = detok.find_stop(len(new_text)) if new_text and detok.stop else None
     if hit is not None:
         s, i = hit
-        seq.detok.truncate(i + len(s) if params.include_stop_str_in_output else i)
+        detok.truncate(i + len(s) if params.include_stop_str_in_output else i)
         seq.finish_reason, seq.stop_reason = FINISH_STOP, s
-    elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+        return
+    n = len(seq.token_ids)
+    if n - seq.prompt_len >= params.max_tokens or n >= max_model_len:
         seq.finish_reason = FINISH_LENGTH
 
 
@@ -135,16 +139,22 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
             comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
     else:
         comps = []
-        for seq in sorted(req.seqs + req.done, key=lambda s: s.index):
-            emit = seq.detok.emittable_len(seq.finished)
-            text = seq.detok.text[:emit]
-            out_ids = seq.output_token_ids
+        seqs = req.seqs + req.done if req.done else req.seqs
+        if len(seqs) > 1:
+            seqs = sorted(seqs, key=_index)   # (a new list: req.seqs keeps its order)
+        for seq in seqs:
+            detok = seq.detok
+            text = detok.text
+            if detok.max_stop and text:   # a stop string may be forming at the end: hold it
+                text = text[:detok.emittable_len(seq.finish_reason is not None)]
+            out_ids = seq.token_ids[seq.prompt_len:]   # a fresh list: the snapshot's own
+            sent = seq.sent_num_tokens
             lps = seq.logprobs
             comps.append(CompletionOutput(
-                seq.index, text, list(out_ids), seq.finish_reason, seq.cumulative_logprob,
-                text[seq.sent_text_len:], out_ids[seq.sent_num_tokens:], seq.stop_reason,
+                seq.index, text, out_ids, seq.finish_reason, seq.cumulative_logprob,
+                text[seq.sent_text_len:], out_ids[sent:], seq.stop_reason,
                 None if lps is None else list(lps),
-                None if lps is None else lps[seq.sent_num_tokens:]))
+                None if lps is None else lps[sent:]))
             seq.sent_text_len, seq.sent_num_tokens = len(text), len(out_ids)
     per_tier = req.cached_tokens_per_tier
     if remote_host_tier is not None:
@@ -152,9 +162,18 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
         moved = min(req.remote_tokens, per[remote_host_tier])
         per[remote_host_tier] -= moved
         per_tier = (*per, moved)
-    return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, finished,
-                         req.num_cached_tokens, per_tier, req.ttft, req.num_preemptions,
+    prompt = req.output_prompt_ids
+    if prompt is None:   # one copy per request, shared by its snapshots (not O(prompt) each)
+        prompt = req.output_prompt_ids = list(req.prompt_token_ids)
+    first = req.first_token_time   # (``req.ttft``, without the property call)
+    return RequestOutput(req.request_id, prompt, comps, finished, req.num_cached_tokens,
+                         per_tier, None if first is None else first - req.arrival_time,
+                         req.num_preemptions,
                          req.cache_write_tokens)
+
+
+def _index(seq: Any) -> int:
+    return seq.index
 
 
 __all__ = ["request_output", "check_stop", "CompletionOutput", "RequestOutput", "TokenLogprob",

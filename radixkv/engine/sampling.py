@@ -18,6 +18,8 @@ the model found the text, independent of the sampling knobs.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -41,6 +43,12 @@ SEED_MODULUS = 2**64
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: Values of ``SamplingParams.output_kind``: a snapshot every step, or the final one only.
+OUTPUT_CUMULATIVE = "cumulative"
+OUTPUT_FINAL_ONLY = "final_only"
+OUTPUT_KINDS = (OUTPUT_CUMULATIVE, OUTPUT_FINAL_ONLY)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,11 @@ class SamplingParams:
             a negative one multiplied.
         grammar: a compiled grammar (:class:`radixkv.engine.grammar.Grammar`, e.g. a JSON
             schema) that masks every token the output could not continue with.
+        output_kind: ``"cumulative"`` (default): ``LLMEngine.step`` returns a ``RequestOutput``
+            of the request after every step that changed it (streaming); ``"final_only"``:
+            only the final one (vLLM's ``RequestOutputKind.FINAL_ONLY``), whose deltas then
+            hold the whole completion. A caller that reads only the result (``Engine.generate``)
+            saves building, routing and reading a snapshot per sequence per step.
     """
 
     max_tokens: int = 64
@@ -105,6 +118,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
     grammar: Any = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -128,11 +142,11 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the choice (penalties, bias, grammar)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
@@ -142,7 +156,7 @@ class SamplingParams:
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
 
-    @property
+    @cached_property   # frozen: read per sequence per step, computed once
     def num_seqs(self) -> int:
         """Live sequences this request will hold at once (samples or beams)."""
         return max(self.n, self.beam_width)
@@ -172,6 +186,8 @@ def _first_error(p: SamplingParams) -> str | None:
     """The first thing wrong with ``p``, as a message for the user, or None."""
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         return f"max_tokens must be an int >= 1, got {p.max_tokens!r}"
+    if p.output_kind not in OUTPUT_KINDS:
+        return f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {p.output_kind!r}"
     if not isinstance(p.temperature, (int, float)) or isinstance(p.temperature, bool) \
             or not p.temperature >= 0 or p.temperature == float("inf"):
         return f"temperature must be a finite number >= 0, got {p.temperature!r}"

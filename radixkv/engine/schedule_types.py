@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from radixkv.core.block_manager import CopyOp
 from radixkv.core.tree import MoveOp
@@ -20,10 +20,12 @@ from radixkv.engine.sequence import Request, Sequence
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Compute KV of ``seq.token_ids[start : start + num_tokens]``; logits for the last one
-    iff ``wants_logits`` (that is, iff the chunk reaches the end of the sequence)."""
+    iff ``wants_logits`` (that is, iff the chunk reaches the end of the sequence).
+
+    A NamedTuple (immutable) rather than a frozen dataclass: one is made per sequence per
+    step, and a frozen dataclass's ``__init__`` costs twice as much."""
 
     request: Request
     seq: Sequence

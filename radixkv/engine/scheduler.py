@@ -72,7 +72,7 @@ from radixkv.engine.schedule_types import (
     SchedulerOutput, drive,
 )
 from radixkv.engine.sequence import Request, RequestStatus, Sequence
-from radixkv.engine.shared_prefix import blocks_to_wait_for, share_target
+from radixkv.engine.shared_prefix import Leaders, blocks_to_wait_for, share_target
 from radixkv.errors import OutOfBlocks
 
 
@@ -173,15 +173,17 @@ class Scheduler:
         self.counters.steps += 1
         if self.loads is not None:
             yield from self._settle_loads(out, wait=False)
-        yield from self._reserve_appends(out)
+        pending = yield from self._reserve_appends(out)
+        recovering = bool(self._failed)   # a failed promotion may send requests back (freed)
         yield from self._recover_failed(out)
-        for req in self.running:
-            for seq in req.seqs:
-                if self._pending(seq):
-                    s = self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
+        bm = self.bm
+        for seq in pending:
+            if not recovering or seq.seq_id in bm:
+                s = bm.append_slot(seq.seq_id, seq.token_ids[-1])
+                if s.moves:
                     out.kv_ops.extend(s.moves)
-                    if s.copy is not None:
-                        out.kv_ops.append(s.copy)
+                if s.copy is not None:
+                    out.kv_ops.append(s.copy)
         yield from self._flush(out)
         if self._staged:
             yield from self._join_staged(out)
@@ -272,14 +274,19 @@ class Scheduler:
         """An allocated sequence whose last sampled token has no KV slot yet."""
         return seq.seq_id in self.bm and self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
 
-    def _reserve_appends(self, out: SchedulerOutput) -> Plan[None]:
-        """Preempt newest-first until every running sequence's pending token has a slot."""
+    def _reserve_appends(self, out: SchedulerOutput) -> Plan[list[Sequence]]:
+        """Preempt newest-first until every running sequence's pending token has a slot;
+        returns those sequences (running order). An append takes at most one block, so the
+        exact count is only needed when fewer blocks are available than sequences pending."""
         bm = self.bm
         while self.running:
-            need = sum(bm.blocks_needed_to_append(s.seq_id)
-                       for r in self.running for s in r.seqs if self._pending(s))
-            if need <= bm.num_available_blocks:
-                return
+            num_tokens = bm.num_tokens   # (= self._pending, inlined: once per sequence)
+            pending = [s for r in self.running for s in r.seqs
+                       if s.seq_id in bm and num_tokens(s.seq_id) < len(s.token_ids)]
+            available = bm.num_available_blocks
+            if len(pending) <= available or sum(
+                    bm.blocks_needed_to_append(s.seq_id) for s in pending) <= available:
+                return pending
             victim = self.running.pop()
             yield from self._free_request(victim)
             victim.status = RequestStatus.WAITING
@@ -287,6 +294,7 @@ class Scheduler:
             self.counters.preemptions += 1
             self.waiting.appendleft(victim)
             out.preempted.append(victim)
+        return []
 
     def _undo_admission(self, req: Request) -> None:
         """Take back the prompt/cache counters of a request sent back before it computed (its
@@ -307,6 +315,26 @@ class Scheduler:
         """Add ``req``'s chunks within ``budget`` tokens; return the tokens used."""
         self._fresh.discard(req.request_id)
         staged = req.request_id in self._staged
+        if len(req.seqs) == 1 and not staged:
+            # one live sequence (the decode step's common case, once per sequence per step):
+            # the same decision and counters as below, without the group's lists
+            seq = req.seqs[0]
+            computed = self.bm.num_computed_tokens(seq.seq_id)
+            total = len(seq.token_ids)
+            rem = total - computed
+            assert rem >= 1, f"live {seq} of {req} has nothing to compute ({computed} computed)"
+            whole = rem <= budget
+            n = rem if whole else min(rem - 1, budget)
+            if n <= 0:
+                return 0
+            out.chunks.append(ScheduledChunk(req, seq, computed, n, whole))
+            c = self.counters
+            c.computed_tokens += n
+            if n > 1 or computed < seq.prompt_len:
+                c.prefill_tokens += n
+            if req.num_preemptions and computed < total - 1:
+                c.recomputed_tokens += min(n, total - 1 - computed)
+            return n
         rems = []
         for seq in req.seqs:
             if staged and seq.seq_id not in self.bm:
@@ -334,13 +362,19 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> Plan[int]:
         """Admit waiting requests FCFS (held ones are skipped, see
         :meth:`_held`); returns the token budget left."""
+        if not self.waiting:
+            return budget
         num_seqs = sum(r.num_seq_slots for r in self.running)
+        # The running sequences that may still compute a block a waiting request could share
+        # (those that have not computed all but their last token); admissions add theirs.
+        leaders = Leaders(self.bm.block_size)
+        self._add_leaders(leaders, self.running)
         i = 0   # position in the queue: requests before it are held
         while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
             if num_seqs + req.num_seq_slots > self.max_num_seqs and self.running:
                 return budget
-            if self._held(req):
+            if self._held(req, leaders):
                 self.counters.held_admissions += 1
                 i += 1
                 continue
@@ -359,6 +393,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_seqs += req.num_seq_slots
+            self._add_leaders(leaders, [req])
             inflight = self.loads.inflight() if self.loads is not None else None
             if inflight and self._holds(req, inflight):
                 self.loading.add(req.request_id)   # computes once its blocks have landed
@@ -373,18 +408,30 @@ class Scheduler:
         self.counters.unschedulable += 1
         out.unschedulable.append(req)
 
-    def _held(self, req: Request) -> bool:
-        """Whether ``req`` should wait for a running sequence that is still computing blocks it
-        could share (see :mod:`radixkv.engine.shared_prefix`). O(running prefills x shared
-        prefix)."""
-        toks, bs, bm = req.seqs[0].token_ids, self.bm.block_size, self.bm
-        for r in self.running:
-            if r.namespace != req.namespace:
-                continue
+    def _add_leaders(self, leaders: Leaders, requests: Seq[Request]) -> None:
+        """File the allocated sequences of ``requests`` that have not computed all but their
+        last token: the only ones :func:`blocks_to_wait_for` can find a block to wait for in
+        (a decoding sequence has computed all it will ever share). O(sequences)."""
+        bm = self.bm
+        for r in requests:
             for s in r.seqs:
-                if s.seq_id in bm and blocks_to_wait_for(
-                        toks, s.token_ids, bm.num_computed_tokens(s.seq_id), bs):
-                    return True
+                if s.seq_id in bm and bm.num_computed_tokens(s.seq_id) < len(s.token_ids) - 1:
+                    leaders.add(r.namespace, s, r)
+
+    def _held(self, req: Request, leaders: Leaders | None = None) -> bool:
+        """Whether ``req`` should wait for a running sequence that is still computing blocks it
+        could share (see :mod:`radixkv.engine.shared_prefix`). ``leaders``: the candidates of
+        this admission pass (default: every running sequence). O(candidates x shared prefix).
+        """
+        toks, bs, bm = req.seqs[0].token_ids, self.bm.block_size, self.bm
+        if leaders is None:
+            leaders = Leaders(bs)
+            self._add_leaders(leaders, self.running)
+        # (a request a failed promotion sent back meanwhile holds no blocks: not in bm)
+        for _r, s in leaders.candidates(req.namespace, toks):
+            if s.seq_id in bm and blocks_to_wait_for(
+                    toks, s.token_ids, bm.num_computed_tokens(s.seq_id), bs):
+                return True
         return False
 
     def _join_staged(self, out: SchedulerOutput) -> Plan[None]:

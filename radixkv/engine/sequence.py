@@ -90,6 +90,8 @@ class Request:
                  namespace: Namespace, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        #: the copy of the prompt its ``RequestOutput`` s share (made at the first one)
+        self.output_prompt_ids: list[int] | None = None
         self.params = params
         self.namespace = namespace
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time

@@ -69,4 +69,41 @@ def blocks_to_wait_for(follower: Sequence[int], leader: Sequence[int], leader_co
     return max(0, (target - leader_computed // block_size * block_size) // block_size)
 
 
-__all__ = ["common_prefix_len", "share_target", "blocks_to_wait_for"]
+class Leaders:
+    """Candidate leaders of one admission pass, indexed by (namespace, first block of tokens).
+
+    A follower can wait for a leader only if they share at least their first full block
+    (:func:`share_target` counts whole common blocks), in the same namespace, so a waiting
+    request is compared only with the leaders filed under its own first block: admitting B
+    requests with distinct prompts is O(B), not O(B^2) prefix comparisons.
+
+    >>> from types import SimpleNamespace as S
+    >>> leaders = Leaders(2)
+    >>> leaders.add("ns", S(token_ids=[1, 2, 3]), "r0")
+    >>> [r for r, _ in leaders.candidates("ns", [1, 2, 9, 9])], leaders.candidates("ns", [1, 3, 5])
+    (['r0'], [])
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._by_key: dict[tuple, list] = {}
+
+    def _key(self, namespace: object, tokens: Sequence[int]) -> tuple | None:
+        bs = self.block_size
+        if len(tokens) - 1 < bs:
+            return None   # no full block besides the last token's: shares nothing
+        return (namespace, tuple(tokens[:bs]))
+
+    def add(self, namespace: object, seq: object, owner: object) -> None:
+        """File ``seq`` (anything with ``token_ids``) of ``owner`` as a candidate."""
+        key = self._key(namespace, seq.token_ids)   # type: ignore[attr-defined]
+        if key is not None:
+            self._by_key.setdefault(key, []).append((owner, seq))
+
+    def candidates(self, namespace: object, tokens: Sequence[int]) -> list:
+        """The ``(owner, seq)`` pairs a follower with ``tokens`` could share blocks with."""
+        key = self._key(namespace, tokens)
+        return [] if key is None else self._by_key.get(key, [])
+
+
+__all__ = ["common_prefix_len", "share_target", "blocks_to_wait_for", "Leaders"]

@@ -225,6 +225,37 @@ def test_streaming_deltas_add_up(hf_llama):
     assert toks == _hf(hf_llama, p, 12)
 
 
+def test_final_only_outputs_equal_the_streamed_result(hf_llama):
+    # output_kind="final_only": no snapshot until the request ends, then the same completion
+    # as a streamed request (text, tokens, stop, logprobs, n samples), with deltas holding all.
+    ps = _prompts([9, 14], seed=12)
+    kinds = {}
+    for kind in ("cumulative", "final_only"):
+        eng = _engine(hf_llama, tokenizer=CharTokenizer())
+        reqs = [(f"s{i}", p, SamplingParams(max_tokens=10, stop=["zz"], logprobs=2, n=2,
+                                            temperature=0.8, seed=5, output_kind=kind))
+                for i, p in enumerate(ps)]
+        for rid, p, sp in reqs:
+            eng.add_request(rid, p, sp)
+        seen: dict[str, list] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                seen.setdefault(o.request_id, []).append(o)
+        kinds[kind] = seen
+    for rid, snaps in kinds["final_only"].items():
+        [final] = snaps
+        assert final.finished
+        streamed = kinds["cumulative"][rid]
+        assert len(streamed) > 1
+        for a, b in zip(final.outputs, streamed[-1].outputs):
+            assert (a.text, a.token_ids, a.finish_reason, a.stop_reason, a.logprobs) == \
+                (b.text, b.token_ids, b.finish_reason, b.stop_reason, b.logprobs)
+            assert a.delta_token_ids == a.token_ids and a.delta_text == a.text
+            assert a.delta_logprobs == a.logprobs
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
 # ----------------------------------------------------------------------------- bad requests
 
 def test_bad_requests_do_not_disturb_requests_in_flight(hf_llama):

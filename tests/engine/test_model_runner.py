@@ -214,6 +214,49 @@ def test_forward_batch_rejects(chunk, mode, error, match):
         ForwardBatch.build([chunk], block_size=4, mode=mode)
 
 
+def _same_batch(a: ForwardBatch, b: ForwardBatch) -> None:
+    for name in ("input_ids", "position_ids", "slot_mapping", "cu_seqlens_q", "seq_lens",
+                 "block_tables", "logits_indices"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
+    for name in ("mode", "logits_per_seq", "block_size", "num_tokens", "num_seqs",
+                 "max_seq_len", "max_block_id", "max_token_id", "min_token_id",
+                 "host_cu_seqlens_q", "host_seq_lens", "has_pad_slots"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+def test_decode_batch_build_equals_general_packing():
+    # The one-token-per-chunk build (a decode step's hot path) packs exactly what the general
+    # path packs: random tables with spare trailing blocks, every logit_offsets form.
+    import random
+
+    rng, bs = random.Random(7), 4
+    for _ in range(50):
+        chunks = []
+        for _ in range(rng.randint(1, 9)):
+            pos = rng.randint(0, 30)
+            table = rng.sample(range(64), pos // bs + 1 + rng.randint(0, 2))
+            offsets = rng.choice([None, (), (0,), [0, 0]])
+            chunks.append(SequenceChunk([rng.randint(0, 255)], pos, table,
+                                        [table[pos // bs] * bs + pos % bs], offsets))
+        for mode in (AttentionMode.DECODE, AttentionMode.PREFILL):
+            fast = ForwardBatch.build(chunks, bs, mode=mode)
+            _same_batch(fast, ForwardBatch._build_packed(chunks, bs, torch.device("cpu"), mode))
+
+
+@pytest.mark.parametrize("chunk, error, match", [
+    (SequenceChunk([1], 5, [3, 4], [22]), InvalidBlockError, "slot 22"),
+    (SequenceChunk([1], 4, [3], [12]), InvalidBlockError, "need 2 blocks"),
+    (SequenceChunk([1], 0, [3], [12, 13]), InvalidBlockError, "1 new tokens but 2"),
+    (SequenceChunk([1], -1, [3], [12]), InvalidTokensError, "< 0"),
+    (SequenceChunk([1], 0, [3], [12], [1]), InvalidTokensError, "offset 1"),
+])
+def test_decode_batch_rejects_like_the_general_path(chunk, error, match):
+    good = SequenceChunk([2], 1, [5], [21])
+    with pytest.raises(error, match=match):
+        ForwardBatch.build([good, chunk], block_size=4)
+
+
 def test_runner_rejects_bad_input(tiny_model):
     model = tiny_model("mistral", num_layers=1)
     pool = DevicePool(model_kv_layout(model, block_size=4), num_blocks=8, device="cpu")
