@@ -256,7 +256,7 @@ class LLMEngine:
                     params: SamplingParams | Mapping[str, Any] | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     cache_points: Seq[Any] | None = None, session: str | int | None = None,
-                    end_session: bool = False) -> None:
+                    end_session: bool = False, namespace_extra: str | None = None) -> None:
         """Queue a request. Everything is validated first: a bad request raises
         InvalidRequestError and leaves the engine (and requests in flight) untouched.
 
@@ -265,11 +265,18 @@ class LLMEngine:
         asked, so the wait for that step counts as engine time, as vLLM's TTFT does.
         ``cache_points``: :class:`~radixkv.engine.cache_points.CachePoint` s (or dicts) marking
         prefixes of the prompt to keep with a TTL and/or priority once it is computed.
-        ``session`` (str or int) / ``end_session`` (its last request): eviction hints."""
+        ``session`` (str or int) / ``end_session`` (its last request): eviction hints.
+        ``namespace_extra``: a cache domain of the same model and salt (``Namespace.extra``):
+        a document entry or a blended prompt (:mod:`radixkv.engine.blend`)."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
         check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
         ns = self._namespace.with_salt(cache_salt)
+        if namespace_extra is not None:
+            if not isinstance(namespace_extra, str) or not namespace_extra:
+                raise InvalidRequestError(f"namespace_extra must be a non-empty str, got "
+                                          f"{namespace_extra!r}")
+            ns = Namespace(ns.model, cache_salt, ns.adapter_id, namespace_extra)
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
