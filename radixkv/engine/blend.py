@@ -170,28 +170,35 @@ def rope_unsupported(rotary: Any) -> str | None:
 
 
 def rotation(rotary: Any, delta: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` ``[1, D]`` (``like``'s dtype) of a rotation by ``delta`` positions,
-    without the rope's attention scaling (yarn/longrope scale cos and sin once, at the first
-    rotation; a second rotation must not scale again)."""
+    """``cos``/``sin`` ``[D]`` (``like``'s dtype) of a rotation by ``delta`` positions, without
+    the rope's attention scaling (yarn/longrope scale cos and sin once, at the first rotation;
+    a second rotation must not scale again)."""
     pos = torch.tensor([[delta]], device=like.device)
     cos, sin = rotary(like, pos)
     scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
     if scale != 1.0:
         cos, sin = cos / scale, sin / scale
-    return cos[0].to(like.dtype), sin[0].to(like.dtype)
+    return cos[0, 0].to(like.dtype), sin[0, 0].to(like.dtype)
 
 
 def rerotate(k: torch.Tensor, rotary: Any, delta: int) -> torch.Tensor:
-    """Keys ``k`` ``[T, Hkv, D]`` rotated at positions ``p`` -> the same keys at ``p + delta``.
+    """Keys ``k`` ``[..., T, Hkv, D]`` rotated at positions ``p`` -> the same keys at
+    ``p + delta`` (any leading dims, e.g. every layer at once).
 
-    RoPE rotates each pair of dims by ``p * inv_freq``; rotations of a plane compose by adding
-    angles, so one more rotation by ``delta * inv_freq`` gives the keys at ``p + delta``
-    (exact up to rounding, tests/engine/test_blend.py).
+    RoPE rotates each pair of dims ``(i, i + D/2)`` by ``p * inv_freq[i]``; rotations of a plane
+    compose by adding angles, so one more rotation by ``delta * inv_freq`` gives the keys at
+    ``p + delta`` (exact up to rounding, tests/engine/test_blend.py). The angle is the same for
+    every token, so one ``cos``/``sin`` row serves the whole tensor.
     """
     if delta == 0:
         return k
     cos, sin = rotation(rotary, delta, k)
-    return fused.rope_ref(k, cos.expand(k.shape[0], -1), sin.expand(k.shape[0], -1))
+    half = k.shape[-1] // 2
+    k1, k2 = k[..., :half], k[..., half:]
+    out = k * cos
+    out[..., :half].sub_(k2 * sin[:half])      # rotate_half(k) = [-k2, k1]
+    out[..., half:].add_(k1 * sin[half:])
+    return out
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -256,6 +263,7 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
     delta: torch.Tensor | None = None
     hq, hkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
     key_pos = torch.arange(n, device=dev)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
     for li, lay in enumerate(lean.layers):
         if delta is None:
             h = fused.rms_norm(x, lay.in_norm, lay.in_eps)
@@ -267,8 +275,9 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
         if lay.q_norm is not None:
             q = fused.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
             k = fused.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
-        cos, sin = lean.rotary(x, active[None, :])
-        cos, sin = cos[0], sin[0]
+        if rope is None:   # the rows change only at the check layer
+            rope = lean.rotary(x, active[None, :])
+        cos, sin = rope[0][0], rope[1][0]
         q = fused.rope_ref(q, cos, sin)
         k = fused.rope_ref(k, cos, sin)
         kb, vb = keys[li], values[li]
@@ -285,6 +294,7 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
         if keep is not None:   # from the next layer on, only the kept rows
             x, delta = x.index_select(0, keep), delta.index_select(0, keep)
             active = active.index_select(0, keep)
+            rope = None
             stats.recomputed = int(reuse.index_select(0, active).sum())
     return stats
 
@@ -400,40 +410,32 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
         num_layers, hkv, d = kv.shape[0], kv.shape[4], kv.shape[5]
         dev = kv.device
-        keys = [torch.zeros(n_full, hkv, d, dtype=kv.dtype, device=dev)
-                for _ in range(num_layers)]
-        values = [torch.zeros_like(keys[0]) for _ in range(num_layers)]
+        buf = torch.zeros(2, num_layers, n_full, hkv, d, dtype=kv.dtype, device=dev)
         reuse = torch.zeros(n_full, dtype=torch.bool, device=dev)
-        flat = kv.view(num_layers, 2, -1, hkv, d)
+        flat = kv.view(num_layers, 2, -1, hkv, d)             # slot-major rows per layer
 
         def slots(block_ids: Sequence[int], count: int) -> torch.Tensor:
             ids = torch.tensor(block_ids[:-(-count // bs)], device=dev)
             return (ids[:, None] * bs + torch.arange(bs, device=dev)[None]).reshape(-1)[:count]
 
-        if m:
-            s = slots(pre.block_ids, m)
-            for li in range(num_layers):
-                keys[li][:m] = flat[li, 0].index_select(0, s)
-                values[li][:m] = flat[li, 1].index_select(0, s)
-        rotary = runner.lean.rotary
         with torch.inference_mode():
+            if m:
+                buf[:, :, :m] = flat.index_select(2, slots(pre.block_ids, m)).transpose(0, 1)
+            rotary = runner.lean.rotary
             for sp, a, usable in docs:
-                s = slots(a.block_ids, usable)
-                for li in range(num_layers):
-                    keys[li][sp.start:sp.start + usable] = rerotate(
-                        flat[li, 0].index_select(0, s), rotary, sp.start)
-                    values[li][sp.start:sp.start + usable] = flat[li, 1].index_select(0, s)
+                rows = flat.index_select(2, slots(a.block_ids, usable))   # [L, 2, n, Hkv, D]
+                buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary, sp.start)
+                buf[1, :, sp.start:sp.start + usable] = rows[:, 1]
                 reuse[sp.start:sp.start + usable] = True
             # 3. the blend forward over the tokens after the prefix
             ids = torch.tensor(toks[:n_full], dtype=torch.long, device=dev)
-            stats = blend_forward(runner.lean, ids, m, keys, values, reuse, ratio, check_layer)
-            # 4. write [0, n_full) into the output sequence's blocks, commit them
+            stats = blend_forward(runner.lean, ids, m, list(buf[0]), list(buf[1]), reuse, ratio,
+                                  check_layer)
+            # 4. write [k0, n_full) into the output sequence's blocks, then commit them
             k0 = out.num_cached_tokens
             if k0 < n_full:
                 s = slots(out.block_ids, n_full)[k0:]
-                for li in range(num_layers):
-                    flat[li, 0].index_copy_(0, s, keys[li][k0:])
-                    flat[li, 1].index_copy_(0, s, values[li][k0:])
+                flat.index_copy_(2, s, buf[:, :, k0:].transpose(0, 1))
         bm.commit(out.seq_id, n_full)
         run_kv_ops(core.kv_mover, bm.take_moves())
         return BlendReport(extra, n_full, m, stats.reused, stats.recomputed, stats.fresh,
