@@ -18,7 +18,9 @@ computed by an ordinary request over the document's tokens under that namespace
 document spans are known, with ``m`` tokens cached as a plain prefix:
 
 1. lock the prefix (exact KV, positions ``[0, m)``) and each later document's entry (promoting
-   host/disk blocks to the device as a request would);
+   host/disk blocks to the device as a request would); an entry that is not cached (or only in
+   part) is computed first, at position 0, and committed (``RAGHelper.warm_documents`` computes
+   them as ordinary requests instead, which also consults the remote tier);
 2. gather their K/V into dense per-layer buffers, re-rotating each document's keys from
    positions ``[0, n)`` to ``[s, s + n)`` (:func:`rerotate`: RoPE is a rotation, ``R(s) R(p) =
    R(s + p)``, so a rotation by the offset ``s`` is exact up to rounding);
@@ -345,6 +347,34 @@ def _attend(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, rows: torch.Ten
 
 
 # ---------------------------------------------------------------------------------- engine op
+def _complete_entries(core: Any, toks: list[int], docs: list[tuple[DocSpan, Any, int]]
+                      ) -> list[tuple[DocSpan, Any, int]]:
+    """Compute the full blocks of every document entry that is not fully cached (at position
+    0, in one forward over all of them) and commit them under the document namespace; returns
+    ``docs`` with each entry's cached token count updated. A document's partial last block is
+    never an entry (only full blocks are cached): the blend computes those tokens fresh."""
+    from radixkv.engine.batch import SequenceChunk
+
+    bm, runner = core.block_manager, core.model_runner
+    bs = bm.block_size
+    chunks, done = [], []
+    for sp, a, cached in docs:
+        full = (sp.end - sp.start) // bs * bs
+        if cached < full:
+            table = list(a.block_ids)
+            slots = [table[p // bs] * bs + p % bs for p in range(cached, full)]
+            chunks.append(SequenceChunk(toks[sp.start + cached:sp.start + full], cached, table,
+                                        slots, ()))
+            done.append((a.seq_id, full))
+    if not chunks:
+        return docs
+    runner.execute(runner.build_batch(chunks))
+    for seq_id, full in done:
+        bm.commit(seq_id, full)
+    run_kv_ops(core.kv_mover, bm.take_moves())
+    return [(sp, a, max(cached, (sp.end - sp.start) // bs * bs)) for sp, a, cached in docs]
+
+
 def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
                   cache_salt: str | None, ratio: float,
                   check_layer: int = DEFAULT_CHECK_LAYER) -> BlendReport | None:
@@ -392,9 +422,7 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
             a = bm.allocate((tag, "doc", i), doc + doc[:1], dns)
             held.append(a.seq_id)
             moves += a.moves
-            usable = min(a.num_cached_tokens, n_full - sp.start)
-            if usable:
-                docs.append((sp, a, usable))
+            docs.append((sp, a, a.num_cached_tokens))
         if not docs:
             return None
         out = bm.allocate((tag, "out"), toks[:n_full + 1], bns)
@@ -406,6 +434,8 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         used = set(pre.block_ids) | {b for _, a, _ in docs for b in a.block_ids}
         if not bad.isdisjoint(used):
             return None   # the scheduler recovers the failed loads at its next step
+        docs = _complete_entries(core, toks, docs)
+        docs = [(sp, a, min(c, n_full - sp.start)) for sp, a, c in docs]
         # 2. dense per-layer buffers: prefix exact, documents re-rotated
         kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
         num_layers, hkv, d = kv.shape[0], kv.shape[4], kv.shape[5]
