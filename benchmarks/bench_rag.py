@@ -254,7 +254,9 @@ def quality(r32: Runner, r16: Runner | None, cases: list[Case], tokens: int,
     """Per mode: mean KL and top-1 agreement over every prompt's continuation positions."""
     modes = ["prefix-only", *(str(x) for x in RATIOS)]
     acc: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes + ["bf16"]}
-    for case in cases:
+    for i, case in enumerate(cases):
+        print(f"  quality {label}: prompt {i + 1}/{len(cases)}, {len(case.docs)} documents, "
+              f"{len(case.prompt(case.order))} tokens", file=sys.stderr, flush=True)
         prompt = case.prompt(case.order)
         out = r32.run(prompt, r32.salt(), tokens=tokens)
         cont = list(out.outputs[0].token_ids)
@@ -306,7 +308,8 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
     def add(mode: str, state: str, ttft: float, work: float) -> None:
         samples.setdefault((mode, state), []).append((ttft, work))
 
-    for case in cases:
+    for i, case in enumerate(cases):
+        print(f"  ttft: prompt {i + 1}/{len(cases)}", file=sys.stderr, flush=True)
         prompt, other = case.prompt(case.order), case.prompt(case.other)
         spans = case.spans(case.order)
         # prefix-only
@@ -321,6 +324,20 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
         out = r.run(prompt, s)
         add("prefix-only", "warm", out.ttft,
             computed_tokens(len(prompt), out.num_cached_tokens, None, layers, 0))
+        for rt in sorted({*RATIOS, ratio}):
+            if rt in (0.0, ratio):
+                continue
+            s = r.salt()
+            r.warm_docs(case, s)
+            rep = r.blend(other, case.spans(case.other), s, rt)
+            r.run(other, s, rep.namespace_extra if rep else None)
+            t0 = time.perf_counter()
+            rep = r.blend(prompt, spans, s, rt)
+            before = time.perf_counter() - t0
+            out = r.run(prompt, s, rep.namespace_extra if rep else None)
+            add(f"blend {rt:.0%}", "other order", before + out.ttft,
+                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
+                                DEFAULT_CHECK_LAYER, rt))
         for mode, rt in (("plain (0%)", 0.0), (f"blend {ratio:.0%}", ratio)):
             s = r.salt()
             t0 = time.perf_counter()
@@ -399,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=float, default=None,
                     help="the blend ratio of the TTFT runs (default: DEFAULT_BLEND_RATIO)")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny random models")
+    ap.add_argument("--only", choices=("quality", "ttft"), default=None,
+                    help="run one half (the last line then needs the other's JSON: skipped)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     args = ap.parse_args(argv)
@@ -421,23 +440,32 @@ def main(argv: list[str] | None = None) -> int:
     m32 = load_model(dtype=torch.float32, device="cpu", progress=False)
     layers = int(m32.config.num_hidden_layers)
     e32 = make_engine(m32, tok, "float32", 3072, "smol-fp32")
-    e16 = make_engine(copy.deepcopy(m32).to(torch.bfloat16), tok, "bfloat16", 3072, "smol-bf16")
-    results: dict[str, Any] = {}
+    qrows: list[dict[str, Any]] = []
+    trows: list[dict[str, Any]] = []
     try:
         cases = smol_cases(n_q + n_t, min_docs, max_docs, min_len, max_len, args.seed, tok, e32)
-        qrows = quality(Runner(e32), Runner(e16), cases[:n_q], args.tokens, "SmolLM2-135M")
-        e16.close()
-        tcases = []
-        for c in cases[n_q:]:     # 4-document prompts for the TTFT target
-            while len(c.docs) < 4:
-                c.docs.append(c.docs[0])
-            c.docs = c.docs[:4]
-            c.order, c.other = _orders(random.Random(args.seed), 4)
-            tcases.append(c)
-        trows = ttft_rows(Runner(e32), tcases, ratio, layers)
+        if args.only != "ttft":
+            e16 = make_engine(copy.deepcopy(m32).to(torch.bfloat16), tok, "bfloat16", 3072,
+                              "smol-bf16")
+            try:
+                qrows = quality(Runner(e32), Runner(e16), cases[:n_q], args.tokens,
+                                "SmolLM2-135M")
+            finally:
+                e16.close()
+        if args.only != "quality":
+            tcases = []
+            for c in cases[n_q:]:     # 4-document prompts for the TTFT target
+                while len(c.docs) < 4:
+                    c.docs.append(c.docs[0])
+                c.docs = c.docs[:4]
+                c.order, c.other = _orders(random.Random(args.seed), 4)
+                tcases.append(c)
+            trows = ttft_rows(Runner(e32), tcases, ratio, layers)
     finally:
         e32.close()
-    if not args.no_tiny:
+    if not args.no_tiny and args.only != "ttft":
+        from radixkv.engine.blend import blend_unsupported
+
         for name in TINY:
             t32 = tiny_model(name)
             t16 = copy.deepcopy(t32).to(torch.bfloat16)
@@ -445,33 +473,37 @@ def main(argv: list[str] | None = None) -> int:
             a = make_engine(t32, None, "float32", 2048, f"tiny-{name}")
             b = make_engine(t16, None, "bfloat16", 2048, f"tiny-{name}-bf16")
             try:
-                qrows += quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}")
-                reason = None
-                from radixkv.engine.blend import blend_unsupported
+                rows = quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}")
                 reason = blend_unsupported(a.core.model_runner)
-                if reason:
-                    qrows[-1]["note"] = f"prefix-only fallback: {reason}"
+                for row in rows:
+                    row["note"] = f"prefix-only fallback: {reason}" if reason else ""
+                qrows += rows
             finally:
                 a.close()
                 b.close()
-    print_table(qrows, ["model", "mode", "kl_mean", "kl_max", "top1", "prompts"],
-                title="quality vs a full fp32 prefill (teacher-forced continuation)")
-    print_table(trows, ["mode", "cache", "ttft_s", "ttft_vs_prefix_only", "computed_tokens",
-                        "prompt_tokens", "prompts"],
-                title=f"TTFT, 4-document prompts, SmolLM2-135M fp32 on the CPU (ratio {ratio})")
-    results = {"quality": qrows, "ttft": trows}
-    name = "rag_quick" if args.quick else "rag"
-    write_results(name, header, results)
-    if not args.quick:
+    if qrows:
+        print_table(qrows, ["model", "mode", "kl_mean", "kl_max", "top1", "prompts", "note"],
+                    title="quality vs a full fp32 prefill (teacher-forced continuation)")
+    if trows:
+        print_table(trows, ["mode", "cache", "ttft_s", "ttft_vs_prefix_only", "computed_tokens",
+                            "prompt_tokens", "prompts"],
+                    title=f"TTFT, 4-document prompts, SmolLM2-135M fp32 on the CPU "
+                          f"(default ratio {ratio})")
+    suffix = "" if args.only is None else f"_{args.only}"
+    name = ("rag_quick" if args.quick else "rag") + suffix
+    write_results(name, header, {"quality": qrows, "ttft": trows})
+    if not args.quick and qrows:
         out = REPO_ROOT / "docs" / "img" / "rag_quality.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(qrows, out)
         print(f"wrote {out}")
     pick = f"blend {ratio:.0%}" if ratio > 0 else "plain (0%)"
-    r = next(x["ttft_vs_prefix_only"] for x in trows
-             if x["mode"] == pick and x["cache"] == "other order")
-    a = next(x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == pick)
-    b = next(x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == "bf16")
+    r = next((x["ttft_vs_prefix_only"] for x in trows
+              if x["mode"] == pick and x["cache"] == "other order"), float("nan"))
+    a = next((x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == pick),
+             float("nan"))
+    b = next((x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == "bf16"),
+             float("nan"))
     print(f"blended/prefix-only TTFT {r:.2f}; top-1 agreement {a:.3f} (bar {b:.3f})")
     return 0
 
