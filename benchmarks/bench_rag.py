@@ -201,7 +201,8 @@ class Runner:
         from radixkv.engine.blend import DOCUMENT_EXTRA
         from radixkv.engine.sampling import SamplingParams
 
-        rids = [self.e.submit(d, SamplingParams(max_tokens=1), cache_salt=salt,
+        lead = case.head if len(case.head) % BS == 0 else []   # blend.entry_lead
+        rids = [self.e.submit(lead + d, SamplingParams(max_tokens=1), cache_salt=salt,
                               namespace_extra=DOCUMENT_EXTRA) for d in case.docs]
         for r in rids:
             self.e.wait(r)

@@ -20,8 +20,8 @@ differently after a than at the front (chained hashes are what make a prefix mat
 popular documents form the common leading run of many layouts.
 
 **Blending** (``blend_ratio`` set; :mod:`radixkv.engine.blend`, docs/rag.md): each document's KV
-is also cached as an entry of its own (computed at position 0, under the document's hash chain
-in a document namespace of the same tenant salt), and a prompt reuses every document's entry
+is also cached as an entry of its own (computed right after the head, under the chain of head +
+document tokens in a document namespace of the same tenant salt), and a prompt reuses every document's entry
 wherever the document appears: keys re-rotated to their positions, the ``blend_ratio`` share of
 document tokens whose KV deviates most recomputed. The documents then need no canonical order:
 ``order="given"`` keeps the caller's (the retriever's) order.
@@ -261,21 +261,26 @@ class RAGHelper:
         return outs, reports, started
 
     def document_entry_ids(self, doc_id: str) -> list[int]:
-        """The tokens of a document's entry: its segment, as computed at position 0."""
+        """The tokens of a document's entry: the head (the entry's lead, when it fills whole
+        blocks, as ``align_blocks`` makes it) then the document's segment."""
         if not isinstance(doc_id, str) or doc_id not in self._docs:
             raise UnknownDocumentError(f"no document {doc_id!r} (known: {self.doc_ids})")
-        return list(self._docs[doc_id])
+        lead = self.head_ids if len(self.head_ids) % self.block_size == 0 else []
+        return list(lead) + list(self._docs[doc_id])
 
     def cached_document_tokens(self, doc_id: str) -> int:
-        """Tokens of a document's own entry cached now (whole blocks, any tier)."""
+        """Tokens of a document's own entry cached now (whole blocks, any tier; without the
+        lead)."""
         from radixkv.core.hashing import token_bytes
         from radixkv.engine.blend import document_namespace
 
         ids = self.document_entry_ids(doc_id)
+        lead = len(ids) - len(self._docs[doc_id])
         seed = document_namespace(self.engine.namespace(self.cache_salt)).seed
         tree = self.engine.core.tree
-        return len(self.engine.loop.call(
+        n = len(self.engine.loop.call(
             lambda: tree.match_tokens(token_bytes(ids), seed))) * self.block_size
+        return max(0, n - lead)
 
     def warm_documents(self, doc_ids: Sequence[str] | None = None) -> int:
         """Compute the entries of these documents that are not fully cached (one batch of
@@ -286,7 +291,7 @@ class RAGHelper:
         todo = [d for d in self.layout(doc_ids)
                 if self.cached_document_tokens(d) < len(self._docs[d]) // self.block_size
                 * self.block_size]
-        rids = [self.engine.submit(self._docs[d], SamplingParams(max_tokens=1),
+        rids = [self.engine.submit(self.document_entry_ids(d), SamplingParams(max_tokens=1),
                                    cache_salt=self.cache_salt, namespace_extra=DOCUMENT_EXTRA)
                 for d in todo]
         for r in rids:

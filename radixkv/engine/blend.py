@@ -4,9 +4,13 @@ A RAG prompt ``[head][doc a][doc b]...[question]`` lists its documents in whatev
 retriever returned them, so only the leading ones are ever a cached prefix. This module reuses a
 document's KV wherever it appears:
 
-**Document entries.** A document's KV is computed as if the document started the sequence
-(position 0, nothing before it) and cached as ordinary radix-tree blocks under the document's
-own hash chain, in a namespace of its own: :func:`document_namespace` is the request namespace
+**Document entries.** A document's KV is computed right after a fixed *lead*, the prompt's
+tokens before its first document when they fill whole blocks (a RAG prompt's system head; else
+nothing: the document starts at position 0), and cached as ordinary radix-tree blocks under the
+chain of lead + document tokens, in a namespace of its own. The lead gives the document the
+attention sink it has in a real prompt (computed alone, a document's first token becomes the
+sink, and its KV misleads every later query when blended: measured in docs/rag.md).
+:func:`document_namespace` is the request namespace
 (model fingerprint, tenant salt, adapter) with the domain tag ``extra="radixkv-document-v1"``.
 So a document chain never matches a prefix chain, tenants never share documents, and a
 document entry has everything a prefix block has: refcounts while a blend reads it, eviction
@@ -19,11 +23,12 @@ document spans are known, with ``m`` tokens cached as a plain prefix:
 
 1. lock the prefix (exact KV, positions ``[0, m)``) and each later document's entry (promoting
    host/disk blocks to the device as a request would); an entry that is not cached (or only in
-   part) is computed first, at position 0, and committed (``RAGHelper.warm_documents`` computes
+   part) is computed first, after the lead, and committed (``RAGHelper.warm_documents`` computes
    them as ordinary requests instead, which also consults the remote tier);
 2. gather their K/V into dense per-layer buffers, re-rotating each document's keys from
-   positions ``[0, n)`` to ``[s, s + n)`` (:func:`rerotate`: RoPE is a rotation, ``R(s) R(p) =
-   R(s + p)``, so a rotation by the offset ``s`` is exact up to rounding);
+   positions ``[l, l + n)`` (``l``: the lead) to ``[s, s + n)`` (:func:`rerotate`: RoPE is a
+   rotation, ``R(d) R(p) = R(p + d)``, so a rotation by the offset ``s - l`` is exact up to
+   rounding);
 3. run the model over the tokens after the prefix (:func:`blend_forward`): on layers
    ``0 .. check_layer`` every token is computed, its fresh K/V replacing the cached ones; at
    ``check_layer`` the document tokens whose fresh K/V deviate most from the cached ones (sum of
@@ -347,24 +352,31 @@ def _attend(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, rows: torch.Ten
 
 
 # ---------------------------------------------------------------------------------- engine op
-def _complete_entries(core: Any, toks: list[int], docs: list[tuple[DocSpan, Any, int]]
-                      ) -> list[tuple[DocSpan, Any, int]]:
-    """Compute the full blocks of every document entry that is not fully cached (at position
-    0, in one forward over all of them) and commit them under the document namespace; returns
-    ``docs`` with each entry's cached token count updated. A document's partial last block is
-    never an entry (only full blocks are cached): the blend computes those tokens fresh."""
+def entry_lead(spans: Sequence[DocSpan], block_size: int) -> int:
+    """Tokens of the prompt before its first document when they fill whole blocks (the *lead*:
+    the system head of a RAG prompt), else 0. Document entries are computed after the lead."""
+    first = spans[0].start if spans else 0
+    return first if first % block_size == 0 else 0
+
+
+def _complete_entries(core: Any, entries: list[list[int]], docs: list[tuple[DocSpan, Any, int]],
+                      lead: int) -> list[tuple[DocSpan, Any, int]]:
+    """Compute the full blocks of every document entry (``entries[i]``: lead + document) that
+    is not fully cached, in one forward over all of them, and commit them under the document
+    namespace; returns ``docs`` with each entry's cached token count updated. A document's
+    partial last block is never an entry (only full blocks are cached): the blend computes
+    those tokens fresh."""
     from radixkv.engine.batch import SequenceChunk
 
     bm, runner = core.block_manager, core.model_runner
     bs = bm.block_size
     chunks, done = [], []
-    for sp, a, cached in docs:
-        full = (sp.end - sp.start) // bs * bs
+    for (sp, a, cached), ent in zip(docs, entries):
+        full = lead + (sp.end - sp.start) // bs * bs
         if cached < full:
             table = list(a.block_ids)
             slots = [table[p // bs] * bs + p % bs for p in range(cached, full)]
-            chunks.append(SequenceChunk(toks[sp.start + cached:sp.start + full], cached, table,
-                                        slots, ()))
+            chunks.append(SequenceChunk(ent[cached:full], cached, table, slots, ()))
             done.append((a.seq_id, full))
     if not chunks:
         return docs
@@ -372,7 +384,8 @@ def _complete_entries(core: Any, toks: list[int], docs: list[tuple[DocSpan, Any,
     for seq_id, full in done:
         bm.commit(seq_id, full)
     run_kv_ops(core.kv_mover, bm.take_moves())
-    return [(sp, a, max(cached, (sp.end - sp.start) // bs * bs)) for sp, a, cached in docs]
+    return [(sp, a, max(cached, lead + (sp.end - sp.start) // bs * bs))
+            for sp, a, cached in docs]
 
 
 def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
@@ -414,15 +427,18 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         held.append(pre.seq_id)
         m = min(pre.num_cached_tokens, n_full)
         moves = list(pre.moves)
+        lead = entry_lead(spans, bs)
         docs: list[tuple[DocSpan, Any, int]] = []
+        entries: list[list[int]] = []
         for i, sp in enumerate(spans):
             if sp.start < m or sp.start >= n_full:
                 continue
-            doc = toks[sp.start:sp.end]
-            a = bm.allocate((tag, "doc", i), doc + doc[:1], dns)
+            entry = toks[:lead] + toks[sp.start:sp.end]
+            a = bm.allocate((tag, "doc", i), entry + entry[:1], dns)
             held.append(a.seq_id)
             moves += a.moves
             docs.append((sp, a, a.num_cached_tokens))
+            entries.append(entry)
         if not docs:
             return None
         out = bm.allocate((tag, "out"), toks[:n_full + 1], bns)
@@ -434,8 +450,9 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         used = set(pre.block_ids) | {b for _, a, _ in docs for b in a.block_ids}
         if not bad.isdisjoint(used):
             return None   # the scheduler recovers the failed loads at its next step
-        docs = _complete_entries(core, toks, docs)
-        docs = [(sp, a, min(c, n_full - sp.start)) for sp, a, c in docs]
+        docs = _complete_entries(core, entries, docs, lead)
+        # document tokens with cached KV: entry positions [lead, c) -> prompt [start, ...)
+        docs = [(sp, a, max(0, min(c - lead, n_full - sp.start))) for sp, a, c in docs]
         # 2. dense per-layer buffers: prefix exact, documents re-rotated
         kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
         num_layers, hkv, d = kv.shape[0], kv.shape[4], kv.shape[5]
@@ -444,17 +461,20 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         reuse = torch.zeros(n_full, dtype=torch.bool, device=dev)
         flat = kv.view(num_layers, 2, -1, hkv, d)             # slot-major rows per layer
 
-        def slots(block_ids: Sequence[int], count: int) -> torch.Tensor:
-            ids = torch.tensor(block_ids[:-(-count // bs)], device=dev)
-            return (ids[:, None] * bs + torch.arange(bs, device=dev)[None]).reshape(-1)[:count]
+        def slots(block_ids: Sequence[int], count: int, skip: int = 0) -> torch.Tensor:
+            """Slots of positions ``[skip, skip + count)`` of a block table."""
+            ids = torch.tensor(block_ids[:-(-(skip + count) // bs)], device=dev)
+            every = (ids[:, None] * bs + torch.arange(bs, device=dev)[None]).reshape(-1)
+            return every[skip:skip + count]
 
         with torch.inference_mode():
             if m:
                 buf[:, :, :m] = flat.index_select(2, slots(pre.block_ids, m)).transpose(0, 1)
             rotary = runner.lean.rotary
             for sp, a, usable in docs:
-                rows = flat.index_select(2, slots(a.block_ids, usable))   # [L, 2, n, Hkv, D]
-                buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary, sp.start)
+                rows = flat.index_select(2, slots(a.block_ids, usable, lead))  # [L,2,n,Hkv,D]
+                buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary,
+                                                                 sp.start - lead)
                 buf[1, :, sp.start:sp.start + usable] = rows[:, 1]
                 reuse[sp.start:sp.start + usable] = True
             # 3. the blend forward over the tokens after the prefix

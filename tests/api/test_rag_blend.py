@@ -58,18 +58,20 @@ def test_a_document_entry_is_shared_by_every_prompt_and_held_only_while_used(mak
         ans = rag.ask("What is fact 3?", ids, P4)
         new_docs = [d for d in ids if d not in seen]
         seen |= set(ids)
+        lead = len(rag.head_ids) // BLOCK_SIZE
         for d in ids:
             blocks = doc_blocks(rag, d)
-            # one entry per document, at position 0, whatever prompt it came in
-            assert len(blocks) * BLOCK_SIZE == rag.num_tokens(d)
-            hashes = [b.block_hash for b in blocks]
+            # one entry per document (after the head), whatever prompt it came in
+            assert len(blocks) * BLOCK_SIZE == len(rag.head_ids) + rag.num_tokens(d)
+            assert rag.cached_document_tokens(d) == rag.num_tokens(d)
+            hashes = [b.block_hash for b in blocks[lead:]]
             assert entries.setdefault(d, hashes) == hashes
             # no prompt holds it once answered: evictable like any unreferenced block
             assert all(e.core.block_manager.block_refcount(b.slot) == 0 for b in blocks)
-        if not new_docs:   # every entry was cached: nothing recomputed at position 0
+        if not new_docs:   # every entry was cached: nothing recomputed
             assert rag.warm_documents(ids) == 0
         assert e.core.tree.stats.inserted >= before
-        if ans.blend is not None:
+        if ans.blend is not None and not ans.blend.warm:
             assert ans.blend.num_blended_tokens <= ans.prompt_tokens
             assert 0 < ans.blend.reused_tokens <= sum(rag.num_tokens(d) for d in ids)
     e.core.block_manager.check_invariants()
@@ -104,7 +106,7 @@ def test_entries_are_held_during_the_blend_and_evicted_when_space_is_needed(make
     for i in range(6):
         other.add_document(f"x{i}", f"filler text {i} to take the pool. " * 60)
         other.ask("q?", [f"x{i}"], P4)
-    assert len(doc_blocks(rag, "a")) * BLOCK_SIZE < rag.num_tokens("a")
+    assert len(doc_blocks(rag, "a")) * BLOCK_SIZE < len(rag.document_entry_ids("a"))
     e.core.block_manager.check_invariants()
 
 
@@ -120,6 +122,7 @@ def test_tenants_never_share_documents(make_engine, salts):
     assert b.warm_documents(["a"]) == 1                   # computed again, for b
     ha = {x.block_hash for x in doc_blocks(a, "a")}
     hb = {x.block_hash for x in doc_blocks(b, "a")}
+    assert len(ha) * BLOCK_SIZE == len(a.document_entry_ids("a"))
     assert ha and hb and ha.isdisjoint(hb)
     # nor do document entries ever match a prefix chain of the same tokens
     plain = e.cached_prefix_nodes(a.document_entry_ids("a"), cache_salt=salts[0])
