@@ -20,11 +20,11 @@ differently after a than at the front (chained hashes are what make a prefix mat
 popular documents form the common leading run of many layouts.
 
 **Blending** (``blend_ratio`` set; :mod:`radixkv.engine.blend`, docs/rag.md): each document's KV
-is also cached as an entry of its own (computed right after the head, under the chain of head +
-document tokens in a document namespace of the same tenant salt), and a prompt reuses every document's entry
-wherever the document appears: keys re-rotated to their positions, the ``blend_ratio`` share of
-document tokens whose KV deviates most recomputed. The documents then need no canonical order:
-``order="given"`` keeps the caller's (the retriever's) order.
+is also cached as an entry of its own (computed right after the head, under the chain of
+head + document tokens in a document namespace of the same tenant salt), and a prompt reuses
+every document's entry wherever the document appears: keys re-rotated to their positions, the
+``blend_ratio`` share of document tokens whose KV deviates most recomputed. The documents then
+need no canonical order: ``order="given"`` keeps the caller's (the retriever's) order.
 """
 
 from __future__ import annotations
