@@ -396,8 +396,8 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
 
     Returns the report whose ``namespace_extra`` the request must run under, or ``None`` when
     the ordinary request is what to run: ``ratio >= 1`` (a full prefill), blending unsupported
-    here, the plain prefix already covers every full block of the documents, no document after
-    the prefix has a cached entry, or the blocks to do it are not free now. Never leaves a
+    here, the plain prefix already covers every full block of the documents (no document starts
+    after it), a promotion failed, or the blocks to do it are not free now. Never leaves a
     block locked or a structure half-changed.
     """
     runner, bm = core.model_runner, core.block_manager
@@ -451,7 +451,10 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         if not bad.isdisjoint(used):
             return None   # the scheduler recovers the failed loads at its next step
         docs = _complete_entries(core, entries, docs, lead)
-        # document tokens with cached KV: entry positions [lead, c) -> prompt [start, ...)
+        # document tokens with cached KV: entry positions [lead, c) -> prompt [start, ...).
+        # The tables are read again: committing an entry another sequence of this blend
+        # committed first (a document listed twice) switches it to that copy.
+        tables = {a.seq_id: bm.block_table(a.seq_id) for _, a, _ in docs}
         docs = [(sp, a, max(0, min(c - lead, n_full - sp.start))) for sp, a, c in docs]
         # 2. dense per-layer buffers: prefix exact, documents re-rotated
         kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
@@ -472,7 +475,7 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
                 buf[:, :, :m] = flat.index_select(2, slots(pre.block_ids, m)).transpose(0, 1)
             rotary = runner.lean.rotary
             for sp, a, usable in docs:
-                rows = flat.index_select(2, slots(a.block_ids, usable, lead))  # [L,2,n,Hkv,D]
+                rows = flat.index_select(2, slots(tables[a.seq_id], usable, lead))  # [L,2,n,..]
                 buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary,
                                                                  sp.start - lead)
                 buf[1, :, sp.start:sp.start + usable] = rows[:, 1]

@@ -169,3 +169,26 @@ def test_bad_blend_settings_are_rejected(make_engine):
         e.rag(order="random")
     with pytest.raises(InvalidRequestError):
         e.submit([1, 2, 3], P4, namespace_extra="")
+
+
+def test_a_document_listed_twice_is_one_entry_and_blends(make_engine):
+    e = make_engine()
+    rag = helper(e, blend_ratio=0.15)
+    rag.add_document("a2", DOCS["a"])   # same text, other id: differs only in its header line
+    spans_doc = rag.document_entry_ids("a")
+    out = rag.ask("q?", ["b", "a", "c", "a2"], P4)
+    assert out.blend is not None and out.blend.reused_tokens >= 2 * rag.num_tokens("a") - 64
+    assert len(doc_blocks(rag, "a")) * BLOCK_SIZE == len(spans_doc)
+    e.core.block_manager.check_invariants()
+    # the engine-level path: the same document's tokens twice in one prompt
+    ids = rag.prompt_ids("q?", ["b", "a"])
+    sp = rag.document_spans(["b", "a"])
+    doc_a = ids[sp[1].start:sp[1].end]
+    twice = ids[:sp[1].end] + doc_a + ids[sp[1].end:]
+    spans = [(s.start, s.end) for s in sp] + [(sp[1].end, sp[1].end + len(doc_a))]
+    core = e.core
+    rep = e.loop.call(lambda: blend.blend_context(core, twice, blend.check_spans(spans,
+                                                                               len(twice)),
+                                                  None, 0.15))
+    assert rep is not None and rep.reused_tokens >= 2 * len(doc_a) - BLOCK_SIZE
+    e.core.block_manager.check_invariants()
