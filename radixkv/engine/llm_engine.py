@@ -271,7 +271,7 @@ class LLMEngine:
         a document entry or a blended prompt (:mod:`radixkv.engine.blend`).
         ``documents``: ``(start, end)`` token spans of the prompt's documents: their cached
         entries are blended in now, at admission, recomputing the ``blend_ratio`` share
-        (default ``blend.DEFAULT_BLEND_RATIO``), and the request runs over the result."""
+        (default ``EngineConfig.blend_ratio``), and the request runs over the result."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
         check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
@@ -315,7 +315,7 @@ class LLMEngine:
                                       "namespace_extra exclude each other; blend_ratio needs "
                                       "documents")
         spans = blend.check_spans(documents, len(prompt))
-        r = blend.check_blend_ratio(blend.DEFAULT_BLEND_RATIO if ratio is None else ratio)
+        r = blend.check_blend_ratio(self.engine_config.blend_ratio if ratio is None else ratio)
         rep = blend.blend_context(self, prompt, spans, cache_salt, r)
         return rep.namespace_extra if rep is not None else None
 

@@ -192,3 +192,28 @@ def test_a_document_listed_twice_is_one_entry_and_blends(make_engine):
                                                   None, 0.15))
     assert rep is not None and rep.reused_tokens >= 2 * len(doc_a) - BLOCK_SIZE
     e.core.block_manager.check_invariants()
+
+
+def test_engine_config_blend_ratio_is_the_default_of_requests_with_documents(make_engine):
+    from radixkv import ConfigError
+    from radixkv.config import EngineConfig
+
+    for bad in (-0.5, 1.5, True, "0.1"):
+        with pytest.raises(ConfigError):
+            EngineConfig(blend_ratio=bad)
+    e = make_engine(blend_ratio=0.3)
+    rag = helper(e)
+    ids = rag.prompt_ids("q?", ["c", "a"])
+    spans = [(s.start, s.end) for s in rag.document_spans(["c", "a"])]
+    rid = e.submit(ids, P4)   # nothing cached: the request computes the prefix
+    e.wait(rid)
+    core = e.core
+    e.loop.call(lambda: core.add_request("with-docs", ids, P4, cache_salt="s2",
+                                         documents=spans))
+    while core.has_unfinished_requests():
+        e.loop.call(lambda: None)
+    want = blend.blend_extra(blend.check_spans(spans, len(ids)), 0.3, blend.DEFAULT_CHECK_LAYER)
+    ns = blend.blend_namespace(e.namespace("s2"), want)
+    assert e.loop.call(lambda: core.tree.match_tokens(token_bytes(ids), ns.seed))
+    with pytest.raises(InvalidRequestError):
+        e.loop.call(lambda: core.add_request("bad", ids, P4, documents=[(5, 3)]))
