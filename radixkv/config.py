@@ -382,10 +382,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from radixkv.engine.admission_order import POLICIES, check_lpm_options
+
         r = self.blend_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise ConfigError(f"EngineConfig.blend_ratio must be a number in [0, 1], got {r!r}")
-
         if self.scheduling_policy not in POLICIES:
             raise ConfigError(f"EngineConfig.scheduling_policy must be one of "
                               f"{', '.join(POLICIES)}, got {self.scheduling_policy!r}")
