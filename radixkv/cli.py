@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("radixkv.benchmarks.bench_engine", "main"),
     "kv-quant": ("radixkv.benchmarks.bench_kv_quant", "main"),
     "sched": ("radixkv.benchmarks.bench_sched", "main"),
+    "rag": ("radixkv.benchmarks.bench_rag", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main",

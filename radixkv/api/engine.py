@@ -264,20 +264,24 @@ class Engine:
     def submit(self, prompt: Prompt, params: ParamsLike = None, *,
                cache_salt: str | None = None, request_id: str | None = None,
                cache_points: Sequence[Any] | None = None, session: str | int | None = None,
-               end_session: bool = False) -> str:
+               end_session: bool = False, namespace_extra: str | None = None) -> str:
         """Add one request to the running batch; returns its id. Outputs come from
         :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it).
         Thread-safe: the request joins the batch the engine loop is stepping.
         ``cache_points``: prefixes to keep with a TTL/priority (``radixkv.CachePoint``).
         ``session``: the conversation (agent run, ...) the request belongs to, and
         ``end_session``: it is the session's last request; eviction hints for the forecasting
-        policies (``forecast``, ``duel``), ignored by the others (docs/api.md)."""
+        policies (``forecast``, ``duel``), ignored by the others (docs/api.md).
+        ``namespace_extra``: a cache domain of the same salt, for document entries and blended
+        prompts (:mod:`radixkv.engine.blend`, used by :class:`~radixkv.api.rag.RAGHelper`)."""
         ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
-        hints = {} if session is None and not end_session else \
+        hints: dict[str, Any] = {} if session is None and not end_session else \
             {"session": session, "end_session": end_session}
+        if namespace_extra is not None:
+            hints["namespace_extra"] = namespace_extra
         self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt,
                                               cache_points, **hints)
         return rid

@@ -18,6 +18,13 @@ differently after a than at the front (chained hashes are what make a prefix mat
 
 ``order="priority"`` puts pinned documents first (highest priority first, then by id), so the
 popular documents form the common leading run of many layouts.
+
+**Blending** (``blend_ratio`` set; :mod:`radixkv.engine.blend`, docs/rag.md): each document's KV
+is also cached as an entry of its own (computed right after the head, under the chain of
+head + document tokens in a document namespace of the same tenant salt), and a prompt reuses
+every document's entry wherever the document appears: keys re-rotated to their positions, the
+``blend_ratio`` share of document tokens whose KV deviates most recomputed. The documents then
+need no canonical order: ``order="given"`` keeps the caller's (the retriever's) order.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from radixkv.errors import InvalidRequestError, UnknownDocumentError
 
 if TYPE_CHECKING:
     from radixkv.api.engine import Engine, ParamsLike
+    from radixkv.engine.blend import BlendReport, DocSpan
 
 DEFAULT_SYSTEM = ("Answer the question using only the documents provided. "
                   "If they do not contain the answer, say so.")
@@ -46,7 +54,8 @@ class RAGAnswer:
         text, token_ids, finish_reason: the generated answer.
         doc_ids: the documents in the order they were laid out.
         prompt_tokens: tokens in the prompt; cached_tokens: of those, served from the cache.
-        ttft: seconds to the first answer token.
+        ttft: seconds to the first answer token (with blending: from before the blend).
+        blend: what blending did (None: the prompt ran as an ordinary request).
     """
 
     text: str
@@ -56,6 +65,7 @@ class RAGAnswer:
     prompt_tokens: int
     cached_tokens: int
     ttft: float | None
+    blend: BlendReport | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -69,9 +79,13 @@ class RAGHelper:
         engine: the :class:`radixkv.api.engine.Engine` to run on.
         system: system message placed before the documents.
         doc_format: how one document is written (``{doc_id}``, ``{text}``).
-        order: ``"id"`` (ascending document id) or ``"priority"`` (pinned first).
+        order: ``"id"`` (ascending document id), ``"priority"`` (pinned first) or ``"given"``
+            (the order the caller lists them in: for blending).
         align_blocks: pad the head and each document to whole blocks (see module docstring).
         cache_salt: tenant salt for every request and pin of this helper.
+        blend_ratio: None (prefix-only reuse) or the share of document tokens to recompute when
+            blending cached documents into a prompt (0: plain reuse; 1: a full prefill;
+            :data:`radixkv.engine.blend.DEFAULT_BLEND_RATIO` is the measured default).
 
     >>> # rag = engine.rag()
     >>> # rag.add_document("paris", "Paris is the capital of France.")
@@ -80,9 +94,13 @@ class RAGHelper:
 
     def __init__(self, engine: Engine, system: str | None = DEFAULT_SYSTEM,
                  doc_format: str = DEFAULT_DOC_FORMAT, order: str = "id",
-                 align_blocks: bool = True, cache_salt: str | None = None) -> None:
-        if order not in ("id", "priority"):
-            raise InvalidRequestError(f"order must be 'id' or 'priority', got {order!r}")
+                 align_blocks: bool = True, cache_salt: str | None = None,
+                 blend_ratio: float | None = None) -> None:
+        from radixkv.engine.blend import check_blend_ratio
+
+        if order not in ("id", "priority", "given"):
+            raise InvalidRequestError(f"order must be 'id', 'priority' or 'given', got {order!r}")
+        self.blend_ratio = None if blend_ratio is None else check_blend_ratio(blend_ratio)
         self.engine = engine
         self.template = engine.chat_template
         self.doc_format = doc_format
@@ -152,7 +170,19 @@ class RAGHelper:
             raise InvalidRequestError(f"unknown document(s) {missing}; add_document first")
         if self.order == "priority":
             return sorted(ids, key=lambda d: (-self._priority.get(d, 0), d))
+        if self.order == "given":
+            return ids
         return sorted(ids)
+
+    def document_spans(self, doc_ids: Sequence[str] | None = None) -> list[DocSpan]:
+        """Where each document's segment lies in :meth:`prompt_ids` (layout order)."""
+        from radixkv.engine.blend import DocSpan
+
+        pos, out = len(self.head_ids), []
+        for d in self.layout(doc_ids):
+            out.append(DocSpan(pos, pos + len(self._docs[d])))
+            pos += len(self._docs[d])
+        return out
 
     def prefix_ids(self, doc_ids: Sequence[str] | None = None) -> list[int]:
         """Head + documents in canonical order: the part shared by every question on them."""
@@ -183,15 +213,90 @@ class RAGHelper:
         """
         order = tuple(self.layout(doc_ids))
         prompts = [self.prompt_ids(q, order) for q in questions]
-        outs = self.engine.generate(prompts, params, cache_salt=self.cache_salt)
+        if self.blend_ratio is None:
+            outs = self.engine.generate(prompts, params, cache_salt=self.cache_salt)
+            reports: list[BlendReport | None] = [None] * len(prompts)
+            started = [None] * len(prompts)
+        else:
+            outs, reports, started = self._ask_blended(prompts, order, params)
         answers = []
-        for prompt, out in zip(prompts, outs):
+        for prompt, out, rep, t0 in zip(prompts, outs, reports, started):
             c = out.outputs[0]
+            ttft = out.ttft
+            if t0 is not None and ttft is not None:
+                ttft += t0   # the blend (and document warm-up) before the request counts
             answers.append(RAGAnswer(
                 text=c.text or self.engine.decode(c.token_ids), token_ids=list(c.token_ids),
                 finish_reason=c.finish_reason, doc_ids=order, prompt_tokens=len(prompt),
-                cached_tokens=int(out.num_cached_tokens), ttft=out.ttft))
+                cached_tokens=int(out.num_cached_tokens), ttft=ttft, blend=rep))
         return answers
+
+    # ------------------------------------------------------------------ blending
+    def _ask_blended(self, prompts: list[list[int]], order: tuple[str, ...],
+                     params: ParamsLike) -> tuple[list[Any], list[Any], list[Any]]:
+        """Blend each prompt's cached documents (engine thread), then run it in the blend
+        namespace (or as an ordinary request where blending does not apply)."""
+        import time
+
+        from radixkv.api.engine import as_params
+        from radixkv.engine.blend import blend_context
+
+        sp = as_params(params)
+        spans = self.document_spans(order)
+        core, ratio = self.engine.core, self.blend_ratio
+        rids: list[str] = []
+        reports: list[BlendReport | None] = []
+        started: list[float] = []   # seconds of warm-up + blend before each submit
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            self.warm_documents(order)
+            rep = self.engine.loop.call(
+                lambda p=prompt: blend_context(core, p, spans, self.cache_salt, ratio))
+            extra = rep.namespace_extra if rep is not None else None
+            started.append(time.perf_counter() - t0)
+            rids.append(self.engine.submit(prompt, sp, cache_salt=self.cache_salt,
+                                           namespace_extra=extra))
+            reports.append(rep)
+        outs = [self.engine.wait(r) for r in rids]
+        return outs, reports, started
+
+    def document_entry_ids(self, doc_id: str) -> list[int]:
+        """The tokens of a document's entry: the head (the entry's lead, when it fills whole
+        blocks, as ``align_blocks`` makes it) then the document's segment."""
+        if not isinstance(doc_id, str) or doc_id not in self._docs:
+            raise UnknownDocumentError(f"no document {doc_id!r} (known: {self.doc_ids})")
+        lead = self.head_ids if len(self.head_ids) % self.block_size == 0 else []
+        return list(lead) + list(self._docs[doc_id])
+
+    def cached_document_tokens(self, doc_id: str) -> int:
+        """Tokens of a document's own entry cached now (whole blocks, any tier; without the
+        lead)."""
+        from radixkv.core.hashing import token_bytes
+        from radixkv.engine.blend import document_namespace
+
+        ids = self.document_entry_ids(doc_id)
+        lead = len(ids) - len(self._docs[doc_id])
+        seed = document_namespace(self.engine.namespace(self.cache_salt)).seed
+        tree = self.engine.core.tree
+        n = len(self.engine.loop.call(
+            lambda: tree.match_tokens(token_bytes(ids), seed))) * self.block_size
+        return max(0, n - lead)
+
+    def warm_documents(self, doc_ids: Sequence[str] | None = None) -> int:
+        """Compute the entries of these documents that are not fully cached (one batch of
+        ordinary requests in the document namespace, one token each). Returns how many ran."""
+        from radixkv.engine.blend import DOCUMENT_EXTRA
+        from radixkv.engine.sampling import SamplingParams
+
+        todo = [d for d in self.layout(doc_ids)
+                if self.cached_document_tokens(d) < len(self._docs[d]) // self.block_size
+                * self.block_size]
+        rids = [self.engine.submit(self.document_entry_ids(d), SamplingParams(max_tokens=1),
+                                   cache_salt=self.cache_salt, namespace_extra=DOCUMENT_EXTRA)
+                for d in todo]
+        for r in rids:
+            self.engine.wait(r)
+        return len(todo)
 
     # ------------------------------------------------------------------ cache control
     def cached_tokens(self, doc_ids: Sequence[str] | None = None) -> int:

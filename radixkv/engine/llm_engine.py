@@ -274,7 +274,8 @@ class LLMEngine:
                     params: SamplingParams | Mapping[str, Any] | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     cache_points: Seq[Any] | None = None, session: str | int | None = None,
-                    end_session: bool = False) -> None:
+                    end_session: bool = False, namespace_extra: str | None = None,
+                    documents: Seq[Any] | None = None, blend_ratio: float | None = None) -> None:
         """Queue a request. Everything is validated first: a bad request raises
         InvalidRequestError and leaves the engine (and requests in flight) untouched.
 
@@ -283,11 +284,24 @@ class LLMEngine:
         asked, so the wait for that step counts as engine time, as vLLM's TTFT does.
         ``cache_points``: :class:`~radixkv.engine.cache_points.CachePoint` s (or dicts) marking
         prefixes of the prompt to keep with a TTL and/or priority once it is computed.
-        ``session`` (str or int) / ``end_session`` (its last request): eviction hints."""
+        ``session`` (str or int) / ``end_session`` (its last request): eviction hints.
+        ``namespace_extra``: a cache domain of the same model and salt (``Namespace.extra``):
+        a document entry or a blended prompt (:mod:`radixkv.engine.blend`).
+        ``documents``: ``(start, end)`` token spans of the prompt's documents: their cached
+        entries are blended in now, at admission, recomputing the ``blend_ratio`` share
+        (default ``EngineConfig.blend_ratio``), and the request runs over the result."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
         check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
         ns = self._namespace.with_salt(cache_salt)
+        if documents is not None or blend_ratio is not None:
+            namespace_extra = self._blend(prompt_token_ids, documents, blend_ratio, cache_salt,
+                                          namespace_extra)
+        if namespace_extra is not None:
+            if not isinstance(namespace_extra, str) or not namespace_extra:
+                raise InvalidRequestError(f"namespace_extra must be a non-empty str, got "
+                                          f"{namespace_extra!r}")
+            ns = Namespace(ns.model, cache_salt, ns.adapter_id, namespace_extra)
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
@@ -307,6 +321,21 @@ class LLMEngine:
             self._remote.lookup(req)   # scheduled once its lookup is done (or timed out)
         else:
             self._scheduler.add(req)
+
+    def _blend(self, prompt: Seq[int], documents: Seq[Any] | None, ratio: float | None,
+               cache_salt: str | None, namespace_extra: str | None) -> str | None:
+        """Blend a request's documents (``add_request``'s ``documents``); the namespace extra
+        it then runs under (unchanged where blending does not apply)."""
+        from radixkv.engine import blend
+
+        if namespace_extra is not None or documents is None:
+            raise InvalidRequestError("documents (with an optional blend_ratio) and "
+                                      "namespace_extra exclude each other; blend_ratio needs "
+                                      "documents")
+        spans = blend.check_spans(documents, len(prompt))
+        r = blend.check_blend_ratio(self.engine_config.blend_ratio if ratio is None else ratio)
+        rep = blend.blend_context(self, prompt, spans, cache_salt, r)
+        return rep.namespace_extra if rep is not None else None
 
     def persist_blocks(self, block_hashes: Seq[bytes], ttl: float | None = None) -> int:
         """Keep these cached device blocks in the remote tier at least ``ttl`` seconds after

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-max-wait", type=float, default=None, metavar="SECONDS",
                    help="lpm's age limit: a request waiting this long is admitted next "
                         "(default: EngineConfig's, 2)")
+    e.add_argument("--blend-ratio", type=float, default=None, metavar="SHARE",
+                   help="share of RAG document tokens recomputed when a completion's "
+                        "documents are blended (docs/rag.md; default: EngineConfig's, 0.15)")
     v = p.add_argument_group("vLLM compatibility and limits (docs/serve.md has vLLM's flags)")
     v.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vllm serve takes it (same as --model)")
@@ -225,6 +228,8 @@ def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
         out["scheduling_policy"] = args.scheduling_policy
     if args.scheduling_max_wait is not None:
         out["scheduling_max_wait_s"] = args.scheduling_max_wait
+    if getattr(args, "blend_ratio", None) is not None:
+        out["blend_ratio"] = args.blend_ratio
     return out
 
 

@@ -252,10 +252,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    _implemented: ClassVar[frozenset[str]] = frozenset({"documents"})   # token spans, below
+
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
+    # radixkv: RAG documents of a token-id prompt as [start, end) token spans, blended from
+    # their cached entries (docs/rag.md); blend_ratio: the share of their tokens recomputed
+    documents: Optional[list[tuple[int, int]]] = Field(default=None, min_length=1,
+                                                       max_length=256)
+    blend_ratio: Optional[float] = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("prompt")
     @classmethod

@@ -256,9 +256,20 @@ def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int
 
 def session_hints(req: Any) -> dict[str, Any]:
     """The request's eviction hints for the engine (``session``/``end_session``), {} if none."""
+    hints = blend_hints(req)
     if req.session_id is None and not req.end_session:
+        return hints
+    return {"session": req.session_id, "end_session": req.end_session, **hints}
+
+
+def blend_hints(req: Any) -> dict[str, Any]:
+    """A completion's RAG documents and blend ratio for the engine (docs/rag.md), {} if none."""
+    docs = getattr(req, "documents", None)
+    ratio = getattr(req, "blend_ratio", None)
+    if docs is None and ratio is None:
         return {}
-    return {"session": req.session_id, "end_session": req.end_session}
+    return {"documents": [tuple(d) for d in docs] if docs is not None else None,
+            "blend_ratio": ratio}
 
 
 async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any,

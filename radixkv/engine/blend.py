@@ -1,0 +1,549 @@
+"""Documents as cache entries of their own, blended into a prompt at any position (CacheBlend).
+
+A RAG prompt ``[head][doc a][doc b]...[question]`` lists its documents in whatever order the
+retriever returned them, so only the leading ones are ever a cached prefix. This module reuses a
+document's KV wherever it appears:
+
+**Document entries.** A document's KV is computed right after a fixed *lead*, the prompt's
+tokens before its first document when they fill whole blocks (a RAG prompt's system head; else
+nothing: the document starts at position 0), and cached as ordinary radix-tree blocks under the
+chain of lead + document tokens, in a namespace of its own. The lead gives the document the
+attention sink it has in a real prompt (computed alone, a document's first token becomes the
+sink, and its KV misleads every later query when blended: measured in docs/rag.md).
+:func:`document_namespace` is the request namespace
+(model fingerprint, tenant salt, adapter) with the domain tag ``extra="radixkv-document-v1"``.
+So a document chain never matches a prefix chain, tenants never share documents, and a
+document entry has everything a prefix block has: refcounts while a blend reads it, eviction
+under the cache policy, every tier (device, host, disk, remote) and KV dtype. Entries are
+computed by an ordinary request over the document's tokens under that namespace
+(``Engine.submit(..., namespace_extra=DOCUMENT_EXTRA)``).
+
+**Blending** (:func:`blend_context`, run on the engine thread between steps). For a prompt whose
+document spans are known, with ``m`` tokens cached as a plain prefix:
+
+1. lock the prefix (exact KV, positions ``[0, m)``) and each later document's entry (promoting
+   host/disk blocks to the device as a request would); an entry that is not cached (or only in
+   part) is computed first, after the lead, and committed (``RAGHelper.warm_documents`` computes
+   them as ordinary requests instead, which also consults the remote tier);
+2. gather their K/V into dense per-layer buffers, re-rotating each document's keys from
+   positions ``[l, l + n)`` (``l``: the lead) to ``[s, s + n)`` (:func:`rerotate`: RoPE is a
+   rotation, ``R(d) R(p) = R(p + d)``, so a rotation by the offset ``s - l`` is exact up to
+   rounding);
+3. run the model over the tokens after the prefix (:func:`blend_forward`): on layers
+   ``0 .. check_layer`` every token is computed, its fresh K/V replacing the cached ones; at
+   ``check_layer`` the document tokens whose fresh K/V deviate most from the cached ones (sum of
+   squared differences over heads and dims, K and V) are selected, the top ``blend_ratio`` share;
+   on the later layers only those, and the tokens no entry covers, are computed. The others keep
+   their cached (re-rotated) K/V: their cross-attention to the earlier documents is what is
+   lost, and the selection recomputes the tokens where it mattered most (CacheBlend, EuroSys'25).
+   ``blend_ratio=0`` is *plain reuse*: no layer recomputes a document token;
+4. write the blended K/V of the prompt's full blocks into fresh blocks and commit them under the
+   *blend namespace* (:func:`blend_namespace`): the request namespace with
+   ``extra="radixkv-blend-v1:<digest>"``, the digest naming the ratio, the check layer and the
+   document spans. The request then runs as an ordinary one in that namespace: it matches the
+   blended blocks and computes only the rest (the question). The blended KV is approximate, so it
+   never enters the exact prefix chain; a second identical prompt hits the blended blocks whole.
+
+``blend_ratio >= 1`` recomputes every token on every layer, which is a full prefill: callers
+run the ordinary request instead (:func:`blend_context` returns ``None``), so ratio 1 *is* the
+full prefill, bit for bit.
+
+Where blending does not apply, the request keeps prefix-only reuse (``blend_unsupported`` names
+why): models without the lean forward (:mod:`radixkv.engine.decoder_forward`: Llama, Mistral,
+Qwen2, Qwen3 and radixkv's native tree), models without rotary position embeddings or with a
+length-dependent (``dynamic``) rope, and quantized (int8/fp8) KV caches, whose stored rows are
+Hadamard-rotated and quantized per row (re-rotating them would need a dequantize/requantize pass
+that is not written yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import xxhash
+
+from radixkv.core.hashing import Namespace
+from radixkv.errors import InvalidRequestError, OutOfBlocks
+from radixkv.kernels import fused
+from radixkv.tiers.protocol import run_kv_ops
+
+#: ``Namespace.extra`` of document entries (the domain tag of their hash chains).
+DOCUMENT_EXTRA = "radixkv-document-v1"
+#: Prefix of ``Namespace.extra`` of blended prompts.
+BLEND_EXTRA = "radixkv-blend-v1"
+#: Default share of document tokens recomputed on the layers after ``check_layer``
+#: (from ``radixkv bench rag``: see docs/rag.md).
+DEFAULT_BLEND_RATIO = 0.15
+#: Default layer at which tokens are selected (layers ``0 .. check_layer`` recompute all).
+DEFAULT_CHECK_LAYER = 1
+#: Queries per dense attention call (bounds the ``[heads, queries, keys]`` score tensor).
+_QUERY_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class DocSpan:
+    """A document's tokens in a prompt: ``prompt[start:end]`` (half-open token positions)."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class BlendReport:
+    """What :func:`blend_context` did for one prompt.
+
+    Attributes:
+        namespace_extra: the blend namespace's ``extra``: run the request with it.
+        num_blended_tokens: tokens whose blended KV was committed (whole blocks).
+        prefix_tokens: of those, served from the exact prefix cache.
+        reused_tokens: document tokens whose cached KV was reused (re-rotated), before selection.
+        recomputed_tokens: of the reused, the ones recomputed on the layers after the check.
+        fresh_tokens: tokens no cache entry covered, computed on every layer.
+        warm: the blended blocks were cached already (nothing was computed).
+        seconds: wall time of the blend (gather, forward, write).
+    """
+
+    namespace_extra: str
+    num_blended_tokens: int
+    prefix_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    fresh_tokens: int
+    warm: bool
+    seconds: float
+
+
+def check_blend_ratio(ratio: object) -> float:
+    """``ratio`` as a float in ``[0, 1]``; :class:`InvalidRequestError` otherwise."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise InvalidRequestError(f"blend_ratio must be a number in [0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_spans(spans: Sequence[Any], num_tokens: int) -> list[DocSpan]:
+    """Validate document spans (``DocSpan`` or ``(start, end)`` pairs): sorted, disjoint,
+    non-empty, inside ``[0, num_tokens)``. Raises :class:`InvalidRequestError` naming the span."""
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise InvalidRequestError(f"document spans must be a list of (start, end) pairs, got "
+                                  f"{type(spans).__name__}")
+    out: list[DocSpan] = []
+    prev = 0
+    for i, sp in enumerate(spans):
+        pair = (sp.start, sp.end) if isinstance(sp, DocSpan) else sp
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            raise InvalidRequestError(f"document span {i} must be a (start, end) pair of ints, "
+                                      f"got {sp!r}")
+        s, e = pair
+        if not prev <= s < e <= num_tokens:
+            raise InvalidRequestError(
+                f"document span {i} = [{s}, {e}) must be non-empty, after the previous span "
+                f"(ends at {prev}) and inside the prompt ({num_tokens} tokens)")
+        out.append(DocSpan(s, e))
+        prev = e
+    return out
+
+
+def document_namespace(ns: Namespace) -> Namespace:
+    """The namespace of document entries of requests in ``ns`` (same model, salt, adapter)."""
+    return Namespace(ns.model, ns.cache_salt, ns.adapter_id, DOCUMENT_EXTRA)
+
+
+def blend_extra(spans: Sequence[DocSpan], ratio: float, check_layer: int) -> str:
+    """``Namespace.extra`` of a blend: names everything besides the tokens that the blended
+    KV depends on (the spans, the ratio, the check layer)."""
+    desc = f"{ratio!r}|{check_layer}|" + ",".join(f"{s.start}:{s.end}" for s in spans)
+    return f"{BLEND_EXTRA}:{xxhash.xxh3_128_hexdigest(desc.encode())}"
+
+
+def blend_namespace(ns: Namespace, extra: str) -> Namespace:
+    return Namespace(ns.model, ns.cache_salt, ns.adapter_id, extra)
+
+
+# ---------------------------------------------------------------------------------- rotation
+def rope_unsupported(rotary: Any) -> str | None:
+    """Why keys cached at one position cannot be rotated to another (None: they can)."""
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        return "the model has no rotary position embedding"
+    kind = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in kind:
+        return f"rope_type {kind!r} changes its frequencies with the sequence length"
+    return None
+
+
+def rotation(rotary: Any, delta: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[D]`` (``like``'s dtype) of a rotation by ``delta`` positions, without
+    the rope's attention scaling (yarn/longrope scale cos and sin once, at the first rotation;
+    a second rotation must not scale again)."""
+    pos = torch.tensor([[delta]], device=like.device)
+    cos, sin = rotary(like, pos)
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if scale != 1.0:
+        cos, sin = cos / scale, sin / scale
+    return cos[0, 0].to(like.dtype), sin[0, 0].to(like.dtype)
+
+
+def rerotate(k: torch.Tensor, rotary: Any, delta: int) -> torch.Tensor:
+    """Keys ``k`` ``[..., T, Hkv, D]`` rotated at positions ``p`` -> the same keys at
+    ``p + delta`` (any leading dims, e.g. every layer at once).
+
+    RoPE rotates each pair of dims ``(i, i + D/2)`` by ``p * inv_freq[i]``; rotations of a plane
+    compose by adding angles, so one more rotation by ``delta * inv_freq`` gives the keys at
+    ``p + delta`` (exact up to rounding, tests/engine/test_blend.py). The angle is the same for
+    every token, so one ``cos``/``sin`` row serves the whole tensor.
+    """
+    if delta == 0:
+        return k
+    cos, sin = rotation(rotary, delta, k)
+    half = k.shape[-1] // 2
+    k1, k2 = k[..., :half], k[..., half:]
+    out = k * cos
+    out[..., :half].sub_(k2 * sin[:half])      # rotate_half(k) = [-k2, k1]
+    out[..., half:].add_(k1 * sin[half:])
+    return out
+
+
+# ---------------------------------------------------------------------------------- forward
+def blend_unsupported(runner: Any) -> str | None:
+    """Why prompts on ``runner`` (a :class:`ModelRunner`) keep prefix-only reuse (None: they
+    can blend)."""
+    from radixkv.engine import kv_quant
+
+    if kv_quant.format_of(runner.kv_cache.dtype) is not None:
+        return "the KV cache is quantized (int8/fp8 rows are stored Hadamard-rotated)"
+    if runner.lean is None:
+        return "the model has no lean forward (decoder_forward.py: Llama, Mistral, Qwen2/3)"
+    return rope_unsupported(runner.lean.rotary)
+
+
+@dataclass
+class BlendStats:
+    """Counts of one :func:`blend_forward` (tokens after the prefix)."""
+
+    reused: int = 0
+    recomputed: int = 0
+    fresh: int = 0
+
+
+def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: list[torch.Tensor],
+                  values: list[torch.Tensor], reuse: torch.Tensor, ratio: float,
+                  check_layer: int = DEFAULT_CHECK_LAYER) -> BlendStats:
+    """Blend the KV of ``token_ids[prefix_len:]`` into ``keys``/``values`` in place.
+
+    Args:
+        lean: the runner's :class:`~radixkv.engine.decoder_forward.DecoderForward`.
+        token_ids: ``[N]`` int64, the context (prefix included).
+        prefix_len: leading tokens whose K/V in the buffers are exact (never recomputed).
+        keys, values: one ``[N, Hkv, D]`` buffer per layer, in the model's dtype: rows
+            ``[0, prefix_len)`` exact, rows with ``reuse`` True the cached (re-rotated) K/V of
+            document tokens, the other rows anything (they are computed on every layer).
+        reuse: ``[N]`` bool, False on the prefix.
+        ratio: share of the reused tokens recomputed after ``check_layer`` (0: plain reuse,
+            no document token is recomputed on any layer).
+        check_layer: layers ``0 .. check_layer`` compute every token; the selection uses the
+            deviation on ``check_layer``.
+
+    Runtime: layers ``0 .. check_layer`` cost a prefill of ``N - prefix_len`` tokens, the others
+    that of the fresh tokens plus ``ratio`` of the reused ones; attention is dense over
+    ``[0, N)`` with a causal mask, ``_QUERY_CHUNK`` queries at a time.
+    """
+    n = int(token_ids.shape[0])
+    dev = token_ids.device
+    num_layers = len(lean.layers)
+    reuse_idx = torch.nonzero(reuse[prefix_len:], as_tuple=False)[:, 0] + prefix_len
+    stats = BlendStats(reused=int(reuse_idx.numel()),
+                       fresh=n - prefix_len - int(reuse_idx.numel()))
+    if ratio > 0:
+        active = torch.arange(prefix_len, n, device=dev)
+        select_at = min(check_layer, num_layers - 1)
+    else:
+        active = torch.nonzero(~reuse[prefix_len:], as_tuple=False)[:, 0] + prefix_len
+        select_at = -1
+    if active.numel() == 0:
+        return stats
+    x = lean.embed(token_ids.index_select(0, active))          # [A, hidden]
+    delta: torch.Tensor | None = None
+    hq, hkv, d = lean.num_heads, lean.num_kv_heads, lean.head_dim
+    key_pos = torch.arange(n, device=dev)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    for li, lay in enumerate(lean.layers):
+        if delta is None:
+            h = fused.rms_norm(x, lay.in_norm, lay.in_eps)
+        else:
+            h, x = fused.add_rms_norm(delta, x, lay.in_norm, lay.in_eps)
+        t = int(active.numel())
+        qkv = lay.qkv_cat(h).view(t, hq + 2 * hkv, d)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        if lay.q_norm is not None:
+            q = fused.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
+            k = fused.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
+        if rope is None:   # the rows change only at the check layer
+            rope = lean.rotary(x, active[None, :])
+        cos, sin = rope[0][0], rope[1][0]
+        q = fused.rope_ref(q, cos, sin)
+        k = fused.rope_ref(k, cos, sin)
+        kb, vb = keys[li], values[li]
+        # the deviation is measured before the fresh rows overwrite the cached ones
+        keep = _select(active, k, v, kb, vb, reuse, ratio) if li == select_at else None
+        kb.index_copy_(0, active, k)
+        vb.index_copy_(0, active, v)
+        if li == num_layers - 1:
+            break   # the last layer's K/V are written; its output is never read
+        out = _attend(q, kb, vb, active, key_pos, lay.scaling, lay.window, hq, hkv)
+        delta = lay.o.forward(out.reshape(-1, hq * d))
+        h, x = fused.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
+        delta = lay.down.forward(fused.silu_mul(lay.gate_up_cat(h)))
+        if keep is not None:   # from the next layer on, only the kept rows
+            x, delta = x.index_select(0, keep), delta.index_select(0, keep)
+            active = active.index_select(0, keep)
+            rope = None
+            stats.recomputed = int(reuse.index_select(0, active).sum())
+    return stats
+
+
+def _select(active: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor,
+            vb: torch.Tensor, reuse: torch.Tensor, ratio: float
+            ) -> torch.Tensor:
+    """Indices into ``active`` of the rows kept after the check layer: every row not reused,
+    plus the ``ceil(ratio * reused)`` reused rows whose fresh K/V (``k``, ``v`` ``[A, Hkv, D]``
+    for rows ``active``) deviate most from the cached ones in ``kb``/``vb``, ascending."""
+    was_reused = reuse.index_select(0, active)
+    idx = torch.nonzero(was_reused, as_tuple=False)[:, 0]
+    n_pick = min(int(idx.numel()), int(-(-ratio * idx.numel() // 1)))
+    if idx.numel():
+        rows = active.index_select(0, idx)
+        dk = (k.index_select(0, idx).float() - kb.index_select(0, rows).float()).pow(2)
+        dv = (v.index_select(0, idx).float() - vb.index_select(0, rows).float()).pow(2)
+        dev = dk.sum((1, 2)) + dv.sum((1, 2))
+        picked = idx.index_select(0, torch.topk(dev, n_pick).indices) if n_pick else idx[:0]
+    else:
+        picked = idx
+    keep = torch.cat([torch.nonzero(~was_reused, as_tuple=False)[:, 0], picked])
+    return torch.sort(keep).values
+
+
+def _attend(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, rows: torch.Tensor,
+            key_pos: torch.Tensor, scaling: float | None, window: int | None, hq: int,
+            hkv: int) -> torch.Tensor:
+    """Causal attention of queries ``q`` ``[A, Hq, D]`` at positions ``rows`` over the keys
+    ``kb``/``vb`` ``[N, Hkv, D]`` at positions ``key_pos``; ``[A, Hq, D]`` out."""
+    d = q.shape[-1]
+    scale = scaling if scaling is not None else d ** -0.5
+    top = int(rows.max()) + 1
+    kt = kb[:top].transpose(0, 1)[None]     # [1, Hkv, K, D]
+    vt = vb[:top].transpose(0, 1)[None]
+    out = torch.empty_like(q)
+    kp = key_pos[:top]
+    for c in range(0, int(rows.numel()), _QUERY_CHUNK):
+        r = rows[c:c + _QUERY_CHUNK]
+        mask = kp[None, :] <= r[:, None]                    # [a, K]
+        if window is not None:
+            mask &= kp[None, :] > r[:, None] - window
+        qc = q[c:c + _QUERY_CHUNK].transpose(0, 1)[None]    # [1, Hq, a, D]
+        o = F.scaled_dot_product_attention(qc, kt, vt, attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=hq != hkv)
+        out[c:c + _QUERY_CHUNK] = o[0].transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------- engine op
+def entry_lead(spans: Sequence[DocSpan], block_size: int) -> int:
+    """Tokens of the prompt before its first document when they fill whole blocks (the *lead*:
+    the system head of a RAG prompt), else 0. Document entries are computed after the lead."""
+    first = spans[0].start if spans else 0
+    return first if first % block_size == 0 else 0
+
+
+def _complete_entries(core: Any, entries: list[list[int]], docs: list[tuple[DocSpan, Any, int]],
+                      lead: int) -> list[tuple[DocSpan, Any, int]]:
+    """Compute the full blocks of every document entry (``entries[i]``: lead + document) that
+    is not fully cached, in one forward over all of them, and commit them under the document
+    namespace; returns ``docs`` with each entry's cached token count updated. A document's
+    partial last block is never an entry (only full blocks are cached): the blend computes
+    those tokens fresh."""
+    from radixkv.engine.batch import SequenceChunk
+
+    bm, runner = core.block_manager, core.model_runner
+    bs = bm.block_size
+    chunks, done = [], []
+    for (sp, a, cached), ent in zip(docs, entries):
+        full = lead + (sp.end - sp.start) // bs * bs
+        if cached < full:
+            table = list(a.block_ids)
+            slots = [table[p // bs] * bs + p % bs for p in range(cached, full)]
+            chunks.append(SequenceChunk(ent[cached:full], cached, table, slots, ()))
+            done.append((a.seq_id, full))
+    if not chunks:
+        return docs
+    runner.execute(runner.build_batch(chunks))
+    for seq_id, full in done:
+        bm.commit(seq_id, full)
+    run_kv_ops(core.kv_mover, bm.take_moves())
+    return [(sp, a, max(cached, lead + (sp.end - sp.start) // bs * bs))
+            for sp, a, cached in docs]
+
+
+def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
+                  cache_salt: str | None, ratio: float,
+                  check_layer: int = DEFAULT_CHECK_LAYER) -> BlendReport | None:
+    """Blend the cached KV of a prompt's documents (see the module docstring); run on the
+    engine thread between steps (``Engine.loop.call``).
+
+    Returns the report whose ``namespace_extra`` the request must run under, or ``None`` when
+    the ordinary request is what to run: ``ratio >= 1`` (a full prefill), blending unsupported
+    here, the plain prefix already covers every full block of the documents (no document starts
+    after it), a promotion failed, or the blocks to do it are not free now. Never leaves a
+    block locked or a structure half-changed.
+    """
+    runner, bm = core.model_runner, core.block_manager
+    bs = bm.block_size
+    if ratio >= 1 or not spans or blend_unsupported(runner) is not None:
+        return None
+    if not core.cache_config.enable_prefix_caching:
+        return None
+    t0 = time.perf_counter()
+    toks = list(token_ids)
+    n_full = spans[-1].end // bs * bs
+    if n_full == 0 or n_full >= len(toks):
+        return None   # needs a token after the blended blocks (the question)
+    ns = core.namespace.with_salt(cache_salt)
+    extra = blend_extra(spans, ratio, check_layer)
+    bns = blend_namespace(ns, extra)
+    tree = core.tree
+    from radixkv.core.hashing import token_bytes
+    if len(tree.match_tokens(token_bytes(toks[:n_full]), bns.seed)) * bs >= n_full:
+        return BlendReport(extra, n_full, 0, 0, 0, 0, True, time.perf_counter() - t0)
+    dns = document_namespace(ns)
+    held: list[Any] = []
+    tag = f"radixkv-blend-{id(toks)}-{t0}"
+    try:
+        # 1. lock the exact prefix and the document entries after it (promotions included)
+        pre = bm.allocate((tag, "prefix"), toks[:n_full + 1], ns)
+        held.append(pre.seq_id)
+        m = min(pre.num_cached_tokens, n_full)
+        moves = list(pre.moves)
+        lead = entry_lead(spans, bs)
+        docs: list[tuple[DocSpan, Any, int]] = []
+        entries: list[list[int]] = []
+        for i, sp in enumerate(spans):
+            if sp.start < m or sp.start >= n_full:
+                continue
+            entry = toks[:lead] + toks[sp.start:sp.end]
+            a = bm.allocate((tag, "doc", i), entry + entry[:1], dns)
+            held.append(a.seq_id)
+            moves += a.moves
+            docs.append((sp, a, a.num_cached_tokens))
+            entries.append(entry)
+        if not docs:
+            return None
+        out = bm.allocate((tag, "out"), toks[:n_full + 1], bns)
+        held.append(out.seq_id)
+        moves += out.moves
+        run_kv_ops(core.kv_mover, moves)
+        core.kv_mover.wait_loads()
+        bad = {n.slot for n in map(tree.get, core.kv_mover.failed_loads) if n is not None}
+        used = set(pre.block_ids) | {b for _, a, _ in docs for b in a.block_ids}
+        if not bad.isdisjoint(used):
+            return None   # the scheduler recovers the failed loads at its next step
+        docs = _complete_entries(core, entries, docs, lead)
+        # document tokens with cached KV: entry positions [lead, c) -> prompt [start, ...).
+        # The tables are read again: committing an entry another sequence of this blend
+        # committed first (a document listed twice) switches it to that copy.
+        tables = {a.seq_id: bm.block_table(a.seq_id) for _, a, _ in docs}
+        docs = [(sp, a, max(0, min(c - lead, n_full - sp.start))) for sp, a, c in docs]
+        # 2. dense per-layer buffers: prefix exact, documents re-rotated
+        kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
+        num_layers, hkv, d = kv.shape[0], kv.shape[4], kv.shape[5]
+        dev = kv.device
+        buf = torch.zeros(2, num_layers, n_full, hkv, d, dtype=kv.dtype, device=dev)
+        reuse = torch.zeros(n_full, dtype=torch.bool, device=dev)
+        flat = kv.view(num_layers, 2, -1, hkv, d)             # slot-major rows per layer
+
+        def slots(block_ids: Sequence[int], count: int, skip: int = 0) -> torch.Tensor:
+            """Slots of positions ``[skip, skip + count)`` of a block table."""
+            ids = torch.tensor(block_ids[:-(-(skip + count) // bs)], device=dev)
+            every = (ids[:, None] * bs + torch.arange(bs, device=dev)[None]).reshape(-1)
+            return every[skip:skip + count]
+
+        with torch.inference_mode():
+            if m:
+                buf[:, :, :m] = flat.index_select(2, slots(pre.block_ids, m)).transpose(0, 1)
+            rotary = runner.lean.rotary
+            for sp, a, usable in docs:
+                rows = flat.index_select(2, slots(tables[a.seq_id], usable, lead))  # [L,2,n,..]
+                buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary,
+                                                                 sp.start - lead)
+                buf[1, :, sp.start:sp.start + usable] = rows[:, 1]
+                reuse[sp.start:sp.start + usable] = True
+            # 3. the blend forward over the tokens after the prefix
+            ids = torch.tensor(toks[:n_full], dtype=torch.long, device=dev)
+            stats = blend_forward(runner.lean, ids, m, list(buf[0]), list(buf[1]), reuse, ratio,
+                                  check_layer)
+            # 4. write [k0, n_full) into the output sequence's blocks, then commit them
+            k0 = out.num_cached_tokens
+            if k0 < n_full:
+                s = slots(out.block_ids, n_full)[k0:]
+                flat.index_copy_(2, s, buf[:, :, k0:].transpose(0, 1))
+        bm.commit(out.seq_id, n_full)
+        run_kv_ops(core.kv_mover, bm.take_moves())
+        return BlendReport(extra, n_full, m, stats.reused, stats.recomputed, stats.fresh,
+                           False, time.perf_counter() - t0)
+    except OutOfBlocks:
+        return None
+    finally:
+        for sid in held:
+            bm.free(sid)
+
+
+def prompt_logits(core: Any, token_ids: Sequence[int], namespace: Namespace, first: int
+                  ) -> torch.Tensor:
+    """Teacher-forced next-token logits after positions ``[first, N)`` of ``token_ids``, over
+    the KV the cache holds for its prefix in ``namespace`` (a blended prompt's blend namespace,
+    or a fresh salt for a full prefill); float32 ``[N - first, vocab]``. Run on the engine
+    thread. Nothing is committed: the positions computed here leave no cache entry. Raises
+    :class:`InvalidRequestError` if more than ``first`` tokens are cached (their logits
+    would not be computed), :class:`OutOfBlocks` if the pool cannot hold the prompt."""
+    from radixkv.engine.batch import SequenceChunk
+
+    bm, runner = core.block_manager, core.model_runner
+    toks = list(token_ids)
+    a = bm.allocate(("radixkv-prompt-logits", id(toks)), toks, namespace)
+    try:
+        run_kv_ops(core.kv_mover, a.moves)
+        core.kv_mover.wait_loads()
+        c = a.num_cached_tokens
+        if c > first:
+            raise InvalidRequestError(f"{c} tokens are cached, more than first={first}")
+        bs = bm.block_size
+        table = list(a.block_ids)
+        slots = [table[p // bs] * bs + p % bs for p in range(c, len(toks))]
+        chunk = SequenceChunk(toks[c:], c, table, slots, list(range(first - c, len(toks) - c)))
+        return runner.execute(runner.build_batch([chunk]))
+    finally:
+        bm.free(a.seq_id)
+
+
+__all__ = [
+    "prompt_logits",
+    "BLEND_EXTRA",
+    "DEFAULT_BLEND_RATIO",
+    "DEFAULT_CHECK_LAYER",
+    "DOCUMENT_EXTRA",
+    "BlendReport",
+    "DocSpan",
+    "blend_context",
+    "blend_extra",
+    "blend_forward",
+    "blend_namespace",
+    "blend_unsupported",
+    "check_blend_ratio",
+    "check_spans",
+    "document_namespace",
+    "rerotate",
+    "rope_unsupported",
+]
