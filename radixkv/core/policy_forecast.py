@@ -42,10 +42,11 @@ the cache or enters it (the ghost), amortised O(log n) per filing (two heaps); l
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left, insort
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
-from itertools import count
+from itertools import count, repeat
 from typing import TYPE_CHECKING
 
 from radixkv.core.policy import EvictionPolicy, NodeHints
@@ -84,7 +85,9 @@ class ForecastPolicy(EvictionPolicy):
         self.sessions = 0           # sessions seen (their first request)
         self.announced = 0          # sessions the client said had ended (end_session)
         self.patience = 1.0         # see _count
-        self._ratios: list[float] = []
+        self._ratios: deque[float] = deque()   # the last 2,048 ratios, oldest first
+        self._sorted: list[float] = []          # the same, sorted (kept by insort)
+        self._observed = 0                      # ratios observed in all
         self._last: OrderedDict[Hashable, float] = OrderedDict()   # session -> last request
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
@@ -96,8 +99,12 @@ class ForecastPolicy(EvictionPolicy):
         # session of its own) stays the same one-off session
         self._anon_of: OrderedDict[Hashable, Hashable] = OrderedDict()
         self.current: Hashable = None                                # session of the request
-        self._ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        # the ghost (see on_leave): block hash -> (last access, gap) of its last drop, in two
+        # generations of ``_ghost_cap`` drops each: the current one and the one before
+        self._ghost: dict[bytes, tuple[float, float]] = {}
+        self._ghost_old: dict[bytes, tuple[float, float]] = {}
         self._ghost_cap = 0
+        self._drops = 0                          # blocks dropped (recorded) in all
         self._last_tier = 0
         self.clock = None
 
@@ -208,12 +215,14 @@ class ForecastPolicy(EvictionPolicy):
         x ``slack``. The median beat the 0.9 quantile on every workload but agents in the
         simulator (docs/eviction.md): a session is written off early, and the LRU member of
         the duel takes over where that is wrong."""
-        r = self._ratios
+        r, srt = self._ratios, self._sorted
         r.append(ratio)
-        if len(r) >= 64 and len(r) % 32 == 0:
-            if len(r) > 2048:
-                del r[:len(r) - 2048]
-            self.overdue = self.slack * sorted(r)[int(self.quantile * (len(r) - 1))]
+        insort(srt, ratio)
+        if len(r) > 2048:       # the window: the last 2,048 ratios
+            del srt[bisect_left(srt, r.popleft())]
+        n = self._observed = self._observed + 1
+        if n >= 64 and n % 32 == 0:
+            self.overdue = self.slack * srt[int(self.quantile * (len(srt) - 1))]
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         self._seqs[child_id] = self._seqs.get(parent_id)
@@ -245,18 +254,16 @@ class ForecastPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ node events
     def on_insert(self, node: Node, start: int, now: float) -> None:
-        """New blocks leave the ghost; a new node takes its reuse interval from its first
-        block's ghost entry (it was dropped and is back: it *was* reused)."""
-        ghost = self._ghost
-        old = None
-        if ghost:
-            hashes = node.hashes
-            old = ghost.pop(hashes[start], None)
-            for i in range(start + 1, len(hashes)):
-                ghost.pop(hashes[i], None)
+        """A new node takes its reuse interval from its first block's ghost record, if it has
+        one (it was dropped and is back: it *was* reused). Blocks appended to a run share the
+        run's state."""
         if start:
-            return          # appended to a run: the blocks share its state
+            return
         gap = 0.0
+        h = node.hashes[0]
+        old = self._ghost.get(h)
+        if old is None:
+            old = self._ghost_old.get(h)
         if old is not None:
             t, ogap = old
             gap = now - t if ogap == 0 else self.alpha * (now - t) + (1 - self.alpha) * ogap
@@ -283,18 +290,40 @@ class ForecastPolicy(EvictionPolicy):
                     del self._leaf[next(iter(self._leaf))]
 
     def on_leave(self, node: Node, k: int) -> None:
+        """The ghost: each block dropped from the last tier is recorded as ``hash -> (last
+        access, gap)``, deepest first (as a per-block cache drops them), in the current
+        *generation*; when ``capacity`` (the device's blocks) drops have filled it, it becomes
+        the previous one and the one before is forgotten. So a block's record is its last
+        drop, kept while that is among the last ``capacity`` to ``2 x capacity`` drops
+        (counting every drop: ``(serial - 1) // capacity >= drops // capacity - 1``).
+        Nothing is removed per block: a block cannot be cached again without leaving again
+        in between, so the record found is its block's last drop (a block invalidated since,
+        which ``on_leave`` does not hear, keeps the record of the drop before).
+        Runtime complexity: one C-level ``dict.update`` per call (O(k)), O(1) per generation."""
         if node.tier != self._last_tier:
             return          # demoted: still cached
         i = self.aux_slot
         v = (node.last_access, (node.aux if i is None else node.aux[i])[2])
-        ghost, hashes = self._ghost, node.hashes
+        hashes = node.hashes
+        n = len(hashes)
+        cap = self._ghost_cap
+        d = self._drops
+        room = cap - d % cap            # drops the current generation still takes
+        self._drops = d + k
         if k == 1:
-            ghost[hashes[-1]] = v
-        else:
-            for i in range(len(hashes) - 1, len(hashes) - 1 - k, -1):   # deepest first
-                ghost[hashes[i]] = v
-        while len(ghost) > self._ghost_cap:
-            ghost.popitem(last=False)
+            self._ghost[hashes[-1]] = v
+            if room == 1:
+                self._ghost_old, self._ghost = self._ghost, {}
+            return
+        gone = hashes[n - 1:n - 1 - k:-1] if k < n else hashes[::-1]   # deepest first
+        while k >= room:
+            self._ghost.update(zip(gone[:room], repeat(v)))
+            self._ghost_old, self._ghost = self._ghost, {}
+            gone = gone[room:]
+            k -= room
+            room = cap
+        if k:
+            self._ghost.update(zip(gone, repeat(v)))
 
 
 class ForecastIndex:
@@ -367,6 +396,12 @@ class ForecastIndex:
         else:
             heappop(self._far)
         return e
+
+    def pop_min_peek(self) -> tuple[tuple, tuple | None]:
+        """``(pop_min(), min() after it or None)`` in one call (the device-only eviction loop,
+        ``MovePlanner._drop_device_lru``, reads the next entry for the per-block tie rule)."""
+        e = self.pop_min()
+        return e, (self.min() if self._live else None)
 
     def __contains__(self, entry: tuple) -> bool:
         return self._live.get(entry[-1]) == entry

@@ -276,7 +276,6 @@ class TreeMachine(RuleBasedStateMachine):
                 self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits, born=p.born,
                                    kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey,
                                    gbase=base)
-                self.fm.ghost.pop(h, None)
             else:
                 self.m[h] = MBlock(parent, DEVICE, 1, now, 0, born=now, kda=self.L)
                 self.fm.new_head(h, self.m[h], now)

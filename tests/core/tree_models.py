@@ -70,8 +70,9 @@ class ForecastModel:
         self.ended: set = set()
         self.anon = 0
         self.current = None
-        self.ghost: dict[bytes, tuple[float, float]] = {}   # insertion ordered
+        self.ghost: dict[bytes, tuple[float, float, int]] = {}   # h -> its last drop
         self.ghost_cap = ghost_cap
+        self.drops = 0
 
     def start(self, session, end: bool, now: float) -> None:
         if session is None:
@@ -127,17 +128,17 @@ class ForecastModel:
         b.owner = self.current
 
     def dropped(self, h: bytes, b: MBlock) -> None:
-        self.ghost.pop(h, None)
-        self.ghost[h] = (b.last_access, b.gap)
-        while len(self.ghost) > self.ghost_cap:
-            del self.ghost[next(iter(self.ghost))]
+        """``h`` left the last tier: its last drop, numbered among all drops."""
+        self.drops += 1
+        self.ghost[h] = (b.last_access, b.gap, self.drops)
 
     def new_head(self, h: bytes, b: MBlock, now: float) -> None:
-        """``b`` starts a new run: its reuse interval from its ghost, if it has one."""
-        old = self.ghost.pop(h, None)
+        """``b`` starts a new run: its reuse interval from its last drop, if that is in the
+        current generation of ``ghost_cap`` drops or the one before (drops numbered from 1)."""
+        old = self.ghost.get(h)
         b.gap = 0.0
-        if old is not None:
-            t, og = old
+        if old is not None and (old[2] - 1) // self.ghost_cap >= self.drops // self.ghost_cap - 1:
+            t, og, _ = old
             b.gap = now - t if og == 0 else 0.5 * (now - t) + 0.5 * og
         b.owner = self.current
         self.snapshot(b)
