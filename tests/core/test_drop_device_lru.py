@@ -2,10 +2,11 @@
 
 A device-only tree whose index pops and peeks at once (LRU, TTL, FIFO: ``RecencyIndex``; the
 forecast: ``ForecastIndex``) evicts through ``_drop_device_lru``, one loop over victim nodes (the
-index's ``pop_min_peek`` and ``add``); with a KV event reader it takes the generic loop. Two managers fed the same requests, one with an event reader, must
-return the same moves and end in the same state after every eviction, including when parents
-land in the index's side list (equal access times make the hash decide the order) and when dead
-pairs sit at the head of its queue.
+index's ``pop_min_peek`` and ``add``); with a KV event reader it takes the generic loop. Two
+managers fed the same requests, one with an event reader, must return the same moves and end in
+the same state (policy state included) after every eviction, including when parents land in
+the index's side list (equal access times make the hash decide the order) and when dead pairs
+sit at the head of its queue.
 """
 
 from __future__ import annotations
