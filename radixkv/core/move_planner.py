@@ -383,7 +383,8 @@ class MovePlanner:
         free_run = self.pools[DEVICE].free_run
         pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
         add, take_of, entry = entries.add, entries.take, entries.entry
-        on_leave = self.policy.on_leave if keyed and self.hooks else None
+        on_leave = (self.policy.on_leave if keyed and self.hooks
+                    and type(self.policy).on_leave is not EvictionPolicy.on_leave else None)
         w = self.block_bytes
         dropped = 0
         try:

@@ -9,8 +9,10 @@ probably ended. A session the client *said* has ended (``end_session``) goes fir
 Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
 
 - ``gap``: the node's reuse interval, an exponential moving average (``alpha``) of the time
-  between its hits; 0 until it is reused. A block that comes back after being dropped gets it
-  from a *ghost*: the last access and gap of the last ``capacity`` blocks that left the cache.
+  between its hits; 0 until it is reused (a block cached again after it was dropped starts
+  afresh: the ghost of dropped blocks that gave it its old interval cost 7-10% of LRU's
+  bookkeeping per request, and RAG, the one workload where it paid, does better without it
+  by ordering never-forecast blocks LRU among themselves: docs/eviction.md).
 - ``owner``: the session of its last use.
 - ``(due, -far)``, its key (then ``last_access``), snapshotted when the node becomes evictable
   (its last holder
@@ -21,6 +23,9 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   divided by that fraction (the gap the session keeps if it goes on, against which
   ``overdue`` is learned; ``patience``: 1 / the share of sessions not announced as ended, at
   most 16, so 1 where clients never announce ends; ``-inf``: its session has ended).
+  Nothing known (no reuse yet and no session has come back yet, e.g. anonymous requests):
+  ``(+inf, -NEVER)``, so such nodes go before every forecast one, LRU among themselves
+  (``due`` ``-inf`` if the session ended).
 
 Per policy: per session, the time and gap of its last request; the mean turn gap; the fraction
 of requests that are follow-ups; ``overdue``: the ``quantile`` (median) of observed
@@ -35,9 +40,9 @@ field and then the whole entry, so blocks with equal keys tie exactly as in a pe
 
 Measured in the simulator (docs/eviction.md) as ``next-use``: alone it gains up to 51 points over
 LRU on round-robin chat but loses up to 4 on open-loop chat; ``policy_duel.py`` keeps the gains
-and drops the losses. Runtime complexity: O(1) per node event plus O(1) per block that leaves
-the cache or enters it (the ghost), amortised O(log n) per filing (two heaps); learning
-``overdue`` sorts at most 2,048 ratios every 32 follow-ups (O(1) amortised per request).
+and drops the losses. Runtime complexity: O(1) per node event, amortised O(log n) per filing
+(two heaps); learning ``overdue`` keeps the last 2,048 ratios sorted by insertion (O(log n)
+search and an O(n) C-level move of at most 2,048 floats per follow-up).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
-from itertools import count, repeat
+from itertools import count
 from typing import TYPE_CHECKING
 
 from radixkv.core.policy import EvictionPolicy, NodeHints
@@ -60,6 +65,8 @@ if TYPE_CHECKING:
 NEVER = 1e12           # the forecast gap of a block nothing suggests will come back (seconds)
 MAX_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first)
 _NEG_INF = float("-inf")
+_INF = float("inf")
+_NEG_NEVER = -NEVER
 
 
 class ForecastPolicy(EvictionPolicy):
@@ -99,13 +106,6 @@ class ForecastPolicy(EvictionPolicy):
         # session of its own) stays the same one-off session
         self._anon_of: OrderedDict[Hashable, Hashable] = OrderedDict()
         self.current: Hashable = None                                # session of the request
-        # the ghost (see on_leave): block hash -> (last access, gap) of its last drop, in two
-        # generations of ``_ghost_cap`` drops each: the current one and the one before
-        self._ghost: dict[bytes, tuple[float, float]] = {}
-        self._ghost_old: dict[bytes, tuple[float, float]] = {}
-        self._ghost_cap = 0
-        self._drops = 0                          # blocks dropped (recorded) in all
-        self._last_tier = 0
         self.clock = None
 
     # ------------------------------------------------------------------ the key
@@ -123,8 +123,6 @@ class ForecastPolicy(EvictionPolicy):
     def bind(self, tree: RadixTree) -> None:
         super().bind(tree)
         self.clock = tree.clock
-        self._ghost_cap = tree.pools[0].num_blocks
-        self._last_tier = tree.num_tiers - 1
 
     def expected_gap(self, gap: float, owner: Hashable) -> float:
         """Seconds until a node with reuse interval ``gap`` (0: none yet) of session ``owner``
@@ -143,9 +141,9 @@ class ForecastPolicy(EvictionPolicy):
             g = plain = gap
         elif self.mean_gap:
             plain = self._gap.get(owner, self.mean_gap)
-            g = plain / self._followup_share()
-        else:
-            g = plain = NEVER
+            g = plain / max(self.followups / max(self.requests, 1), 0.02)   # _followup_share
+        else:   # nothing known (no reuse yet, no session statistics): among such, LRU
+            return (_NEG_INF if owner in self._ended else _INF, _NEG_NEVER, gap, owner)
         if owner in self._ended:
             return (_NEG_INF, -(last + g), gap, owner)
         # overdue: late against the gap the session would keep *if* it goes on (the factor
@@ -254,20 +252,10 @@ class ForecastPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ node events
     def on_insert(self, node: Node, start: int, now: float) -> None:
-        """A new node takes its reuse interval from its first block's ghost record, if it has
-        one (it was dropped and is back: it *was* reused). Blocks appended to a run share the
-        run's state."""
-        if start:
-            return
-        gap = 0.0
-        h = node.hashes[0]
-        old = self._ghost.get(h)
-        if old is None:
-            old = self._ghost_old.get(h)
-        if old is not None:
-            t, ogap = old
-            gap = now - t if ogap == 0 else self.alpha * (now - t) + (1 - self.alpha) * ogap
-        self._set_aux(node, self._snapshot(node.last_access, gap, self.current))
+        """A new node: no reuse yet, owned by the request's session. Blocks appended to a run
+        share the run's state."""
+        if not start:
+            self._set_aux(node, self._snapshot(node.last_access, 0.0, self.current))
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
         i = self.aux_slot
@@ -276,54 +264,25 @@ class ForecastPolicy(EvictionPolicy):
         g = now - prev_access
         if g > 0:
             gap = g if gap == 0 else self.alpha * g + (1 - self.alpha) * gap
-        self._set_aux(node, (a[0], a[1], gap, self.current))
+        if i is None:
+            node.aux = (a[0], a[1], gap, self.current)
+        else:
+            node.aux = self._aux_with(node, (a[0], a[1], gap, self.current))
 
     def on_release(self, node: Node, now: float) -> None:
         i = self.aux_slot
-        a = node.aux if i is None else node.aux[i]
-        self._set_aux(node, self._snapshot(now, a[2], a[3]))
+        if i is None:
+            a = node.aux
+            node.aux = self._snapshot(now, a[2], a[3])
+        else:
+            a = node.aux[i]
+            node.aux = self._aux_with(node, self._snapshot(now, a[2], a[3]))
         if self._releasing:        # the deepest node a finished sequence let go of
             self._releasing = False
             if a[3] is not None and not (type(a[3]) is tuple and a[3][:1] == ("anon",)):
                 self._leaf[a[3]] = node.hashes[-1]
                 if len(self._leaf) > MAX_SESSIONS:
                     del self._leaf[next(iter(self._leaf))]
-
-    def on_leave(self, node: Node, k: int) -> None:
-        """The ghost: each block dropped from the last tier is recorded as ``hash -> (last
-        access, gap)``, deepest first (as a per-block cache drops them), in the current
-        *generation*; when ``capacity`` (the device's blocks) drops have filled it, it becomes
-        the previous one and the one before is forgotten. So a block's record is its last
-        drop, kept while that is among the last ``capacity`` to ``2 x capacity`` drops
-        (counting every drop: ``(serial - 1) // capacity >= drops // capacity - 1``).
-        Nothing is removed per block: a block cannot be cached again without leaving again
-        in between, so the record found is its block's last drop (a block invalidated since,
-        which ``on_leave`` does not hear, keeps the record of the drop before).
-        Runtime complexity: one C-level ``dict.update`` per call (O(k)), O(1) per generation."""
-        if node.tier != self._last_tier:
-            return          # demoted: still cached
-        i = self.aux_slot
-        v = (node.last_access, (node.aux if i is None else node.aux[i])[2])
-        hashes = node.hashes
-        n = len(hashes)
-        cap = self._ghost_cap
-        d = self._drops
-        room = cap - d % cap            # drops the current generation still takes
-        self._drops = d + k
-        if k == 1:
-            self._ghost[hashes[-1]] = v
-            if room == 1:
-                self._ghost_old, self._ghost = self._ghost, {}
-            return
-        gone = hashes[n - 1:n - 1 - k:-1] if k < n else hashes[::-1]   # deepest first
-        while k >= room:
-            self._ghost.update(zip(gone[:room], repeat(v)))
-            self._ghost_old, self._ghost = self._ghost, {}
-            gone = gone[room:]
-            k -= room
-            room = cap
-        if k:
-            self._ghost.update(zip(gone, repeat(v)))
 
 
 class ForecastIndex:
@@ -398,10 +357,32 @@ class ForecastIndex:
         return e
 
     def pop_min_peek(self) -> tuple[tuple, tuple | None]:
-        """``(pop_min(), min() after it or None)`` in one call (the device-only eviction loop,
-        ``MovePlanner._drop_device_lru``, reads the next entry for the per-block tie rule)."""
-        e = self.pop_min()
-        return e, (self.min() if self._live else None)
+        """``(pop_min(), min() after it or None)`` in one call, with one read of the clock (the
+        device-only eviction loop, ``MovePlanner._drop_device_lru``, reads the next entry for
+        the per-block tie rule). Runtime complexity: as ``pop_min``."""
+        live, due, far = self._live, self._due, self._far
+        while due and live.get(due[0][-1]) is not due[0]:
+            heappop(due)
+        if not due:
+            raise IndexError("pop_min() of an empty index")
+        now = self._policy.clock()
+        if due[0][0] < now:
+            e = heappop(due)
+        else:
+            while live.get(far[0][1][-1]) is not far[0][1]:
+                heappop(far)
+            e = heappop(far)[1]
+        del live[e[-1]]
+        if not live:
+            return e, None
+        while live.get(due[0][-1]) is not due[0]:
+            heappop(due)
+        d = due[0]
+        if d[0] < now:
+            return e, d
+        while live.get(far[0][1][-1]) is not far[0][1]:
+            heappop(far)
+        return e, far[0][1]
 
     def __contains__(self, entry: tuple) -> bool:
         return self._live.get(entry[-1]) == entry
