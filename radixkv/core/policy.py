@@ -371,7 +371,7 @@ def auto_policy(then: str = AUTO_THEN) -> LRUPolicy:
     included, at a cost near LRU's (``duel`` gains up to 53 points on round-robin chat but
     falls up to 0.57 points below LRU on open-loop chat and a held-out trace, for 7-13x LRU's
     bookkeeping); told of session ends, ``forecast`` stays above LRU at every capacity of the
-    five traces measured, for 1.5-1.7x LRU's bookkeeping (docs/eviction.md). ``then`` must
+    five traces measured, for 1.1-1.2x LRU's bookkeeping (docs/eviction.md). ``then`` must
     keep runs as LRU cut them (no ``insert_key``, no ``fresh_counts``): ``forecast``,
     ``fifo``, ``priority``, ``mru``, ``ttl``. Runtime complexity: the switch is O(nodes) once
     (``RadixTree.switch_policy``); before it, LRU's.
