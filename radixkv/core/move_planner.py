@@ -13,7 +13,8 @@ from the others demoted into the next tier, making room there first. Where no ch
 next tier's blocks and the victim's can arise (its smallest key is strictly below the victim's,
 ``_evict_below``, or it has free slots) a victim's blocks move together; otherwise one at a time,
 straight onto the run below them (``_demote_tail_block``). A device-only tree reports no drops
-(they need no storage work) and evicts under LRU in one loop (``_drop_device_lru``).
+(they need no storage work) and, where its index pops and peeks at once (LRU, TTL, FIFO, the
+forecast), evicts in one loop (``_drop_device_lru``).
 
 **Back up and across.** Promotions to the device (``promote_nodes``, ``promote_head_block``),
 adoption of a recomputed block (``adopt``), disk -> host prefetch (``promote_lower``), blocks
