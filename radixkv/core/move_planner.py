@@ -13,7 +13,8 @@ from the others demoted into the next tier, making room there first. Where no ch
 next tier's blocks and the victim's can arise (its smallest key is strictly below the victim's,
 ``_evict_below``, or it has free blocks) a victim's blocks move together; otherwise one at a time,
 straight onto the run below them (``_demote_tail_block``). A device-only tree reports no drops
-(they need no storage work) and evicts under LRU in one loop (``_drop_device_lru``).
+(they need no storage work) and, where its index pops and peeks at once (LRU, TTL, FIFO, the
+forecast), evicts in one loop (``_drop_device_lru``).
 
 **Back up and across.** Promotions to the device (``promote_nodes``, ``promote_head_block``),
 adoption of a recomputed block (``adopt``), disk -> host prefetch (``promote_lower``), blocks
@@ -392,13 +393,14 @@ class MovePlanner:
         hashes, block_ids = node.hashes, node.block_ids
         pool = self.pools[t]
         sn = self.block_nodes[t]
-        report = self.num_tiers > 1
-        for i in range(len(hashes) - 1, cut - 1, -1):
-            h, s = hashes[i], block_ids[i]
-            pool.free_one(s)
-            sn[s] = None
-            if report:
+        if self.num_tiers > 1:
+            for i in range(len(hashes) - 1, cut - 1, -1):
+                h, s = hashes[i], block_ids[i]
+                pool.free_one(s)
+                sn[s] = None
                 moves.append(_tuple_new(MoveOp, (h, t, s, None, None, False)))
+        else:       # no drops to report: the blocks go back in one pass, deepest first
+            pool.free_run(block_ids[:cut - 1:-1] if cut else block_ids[::-1], sn)
         k = len(hashes) - cut
         self.resident[t] -= k
         if t == DEVICE:
@@ -409,40 +411,49 @@ class MovePlanner:
     # ------------------------------------------------------------------ the device-only LRU loop
     def _evict_device_fast(self, num: int, moves: list[MoveOp]) -> bool:
         """``evict_from(DEVICE, num)`` in one loop where there is one (a device-only tree
-        under LRU); False (nothing done): take the generic path.
+        whose index can pop and peek at once: LRU's ``RecencyIndex``, the forecast's
+        ``ForecastIndex``); False (nothing done): take the generic path.
 
         A device-only tree reports no per-block drops: a block dropped from the device needs
         no storage work (its id is simply allocated again), so no ``MoveOp`` is built for it."""
         entries = self.evictable[DEVICE]
-        if self.num_tiers != 1 or not self._lru or type(entries.index) is not RecencyIndex or \
-                self.tree.events is not None:
+        if self.num_tiers != 1 or self.tree.events is not None or \
+                not hasattr(entries.index, "pop_min_peek"):
             return False
-        self._drop_device_lru(entries, num)
+        self._drop_device_lru(entries, num,
+                              not (self._lru and type(entries.index) is RecencyIndex))
         return True
 
-    def _drop_device_lru(self, entries: EvictableSet, num: int) -> None:
-        """Device-only LRU eviction, victim node by victim node, through the evictable set's
+    def _drop_device_lru(self, entries: EvictableSet, num: int, keyed: bool = False) -> None:
+        """Device-only eviction, victim node by victim node, through the evictable set's
         ``pop_min`` / ``take`` / ``add`` (the same steps and order as the generic loop). A
         victim node's blocks leave together: one pass over their hashes and block_ids, no call per
         block. A node only partly taken is cut in place (its head stays, filed under its new
-        last block)."""
+        last block). ``keyed``: the policy is not LRU (entries are ``entries.entry(node)``,
+        ties compare whole keys, and a hooked policy hears ``on_leave`` as in the generic
+        loop)."""
         heads, tails, dn = self.heads, self.tails, self.device_nodes
         free_run = self.pools[DEVICE].free_run
         pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
-        add, take_of = entries.add, entries.take
+        add, take_of, entry = entries.add, entries.take, entries.entry
+        on_leave = (self.policy.on_leave if keyed and self.hooks
+                    and type(self.policy).on_leave is not EvictionPolicy.on_leave else None)
         w = self.block_bytes
         dropped = 0
         p: Node | None
         try:
             while num > 0:
                 e, nxt = pop_min_peek()
-                node = tails[e[1]]
+                node = tails[e[-1]]
                 hashes, block_ids = node.hashes, node.block_ids
                 n = len(hashes)
                 assert not node.children and node.ref == 0, f"evicting a non-leaf or held {node}"
                 take = n if num >= n else num
-                if take > 1 and nxt is not None and nxt[0] == e[0]:
+                if take > 1 and nxt is not None and (nxt[:-1] == e[:-1] if keyed
+                                                     else nxt[0] == e[0]):
                     take = take_of(node, num, e)   # a tie: per-block (hash) order decides
+                if on_leave is not None:
+                    on_leave(node, take)
                 cut = n - take
                 gone_s = block_ids[:cut - 1:-1] if cut else block_ids[::-1]   # deepest first
                 del tails[hashes[-1]]
@@ -469,7 +480,7 @@ class MovePlanner:
                         if c or p.ref:
                             p = None           # not an evictable leaf
                 if p is not None:
-                    add((p.last_access, p.hashes[-1]))   # its LRU entry
+                    add(entry(p) if keyed else (p.last_access, p.hashes[-1]))
                     hints = p.hints
                     if cut and hints is not None and hints.ttl is not None:
                         self.tree.rearm_ttl(p)

@@ -29,7 +29,7 @@ are ever filed. The slower tiers (host, disk) demote in the same leader's order.
 Cost, per request: each shadow costs what the real bookkeeping of one request costs under
 its member (O(nodes) locks and releases, O(new blocks) hashing and inserting); filing a node
 costs one O(log n) (or O(1)) insertion per member. Memory: per shadow, the block ids and token
-ids of up to the device capacity (no KV); the forecast's ghost of up to that many hashes.
+ids of up to the device capacity (no KV).
 
 **Sampled shadows** (``sample=k``): as set dueling samples a few sets of a processor cache, and
 as miss-ratio-curve samplers (SHARDS) sample keys, the shadows may see only every k-th *group*

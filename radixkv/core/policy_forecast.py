@@ -9,8 +9,10 @@ probably ended. A session the client *said* has ended (``end_session``) goes fir
 Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
 
 - ``gap``: the node's reuse interval, an exponential moving average (``alpha``) of the time
-  between its hits; 0 until it is reused. A block that comes back after being dropped gets it
-  from a *ghost*: the last access and gap of the last ``capacity`` blocks that left the cache.
+  between its hits; 0 until it is reused (a block cached again after it was dropped starts
+  afresh: the ghost of dropped blocks that gave it its old interval cost 7-10% of LRU's
+  bookkeeping per request, and RAG, the one workload where it paid, does better without it
+  by ordering never-forecast blocks LRU among themselves: docs/eviction.md).
 - ``owner``: the session of its last use.
 - ``(due, -far)``, its key (then ``last_access``), snapshotted when the node becomes evictable
   (its last holder
@@ -21,6 +23,9 @@ Per node (``aux``, set by the hooks; ``policy.py`` describes the seam):
   divided by that fraction (the gap the session keeps if it goes on, against which
   ``overdue`` is learned; ``patience``: 1 / the share of sessions not announced as ended, at
   most 16, so 1 where clients never announce ends; ``-inf``: its session has ended).
+  Nothing known (no reuse yet and no session has come back yet, e.g. anonymous requests):
+  ``(+inf, -NEVER)``, so such nodes go before every forecast one, LRU among themselves
+  (``due`` ``-inf`` if the session ended).
 
 Per policy: per session, the time and gap of its last request; the mean turn gap; the fraction
 of requests that are follow-ups; ``overdue``: the ``quantile`` (median) of observed
@@ -35,14 +40,15 @@ field and then the whole entry, so blocks with equal keys tie exactly as in a pe
 
 Measured in the simulator (docs/eviction.md) as ``next-use``: alone it gains up to 51 points over
 LRU on round-robin chat but loses up to 4 on open-loop chat; ``policy_duel.py`` keeps the gains
-and drops the losses. Runtime complexity: O(1) per node event plus O(1) per block that leaves
-the cache or enters it (the ghost), amortised O(log n) per filing (two heaps); learning
-``overdue`` sorts at most 2,048 ratios every 32 follow-ups (O(1) amortised per request).
+and drops the losses. Runtime complexity: O(1) per node event, amortised O(log n) per filing
+(two heaps); learning ``overdue`` keeps the last 2,048 ratios sorted by insertion (O(log n)
+search and an O(n) C-level move of at most 2,048 floats per follow-up).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left, insort
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
@@ -58,6 +64,8 @@ if TYPE_CHECKING:
 NEVER = 1e12           # the forecast gap of a block nothing suggests will come back (seconds)
 MAX_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first)
 _NEG_INF = float("-inf")
+_INF = float("inf")
+_NEG_NEVER = -NEVER
 
 
 class ForecastPolicy(EvictionPolicy):
@@ -83,7 +91,9 @@ class ForecastPolicy(EvictionPolicy):
         self.sessions = 0           # sessions seen (their first request)
         self.announced = 0          # sessions the client said had ended (end_session)
         self.patience = 1.0         # see _count
-        self._ratios: list[float] = []
+        self._ratios: deque[float] = deque()   # the last 2,048 ratios, oldest first
+        self._sorted: list[float] = []          # the same, sorted (kept by insort)
+        self._observed = 0                      # ratios observed in all
         self._last: OrderedDict[Hashable, float] = OrderedDict()   # session -> last request
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
@@ -95,9 +105,6 @@ class ForecastPolicy(EvictionPolicy):
         # session of its own) stays the same one-off session
         self._anon_of: OrderedDict[Hashable, Hashable] = OrderedDict()
         self.current: Hashable = None                                # session of the request
-        self._ghost: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
-        self._ghost_cap = 0
-        self._last_tier = 0
         self.clock = None
 
     # ------------------------------------------------------------------ the key
@@ -115,8 +122,6 @@ class ForecastPolicy(EvictionPolicy):
     def bind(self, tree: PolicyHost) -> None:
         super().bind(tree)
         self.clock = tree.clock
-        self._ghost_cap = tree.pools[0].num_blocks
-        self._last_tier = tree.num_tiers - 1
 
     def expected_gap(self, gap: float, owner: Hashable) -> float:
         """Seconds until a node with reuse interval ``gap`` (0: none yet) of session ``owner``
@@ -135,9 +140,9 @@ class ForecastPolicy(EvictionPolicy):
             g = plain = gap
         elif self.mean_gap:
             plain = self._gap.get(owner, self.mean_gap)
-            g = plain / self._followup_share()
-        else:
-            g = plain = NEVER
+            g = plain / max(self.followups / max(self.requests, 1), 0.02)   # _followup_share
+        else:   # nothing known (no reuse yet, no session statistics): among such, LRU
+            return (_NEG_INF if owner in self._ended else _INF, _NEG_NEVER, gap, owner)
         if owner in self._ended:
             return (_NEG_INF, -(last + g), gap, owner)
         # overdue: late against the gap the session would keep *if* it goes on (the factor
@@ -207,12 +212,14 @@ class ForecastPolicy(EvictionPolicy):
         x ``slack``. The median beat the 0.9 quantile on every workload but agents in the
         simulator (docs/eviction.md): a session is written off early, and the LRU member of
         the duel takes over where that is wrong."""
-        r = self._ratios
+        r, srt = self._ratios, self._sorted
         r.append(ratio)
-        if len(r) >= 64 and len(r) % 32 == 0:
-            if len(r) > 2048:
-                del r[:len(r) - 2048]
-            self.overdue = self.slack * sorted(r)[int(self.quantile * (len(r) - 1))]
+        insort(srt, ratio)
+        if len(r) > 2048:       # the window: the last 2,048 ratios
+            del srt[bisect_left(srt, r.popleft())]
+        n = self._observed = self._observed + 1
+        if n >= 64 and n % 32 == 0:
+            self.overdue = self.slack * srt[int(self.quantile * (len(srt) - 1))]
 
     def on_fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         self._seqs[child_id] = self._seqs.get(parent_id)
@@ -244,22 +251,10 @@ class ForecastPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ node events
     def on_insert(self, node: Node, start: int, now: float) -> None:
-        """New blocks leave the ghost; a new node takes its reuse interval from its first
-        block's ghost entry (it was dropped and is back: it *was* reused)."""
-        ghost = self._ghost
-        old = None
-        if ghost:
-            hashes = node.hashes
-            old = ghost.pop(hashes[start], None)
-            for i in range(start + 1, len(hashes)):
-                ghost.pop(hashes[i], None)
-        if start:
-            return          # appended to a run: the blocks share its state
-        gap = 0.0
-        if old is not None:
-            t, ogap = old
-            gap = now - t if ogap == 0 else self.alpha * (now - t) + (1 - self.alpha) * ogap
-        self._set_aux(node, self._snapshot(node.last_access, gap, self.current))
+        """A new node: no reuse yet, owned by the request's session. Blocks appended to a run
+        share the run's state."""
+        if not start:
+            self._set_aux(node, self._snapshot(node.last_access, 0.0, self.current))
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
         i = self.aux_slot
@@ -268,32 +263,25 @@ class ForecastPolicy(EvictionPolicy):
         g = now - prev_access
         if g > 0:
             gap = g if gap == 0 else self.alpha * g + (1 - self.alpha) * gap
-        self._set_aux(node, (a[0], a[1], gap, self.current))
+        if i is None:
+            node.aux = (a[0], a[1], gap, self.current)
+        else:
+            node.aux = self._aux_with(node, (a[0], a[1], gap, self.current))
 
     def on_release(self, node: Node, now: float) -> None:
         i = self.aux_slot
-        a = node.aux if i is None else node.aux[i]
-        self._set_aux(node, self._snapshot(now, a[2], a[3]))
+        if i is None:
+            a = node.aux
+            node.aux = self._snapshot(now, a[2], a[3])
+        else:
+            a = node.aux[i]
+            node.aux = self._aux_with(node, self._snapshot(now, a[2], a[3]))
         if self._releasing:        # the deepest node a finished sequence let go of
             self._releasing = False
             if a[3] is not None and not (type(a[3]) is tuple and a[3][:1] == ("anon",)):
                 self._leaf[a[3]] = node.hashes[-1]
                 if len(self._leaf) > MAX_SESSIONS:
                     del self._leaf[next(iter(self._leaf))]
-
-    def on_leave(self, node: Node, k: int) -> None:
-        if node.tier != self._last_tier:
-            return          # demoted: still cached
-        i = self.aux_slot
-        v = (node.last_access, (node.aux if i is None else node.aux[i])[2])
-        ghost, hashes = self._ghost, node.hashes
-        if k == 1:
-            ghost[hashes[-1]] = v
-        else:
-            for i in range(len(hashes) - 1, len(hashes) - 1 - k, -1):   # deepest first
-                ghost[hashes[i]] = v
-        while len(ghost) > self._ghost_cap:
-            ghost.popitem(last=False)
 
 
 class ForecastIndex:
@@ -366,6 +354,34 @@ class ForecastIndex:
         else:
             heappop(self._far)
         return e
+
+    def pop_min_peek(self) -> tuple[tuple, tuple | None]:
+        """``(pop_min(), min() after it or None)`` in one call, with one read of the clock (the
+        device-only eviction loop, ``MovePlanner._drop_device_lru``, reads the next entry for
+        the per-block tie rule). Runtime complexity: as ``pop_min``."""
+        live, due, far = self._live, self._due, self._far
+        while due and live.get(due[0][-1]) is not due[0]:
+            heappop(due)
+        if not due:
+            raise IndexError("pop_min() of an empty index")
+        now = self._policy.clock()
+        if due[0][0] < now:
+            e = heappop(due)
+        else:
+            while live.get(far[0][1][-1]) is not far[0][1]:
+                heappop(far)
+            e = heappop(far)[1]
+        del live[e[-1]]
+        if not live:
+            return e, None
+        while live.get(due[0][-1]) is not due[0]:
+            heappop(due)
+        d = due[0]
+        if d[0] < now:
+            return e, d
+        while live.get(far[0][1][-1]) is not far[0][1]:
+            heappop(far)
+        return e, far[0][1]
 
     def __contains__(self, entry: tuple) -> bool:
         return self._live.get(entry[-1]) == entry

@@ -30,9 +30,9 @@ def auto_policy(then: str = AUTO_THEN) -> LRUPolicy:
 
     Why: without hints no policy measured beats LRU on every workload, held-out traces
     included, at a cost near LRU's (``duel`` gains up to 53 points on round-robin chat but
-    falls up to 0.57 points below LRU on open-loop chat and a held-out trace, for 7-13x LRU's
-    bookkeeping); told of session ends, ``forecast`` stays above LRU at every capacity of the
-    five traces measured, for 1.5-1.7x LRU's bookkeeping (docs/eviction.md). ``then`` must
+    falls up to 0.81 points below LRU on open-loop chat and 0.71 on a held-out trace, for 6-13x
+    LRU's bookkeeping); told of session ends, ``forecast`` stays above LRU at every capacity of the
+    five traces measured, for 1.1-1.2x LRU's bookkeeping (docs/eviction.md). ``then`` must
     keep runs as LRU cut them (no ``insert_key``, no ``fresh_counts``): ``forecast``,
     ``fifo``, ``priority``, ``mru``, ``ttl``. Runtime complexity: the switch is O(nodes) once
     (``RadixTree.switch_policy``); before it, LRU's.

@@ -169,7 +169,7 @@ def test_switch_to_a_policy_that_cuts_runs_differently_changes_nothing() -> None
 # ---------------------------------------------------------------------------------------------
 # The tree state machine (test_tree_state.py) on the default policy: its per-block model orders
 # by LRU until the first request that says its session ends, then starts a fresh forecast model
-# (every cached block's state as if just cached at its last access, no session, no ghost) and
+# (every cached block's state as if just cached at its last access, no session) and
 # orders by it, so every eviction after the switch is checked against the forecast's order.
 
 from hypothesis.stateful import initialize  # noqa: E402
@@ -220,7 +220,7 @@ class AutoTreeMachine(TreeMachine):
     def switch(self) -> None:
         assert type(self.bm.tree.policy) is ForecastPolicy, "the first end hint must switch"
         self._mode = "forecast"
-        self.fm = ForecastModel(self.caps[0])
+        self.fm = ForecastModel()
         for b in self.m.values():
             b.gap, b.owner = 0.0, None
             self.fm.snapshot(b)

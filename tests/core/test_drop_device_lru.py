@@ -1,16 +1,18 @@
-"""The device-only LRU eviction loop (``MovePlanner._drop_device_lru``) against the generic one.
+"""The device-only eviction loop (``MovePlanner._drop_device_lru``) against the generic one.
 
-A device-only LRU tree evicts through ``_drop_device_lru``, one loop over victim nodes (the
-``RecencyIndex``'s ``pop_min_peek`` and ``add``); with a KV event reader it takes the generic
-loop. Two managers fed the same requests, one with an event reader, must
-return the same moves and end in the same state after every eviction, including when parents
-land in the index's side list (equal access times make the hash decide the order) and when dead
-pairs sit at the head of its queue.
+A device-only tree whose index pops and peeks at once (LRU, TTL, FIFO: ``RecencyIndex``; the
+forecast: ``ForecastIndex``) evicts through ``_drop_device_lru``, one loop over victim nodes (the
+index's ``pop_min_peek`` and ``add``); with a KV event reader it takes the generic loop. Two
+managers fed the same requests, one with an event reader, must return the same moves and end in
+the same state (policy state included) after every eviction, including when parents land in
+the index's side list (equal access times make the hash decide the order) and when dead pairs
+sit at the head of its queue.
 """
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from core_helpers import FakeClock, snapshot_manager
 from hypothesis import given
 
@@ -29,17 +31,25 @@ REQUESTS = st.lists(st.tuples(st.integers(0, 3),
                     min_size=1, max_size=40)
 
 
-def _managers() -> tuple[BlockManager, BlockManager, FakeClock]:
+def _managers(policy: str = "lru") -> tuple[BlockManager, BlockManager, FakeClock]:
     clock = FakeClock()
-    inline = BlockManager.create(24, B, clock=clock)
-    generic = BlockManager.create(24, B, clock=clock)
+    inline = BlockManager.create(24, B, clock=clock, policy=policy)
+    generic = BlockManager.create(24, B, clock=clock, policy=policy)
     generic.event_queue().subscribe()   # an event reader forces the generic loop
     return inline, generic, clock
 
 
+def _aux(bm: BlockManager) -> list:
+    """Every node's policy state (the forecast's ``(due, -far, gap, owner)``), by first hash."""
+    return sorted((n.hashes[0], repr(n.aux)) for n in set(bm.tree.block_index().values()))
+
+
+# The same loop serves every policy whose index pops and peeks at once: LRU, TTL and FIFO
+# (``RecencyIndex``) and the forecast (``ForecastIndex``, hooked: it hears ``on_leave``).
 @given(requests=REQUESTS)
-def test_inlined_lru_eviction_equals_the_generic_loop(requests) -> None:
-    inline, generic, clock = _managers()
+@pytest.mark.parametrize("policy", ["lru", "ttl", "fifo", "forecast"])
+def test_inlined_lru_eviction_equals_the_generic_loop(policy, requests) -> None:
+    inline, generic, clock = _managers(policy)
     live: list[int] = []
     for i, (prefix, tail, tick, evict, keep) in enumerate(requests):
         clock.advance(tick)
@@ -47,7 +57,8 @@ def test_inlined_lru_eviction_equals_the_generic_loop(requests) -> None:
         for bm in (inline, generic):
             if not bm.can_allocate(prompt, NS):
                 break
-            bm.allocate(i, prompt, NS)
+            # sessions (one per prefix) and their ends feed the forecast's statistics
+            bm.allocate(i, prompt, NS, session=prefix, end_session=tail[0] == 0)
             bm.commit(i, len(prompt))
         else:
             if keep:
@@ -63,6 +74,7 @@ def test_inlined_lru_eviction_equals_the_generic_loop(requests) -> None:
         assert generic.tree.num_evictable(DEVICE) >= n
         assert inline.tree.evict(DEVICE, n) == generic.tree.evict(DEVICE, n)
         assert snapshot_manager(inline) == snapshot_manager(generic)
+        assert _aux(inline) == _aux(generic)
         inline.check_invariants()
     generic.check_invariants()
 

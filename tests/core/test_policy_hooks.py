@@ -203,6 +203,39 @@ def test_forecast_patience_grows_with_the_share_of_announced_ends() -> None:
     bm.check_invariants()
 
 
+def test_forecast_learns_overdue_from_the_last_2048_ratios() -> None:
+    """``overdue`` is a quantile (here 0.3) of the last 2,048 ratios gap / forecast gap of returning
+    sessions (once 64 are seen, updated every 32): kept by insertion into a sorted window, it
+    must equal re-sorting that window from scratch at every update (ties and the window's
+    slide included). One session; its gaps are drawn from a few values (many equal ratios) or
+    scaled at random."""
+    clock = FakeClock(0.0)
+    bm = BlockManager.create(64, 2, policy=ForecastPolicy(quantile=0.3, slack=1.5), clock=clock)
+    pol = bm.tree.policy
+    rng = random.Random(7)
+    times: list[float] = []
+    gaps: list[float] = []
+    checked = 0
+    for i in range(2600):
+        if i:
+            clock.advance(rng.choice([1.0, 2.0, 3.0, 5.0, 8.0]) * (
+                1.0 if rng.random() < 0.5 else 1.0 + rng.random()))
+            gaps.append(clock() - times[-1])      # as the policy sees it: clock differences
+        times.append(clock())
+        bm.allocate(i, [1, 2, 3], NS, session="s")
+        bm.free(i)
+        # request i >= 2 saw gap gaps[i-1] where the session's last gap forecast gaps[i-2]
+        n = max(len(gaps) - 1, 0)
+        if n >= 64 and n % 32 == 0:
+            w = sorted(gaps[k] / gaps[k - 1] for k in range(max(1, n + 1 - 2048), n + 1))
+            assert len(w) == min(n, 2048)
+            assert pol.overdue == 1.5 * w[int(0.3 * (len(w) - 1))], n
+            assert pol._sorted == w, n          # the whole window, not only its quantile
+            checked += 1
+    assert checked == (2598 - 64) // 32 + 1
+    bm.check_invariants()
+
+
 def test_bad_input_is_typed() -> None:
     bm = BlockManager.create(8, 2, policy="duel")
     with pytest.raises(InvalidRequestError):

@@ -70,7 +70,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.live: dict[int, tuple[list[bytes], int]] = {}   # sid -> (held cached blocks, private)
         self.next_id = 0
         self.L = 0.0          # lfu-da: the largest key evicted so far (any tier, copies too)
-        self.fm = ForecastModel(self.caps[0])
+        self.fm = ForecastModel()
         self.gt = GhostTableModel(sum(self.caps))
 
     # ------------------------------------------------------------------ the model
@@ -152,7 +152,6 @@ class TreeMachine(RuleBasedStateMachine):
         u = b.tier + 1
         if u == self.num_tiers:
             assert not self.children(h), "the model drops a block with children"
-            self.fm.dropped(h, b)
             self.gt.dropped(h, b)
             del self.m[h]
             return
@@ -276,7 +275,6 @@ class TreeMachine(RuleBasedStateMachine):
                 self.m[h] = MBlock(parent, DEVICE, 1, p.last_access, p.hits, born=p.born,
                                    kda=p.kda, gap=p.gap, owner=p.owner, fkey=p.fkey,
                                    gbase=base)
-                self.fm.ghost.pop(h, None)
             else:
                 self.m[h] = MBlock(parent, DEVICE, 1, now, 0, born=now, kda=self.L)
                 self.fm.new_head(h, self.m[h], now)

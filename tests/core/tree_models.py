@@ -56,11 +56,11 @@ class GhostTableModel:
 class ForecastModel:
     """The forecast policy's statistics, written again from its definition (policy_forecast's
     module docstring), per block: sessions' turn gaps, the follow-up fraction, the learned
-    overdue factor, the ghost of dropped blocks, and each block's key."""
+    overdue factor, and each block's key."""
 
     NEVER = 1e12
 
-    def __init__(self, ghost_cap: int) -> None:
+    def __init__(self) -> None:
         self.overdue, self.mean_gap = 2.0, 0.0
         self.requests = self.followups = 0
         self.sessions = self.announced = 0
@@ -70,8 +70,6 @@ class ForecastModel:
         self.ended: set = set()
         self.anon = 0
         self.current = None
-        self.ghost: dict[bytes, tuple[float, float]] = {}   # insertion ordered
-        self.ghost_cap = ghost_cap
 
     def start(self, session, end: bool, now: float) -> None:
         if session is None:
@@ -111,6 +109,9 @@ class ForecastModel:
             self.followups / max(self.requests, 1), 0.02)
 
     def snapshot(self, b: MBlock) -> None:
+        if b.gap == 0 and not self.mean_gap:     # nothing known: first, LRU among themselves
+            b.fkey = (float("-inf") if b.owner in self.ended else float("inf"), -self.NEVER)
+            return
         g = self.expected(b)
         # overdue is judged against the gap the session keeps if it goes on, not against g
         plain = b.gap if b.gap > 0 else (self.gapof.get(b.owner, self.mean_gap) or self.NEVER)
@@ -126,18 +127,9 @@ class ForecastModel:
             b.gap = g if b.gap == 0 else 0.5 * g + 0.5 * b.gap
         b.owner = self.current
 
-    def dropped(self, h: bytes, b: MBlock) -> None:
-        self.ghost.pop(h, None)
-        self.ghost[h] = (b.last_access, b.gap)
-        while len(self.ghost) > self.ghost_cap:
-            del self.ghost[next(iter(self.ghost))]
-
     def new_head(self, h: bytes, b: MBlock, now: float) -> None:
-        """``b`` starts a new run: its reuse interval from its ghost, if it has one."""
-        old = self.ghost.pop(h, None)
+        """``b`` starts a new run: no reuse interval yet (nothing is kept of dropped blocks),
+        owned by the request's session."""
         b.gap = 0.0
-        if old is not None:
-            t, og = old
-            b.gap = now - t if og == 0 else 0.5 * (now - t) + 0.5 * og
         b.owner = self.current
         self.snapshot(b)
