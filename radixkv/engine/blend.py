@@ -446,7 +446,7 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         moves += out.moves
         run_kv_ops(core.kv_mover, moves)
         core.kv_mover.wait_loads()
-        bad = {n.slot for n in map(tree.get, core.kv_mover.failed_loads) if n is not None}
+        bad = {n.block_id for n in map(tree.get, core.kv_mover.failed_loads) if n is not None}
         used = set(pre.block_ids) | {b for _, a, _ in docs for b in a.block_ids}
         if not bad.isdisjoint(used):
             return None   # the scheduler recovers the failed loads at its next step

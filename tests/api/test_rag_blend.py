@@ -67,7 +67,7 @@ def test_a_document_entry_is_shared_by_every_prompt_and_held_only_while_used(mak
             hashes = [b.block_hash for b in blocks[lead:]]
             assert entries.setdefault(d, hashes) == hashes
             # no prompt holds it once answered: evictable like any unreferenced block
-            assert all(e.core.block_manager.block_refcount(b.slot) == 0 for b in blocks)
+            assert all(e.core.block_manager.block_refcount(b.block_id) == 0 for b in blocks)
         if not new_docs:   # every entry was cached: nothing recomputed
             assert rag.warm_documents(ids) == 0
         assert e.core.tree.stats.inserted >= before
@@ -100,7 +100,7 @@ def test_entries_are_held_during_the_blend_and_evicted_when_space_is_needed(make
         del e.core.block_manager.allocate
     assert out.blend is not None and out.blend.reused_tokens > 0
     assert held and all(r and min(r) >= 1 for r in held)    # locked while read
-    assert all(e.core.block_manager.block_refcount(b.slot) == 0 for b in doc_blocks(rag, "a"))
+    assert all(e.core.block_manager.block_refcount(b.block_id) == 0 for b in doc_blocks(rag, "a"))
     # other work needs the space: the unreferenced entries go like any cached block
     other = helper(e, cache_salt="other", blend_ratio=None)
     for i in range(6):
