@@ -73,8 +73,8 @@ case "$cmd" in
     test)  setup
            # Lint first (ruff and mypy, pinned in the dev extra; rules in pyproject.toml): a
            # finding fails the run, as CI runs this command. mypy runs strict on the packages in
-           # MYPY_PATHS (radixkv/core today; add radixkv/storage radixkv/tiers once they are
-           # clean: scripts/lint.sh mypy checks all three, as [tool.mypy] files lists them).
+           # MYPY_PATHS (radixkv/core, radixkv/storage, radixkv/tiers, with no module exempt;
+           # scripts/lint.sh mypy checks the same three, as [tool.mypy] files lists them).
            "$VENV/bin/ruff" check radixkv kernels benchmarks tests scripts \
                || { echo "scripts/dev.sh test: ruff found the problems above" >&2; exit 1; }
            "$VENV/bin/mypy" $MYPY_PATHS \

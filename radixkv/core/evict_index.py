@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from heapq import heappop, heappush, merge
-from typing import Any
+from typing import Any, Protocol
 
 from sortedcontainers import SortedList
 
@@ -362,5 +362,21 @@ class AgingIndex(SortedIndex):
         return e
 
 
-EvictionIndex = SortedIndex | RecencyIndex | FrequencyIndex
-"""The index types the tree accepts (any object with the same methods works)."""
+class EvictionIndex(Protocol):
+    """What the tree needs of a per-tier index (``SortedIndex``, ``RecencyIndex``,
+    ``FrequencyIndex``, or a policy's own, e.g. ``ForecastIndex``, ``DuelIndex``): the seam of
+    the module docstring, structurally typed."""
+
+    def add(self, entry: Entry) -> None: ...
+
+    def remove(self, entry: Entry) -> None: ...
+
+    def pop_min(self) -> Entry: ...
+
+    def min(self) -> Entry: ...
+
+    def __contains__(self, entry: Entry) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Entry]: ...

@@ -434,7 +434,8 @@ class MovePlanner:
         loop)."""
         heads, tails, dn = self.heads, self.tails, self.device_nodes
         free_run = self.pools[DEVICE].free_run
-        pop_min_peek = entries.index.pop_min_peek   # type: ignore[union-attr]
+        # not in the EvictionIndex protocol: _evict_device_fast checked hasattr first
+        pop_min_peek = entries.index.pop_min_peek   # type: ignore[attr-defined]
         add, take_of, entry = entries.add, entries.take, entries.entry
         on_leave = (self.policy.on_leave if keyed and self.hooks
                     and type(self.policy).on_leave is not EvictionPolicy.on_leave else None)

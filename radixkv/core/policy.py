@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from radixkv.core.evict_index import (
-    AgingIndex, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex,
+    AgingIndex, Entry, EvictionIndex, FrequencyIndex, RecencyIndex, SortedIndex,
 )
 from radixkv.core.node import NodeHints as NodeHints  # re-exported: it lived here
 from radixkv.errors import ConfigError
@@ -86,6 +86,16 @@ class CacheMaker(Protocol):
 
 
 DEFAULT_HINTS = NodeHints()
+
+#: A policy's sort key (``EvictionPolicy.key``): numbers (times, counts, priorities), compared
+#: lexicographically; the index entry is this plus the tail block's hash (``Entry``).
+Key = tuple[float, ...]
+
+# ``node.aux`` is typed ``object`` for the tree, which only copies and compares it; a policy
+# reads back the value its own hooks stored there (a composite's members: their slot of its
+# tuple). That read is the one unchecked step, marked where it happens with
+# ``# type: ignore[<code>]  # aux: ...`` rather than ``cast`` (a call per read, and the reads
+# are on the hot path of every node event and filing).
 
 
 class EvictionPolicy(abc.ABC):
@@ -149,11 +159,13 @@ class EvictionPolicy(abc.ABC):
     #: pure function ``block_hash -> value``: the tree cuts a run of new blocks wherever the
     #: value changes, and lets new blocks join an existing run only if ``can_extend(run,
     #: first new hash)``. None (the default) costs nothing.
-    insert_key = None
+    insert_key: Callable[[bytes], object] | None = None
     #: The policy a tree hands eviction over to the first time a client says a session has
     #: ended (a request's ``end_session``, or ``BlockManager.end_session``): a name in
     #: ``POLICIES``. None (every policy but ``auto``): never.
     on_end_hint: str | None = None
+    #: the tree given to ``bind`` (unset before it; the hooks only run once bound)
+    _tree: PolicyHost
 
     def can_extend(self, node: Node, block_hash: bytes) -> bool:
         """Whether new block ``block_hash`` may join the end of run ``node`` (only asked when
@@ -161,11 +173,11 @@ class EvictionPolicy(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         """Sort key of an evictable node (of each of its blocks). Must be cheap: called on
         every (re)filing."""
 
-    def expired(self, key: tuple, now: float) -> bool:
+    def expired(self, key: Entry, now: float) -> bool:
         """Whether an entry with this key may leave its tier with no memory pressure at
         ``now`` (only TTL-like policies say yes)."""
         return False
@@ -221,22 +233,23 @@ class EvictionPolicy(abc.ABC):
 
 
     # ---------------------------------------------------------------- aux helpers
-    def _aux(self, node: Node):
+    def _aux(self, node: Node) -> object:
         """This policy's part of ``node.aux``."""
         a = node.aux
-        return a if self.aux_slot is None or a is None else a[self.aux_slot]
+        # aux: with ``aux_slot`` set, the composite's tuple (one slot per member)
+        return a if self.aux_slot is None or a is None else a[self.aux_slot]  # type: ignore[index]
 
-    def _set_aux(self, node: Node, value) -> None:
+    def _set_aux(self, node: Node, value: object) -> None:
         node.aux = self._aux_with(node, value)
 
-    def _aux_with(self, node: Node, value):
+    def _aux_with(self, node: Node, value: object) -> object:
         """``node.aux`` with this policy's part replaced by ``value`` (a list round trip: half
         the cost of slicing and splicing the tuple; the duel's members call it on every node
         event)."""
         i = self.aux_slot
         if i is None:
             return value
-        a = list(node.aux)
+        a = list(node.aux)   # type: ignore[call-overload]  # aux: the composite's tuple
         a[i] = value
         return tuple(a)
 
@@ -247,7 +260,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         return (node.last_access,)
 
     def new_index(self) -> RecencyIndex:
@@ -268,7 +281,7 @@ class LFUPolicy(EvictionPolicy):
     key_size = 2
     fresh_counts = True
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         return (node.hits, node.last_access)
 
     def new_index(self) -> FrequencyIndex:
@@ -286,7 +299,7 @@ class MRUPolicy(EvictionPolicy):
 
     name = "mru"
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         return (-node.last_access,)
 
 
@@ -300,7 +313,7 @@ class PriorityPolicy(EvictionPolicy):
     name = "priority"
     key_size = 2
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         return (hints.priority, node.last_access)
 
 
@@ -320,15 +333,15 @@ class TTLPolicy(EvictionPolicy):
             raise ConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self.ttl = ttl
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         return (node.last_access + (self.ttl if hints.ttl is None else hints.ttl),)
 
     def new_index(self) -> RecencyIndex:
         """Expiry times arrive in order while TTLs are equal; per-node TTLs go to the side list."""
         return RecencyIndex()
 
-    def expired(self, key: tuple, now: float) -> bool:
-        return key[0] <= now
+    def expired(self, key: Entry, now: float) -> bool:
+        return key[0] <= now  # type: ignore[no-any-return]  # a TTL key's expiry: a float
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -347,8 +360,8 @@ class FIFOPolicy(EvictionPolicy):
     hooks = True
     key_size = 2
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
-        return (self._aux(node), node.last_access)
+    def key(self, node: Node, hints: NodeHints) -> Key:
+        return (self._aux(node), node.last_access)  # type: ignore[return-value]  # aux: a time
 
     def new_index(self) -> RecencyIndex:
         return RecencyIndex()
@@ -379,13 +392,13 @@ class LFUDAPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self.L = 0.0
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
-        return (self._aux(node)[0], node.last_access)
+    def key(self, node: Node, hints: NodeHints) -> Key:
+        return (self._aux(node)[0], node.last_access)  # type: ignore[index]  # aux: (K, hits)
 
     def new_index(self) -> AgingIndex:
         return AgingIndex(self._popped)
 
-    def _popped(self, entry: tuple) -> None:
+    def _popped(self, entry: Entry) -> None:
         if entry[0] > self.L:
             self.L = entry[0]
 

@@ -46,19 +46,28 @@ for 0.41-0.67 of the CPU, docs/eviction.md).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import xxhash
 
-from radixkv.core.policy import CacheMaker, EvictionPolicy, NodeHints, PolicyHost, ShadowCache
+from radixkv.core.policy import (
+    CacheMaker, EvictionPolicy, Key, NodeHints, PolicyHost, ShadowCache,
+)
 from radixkv.core.policy_members import make_member
 from radixkv.errors import ConfigError, OutOfBlocks
 
 if TYPE_CHECKING:
+    from radixkv.core.evict_index import Entry, EvictionIndex
     from radixkv.core.hashing import Namespace
     from radixkv.core.node import Node
+
+    #: a policy's ``key`` function (bound method or ``_concat_keys``' closure)
+    KeyFn = Callable[[Node, NodeHints], Key]
+    #: a live sequence's request as the shadows replay it: (prompt tokens, namespace,
+    #: session, end_session, resumed)
+    Req = tuple[int, Namespace, Hashable | None, bool, bool]
 
 DEFAULT_MEMBERS = ("lru", "lfu-ghost", "forecast")
 #: The largest ``sample`` that ``sample="auto"`` picks (a device of 16 x 8,192 blocks and up).
@@ -116,14 +125,23 @@ class DuelPolicy(EvictionPolicy):
         # Per node event, the members that override its hook (bound methods): the tree calls
         # the duel once per node event, and a no-op call per member per event was a tenth of
         # its hook time (lfu-ghost hears no hits or releases, LRU nothing).
-        self._on_insert = _overriding(self._hooked, "on_insert")
-        self._on_hit = _overriding(self._hooked, "on_hit")
-        self._on_release = _overriding(self._hooked, "on_release")
-        self._on_leave = _overriding(self._hooked, "on_leave")
-        self.key = _concat_keys([m.key for m in self.members])
+        self._on_insert: list[Callable[[Node, int, float], None]] = _overriding(
+            self._hooked, "on_insert")
+        self._on_hit: list[Callable[[Node, float, float], None]] = _overriding(
+            self._hooked, "on_hit")
+        self._on_release: list[Callable[[Node, float], None]] = _overriding(
+            self._hooked, "on_release")
+        self._on_leave: list[Callable[[Node, int], None]] = _overriding(self._hooked, "on_leave")
+        # an instance attribute over the method: the tree calls it on every filing, and the
+        # unrolled closure saves the loop (``_concat_keys``)
+        self.key = _concat_keys(  # type: ignore[method-assign, assignment]
+            [m.key for m in self.members])
+        #: the members that tell new blocks apart (``insert_key`` not None: the ignores on
+        #: calling theirs below mark that this list holds only such members)
         self._keyed = [m for m in self.members if m.insert_key is not None]
         if not self._keyed:
-            self.insert_key = None
+            # an instance attribute over the method, as the seam says (None: no insert keys)
+            self.insert_key = None  # type: ignore[method-assign, assignment]
         self.fresh_counts = any(m.fresh_counts for m in self.members)
         self.leader = 0
         self.scores = [0.0] * len(members)
@@ -132,7 +150,7 @@ class DuelPolicy(EvictionPolicy):
         self._shadows: list[ShadowCache] = []
         self._shadow_blocks = 1   # per shadow; set by ``bind``
         # live sequence -> (prompt tokens, ns, session, end, resumed); None: not in the sample
-        self._reqs: dict[Hashable, tuple | None] = {}
+        self._reqs: dict[Hashable, Req | None] = {}
         self._ids = count()
 
     def _set_sample(self, sample: int) -> None:
@@ -141,10 +159,10 @@ class DuelPolicy(EvictionPolicy):
         self._step_decay = self.decay ** sample   # per replay: the same span of requests
 
     # ------------------------------------------------------------------ the key and index
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         """The members' keys concatenated (an instance gets ``_concat_keys``' version of
         this, with the members' bound ``key`` methods, set in ``__init__``)."""
-        out: tuple = ()
+        out: Key = ()
         for m in self.members:
             out += m.key(node, hints)
         return out
@@ -158,12 +176,13 @@ class DuelPolicy(EvictionPolicy):
             m.bind(tree)
         self._keyed = [m for m in self.members if m.insert_key is not None]   # after binding
         if not self._keyed:
-            self.insert_key = None
+            self.insert_key = None  # type: ignore[method-assign, assignment]  # as in __init__
         elif len(self._keyed) == 1:
             # the one member that tells new blocks apart answers the tree directly (the tree
-            # asks per new block: no duel frame in between)
-            self.insert_key = self._keyed[0].insert_key
-            self.can_extend = self._keyed[0].can_extend
+            # asks per new block: no duel frame in between); instance attributes over the
+            # methods, and that member's ``insert_key`` is not None (``_keyed``)
+            self.insert_key = self._keyed[0].insert_key  # type: ignore[method-assign, assignment]
+            self.can_extend = self._keyed[0].can_extend  # type: ignore[method-assign]
         if self.auto_sample:
             k, n = 1, tree.pools[0].num_blocks
             while 2 * k <= MAX_AUTO_SAMPLE and n // (2 * k) >= self.shadow_blocks:
@@ -176,13 +195,13 @@ class DuelPolicy(EvictionPolicy):
         block manager that drives this policy (``BlockManager.shadow``)."""
         self._shadows = [manager.shadow(self._shadow_blocks, name) for name in self.member_names]
 
-    def insert_key(self, block_hash: bytes):
+    def insert_key(self, block_hash: bytes) -> object:
         """The members' insert keys (``EvictionPolicy.insert_key``): new blocks are alike
         only if they are alike for every member."""
         keyed = self._keyed
         if len(keyed) == 1:
-            return keyed[0].insert_key(block_hash)
-        return tuple(m.insert_key(block_hash) for m in keyed)
+            return keyed[0].insert_key(block_hash)  # type: ignore[misc]  # not None: _keyed
+        return tuple(m.insert_key(block_hash) for m in keyed)  # type: ignore[misc]  # as above
 
     def can_extend(self, node: Node, block_hash: bytes) -> bool:
         return all(m.can_extend(node, block_hash) for m in self._keyed)
@@ -278,7 +297,7 @@ class DuelPolicy(EvictionPolicy):
         sh.free(sid)
         return a.num_cached_tokens
 
-    def stats(self) -> dict:
+    def stats(self) -> DuelStats:
         """Who leads, the decayed scores, requests led and shadow hits per member."""
         return {"leader": self.member_names[self.leader],
                 "scores": dict(zip(self.member_names, self.scores)),
@@ -286,13 +305,24 @@ class DuelPolicy(EvictionPolicy):
                 "shadow_hit_tokens": dict(zip(self.member_names, self.shadow_hits))}
 
 
-def _overriding(members: list[EvictionPolicy], hook: str) -> list:
-    """The bound ``hook`` methods of the members whose class overrides the base no-op."""
+class DuelStats(TypedDict):
+    """``DuelPolicy.stats()``: per member name, its decayed score, requests led and shadow
+    hit tokens, and the leader's name."""
+
+    leader: str
+    scores: dict[str, float]
+    led: dict[str, int]
+    shadow_hit_tokens: dict[str, int]
+
+
+def _overriding(members: list[EvictionPolicy], hook: str) -> list[Callable[..., None]]:
+    """The bound ``hook`` methods of the members whose class overrides the base no-op (the
+    caller's annotation gives the hook's signature)."""
     base = getattr(EvictionPolicy, hook)
     return [getattr(m, hook) for m in members if getattr(type(m), hook) is not base]
 
 
-def _concat_keys(keys: list):
+def _concat_keys(keys: list[KeyFn]) -> KeyFn:
     """``DuelPolicy.key`` for these member key functions, unrolled for two and three members
     (the default duel has three): the tree computes a key on every filing of every node."""
     if len(keys) == 2:
@@ -302,8 +332,8 @@ def _concat_keys(keys: list):
         k0, k1, k2 = keys
         return lambda node, hints: k0(node, hints) + k1(node, hints) + k2(node, hints)
 
-    def key(node: Node, hints: NodeHints) -> tuple:
-        out: tuple = ()
+    def key(node: Node, hints: NodeHints) -> Key:
+        out: Key = ()
         for k in keys:
             out += k(node, hints)
         return out
@@ -317,7 +347,8 @@ class DuelIndex:
 
     __slots__ = ("_policy", "_subs", "_cuts", "_adds", "_removes")
 
-    def __init__(self, policy: DuelPolicy, cuts: list[tuple[int, int]], subs: list) -> None:
+    def __init__(self, policy: DuelPolicy, cuts: list[tuple[int, int]],
+                 subs: list[EvictionIndex]) -> None:
         # cuts: member i's key is entry[a:b] for (a, b) = cuts[i]
         self._policy = policy
         self._subs = subs
@@ -325,21 +356,21 @@ class DuelIndex:
         self._adds = [(s.add, a, b) for (a, b), s in zip(self._cuts, subs)]
         self._removes = [(s.remove, a, b) for (a, b), s in zip(self._cuts, subs)]
 
-    def add(self, entry: tuple) -> None:
+    def add(self, entry: Entry) -> None:
         for add, a, b in self._adds:
             add(entry[a:b] + entry)
 
-    def remove(self, entry: tuple) -> None:
+    def remove(self, entry: Entry) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
         for remove, a, b in self._removes:
             remove(entry[a:b] + entry)
 
-    def min(self) -> tuple:
+    def min(self) -> Entry:
         i = self._policy.leader
         a, b = self._cuts[i]
         return self._subs[i].min()[b - a:]
 
-    def pop_min(self) -> tuple:
+    def pop_min(self) -> Entry:
         i = self._policy.leader
         a, b = self._cuts[i]
         entry = self._subs[i].pop_min()[b - a:]
@@ -348,20 +379,20 @@ class DuelIndex:
                 remove(entry[c:d] + entry)
         return entry
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         a, b = self._cuts[0]
         return entry[a:b] + entry in self._subs[0]
 
     def __len__(self) -> int:
         return len(self._subs[0])
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         """The entries in whole-key order (for checks)."""
         a, b = self._cuts[0]
         return iter(sorted(e[b - a:] for e in self._subs[0]))
 
     def check_invariants(self) -> None:
-        sets = []
+        sets: list[list[Entry]] = []
         for (a, b), s in zip(self._cuts, self._subs):
             own = getattr(s, "check_invariants", None)
             if own is not None:

@@ -49,17 +49,23 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING
 
-from radixkv.core.policy import EvictionPolicy, NodeHints, PolicyHost
+from radixkv.core.evict_index import Entry
+from radixkv.core.policy import EvictionPolicy, Key, NodeHints, PolicyHost
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
-    from radixkv.core.hashing import Namespace
+    from radixkv.core.hashing import BlockHash, Namespace
     from radixkv.core.node import Node
+
+#: A node's ``aux`` under this policy: ``(due, -far, gap, owner)`` (module docstring). Set by
+#: the hooks; their reads of it are marked ``type: ignore`` (``node.aux`` is ``object`` to the
+#: tree; policy.py says why no ``cast``).
+ForecastAux = tuple[float, float, float, Hashable]
 
 NEVER = 1e12           # the forecast gap of a block nothing suggests will come back (seconds)
 MAX_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first)
@@ -77,6 +83,9 @@ class ForecastPolicy(EvictionPolicy):
     name = "forecast"
     hooks = True
     key_size = 3
+    #: the bound tree's clock (``bind``), read by ``ForecastIndex`` (None before ``bind``,
+    #: when no index of this policy holds anything yet)
+    clock: Callable[[], float]
 
     def __init__(self, quantile: float = 0.5, slack: float = 1.0, alpha: float = 0.5) -> None:
         for what, v, lo, hi in (("quantile", quantile, 0.0, 1.0), ("alpha", alpha, 0.0, 1.0),
@@ -98,22 +107,22 @@ class ForecastPolicy(EvictionPolicy):
         self._gap: dict[Hashable, float] = {}                       # session -> last turn gap
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self._seqs: dict[Hashable, Hashable] = {}                   # live sequence -> session
-        self._leaf: dict[Hashable, bytes] = {}   # session -> last block of its last leaf
+        self._leaf: dict[Hashable, BlockHash] = {}   # session -> last block of its last leaf
         self._releasing = False
         self._anon = count()
         # sequence -> the one-off session made up for it, kept so that a resumed request (no
         # session of its own) stays the same one-off session
         self._anon_of: OrderedDict[Hashable, Hashable] = OrderedDict()
         self.current: Hashable = None                                # session of the request
-        self.clock = None
+        self.clock = None  # type: ignore[assignment]  # set by bind, before any index use
 
     # ------------------------------------------------------------------ the key
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         """``(due, -far, last_access)``: the access time only breaks ties (and keeps runs with
         different access times from coalescing, as every other policy's key does). (The hot
         hooks read ``node.aux`` inline, not through ``_aux``: once per node event.)"""
         i = self.aux_slot
-        a = node.aux if i is None else node.aux[i]
+        a: ForecastAux = node.aux if i is None else node.aux[i]  # type: ignore[index, assignment]
         return (a[0], a[1], node.last_access)
 
     def new_index(self) -> ForecastIndex:
@@ -135,7 +144,7 @@ class ForecastPolicy(EvictionPolicy):
     def _followup_share(self) -> float:
         return max(self.followups / max(self.requests, 1), 0.02)
 
-    def _snapshot(self, last: float, gap: float, owner: Hashable) -> tuple:
+    def _snapshot(self, last: float, gap: float, owner: Hashable) -> ForecastAux:
         if gap > 0:
             g = plain = gap
         elif self.mean_gap:
@@ -240,7 +249,7 @@ class ForecastPolicy(EvictionPolicy):
         h = self._leaf.pop(session, None)
         node = None if h is None else tree.find(h)
         while node is not None:
-            a = self._aux(node)
+            a: ForecastAux | None = self._aux(node)  # type: ignore[assignment]  # aux: ours
             if a is None or a[3] != session:
                 break
             tree.rekey(node, self._aux_with(node, (float("-inf"), *a[1:])))
@@ -258,7 +267,7 @@ class ForecastPolicy(EvictionPolicy):
 
     def on_hit(self, node: Node, prev_access: float, now: float) -> None:
         i = self.aux_slot
-        a = node.aux if i is None else node.aux[i]
+        a: ForecastAux = node.aux if i is None else node.aux[i]  # type: ignore[index, assignment]
         gap = a[2]
         g = now - prev_access
         if g > 0:
@@ -270,11 +279,12 @@ class ForecastPolicy(EvictionPolicy):
 
     def on_release(self, node: Node, now: float) -> None:
         i = self.aux_slot
+        a: ForecastAux
         if i is None:
-            a = node.aux
+            a = node.aux  # type: ignore[assignment]  # aux: ours (ForecastAux)
             node.aux = self._snapshot(now, a[2], a[3])
         else:
-            a = node.aux[i]
+            a = node.aux[i]  # type: ignore[index]  # aux: the composite's tuple
             node.aux = self._aux_with(node, self._snapshot(now, a[2], a[3]))
         if self._releasing:        # the deepest node a finished sequence let go of
             self._releasing = False
@@ -302,12 +312,12 @@ class ForecastIndex:
     __slots__ = ("_due", "_far", "_live", "_policy")
 
     def __init__(self, policy: ForecastPolicy) -> None:
-        self._due: list[tuple] = []               # entries
-        self._far: list[tuple] = []               # (-far, entry)
-        self._live: dict[bytes, tuple] = {}       # block hash -> its live entry
+        self._due: list[Entry] = []                   # entries
+        self._far: list[tuple[float, Entry]] = []     # (-far, entry)
+        self._live: dict[BlockHash, Entry] = {}       # block hash -> its live entry
         self._policy = policy
 
-    def add(self, entry: tuple) -> None:
+    def add(self, entry: Entry) -> None:
         """Add ``entry`` (a new tuple, not in the index, ending with its unique block hash)."""
         live = self._live
         live[entry[-1]] = entry
@@ -325,14 +335,14 @@ class ForecastIndex:
         heapify(self._due)
         heapify(self._far)
 
-    def remove(self, entry: tuple) -> None:
+    def remove(self, entry: Entry) -> None:
         """Remove ``entry`` (must be present; ValueError otherwise)."""
         live = self._live
         if live.get(entry[-1]) != entry:
             raise ValueError(f"{entry!r} is not in the index")
         del live[entry[-1]]
 
-    def min(self) -> tuple:
+    def min(self) -> Entry:
         live, due = self._live, self._due
         while due and live.get(due[0][-1]) is not due[0]:
             heappop(due)
@@ -346,7 +356,7 @@ class ForecastIndex:
             heappop(far)
         return far[0][1]
 
-    def pop_min(self) -> tuple:
+    def pop_min(self) -> Entry:
         e = self.min()
         del self._live[e[-1]]
         if self._due[0] is e:       # else it is the far heap's top
@@ -355,7 +365,7 @@ class ForecastIndex:
             heappop(self._far)
         return e
 
-    def pop_min_peek(self) -> tuple[tuple, tuple | None]:
+    def pop_min_peek(self) -> tuple[Entry, Entry | None]:
         """``(pop_min(), min() after it or None)`` in one call, with one read of the clock (the
         device-only eviction loop, ``MovePlanner._drop_device_lru``, reads the next entry for
         the per-block tie rule). Runtime complexity: as ``pop_min``."""
@@ -383,13 +393,13 @@ class ForecastIndex:
             heappop(far)
         return e, far[0][1]
 
-    def __contains__(self, entry: tuple) -> bool:
+    def __contains__(self, entry: Entry) -> bool:
         return self._live.get(entry[-1]) == entry
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Entry]:
         """In ``due`` order (for checks)."""
         return iter(sorted(self._live.values()))
 

@@ -36,7 +36,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from radixkv.core.evict_index import FrequencyIndex
-from radixkv.core.policy import EvictionPolicy, NodeHints, PolicyHost
+from radixkv.core.policy import EvictionPolicy, Key, NodeHints, PolicyHost
 from radixkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,7 +89,9 @@ class LFUGhostPolicy(EvictionPolicy):
         self._last_tier = tree.num_tiers - 1
         want = self.ghost_factor * sum(p.num_blocks for p in tree.pools)
         if want <= 0:
-            self.insert_key = None    # no ghost: new blocks are all alike (plain LFU)
+            # no ghost: new blocks are all alike (plain LFU); an instance attribute over the
+            # method, as the seam says (``EvictionPolicy.insert_key``: None = no insert keys)
+            self.insert_key = None  # type: ignore[method-assign, assignment]
             return
         n = 1
         while n < want:
@@ -100,11 +102,13 @@ class LFUGhostPolicy(EvictionPolicy):
 
     # The hooks run once per node event in the real tree and in the duel's shadow of this
     # policy, and most nodes here are 1-3 blocks (counts are per block): ``_aux`` is inlined
-    # and a single block takes no iterator.
+    # and a single block takes no iterator. (aux: the restored count ``base``, an int, set by
+    # ``on_insert``: the ``type: ignore``s below mark that read, policy.py says why.)
 
-    def key(self, node: Node, hints: NodeHints) -> tuple:
+    def key(self, node: Node, hints: NodeHints) -> Key:
         i = self.aux_slot
-        return ((node.aux if i is None else node.aux[i]) + node.hits, node.last_access)
+        return ((node.aux if i is None else node.aux[i])  # type: ignore[index, operator]
+                + node.hits, node.last_access)
 
     def new_index(self) -> FrequencyIndex:
         return FrequencyIndex()
@@ -122,7 +126,7 @@ class LFUGhostPolicy(EvictionPolicy):
         a, f = _unpack_slot(block_hash)
         s = a & self._mask
         i = self.aux_slot
-        return (node.aux if i is None else node.aux[i]) == (
+        return (node.aux if i is None else node.aux[i]) == (  # type: ignore[index]
             self._count[s] + 1 if self._fp[s] == f | 1 else 0)
 
     def on_insert(self, node: Node, start: int, now: float) -> None:
@@ -156,7 +160,8 @@ class LFUGhostPolicy(EvictionPolicy):
         if node.tier != self._last_tier or mask < 0:
             return
         i = self.aux_slot
-        c = (node.aux if i is None else node.aux[i]) + node.hits
+        c: int = ((node.aux if i is None else node.aux[i])  # type: ignore[index, operator]
+                  + node.hits)
         if c > _MAX_COUNT:
             c = _MAX_COUNT
         fp, count = self._fp, self._count
