@@ -106,6 +106,10 @@ class BlendReport:
         fresh_tokens: tokens no cache entry covered, computed on every layer.
         warm: the blended blocks were cached already (nothing was computed).
         seconds: wall time of the blend (gather, forward, write).
+        remote_tokens: document entry tokens (lead included) fetched from the remote tier
+            because the tree lacked them (installed in the host tier, then promoted).
+        computed_entry_tokens: document entry tokens (lead included) computed by the blend
+            because no tier had them.
     """
 
     namespace_extra: str
@@ -116,6 +120,8 @@ class BlendReport:
     fresh_tokens: int
     warm: bool
     seconds: float
+    remote_tokens: int = 0
+    computed_entry_tokens: int = 0
 
 
 def check_blend_ratio(ratio: object) -> float:
@@ -359,11 +365,52 @@ def entry_lead(spans: Sequence[DocSpan], block_size: int) -> int:
     return first if first % block_size == 0 else 0
 
 
+@dataclass(frozen=True)
+class _EntryTokens:
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class _EntryLookup:
+    """What :meth:`RemoteLookup.lookup <radixkv.tiers.remote_lookup.RemoteLookup.lookup>` reads
+    of a request, for one document entry (its tokens plus one, so that every full block of the
+    entry is looked up: the last token of a prompt is never a cached block)."""
+
+    request_id: str
+    namespace: Namespace
+    seqs: tuple[_EntryTokens, ...]
+
+
+def _fetch_remote_entries(core: Any, entries: list[tuple[int, list[int]]], dns: Namespace,
+                          tag: str) -> int:
+    """Find the blocks of document entries (``(index, lead + document tokens)``) that the tree
+    lacks on the remote tier, the way a request's prompt is found (the scheduler's path:
+    ``RemoteLookup.lookup``, then ``admit_now`` instead of ``admit``): the store verifies each
+    value (a bad one is a miss), the hits are installed in the host tier, and the allocation
+    that follows promotes them like any host hit. A miss, a failed or a timed-out lookup
+    installs nothing, and the blend computes that entry (an entry whose local match already
+    covers it costs no round trip: the lookup has nothing to ask). Returns the tokens installed.
+
+    One entry after the other: entries share their lead, and a lookup starts after the local
+    match, so each must see the blocks the previous one installed (2 round trips per entry
+    that misses locally, each bounded by ``remote_timeout_s``)."""
+    remote = getattr(core, "remote_tier", None)
+    if remote is None:
+        return 0
+    got = 0
+    for i, ent in entries:
+        rid = f"{tag}-doc-{i}"
+        remote.lookup(_EntryLookup(rid, dns, (_EntryTokens(ent + ent[:1]),)))
+        got += remote.admit_now(rid, lambda ops: run_kv_ops(core.kv_mover, ops))
+    return got
+
+
 def _complete_entries(core: Any, entries: list[list[int]], docs: list[tuple[DocSpan, Any, int]],
-                      lead: int) -> list[tuple[DocSpan, Any, int]]:
+                      lead: int) -> tuple[list[tuple[DocSpan, Any, int]], int]:
     """Compute the full blocks of every document entry (``entries[i]``: lead + document) that
     is not fully cached, in one forward over all of them, and commit them under the document
-    namespace; returns ``docs`` with each entry's cached token count updated. A document's
+    namespace; returns ``docs`` with each entry's cached token count updated, and the tokens
+    computed. A document's
     partial last block is never an entry (only full blocks are cached): the blend computes
     those tokens fresh."""
     from radixkv.engine.batch import SequenceChunk
@@ -379,13 +426,13 @@ def _complete_entries(core: Any, entries: list[list[int]], docs: list[tuple[DocS
             chunks.append(SequenceChunk(ent[cached:full], cached, table, slots, ()))
             done.append((a.seq_id, full))
     if not chunks:
-        return docs
+        return docs, 0
     runner.execute(runner.build_batch(chunks))
     for seq_id, full in done:
         bm.commit(seq_id, full)
     run_kv_ops(core.kv_mover, bm.take_moves())
-    return [(sp, a, max(cached, lead + (sp.end - sp.start) // bs * bs))
-            for sp, a, cached in docs]
+    return ([(sp, a, max(cached, lead + (sp.end - sp.start) // bs * bs))
+             for sp, a, cached in docs], sum(len(c.token_ids) for c in chunks))
 
 
 def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
@@ -421,13 +468,19 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
     dns = document_namespace(ns)
     held: list[Any] = []
     tag = f"radixkv-blend-{id(toks)}-{t0}"
+    lead = entry_lead(spans, bs)
     try:
+        # 0. entries only the remote tier has: into the host tier (before anything is locked:
+        # making room there evicts host blocks, never one a pending promotion reads)
+        m_est = len(tree.match_tokens(token_bytes(toks[:n_full]), ns.seed)) * bs
+        remote_tokens = _fetch_remote_entries(
+            core, [(i, toks[:lead] + toks[sp.start:sp.end]) for i, sp in enumerate(spans)
+                   if m_est <= sp.start < n_full], dns, tag)
         # 1. lock the exact prefix and the document entries after it (promotions included)
         pre = bm.allocate((tag, "prefix"), toks[:n_full + 1], ns)
         held.append(pre.seq_id)
         m = min(pre.num_cached_tokens, n_full)
         moves = list(pre.moves)
-        lead = entry_lead(spans, bs)
         docs: list[tuple[DocSpan, Any, int]] = []
         entries: list[list[int]] = []
         for i, sp in enumerate(spans):
@@ -450,7 +503,7 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         used = set(pre.block_ids) | {b for _, a, _ in docs for b in a.block_ids}
         if not bad.isdisjoint(used):
             return None   # the scheduler recovers the failed loads at its next step
-        docs = _complete_entries(core, entries, docs, lead)
+        docs, computed = _complete_entries(core, entries, docs, lead)
         # document tokens with cached KV: entry positions [lead, c) -> prompt [start, ...).
         # The tables are read again: committing an entry another sequence of this blend
         # committed first (a document listed twice) switches it to that copy.
@@ -492,7 +545,7 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         bm.commit(out.seq_id, n_full)
         run_kv_ops(core.kv_mover, bm.take_moves())
         return BlendReport(extra, n_full, m, stats.reused, stats.recomputed, stats.fresh,
-                           False, time.perf_counter() - t0)
+                           False, time.perf_counter() - t0, remote_tokens, computed)
     except OutOfBlocks:
         return None
     finally:

@@ -103,6 +103,10 @@ class RemoteTier(Generic[R]):
     def take_remote_tokens(self, request_id: str) -> int:
         return self.lookups.take_remote_tokens(request_id)
 
+    def admit_now(self, request_id: str, run_ops: Callable[[list[MoveOp]], object]) -> int:
+        """:meth:`RemoteLookup.admit_now` (one lookup, waited for and installed now)."""
+        return self.lookups.admit_now(request_id, run_ops)
+
     # ---- worker side (RemoteWriter) --------------------------------------------------------
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         self.writer.apply_moves(moves)

@@ -215,6 +215,30 @@ class RemoteLookup(Generic[R]):
             ready.append(a.req)
         return ready
 
+    def admit_now(self, request_id: str, run_ops: Callable[[list[MoveOp]], object]) -> int:
+        """Wait for one lookup (at most until its deadline), install its blocks in the host
+        tier like :meth:`admit` and return the prompt tokens installed (also counted as
+        ``hit_tokens``); 0 for a miss, a failed or timed-out lookup, or an unknown id. The
+        lookup is done with either way. For a caller on the loop thread that needs the blocks
+        before it goes on (a blend's document entries: ``radixkv.engine.blend``), with a
+        ``request_id`` of its own; scheduled requests go through :meth:`admit`."""
+        a = self._arrivals.pop(request_id, None)
+        if a is None:
+            return 0
+        if a.future is not None and not a.future.done():
+            try:
+                a.future.result(max(0.0, a.deadline - time.perf_counter()))
+            except FuturesTimeout:
+                a.future.cancel()
+                self.counts.lookup_timeouts += 1
+                log.warning("remote lookup of %r timed out after %.2f s; computing it",
+                            request_id, self.timeout_s)
+                return 0
+            except (OSError, StorageError):   # the job's failure: logged in _install
+                pass
+        self._install(a, run_ops)
+        return self.take_remote_tokens(request_id)
+
     def _install(self, a: _Arrival[R], run_ops: Callable[[list[MoveOp]], object]) -> None:
         if a.future is None:
             return
