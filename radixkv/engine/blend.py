@@ -22,9 +22,12 @@ computed by an ordinary request over the document's tokens under that namespace
 document spans are known, with ``m`` tokens cached as a plain prefix:
 
 1. lock the prefix (exact KV, positions ``[0, m)``) and each later document's entry (promoting
-   host/disk blocks to the device as a request would); an entry that is not cached (or only in
-   part) is computed first, after the lead, and committed (``RAGHelper.warm_documents`` computes
-   them as ordinary requests instead, which also consults the remote tier);
+   host/disk blocks to the device as a request would). Before that, an entry the tree lacks is
+   looked up in the remote tier, if there is one, through the scheduler's path
+   (``RemoteLookup.lookup`` + ``admit_now``: verified hits installed in the host tier, then
+   promoted here); an entry that no tier has (or only in part), or whose lookup failed or found
+   a corrupt value, is computed first, after the lead, and committed
+   (``RAGHelper.warm_documents`` computes them as ordinary requests instead);
 2. gather their K/V into dense per-layer buffers, re-rotating each document's keys from
    positions ``[l, l + n)`` (``l``: the lead) to ``[s, s + n)`` (:func:`rerotate`: RoPE is a
    rotation, ``R(d) R(p) = R(p + d)``, so a rotation by the offset ``s - l`` is exact up to
