@@ -154,3 +154,54 @@ def test_an_aborted_lookup_is_forgotten_and_a_miss_admits_at_once(replica):
     assert lookup.take_remote_tokens("r2") == 0
     assert lookup.counts.blocks_found == 0
     lookup.close()
+
+
+def test_admit_now_installs_one_lookup_and_leaves_the_others_waiting(replica, monkeypatch):
+    """``admit_now`` (the RAG blend's document entries): one lookup waited for and installed
+    now; other requests' lookups stay for ``admit``; a failed or timed-out lookup is 0."""
+    import time
+
+    from radixkv.errors import StorageError
+
+    a = replica()
+    writer = RemoteWriter(a.store, a.bm.tree, a.host, 1, a.kv, BS)
+    RemoteWriteBack().attach(writer, a.bm.tree, a.mover)
+    hashes = _compute(a, PROMPT)
+    a.mover.apply_moves(a.bm.evict(0, 3))
+    a.mover.apply_moves(a.bm.evict(1, 3))
+    assert a.store.flush(5.0)
+
+    b = replica()
+    lookup = RemoteLookup(b.store, b.bm.tree, b.host, 1, b.bm, BS, timeout_s=0.3)
+    other = Req("other", NS, [Seq(list(range(500, 509)))])
+    lookup.lookup(other)
+    lookup.lookup(Req("doc", NS, [Seq(PROMPT)]))
+    assert lookup.admit_now("doc", b.mover.apply_moves) == 3 * BS
+    assert lookup.counts.hit_tokens == 3 * BS and not lookup.is_arriving("doc")
+    refs = b.bm.tree.match_tokens(token_bytes(PROMPT), NS.seed, 3)
+    assert [r.block_hash for r in refs] == hashes and {r.tier for r in refs} == {1}
+    assert lookup.is_arriving("other")                      # not taken by admit_now
+    assert lookup.admit(b.mover.apply_moves, wait=True) == [other]
+    assert lookup.admit_now("unknown", b.mover.apply_moves) == 0
+
+    c = replica()
+    lookup = RemoteLookup(c.store, c.bm.tree, c.host, 1, c.bm, BS, timeout_s=0.3)
+
+    def broken(keys):
+        raise StorageError("server gone")
+
+    monkeypatch.setattr(c.store, "contains_many", broken)
+    lookup.lookup(Req("f", NS, [Seq(PROMPT)]))
+    assert lookup.admit_now("f", c.mover.apply_moves) == 0
+    assert lookup.counts.lookup_failures == 1
+
+    def slow(keys):
+        time.sleep(1.0)
+        return [False] * len(keys)
+
+    monkeypatch.setattr(c.store, "contains_many", slow)
+    lookup.lookup(Req("t", NS, [Seq(PROMPT)]))
+    assert lookup.admit_now("t", c.mover.apply_moves) == 0
+    assert lookup.counts.lookup_timeouts == 1 and not lookup.has_arrivals()
+    assert c.bm.tree.match_tokens(token_bytes(PROMPT), NS.seed, 3) == []
+    lookup.close()
