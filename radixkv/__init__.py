@@ -6,6 +6,7 @@ The bookkeeping layer (``radixkv.core``) imports no torch; the engine and API im
 
 from __future__ import annotations
 
+from radixkv._lazy import lazy_getattr
 from radixkv.errors import (
     ConfigError, EngineClosedError, InvalidBlockError, InvalidRequestError, InvalidTokensError,
     OutOfBlocks, RadixKVError, SequenceExistsError, StorageError, UnknownDocumentError,
@@ -25,12 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

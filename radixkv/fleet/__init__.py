@@ -3,7 +3,7 @@ The public surface is ``__all__`` (each name imported on first use: Ray loads on
 
 from __future__ import annotations
 
-import importlib
+from radixkv._lazy import lazy_getattr
 
 _LAZY = {
     "EngineReplica": "radixkv.fleet.replica",
@@ -23,7 +23,4 @@ submodule of this package does not import the others (nor torch, where they need
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
