@@ -229,11 +229,22 @@ class ForwardBatch:
             table = list(chunk.block_table)
             tables.append(table + [BLOCK_TABLE_PAD] * (max_blocks - len(table)))
 
-        # Two host buffers (int64 and int32 fields), each copied to the device once; the
-        # fields are views of them. Pageable memory: pinning a fresh buffer per step costs more
-        # than the copy of a few kilobytes.
-        t, s, r = len(input_ids), len(chunks), len(logits_indices)
         flat_tables = [b for row in tables for b in row]
+        max_block_id = max(max(c.block_table[: -(-c.seq_len // block_size)]) for c in chunks)
+        return cls._pack(mode, dev, block_size, max_blocks, input_ids, positions, slots,
+                         logits_indices, logits_per_seq, cu_seqlens, seq_lens, flat_tables,
+                         max_block_id)
+
+    @classmethod
+    def _pack(cls, mode: AttentionMode, dev: torch.device, block_size: int, max_blocks: int,
+              input_ids: list[int], positions: list[int], slots: list[int],
+              logits_indices: list[int], logits_per_seq: list[int], cu_seqlens: list[int],
+              seq_lens: list[int], flat_tables: list[int], max_block_id: int) -> ForwardBatch:
+        """The batch from its host fields (both build paths end here): two host buffers (the
+        int64 and the int32 fields), each copied to the device once; the fields are views of
+        them. Pageable memory: pinning a fresh buffer per step costs more than the copy of a
+        few kilobytes."""
+        t, s, r = len(input_ids), len(seq_lens), len(logits_indices)
         wide = torch.tensor(input_ids + positions + slots + logits_indices,
                             dtype=torch.int64).to(dev, non_blocking=True)
         narrow = torch.tensor(cu_seqlens + seq_lens + flat_tables,
@@ -249,10 +260,10 @@ class ForwardBatch:
             logits_indices=wide[3 * t:3 * t + r],
             logits_per_seq=tuple(logits_per_seq),
             block_size=block_size,
-            num_tokens=len(input_ids),
-            num_seqs=len(chunks),
+            num_tokens=t,
+            num_seqs=s,
             max_seq_len=max(seq_lens),
-            max_block_id=max(max(c.block_table[: -(-c.seq_len // block_size)]) for c in chunks),
+            max_block_id=max_block_id,
             max_token_id=max(input_ids),
             min_token_id=min(input_ids),
             host_cu_seqlens_q=tuple(cu_seqlens),
@@ -312,29 +323,6 @@ class ForwardBatch:
         # the highest block a kernel reads (pads are 0, never above a real id)
         max_block_id = (max(flat_tables) if exact else
                         max(max(t[:p // bs + 1]) for t, p in zip(tables, positions)))
-        cu_seqlens = list(range(s + 1))
-        t, r = s, len(logits_indices)
-        wide = torch.tensor(input_ids + positions + slots + logits_indices,
-                            dtype=torch.int64).to(dev, non_blocking=True)
-        narrow = torch.tensor(cu_seqlens + seq_lens + flat_tables,
-                              dtype=torch.int32).to(dev, non_blocking=True)
-        return cls(
-            mode=mode,
-            input_ids=wide[:t].view(1, t),
-            position_ids=wide[t:2 * t].view(1, t),
-            slot_mapping=wide[2 * t:3 * t],
-            cu_seqlens_q=narrow[:s + 1],
-            seq_lens=narrow[s + 1:2 * s + 1],
-            block_tables=narrow[2 * s + 1:].view(s, max_blocks),
-            logits_indices=wide[3 * t:3 * t + r],
-            logits_per_seq=tuple(logits_per_seq),
-            block_size=bs,
-            num_tokens=t,
-            num_seqs=s,
-            max_seq_len=max(seq_lens),
-            max_block_id=max_block_id,
-            max_token_id=max(input_ids),
-            min_token_id=min(input_ids),
-            host_cu_seqlens_q=tuple(cu_seqlens),
-            host_seq_lens=tuple(seq_lens),
-        )
+        return cls._pack(mode, dev, bs, max_blocks, input_ids, positions, slots,
+                         logits_indices, logits_per_seq, list(range(s + 1)), seq_lens,
+                         flat_tables, max_block_id)
