@@ -210,15 +210,10 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
                          max(2048, min(8192, batch * args.prompt)))
         try:
             _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 2, device)   # warm-up
-            full = min(
-                _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
-                for _ in range(args.repeat))
-            one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
-                      for _ in range(args.repeat))
+            row["radixkv_ms"] = _decode_ms(engine, args, device, rng, batch, steps, vocab)
         finally:
             _release(engine)
         row["preemptions"] = engine.preemptions   # 0 unless the pool was too small
-        row["radixkv_ms"] = (full - one) / steps * 1e3
         if getattr(args, "cuda_graphs", False) and device.type == "cuda":
             row.update(_graphs_row(model, args, device, rng, dtype, batch, steps, vocab,
                                    row["radixkv_ms"]))
@@ -229,6 +224,18 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
               flush=True)
     return rows
+
+
+def _decode_ms(engine: Any, args: Any, device: Any, rng: Any, batch: int, steps: int,
+               vocab: int) -> float:
+    """Decode ms per step of a warmed engine: ``generate`` of ``batch`` fresh prompts with
+    ``steps + 1`` tokens minus the same with 1 (prefill and start-up cancel), the fastest of
+    ``--repeat`` runs of each."""
+    full = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
+               for _ in range(args.repeat))
+    one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
+              for _ in range(args.repeat))
+    return (full - one) / steps * 1e3
 
 
 def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch: int,
@@ -248,11 +255,7 @@ def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch:
     out["graphs_startup_s"] = round(time.perf_counter() - t0, 2)
     try:
         graphed = [o.outputs[0].token_ids for o in engine.generate(prompts, sp)]
-        full = min(
-            _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
-            for _ in range(args.repeat))
-        one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
-                  for _ in range(args.repeat))
+        out["radixkv_graphs_ms"] = _decode_ms(engine, args, device, rng, batch, steps, vocab)
     finally:
         _release(engine)
     eager = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
@@ -261,7 +264,6 @@ def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch:
         plain = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
     finally:
         _release(eager)
-    out["radixkv_graphs_ms"] = (full - one) / steps * 1e3
     out["graphs_speedup"] = eager_ms / out["radixkv_graphs_ms"]
     out["graphs_token_match"] = sum(a == b for a, b in zip(graphed, plain)) / len(plain)
     return out

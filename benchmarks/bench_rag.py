@@ -325,30 +325,9 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
         out = r.run(prompt, s)
         add("prefix-only", "warm", out.ttft,
             computed_tokens(len(prompt), out.num_cached_tokens, None, layers, 0))
-        for rt in sorted({*RATIOS, ratio}):
-            if rt in (0.0, ratio):
-                continue
-            s = r.salt()
-            r.warm_docs(case, s)
-            rep = r.blend(other, case.spans(case.other), s, rt)
-            r.run(other, s, rep.namespace_extra if rep else None)
-            t0 = time.perf_counter()
-            rep = r.blend(prompt, spans, s, rt)
-            before = time.perf_counter() - t0
-            out = r.run(prompt, s, rep.namespace_extra if rep else None)
-            add(f"blend {rt:.0%}", "other order", before + out.ttft,
-                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
-                                DEFAULT_CHECK_LAYER, rt))
-        for mode, rt in (("plain (0%)", 0.0), (f"blend {ratio:.0%}", ratio)):
-            s = r.salt()
-            t0 = time.perf_counter()
-            r.warm_docs(case, s)
-            rep = r.blend(prompt, spans, s, rt)
-            before = time.perf_counter() - t0
-            out = r.run(prompt, s, rep.namespace_extra if rep else None)
-            add(mode, "cold", before + out.ttft,
-                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
-                                DEFAULT_CHECK_LAYER, rt) + sum(len(d) for d in case.docs))
+        def other_order(mode: str, rt: float) -> None:
+            """The documents cached by a prompt that lists them in another order, then
+            this prompt blended at ratio ``rt``."""
             s = r.salt()
             r.warm_docs(case, s)
             rep = r.blend(other, case.spans(case.other), s, rt)
@@ -360,6 +339,21 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
             add(mode, "other order", before + out.ttft,
                 computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
                                 DEFAULT_CHECK_LAYER, rt))
+
+        for rt in sorted({*RATIOS, ratio}):
+            if rt not in (0.0, ratio):
+                other_order(f"blend {rt:.0%}", rt)
+        for mode, rt in (("plain (0%)", 0.0), (f"blend {ratio:.0%}", ratio)):
+            s = r.salt()
+            t0 = time.perf_counter()
+            r.warm_docs(case, s)
+            rep = r.blend(prompt, spans, s, rt)
+            before = time.perf_counter() - t0
+            out = r.run(prompt, s, rep.namespace_extra if rep else None)
+            add(mode, "cold", before + out.ttft,
+                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
+                                DEFAULT_CHECK_LAYER, rt) + sum(len(d) for d in case.docs))
+            other_order(mode, rt)
             t0 = time.perf_counter()
             rep = r.blend(prompt, spans, s, rt)
             before = time.perf_counter() - t0

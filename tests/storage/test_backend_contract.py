@@ -4,7 +4,6 @@ free port). The contract is the docstring of radixkv/storage/backend.py."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,15 +17,8 @@ from radixkv.storage.disk import DiskStore
 from radixkv.storage.host import HostPool
 from radixkv.storage.layout import KVLayout
 from radixkv.storage.remote import RemoteStore
-
-
-def payload(layout: KVLayout, seed: int) -> bytes:
-    out = bytearray()
-    i = 0
-    while len(out) < layout.bytes_per_block:
-        out += hashlib.blake2b(f"{seed}/{i}".encode()).digest()
-        i += 1
-    return bytes(out[:layout.bytes_per_block])
+from test_remote import block as payload   # the remote tests' payload maker (a bare-name
+                                           # import, as the package's conftest imports its helpers)
 
 
 @dataclass
