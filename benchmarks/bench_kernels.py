@@ -242,6 +242,7 @@ def sweep(device, gen, timer, copy_bw: float) -> list[dict]:
                 case.append(dict(op="decode", case=name, heads=f"{hq}/{hkv} x {d}",
                                  config=str(cfg), default=cfg == default, ms=t * 1e3,
                                  fraction_of_copy_bw=kv_bytes / t / 1e9 / copy_bw))
+                print(case[-1], flush=True)   # a sweep stopped by a time limit keeps its rows
             rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
             del k, v
         default = ta.PREFILL_CONFIG[64 if d <= 64 else 128]
@@ -264,6 +265,7 @@ def sweep(device, gen, timer, copy_bw: float) -> list[dict]:
             case.append(dict(op="prefill", case="8 x (2048 + 512)", heads=f"{hq}/{hkv} x {d}",
                              config=str(cfg), default=cfg == default, ms=t * 1e3,
                              TFLOPs=flops / t / 1e12))
+            print(case[-1], flush=True)
         rows += sorted(case, key=lambda r: r.get("ms", float("inf")))
     return rows
 

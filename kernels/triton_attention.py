@@ -332,18 +332,19 @@ def _loop_form(kernel: object) -> dict:
 
 
 #: Launch shape of each kernel on CUDA, by head_dim: tokens per tile, warps, pipeline stages.
-#: Overridable per call (``config=``), which ``radixkv bench kernels --sweep`` uses to time
-#: the alternatives on the GPU at hand. The interpreter ignores warps and stages.
+#: The fastest shapes of ``radixkv bench kernels --sweep`` on an H200 (docs/kernels.md has the
+#: before/after times). Overridable per call (``config=``), which the sweep uses to time the
+#: alternatives on the GPU at hand. The interpreter ignores warps and stages.
 DECODE_CONFIG = {64: dict(BLOCK_N=64, num_warps=4, num_stages=3),
-                 128: dict(BLOCK_N=32, num_warps=4, num_stages=3)}
-PREFILL_CONFIG = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-                  128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
+                 128: dict(BLOCK_N=64, num_warps=4, num_stages=3)}
+PREFILL_CONFIG = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                  128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)}
 
 #: Programs per SM the split plan aims for: enough resident warps per SM for the tiles' loads
 #: to overlap (a decode program is a bandwidth stream; 1-2 per SM cannot fill HBM). Compiled
 #: for sm_90 (tests/kernels/triton_aot.py), a decode program takes 64 (head_dim 64) to 80
-#: (128) registers x 128 threads and ~21 KB of shared memory, so 8 are resident per SM: one
-#: full wave.
+#: (128) registers x 128 threads and 21 KB (head_dim 64) to 39 KB (128, BLOCK_N 64) of shared
+#: memory, so 5-8 are resident on a Hopper SM: about one full wave.
 PROGRAMS_PER_SM = 8
 #: Upper bound of splits per (sequence, KV head); the merge kernel loops over them in chunks.
 #: 1 x 131072 tokens with 3 KV heads needs ~350 splits to fill 132 SMs.

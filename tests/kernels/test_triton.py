@@ -54,9 +54,10 @@ def test_decode_triton_shared_prefix_split_k(triton_backend, triton_device):
 
 SPLIT_CASES = [
     # (head_dim, block_size, num_kv_heads, group, num_splits, lens)
-    # head_dim 128 tiles 32 tokens: with 64-token blocks every split of 32 * k tokens ends in
-    # the middle of a cache block; the 40-token sequence is shorter than one split.
-    (128, 64, 2, 4, 5, [40, 300, 64 * 3 + 1]),
+    # head_dim 128 tiles 64 tokens: with 48-token blocks a split of 64 * k tokens ends in the
+    # middle of a cache block unless 3 | k (here 128-token splits); the 40-token sequence is
+    # shorter than one split.
+    (128, 48, 2, 4, 5, [40, 300, 48 * 3 + 1]),
     # 49 splits of 64 tokens: more splits than one merge chunk (32), and sequences of 1, 63
     # and 65 tokens (shorter than one split, one split and a token).
     (64, 16, 1, 8, 60, [1, 63, 65, 48 * 64 - 7]),
