@@ -134,6 +134,12 @@ def test_chat_documents_are_placed_and_blended_in_any_order(server: Any) -> None
                                    extra_body={"documents": spans_b, "blend_ratio": 0.15,
                                                "cache_salt": "chat"})
     assert again.usage.prompt_tokens_details.cached_tokens >= blended
+    # streamed, the same documents in a third order: blended too (usage in the last chunk)
+    chunks = list(api.chat.completions.create(
+        model=MODEL, messages=_chat_msgs(), max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"documents": [DOCS[1], DOCS[2], DOCS[0]], "cache_salt": "chat"}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == blended
     # ratio 1 is a full prefill: the answer of the same tokens without documents
     full = chat(b, blend_ratio=1.0, cache_salt="full-chat")
     assert full.choices[0].message.content == plain(ids_b, "full-plain").choices[0].text
