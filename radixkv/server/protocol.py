@@ -29,7 +29,7 @@ UNSUPPORTED = {
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "documents": (None,),
+    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -283,7 +283,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "documents"})
+    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -325,7 +325,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    _implemented: ClassVar[frozenset[str]] = frozenset({"documents"})   # below
 
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -339,7 +338,7 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _documents(cls, v: Any) -> Any:
         check_documents(v, texts=True, spans=True)
-        if isinstance(v, list) and v and isinstance(v[0], dict):
+        if isinstance(v, list) and any(isinstance(d, dict) for d in v):
             raise FieldError("documents", "documents of a completion are the texts found in "
                              "its prompt (strings) or token spans; {title, text} objects are "
                              "for chat, where the server places them")
