@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-quant": ("radixkv.benchmarks.bench_kv_quant", "main"),
     "sched": ("radixkv.benchmarks.bench_sched", "main"),
     "rag": ("radixkv.benchmarks.bench_rag", "main"),
+    "rag-serve": ("radixkv.benchmarks.bench_rag_serve", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main",

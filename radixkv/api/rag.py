@@ -29,7 +29,7 @@ need no canonical order: ``order="given"`` keeps the caller's (the retriever's) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,115 @@ DEFAULT_SYSTEM = ("Answer the question using only the documents provided. "
 DEFAULT_DOC_FORMAT = "Document [{doc_id}]\n{text}\n"
 _DOCS = "\u2063radixkv-docs\u2063"
 _QUESTION = "\u2063radixkv-question\u2063"
+
+
+@dataclass(frozen=True)
+class DocumentPrompt:
+    """A prompt whose documents' token spans are known exactly (for blending).
+
+    Attributes:
+        token_ids: the prompt's tokens.
+        spans: ``(start, end)`` half-open token positions of each document, in prompt order
+            (sorted, disjoint, non-empty): what ``add_request(documents=...)`` and the server's
+            token-id ``documents`` take.
+    """
+
+    token_ids: list[int]
+    spans: list[tuple[int, int]]
+
+
+def document_text(doc: str | Mapping[str, Any]) -> str:
+    """The text a server-placed document occupies in a chat prompt (before padding): a plain
+    string as given, vLLM's ``{"title": ..., "text": ...}`` as RAGHelper writes a document
+    (``Document [title]\\n{text}``), then a newline. Nothing depends on the document's position
+    in the list, so its entry is the same in every order."""
+    if isinstance(doc, str):
+        return doc + "\n"
+    title = doc.get("title")
+    text = doc["text"]
+    return DEFAULT_DOC_FORMAT.format(doc_id=title, text=text) if title else text + "\n"
+
+
+def _filler(template: Any) -> int:
+    """The padding token: a newline (as RAGHelper pads)."""
+    nl = template.encode("\n")
+    return nl[-1] if nl else 0
+
+
+def chat_document_prompt(template: Any, messages: Sequence[Mapping[str, str]],
+                         documents: Sequence[str | Mapping[str, Any]], block_size: int
+                         ) -> DocumentPrompt:
+    """The chat prompt with ``documents`` placed the way :class:`RAGHelper` places them: at
+    the start of the *last* user message, the conversation before them padded to whole
+    blocks (the entries' lead, docs/rag.md), each document (:func:`document_text`) tokenized
+    on its own and padded to whole blocks, then the message's own text and the rest of the
+    template (end of turn, generation prompt)::
+
+        [template up to the last user message's content | pad][doc 1 | pad]...[doc n | pad]
+        [that message's text, end of turn, generation prompt]
+
+    ``messages``: role/content dicts (the template's input). Raises
+    :class:`InvalidRequestError` when there is no user message or the template does not keep
+    the message's text as given (the documents could not be placed exactly)."""
+    users = [k for k, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        raise InvalidRequestError("documents are placed before the last user message's text; "
+                                  "the messages have no user message")
+    if not documents:
+        raise InvalidRequestError("documents is empty")
+    k = users[-1]
+    msgs = [dict(m) for m in messages]
+    msgs[k]["content"] = _DOCS + (msgs[k].get("content") or "")
+    rendered = template.render(msgs, add_generation_prompt=True)
+    head, sep, tail = rendered.partition(_DOCS)
+    if not sep or _DOCS in tail:
+        raise InvalidRequestError("the chat template does not render the last user message's "
+                                  "text as given, so the documents cannot be placed in it")
+    filler = _filler(template)
+
+    def pad(ids: list[int]) -> list[int]:
+        return ids + [filler] * (-len(ids) % block_size)
+
+    ids = pad(template.encode(head))
+    spans = []
+    for doc in documents:
+        seg = pad(template.encode(document_text(doc)))
+        spans.append((len(ids), len(ids) + len(seg)))
+        ids += seg
+    return DocumentPrompt(ids + template.encode(tail), spans)
+
+
+def text_document_prompt(encode_first: Callable[[str], list[int]],
+                         encode_rest: Callable[[str], list[int]], text: str,
+                         documents: Sequence[str]) -> DocumentPrompt:
+    """A text prompt that contains ``documents`` (each found in it, in the order listed, not
+    overlapping), tokenized piece by piece so that each document's span is exact: the text
+    before the first document with ``encode_first`` (special tokens added, e.g. BOS), every
+    other piece, documents included, with ``encode_rest`` (none added). The text itself is
+    not changed. Raises :class:`InvalidRequestError` naming the document not found."""
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, str) or not doc.strip():
+            raise InvalidRequestError(f"document {i} is empty")
+        at = text.find(doc, pos)
+        if at < 0:
+            where = f" after document {i - 1} (which ends at character {pos})" if i else ""
+            more = (" (it occurs earlier: list the documents in the order they appear, "
+                    "without overlapping)" if text.find(doc) >= 0 else "")
+            raise InvalidRequestError(f"document {i} was not found in the prompt{where}{more}; "
+                                      "each document's text must appear in the prompt verbatim")
+        pieces += [(text[pos:at], False), (doc, True)]
+        pos = at + len(doc)
+    pieces.append((text[pos:], False))
+    ids = list(encode_first(pieces[0][0]))
+    spans = []
+    for piece, is_doc in pieces[1:]:
+        seg = encode_rest(piece) if piece else []
+        if is_doc:
+            spans.append((len(ids), len(ids) + len(seg)))
+        ids += seg
+    return DocumentPrompt(ids, spans)
 
 
 @dataclass(frozen=True)

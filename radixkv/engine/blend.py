@@ -23,8 +23,8 @@ document spans are known, with ``m`` tokens cached as a plain prefix:
 
 1. lock the prefix (exact KV, positions ``[0, m)``) and each later document's entry (promoting
    host/disk blocks to the device as a request would). Before that, an entry the tree lacks is
-   looked up in the remote tier, if there is one, through the scheduler's path
-   (``RemoteLookup.lookup`` + ``admit_now``: verified hits installed in the host tier, then
+   looked up in the remote tier, if there is one, all entries in one lookup
+   (``RemoteLookup.fetch_now``: verified hits installed in the host tier, then
    promoted here); an entry that no tier has (or only in part), or whose lookup failed or found
    a corrupt value, is computed first, after the lead, and committed
    (``RAGHelper.warm_documents`` computes them as ordinary requests instead);
@@ -387,25 +387,22 @@ class _EntryLookup:
 def _fetch_remote_entries(core: Any, entries: list[tuple[int, list[int]]], dns: Namespace,
                           tag: str) -> int:
     """Find the blocks of document entries (``(index, lead + document tokens)``) that the tree
-    lacks on the remote tier, the way a request's prompt is found (the scheduler's path:
-    ``RemoteLookup.lookup``, then ``admit_now`` instead of ``admit``): the store verifies each
-    value (a bad one is a miss), the hits are installed in the host tier, and the allocation
-    that follows promotes them like any host hit. A miss, a failed or a timed-out lookup
-    installs nothing, and the blend computes that entry (an entry whose local match already
-    covers it costs no round trip: the lookup has nothing to ask). Returns the tokens installed.
+    lacks on the remote tier, and install the hits in the host tier; the allocation that
+    follows promotes them like any host hit. Returns the tokens installed.
 
-    One entry after the other: entries share their lead, and a lookup starts after the local
-    match, so each must see the blocks the previous one installed (2 round trips per entry
-    that misses locally, each bounded by ``remote_timeout_s``)."""
+    All entries in one lookup (``RemoteLookup.fetch_now``): one EXISTS batch over their
+    distinct blocks (the shared lead once) and one MGET of every entry's leading run of hits,
+    waited for at most ``remote_timeout_s`` in all, whatever the number of entries; the store
+    verifies each value (a bad one is a miss). A miss, a failed or a timed-out lookup
+    installs nothing, and the blend computes that entry; an entry whose local match already
+    covers it asks nothing."""
     remote = getattr(core, "remote_tier", None)
-    if remote is None:
+    if remote is None or not entries:
         return 0
-    got = 0
-    for i, ent in entries:
-        rid = f"{tag}-doc-{i}"
-        remote.lookup(_EntryLookup(rid, dns, (_EntryTokens(ent + ent[:1]),)))
-        got += remote.admit_now(rid, lambda ops: run_kv_ops(core.kv_mover, ops))
-    return got
+    got = remote.fetch_now([_EntryLookup(f"{tag}-doc-{i}", dns, (_EntryTokens(ent + ent[:1]),))
+                            for i, ent in entries],
+                           lambda ops: run_kv_ops(core.kv_mover, ops))
+    return sum(got.values())
 
 
 def _complete_entries(core: Any, entries: list[list[int]], docs: list[tuple[DocSpan, Any, int]],

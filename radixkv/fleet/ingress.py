@@ -135,12 +135,36 @@ class FleetBackend(Backend):
         return hash_token_blocks(prompt_ids, self.block_size,
                                  self._namespace.with_salt(cache_salt))
 
+    def document_hashes(self, prompt_ids: Sequence[int], spans: Sequence[Any],
+                        cache_salt: str | None) -> tuple[list[tuple[int, Sequence[bytes]]], int]:
+        """Per document (its first token's position): the chain hashes of its entry's full
+        blocks, its lead's included, as the replicas' blends name them
+        (:mod:`radixkv.engine.blend`: lead + document tokens in the document namespace); and
+        the lead's length in blocks. Raises ``InvalidRequestError`` for spans the engine
+        would refuse (before the request is routed)."""
+        from radixkv.core.hashing import hash_token_blocks
+        from radixkv.engine.blend import check_spans, document_namespace, entry_lead
+
+        docs = check_spans(spans, len(prompt_ids))
+        if not self.hash_prefixes:
+            return [], 0
+        lead = entry_lead(docs, self.block_size)
+        ns = document_namespace(self._namespace.with_salt(cache_salt))
+        head = list(prompt_ids[:lead])
+        return [(d.start, hash_token_blocks(head + list(prompt_ids[d.start:d.end]),
+                                            self.block_size, ns)) for d in docs], \
+            lead // self.block_size
+
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
                    restartable: bool = False, **hints: Any) -> RequestHandle:
-        # ``hints`` (session, end_session) go to the replica's engine: its eviction policy
-        # sees the sessions; the router does not need them (it routes by cached blocks)
-        route = {"hashes": self.block_hashes(prompt_ids, cache_salt)}
+        # ``hints`` (session, end_session; a RAG request's documents and blend_ratio) go to the
+        # replica's engine; the router routes by cached blocks: the prompt's prefix and, for
+        # documents, their entries (radixkv.fleet.router)
+        route: dict[str, Any] = {"hashes": self.block_hashes(prompt_ids, cache_salt)}
+        if hints.get("documents"):
+            route["documents"], route["lead_blocks"] = self.document_hashes(
+                prompt_ids, hints["documents"], cache_salt)
         return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points,
                                    hints), route, restartable)
 

@@ -38,6 +38,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,26 @@ def rank(hits: dict[str, int], load: dict[str, int], block_size: int,
         return ids, "cold"
     ids.sort(key=lambda r: -(hits[r] * block_size - load_tokens * (load.get(r, 0) - floor)))
     return ids, "prefix" if hits[ids[0]] == best_hit else "load"
+
+
+def with_documents(index: PrefixIndex, hits: dict[str, int],
+                   documents: Sequence[tuple[int, Sequence[bytes]]], lead_blocks: int,
+                   block_size: int) -> dict[str, int]:
+    """``hits`` (cached prefix blocks per replica) plus the blocks of the request's document
+    entries each replica caches, past their lead: what a blend there reuses. Pure.
+
+    ``documents``: per document, its first token's position in the prompt and its entry's chain
+    hashes (lead + document, :meth:`radixkv.fleet.ingress.FleetBackend.document_hashes`);
+    ``lead_blocks``: the lead's length. A document that starts inside a replica's cached prefix
+    adds nothing there (the prefix has it already). Runtime: one index lookup per entry block
+    until every replica has missed."""
+    out = dict(hits)
+    for start, hashes in documents:
+        cached = index.match(hashes, hits)
+        for r, n in cached.items():
+            if start >= hits[r] * block_size:
+                out[r] += max(0, n - lead_blocks)
+    return out
 
 
 class InFlight:
@@ -307,6 +328,11 @@ class KVAwareRouter(RequestRouter):
         route = pending_request.kwargs.get("route") if pending_request is not None else None
         hashes = (route or {}).get("hashes") or []
         hits = self._index.match(hashes, by_id)
+        docs = (route or {}).get("documents") or []
+        if docs:   # a RAG request: its documents' entries count where they are cached
+            hits = with_documents(self._index, hits, docs, (route or {}).get("lead_blocks", 0),
+                                  self._block_size)
+            hashes = list(hashes) + [h for _, hs in docs for h in hs]   # all computed there
         load = {r: self._inflight.load(r) for r in by_id}
         order, kind = rank(hits, load, self._block_size, self._load_tokens)
         if pending_request is not None:
@@ -335,5 +361,5 @@ class KVAwareRouter(RequestRouter):
         self._pending_hits.pop(internal_request_id, None)
 
 
-__all__ = ["KVAwareRouter", "InFlight", "RouterStats", "rank", "LOAD_TOKENS", "SPECULATE_S",
-           "PLACED_S"]
+__all__ = ["KVAwareRouter", "InFlight", "RouterStats", "rank", "with_documents", "LOAD_TOKENS",
+           "SPECULATE_S", "PLACED_S"]

@@ -286,6 +286,8 @@ def _routes(api: FastAPI, state: ServerState,
         if req.model is not None:
             state.check_model(req.model)
         limit = await _max_token_chars(state, eng)
+        if req.documents is not None:
+            serving.check_text(eng, serving.document_texts(req), "documents", limit)
         if req.messages is not None:
             try:
                 msgs = [{"role": "system" if m.role == "developer" else m.role,
@@ -294,18 +296,30 @@ def _routes(api: FastAPI, state: ServerState,
                 raise APIError(400, str(exc), param="messages") from None
             serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
             try:
-                ids = await asyncio.to_thread(eng.chat_template.prompt_ids, msgs)
+                placed = None if req.documents is None else \
+                    await asyncio.to_thread(serving.document_prompt, eng, req, msgs)
+                ids = await asyncio.to_thread(eng.chat_template.prompt_ids, msgs) \
+                    if placed is None else placed.token_ids
             except TemplateError as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}",
                                param="messages") from None
         elif req.prompt is not None:
             serving.check_text(eng, [req.prompt], "prompt", limit)
+            if req.documents is not None and any(isinstance(d, dict) for d in req.documents):
+                raise APIError(400, "documents of a text prompt are the texts found in it "
+                               "(strings)", param="documents")
+            placed = None if req.documents is None else await asyncio.to_thread(
+                serving.document_prompt, eng, req, None, req.prompt, req.add_special_tokens)
             ids = await asyncio.to_thread(
-                eng.encode if req.add_special_tokens else eng.chat_template.encode, req.prompt)
+                eng.encode if req.add_special_tokens else eng.chat_template.encode,
+                req.prompt) if placed is None else placed.token_ids
         else:
             raise APIError(400, "give a prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids,
-                "token_strs": None}
+        out = {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids,
+               "token_strs": None}
+        if placed is not None:   # where the documents are: for /v1/completions' spans
+            out["document_spans"] = [list(sp) for sp in placed.spans]
+        return out
 
     @api.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Any:
@@ -344,8 +358,15 @@ def _routes(api: FastAPI, state: ServerState,
         if req.tools or any(m.tool_calls for m in req.messages):
             return await _chat_with_tools(state, request, req, eng)
         chars = sum(len(m["content"]) for m in messages)
+        if req.documents is not None:   # RAG documents placed by the server (serve.md)
+            docs = serving.document_texts(req)
+            serving.check_text(eng, docs + [m["content"] for m in messages], "documents",
+                               await _max_token_chars(state, eng))
+            chars += sum(map(len, docs))
         try:
-            ids = await _off_loop(chars, eng.chat_template.prompt_ids, messages)
+            ids = await _off_loop(chars, eng.chat_template.prompt_ids, messages) \
+                if req.documents is None else \
+                (await _off_loop(chars, serving.document_prompt, eng, req, messages)).token_ids
             points = None
             if any(marks) or req.prompt_cache_retention:
                 points = await _off_loop(
@@ -373,8 +394,14 @@ def _routes(api: FastAPI, state: ServerState,
             limit = await _max_token_chars(state, eng)
             for x in texts:   # each prompt alone must fit the context
                 serving.check_text(eng, [x], "prompt", limit)
-        ids = [await _off_loop(len(x), eng.encode, x) if isinstance(x, str) else list(x)
-               for x in prompts]
+        if req.documents is not None and isinstance(req.prompt, str):   # texts found in it
+            serving.check_text(eng, serving.document_texts(req), "documents",
+                               await _max_token_chars(state, eng))
+            ids = [(await _off_loop(len(req.prompt), serving.document_prompt, eng, req, None,
+                                    req.prompt)).token_ids]
+        else:
+            ids = [await _off_loop(len(x), eng.encode, x) if isinstance(x, str) else list(x)
+                   for x in prompts]
         points = None
         if req.prompt_cache_retention:
             points = [[serving.retention_point(len(x), req.prompt_cache_retention)] if x

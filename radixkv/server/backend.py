@@ -44,6 +44,8 @@ class Backend(abc.ABC):
     output_tier_names: Sequence[str]
     #: Requests one engine runs at once (admission holds this many plus ``--max-queued``).
     max_num_seqs: int
+    #: Tokens per KV block (chat ``documents`` are padded to whole blocks).
+    block_size: int
 
     @property
     @abc.abstractmethod
@@ -112,6 +114,7 @@ class LocalBackend(Backend):
         self.max_model_len = core.max_model_len
         self.output_tier_names = core.output_tier_names
         self.max_num_seqs = engine.engine_config.max_num_seqs
+        self.block_size = engine.cache_config.block_size   # server-placed RAG documents pad to it
 
     @property
     def chat_template(self) -> Any:

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lpm's age limit: a request waiting this long is admitted next "
                         "(default: EngineConfig's, 2)")
     e.add_argument("--blend-ratio", type=float, default=None, metavar="SHARE",
-                   help="share of RAG document tokens recomputed when a completion's "
+                   help="share of RAG document tokens recomputed when a request's "
                         "documents are blended (docs/rag.md; default: EngineConfig's, 0.15)")
     v = p.add_argument_group("vLLM compatibility and limits (docs/serve.md has vLLM's flags)")
     v.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",

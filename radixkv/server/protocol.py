@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, field_validator,
+                      model_validator)
 
 #: Request fields radixkv does not implement and would otherwise silently ignore (a 200 with
 #: ordinary text where the client asked for something else): each is a 400 naming it when
@@ -28,8 +29,53 @@ UNSUPPORTED = {
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "documents": (None,),
+    "chat_template_kwargs": (None, {}),
 }
+
+
+#: Most documents one request may blend (each is a cache entry the blend locks).
+MAX_DOCUMENTS = 256
+
+
+def check_documents(v: Any, texts: bool, spans: bool) -> Any:
+    """``documents`` as given (before pydantic's typing), refused with a message that says
+    what is accepted: document texts (``texts``: non-blank strings, or vLLM's
+    ``{"title": str, "text": str}`` dicts) and/or ``[start, end)`` token spans (``spans``).
+    One request uses one kind."""
+    if v is None:
+        return v
+    kinds = ("document texts (non-blank strings or {\"text\": ..., \"title\": ...})"
+             if texts else "") + (" or " if texts and spans else "") + (
+        "[start, end) token spans" if spans else "")
+    if not isinstance(v, list) or not v:
+        raise FieldError("documents", f"documents must be a non-empty list of {kinds}")
+    if len(v) > MAX_DOCUMENTS:
+        raise FieldError("documents", f"at most {MAX_DOCUMENTS} documents per request, got "
+                         f"{len(v)}")
+    seen = set()
+    for i, d in enumerate(v):
+        if isinstance(d, str) or isinstance(d, dict):
+            kind = "text"
+            text = d if isinstance(d, str) else d.get("text")
+            title = None if isinstance(d, str) else d.get("title")
+            if not texts or not isinstance(text, str) or not text.strip() or (
+                    title is not None and not isinstance(title, str)) or (
+                    isinstance(d, dict) and set(d) - {"text", "title"}):
+                raise FieldError("documents", f"document {i} must be one of {kinds}, got "
+                                 f"{d!r:.80}")
+        elif isinstance(d, list) and len(d) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in d):
+            kind = "span"
+            if not spans:
+                raise FieldError("documents", f"document {i} is a token span {d}, but here "
+                                 f"documents are {kinds} (spans need a token-id prompt on "
+                                 "/v1/completions)")
+        else:
+            raise FieldError("documents", f"document {i} must be one of {kinds}, got {d!r:.80}")
+        seen.add(kind)
+    if len(seen) > 1:
+        raise FieldError("documents", "documents mixes texts and token spans: give one kind")
+    return v
 
 
 class StreamOptions(BaseModel):
@@ -75,6 +121,12 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=100.0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+    # radixkv: RAG documents blended from their cached entries (docs/rag.md, docs/serve.md),
+    # and the share of their tokens recomputed
+    blend_ratio: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    #: The documents' [start, end) token spans in the tokenized prompt, set by the endpoint
+    #: once it has placed (chat) or found (a text prompt) the documents' texts.
+    _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
 
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
     _implemented: ClassVar[frozenset[str]] = frozenset()
@@ -238,6 +290,27 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    # radixkv (vLLM's field, placed by the server rather than the template): the retrieved
+    # documents' texts, placed before the last user message's text (docs/serve.md)
+    documents: Optional[list[Union[str, dict[str, Any]]]] = None
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        return check_documents(v, texts=True, spans=False)
+
+    @model_validator(mode="after")
+    def _documents_combine(self) -> "ChatCompletionRequest":
+        if self.blend_ratio is not None and self.documents is None:
+            raise FieldError("blend_ratio", "blend_ratio needs documents")
+        if self.documents is not None:
+            if self.tools or any(m.tool_calls for m in self.messages):
+                raise FieldError("documents", "documents are not supported together with "
+                                 "tools or tool calls yet")
+            if any(m.cache_control for m in self.messages):
+                raise FieldError("documents", "documents are not supported together with "
+                                 "cache_control yet (prompt_cache_retention is)")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
@@ -252,17 +325,38 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    _implemented: ClassVar[frozenset[str]] = frozenset({"documents"})   # token spans, below
 
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
-    # radixkv: RAG documents of a token-id prompt as [start, end) token spans, blended from
-    # their cached entries (docs/rag.md); blend_ratio: the share of their tokens recomputed
-    documents: Optional[list[tuple[int, int]]] = Field(default=None, min_length=1,
-                                                       max_length=256)
-    blend_ratio: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # radixkv: RAG documents blended from their cached entries (docs/rag.md): with a text
+    # prompt their texts (found in it), with token ids their [start, end) token spans
+    documents: Optional[Union[list[tuple[int, int]], list[str]]] = None
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        check_documents(v, texts=True, spans=True)
+        if isinstance(v, list) and any(isinstance(d, dict) for d in v):
+            raise FieldError("documents", "documents of a completion are the texts found in "
+                             "its prompt (strings) or token spans; {title, text} objects are "
+                             "for chat, where the server places them")
+        return v
+
+    @model_validator(mode="after")
+    def _documents_fit_the_prompt(self) -> "CompletionRequest":
+        docs, p = self.documents, self.prompt
+        if self.blend_ratio is not None and docs is None:
+            raise FieldError("blend_ratio", "blend_ratio needs documents")
+        if docs and isinstance(docs[0], str) and not isinstance(p, str):
+            raise FieldError("documents", "documents as texts need one text prompt (a "
+                             "string); with token ids give [start, end) token spans")
+        if docs and not isinstance(docs[0], str) and (
+                isinstance(p, str) or (p and isinstance(p[0], str))):
+            raise FieldError("documents", "document spans are token positions: they need a "
+                             "token-id prompt; with a text prompt give the documents' texts")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -284,6 +378,16 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
+    # radixkv: the documents as chat or completions would take them; the answer then also
+    # has their token spans (``document_spans``)
+    documents: Optional[list[Union[str, dict[str, Any]]]] = None
+
+    _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        return check_documents(v, texts=True, spans=False)
 
 
 class DetokenizeRequest(BaseModel):
@@ -297,6 +401,7 @@ _SamplingFields.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
-__all__ = ["FieldError", "TokenizeRequest", "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
+__all__ = ["FieldError", "MAX_DOCUMENTS", "check_documents", "TokenizeRequest",
+           "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
            "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
            "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice"]

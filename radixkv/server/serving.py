@@ -263,8 +263,14 @@ def session_hints(req: Any) -> dict[str, Any]:
 
 
 def blend_hints(req: Any) -> dict[str, Any]:
-    """A completion's RAG documents and blend ratio for the engine (docs/rag.md), {} if none."""
-    docs = getattr(req, "documents", None)
+    """A request's RAG documents (their token spans) and blend ratio for the engine
+    (docs/rag.md), {} if none. Document texts (chat, a text prompt) have been placed or found
+    by the endpoint, which set their spans (``_document_spans``)."""
+    docs = getattr(req, "_document_spans", None)
+    if docs is None:
+        docs = getattr(req, "documents", None)
+        if docs and isinstance(docs[0], (str, dict)):
+            raise AssertionError("document texts reached the engine without their spans")
     ratio = getattr(req, "blend_ratio", None)
     if docs is None and ratio is None:
         return {}
@@ -367,6 +373,40 @@ def usage(outs: Sequence[Any], timing: Timing,
             "num_preemptions": sum(o.num_preemptions for o in outs),
         },
     }
+
+
+def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | None = None,
+                    text: str | None = None, add_special_tokens: bool = True) -> Any:
+    """The :class:`~radixkv.api.rag.DocumentPrompt` (token ids, exact document spans) of a
+    request whose ``documents`` are texts: chat ``messages`` get the documents placed before
+    the last user message's text, padded to whole blocks
+    (:func:`radixkv.api.rag.chat_document_prompt`); a ``text`` prompt is split where it contains
+    them (:func:`radixkv.api.rag.text_document_prompt`). The spans of the documents that have a
+    cache entry, at least one full block, are set on the request (``req._document_spans``, read
+    by :func:`blend_hints`); a shorter document is computed like the text around it. A document
+    that cannot be placed or found is a 400 naming ``documents``; nothing reaches the
+    engine."""
+    from radixkv.api.rag import chat_document_prompt, text_document_prompt
+    from radixkv.errors import InvalidRequestError
+
+    tpl = backend.chat_template
+    try:
+        if messages is not None:
+            out = chat_document_prompt(tpl, messages, req.documents, backend.block_size)
+        else:
+            assert text is not None, "document_prompt needs messages or a text"
+            out = text_document_prompt(backend.encode if add_special_tokens else tpl.encode,
+                                       tpl.encode, text, req.documents)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="documents", code="invalid_value") from None
+    req._document_spans = [sp for sp in out.spans if sp[1] - sp[0] >= backend.block_size]
+    return out
+
+
+def document_texts(req: Any) -> list[str]:
+    """The texts of a request's ``documents`` (for :func:`check_text`), [] for spans."""
+    return [d if isinstance(d, str) else d.get("text", "") + (d.get("title") or "")
+            for d in req.documents or () if isinstance(d, (str, dict))]
 
 
 def sse(obj: Any) -> str:

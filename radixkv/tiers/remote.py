@@ -107,6 +107,11 @@ class RemoteTier(Generic[R]):
         """:meth:`RemoteLookup.admit_now` (one lookup, waited for and installed now)."""
         return self.lookups.admit_now(request_id, run_ops)
 
+    def fetch_now(self, reqs: Sequence[R], run_ops: Callable[[list[MoveOp]], object]
+                  ) -> dict[str, int]:
+        """:meth:`RemoteLookup.fetch_now` (several lookups as one, installed now)."""
+        return self.lookups.fetch_now(reqs, run_ops)
+
     # ---- worker side (RemoteWriter) --------------------------------------------------------
     def apply_moves(self, moves: Sequence[MoveOp]) -> None:
         self.writer.apply_moves(moves)

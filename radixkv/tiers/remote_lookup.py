@@ -133,27 +133,32 @@ class RemoteLookup(Generic[R]):
     def lookup(self, req: R) -> None:
         """Start the remote lookup of ``req``'s prompt; the request waits in here until
         :meth:`admit` hands it to the scheduler."""
-        ids = req.seqs[0].token_ids
-        bs = self.block_size
-        n_full = (len(ids) - 1) // bs   # the last token is always computed (it makes logits)
-        tb = token_bytes(ids)
-        cached = self.tree.match_hashes(tb, req.namespace.seed, n_full)
-        start = len(cached)
-        hashes: list[bytes] = []
-        tokens: list[bytes] = []
-        if start < n_full:
-            width = bs * TOKEN_BYTES
-            h = cached[-1] if cached else req.namespace.seed
-            for i in range(start, n_full):
-                chunk = tb[i * width:(i + 1) * width]
-                h = xxhash.xxh3_128_digest(h + chunk)
-                hashes.append(h)
-                tokens.append(chunk)
+        cached, hashes, tokens = self._chain(req)
         future = self._pool.submit(self._fetch, hashes) if hashes else None
         self.counts.lookups += 1 if hashes else 0
         self._arrivals[req.request_id] = _Arrival(
             req, hashes, tokens, cached[-1] if cached else None, cached, future,
             time.perf_counter() + self.timeout_s)
+
+    def _chain(self, req: R) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """``req``'s prompt against the tree: the chain hashes of its locally cached full blocks,
+        then the hashes and tokens (int32 bytes) of the full blocks past them (the last token
+        is always computed: it makes the logits)."""
+        ids = req.seqs[0].token_ids
+        bs = self.block_size
+        n_full = (len(ids) - 1) // bs
+        tb = token_bytes(ids)
+        cached = self.tree.match_hashes(tb, req.namespace.seed, n_full)
+        hashes: list[bytes] = []
+        tokens: list[bytes] = []
+        width = bs * TOKEN_BYTES
+        h = cached[-1] if cached else req.namespace.seed
+        for i in range(len(cached), n_full):
+            chunk = tb[i * width:(i + 1) * width]
+            h = xxhash.xxh3_128_digest(h + chunk)
+            hashes.append(h)
+            tokens.append(chunk)
+        return cached, hashes, tokens
 
     def _fetch(self, hashes: list[bytes]) -> list[RemoteBlock]:
         """Background: the verified leading run of ``hashes`` the server holds (2 round trips:
@@ -291,6 +296,74 @@ class RemoteLookup(Generic[R]):
         self.counts.blocks_not_installed += len(blocks) - installed
         if installed:
             self._remote_tokens[a.req.request_id] = installed * self.block_size
+
+    def fetch_now(self, reqs: Sequence[R], run_ops: Callable[[list[MoveOp]], object]
+                  ) -> dict[str, int]:
+        """Look several requests' prompts up together and install their hits in the host tier
+        now, for a caller on the loop thread that needs them before it goes on (a blend's
+        document entries, :mod:`radixkv.engine.blend`); returns, per request id, the prompt
+        tokens installed (counted as ``hit_tokens``).
+
+        One job for all of them, waited for at most ``timeout_s`` in all (a lookup per
+        request would cost up to that each): one ``EXISTS`` batch over the distinct blocks
+        past each prompt's local match (chains that share a lead, as document entries do, ask
+        for it once) and one ``MGET`` of every chain's leading run of hits; each value verified
+        by the store, as for :meth:`lookup`. Then each request in order is installed as
+        :meth:`admit_now` does, its chain matched against the tree again first, so the blocks
+        an earlier one installed (the shared lead) are its local parent. A miss, a bad value,
+        a failed or timed-out job installs nothing for the chains it touches: the caller
+        computes them."""
+        chains = [self._chain(r)[1] for r in reqs]
+        asked = sum(1 for c in chains if c)
+        out = {r.request_id: 0 for r in reqs}
+        if not asked:
+            return out
+        self.counts.lookups += asked
+        started = time.perf_counter()
+        job = self._pool.submit(self._fetch_runs, chains)
+        try:
+            found = job.result(self.timeout_s)
+        except FuturesTimeout:
+            job.cancel()
+            self.counts.lookup_timeouts += asked
+            log.warning("remote lookup of %d prompts timed out after %.2f s; computing them",
+                        asked, self.timeout_s)
+            return out
+        except (OSError, StorageError) as exc:   # a failed lookup is a miss, logged, counted
+            self.counts.lookup_failures += asked
+            log.warning("remote lookup failed (%s: %s); computing %d prompts",
+                        type(exc).__name__, exc, asked)
+            return out
+        for req in reqs:
+            cached, hashes, tokens = self._chain(req)
+            k = 0
+            while k < len(hashes) and hashes[k] in found:
+                k += 1
+            if not k:
+                continue
+            done: Future[list[RemoteBlock]] = Future()
+            done.set_result([found[h] for h in hashes[:k]])
+            self._install(_Arrival(req, hashes[:k], tokens[:k], cached[-1] if cached else None,
+                                   cached, done, started, started), run_ops)
+            out[req.request_id] = self.take_remote_tokens(req.request_id)
+        return out
+
+    def _fetch_runs(self, chains: list[list[bytes]]) -> dict[bytes, RemoteBlock]:
+        """Background, for :meth:`fetch_now`: the verified blocks of the leading run of hits of
+        every chain, by hash (2 round trips for all of them: one EXISTS batch over the
+        distinct hashes, one MGET of the distinct hashes of the runs)."""
+        distinct = list(dict.fromkeys(h for c in chains for h in c))
+        present = dict(zip(distinct, self.store.contains_many(distinct)))
+        runs: dict[bytes, None] = {}
+        for c in chains:
+            for h in c:
+                if not present[h]:
+                    break
+                runs[h] = None
+        want = list(runs)
+        if not want:
+            return {}
+        return {h: b for h, b in zip(want, self.store.get_many(want)) if b is not None}
 
     def take_remote_tokens(self, request_id: str) -> int:
         """Prompt tokens of ``request_id`` installed from the server (once; counted as

@@ -150,3 +150,53 @@ def test_corrupt_remote_entries_are_computed_not_served(
         assert srv["corrupt"] >= 1 and srv["deleted"] >= 1
     finally:
         b.close(remote_flush_s=0)
+
+
+def test_every_entry_is_looked_up_in_one_round_of_the_server_and_verified(
+        model4, smol_tokenizer, one_thread, redis_srv):
+    """The blend asks the server for all its remote-only entries together
+    (``RemoteLookup.fetch_now``): one EXISTS batch and one MGET whatever the number of entries
+    (the server's own round-trip counter; one lookup per entry took two each), and every value
+    is still verified: with one document's blocks corrupted, the other entries (and the shared
+    lead) are installed, that document is computed, and the answer is unchanged."""
+    from radixkv.core.hashing import hash_token_blocks
+    from radixkv.engine.blend import document_namespace
+
+    ref = _reference(model4, smol_tokenizer)
+    for corrupt in (None, "b"):
+        r = _leave_entries_on_server(model4, smol_tokenizer, redis_srv)
+        b = _engine(model4, smol_tokenizer, redis_srv.url)
+        try:
+            rag = _rag(b)
+            bad: list[bytes] = []
+            if corrupt is not None:   # the document's own blocks, not the lead they share
+                dns = document_namespace(b.namespace(None))
+                lead = len(rag.document_entry_ids(corrupt)) - rag.num_tokens(corrupt)
+                for h in hash_token_blocks(rag.document_entry_ids(corrupt), BLOCK_SIZE,
+                                           dns)[lead // BLOCK_SIZE:]:
+                    bad += r.keys(b"*" + h.hex().encode())
+                assert bad
+                for k in bad:
+                    v = bytearray(r.get(k))
+                    v[-1] ^= 0xFF
+                    r.set(k, bytes(v))
+            ids, spans = rag.prompt_ids(QUESTION, ORDER), rag.document_spans(ORDER)
+            trips = b.stats()["remote"]["server"]["round_trips"]
+            rep = b.loop.call(lambda: blend.blend_context(b.core, ids, spans, None, RATIO))
+            srv = b.stats()["remote"]["server"]
+            # EXISTS + MGET for three entries (+ one DELETE of the bad values when there are)
+            assert srv["round_trips"] - trips == 2 + (corrupt is not None)
+            assert rep is not None
+            if corrupt is None:
+                assert rep.remote_tokens == _entry_tokens(rag, DOCS)
+                assert rep.computed_entry_tokens == 0
+            else:
+                assert srv["corrupt"] == len(bad)
+                assert rep.remote_tokens == _entry_tokens(rag, [d for d in DOCS if d != corrupt])
+                assert rep.computed_entry_tokens == \
+                    rag.num_tokens(corrupt) // BLOCK_SIZE * BLOCK_SIZE
+            rid = b.submit(ids, GREEDY, namespace_extra=rep.namespace_extra)
+            assert list(b.wait(rid).outputs[0].token_ids) == ref.token_ids
+            b.core.block_manager.check_invariants()
+        finally:
+            b.close(remote_flush_s=0)

@@ -6,6 +6,7 @@ last. Deselect locally with ``-m 'not fleet'``; CI runs it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -242,6 +243,47 @@ def test_metrics_are_labelled_per_replica_with_the_routers_decisions(fleet: Flee
     assert m[("radixkv_router_index_blocks", None)] > 0
     routed = {r for (n, r) in m if n == "radixkv_router_routed_total" and r}
     assert routed == replicas        # the router's replica ids are the replicas' own
+
+
+RAG_DOCS = [
+    "The Loire is the longest river in France. It rises in the Massif Central and reaches the "
+    "Atlantic Ocean at Saint-Nazaire after about a thousand kilometres.",
+    {"title": "alps", "text": "Mont Blanc, on the border between France and Italy, is the "
+     "highest mountain of the Alps; its summit is a dome of ice."},
+    "Lyon lies where the Rhone and the Saone meet; its old town is a world heritage site.",
+]
+
+
+def test_rag_documents_reach_the_replica_and_route_the_reordered_request(fleet: Fleet) -> None:
+    """``documents``/``blend_ratio`` travel to the replica's engine, and the router scores a
+    RAG request by its documents' cached entries: the same documents in another order go to
+    the replica that holds their entries, and reuse them (every full block up to the last
+    document is a cached token; the router counts the entries as hits)."""
+    client = fleet.client()
+    msgs = [{"role": "system", "content": "Answer from the documents. Fleet RAG test."},
+            {"role": "user", "content": "Which river reaches Saint-Nazaire?"}]
+    reordered = [RAG_DOCS[2], RAG_DOCS[0], RAG_DOCS[1]]
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{fleet.port}/tokenize", method="POST",
+        data=json.dumps({"messages": msgs, "documents": reordered}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        spans = json.loads(r.read())["document_spans"]
+
+    def ask(docs: list[Any]) -> tuple[Any, str]:
+        before = fleet.per_replica("radixkv_prefix_cache_queries_total")
+        out = _chat(client, msgs, max_tokens=2,
+                    extra_body={"documents": docs, "blend_ratio": 0.15, "cache_salt": "rag"})
+        return out, _replica_of(fleet, before, out.usage.prompt_tokens)
+
+    chosen0 = fleet.metrics().get(("radixkv_router_hit_tokens_total:chosen", None), 0.0)
+    _, first = ask(RAG_DOCS)
+    second, where = ask(reordered)
+    assert where == first                              # where the entries are
+    assert second.usage.prompt_tokens_details.cached_tokens == spans[-1][1]
+    doc_tokens = sum(e - s for s, e in spans)          # the entries' blocks, past the lead
+    _eventually(lambda: fleet.metrics()[("radixkv_router_hit_tokens_total:chosen", None)]
+                - chosen0 >= doc_tokens)
 
 
 def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet) -> None:

@@ -13,9 +13,9 @@ from radixkv.fleet.events import EventLog, EventRecorder
 from radixkv.fleet.index import PrefixIndex
 
 try:
-    from radixkv.fleet.router import InFlight, rank
+    from radixkv.fleet.router import InFlight, rank, with_documents
 except ImportError:   # ray missing: the router module imports Ray Serve's base class
-    InFlight = rank = None
+    InFlight = rank = with_documents = None
 
 REPLICAS = ["a", "b", "c"]
 HASHES = [bytes([i]) * 16 for i in range(12)]
@@ -202,6 +202,50 @@ def test_rank_prefers_the_cached_prefix_until_load_outweighs_it() -> None:
     assert order == ["b", "a"] and kind == "cold"
     seen = {rank({"a": 0, "b": 0}, {}, 16, 256)[0][0] for _ in range(50)}
     assert seen == {"a", "b"}                         # ties spread
+
+
+def test_document_entries_count_where_they_are_cached_past_the_prefix() -> None:
+    """A RAG request's score on a replica: its cached prefix plus the cached blocks of its
+    documents' entries past their lead, for the documents that start after that prefix; the
+    entries' hashes are those the replicas' blends give them (FleetBackend.document_hashes)."""
+    if with_documents is None:
+        import os
+
+        import pytest
+
+        assert not os.environ.get("CI"), "ray[serve] missing in CI: scripts/dev.sh installs it"
+        pytest.skip("ray[serve] not installed")
+    from radixkv.core.hashing import Namespace, hash_token_blocks
+    from radixkv.engine.blend import document_namespace
+    from radixkv.fleet.ingress import FleetBackend
+
+    bs = 4
+    backend = FleetBackend(None, None, {"model_id": "m", "vocab_size": 100, "max_model_len": 99,
+                                        "output_tier_names": ["device"], "max_num_seqs": 1,
+                                        "block_size": bs, "namespace_model": "m"}, None)
+    head, d1, d2 = [1] * 4, [2] * 8, [3] * 6          # d2's last 2 tokens: no full block
+    prompt = head + d1 + d2 + [9, 9]
+    docs, lead = backend.document_hashes(prompt, [(4, 12), (12, 18)], "salt")
+    dns = document_namespace(Namespace("m").with_salt("salt"))
+    assert lead == 1 and docs == [(4, hash_token_blocks(head + d1, bs, dns)),
+                                  (12, hash_token_blocks(head + d2, bs, dns))]
+    assert [len(h) for _, h in docs] == [3, 2]
+    index = PrefixIndex()
+    index.apply("a", docs[0][1] + docs[1][1], [])     # both entries, lead once
+    index.apply("b", docs[1][1][:1], [])              # the lead only
+    index.apply("c", [], [])
+    hits = {"a": 0, "b": 0, "c": 1}                   # c caches the head as a prefix
+    assert with_documents(index, hits, docs, lead, bs) == {"a": 2 + 1, "b": 0, "c": 1}
+    # a prefix that covers d1 on a: only d2 adds there
+    assert with_documents(index, {"a": 3, "b": 0, "c": 0}, docs, lead, bs)["a"] == 3 + 1
+    order, kind = rank(with_documents(index, hits, docs, lead, bs), {}, bs, 64)
+    assert order[0] == "a" and kind == "prefix"
+    import pytest
+
+    from radixkv.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):          # refused before it is routed
+        backend.document_hashes(prompt, [(12, 18), (4, 12)], None)
 
 
 def test_fleet_handle_fails_over_only_what_the_client_has_not_seen() -> None:

@@ -205,3 +205,63 @@ def test_admit_now_installs_one_lookup_and_leaves_the_others_waiting(replica, mo
     assert lookup.counts.lookup_timeouts == 1 and not lookup.has_arrivals()
     assert c.bm.tree.match_tokens(token_bytes(PROMPT), NS.seed, 3) == []
     lookup.close()
+
+
+def test_fetch_now_looks_several_chains_up_in_one_round_and_one_timeout(replica, monkeypatch):
+    """``fetch_now`` (the RAG blend's document entries, which share a lead): one EXISTS batch
+    and one MGET for all chains, the shared lead asked and installed once, each chain's blocks
+    installed after it; a failed or slow server costs one ``timeout_s`` in all, not one per
+    chain, and installs nothing."""
+    import time
+
+    from radixkv.errors import StorageError
+
+    lead = list(range(100, 100 + BS))
+    chains = [lead + list(range(200 + 10 * i, 200 + 10 * i + BS)) + [7] for i in range(2)]
+    a = replica()
+    writer = RemoteWriter(a.store, a.bm.tree, a.host, 1, a.kv, BS)
+    RemoteWriteBack().attach(writer, a.bm.tree, a.mover)
+    for c in chains:
+        _compute(a, c)
+    a.mover.apply_moves(a.bm.evict(0, 3))
+    a.mover.apply_moves(a.bm.evict(1, 3))
+    assert a.store.flush(5.0)
+
+    b = replica()
+    lookup = RemoteLookup(b.store, b.bm.tree, b.host, 1, b.bm, BS, timeout_s=5.0)
+    trips = b.store.stats().round_trips
+    got = lookup.fetch_now([Req(f"d{i}", NS, [Seq(c)]) for i, c in enumerate(chains)],
+                           b.mover.apply_moves)
+    assert b.store.stats().round_trips - trips == 2
+    assert got == {"d0": 2 * BS, "d1": BS}            # the lead came with the first chain
+    assert lookup.counts.lookups == 2 and lookup.counts.hit_tokens == 3 * BS
+    for c in chains:
+        refs = b.bm.tree.match_tokens(token_bytes(c), NS.seed, 2)
+        assert len(refs) == 2 and {r.tier for r in refs} == {1}
+    assert lookup.fetch_now([Req("again", NS, [Seq(chains[0])])], b.mover.apply_moves) == \
+        {"again": 0} and b.store.stats().round_trips - trips == 2   # cached: nothing asked
+    lookup.close()
+
+    c = replica()
+    lookup = RemoteLookup(c.store, c.bm.tree, c.host, 1, c.bm, BS, timeout_s=0.5)
+    reqs = [Req(f"e{i}", NS, [Seq(ch)]) for i, ch in enumerate(chains + [PROMPT])]
+
+    def broken(keys):
+        raise StorageError("server gone")
+
+    monkeypatch.setattr(c.store, "contains_many", broken)
+    assert set(lookup.fetch_now(reqs, c.mover.apply_moves).values()) == {0}
+    assert lookup.counts.lookup_failures == 3
+
+    def slow(keys):
+        time.sleep(3.0)
+        return [False] * len(keys)
+
+    monkeypatch.setattr(c.store, "contains_many", slow)
+    t0 = time.perf_counter()
+    assert set(lookup.fetch_now(reqs, c.mover.apply_moves).values()) == {0}
+    # one deadline for the three chains (one lookup each would wait 3 x 0.5 s)
+    assert time.perf_counter() - t0 < 1.4
+    assert lookup.counts.lookup_timeouts == 3
+    assert all(c.bm.tree.match_tokens(token_bytes(ch), NS.seed, 1) == [] for ch in chains)
+    lookup.close()
