@@ -16,6 +16,7 @@ requests only once its bytes are valid.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import time
 import weakref
@@ -46,14 +47,19 @@ from radixkv.engine.outputs import (
 )
 from radixkv.engine.grammar import accept as grammar_accept
 from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, choice_logits,
-                                     eos_token_ids, greedy_tokens, make_generator, sample_token,
-                                     step_logprobs)
+                                     draw_tokens, eos_token_ids, filtered_probs_rows,
+                                     greedy_tokens, make_generator, step_logprobs)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
 from radixkv.engine.validation import check_request
 from radixkv.engine.sequence import Request, Sequence, check_session
 from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
+
+
+#: A request's sampled (token, raw log-probability) pairs of one step, in the order its
+#: sequences take them (LLMEngine._draw_step).
+Drawn = collections.deque[tuple[int, float]]
 
 
 def namespace_model(model_id: str, layout: Any) -> str:
@@ -351,12 +357,12 @@ class LLMEngine:
         self._bm.end_session(session)
         self.session_ends += 1
 
-    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_seq(self, req: Request, index: int, token_ids: list[int],
+                 generator: torch.Generator | None = None) -> Sequence:
         p = req.params
-        gen = None
-        if not p.greedy:
-            gen = make_generator(None if p.seed is None else p.seed + index,
-                                 self._runner.device)
+        gen = generator
+        if gen is None and not p.greedy:
+            gen = self._generator(req, index)
         seq = Sequence(next(self._ids), index, token_ids, len(req.prompt_token_ids),
                        IncrementalDetokenizer(self.tokenizer, p.stop), gen)
         if p.logprobs is not None:
@@ -500,6 +506,7 @@ class LLMEngine:
         if adjusted:
             adj = choice_logits(logits, adjusted)
             pick = (adj, greedy_tokens(adj))
+        drawn, forks = self._draw_step(reqs, rows, logits, pick, logp, lse)
         now = time.perf_counter()
         outputs = []
         host = self.tier_names.index("host") if self._remote is not None else None
@@ -517,15 +524,17 @@ class LLMEngine:
                 # case, once per sequence per step)
                 seq = seqs[0]
                 row = rows[seq.seq_id]
-                if pick is not None and p.adjusts_logits:
-                    tok = self._choose(req, seq, row, pick[0], pick[1])
+                if not p.greedy:
+                    tok, lp = drawn[req.request_id].popleft()
+                elif pick is not None and p.adjusts_logits:
+                    tok, lp = pick[1][row], None
                 else:
-                    tok = argmax[row] if p.greedy else self._choose(req, seq, row, logits,
-                                                                    argmax)
-                self._accept(req, seq, tok, row, logits, argmax, logp, lse, greedy_lp, None)
+                    tok, lp = argmax[row], None
+                self._accept(req, seq, tok, row, logits, argmax, logp, lse, greedy_lp, None, lp)
             else:
                 idx = [rows[s.seq_id] for s in seqs]
-                self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp, pick)
+                self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp, pick,
+                                  drawn.get(req.request_id), forks.get(req.request_id))
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -536,6 +545,11 @@ class LLMEngine:
                 outputs.append(request_output(req, False, tokenizer, host))   # (= _output)
         return outputs
 
+    def _generator(self, req: Request, index: int) -> torch.Generator:
+        """Sample ``index`` of a request draws from its own generator (``seed + index``)."""
+        p = req.params
+        return make_generator(None if p.seed is None else p.seed + index, self._runner.device)
+
     def _prefilled(self, req: Request) -> None:
         """The prompt is computed: count what it wrote to the cache, apply its cache points
         (hints in the tree; ``persist`` ones also to the remote tier, when there is one)."""
@@ -544,59 +558,116 @@ class LLMEngine:
                 retain_remote(self._remote, hashes, ttl)
 
     # ------------------------------------------------------------------ sampling
-    def _choose(self, req: Request, seq: Sequence, row: int, logits: torch.Tensor,
-                argmax: list[int]) -> int:
-        if req.params.greedy:
-            return argmax[row]
-        return sample_token(logits[row], req.params, seq.generator)
+    def _draw_step(self, reqs: Mapping[str, Request], rows: Mapping[int, int],
+                   logits: torch.Tensor, pick: Any, logp: torch.Tensor | None,
+                   lse: list[float] | None
+                   ) -> tuple[dict[str, Drawn], dict[str, list[torch.Generator]]]:
+        """Every sampled token of the step, drawn together: ``({request id: deque of (token,
+        raw log-probability)}, {request id: generators of the samples a first-token fork
+        makes})``, each deque in the order the request's sequences take them.
+
+        Why: drawing one sequence at a time read each token (``.item()``) and each sampled
+        token's log-probability back from the device separately, two syncs per sequence per
+        step on CUDA; here the filters run on all rows at once (``filtered_probs_rows``),
+        each row draws with its own generator (``draw_tokens``: seeded requests are
+        reproducible whatever the batch), and tokens and log-probabilities come back in one
+        transfer. Greedy and beam-search requests take no part."""
+        order: list[tuple[Request, int, bool, torch.Generator | None]] = []
+        forks: dict[str, list[torch.Generator]] = {}
+        for req in reqs.values():
+            p = req.params
+            if p.greedy or req.beam is not None:
+                continue
+            adjusted = pick is not None and p.adjusts_logits
+            seqs = req.seqs
+            if p.n > 1 and len(seqs) == 1 and seqs[0].num_output_tokens == 0 and not req.done:
+                # the first token of n samples: the parent and its n - 1 children-to-be draw
+                # from the one prompt row, each with its own generator
+                gens = [self._generator(req, i) for i in range(1, p.n)]
+                forks[req.request_id] = gens
+                row = rows[seqs[0].seq_id]
+                order += [(req, row, adjusted, g) for g in (seqs[0].generator, *gens)]
+            else:
+                order += [(req, rows[s.seq_id], adjusted, s.generator) for s in seqs]
+        if not order:
+            return {}, forks
+        dev = logits.device
+        idx = torch.tensor([row for _, row, _, _ in order], device=dev)
+        x = logits.index_select(0, idx)
+        adj = [i for i, o in enumerate(order) if o[2]]
+        if adj:   # penalties, biases, grammars: those rows draw from the adjusted logits
+            x[adj] = pick[0][[order[i][1] for i in adj]].to(x.dtype)
+        toks = draw_tokens(filtered_probs_rows(x, [o[0].params for o in order]),
+                           [o[3] for o in order])
+        source = logp if logp is not None else logits   # raw model log-probs (or logits - lse)
+        vals = source[idx, toks]
+        got_toks, got_vals = torch.stack([toks.double(), vals.double()]).tolist()
+        drawn: dict[str, Drawn] = {}
+        for (req, row, _, _), tok, val in zip(order, got_toks, got_vals):
+            lp = val if logp is not None else val - lse[row]   # type: ignore[index]
+            drawn.setdefault(req.request_id, collections.deque()).append((int(tok), lp))
+        return drawn, forks
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
                      argmax: list[int], logp: torch.Tensor | None,
                      lse: list[float] | None, greedy_lp: list[float],
-                     pick: Any = None) -> None:
+                     pick: Any = None, drawn: Drawn | None = None,
+                     fork_gens: list[torch.Generator] | None = None) -> None:
         """``greedy_lp``: the log-probability of each row's argmax of the raw ``logits``
         (read for the whole batch at once). ``pick``: (adjusted logits, their argmax) when
-        some request adjusts its logits; tokens are chosen from them, log-probabilities
-        come from the raw ``logits``."""
+        some request adjusts its logits; greedy tokens are chosen from them, log-probabilities
+        come from the raw ``logits``. ``drawn``: this request's sampled (token, log-probability)
+        pairs from :meth:`_draw_step`; ``fork_gens``: its children's generators there."""
         p = req.params
         raw, raw_argmax = logits, argmax
         if pick is not None and p.adjusts_logits:
             logits, argmax = pick
+
+        def choose(row: int) -> tuple[int, float | None]:
+            if p.greedy:
+                return argmax[row], None
+            assert drawn is not None   # _draw_step drew for every non-greedy request
+            return drawn.popleft()
+
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
             # First token of n samples: one prompt forward, then fork n-1 children that share
             # every prompt block (the partial tail is copied on the first append: CoW).
             parent, row = req.seqs[0], idx[0]
-            picks = [(parent, self._choose(req, parent, row, logits, argmax))]
+            picks = [(parent, choose(row))]
             for i in range(1, p.n):
-                child = self._new_seq(req, i, list(parent.token_ids))
+                child = self._new_seq(req, i, list(parent.token_ids),
+                                      fork_gens[i - 1] if fork_gens else None)
                 self._scheduler.fork(req, parent, child)
-                picks.append((child, self._choose(req, child, row, logits, argmax)))
+                picks.append((child, choose(row)))
             rows_for = [row] * p.n
         else:
-            picks = [(s, self._choose(req, s, r, logits, argmax)) for s, r in zip(req.seqs, idx)]
+            picks = [(s, choose(r)) for s, r in zip(req.seqs, idx)]
             rows_for = idx
         top = None
         if p.logprobs:   # the k most likely tokens of each row, one topk for the request
             rows = sorted(set(rows_for))
             vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
             top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
-        for (seq, tok), row in zip(picks, rows_for):
-            self._accept(req, seq, tok, row, raw, raw_argmax, logp, lse, greedy_lp, top)
+        for (seq, (tok, lp)), row in zip(picks, rows_for):
+            self._accept(req, seq, tok, row, raw, raw_argmax, logp, lse, greedy_lp, top, lp)
 
     def _accept(self, req: Request, seq: Sequence, tok: int, row: int, raw: torch.Tensor,
                 raw_argmax: list[int], logp: torch.Tensor | None, lse: list[float] | None,
-                greedy_lp: list[float], top: dict[int, Any] | None) -> None:
+                greedy_lp: list[float], top: dict[int, Any] | None,
+                lp: float | None = None) -> None:
         """``tok`` (chosen from logits row ``row``) joins ``seq``: its grammar, its
-        log-probability from the raw logits, the stop checks, and the sequence's end."""
+        log-probability from the raw logits (``lp`` where the caller read it already), the stop
+        checks, and the sequence's end."""
         p = req.params
         if p.grammar is not None:
             grammar_accept(req, seq, tok)
-        if tok == raw_argmax[row]:
-            lp = greedy_lp[row]
-        elif logp is not None:
-            lp = float(logp[row, tok])
-        else:
-            lp = float(raw[row, tok]) - lse[row]
+        if lp is None:   # a greedy (or adjusted-greedy) token: no sampled read to reuse
+            if tok == raw_argmax[row]:
+                lp = greedy_lp[row]
+            elif logp is not None:
+                lp = float(logp[row, tok])
+            else:
+                lp = float(raw[row, tok]) - lse[row]   # type: ignore[index]
         seq.cumulative_logprob += lp
         if seq.logprobs is not None:
             seq.logprobs.append(TokenLogprob(tok, lp, top[row] if top else ()))

@@ -4,9 +4,10 @@
 reaches the scheduler). The functions below turn logits rows into tokens:
 
 * greedy: ``torch.argmax`` (ties go to the lowest token id, as in transformers' greedy search);
-* random: temperature, then top-k, then top-p, then one draw from the request's own
-  ``torch.Generator``. Each row is drawn with its own generator, so a seeded request produces the
-  same tokens whatever else is in the batch.
+* random: temperature, then min-p, top-k and top-p, then one draw (an exponential race) from
+  the sequence's own ``torch.Generator``. Each row is drawn with its own generator, so a seeded
+  request produces the same tokens whatever else is in the batch; every sampled row of a step
+  is filtered and drawn in whole-batch tensor ops and read back in one transfer.
 * before either, for the rows that ask: ``logit_bias``, the repetition, frequency and presence
   penalties (:func:`adjust_logits`) and a grammar's mask (:func:`choice_logits`,
   ``engine/grammar.py``), on a copy: the reported log-probabilities stay the raw model's.
@@ -314,32 +315,70 @@ def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities ``[V]`` after temperature, min-p, top-k and top-p for one row (sum to
-    1)."""
+    1): :func:`filtered_probs_rows` of that row alone."""
+    return filtered_probs_rows(logits[None], [params])[0]
+
+
+def filtered_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]
+                        ) -> torch.Tensor:
+    """Probabilities ``[R, V]`` of ``[R, V]`` logits, row r under ``params[r]``: temperature,
+    then min-p, top-k and top-p, each on the rows that ask for it, in whole-batch tensor ops
+    (no per-row Python work but building the per-row knobs, no host read of the device)."""
     import torch
 
-    x = logits.float() / params.temperature
-    if params.min_p > 0:
+    dev = logits.device
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    vocab = x.shape[-1]
+    min_p = [p.min_p for p in params]
+    if any(min_p):
         p0 = torch.softmax(x, dim=-1)
-        x = x.masked_fill(p0 < params.min_p * p0.max(), float("-inf"))
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
+        floor = torch.tensor(min_p, device=dev)[:, None] * p0.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(p0 < floor, float("-inf"))
+    ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values                       # [R, kmax]
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None],
+                              float("-inf"))                           # k = 0: keep all
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
+    tops = [p.top_p for p in params]
+    if any(t < 1.0 for t in tops):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cut = torch.tensor([t if t < 1.0 else math.inf for t in tops], device=dev)[:, None]
         # Drop a token when the tokens before it already reach top_p; the top token always stays.
-        drop = (sorted_p.cumsum(0) - sorted_p) >= params.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum()
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= cut
+        kept = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        renorm = kept / kept.sum(dim=-1, keepdim=True)
+        probs = torch.where(cut < math.inf, renorm, probs)   # rows without top_p untouched
     return probs
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One draw from ``filtered_probs`` with the sequence's own generator."""
+def draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+                ) -> torch.Tensor:
+    """One token per row of ``[R, V]`` probabilities, row r drawn with ``generators[r]`` (the
+    sequence's own: a seeded request gets the same tokens whatever shares its batch), as a
+    device tensor ``[R]``: the caller reads every row's token in one transfer, not one
+    ``.item()`` (a device sync on CUDA) per sequence.
+
+    The draw is an exponential race: ``argmax_v probs[v] / E_v`` with ``E_v ~ Exp(1)`` picks
+    ``v`` with probability ``probs[v]`` (vLLM's and FlashInfer's sampler), and needs only one
+    elementwise noise fill per row, no per-row ``multinomial``. ``E`` is kept >= the smallest
+    normal float so a zero draw cannot turn ``0 / 0`` into a NaN that argmax would pick.
+    """
     import torch
 
-    probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    noise = torch.empty_like(probs, dtype=torch.float32)
+    for r, g in enumerate(generators):
+        noise[r].exponential_(generator=g)
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One draw from ``filtered_probs`` with the sequence's own generator (one row of
+    :func:`draw_tokens`; the engine draws a step's rows together)."""
+    return int(draw_tokens(filtered_probs(logits, params)[None], [generator])[0])
 
 
 def _pairs(rows: Sequence[int], ids: Sequence[Sequence[int]], vocab: int, device: Any
@@ -433,4 +472,5 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids",
-           "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs", "sample_token"]
+           "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs",
+           "filtered_probs_rows", "draw_tokens", "sample_token"]
