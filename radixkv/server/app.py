@@ -45,6 +45,17 @@ MAX_CACHE_MARKS = 4
 #: hop to a worker and back costs two thread wake-ups, 0.5 ms on an idle machine and a
 #: scheduler time slice each (ms) when other processes hold the cores: more than the work.
 INLINE_TOKENIZE_CHARS = 4096
+#: uvicorn's event loop for ``radixkv serve``: the standard library's, not uvloop (uvicorn's
+#: "auto" picks uvloop when it is installed). uvloop runs libuv with the GIL released and
+#: re-takes it in every libuv callback (the cross-thread wake-up, the ready queue, queued
+#: writes, each socket read), so one pass of the event loop takes the GIL several times; the
+#: engine loop thread wants the GIL between its torch calls, and on a busy machine each of
+#: those hand-overs waits for the scheduler. asyncio's loop holds the GIL for a whole pass
+#: and releases it only in ``select``. Paired on the same cached chat turn (docs/serve.md,
+#: "Server overhead"), asyncio was 3.9-5.3 ms faster to the first token at p50 beside 2 busy
+#: processes and within 1 ms either way without them. The HTTP parser stays uvicorn's choice
+#: (httptools when installed, else h11): the two were even (p50 difference 0.1 ms).
+UVICORN_LOOP = "asyncio"
 
 
 class ServerState:
@@ -722,4 +733,4 @@ class _Stream(StreamingResponse):
             self._on_close()
 
 
-__all__ = ["create_app", "ServerState"]
+__all__ = ["create_app", "ServerState", "UVICORN_LOOP"]
