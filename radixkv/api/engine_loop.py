@@ -27,8 +27,8 @@ Failure model: an exception from ``step()`` is delivered to every request in fli
 callers re-raise it) and those requests are aborted, so the loop never spins on a broken batch
 and later requests still run.
 
-Lock order: ``EngineLoop._cv`` may be held while taking a ``RequestStream._cv`` (routing), never
-the reverse.
+Lock order: ``EngineLoop._cv`` is never held while taking a ``RequestStream._cv``, and a step
+routes its outputs without taking either unless a thread is blocked in ``RequestStream.get``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ class RequestStream:
 
     Items are ``RequestOutput`` snapshots in step order; an exception item ends the stream
     with that error. ``submitted`` is the ``perf_counter`` at submission (for TTFT).
+
+    Hand-over protocol (no lock on the loop thread's path for an asyncio reader): the loop
+    thread appends to a deque (atomic under the GIL) and then reads ``_sync_waiters`` and
+    ``_aio``; a reader registers itself (a blocked :meth:`get` counts in ``_sync_waiters``, an
+    :meth:`aget` sets ``_aio``) *before* it checks the deque. So either the reader sees the
+    item, or the writer sees the reader and wakes it: no output is missed, and a step pays a
+    condition variable only for a thread that is actually blocked in :meth:`get`.
     """
 
     def __init__(self, request_id: str, submitted: float) -> None:
@@ -66,6 +73,7 @@ class RequestStream:
         self.submitted = submitted
         self._cv = threading.Condition()
         self._items: deque[Any] = deque()
+        self._sync_waiters = 0   # threads inside get() (changed under _cv)
         self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def put(self, item: Any, wake: bool = True
@@ -76,10 +84,11 @@ class RequestStream:
         caller does it instead, from the returned ``(event loop, event)`` (None when no
         asyncio consumer waits): :meth:`EngineLoop._step` wakes each event loop once per step
         for all its streams (:func:`_wake`)."""
-        with self._cv:
-            self._items.append(item)
-            self._cv.notify_all()
-            aio = self._aio
+        self._items.append(item)
+        if self._sync_waiters:
+            with self._cv:
+                self._cv.notify_all()
+        aio = self._aio
         if aio is not None and wake:
             _wake({aio[0]: [aio[1]]})
             return None
@@ -94,21 +103,32 @@ class RequestStream:
     def get(self, timeout: float | None = None) -> Any:
         """The next output, blocking until the loop thread delivers it.
         Raises the step's exception if the request failed; TimeoutError after ``timeout``."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: bool(self._items), timeout):
-                raise TimeoutError(f"no output for {self.request_id!r} in {timeout} s")
+        if self._items:
             return self._pop()
+        with self._cv:
+            self._sync_waiters += 1   # before the check: put() then notifies (class docstring)
+            try:
+                if not self._cv.wait_for(lambda: bool(self._items), timeout):
+                    raise TimeoutError(f"no output for {self.request_id!r} in {timeout} s")
+            finally:
+                self._sync_waiters -= 1
+        return self._pop()
 
     async def aget(self) -> Any:
-        """The next output, awaited without blocking the running event loop."""
+        """The next output, awaited without blocking the running event loop. The event is set
+        and cleared on the event loop's own thread only (the loop thread schedules the set with
+        ``call_soon_threadsafe``), so no lock is needed; a wake-up for an output already read
+        costs one more pass of this loop."""
         while True:
-            with self._cv:
-                if self._items:
-                    return self._pop()
-                if self._aio is None:
-                    self._aio = (asyncio.get_running_loop(), asyncio.Event())
-                event = self._aio[1]
-                event.clear()   # cleared under the lock: a put() after this check sets it again
+            if self._items:
+                return self._pop()
+            if self._aio is None:   # registered before the check below (class docstring)
+                self._aio = (asyncio.get_running_loop(), asyncio.Event())
+                continue
+            event = self._aio[1]
+            event.clear()
+            if self._items:
+                continue
             await event.wait()
 
 

@@ -10,6 +10,8 @@ chat templating run in worker threads for the same reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import sys
 import threading
 import time
@@ -22,6 +24,7 @@ from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers
@@ -42,6 +45,17 @@ MAX_CACHE_MARKS = 4
 #: hop to a worker and back costs two thread wake-ups, 0.5 ms on an idle machine and a
 #: scheduler time slice each (ms) when other processes hold the cores: more than the work.
 INLINE_TOKENIZE_CHARS = 4096
+#: uvicorn's event loop for ``radixkv serve``: the standard library's, not uvloop (uvicorn's
+#: "auto" picks uvloop when it is installed). uvloop runs libuv with the GIL released and
+#: re-takes it in every libuv callback (the cross-thread wake-up, the ready queue, queued
+#: writes, each socket read), so one pass of the event loop takes the GIL several times; the
+#: engine loop thread wants the GIL between its torch calls, and on a busy machine each of
+#: those hand-overs waits for the scheduler. asyncio's loop holds the GIL for a whole pass
+#: and releases it only in ``select``. Paired on the same cached chat turn (docs/serve.md,
+#: "Server overhead"), asyncio was 3.9-5.3 ms faster to the first token at p50 beside 2 busy
+#: processes and within 1 ms either way without them. The HTTP parser stays uvicorn's choice
+#: (httptools when installed, else h11): the two were even (p50 difference 0.1 ms).
+UVICORN_LOOP = "asyncio"
 
 
 class ServerState:
@@ -110,8 +124,9 @@ class ServerState:
         if out.ttft is not None:
             m.ttft.labels(lab).observe(out.ttft)
         m.e2e.labels(lab).observe(time.perf_counter() - timing.arrived)
+        itl = m.itl.labels(lab)
         for gap in timing.gaps:
-            m.itl.labels(lab).observe(gap)
+            itl.observe(gap)
         m.prompt_tokens.labels(lab).inc(len(out.prompt_token_ids))
         m.generation_tokens.labels(lab).inc(sum(len(c.token_ids) for c in out.outputs))
         # one request, however many choices (n) it has: the first choice's reason
@@ -556,6 +571,9 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             serving.abort(state, handle, timing)
 
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close), close)
+    # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
+    # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
+    params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
             _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, serving.session_hints(req))
@@ -653,12 +671,16 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     beam = params.use_beam_search
 
+    # Every chunk is {"id", "object", "created", "model", "choices"[, "usage": null]}: the
+    # fixed fields are encoded once, each chunk encodes its choices only (the same bytes as
+    # serving.sse of the whole object).
+    fixed = serving.sse({"id": rid, "object": kind, "created": created,
+                         "model": state.model_name})
+    head = fixed[:fixed.rindex("}")] + ',"choices":'
+    tail = (',"usage":null' if include_usage else "") + "}\n\n"
+
     def chunk(choices: list[dict]) -> str:
-        body: dict[str, Any] = {"id": rid, "object": kind, "created": created,
-                                "model": state.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = None
-        return serving.sse(body)
+        return head + json.dumps(choices, separators=(",", ":")) + tail
 
     offsets: dict[int, int] = {}   # completions' text_offset: characters of tokens sent
 
@@ -738,4 +760,4 @@ class _Stream(StreamingResponse):
             self._on_close()
 
 
-__all__ = ["create_app", "ServerState"]
+__all__ = ["create_app", "ServerState", "UVICORN_LOOP"]

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES
+    from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
 
     app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+                                           log_level=args.log_level, loop=UVICORN_LOOP))
     if failed:   # failed before the server object existed
         server.should_exit = True
     server.run()

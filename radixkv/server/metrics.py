@@ -175,9 +175,16 @@ class _Twin:
 
     def __init__(self, *metrics: Any) -> None:
         self.metrics = metrics
+        # label values -> the pair of children: prometheus_client's labels() validates and
+        # takes a lock on every call (~20 us for the pair), and the handlers call it per
+        # request and per token gap on the event loop
+        self._children: dict[tuple[str, ...], _Twin] = {}
 
     def labels(self, *values: str) -> _Twin:
-        return _Twin(*(m.labels(*values) for m in self.metrics))
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Twin(*(m.labels(*values) for m in self.metrics))
+        return child
 
     def observe(self, value: float) -> None:
         for m in self.metrics:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.api.metrics import TIER_NAMES
+from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -306,15 +307,22 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     stream = handle if handle is not None else await submit(
         state, request_id, prompt_ids, params, cache_salt, timing, cache_points, hints,
         restartable)
+    # A final-only request (a non-streamed answer) gets one output, at the end: its first
+    # token's time is the engine's reading (``ttft``), not this handler's, and it has no gaps.
+    final_only = getattr(params, "output_kind", None) == OUTPUT_FINAL_ONLY
     finished = False
     try:
         while not finished:
             out = await stream.aget()
             now = time.perf_counter()
             if any(o.delta_token_ids for o in out.outputs):
-                if timing.first_token is None:
+                ttft = getattr(out, "ttft", None)
+                if final_only:   # the earliest first token of the request's prompts
+                    first = now if ttft is None else stream.submitted + ttft
+                    if timing.first_token is None or first < timing.first_token:
+                        timing.first_token = timing.engine_first_token = first
+                elif timing.first_token is None:
                     timing.first_token = now
-                    ttft = getattr(out, "ttft", None)
                     if ttft is not None:
                         timing.engine_first_token = stream.submitted + ttft
                 elif timing.last_token is not None:

@@ -41,3 +41,26 @@ def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, ca
         rc = exc.code
     assert rc == 2
     assert words in capsys.readouterr().err
+
+
+def test_serve_runs_uvicorn_on_asyncios_event_loop(monkeypatch) -> None:
+    """Not uvloop, whatever is installed: uvloop re-takes the GIL in every libuv callback and
+    loses each hand-over to the engine thread on a busy machine (app.UVICORN_LOOP)."""
+    import uvicorn
+
+    from radixkv.server import cpu
+
+    seen = {}
+
+    class Server:   # built, not run: no socket, no model
+        def __init__(self, config: uvicorn.Config) -> None:
+            seen["loop"], self.should_exit = config.loop, False
+
+        def run(self) -> None:
+            seen["ran"] = True
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")   # main() must not set it for this process
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    monkeypatch.setattr(cpu, "apply_threads", lambda n: "threads untouched by this test")
+    assert main(["--port", "0"]) == 0
+    assert seen == {"loop": "asyncio", "ran": True}
