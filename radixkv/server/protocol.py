@@ -128,6 +128,16 @@ class _SamplingFields(BaseModel):
     #: once it has placed (chat) or found (a text prompt) the documents' texts.
     _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
 
+    def place_documents(self, spans: list[tuple[int, int]]) -> None:
+        """Record where the endpoint placed (chat) or found (a text prompt) the documents'
+        texts: their [start, end) token spans, which the engine blends."""
+        self._document_spans = spans
+
+    @property
+    def document_spans(self) -> Optional[list[tuple[int, int]]]:
+        """The spans :meth:`place_documents` recorded, None before (or for token spans)."""
+        return self._document_spans
+
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
     _implemented: ClassVar[frozenset[str]] = frozenset()
 
@@ -383,6 +393,16 @@ class TokenizeRequest(BaseModel):
     documents: Optional[list[Union[str, dict[str, Any]]]] = None
 
     _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
+
+    def place_documents(self, spans: list[tuple[int, int]]) -> None:
+        """Record where the endpoint placed (chat) or found (a text prompt) the documents'
+        texts: their [start, end) token spans, which the engine blends."""
+        self._document_spans = spans
+
+    @property
+    def document_spans(self) -> Optional[list[tuple[int, int]]]:
+        """The spans :meth:`place_documents` recorded, None before (or for token spans)."""
+        return self._document_spans
 
     @field_validator("documents", mode="before")
     @classmethod

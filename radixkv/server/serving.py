@@ -266,8 +266,8 @@ def session_hints(req: Any) -> dict[str, Any]:
 def blend_hints(req: Any) -> dict[str, Any]:
     """A request's RAG documents (their token spans) and blend ratio for the engine
     (docs/rag.md), {} if none. Document texts (chat, a text prompt) have been placed or found
-    by the endpoint, which set their spans (``_document_spans``)."""
-    docs = getattr(req, "_document_spans", None)
+    by the endpoint, which recorded their spans (``place_documents``)."""
+    docs = getattr(req, "document_spans", None)
     if docs is None:
         docs = getattr(req, "documents", None)
         if docs and isinstance(docs[0], (str, dict)):
@@ -390,7 +390,7 @@ def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | Non
     the last user message's text, padded to whole blocks
     (:func:`radixkv.api.rag.chat_document_prompt`); a ``text`` prompt is split where it contains
     them (:func:`radixkv.api.rag.text_document_prompt`). The spans of the documents that have a
-    cache entry, at least one full block, are set on the request (``req._document_spans``, read
+    cache entry, at least one full block, are recorded on the request (``place_documents``, read
     by :func:`blend_hints`); a shorter document is computed like the text around it. A document
     that cannot be placed or found is a 400 naming ``documents``; nothing reaches the
     engine."""
@@ -407,7 +407,7 @@ def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | Non
                                        tpl.encode, text, req.documents)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="documents", code="invalid_value") from None
-    req._document_spans = [sp for sp in out.spans if sp[1] - sp[0] >= backend.block_size]
+    req.place_documents([sp for sp in out.spans if sp[1] - sp[0] >= backend.block_size])
     return out
 
 
