@@ -596,6 +596,12 @@ def run_vs_launch(args: argparse.Namespace) -> int:
     --threads T`` (default flags otherwise; both caches start empty), and replays the same
     conversations against the two (:func:`vs_session`); then :func:`vs_goals`. One vLLM at a
     time (each holds its KV space, ``--vllm-kv-gib``, besides several GiB of its own)."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a background job ignores SIGINT) unwinds through the finally blocks that
+        # stop both servers: an orphaned vLLM would keep its GiBs and cores
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     counts = args.vs_clients
     convs = conversations(args.conversations * len(counts), args.turns, args.max_chars)
     header = run_header(args.seed, benchmark="serve-vs-vllm",
