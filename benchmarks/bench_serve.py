@@ -461,15 +461,20 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def vs_summary(side: str, clients: int, run: dict[str, Any]) -> dict[str, Any]:
-    """One row of ``--vs-vllm``: later turns' client TTFT, the replay's throughput, the
-    machine's 1-minute load average over the rounds (min, median, max)."""
+    """One row of ``--vs-vllm``: later turns' client TTFT and decode ms per token, the
+    replay's throughput, the machine's 1-minute load average over the rounds (min, median,
+    max)."""
     later = [r["ttft"] for r in run["requests"] if r["turn"] > 0]
     cached = [r["cached_tokens"] for r in run["requests"]]
     prompt = sum(r["prompt_tokens"] for r in run["requests"])
     loads = sorted(run.get("loadavg", [])) or [float("nan")]
+    # decode time per token after the first: (end-to-end - TTFT) / (output tokens - 1)
+    decode = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in run["requests"]
+              if r["turn"] > 0 and r["output_tokens"] > 1]
     return {"server": side, "clients": clients, "requests": len(run["requests"]),
             "later_turns": len(later),
             "ttft_p50_s": statistics.median(later), "ttft_p99_s": _pct(later, 0.99),
+            "decode_ms_per_token_p50": 1e3 * statistics.median(decode) if decode else None,
             "requests_per_s": len(run["requests"]) / run["wall_s"],
             "output_tok_s": sum(r["output_tokens"] for r in run["requests"]) / run["wall_s"],
             "cached_share": None if None in cached else sum(cached) / max(1, prompt),

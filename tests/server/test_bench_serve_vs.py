@@ -106,6 +106,7 @@ def test_vllm_python_launches_the_other_server_per_block_size(tmp_path, monkeypa
         # --quick: 2 conversations x 2 turns, 1 client, 2 rounds (one conversation each)
         assert row["threads"] == 1 and row["block_size"] == "32" and row["requests"] == 4
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["requests_per_s"] > 0
+        assert row["decode_ms_per_token_p50"] > 0   # --quick: 4 output tokens a turn
         assert row["cached_share"] > 0 and row["start_s"] > 0
         assert row["rss_mib"] > 0 and row["pss_mib"] > 0
         assert row["load_min"] <= row["load_p50"] <= row["load_max"]
