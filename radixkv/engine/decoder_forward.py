@@ -38,7 +38,7 @@ runs through transformers' modules with radixkv's attention hooked in, as before
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,50 @@ class _Concat:
         if self._current() != self.ptrs:
             self.build()
         return F.linear(x, self.weight, self.bias)
+
+
+def _paged_decode_direct(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         host_seq_lens: list[int]) -> torch.Tensor:
+    """What the ``radixkv::paged_decode`` op runs on the CPU, called directly."""
+    return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                          scale=scale, check=False,
+                                          plan={"host_seq_lens": list(host_seq_lens)})
+
+
+class _Ops(NamedTuple):
+    """The per-layer ops a forward calls: the ``radixkv::`` custom ops, or on the CPU their
+    implementations called as plain functions (:func:`_layer_ops` says when)."""
+
+    rms_norm: Any
+    add_rms_norm: Any
+    silu_mul: Any
+    rope_write_kv: Any
+    paged_decode: Any
+
+
+_CUSTOM_OPS = _Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_mul, fused.rope_write_kv,
+                   fused.paged_decode)
+_DIRECT_OPS = _Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_mul_ref,
+                   fused.rope_write_kv_ref, _paged_decode_direct)
+
+
+def _layer_ops(x: torch.Tensor) -> _Ops:
+    """The custom ops where they do something their implementations do not: on CUDA (one
+    Triton kernel each, CUDA graphs), under ``torch.compile`` or a dispatch mode (a
+    ``FakeTensorMode``, the launch counter of tests/engine/test_decode_ops.py: one op per
+    call); on the CPU otherwise their CPU implementations, the same functions, called directly.
+
+    Why: a ``torch.library.custom_op`` call costs ~25 us of Python dispatch (argument
+    defaults, the autograd and in-place wrappers, the dynamo guard) on top of its work; a
+    decode step of the embedded 30-layer model makes 150 of them: calling the functions
+    directly takes a step from 19.0 to 16.5 ms at one thread, batch 1 (docs/serve.md,
+    radixkv vs vLLM). Same functions, same arithmetic: the logits are bit-identical
+    (tests/engine/test_decoder_forward.py)."""
+    if (x.device.type != "cpu" or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack() > 0):
+        return _CUSTOM_OPS
+    return _DIRECT_OPS
 
 
 class _Fused:
@@ -263,31 +307,32 @@ class DecoderForward:
         packed = (self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
                   and t <= packed_linear.MAX_PACKED_ROWS)
         host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
+        ops = _layer_ops(x)
         delta = None
         for lay in self.layers:
             if delta is None:
-                h = fused.rms_norm(x, lay.in_norm, lay.in_eps)
+                h = ops.rms_norm(x, lay.in_norm, lay.in_eps)
             else:
-                h, x = fused.add_rms_norm(delta, x, lay.in_norm, lay.in_eps)
+                h, x = ops.add_rms_norm(delta, x, lay.in_norm, lay.in_eps)
             qkv = (lay.qkv(h) if packed else lay.qkv_cat(h)).view(t, hq + 2 * hkv, d)
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
             if lay.q_norm is not None:
-                q = fused.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
-                k = fused.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
-            out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens)
+                q = ops.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
+                k = ops.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
+            out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens, ops)
             delta = lay.o.forward(out.view(t, hq * d))
-            h, x = fused.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
+            h, x = ops.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
             gate_up = lay.gate_up(h) if packed else lay.gate_up_cat(h)
-            delta = lay.down.forward(fused.silu_mul(gate_up))
+            delta = lay.down.forward(ops.silu_mul(gate_up))
         rows = batch.logits_indices
-        rows, _ = fused.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
-                                     self.norm, self.norm_eps)
+        rows, _ = ops.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
+                                   self.norm, self.norm_eps)
         return self.head.forward(rows).float()
 
     @staticmethod
     def _attention(ctx: attention.PagedAttentionContext, lay: _Layer, q: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, host_lens: list[int]) -> torch.Tensor:
+                   sin: torch.Tensor, host_lens: list[int], ops: _Ops) -> torch.Tensor:
         """Rope, the K/V write and attention of one layer; ``[T, Hq, D]`` out."""
         batch = ctx.batch
         kv = ctx.kv_cache[lay.idx]                  # [2, num_blocks, block_size, Hkv, D]
@@ -297,8 +342,8 @@ class DecoderForward:
                                     fused.rope_ref(k, cos, sin), v.contiguous(), lay.scaling,
                                     lay.window)
         k_cache, v_cache = kv[0], kv[1]
-        q = fused.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping,
-                                batch.has_pad_slots)
+        q = ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                              batch.has_pad_slots)
         scale = lay.scaling if lay.scaling is not None else q.shape[-1] ** -0.5
         if lay.window is not None and batch.max_seq_len > lay.window:
             # A window that no sequence reaches changes nothing: those layers keep the fast path.
@@ -307,8 +352,8 @@ class DecoderForward:
                 batch.host_seq_lens, scale, torch.empty_like(q), window=lay.window,
                 softcap=None)
         if batch.mode is AttentionMode.DECODE:
-            return fused.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                      scale, host_lens)
+            return ops.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                    scale, host_lens)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
             scale=scale, check=False, plan=ctx.plan)

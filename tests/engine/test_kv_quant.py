@@ -314,7 +314,7 @@ def test_qwen2_quantized_path_adds_no_error_beyond_the_formats_own(make_tiny, kv
     rounding. What is left is the format's own error (e4m3: 3 mantissa bits, ~2.5% of each
     element; docs/quantization.md)."""
     from radixkv.benchmarks import bench_kv_quant as bq
-    from radixkv.engine import attention
+    from radixkv.engine import attention, decoder_forward
     from radixkv.kernels import fused
 
     hf = copy.deepcopy(make_tiny("qwen2"))
@@ -340,7 +340,8 @@ def test_qwen2_quantized_path_adds_no_error_beyond_the_formats_own(make_tiny, kv
                                        k_cache, v_cache, slot_mapping, has_pad)
 
     monkeypatch.setattr(attention, "attend", round_trip)           # transformers' modules
-    monkeypatch.setattr(fused, "rope_write_kv", write_round_trip)  # the lean forward
+    ops = decoder_forward._DIRECT_OPS._replace(rope_write_kv=write_round_trip)
+    monkeypatch.setattr(decoder_forward, "_layer_ops", lambda x: ops)  # the lean forward
     for cached, got in real.items():
         want = bq.teacher_forced(hf, "auto", seqs, cached=cached)
         for a, b in zip(got, want):
