@@ -276,7 +276,7 @@ class StoredRows:
             the float buffers, which hold them dequantized in the stored (Hadamard) domain.
     """
 
-    fmt: Any
+    fmt: kv_quant.QuantFormat
     rows: torch.Tensor
 
 
