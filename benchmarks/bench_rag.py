@@ -26,9 +26,19 @@ reuse and blended reuse at the default ratio, *cold* (nothing cached: a blend fi
 each document's entry), *other order* (the documents cached by a prompt in another order: the
 case blending is for) and *warm* (the same prompt again). Ratios are of medians in the same run.
 
-Writes ``rag.json`` (``--quick``: a temp folder) and ``docs/img/rag_quality.png`` (full runs).
-The last line reads ``blended/prefix-only TTFT R; top-1 agreement A (bar B)`` (A: the default
-ratio's agreement on the embedded model, B: bf16's).
+**Quantized KV** (``--kv-dtype int8`` or ``fp8_e4m3``): the engine under test (entries,
+blends, TTFT) holds its KV in that format (:mod:`radixkv.engine.kv_quant`; blending re-rotates
+the quantized keys, see :mod:`radixkv.engine.blend`). Each mode is then compared twice: against
+a full prefill of the same prompt on the same quantized cache (``kl_mean``, ``top1``: what
+blending itself costs) and against the full fp32 prefill of a plain fp32 cache (``kl_fp32``,
+``top1_fp32``: what a user of the quantized cache gets, quantization included); the row
+``full prefill`` is the quantized cache's own full prefill against fp32 (quantization alone).
+The continuation teacher-forced is the fp32 model's greedy one on the plain cache.
+
+Writes ``rag.json`` (``--quick``: a temp folder; ``--kv-dtype``: ``rag_<kv-dtype>.json``) and
+``docs/img/rag_quality.png`` (full runs on a plain cache). The last line reads
+``blended/prefix-only TTFT R; top-1 agreement A (bar B)`` (A: the default ratio's agreement on
+the embedded model against the full fp32 prefill, B: bf16's).
 """
 
 from __future__ import annotations
@@ -166,12 +176,14 @@ def tiny_model(name: str, seed: int = 0) -> Any:
         cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def make_engine(model: Any, tokenizer: Any, dtype: str, blocks: int, model_id: str) -> Any:
+def make_engine(model: Any, tokenizer: Any, dtype: str, blocks: int, model_id: str,
+                kv_dtype: str = "auto") -> Any:
     from radixkv import CacheConfig
     from radixkv.api.engine import Engine
     from radixkv.config import EngineConfig
 
-    return Engine(model, tokenizer, CacheConfig(block_size=BS, num_device_blocks=blocks),
+    return Engine(model, tokenizer, CacheConfig(block_size=BS, num_device_blocks=blocks,
+                                                kv_dtype=kv_dtype),
                   EngineConfig(device="cpu", dtype=dtype, max_num_seqs=8,
                                max_num_batched_tokens=16384, max_model_len=16384),
                   model_id=model_id)
@@ -251,36 +263,53 @@ def compare(ref: Any, got: Any) -> tuple[float, float, float]:
 
 
 def quality(r32: Runner, r16: Runner | None, cases: list[Case], tokens: int,
-            label: str) -> list[dict[str, Any]]:
-    """Per mode: mean KL and top-1 agreement over every prompt's continuation positions."""
+            label: str, rfp: Runner | None = None) -> list[dict[str, Any]]:
+    """Per mode: mean KL and top-1 agreement over every prompt's continuation positions,
+    against ``r32``'s own full prefill; with ``rfp`` (a plain fp32 cache, when ``r32``'s is
+    quantized) also against ``rfp``'s full prefill (``kl_fp32``, ``top1_fp32``; the
+    continuation is then ``rfp``'s), plus the row ``full prefill``: ``r32``'s against it."""
     modes = ["prefix-only", *(str(x) for x in RATIOS)]
     acc: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes + ["bf16"]}
+    acc_fp: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes + ["full"]}
     for i, case in enumerate(cases):
         print(f"  quality {label}: prompt {i + 1}/{len(cases)}, {len(case.docs)} documents, "
               f"{len(case.prompt(case.order))} tokens", file=sys.stderr, flush=True)
         prompt = case.prompt(case.order)
-        out = r32.run(prompt, r32.salt(), tokens=tokens)
+        src = rfp if rfp is not None else r32
+        out = src.run(prompt, src.salt(), tokens=tokens)
         cont = list(out.outputs[0].token_ids)
         seq, first = prompt + cont[:-1], len(prompt) - 1
         ref = r32.logits(seq, r32.salt(), first)
+        ref_fp = rfp.logits(seq, rfp.salt(), first) if rfp is not None else ref
+        if rfp is not None:
+            acc_fp["full"].append(compare(ref_fp, ref))
         if r16 is not None:
-            acc["bf16"].append(compare(ref, r16.logits(seq, r16.salt(), first)))
+            acc["bf16"].append(compare(ref_fp, r16.logits(seq, r16.salt(), first)))
         doc_salt = r32.salt()
         r32.warm_docs(case, doc_salt)
         for m in modes:
             got, _ = r32.mode_logits(case, m, cont, doc_salt)
             acc[m].append(compare(ref, got))
+            if rfp is not None:
+                acc_fp[m].append(compare(ref_fp, got))
     rows = []
-    for m in modes + ["bf16"]:
-        if not acc[m]:
+    for m in modes + ["full", "bf16"]:
+        own = acc.get(m) or acc_fp.get(m)
+        if not own:
             continue
-        name = m if m in ("prefix-only", "bf16") else (
+        name = {"full": "full prefill"}.get(m, m) if m in ("prefix-only", "bf16", "full") else (
             "plain (0%)" if float(m) == 0 else f"blend {float(m):.0%}")
-        rows.append({"model": label, "mode": name,
-                     "kl_mean": statistics.fmean(a[0] for a in acc[m]),
-                     "kl_max": max(a[1] for a in acc[m]),
-                     "top1": statistics.fmean(a[2] for a in acc[m]),
-                     "prompts": len(acc[m])})
+        row: dict[str, Any] = {"model": label, "mode": name}
+        if m != "full":      # bf16 is against fp32 either way; "full" only against fp32
+            row.update(kl_mean=statistics.fmean(a[0] for a in own),
+                       kl_max=max(a[1] for a in own),
+                       top1=statistics.fmean(a[2] for a in own))
+        fp = acc_fp.get(m) or (acc["bf16"] if m == "bf16" and rfp is not None else None)
+        if fp:
+            row.update(kl_fp32=statistics.fmean(a[0] for a in fp),
+                       top1_fp32=statistics.fmean(a[2] for a in fp))
+        row["prompts"] = len(own)
+        rows.append(row)
     return rows
 
 
@@ -415,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run one half (the last line then needs the other's JSON: skipped)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--kv-dtype", default=None, choices=("int8", "fp8_e4m3", "fp8"),
+                    help="quantized KV cache of the engines under test (fp8: fp8_e4m3); "
+                         "compared with full prefills on the same cache and on fp32")
     args = ap.parse_args(argv)
+    kv_dtype = {"fp8": "fp8_e4m3"}.get(args.kv_dtype, args.kv_dtype)
     import torch
 
     from radixkv.engine.blend import DEFAULT_BLEND_RATIO
@@ -427,14 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         (2, 200, 300, 3, 4) if args.quick else (args.prompts, 200, 1000, 3, 8))
     n_t = 1 if args.quick else args.ttft_prompts
     header = run_header(args.seed, quick=args.quick, ratio=ratio, tokens=args.tokens,
-                        threads=torch.get_num_threads())
+                        threads=torch.get_num_threads(), kv_dtype=kv_dtype or "model dtype")
     print(header)
     from radixkv.models import load_model, load_tokenizer
 
     tok = load_tokenizer()
     m32 = load_model(dtype=torch.float32, device="cpu", progress=False)
     layers = int(m32.config.num_hidden_layers)
-    e32 = make_engine(m32, tok, "float32", 3072, "smol-fp32")
+    e32 = make_engine(m32, tok, "float32", 3072, "smol-fp32", kv_dtype or "auto")
+    efp = (None if kv_dtype is None or args.only == "ttft" else
+           make_engine(copy.deepcopy(m32), tok, "float32", 1024, "smol-fp32-ref"))
     qrows: list[dict[str, Any]] = []
     trows: list[dict[str, Any]] = []
     try:
@@ -444,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                               "smol-bf16")
             try:
                 qrows = quality(Runner(e32), Runner(e16), cases[:n_q], args.tokens,
-                                "SmolLM2-135M")
+                                "SmolLM2-135M", Runner(efp) if efp is not None else None)
             finally:
                 e16.close()
         if args.only != "quality":
@@ -458,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             trows = ttft_rows(Runner(e32), tcases, ratio, layers)
     finally:
         e32.close()
+        if efp is not None:
+            efp.close()
     if not args.no_tiny and args.only != "ttft":
         from radixkv.engine.blend import blend_unsupported
 
@@ -465,10 +502,13 @@ def main(argv: list[str] | None = None) -> int:
             t32 = tiny_model(name)
             t16 = copy.deepcopy(t32).to(torch.bfloat16)
             tc = tiny_cases(max(2, n_q), min_docs, max_docs, min_len, max_len, args.seed)
-            a = make_engine(t32, None, "float32", 2048, f"tiny-{name}")
+            a = make_engine(t32, None, "float32", 2048, f"tiny-{name}", kv_dtype or "auto")
             b = make_engine(t16, None, "bfloat16", 2048, f"tiny-{name}-bf16")
+            c = (None if kv_dtype is None else
+                 make_engine(copy.deepcopy(t32), None, "float32", 2048, f"tiny-{name}-ref"))
             try:
-                rows = quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}")
+                rows = quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}",
+                               Runner(c) if c is not None else None)
                 reason = blend_unsupported(a.core.model_runner)
                 for row in rows:
                     row["note"] = f"prefix-only fallback: {reason}" if reason else ""
@@ -476,18 +516,27 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 a.close()
                 b.close()
+                if c is not None:
+                    c.close()
     if qrows:
-        print_table(qrows, ["model", "mode", "kl_mean", "kl_max", "top1", "prompts", "note"],
-                    title="quality vs a full fp32 prefill (teacher-forced continuation)")
+        cols = ["model", "mode", "kl_mean", "kl_max", "top1", "prompts", "note"]
+        title = "quality vs a full fp32 prefill (teacher-forced continuation)"
+        if kv_dtype is not None:
+            cols[5:5] = ["kl_fp32", "top1_fp32"]
+            title = (f"quality, {kv_dtype} KV: kl_mean/top1 vs a full prefill on the same "
+                     f"{kv_dtype} cache, kl_fp32/top1_fp32 vs a full fp32 prefill (bf16: vs "
+                     "fp32 in both)")
+        print_table(qrows, cols, title=title)
     if trows:
         print_table(trows, ["mode", "cache", "ttft_s", "ttft_vs_prefix_only", "computed_tokens",
                             "prompt_tokens", "prompts"],
-                    title=f"TTFT, 4-document prompts, SmolLM2-135M fp32 on the CPU "
-                          f"(default ratio {ratio})")
-    suffix = "" if args.only is None else f"_{args.only}"
+                    title=f"TTFT, 4-document prompts, SmolLM2-135M fp32 on the CPU, "
+                          f"{kv_dtype or 'fp32'} KV (default ratio {ratio})")
+    suffix = ("" if kv_dtype is None else f"_{kv_dtype}") + (
+        "" if args.only is None else f"_{args.only}")
     name = ("rag_quick" if args.quick else "rag") + suffix
     write_results(name, header, {"quality": qrows, "ttft": trows})
-    if not args.quick and qrows:
+    if not args.quick and qrows and kv_dtype is None:
         out = REPO_ROOT / "docs" / "img" / "rag_quality.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(qrows, out)
@@ -495,7 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     pick = f"blend {ratio:.0%}" if ratio > 0 else "plain (0%)"
     r = next((x["ttft_vs_prefix_only"] for x in trows
               if x["mode"] == pick and x["cache"] == "other order"), float("nan"))
-    a = next((x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == pick),
+    key = "top1" if kv_dtype is None else "top1_fp32"
+    if kv_dtype is not None:
+        own = next((x["top1"] for x in qrows
+                    if x["model"] == "SmolLM2-135M" and x["mode"] == pick), float("nan"))
+        print(f"{kv_dtype} KV: top-1 agreement of {pick} with a full prefill on the same "
+              f"cache {own:.3f}")
+    a = next((x[key] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == pick),
              float("nan"))
     b = next((x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == "bf16"),
              float("nan"))

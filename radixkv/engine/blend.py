@@ -51,12 +51,23 @@ document spans are known, with ``m`` tokens cached as a plain prefix:
 run the ordinary request instead (:func:`blend_context` returns ``None``), so ratio 1 *is* the
 full prefill, bit for bit.
 
+**Quantized caches** (``kv_dtype="int8"`` / ``"fp8_e4m3"``, :mod:`radixkv.engine.kv_quant`):
+a stored row is ``x H`` (``H`` the orthonormal Hadamard matrix) quantized with its own fp16
+scale. Step 2 gathers the rows' bytes; a document's K rows are dequantized back to ``x``
+(``(x H) H = x``), re-rotated by the RoPE offset as above and quantized again, row by row, in
+the cache's format (:func:`rerotate_quantized`); V rows, the prefix's rows and a K row whose
+offset is 0 keep their bytes. The blend forward then works in the stored (Hadamard) domain,
+as the paged read path does: its buffers hold the rows dequantized as stored, every K/V row it
+computes is quantized once (the bytes are kept for step 4) and read back dequantized, the query
+is rotated by ``H`` before attention and the output after it, and the selection's deviation
+compares dequantized rows (``H`` is orthonormal: the same distance as in the plain domain).
+Step 4 writes the kept bytes: what a later request reads is exactly what the blend attended.
+
 Where blending does not apply, the request keeps prefix-only reuse (``blend_unsupported`` names
 why): models without the lean forward (:mod:`radixkv.engine.decoder_forward`: Llama, Mistral,
 Qwen2, Qwen3 and radixkv's native tree), models without rotary position embeddings or with a
-length-dependent (``dynamic``) rope, and quantized (int8/fp8) KV caches, whose stored rows are
-Hadamard-rotated and quantized per row (re-rotating them would need a dequantize/requantize pass
-that is not written yet).
+length-dependent (``dynamic``) rope, and a KV cache whose storage dtype is neither the model's
+nor a quantized format of :data:`radixkv.engine.kv_quant.FORMATS` (no engine builds one).
 """
 
 from __future__ import annotations
@@ -71,6 +82,7 @@ import torch.nn.functional as F
 import xxhash
 
 from radixkv.core.hashing import Namespace
+from radixkv.engine import kv_quant
 from radixkv.errors import InvalidRequestError, OutOfBlocks
 from radixkv.kernels import fused
 from radixkv.tiers.protocol import run_kv_ops
@@ -217,17 +229,55 @@ def rerotate(k: torch.Tensor, rotary: Any, delta: int) -> torch.Tensor:
     return out
 
 
+def rerotate_quantized(rows: torch.Tensor, rotary: Any, delta: int) -> torch.Tensor:
+    """Quantized K rows ``[..., T, Hkv, D + 2]`` (a cache's int8 / float8_e4m3fn rows, see
+    :mod:`radixkv.engine.kv_quant`) at positions ``p`` -> the same keys at ``p + delta``,
+    quantized again in the same format (same dtype and shape; ``delta == 0``: ``rows`` itself).
+
+    A stored row is ``x H`` quantized with its own fp16 scale; ``H`` is its own inverse, so
+    the dequantized row times ``H`` is ``x`` (up to the quantization error), which
+    :func:`rerotate` moves to the new positions in float32; :func:`kv_quant.quantize_rows
+    <radixkv.engine.kv_quant.quantize_rows>` then rotates by ``H`` again and picks each row's
+    new scale, as the write path does. The error added is one more rounding to the format's
+    grid (tests/engine/test_blend_quant.py bounds it). One pass over all the rows given.
+    """
+    fmt = kv_quant.format_of(rows.dtype)
+    if fmt is None:
+        raise TypeError(f"rerotate_quantized needs quantized rows, got {rows.dtype}")
+    if delta == 0:
+        return rows
+    k = kv_quant.dequantize_rows(rows, torch.float32)        # [..., D]: x (H undone)
+    return kv_quant.quantize_rows(rerotate(k, rotary, delta), fmt.name)
+
+
 # ---------------------------------------------------------------------------------- forward
 def blend_unsupported(runner: Any) -> str | None:
     """Why prompts on ``runner`` (a :class:`ModelRunner`) keep prefix-only reuse (None: they
     can blend)."""
-    from radixkv.engine import kv_quant
-
-    if kv_quant.format_of(runner.kv_cache.dtype) is not None:
-        return "the KV cache is quantized (int8/fp8 rows are stored Hadamard-rotated)"
     if runner.lean is None:
         return "the model has no lean forward (decoder_forward.py: Llama, Mistral, Qwen2/3)"
+    cache_dtype = runner.kv_cache.dtype
+    if kv_quant.format_of(cache_dtype) is None and cache_dtype != runner.lean.embed.weight.dtype:
+        return (f"the KV cache holds {cache_dtype}, neither the model's dtype "
+                f"({runner.lean.embed.weight.dtype}) nor a quantized format "
+                f"({', '.join(kv_quant.FORMATS)})")
     return rope_unsupported(runner.lean.rotary)
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """The quantized rows of a blend on an int8 / fp8 cache, next to its float buffers.
+
+    Attributes:
+        fmt: the cache's :class:`~radixkv.engine.kv_quant.QuantFormat`.
+        rows: int8 ``[2, L, N, Hkv, D + 2]`` (K then V, per layer, per token): the rows'
+            bytes as the cache stores them (viewed as int8 whatever the format; see
+            :mod:`radixkv.engine.kv_quant`), each the quantized form of the matching row of
+            the float buffers, which hold them dequantized in the stored (Hadamard) domain.
+    """
+
+    fmt: kv_quant.QuantFormat
+    rows: torch.Tensor
 
 
 @dataclass
@@ -239,9 +289,11 @@ class BlendStats:
     fresh: int = 0
 
 
+@torch.inference_mode()
 def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: list[torch.Tensor],
                   values: list[torch.Tensor], reuse: torch.Tensor, ratio: float,
-                  check_layer: int = DEFAULT_CHECK_LAYER) -> BlendStats:
+                  check_layer: int = DEFAULT_CHECK_LAYER,
+                  stored: StoredRows | None = None) -> BlendStats:
     """Blend the KV of ``token_ids[prefix_len:]`` into ``keys``/``values`` in place.
 
     Args:
@@ -256,6 +308,12 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
             no document token is recomputed on any layer).
         check_layer: layers ``0 .. check_layer`` compute every token; the selection uses the
             deviation on ``check_layer``.
+        stored: on a quantized cache, the rows' bytes (:class:`StoredRows`); ``keys`` and
+            ``values`` then hold them dequantized in the stored (Hadamard-rotated) domain, in
+            the model's dtype. Every computed K/V row is quantized once into ``stored.rows``
+            and read back dequantized into the buffers, and attention runs in that domain
+            (query rotated by ``H`` before, output after), as the paged read path does: the
+            rows attended are bit for bit the bytes that step 4 writes.
 
     Runtime: layers ``0 .. check_layer`` cost a prefill of ``N - prefix_len`` tokens, the others
     that of the fresh tokens plus ``ratio`` of the reused ones; attention is dense over
@@ -297,6 +355,8 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
         q = fused.rope_ref(q, cos, sin)
         k = fused.rope_ref(k, cos, sin)
         kb, vb = keys[li], values[li]
+        if stored is not None:   # quantize once; attend over the rows as they are stored
+            k, v, q = _store_rows(stored, li, active, k, v, q)
         # the deviation is measured before the fresh rows overwrite the cached ones
         keep = _select(active, k, v, kb, vb, reuse, ratio) if li == select_at else None
         kb.index_copy_(0, active, k)
@@ -304,6 +364,8 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
         if li == num_layers - 1:
             break   # the last layer's K/V are written; its output is never read
         out = _attend(q, kb, vb, active, key_pos, lay.scaling, lay.window, hq, hkv)
+        if stored is not None and stored.fmt.rotated:
+            out = kv_quant.rotate(out)
         delta = lay.o.forward(out.reshape(-1, hq * d))
         h, x = fused.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
         delta = lay.down.forward(fused.silu_mul(lay.gate_up_cat(h)))
@@ -313,6 +375,21 @@ def blend_forward(lean: Any, token_ids: torch.Tensor, prefix_len: int, keys: lis
             rope = None
             stats.recomputed = int(reuse.index_select(0, active).sum())
     return stats
+
+
+def _store_rows(stored: StoredRows, layer: int, active: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, q: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a layer's fresh K/V rows ``[A, Hkv, D]`` (positions ``active``) into
+    ``stored.rows`` and return them dequantized in the stored domain (what attention reads),
+    with the query ``[A, Hq, D]`` rotated into that domain (unchanged for an unrotated
+    format): one quantization of K and V together, as ``kv_quant.write_quantized`` does."""
+    rows = kv_quant.quantize_rows(torch.stack([k, v]), stored.fmt.name)   # [2, A, Hkv, D+2]
+    stored.rows[:, layer].index_copy_(1, active, rows.view(torch.int8))
+    kv = kv_quant.dequantize_rows(rows, k.dtype, rotated=True)
+    if stored.fmt.rotated:
+        q = kv_quant.rotate(q)
+    return kv[0], kv[1], q
 
 
 def _select(active: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor,
@@ -510,12 +587,14 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         tables = {a.seq_id: bm.block_table(a.seq_id) for _, a, _ in docs}
         docs = [(sp, a, max(0, min(c - lead, n_full - sp.start))) for sp, a, c in docs]
         # 2. dense per-layer buffers: prefix exact, documents re-rotated
-        kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D]
-        num_layers, hkv, d = kv.shape[0], kv.shape[4], kv.shape[5]
+        kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D (+2)]
+        num_layers, hkv, width = kv.shape[0], kv.shape[4], kv.shape[5]
         dev = kv.device
-        buf = torch.zeros(2, num_layers, n_full, hkv, d, dtype=kv.dtype, device=dev)
+        fmt = kv_quant.format_of(kv.dtype)                    # int8 / fp8 rows, or None
         reuse = torch.zeros(n_full, dtype=torch.bool, device=dev)
-        flat = kv.view(num_layers, 2, -1, hkv, d)             # slot-major rows per layer
+        # slot-major rows per layer (a quantized cache's as int8 bytes)
+        flat = (kv if fmt is None else kv.view(torch.int8)).view(num_layers, 2, -1, hkv, width)
+        buf = torch.zeros(2, num_layers, n_full, hkv, width, dtype=flat.dtype, device=dev)
 
         def slots(block_ids: Sequence[int], count: int, skip: int = 0) -> torch.Tensor:
             """Slots of positions ``[skip, skip + count)`` of a block table."""
@@ -529,19 +608,27 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
             rotary = runner.lean.rotary
             for sp, a, usable in docs:
                 rows = flat.index_select(2, slots(tables[a.seq_id], usable, lead))  # [L,2,n,..]
-                buf[0, :, sp.start:sp.start + usable] = rerotate(rows[:, 0], rotary,
-                                                                 sp.start - lead)
+                k = (rerotate(rows[:, 0], rotary, sp.start - lead) if fmt is None else
+                     rerotate_quantized(rows[:, 0].view(fmt.storage), rotary, sp.start - lead
+                                        ).view(torch.int8))
+                buf[0, :, sp.start:sp.start + usable] = k
                 buf[1, :, sp.start:sp.start + usable] = rows[:, 1]
                 reuse[sp.start:sp.start + usable] = True
+            stored = None
+            if fmt is not None:   # the bytes stay in `stored`; the forward reads them as floats
+                stored = StoredRows(fmt, buf)
+                buf = kv_quant.dequantize_rows(buf.view(fmt.storage),
+                                               runner.lean.embed.weight.dtype, rotated=True)
             # 3. the blend forward over the tokens after the prefix
             ids = torch.tensor(toks[:n_full], dtype=torch.long, device=dev)
             stats = blend_forward(runner.lean, ids, m, list(buf[0]), list(buf[1]), reuse, ratio,
-                                  check_layer)
+                                  check_layer, stored)
             # 4. write [k0, n_full) into the output sequence's blocks, then commit them
             k0 = out.num_cached_tokens
             if k0 < n_full:
                 s = slots(out.block_ids, n_full)[k0:]
-                flat.index_copy_(2, s, buf[:, :, k0:].transpose(0, 1))
+                rows = buf if stored is None else stored.rows
+                flat.index_copy_(2, s, rows[:, :, k0:].transpose(0, 1))
         bm.commit(out.seq_id, n_full)
         run_kv_ops(core.kv_mover, bm.take_moves())
         return BlendReport(extra, n_full, m, stats.reused, stats.recomputed, stats.fresh,
@@ -598,5 +685,7 @@ __all__ = [
     "check_spans",
     "document_namespace",
     "rerotate",
+    "rerotate_quantized",
     "rope_unsupported",
+    "StoredRows",
 ]

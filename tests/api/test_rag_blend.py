@@ -142,7 +142,7 @@ def test_blended_prompt_is_cached_whole_and_reused_warm(make_engine):
     assert warm.token_ids == cold.token_ids
 
 
-def test_plain_reuse_and_blending_fall_back_to_prefix_only_on_quantized_kv(
+def test_blending_runs_on_quantized_kv_and_ratio_one_is_a_full_prefill(
         smol_tokenizer, tiny_model_shared, one_thread):
     from radixkv import CacheConfig
     from radixkv.api.engine import Engine
@@ -154,8 +154,11 @@ def test_plain_reuse_and_blending_fall_back_to_prefix_only_on_quantized_kv(
     try:
         ref = helper(e, cache_salt="ref").ask("q?", ["c", "a"], P4)
         rag = helper(e, cache_salt="blend", blend_ratio=0.15)
+        rag.warm_documents()
         got = rag.ask("q?", ["c", "a"], P4)
-        assert got.blend is None and got.token_ids == ref.token_ids
+        assert got.blend is not None and got.blend.reused_tokens >= rag.num_tokens("a") - 16
+        one = helper(e, cache_salt="one", blend_ratio=1.0).ask("q?", ["c", "a"], P4)
+        assert one.blend is None and one.token_ids == ref.token_ids
     finally:
         e.close()
 

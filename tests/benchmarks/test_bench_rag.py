@@ -53,3 +53,25 @@ def test_quality_pass_on_a_tiny_model():
     assert set(modes) == {"prefix-only", "plain (0%)", "blend 5%", "blend 15%", "blend 30%"}
     assert modes["prefix-only"]["top1"] == 1.0
     assert all(0 <= r["top1"] <= 1 and r["kl_mean"] >= 0 for r in rows)
+
+
+def test_quality_pass_on_a_quantized_cache_compares_with_both_prefills():
+    """--kv-dtype: each mode against the same int8 cache's full prefill and against fp32's;
+    the int8 engine blends (its modes differ from prefix-only), its prefix-only is exact."""
+    torch.set_num_threads(1)
+    m = br.tiny_model("llama")
+    e = br.make_engine(m, None, "float32", 256, "tiny-bench-int8", "int8")
+    ref = br.make_engine(br.tiny_model("llama"), None, "float32", 256, "tiny-bench-ref")
+    try:
+        cases = br.tiny_cases(1, 3, 3, 16, 40, seed=1)
+        rows = br.quality(br.Runner(e), None, cases, 4, "tiny", br.Runner(ref))
+    finally:
+        e.close()
+        ref.close()
+    modes = {r["mode"]: r for r in rows}
+    assert set(modes) == {"prefix-only", "plain (0%)", "blend 5%", "blend 15%", "blend 30%",
+                          "full prefill"}
+    assert modes["prefix-only"]["top1"] == 1.0 and modes["prefix-only"]["kl_mean"] == 0
+    assert modes["plain (0%)"]["kl_mean"] > 0                       # blended, not a fallback
+    assert "kl_mean" not in modes["full prefill"] and modes["full prefill"]["kl_fp32"] >= 0
+    assert all(0 <= r["top1_fp32"] <= 1 and r["kl_fp32"] >= 0 for r in rows)
