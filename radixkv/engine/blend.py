@@ -586,6 +586,9 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
         # committed first (a document listed twice) switches it to that copy.
         tables = {a.seq_id: bm.block_table(a.seq_id) for _, a, _ in docs}
         docs = [(sp, a, max(0, min(c - lead, n_full - sp.start))) for sp, a, c in docs]
+        # a document with no cached row inside the blended region (shorter than a block past
+        # its lead, or starting in the last partial block) reuses nothing: computed as text
+        docs = [d for d in docs if d[2] > 0]
         # 2. dense per-layer buffers: prefix exact, documents re-rotated
         kv = runner.kv_cache                                  # [L, 2, nb, B, Hkv, D (+2)]
         num_layers, hkv, width = kv.shape[0], kv.shape[4], kv.shape[5]
@@ -598,7 +601,8 @@ def blend_context(core: Any, token_ids: Sequence[int], spans: Sequence[DocSpan],
 
         def slots(block_ids: Sequence[int], count: int, skip: int = 0) -> torch.Tensor:
             """Slots of positions ``[skip, skip + count)`` of a block table."""
-            ids = torch.tensor(block_ids[:-(-(skip + count) // bs)], device=dev)
+            ids = torch.tensor(block_ids[:-(-(skip + count) // bs)], dtype=torch.long,
+                               device=dev)
             every = (ids[:, None] * bs + torch.arange(bs, device=dev)[None]).reshape(-1)
             return every[skip:skip + count]
 

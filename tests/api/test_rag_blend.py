@@ -220,3 +220,23 @@ def test_engine_config_blend_ratio_is_the_default_of_requests_with_documents(mak
     assert e.loop.call(lambda: core.tree.match_tokens(token_bytes(ids), ns.seed))
     with pytest.raises(InvalidRequestError):
         e.loop.call(lambda: core.add_request("bad", ids, P4, documents=[(5, 3)]))
+
+
+@pytest.mark.parametrize("spans", [[(3, 25), (25, 35)], [(0, 5), (5, 40)], [(20, 30)]])
+def test_documents_shorter_than_a_block_blend_without_error(make_engine, spans):
+    """A document with no whole block of its own after the lead (here 10 or 5 tokens, blocks
+    of 16) has nothing to reuse: it is computed like the text around it, the others blend, and
+    ratio 1 answers as the same prompt without documents."""
+    e = make_engine()
+    ids = [(7 * i + 3) % 200 + 5 for i in range(60)]
+    outs = {}
+    for rid, salt, docs, ratio in (("plain", "p", None, None), ("first", "s", spans, 0.15),
+                                   ("again", "s", spans, 0.15), ("full", "f", spans, 1.0)):
+        stream = e.loop.submit(rid, ids, P4, salt, None, documents=docs, blend_ratio=ratio)
+        out = stream.get(timeout=120)
+        while not out.finished:
+            out = stream.get(timeout=120)
+        outs[rid] = out.outputs[0].token_ids
+    assert set(outs) == {"plain", "first", "again", "full"}
+    assert outs["full"] == outs["plain"]
+    e.core.block_manager.check_invariants()
