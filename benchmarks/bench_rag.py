@@ -440,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=float, default=None,
                     help="the blend ratio of the TTFT runs (default: DEFAULT_BLEND_RATIO)")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny random models")
+    ap.add_argument("--tiny", nargs="+", choices=TINY, default=None, metavar="ARCH",
+                    help=f"only these tiny random models (of {', '.join(TINY)})")
+    ap.add_argument("--no-smol", action="store_true",
+                    help="skip the embedded SmolLM2 model (quality and TTFT): tiny models only")
     ap.add_argument("--only", choices=("quality", "ttft"), default=None,
                     help="run one half (the last line then needs the other's JSON: skipped)")
     ap.add_argument("--seed", type=int, default=0)
@@ -462,6 +466,23 @@ def main(argv: list[str] | None = None) -> int:
     header = run_header(args.seed, quick=args.quick, ratio=ratio, tokens=args.tokens,
                         threads=torch.get_num_threads(), kv_dtype=kv_dtype or "model dtype")
     print(header)
+    qrows: list[dict[str, Any]] = []
+    trows: list[dict[str, Any]] = []
+    if not args.no_smol:
+        qrows, trows = _smol_rows(args, kv_dtype, ratio, n_q, n_t, min_len, max_len, min_docs,
+                                  max_docs)
+    if not args.no_tiny and args.only != "ttft":
+        qrows += _tiny_rows(args, kv_dtype, n_q, min_len, max_len, min_docs, max_docs)
+    _report(args, kv_dtype, ratio, header, qrows, trows)
+    return 0
+
+
+def _smol_rows(args: Any, kv_dtype: str | None, ratio: float, n_q: int, n_t: int,
+               min_len: int, max_len: int, min_docs: int, max_docs: int
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Quality and TTFT rows of the embedded SmolLM2-135M."""
+    import torch
+
     from radixkv.models import load_model, load_tokenizer
 
     tok = load_tokenizer()
@@ -495,29 +516,50 @@ def main(argv: list[str] | None = None) -> int:
         e32.close()
         if efp is not None:
             efp.close()
-    if not args.no_tiny and args.only != "ttft":
-        from radixkv.engine.blend import blend_unsupported
+    return qrows, trows
 
-        for name in TINY:
-            t32 = tiny_model(name)
-            t16 = copy.deepcopy(t32).to(torch.bfloat16)
-            tc = tiny_cases(max(2, n_q), min_docs, max_docs, min_len, max_len, args.seed)
-            a = make_engine(t32, None, "float32", 2048, f"tiny-{name}", kv_dtype or "auto")
-            b = make_engine(t16, None, "bfloat16", 2048, f"tiny-{name}-bf16")
-            c = (None if kv_dtype is None else
-                 make_engine(copy.deepcopy(t32), None, "float32", 2048, f"tiny-{name}-ref"))
-            try:
-                rows = quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}",
-                               Runner(c) if c is not None else None)
-                reason = blend_unsupported(a.core.model_runner)
-                for row in rows:
-                    row["note"] = f"prefix-only fallback: {reason}" if reason else ""
-                qrows += rows
-            finally:
-                a.close()
-                b.close()
-                if c is not None:
-                    c.close()
+
+def _tiny_rows(args: Any, kv_dtype: str | None, n_q: int, min_len: int, max_len: int,
+               min_docs: int, max_docs: int) -> list[dict[str, Any]]:
+    """Quality rows of the tiny random models (``--tiny`` picks some)."""
+    import torch
+
+    from radixkv.engine.blend import blend_unsupported, window_unsupported
+
+    qrows: list[dict[str, Any]] = []
+    for name in args.tiny or TINY:
+        t32 = tiny_model(name)
+        t16 = copy.deepcopy(t32).to(torch.bfloat16)
+        tc = tiny_cases(max(2, n_q), min_docs, max_docs, min_len, max_len, args.seed)
+        a = make_engine(t32, None, "float32", 2048, f"tiny-{name}", kv_dtype or "auto")
+        b = make_engine(t16, None, "bfloat16", 2048, f"tiny-{name}-bf16")
+        c = (None if kv_dtype is None else
+             make_engine(copy.deepcopy(t32), None, "float32", 2048, f"tiny-{name}-ref"))
+        try:
+            rows = quality(Runner(a), Runner(b), tc, args.tokens, f"tiny {name}",
+                           Runner(c) if c is not None else None)
+            reason = blend_unsupported(a.core.model_runner)
+            lean = a.core.model_runner.lean
+            windowed = 0 if lean is None else sum(
+                window_unsupported(lean, len(case.prompt(case.order))) is not None
+                for case in tc)
+            if not reason and windowed:
+                reason = (f"{windowed} of {len(tc)} prompts longer than the sliding window "
+                          "(prefix-only there)")
+            for row in rows:
+                row["note"] = f"prefix-only fallback: {reason}" if reason else ""
+            qrows += rows
+        finally:
+            a.close()
+            b.close()
+            if c is not None:
+                c.close()
+    return qrows
+
+
+def _report(args: Any, kv_dtype: str | None, ratio: float, header: dict,
+            qrows: list[dict[str, Any]], trows: list[dict[str, Any]]) -> None:
+    """The tables, the JSON and the last line a script checks."""
     if qrows:
         cols = ["model", "mode", "kl_mean", "kl_max", "top1", "prompts", "note"]
         title = "quality vs a full fp32 prefill (teacher-forced continuation)"
@@ -532,11 +574,12 @@ def main(argv: list[str] | None = None) -> int:
                             "prompt_tokens", "prompts"],
                     title=f"TTFT, 4-document prompts, SmolLM2-135M fp32 on the CPU, "
                           f"{kv_dtype or 'fp32'} KV (default ratio {ratio})")
+    partial = args.no_smol or args.tiny is not None   # a subset: its own JSON, no plot
     suffix = ("" if kv_dtype is None else f"_{kv_dtype}") + (
-        "" if args.only is None else f"_{args.only}")
+        "" if args.only is None else f"_{args.only}") + ("_subset" if partial else "")
     name = ("rag_quick" if args.quick else "rag") + suffix
     write_results(name, header, {"quality": qrows, "ttft": trows})
-    if not args.quick and qrows and kv_dtype is None:
+    if not args.quick and qrows and kv_dtype is None and not partial:
         out = REPO_ROOT / "docs" / "img" / "rag_quality.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(qrows, out)
@@ -555,7 +598,6 @@ def main(argv: list[str] | None = None) -> int:
     b = next((x["top1"] for x in qrows if x["model"] == "SmolLM2-135M" and x["mode"] == "bf16"),
              float("nan"))
     print(f"blended/prefix-only TTFT {r:.2f}; top-1 agreement {a:.3f} (bar {b:.3f})")
-    return 0
 
 
 if __name__ == "__main__":

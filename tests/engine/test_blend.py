@@ -150,3 +150,30 @@ def test_spans_and_ratio_are_validated():
         with pytest.raises(InvalidRequestError):
             blend.check_blend_ratio(bad)
     assert blend.check_blend_ratio(1) == 1.0
+
+
+@pytest.mark.parametrize("window,blends", [(32, False), (512, True)])
+def test_a_sliding_window_shorter_than_the_prompt_keeps_prefix_only_reuse(window, blends):
+    """On a model whose sliding window is shorter than the prompt, blending was measured below
+    the quality bar (docs/rag.md), so the prompt keeps prefix-only reuse; the same model with a
+    window longer than the prompt blends."""
+    import transformers
+
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.engine.llm_engine import LLMEngine
+
+    cfg = transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=window, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                          attn_implementation="sdpa").eval()
+    core = LLMEngine(model, None, CacheConfig(block_size=BS, num_device_blocks=128),
+                     EngineConfig(max_num_seqs=4, max_num_batched_tokens=256), model_id="w")
+    toks = _tokens(3, 80)
+    spans = blend.check_spans([(8, 40), (40, 72)], len(toks))
+    reason = blend.window_unsupported(core.model_runner.lean, len(toks))
+    assert (reason is None) == blends
+    assert (blend.blend_context(core, toks, spans, None, 0.15) is not None) == blends
+    core.block_manager.check_invariants()
