@@ -94,28 +94,38 @@ def _orders(rng: random.Random, k: int) -> tuple[list[int], list[int]]:
     return order, other
 
 
-def smol_cases(n: int, min_docs: int, max_docs: int, min_len: int, max_len: int, seed: int,
-               tokenizer: Any, engine: Any) -> list[Case]:
-    """Held-out prompts: documents are assistant replies of ``min_len``..``max_len`` tokens from
-    the second half of the ShareGPT dump, questions short user turns of the same half."""
+def held_out_texts(tokenizer: Any, n_docs: int, n_questions: int, min_len: int, max_len: int,
+                   rng: random.Random) -> tuple[list[str], list[str]]:
+    """``n_docs`` documents (assistant replies of ``min_len``..``max_len`` tokens) and
+    ``n_questions`` questions (user turns of 5-200 characters) from the held-out second half
+    of the packaged ShareGPT dump, in the order ``rng`` shuffles them (also ``bench
+    rag-serve``'s)."""
     from radixkv.benchmarks.traces_sharegpt import load_conversations
 
     convs = load_conversations()
     held = convs[len(convs) // 2:]
-    rng = random.Random(seed)
     rng.shuffle(held)
-    rag = engine.rag(order="given")
     docs: list[str] = []
     questions: list[str] = []
     for pairs in held:
         for q, a in pairs:
             na = len(tokenizer(a, add_special_tokens=False)["input_ids"])
-            if min_len <= na <= max_len and len(docs) < n * max_docs:
+            if min_len <= na <= max_len and len(docs) < n_docs:
                 docs.append(a)
-            elif 5 <= len(q) <= 200 and len(questions) < n:
+            elif 5 <= len(q) <= 200 and len(questions) < n_questions:
                 questions.append(q)
-        if len(docs) >= n * max_docs and len(questions) >= n:
+        if len(docs) >= n_docs and len(questions) >= n_questions:
             break
+    return docs, questions
+
+
+def smol_cases(n: int, min_docs: int, max_docs: int, min_len: int, max_len: int, seed: int,
+               tokenizer: Any, engine: Any) -> list[Case]:
+    """Held-out prompts: documents are assistant replies of ``min_len``..``max_len`` tokens from
+    the second half of the ShareGPT dump, questions short user turns of the same half."""
+    rng = random.Random(seed)
+    rag = engine.rag(order="given")
+    docs, questions = held_out_texts(tokenizer, n * max_docs, n, min_len, max_len, rng)
     cases = []
     for c in range(n):
         k = rng.randint(min_docs, max_docs)

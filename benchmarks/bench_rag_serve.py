@@ -32,23 +32,9 @@ SYSTEM = "Answer the question using only the documents provided."
 def _cases(n: int, k: int, min_len: int, max_len: int, seed: int, tokenizer: Any
            ) -> list[tuple[list[str], str]]:
     """``n`` (documents, question) pairs from the held-out half of the ShareGPT dump."""
-    from radixkv.benchmarks.traces_sharegpt import load_conversations
+    from radixkv.benchmarks.bench_rag import held_out_texts
 
-    convs = load_conversations()
-    held = convs[len(convs) // 2:]
-    rng = random.Random(seed)
-    rng.shuffle(held)
-    docs: list[str] = []
-    questions: list[str] = []
-    for pairs in held:
-        for q, a in pairs:
-            na = len(tokenizer(a, add_special_tokens=False)["input_ids"])
-            if min_len <= na <= max_len and len(docs) < n * k:
-                docs.append(a)
-            elif 5 <= len(q) <= 200 and len(questions) < n:
-                questions.append(q)
-        if len(docs) >= n * k and len(questions) >= n:
-            break
+    docs, questions = held_out_texts(tokenizer, n * k, n, min_len, max_len, random.Random(seed))
     return [(docs[i * k:(i + 1) * k], questions[i]) for i in range(n)]
 
 

@@ -82,7 +82,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _PlacedDocuments(BaseModel):
+    """A request that may carry RAG documents as texts: the endpoint records their token spans
+    once it has placed (chat) or found (a text prompt) them (docs/serve.md)."""
+
+    #: The documents' [start, end) token spans in the tokenized prompt.
+    _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
+
+    def place_documents(self, spans: list[tuple[int, int]]) -> None:
+        """Record where the endpoint placed (chat) or found (a text prompt) the documents'
+        texts: their [start, end) token spans, which the engine blends."""
+        self._document_spans = spans
+
+    @property
+    def document_spans(self) -> Optional[list[tuple[int, int]]]:
+        """The spans :meth:`place_documents` recorded, None before (or for token spans)."""
+        return self._document_spans
+
+
+class _SamplingFields(_PlacedDocuments):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -124,19 +142,6 @@ class _SamplingFields(BaseModel):
     # radixkv: RAG documents blended from their cached entries (docs/rag.md, docs/serve.md),
     # and the share of their tokens recomputed
     blend_ratio: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    #: The documents' [start, end) token spans in the tokenized prompt, set by the endpoint
-    #: once it has placed (chat) or found (a text prompt) the documents' texts.
-    _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
-
-    def place_documents(self, spans: list[tuple[int, int]]) -> None:
-        """Record where the endpoint placed (chat) or found (a text prompt) the documents'
-        texts: their [start, end) token spans, which the engine blends."""
-        self._document_spans = spans
-
-    @property
-    def document_spans(self) -> Optional[list[tuple[int, int]]]:
-        """The spans :meth:`place_documents` recorded, None before (or for token spans)."""
-        return self._document_spans
 
     #: Fields of UNSUPPORTED this endpoint does implement (chat: tools).
     _implemented: ClassVar[frozenset[str]] = frozenset()
@@ -379,7 +384,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_PlacedDocuments):
     """vLLM's ``/tokenize`` body: ``prompt`` or chat ``messages``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -392,17 +397,6 @@ class TokenizeRequest(BaseModel):
     # has their token spans (``document_spans``)
     documents: Optional[list[Union[str, dict[str, Any]]]] = None
 
-    _document_spans: Optional[list[tuple[int, int]]] = PrivateAttr(default=None)
-
-    def place_documents(self, spans: list[tuple[int, int]]) -> None:
-        """Record where the endpoint placed (chat) or found (a text prompt) the documents'
-        texts: their [start, end) token spans, which the engine blends."""
-        self._document_spans = spans
-
-    @property
-    def document_spans(self) -> Optional[list[tuple[int, int]]]:
-        """The spans :meth:`place_documents` recorded, None before (or for token spans)."""
-        return self._document_spans
 
     @field_validator("documents", mode="before")
     @classmethod

@@ -75,3 +75,19 @@ def test_quality_pass_on_a_quantized_cache_compares_with_both_prefills():
     assert modes["plain (0%)"]["kl_mean"] > 0                       # blended, not a fallback
     assert "kl_mean" not in modes["full prefill"] and modes["full prefill"]["kl_fp32"] >= 0
     assert all(0 <= r["top1_fp32"] <= 1 and r["kl_fp32"] >= 0 for r in rows)
+
+
+def test_held_out_texts_pick_documents_and_questions_by_length():
+    """The documents and questions both RAG benchmarks draw (bench rag, bench rag-serve)."""
+    import random
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": text.split()}
+
+    docs, questions = br.held_out_texts(Words(), 5, 3, 20, 60, random.Random(0))
+    assert len(docs) == 5 and len(questions) == 3
+    assert all(20 <= len(d.split()) <= 60 for d in docs)
+    assert all(5 <= len(q) <= 200 for q in questions)
+    again = br.held_out_texts(Words(), 5, 3, 20, 60, random.Random(0))
+    assert again == (docs, questions)                 # seeded: the same held-out texts
