@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sched": ("radixkv.benchmarks.bench_sched", "main"),
     "rag": ("radixkv.benchmarks.bench_rag", "main"),
     "rag-serve": ("radixkv.benchmarks.bench_rag_serve", "main"),
+    "sampling": ("radixkv.benchmarks.bench_sampling", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main",

@@ -239,3 +239,47 @@ def test_sampled_step_reads_the_device_once_whatever_the_number_of_sequences(mak
 
     two, eight = reads_per_decode_step(2), reads_per_decode_step(8)
     assert two == eight, (two, eight)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scales=st.lists(st.sampled_from([0.05, 1.0, 4.0, 12.0]), min_size=1, max_size=5),
+       tops=st.lists(st.sampled_from([1.0, 0.99, 0.9, 0.5]), min_size=5, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_top_p_over_a_large_vocabulary_keeps_the_same_tokens(scales, tops, seed):
+    """Over a vocabulary larger than the CPU's top-p candidates, peaked rows (whose nucleus lies
+    inside the candidates: no sort) and flat rows (sorted whole) keep exactly the tokens the
+    row-by-row filter keeps."""
+    from radixkv.engine import sampling
+
+    vocab = 6 * sampling.TOP_P_CANDIDATES
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.stack([torch.randn(vocab, generator=g) * s for s in scales])
+    params = [SamplingParams(temperature=1.0, top_p=t) for t in tops[:len(scales)]]
+    got = filtered_probs_rows(logits, params)
+    for r, p in enumerate(params):
+        want = _one_row_reference(logits[r], p)
+        assert torch.equal(got[r] > 0, want > 0), (r, p, scales[r])
+        torch.testing.assert_close(got[r], want, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_candidates_path_is_taken_only_where_the_nucleus_fits(monkeypatch):
+    """A peaked row is served from the candidates without sorting the vocabulary; a flat row
+    (its nucleus larger than the candidates) is sorted."""
+    from radixkv.engine import sampling
+
+    vocab = 8 * sampling.TOP_P_CANDIDATES
+    g = torch.Generator().manual_seed(1)
+    sorted_rows = []
+    real_sort = torch.Tensor.sort
+
+    def counting_sort(self, *a, **kw):
+        sorted_rows.append(self.shape[0])
+        return real_sort(self, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
+    peaked = torch.randn(1, vocab, generator=g) * 12
+    flat = torch.randn(1, vocab, generator=g) * 0.05
+    filtered_probs_rows(torch.cat([peaked, flat]), [SamplingParams(temperature=1.0, top_p=0.9)] * 2)
+    assert sorted_rows == [1]               # the flat row alone
+    sorted_rows.clear()
+    filtered_probs_rows(peaked, [SamplingParams(temperature=1.0, top_p=0.9)])
+    assert sorted_rows == []
