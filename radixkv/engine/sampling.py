@@ -326,25 +326,26 @@ def filtered_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]
     (no per-row Python work but building the per-row knobs, no host read of the device)."""
     import torch
 
-    dev = logits.device
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    vocab = x.shape[-1]
-    min_p = [p.min_p for p in params]
-    if any(min_p):
-        p0 = torch.softmax(x, dim=-1)
-        floor = torch.tensor(min_p, device=dev)[:, None] * p0.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(p0 < floor, float("-inf"))
+    vocab = logits.shape[-1]
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    tops = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+    # every row's knobs in one host-to-device copy (each copy of a host list is a stream sync
+    # on CUDA): temperature, min-p, top-k (0: all), top-p cut (inf: none)
+    knobs = torch.tensor([(p.temperature, p.min_p, k, t) for p, k, t in zip(params, ks, tops)],
+                         dtype=torch.float32).to(logits.device)
+    x = logits.float() / knobs[:, 0:1]
+    if any(p.min_p for p in params):
+        p0 = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p0 < knobs[:, 1:2] * p0.amax(dim=-1, keepdim=True), float("-inf"))
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values                       # [R, kmax]
-        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None],
-                              float("-inf"))                           # k = 0: keep all
+        k = knobs[:, 2:3].long()
+        kth = top.gather(1, (k - 1).clamp_(min=0))
+        kth = kth.masked_fill(k == 0, float("-inf"))                       # k = 0: keep all
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    tops = [p.top_p for p in params]
-    if any(t < 1.0 for t in tops):
-        cut = torch.tensor([t if t < 1.0 else math.inf for t in tops], device=dev)[:, None]
+    if any(t < math.inf for t in tops):
+        cut = knobs[:, 3:4]
         kept = _nucleus(probs, cut)
         renorm = kept / kept.sum(dim=-1, keepdim=True)
         probs = torch.where(cut < math.inf, renorm, probs)   # rows without top_p untouched
@@ -363,10 +364,11 @@ def _nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     Why two ways: sorting a 49,152-token row costs ~3 ms on one CPU core, a fifth of a
     one-thread decode step of the embedded model, for every sampled sequence with top-p; the
     nucleus of a peaked distribution lies within its few hundred most likely tokens, which
-    ``topk(TOP_P_CANDIDATES)`` finds far faster (``radixkv bench sampling``). On the CPU the rows whose candidates already
-    reach ``cut`` take that path (the same kept set: every token past the candidates comes
-    after a prefix that reached ``cut``); the others, and every row on a GPU (where reading
-    the check back would be a device sync, and the sort is cheap), sort the whole row."""
+    ``topk(TOP_P_CANDIDATES)`` finds far faster (``radixkv bench sampling``). On the CPU the
+    rows whose candidates already reach ``cut`` take that path (the same kept set: every
+    token past the candidates comes after a prefix that reached ``cut``); the others, and
+    every row on a GPU (where reading the check back would be a device sync, and the sort is
+    cheap), sort the whole row."""
     import torch
 
     def by_sort(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
