@@ -136,7 +136,9 @@ class Engine:
     """A prefix-caching inference engine over a Hugging Face causal LM.
 
     Args:
-        model: a ``transformers`` causal LM (eval mode; Llama, Qwen2, Mistral, ...).
+        model: a ``transformers`` causal LM (Llama, Qwen2, Mistral, ...). The engine takes it
+            over: it is put in eval mode and converted in place (``nn.Module.to``) to the
+            engine's device and dtype; pass a copy to keep the original as it was.
         tokenizer: its tokenizer (needs a chat template for :meth:`chat` and :meth:`rag`).
         cache_config: block size, pool size, tiers, eviction policy (default ``CacheConfig()``).
         engine_config: batch limits, device, dtype (default ``EngineConfig()``).

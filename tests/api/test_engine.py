@@ -135,3 +135,31 @@ def test_stats_and_metrics_text(make_engine):
     assert fams["radixkv_cached_prompt_tokens"].samples[0].value == 48
     assert fams["radixkv_evictions"].type == "counter"
     assert {s.labels["tier"] for s in fams["radixkv_evictions"].samples} == {"device"}
+
+
+def test_the_engine_converts_the_model_it_is_given_in_place(smol_tokenizer):
+    """What docs/api.md promises: ``EngineConfig(dtype=...)`` converts the very model object
+    passed (``nn.Module.to`` is in place) and puts it in eval mode; a deep copy passed instead
+    leaves the caller's model as it was."""
+    import copy
+
+    import torch
+
+    from radixkv import CacheConfig
+    from radixkv.api.engine import Engine
+    from radixkv.config import EngineConfig
+
+    from .conftest import make_tiny_vocab_model
+
+    mine = make_tiny_vocab_model(len(smol_tokenizer), num_layers=1).train()
+    kept = copy.deepcopy(mine)
+    for model, expect_converted in ((copy.deepcopy(kept), True), (kept, False)):
+        passed = model if expect_converted else copy.deepcopy(model)
+        engine = Engine(passed, smol_tokenizer, CacheConfig(num_device_blocks=16),
+                        EngineConfig(dtype="bfloat16"), model_id="inplace")
+        try:
+            dtype = next(model.parameters()).dtype
+            assert (dtype == torch.bfloat16) == expect_converted
+            assert (not model.training) == expect_converted
+        finally:
+            engine.close()
