@@ -364,6 +364,20 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
         out = r.run(prompt, s)
         add("prefix-only", "warm", out.ttft,
             computed_tokens(len(prompt), out.num_cached_tokens, None, layers, 0))
+        def blended(mode: str, state: str, s: str, rt: float, setup: Any = None,
+                    extra_tokens: float = 0.0) -> None:
+            """One timed blend of this prompt at ratio ``rt`` under salt ``s`` (after
+            ``setup()``, timed with it) and its request: a row of ``mode`` / ``state``."""
+            t0 = time.perf_counter()
+            if setup is not None:
+                setup()
+            rep = r.blend(prompt, spans, s, rt)
+            before = time.perf_counter() - t0
+            out = r.run(prompt, s, rep.namespace_extra if rep else None)
+            add(mode, state, before + out.ttft,
+                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
+                                DEFAULT_CHECK_LAYER, rt) + extra_tokens)
+
         def other_order(mode: str, rt: float) -> None:
             """The documents cached by a prompt that lists them in another order, then
             this prompt blended at ratio ``rt``."""
@@ -371,35 +385,17 @@ def ttft_rows(r: Runner, cases: list[Case], ratio: float, layers: int) -> list[d
             r.warm_docs(case, s)
             rep = r.blend(other, case.spans(case.other), s, rt)
             r.run(other, s, rep.namespace_extra if rep else None)
-            t0 = time.perf_counter()
-            rep = r.blend(prompt, spans, s, rt)
-            before = time.perf_counter() - t0
-            out = r.run(prompt, s, rep.namespace_extra if rep else None)
-            add(mode, "other order", before + out.ttft,
-                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
-                                DEFAULT_CHECK_LAYER, rt))
+            blended(mode, "other order", s, rt)
 
         for rt in sorted({*RATIOS, ratio}):
             if rt not in (0.0, ratio):
                 other_order(f"blend {rt:.0%}", rt)
         for mode, rt in (("plain (0%)", 0.0), (f"blend {ratio:.0%}", ratio)):
             s = r.salt()
-            t0 = time.perf_counter()
-            r.warm_docs(case, s)
-            rep = r.blend(prompt, spans, s, rt)
-            before = time.perf_counter() - t0
-            out = r.run(prompt, s, rep.namespace_extra if rep else None)
-            add(mode, "cold", before + out.ttft,
-                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
-                                DEFAULT_CHECK_LAYER, rt) + sum(len(d) for d in case.docs))
+            blended(mode, "cold", s, rt, lambda s=s: r.warm_docs(case, s),
+                    sum(len(d) for d in case.docs))
             other_order(mode, rt)
-            t0 = time.perf_counter()
-            rep = r.blend(prompt, spans, s, rt)
-            before = time.perf_counter() - t0
-            out = r.run(prompt, s, rep.namespace_extra if rep else None)
-            add(mode, "warm", before + out.ttft,
-                computed_tokens(len(prompt), out.num_cached_tokens, rep, layers,
-                                DEFAULT_CHECK_LAYER, rt))
+            blended(mode, "warm", s, rt)
     rows = []
     for (mode, state), xs in samples.items():
         rows.append({"mode": mode, "cache": state,
