@@ -23,6 +23,10 @@ and after). Each op here is a ``torch.library.custom_op``:
 A dispatch mode sees one op per call (its implementation runs below the mode), which is what
 tests/engine/test_decode_ops.py counts.
 
+On the CPU outside ``torch.compile`` and dispatch modes the lean forward skips the custom-op
+dispatch and calls ``*_cpu`` below: the native kernels of :mod:`radixkv.kernels.native_fused`
+where they are bit-identical to the references on this machine, the references otherwise.
+
 Shapes: ``T`` packed tokens, ``H`` hidden size, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim,
 ``I`` MLP intermediate size. None of these ops reads a tensor's value on the host: no
 ``.item()``, no device sync (tests/engine/test_decode_ops.py checks a whole decode step).
@@ -33,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from . import native_fused
 from .backend import resolve_backend
 from .reference import PAD_SLOT
 
@@ -95,6 +100,33 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     k_flat.index_copy_(0, slot_mapping, k_rot)
     v_flat.index_copy_(0, slot_mapping, v)
     return q_out
+
+
+# ------------------------------------------------------- CPU, called directly (no dispatch)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm_ref`'s result: the native kernel where it is bit-identical to it
+    (:mod:`radixkv.kernels.native_fused`), else the reference itself."""
+    out = native_fused.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps) if out is None else out
+
+
+def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_ref`'s result, natively where that is bit-identical."""
+    out = native_fused.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps) if out is None else out
+
+
+def rope_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, has_pad: bool) -> torch.Tensor:
+    """:func:`rope_write_kv_ref`'s result and writes, natively where that is bit-identical."""
+    out = native_fused.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    if out is None:
+        return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, has_pad)
+    return out
 
 
 def _use_triton(t: torch.Tensor) -> bool:

@@ -110,21 +110,25 @@ def flags() -> tuple[str, ...]:
     return tuple(f"-march={march}" if march and f == "-march=native" else f for f in FLAGS)
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
+           build_flags: tuple[str, ...] | None = None, stem: str = "cpu_attention") -> Path:
+    """The shared library of ``sources`` built with ``build_flags`` (default :func:`flags`),
+    from the cache when an identical build is there (see the module docstring)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    build_flags = flags()
+    if build_flags is None:
+        build_flags = flags()
     digest = hashlib.sha256(b"\0".join([
-        *(p.read_bytes() for p in SOURCES + HEADERS), " ".join(build_flags).encode(),
+        *(p.read_bytes() for p in sources + headers), " ".join(build_flags).encode(),
         version.encode(), _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
-    target = cache_dir() / f"cpu_attention-{digest}.so"
+    target = cache_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *build_flags, "-o", tmp, *map(str, SOURCES)],
+        proc = subprocess.run([cc, *build_flags, "-o", tmp, *map(str, sources)],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -133,6 +137,21 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def compiler() -> str | None:
+    """The C compiler the native kernels are built with (``$CC``, else cc/gcc/clang), or None."""
+    return _compiler()
+
+
+def build_library(sources: tuple[Path, ...], build_flags: tuple[str, ...], stem: str) -> Path:
+    """Build (or find in the cache) a library of other native sources with their own flags
+    (``native_fused`` builds its exact kernels without fast-math this way); RuntimeError when
+    there is no compiler or the build fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    return _build(cc, sources, (), build_flags, stem)
 
 
 def _load():

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv import kernels
+from radixkv.kernels import native, native_fused
 from radixkv.engine import attention, native_model, packed_linear
 from radixkv.engine.batch import AttentionMode
 from radixkv.kernels import fused
@@ -140,13 +141,30 @@ class _Concat:
         return F.linear(x, self.weight, self.bias)
 
 
+def _paged_decode_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                          plan: dict) -> torch.Tensor:
+    """What the ``radixkv::paged_decode`` op runs on the CPU, called directly. ``plan``: one
+    dict per forward (``{"host_seq_lens": [...]}`` at first), so that once the first layer has
+    run the native kernel (``plan["native"]``: its split), later layers of the same batch call
+    it without the launcher's checks: their operands have the same shapes, dtypes and
+    layout."""
+    parts = plan.get("native")
+    if parts:
+        out = torch.empty_like(q)
+        if native.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                               checked=True, parts=parts):
+            return out
+    return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                          scale=scale, check=False, plan=plan)
+
+
 def _paged_decode_direct(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          host_seq_lens: list[int]) -> torch.Tensor:
-    """What the ``radixkv::paged_decode`` op runs on the CPU, called directly."""
-    return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                          scale=scale, check=False,
-                                          plan={"host_seq_lens": list(host_seq_lens)})
+    """The op's CPU implementation with its signature (a plan of its own per call)."""
+    return _paged_decode_planned(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                 {"host_seq_lens": list(host_seq_lens)})
 
 
 class _Ops(NamedTuple):
@@ -162,8 +180,22 @@ class _Ops(NamedTuple):
 
 _CUSTOM_OPS = _Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_mul, fused.rope_write_kv,
                    fused.paged_decode)
-_DIRECT_OPS = _Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_mul_ref,
-                   fused.rope_write_kv_ref, _paged_decode_direct)
+_DIRECT_OPS = _Ops(fused.rms_norm_cpu, fused.add_rms_norm_cpu, fused.silu_mul_ref,
+                   fused.rope_write_kv_cpu, _paged_decode_direct)
+#: The torch references one op at a time (what the direct path ran before the native norm and
+#: rope): :func:`use_native_cpu_ops` ``(False)`` selects them, for A/B measurements.
+_REFERENCE_OPS = _Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_mul_ref,
+                      fused.rope_write_kv_ref, _paged_decode_direct)
+_native_cpu_ops = [True]
+
+
+def use_native_cpu_ops(enabled: bool) -> bool:
+    """Process-wide switch between the native CPU norm/rope with per-forward plans (default)
+    and the torch references one op at a time, for ``radixkv bench decode-ops``'s paired
+    runs; both compute the same bits. Returns the previous setting."""
+    previous = _native_cpu_ops[0]
+    _native_cpu_ops[0] = bool(enabled)
+    return previous
 
 
 def _layer_ops(x: torch.Tensor) -> _Ops:
@@ -182,6 +214,54 @@ def _layer_ops(x: torch.Tensor) -> _Ops:
             or torch._C._len_torch_dispatch_stack() > 0):
         return _CUSTOM_OPS
     return _DIRECT_OPS
+
+
+class _CpuForwardOps:
+    """The direct CPU ops of one forward (see :func:`_layer_ops`), remembering what the first
+    layer's call of each found: whether the native kernel applies (:mod:`radixkv.kernels.
+    native_fused`, bit-identical to the reference where it runs) and the attention plan. Later
+    layers of the same batch have operands of the same kinds (same shapes, dtypes, strides;
+    the final norm's rows are a subset), so they skip the checks: ~5 us a call, three calls
+    a layer, at batch 1."""
+
+    __slots__ = ("plan", "norm_variant", "rope_native")
+
+    def __init__(self, host_lens: list[int]) -> None:
+        self.plan: dict = {"host_seq_lens": host_lens}
+        self.norm_variant: tuple | None = None    # () once known not to apply
+        self.rope_native: bool | None = None
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        variant = self.norm_variant
+        if variant is None:
+            variant = self.norm_variant = native_fused.norm_variant(x, weight, residual) or ()
+        if variant:
+            return native_fused.run_norm(x, residual, weight, eps, variant)
+        return fused.add_rms_norm_ref(x, residual, weight, eps)
+
+    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      has_pad: bool) -> torch.Tensor:
+        ok = self.rope_native
+        if ok is None:
+            ok = self.rope_native = native_fused.rope_supported(q, k, v, cos, sin, k_cache,
+                                                                v_cache, slot_mapping)
+        if ok:
+            return native_fused.run_rope(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return fused.rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                       has_pad)
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     host_seq_lens: list[int]) -> torch.Tensor:
+        return _paged_decode_planned(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                     self.plan)
+
+    def ops(self) -> _Ops:
+        return _Ops(fused.rms_norm_cpu, self.add_rms_norm, fused.silu_mul_ref,
+                    self.rope_write_kv, self.paged_decode)
 
 
 class _Fused:
@@ -308,6 +388,8 @@ class DecoderForward:
                   and t <= packed_linear.MAX_PACKED_ROWS)
         host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
         ops = _layer_ops(x)
+        if ops is _DIRECT_OPS:
+            ops = _CpuForwardOps(host_lens).ops() if _native_cpu_ops[0] else _REFERENCE_OPS
         delta = None
         for lay in self.layers:
             if delta is None:

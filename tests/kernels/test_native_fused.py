@@ -1,0 +1,150 @@
+"""The native norm and rope kernels (kernels/cpu_fused.c via kernels/native_fused.py).
+
+Their contract is bit-identity with the torch references of kernels/fused.py (which compute
+what transformers' modules compute), so every property compares bit patterns, not values:
+random shapes, dtypes and magnitudes (subnormal squares to 1e12), residual or not, PAD slots;
+plus what they decline (other dtypes, strided rows, a norm torch might split across threads),
+bad slots refused before anything is written, the environment switch, the variant search's
+power to tell ATen's summation orders apart, and the float environment left alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from radixkv.kernels import fused, native, native_fused
+from radixkv.kernels.reference import PAD_SLOT
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or native_fused._library() is None,
+    reason=f"native kernels unavailable: {native._state.get('error')}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.dtype is torch.bfloat16 else torch.int32)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rows(n: int, h: int, dtype: torch.dtype, gen: torch.Generator, log_scale: float
+         ) -> torch.Tensor:
+    spread = torch.exp(torch.empty(n, h).uniform_(-2.0, 2.0, generator=gen))
+    return (torch.randn(n, h, generator=gen) * spread * 10.0 ** log_scale).to(dtype)
+
+
+@given(h=st.sampled_from([1, 3, 7, 8, 15, 16, 17, 63, 64, 96, 576, 896, 1000, 2048, 4096]),
+       n=st.integers(1, 6), dtype=st.sampled_from(DTYPES),
+       log_scale=st.floats(-18.0, 6.0), eps=st.sampled_from([1e-5, 1e-6, 1e-12]),
+       seed=st.integers(0, 2**31))
+def test_norms_are_bit_identical_to_the_references(h, n, dtype, log_scale, eps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, r = rows(n, h, dtype, gen, log_scale), rows(n, h, dtype, gen, log_scale)
+    w = torch.randn(h, generator=gen).to(dtype)
+    assert native_fused.norm_variant(x, w, r) is not None   # this machine's torch matched
+    out, s = native_fused.add_rms_norm(x, r, w, eps)
+    ref_out, ref_s = fused.add_rms_norm_ref(x, r, w, eps)
+    assert same(s, ref_s) and same(out, ref_out)
+    assert same(native_fused.rms_norm(x, w, eps), fused.rms_norm_ref(x, w, eps))
+    # the op-level wrappers the lean forward calls give the same bits
+    assert all(same(a, b) for a, b in zip(fused.add_rms_norm_cpu(x, r, w, eps), (out, s)))
+
+
+def test_the_variant_search_tells_summation_orders_apart():
+    """float32 rows of 576 elements: only one of ATen's candidate orders reproduces torch, so a
+    kernel summing in another order is never taken for an exact one."""
+    found = native_fused._matching(576, torch.float32, native_fused._NORM_VARIANTS)
+    assert found is not None
+    others = [v for v in native_fused._NORM_VARIANTS if v[0] != found[0] and v[0] < 576]
+    assert others and all(native_fused._matching(576, torch.float32, (v,)) is None
+                          for v in others)
+
+
+def test_norm_declines_what_torch_might_compute_otherwise(monkeypatch):
+    w = torch.ones(64)
+    assert native_fused.rms_norm(torch.ones(4, 64, dtype=torch.float16),
+                                 w.half(), 1e-5) is None                         # dtype
+    assert native_fused.rms_norm(torch.ones(64, 4).t(), w, 1e-5) is None         # strided rows
+    assert native_fused.add_rms_norm(torch.ones(4, 64), torch.ones(4, 64).bfloat16(), w,
+                                     1e-5) is None                               # mixed dtypes
+    big = torch.ones(600, 64)                                     # >= 32768 elements
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert native_fused.rms_norm(big, w, 1e-5) is None       # ATen may split the row sums
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert same(native_fused.rms_norm(big, w, 1e-5), fused.rms_norm_ref(big, w, 1e-5))
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    assert native_fused.rms_norm(torch.ones(4, 64), w, 1e-5) is None
+    # the wrapper then runs the reference
+    assert same(fused.rms_norm_cpu(torch.ones(4, 64), w, 1e-5),
+                fused.rms_norm_ref(torch.ones(4, 64), w, 1e-5))
+
+
+def _qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    qkv = (torch.randn(t, hq + 2 * hkv, d, generator=gen) * 4).to(dtype)
+    return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+
+@given(t=st.integers(1, 40), hkv=st.integers(1, 4), group=st.integers(1, 4),
+       d=st.sampled_from([2, 16, 32, 64, 80, 128]), dtype=st.sampled_from(DTYPES),
+       pad=st.booleans(), seed=st.integers(0, 2**31))
+def test_rope_write_kv_is_bit_identical_to_the_reference(t, hkv, group, d, dtype, pad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _qkv(t, group * hkv, hkv, d, dtype, gen)
+    cos = torch.randn(t, d, generator=gen).to(dtype)
+    sin = torch.randn(t, d, generator=gen).to(dtype)
+    blocks, bs = 8, 8
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    if pad:
+        slots[torch.rand(t, generator=gen) < 0.3] = PAD_SLOT
+    caches = [torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    assert native_fused.rope_supported(q, k, v, cos, sin, *caches, slots)
+    got = native_fused.rope_write_kv(q, k, v, cos, sin, *caches, slots)
+    want = fused.rope_write_kv_ref(q, k, v, cos, sin, *ref_caches, slots, pad)
+    assert same(got, want)
+    assert same(caches[0], ref_caches[0]) and same(caches[1], ref_caches[1])
+
+
+def test_rope_refuses_a_slot_past_the_cache_before_writing():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(3, 2, 1, 16, torch.bfloat16, gen)
+    cos, sin = torch.ones(3, 16, dtype=torch.bfloat16), torch.zeros(3, 16, dtype=torch.bfloat16)
+    caches = [torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(IndexError):
+        native_fused.rope_write_kv(q, k, v, cos, sin, *caches, torch.tensor([1, 8, 2]))
+    assert not caches[0].any() and not caches[1].any()
+
+
+def test_rope_declines_other_layouts():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(3, 2, 1, 16, torch.float32, gen)
+    cos, sin = torch.ones(3, 16), torch.zeros(3, 16)
+    caches = [torch.zeros(2, 4, 1, 16) for _ in range(2)]
+    slots = torch.tensor([0, 1, 2])
+    assert native_fused.rope_write_kv(q, k, v, cos, sin, *caches, slots.int()) is None
+    assert native_fused.rope_write_kv(q.transpose(0, 1).contiguous().transpose(0, 1), k, v,
+                                      cos, sin, *caches, slots) is None
+    assert native_fused.rope_write_kv(q, k, v, cos.bfloat16(), sin, *caches, slots) is None
+    assert native_fused.rope_write_kv(q, k, v, cos, sin, caches[0][:, :2], caches[1],
+                                      slots) is None
+
+
+def test_loading_the_fused_kernels_keeps_subnormals():
+    """Built without fast-math, so no crtfastmath constructor flips flush-to-zero (checked in a
+    fresh interpreter)."""
+    code = ("import torch; x = torch.tensor([1e-38]); before = (x * 0.01).item(); "
+            "from radixkv.kernels import native_fused; assert native_fused._library(); "
+            "print(before, (x * 0.01).item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300).stdout.split()
+    before, after = map(float, out)
+    assert before > 0 and after == before
