@@ -369,9 +369,15 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
 typedef void (*prefill_fn)(const void *, const void *, const void *, const int32_t *, int, int,
                            int, int, int, float, void *, uint32_t *, int64_t, int, int);
 
-/* Every sequence of a packed batch through FNS[head dim]; -2 when none is instantiated. */
-static int prefill_all(const prefill_fn fns[4], int64_t elem, const void *q, const void *k_cache,
-                       const void *v_cache, const int32_t *block_tables,
+/* Every sequence of a packed batch through FNS[head dim]; -2 when none is instantiated.
+ * A sequence with one query row (a decode riding in a mixed batch) goes through the decode
+ * head of cache kind KIND instead: the prefill kernel would pack all of its K and V and run 16
+ * query rows per tile for the one it needs (a 1,000-key decode cost ~8x the decode head's
+ * time), and the decode head reads the pool in place. Its output is then the same bits a pure
+ * decode step gives (the decode head does not depend on the batch). Work split: a one-row
+ * sequence's KV heads are numbered like its query heads' tiles (every parts-th). */
+static int prefill_all(const prefill_fn fns[4], int64_t elem, int kind, const void *q,
+                       const void *k_cache, const void *v_cache, const int32_t *block_tables,
                        const int32_t *cu_seqlens_q, const int32_t *seq_lens, void *out, int n,
                        int hq, int hkv, int d, int bs, int max_blocks, float scale,
                        void *scratch, int part, int parts) {
@@ -384,14 +390,25 @@ static int prefill_all(const prefill_fn fns[4], int64_t elem, const void *q, con
         default: return -2;
     }
     if (hkv < 1 || hq % hkv != 0 || parts < 1 || part < 0 || part >= parts) return -2;
+    const int g = hq / hkv;
+    const head_fn decode = g <= 8 && kind >= 0 && kind < KINDS ? HEADS[di][g - 1][kind] : 0;
     int64_t tile0 = 0;   /* (query head, query tile) pairs of the sequences before */
     for (int s = 0; s < n; s++) {
         int start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
         if (q_len <= 0) continue;
         int64_t off = (int64_t)start * hq * d * elem;
-        fns[di]((const char *)q + off, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
-                q_len, seq_lens[s], bs, hq, hkv, scale, (char *)out + off, scratch, tile0, part,
-                parts);
+        const int32_t *table = block_tables + (int64_t)s * max_blocks;
+        if (q_len == 1 && decode) {
+            for (int h = 0; h < hkv; h++) {
+                if ((tile0 + h) % parts != part) continue;
+                int64_t hoff = off + (int64_t)h * g * d * elem;
+                decode((const char *)q + hoff, k_cache, v_cache, table, seq_lens[s], bs, hkv, h,
+                       scale, (char *)out + hoff, g);
+            }
+        } else {
+            fns[di]((const char *)q + off, k_cache, v_cache, table, q_len, seq_lens[s], bs, hq,
+                    hkv, scale, (char *)out + off, scratch, tile0, part, parts);
+        }
         tile0 += (int64_t)hq * ((q_len + 15) / 16);
     }
     return 0;
@@ -421,8 +438,8 @@ int radixkv_paged_prefill_f32(const void *q, const void *k_cache, const void *v_
                               const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
                               int bs, int max_blocks, float scale, void *scratch, int part,
                               int parts) {
-    return prefill_all(PREFILL_F32, 4, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                       out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
+    return prefill_all(PREFILL_F32, 4, 0, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                       seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
 }
 #else
 PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
@@ -456,7 +473,7 @@ int radixkv_paged_prefill_bf16(const void *q, const void *k_cache, const void *v
                                const int32_t *seq_lens, void *out, int n, int hq, int hkv, int d,
                                int bs, int max_blocks, float scale, void *scratch, int part,
                                int parts) {
-    return prefill_all(PREFILL_BF16, 2, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+    return prefill_all(PREFILL_BF16, 2, 1, q, k_cache, v_cache, block_tables, cu_seqlens_q,
                        seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
 }
 #else
@@ -483,8 +500,9 @@ int radixkv_paged_prefill_quantized(const void *q, const void *k_cache, const vo
     if (kind == 5) fns = PREFILL_E4M3_BF16;
 #endif
     if (!fns) return -3;
-    return prefill_all(fns, kind % 2 ? 2 : 4, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                       seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch, part, parts);
+    return prefill_all(fns, kind % 2 ? 2 : 4, kind, q, k_cache, v_cache, block_tables,
+                       cu_seqlens_q, seq_lens, out, n, hq, hkv, d, bs, max_blocks, scale, scratch,
+                       part, parts);
 }
 #else
 int radixkv_paged_prefill_quantized(const void *q, const void *k_cache, const void *v_cache,

@@ -256,6 +256,56 @@ def test_native_prefill_is_float32_attention_rounded_once(data, dtype, head_dim,
     _check_prefill(out, want, dtype)
 
 
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       fmt=st.sampled_from([None, "int8", "fp8_e4m3"]),
+       head_dim=st.sampled_from(sorted(native.HEAD_DIMS)),
+       group=st.integers(1, native.MAX_GROUP), num_kv_heads=st.integers(1, 3),
+       parts=st.integers(1, 3))
+def test_one_row_sequences_in_a_prefill_call_take_the_decode_head(data, dtype, fmt, head_dim,
+                                                                  group, num_kv_heads, parts):
+    """A mixed batch (decodes riding with chunks) gives its one-row sequences exactly the bits
+    a pure decode call gives them (they run the decode head in place, not a 16-row tile), and
+    its chunks what a prefill call of the chunks alone gives them, at any split."""
+    kinds = data.draw(st.lists(st.sampled_from(["decode", "chunk"]), min_size=1, max_size=5),
+                      label="sequences")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
+    lens = [data.draw(st.integers(1, 90)) for _ in kinds]
+    q_lens = [1 if k == "decode" else data.draw(st.integers(2, min(n, 40)) if n >= 2
+                                                else st.just(1))
+              for k, n in zip(kinds, lens)]
+    case = make_case(lens, block_size=16, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=dtype, gen=gen)
+    k_cache, v_cache = (case.k_cache, case.v_cache) if fmt is None else \
+        _quantized_case(case, fmt, gen)
+    hq = group * num_kv_heads
+    q = (torch.randn(sum(q_lens), hq, head_dim, generator=gen) * 2).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    call = native.paged_prefill if fmt is None else native.paged_prefill_quantized
+    if not call(q, k_cache, v_cache, case.block_tables, cu, case.seq_lens, max(lens),
+                head_dim ** -0.5, out, parts=parts):
+        pytest.skip(f"native {dtype} prefill unavailable here (needs AVX-512)")
+    one = [s for s, n in enumerate(q_lens) if n == 1]
+    if one:
+        rows = cu[torch.tensor(one)].long()
+        dec = torch.full((len(one), hq, head_dim), float("nan")).to(dtype)
+        decode = native.paged_decode if fmt is None else native.paged_decode_quantized
+        assert decode(q[rows].contiguous(), k_cache, v_cache,
+                      case.block_tables[torch.tensor(one)].contiguous(),
+                      case.seq_lens[torch.tensor(one)].contiguous(), head_dim ** -0.5, dec)
+        assert torch.equal(out[rows], dec)
+    many = [s for s, n in enumerate(q_lens) if n > 1]
+    if many:
+        idx = torch.tensor(many)
+        sub_q = torch.cat([q[cu[s]:cu[s + 1]] for s in many])
+        sub_cu = torch.tensor([0] + torch.tensor([q_lens[s] for s in many]).cumsum(0).tolist(),
+                              dtype=torch.int32)
+        alone = torch.full_like(sub_q, float("nan"))
+        assert call(sub_q, k_cache, v_cache, case.block_tables[idx].contiguous(), sub_cu,
+                    case.seq_lens[idx].contiguous(), max(lens), head_dim ** -0.5, alone)
+        assert torch.equal(torch.cat([out[cu[s]:cu[s + 1]] for s in many]), alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_prefill_long_sequence_and_declines(dtype):
     gen = torch.Generator().manual_seed(4)
