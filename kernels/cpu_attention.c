@@ -226,86 +226,89 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
     return _mm512_scalef_ps(p, k);
 }
 
-/* How each dtype packs K and forms the scores. KW: 32-bit words per key and tile row.
- * bf16: K in bf16 pairs [tile][D/2][16 keys]; AVX512-BF16's dot product multiplies pairs
- * exactly and accumulates in float32. float32: K as [tile][D][16 keys], one FMA per dim. */
+/* How each dtype forms the scores. KW: 32-bit words of a key row. Query rows are transposed
+ * once per 16-row tile into qt[KW][16] (lanes = query rows); each key's words are broadcast
+ * from the key's row, which for float caches is read where it lies in the pool (no packing).
+ * bf16: AVX512-BF16's dot product multiplies a pair exactly and accumulates in float32.
+ * float32: one FMA per dimension. Per (row, key) the pairs / dimensions are accumulated in
+ * ascending order, whichever operand is broadcast. */
 #define KW_BF16(D) ((D) / 2)
 #define KW_F32(D) (D)
-#define DOT_BF16(S, qrow, kt, D) for (int p = 0; p < (D) / 2; p++) {                           \
-        __m512bh kv = (__m512bh)_mm512_loadu_si512((kt) + p * 16);                              \
-        for (int i = 0; i < 16; i++)                                                            \
-            S[i] = _mm512_dpbf16_ps(S[i], (__m512bh)_mm512_set1_epi32((int)qrow[i][p]), kv);    \
+#define DOT_BF16(S, qt, krow, KW) for (int p = 0; p < (KW); p++) {                              \
+        __m512bh qv_ = (__m512bh)_mm512_load_si512((qt) + p * 16);                              \
+        for (int k = 0; k < 16; k++)                                                            \
+            S[k] = _mm512_dpbf16_ps(S[k], qv_, (__m512bh)_mm512_set1_epi32((int)krow[k][p]));   \
     }
-#define DOT_F32(S, qrow, kt, D) for (int e = 0; e < (D); e++) {                                 \
-        __m512 kv = _mm512_loadu_ps((const float *)(kt) + e * 16);                              \
-        for (int i = 0; i < 16; i++)                                                            \
-            S[i] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)qrow[i])[e]), kv, S[i]);       \
+#define DOT_F32(S, qt, krow, KW) for (int p = 0; p < (KW); p++) {                               \
+        __m512 qv_ = _mm512_load_ps((const float *)(qt) + p * 16);                              \
+        for (int k = 0; k < 16; k++)                                                            \
+            S[k] = _mm512_fmadd_ps(qv_, _mm512_set1_ps(((const float *)krow[k])[p]), S[k]);     \
     }
 #define STORE16_BF16(op, v) _mm256_storeu_si256((__m256i *)(op), (__m256i)_mm512_cvtneps_pbh(v))
 #define STORE16_F32(op, v) _mm512_storeu_ps((op), (v))
 
-/* One sequence, every head. Per KV head, K is packed once (KW words per key row and tile, see
- * above) and V widened into float32 rows. Each query head then walks tiles of 16 query rows x
- * 16 keys:
- *   S[i] (16 keys in the lanes) = DOT(q[i], K tile)
- *   online softmax per row in float32 (exp512)
- *   O[i][16 dims] += P[i][k] * V[k][16 dims]   float32 FMAs: P is not rounded to bf16 (as
- *   flash kernels do), so the output is the float32 attention rounded once
- * Query rows past q_len and keys past a row's causal bound are masked out.
- * scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words (kernels/native.py sizes it).
- * PACK(key row, value row, the key's first word in its tile (words 16 apart), V's float row,
- * KW, D) packs one key; a cache row is ROWB bytes. Quantized caches (int8 / e4m3 rows and
- * their fp16 scale) are read in place here: each row is widened once, as the dequantized
- * scratch would hold it (ROW_I8 / ROW_E4M3 above), into the same packed tiles. */
-/* Float caches: K's words as they are, V widened to float32. */
-#define PACK_F32(kb, vb, kw, vdst, KW, D) do { const uint32_t *kr_ = (const uint32_t *)(kb);   \
-    const float *vr_ = (const float *)(vb);                                                     \
-    for (int p = 0; p < KW; p++) (kw)[p * 16] = kr_[p];                                         \
-    for (int e = 0; e < D; e++) (vdst)[e] = vr_[e]; } while (0)
-#define PACK_BF16(kb, vb, kw, vdst, KW, D) do { const uint32_t *kr_ = (const uint32_t *)(kb);  \
-    const bf16_t *vr_ = (const bf16_t *)(vb);                                                   \
-    for (int p = 0; p < KW; p++) (kw)[p * 16] = kr_[p];                                         \
-    for (int e = 0; e < D; e++) (vdst)[e] = bf16_to_f32(vr_[e]); } while (0)
+/* What is copied once per (sequence, KV head) before the tiles: V widened into float32 rows
+ * for the FMAs, and for quantized caches K widened into rows of KW words (float caches' K is
+ * read in place). PACK(key row, value row, K's destination row, V's float row, KW, D);
+ * KSRC(cache row, scratch row) picks where a key's words are read from. */
+#define PACK_F32(kb, vb, kw, vdst, KW, D) do { const float *vr_ = (const float *)(vb);         \
+    (void)(kb); (void)(kw); for (int e = 0; e < D; e++) (vdst)[e] = vr_[e]; } while (0)
+#define PACK_BF16(kb, vb, kw, vdst, KW, D) do { const bf16_t *vr_ = (const bf16_t *)(vb);      \
+    (void)(kb); (void)(kw); for (int e = 0; e < D; e++) (vdst)[e] = bf16_to_f32(vr_[e]); }      \
+    while (0)
+#define KSRC_CACHE(krow, kscratch) (krow)
+#define KSRC_SCRATCH(krow, kscratch) (kscratch)
 /* Quantized caches, float32 query: K's widened values as float32 words. */
 #define PACK_Q_F32(ROWLOAD, kb, vb, kw, vdst, KW, D) do { float kf_[D];                         \
     ROWLOAD(kf_, kb, D);                                                                        \
-    for (int p = 0; p < KW; p++) (kw)[p * 16] = f32_bits(kf_[p]);                               \
+    for (int p = 0; p < KW; p++) (kw)[p] = f32_bits(kf_[p]);                                    \
     ROWLOAD(vdst, vb, D); } while (0)
 /* bfloat16 query: the widened values are bf16-exact; pairs packed as a bf16 row's words are. */
 #define PACK_Q_BF16(ROWLOAD, kb, vb, kw, vdst, KW, D) do { float kf_[D];                        \
     ROWLOAD(kf_, kb, D);                                                                        \
     for (int p = 0; p < KW; p++)                                                                \
-        (kw)[p * 16] = (f32_bits(kf_[2 * p]) >> 16) | (f32_bits(kf_[2 * p + 1]) & 0xffff0000u); \
+        (kw)[p] = (f32_bits(kf_[2 * p]) >> 16) | (f32_bits(kf_[2 * p + 1]) & 0xffff0000u);      \
     ROWLOAD(vdst, vb, D); } while (0)
 #define PACK_I8_F32(kb, vb, kw, vdst, KW, D) PACK_Q_F32(ROW_I8_F32, kb, vb, kw, vdst, KW, D)
 #define PACK_E4M3_F32(kb, vb, kw, vdst, KW, D) PACK_Q_F32(ROW_E4M3_F32, kb, vb, kw, vdst, KW, D)
 #define PACK_I8_BF16(kb, vb, kw, vdst, KW, D) PACK_Q_BF16(ROW_I8_BF16, kb, vb, kw, vdst, KW, D)
 #define PACK_E4M3_BF16(kb, vb, kw, vdst, KW, D)                                                 \
     PACK_Q_BF16(ROW_E4M3_BF16, kb, vb, kw, vdst, KW, D)
-#define DEFINE_PREFILL(NAME, T, KW, PACK, ROWB, DOT, STORE16, D) \
+
+/* One sequence, every head. Per KV head, V is widened once into float32 rows (and a quantized
+ * K into rows of words). Each query head then walks tiles of 16 query rows x 16 keys, the
+ * query rows in the lanes:
+ *   S[k] (16 rows in the lanes) = DOT(rows, key k)        bf16 pairs / float32 FMAs
+ *   online softmax per row in float32, vertical over the 16 keys (exp512; no horizontal
+ *   reductions: a row's maximum and sum are lane-wise)
+ *   O^T[e] (16 rows) = O^T[e] * c + sum_k P[k] * V[k][e]  float32 FMAs, k ascending: P is not
+ *   rounded to bf16 (as flash kernels do), so the output is the float32 attention rounded once
+ * Query rows past q_len and keys past a row's causal bound are masked out; a key past the
+ * sequence reads a zero row. scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words
+ * (kernels/native.py sizes it). */
+static const uint32_t ZERO_ROW[128] = {0};
+#define DEFINE_PREFILL(NAME, T, KW, PACK, KSRC, ROWB, DOT, STORE16, D) \
 static void NAME(const T *q, const char *kc, const char *vc, const int32_t *table, \
     int q_len, int L, int bs, int hq, int hkv, float scale, T *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
-    uint32_t *Kp = scratch;                               /* [nt][KW][16] */ \
+    uint32_t *Kw = scratch;                                  /* [nt * 16][KW] (quantized) */ \
     float *Vf = (float *)(scratch + (int64_t)nt * KW * 16);  /* [nt * 16][D] */ \
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); \
     for (int h = 0; h < hkv; h++) { \
         /* tiles are numbered from tile0 over (query head, query tile); this part takes every \
            parts-th one (causal tiles grow with i0, so round robin balances) */ \
         int64_t first = tile0 + (int64_t)h * g * qtiles, count = (int64_t)g * qtiles; \
         if (count < parts && (((part - first) % parts) + parts) % parts >= count) continue; \
-        for (int t = 0; t < nt; t++) { \
-            for (int k = 0; k < 16; k++) { \
-                int j = t * 16 + k; \
-                float *vdst = Vf + (int64_t)j * D; \
-                if (j < L) { \
-                    int64_t row = ((int64_t)table[j / bs] * bs + j % bs) * hkv + h; \
-                    PACK(kc + row * (ROWB), vc + row * (ROWB), Kp + (int64_t)t * KW * 16 + k, \
-                         vdst, KW, D); \
-                } else { \
-                    for (int p = 0; p < KW; p++) Kp[((int64_t)t * KW + p) * 16 + k] = 0u; \
-                    for (int e = 0; e < D; e++) vdst[e] = 0.f; \
-                } \
+        for (int j = 0; j < nt * 16; j++) { \
+            float *vdst = Vf + (int64_t)j * D; \
+            uint32_t *kdst = Kw + (int64_t)j * KW; \
+            if (j < L) { \
+                int64_t row = ((int64_t)table[j / bs] * bs + j % bs) * hkv + h; \
+                PACK(kc + row * (ROWB), vc + row * (ROWB), kdst, vdst, KW, D); \
+            } else { \
+                for (int p = 0; p < KW; p++) kdst[p] = 0u; \
+                for (int e = 0; e < D; e++) vdst[e] = 0.f; \
             } \
         } \
         for (int hh = h * g; hh < (h + 1) * g; hh++) { \
@@ -313,53 +316,72 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
                 int64_t tile = tile0 + (int64_t)hh * qtiles + i0 / 16; \
                 if (tile % parts != part) continue; \
                 int nr = q_len - i0 < 16 ? q_len - i0 : 16; \
-                uint32_t qp[16][KW]; \
-                float o[16][D], m[16], l[16]; \
+                __mmask16 rows = (__mmask16)((1u << nr) - 1u); \
+                uint32_t qt[KW * 16] __attribute__((aligned(64))); \
+                float ot[D * 16] __attribute__((aligned(64))); \
                 for (int i = 0; i < 16; i++) { \
-                    if (i < nr) memcpy(qp[i], q + ((int64_t)(i0 + i) * hq + hh) * D, D * sizeof(T)); \
-                    else memset(qp[i], 0, D * sizeof(T)); \
-                    for (int e = 0; e < D; e++) o[i][e] = 0.f; \
-                    m[i] = -INFINITY; l[i] = 0.f; \
+                    const uint32_t *qr = (const uint32_t *)(q + ((int64_t)(i0 + i) * hq + hh) * D); \
+                    for (int p = 0; p < KW; p++) qt[p * 16 + i] = i < nr ? qr[p] : 0u; \
                 } \
+                for (int e = 0; e < D * 16; e++) ot[e] = 0.f; \
+                __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps(); \
                 int last = cached + i0 + nr - 1; \
                 for (int t = 0; t <= last / 16; t++) { \
-                    __m512 S[16]; \
-                    for (int i = 0; i < 16; i++) S[i] = _mm512_setzero_ps(); \
-                    const uint32_t *kt = Kp + (int64_t)t * KW * 16; \
-                    DOT(S, qp, kt, D) \
-                    float pf[16][16], cs[16]; \
                     int k0 = t * 16; \
-                    for (int i = 0; i < 16; i++) { \
-                        __m512 s = _mm512_mul_ps(S[i], _mm512_set1_ps(scale)); \
-                        int lim = cached + i0 + i - k0; \
-                        __mmask16 vis = lim >= 15 ? (__mmask16)0xffff : (lim < 0 ? 0 : (__mmask16)((1u << (lim + 1)) - 1)); \
-                        if (i >= nr) vis = 0; \
-                        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, s); \
-                        float mx = _mm512_reduce_max_ps(s); \
-                        mx = mx > m[i] ? mx : m[i]; \
-                        if (mx == -INFINITY) { cs[i] = 1.f; memset(pf[i], 0, sizeof pf[i]); continue; } \
-                        float c = m[i] == -INFINITY ? 0.f : expf(m[i] - mx); \
-                        __m512 pr = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx)))); \
-                        l[i] = l[i] * c + _mm512_reduce_add_ps(pr); m[i] = mx; cs[i] = c; \
-                        _mm512_storeu_ps(pf[i], pr); \
+                    const uint32_t *krow[16]; \
+                    for (int k = 0; k < 16; k++) { \
+                        int j = k0 + k; \
+                        const uint32_t *cache_row = j < L ? (const uint32_t *)(kc + \
+                            (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * (int64_t)(ROWB)) \
+                            : ZERO_ROW; \
+                        krow[k] = j < L ? KSRC(cache_row, Kw + (int64_t)j * KW) : ZERO_ROW; \
                     } \
+                    __m512 S[16]; \
+                    for (int k = 0; k < 16; k++) S[k] = _mm512_setzero_ps(); \
+                    DOT(S, qt, krow, KW) \
+                    __mmask16 vis[16]; \
+                    __m512 mnew = mv; \
+                    for (int k = 0; k < 16; k++) { \
+                        /* row i sees key k0 + k when k0 + k <= cached + i0 + i */ \
+                        int lim = k0 + k - cached - i0; \
+                        __mmask16 m = lim <= 0 ? rows : (lim > 15 ? 0 : \
+                            _mm512_mask_cmpge_epi32_mask(rows, lane, _mm512_set1_epi32(lim))); \
+                        vis[k] = m; \
+                        S[k] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, \
+                                                  _mm512_mul_ps(S[k], _mm512_set1_ps(scale))); \
+                        mnew = _mm512_max_ps(mnew, S[k]); \
+                    } \
+                    /* rows with a maximum: rescale by exp(old - new); a row's first keys: 0 */ \
+                    __mmask16 live = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ); \
+                    __mmask16 had = _mm512_cmp_ps_mask(mv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ); \
+                    __m512 c = _mm512_maskz_mov_ps(had & live, exp512(_mm512_sub_ps(mv, mnew))); \
+                    __m512 msafe = _mm512_maskz_mov_ps(live, mnew); \
+                    __m512 sum = _mm512_setzero_ps(); \
+                    for (int k = 0; k < 16; k++) { \
+                        S[k] = _mm512_maskz_mov_ps(vis[k], exp512(_mm512_sub_ps( \
+                            _mm512_maskz_mov_ps(vis[k], S[k]), msafe))); \
+                        sum = _mm512_add_ps(sum, S[k]); \
+                    } \
+                    lv = _mm512_add_ps(_mm512_mul_ps(lv, c), sum); \
+                    mv = mnew; \
                     const float *vt = Vf + (int64_t)k0 * D; \
-                    for (int c0 = 0; c0 < D; c0 += 16) { \
-                        __m512 A[16]; \
-                        for (int i = 0; i < 16; i++) A[i] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(cs[i])); \
-                        for (int k = 0; k < 16; k++) { \
-                            __m512 vv = _mm512_loadu_ps(vt + (int64_t)k * D + c0); \
-                            for (int i = 0; i < 16; i++) \
-                                A[i] = _mm512_fmadd_ps(_mm512_set1_ps(pf[i][k]), vv, A[i]); \
-                        } \
-                        for (int i = 0; i < 16; i++) _mm512_storeu_ps(o[i] + c0, A[i]); \
+                    for (int e = 0; e < D; e++) { \
+                        __m512 acc = _mm512_mul_ps(_mm512_load_ps(ot + e * 16), c); \
+                        for (int k = 0; k < 16; k++) \
+                            acc = _mm512_fmadd_ps(S[k], _mm512_set1_ps(vt[(int64_t)k * D + e]), acc); \
+                        _mm512_store_ps(ot + e * 16, acc); \
                     } \
                 } \
+                __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv); \
+                float res[16][D] __attribute__((aligned(64))); \
+                for (int e = 0; e < D; e++) { \
+                    float col[16] __attribute__((aligned(64))); \
+                    _mm512_store_ps(col, _mm512_mul_ps(_mm512_load_ps(ot + e * 16), inv)); \
+                    for (int i = 0; i < 16; i++) res[i][e] = col[i]; \
+                } \
                 for (int i = 0; i < nr; i++) { \
-                    float inv = 1.f / l[i]; \
                     T *op = out + ((int64_t)(i0 + i) * hq + hh) * D; \
-                    for (int c0 = 0; c0 < D; c0 += 16) \
-                        STORE16(op + c0, _mm512_mul_ps(_mm512_loadu_ps(o[i] + c0), _mm512_set1_ps(inv))); \
+                    for (int c0 = 0; c0 < D; c0 += 16) STORE16(op + c0, _mm512_load_ps(res[i] + c0)); \
                 } \
             } \
         } \
@@ -415,10 +437,11 @@ static int prefill_all(const prefill_fn fns[4], int64_t elem, int kind, const vo
 }
 
 #define DEFINE_PREFILL_F32(D) \
-    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, 4 * (D), DOT_F32, STORE16_F32, D) \
-    DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, (D) + 2, DOT_F32, \
+    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, KSRC_CACHE, 4 * (D), DOT_F32, \
                    STORE16_F32, D) \
-    DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, (D) + 2, DOT_F32, \
+    DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
+                   STORE16_F32, D) \
+    DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
                    STORE16_F32, D)
 DEFINE_PREFILL_F32(16)
 DEFINE_PREFILL_F32(32)
@@ -447,11 +470,11 @@ PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define DEFINE_PREFILL_BF16(D) \
-    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, 2 * (D), DOT_BF16, \
+    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, KSRC_CACHE, 2 * (D), DOT_BF16, \
                    STORE16_BF16, D) \
-    DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, (D) + 2, DOT_BF16, \
+    DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, KSRC_SCRATCH, (D) + 2, DOT_BF16, \
                    STORE16_BF16, D) \
-    DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, (D) + 2, \
+    DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, KSRC_SCRATCH, (D) + 2, \
                    DOT_BF16, STORE16_BF16, D)
 DEFINE_PREFILL_BF16(16)
 DEFINE_PREFILL_BF16(32)
