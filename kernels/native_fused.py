@@ -195,6 +195,23 @@ def norm_variant(x: torch.Tensor, weight: torch.Tensor,
     return _norm_ok(x, weight)
 
 
+def prepare(norm_sizes: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> bool:
+    """Build or load the library and run the bit-identity checks for these row lengths and
+    this head_dim now (a model's runner calls it when it is created), so that the first
+    forward, and so a first request's TTFT, pays neither the compiler (~2 s on a machine's
+    first use) nor the checks (~20 ms per row length). Returns whether the library loaded;
+    the checks' outcomes are remembered as on first use."""
+    if not native.enabled() or dtype not in _DTYPES or _library() is None:
+        return False
+    for h in norm_sizes:
+        key = (h, dtype)
+        if key not in _norm_variant and 1 <= h <= _MAX_HIDDEN:
+            _norm_variant[key] = _find_norm_variant(h, dtype)
+    if head_dim % 2 == 0 and (head_dim, dtype) not in _rope_ok:
+        _rope_ok[(head_dim, dtype)] = _rope_checked(head_dim, dtype)
+    return True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """:func:`fused.rms_norm_ref`'s result, natively; None when not run (see module doc)."""
     variant = norm_variant(x, weight)

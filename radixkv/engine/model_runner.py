@@ -172,6 +172,15 @@ class ModelRunner:
             # later ones (kernels/native.py; without a compiler the torch path is used).
             from radixkv.kernels import native
             native.available()
+            if self.lean is not None:
+                # likewise the lean forward's native norm and rope, and their bit-identity
+                # checks for this model's row lengths (kernels/native_fused.py)
+                from radixkv.kernels import native_fused
+                lean = self.lean
+                sizes = {int(lean.norm.shape[0])}
+                sizes.update(int(lay.q_norm.weight.shape[0]) for lay in lean.layers
+                             if lay.q_norm is not None)
+                native_fused.prepare(tuple(sorted(sizes)), lean.head_dim, param.dtype)
 
     def decode_graphs_unsupported(self) -> str | None:
         """Why this runner's decode steps cannot be replayed from a graph (None: they can):

@@ -66,3 +66,14 @@ def test_a_one_thread_runner_never_changes_the_count(monkeypatch, toy_pager):
         assert runner.layer_work > 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cpu_runner_prepares_the_native_norm_and_rope_when_created(monkeypatch):
+    from radixkv.kernels import native_fused
+
+    seen = []
+    monkeypatch.setattr(native_fused, "prepare", lambda *a: seen.append(a) or True)
+    model = make_family_model("llama")
+    runner = ModelRunner.for_model(model, 16, 4, lean_forward=True)
+    hidden = model.config.hidden_size
+    assert seen == [((hidden,), runner.lean.head_dim, next(model.parameters()).dtype)]

@@ -148,3 +148,21 @@ def test_loading_the_fused_kernels_keeps_subnormals():
                          check=True, timeout=300).stdout.split()
     before, after = map(float, out)
     assert before > 0 and after == before
+
+
+def test_prepare_runs_the_checks_up_front(monkeypatch):
+    """prepare() (what a CPU model runner calls when it is created) builds the library and
+    remembers each check's outcome, so the first forward runs none of them."""
+    monkeypatch.setattr(native_fused, "_norm_variant", {})
+    monkeypatch.setattr(native_fused, "_rope_ok", {})
+    assert native_fused.prepare((576, 64), 64, torch.bfloat16)
+    assert set(native_fused._norm_variant) == {(576, torch.bfloat16), (64, torch.bfloat16)}
+    assert native_fused._norm_variant[(576, torch.bfloat16)] is not None
+    assert native_fused._rope_ok == {(64, torch.bfloat16): True}
+    calls = []
+    monkeypatch.setattr(native_fused, "_find_norm_variant",
+                        lambda *a: calls.append(a))   # a check now would be recorded
+    x = torch.randn(2, 576).bfloat16()
+    assert native_fused.rms_norm(x, torch.ones(576).bfloat16(), 1e-5) is not None
+    assert calls == []
+    assert not native_fused.prepare((576,), 64, torch.float16)   # no kernel for fp16
