@@ -5,7 +5,8 @@ every figure.
 On a machine with CUDA (budget <= 8 minutes on one H100/H200, no network):
 
 1. ``pytest`` on the suites that run on CUDA there: the engine's CUDA-only cases first (CUDA
-   graphs, a decode forward under sync-debug mode, pool sizing), then tests/kernels (every
+   graphs, a decode forward under sync-debug mode, pool sizing, the sampler and quantized
+   blending on the device), then tests/kernels (every
    Triton case compiled on the GPU, then rerun interpreted in a subprocess), tests/storage's
    pool and transfer tests; pass / fail / skip counts and the failures' names are recorded
    (verbose, so a step stopped by its limit still names them; the whole log is kept).
@@ -45,7 +46,8 @@ CUDA_TESTS = [
     # under torch.cuda.set_sync_debug_mode("error"), pool sizing by gpu_memory_utilization
     "tests/engine/test_cuda_graphs.py", "tests/engine/test_memory_sizing.py",
     "tests/engine/test_decode_ops.py::test_decode_forward_passes_cuda_sync_debug_mode",
-    "tests/kernels/test_engine_on_cuda.py", "tests/kernels/test_fused.py",
+    "tests/kernels/test_engine_on_cuda.py", "tests/kernels/test_cuda_sampling_blend.py",
+    "tests/kernels/test_fused.py",
     "tests/kernels", "tests/storage/test_storage_pools.py",
     "tests/storage/test_storage_transfer.py"]
 CPU_TESTS = ["tests/kernels/test_triton.py", "-k",
