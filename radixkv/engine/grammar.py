@@ -138,8 +138,9 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     for r, m in rows:
         m.fill_next_token_bitmask(bitmask, r)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
-                                    indices=[r for r, _ in rows])
+    if logits.device.type != "cpu":   # queued, not a stream sync (sampling.to_device)
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[r for r, _ in rows])
 
 
 def accept(req: Any, seq: Any, token: int) -> None:

@@ -21,7 +21,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +46,10 @@ from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
 )
 from radixkv.engine.grammar import accept as grammar_accept
-from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, choice_logits,
-                                     draw_tokens, eos_token_ids, filtered_probs_rows,
-                                     greedy_tokens, make_generator, step_logprobs)
+from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, StepReads,
+                                     choice_logits, draw_tokens, eos_token_ids,
+                                     filtered_probs_rows, greedy_and_logsumexp, make_generator,
+                                     to_device)
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -58,8 +59,18 @@ from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 
 #: A request's sampled (token, raw log-probability) pairs of one step, in the order its
-#: sequences take them (LLMEngine._draw_step).
+#: sequences take them (LLMEngine._queue_draws).
 Drawn = collections.deque[tuple[int, float]]
+
+
+class _Draws(NamedTuple):
+    """A step's sampled rows as queued (:meth:`LLMEngine._queue_draws`): ``order`` of
+    ``(request, logits row, adjusted, generator)``, the fork generators per request, and the
+    indices of the drawn tokens and their log-probabilities in the step's read (-1: none)."""
+    order: list[tuple[Request, int, bool, torch.Generator | None]]
+    forks: dict[str, list[torch.Generator]]
+    k_tok: int
+    k_val: int
 
 
 def namespace_model(model_id: str, layout: Any) -> str:
@@ -492,21 +503,60 @@ class LLMEngine:
             run_kv_ops(self.kv_mover, copies)
         if not rows:
             return []
-        argmax, logp, lse = step_logprobs(logits, any(r.params.logprobs for r in reqs.values()))
-        # The greedy tokens' log-probabilities (or logits, where lse came back) in one read for
-        # the whole batch, not one float(...) per sequence: each is a device sync on CUDA.
-        source = logp if logp is not None else logits
-        picked = source.gather(1, torch.tensor(argmax, device=source.device)[:, None])[:, 0]
-        greedy_lp = picked.tolist()
-        if logp is None:
-            greedy_lp = [v - lse[r] for r, v in enumerate(greedy_lp)]
-        pick = None   # penalties, logit_bias, grammars: the logits tokens are chosen from
+        # Everything the host needs from the device this step (greedy tokens, their
+        # log-probabilities, adjusted argmaxes, sampled tokens and theirs) is queued first and
+        # read back in one transfer: on CUDA each read is a stream sync (StepReads).
+        need_top = any(r.params.logprobs for r in reqs.values())
+        fast = None if need_top else greedy_and_logsumexp(logits)   # CPU: native, host lists
+        reads = StepReads()
+        lse: list[float] | None = None
+        logp: torch.Tensor | None = None
+        if fast is not None:
+            argmax, lse = fast
+            k_argmax = -1
+            picked = logits.gather(1, torch.tensor(argmax)[:, None])[:, 0]
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            best = logits.max(dim=-1).indices      # ties -> lowest id (greedy_tokens)
+            k_argmax = reads.add(best)
+            picked = logp.gather(1, best[:, None])[:, 0]
+        k_lp = reads.add(picked)
         adjusted = [(rows[s.seq_id], r, s) for r in reqs.values() if r.params.adjusts_logits
                     for s in r.seqs]
-        if adjusted:
-            adj = choice_logits(logits, adjusted)
-            pick = (adj, greedy_tokens(adj))
-        drawn, forks = self._draw_step(reqs, rows, logits, pick, logp, lse)
+        source = logp if logp is not None else logits   # raw log-probs (or logits - lse)
+        adj = choice_logits(logits, adjusted) if adjusted else None   # penalties, biases,
+        k_pick = k_pick_lp = -1                                      # grammars
+        if adj is not None:   # adjusted greedy: argmax of the adjusted logits, raw log-prob
+            adj_best = adj.max(dim=-1).indices
+            k_pick = reads.add(adj_best)
+            k_pick_lp = reads.add(source.gather(1, adj_best[:, None])[:, 0])
+        draws = self._queue_draws(reqs, rows, logits, adj, logp, reads)
+        top_rows = sorted({rows[s.seq_id] for r in reqs.values()
+                           if r.params.logprobs and r.beam is None for s in r.seqs})
+        k_top = -1
+        if top_rows:   # the most likely tokens of every row that reports them, one topk
+            assert logp is not None   # need_top: the native pass did not run
+            k = max(r.params.logprobs or 0 for r in reqs.values())
+            vals, ids = torch.topk(logp.index_select(
+                0, to_device(top_rows, logp.device, torch.long)), k, dim=-1)
+            k_top = reads.add(ids)
+            reads.add(vals)
+        got = reads.read()
+
+        def minus_lse(vals: list[float]) -> list[float]:
+            return vals if lse is None else [v - lse[r] for r, v in enumerate(vals)]
+
+        if k_argmax >= 0:
+            argmax = [int(v) for v in got[k_argmax]]
+        greedy_lp = minus_lse(got[k_lp])
+        pick = None if adj is None else (adj, [int(v) for v in got[k_pick]],
+                                         minus_lse(got[k_pick_lp]))
+        tops: dict[int, tuple[list[float], list[float]]] = {}
+        if k_top >= 0:
+            w = len(got[k_top]) // len(top_rows)
+            tops = {r: (got[k_top][i * w:(i + 1) * w], got[k_top + 1][i * w:(i + 1) * w])
+                    for i, r in enumerate(top_rows)}
+        drawn, forks = self._drawn(draws, got, lse)
         now = time.perf_counter()
         outputs = []
         host = self.tier_names.index("host") if self._remote is not None else None
@@ -527,14 +577,14 @@ class LLMEngine:
                 if not p.greedy:
                     tok, lp = drawn[req.request_id].popleft()
                 elif pick is not None and p.adjusts_logits:
-                    tok, lp = pick[1][row], None
+                    tok, lp = pick[1][row], pick[2][row]
                 else:
                     tok, lp = argmax[row], None
                 self._accept(req, seq, tok, row, logits, argmax, logp, lse, greedy_lp, None, lp)
             else:
                 idx = [rows[s.seq_id] for s in seqs]
                 self._sample_step(req, idx, logits, argmax, logp, lse, greedy_lp, pick,
-                                  drawn.get(req.request_id), forks.get(req.request_id))
+                                  drawn.get(req.request_id), forks.get(req.request_id), tops)
             if not req.seqs:
                 for seq in req.done:   # reply blocks under a TTL'd prefix inherit its TTL
                     inherit_ttl(self._bm, cached_chain(self._bm, req, seq.token_ids))
@@ -558,27 +608,27 @@ class LLMEngine:
                 retain_remote(self._remote, hashes, ttl)
 
     # ------------------------------------------------------------------ sampling
-    def _draw_step(self, reqs: Mapping[str, Request], rows: Mapping[int, int],
-                   logits: torch.Tensor, pick: Any, logp: torch.Tensor | None,
-                   lse: list[float] | None
-                   ) -> tuple[dict[str, Drawn], dict[str, list[torch.Generator]]]:
-        """Every sampled token of the step, drawn together: ``({request id: deque of (token,
-        raw log-probability)}, {request id: generators of the samples a first-token fork
-        makes})``, each deque in the order the request's sequences take them.
+    def _queue_draws(self, reqs: Mapping[str, Request], rows: Mapping[int, int],
+                     logits: torch.Tensor, adj: torch.Tensor | None,
+                     logp: torch.Tensor | None, reads: StepReads) -> _Draws:
+        """Queue every sampled token of the step, drawn together on the logits' device, and
+        their raw log-probabilities (or logits, where ``logp`` is None) on ``reads``;
+        :meth:`_drawn` turns what was read into each request's tokens.
 
         Why: drawing one sequence at a time read each token (``.item()``) and each sampled
         token's log-probability back from the device separately, two syncs per sequence per
         step on CUDA; here the filters run on all rows at once (``filtered_probs_rows``),
         each row draws with its own generator (``draw_tokens``: seeded requests are
-        reproducible whatever the batch), and tokens and log-probabilities come back in one
-        transfer. Greedy and beam-search requests take no part."""
+        reproducible whatever the batch), and nothing is read until the step's one
+        transfer. Greedy and beam-search requests take no part. ``adj``: the adjusted logits
+        (penalties, biases, grammars) the requests that adjust theirs draw from."""
         order: list[tuple[Request, int, bool, torch.Generator | None]] = []
         forks: dict[str, list[torch.Generator]] = {}
         for req in reqs.values():
             p = req.params
             if p.greedy or req.beam is not None:
                 continue
-            adjusted = pick is not None and p.adjusts_logits
+            adjusted = adj is not None and p.adjusts_logits
             seqs = req.seqs
             if p.n > 1 and len(seqs) == 1 and seqs[0].num_output_tokens == 0 and not req.done:
                 # the first token of n samples: the parent and its n - 1 children-to-be draw
@@ -590,43 +640,58 @@ class LLMEngine:
             else:
                 order += [(req, rows[s.seq_id], adjusted, s.generator) for s in seqs]
         if not order:
-            return {}, forks
+            return _Draws(order, forks, -1, -1)
         dev = logits.device
-        idx = torch.tensor([row for _, row, _, _ in order], device=dev)
+        idx = to_device([row for _, row, _, _ in order], dev, torch.long)
         x = logits.index_select(0, idx)
-        adj = [i for i, o in enumerate(order) if o[2]]
-        if adj:   # penalties, biases, grammars: those rows draw from the adjusted logits
-            x[adj] = pick[0][[order[i][1] for i in adj]].to(x.dtype)
+        pos = [i for i, o in enumerate(order) if o[2]]
+        if pos:   # penalties, biases, grammars: those rows draw from the adjusted logits
+            assert adj is not None
+            x[to_device(pos, dev, torch.long)] = adj.index_select(
+                0, to_device([order[i][1] for i in pos], dev, torch.long)).to(x.dtype)
         toks = draw_tokens(filtered_probs_rows(x, [o[0].params for o in order]),
                            [o[3] for o in order])
         source = logp if logp is not None else logits   # raw model log-probs (or logits - lse)
-        vals = source[idx, toks]
-        got_toks, got_vals = torch.stack([toks.double(), vals.double()]).tolist()
+        return _Draws(order, forks, reads.add(toks), reads.add(source[idx, toks]))
+
+    @staticmethod
+    def _drawn(draws: _Draws, got: list[list[float]], lse: list[float] | None
+               ) -> tuple[dict[str, Drawn], dict[str, list[torch.Generator]]]:
+        """``({request id: deque of (token, raw log-probability)}, {request id: generators
+        of the samples a first-token fork makes})`` from the step's read (``got``), each
+        deque in the order the request's sequences take them."""
         drawn: dict[str, Drawn] = {}
-        for (req, row, _, _), tok, val in zip(order, got_toks, got_vals):
-            lp = val if logp is not None else val - lse[row]   # type: ignore[index]
+        if draws.k_tok < 0:
+            return drawn, draws.forks
+        for (req, row, _, _), tok, val in zip(draws.order, got[draws.k_tok], got[draws.k_val]):
+            lp = val if lse is None else val - lse[row]
             drawn.setdefault(req.request_id, collections.deque()).append((int(tok), lp))
-        return drawn, forks
+        return drawn, draws.forks
 
     def _sample_step(self, req: Request, idx: list[int], logits: torch.Tensor,
                      argmax: list[int], logp: torch.Tensor | None,
                      lse: list[float] | None, greedy_lp: list[float],
                      pick: Any = None, drawn: Drawn | None = None,
-                     fork_gens: list[torch.Generator] | None = None) -> None:
+                     fork_gens: list[torch.Generator] | None = None,
+                     tops: Mapping[int, tuple[list[float], list[float]]] | None = None
+                     ) -> None:
         """``greedy_lp``: the log-probability of each row's argmax of the raw ``logits``
-        (read for the whole batch at once). ``pick``: (adjusted logits, their argmax) when
-        some request adjusts its logits; greedy tokens are chosen from them, log-probabilities
-        come from the raw ``logits``. ``drawn``: this request's sampled (token, log-probability)
-        pairs from :meth:`_draw_step`; ``fork_gens``: its children's generators there."""
+        (read for the whole batch at once). ``pick``: (adjusted logits, their argmax, its raw
+        log-probability) when some request adjusts its logits; greedy tokens are chosen from
+        them, log-probabilities come from the raw ``logits``. ``drawn``: this request's sampled
+        (token, log-probability) pairs from :meth:`_queue_draws`; ``fork_gens``: its
+        children's generators there; ``tops``: ``{row: (token ids, log-probabilities)}`` of
+        the most likely tokens of every row that reports them (read with the step)."""
         p = req.params
         raw, raw_argmax = logits, argmax
+        picked_lp: list[float] | None = None
         if pick is not None and p.adjusts_logits:
-            logits, argmax = pick
+            logits, argmax, picked_lp = pick
 
         def choose(row: int) -> tuple[int, float | None]:
             if p.greedy:
-                return argmax[row], None
-            assert drawn is not None   # _draw_step drew for every non-greedy request
+                return argmax[row], None if picked_lp is None else picked_lp[row]
+            assert drawn is not None   # _queue_draws drew for every non-greedy request
             return drawn.popleft()
 
         if p.n > 1 and len(req.seqs) == 1 and req.seqs[0].num_output_tokens == 0 and not req.done:
@@ -644,10 +709,10 @@ class LLMEngine:
             picks = [(s, choose(r)) for s, r in zip(req.seqs, idx)]
             rows_for = idx
         top = None
-        if p.logprobs:   # the k most likely tokens of each row, one topk for the request
-            rows = sorted(set(rows_for))
-            vals, ids = torch.topk(logp[rows], p.logprobs, dim=-1)
-            top = {r: tuple(zip(i, v)) for r, i, v in zip(rows, ids.tolist(), vals.tolist())}
+        if p.logprobs and tops:   # this request's k most likely tokens of each of its rows
+            k = p.logprobs
+            top = {r: tuple(zip((int(t) for t in tops[r][0][:k]), tops[r][1][:k]))
+                   for r in set(rows_for)}
         for (seq, (tok, lp)), row in zip(picks, rows_for):
             self._accept(req, seq, tok, row, raw, raw_argmax, logp, lse, greedy_lp, top, lp)
 

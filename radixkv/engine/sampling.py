@@ -304,6 +304,58 @@ def step_logprobs(logits: torch.Tensor, need_top: bool
     return greedy_tokens(logits), torch.log_softmax(logits, dim=-1), None
 
 
+def to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without a stream sync.
+
+    Why: a blocking host-to-device copy (``torch.tensor(list, device="cuda")``,
+    ``.to("cuda")`` of pageable memory) waits for every kernel queued before it, so each
+    index list a step sends the GPU would drain the stream. Through pinned memory the copy is
+    queued like a kernel (the caching host allocator keeps the buffer until the copy has
+    run). On the CPU it is the plain tensor."""
+    import torch
+
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class StepReads:
+    """The device values a step needs on the host, read back in one transfer.
+
+    Why: on CUDA every read (``tolist``, ``item``, ``float``) waits for the stream; a step
+    that read its greedy tokens, then their log-probabilities, then the sampled tokens, each
+    after queueing the work that needs the previous answer, drained the GPU three to nine
+    times. Here each part is queued (:meth:`add`) and :meth:`read` copies them all at once,
+    as float64 (exact for token ids and float32 values)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue ``t`` (any shape; read flattened); returns its index in :meth:`read`."""
+        self._parts.append(t.reshape(-1).double())
+        return len(self._parts) - 1
+
+    def read(self) -> list[list[float]]:
+        """Every queued part as a list, in the order added (one device-to-host copy)."""
+        import torch
+
+        parts = self._parts
+        if not parts:
+            return []
+        flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        out, at = [], 0
+        for t in parts:
+            n = t.numel()
+            out.append(flat[at:at + n])
+            at += n
+        return out
+
+
 def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int]) -> list[float]:
     """log_softmax(logits)[r, tokens[r]] for each row: the model's own log-probability."""
     import torch
@@ -331,8 +383,8 @@ def filtered_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]
     tops = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
     # every row's knobs in one host-to-device copy (each copy of a host list is a stream sync
     # on CUDA): temperature, min-p, top-k (0: all), top-p cut (inf: none)
-    knobs = torch.tensor([(p.temperature, p.min_p, k, t) for p, k, t in zip(params, ks, tops)],
-                         dtype=torch.float32).to(logits.device)
+    knobs = to_device([(p.temperature, p.min_p, k, t) for p, k, t in zip(params, ks, tops)],
+                      logits.device, torch.float32)
     x = logits.float() / knobs[:, 0:1]
     if any(p.min_p for p in params):
         p0 = torch.softmax(x, dim=-1)
@@ -428,7 +480,9 @@ def _pairs(rows: Sequence[int], ids: Sequence[Sequence[int]], vocab: int, device
     toks = torch.tensor([t for x in ids for t in x], dtype=torch.long)
     owner = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), lengths)
     keys, counts = torch.unique(owner * vocab + toks, return_counts=True)
-    keys, counts = keys.to(device), counts.to(device)
+    if device.type != "cpu":   # queued, not a stream sync (see to_device)
+        keys = keys.pin_memory().to(device, non_blocking=True)
+        counts = counts.pin_memory().to(device, non_blocking=True)
     return keys // vocab, keys % vocab, counts
 
 
@@ -452,15 +506,15 @@ def adjust_logits(logits: torch.Tensor,
     bias = [(r, t, b) for r, p, _ in rows for t, b in p.logit_bias if t < vocab]
     if bias:
         r_i, t_i, b_v = zip(*bias)
-        out.index_put_((torch.tensor(r_i, device=dev), torch.tensor(t_i, device=dev)),
-                       torch.tensor(b_v, device=dev, dtype=out.dtype), accumulate=True)
+        out.index_put_((to_device(r_i, dev, torch.long), to_device(t_i, dev, torch.long)),
+                       to_device(b_v, dev, out.dtype), accumulate=True)
     rep = [(k, r, p) for k, (r, p, _) in enumerate(rows) if p.repetition_penalty != 1.0]
     if rep:
         seen = [list(prompts[k] if prompts is not None else ()) + list(rows[k][2])
                 for k, _, _ in rep]
         factor = torch.ones(out.shape[0], device=dev)
-        factor[[r for _, r, _ in rep]] = torch.tensor([p.repetition_penalty for _, _, p in rep],
-                                                      device=dev)
+        factor[to_device([r for _, r, _ in rep], dev, torch.long)] = to_device(
+            [p.repetition_penalty for _, _, p in rep], dev, torch.float32)
         r_u, t_u, _ = _pairs([r for _, r, _ in rep], seen, vocab, dev)
         x, f = out[r_u, t_u], factor[r_u]
         out[r_u, t_u] = torch.where(x > 0, x / f, x * f)
@@ -470,8 +524,9 @@ def adjust_logits(logits: torch.Tensor,
         freq = torch.zeros(out.shape[0], device=dev)
         pres = torch.zeros(out.shape[0], device=dev)
         idx = [r for r, _, _ in pen]
-        freq[idx] = torch.tensor([p.frequency_penalty for _, p, _ in pen], device=dev)
-        pres[idx] = torch.tensor([p.presence_penalty for _, p, _ in pen], device=dev)
+        rows_t = to_device(idx, dev, torch.long)
+        freq[rows_t] = to_device([p.frequency_penalty for _, p, _ in pen], dev, torch.float32)
+        pres[rows_t] = to_device([p.presence_penalty for _, p, _ in pen], dev, torch.float32)
         r_u, t_u, c_u = _pairs(idx, [ids for _, _, ids in pen], vocab, dev)
         out[r_u, t_u] = out[r_u, t_u] - (freq[r_u] * c_u + pres[r_u])   # distinct pairs
     return out
@@ -507,6 +562,6 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "adjust_logits", "choice_logits", "eos_token_ids",
-           "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs",
-           "filtered_probs_rows", "draw_tokens", "sample_token"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StepReads", "adjust_logits", "choice_logits",
+           "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs",
+           "filtered_probs_rows", "draw_tokens", "sample_token", "to_device"]

@@ -283,3 +283,43 @@ def test_top_p_candidates_path_is_taken_only_where_the_nucleus_fits(monkeypatch)
     sorted_rows.clear()
     filtered_probs_rows(peaked, [SamplingParams(temperature=1.0, top_p=0.9)])
     assert sorted_rows == []
+
+
+@pytest.mark.parametrize("kw", [dict(n=2), dict(n=8, temperature=1.0),
+                                dict(n=8, temperature=1.0, top_p=0.9, frequency_penalty=0.2,
+                                     logit_bias={3: 1.5}),
+                                dict(n=3, temperature=1.0, logprobs=2),
+                                dict(n=2, logprobs=3, repetition_penalty=1.2)],
+                         ids=["greedy", "sampled", "penalized", "logprobs", "adjusted-greedy"])
+def test_a_decode_step_takes_one_read_on_the_device_path(make_tiny, monkeypatch, kw):
+    """With the logits on a device (the native CPU pass off, as on CUDA), a decode step reads
+    back once: greedy tokens, their log-probabilities, adjusted argmaxes, the draws and the
+    top log-probabilities all come in one transfer (``StepReads``). Each read on CUDA is a
+    stream sync; tests/kernels/test_cuda_sampling_blend.py counts the syncs on a card."""
+    import copy
+
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.engine import llm_engine, sampling
+    from radixkv.engine.llm_engine import LLMEngine
+
+    for mod in (llm_engine, sampling):
+        monkeypatch.setattr(mod, "greedy_and_logsumexp", lambda logits: None, raising=False)
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            reads["n"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    eng = LLMEngine(copy.deepcopy(make_tiny("llama")), None,
+                    CacheConfig(block_size=4, num_device_blocks=256),
+                    EngineConfig(max_num_seqs=16, max_num_batched_tokens=256), model_id="tiny")
+    eng.add_request("r", [5, 9, 13, 2, 7, 1], SamplingParams(max_tokens=6, seed=3,
+                                                             ignore_eos=True, **kw))
+    eng.step()
+    eng.step()
+    before = reads["n"]
+    outs = eng.step()
+    assert reads["n"] - before == 1
+    assert outs and all(len(c.token_ids) == 3 for c in outs[0].outputs)

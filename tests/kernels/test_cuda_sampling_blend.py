@@ -157,34 +157,53 @@ def test_seeded_sampled_requests_repeat_and_biases_steer_them():
     assert out["forced"].outputs[0].token_ids == [42] * 6
 
 
-def test_a_sampled_steps_device_syncs_do_not_grow_with_the_batch():
-    """On CUDA each host read is a stream sync (caught here by sync-debug mode's warnings): a
-    decode step of 2 sampled sequences and one of 8 sync the same number of times."""
+def _syncs_of_a_decode_step(hf, params) -> list[str]:
+    """Where a decode step (the third step of a request: prefill and first token, the forks'
+    copy-on-write, then a plain decode) syncs the stream, caught by CUDA's sync-debug mode:
+    one line of radixkv frames per sync raised on this thread."""
+    import threading
+    import traceback
+
+    eng = _engine(hf, seqs=16)
+    eng.add_request("r", [5, 9, 13, 2, 7, 1], params)
+    eng.step()
+    eng.step()
+    torch.cuda.synchronize()
+    me, sites = threading.get_ident(), []
+
+    def record(*_a, **_k):
+        if threading.get_ident() == me:
+            sites.append(" <- ".join(f"{f.filename.rsplit('radixkv/', 1)[-1]}:{f.lineno}"
+                                     for f in traceback.extract_stack()
+                                     if "/radixkv/" in f.filename))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
+def test_a_decode_step_syncs_the_stream_once_whatever_the_batch_and_sampling():
+    """A decode step reads the device once: greedy, sampled (n = 2 and n = 8) and sampled with
+    top-p, penalties and a logit bias, the greedy tokens, their log-probabilities and the draws
+    come back in one transfer (StepReads); every index list goes to the GPU through pinned
+    memory, queued like a kernel, not as a blocking copy that drains the stream."""
     from radixkv.engine.sampling import SamplingParams
 
     if DEV != "cuda":
         pytest.skip("sync-debug mode is CUDA's")
     hf = _tiny()
-
-    def syncs_per_decode_step(n: int) -> int:
-        eng = _engine(hf, seqs=16)
-        eng.add_request("r", [5, 9, 13, 2, 7, 1], SamplingParams(
-            max_tokens=6, temperature=1.0, top_p=0.9, n=n, seed=3, ignore_eos=True,
-            frequency_penalty=0.2))
-        eng.step()
-        eng.step()
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                eng.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-    two, eight = syncs_per_decode_step(2), syncs_per_decode_step(8)
-    assert two == eight, (two, eight)
+    base = dict(max_tokens=6, seed=3, ignore_eos=True)
+    for kw in (dict(n=2), dict(n=2, temperature=1.0), dict(n=8, temperature=1.0),
+               dict(n=8, temperature=1.0, top_p=0.9, frequency_penalty=0.2,
+                    logit_bias={3: 1.5})):
+        sites = _syncs_of_a_decode_step(hf, SamplingParams(**base, **kw))
+        assert len(sites) == 1, (kw, sites)
 
 
 # ------------------------------------------------------------- blending on the device's cache
