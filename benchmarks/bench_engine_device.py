@@ -269,6 +269,54 @@ def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch:
     return out
 
 
+#: The sampling modes ``--sampling`` times against greedy decoding, in one engine.
+SAMPLING_MODES: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "sampled": {"temperature": 1.0, "top_p": 0.9, "seed": 1},
+    "penalized": {"temperature": 1.0, "top_p": 0.9, "seed": 1, "frequency_penalty": 0.3,
+                  "presence_penalty": 0.1, "logit_bias": {7: 1.5}},
+}
+
+
+def sampling_rows(model: Any, shape: str, args: Any, device: Any, rng: Any,
+                  dtype: str) -> list[dict]:
+    """Decode ms/step of greedy, sampled (temperature 1, top-p 0.9, seeded) and penalized
+    (plus frequency / presence penalties and a logit bias) requests in one engine (with CUDA
+    graphs where ``--cuda-graphs``), batches of ``--sampling-batches``: what sampling adds to
+    a step, as a ratio to greedy in the same run. On a GPU this is the host's share: filters,
+    draws and penalties are a few small kernels, and every read of the device a stream sync
+    (the step reads once: ``sampling.StepReads``)."""
+    from radixkv import SamplingParams
+
+    rows = []
+    vocab, steps = model.config.vocab_size, args.decode_tokens
+    graphs = bool(getattr(args, "cuda_graphs", False)) and device.type == "cuda"
+    for batch in args.sampling_batches:
+        engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
+                         max(2048, min(8192, batch * args.prompt)), cuda_graphs=graphs)
+        row: dict[str, Any] = {"device": args.device_name, "shape": shape, "batch": batch,
+                               "steps": steps, "cuda_graphs": graphs}
+        try:
+            for mode, kw in SAMPLING_MODES.items():
+                def run_s(n: int) -> float:
+                    sp = SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+                    return _timed(lambda: engine.generate(
+                        _prompts(rng, batch, args.prompt, vocab), sp), device)
+
+                run_s(2)   # warm-up
+                full = min(run_s(steps + 1) for _ in range(args.repeat))
+                one = min(run_s(1) for _ in range(args.repeat))
+                row[f"{mode}_ms"] = (full - one) / steps * 1e3
+        finally:
+            _release(engine)
+        row["sampled_over_greedy"] = row["sampled_ms"] / row["greedy_ms"]
+        row["penalized_over_greedy"] = row["penalized_ms"] / row["greedy_ms"]
+        rows.append(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+              flush=True)
+    return rows
+
+
 def prefill_row(model: Any, shape: str, args: Any, device: Any, rng: Any, dtype: str) -> dict:
     import torch
 
@@ -355,7 +403,8 @@ def run(args: Any, checkpoint: Any = None) -> dict:
           f"matmul {limits['matmul_TFLOPs']:.3g} TFLOP/s", flush=True)
     rng = np.random.default_rng(args.seed)
     results: dict[str, Any] = {"device": args.device_name, "dtype": dtype, **limits,
-                               "decode": [], "prefill": [], "ttft": [], "skipped": []}
+                               "decode": [], "sampling": [], "prefill": [], "ttft": [],
+                               "skipped": []}
     for shape in args.shapes:
         if not _fits(shape, device):
             results["skipped"].append(shape)
@@ -363,6 +412,8 @@ def run(args: Any, checkpoint: Any = None) -> dict:
             continue
         model = build_model(shape, getattr(torch, dtype), device)
         results["decode"] += decode_rows(model, shape, args, limits, device, rng, dtype)
+        if getattr(args, "sampling", False):
+            results["sampling"] += sampling_rows(model, shape, args, device, rng, dtype)
         results["prefill"].append(prefill_row(model, shape, args, device, rng, dtype))
         results["ttft"].append(ttft_row(model, shape, args, device, rng, dtype))
         if checkpoint is not None:
@@ -385,6 +436,11 @@ def print_tables(results: dict) -> None:
                 title=f"decode ms/step on {dev} ({results['dtype']}; limit = max(bytes / "
                       f"{results['copy_GBps']:.0f} GB/s, FLOPs / "
                       f"{results['matmul_TFLOPs']:.3g} TFLOP/s), same run)")
+    if results.get("sampling"):
+        print_table(results["sampling"], ["device", "shape", "batch", "cuda_graphs", "greedy_ms",
+                                          "sampled_ms", "penalized_ms", "sampled_over_greedy",
+                                          "penalized_over_greedy"],
+                    title=f"decode ms/step by sampling mode on {dev} (one engine each row)")
     print_table(results["prefill"], ["device", "shape", "batch", "new_tokens", "radixkv_tok_s",
                                      "transformers_forward_tok_s", "radixkv_over_transformers"],
                 title=f"prefill tok/s on {dev}")
@@ -410,6 +466,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="--device cuda: also time decode with EngineConfig(cuda_graphs=True) "
                          "(graphs_speedup = eager ms / graphs ms, same run) and compare its "
                          "greedy tokens with the eager engine's")
+    ap.add_argument("--sampling", action="store_true",
+                    help="--device: also time greedy vs sampled vs penalized decode steps in "
+                         "one engine (with graphs where --cuda-graphs)")
+    ap.add_argument("--sampling-batches", type=int, nargs="+", default=[1, 64],
+                    help="--device --sampling: batch sizes")
 
 
 def main_device(args: Any) -> int:
@@ -418,6 +479,7 @@ def main_device(args: Any) -> int:
 
     if args.quick:
         args.batches, args.prompt, args.decode_tokens = args.batches[:2], 32, 8
+        args.sampling_batches = args.sampling_batches[:1]
         args.prefill_batch, args.prefill_len, args.ttft_prefix, args.repeat = 4, 64, 256, 1
     header = run_header(seed=args.seed, benchmark="engine-device", args=vars(args),
                         quick=args.quick)

@@ -12,7 +12,8 @@ On a machine with CUDA (budget <= 8 minutes on one H100/H200, no network):
    (verbose, so a step stopped by its limit still names them; the whole log is kept).
 2. ``radixkv bench engine --device cuda --cuda-graphs`` on random-weight Llama-3.2-1B and
    (where it fits) Llama-3.1-8B shapes: decode ms/step at batch 1, 64, 256, eager and with
-   CUDA graphs, vs transformers and the limit, prefill tok/s, cached-prefix TTFT gain.
+   CUDA graphs, vs transformers and the limit; greedy vs sampled vs penalized decode steps
+   (``--sampling``, batch 1 and 64); prefill tok/s, cached-prefix TTFT gain.
 3. ``radixkv bench kernels`` (CUDA mode): paged decode GB/s vs device copy, prefill TFLOP/s vs
    SDPA, copy_blocks and write_kv.
 
@@ -54,7 +55,7 @@ CPU_TESTS = ["tests/kernels/test_triton.py", "-k",
              "split_k_boundaries or plan_is_made or copy_blocks or write_kv"]
 
 #: Wall-clock limits per step (seconds): the whole check stays within 8 minutes on a GPU.
-CUDA_LIMITS = {"tests": 250, "engine": 150, "kernels": 60}
+CUDA_LIMITS = {"tests": 240, "engine": 170, "kernels": 60}
 #: A step stopped by its limit still reports what it finished: the engine benchmark writes its
 #: JSON after each model shape (1B first), and the summary shows it with the step FAILED.
 CPU_LIMITS = {"tests": 60, "engine": 60, "kernels": 40}
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" not in args.skip:
         cmd = [py, "-m", "radixkv.cli", "bench", "engine", "--name", "gpu_check_engine"]
         cmd += (["--device", "cuda", "--decode-tokens", "32", "--repeat", "2", "--cuda-graphs",
-                 "--shapes", *args.engine_shapes] if cuda else
+                 "--sampling", "--shapes", *args.engine_shapes] if cuda else
                 ["--device", "cpu", "--shapes", "tiny", "--batches", "1", "4", "--prompt", "16",
+                 "--sampling", "--sampling-batches", "1", "4",
                  "--decode-tokens", "4", "--prefill-batch", "2", "--prefill-len", "32",
                  "--ttft-prefix", "128", "--repeat", "1"])
         steps.append(_run("engine", cmd, limits["engine"], env))
@@ -212,6 +214,14 @@ def _summary(card: str, results: dict) -> None:
                          "figure": f"{r['radixkv_graphs_ms']:.2f} ms/step (x"
                                    f"{r['graphs_speedup']:.2f} of eager; tokens match "
                                    f"{r['graphs_token_match']:.2f})"})
+    for r in eng.get("sampling", []):
+        rows.append({"device": card, "what": f"decode {r['shape']} batch {r['batch']} by "
+                                             "sampling mode" +
+                                             (", CUDA graphs" if r.get("cuda_graphs") else ""),
+                     "figure": f"greedy {r['greedy_ms']:.2f}, sampled {r['sampled_ms']:.2f} "
+                               f"(x{r['sampled_over_greedy']:.2f}), penalized "
+                               f"{r['penalized_ms']:.2f} ms/step "
+                               f"(x{r['penalized_over_greedy']:.2f})"})
     for r in eng.get("prefill", []):
         rows.append({"device": card, "what": f"prefill {r['shape']} {r['batch']}x"
                                              f"{r['new_tokens']}",

@@ -327,8 +327,7 @@ class StepReads:
     Why: on CUDA every read (``tolist``, ``item``, ``float``) waits for the stream; a step
     that read its greedy tokens, then their log-probabilities, then the sampled tokens, each
     after queueing the work that needs the previous answer, drained the GPU three to nine
-    times. Here each part is queued (:meth:`add`) and :meth:`read` copies them all at once,
-    as float64 (exact for token ids and float32 values)."""
+    times. Here each part is queued (:meth:`add`) and :meth:`read` copies them all at once."""
 
     __slots__ = ("_parts",)
 
@@ -337,17 +336,25 @@ class StepReads:
 
     def add(self, t: torch.Tensor) -> int:
         """Queue ``t`` (any shape; read flattened); returns its index in :meth:`read`."""
-        self._parts.append(t.reshape(-1).double())
+        self._parts.append(t.reshape(-1))
         return len(self._parts) - 1
 
-    def read(self) -> list[list[float]]:
-        """Every queued part as a list, in the order added (one device-to-host copy)."""
+    def _one_transfer(self) -> bool:
+        """Whether :meth:`read` gathers the parts into one copy (device tensors)."""
+        return self._parts[0].device.type != "cpu"
+
+    def read(self) -> list[list[Any]]:
+        """Every queued part as a list, in the order added: on a GPU one device-to-host copy
+        (as float64: exact for token ids and float32 values); on the CPU, where a read is no
+        sync, each part as it is."""
         import torch
 
         parts = self._parts
         if not parts:
             return []
-        flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        if not self._one_transfer():
+            return [t.tolist() for t in parts]
+        flat = torch.cat([t.double() for t in parts]).tolist()
         out, at = [], 0
         for t in parts:
             n = t.numel()

@@ -304,6 +304,7 @@ def test_a_decode_step_takes_one_read_on_the_device_path(make_tiny, monkeypatch,
 
     for mod in (llm_engine, sampling):
         monkeypatch.setattr(mod, "greedy_and_logsumexp", lambda logits: None, raising=False)
+    monkeypatch.setattr(sampling.StepReads, "_one_transfer", lambda self: True, raising=False)
     reads = {"n": 0}
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         orig = getattr(torch.Tensor, name)

@@ -171,11 +171,14 @@ def _syncs_of_a_decode_step(hf, params) -> list[str]:
     torch.cuda.synchronize()
     me, sites = threading.get_ident(), []
 
-    def record(*_a, **_k):
-        if threading.get_ident() == me:
-            sites.append(" <- ".join(f"{f.filename.rsplit('radixkv/', 1)[-1]}:{f.lineno}"
-                                     for f in traceback.extract_stack()
-                                     if "/radixkv/" in f.filename))
+    def record(message, *_a, **_k):
+        text = str(message)   # (not the mode's own "prototype feature" notice, on first use)
+        if threading.get_ident() == me and "synchroniz" in text and "prototype" not in text:
+            stack = traceback.extract_stack()
+            ours = [f"{f.filename.rsplit('radixkv/', 1)[-1]}:{f.lineno}" for f in stack
+                    if "/radixkv/" in f.filename]
+            sites.append(" <- ".join(ours) or f"{message} at "
+                         + " <- ".join(f"{f.filename}:{f.lineno}" for f in stack[-4:]))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

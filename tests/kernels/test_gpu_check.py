@@ -44,6 +44,9 @@ def test_gpu_check_script_cpu_self_check(tmp_path):
         assert row["limit_ms"] > 0 and row["bytes_per_step"] > 0
         assert row["preemptions"] == 0
     assert eng["ttft"][0]["cached_tokens"] == 128      # the whole prefix came from the cache
+    assert [r["batch"] for r in eng["sampling"]] == [1, 4]   # greedy / sampled / penalized
+    for row in eng["sampling"]:
+        assert all(isinstance(row[f"{m}_ms"], float) for m in ("greedy", "sampled", "penalized"))
     assert data["results"]["steps"] == [
         {"step": "engine", "rc": 0, "seconds": data["results"]["steps"][0]["seconds"],
          "ok": True}]
