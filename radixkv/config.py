@@ -85,6 +85,11 @@ class CacheConfig:
             forecast; docs/eviction.md); checked when the config is built.
         enable_prefix_caching: False makes every request its own namespace, so nothing is ever
             reused across requests (the "no cache" baseline; forks still share within a request).
+        tail_blocks: how many partial last blocks of finished sequences the device keeps for
+            the next request that continues them (``core/tails.py``: a chat's next turn then
+            reuses the previous turn's last partial block instead of recomputing up to
+            ``block_size - 1`` tokens). ``None``: an eighth of the device pool; 0: none. They
+            are reclaimed before any cached whole block is evicted.
         write_through: lower tiers (``"host"``, ``"disk"``) that get a copy of every block as
             soon as it is computed, instead of only when it is evicted (write-back, the
             default ``()``). A copy makes the block's later demotion free and, on disk, makes
@@ -142,6 +147,7 @@ class CacheConfig:
     policy: str = "auto"         # core.policy_registry.DEFAULT_POLICY (a test keeps them equal)
     policy_options: dict[str, Any] | None = None
     enable_prefix_caching: bool = True
+    tail_blocks: int | None = None
     write_through: tuple[str, ...] = ()
     disk_secret: str | bytes | None = field(default=None, repr=False)
     kv_dtype: str = "auto"
@@ -160,7 +166,7 @@ class CacheConfig:
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs & (bs - 1):
             raise ConfigError(f"CacheConfig.block_size must be a positive power of 2, got {bs!r}")
-        for name in ("num_device_blocks", "host_blocks", "disk_blocks"):
+        for name in ("num_device_blocks", "host_blocks", "disk_blocks", "tail_blocks"):
             _check_count(name, getattr(self, name))
         if self.num_device_blocks == 0:
             raise ConfigError(

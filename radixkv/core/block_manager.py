@@ -11,6 +11,12 @@ The engine talks to the cache only through this class. Life of a sequence::
     bm.fork(seq, child)                           # n samples / beams share every block
     bm.free(seq)                                  # full blocks stay cached, the rest is freed
 
+A sequence allocated with ``tail=True`` leaves, when freed, its partial last block (the rows it
+computed) in the tail cache (``core/tails.py``); a later ``allocate(..., tail=True)`` whose
+whole-block match ends where that tail hangs and whose next tokens begin with the tail's takes
+the block, its rows counted as cached tokens (so ``num_cached_tokens`` need not be a multiple
+of the block size then).
+
 Conventions: a *block table* lists device block ids, one per ``block_size`` tokens; the last
 block may be partial and belongs to the sequence (and its forks) only. Full blocks whose KV is
 computed are *committed* into the tree and may then be shared by any request. A block's device
@@ -43,6 +49,7 @@ from radixkv.core.events import KVEventQueue
 from radixkv.core.hashing import TOKEN_BYTES, BlockHash, Namespace, chain_hash, token_bytes
 from radixkv.core.policy_registry import DEFAULT_POLICY
 from radixkv.core.pool import BlockId, BlockPool
+from radixkv.core.tails import TailCache
 from radixkv.core.tree import DEVICE, BlockRef, MoveOp, Node, RadixTree
 from radixkv.errors import (
     InvalidRequestError, InvalidTokensError, OutOfBlocks, SequenceExistsError,
@@ -91,17 +98,19 @@ class Allocation(NamedTuple):
 
 
 class SeqState:
-    __slots__ = ("seed", "tokens", "blocks", "last_hash", "num_cached", "num_computed")
+    __slots__ = ("seed", "tokens", "blocks", "last_hash", "num_cached", "num_computed",
+                 "keep_tail")
 
     def __init__(self, seed: bytes, tokens: array[int], blocks: list[BlockId],
                  last_hash: BlockHash | None,
-                 num_cached: int, num_computed: int) -> None:
+                 num_cached: int, num_computed: int, keep_tail: bool = False) -> None:
         self.seed = seed
         self.tokens = tokens            # every token id so far (array('i'): no int objects)
         self.blocks = blocks            # device block ids, ceil(len(tokens) / B) of them
         self.last_hash = last_hash      # chain hash of block num_cached - 1 (None: none)
         self.num_cached = num_cached    # leading blocks this sequence matched or committed
         self.num_computed = num_computed  # tokens whose KV is written
+        self.keep_tail = keep_tail      # free() leaves the partial last block to the tails
 
 
 class BlockManager:
@@ -112,26 +121,32 @@ class BlockManager:
 
     Args:
         tree: the radix tree (which owns the device pool and any slower tiers).
+        tail_blocks: partial last blocks kept for later requests that continue them
+            (:attr:`tails`; ``None``: an eighth of the device pool, 0: none).
     """
 
-    def __init__(self, tree: RadixTree) -> None:
+    def __init__(self, tree: RadixTree, tail_blocks: int | None = None) -> None:
         self.tree = tree
         self.pool: BlockPool = tree.pools[DEVICE]
         self.block_size = tree.block_size
         self._seqs: dict[SeqId, SeqState] = {}
+        #: the kept partial tails; each kept block holds one pool reference (the cache's)
+        self.tails = TailCache(self.pool.num_blocks // 8 if tail_blocks is None
+                               else tail_blocks)
         if tree.hooks:
             tree.policy.bind_manager(self)
 
     @classmethod
     def create(cls, num_blocks: int, block_size: int = 16, policy: str = DEFAULT_POLICY,
                lower_tier_blocks: Sequence[int] = (), write_through: Sequence[int] = (),
-               **tree_kwargs: Any) -> BlockManager:
+               tail_blocks: int | None = None, **tree_kwargs: Any) -> BlockManager:
         """A manager over a fresh device pool of ``num_blocks`` (+ slower tiers' capacities);
-        ``write_through`` lists the slower tiers that get a copy of every committed block."""
+        ``write_through`` lists the slower tiers that get a copy of every committed block;
+        ``tail_blocks``: partial tails kept (None: ``num_blocks // 8``)."""
         tree = RadixTree(block_size, BlockPool(num_blocks),
                          [BlockPool(n) for n in lower_tier_blocks], policy=policy,
                          write_through=write_through, **tree_kwargs)
-        return cls(tree)
+        return cls(tree, tail_blocks)
 
     def shadow(self, num_blocks: int, policy: str) -> BlockManager:
         """A manager over a fresh device-only tree of ``num_blocks`` blocks with this one's
@@ -139,7 +154,7 @@ class BlockManager:
         requests into (``EvictionPolicy.bind_manager``; ``policy_duel.py``)."""
         tree = self.tree
         return BlockManager(RadixTree(tree.block_size, BlockPool(num_blocks), policy=policy,
-                                      clock=tree.clock))
+                                      clock=tree.clock), tail_blocks=0)
 
     def _switch_policy(self, policy: str) -> None:
         """Hand eviction to ``policy`` (``auto``'s first session-end hint): the tree re-files
@@ -208,8 +223,9 @@ class BlockManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an allocation could obtain now: free plus evictable cached blocks. O(1)."""
-        return self.pool.num_free + self.tree.num_evictable(DEVICE)
+        """Blocks an allocation could obtain now: free, evictable cached blocks and kept
+        tails. O(1)."""
+        return self.pool.num_free + self.tree.num_evictable(DEVICE) + len(self.tails)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -233,16 +249,20 @@ class BlockManager:
             d += 1
         return path, k, d, dev, unheld
 
-    def _check_capacity(self, need: int, unheld: int) -> None:
-        """Locking the matched unheld device blocks takes them out of the evictable count."""
-        evictable = self.tree.num_evictable(DEVICE) - unheld
+    def _check_capacity(self, need: int, unheld: int, taken_tail: int = 0) -> None:
+        """Locking the matched unheld device blocks takes them out of the evictable count (and
+        a tail the allocation takes out of the reclaimable tails)."""
+        evictable = self.tree.num_evictable(DEVICE) - unheld + len(self.tails) - taken_tail
         if need > self.pool.num_free + evictable:
             raise OutOfBlocks(need, self.pool.num_free, evictable)
 
     def _take_blocks(self, n: int, moves: list[MoveOp], held: bool = False) -> list[BlockId]:
-        """``n`` device blocks, evicting what is missing (the caller checked capacity);
-        ``held``: with one reference each already."""
+        """``n`` device blocks, reclaiming kept tails (oldest first) and then evicting what is
+        missing (the caller checked capacity); ``held``: with one reference each already."""
         short = n - self.pool.num_free
+        if short > 0 and len(self.tails):
+            self._drop_tails(self.tails.reclaim(short))
+            short = n - self.pool.num_free
         if short > 0:
             tree = self.tree
             if tree.pending_moves:
@@ -250,21 +270,44 @@ class BlockManager:
             tree.evict_from(DEVICE, short, moves)
         return self.pool.allocate_held(n) if held else self.pool.allocate(n)
 
-    def can_allocate(self, token_ids: Sequence[int], namespace: Namespace) -> bool:
+    def _drop_tails(self, blocks: list[BlockId]) -> None:
+        """Free tail blocks the tail cache let go of (it held one reference on each)."""
+        refs, pool = self.pool.ref_counts, self.pool
+        for b in blocks:
+            refs[b] = 0
+            pool.free_one(b)
+
+    def can_allocate(self, token_ids: Sequence[int], namespace: Namespace,
+                     tail: bool = False) -> bool:
         """Whether ``allocate`` would succeed now (no side effects). O(prompt blocks)."""
         self._check_namespace(namespace)
         tok = token_bytes(token_ids)
         n = len(tok) // TOKEN_BYTES
-        _, _, _, dev, unheld = self._plan(tok, namespace.seed, n)
+        path, k, d, dev, unheld = self._plan(tok, namespace.seed, n)
+        take = self._tail_rows(tok, namespace.seed, n, path, k, d, dev) if tail else 0
         try:
-            self._check_capacity(self._blocks_for(n) - dev, unheld)
+            self._check_capacity(self._blocks_for(n) - dev - (1 if take else 0), unheld,
+                                 1 if take else 0)
         except OutOfBlocks:
             return False
         return True
 
+    def _tail_key(self, seed: bytes, path: list[Node], k: int) -> tuple[bytes, Any]:
+        return seed, (path[-1].hashes[k - 1] if path else None)
+
+    def _tail_rows(self, tok: bytes, seed: bytes, n: int, path: list[Node], k: int, d: int,
+                   dev: int) -> int:
+        """Rows a kept tail would serve a prompt matched as ``_plan`` says: only after a
+        match held wholly on the device, and never the last prompt token (its logits are
+        computed)."""
+        if not len(self.tails) or d != len(path):
+            return 0
+        lo = dev * self.block_size * TOKEN_BYTES
+        return self.tails.peek(self._tail_key(seed, path, k), tok[lo:(n - 1) * TOKEN_BYTES])
+
     def allocate(self, seq_id: SeqId, token_ids: Sequence[int], namespace: Namespace,
                  session: Hashable | None = None, end_session: bool = False,
-                 resumed: bool = False) -> Allocation:
+                 resumed: bool = False, tail: bool = False) -> Allocation:
         """Start a sequence: reuse its longest cached prefix and allocate blocks for the rest.
 
         Matched device blocks are locked; matched host/disk blocks are promoted into fresh
@@ -274,16 +317,18 @@ class BlockManager:
         session's last request) are hints for a policy that forecasts reuse (``policy.py``'s
         hooks); other policies ignore them. ``resumed``: this allocation continues a request
         the policy was already told of (a preempted request, another sample of it, a retry
-        after a failed load), so it is not a new turn of the session.
+        after a failed load), so it is not a new turn of the session. ``tail``: take a kept
+        partial tail that continues the matched blocks (its rows count as cached tokens), and
+        leave this sequence's own to the tail cache when it is freed.
         All-or-nothing: raises SequenceExistsError, InvalidTokensError, InvalidRequestError or
         OutOfBlocks without changing anything. Runtime complexity: O(prompt blocks) byte
         comparisons + O(nodes) + the evictions.
         """
         self._check_new_id(seq_id)
         self._check_namespace(namespace)
-        if type(end_session) is not bool or type(resumed) is not bool:
-            raise InvalidRequestError(f"end_session and resumed must be bools, got "
-                                      f"{end_session!r}, {resumed!r}")
+        if type(end_session) is not bool or type(resumed) is not bool or type(tail) is not bool:
+            raise InvalidRequestError(f"end_session, resumed and tail must be bools, got "
+                                      f"{end_session!r}, {resumed!r}, {tail!r}")
         if session is not None:
             try:
                 hash(session)
@@ -296,8 +341,11 @@ class BlockManager:
         n = len(tok) // TOKEN_BYTES
         seed = namespace.seed
         path, k, d, dev, unheld = self._plan(tok, seed, n)
-        need = self._blocks_for(n) - dev
-        self._check_capacity(need, unheld)
+        take = self._tail_rows(tok, seed, n, path, k, d, dev) if tail else 0
+        # the key before anything changes: cutting the matched nodes below renames path[-1]
+        tail_key = self._tail_key(seed, path, k) if take else None
+        need = self._blocks_for(n) - dev - (1 if take else 0)
+        self._check_capacity(need, unheld, 1 if take else 0)
         # --- no exception past this point ---
         tree = self.tree
         now = tree.clock()
@@ -346,13 +394,22 @@ class BlockManager:
                 prev = tree.device_nodes[b]
                 assert prev is not None, f"promoted block {b} is not cached"
                 held = [prev]
-        blocks += self._take_blocks(need + dev - len(blocks), moves, held=True)
         num_cached = sum(per_tier) // self.block_size
+        rows = 0
+        if take:   # before _take_blocks, which could reclaim it: the tail's reference is ours
+            lo = dev * self.block_size * TOKEN_BYTES
+            assert tail_key is not None
+            got = self.tails.take(tail_key, tok[lo:(n - 1) * TOKEN_BYTES])
+            assert got is not None and got[1] == take, f"tail {got} changed since its peek"
+            blocks.append(got[0])
+            rows = take
+            per_tier[DEVICE] += rows
+        blocks += self._take_blocks(self._blocks_for(n) - len(blocks), moves, held=True)
         last_hash = held[-1].hashes[-1] if held else None
+        cached = num_cached * self.block_size + rows
         self._seqs[seq_id] = SeqState(seed, array("i", tok), blocks, last_hash, num_cached,
-                                  num_cached * self.block_size)
-        return Allocation(seq_id, tuple(blocks), num_cached * self.block_size, tuple(per_tier),
-                          tuple(moves))
+                                      cached, tail)
+        return Allocation(seq_id, tuple(blocks), cached, tuple(per_tier), tuple(moves))
 
     def end_session(self, session: Hashable) -> None:
         """The client says ``session`` (as passed to ``allocate``) is over: a policy that
@@ -513,22 +570,35 @@ class BlockManager:
         if c >= 0:
             self.tree.lock_path(self.tree.device_nodes[blocks[c]])   # type: ignore[arg-type]
         self._seqs[child_id] = SeqState(p.seed, p.tokens[:], list(blocks), p.last_hash,
-                                    p.num_cached, p.num_computed)
+                                        p.num_cached, p.num_computed, p.keep_tail)
 
     def free(self, seq_id: SeqId) -> None:
         """End a sequence: committed blocks stay cached (evictable once unheld), its private
-        blocks return to the pool. Raises UnknownSequenceError on a double free.
+        blocks return to the pool, except a partial last block a ``tail=True`` sequence alone
+        holds, which goes to the tail cache with the tokens of its computed rows. Raises
+        UnknownSequenceError on a double free.
         Runtime complexity: O(private blocks + depth in nodes)."""
         s = self._seq(seq_id)
         del self._seqs[seq_id]
         blocks = s.blocks
         c = self._deepest_cached(blocks)
         refs, pool = self.pool.ref_counts, self.pool
+        keep = -1
+        t = c + 1
+        if s.keep_tail and t < len(blocks) and s.num_cached == t and refs[blocks[t]] == 1:
+            lo = t * self.block_size
+            if lo < s.num_computed < lo + self.block_size:
+                keep = blocks[t]
         for b in reversed(blocks[c + 1:]):
+            if b == keep:
+                continue
             r = refs[b] - 1
             refs[b] = r
             if r == 0:
                 pool.free_one(b)
+        if keep >= 0:
+            self._drop_tails(self.tails.put((s.seed, s.last_hash), BlockId(keep),
+                                            s.tokens[lo:s.num_computed].tobytes()))
         hooks = self.tree.hooks
         if hooks:
             self.tree.policy.enter(seq_id)
@@ -593,10 +663,20 @@ class BlockManager:
                     f"seq {sid!r}: its root block is not of its namespace")
             for b in blocks:
                 held[b] += 1
+        for (seed, _), tail in bm.tails:
+            b = tail.block
+            rows = len(tail.tokens) // TOKEN_BYTES
+            assert dn[b] is None, f"tail block {b} is also cached in the tree"
+            assert 0 < rows < bs and len(tail.tokens) == rows * TOKEN_BYTES, (
+                f"tail block {b}: {len(tail.tokens)} token bytes")
+            assert isinstance(seed, bytes), f"tail block {b}: key without a namespace seed"
+            held[b] += 1
+        assert len(bm.tails) <= bm.tails.limit, f"{len(bm.tails)} tails over {bm.tails.limit}"
         for b in map(BlockId, range(pool.num_blocks)):
             node = dn[b]
             refs = node.ref if node is not None else pool.ref_counts[b]
-            assert refs == held[b], f"block {b}: refcount {refs} but held by {held[b]} sequences"
+            assert refs == held[b], (
+                f"block {b}: refcount {refs} but held by {held[b]} sequences and tails")
             free = pool.is_free(b)
             assert not (free and (node is not None or pool.ref_counts[b])), (
                 f"block {b} is free but cached={node is not None} refs={pool.ref_counts[b]}")
@@ -635,7 +715,8 @@ class BlockManager:
         if off and refs[s.blocks[-1]] == 1:
             tokens.append(token_id)
             return _tuple_new(SlotAssignment, (s.blocks[-1] * bs + off, None, ()))
-        if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0:
+        if self.pool.num_free == 0 and self.tree.num_evictable(DEVICE) == 0 and \
+                not len(self.tails):
             raise OutOfBlocks(1, 0, 0, "preempt a sequence (free it and recompute later)")
         moves: list[MoveOp] = []
         [b] = self._take_blocks(1, moves)
@@ -667,7 +748,8 @@ class BlockManager:
         cow = pos % bs != 0 and refs[s.blocks[-1]] > 1
         new_blocks = self._blocks_for(pos + n) - len(s.blocks) + (1 if cow else 0)
         if new_blocks > self.num_available_blocks:
-            raise OutOfBlocks(new_blocks, self.pool.num_free, self.tree.num_evictable(DEVICE),
+            raise OutOfBlocks(new_blocks, self.pool.num_free,
+                              self.tree.num_evictable(DEVICE) + len(self.tails),
                               "preempt a sequence (free it and recompute later)")
         moves: list[MoveOp] = []
         fresh = self._take_blocks(new_blocks, moves)

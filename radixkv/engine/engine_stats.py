@@ -37,6 +37,11 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         "cached_blocks_per_tier": [engine.tree.num_resident(t) for t in range(tiers)],
         "device_blocks": engine.block_manager.pool.num_blocks,
         "device_blocks_free": engine.block_manager.num_free_blocks,
+        # partial last blocks kept for the next turn (core/tails.py): kept now, taken, and
+        # the prompt tokens they served (part of cached_prompt_tokens)
+        "tail_blocks": len(engine.block_manager.tails),
+        "tail_hits": engine.block_manager.tails.hits,
+        "tail_hit_tokens": engine.block_manager.tails.hit_tokens,
         "kv_tokens_stored": stored,
         "kv_slots_allocated": slots,
         "kv_utilization": stored / slots if slots else None,

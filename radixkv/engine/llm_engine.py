@@ -140,8 +140,9 @@ class LLMEngine:
         wt = [self.tier_names.index(t) for t in cache_config.write_through
               if t in self.tier_names]
         policy = make_policy(cache_config.policy, **(cache_config.policy_options or {}))
-        self._bm = BlockManager.create(n_dev, bs, policy, lower_tier_blocks=lower,
-                                       write_through=wt)
+        self._bm = BlockManager.create(
+            n_dev, bs, policy, lower_tier_blocks=lower, write_through=wt,
+            tail_blocks=cache_config.tail_blocks if cache_config.enable_prefix_caching else 0)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
         graphs = engine_config.cuda_graphs
         if graphs is None:   # where possible: CUDA and a step without host-side decisions

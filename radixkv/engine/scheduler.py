@@ -481,7 +481,7 @@ class Scheduler:
             try:
                 for seq in seqs:
                     a = self.bm.allocate(seq.seq_id, seq.token_ids, req.namespace,
-                                         **req.policy_hints())
+                                         tail=True, **req.policy_hints())
                     req.policy_started = True
                     out.kv_ops.extend(a.moves)
                     done.append(a)

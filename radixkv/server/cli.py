@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "duel's sampled shadows (docs/eviction.md)")
     c.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="never reuse blocks across requests (the no-cache baseline)")
+    c.add_argument("--tail-blocks", type=int, default=None, metavar="N",
+                   help="partial last blocks of finished requests kept for the next turn that "
+                        "continues them (default: an eighth of the device blocks; 0: none; "
+                        "docs/architecture.md, 'Partial tails')")
     c.add_argument("--write-through", action="append", default=[], choices=["host", "disk"],
                    help="tier that gets a copy of every block as it is computed (repeatable)")
     c.add_argument("--kv-dtype", "--kv-cache-dtype", default="auto",
@@ -204,6 +208,7 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                      disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
                      policy=args.policy, policy_options=args.policy_options,
                      enable_prefix_caching=not args.no_prefix_caching,
+                     tail_blocks=args.tail_blocks,
                      write_through=tuple(args.write_through), kv_dtype=args.kv_dtype,
                      remote_url=args.remote_url,
                      remote_write=args.remote_write, remote_ttl_s=args.remote_ttl,

@@ -28,10 +28,14 @@ def test_second_request_hits_the_cache_and_gives_the_same_tokens(make_engine):
     [cold] = e.generate(prompt, GREEDY8)
     [warm] = e.generate(prompt, GREEDY8)
     assert cold.num_cached_tokens == 0
-    assert warm.num_cached_tokens == 48
+    # 3 full blocks, and the first row of the cold request's partial last block (a kept
+    # tail): its last prompt token is computed again, for the logits
+    assert warm.num_cached_tokens == 49
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert e.cached_prefix_tokens(prompt) == 48
-    assert e.stats()["cached_prompt_tokens"] == 48
+    assert e.cached_prefix_tokens(prompt) == 48     # whole cached blocks
+    st = e.stats()
+    assert st["cached_prompt_tokens"] == 49 and st["tail_hits"] == 1
+    assert st["tail_hit_tokens"] == 1
 
 
 def test_params_as_dict_and_per_prompt(make_engine):
@@ -123,16 +127,16 @@ def test_stats_and_metrics_text(make_engine):
     e.generate(list(range(10, 60)), GREEDY8)
     e.generate(list(range(10, 60)), GREEDY8)
     st = e.stats()
-    assert st["prompt_tokens"] == 100 and st["cached_prompt_tokens"] == 48
+    assert st["prompt_tokens"] == 100 and st["cached_prompt_tokens"] == 49   # 48 + a tail row
     text = e.metrics_text()
     from prometheus_client.parser import text_string_to_metric_families
 
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["radixkv_hit_rate"].type == "gauge"
-    assert fams["radixkv_hit_rate"].samples[0].value == 0.48
+    assert fams["radixkv_hit_rate"].samples[0].value == 0.49
     assert fams["radixkv_hit_rate"].samples[0].labels == {"model": "tiny-llama-test"}
     assert fams["radixkv_cached_prompt_tokens"].type == "counter"
-    assert fams["radixkv_cached_prompt_tokens"].samples[0].value == 48
+    assert fams["radixkv_cached_prompt_tokens"].samples[0].value == 49
     assert fams["radixkv_evictions"].type == "counter"
     assert {s.labels["tier"] for s in fams["radixkv_evictions"].samples} == {"device"}
 

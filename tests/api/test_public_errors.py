@@ -184,5 +184,9 @@ def test_ask_many_computes_a_new_document_once(make_engine):
     rag2.add_document("z", doc)
     singles = [rag2.ask(q, params=P4) for q in qs]
     prefill_apart = apart.stats()["prefill_tokens_computed"]
-    assert prefill_batch == prefill_apart      # one batch costs what five separate asks cost
+    # One batch costs what five separate asks cost, the document once, but for the rows of
+    # the document's partial last block: an ask after another takes them from the previous
+    # ask's kept tail (core/tails.py); five asks at once each compute their own.
+    assert prefill_apart <= prefill_batch <= prefill_apart + (len(qs) - 1) * 15
+    assert prefill_batch < 2 * prefix
     assert [a.token_ids for a in answers] == [a.token_ids for a in singles]

@@ -84,7 +84,8 @@ def snapshot_manager(bm: BlockManager) -> tuple:
         ((repr(sid), tuple(s.tokens), tuple(s.blocks), s.last_hash, s.num_cached,
           s.num_computed, s.seed)
          for sid, s in bm._seqs.items())))
-    return (seqs, snapshot_tree(bm.tree))
+    tails = tuple((repr(k), t.block, t.tokens) for k, t in bm.tails)
+    return (seqs, snapshot_tree(bm.tree), tails)
 
 
 def assert_unchanged(before: tuple, after: tuple, what: str) -> None:

@@ -22,7 +22,8 @@ ROOT = Path(radixkv.__file__).parent
 #: only modules of lower layers (and ``radixkv.errors``).
 CORE_LAYERS: list[set[str]] = [
     {"hashing", "pool", "evict_index"},              # chain hashes, block ids, ordered sets
-    {"node", "events"},                              # runs of blocks, MoveOp, hints; KV events
+    {"node", "events", "tails"},                     # runs of blocks, MoveOp, hints; KV events;
+                                                     # kept partial last blocks
     {"policy"},                                      # the policy seam + the simple policies
     {"evictable", "policy_forecast", "policy_ghost"},
     {"writes", "policy_members"},                    # write policies; single policies by name

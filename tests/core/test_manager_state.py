@@ -18,6 +18,11 @@ run right after it (``take_moves``), or, in half of the programs, left queued un
 ``take_moves`` rule or the next returned move list, which must start with them (until then their
 destinations are not checked). A copy whose write "failed" is dropped with ``drop_copy``.
 
+Half of the allocations take kept partial tails (``allocate(..., tail=True)``, core/tails.py):
+a served tail's rows go through the same check as cached blocks (every position the
+allocation counts as cached must already hold this request's payload), and every kept tail
+must hold the payload its key (namespace, parent chain) and tokens say.
+
 Operations that must raise (unknown or freed sequence, existing id, bad tokens, bad commit
 range, OutOfBlocks) are run with a snapshot of the whole state before and after.
 """
@@ -66,8 +71,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @initialize(dev=st.integers(3, 10), low=st.tuples(st.integers(1, 4), st.integers(1, 4)),
                 policy=st.sampled_from(["lru", "lfu", "priority", "ttl"]), take=st.booleans(),
-                big=st.booleans())
-    def setup(self, dev, low, policy, take, big) -> None:
+                big=st.booleans(), tails=st.integers(0, 3))
+    def setup(self, dev, low, policy, take, big, tails) -> None:
         wt = f", wt={list(self.write_through)}" if self.write_through else ""
         self.name = f"manager[{self.num_tiers} tiers{wt}]"
         STEPS.program(self.name)
@@ -77,7 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.caps = [dev, *(x * (3 if big else 1) for x in low[:self.num_tiers - 1])]
         self.bm = BlockManager.create(dev, block_size=B, policy=policy,
                                       lower_tier_blocks=self.caps[1:], clock=self.clock,
-                                      write_through=self.write_through)
+                                      write_through=self.write_through, tail_blocks=tails)
         self.take = take      # run write-through moves right after each commit
         self.tree, self.pool = self.bm.tree, self.bm.pool
         self.seqs: dict[int, MSeq] = {}
@@ -86,6 +91,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.content: dict[tuple[int, int], list] = {}
         self.hash_content: dict[bytes, list] = {}
         self.prompts: list[tuple[list[int], Namespace]] = []
+        self.histories: list[tuple[list[int], Namespace]] = []
 
     # ------------------------------------------------------------------ model helpers
     @staticmethod
@@ -160,24 +166,55 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.prompts and data.draw(st.booleans(), label="repeat a live prompt"):
             # the same request again while the first is live: duplicates computed concurrently
             tokens, ns = data.draw(st.sampled_from(self.prompts))
+        self._allocate(tokens, ns, data.draw(st.booleans(), label="take a kept tail"), commit)
+
+    @precondition(lambda self: self.histories)
+    @rule(data=st.data(), more=st.lists(ALPHABET, min_size=1, max_size=4),
+          commit=st.booleans())
+    def next_turn(self, data, more, commit) -> None:
+        """A chat's next turn: a freed sequence's tokens (its partial last block maybe kept
+        as a tail) and then more, allocated with ``tail=True``."""
+        STEPS.step(self.name)
+        latest = data.draw(st.booleans(), label="the latest history")
+        tokens, ns = self.histories[-1] if latest else data.draw(st.sampled_from(self.histories))
+        self._allocate(list(tokens) + more, ns, True, commit)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        """A sequence ends as the engine ends one: every token it holds computed and
+        committed, then freed (its partial last block may stay as a tail)."""
+        STEPS.step(self.name)
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._commit(sid, len(self.seqs[sid].tokens))
+        self._free(sid)
+
+    def _allocate(self, tokens: list[int], ns: Namespace, tail: bool, commit: bool) -> None:
         self.prompts.append((list(tokens), ns))
         sid = self.new_id()
         n = len(tokens)
         matched = self.naive_match(tokens, ns, (n - 1) // B)
         on_dev = [x for x in matched if x.tier == DEVICE]
         need = -(-n // B) - len(on_dev)
-        avail = self.pool.num_free + self.evictable_device_blocks({x.block_id for x in on_dev})
-        assert self.bm.can_allocate(tokens, ns) == (need <= avail)
+        # kept tails are reclaimable; a tail the allocation takes counts on both sides
+        avail = self.pool.num_free + self.evictable_device_blocks({x.block_id for x in on_dev}) \
+            + len(self.bm.tails)
+        assert self.bm.can_allocate(tokens, ns, tail) == (need <= avail)
         if need > avail:
-            err = self.raises(OutOfBlocks, self.bm.allocate, sid, tokens, ns)
-            assert err.needed == need
+            err = self.raises(OutOfBlocks, self.bm.allocate, sid, tokens, ns, None, False,
+                              False, tail)
+            assert err.needed in (need, need - 1)
             return
         held_before = self.held()
-        a = self.bm.allocate(sid, tokens, ns)
+        a = self.bm.allocate(sid, tokens, ns, tail=tail)
         assert a.seq_id == sid and len(a.block_ids) == -(-n // B)
-        assert a.num_cached_tokens % B == 0 and a.num_cached_tokens <= len(matched) * B
+        rows = a.num_cached_tokens % B      # served by a kept tail
+        assert not rows or (tail and len(on_dev) == len(matched) and a.num_cached_tokens < n)
+        assert a.num_cached_tokens - rows <= len(matched) * B
         assert sum(a.cached_tokens_per_tier) == a.num_cached_tokens
-        assert a.cached_tokens_per_tier[DEVICE] == len(on_dev) * B
+        assert a.cached_tokens_per_tier[DEVICE] == len(on_dev) * B + rows
+        if rows:
+            STEPS.event(self.name, "tail_hits")
         assert list(a.block_ids) == self.bm.block_table(sid)
         self.seqs[sid] = MSeq(list(tokens), ns, a.num_cached_tokens, a.num_cached_tokens // B)
         self.run_moves(a.moves, held_before)
@@ -238,7 +275,8 @@ class ManagerMachine(RuleBasedStateMachine):
         pos = len(s.tokens)
         needs_block = pos % B == 0 or self.bm.block_refcount(table[-1]) > 1
         assert self.bm.blocks_needed_to_append(sid) == int(needs_block)
-        if needs_block and self.pool.num_free + self.evictable_device_blocks() == 0:
+        if needs_block and self.pool.num_free + self.evictable_device_blocks() + \
+                len(self.bm.tails) == 0:
             self.raises(OutOfBlocks, self.bm.append_slot, sid, token)
             return False
         held_before = self.held()
@@ -267,7 +305,7 @@ class ManagerMachine(RuleBasedStateMachine):
         pos = len(s.tokens)
         cow = pos % B != 0 and self.bm.block_refcount(table[-1]) > 1
         need = -(-(pos + len(tokens)) // B) - len(table) + cow
-        if need > self.pool.num_free + self.evictable_device_blocks():
+        if need > self.pool.num_free + self.evictable_device_blocks() + len(self.bm.tails):
             self.raises(OutOfBlocks, self.bm.append_slots, sid, tokens)
             return
         held_before = self.held()
@@ -309,6 +347,7 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.seqs.pop(sid)
         self.bm.free(sid)
         self.freed.append(sid)
+        self.histories.append((list(s.tokens), s.ns))   # what a next turn may continue
         # its committed blocks stay cached (nothing was evicted by a free)
         got = self.naive_match(s.tokens, s.ns, s.computed // B)
         assert len(got) >= s.cached, f"freed seq {sid}: {len(got)}/{s.cached} blocks cached"
@@ -463,9 +502,23 @@ class ManagerMachine(RuleBasedStateMachine):
                 got = self.content.get((DEVICE, table[p // B]), [None] * B)[p % B]
                 assert got == self.payload(s.ns, s.tokens, p), (
                     f"seq {sid} position {p} (block {table[p // B]}) reads {got}")
+        tails = set()
+        for (seed, parent), t in bm.tails:   # a kept tail holds exactly what its key says
+            tails.add(t.block)
+            prefix: tuple = ()
+            if parent is not None:
+                assert parent in self.hash_content, f"tail under an unknown chain {parent!r}"
+                prefix = self.hash_content[parent][-1][1]
+            toks = tuple(int.from_bytes(t.tokens[i:i + 4], "little")
+                         for i in range(0, len(t.tokens), 4))
+            got = self.content.get((DEVICE, t.block), [None] * B)
+            for i in range(len(toks)):
+                assert got[i] == (seed, prefix + toks[:i + 1]), (
+                    f"kept tail {t.block} row {i} holds {got[i]}")
         for b in range(pool.num_blocks):
             refs = bm.block_refcount(b)
-            assert refs == held.get(b, 0), f"block {b}: refcount {refs}, held by {held.get(b, 0)}"
+            assert refs == held.get(b, 0) + (b in tails), (
+                f"block {b}: refcount {refs}, held by {held.get(b, 0)}, tail {b in tails}")
             cached = tree.device_block(b) is not None
             free = pool.is_free(b)
             assert free == (not cached and refs == 0), (
@@ -491,6 +544,63 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"tier {t}: {c} > {self.caps[t]}")
 
 
+class ChatTurnsMachine(ManagerMachine):
+    """The manager machine with every rule, plus whole chat turns over a few conversations on
+    a device pool large enough to keep their chains: a turn takes the previous turn's kept
+    tail (``allocate(..., tail=True)``), computes its prompt, generates a few tokens and ends
+    (commit, free: its own partial last block becomes the next turn's tail). Every check of
+    the base machine holds, the content model included, so a tail that served a wrong row,
+    or a block both kept and used, fails here."""
+
+    @initialize(dev=st.integers(8, 16), policy=st.sampled_from(["lru", "lfu"]),
+                tails=st.integers(1, 3))
+    def setup(self, dev, policy, tails) -> None:   # type: ignore[override]
+        self.name = "manager[chat turns]"
+        STEPS.program(self.name)
+        self.clock = FakeClock()
+        self.caps = [dev]
+        self.bm = BlockManager.create(dev, block_size=B, policy=policy, clock=self.clock,
+                                      tail_blocks=tails)
+        self.take = True
+        self.tree, self.pool = self.bm.tree, self.bm.pool
+        self.seqs = {}
+        self.freed = []
+        self.next_id = 0
+        self.content = {}
+        self.hash_content = {}
+        self.prompts = []
+        self.histories = []
+        self.chats: dict[int, tuple[list[int], Namespace]] = {}
+
+    @rule(turns=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(NAMESPACES),
+                                   st.lists(ALPHABET, min_size=1, max_size=3),
+                                   st.lists(ALPHABET, min_size=1, max_size=3)),
+                         min_size=1, max_size=4))
+    def chat_turns(self, turns) -> None:
+        """A few turns, each of one of three conversations (user tokens, reply tokens)."""
+        for conv, ns, user, reply in turns:
+            self._chat_turn(conv, ns, user, reply)
+
+    def _chat_turn(self, conv, ns, user, reply) -> None:
+        STEPS.step(self.name)
+        history, ns = self.chats.get(conv, ([], ns))
+        tokens = history + user
+        before = len(self.seqs)
+        nid = self.next_id + 1
+        self._allocate(tokens, ns, True, True)
+        if len(self.seqs) == before:    # OutOfBlocks: the turn waits
+            return
+        for t in reply:
+            if not self._append(nid, t):
+                break
+        s = self.seqs[nid]
+        # the engine computes every token but the last sampled one before the sequence ends
+        self._commit(nid, max(s.computed, len(s.tokens) - 1))
+        self.chats[conv] = (list(s.tokens), ns)
+        self._free(nid)
+
+
+TestManagerChatTurns = ChatTurnsMachine.TestCase
 TestManager1Tier = type("Manager1", (ManagerMachine,), {"num_tiers": 1}).TestCase
 TestManager2Tiers = type("Manager2", (ManagerMachine,), {"num_tiers": 2}).TestCase
 TestManager3Tiers = type("Manager3", (ManagerMachine,), {"num_tiers": 3}).TestCase

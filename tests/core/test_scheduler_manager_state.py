@@ -163,19 +163,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         for sid in live_seqs:
             for b in bm.block_table(sid):
                 holders[b] += 1
+        tails = {t.block for _, t in bm.tails}   # partial last blocks kept for a next turn
         free = held = cached_idle = 0
         for b in range(pool.num_blocks):
-            assert bm.block_refcount(b) == holders[b], (
-                f"block {b}: refcount {bm.block_refcount(b)}, held by {holders[b]} live tables")
+            assert bm.block_refcount(b) == holders[b] + (b in tails), (
+                f"block {b}: refcount {bm.block_refcount(b)}, held by {holders[b]} live tables"
+                f" (a kept tail: {b in tails})")
             if pool.is_free(b):
                 assert holders[b] == 0 and tree.device_block(b) is None, f"free block {b} in use"
                 free += 1
-            elif holders[b]:
+            elif holders[b] or b in tails:
                 held += 1
             else:
                 assert tree.device_block(b) is not None, f"block {b} leaked: not free, cached, held"
                 cached_idle += 1
         assert free + held + cached_idle == pool.num_blocks
+        assert bm.num_available_blocks == free + cached_idle + len(tails)
         assert tree.num_evictable(DEVICE) == cached_idle, (
             f"{tree.num_evictable(DEVICE)} evictable, {cached_idle} cached blocks nobody holds")
         for r in self.s.running:

@@ -73,8 +73,20 @@ def test_prefix_hit_prefills_only_the_suffix():
     s.add(_req("b", 10, max_tokens=1))
     out = _fake_step(s)
     [c] = out.chunks
-    assert (c.start, c.num_tokens) == (8, 2)          # (10 - 1) // 4 = 2 cached blocks
-    assert s.running == [] and s.counters.cached_prompt_tokens == 8
+    # (10 - 1) // 4 = 2 cached blocks, and a's partial last block (its rows 8, 9), kept as a
+    # tail: b takes row 8 (its last prompt token is computed for the logits)
+    assert (c.start, c.num_tokens) == (9, 1)
+    assert s.running == [] and s.counters.cached_prompt_tokens == 9
+
+
+def test_prefix_hit_without_tails_prefills_from_the_block_boundary():
+    s = Scheduler(BlockManager.create(16, 4, tail_blocks=0), 8, 64)
+    s.add(_req("a", 10, max_tokens=1))
+    _fake_step(s)
+    s.add(_req("b", 10, max_tokens=1))
+    [c] = _fake_step(s).chunks
+    assert (c.start, c.num_tokens) == (8, 2)          # whole blocks only
+    assert s.counters.cached_prompt_tokens == 8
 
 
 def test_chunked_prefill_respects_budget_and_withholds_logits():

@@ -304,10 +304,11 @@ def test_sixteen_concurrent_clients(ready: Server) -> None:
 
 
 def _held_blocks(fams: dict) -> float:
+    """Device blocks requests hold: not free, not cached, not a kept partial tail."""
     total = _value(fams, "radixkv_engine_device_blocks")
     free = _value(fams, "radixkv_engine_device_blocks_free")
     cached = _value(fams, "radixkv_engine_cached_blocks_per_tier", tier="device")
-    return total - free - cached
+    return total - free - cached - _value(fams, "radixkv_engine_tail_blocks")
 
 
 def test_disconnect_mid_stream_aborts_and_releases_blocks(ready: Server) -> None:
