@@ -31,6 +31,11 @@ from radixkv.storage.layout import KVLayout
 #: On the CPU, a forward whose GEMM work per layer (tokens x the layer's linear weights) is below
 #: this runs on one torch thread whatever the configured count (see ModelRunner._cpu_threads).
 SMALL_FORWARD_WORK = 32_000_000
+#: For a model whose layers are small (under :data:`SMALL_LAYER_WEIGHTS` linear weights per
+#: layer, e.g. the embedded 135M model's 3.5M), the limit is this instead: 72 tokens of the
+#: embedded model (see ModelRunner._cpu_threads).
+SMALL_MODEL_FORWARD_WORK = 256_000_000
+SMALL_LAYER_WEIGHTS = 16_000_000
 
 
 def model_kv_layout(model: torch.nn.Module, block_size: int, kv_dtype: str = "auto"
@@ -290,16 +295,29 @@ class ModelRunner:
         two threads win from batch 16 (40.9 against 44.8 ms) and for chunks from ~32 tokens
         (512 tokens: 266 against 412 ms). So a forward whose GEMM work per layer (tokens x
         the layer's linear weights, :attr:`layer_work`) is under :data:`SMALL_FORWARD_WORK`
-        (32M: 9 tokens of that model; never, even at one token, for a 1B or larger model) runs
-        on one thread, and larger ones on the configured count (the count in effect at the
-        first forward). The choice depends only on the batch, so outputs stay a function of
-        the batch. The calling thread's count is set back after the forward."""
+        (32M: never, even at one token, for a 1B or larger model) runs on one thread, and
+        larger ones on the configured count (the count in effect at the first forward).
+
+        A model with small layers (< :data:`SMALL_LAYER_WEIGHTS` linear weights per layer)
+        gets the higher limit :data:`SMALL_MODEL_FORWARD_WORK` (256M: 72 tokens of the
+        embedded model). Its regions are short at any batch a server sees between long
+        prefills, and a second thread gains little on them quiet (~10% at batch 16) but loses
+        a lot where the cores are shared: in ``bench serve`` at two threads and four clients
+        (the clients and the HTTP thread on the same two cores) the 32M limit measured TTFT
+        p50 1.28-1.33x vLLM's, and 256M 1.03x (docs/serve.md). A large model's layers are
+        long enough that splitting them pays at every batch (a 1B model's decode is bound by
+        reading 134 MB of weights per layer), so its limit stays 32M.
+
+        The choice depends only on the batch, so outputs stay a function of the batch. The
+        calling thread's count is set back after the forward."""
         if self._configured_threads is None:
             self._configured_threads = torch.get_num_threads()
         n = self._configured_threads
         if n <= 1:
             return None
-        return 1 if tokens * self.layer_work < SMALL_FORWARD_WORK else n
+        limit = SMALL_MODEL_FORWARD_WORK if self.layer_work < SMALL_LAYER_WEIGHTS \
+            else SMALL_FORWARD_WORK
+        return 1 if tokens * self.layer_work < limit else n
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The eager step of :meth:`execute` (also what a decode graph captures)."""

@@ -34,8 +34,10 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_the_configured_count
     try:
         torch.set_num_threads(2)
         runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
-        # the threshold at 6 tokens of this model's layers
+        # the threshold at 6 tokens of this model's layers (a "large" model's limit: every
+        # layer counts as large here)
         monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 6 * runner.layer_work)
+        monkeypatch.setattr(model_runner, "SMALL_LAYER_WEIGHTS", 0)
         seen = _spy_threads(monkeypatch)
         pager = toy_pager(64, 4, seed=1)
         pager.add(0, list(range(3, 23)))          # 20 tokens: two threads
@@ -77,3 +79,32 @@ def test_a_cpu_runner_prepares_the_native_norm_and_rope_when_created(monkeypatch
     runner = ModelRunner.for_model(model, 16, 4, lean_forward=True)
     hidden = model.config.hidden_size
     assert seen == [((hidden,), runner.lean.head_dim, next(model.parameters()).dtype)]
+
+
+def test_a_model_with_small_layers_keeps_one_thread_up_to_its_own_limit(monkeypatch, toy_pager):
+    """Small layers (under SMALL_LAYER_WEIGHTS) get SMALL_MODEL_FORWARD_WORK: here 10 tokens
+    of the model stay on one thread where the large-model limit (3 tokens) would split them;
+    a model whose layers are not small keeps the large-model limit."""
+    before, real = torch.get_num_threads(), model_runner.SMALL_LAYER_WEIGHTS
+    try:
+        torch.set_num_threads(2)
+        runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        w = runner.layer_work
+        monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 3 * w)
+        monkeypatch.setattr(model_runner, "SMALL_MODEL_FORWARD_WORK", 12 * w)
+        monkeypatch.setattr(model_runner, "SMALL_LAYER_WEIGHTS", w + 1)     # small layers
+        seen = _spy_threads(monkeypatch)
+        pager = toy_pager(64, 4, seed=3)
+        pager.add(0, list(range(3, 13)))          # 10 tokens: one thread (small layers)
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        pager.add(1, list(range(20, 32)))         # 12 tokens: two threads
+        runner.execute(runner.build_batch([pager.chunk(1, None)]))
+        monkeypatch.setattr(model_runner, "SMALL_LAYER_WEIGHTS", w)         # not small
+        pager.add(2, list(range(40, 50)))         # 10 tokens: two threads now
+        runner.execute(runner.build_batch([pager.chunk(2, None)]))
+        assert seen == [(10, 1), (12, 2), (10, 2)]
+        # the real limits: the embedded model's layers (3.5M weights) are small, a 1B
+        # model's (~67M) are not
+        assert 3_500_000 < real < 60_000_000
+    finally:
+        torch.set_num_threads(before)
