@@ -12,9 +12,16 @@ sum, whose vector width and last step (divide, or multiply by the reciprocal) de
 build of torch and the CPU. Before a kernel is used for a (row length, dtype), it is run
 against the reference on random rows of many magnitudes for each candidate (width 16, 8 or 4;
 divide or multiply) and kept only if some candidate matches every bit; otherwise the reference
-runs, as it does without a C compiler, with ``$RADIXKV_NATIVE_KERNELS=0``, or for inputs where
-torch itself might reduce differently (a norm over ``>= 32768`` elements with more than one
-torch thread: ATen may then split the reduced dimension between threads).
+runs, as it does without a C compiler or with ``$RADIXKV_NATIVE_KERNELS=0``.
+
+A norm over ``>= 32768`` elements with more than one torch thread is where torch itself might
+reduce differently: ATen then reduces in parallel. Over many rows it splits the rows between
+threads (each row's sum as in one thread), but that is ATen's choice, not a promise; so the
+first such norm of a (row length, dtype, thread count) runs both on large random inputs of
+several row counts at that thread count, and the kernel is used there only if every bit
+matches (else torch runs). Why it matters: a 243-token prefill of the embedded model at two
+threads spent 25 ms of its 129 in torch's norms (each a parallel region whose sleeping threads
+must be woken, ``OMP_WAIT_POLICY=PASSIVE``) against 3.5 ms in the kernel.
 
 The library is built like the attention kernels (:mod:`radixkv.kernels.native`: same cache
 folder, digest-named) but apart from them and without their reassociation flags
@@ -46,6 +53,7 @@ _NORM_VARIANTS = ((16, 0), (8, 0), (16, 1), (8, 1), (4, 0), (4, 1))
 _lock = threading.Lock()
 _lib: list = []                     # [ctypes library or None] once tried
 _norm_variant: dict = {}            # (h, dtype) -> (lanes, recip) or None
+_parallel_same: dict = {}           # (h, dtype, threads, variant) -> bool (see the module doc)
 _rope_ok: dict = {}                 # (d, dtype) -> bool
 
 
@@ -162,7 +170,6 @@ def _norm_ok(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
     if (x.device.type != "cpu" or x.dtype not in _DTYPES or weight.dtype is not x.dtype
             or not x.is_contiguous() or not weight.is_contiguous() or x.dim() == 0
             or weight.shape[0] != x.shape[-1] or weight.dim() != 1
-            or (x.numel() >= _SERIAL_NUMEL and torch.get_num_threads() > 1)
             or not native.enabled()):
         return None
     key = (x.shape[-1], x.dtype)
@@ -171,7 +178,43 @@ def _norm_ok(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
         h = x.shape[-1]
         variant = _find_norm_variant(h, x.dtype) if 1 <= h <= _MAX_HIDDEN else None
         _norm_variant[key] = variant
+    if variant is not None and x.numel() >= _SERIAL_NUMEL:
+        threads = torch.get_num_threads()
+        if threads > 1:
+            pkey = (x.shape[-1], x.dtype, threads, variant)
+            same = _parallel_same.get(pkey)
+            if same is None:
+                same = _parallel_same[pkey] = _parallel_matches(x.shape[-1], x.dtype, variant)
+            if not same:
+                return None
     return variant
+
+
+def _parallel_matches(h: int, dtype: torch.dtype, variant: tuple[int, int]) -> bool:
+    """Whether the kernel's norms equal torch's at the current thread count on inputs of
+    ``>= 32768`` elements (where ATen reduces in parallel): float32 and ``dtype`` rows of many
+    magnitudes, three row counts (odd ones too), with and without a residual."""
+    from .fused import add_rms_norm_ref, rms_norm_ref
+    lib = _library()
+    if lib is None:
+        return False
+    gen = torch.Generator().manual_seed(h * 7 + 3)
+    base = -(-_SERIAL_NUMEL // h)
+    for rows in (base, 2 * base + 1, 8 * base + 5):
+        for dt in dict.fromkeys((torch.float32, dtype)):
+            parts = [_probe_rows(h, dt, gen) for _ in range(-(-2 * rows // 24) + 1)]
+            x, r = torch.cat(parts)[:rows], torch.cat(parts[::-1])[:rows]
+            w = torch.randn(h, generator=gen).to(dt)
+            ref_out, ref_sum = add_rms_norm_ref(x, r, w, 1e-6)
+            out, s = _call_norm(lib, x, r, w, 1e-6, variant)
+            plain, _ = _call_norm(lib, x, None, w, 1e-6, variant)
+            if not (_same_bits(out, ref_out) and _same_bits(s, ref_sum)
+                    and _same_bits(plain, rms_norm_ref(x, w, 1e-6))):
+                log.info("radixkv: torch's RMSNorm over %d rows of %d (%s) at %d threads "
+                         "differs from the native kernel's; using torch there", rows, h, dt,
+                         torch.get_num_threads())
+                return False
+    return True
 
 
 def run_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -203,10 +246,15 @@ def prepare(norm_sizes: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> b
     the checks' outcomes are remembered as on first use."""
     if not native.enabled() or dtype not in _DTYPES or _library() is None:
         return False
+    threads = torch.get_num_threads()
     for h in norm_sizes:
         key = (h, dtype)
         if key not in _norm_variant and 1 <= h <= _MAX_HIDDEN:
             _norm_variant[key] = _find_norm_variant(h, dtype)
+        variant = _norm_variant.get(key)
+        if variant is not None and threads > 1 and (h, dtype, threads, variant) not in \
+                _parallel_same:   # a prefill's norms at this thread count (module doc)
+            _parallel_same[(h, dtype, threads, variant)] = _parallel_matches(h, dtype, variant)
     if head_dim % 2 == 0 and (head_dim, dtype) not in _rope_ok:
         _rope_ok[(head_dim, dtype)] = _rope_checked(head_dim, dtype)
     return True

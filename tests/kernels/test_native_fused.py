@@ -77,8 +77,12 @@ def test_norm_declines_what_torch_might_compute_otherwise(monkeypatch):
     assert native_fused.add_rms_norm(torch.ones(4, 64), torch.ones(4, 64).bfloat16(), w,
                                      1e-5) is None                               # mixed dtypes
     big = torch.ones(600, 64)                                     # >= 32768 elements
+    monkeypatch.setattr(native_fused, "_parallel_same", {})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert native_fused.rms_norm(big, w, 1e-5) is None       # ATen may split the row sums
+    # ATen reduces such a norm in parallel: the kernel runs only where a probe at this thread
+    # count found torch's bits; here the probe is made to disagree
+    monkeypatch.setattr(native_fused, "_parallel_matches", lambda h, dtype, variant: False)
+    assert native_fused.rms_norm(big, w, 1e-5) is None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert same(native_fused.rms_norm(big, w, 1e-5), fused.rms_norm_ref(big, w, 1e-5))
     monkeypatch.setenv(native.ENV_VAR, "0")
@@ -166,3 +170,30 @@ def test_prepare_runs_the_checks_up_front(monkeypatch):
     assert native_fused.rms_norm(x, torch.ones(576).bfloat16(), 1e-5) is not None
     assert calls == []
     assert not native_fused.prepare((576,), 64, torch.float16)   # no kernel for fp16
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_over_many_rows_at_several_threads_equal_torch_bit_for_bit(monkeypatch, threads,
+                                                                          dtype):
+    """Where ATen reduces in parallel (>= 32768 elements, > 1 thread), the kernel is used only
+    after a probe at that thread count matched; then any row count gives torch's bits."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(native_fused, "_parallel_same", {})
+    try:
+        torch.set_num_threads(threads)
+        gen = torch.Generator().manual_seed(threads)
+        w = torch.randn(576, generator=gen).to(dtype)
+        for rows in (57, 243, 1001):
+            x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+            r = torch.randn(rows, 576, generator=gen).to(dtype)
+            got = native_fused.add_rms_norm(x, r, w, 1e-5)
+            ref = fused.add_rms_norm_ref(x, r, w, 1e-5)
+            if got is None:   # the probe found torch's bits differ at this thread count
+                assert native_fused._parallel_same and \
+                    not any(native_fused._parallel_same.values())
+                continue
+            assert same(got[0], ref[0]) and same(got[1], ref[1])
+        assert native_fused._parallel_same   # the probe ran for this thread count
+    finally:
+        torch.set_num_threads(before)
