@@ -166,10 +166,11 @@ def _release(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _generate_s(engine: Any, prompts: list[list[int]], max_tokens: int, device: Any) -> float:
+def _generate_s(engine: Any, prompts: list[list[int]], max_tokens: int, device: Any,
+                **sampling: Any) -> float:
     from radixkv import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     outs: list = []
     t = _timed(lambda: outs.extend(engine.generate(prompts, sp)), device)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs), "a request ended early"
@@ -206,8 +207,7 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
         hf_one = min(_hf_generate_s(model, _prompts(rng, batch, args.prompt, vocab), 1, device)
                      for _ in range(args.repeat))
         row["transformers_ms"] = (hf_full - hf_one) / steps * 1e3
-        engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
-                         max(2048, min(8192, batch * args.prompt)))
+        engine = _decode_engine(model, args, device, dtype, batch)
         try:
             _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 2, device)   # warm-up
             row["radixkv_ms"] = _decode_ms(engine, args, device, rng, batch, steps, vocab)
@@ -220,21 +220,34 @@ def decode_rows(model: Any, shape: str, args: Any, limits: dict, device: Any, rn
         row.update(step_limit_ms(model, batch, ctx, limits))
         row["radixkv_over_limit"] = row["radixkv_ms"] / row["limit_ms"]
         row["transformers_over_radixkv"] = row["transformers_ms"] / row["radixkv_ms"]
-        rows.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
-              flush=True)
+        _report(rows, row)
     return rows
 
 
+def _decode_engine(model: Any, args: Any, device: Any, dtype: str, batch: int,
+                   cuda_graphs: bool = False) -> Any:
+    """An engine sized for ``batch`` decodes of ``--prompt`` + ``--decode-tokens`` tokens."""
+    steps = args.decode_tokens
+    return _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
+                   max(2048, min(8192, batch * args.prompt)), cuda_graphs=cuda_graphs)
+
+
+def _report(rows: list[dict], row: dict[str, Any]) -> None:
+    rows.append(row)
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
 def _decode_ms(engine: Any, args: Any, device: Any, rng: Any, batch: int, steps: int,
-               vocab: int) -> float:
+               vocab: int, **sampling: Any) -> float:
     """Decode ms per step of a warmed engine: ``generate`` of ``batch`` fresh prompts with
     ``steps + 1`` tokens minus the same with 1 (prefill and start-up cancel), the fastest of
-    ``--repeat`` runs of each."""
-    full = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), steps + 1, device)
-               for _ in range(args.repeat))
-    one = min(_generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 1, device)
-              for _ in range(args.repeat))
+    ``--repeat`` runs of each (``sampling``: SamplingParams fields; default greedy)."""
+    def run(n: int) -> float:
+        return _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), n, device,
+                           **sampling)
+
+    full = min(run(steps + 1) for _ in range(args.repeat))
+    one = min(run(1) for _ in range(args.repeat))
     return (full - one) / steps * 1e3
 
 
@@ -250,16 +263,14 @@ def _graphs_row(model: Any, args: Any, device: Any, rng: Any, dtype: str, batch:
     sp = SamplingParams(max_tokens=steps, ignore_eos=True)
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
-    engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
-                     max(2048, min(8192, batch * args.prompt)), cuda_graphs=True)
+    engine = _decode_engine(model, args, device, dtype, batch, cuda_graphs=True)
     out["graphs_startup_s"] = round(time.perf_counter() - t0, 2)
     try:
         graphed = [o.outputs[0].token_ids for o in engine.generate(prompts, sp)]
         out["radixkv_graphs_ms"] = _decode_ms(engine, args, device, rng, batch, steps, vocab)
     finally:
         _release(engine)
-    eager = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
-                    max(2048, min(8192, batch * args.prompt)))
+    eager = _decode_engine(model, args, device, dtype, batch)
     try:
         plain = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
     finally:
@@ -286,34 +297,24 @@ def sampling_rows(model: Any, shape: str, args: Any, device: Any, rng: Any,
     a step, as a ratio to greedy in the same run. On a GPU this is the host's share: filters,
     draws and penalties are a few small kernels, and every read of the device a stream sync
     (the step reads once: ``sampling.StepReads``)."""
-    from radixkv import SamplingParams
-
-    rows = []
+    rows: list[dict] = []
     vocab, steps = model.config.vocab_size, args.decode_tokens
     graphs = bool(getattr(args, "cuda_graphs", False)) and device.type == "cuda"
     for batch in args.sampling_batches:
-        engine = _engine(model, device, dtype, batch, batch * (args.prompt + steps + 1),
-                         max(2048, min(8192, batch * args.prompt)), cuda_graphs=graphs)
+        engine = _decode_engine(model, args, device, dtype, batch, cuda_graphs=graphs)
         row: dict[str, Any] = {"device": args.device_name, "shape": shape, "batch": batch,
                                "steps": steps, "cuda_graphs": graphs}
         try:
             for mode, kw in SAMPLING_MODES.items():
-                def run_s(n: int) -> float:
-                    sp = SamplingParams(max_tokens=n, ignore_eos=True, **kw)
-                    return _timed(lambda: engine.generate(
-                        _prompts(rng, batch, args.prompt, vocab), sp), device)
-
-                run_s(2)   # warm-up
-                full = min(run_s(steps + 1) for _ in range(args.repeat))
-                one = min(run_s(1) for _ in range(args.repeat))
-                row[f"{mode}_ms"] = (full - one) / steps * 1e3
+                _generate_s(engine, _prompts(rng, batch, args.prompt, vocab), 2, device,
+                            **kw)   # warm-up
+                row[f"{mode}_ms"] = _decode_ms(engine, args, device, rng, batch, steps, vocab,
+                                               **kw)
         finally:
             _release(engine)
         row["sampled_over_greedy"] = row["sampled_ms"] / row["greedy_ms"]
         row["penalized_over_greedy"] = row["penalized_ms"] / row["greedy_ms"]
-        rows.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
-              flush=True)
+        _report(rows, row)
     return rows
 
 

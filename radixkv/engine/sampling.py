@@ -290,20 +290,6 @@ def greedy_and_logsumexp(logits: torch.Tensor) -> tuple[list[int], list[float]] 
     return native.greedy_logsumexp(logits)
 
 
-def step_logprobs(logits: torch.Tensor, need_top: bool
-                  ) -> tuple[list[int], torch.Tensor | None, list[float] | None]:
-    """One step's greedy tokens (ties -> lowest id) and what the chosen tokens'
-    log-probabilities come from: ``(argmax, log_softmax(logits), None)``, or, where the native
-    pass runs and no request wants top logprobs (``need_top``), ``(argmax, None, lse)`` with
-    ``log p(token) = logit - lse[row]``."""
-    import torch
-
-    fast = None if need_top else greedy_and_logsumexp(logits)
-    if fast is not None:
-        return fast[0], None, fast[1]
-    return greedy_tokens(logits), torch.log_softmax(logits, dim=-1), None
-
-
 def to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype
               ) -> torch.Tensor:
     """A small host list as a tensor on ``device``, without a stream sync.

@@ -30,3 +30,22 @@ def hf_generate(model, prompt: list[int], max_new: int, **kw) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                          pad_token_id=0, **({"do_sample": False} | kw))
     return out[0, len(prompt):].tolist()
+
+
+def seeded_tokens(seed: int, n: int) -> list[int]:
+    """``n`` token ids in [0, 256) from a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 256, (n,), generator=g)]
+
+
+def documents_prompt(order: str, seed: int, block_size: int
+                     ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A RAG prompt for blending tests: [head: 1 block][documents a, b, c of 2-3 blocks, in
+    ``order``][question: 7 tokens], and the documents' spans."""
+    docs = {d: seeded_tokens(seed * 10 + i, block_size * (2 + i % 2))
+            for i, d in enumerate("abc")}
+    toks, spans = seeded_tokens(seed + 500, block_size), []
+    for d in order:
+        spans.append((len(toks), len(toks) + len(docs[d])))
+        toks += docs[d]
+    return toks + seeded_tokens(seed + 900, 7), spans

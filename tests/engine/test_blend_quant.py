@@ -23,7 +23,7 @@ from radixkv.engine.model_runner import ModelRunner
 from radixkv import SamplingParams
 
 from conftest import TINY_ARCHS, ToyPager  # noqa: E402  (tests/engine is on sys.path)
-from engine_helpers import run_requests  # noqa: E402
+from engine_helpers import documents_prompt, run_requests, seeded_tokens  # noqa: E402
 
 #: fp8 engines warn that fp8 KV falls short of bf16's quality (kv_quant.fp8_warning): known here
 pytestmark = pytest.mark.filterwarnings("ignore::radixkv.engine.kv_quant.QuantizedKVWarning")
@@ -37,9 +37,7 @@ _FIXTURES = settings(max_examples=4, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(0, 256, (n,), generator=g)]
+_tokens = seeded_tokens
 
 
 def _prefill_rows(runner: ModelRunner, toks: list[int]) -> torch.Tensor:
@@ -145,13 +143,7 @@ def _engine(model, kv_dtype: str) -> LLMEngine:
 
 
 def _prompt(order: str, seed: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """[head: 1 block][documents of 2-3 blocks, in ``order``][question: 7 tokens]; spans."""
-    docs = {d: _tokens(seed * 10 + i, BS * (2 + i % 2)) for i, d in enumerate("abc")}
-    toks, spans = _tokens(seed + 500, BS), []
-    for d in order:
-        spans.append((len(toks), len(toks) + len(docs[d])))
-        toks += docs[d]
-    return toks + _tokens(seed + 900, 7), spans
+    return documents_prompt(order, seed, BS)
 
 
 @pytest.fixture(scope="module", params=[(a, f) for a in sorted(TINY_ARCHS) for f in FORMATS],

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.sampling import (
     SamplingParams, draw_tokens, filtered_probs, filtered_probs_rows, greedy_tokens,
-    make_generator, raw_logprobs, sample_token, step_logprobs,
+    make_generator, raw_logprobs, sample_token, greedy_and_logsumexp,
 )
 from radixkv.errors import InvalidRequestError
 
@@ -116,10 +116,10 @@ def test_greedy_ties_lowest_id_on_a_real_vocabulary():
     assert greedy_tokens(logits.to(torch.bfloat16)) == want
 
 
-def test_step_logprobs_fast_path_matches_log_softmax():
-    """Without top logprobs the step takes the native pass (where it builds): the same greedy
-    tokens (ties far apart -> lowest id), and logit - lse equal to log_softmax's entry; a NaN
-    row or a request for top logprobs takes torch's path."""
+def test_native_greedy_pass_matches_log_softmax():
+    """The step's native pass over float32 CPU logits (used when no request wants top
+    logprobs): the same greedy tokens (ties far apart -> lowest id), and logit - lse equal to
+    log_softmax's entry; a NaN row makes it decline (torch's path runs)."""
     from radixkv.kernels import native
 
     g = torch.Generator().manual_seed(5)
@@ -127,19 +127,19 @@ def test_step_logprobs_fast_path_matches_log_softmax():
     logits[2, 7] = logits[2, 40000] = 99.0
     logits[5] = float("-inf")
     logits[5, 123] = 0.0
-    argmax, logp, lse = step_logprobs(logits, need_top=False)
-    assert argmax == greedy_tokens(logits) and argmax[2] == 7
+    fast = greedy_and_logsumexp(logits)
+    if not native.available():
+        assert fast is None
+        return
+    assert fast is not None
+    argmax, lse = fast
+    assert argmax == greedy_tokens(logits) and argmax[2] == 7 and len(lse) == 16
     full = torch.log_softmax(logits, dim=-1)
-    if native.available():
-        assert logp is None and len(lse) == 16
-        got = [float(logits[r, t]) - lse[r] for r, t in enumerate(argmax)]
-        want = [float(full[r, t]) for r, t in enumerate(argmax)]
-        assert got == pytest.approx(want, abs=1e-5)
-    argmax2, logp2, lse2 = step_logprobs(logits, need_top=True)
-    assert argmax2 == argmax and lse2 is None and torch.equal(logp2, full)
+    got = [float(logits[r, t]) - lse[r] for r, t in enumerate(argmax)]
+    want = [float(full[r, t]) for r, t in enumerate(argmax)]
+    assert got == pytest.approx(want, abs=1e-5)
     logits[9, 3] = float("nan")
-    _, logp3, lse3 = step_logprobs(logits, need_top=False)
-    assert lse3 is None and logp3 is not None
+    assert greedy_and_logsumexp(logits) is None
 
 
 # ----------------------------------------------------------------------------- batched draws

@@ -54,8 +54,9 @@ def _tiny(family: str = "llama"):
 
 
 def _tokens(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
+    from engine_helpers import seeded_tokens   # tests/engine
+
+    return seeded_tokens(seed, n)
 
 
 def _run(engine, requests):
@@ -211,13 +212,9 @@ def test_a_decode_step_syncs_the_stream_once_whatever_the_batch_and_sampling():
 
 # ------------------------------------------------------------- blending on the device's cache
 def _prompt(order: str, seed: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """[head: 1 block][documents of 2-3 blocks, in ``order``][question: 7 tokens]; spans."""
-    docs = {d: _tokens(seed * 10 + i, BS * (2 + i % 2)) for i, d in enumerate("abc")}
-    toks, spans = _tokens(seed + 500, BS), []
-    for d in order:
-        spans.append((len(toks), len(toks) + len(docs[d])))
-        toks += docs[d]
-    return toks + _tokens(seed + 900, 7), spans
+    from engine_helpers import documents_prompt   # tests/engine: as test_blend_quant's
+
+    return documents_prompt(order, seed, BS)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
