@@ -322,3 +322,25 @@ def test_core_imports_no_torch() -> None:
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_tail_flag_and_limit_reject_bad_values_and_change_nothing() -> None:
+    """``allocate(..., tail=...)`` takes a bool only; a kept tail survives the refusal."""
+    from radixkv.config import CacheConfig
+    from radixkv.errors import InvalidRequestError
+
+    bm = BlockManager.create(8, block_size=4, tail_blocks=2)
+    ns = Namespace("m")
+    bm.allocate("a", [1, 2, 3, 4, 5, 6], ns, tail=True)
+    bm.commit("a", 6)
+    bm.free("a")
+    assert len(bm.tails) == 1
+    before = snapshot_manager(bm)
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidRequestError, match="tail"):
+            bm.allocate("b", [1, 2, 3, 4, 5, 6, 7], ns, tail=bad)
+    assert_unchanged(before, snapshot_manager(bm), "allocate(tail=bad)")
+    assert bm.allocate("b", [1, 2, 3, 4, 5, 6, 7], ns, tail=True).num_cached_tokens == 6
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="tail_blocks"):
+            CacheConfig(tail_blocks=bad)
