@@ -10,8 +10,7 @@ for the architectures it knows, with
 
 * q/k/v as one GEMM and gate/up as one GEMM: over weights concatenated once (the parts'
   parameters re-pointed as row views of them, :class:`_Concat`), or, for bf16 on a CPU with
-  native bf16 up to :data:`packed_linear.MAX_PACKED_ROWS` rows, over a oneDNN-packed copy of
-  the concatenation (:class:`_Fused`);
+  native bf16, over a oneDNN-packed copy of the concatenation (:class:`_Fused`);
 * the residual add fused with the next RMSNorm, the rotary embedding fused with the K/V write,
   decode attention as one op and SiLU x up as one op: the ``radixkv::`` custom ops of
   :mod:`radixkv.kernels.fused` (torch references on the CPU, one Triton kernel each on CUDA),
@@ -384,8 +383,7 @@ class DecoderForward:
         cos, sin = self.rotary(x, batch.position_ids)              # [1, T, D] each
         cos, sin = cos[0], sin[0]                                  # [T, D]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        packed = (self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
-                  and t <= packed_linear.MAX_PACKED_ROWS)
+        packed = self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
         host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
         ops = _layer_ops(x)
         if ops is _DIRECT_OPS:

@@ -8,11 +8,16 @@ call. Packing each weight once (``torch.ops.mkldnn._reorder_linear_weight``, wha
 ``torch.ops.mkldnn._linear_pointwise`` skips that: on the embedded model (16 sequences, 1
 thread) decode went from 211 to 255 tok/s in one run (see docs/benchmarks.md).
 
-Numerics: for inputs of at most :data:`MAX_PACKED_ROWS` rows the packed call is bit-identical to
-``F.linear`` (the same oneDNN kernel; checked in ``tests/engine/test_packed_linear.py`` for the
-model's shapes, 1 and 2 threads). For more rows ``F.linear`` may pick another kernel (on this
-CPU from ~300 rows for some shapes), so larger inputs (long prefill chunks) keep ``F.linear``
-and a cold bf16 prefill stays bit-identical to transformers' own.
+Numerics: the packed call runs the same oneDNN kernel family as ``F.linear`` on the same
+values; on the shapes of the embedded model and the tiny test models it is bit-identical to
+``F.linear`` up to 256 rows (``tests/engine/test_packed_linear.py``, 1 and 2 threads), and on
+this project's EPYC (Zen 5) at every row count tried, up to 2,100. Beyond 256 rows another CPU's
+``F.linear`` may pick another kernel (an earlier machine did from ~300 rows for some shapes), so
+there the two agree to bf16 rounding, not necessarily to the bit. Every row count is packed:
+until 2026-11-28 inputs of more than 256 rows took ``F.linear`` to stay transformers' own, but
+a cold bf16 prefill is not bit-identical to transformers' anyway (docs/architecture.md) and
+``F.linear`` re-lays out the weight on every call: a 257-token prefill of the embedded model
+took 199 ms against 169 ms packed (one thread, medians of 5; docs/benchmarks.md).
 
 How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 model on the CPU to
 :class:`PackedLinear` (a subclass: ``isinstance(m, nn.Linear)``, the state dict and the
@@ -31,9 +36,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Inputs with more rows than this take ``F.linear`` (see the module docstring: bit-identical
-#: results up to here, on the shapes tested).
-MAX_PACKED_ROWS = 256
 #: The batch-size hint given to oneDNN when packing (decode batches are a few to tens of rows).
 PACK_HINT_ROWS = 16
 
@@ -98,7 +100,7 @@ class PackedLinear(torch.nn.Linear):
         params = self._parameters
         w = params["weight"]
         if (x.dtype is not _BF16 or w.dtype is not _BF16 or x.is_cuda or w.is_cuda
-                or x.device.type != "cpu" or x.numel() > MAX_PACKED_ROWS * w.shape[1]
+                or x.device.type != "cpu"
                 or (w.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, w, params["bias"])
         holder = self._packed

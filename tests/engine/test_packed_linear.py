@@ -18,13 +18,20 @@ needs_bf16 = pytest.mark.skipif(
     reason="this CPU/torch has no oneDNN bf16 (packing is off there, nothing to test)")
 
 
+def _unpacked_call(*args, **kwargs):
+    raise AssertionError("F.linear called where the packed weight should have been used")
+
+
 @needs_bf16
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("out_f, in_f", [(576, 576), (192, 576), (1536, 576), (576, 1536),
                                          (4096, 576), (64, 64), (32, 64), (128, 64)])
-def test_packed_is_bit_identical_up_to_max_rows(threads, out_f, in_f):
+def test_packed_is_bit_identical_up_to_256_rows_and_close_beyond(threads, out_f, in_f,
+                                                                 monkeypatch):
     """The shapes of the embedded model (q/o 576x576, k/v 192x576, MLP, a large head) and of the
-    tiny test models, row counts from 1 to MAX_PACKED_ROWS."""
+    tiny test models: bit-identical to ``F.linear`` from 1 to 256 rows; longer inputs are packed
+    too and agree to bf16 rounding (bit-identical on this project's EPYC, not promised on every
+    CPU: ``F.linear`` may pick another kernel for many rows)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -32,10 +39,17 @@ def test_packed_is_bit_identical_up_to_max_rows(threads, out_f, in_f):
         lin = torch.nn.Linear(in_f, out_f, bias=out_f == 192).to(torch.bfloat16)
         ref = copy.deepcopy(lin)
         assert pl.pack_linears(lin) == 1 and isinstance(lin, torch.nn.Linear)
-        for rows in (1, 2, 3, 16, 17, 64, 100, 255, pl.MAX_PACKED_ROWS, 300, 600):
+        for rows in (1, 2, 3, 16, 17, 64, 100, 255, 256, 300, 600):
             x = torch.randn(1, rows, in_f, generator=g).to(torch.bfloat16)
             with torch.inference_mode():
-                assert torch.equal(lin(x), ref(x)), rows
+                want = ref(x)
+                with monkeypatch.context() as m:   # every row count takes the packed call
+                    m.setattr(pl.F, "linear", _unpacked_call)
+                    got = lin(x)
+            if rows <= 256:
+                assert torch.equal(got, want), rows
+            else:
+                torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
         assert pl.packed_bytes(lin) == out_f * in_f * 2
     finally:
         torch.set_num_threads(before)
