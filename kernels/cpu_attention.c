@@ -9,7 +9,8 @@
  * paged pool and keeps everything of one (sequence, KV head) in registers and on the stack.
  *
  * Numerics: float32 throughout (scores, softmax, accumulation), as the flash kernels do; the
- * output is rounded once to the cache dtype (bfloat16 round-to-nearest-even). The softmax is the
+ * output is rounded once to the cache dtype (bfloat16 round-to-nearest-even). The one exception
+ * is the bf16 prefill's P.V, which rounds P to bf16 as FlashAttention does (see PV below). The softmax is the
  * online (streaming) form over tiles of 16 keys. exp is a degree-6 polynomial with range
  * reduction (relative error < 2e-7 for the arguments here, x <= 0), which the compiler can
  * vectorize (libm's expf is not, without -fopenmp and libmvec).
@@ -195,7 +196,7 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
  * Query token i of a sequence (position cached + i, cached = seq_len - q_len) attends keys
  * [0, cached + i]. bfloat16 needs AVX512-BF16 (and AVX512F), float32 AVX512F; without them the
  * entry points return -3. Why: torch's CPU flash kernel runs this at 36-64 GFLOP/s on one core;
- * the bf16 kernel at ~90-100 (kernels/native.py, docs/kernels.md). */
+ * the bf16 kernel at ~250 on the project's Zen 5 EPYC (kernels/native.py, docs/kernels.md). */
 /* An entry point built without the instructions it needs: -3, the caller takes the torch path. */
 #define PREFILL_UNAVAILABLE(NAME)                                                               \
 int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,  \
@@ -275,33 +276,112 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
 #define PACK_E4M3_BF16(kb, vb, kw, vdst, KW, D)                                                 \
     PACK_Q_BF16(ROW_E4M3_BF16, kb, vb, kw, vdst, KW, D)
 
-/* One sequence, every head. Per KV head, V is widened once into float32 rows (and a quantized
- * K into rows of words). Each query head then walks tiles of 16 query rows x 16 keys, the
- * query rows in the lanes:
+/* P.V per dtype. After a tile's softmax step, P (16 keys x 16 query rows, float32, a row per
+ * lane of S[k]) is written where P.V reads it (PSTORE); then each output row i (its head dims
+ * in the lanes, O[i] = ot + i * D) is rescaled by its c_i and accumulates the tile's keys in
+ * ascending order (PV):
+ *   float32: one FMA per key, P[k][i] broadcast against V row k (float32 rows, VROW_F32);
+ *   bf16: one dot product per key pair, (P[2p][i], P[2p+1][i]) rounded to bf16 (round to
+ *         nearest even) against V's key pairs interleaved into 32-bit words (bf16 V is exact
+ *         in them): half the instructions of the FMAs. P is rounded as torch's CPU flash kernel
+ *         and the GPU flash kernels round it for a bf16 P.V; the row sum l is the float32 P's.
+ * VROW(Vs, j, tmp, D): where key j's V row is widened (float32: in place in the scratch; bf16:
+ * a temporary that STOREV then packs into the pair words). */
+#define VROW_F32(Vs, j, tmp, D) ((float *)(Vs) + (int64_t)(j) * (D))
+#define VROW_BF16(Vs, j, tmp, D) (tmp)
+#define STOREV_F32(Vs, j, vrow, D) do { (void)(vrow); } while (0)
+#define STOREV_BF16(Vs, j, vrow, D) do {                                                        \
+        uint16_t *vh_ = (uint16_t *)((uint32_t *)(Vs) + (int64_t)((j) / 2) * (D)) + (j) % 2;      \
+        for (int e = 0; e < (D); e++) vh_[2 * e] = (uint16_t)(f32_bits((vrow)[e]) >> 16);        \
+    } while (0)
+#define PSTORE_F32(pbuf, S) for (int k = 0; k < 16; k++) _mm512_store_ps((float *)(pbuf) + k * 16, S[k]);
+#define PSTORE_BF16(pbuf, S) for (int kp = 0; kp < 8; kp++) {                                   \
+        __m512i pr_ = (__m512i)_mm512_cvtne2ps_pbh(S[2 * kp + 1], S[2 * kp]);                    \
+        _mm512_store_si512((uint32_t *)(pbuf) + kp * 16, _mm512_permutexvar_epi16(PAIR_IDX, pr_)); \
+    }
+#define PV_F32(ot, pbuf, cs, Vs, k0, D) do {                                                    \
+        const float *vt_ = (const float *)(Vs) + (int64_t)(k0) * (D);                            \
+        const float *pf_ = (const float *)(pbuf);                                                \
+        for (int c0 = 0; c0 < (D); c0 += 16) {                                                   \
+            __m512 vk_[16];                                                                      \
+            for (int k = 0; k < 16; k++) vk_[k] = _mm512_loadu_ps(vt_ + (int64_t)k * (D) + c0);  \
+            for (int i = 0; i < 16; i++) {                                                       \
+                __m512 acc = _mm512_mul_ps(_mm512_load_ps((ot) + i * (D) + c0),                  \
+                                           _mm512_set1_ps((cs)[i]));                             \
+                for (int k = 0; k < 16; k++)                                                     \
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(pf_[k * 16 + i]), vk_[k], acc);         \
+                _mm512_store_ps((ot) + i * (D) + c0, acc);                                       \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+#define PV_BF16(ot, pbuf, cs, Vs, k0, D) do {                                                   \
+        const uint32_t *vp_ = (const uint32_t *)(Vs) + (int64_t)((k0) / 2) * (D);                \
+        const uint32_t *pw_ = (const uint32_t *)(pbuf);                                          \
+        for (int c0 = 0; c0 < (D); c0 += ((D) >= 32 ? 32 : 16)) {                                \
+            if ((D) >= 32) {                                                                     \
+                __m512i va_[8], vb_[8];                                                          \
+                for (int kp = 0; kp < 8; kp++) {                                                 \
+                    va_[kp] = _mm512_loadu_si512(vp_ + (int64_t)kp * (D) + c0);                  \
+                    vb_[kp] = _mm512_loadu_si512(vp_ + (int64_t)kp * (D) + c0 + 16);             \
+                }                                                                                \
+                for (int i = 0; i < 16; i++) {                                                   \
+                    __m512 ci_ = _mm512_set1_ps((cs)[i]);                                        \
+                    __m512 a0 = _mm512_mul_ps(_mm512_load_ps((ot) + i * (D) + c0), ci_);         \
+                    __m512 a1 = _mm512_mul_ps(_mm512_load_ps((ot) + i * (D) + c0 + 16), ci_);    \
+                    for (int kp = 0; kp < 8; kp++) {                                             \
+                        __m512bh b_ = (__m512bh)_mm512_set1_epi32((int)pw_[kp * 16 + i]);        \
+                        a0 = _mm512_dpbf16_ps(a0, (__m512bh)va_[kp], b_);                        \
+                        a1 = _mm512_dpbf16_ps(a1, (__m512bh)vb_[kp], b_);                        \
+                    }                                                                            \
+                    _mm512_store_ps((ot) + i * (D) + c0, a0);                                    \
+                    _mm512_store_ps((ot) + i * (D) + c0 + 16, a1);                               \
+                }                                                                                \
+            } else {                                                                             \
+                __m512i vk_[8];                                                                  \
+                for (int kp = 0; kp < 8; kp++)                                                   \
+                    vk_[kp] = _mm512_loadu_si512(vp_ + (int64_t)kp * (D) + c0);                  \
+                for (int i = 0; i < 16; i++) {                                                   \
+                    __m512 acc = _mm512_mul_ps(_mm512_load_ps((ot) + i * (D) + c0),              \
+                                               _mm512_set1_ps((cs)[i]));                         \
+                    for (int kp = 0; kp < 8; kp++)                                               \
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)vk_[kp],                           \
+                                               (__m512bh)_mm512_set1_epi32((int)pw_[kp * 16 + i])); \
+                    _mm512_store_ps((ot) + i * (D) + c0, acc);                                   \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
+/* One sequence, every head. Per KV head, V is widened once into rows the P.V reads (float32
+ * rows, or bf16 key pairs: see PV above), and a quantized K into rows of KW words. Each query
+ * head then walks tiles of 16 query rows x 16 keys, the query rows in the lanes:
  *   S[k] (16 rows in the lanes) = DOT(rows, key k)        bf16 pairs / float32 FMAs
  *   online softmax per row in float32, vertical over the 16 keys (exp512; no horizontal
  *   reductions: a row's maximum and sum are lane-wise)
- *   O^T[e] (16 rows) = O^T[e] * c + sum_k P[k] * V[k][e]  float32 FMAs, k ascending: P is not
- *   rounded to bf16 (as flash kernels do), so the output is the float32 attention rounded once
+ *   O[i] = O[i] * c_i + sum_k P[k][i] * V[k]             PV: keys ascending, float32 sums
  * Query rows past q_len and keys past a row's causal bound are masked out; a key past the
  * sequence reads a zero row. scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words
- * (kernels/native.py sizes it). */
+ * (kernels/native.py sizes it; the bf16 V takes half of its 16 D). */
 static const uint32_t ZERO_ROW[128] = {0};
-#define DEFINE_PREFILL(NAME, T, KW, PACK, KSRC, ROWB, DOT, STORE16, D) \
+#define DEFINE_PREFILL(NAME, T, KW, PACK, KSRC, ROWB, DOT, STORE16, D, VROW, STOREV, PSTORE, PV) \
 static void NAME(const T *q, const char *kc, const char *vc, const int32_t *table, \
     int q_len, int L, int bs, int hq, int hkv, float scale, T *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
     uint32_t *Kw = scratch;                                  /* [nt * 16][KW] (quantized) */ \
-    float *Vf = (float *)(scratch + (int64_t)nt * KW * 16);  /* [nt * 16][D] */ \
+    uint32_t *Vs = scratch + (int64_t)nt * KW * 16;          /* V rows for PV */ \
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); \
+    const __m512i PAIR_IDX = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, \
+        25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); \
+    (void)PAIR_IDX; \
     for (int h = 0; h < hkv; h++) { \
         /* tiles are numbered from tile0 over (query head, query tile); this part takes every \
            parts-th one (causal tiles grow with i0, so round robin balances) */ \
         int64_t first = tile0 + (int64_t)h * g * qtiles, count = (int64_t)g * qtiles; \
         if (count < parts && (((part - first) % parts) + parts) % parts >= count) continue; \
         for (int j = 0; j < nt * 16; j++) { \
-            float *vdst = Vf + (int64_t)j * D; \
+            float vtmp[D]; \
+            float *vdst = VROW(Vs, j, vtmp, D); \
             uint32_t *kdst = Kw + (int64_t)j * KW; \
             if (j < L) { \
                 int64_t row = ((int64_t)table[j / bs] * bs + j % bs) * hkv + h; \
@@ -310,6 +390,7 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
                 for (int p = 0; p < KW; p++) kdst[p] = 0u; \
                 for (int e = 0; e < D; e++) vdst[e] = 0.f; \
             } \
+            STOREV(Vs, j, vdst, D); \
         } \
         for (int hh = h * g; hh < (h + 1) * g; hh++) { \
             for (int i0 = 0; i0 < q_len; i0 += 16) { \
@@ -318,7 +399,9 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
                 int nr = q_len - i0 < 16 ? q_len - i0 : 16; \
                 __mmask16 rows = (__mmask16)((1u << nr) - 1u); \
                 uint32_t qt[KW * 16] __attribute__((aligned(64))); \
-                float ot[D * 16] __attribute__((aligned(64))); \
+                float ot[16 * D] __attribute__((aligned(64))); \
+                float pbuf[256] __attribute__((aligned(64))); \
+                float cs[16] __attribute__((aligned(64))); \
                 for (int i = 0; i < 16; i++) { \
                     const uint32_t *qr = (const uint32_t *)(q + ((int64_t)(i0 + i) * hq + hh) * D); \
                     for (int p = 0; p < KW; p++) qt[p * 16 + i] = i < nr ? qr[p] : 0u; \
@@ -364,24 +447,16 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
                     } \
                     lv = _mm512_add_ps(_mm512_mul_ps(lv, c), sum); \
                     mv = mnew; \
-                    const float *vt = Vf + (int64_t)k0 * D; \
-                    for (int e = 0; e < D; e++) { \
-                        __m512 acc = _mm512_mul_ps(_mm512_load_ps(ot + e * 16), c); \
-                        for (int k = 0; k < 16; k++) \
-                            acc = _mm512_fmadd_ps(S[k], _mm512_set1_ps(vt[(int64_t)k * D + e]), acc); \
-                        _mm512_store_ps(ot + e * 16, acc); \
-                    } \
+                    _mm512_store_ps(cs, c); \
+                    PSTORE(pbuf, S) \
+                    PV(ot, pbuf, cs, Vs, k0, D); \
                 } \
-                __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv); \
-                float res[16][D] __attribute__((aligned(64))); \
-                for (int e = 0; e < D; e++) { \
-                    float col[16] __attribute__((aligned(64))); \
-                    _mm512_store_ps(col, _mm512_mul_ps(_mm512_load_ps(ot + e * 16), inv)); \
-                    for (int i = 0; i < 16; i++) res[i][e] = col[i]; \
-                } \
+                _mm512_store_ps(cs, _mm512_div_ps(_mm512_set1_ps(1.f), lv)); \
                 for (int i = 0; i < nr; i++) { \
                     T *op = out + ((int64_t)(i0 + i) * hq + hh) * D; \
-                    for (int c0 = 0; c0 < D; c0 += 16) STORE16(op + c0, _mm512_load_ps(res[i] + c0)); \
+                    for (int c0 = 0; c0 < D; c0 += 16) \
+                        STORE16(op + c0, _mm512_mul_ps(_mm512_load_ps(ot + i * D + c0), \
+                                                       _mm512_set1_ps(cs[i]))); \
                 } \
             } \
         } \
@@ -438,11 +513,11 @@ static int prefill_all(const prefill_fn fns[4], int64_t elem, int kind, const vo
 
 #define DEFINE_PREFILL_F32(D) \
     DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, KSRC_CACHE, 4 * (D), DOT_F32, \
-                   STORE16_F32, D) \
+                   STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32) \
     DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
-                   STORE16_F32, D) \
+                   STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32) \
     DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
-                   STORE16_F32, D)
+                   STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32)
 DEFINE_PREFILL_F32(16)
 DEFINE_PREFILL_F32(32)
 DEFINE_PREFILL_F32(64)
@@ -471,11 +546,11 @@ PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define DEFINE_PREFILL_BF16(D) \
     DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, KSRC_CACHE, 2 * (D), DOT_BF16, \
-                   STORE16_BF16, D) \
+                   STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16) \
     DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, KSRC_SCRATCH, (D) + 2, DOT_BF16, \
-                   STORE16_BF16, D) \
+                   STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16) \
     DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, KSRC_SCRATCH, (D) + 2, \
-                   DOT_BF16, STORE16_BF16, D)
+                   DOT_BF16, STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16)
 DEFINE_PREFILL_BF16(16)
 DEFINE_PREFILL_BF16(32)
 DEFINE_PREFILL_BF16(64)

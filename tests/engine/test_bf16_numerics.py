@@ -2,10 +2,13 @@
 
 The benchmark ``radixkv bench numerics`` measures greedy agreement on 32 real chat prompts with
 the embedded model; here a few tiny-model prompts check the mechanism it depends on: radixkv's
-bf16 logits are as close to the float32 reference as transformers' bf16 logits are, cold and
-with a cached prefix (whose attention is split in two parts and merged: done in float32 and
-rounded once, it matches a fused kernel; merged from two bf16-rounded halves it had 1.5x the
-error).
+bf16 logits are about as close to the float32 reference as transformers' bf16 logits are, cold
+and with a cached prefix. Since 2026-11-28 the native bf16 prefill kernel rounds P to bf16 for
+its P.V dot products, as FlashAttention does (1.45x faster attention): on the tiny models its
+cold-prefill logits moved from 1.00x / 0.97x to 1.02x / 1.00x of transformers' bf16 distance to
+float32 (llama / qwen2), and on 64 real chat prompts with the embedded model greedy agreement
+with float32 stayed at 18/64 (29.4 -> 30.8 agreeing leading tokens; transformers' bf16: 20/64,
+30.3; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,18 +45,20 @@ def _errors(arch, tiny_model, toy_pager, cached: int) -> tuple[float, float]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bf16_cold_prefill_is_as_close_as_transformers_bf16(arch, tiny_model, toy_pager):
-    """Cold prefill's logits are no farther from float32 than transformers' bf16 ones (the
-    native bf16 kernel, where it runs, attends in float32 and rounds once; elsewhere the torch
-    path runs transformers' own SDPA kernel and the two are equal)."""
+    """Cold prefill's logits are within 5% of transformers' bf16 distance from float32 (the
+    native bf16 kernel, where it runs, rounds P to bf16: measured 1.023x / 1.001x; elsewhere
+    the torch path runs transformers' own SDPA kernel and the two are equal)."""
     rkv_err, hf_err = _errors(arch, tiny_model, toy_pager, cached=0)
-    assert rkv_err <= 1.02 * hf_err
+    assert rkv_err <= 1.05 * hf_err
 
 
 @pytest.mark.parametrize("cached, q_len", [(48, 16), (5, 30), (100, 1)])
-def test_bf16_cached_prefix_attention_rounds_once(cached, q_len):
-    """A chunk attending to a cached prefix: the bf16 output is the float32 attention of the
-    bf16 inputs rounded once, as a fused kernel gives (merging two bf16-rounded parts gave 1.5x
-    that error)."""
+def test_bf16_cached_prefix_attention_is_one_fused_pass(cached, q_len):
+    """A chunk attending to a cached prefix is one fused pass over all its keys, rounded once:
+    its mean error stays within 1.3x that of rounding the float32 attention once (measured
+    1.18x / 1.18x / 1.0x, the excess being the kernel's bf16 P; a single-row chunk takes the
+    decode head, which keeps P in float32). Merging two bf16-rounded halves had given 1.5x
+    with a float32 P."""
     from radixkv.kernels import paged_prefill_attention
     from radixkv.kernels.reference import paged_prefill_attention as reference
 
@@ -70,7 +75,8 @@ def test_bf16_cached_prefix_attention_rounds_once(cached, q_len):
     got = paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, backend="torch")
     want = reference(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, d ** -0.5)
     once = (want.bfloat16().float() - want).abs().mean().item()
-    assert (got.float() - want).abs().mean().item() <= 1.02 * once
+    limit = 1.02 if q_len == 1 else 1.3
+    assert (got.float() - want).abs().mean().item() <= limit * once
 
 
 def test_default_dtype_follows_native_bf16(monkeypatch):

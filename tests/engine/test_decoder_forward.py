@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.engine import decoder_forward, packed_linear
+from radixkv.engine import decoder_forward
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.errors import ConfigError
 
