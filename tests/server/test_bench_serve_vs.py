@@ -22,13 +22,18 @@ def test_vs_vllm_replays_the_same_chats_against_another_server(tmp_path, monkeyp
     from radixkv.benchmarks import bench_serve
 
     monkeypatch.setenv("RADIXKV_RESULTS_DIR", str(tmp_path))
+    slept, real_sleep = [], bench_serve.time.sleep
+    monkeypatch.setattr(bench_serve.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     with running_server(["--served-model-name", "other-model", "--threads", "1",
                          "--device", "cpu"]) as other:
-        rc = bench_serve.main(["--vs-vllm", other.base + "/v1", "--quick", "--threads", "1"])
+        rc = bench_serve.main(["--vs-vllm", other.base + "/v1", "--quick", "--threads", "1",
+                               "--vs-settle", "0.0625"])
         assert rc == 0
         # the other server served every request of the replay (and one untimed warm-up
     # request first), under the name it lists
         served = _value(other.metrics(), "radixkv_request_success", model_name="other-model")
+    # each side's round (--quick: one round, one client count) waited for the machine to settle
+    assert slept.count(0.0625) == 2
     result = json.loads((tmp_path / "serve-vs-quick.json").read_text())
     assert result["header"]["other_model"] == "other-model"
     rows = {r["server"]: r for r in result["results"]["summary"]}
@@ -152,6 +157,9 @@ def test_block_sizes_parse_and_bad_ones_are_usage_errors(capsys) -> None:
     with pytest.raises(SystemExit):
         bench_serve.main(["--vllm-python", "py", "--vs-vllm", "http://127.0.0.1:1"])
     assert "leave out --vs-vllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        bench_serve.main(["--vllm-python", "py", "--vs-settle", "-1"])
+    assert err.value.code == 2 and "--vs-settle must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow   # ~50 s: a model load in this process besides the server's
