@@ -74,6 +74,35 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def import_root(code: str | os.PathLike) -> str:
+    """A folder to put first on ``PYTHONPATH`` so that a process imports ``radixkv`` and its
+    ``radixkv.kernels`` / ``radixkv.benchmarks`` all from the source tree ``code`` (e.g. an
+    export of an earlier commit, for a paired A/B).
+
+    Why: in a source tree those two are the top-level folders ``kernels/`` and ``benchmarks/``
+    that pyproject.toml maps into the package, so ``PYTHONPATH=code`` alone gives that tree's
+    ``radixkv`` but this installation's kernels (an editable install maps them by name), and an
+    A/B of a kernel change would compare the new kernel with itself. A tree that already holds
+    ``radixkv/kernels`` is returned as is; otherwise a temporary folder whose ``radixkv/`` links
+    every entry of ``code/radixkv`` plus ``kernels`` and ``benchmarks`` (removed at exit)."""
+    import atexit
+    import shutil
+
+    tree = Path(code).resolve()
+    if (tree / "radixkv" / "kernels").exists() or not (tree / "kernels").is_dir():
+        return str(tree)
+    root = Path(tempfile.mkdtemp(prefix="radixkv-code-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    pkg = root / "radixkv"
+    pkg.mkdir()
+    for entry in (tree / "radixkv").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    for sub in ("kernels", "benchmarks"):
+        if (tree / sub).is_dir():
+            (pkg / sub).symlink_to(tree / sub)
+    return str(root)
+
+
 def run_header(seed: int | None = None, **extra: Any) -> dict[str, Any]:
     """Commit, machine, versions and seed: printed first and stored with every result."""
     header: dict[str, Any] = {

@@ -52,7 +52,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from radixkv.benchmarks._common import REPO_ROOT, print_table, run_header, write_results
+from radixkv.benchmarks._common import (REPO_ROOT, import_root, print_table, run_header,
+                                        write_results)
 
 
 def conversations(n: int, turns: int, max_chars: int) -> list[list[str]]:
@@ -80,12 +81,13 @@ def start_server(extra: list[str], threads: int | None, max_seqs: int,
                  env: dict[str, str] | None = None, code: str | None = None
                  ) -> tuple[subprocess.Popen, str]:
     """A ``radixkv serve`` subprocess, ready (``threads`` None: the server's default).
-    ``code``: a source tree (e.g. an export of an earlier commit) whose ``radixkv`` the server
-    runs instead of the installed one (it goes first on ``PYTHONPATH``, and is the cwd)."""
+    ``code``: a source tree (e.g. an export of an earlier commit) whose ``radixkv``, kernels
+    included, the server runs instead of the installed one (:func:`_common.import_root` goes
+    first on ``PYTHONPATH``; the tree is the cwd)."""
     if code is not None:
         env = {**(os.environ if env is None else env),
                "PYTHONPATH": os.pathsep.join(filter(None, [
-                   code, (env or os.environ).get("PYTHONPATH", "")]))}
+                   import_root(code), (env or os.environ).get("PYTHONPATH", "")]))}
     port = _free_port()
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--port", str(port), "--device", "cpu",
            "--max-num-seqs", str(max_seqs), *extra]
