@@ -84,7 +84,9 @@ def import_root(code: str | os.PathLike) -> str:
     ``radixkv`` but this installation's kernels (an editable install maps them by name), and an
     A/B of a kernel change would compare the new kernel with itself. A tree that already holds
     ``radixkv/kernels`` is returned as is; otherwise a temporary folder whose ``radixkv/`` links
-    every entry of ``code/radixkv`` plus ``kernels`` and ``benchmarks`` (removed at exit)."""
+    every entry of ``code/radixkv`` plus ``kernels`` and ``benchmarks`` (removed at exit).
+    scripts/gpu_check.sh builds the same layout in shell, since it runs where radixkv is not
+    installed and nothing of it can be imported yet."""
     import atexit
     import shutil
 

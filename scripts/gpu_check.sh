@@ -9,7 +9,8 @@
 # root of symlinks (radixkv/ with kernels/ and benchmarks/ placed as radixkv.kernels and
 # radixkv.benchmarks, as pyproject.toml maps them). Nothing named `kernels` is importable at
 # the top level (transformers probes for such a package), so PYTHONSAFEPATH keeps the checkout
-# itself off sys.path. With CUDA: <= 8 minutes on one H100/H200, JSON in benchmarks/results/.
+# itself off sys.path. (benchmarks/_common.py:import_root builds the same layout for
+# bench serve --compare-code.) With CUDA: <= 8 minutes on one H100/H200, JSON in benchmarks/results/.
 # Without CUDA: its CPU self-check (< 2 minutes), exit 0 when that passes.
 set -euo pipefail
 
