@@ -244,6 +244,9 @@ def contention_settings(cpus: int, default: int) -> list[tuple[str, int | None, 
     out: list[tuple[str, int | None, dict[str, str]]] = [(f"default ({default} threads)", None,
                                                           {})]
     out += [(f"threads={c}", c, {}) for c in range(1, cpus + 1) if c != default]
+    # the default before 2026-11-28: sleeping threads that never poll (and so small forwards
+    # on one thread: model_runner._cpu_threads)
+    out.append((f"threads={default},passive-nospin", default, {"OMP_WAIT_POLICY": "PASSIVE"}))
     # the defaults before issue 33: torch's threads, the OpenMP runtime's spin-then-sleep
     out.append((f"threads={cpus},omp-default", cpus, {"OMP_WAIT_POLICY": ""}))
     return out
@@ -267,7 +270,8 @@ def run_contention(args: argparse.Namespace) -> int:
                         **{k: v for k, v in vars(args).items() if k != "seed"})
     print(json.dumps(header))
     settings = contention_settings(cpus, default_n)
-    base_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    base_env = {k: v for k, v in os.environ.items()
+                if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     servers = {}
     busy: list[subprocess.Popen] = []
     records: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in settings}

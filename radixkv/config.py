@@ -306,6 +306,34 @@ def resolve_device(spec: object, what: str = "device"):
     return dev
 
 
+#: libgomp's spin counts when ``GOMP_SPINCOUNT`` is not set, by ``OMP_WAIT_POLICY`` (its env.c:
+#: ~5 minutes of polling for ACTIVE, ~3 ms when the policy is unset, none for PASSIVE).
+_GOMP_DEFAULT_SPINS = {"active": 30_000_000_000, "passive": 0, None: 300_000}
+_GOMP_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def openmp_spin_count(environ: dict[str, str] | None = None) -> int:
+    """How many iterations an idle thread of GNU OpenMP (libgomp, the runtime of torch's Linux
+    wheels) polls before it sleeps, as the environment tells the runtime: ``GOMP_SPINCOUNT``
+    when it is a valid count (a number with an optional k/M/G/T suffix, or ``infinite``),
+    else the default of ``OMP_WAIT_POLICY`` (PASSIVE: 0; ACTIVE: 3e10; unset: 300,000).
+
+    Why the engine asks: a parallel region's threads that poll catch the next region at once,
+    while sleeping ones pay a futex wake-up each, so whether a small forward gains from a
+    second thread depends on it (``ModelRunner._cpu_threads``). The runtime reads the
+    variables once, when torch loads it; reading them later is exact as long as nothing
+    changed them since (``radixkv serve`` sets them before torch loads)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("GOMP_SPINCOUNT", "").strip().lower()
+    if raw in ("infinite", "infinity"):
+        return 2**63 - 1
+    m = re.fullmatch(r"([0-9]+)\s*([kmgt]?)", raw)
+    if m:
+        return int(m.group(1)) * _GOMP_SUFFIX[m.group(2)]
+    policy = env.get("OMP_WAIT_POLICY", "").strip().lower() or None
+    return _GOMP_DEFAULT_SPINS.get(policy, _GOMP_DEFAULT_SPINS[None])
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes in bfloat16 natively (AVX512-BF16 or AMX-BF16 in
     ``/proc/cpuinfo``); elsewhere torch emulates bf16 matmuls through float32 conversions, which

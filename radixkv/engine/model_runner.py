@@ -24,6 +24,8 @@ import torch
 from radixkv.engine import (attention, cuda_graphs, decoder_forward, kv_quant, native_model,
                             packed_linear)
 from radixkv.engine.batch import AttentionMode, ForwardBatch, SequenceChunk
+from radixkv.engine.cpu_contention import RunQueueProbe
+from radixkv.config import openmp_spin_count
 from radixkv.errors import ConfigError, InvalidBlockError, InvalidTokensError
 from radixkv.storage.device import DevicePool
 from radixkv.storage.layout import KVLayout
@@ -36,6 +38,11 @@ SMALL_FORWARD_WORK = 32_000_000
 #: embedded model (see ModelRunner._cpu_threads).
 SMALL_MODEL_FORWARD_WORK = 256_000_000
 SMALL_LAYER_WEIGHTS = 16_000_000
+#: Idle OpenMP threads that poll at least this many iterations before they sleep
+#: (:func:`radixkv.config.openmp_spin_count`) catch a small forward's next parallel region
+#: without a wake-up, and then every forward runs on the configured threads (see
+#: ModelRunner._cpu_threads). ``radixkv serve`` sets ``GOMP_SPINCOUNT`` to it.
+SPIN_FOR_SMALL_FORWARDS = 2000
 
 
 def model_kv_layout(model: torch.nn.Module, block_size: int, kv_dtype: str = "auto"
@@ -171,6 +178,15 @@ class ModelRunner:
         self.layer_work = max(1, linear // layers)
         #: the torch thread count in effect at the first CPU forward (the configured one)
         self._configured_threads: int | None = None
+        #: whether idle OpenMP threads poll long enough for small forwards to use them all
+        self.threads_poll = openmp_spin_count() >= SPIN_FOR_SMALL_FORWARDS
+        #: the bf16 lean forward with packed linears: rows come out the same at any thread
+        #: count (tests/engine/test_cpu_threads.py), so the count may follow the machine's
+        #: load without changing a bit; elsewhere it stays a function of the batch alone
+        self.thread_invariant = (self.device.type == "cpu" and self.lean is not None
+                                 and bool(pack_weights) and param.dtype == torch.bfloat16)
+        #: whether this process's threads wait for a CPU (other processes on its cores)
+        self.contention = RunQueueProbe() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             # Build (first time on this machine, ~7 s) or load the native attention kernels now, so
             # that the first decode step neither waits for it nor runs another kernel than the
@@ -308,16 +324,48 @@ class ModelRunner:
         long enough that splitting them pays at every batch (a 1B model's decode is bound by
         reading 134 MB of weights per layer), so its limit stays 32M.
 
-        The choice depends only on the batch, so outputs stay a function of the batch. The
-        calling thread's count is set back after the forward."""
+        All of the above holds where idle OpenMP threads sleep at once (``OMP_WAIT_POLICY=
+        PASSIVE`` alone, as ``radixkv serve`` started before 2026-11-28): the wake-up is what a
+        small region cannot pay for. Threads that poll a little before they sleep
+        (:data:`SPIN_FOR_SMALL_FORWARDS` iterations or more of ``GOMP_SPINCOUNT``, or the
+        runtime's default of 300,000 where no policy is set; :attr:`threads_poll`) catch
+        each region at once, and then every forward runs on the configured count: one core
+        reads the weights at ~24 GB/s (oneDNN's GEMMs of 1-4 rows reach 23-24 GB/s on this
+        EPYC, its read bandwidth) and two at ~54, so a decode step is bound by the cores, not
+        the wake-ups. Measured in one process on the embedded model, two threads, quiet:
+        decode batch 1 / 4 at 11.0 / 12.7 ms a step with ``GOMP_SPINCOUNT=2000`` (PASSIVE) on
+        both threads, against 12.9 / 14.8 on one; 9.7 / 11.2 against 12.7 / 14.5 with the
+        runtime's default spin; 500 iterations are too few (15.6 / 17.0). Through
+        ``radixkv serve`` at two threads see docs/serve.md ("CPU threads on a shared
+        machine"). Only while the process's threads are not kept waiting for a CPU
+        (:mod:`radixkv.engine.cpu_contention`): beside processes that take the cores, two
+        threads lose, as above, and small forwards go back to one
+        (:meth:`small_forwards_split`).
+
+        The choice depends on the batch and, where the forward's bits do not depend on the
+        thread count (:attr:`thread_invariant`: the packed bf16 forward), on that contention;
+        so outputs stay a function of the batch. The calling thread's count is set back after
+        the forward."""
         if self._configured_threads is None:
             self._configured_threads = torch.get_num_threads()
         n = self._configured_threads
         if n <= 1:
             return None
+        if self.small_forwards_split():
+            return n
         limit = SMALL_MODEL_FORWARD_WORK if self.layer_work < SMALL_LAYER_WEIGHTS \
             else SMALL_FORWARD_WORK
         return 1 if tokens * self.layer_work < limit else n
+
+    def small_forwards_split(self) -> bool:
+        """Whether small forwards run on every configured thread now: idle OpenMP threads poll
+        (:attr:`threads_poll`), the forward's bits do not depend on the thread count
+        (:attr:`thread_invariant`), and this process's threads are not waiting for CPUs that
+        others hold (:attr:`contention`, read at most every half second; where it cannot be
+        read, never)."""
+        probe = self.contention
+        return (self.threads_poll and self.thread_invariant and probe is not None
+                and probe.available and not probe.contended())
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The eager step of :meth:`execute` (also what a decode graph captures)."""

@@ -14,8 +14,11 @@ So ``radixkv serve`` starts with:
   (``os.sched_getaffinity``), capped by the cgroup's CPU quota (``cpu.max`` in cgroup v2,
   ``cpu.cfs_quota_us / cpu.cfs_period_us`` in v1), rounded up; never more than torch's own
   default. ``--threads`` overrides it.
-* ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep as soon as they are idle) unless the environment
-  sets it (an empty value keeps the runtime's own default: spin a while, then sleep).
+* ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=2000`` (idle threads poll ~20 us, then
+  sleep) unless the environment sets the policy (an empty value keeps the runtime's own
+  default: spin ~3 ms, then sleep); a ``GOMP_SPINCOUNT`` the environment sets is kept. The
+  short poll (2026-11-28) lets a forward's threads catch its next parallel region without a
+  wake-up, so small forwards use both cores (``model_runner.SPIN_FOR_SMALL_FORWARDS``).
   libgomp reads it once, when torch loads it, so it is set before torch is imported; when
   torch was already imported the effective policy is whatever was there, and the start-up
   line says so.
@@ -32,6 +35,12 @@ from pathlib import Path
 
 #: What ``OMP_WAIT_POLICY`` is set to when the environment does not say.
 DEFAULT_WAIT_POLICY = "PASSIVE"
+#: ``GOMP_SPINCOUNT`` set with it (unless the environment sets one): an idle thread polls this
+#: many iterations (~20 us) before it sleeps. Enough to catch the next parallel region of a
+#: forward, so small forwards use every thread (``model_runner.SPIN_FOR_SMALL_FORWARDS``), and
+#: far too little to take a descheduled thread's CPU for long: libgomp's own default polls
+#: 150x longer, which is what collapsed under load.
+DEFAULT_SPIN_COUNT = "2000"
 
 
 def affinity_cpus() -> int:
@@ -89,8 +98,9 @@ def default_threads(torch_default: int | None = None) -> tuple[int, dict[str, ob
 
 
 def prepare_openmp(environ: dict[str, str] | None = None) -> str:
-    """Set ``OMP_WAIT_POLICY`` to :data:`DEFAULT_WAIT_POLICY` unless the environment sets it,
-    before torch (and its OpenMP runtime) is loaded. Returns what the start-up line reports:
+    """Set ``OMP_WAIT_POLICY`` to :data:`DEFAULT_WAIT_POLICY` and ``GOMP_SPINCOUNT`` to
+    :data:`DEFAULT_SPIN_COUNT` (unless set) unless the environment sets the policy, before
+    torch (and its OpenMP runtime) is loaded. Returns what the start-up line reports:
     the policy and where it came from."""
     env = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in env:   # set, even empty (= the runtime's default): left alone
@@ -100,7 +110,9 @@ def prepare_openmp(environ: dict[str, str] | None = None) -> str:
     if "torch" in sys.modules:
         return "the OpenMP default (torch was loaded before radixkv could set it)"
     env["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
-    return f"{DEFAULT_WAIT_POLICY} (radixkv's default; set OMP_WAIT_POLICY to override)"
+    spins = env.setdefault("GOMP_SPINCOUNT", DEFAULT_SPIN_COUNT)
+    return (f"{DEFAULT_WAIT_POLICY}, GOMP_SPINCOUNT {spins} (radixkv's default; set "
+            f"OMP_WAIT_POLICY to override)")
 
 
 def apply_threads(requested: int | None) -> str:

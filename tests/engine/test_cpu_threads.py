@@ -1,12 +1,14 @@
-"""ModelRunner's CPU thread choice per forward: few tokens of a small model on one thread, the
-rest on the configured count; the choice depends only on the batch, and a runner configured
-with one thread never changes it."""
+"""ModelRunner's CPU thread choice per forward: where idle OpenMP threads sleep at once, few
+tokens of a small model on one thread and the rest on the configured count; where they poll,
+every forward on the configured count. The choice depends only on the batch, and a runner
+configured with one thread never changes it."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from radixkv.engine import decoder_forward, model_runner
@@ -34,6 +36,7 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_the_configured_count
     try:
         torch.set_num_threads(2)
         runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        runner.threads_poll = False   # sleeping OpenMP threads (OMP_WAIT_POLICY=PASSIVE alone)
         # the threshold at 6 tokens of this model's layers (a "large" model's limit: every
         # layer counts as large here)
         monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 6 * runner.layer_work)
@@ -49,6 +52,90 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_the_configured_count
         pager.add(2, list(range(40, 46)))         # 6 tokens: two threads again
         runner.execute(runner.build_batch([pager.chunk(2, None)]))
         assert seen == [(20, 2), (1, 1), (5, 1), (6, 2)]
+    finally:
+        torch.set_num_threads(before)
+
+
+class _Probe:
+    """A RunQueueProbe stand-in: contended or not, as the test says."""
+
+    available = True
+
+    def __init__(self, contended: bool) -> None:
+        self.value = contended
+
+    def contended(self) -> bool:
+        return self.value
+
+
+def test_polling_threads_run_small_forwards_on_every_thread_unless_contended(
+        monkeypatch, toy_pager):
+    """GOMP_SPINCOUNT >= SPIN_FOR_SMALL_FORWARDS (radixkv serve's default) and a forward whose
+    bits do not depend on the thread count: a one-token forward of a small model uses both
+    threads, until the process's threads are kept waiting for CPUs; then the sleeping-threads
+    rule again. Without a readable probe, or where bits could change, that rule always."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("GOMP_SPINCOUNT", str(model_runner.SPIN_FOR_SMALL_FORWARDS))
+        runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        assert runner.threads_poll
+        monkeypatch.setenv("GOMP_SPINCOUNT", str(model_runner.SPIN_FOR_SMALL_FORWARDS - 1))
+        assert not ModelRunner.for_model(make_family_model("llama"), 64, 4,
+                                         lean_forward=True).threads_poll
+        assert not runner.thread_invariant   # float32 toy model: F.linear, not packed bf16
+        monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 6 * runner.layer_work)
+        monkeypatch.setattr(model_runner, "SMALL_LAYER_WEIGHTS", 0)
+        seen = _spy_threads(monkeypatch)
+        pager = toy_pager(64, 4, seed=4)
+        probe = _Probe(False)
+        runner.contention = probe
+        pager.add(0, list(range(3, 8)))           # 5 tokens: one thread (not invariant)
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        runner.thread_invariant = True
+        pager.append(0, 7)                        # one token: both threads
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        probe.value = True                        # contended: one thread
+        pager.append(0, 8)
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        pager.add(1, list(range(20, 30)))         # 10 tokens: large, both threads anyway
+        runner.execute(runner.build_batch([pager.chunk(1, None)]))
+        probe.value = False
+        probe.available = False                   # cannot tell: one thread
+        pager.append(0, 9)
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        assert seen == [(5, 1), (1, 2), (1, 1), (10, 2), (1, 1)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_packed_bf16_forward_gives_the_same_bits_on_one_and_two_threads(toy_pager):
+    """What lets small forwards follow the machine's load (ModelRunner.thread_invariant):
+    every row of the packed bf16 lean forward is the same at one and two threads."""
+    from radixkv.engine import packed_linear
+
+    model = make_family_model("llama").to(torch.bfloat16)
+    if not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no packed bf16 linears on this CPU")
+    before = torch.get_num_threads()
+    try:
+        runner = ModelRunner.for_model(model, 64, 4, lean_forward=True)
+        assert runner.thread_invariant
+        runner.threads_poll = True
+        runner.contention = _Probe(False)
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runner._configured_threads = threads
+            pager = toy_pager(64, 4, seed=5)
+            outs = []
+            for sid, n in enumerate((1, 3, 9, 24)):
+                pager.add(sid, [(7 * i + sid) % 90 + 3 for i in range(n)])
+                outs.append(runner.execute(runner.build_batch([pager.chunk(sid, None)])))
+            got[threads] = outs
+        for a, b in zip(got[1], got[2]):
+            assert torch.equal(a, b)
     finally:
         torch.set_num_threads(before)
 
@@ -89,6 +176,7 @@ def test_a_model_with_small_layers_keeps_one_thread_up_to_its_own_limit(monkeypa
     try:
         torch.set_num_threads(2)
         runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        runner.threads_poll = False   # sleeping OpenMP threads (OMP_WAIT_POLICY=PASSIVE alone)
         w = runner.layer_work
         monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 3 * w)
         monkeypatch.setattr(model_runner, "SMALL_MODEL_FORWARD_WORK", 12 * w)

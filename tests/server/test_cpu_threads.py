@@ -44,11 +44,44 @@ def test_wait_policy_is_passive_unless_the_environment_says(monkeypatch) -> None
     # as in `radixkv serve` before the model loads
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     env: dict[str, str] = {}
-    assert cpu.prepare_openmp(env).startswith("PASSIVE") and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    line = cpu.prepare_openmp(env)
+    assert line.startswith("PASSIVE, GOMP_SPINCOUNT 2000") and env == {
+        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": cpu.DEFAULT_SPIN_COUNT}
+    env = {"GOMP_SPINCOUNT": "0"}   # the user's spin count is kept (0: sleep at once)
+    assert "GOMP_SPINCOUNT 0" in cpu.prepare_openmp(env) and env["GOMP_SPINCOUNT"] == "0"
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert "from the environment" in cpu.prepare_openmp(env) and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "from the environment" in cpu.prepare_openmp(env) and env == {
+        "OMP_WAIT_POLICY": "ACTIVE"}   # nothing added to a policy the user chose
     env = {"OMP_WAIT_POLICY": ""}
     assert "runtime's default" in cpu.prepare_openmp(env) and env["OMP_WAIT_POLICY"] == ""
+
+
+@pytest.mark.parametrize("env, spins", [
+    ({}, 300_000),                                             # libgomp's default
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, 0),
+    ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "2000"}, 2000),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 30_000_000_000),
+    ({"GOMP_SPINCOUNT": "20k"}, 20_000),
+    ({"GOMP_SPINCOUNT": "3M"}, 3_000_000),
+    ({"GOMP_SPINCOUNT": "infinite"}, 2**63 - 1),
+    ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "lots"}, 0),   # invalid: ignored
+])
+def test_openmp_spin_count_reads_the_environment_as_libgomp(env, spins) -> None:
+    from radixkv.config import openmp_spin_count
+
+    assert openmp_spin_count(env) == spins
+
+
+def test_server_defaults_make_small_forwards_use_every_thread() -> None:
+    """The default spin count reaches the runner's threshold; PASSIVE alone does not."""
+    from radixkv.config import openmp_spin_count
+    from radixkv.engine.model_runner import SPIN_FOR_SMALL_FORWARDS
+
+    assert int(cpu.DEFAULT_SPIN_COUNT) >= SPIN_FOR_SMALL_FORWARDS
+    env: dict[str, str] = {}
+    cpu.prepare_openmp(env)
+    assert openmp_spin_count(env) >= SPIN_FOR_SMALL_FORWARDS
+    assert openmp_spin_count({"OMP_WAIT_POLICY": "PASSIVE"}) < SPIN_FOR_SMALL_FORWARDS
 
 
 def test_too_late_is_said_not_pretended(monkeypatch) -> None:
@@ -79,8 +112,9 @@ def test_bench_compares_the_default_with_every_other_setting() -> None:
     got = contention_settings(4, 2)
     assert [(n, t) for n, t, _ in got] == [
         ("default (2 threads)", None), ("threads=1", 1), ("threads=3", 3), ("threads=4", 4),
-        ("threads=4,omp-default", 4)]
+        ("threads=2,passive-nospin", 2), ("threads=4,omp-default", 4)]
     assert got[0][2] == {} and got[-1][2] == {"OMP_WAIT_POLICY": ""}
+    assert got[-2][2] == {"OMP_WAIT_POLICY": "PASSIVE"}   # the default before the short poll
 
 
 def test_serve_sets_the_wait_policy_before_anything_loads_torch() -> None:

@@ -1,0 +1,106 @@
+"""Whether this process's threads are waiting for a CPU: the run-queue share of their time.
+
+Why: a forward of a few tokens on two OpenMP threads is faster than on one while both threads
+have a core (decode step 12.7 against 14.8 ms at batch 4 on the project's EPYC), but every
+parallel region waits for both, so where other processes take the cores each of its ~150
+regions waits for a descheduled thread: beside two busy processes on two cores the server's
+requests took 0.93 s end to end against 0.68 with small forwards on one thread
+(docs/serve.md, "CPU threads on a shared machine"). The engine therefore asks, before a small
+forward, whether its threads have lately been kept waiting, and runs it on one thread if so.
+
+The signal is the kernel's own: ``/proc/self/task/<tid>/schedstat`` holds, per thread, the
+nanoseconds it ran and the nanoseconds it was runnable but waited on a run queue. Over a
+window of :data:`PERIOD_S`, the share ``waited / (ran + waited)`` summed over the process's
+threads is ~0.07 (median) for a server at two threads whose four benchmark clients share its
+two cores, and ~0.49 beside two processes that spin on those cores; the line is drawn at
+:data:`CONTENDED_SHARE`. A window in which the threads were hardly runnable (an idle server)
+says nothing and keeps the last verdict.
+
+Reads ~15 small files every :data:`PERIOD_S` at most; between reads a call costs a clock read.
+Where the files do not exist (not Linux, or a kernel without scheduler statistics) the probe
+is not :attr:`~RunQueueProbe.available` and callers keep their contention-safe choice.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+#: Seconds between two reads of the threads' statistics.
+PERIOD_S = 0.5
+#: The share of runnable time spent waiting for a CPU from which the threads count as contended.
+CONTENDED_SHARE = 0.25
+#: A window counts only if the threads were runnable this many CPU-seconds per wall second.
+MIN_RUNNABLE = 0.1
+
+
+class RunQueueProbe:
+    """Run-queue waiting of the threads of this process (see the module docstring).
+
+    Args:
+        root: the folder of per-thread folders (``/proc/self/task``); tests pass another.
+        period_s, threshold: :data:`PERIOD_S`, :data:`CONTENDED_SHARE`.
+        clock: seconds (monotonic); tests inject one.
+    """
+
+    def __init__(self, root: str = "/proc/self/task", period_s: float = PERIOD_S,
+                 threshold: float = CONTENDED_SHARE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = root
+        self.period_s = period_s
+        self.threshold = threshold
+        self.clock = clock
+        first = self._read()
+        #: whether the statistics can be read here
+        self.available = first is not None
+        self._last = (clock(), first or (0, 0))
+        self._contended = False
+        #: the last window's share of runnable time spent waiting (None before one counted)
+        self.last_share: float | None = None
+
+    def _read(self) -> tuple[int, int] | None:
+        """(ran, waited) nanoseconds summed over the threads, or None when unreadable."""
+        try:
+            tids = os.listdir(self.root)
+        except OSError:
+            return None
+        ran = waited = 0
+        seen = False
+        for tid in tids:
+            try:
+                with open(os.path.join(self.root, tid, "schedstat")) as f:
+                    fields = f.read().split()
+                ran += int(fields[0])
+                waited += int(fields[1])
+                seen = True
+            except (OSError, ValueError, IndexError):
+                continue   # a thread that ended meanwhile, or a malformed line
+        return (ran, waited) if seen else None
+
+    def contended(self) -> bool:
+        """Whether the threads spent :attr:`threshold` or more of their runnable time waiting
+        for a CPU in the last window that said anything (False until one did)."""
+        if not self.available:
+            return False
+        now = self.clock()
+        t0, (ran0, waited0) = self._last
+        wall = now - t0
+        if wall < self.period_s:
+            return self._contended
+        cur = self._read()
+        if cur is None:
+            return self._contended
+        self._last = (now, cur)
+        ran, waited = cur[0] - ran0, cur[1] - waited0
+        if ran < 0 or waited < 0:
+            return self._contended   # threads that ended took their counts along: skip
+        runnable = (ran + waited) / 1e9
+        if runnable >= MIN_RUNNABLE * wall:
+            self.last_share = waited / (ran + waited)
+            self._contended = self.last_share >= self.threshold
+        return self._contended
+
+
+__all__ = ["CONTENDED_SHARE", "MIN_RUNNABLE", "PERIOD_S", "RunQueueProbe"]

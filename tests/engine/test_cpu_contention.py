@@ -1,0 +1,114 @@
+"""RunQueueProbe: the share of the threads' runnable time spent waiting for a CPU, from
+per-thread schedstat files (a fake /proc/self/task here, the real one at the end)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from radixkv.engine.cpu_contention import CONTENDED_SHARE, MIN_RUNNABLE, RunQueueProbe
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _write(root, stats: dict[str, tuple[int, int]]) -> None:
+    for name in os.listdir(root):
+        if name not in stats:
+            os.remove(root / name / "schedstat")
+            os.rmdir(root / name)
+    for tid, (ran, waited) in stats.items():
+        (root / tid).mkdir(exist_ok=True)
+        (root / tid / "schedstat").write_text(f"{ran} {waited} 7\n")
+
+
+def test_contended_when_the_threads_wait_a_quarter_of_their_runnable_time(tmp_path):
+    clock = _Clock()
+    _write(tmp_path, {"1": (0, 0), "2": (0, 0)})
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
+    assert probe.available and not probe.contended()
+    # 0.5 s: ran 0.9 s and waited 0.1 s over two threads (the co-located-clients case)
+    _write(tmp_path, {"1": (500_000_000, 50_000_000), "2": (400_000_000, 50_000_000)})
+    clock.t += 0.5
+    assert not probe.contended() and probe.last_share == pytest.approx(0.1)
+    # next 0.5 s: ran 0.35, waited 0.35 (beside processes that spin on the cores)
+    _write(tmp_path, {"1": (700_000_000, 250_000_000), "2": (550_000_000, 200_000_000)})
+    clock.t += 0.2
+    assert not probe.contended()          # within the period: the last verdict, no read
+    clock.t += 0.3
+    assert probe.contended() and probe.last_share == pytest.approx(0.5)
+    # an idle window (hardly runnable) says nothing: still contended
+    _write(tmp_path, {"1": (701_000_000, 250_000_000), "2": (550_000_000, 200_000_000)})
+    clock.t += 0.5
+    assert probe.contended()
+    # the line itself counts as contended
+    ran, waited = 1000 * (1 - CONTENDED_SHARE), 1000 * CONTENDED_SHARE
+    scale = 1_000_000
+    _write(tmp_path, {"1": (701_000_000 + int(ran * scale), 250_000_000 + int(waited * scale)),
+                      "2": (550_000_000, 200_000_000)})
+    clock.t += 0.5
+    assert probe.contended()
+
+
+def test_threads_that_end_skip_a_window_and_a_quiet_one_clears_it(tmp_path):
+    clock = _Clock()
+    _write(tmp_path, {"1": (0, 0), "2": (10**9, 10**9)})
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
+    _write(tmp_path, {"1": (2 * 10**8, 3 * 10**8), "2": (10**9, 10**9)})
+    clock.t += 0.5
+    assert probe.contended()
+    _write(tmp_path, {"1": (4 * 10**8, 3 * 10**8)})   # thread 2 ended: its counts left the sum
+    clock.t += 0.5
+    assert probe.contended()                          # skipped (negative), verdict kept
+    runnable = int(MIN_RUNNABLE * 0.5 * 1e9) + 10**7
+    _write(tmp_path, {"1": (4 * 10**8 + runnable, 3 * 10**8)})
+    clock.t += 0.5
+    assert not probe.contended() and probe.last_share == 0.0
+
+
+def test_unavailable_without_the_files(tmp_path):
+    probe = RunQueueProbe(str(tmp_path / "missing"))
+    assert not probe.available and not probe.contended()
+    (tmp_path / "empty").mkdir()
+    assert not RunQueueProbe(str(tmp_path / "empty")).available
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()),
+                    reason="needs Linux scheduler statistics (/proc/self/task/*/schedstat)")
+def test_the_real_probe_sees_threads_that_wait():
+    """A thread of this process spinning beside twice as many spinning processes as it has
+    CPUs waits on a run queue, and the probe says so."""
+    cpus = len(os.sched_getaffinity(0))
+    probe = RunQueueProbe(period_s=0.0)
+    assert probe.available
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(2 * cpus)]
+    try:
+        probe.contended()
+        t = threading.Thread(target=spin)
+        t.start()
+        time.sleep(1.0)
+        stop.set()
+        t.join()
+        assert probe.contended(), probe.last_share
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
