@@ -432,8 +432,27 @@ class Engine:
         return self.loop.call(lambda: tree.match_tokens(key, seed))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of ``token_ids`` are cached now (a multiple of block size)."""
-        return len(self.cached_prefix_nodes(token_ids, cache_salt)) * self.cache_config.block_size
+        """How many leading tokens of ``token_ids`` are cached now: the whole blocks of
+        :meth:`cached_prefix_nodes`, plus the rows of a kept partial tail that continues them
+        (the last partial block of a finished request that this prompt extends, on the device;
+        docs/architecture.md, "Partial tails"), which a request with this prompt would reuse.
+        No side effects."""
+        from radixkv.core.hashing import token_bytes
+
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise InvalidTokensError(
+                f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+        if not token_ids:
+            return 0
+        core, ids = self.core, list(token_ids)
+        key, ns = token_bytes(ids), self.namespace(cache_salt)
+
+        def op() -> int:
+            chain = core.tree.match_tokens(key, ns.seed)
+            return (len(chain) * self.cache_config.block_size
+                    + core.block_manager.tail_tokens_after(ids, ns, chain))
+
+        return self.loop.call(op)
 
     def set_prefix_hints(self, token_ids: Sequence[int], *, priority: int | None = None,
                          ttl: float | None = None, persist: bool = False,

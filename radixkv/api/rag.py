@@ -409,7 +409,8 @@ class RAGHelper:
 
     # ------------------------------------------------------------------ cache control
     def cached_tokens(self, doc_ids: Sequence[str] | None = None) -> int:
-        """Tokens of the head+documents prefix cached right now (whole blocks)."""
+        """Tokens of the head+documents prefix cached right now (whole blocks, plus the rows of
+        a kept partial tail that continues them: ``Engine.cached_prefix_tokens``)."""
         return self.engine.cached_prefix_tokens(self.prefix_ids(doc_ids), self.cache_salt)
 
     def pin(self, doc_ids: Sequence[str], priority: int | None = 1, ttl: float | None = None,

@@ -292,6 +292,22 @@ class BlockManager:
             return False
         return True
 
+    def tail_tokens_after(self, token_ids: Sequence[int], namespace: Namespace,
+                          chain: Sequence[BlockRef]) -> int:
+        """Leading tokens of ``token_ids`` past the cached whole blocks ``chain`` (a match of
+        its prefix, as ``RadixTree.match_tokens`` returns it) that a kept partial tail holds:
+        the rows a request with this prompt would take instead of computing (``core/tails.py``).
+        Only after a chain wholly on the device (tails are device-only and follow device
+        blocks). No side effects; O(one block)."""
+        self._check_namespace(namespace)
+        if not len(self.tails) or any(ref.tier != DEVICE for ref in chain):
+            return 0
+        lo = len(chain) * self.block_size
+        if lo >= len(token_ids):
+            return 0
+        key = (namespace.seed, chain[-1].block_hash if chain else None)
+        return self.tails.peek(key, token_bytes(list(token_ids[lo:lo + self.block_size])))
+
     def _tail_key(self, seed: bytes, path: list[Node], k: int) -> tuple[bytes, Any]:
         return seed, (path[-1].hashes[k - 1] if path else None)
 

@@ -32,10 +32,15 @@ def test_second_request_hits_the_cache_and_gives_the_same_tokens(make_engine):
     # tail): its last prompt token is computed again, for the logits
     assert warm.num_cached_tokens == 49
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert e.cached_prefix_tokens(prompt) == 48     # whole cached blocks
+    # whole cached blocks, and the warm request's own kept tail: its partial last block holds
+    # the prompt's last 2 tokens (and the reply's), which a third request would take
+    assert e.cached_prefix_tokens(prompt) == 50
+    assert len(e.cached_prefix_nodes(prompt)) * 16 == 48
     st = e.stats()
     assert st["cached_prompt_tokens"] == 49 and st["tail_hits"] == 1
     assert st["tail_hit_tokens"] == 1
+    [third] = e.generate(prompt + [7], GREEDY8)      # extends it: takes the 2 tail rows
+    assert third.num_cached_tokens == 50 and e.stats()["tail_hit_tokens"] == 3
 
 
 def test_params_as_dict_and_per_prompt(make_engine):

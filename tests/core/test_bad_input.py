@@ -344,3 +344,32 @@ def test_tail_flag_and_limit_reject_bad_values_and_change_nothing() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ConfigError, match="tail_blocks"):
             CacheConfig(tail_blocks=bad)
+
+
+def test_tail_tokens_after_reads_what_a_request_would_take_and_changes_nothing() -> None:
+    """``tail_tokens_after``: the rows of a kept tail that continue a matched chain (as
+    ``allocate(tail=True)`` would take them), 0 where the chain left the device, no tail
+    follows it or the tokens differ; a non-namespace is refused; nothing changes."""
+    from radixkv.core.hashing import token_bytes
+
+    bm = BlockManager.create(8, block_size=4, tail_blocks=2, lower_tier_blocks=[8])
+    ns = Namespace("m")
+    bm.allocate("a", [1, 2, 3, 4, 5, 6], ns, tail=True)
+    bm.commit("a", 6)
+    bm.free("a")                                   # block [1..4] cached, tail rows [5, 6]
+    before = snapshot_manager(bm)
+    prompt = [1, 2, 3, 4, 5, 6, 9]
+    chain = bm.tree.match_tokens(token_bytes(prompt), ns.seed)
+    assert len(chain) == 1
+    assert bm.tail_tokens_after(prompt, ns, chain) == 2
+    assert bm.tail_tokens_after([1, 2, 3, 4, 5, 8], ns, chain) == 1    # common rows only
+    assert bm.tail_tokens_after([1, 2, 3, 4], ns, chain) == 0           # nothing past it
+    assert bm.tail_tokens_after([7, 7], ns, []) == 0                    # no tail at the root
+    assert bm.tail_tokens_after(prompt, Namespace("m", "salt"), chain) == 0
+    lower = [chain[0]._replace(tier=1)]                                 # chain off the device
+    assert bm.tail_tokens_after(prompt, ns, lower) == 0
+    assert bm.tail_tokens_after(prompt, Namespace("other-model"), chain) == 0
+    with pytest.raises(InvalidTokensError, match="namespace"):
+        bm.tail_tokens_after(prompt, "m", chain)   # type: ignore[arg-type]
+    assert_unchanged(before, snapshot_manager(bm), "tail_tokens_after")
+    assert bm.allocate("b", prompt, ns, tail=True).num_cached_tokens == 6
