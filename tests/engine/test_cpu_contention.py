@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from radixkv.engine.cpu_contention import CONTENDED_SHARE, MIN_RUNNABLE, RunQueueProbe
+from radixkv.engine.cpu_contention import (
+    CONTENDED_SHARE, HOLD_S, MAX_HOLD_S, MIN_RUNNABLE, RunQueueProbe,
+)
 
 
 class _Clock:
@@ -74,6 +76,64 @@ def test_threads_that_end_skip_a_window_and_a_quiet_one_clears_it(tmp_path):
     _write(tmp_path, {"1": (4 * 10**8 + runnable, 3 * 10**8)})
     clock.t += 0.5
     assert not probe.contended() and probe.last_share == 0.0
+
+
+class _Windows:
+    """Feeds a probe windows of a given waiting share (0.5 s each, 0.8 CPU-s runnable)."""
+
+    def __init__(self, root, clock) -> None:
+        self.root, self.clock, self.ran, self.waited = root, clock, 0, 0
+        _write(root, {"1": (0, 0)})
+
+    def window(self, probe: RunQueueProbe, share: float) -> bool:
+        runnable = 800_000_000
+        self.waited += int(runnable * share)
+        self.ran += runnable - int(runnable * share)
+        _write(self.root, {"1": (self.ran, self.waited)})
+        self.clock.t += 0.5
+        return probe.contended()
+
+
+def test_a_failed_split_is_retried_after_a_hold_that_doubles(tmp_path):
+    """Contended while split: hold one thread HOLD_S, then try again; each failed try doubles
+    the hold (up to MAX_HOLD_S); low waiting seen while holding does not end the hold; a try
+    that holds up resets it."""
+    clock = _Clock()
+    w = _Windows(tmp_path, clock)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
+    assert not w.window(probe, 0.1)
+    assert w.window(probe, 0.5)                    # split, contended: hold 1 s
+    held = 0
+    while w.window(probe, 0.05):                   # one thread: waiting looks low
+        held += 1
+    assert held == int(HOLD_S / 0.5) - 1           # the hold ran out: trying split again
+    assert w.window(probe, 0.5)                    # the try failed: hold 2 s now
+    held = 0
+    while w.window(probe, 0.05):
+        held += 1
+    assert held == int(2 * HOLD_S / 0.5) - 1
+    assert not w.window(probe, 0.1)                # the try held up: backoff forgotten
+    assert w.window(probe, 0.5)
+    held = 0
+    while w.window(probe, 0.05):
+        held += 1
+    assert held == int(HOLD_S / 0.5) - 1
+    for _ in range(12):                            # failures in a row: capped
+        assert w.window(probe, 0.5)
+        while w.window(probe, 0.05):
+            pass
+    assert probe._hold == MAX_HOLD_S
+
+
+def test_contended_while_holding_extends_the_hold(tmp_path):
+    clock = _Clock()
+    w = _Windows(tmp_path, clock)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
+    assert w.window(probe, 0.6)
+    for _ in range(10):                            # still contended on one thread
+        assert w.window(probe, 0.6)
+    assert w.window(probe, 0.05)                   # the hold ends HOLD_S after the last one
+    assert not w.window(probe, 0.05)
 
 
 def test_unavailable_without_the_files(tmp_path):
