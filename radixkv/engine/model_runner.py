@@ -339,8 +339,7 @@ class ModelRunner:
         ``radixkv serve`` at two threads see docs/serve.md ("CPU threads on a shared
         machine"). Only while the process's threads are not kept waiting for a CPU
         (:mod:`radixkv.engine.cpu_contention`): beside processes that take the cores, two
-        threads lose, as above, and small forwards go back to one
-        (:meth:`small_forwards_split`).
+        threads lose, as above, and then every forward runs on one (:meth:`load_mode`).
 
         The choice depends on the batch and, where the forward's bits do not depend on the
         thread count (:attr:`thread_invariant`: the packed bf16 forward), on that contention;
@@ -351,21 +350,30 @@ class ModelRunner:
         n = self._configured_threads
         if n <= 1:
             return None
-        if self.small_forwards_split():
+        mode = self.load_mode()
+        if mode == "split":
             return n
+        if mode == "contended":
+            return 1
         limit = SMALL_MODEL_FORWARD_WORK if self.layer_work < SMALL_LAYER_WEIGHTS \
             else SMALL_FORWARD_WORK
         return 1 if tokens * self.layer_work < limit else n
 
-    def small_forwards_split(self) -> bool:
-        """Whether small forwards run on every configured thread now: idle OpenMP threads poll
-        (:attr:`threads_poll`), the forward's bits do not depend on the thread count
-        (:attr:`thread_invariant`), and this process's threads are not waiting for CPUs that
-        others hold (:attr:`contention`, read at most every half second; where it cannot be
-        read, never)."""
+    def load_mode(self) -> str:
+        """How CPU forwards pick their threads now. ``"batch"``: by the batch alone (the
+        sleeping-threads rule above), wherever idle OpenMP threads do not poll
+        (:attr:`threads_poll`), the forward's bits could depend on the thread count (not
+        :attr:`thread_invariant`) or the process's run-queue waiting cannot be read
+        (:attr:`contention`). Else by the machine's load (read at most every half second):
+        ``"split"``, every forward on every configured thread, while this process's threads
+        are not kept waiting for CPUs; ``"contended"``, every forward on one thread, while
+        they are (polling threads that wait at each region for a descheduled one made even
+        long prefills slower than one thread: docs/serve.md)."""
         probe = self.contention
-        return (self.threads_poll and self.thread_invariant and probe is not None
-                and probe.available and not probe.contended())
+        if not (self.threads_poll and self.thread_invariant and probe is not None
+                and probe.available):
+            return "batch"
+        return "contended" if probe.contended() else "split"
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The eager step of :meth:`execute` (also what a decode graph captures)."""

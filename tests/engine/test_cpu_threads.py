@@ -72,8 +72,8 @@ def test_polling_threads_run_small_forwards_on_every_thread_unless_contended(
         monkeypatch, toy_pager):
     """GOMP_SPINCOUNT >= SPIN_FOR_SMALL_FORWARDS (radixkv serve's default) and a forward whose
     bits do not depend on the thread count: a one-token forward of a small model uses both
-    threads, until the process's threads are kept waiting for CPUs; then the sleeping-threads
-    rule again. Without a readable probe, or where bits could change, that rule always."""
+    threads, until the process's threads are kept waiting for CPUs; then every forward runs on
+    one. Without a readable probe, or where bits could change, the sleeping-threads rule."""
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     try:
@@ -99,13 +99,15 @@ def test_polling_threads_run_small_forwards_on_every_thread_unless_contended(
         probe.value = True                        # contended: one thread
         pager.append(0, 8)
         runner.execute(runner.build_batch([pager.chunk(0, None)]))
-        pager.add(1, list(range(20, 30)))         # 10 tokens: large, both threads anyway
+        pager.add(1, list(range(20, 30)))         # 10 tokens, large: one thread too
         runner.execute(runner.build_batch([pager.chunk(1, None)]))
         probe.value = False
         probe.available = False                   # cannot tell: one thread
         pager.append(0, 9)
         runner.execute(runner.build_batch([pager.chunk(0, None)]))
-        assert seen == [(5, 1), (1, 2), (1, 1), (10, 2), (1, 1)]
+        pager.add(2, list(range(40, 50)))         # cannot tell: large ones by the batch
+        runner.execute(runner.build_batch([pager.chunk(2, None)]))
+        assert seen == [(5, 1), (1, 2), (1, 1), (10, 1), (1, 1), (10, 2)]
     finally:
         torch.set_num_threads(before)
 
