@@ -16,13 +16,6 @@ two cores, and ~0.49 beside two processes that spin on those cores; the line is 
 :data:`CONTENDED_SHARE`. A window in which the threads were hardly runnable (an idle server)
 says nothing and keeps the last verdict.
 
-An idle process's threads are not runnable, so its windows cannot show other processes'
-load; there the probe reads the machine's count of runnable threads instead
-(``procs_running`` in ``/proc/stat``): when the others alone fill every CPU of the machine,
-the verdict becomes contended. Without it the first request after an idle spell beside two
-spinning processes on two cores ran on both threads and took 455 ms against 387 (its forward
-was the first window that could show the load).
-
 A "contended" verdict is held for a while (:data:`HOLD_S`, doubled each time a window run with
 the split choice comes out contended again, up to :data:`MAX_HOLD_S`): while small forwards
 run on one thread the waiting may look low only because the process stopped asking for the
@@ -64,12 +57,8 @@ class RunQueueProbe:
 
     def __init__(self, root: str = "/proc/self/task", period_s: float = PERIOD_S,
                  threshold: float = CONTENDED_SHARE,
-                 clock: Callable[[], float] = time.monotonic, stat: str = "/proc/stat",
-                 cpus: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
-        self.stat = stat
-        #: CPUs of the machine (``procs_running`` counts the whole machine's threads)
-        self.cpus = cpus or os.cpu_count() or 1
         self.period_s = period_s
         self.threshold = threshold
         self.clock = clock
@@ -102,18 +91,6 @@ class RunQueueProbe:
                 continue   # a thread that ended meanwhile, or a malformed line
         return (ran, waited) if seen else None
 
-    def _others_running(self) -> int | None:
-        """Runnable threads of the machine besides the one reading (``procs_running`` of
-        ``/proc/stat``), or None when unreadable."""
-        try:
-            with open(self.stat) as f:
-                for line in f:
-                    if line.startswith("procs_running "):
-                        return max(0, int(line.split()[1]) - 1)
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-
     def contended(self) -> bool:
         """Whether the threads spent :attr:`threshold` or more of their runnable time waiting
         for a CPU in the last window that said anything (False until one did)."""
@@ -133,12 +110,7 @@ class RunQueueProbe:
             return self._contended   # threads that ended took their counts along: skip
         runnable = (ran + waited) / 1e9
         if runnable < MIN_RUNNABLE * wall:
-            # hardly runnable: its waiting says nothing; the machine's run queue may
-            others = self._others_running()
-            if others is not None and others >= self.cpus:
-                self._hold_until = max(self._hold_until, now + HOLD_S)
-                self._contended = True
-            return self._contended
+            return self._contended   # hardly runnable: says nothing
         self.last_share = share = waited / (ran + waited)
         split = not self._contended   # what this window ran with
         if share >= self.threshold:

@@ -24,13 +24,6 @@ class _Clock:
         return self.t
 
 
-def _stat(tmp_path, running: int) -> str:
-    """A fake /proc/stat beside the fake task folder (not inside it)."""
-    path = tmp_path.parent / f"{tmp_path.name}-stat"
-    path.write_text(f"cpu  1 2 3 4\nprocs_running {running}\nprocs_blocked 0\n")
-    return str(path)
-
-
 def _write(root, stats: dict[str, tuple[int, int]]) -> None:
     for name in os.listdir(root):
         if name not in stats:
@@ -44,8 +37,7 @@ def _write(root, stats: dict[str, tuple[int, int]]) -> None:
 def test_contended_when_the_threads_wait_a_quarter_of_their_runnable_time(tmp_path):
     clock = _Clock()
     _write(tmp_path, {"1": (0, 0), "2": (0, 0)})
-    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock, stat=_stat(tmp_path, 1),
-                          cpus=2)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
     assert probe.available and not probe.contended()
     # 0.5 s: ran 0.9 s and waited 0.1 s over two threads (the co-located-clients case)
     _write(tmp_path, {"1": (500_000_000, 50_000_000), "2": (400_000_000, 50_000_000)})
@@ -73,8 +65,7 @@ def test_contended_when_the_threads_wait_a_quarter_of_their_runnable_time(tmp_pa
 def test_threads_that_end_skip_a_window_and_a_quiet_one_clears_it(tmp_path):
     clock = _Clock()
     _write(tmp_path, {"1": (0, 0), "2": (10**9, 10**9)})
-    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock, stat=_stat(tmp_path, 1),
-                          cpus=2)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
     _write(tmp_path, {"1": (2 * 10**8, 3 * 10**8), "2": (10**9, 10**9)})
     clock.t += 0.5
     assert probe.contended()
@@ -109,8 +100,7 @@ def test_a_failed_split_is_retried_after_a_hold_that_doubles(tmp_path):
     that holds up resets it."""
     clock = _Clock()
     w = _Windows(tmp_path, clock)
-    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock, stat=_stat(tmp_path, 1),
-                          cpus=2)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
     assert not w.window(probe, 0.1)
     assert w.window(probe, 0.5)                    # split, contended: hold 1 s
     held = 0
@@ -138,36 +128,12 @@ def test_a_failed_split_is_retried_after_a_hold_that_doubles(tmp_path):
 def test_contended_while_holding_extends_the_hold(tmp_path):
     clock = _Clock()
     w = _Windows(tmp_path, clock)
-    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock, stat=_stat(tmp_path, 1),
-                          cpus=2)
+    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock)
     assert w.window(probe, 0.6)
     for _ in range(10):                            # still contended on one thread
         assert w.window(probe, 0.6)
     assert w.window(probe, 0.05)                   # the hold ends HOLD_S after the last one
     assert not w.window(probe, 0.05)
-
-
-def test_an_idle_window_reads_the_machine_run_queue(tmp_path):
-    """Idle threads cannot show other processes' load: an idle window turns the verdict to
-    contended when the machine's other runnable threads fill its CPUs, and otherwise keeps
-    it; an unreadable /proc/stat changes nothing."""
-    clock = _Clock()
-    _write(tmp_path, {"1": (0, 0)})
-    stat = _stat(tmp_path, 2)            # the reader and one other thread, on 2 CPUs
-    probe = RunQueueProbe(str(tmp_path), period_s=0.5, clock=clock, stat=stat, cpus=2)
-    clock.t += 0.5
-    assert not probe.contended()          # idle, one other: not full
-    with open(stat, "w") as f:
-        f.write("procs_running 3\n")     # the reader and two others on 2 CPUs
-    clock.t += 0.5
-    assert probe.contended()
-    with open(stat, "w") as f:
-        f.write("procs_running 1\n")     # idle again, the others gone: still held
-    clock.t += 0.5
-    assert probe.contended()              # an idle window never clears a verdict
-    os.remove(stat)
-    clock.t += 0.5
-    assert probe.contended()
 
 
 def test_unavailable_without_the_files(tmp_path):
