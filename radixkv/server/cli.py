@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "logits), transformers' for the rest (auto, the default)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the CPUs this process may use: its "
-                        "affinity mask capped by the cgroup CPU quota; idle threads sleep, "
-                        "OMP_WAIT_POLICY=PASSIVE, unless the environment sets it)")
+                        "affinity mask capped by the cgroup CPU quota; idle threads poll "
+                        "~20 us, then sleep: OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=2000, "
+                        "unless the environment sets the policy)")
     m.add_argument("--model-id", default=None, metavar="NAME",
                    help="pin the name of the model's cached blocks in every tier (default: a "
                         "fingerprint of the weights, so changed weights reuse nothing; rename "
