@@ -415,21 +415,31 @@ class Engine:
         """The :class:`radixkv.core.hashing.Namespace` of requests with this salt."""
         return self.core.namespace.with_salt(cache_salt)
 
-    def cached_prefix_nodes(self, token_ids: Sequence[int], cache_salt: str | None = None
-                            ) -> list[BlockRef]:
-        """The cached blocks (any tier; snapshots: hash, tier, block id, parent hash, tokens) of
-        the longest cached full-block prefix of ``token_ids``. No side effects (does not
-        touch LRU order). O(matched tokens)."""
+    def _prefix_query(self, token_ids: Sequence[int], cache_salt: str | None
+                      ) -> tuple[list[int], bytes, Any] | None:
+        """``(ids, token bytes, namespace)`` of a cache query, None for no tokens;
+        InvalidTokensError for anything that is not a sequence of ints."""
         from radixkv.core.hashing import token_bytes
 
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
             raise InvalidTokensError(
                 f"token_ids must be a list of ints, got {type(token_ids).__name__}")
         if not token_ids:
+            return None
+        ids = list(token_ids)
+        return ids, token_bytes(ids), self.namespace(cache_salt)
+
+    def cached_prefix_nodes(self, token_ids: Sequence[int], cache_salt: str | None = None
+                            ) -> list[BlockRef]:
+        """The cached blocks (any tier; snapshots: hash, tier, block id, parent hash, tokens) of
+        the longest cached full-block prefix of ``token_ids``. No side effects (does not
+        touch LRU order). O(matched tokens)."""
+        query = self._prefix_query(token_ids, cache_salt)
+        if query is None:
             return []
+        _, key, ns = query
         tree = self.core.tree
-        key, seed = token_bytes(list(token_ids)), self.namespace(cache_salt).seed
-        return self.loop.call(lambda: tree.match_tokens(key, seed))
+        return self.loop.call(lambda: tree.match_tokens(key, ns.seed))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of ``token_ids`` are cached now: the whole blocks of
@@ -437,20 +447,15 @@ class Engine:
         (the last partial block of a finished request that this prompt extends, on the device;
         docs/architecture.md, "Partial tails"), which a request with this prompt would reuse.
         No side effects."""
-        from radixkv.core.hashing import token_bytes
-
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise InvalidTokensError(
-                f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-        if not token_ids:
+        query = self._prefix_query(token_ids, cache_salt)
+        if query is None:
             return 0
-        core, ids = self.core, list(token_ids)
-        key, ns = token_bytes(ids), self.namespace(cache_salt)
+        ids, key, ns = query
+        core, block_size = self.core, self.cache_config.block_size
 
-        def op() -> int:
+        def op() -> int:   # one loop call: the match and the tail read see the same cache
             chain = core.tree.match_tokens(key, ns.seed)
-            return (len(chain) * self.cache_config.block_size
-                    + core.block_manager.tail_tokens_after(ids, ns, chain))
+            return len(chain) * block_size + core.block_manager.tail_tokens_after(ids, ns, chain)
 
         return self.loop.call(op)
 

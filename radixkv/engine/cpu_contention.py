@@ -5,8 +5,10 @@ have a core (decode step 12.7 against 14.8 ms at batch 4 on the project's EPYC),
 parallel region waits for both, so where other processes take the cores each of its ~150
 regions waits for a descheduled thread: beside two busy processes on two cores the server's
 requests took 0.93 s end to end against 0.68 with small forwards on one thread
-(docs/serve.md, "CPU threads on a shared machine"). The engine therefore asks, before a small
-forward, whether its threads have lately been kept waiting, and runs it on one thread if so.
+(docs/serve.md, "CPU threads on a shared machine"). The engine therefore asks, before each
+forward, whether its threads have lately been kept waiting, and if so runs it on one thread
+(long prefills too: polling threads that wait at each region for a descheduled one lost to one
+thread there as well; ``ModelRunner.load_mode``).
 
 The signal is the kernel's own: ``/proc/self/task/<tid>/schedstat`` holds, per thread, the
 nanoseconds it ran and the nanoseconds it was runnable but waited on a run queue. Over a
