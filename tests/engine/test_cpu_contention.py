@@ -150,8 +150,6 @@ def test_the_real_probe_sees_threads_that_wait():
     """A thread of this process spinning beside twice as many spinning processes as it has
     CPUs waits on a run queue, and the probe says so."""
     cpus = len(os.sched_getaffinity(0))
-    probe = RunQueueProbe(period_s=0.0)
-    assert probe.available
     stop = threading.Event()
 
     def spin() -> None:
@@ -160,15 +158,24 @@ def test_the_real_probe_sees_threads_that_wait():
             x += 1
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
              for _ in range(2 * cpus)]
+    t = threading.Thread(target=spin)
+    shares = []
     try:
-        probe.contended()
-        t = threading.Thread(target=spin)
+        time.sleep(0.5)                   # the processes are past start-up and spinning
         t.start()
-        time.sleep(1.0)
-        stop.set()
-        t.join()
-        assert probe.contended(), probe.last_share
+        probe = RunQueueProbe(period_s=0.25)
+        assert probe.available
+        verdict = False
+        deadline = time.monotonic() + 5.0
+        while not verdict and time.monotonic() < deadline:
+            time.sleep(0.3)
+            verdict = probe.contended()
+            shares.append(probe.last_share)
+        assert verdict, shares
     finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
         for p in procs:
             p.kill()
             p.wait()
