@@ -397,6 +397,11 @@ class EngineConfig:
             elsewhere; True: on, else a ConfigError naming why; False: eager decode (vLLM's
             ``--enforce-eager``). On an H200 they made decode 2.9-6.9x faster with the same
             tokens (docs/gpu.md), hence on by default.
+        warm_up: run one short prefill and one decode step at start-up, so that the first
+            request does not pay the forward's one-time costs (weight packing, kernel
+            generation, Triton's compilation on CUDA; ``ModelRunner.warm_up``): on the
+            embedded model on the CPU ~0.13 s at start against 5-6x the TTFT of the first
+            request through the server.
         blend_ratio: the share of document tokens recomputed when a request's documents are
             blended from their cached entries (``add_request(documents=...)``, the server's
             ``documents``; docs/rag.md) and the request names no ratio. 0.15: the smallest
@@ -414,6 +419,7 @@ class EngineConfig:
     scheduling_window: int = 32
     scheduling_max_wait_s: float = 2.0
     cuda_graphs: bool | None = None
+    warm_up: bool = True
     blend_ratio: float = 0.15
 
     def __post_init__(self) -> None:
@@ -436,6 +442,8 @@ class EngineConfig:
         v = self.prefetch_requests
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"EngineConfig.prefetch_requests must be an int >= 0, got {v!r}")
+        if not isinstance(self.warm_up, bool):
+            raise ConfigError(f"EngineConfig.warm_up must be a bool, got {self.warm_up!r}")
         if not isinstance(self.async_loads, bool):
             raise ConfigError(f"EngineConfig.async_loads must be a bool, got {self.async_loads!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -144,6 +144,8 @@ class LLMEngine:
             n_dev, bs, policy, lower_tier_blocks=lower, write_through=wt,
             tail_blocks=cache_config.tail_blocks if cache_config.enable_prefix_caching else 0)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
+        #: seconds the start-up forwards took (``EngineConfig.warm_up``; 0.0: not run)
+        self.warm_up_s = self._runner.warm_up() if engine_config.warm_up else 0.0
         graphs = engine_config.cuda_graphs
         if graphs is None:   # where possible: CUDA and a step without host-side decisions
             graphs = device.type == "cuda" and self._runner.decode_graphs_unsupported() is None

@@ -400,3 +400,44 @@ def test_embedded_model_greedy_and_two_turn_chat_hits_cache(smol):
     assert r2.num_cached_tokens >= (len(p1) + len(r1.outputs[0].token_ids) - 1) // 16 * 16
     assert r2.outputs[0].token_ids == _hf_sdpa(hf, p2, 16)
     assert eng.stats()["hit_rate"] > 0.4
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+def test_warm_up_runs_a_prefill_and_a_decode_on_free_blocks_and_changes_nothing(
+        hf_llama, monkeypatch):
+    """EngineConfig.warm_up (default on): two forwards at construction (a prefill of a block
+    less one token, then one decode token), before any block is handed out; afterwards the
+    pool, the tree and the counters are those of a fresh engine, and greedy output is the
+    same as without it (and as transformers')."""
+    from radixkv.engine.model_runner import ModelRunner
+
+    seen: list[tuple[int, str]] = []
+    original = ModelRunner.execute
+
+    def spy(self, batch):
+        seen.append((int(batch.input_ids.shape[-1]), batch.mode.name))
+        return original(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    warm = _engine(hf_llama, num_blocks=16, block_size=4)
+    assert seen == [(3, "PREFILL"), (1, "DECODE")] and warm.warm_up_s > 0
+    bm = warm.block_manager
+    assert bm.num_free_blocks == 16 and len(warm.tree) == 0
+    stats = warm.stats()
+    assert stats["prompt_tokens"] == stats["tokens_computed"] == 0
+    assert stats["cached_blocks_per_tier"] == [0]
+    assert warm.num_forwards == 0
+    seen.clear()
+    cold = LLMEngine(copy.deepcopy(hf_llama), None,
+                     CacheConfig(block_size=4, num_device_blocks=16),
+                     EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, warm_up=False),
+                     model_id="tiny")
+    assert seen == [] and cold.warm_up_s == 0.0
+    prompts = _prompts([3, 7, 13])
+    want = [_hf(hf_llama, p, 8) for p in prompts]
+    for eng in (warm, cold):
+        final = _run(eng, [(f"r{i}", p, _greedy(8)) for i, p in enumerate(prompts)])
+        assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == want
+    with pytest.raises(ConfigError, match="warm_up"):
+        EngineConfig(warm_up=1)
