@@ -397,6 +397,12 @@ class EngineConfig:
             elsewhere; True: on, else a ConfigError naming why; False: eager decode (vLLM's
             ``--enforce-eager``). On an H200 they made decode 2.9-6.9x faster with the same
             tokens (docs/gpu.md), hence on by default.
+        prefill_priority_steps: in a step where a newly admitted request gets a prefill
+            chunk, running requests that only decode wait for the next step, at most this
+            many steps in a row (``Scheduler``'s "Prefill priority": SGLang's prefill-first
+            order, bounded); a decode row in a new turn's prefill step makes its TTFT longer.
+            0: every step carries every running decode (vLLM's order). Four clients through
+            ``radixkv serve``: mean later-turn TTFT 5-13% lower, same decode speed.
         warm_up: run one short prefill and one decode step at start-up, so that the first
             request does not pay the forward's one-time costs (weight packing, kernel
             generation, Triton's compilation on CUDA; ``ModelRunner.warm_up``): on the
@@ -419,6 +425,7 @@ class EngineConfig:
     scheduling_window: int = 32
     scheduling_max_wait_s: float = 2.0
     cuda_graphs: bool | None = None
+    prefill_priority_steps: int = 4
     warm_up: bool = True
     blend_ratio: float = 0.15
 
@@ -442,6 +449,10 @@ class EngineConfig:
         v = self.prefetch_requests
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"EngineConfig.prefetch_requests must be an int >= 0, got {v!r}")
+        v = self.prefill_priority_steps
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"EngineConfig.prefill_priority_steps must be an int >= 0, "
+                              f"got {v!r}")
         if not isinstance(self.warm_up, bool):
             raise ConfigError(f"EngineConfig.warm_up must be a bool, got {self.warm_up!r}")
         if not isinstance(self.async_loads, bool):

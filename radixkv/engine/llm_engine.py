@@ -185,7 +185,8 @@ class LLMEngine:
                                     immediate=True, admission=make_admission_order(
                                         engine_config.scheduling_policy, self._bm,
                                         engine_config.scheduling_window,
-                                        engine_config.scheduling_max_wait_s))
+                                        engine_config.scheduling_max_wait_s),
+                                    prefill_priority_steps=engine_config.prefill_priority_steps)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         #: session ends the client announced (``end_session``: a request's flag, or the call)

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-max-wait", type=float, default=None, metavar="SECONDS",
                    help="lpm's age limit: a request waiting this long is admitted next "
                         "(default: EngineConfig's, 2)")
+    e.add_argument("--prefill-priority-steps", type=int, default=None, metavar="N",
+                   help="steps in a row that newly admitted prefills may run without the "
+                        "running decodes (shorter time to first token under concurrency); 0: "
+                        "every step carries every decode, as vLLM (default: EngineConfig's, 4)")
     e.add_argument("--blend-ratio", type=float, default=None, metavar="SHARE",
                    help="share of RAG document tokens recomputed when a request's "
                         "documents are blended (docs/rag.md; default: EngineConfig's, 0.15)")
@@ -234,6 +238,8 @@ def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
         out["scheduling_policy"] = args.scheduling_policy
     if args.scheduling_max_wait is not None:
         out["scheduling_max_wait_s"] = args.scheduling_max_wait
+    if getattr(args, "prefill_priority_steps", None) is not None:
+        out["prefill_priority_steps"] = args.prefill_priority_steps
     if getattr(args, "blend_ratio", None) is not None:
         out["blend_ratio"] = args.blend_ratio
     return out

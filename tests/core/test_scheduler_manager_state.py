@@ -42,12 +42,13 @@ PROMPTS = st.builds(lambda p, t: p + t, st.sampled_from(PREFIXES),
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
-                budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]))
-    def setup(self, blocks, max_seqs, budget, policy) -> None:
+                budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
+                priority=st.sampled_from([0, 1, 4]))
+    def setup(self, blocks, max_seqs, budget, policy, priority) -> None:
         self.name = "scheduler+manager"
         STEPS.program(self.name)
         self.bm = BlockManager.create(blocks, block_size=BS, policy=policy)
-        self.s = Scheduler(self.bm, max_seqs, budget)
+        self.s = Scheduler(self.bm, max_seqs, budget, prefill_priority_steps=priority)
         self.live: dict[str, Request] = {}      # added, not finished or aborted
         self.next = 0
 
@@ -82,6 +83,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         held_before = self._held()
         out = self.s.schedule()
         held_after = self._held()
+        if not out.chunks:
+            # prefill priority leaves decodes out only for a step that computes a prefill
+            assert not any(self.s._decoding(r) for r in self.s.running), "an empty step"
+        elif self.s.prefill_priority_steps and any(
+                self.s._decoding(r) for r in self.s.running):
+            STEPS.event(self.name, "decodes waited" if not any(
+                self.s._decoding(c.request) for c in out.chunks) else "mixed")
         survivors = set(held_before) & set(held_after)
         in_use = set().union(*(held_before[sid] for sid in survivors)) if survivors else set()
         for op in out.kv_ops:

@@ -320,9 +320,10 @@ class LPMSchedulerMachine(sm.SchedulerMachine):
 
     @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
                 budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
-                window=st.integers(1, 4), max_wait=st.integers(0, 4))
-    def setup(self, blocks, max_seqs, budget, policy, window, max_wait) -> None:
-        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy)
+                window=st.integers(1, 4), max_wait=st.integers(0, 4),
+                priority=st.sampled_from([0, 4]))
+    def setup(self, blocks, max_seqs, budget, policy, window, max_wait, priority) -> None:
+        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority)
         s = self.s
         s.admission = LongestPrefixFirst(self.bm, window=window, max_wait_s=max_wait,
                                          clock=lambda: s.counters.steps)

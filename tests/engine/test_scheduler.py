@@ -153,3 +153,59 @@ def test_request_too_big_for_the_pool_is_unschedulable():
     s.add(r)
     out = s.schedule()
     assert out.unschedulable == [r] and not s.has_unfinished()
+
+
+# ----------------------------------------------------------------------------- prefill priority
+
+def _chunks(out) -> list[tuple[str, int]]:
+    return [(c.request.request_id, c.num_tokens) for c in out.chunks]
+
+
+def test_prefill_priority_leaves_the_decodes_out_of_an_admission_step_at_most_n_in_a_row():
+    """prefill_priority_steps=2: a step that admits a new request computes its prefill alone
+    (the decodes keep their reserved slot and run next step); after two such steps in a row
+    the third admission step carries the decodes; a step without admissions always does."""
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, prefill_priority_steps=2)
+    s.add(_req("a", 5, base=1))
+    s.add(_req("b", 6, base=2))
+    assert _chunks(_fake_step(s)) == [("a", 5), ("b", 6)]
+    assert _chunks(_fake_step(s)) == [("a", 1), ("b", 1)]
+    s.add(_req("c", 3, base=3))
+    assert _chunks(_fake_step(s)) == [("c", 3)]                  # a, b wait
+    s.add(_req("d", 4, base=4))
+    assert _chunks(_fake_step(s)) == [("d", 4)]                  # c is decoding now: waits too
+    s.add(_req("e", 2, base=5))
+    assert _chunks(_fake_step(s)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 2)]
+    s.add(_req("f", 3, base=6))
+    assert _chunks(_fake_step(s)) == [("f", 3)]                  # the count started again
+    assert _chunks(_fake_step(s)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 1),
+                                      ("f", 1)]
+    # a: its prefill's token and one per step that carried it; none lost or doubled
+    tokens = {r.request_id: r.seqs[0].num_output_tokens for r in s.running}
+    assert tokens == {"a": 4, "b": 4, "c": 3, "d": 3, "e": 2, "f": 2}
+
+
+def test_prefill_priority_runs_the_decodes_when_nothing_can_be_admitted():
+    """A waiting request that does not fit (max_num_seqs, or the pool) gives no chunk: the
+    decodes run in that same step, not a step later."""
+    s = Scheduler(BlockManager.create(64, 4), 2, 64, prefill_priority_steps=4)
+    s.add(_req("a", 5, base=1))
+    s.add(_req("b", 6, base=2))
+    _fake_step(s)
+    s.add(_req("c", 3, base=3))                                 # over max_num_seqs = 2
+    assert _chunks(_fake_step(s)) == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    # a pool too small for the waiting request: the decodes still run
+    s = Scheduler(BlockManager.create(6, 4), 8, 64, prefill_priority_steps=4)
+    s.add(_req("a", 8, base=1))
+    _fake_step(s)
+    s.add(_req("big", 17, base=9))                              # 5 blocks; 4 left
+    assert _chunks(_fake_step(s)) == [("a", 1)]
+
+
+def test_prefill_priority_off_mixes_every_decode_into_every_step():
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, prefill_priority_steps=0)
+    s.add(_req("a", 5, base=1))
+    _fake_step(s)
+    s.add(_req("b", 3, base=2))
+    assert _chunks(_fake_step(s)) == [("a", 1), ("b", 3)]
