@@ -18,6 +18,9 @@ def test_scheduling_flags_reach_the_engine_config() -> None:
     assert ec.scheduling_max_wait_s == EngineConfig().scheduling_max_wait_s
     _, ec = configs(p.parse_args([]))   # no flag: EngineConfig's defaults
     assert ec.scheduling_policy == EngineConfig().scheduling_policy
+    assert ec.prefill_priority_steps == EngineConfig().prefill_priority_steps == 4
+    _, ec = configs(p.parse_args(["--prefill-priority-steps", "0"]))
+    assert ec.prefill_priority_steps == 0
 
 
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
@@ -31,6 +34,8 @@ def test_enforce_eager_turns_cuda_graphs_off() -> None:
     (["--scheduling-policy", "sjf"], "invalid choice"),
     (["--scheduling-max-wait", "-1"], "max_wait_s"),
     (["--scheduling-max-wait", "soon"], "invalid float"),
+    (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
+    (["--prefill-priority-steps", "2.5"], "invalid int"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:
