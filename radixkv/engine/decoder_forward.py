@@ -37,6 +37,7 @@ runs through transformers' modules with radixkv's attention hooked in, as before
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -272,27 +273,44 @@ class _Fused:
     would take.
     """
 
-    __slots__ = ("parts", "key", "weight", "bias")
+    __slots__ = ("parts", "params", "key", "weight", "bias")
 
     def __init__(self, parts: list[torch.nn.Linear]) -> None:
         self.parts = parts
-        self.key: tuple = ()
+        # The parts' parameter dicts: the check runs twice a layer per step, and a dict lookup
+        # costs a fraction of ``Module.__getattr__`` (the tuple of attribute reads this
+        # replaced took ~4.4 us a call, ~0.2 ms of a ~12 ms decode step on the embedded model).
+        self.params = [m._parameters for m in parts]
+        self.key: list[int] = []   # (data_ptr, version) of each part's weight, flattened
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         version = packed_linear.weight_version
-        key = tuple((m.weight.data_ptr(), version(m.weight)) for m in self.parts)
-        if key != self.key:
-            with torch.no_grad():
-                w = torch.cat([m.weight.detach() for m in self.parts])
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(
-                    w, packed_linear.PACK_HINT_ROWS)
-                biases = [m.bias for m in self.parts]
-                self.bias = (None if biases[0] is None
-                             else torch.cat([b.detach() for b in biases]))
-            self.key = key
+        key = self.key
+        stale = not key
+        if not stale:
+            i = 0
+            for params in self.params:
+                w = params["weight"]
+                if w.data_ptr() != key[i] or version(w) != key[i + 1]:
+                    stale = True
+                    break
+                i += 2
+        if stale:
+            self._pack(version)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _pack(self, version: Callable[[torch.Tensor], int]) -> None:
+        """Concatenate and pack the parts' current weights (and biases); remember their key."""
+        with torch.no_grad():
+            weights = [params["weight"] for params in self.params]
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([w.detach() for w in weights]), packed_linear.PACK_HINT_ROWS)
+            biases = [m.bias for m in self.parts]
+            self.bias = (None if biases[0] is None
+                         else torch.cat([b.detach() for b in biases]))
+        self.key = [v for w in weights for v in (w.data_ptr(), version(w))]
 
 
 class _Layer:

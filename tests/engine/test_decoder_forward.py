@@ -94,6 +94,17 @@ def test_fused_weights_follow_an_in_place_weight_edit(toy_pager):
             runner.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
             runner.model.model.layers[1].mlp.up_proj.weight.mul_(0.5)
     _step((lean, hf), pagers, [(0, None)])
+    # a part replaced by a new Parameter (what assigning a weight does), and one whose data
+    # is swapped under the same Parameter: both are new pointers, both are noticed
+    with torch.no_grad():
+        for runner in (lean, hf):
+            attn = runner.model.model.layers[1].self_attn
+            attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight * 0.75)
+            mlp = runner.model.model.layers[0].mlp
+            mlp.gate_proj.weight.data = mlp.gate_proj.weight.data * 1.25
+    for pager in pagers:
+        pager.append(0, 11)
+    _step((lean, hf), pagers, [(0, None)])
 
 
 def test_unsupported_architectures_keep_transformers_modules():
