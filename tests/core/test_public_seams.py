@@ -28,6 +28,9 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("engine/packed_linear.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"):
         "torch: no public op",
     ("engine/packed_linear.py", "t._version"): "torch: a tensor's in-place version counter",
+    ("engine/decoder_forward.py", "m._parameters"):
+        "torch: a module's parameter dict, read once so the per-call weight check skips "
+        "Module.__getattr__ (decode step 1-2% shorter)",
     # the lean CPU forward calls its fused ops directly unless a dispatch mode (the op-count
     # tests) is active: torch has no public query of the dispatch-mode stack
     ("engine/decoder_forward.py", "torch._C"): "torch: no public dispatch-mode query",
