@@ -615,5 +615,72 @@ int radixkv_paged_prefill_quantized(const void *q, const void *k_cache, const vo
 }
 #endif
 
+/* Every part of a prefill call on the calling thread's OpenMP team: torch's own runtime when
+ * the library is built with -fopenmp and loaded into a process that already has torch's
+ * libgomp (kernels/native.py checks there is one), so the parts run on the same threads as the
+ * GEMMs around them, caught while they still poll, instead of on a Python pool that hands the
+ * GIL between threads (~0.1 ms a call). Part p packs its K/V into scratch + p * scratch_words;
+ * each row is computed by the same code whatever the split. Returns 0, or the first part's
+ * nonzero code; -5 without OpenMP (the caller splits another way). */
+typedef int (*prefill_entry)(const void *, const void *, const void *, const int32_t *,
+                             const int32_t *, const int32_t *, void *, int, int, int, int, int,
+                             int, float, void *, int, int);
+
+int radixkv_prefill_parallel(prefill_entry fn, const void *q, const void *k_cache,
+                             const void *v_cache, const int32_t *block_tables,
+                             const int32_t *cu_seqlens_q, const int32_t *seq_lens, void *out,
+                             int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
+                             int32_t *scratch, int64_t scratch_words, int parts) {
+#ifdef _OPENMP
+    int rcs[64];
+    if (parts < 1 || parts > 64) return -2;
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int p = 0; p < parts; ++p)
+        rcs[p] = fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, n, hq, hkv,
+                    d, bs, max_blocks, scale, scratch + p * scratch_words, p, parts);
+    for (int p = 0; p < parts; ++p)
+        if (rcs[p]) return rcs[p];
+    return 0;
+#else
+    (void)fn; (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
+    (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
+    (void)max_blocks; (void)scale; (void)scratch; (void)scratch_words; (void)parts;
+    return -5;
+#endif
+}
+
+/* radixkv_paged_decode's parts on the calling thread's OpenMP team, as
+ * radixkv_prefill_parallel (the decode packs nothing: no scratch). */
+int radixkv_decode_parallel(const void *q, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *seq_lens, void *out,
+                            int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
+                            int kind, int parts) {
+#ifdef _OPENMP
+    int rcs[64];
+    if (parts < 1 || parts > 64) return -2;
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int p = 0; p < parts; ++p)
+        rcs[p] = radixkv_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, n, hq,
+                                      hkv, d, bs, max_blocks, scale, kind, p, parts);
+    for (int p = 0; p < parts; ++p)
+        if (rcs[p]) return rcs[p];
+    return 0;
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)seq_lens; (void)out;
+    (void)n; (void)hq; (void)hkv; (void)d; (void)bs; (void)max_blocks; (void)scale;
+    (void)kind; (void)parts;
+    return -5;
+#endif
+}
+
+/* Whether this library was built with OpenMP (the *_parallel entries can split). */
+int radixkv_native_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The version of this file's interface; kernels/native.py refuses a library that differs. */
-int radixkv_native_abi(void) { return 7; }
+int radixkv_native_abi(void) { return 8; }

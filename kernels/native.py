@@ -21,9 +21,14 @@ into place, so concurrent processes never load a half-written file. ``$CC`` pick
 
 Loaded with :mod:`ctypes` (no torch headers, no pybind: the build needs only a C compiler).
 Threads: with ``torch.get_num_threads() > 1`` a call is split into that many parts (decode: every
-n-th (sequence, KV head); prefill: every n-th (query head, 16-row tile)) run on the calling
-thread and a small pool of Python threads (ctypes releases the GIL for the call); each row is
-computed by the same code whatever the split, so results do not depend on the thread count.
+n-th (sequence, KV head); prefill: every n-th (query head, 16-row tile)); each row is computed
+by the same code whatever the split, so results do not depend on the thread count. The parts
+run on the calling thread's OpenMP team: the library is built with ``-fopenmp`` and, loaded
+after torch, shares torch's ``libgomp`` (checked: one OpenMP runtime in ``/proc/self/maps``),
+so the same threads that ran the GEMM before pick the parts up while still polling. Without
+OpenMP (a compiler that lacks it, or a second runtime) the parts go to a small pool of Python
+threads (ctypes releases the GIL for the call, but every part's hand-over takes it: ~0.1 ms a
+call, so only larger calls are split there). Why and the figures: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -54,11 +59,15 @@ HEADERS = (Path(__file__).with_name("cpu_math.h"),)
 #: silently changed every later float computation of the process (torch's included: 1e-38 *
 #: 0.01 read 0 after an engine was built). Infinities and NaN keep their meaning.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fassociative-math", "-freciprocal-math", "-ffp-contract=fast", "-shared", "-fPIC")
+         "-fassociative-math", "-freciprocal-math", "-ffp-contract=fast", "-shared", "-fPIC",
+         "-fopenmp")
+#: The flag that gives the prefill's parts torch's OpenMP team (``radixkv_prefill_parallel``);
+#: a compiler without OpenMP builds the library without it (parts then go to a Python pool).
+OPENMP_FLAG = "-fopenmp"
 #: ``$RADIXKV_NATIVE_MARCH`` replaces ``native`` in ``-march=`` (e.g. ``x86-64-v3`` for one
 #: library that every AVX2 machine sharing a cache folder can load).
 MARCH_VAR = "RADIXKV_NATIVE_MARCH"
-_ABI = 7
+_ABI = 8
 #: (head_dim, query heads per KV head) combinations instantiated in the C file.
 HEAD_DIMS = frozenset({16, 32, 64, 128})
 MAX_GROUP = 8
@@ -166,7 +175,12 @@ def _load():
             cc = _compiler()
             if cc is None:
                 raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            try:
+                path = _build(cc)
+            except RuntimeError as exc:   # e.g. clang without an OpenMP runtime
+                log.info("radixkv: native kernels built without OpenMP (%s)", exc)
+                path = _build(cc, build_flags=tuple(f for f in flags() if f != OPENMP_FLAG))
+            lib = ctypes.CDLL(str(path))
             if lib.radixkv_native_abi() != _ABI:
                 raise RuntimeError("library interface version mismatch")
             fn = lib.radixkv_paged_decode
@@ -186,6 +200,19 @@ def _load():
                                   ctypes.c_float, vp, i32, i32, i32]
             prefill_q.restype = i32
             _state["prefill_quantized"] = prefill_q
+            if lib.radixkv_native_openmp() and _one_openmp_runtime():
+                par = lib.radixkv_prefill_parallel
+                par.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
+                                ctypes.c_float, vp, ctypes.c_int64, i32]
+                par.restype = i32
+                _state["prefill_parallel"] = par
+                dpar = lib.radixkv_decode_parallel
+                dpar.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
+                                 ctypes.c_float, i32, i32]
+                dpar.restype = i32
+                _state["decode_parallel"] = dpar
+                for key in ("prefill", "prefill_f32"):
+                    _state[key + "_addr"] = ctypes.cast(_state[key], ctypes.c_void_p).value
             greedy = lib.radixkv_greedy_logsumexp
             greedy.argtypes = [vp, i32, i32, ctypes.c_int64, vp, vp]
             greedy.restype = i32
@@ -203,6 +230,10 @@ def _load():
 #: between threads) costs more than it saves: 16 sequences of ~100 tokens decoded slower split.
 _MIN_DECODE_KEYS_PER_PART = 16384   # keys x KV heads: ~0.2 ms of work on one core
 _MIN_PREFILL_ROWS_PER_PART = 64
+#: The same where the parts run on torch's OpenMP team (``radixkv_*_parallel``), whose threads
+#: are caught still polling after the GEMM before (no GIL, no pool round trip).
+_MIN_DECODE_KEYS_PER_PART_OMP = 2048
+_MIN_PREFILL_ROWS_PER_PART_OMP = 8
 _pool: list = [None, 0]   # (executor, its workers)
 
 
@@ -221,8 +252,26 @@ def decode_parts(seq_lens: torch.Tensor | list[int], num_kv_heads: int) -> int:
     if torch.get_num_threads() == 1:
         return 1
     total = sum(seq_lens) if isinstance(seq_lens, list) else int(seq_lens.sum())
-    parts = _parts(total * num_kv_heads, _MIN_DECODE_KEYS_PER_PART, None)
+    if "fn" not in _state:
+        _load()
+    per_part = (_MIN_DECODE_KEYS_PER_PART_OMP if "decode_parallel" in _state
+                else _MIN_DECODE_KEYS_PER_PART)
+    parts = _parts(total * num_kv_heads, per_part, None)
     return max(1, min(parts, len(seq_lens) * num_kv_heads))
+
+
+def _one_openmp_runtime() -> bool:
+    """Whether exactly one OpenMP runtime is mapped into this process (torch's libgomp, which
+    the library then shares), read from ``/proc/self/maps``; False where it cannot be read.
+    Two runtimes (a torch built with Intel's and a library linked to GNU's) would each keep a
+    team of threads on the same cores."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f
+                     if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+    except OSError:
+        return False
+    return len({os.path.realpath(p) for p in paths}) == 1
 
 
 def _run_parts(call, parts: int) -> bool:
@@ -305,6 +354,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables.shape[1], float(scale), kind)
     if parts is None:
         parts = decode_parts(seq_lens, hkv)
+    par = _state.get("decode_parallel")
+    if parts > 1 and par is not None:
+        return par(*args, parts) == 0
     return _run_parts(lambda part, count: fn(*args, part, count), parts)
 
 
@@ -380,6 +432,21 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], hq,
             k_cache.shape[2], d, k_cache.shape[1], block_tables.shape[1], float(scale))
 
+    par = _state.get("prefill_parallel") if _quantized_kind is None else None
+    count = _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART if par is None
+                   else _MIN_PREFILL_ROWS_PER_PART_OMP, parts)
+    if count > 1 and par is not None:
+        # every part on the calling thread's OpenMP team (radixkv_prefill_parallel), each with
+        # its own slice of one scratch buffer
+        words = max(words, 1 << 16)
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < words * count:
+            buf = _scratch.buf = torch.empty(words * count, dtype=torch.int32)
+        rc = par(_state[key + "_addr"], *args, buf.data_ptr(), words, count)
+        if rc == -3:   # built without the instructions: never ask again in this process
+            _state["no_" + key] = True
+        return rc == 0
+
     def call(part: int, count: int) -> int:
         buf = getattr(_scratch, "buf", None)   # per thread: each part packs its own K/V
         if buf is None or buf.numel() < words:
@@ -390,7 +457,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _state["no_" + key] = True
         return rc
 
-    return _run_parts(call, _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART, parts))
+    return _run_parts(call, count)
 
 
 def paged_prefill_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

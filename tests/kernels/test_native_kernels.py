@@ -14,6 +14,8 @@ library per source, flags, compiler and CPU).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given
@@ -340,10 +342,18 @@ def test_native_prefill_long_sequence_and_declines(dtype):
                     torch.tensor([0, 30], dtype=torch.int32))[0] is False
 
 
+@pytest.mark.parametrize("openmp", [True, False], ids=["torch-openmp-team", "python-pool"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_calls_give_the_same_bits(dtype):
+def test_split_calls_give_the_same_bits(dtype, openmp, monkeypatch):
     """Split over threads (every n-th (sequence, KV head) in decode, every n-th (query head,
-    tile) in prefill), the results are bit-identical to one part, whatever the count."""
+    tile) in prefill), the results are bit-identical to one part, whatever the count; on
+    torch's OpenMP team (``radixkv_*_parallel``) and on the Python pool alike."""
+    assert native.available()
+    if openmp and "prefill_parallel" not in native._state:
+        pytest.skip("native kernels built without OpenMP here")
+    if not openmp:
+        for key in ("prefill_parallel", "decode_parallel"):
+            monkeypatch.delitem(native._state, key, raising=False)
     gen = torch.Generator().manual_seed(11)
     lens = [300, 17, 64, 1, 90]
     case = make_case(lens, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, gen=gen)
@@ -368,6 +378,54 @@ def test_split_calls_give_the_same_bits(dtype):
         outs.append(out)
     assert not torch.isnan(outs[0]).any()
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_the_parts_share_torchs_openmp_runtime():
+    """Built with -fopenmp, the library links libgomp.so.1 by soname and so gets torch's copy,
+    already loaded: one OpenMP runtime in the process, whose team the parallel entries use."""
+    assert native.available()
+    if native.OPENMP_FLAG not in native.flags():
+        pytest.skip("OpenMP flag removed")
+    assert native._one_openmp_runtime()
+    assert "prefill_parallel" in native._state and "decode_parallel" in native._state
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    torch_lib = os.path.dirname(torch.__file__)
+    assert len(gomp) == 1 and all(p.startswith(torch_lib) for p in gomp), gomp
+
+
+def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monkeypatch):
+    """The -fopenmp build failing (clang without an OpenMP runtime) is not the end: the library
+    is built without it, and split calls go to the Python pool, with the same bits."""
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path))
+    real_build = native._build
+    tried = []
+
+    def build(cc, sources=native.SOURCES, headers=native.HEADERS, build_flags=None,
+              stem="cpu_attention"):
+        flags = native.flags() if build_flags is None else build_flags
+        tried.append(native.OPENMP_FLAG in flags)
+        if native.OPENMP_FLAG in flags:
+            raise RuntimeError("cc: error: unsupported option '-fopenmp'")
+        return real_build(cc, sources, headers, build_flags, stem)
+
+    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native, "_state", {})
+    assert native._load() is not None
+    assert tried == [True, False]
+    assert "prefill_parallel" not in native._state and "decode_parallel" not in native._state
+    gen = torch.Generator().manual_seed(3)
+    case = make_case([40, 90], block_size=16, num_kv_heads=3, head_dim=64,
+                     dtype=torch.float32, gen=gen)
+    q = torch.randn(2, 9, 64, generator=gen)
+    outs = []
+    for parts in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        assert native.paged_decode(q, case.k_cache, case.v_cache, case.block_tables,
+                                   case.seq_lens, 0.125, out, parts=parts)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
