@@ -138,6 +138,23 @@ static float cascade_sum(const float *sq, int64_t n, int lanes) {
 
 #define MAX_HIDDEN 16384
 
+/* Calls of at least this many elements split their rows over the calling thread's OpenMP team
+ * (torch's: kernels/native.py explains the shared runtime); each row is computed by the same
+ * code on whichever thread, so the bits do not depend on the split. Off (0) unless
+ * radixkv_fused_set_parallel(1) says the process has one OpenMP runtime. */
+#define PAR_NUMEL 32768
+static int par_on = 0;
+
+int radixkv_fused_set_parallel(int on) {
+#ifdef _OPENMP
+    par_on = on != 0;
+    return par_on;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* One row of the norm: s = x (+ residual, rounded; stored to sum_out), sq = s * s. */
 #define DEFINE_NORM_ROW(TY)                                                                     \
 static void norm_in_##TY(const void *x, const void *residual, void *sum_out, int64_t base,     \
@@ -173,9 +190,10 @@ int radixkv_add_rms_norm(const void *x, const void *residual, const void *weight
                          void *sum_out, int64_t rows, int64_t h, float eps, int dtype,
                          int lanes, int recip) {
     if (h < 1 || h > MAX_HIDDEN || (lanes != 4 && lanes != 8 && lanes != 16)) return -1;
-    float s[MAX_HIDDEN], sq[MAX_HIDDEN];
     const float inv_h = 1.0f / (float)h;
+#pragma omp parallel for if (par_on && rows > 1 && rows * h >= PAR_NUMEL) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
+        float s[MAX_HIDDEN], sq[MAX_HIDDEN];
         const int64_t base = r * h;
         if (dtype) norm_in_bf16(x, residual, sum_out, base, h, s, sq);
         else norm_in_f32(x, residual, sum_out, base, h, s, sq);
@@ -233,6 +251,7 @@ int radixkv_rope_write_kv(const void *q, const void *k, const void *v, const voi
     for (int64_t i = 0; i < t; ++i)
         if (slots[i] >= num_slots) return -2;
     const size_t elem = dtype ? 2 : 4;
+#pragma omp parallel for if (par_on && t > 1 && t * (hq + hkv) * d >= PAR_NUMEL) schedule(static)
     for (int64_t i = 0; i < t; ++i) {
         const int64_t row = i * tok_stride;
         for (int64_t hh = 0; hh < hq; ++hh)
@@ -247,4 +266,4 @@ int radixkv_rope_write_kv(const void *q, const void *k, const void *v, const voi
     return 0;
 }
 
-int radixkv_fused_abi(void) { return 1; }
+int radixkv_fused_abi(void) { return 2; }

@@ -200,7 +200,7 @@ def _load():
                                   ctypes.c_float, vp, i32, i32, i32]
             prefill_q.restype = i32
             _state["prefill_quantized"] = prefill_q
-            if lib.radixkv_native_openmp() and _one_openmp_runtime():
+            if lib.radixkv_native_openmp() and one_openmp_runtime():
                 par = lib.radixkv_prefill_parallel
                 par.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, i32,
                                 ctypes.c_float, vp, ctypes.c_int64, i32]
@@ -260,7 +260,7 @@ def decode_parts(seq_lens: torch.Tensor | list[int], num_kv_heads: int) -> int:
     return max(1, min(parts, len(seq_lens) * num_kv_heads))
 
 
-def _one_openmp_runtime() -> bool:
+def one_openmp_runtime() -> bool:
     """Whether exactly one OpenMP runtime is mapped into this process (torch's libgomp, which
     the library then shares), read from ``/proc/self/maps``; False where it cannot be read.
     Two runtimes (a torch built with Intel's and a library linked to GNU's) would each keep a

@@ -23,6 +23,12 @@ matches (else torch runs). Why it matters: a 243-token prefill of the embedded m
 threads spent 25 ms of its 129 in torch's norms (each a parallel region whose sleeping threads
 must be woken, ``OMP_WAIT_POLICY=PASSIVE``) against 3.5 ms in the kernel.
 
+Threads: from ``PAR_NUMEL`` (32,768) elements a call's rows are split over the calling thread's
+OpenMP team, torch's runtime, shared as the attention kernels share it (one runtime checked in
+``/proc/self/maps``, else the split stays off); each row is computed by the same code on any
+thread. A 243-token prefill at two threads: 0.945x. Before, these ran on one thread whatever
+the count (8 ms of a ~100 ms two-thread prefill).
+
 The library is built like the attention kernels (:mod:`radixkv.kernels.native`: same cache
 folder, digest-named) but apart from them and without their reassociation flags
 (``-ffp-contract=off``): a fused multiply-add or a reordered sum would round differently.
@@ -42,7 +48,7 @@ from . import native
 log = logging.getLogger("radixkv.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-_ABI = 1
+_ABI = 2
 #: ATen's serial-reduction bound (``internal::GRAIN_SIZE``): below it a sum never splits.
 _SERIAL_NUMEL = 32768
 _MAX_HIDDEN = 16384
@@ -61,7 +67,8 @@ def build_flags() -> tuple[str, ...]:
     """Strict IEEE flags: the attention library's ``-O3 -march=...`` without its fast-math
     reassociation, and no contraction into fused multiply-adds."""
     march = next(f for f in native.flags() if f.startswith("-march="))
-    return ("-O3", march, "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+    return ("-O3", march, "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
+            native.OPENMP_FLAG)
 
 
 def _library():
@@ -73,9 +80,18 @@ def _library():
             return _lib[0]
         lib = None
         try:
-            lib = ctypes.CDLL(str(native.build_library((SOURCE,), build_flags(), "cpu_fused")))
+            try:
+                path = native.build_library((SOURCE,), build_flags(), "cpu_fused")
+            except RuntimeError as exc:   # a compiler without OpenMP
+                log.info("radixkv: native fused ops built without OpenMP (%s)", exc)
+                path = native.build_library(
+                    (SOURCE,), tuple(f for f in build_flags() if f != native.OPENMP_FLAG),
+                    "cpu_fused")
+            lib = ctypes.CDLL(str(path))
             if lib.radixkv_fused_abi() != _ABI:
                 raise RuntimeError("library interface version mismatch")
+            # rows split over torch's OpenMP team only where it is the one runtime
+            lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
             vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
             lib.radixkv_add_rms_norm.argtypes = [vp, vp, vp, vp, vp, i64, i64, ctypes.c_float,
                                                  i32, i32, i32]

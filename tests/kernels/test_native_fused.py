@@ -197,3 +197,52 @@ def test_norms_over_many_rows_at_several_threads_equal_torch_bit_for_bit(monkeyp
         assert native_fused._parallel_same   # the probe ran for this thread count
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calls_over_many_rows_split_on_torchs_openmp_team_with_the_same_bits(dtype):
+    """From PAR_NUMEL elements a call's rows are split over the calling thread's OpenMP team
+    (torch's runtime, shared; off where the process has another): rope + K/V write and the
+    norm give the reference's bits either way."""
+    lib = native_fused._library()
+    if lib is None:
+        pytest.skip("no native fused ops here")
+    if not lib.radixkv_fused_set_parallel(1):
+        pytest.skip("built without OpenMP")
+    lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gen = torch.Generator().manual_seed(5)
+        t, hkv, hq, d = 200, 3, 9, 64                 # 200 x 12 x 64 elements: split
+        q, k, v = _qkv(t, hq, hkv, d, dtype, gen)
+        cos = torch.randn(t, d, generator=gen).to(dtype)
+        sin = torch.randn(t, d, generator=gen).to(dtype)
+        slots = torch.randperm(32 * 8, generator=gen)[:t]
+        slots[::7] = PAD_SLOT
+        runs = []
+        for split in (1, 0):
+            lib.radixkv_fused_set_parallel(split)
+            caches = [torch.zeros(32, 8, hkv, d).to(dtype) for _ in range(2)]
+            out = native_fused.rope_write_kv(q, k, v, cos, sin, *caches, slots)
+            assert out is not None
+            runs.append((out, *caches))
+        ref_caches = [torch.zeros(32, 8, hkv, d).to(dtype) for _ in range(2)]
+        want = fused.rope_write_kv_ref(q, k, v, cos, sin, *ref_caches, slots, True)
+        for got in runs:
+            assert same(got[0], want) and same(got[1], ref_caches[0]) and \
+                same(got[2], ref_caches[1])
+        w = torch.randn(576, generator=gen).to(dtype)
+        x = (torch.randn(300, 576, generator=gen) * 3).to(dtype)
+        r = torch.randn(300, 576, generator=gen).to(dtype)
+        outs = []
+        for split in (1, 0):
+            lib.radixkv_fused_set_parallel(split)
+            got = native_fused.add_rms_norm(x, r, w, 1e-5)
+            if got is None:
+                pytest.skip("torch's parallel norm bits differ here: the kernel is not used")
+            outs.append(got)
+        assert same(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1])
+    finally:
+        lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
+        torch.set_num_threads(before)

@@ -387,7 +387,7 @@ def test_the_parts_share_torchs_openmp_runtime():
     assert native.available()
     if native.OPENMP_FLAG not in native.flags():
         pytest.skip("OpenMP flag removed")
-    assert native._one_openmp_runtime()
+    assert native.one_openmp_runtime()
     assert "prefill_parallel" in native._state and "decode_parallel" in native._state
     with open("/proc/self/maps") as f:
         gomp = {line.split()[-1] for line in f if "libgomp" in line}
