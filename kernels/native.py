@@ -231,9 +231,11 @@ def _load():
 _MIN_DECODE_KEYS_PER_PART = 16384   # keys x KV heads: ~0.2 ms of work on one core
 _MIN_PREFILL_ROWS_PER_PART = 64
 #: The same where the parts run on torch's OpenMP team (``radixkv_*_parallel``), whose threads
-#: are caught still polling after the GEMM before (no GIL, no pool round trip).
-_MIN_DECODE_KEYS_PER_PART_OMP = 2048
-_MIN_PREFILL_ROWS_PER_PART_OMP = 8
+#: are caught still polling after the GEMM before (no GIL, no pool round trip). In one process
+#: 2,048 and 8 paid (a 32-token turn's forward 0.88x at two threads), but through the server
+#: with its benchmark clients on the same cores they lost at four clients (docs/kernels.md).
+_MIN_DECODE_KEYS_PER_PART_OMP = 8192
+_MIN_PREFILL_ROWS_PER_PART_OMP = 32
 _pool: list = [None, 0]   # (executor, its workers)
 
 
