@@ -626,21 +626,32 @@ typedef int (*prefill_entry)(const void *, const void *, const void *, const int
                              const int32_t *, const int32_t *, void *, int, int, int, int, int,
                              int, float, void *, int, int);
 
+/* The most parts a *_parallel call takes (kernels/native.py clamps to it). */
+#define MAX_PARTS 256
+
+#ifdef _OPENMP
+/* Run CALL (an expression of the part p) for every part on the calling thread's team; return
+ * the first part's nonzero code, else 0. */
+#define RUN_PARTS(CALL)                                                                         \
+    do {                                                                                        \
+        int rcs[MAX_PARTS];                                                                     \
+        if (parts < 1 || parts > MAX_PARTS) return -2;                                          \
+        _Pragma("omp parallel for num_threads(parts) schedule(static, 1)")                      \
+        for (int p = 0; p < parts; ++p) rcs[p] = (CALL);                                        \
+        for (int p = 0; p < parts; ++p)                                                         \
+            if (rcs[p]) return rcs[p];                                                          \
+        return 0;                                                                               \
+    } while (0)
+#endif
+
 int radixkv_prefill_parallel(prefill_entry fn, const void *q, const void *k_cache,
                              const void *v_cache, const int32_t *block_tables,
                              const int32_t *cu_seqlens_q, const int32_t *seq_lens, void *out,
                              int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
                              int32_t *scratch, int64_t scratch_words, int parts) {
 #ifdef _OPENMP
-    int rcs[64];
-    if (parts < 1 || parts > 64) return -2;
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int p = 0; p < parts; ++p)
-        rcs[p] = fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, n, hq, hkv,
-                    d, bs, max_blocks, scale, scratch + p * scratch_words, p, parts);
-    for (int p = 0; p < parts; ++p)
-        if (rcs[p]) return rcs[p];
-    return 0;
+    RUN_PARTS(fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, n, hq, hkv, d,
+                 bs, max_blocks, scale, scratch + p * scratch_words, p, parts));
 #else
     (void)fn; (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)cu_seqlens_q;
     (void)seq_lens; (void)out; (void)n; (void)hq; (void)hkv; (void)d; (void)bs;
@@ -656,15 +667,8 @@ int radixkv_decode_parallel(const void *q, const void *k_cache, const void *v_ca
                             int n, int hq, int hkv, int d, int bs, int max_blocks, float scale,
                             int kind, int parts) {
 #ifdef _OPENMP
-    int rcs[64];
-    if (parts < 1 || parts > 64) return -2;
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int p = 0; p < parts; ++p)
-        rcs[p] = radixkv_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, n, hq,
-                                      hkv, d, bs, max_blocks, scale, kind, p, parts);
-    for (int p = 0; p < parts; ++p)
-        if (rcs[p]) return rcs[p];
-    return 0;
+    RUN_PARTS(radixkv_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, n, hq, hkv,
+                                   d, bs, max_blocks, scale, kind, p, parts));
 #else
     (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)seq_lens; (void)out;
     (void)n; (void)hq; (void)hkv; (void)d; (void)bs; (void)max_blocks; (void)scale;

@@ -236,6 +236,8 @@ _MIN_PREFILL_ROWS_PER_PART = 64
 #: with its benchmark clients on the same cores they lost at four clients (docs/kernels.md).
 _MIN_DECODE_KEYS_PER_PART_OMP = 8192
 _MIN_PREFILL_ROWS_PER_PART_OMP = 32
+#: ``MAX_PARTS`` of cpu_attention.c: the most parts a ``radixkv_*_parallel`` call takes
+MAX_PARALLEL_PARTS = 256
 _pool: list = [None, 0]   # (executor, its workers)
 
 
@@ -358,7 +360,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         parts = decode_parts(seq_lens, hkv)
     par = _state.get("decode_parallel")
     if parts > 1 and par is not None:
-        return par(*args, parts) == 0
+        return par(*args, min(parts, MAX_PARALLEL_PARTS)) == 0
     return _run_parts(lambda part, count: fn(*args, part, count), parts)
 
 
@@ -438,6 +440,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     count = _parts(q.shape[0], _MIN_PREFILL_ROWS_PER_PART if par is None
                    else _MIN_PREFILL_ROWS_PER_PART_OMP, parts)
     if count > 1 and par is not None:
+        count = min(count, MAX_PARALLEL_PARTS)
         # every part on the calling thread's OpenMP team (radixkv_prefill_parallel), each with
         # its own slice of one scratch buffer
         words = max(words, 1 << 16)
