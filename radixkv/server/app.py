@@ -500,7 +500,7 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
 
     tok = eng.chat_template.tokenizer
     tool_calls.check_template(getattr(tok, "chat_template", None))
-    for name, bad in (("stream", req.stream), ("use_beam_search", req.use_beam_search),
+    for name, bad in (("use_beam_search", req.use_beam_search),
                       ("response_format", req.response_format is not None
                        and req.response_format.type != "text"),
                       ("messages", any(m.cache_control for m in req.messages))):
@@ -585,7 +585,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             release()
             serving.abort(state, handle, timing)
 
-        return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close), close)
+        return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
+                               tool_names), close)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
@@ -679,8 +680,11 @@ async def _disconnected(request: Request) -> None:
 
 async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: Any,
                   timing: serving.Timing, chat: bool,
-                  release: Callable[[], None] = lambda: None) -> Any:
-    """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format."""
+                  release: Callable[[], None] = lambda: None,
+                  tool_names: set[str] | None = None) -> Any:
+    """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
+    ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
+    comes, each call of these tools whole in ``delta.tool_calls``)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -714,6 +718,30 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                     "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
+    calls: dict[int, Any] = {}   # choice index -> its tools.CallStream (with tool_names)
+    if tool_names is not None:
+        from radixkv.server.tools import CallStream
+
+        calls = {i: CallStream(tool_names) for i in range(req.n)}
+
+    def tool_part(c: Any, text: str) -> dict | None:
+        """The chunk entry of choice ``c`` with tools: content outside the calls, the calls
+        completed now, ``finish_reason`` "tool_calls" once a call was made."""
+        stream = calls[c.index]
+        content, made = stream.feed(text)
+        finish = c.finish_reason
+        if finish:
+            rest, _ = stream.finish()
+            content += rest
+            if finish == "stop" and stream.num_calls:
+                finish = "tool_calls"
+        if not (content or made or finish or c.delta_logprobs):
+            return None
+        part = choice(c.index, content or None, finish, lps=c.delta_logprobs)
+        if made:
+            part["delta"]["tool_calls"] = made
+        return part
+
     try:
         if chat:
             yield chunk([choice(i, "", None, role=True) for i in range(req.n)])
@@ -727,7 +755,11 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 if c.index in done:
                     continue
                 text = c.text if beam else c.delta_text
-                if text or c.finish_reason or c.delta_logprobs:
+                if calls:
+                    part = tool_part(c, text or "")
+                    if part is not None:
+                        parts.append(part)
+                elif text or c.finish_reason or c.delta_logprobs:
                     parts.append(choice(c.index, text, c.finish_reason, lps=c.delta_logprobs))
                 if c.finish_reason:
                     done.add(c.index)

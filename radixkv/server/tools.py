@@ -15,6 +15,14 @@ the format of Hermes, Qwen2/2.5/3 and SmolLM3 templates, the common one::
   of one of the tools (of the named one), its arguments valid against the tool's JSON schema.
 * ``"none"``: the tools are not rendered and nothing is parsed.
 
+Streamed (``stream: true``), each choice's text goes through a :class:`CallStream`: the content
+around the calls is sent as it is generated, and each call is sent whole, in one
+``delta.tool_calls`` entry (its ``index``, ``id``, ``name`` and complete ``arguments``), as soon
+as its ``</tool_call>`` arrives. Text that may be the start of ``<tool_call>`` is held back until
+the next tokens tell. What a client assembles from the chunks is what the non-streamed answer
+holds: the same content (stripped the same way) and the same calls (a property test checks it for
+any split of the text into deltas).
+
 A template that does not declare tools, or writes calls in another format, gets a 400 naming
 ``tools`` rather than tool definitions silently dropped.
 """
@@ -45,6 +53,22 @@ def check_template(template: str | None) -> None:
                        "SmolLM3)", param="tools", code="unsupported_parameter")
 
 
+def _call(body: str, names: set[str]) -> dict[str, Any] | None:
+    """The OpenAI tool call written by one ``<tool_call>`` block's ``body`` (the JSON between
+    the tags), or None when it is not JSON or names no tool of ``names``."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str)
+                         else json.dumps(args, ensure_ascii=False)}}
+
+
 def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` from a reply: each well-formed ``<tool_call>`` whose JSON
     names one of ``names`` becomes an OpenAI tool call; anything else stays in the content
@@ -53,22 +77,91 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]
     kept: list[str] = []
     pos = 0
     for m in _CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
+        call = _call(m.group(1), names)
+        if call is None:
             continue
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
         kept.append(text[pos:m.start()])
         pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str)
-                                   else json.dumps(args, ensure_ascii=False)}})
+        calls.append(call)
     kept.append(text[pos:])
     content = "".join(kept).strip()
     return (content or None), calls
+
+
+class CallStream:
+    """One streamed choice's text split into content deltas and whole tool calls, so that what
+    a client assembles equals :func:`parse` of the whole text (module docstring).
+
+    :meth:`feed` each delta as it is generated and :meth:`finish` once at the end; each
+    returns ``(content to send now, calls completed now)``. Held back meanwhile: text that may
+    begin ``<tool_call>``, a call until its ``</tool_call>``, and trailing whitespace (the
+    non-streamed content is stripped: whitespace is sent only once text follows it). A block
+    that is not a call of a known tool, or is never closed, is sent as content, as
+    :func:`parse` keeps it."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.num_calls = 0       # calls returned so far (the next call's ``index``)
+        self._buf = ""           # text not yet sent: a possible tag start, or an open call
+        self._in_call = False    # ``_buf`` starts with CALL_OPEN and has no CALL_CLOSE yet
+        self._started = False    # some content was sent (leading whitespace is dropped)
+        self._space = ""         # whitespace held after the content sent
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        buf = self._buf + text
+        out: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while buf:
+            if not self._in_call:
+                at = buf.find(CALL_OPEN)
+                if at < 0:
+                    keep = _tag_prefix(buf)
+                    out.append(buf[:len(buf) - keep])
+                    buf = buf[len(buf) - keep:]
+                    break
+                out.append(buf[:at])
+                buf = buf[at:]
+                self._in_call = True
+            end = buf.find(CALL_CLOSE, len(CALL_OPEN))
+            if end < 0:
+                break
+            end += len(CALL_CLOSE)
+            block, buf = buf[:end], buf[end:]
+            self._in_call = False
+            m = _CALL.fullmatch(block)
+            call = _call(m.group(1), self.names) if m is not None else None
+            if call is None:
+                out.append(block)
+            else:
+                calls.append({"index": self.num_calls, **call})
+                self.num_calls += 1
+        self._buf = buf
+        return self._content("".join(out)), calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The text still held (an unclosed call or a partial tag is content); trailing
+        whitespace is dropped."""
+        text, self._buf, self._in_call = self._buf, "", False
+        return self._content(text), []
+
+    def _content(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        text = self._space + text
+        kept = text.rstrip()
+        self._space = text[len(kept):]
+        return kept
+
+
+def _tag_prefix(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``CALL_OPEN``."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -99,4 +192,5 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "check_template", "parse", "template_messages"]
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "CallStream", "check_template", "parse",
+           "template_messages"]
