@@ -74,20 +74,28 @@ class ChatTemplate:
             self.end_of_turn_text = with_reply.partition(_SENTINEL)[2]
         self.end_of_turn_ids = self.encode(self.end_of_turn_text) if self.end_of_turn_text else []
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool,
+               **template_kwargs: Any) -> str:
+        """The conversation as text. ``template_kwargs``: more variables for the template
+        (the server's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            **template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Tokens of a piece of rendered template text (special tokens in it are recognised,
         none are added)."""
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
         """The whole conversation re-rendered and tokenized, generation prompt included (what a
-        naive client sends every turn)."""
+        naive client sends every turn). The server passes a request's ``add_generation_prompt``,
+        ``continue_final_message`` (the last message left open, for the model to continue it)
+        and ``chat_template_kwargs`` (``template_kwargs``), as vLLM does."""
         return _ids(self.tokenizer.apply_chat_template(
-            list(messages), tokenize=True, add_generation_prompt=True))
+            list(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **template_kwargs))
 
     def close_reply(self, reply_ids: Sequence[int]) -> list[int]:
         """End-of-turn ids to append after a generated reply.

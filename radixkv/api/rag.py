@@ -80,8 +80,8 @@ def _filler(template: Any) -> int:
 
 
 def chat_document_prompt(template: Any, messages: Sequence[Mapping[str, str]],
-                         documents: Sequence[str | Mapping[str, Any]], block_size: int
-                         ) -> DocumentPrompt:
+                         documents: Sequence[str | Mapping[str, Any]], block_size: int,
+                         template_kwargs: Mapping[str, Any] | None = None) -> DocumentPrompt:
     """The chat prompt with ``documents`` placed the way :class:`RAGHelper` places them: at
     the start of the *last* user message, the conversation before them padded to whole
     blocks (the entries' lead, docs/rag.md), each document (:func:`document_text`) tokenized
@@ -91,7 +91,8 @@ def chat_document_prompt(template: Any, messages: Sequence[Mapping[str, str]],
         [template up to the last user message's content | pad][doc 1 | pad]...[doc n | pad]
         [that message's text, end of turn, generation prompt]
 
-    ``messages``: role/content dicts (the template's input). Raises
+    ``messages``: role/content dicts (the template's input); ``template_kwargs``: more
+    variables for the template (the server's ``chat_template_kwargs``). Raises
     :class:`InvalidRequestError` when there is no user message or the template does not keep
     the message's text as given (the documents could not be placed exactly)."""
     users = [k for k, m in enumerate(messages) if m.get("role") == "user"]
@@ -103,7 +104,7 @@ def chat_document_prompt(template: Any, messages: Sequence[Mapping[str, str]],
     k = users[-1]
     msgs = [dict(m) for m in messages]
     msgs[k]["content"] = _DOCS + (msgs[k].get("content") or "")
-    rendered = template.render(msgs, add_generation_prompt=True)
+    rendered = template.render(msgs, add_generation_prompt=True, **(template_kwargs or {}))
     head, sep, tail = rendered.partition(_DOCS)
     if not sep or _DOCS in tail:
         raise InvalidRequestError("the chat template does not render the last user message's "

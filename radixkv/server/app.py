@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import sys
 import threading
@@ -325,14 +326,17 @@ def _routes(api: FastAPI, state: ServerState,
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
+            if req.documents is not None and not req.default_ending():
+                raise APIError(400, "documents are not supported with add_generation_prompt "
+                               "false or continue_final_message", param="documents")
             try:
                 placed = None if req.documents is None else \
                     await asyncio.to_thread(serving.document_prompt, eng, req, msgs)
-                ids = await asyncio.to_thread(eng.chat_template.prompt_ids, msgs) \
+                ids = await asyncio.to_thread(functools.partial(
+                    eng.chat_template.prompt_ids, **req.template_options()), msgs) \
                     if placed is None else placed.token_ids
-            except TemplateError as exc:
-                raise APIError(400, f"the chat template rejected the messages: {exc}",
-                               param="messages") from None
+            except (TemplateError, ValueError) as exc:
+                raise _template_refused(exc) from None
         elif req.prompt is not None:
             serving.check_text(eng, [req.prompt], "prompt", limit)
             if req.documents is not None and any(isinstance(d, dict) for d in req.documents):
@@ -394,7 +398,8 @@ def _routes(api: FastAPI, state: ServerState,
                                await _max_token_chars(state, eng))
             chars += sum(map(len, docs))
         try:
-            ids = await _off_loop(chars, eng.chat_template.prompt_ids, messages) \
+            ids = await _off_loop(chars, functools.partial(
+                eng.chat_template.prompt_ids, **req.template_options()), messages) \
                 if req.documents is None else \
                 (await _off_loop(chars, serving.document_prompt, eng, req, messages)).token_ids
             points = None
@@ -402,10 +407,9 @@ def _routes(api: FastAPI, state: ServerState,
                 points = await _off_loop(
                     chars * (1 + sum(m is not None for m in marks)), serving.cache_points,
                     eng.chat_template, messages, marks, len(ids),
-                    req.prompt_cache_retention)
-        except TemplateError as exc:   # the model's template refuses these messages
-            raise APIError(400, f"the chat template rejected the messages: {exc}",
-                           param="messages") from None
+                    req.prompt_cache_retention, req.chat_template_kwargs)
+        except (TemplateError, ValueError) as exc:   # the template refuses these messages
+            raise _template_refused(exc) from None
         return await _serve(state, request, req, [ids], chat=True,
                             points=None if points is None else [points])
 
@@ -437,6 +441,13 @@ def _routes(api: FastAPI, state: ServerState,
             points = [[serving.retention_point(len(x), req.prompt_cache_retention)] if x
                       else None for x in ids]
         return await _serve(state, request, req, ids, chat=False, points=points)
+
+
+def _template_refused(exc: Exception) -> APIError:
+    """The 400 for messages the chat template (or ``apply_chat_template``, e.g. a
+    ``continue_final_message`` whose last message the template does not write as given)
+    refuses."""
+    return APIError(400, f"the chat template rejected the messages: {exc}", param="messages")
 
 
 async def _off_loop(chars: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -514,10 +525,9 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     msgs = tool_calls.template_messages(req.messages)
     try:
         ids = await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
-            msgs, tools=defs, tokenize=True, add_generation_prompt=True)))
-    except TemplateError as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}",
-                       param="messages") from None
+            msgs, tools=defs, tokenize=True, **req.template_options())))
+    except (TemplateError, ValueError) as exc:
+        raise _template_refused(exc) from None
     grammar = None
     choice = req.tool_choice
     if choice == "required" or not isinstance(choice, (str, type(None))):

@@ -100,6 +100,56 @@ class _PlacedDocuments(BaseModel):
         return self._document_spans
 
 
+#: Names ``chat_template_kwargs`` may not set: the arguments of ``apply_chat_template`` that
+#: the endpoint sets itself (or that would change what it returns) and the template's own
+#: variables and helpers.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "raise_exception", "strftime_now"})
+
+
+class _TemplateOptions(BaseModel):
+    """vLLM's chat-template fields of a request with ``messages`` (chat, ``/tokenize``)."""
+
+    #: end the prompt with the assistant's turn header (False: after the last message)
+    add_generation_prompt: bool = True
+    #: leave the last message open (no end of turn), for the model to continue it
+    continue_final_message: bool = False
+    #: more variables for the template (e.g. Qwen3's ``enable_thinking``)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: Any) -> Any:
+        for k in v or ():
+            if not k.isidentifier():
+                raise ValueError(f"{k!r} is not a template variable name")
+            if k in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"{k!r} is set by the server (or is the template's own); "
+                                 "use the request's field for it where there is one")
+        return v
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> Any:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message", "continue_final_message continues the "
+                             "last message: set add_generation_prompt to false with it")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``apply_chat_template`` (and of ``ChatTemplate``'s)."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                **(self.chat_template_kwargs or {})}
+
+    def default_ending(self) -> bool:
+        """Whether the prompt ends the way it does without these fields (a generation
+        prompt after a closed last message)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+
 class _SamplingFields(_PlacedDocuments):
     """Fields shared by chat and text completions."""
 
@@ -297,8 +347,10 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
-    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
+    _implemented: ClassVar[frozenset[str]] = frozenset({
+        "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
+        "chat_template_kwargs"})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -325,6 +377,11 @@ class ChatCompletionRequest(_SamplingFields):
             if any(m.cache_control for m in self.messages):
                 raise FieldError("documents", "documents are not supported together with "
                                  "cache_control yet (prompt_cache_retention is)")
+            if not self.default_ending():
+                raise FieldError("documents", "documents are placed before the last user "
+                                 "message's text, ahead of the generation prompt: they are "
+                                 "not supported with add_generation_prompt false or "
+                                 "continue_final_message")
         return self
 
     @model_validator(mode="after")
@@ -384,7 +441,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TokenizeRequest(_PlacedDocuments):
+class TokenizeRequest(_PlacedDocuments, _TemplateOptions):
     """vLLM's ``/tokenize`` body: ``prompt`` or chat ``messages``."""
 
     model_config = ConfigDict(extra="ignore")

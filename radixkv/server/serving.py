@@ -172,17 +172,20 @@ def retention_point(position: int, retention: str) -> Any:
 
 
 def cache_points(template: Any, messages: list[dict[str, str]], marks: list[Any],
-                 prompt_len: int, retention: str | None) -> list[Any]:
+                 prompt_len: int, retention: str | None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """Cache points of a chat request: one at the end of each message that carries
     ``cache_control`` (its token position in the rendered conversation, TTL from the mark,
     default 5 minutes as Anthropic's), and one at the end of the prompt for
-    ``prompt_cache_retention``."""
+    ``prompt_cache_retention``. ``template_kwargs``: the request's ``chat_template_kwargs``
+    (the conversation is rendered as the prompt was)."""
     from radixkv.engine.cache_points import CachePoint
 
     points = []
     for k, mark in enumerate(marks):
         if mark is not None:
-            pos = len(template.encode(template.render(messages[:k + 1], False)))
+            pos = len(template.encode(template.render(messages[:k + 1], False,
+                                                      **(template_kwargs or {}))))
             points.append(CachePoint(max(1, min(pos, prompt_len)), ttl=mark.ttl or "5m"))
     if retention is not None:
         points.append(retention_point(prompt_len, retention))
@@ -400,7 +403,8 @@ def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | Non
     tpl = backend.chat_template
     try:
         if messages is not None:
-            out = chat_document_prompt(tpl, messages, req.documents, backend.block_size)
+            out = chat_document_prompt(tpl, messages, req.documents, backend.block_size,
+                                       getattr(req, "chat_template_kwargs", None))
         else:
             assert text is not None, "document_prompt needs messages or a text"
             out = text_document_prompt(backend.encode if add_special_tokens else tpl.encode,

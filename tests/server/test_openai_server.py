@@ -649,6 +649,49 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
     assert ok[0] == 200, ok
 
 
+def test_template_endings_as_transformers_renders_them(ready: Server, engine: Any) -> None:
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message``: the prompt is the one
+    ``apply_chat_template`` makes with them (``/tokenize`` and the chat's prompt_tokens), and a
+    continued message is what ``/v1/completions`` generates from the same tokens."""
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "My favourite colour is"}]
+
+    def hf(**kw: Any) -> list[int]:
+        out = tok.apply_chat_template(msgs, tokenize=True, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    status, closed = ready.raw("POST", "/tokenize", {
+        "model": MODEL, "messages": msgs, "add_generation_prompt": False}, key=None)
+    assert status == 200 and closed["tokens"] == hf(add_generation_prompt=False)
+    status, open_ = ready.raw("POST", "/tokenize", {
+        "model": MODEL, "messages": msgs, "add_generation_prompt": False,
+        "continue_final_message": True}, key=None)
+    want = hf(continue_final_message=True)
+    assert status == 200 and open_["tokens"] == want and want != closed["tokens"]
+    assert engine.decode(want).endswith("My favourite colour is")
+    client = ready.client()
+    cont = _chat(client, msgs, temperature=0, max_tokens=6, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert cont.usage.prompt_tokens == len(want)
+    ref = client.completions.create(model=MODEL, prompt=want, temperature=0, max_tokens=6)
+    assert cont.choices[0].message.content == ref.choices[0].text
+    # refused with the field named, nothing run: both endings, a reserved or odd variable,
+    # documents with another ending, and the chat-only fields on /v1/completions
+    for body, param in (
+            ({"continue_final_message": True}, "continue_final_message"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs"),
+            ({"add_generation_prompt": False, "documents": ["some retrieved text"]},
+             "documents")):
+        status, err = ready.raw("POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": msgs, "max_tokens": 1, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    status, err = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "chat_template_kwargs": {"a": 1}})
+    assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
+
+
 def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
     """/tokenize, /detokenize, /version, /ping as vLLM answers them, and vLLM's metric names
     beside radixkv's (the same values), so vLLM dashboards work unchanged."""

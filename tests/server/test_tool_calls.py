@@ -50,7 +50,8 @@ Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think></think>
+{% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -215,6 +216,29 @@ def test_call_stream_assembles_what_parse_returns(pieces: list[str], data: st.Da
     assert [(c["index"], c["function"]) for c in calls] == [
         (i, c["function"]) for i, c in enumerate(want_calls)]
     assert stream.num_calls == len(want_calls)
+
+
+@pytest.mark.model
+def test_chat_template_kwargs_reach_the_template(srv: Server) -> None:
+    """vLLM's ``chat_template_kwargs`` (here Qwen3's ``enable_thinking``, read by this
+    module's template): rendered into the prompt of a chat, of a chat with tools and of
+    ``/tokenize``, and the cached prefix is shared up to where the variable changes it."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    status, plain = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": ASK}, key=None)
+    status2, thin = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": ASK, **off},
+                            key=None)
+    assert status == status2 == 200
+    assert thin["tokens"][:plain["count"]] == plain["tokens"]
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0,
+                                       extra_body=off)
+    assert r.usage.prompt_tokens == thin["count"] > plain["count"]
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, temperature=0, tools=[WEATHER],
+        tool_choice="auto", extra_body=off)
+    r0 = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                        temperature=0, tools=[WEATHER], tool_choice="auto")
+    assert r.usage.prompt_tokens == r0.usage.prompt_tokens + thin["count"] - plain["count"]
 
 
 def test_parse_takes_well_formed_calls_of_known_tools_and_leaves_the_rest() -> None:
