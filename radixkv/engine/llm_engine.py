@@ -528,8 +528,9 @@ class LLMEngine:
         adjusted = [(rows[s.seq_id], r, s) for r in reqs.values() if r.params.adjusts_logits
                     for s in r.seqs]
         source = logp if logp is not None else logits   # raw log-probs (or logits - lse)
-        adj = choice_logits(logits, adjusted) if adjusted else None   # penalties, biases,
-        k_pick = k_pick_lp = -1                                      # grammars
+        # penalties, biases, min_tokens' mask, grammars
+        adj = choice_logits(logits, adjusted, self._eos) if adjusted else None
+        k_pick = k_pick_lp = -1
         if adj is not None:   # adjusted greedy: argmax of the adjusted logits, raw log-prob
             adj_best = adj.max(dim=-1).indices
             k_pick = reads.add(adj_best)

@@ -109,9 +109,16 @@ class RequestOutput:
 def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) -> None:
     """Set ``seq.finish_reason`` (and ``stop_reason``) if ``tok``, just appended, ends it: an
     end-of-sequence token (unless ``ignore_eos``), a stop token, a stop string in the new text
-    (which is cut there, or after it with ``include_stop_str_in_output``), or the length."""
+    (which is cut there, or after it with ``include_stop_str_in_output``), or the length.
+    Before ``min_tokens`` tokens, only the length (vLLM's rule; the choice masked the stop
+    tokens, so one here came from a caller that did not)."""
     detok = seq.detok
     new_text = detok.append(tok)
+    if params.min_tokens and len(seq.token_ids) - seq.prompt_len < params.min_tokens:
+        n = len(seq.token_ids)
+        if n >= max_model_len:
+            seq.finish_reason = FINISH_LENGTH
+        return
     if (not params.ignore_eos and tok in eos) or tok in params.stop_token_ids:
         seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
         return

@@ -23,7 +23,7 @@ from functools import cached_property
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,10 @@ class SamplingParams:
             (score = sum of logprobs / generated_len ** length_penalty; early_stopping in
             {True, False, "never"}).
         ignore_eos: keep generating past the model's end-of-sequence token.
+        min_tokens: vLLM's: until this many tokens are generated, the end-of-sequence token
+            (unless ``ignore_eos``) and ``stop_token_ids`` are masked out of the choice and no
+            stop string ends the sequence (0 = off; at most ``max_tokens``). Not with beam
+            search or a grammar (whose value may end earlier).
         logprobs: None = no per-token log-probabilities; k in [0, MAX_LOGPROBS] = each output
             token's own log-probability plus the k most likely tokens at that position
             (``CompletionOutput.logprobs``). Raw model distribution, like
@@ -112,6 +116,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     ignore_eos: bool = False
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     frequency_penalty: float = 0.0
@@ -149,9 +154,11 @@ class SamplingParams:
 
     @cached_property   # frozen: read per sequence per step, computed once
     def adjusts_logits(self) -> bool:
-        """Whether the logits are changed before the choice (penalties, bias, grammar)."""
+        """Whether the logits are changed before the choice (penalties, bias, grammar,
+        ``min_tokens``'s mask)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.grammar is not None)
+                    or self.repetition_penalty != 1.0 or self.grammar is not None
+                    or self.min_tokens)
 
     @property
     def use_beam_search(self) -> bool:
@@ -205,6 +212,10 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"stop_token_ids must be non-negative ints, got {list(p.stop_token_ids)!r}"
     if not all(isinstance(s, str) and s for s in p.stop):
         return f"stop must be non-empty strings, got {list(p.stop)!r}"
+    if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= p.max_tokens:
+        return f"min_tokens must be an int in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
+    if p.min_tokens and p.grammar is not None:
+        return "min_tokens is not supported with a grammar (its value may end before)"
     if not _is_int(p.n) or p.n < 1:
         return f"n must be an int >= 1, got {p.n!r}"
     if not _is_int(p.beam_width) or p.beam_width < 1:
@@ -237,7 +248,7 @@ def _first_error(p: SamplingParams) -> str | None:
     if p.beam_width > 1:
         if p.adjusts_logits:
             return ("beam search does not take frequency_penalty, presence_penalty, "
-                    "logit_bias or a grammar")
+                    "logit_bias, min_tokens or a grammar")
         if p.logprobs is not None:
             return "per-token logprobs are not available with beam search"
         if p.temperature != 0 or p.top_k or p.top_p != 1.0 or p.min_p:
@@ -525,21 +536,41 @@ def adjust_logits(logits: torch.Tensor,
     return out
 
 
-def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]]
-                  ) -> torch.Tensor:
+def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]],
+                  eos: Collection[int] = ()) -> torch.Tensor:
     """The logits tokens are chosen from when some rows adjust them: ``items`` are ``(row,
-    request, sequence)`` of those rows. Penalties and biases (:func:`adjust_logits`), then each
-    grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
-    reported log-probabilities stay the model's own."""
+    request, sequence)`` of those rows. Penalties and biases (:func:`adjust_logits`), the
+    ``min_tokens`` mask (:func:`mask_min_tokens`; ``eos``: the model's end-of-sequence ids),
+    then each grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as
+    they are: reported log-probabilities stay the model's own."""
     out = adjust_logits(logits, [(r, req.params, seq.output_token_ids)
                                  for r, req, seq in items],
                         [seq.token_ids[:seq.prompt_len] for _, _, seq in items])
+    mask_min_tokens(out, [(r, req.params, len(seq.token_ids) - seq.prompt_len)
+                          for r, req, seq in items], eos)
     masked = [(r, req, seq) for r, req, seq in items if req.params.grammar is not None]
     if masked:
         from radixkv.engine import grammar
 
         grammar.mask_rows(out, [(r, grammar.matcher_for(req, seq)) for r, req, seq in masked])
     return out
+
+
+def mask_min_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, int]],
+                    eos: Collection[int]) -> None:
+    """In place: ``-inf`` for the tokens that would end a sequence (``eos`` unless
+    ``ignore_eos``, and ``stop_token_ids``) in the rows ``(row, params, tokens generated)``
+    that have generated fewer than their ``min_tokens``: one ``index_put_`` for the batch."""
+    import torch
+
+    vocab = logits.shape[-1]
+    pairs = [(r, t) for r, p, done in rows if done < p.min_tokens
+             for t in {*p.stop_token_ids, *(() if p.ignore_eos else eos)} if t < vocab]
+    if pairs:
+        r_i, t_i = zip(*pairs)
+        dev = logits.device
+        logits.index_put_((to_device(r_i, dev, torch.long), to_device(t_i, dev, torch.long)),
+                          torch.tensor(float("-inf"), device=dev, dtype=logits.dtype))
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -556,5 +587,6 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "StepReads", "adjust_logits", "choice_logits",
-           "eos_token_ids", "make_generator", "greedy_tokens", "raw_logprobs", "filtered_probs",
-           "filtered_probs_rows", "draw_tokens", "sample_token", "to_device"]
+           "eos_token_ids", "mask_min_tokens", "make_generator", "greedy_tokens",
+           "raw_logprobs", "filtered_probs", "filtered_probs_rows", "draw_tokens",
+           "sample_token", "to_device"]

@@ -23,7 +23,6 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
-    "min_tokens": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
@@ -170,6 +169,7 @@ class _SamplingFields(_PlacedDocuments):
     use_beam_search: bool = False
     best_of: Optional[int] = Field(default=None, ge=1)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
     length_penalty: float = 1.0
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)

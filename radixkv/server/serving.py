@@ -107,6 +107,16 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     if grammar is not None and req.ignore_eos:
         raise APIError(400, "ignore_eos would run past the end of the response_format's value",
                        param="ignore_eos")
+    if req.min_tokens:
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={req.min_tokens} is more than the {max_tokens} "
+                           "tokens this request may generate", param="min_tokens")
+        if grammar is not None or req.use_beam_search:
+            raise APIError(400, "min_tokens is not supported with "
+                           + ("use_beam_search" if req.use_beam_search else
+                              "response_format or tool_choice (their value may end before)"),
+                           param="min_tokens")
+        kwargs["min_tokens"] = req.min_tokens
     if req.use_beam_search:
         for name in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format",
                      "repetition_penalty"):

@@ -215,6 +215,47 @@ def test_stop_token_ids_and_stop_strings(hf_llama):
     assert out["keep"].outputs[0].text == text[:cut + 2]
 
 
+def test_min_tokens_masks_the_stop_tokens_as_transformers_does(hf_llama):
+    """vLLM's ``min_tokens``: the stop token cannot be chosen (nor a stop string end the
+    text) before that many tokens; the tokens equal transformers' ``min_new_tokens`` with the
+    same end token, in a batch beside requests without it."""
+    [p] = _prompts([9], seed=11)
+    full = _hf(hf_llama, p, 12)
+    stop_tok = full[2]
+    want = _hf(hf_llama, p, 12, min_new_tokens=6, eos_token_id=stop_tok)
+    assert want[2] != stop_tok and len(full) == 12   # the mask changes this request's tokens
+    text = CharTokenizer().decode(full)
+    assert len(text) == len(full)   # one character per token
+    stop_str = text[1:3]
+    eng = _engine(hf_llama, tokenizer=CharTokenizer())
+    out = _run(eng, [
+        ("plain", p, SamplingParams(max_tokens=12, stop_token_ids=[stop_tok])),
+        ("min", p, SamplingParams(max_tokens=12, stop_token_ids=[stop_tok], min_tokens=6)),
+        ("str", p, SamplingParams(max_tokens=12, stop=[stop_str], min_tokens=5)),
+        ("n2", p, SamplingParams(max_tokens=12, stop_token_ids=[stop_tok], min_tokens=6, n=2,
+                                 temperature=0.8, seed=3)),
+    ])
+    assert out["plain"].outputs[0].token_ids == full[:3]
+    o = out["min"].outputs[0]
+    assert o.token_ids == want[:want.index(stop_tok, 6) + 1 if stop_tok in want[6:] else 12]
+    assert stop_tok not in o.token_ids[:6]
+    # the stop string at characters 1-2 ends nothing; the first one ending at token 5 or
+    # later does (the stop check looks back over the string's length, as vLLM's)
+    o = out["str"].outputs[0]
+    later = [i for i in range(3, len(text)) if text.startswith(stop_str, i)]
+    if later:
+        assert (o.text, o.finish_reason) == (text[:later[0]], "stop")
+        assert o.token_ids == full[:later[0] + 2]
+    else:
+        assert (o.token_ids, o.finish_reason) == (full, "length")
+    for c in out["n2"].outputs:
+        assert len(c.token_ids) >= 6 and stop_tok not in c.token_ids[:6]
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_tokens=8, min_tokens=2, beam_width=2)
+
+
 def test_streaming_deltas_add_up(hf_llama):
     [p] = _prompts([9], seed=11)
     eng = _engine(hf_llama, tokenizer=CharTokenizer())

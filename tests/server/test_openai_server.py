@@ -628,7 +628,7 @@ def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
-    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("min_tokens", 3),
+    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("allowed_token_ids", [1]),
 ]
 
 
@@ -647,6 +647,28 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
     assert ok[0] == 200, ok
+
+
+def test_min_tokens_holds_the_end_off_as_the_engine_does(ready: Server, engine: Any) -> None:
+    """vLLM's ``min_tokens`` through the server: a greedy reply that ends after a few tokens
+    runs to at least that many, token for token the engine's own with the same setting."""
+    from radixkv import SamplingParams
+
+    msgs = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    client = ready.client()
+    short = _chat(client, msgs, temperature=0, max_tokens=30)
+    assert short.choices[0].finish_reason == "stop"
+    k = short.usage.completion_tokens + 6
+    long = _chat(client, msgs, temperature=0, max_tokens=30, extra_body={"min_tokens": k})
+    assert long.usage.completion_tokens >= k
+    ids = engine.chat_template.prompt_ids(msgs)
+    ref = engine.generate(ids, SamplingParams(max_tokens=30, min_tokens=k))[0].outputs[0]
+    assert long.choices[0].message.content == ref.text
+    for body in ({"min_tokens": 31}, {"min_tokens": 2, "use_beam_search": True, "n": 2},
+                 {"min_tokens": 2, "response_format": {"type": "json_object"}}):
+        status, err = ready.raw("POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": msgs, "max_tokens": 30, "temperature": 0, **body})
+        assert status == 400 and err["error"]["param"] == "min_tokens", (body, err)
 
 
 def test_template_endings_as_transformers_renders_them(ready: Server, engine: Any) -> None:
