@@ -193,6 +193,7 @@ class LLMEngine:
         self.session_ends = 0
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
+        self._prompt_rows = False   # the step's forward returns prompt positions' logits too
         # Close (join the tier threads) before the interpreter finalizes: a daemon thread in a
         # CUDA copy at finalization aborts the process (see api/engine_loop.py).
         self._at_exit = _close_at_exit(weakref.ref(self))
@@ -323,6 +324,13 @@ class LLMEngine:
                 raise InvalidRequestError(f"namespace_extra must be a non-empty str, got "
                                           f"{namespace_extra!r}")
             ns = Namespace(ns.model, cache_salt, ns.adapter_id, namespace_extra)
+        if params.prompt_logprobs is not None:
+            if documents is not None or blend_ratio is not None:
+                raise InvalidRequestError("prompt_logprobs needs the whole prompt computed: "
+                                          "not with documents (their entries are blended)")
+            # every position's logits: nothing is read from the cache, and its blocks stay
+            # private (a private namespace, as with prefix caching off)
+            ns = Namespace(ns.model, cache_salt, extra=f"prompt-logprobs:{next(self._ids)}")
         if not self.cache_config.enable_prefix_caching:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
@@ -476,18 +484,25 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput) -> torch.Tensor:
         bm, bs = self._bm, self._bm.block_size
         chunks = []
+        prompt_rows = False   # some chunk wants logits of prompt positions (prompt_logprobs)
         for c in sched.chunks:
             seq, start = c.seq, c.start
             table = bm.block_table(seq.seq_id)
-            if c.num_tokens == 1:   # a decode token (the common case: no range, no slice)
+            if c.num_tokens == 1 and (c.wants_logits or c.request.prompt_logprobs is None):
+                # a decode token (the common case: no range, no slice)
                 chunks.append(SequenceChunk(
                     [seq.token_ids[start]], start, table,
                     [table[start // bs] * bs + start % bs], None if c.wants_logits else ()))
                 continue
             end = start + c.num_tokens
             slots = [table[p // bs] * bs + p % bs for p in range(start, end)]
-            chunks.append(SequenceChunk(seq.token_ids[start:end], start, table, slots,
-                                        None if c.wants_logits else ()))
+            offsets: list[int] | tuple[()] | None = None if c.wants_logits else ()
+            k = _prompt_rows(c) if c.request.prompt_logprobs is not None else 0
+            if k:
+                prompt_rows = True
+                offsets = [*range(k), *((c.num_tokens - 1,) if c.wants_logits else ())]
+            chunks.append(SequenceChunk(seq.token_ids[start:end], start, table, slots, offsets))
+        self._prompt_rows = prompt_rows
         tiering.fence(self.kv_mover, self.tree, chunks)
         self._num_forwards += 1
         return self._runner.execute(self._runner.build_batch(chunks))
@@ -505,6 +520,8 @@ class LLMEngine:
         copies = self._bm.take_moves()   # write-through copies of the blocks just committed
         if copies:
             run_kv_ops(self.kv_mover, copies)
+        if self._prompt_rows:   # rows of prompt positions first: read them, keep the others
+            logits = self._take_prompt_logprobs(sched, logits)
         if not rows:
             return []
         # Everything the host needs from the device this step (greedy tokens, their
@@ -721,6 +738,27 @@ class LLMEngine:
         for (seq, (tok, lp)), row in zip(picks, rows_for):
             self._accept(req, seq, tok, row, raw, raw_argmax, logp, lse, greedy_lp, top, lp)
 
+    def _take_prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor
+                              ) -> torch.Tensor:
+        """Record the prompt log-probabilities of this step's ``prompt_logprobs`` chunks (their
+        first rows, see :meth:`_run`) and return the rows that choose tokens, one per chunk
+        that wants logits, in chunk order. Each position is recorded once (a recomputation
+        after a preemption, or a second sequence of the request, adds nothing)."""
+        import torch
+
+        keep: list[int] = []
+        row = 0
+        for c in sched.chunks:
+            req = c.request
+            k = _prompt_rows(c) if req.prompt_logprobs is not None else 0
+            if k:
+                _record_prompt_logprobs(req, c.start, logits[row:row + k])
+                row += k
+            if c.wants_logits:
+                keep.append(row)
+                row += 1
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+
     def _accept(self, req: Request, seq: Sequence, tok: int, row: int, raw: torch.Tensor,
                 raw_argmax: list[int], logp: torch.Tensor | None, lse: list[float] | None,
                 greedy_lp: list[float], top: dict[int, Any] | None,
@@ -807,6 +845,39 @@ class LLMEngine:
 
 
 __all__ = ["LLMEngine", "namespace_model"]
+
+
+def _prompt_rows(chunk: Any) -> int:
+    """Rows of prompt log-probabilities a chunk of a ``prompt_logprobs`` request computes: one
+    per position whose next token is a prompt token (its first ``k`` offsets)."""
+    return max(0, min(chunk.start + chunk.num_tokens, chunk.seq.prompt_len - 1) - chunk.start)
+
+
+def _record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    """Append the ``TokenLogprob`` (with rank and top-k) of prompt tokens ``start + 1 ..``
+    from the logits of positions ``start ..``, those not recorded yet (in order)."""
+    import torch
+
+    lps = req.prompt_logprobs
+    assert lps is not None
+    skip = len(lps) - 1 - start   # positions already recorded (a recomputed chunk)
+    if skip >= logits.shape[0]:
+        return
+    assert skip >= 0, f"prompt logprobs of {req.request_id} skipped a position"
+    logp = torch.log_softmax(logits[skip:].float(), dim=-1)
+    first = start + skip + 1
+    target = torch.tensor(req.prompt_token_ids[first:first + logp.shape[0]],
+                          device=logp.device)
+    chosen = logp.gather(1, target[:, None])[:, 0]
+    rank = (logp > chosen[:, None]).sum(dim=1) + 1
+    k = req.params.prompt_logprobs or 0
+    if k:
+        vals, ids = torch.topk(logp, k, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [()] * logp.shape[0]
+    for tok, lp, r, top in zip(target.tolist(), chosen.tolist(), rank.tolist(), tops):
+        lps.append(TokenLogprob(tok, lp, top, r))
 
 
 def _close_at_exit(engine_ref: Any) -> Callable[[], None]:

@@ -30,6 +30,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+    #: 1 + how many tokens the model found more likely (set for prompt tokens; vLLM's rank)
+    rank: int | None = None
 
 
 @dataclass
@@ -83,6 +85,9 @@ class RequestOutput:
         cache_write_tokens: prompt tokens the request's prefill added to the cache (full blocks
             that were not cached before it); with ``num_cached_tokens`` (read), what hosted
             prompt caches report as cache writes and reads. Set once the prompt is computed.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, once the prompt is computed:
+            one entry per prompt token, None for the first, then its :class:`TokenLogprob`
+            (with ``rank``) given the tokens before it; else None.
     """
 
     request_id: str
@@ -94,6 +99,7 @@ class RequestOutput:
     ttft: float | None = None
     num_preemptions: int = 0
     cache_write_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def cache_read_tokens(self) -> int:
@@ -173,10 +179,13 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
     if prompt is None:   # one copy per request, shared by its snapshots (not O(prompt) each)
         prompt = req.output_prompt_ids = list(req.prompt_token_ids)
     first = req.first_token_time   # (``req.ttft``, without the property call)
+    plp = req.prompt_logprobs
+    if plp is not None and len(plp) < len(prompt):
+        plp = None   # still being computed (chunked prefill)
     return RequestOutput(req.request_id, prompt, comps, finished, req.num_cached_tokens,
                          per_tier, None if first is None else first - req.arrival_time,
                          req.num_preemptions,
-                         req.cache_write_tokens)
+                         req.cache_write_tokens, plp)
 
 
 def _index(seq: Any) -> int:

@@ -85,6 +85,11 @@ class SamplingParams:
             token's own log-probability plus the k most likely tokens at that position
             (``CompletionOutput.logprobs``). Raw model distribution, like
             ``cumulative_logprob``. Not with beam search (its tokens are re-ranked at the end).
+        prompt_logprobs: vLLM's: None = none; k in [0, MAX_LOGPROBS] = the log-probability of
+            every prompt token after the first, given the tokens before it, with its rank and
+            the k most likely tokens at its position (``RequestOutput.prompt_logprobs``). Such a
+            request computes its whole prompt: it neither reads nor feeds the prefix cache (a
+            cached position has no logits). Not with beam search or RAG documents.
         frequency_penalty, presence_penalty: in [-2, 2], OpenAI's (and vLLM's) semantics: the
             logit of token j is lowered by ``frequency_penalty * c[j] + presence_penalty *
             (c[j] > 0)``, where ``c[j]`` counts j among the tokens this sequence generated so
@@ -119,6 +124,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -228,6 +234,10 @@ def _first_error(p: SamplingParams) -> str | None:
     if p.logprobs is not None and (not _is_int(p.logprobs)
                                    or not 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
+    if p.prompt_logprobs is not None and (not _is_int(p.prompt_logprobs)
+                                          or not 0 <= p.prompt_logprobs <= MAX_LOGPROBS):
+        return (f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got "
+                f"{p.prompt_logprobs!r}")
     for name in ("frequency_penalty", "presence_penalty"):
         v = getattr(p, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
@@ -249,7 +259,7 @@ def _first_error(p: SamplingParams) -> str | None:
         if p.adjusts_logits:
             return ("beam search does not take frequency_penalty, presence_penalty, "
                     "logit_bias, min_tokens or a grammar")
-        if p.logprobs is not None:
+        if p.logprobs is not None or p.prompt_logprobs is not None:
             return "per-token logprobs are not available with beam search"
         if p.temperature != 0 or p.top_k or p.top_p != 1.0 or p.min_p:
             return ("beam search is deterministic: leave temperature at 0, top_k and min_p at "

@@ -113,6 +113,10 @@ class Request:
         self.finished_outputs_sent = False
         # response_format: each sequence's grammar matcher by output index (engine/grammar.py)
         self.grammar_state: dict[int, Any] = {}
+        #: with ``params.prompt_logprobs``: entry i is prompt token i's ``TokenLogprob`` (None
+        #: for token 0), appended in order as the prompt's chunks are computed; else None
+        self.prompt_logprobs: list[Any] | None = (
+            [None] if params.prompt_logprobs is not None else None)
 
     def policy_hints(self) -> dict[str, Any]:
         """The eviction policy's hints for allocating one of its sequences: the session, whether

@@ -595,8 +595,9 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             release()
             serving.abort(state, handle, timing)
 
+        echo = eng.decode(prompts[0]) if not chat and getattr(req, "echo", False) else None
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names), close)
+                               tool_names, echo), close)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
@@ -610,13 +611,28 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         return Response(status_code=499)   # the client is gone; nobody reads this
     choices = []
     n = req.n
+    echo = not chat and getattr(req, "echo", False)
+    only = serving.echo_only(req)   # max_tokens 0: the prompt alone
+
+    def decode(tid: int) -> str:
+        return eng.decode([tid], skip_special_tokens=False)
+
     for i, out in enumerate(outs):
         for c in out.outputs:
-            text = c.text
-            if not chat and getattr(req, "echo", False):
+            text = "" if only else c.text
+            lps = _logprobs(eng, chat, c.logprobs, 0)
+            if echo:
                 text = eng.decode(out.prompt_token_ids) + text
+                if c.logprobs is not None:   # the prompt's entries, then the generated ones
+                    gen = [] if only else c.logprobs
+                    lps = serving.completion_logprobs(
+                        decode, [*out.prompt_logprobs, *gen], 0,
+                        [*out.prompt_token_ids, *(t.token_id for t in gen)])
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
-                                      "logprobs": _logprobs(eng, chat, c.logprobs, 0)}
+                                      "logprobs": lps}
+            if req.prompt_logprobs is not None and not chat:
+                choice["prompt_logprobs"] = serving.vllm_prompt_logprobs(
+                    decode, out.prompt_logprobs)
             if chat and tool_names is not None:
                 from radixkv.server.tools import parse
 
@@ -631,10 +647,16 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             else:
                 choice["text"] = text
             choices.append(choice)
-    return JSONResponse({
-        "id": rid, "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": state.model_name, "choices": choices,
-        "usage": serving.usage(outs, timing, eng.output_tier_names)})
+    usage = serving.usage(outs, timing, eng.output_tier_names)
+    if only:   # the token the engine picked is not part of the answer
+        usage["completion_tokens"] = 0
+        usage["total_tokens"] = usage["prompt_tokens"]
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": state.model_name, "choices": choices,
+            "usage": usage}
+    if chat and req.prompt_logprobs is not None:   # vLLM puts the chat's beside the choices
+        body["prompt_logprobs"] = serving.vllm_prompt_logprobs(decode, outs[0].prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | None:
@@ -691,10 +713,11 @@ async def _disconnected(request: Request) -> None:
 async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: Any,
                   timing: serving.Timing, chat: bool,
                   release: Callable[[], None] = lambda: None,
-                  tool_names: set[str] | None = None) -> Any:
+                  tool_names: set[str] | None = None, echo: str | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
-    comes, each call of these tools whole in ``delta.tool_calls``)."""
+    comes, each call of these tools whole in ``delta.tool_calls``). ``echo``: a completion's
+    prompt text, sent first in every choice (``echo: true``)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -755,6 +778,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     try:
         if chat:
             yield chunk([choice(i, "", None, role=True) for i in range(req.n)])
+        elif echo:
+            yield chunk([choice(i, echo, None) for i in range(req.n)])
         last, done = None, set()
         async for out in serving.run(state, rid, [], params, None, timing, handle=handle):
             last = out

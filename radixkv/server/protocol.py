@@ -25,7 +25,7 @@ UNSUPPORTED = {
     # vLLM extensions with no radixkv equivalent yet
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -170,6 +170,8 @@ class _SamplingFields(_PlacedDocuments):
     best_of: Optional[int] = Field(default=None, ge=1)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
+    # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     length_penalty: float = 1.0
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
@@ -400,6 +402,8 @@ class CompletionRequest(_SamplingFields):
 
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    # 0 with echo: the prompt alone comes back (with its logprobs), as OpenAI's and vLLM's
+    max_tokens: Optional[int] = Field(default=None, ge=0)
     echo: bool = False
     suffix: Optional[str] = None
     # radixkv: RAG documents blended from their cached entries (docs/rag.md): with a text
@@ -415,6 +419,13 @@ class CompletionRequest(_SamplingFields):
                              "its prompt (strings) or token spans; {title, text} objects are "
                              "for chat, where the server places them")
         return v
+
+    @model_validator(mode="after")
+    def _nothing_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens 0 generates nothing: it returns the "
+                             "prompt with echo (and its logprobs with logprobs)")
+        return self
 
     @model_validator(mode="after")
     def _documents_fit_the_prompt(self) -> "CompletionRequest":

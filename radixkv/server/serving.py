@@ -69,7 +69,13 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                        "generate)", param="messages" if isinstance(req, ChatCompletionRequest)
                        else "prompt", code="context_length_exceeded")
     room = max_model_len - prompt_len
-    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if echo_only(req):   # the prompt alone is answered; the engine still picks one token
+        if req.stream:
+            raise APIError(400, "max_tokens 0 (the echoed prompt alone) is answered in one "
+                           "body: do not stream it", param="max_tokens")
+        asked: int | None = 1
+    else:
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) \
         else "max_tokens"
     if asked is not None and asked > room:
@@ -107,6 +113,17 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     if grammar is not None and req.ignore_eos:
         raise APIError(400, "ignore_eos would run past the end of the response_format's value",
                        param="ignore_eos")
+    plp = req.prompt_logprobs
+    if plp is None and getattr(req, "echo", False):
+        plp = top_logprobs   # echo with logprobs: the prompt's, as vLLM
+    if plp is not None:
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        for bad, why in ((req.stream, "stream"), (req.use_beam_search, "use_beam_search"),
+                         (getattr(req, "documents", None) is not None, "documents")):
+            if bad:
+                raise APIError(400, f"prompt logprobs are not available with {why}",
+                               param=param)
+        kwargs["prompt_logprobs"] = plp
     if req.min_tokens:
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens={req.min_tokens} is more than the {max_tokens} "
@@ -140,6 +157,12 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     return SamplingParams(**kwargs)
 
 
+def echo_only(req: Any) -> bool:
+    """A completions request that wants its prompt back and nothing generated (``echo`` with
+    ``max_tokens`` 0, lm-evaluation-harness's way to read prompt logprobs)."""
+    return bool(getattr(req, "echo", False)) and req.max_tokens == 0
+
+
 def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     """How many alternatives per token the request wants (None = no logprobs), by OpenAI's
     rules: chat has ``logprobs: bool`` + ``top_logprobs: 0..20``, completions ``logprobs: int``.
@@ -158,10 +181,6 @@ def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None
     if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}] in completions",
                        param="logprobs")
-    if req.echo:
-        raise APIError(400, "echo with logprobs would need the prompt's logprobs, which "
-                       "radixkv does not compute", param="echo",
-                       code="unsupported_parameter")
     return req.logprobs
 
 
@@ -251,21 +270,42 @@ def chat_logprobs(decode: Any, items: Sequence[Any] | None) -> dict[str, Any] | 
             "refusal": None}
 
 
-def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int
-                        ) -> dict[str, Any] | None:
+def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int,
+                        ids: Sequence[int] | None = None) -> dict[str, Any] | None:
     """OpenAI's legacy completions ``choice.logprobs`` (token strings, their logprobs, the top
-    alternatives as ``{token: logprob}``, and each token's character offset from ``offset``)."""
+    alternatives as ``{token: logprob}``, and each token's character offset from ``offset``).
+    ``ids``: the token of each item, for items that may be None (an echoed prompt's first
+    token, which has no logprob: OpenAI's ``null``)."""
     if items is None:
         return None
     tokens, offsets = [], []
-    for t in items:
+    for i, t in enumerate(items):
         offsets.append(offset)
-        text = decode(t.token_id)
+        text = decode(t.token_id if ids is None else ids[i])
         tokens.append(text)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{decode(i): v for i, v in t.top} for t in items],
+    return {"tokens": tokens,
+            "token_logprobs": [None if t is None else t.logprob for t in items],
+            "top_logprobs": [None if t is None else {decode(i): v for i, v in t.top}
+                             for t in items],
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(decode: Any, items: Sequence[Any]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token (None for the first) ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` for the token itself and its top alternatives
+    (ranked 1, 2, ...)."""
+    out: list[dict[str, Any] | None] = []
+    for t in items:
+        if t is None:
+            out.append(None)
+            continue
+        d = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": decode(i)}
+             for r, (i, v) in enumerate(t.top)}
+        d[str(t.token_id)] = {"logprob": t.logprob, "rank": t.rank,
+                              "decoded_token": decode(t.token_id)}
+        out.append(d)
+    return out
 
 
 def session_hints(req: Any) -> dict[str, Any]:

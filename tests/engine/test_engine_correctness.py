@@ -256,6 +256,55 @@ def test_min_tokens_masks_the_stop_tokens_as_transformers_does(hf_llama):
         SamplingParams(max_tokens=8, min_tokens=2, beam_width=2)
 
 
+@pytest.mark.parametrize("budget", [256, 7])   # whole prompts; chunks of up to 7 tokens
+def test_prompt_logprobs_are_transformers_log_softmax(hf_llama, budget):
+    """vLLM's ``prompt_logprobs``: each prompt token's log-probability, rank and top-k equal
+    ``log_softmax`` of transformers' logits at the position before it, also when the prompt is
+    computed in chunks beside other requests and when its prefix is cached (it reads nothing
+    from the cache: every position's logits are needed)."""
+    p, q = _prompts([13, 9], seed=21)
+    eng = _engine(hf_llama, max_tokens=budget, max_num_seqs=min(8, budget))
+    _run(eng, [("warm", p, _greedy(2))])   # p's blocks are cached now
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_llama(torch.tensor([p])).logits[0].float(), dim=-1)
+    out = _run(eng, [("lp", p, SamplingParams(max_tokens=3, prompt_logprobs=3)),
+                     ("other", q, _greedy(4)),
+                     ("lp0", q, SamplingParams(max_tokens=1, prompt_logprobs=0))])
+    o = out["lp"]
+    assert o.num_cached_tokens == 0 and o.outputs[0].token_ids == _hf(hf_llama, p, 3)
+    lps = o.prompt_logprobs
+    assert len(lps) == len(p) and lps[0] is None
+    for i in range(1, len(p)):
+        e, row = lps[i], ref[i - 1]
+        assert e.token_id == p[i]
+        assert e.logprob == pytest.approx(float(row[p[i]]), abs=1e-4)
+        assert e.rank == int((row > row[p[i]]).sum()) + 1
+        vals, ids = torch.topk(row, 3)
+        assert [t for t, _ in e.top] == ids.tolist()
+        assert [v for _, v in e.top] == pytest.approx(vals.tolist(), abs=1e-4)
+    assert out["other"].prompt_logprobs is None
+    lq = out["lp0"].prompt_logprobs
+    assert len(lq) == len(q) and all(e.top == () and e.token_id == t
+                                     for e, t in zip(lq[1:], q[1:]))
+    # preempted and recomputed: each position recorded once, the same values
+    eng = _engine(hf_llama, num_blocks=16)
+    prompts = _prompts([10, 13, 7, 11])
+    out = _run(eng, [(f"r{i}", x, SamplingParams(max_tokens=20, prompt_logprobs=1))
+                     for i, x in enumerate(prompts)])
+    assert any(o.num_preemptions for o in out.values())
+    for i, x in enumerate(prompts):
+        with torch.no_grad():
+            want = torch.log_softmax(hf_llama(torch.tensor([x])).logits[0].float(), dim=-1)
+        got = out[f"r{i}"].prompt_logprobs
+        assert [e.token_id for e in got[1:]] == x[1:]
+        assert [e.logprob for e in got[1:]] == pytest.approx(
+            [float(want[j - 1, x[j]]) for j in range(1, len(x))], abs=1e-4)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(beam_width=2, prompt_logprobs=1)
+
+
 def test_streaming_deltas_add_up(hf_llama):
     [p] = _prompts([9], seed=11)
     eng = _engine(hf_llama, tokenizer=CharTokenizer())

@@ -362,7 +362,11 @@ BAD = [
     ({"model": MODEL, "prompt": "word " * 9000, "max_tokens": 1}, "completions", 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, "completions", 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, "completions", 400, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True}, "completions", 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True, "stream": True},
+     "completions", 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "completions", 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "completions", 400,
+     "prompt_logprobs"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "completions", 400, "logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi",
                                     "cache_control": {"type": "ephemeral", "ttl": "soon"}}]},
@@ -647,6 +651,61 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
     assert ok[0] == 200, ok
+
+
+def test_prompt_logprobs_echo_and_vllm_field_are_the_engines(ready: Server, engine: Any
+                                                            ) -> None:
+    """Prompt log-probabilities as evaluation harnesses read them: ``echo`` with ``logprobs``
+    (``max_tokens`` 0: the prompt alone, lm-evaluation-harness's loglikelihood request; or
+    the prompt then the generated tokens) and vLLM's ``prompt_logprobs`` (completions and
+    chat); the values are the in-process engine's (float32 on both sides)."""
+    from radixkv import SamplingParams
+
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = engine.encode(text)
+    ref = engine.generate(ids, SamplingParams(max_tokens=3, prompt_logprobs=2,
+                                              logprobs=2))[0]
+    plp = ref.prompt_logprobs
+    client = ready.client()
+    r = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=2,
+                                  max_tokens=0, temperature=0)
+    c = r.choices[0]
+    assert c.text == engine.decode(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in plp[1:]], abs=1e-4)
+    for got, e in zip(lp.top_logprobs[1:], plp[1:]):
+        assert len(got) == 2 and max(got.values()) == pytest.approx(e.top[0][1], abs=1e-4)
+    # with generated tokens: the prompt's entries, then theirs; the text likewise
+    r = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=2,
+                                  max_tokens=3, temperature=0)
+    c = r.choices[0]
+    gen = ref.outputs[0]
+    assert c.text == engine.decode(ids) + gen.text
+    assert c.logprobs.token_logprobs[len(ids):] == pytest.approx(
+        [e.logprob for e in gen.logprobs], abs=1e-4)
+    assert r.usage.completion_tokens == 3
+    # vLLM's field: {token id: {logprob, rank, decoded_token}}, the token and its top 2
+    status, body = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0,
+        "prompt_logprobs": 2})
+    assert status == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for d, e in zip(got[1:], plp[1:]):
+        mine = d[str(e.token_id)]
+        assert mine["rank"] == e.rank and mine["logprob"] == pytest.approx(e.logprob,
+                                                                           abs=1e-4)
+        assert {k for k, v in d.items() if v["rank"] <= 2} >= {str(t) for t, _ in e.top}
+    msgs = [{"role": "user", "content": "Hi"}]
+    status, body = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "max_tokens": 1, "prompt_logprobs": 0})
+    assert status == 200 and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    # a streamed echo starts with the prompt
+    chunks = list(client.completions.create(model=MODEL, prompt=text, echo=True,
+                                            max_tokens=3, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == engine.decode(ids) + gen.text
 
 
 def test_min_tokens_holds_the_end_off_as_the_engine_does(ready: Server, engine: Any) -> None:
