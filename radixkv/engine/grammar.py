@@ -9,7 +9,8 @@ sampled outputs are both valid by construction, and the model's own end-of-seque
 only allowed once the value is complete.
 
 * :class:`GrammarCompiler`: one per tokenizer (the server keeps one); ``json_object()``,
-  ``json_schema(schema)`` and ``tool_call(tools, ...)`` give a :class:`Grammar`.
+  ``json_schema(schema)``, ``regex(pattern)``, ``choice(options)``, ``ebnf(grammar)`` (vLLM's
+  ``structured_outputs``) and ``tool_call(tools, ...)`` give a :class:`Grammar`.
 * :class:`Grammar` travels in ``SamplingParams.grammar``; the engine makes one matcher per
   sequence (:func:`matcher_for`), masks the rows (:func:`mask_rows`) and advances the matcher
   with each chosen token (:func:`accept`).
@@ -78,20 +79,68 @@ class GrammarCompiler:
                                                           strict_mode=False)
         return Grammar(compiled, "json_object", self.vocab_size)
 
-    def json_schema(self, schema: Any) -> Grammar:
-        """Output that validates against ``schema`` (a JSON schema as a dict).
-        Raises :class:`InvalidRequestError` for a schema xgrammar cannot compile."""
+    def json_schema(self, schema: Any, any_whitespace: bool = True) -> Grammar:
+        """Output that validates against ``schema`` (a JSON schema as a dict); properties the
+        schema does not list are not generated. ``any_whitespace`` False: one layout only, no
+        free whitespace (``{"n": 1}``; vLLM's ``disable_any_whitespace``). Raises
+        :class:`InvalidRequestError` for a schema xgrammar cannot compile."""
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"the JSON schema must be an object, got {schema!r}")
         try:
             text = json.dumps(schema)
             with self._lock:
-                compiled = self._compiler.compile_json_schema(text)
+                compiled = self._compiler.compile_json_schema(text,
+                                                              any_whitespace=any_whitespace)
         except (RuntimeError, TypeError, ValueError) as exc:
             # xgrammar raises RuntimeError on a schema it cannot compile; json.dumps raises
             # TypeError or ValueError on one that is not JSON
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
         return Grammar(compiled, "json_schema", self.vocab_size)
+
+    def regex(self, pattern: str) -> Grammar:
+        """Output that matches ``pattern`` whole (xgrammar's regex dialect: the common
+        ECMAScript/Python syntax without look-around or back-references)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidRequestError(f"the regex must be a non-empty string, got {pattern!r}")
+        try:
+            with self._lock:
+                compiled = self._compiler.compile_regex(pattern)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"the regex cannot be compiled: {exc}") from None
+        return Grammar(compiled, "regex", self.vocab_size)
+
+    def choice(self, options: Sequence[str]) -> Grammar:
+        """Output that is exactly one of ``options`` (vLLM's ``choice``)."""
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, "
+                                      f"got {options!r}")
+        # EBNF string literals take JSON's escapes (quotes, backslashes, control characters)
+        rule = "root ::= " + " | ".join(json.dumps(o) for o in dict.fromkeys(options))
+        return self._compile(rule, "choice", "the choice")
+
+    def ebnf(self, grammar: str) -> Grammar:
+        """Output in the language of ``grammar``: EBNF (GBNF style, start rule ``root``), or a
+        Lark grammar (start rule ``start``), the two forms vLLM's ``grammar`` takes."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise InvalidRequestError(f"the grammar must be a non-empty string, got "
+                                      f"{grammar!r}")
+        try:
+            return self._compile(grammar, "grammar", "the grammar")
+        except InvalidRequestError as ebnf_error:
+            try:
+                with self._lock:
+                    compiled = self._compiler.compile_lark(grammar)
+            except (RuntimeError, TypeError, ValueError):
+                raise ebnf_error from None   # EBNF's message: the documented form
+            return Grammar(compiled, "grammar", self.vocab_size)
+
+    def _compile(self, ebnf: str, kind: str, what: str) -> Grammar:
+        try:
+            with self._lock:
+                compiled = self._compiler.compile_grammar(ebnf)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{what} cannot be compiled: {exc}") from None
+        return Grammar(compiled, kind, self.vocab_size)
 
 
     def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str

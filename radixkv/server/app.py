@@ -466,19 +466,32 @@ async def _max_token_chars(state: ServerState, eng: Backend) -> int:
     return state.max_token_chars
 
 
-async def _grammar(state: ServerState, eng: Backend, fmt: Any) -> Any:
-    """The compiled grammar of ``response_format`` (None for none or ``text``)."""
-    if fmt is None or fmt.type == "text":
+async def _grammar(state: ServerState, eng: Backend, req: Any) -> Any:
+    """The compiled grammar of the request's output constraint: ``response_format`` (none
+    for ``text``), vLLM's ``structured_outputs`` or its older ``guided_*`` fields; None
+    without one. A constraint that does not compile is a 400 naming its field."""
+    found = req.output_constraint()
+    if found is None:
         return None
-    gc = await _compiler(state, eng, "response_format")
+    param, kind, value = found
+    gc = await _compiler(state, eng, param)
     from radixkv.errors import InvalidRequestError
 
     try:
-        if fmt.type == "json_object":
+        if kind == "json_object":
             return await asyncio.to_thread(gc.json_object)
-        return await asyncio.to_thread(gc.json_schema, fmt.json_schema.schema_)
+        if kind == "json":
+            if isinstance(value, str):   # vLLM takes the schema's text too
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise InvalidRequestError("the JSON schema is not JSON") from None
+            compact = bool(getattr(req.structured_outputs, "disable_any_whitespace", False))
+            return await asyncio.to_thread(gc.json_schema, value, not compact)
+        compile_one = {"regex": gc.regex, "choice": gc.choice, "grammar": gc.ebnf}[kind]
+        return await asyncio.to_thread(compile_one, value)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="response_format") from None
+        raise APIError(400, str(exc), param=param) from None
 
 
 async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
@@ -511,9 +524,9 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
 
     tok = eng.chat_template.tokenizer
     tool_calls.check_template(getattr(tok, "chat_template", None))
+    constraint = req.output_constraint()   # response_format, structured_outputs, guided_*
     for name, bad in (("use_beam_search", req.use_beam_search),
-                      ("response_format", req.response_format is not None
-                       and req.response_format.type != "text"),
+                      (constraint[0] if constraint else "", constraint is not None),
                       ("messages", any(m.cache_control for m in req.messages))):
         if bad:
             raise APIError(400, f"{name} is not supported together with tools yet",
@@ -566,7 +579,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     eng = state.engine
     vocab = eng.vocab_size
     if grammar is None:
-        grammar = await _grammar(state, eng, req.response_format)
+        grammar = await _grammar(state, eng, req)
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)

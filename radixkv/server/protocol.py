@@ -23,8 +23,7 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
@@ -172,6 +171,41 @@ class _SamplingFields(_PlacedDocuments):
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
     # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # vLLM's constrained output, and the guided_* fields it had before (serve.md)
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(default=None, min_length=1)
+    guided_grammar: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> Any:
+        self.output_constraint()
+        return self
+
+    def output_constraint(self) -> tuple[str, str, Any] | None:
+        """``(field, kind, value)`` of the request's one output constraint (kind ``json``,
+        ``json_object``, ``regex``, ``choice`` or ``grammar``), None without one; a
+        ``FieldError`` naming the second field when two are given."""
+        found: list[tuple[str, str, Any]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            found.append(("response_format", fmt.type,
+                          fmt.json_schema.schema_ if fmt.json_schema is not None else None))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", *self.structured_outputs.constraint()))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, kind, value))
+        if len(found) > 1:
+            raise FieldError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
+                             "the output: give one")
+        if not found:
+            return None
+        field, kind, value = found[0]
+        return field, "json" if kind == "json_schema" else kind, value
     length_penalty: float = 1.0
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
@@ -280,6 +314,47 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema object with a schema")
         return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output (``json``: a JSON
+    schema, as an object or its text; ``regex``; ``choice``: one of these strings;
+    ``grammar``: EBNF or Lark; ``json_object``: any JSON object)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(default=None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+    # xgrammar never generates properties a schema does not list: True is how it runs anyway
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None   # not supported (refused when given)
+    structural_tag: Optional[Any] = None       # not supported (refused when given)
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server")
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex),
+                                ("choice", self.choice), ("grammar", self.grammar),
+                                ("json_object", self.json_object)) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    def constraint(self) -> tuple[str, Any]:
+        """``(kind, value)`` of the one constraint given."""
+        for kind, value in (("json", self.json_), ("regex", self.regex),
+                            ("choice", self.choice), ("grammar", self.grammar),
+                            ("json_object", self.json_object)):
+            if value is not None:
+                return kind, value
+        raise AssertionError("validated: one constraint")
 
 
 class CacheControl(BaseModel):

@@ -111,8 +111,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                            f"[0, {vocab_size})", param="logit_bias")
         kwargs["logit_bias"] = bias
     if grammar is not None and req.ignore_eos:
-        raise APIError(400, "ignore_eos would run past the end of the response_format's value",
-                       param="ignore_eos")
+        raise APIError(400, "ignore_eos would run past the end of the constrained output "
+                       "(response_format, structured_outputs, tool_choice)", param="ignore_eos")
     plp = req.prompt_logprobs
     if plp is None and getattr(req, "echo", False):
         plp = top_logprobs   # echo with logprobs: the prompt's, as vLLM
@@ -131,17 +131,21 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         if grammar is not None or req.use_beam_search:
             raise APIError(400, "min_tokens is not supported with "
                            + ("use_beam_search" if req.use_beam_search else
-                              "response_format or tool_choice (their value may end before)"),
+                              "a constrained output (response_format, structured_outputs, "
+                              "tool_choice: its value may end before)"),
                            param="min_tokens")
         kwargs["min_tokens"] = req.min_tokens
     if req.use_beam_search:
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias",
                      "repetition_penalty"):
             value = getattr(req, name)
-            if value and not (name == "response_format" and value.type == "text") \
-                    and not (name == "repetition_penalty" and value == 1.0):
+            if value and not (name == "repetition_penalty" and value == 1.0):
                 raise APIError(400, f"{name} is not available with use_beam_search",
                                param=name)
+        constraint = req.output_constraint()   # response_format, structured_outputs, ...
+        if constraint is not None:
+            raise APIError(400, f"{constraint[0]} is not available with use_beam_search",
+                           param=constraint[0])
         if top_logprobs is not None:
             raise APIError(400, "logprobs are not available with use_beam_search (beams are "
                            "re-ranked at the end)", param="logprobs")

@@ -629,10 +629,63 @@ def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -
     assert status == 400 and err["error"]["param"] == "response_format", err
 
 
+def test_structured_outputs_regex_choice_grammar_and_json(ready: Server) -> None:
+    """vLLM's ``structured_outputs`` (and its older ``guided_*`` fields): sampled outputs match
+    the regex, are one of the choices, are in the grammar's language (EBNF or Lark), or are
+    JSON in its one canonical layout (no free whitespace) valid against a schema given as
+    text; chat and completions."""
+    import re
+
+    api = ready.client()
+    msgs = [{"role": "user", "content": "Give me a code."}]
+
+    def texts(kw: dict[str, Any], n: int = 3, chat: bool = True) -> list[str]:
+        if chat:
+            r = _chat(api, msgs, temperature=1.0, seed=7, max_tokens=24, n=n, extra_body=kw)
+            return [c.message.content for c in r.choices]
+        r = api.completions.create(model=MODEL, prompt="Colour:", temperature=1.0, seed=7,
+                                   max_tokens=24, n=n, extra_body=kw)
+        return [c.text for c in r.choices]
+
+    for t in texts({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", t), t
+    colours = ["red", "green", "light blue"]
+    for kw, chat in (({"structured_outputs": {"choice": colours}}, True),
+                     ({"guided_choice": colours}, False)):
+        assert all(t in colours for t in texts(kw, chat=chat))
+    for grammar in ('root ::= "yes" | "no" | ("maybe " [0-9])',
+                    'start: "yes" | "no" | "maybe " DIGIT\n%import common.DIGIT'):
+        for t in texts({"structured_outputs": {"grammar": grammar}}):
+            assert re.fullmatch(r"yes|no|maybe [0-9]", t), (grammar, t)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    for t in texts({"structured_outputs": {"json": json.dumps(schema),
+                                           "disable_any_whitespace": True}}):
+        assert set(json.loads(t)) == {"n"} and t == json.dumps(json.loads(t)), t
+    for t in texts({"guided_regex": "[a-c]{4}"}, n=1, chat=False):
+        assert re.fullmatch("[a-c]{4}", t), t
+    # refused with the field named: two constraints, ones that do not compile, beam search
+    for body, param in (
+            ({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "guided_choice"),
+            ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+             "structured_outputs"),
+            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+            ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+            ({"structured_outputs": {"choice": ["a"], "structural_tag": "x"}},
+             "structured_outputs"),
+            ({"guided_json": "{not json"}, "guided_json"),
+            ({"guided_regex": "a", "use_beam_search": True, "n": 2, "temperature": 0},
+             "guided_regex")):
+        status, err = ready.raw("POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": msgs, "max_tokens": 4, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+
+
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
-    ("bad_words", ["x"]), ("guided_json", {"type": "object"}), ("allowed_token_ids", [1]),
+    ("bad_words", ["x"]), ("guided_whitespace_pattern", " "), ("allowed_token_ids", [1]),
 ]
 
 

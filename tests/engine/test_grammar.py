@@ -1,0 +1,59 @@
+"""The grammar compiler's constraints (engine/grammar.py) walked token by token with the
+matcher, on the embedded model's tokenizer: what a constraint accepts and refuses, without a
+model forward (the server tests run them end to end)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from radixkv.engine.grammar import GrammarCompiler  # noqa: E402
+from radixkv.errors import InvalidRequestError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gc() -> GrammarCompiler:
+    from radixkv.models import load_tokenizer
+
+    tok = load_tokenizer()
+    return GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+
+
+def _accepts(gc: GrammarCompiler, grammar, text: str) -> bool:
+    """Whether the matcher takes ``text`` (as the tokenizer splits it) and may end there."""
+    from radixkv.models import load_tokenizer
+
+    m = grammar.matcher()
+    ids = load_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    return all(m.accept_token(t) for t in ids) and m.is_terminated() is False and \
+        m.accept_token(load_tokenizer().eos_token_id)
+
+
+@pytest.mark.parametrize("options", [["yes", "no"], ['say "hi"', "a\\b", "line\nbreak", "ünï"]])
+def test_a_choice_takes_exactly_its_options(gc: GrammarCompiler, options: list[str]) -> None:
+    g = gc.choice(options)
+    for o in options:
+        assert _accepts(gc, g, o), o
+    assert not _accepts(gc, g, options[0] + "x")
+    assert not _accepts(gc, g, "maybe")
+
+
+def test_regex_and_both_grammar_forms(gc: GrammarCompiler) -> None:
+    g = gc.regex(r"[0-9]{3}-[a-z]{2}")
+    assert _accepts(gc, g, "123-ab") and not _accepts(gc, g, "12-ab")
+    for text in ('root ::= "yes" | ("maybe " [0-9])',
+                 'start: "yes" | "maybe " DIGIT\n%import common.DIGIT'):
+        g = gc.ebnf(text)
+        assert _accepts(gc, g, "yes") and _accepts(gc, g, "maybe 7")
+        assert not _accepts(gc, g, "no")
+
+
+@pytest.mark.parametrize("call, arg", [
+    ("regex", "(a"), ("regex", ""), ("choice", []), ("choice", ["a", ""]),
+    ("ebnf", "root ::= ("), ("ebnf", "  "), ("json_schema", {"type": "nope"}),
+])
+def test_what_does_not_compile_is_an_invalid_request(gc: GrammarCompiler, call: str,
+                                                      arg: object) -> None:
+    with pytest.raises(InvalidRequestError):
+        getattr(gc, call)(arg)
