@@ -53,7 +53,7 @@ from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, StepRead
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
-from radixkv.engine.validation import check_request
+from radixkv.engine.validation import bad_words_ids, check_request
 from radixkv.engine.sequence import Request, Sequence, check_session
 from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
@@ -313,6 +313,7 @@ class LLMEngine:
         entries are blended in now, at admission, recomputing the ``blend_ratio`` share
         (default ``EngineConfig.blend_ratio``), and the request runs over the result."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
+        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
         ns = self._namespace.with_salt(cache_salt)
@@ -335,6 +336,7 @@ class LLMEngine:
             ns = Namespace(ns.model, cache_salt, extra=f"no-prefix-cache:{next(self._ids)}")
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
         req.cache_points = points
+        req.bad_words_ids = bad_words
         req.session, req.end_session = session, end_session
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):

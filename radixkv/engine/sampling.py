@@ -77,6 +77,12 @@ class SamplingParams:
             (score = sum of logprobs / generated_len ** length_penalty; early_stopping in
             {True, False, "never"}).
         ignore_eos: keep generating past the model's end-of-sequence token.
+        allowed_token_ids: vLLM's: None = any token; else only these can be chosen (every
+            other logit is ``-inf`` for the choice).
+        bad_words: vLLM's: strings never generated. Each is tokenized as written and with a
+            leading space (``LLMEngine.bad_words_ids``); a token is banned where the output so
+            far ends with all of a bad word's tokens but its last (a one-token word is always
+            banned). Needs the engine's tokenizer.
         min_tokens: vLLM's: until this many tokens are generated, the end-of-sequence token
             (unless ``ignore_eos``) and ``stop_token_ids`` are masked out of the choice and no
             stop string ends the sequence (0 = off; at most ``max_tokens``). Not with beam
@@ -121,6 +127,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     ignore_eos: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -143,7 +151,12 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", bias)
         # Normalise list inputs to tuples (frozen: set through object.__setattr__).
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids)):
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids),
+                            ("bad_words", self.bad_words)) + (
+                (("allowed_token_ids", self.allowed_token_ids),)
+                if self.allowed_token_ids is not None else ()):
             try:
                 object.__setattr__(self, name, tuple(value))
             except TypeError:
@@ -164,7 +177,8 @@ class SamplingParams:
         ``min_tokens``'s mask)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.grammar is not None
-                    or self.min_tokens)
+                    or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words)
 
     @property
     def use_beam_search(self) -> bool:
@@ -218,6 +232,12 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"stop_token_ids must be non-negative ints, got {list(p.stop_token_ids)!r}"
     if not all(isinstance(s, str) and s for s in p.stop):
         return f"stop must be non-empty strings, got {list(p.stop)!r}"
+    allowed = p.allowed_token_ids
+    if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
+        return (f"allowed_token_ids must be None or a non-empty list of token ids >= 0, got "
+                f"{list(allowed)!r}")
+    if not all(isinstance(w, str) and w.strip() for w in p.bad_words):
+        return f"bad_words must be non-blank strings, got {list(p.bad_words)!r}"
     if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= p.max_tokens:
         return f"min_tokens must be an int in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
     if p.min_tokens and p.grammar is not None:
@@ -551,18 +571,59 @@ def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]],
     """The logits tokens are chosen from when some rows adjust them: ``items`` are ``(row,
     request, sequence)`` of those rows. Penalties and biases (:func:`adjust_logits`), the
     ``min_tokens`` mask (:func:`mask_min_tokens`; ``eos``: the model's end-of-sequence ids),
-    then each grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as
-    they are: reported log-probabilities stay the model's own."""
+    ``allowed_token_ids`` (:func:`keep_only`), ``bad_words`` (:func:`banned_next`), then each
+    grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
+    reported log-probabilities stay the model's own."""
+    import torch
+
     out = adjust_logits(logits, [(r, req.params, seq.output_token_ids)
                                  for r, req, seq in items],
                         [seq.token_ids[:seq.prompt_len] for _, _, seq in items])
     mask_min_tokens(out, [(r, req.params, len(seq.token_ids) - seq.prompt_len)
                           for r, req, seq in items], eos)
+    allowed = [(r, req.params.allowed_token_ids) for r, req, _ in items
+               if req.params.allowed_token_ids is not None]
+    if allowed:
+        keep_only(out, allowed)
+    banned = [(r, t) for r, req, seq in items if req.bad_words_ids
+              for t in banned_next(req.bad_words_ids, seq.output_token_ids)]
+    if banned:
+        r_i, t_i = zip(*banned)
+        dev = out.device
+        out.index_put_((to_device(r_i, dev, torch.long), to_device(t_i, dev, torch.long)),
+                       torch.tensor(float("-inf"), device=dev, dtype=out.dtype))
     masked = [(r, req, seq) for r, req, seq in items if req.params.grammar is not None]
     if masked:
         from radixkv.engine import grammar
 
         grammar.mask_rows(out, [(r, grammar.matcher_for(req, seq)) for r, req, seq in masked])
+    return out
+
+
+def keep_only(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
+    """In place: ``-inf`` for every token of row ``r`` but ``ids``, per ``(r, ids)``
+    (``allowed_token_ids``): one boolean mask over those rows."""
+    import torch
+
+    dev, vocab = logits.device, logits.shape[-1]
+    pairs = [(k, t) for k, (_, ids) in enumerate(rows) for t in ids if t < vocab]
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+    if pairs:
+        k_i, t_i = zip(*pairs)
+        keep[to_device(k_i, dev, torch.long), to_device(t_i, dev, torch.long)] = True
+    idx = to_device([r for r, _ in rows], dev, torch.long)
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
+def banned_next(bad_words_ids: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens ``bad_words`` forbid next after ``output`` (the tokens generated so far): the
+    last token of each bad word whose other tokens end the output (vLLM's rule)."""
+    out = []
+    n = len(output)
+    for word in bad_words_ids:
+        k = len(word) - 1
+        if k == 0 or (k <= n and list(output[n - k:]) == list(word[:k])):
+            out.append(word[-1])
     return out
 
 
@@ -597,6 +658,7 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "StepReads", "adjust_logits", "choice_logits",
-           "eos_token_ids", "mask_min_tokens", "make_generator", "greedy_tokens",
+           "banned_next", "eos_token_ids", "keep_only", "mask_min_tokens", "make_generator",
+           "greedy_tokens",
            "raw_logprobs", "filtered_probs", "filtered_probs_rows", "draw_tokens",
            "sample_token", "to_device"]

@@ -113,6 +113,8 @@ class Request:
         self.finished_outputs_sent = False
         # response_format: each sequence's grammar matcher by output index (engine/grammar.py)
         self.grammar_state: dict[int, Any] = {}
+        #: ``params.bad_words`` as token sequences (``LLMEngine.add_request`` sets them)
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
         #: with ``params.prompt_logprobs``: entry i is prompt token i's ``TokenLogprob`` (None
         #: for token 0), appended in order as the prompt's chunks are computed; else None
         self.prompt_logprobs: list[Any] | None = (

@@ -55,7 +55,31 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
             f"{engine.engine_config.max_num_seqs}")
     if params.stop and engine.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+    if params.bad_words and engine.tokenizer is None:
+        raise InvalidRequestError("bad_words need a tokenizer; this engine has none")
+    if params.allowed_token_ids is not None:
+        bad = next((t for t in params.allowed_token_ids if t >= engine.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"allowed_token_ids: {bad} is not in "
+                                      f"[0, {engine.vocab_size})")
     return params
 
 
-__all__ = ["check_request"]
+def bad_words_ids(tokenizer: Any, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that ``bad_words`` forbid, by vLLM's rule: each word (leading
+    whitespace stripped) as it tokenizes at the start of a text, and with a leading space when
+    that gives a different first token and as many tokens (a word in mid-text). Raises
+    ``InvalidRequestError`` for a word that tokenizes to nothing."""
+    out: list[tuple[int, ...]] = []
+    for word in dict.fromkeys(words):
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise InvalidRequestError(f"bad word {word!r} tokenizes to nothing")
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+__all__ = ["bad_words_ids", "check_request"]

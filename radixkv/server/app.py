@@ -578,6 +578,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     points = points or [None] * len(prompts)
     eng = state.engine
     vocab = eng.vocab_size
+    prompts = serving.truncate(req, prompts, eng.max_model_len)
     if grammar is None:
         grammar = await _grammar(state, eng, req)
     params = []

@@ -24,8 +24,7 @@ UNSUPPORTED = {
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
     "guided_whitespace_pattern": (None,),
-    "bad_words": (None, []), "allowed_token_ids": (None,),
-    "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
+    "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
 }
@@ -171,6 +170,11 @@ class _SamplingFields(_PlacedDocuments):
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
     # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # vLLM's token restrictions: only these tokens; never these strings (serve.md)
+    allowed_token_ids: Optional[list[int]] = Field(default=None, min_length=1)
+    bad_words: Optional[list[str]] = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as fit beside max_tokens)
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     # vLLM's constrained output, and the guided_* fields it had before (serve.md)
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None
@@ -181,6 +185,9 @@ class _SamplingFields(_PlacedDocuments):
     @model_validator(mode="after")
     def _one_constraint(self) -> Any:
         self.output_constraint()
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens 0 would leave "
+                             "no prompt: give k >= 1, or -1")
         return self
 
     def output_constraint(self) -> tuple[str, str, Any] | None:

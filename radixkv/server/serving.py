@@ -103,6 +103,17 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     if bad is not None:
         raise APIError(400, f"stop_token_ids: {bad} is not in [0, {vocab_size})",
                        param="stop_token_ids")
+    if req.allowed_token_ids is not None:
+        bad = next((t for t in req.allowed_token_ids if vocab_size is not None
+                    and not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"allowed_token_ids: {bad} is not in [0, {vocab_size})",
+                           param="allowed_token_ids")
+        kwargs["allowed_token_ids"] = tuple(req.allowed_token_ids)
+    if req.bad_words:
+        if not all(w.strip() for w in req.bad_words):
+            raise APIError(400, "bad_words must be non-blank strings", param="bad_words")
+        kwargs["bad_words"] = tuple(req.bad_words)
     if req.logit_bias:
         bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         over = [t for t in bias if vocab_size is not None and t >= vocab_size]
@@ -159,6 +170,26 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
             temperature = 0.0
         kwargs.update(temperature=temperature)
     return SamplingParams(**kwargs)
+
+
+def truncate(req: Any, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """``truncate_prompt_tokens``: each prompt's last k tokens (-1: as many as fit beside the
+    request's ``max_tokens``, or one token to generate). Refused (400) where token positions
+    were computed for the whole prompt: cache breakpoints, retention, documents."""
+    k = getattr(req, "truncate_prompt_tokens", None)
+    if k is None:
+        return prompts
+    marks = any(getattr(m, "cache_control", None) for m in getattr(req, "messages", None) or ())
+    for bad, name in ((marks, "cache_control"),
+                      (req.prompt_cache_retention, "prompt_cache_retention"),
+                      (getattr(req, "documents", None), "documents")):
+        if bad:
+            raise APIError(400, f"truncate_prompt_tokens is not supported with {name} (their "
+                           "positions are in the whole prompt)", param="truncate_prompt_tokens")
+    if k == -1:
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or 1
+        k = max(1, max_model_len - asked)
+    return [ids[-k:] for ids in prompts]
 
 
 def echo_only(req: Any) -> bool:

@@ -305,6 +305,80 @@ def test_prompt_logprobs_are_transformers_log_softmax(hf_llama, budget):
         SamplingParams(beam_width=2, prompt_logprobs=1)
 
 
+class UniTokenizer:
+    """Token t is the one character chr(0x100 + t), both ways (so any token sequence is a
+    string that tokenizes back to it); 0 is a special token."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x100 + t) for t in ids if not (skip_special_tokens and t == 0))
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 0x100 for c in text if ord(c) >= 0x100]
+
+
+def _masked_greedy(model, prompt, n, mask):
+    """Greedy decoding one token at a time with ``mask(logits row, output so far)`` applied to
+    each choice: the reference for masks transformers has no processor for."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1].float()
+        t = int(mask(row.clone(), out).argmax())
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(hf_llama):
+    """vLLM's ``allowed_token_ids`` (only those tokens) and ``bad_words`` (a word's last token
+    is banned where the output ends with its other tokens; a one-token word always), in one
+    batch with an unmasked request, against greedy decoding with the same masks."""
+    from radixkv.engine.validation import bad_words_ids
+
+    p, q = _prompts([9, 6], seed=5)
+    full = _hf(hf_llama, p, 10)
+    allowed = sorted({full[1], full[4], 3, 7, 11})
+
+    def only(row, out):
+        keep = torch.full_like(row, float("-inf"))
+        keep[allowed] = row[allowed]
+        return keep
+
+    tok = UniTokenizer()
+    words = [tok.decode(full[2:4]), tok.decode([full[6]])]   # a two-token and a one-token word
+    bad = bad_words_ids(tok, words)
+    assert bad == ((full[2], full[3]), (full[6],))
+
+    def no_bad(row, out):
+        for w in bad:
+            if len(w) == 1 or out[-(len(w) - 1):] == list(w[:-1]):
+                row[w[-1]] = float("-inf")
+        return row
+
+    eng = _engine(hf_llama, tokenizer=tok)
+    out = _run(eng, [
+        ("only", p, SamplingParams(max_tokens=10, ignore_eos=True, allowed_token_ids=allowed)),
+        ("bad", p, SamplingParams(max_tokens=10, ignore_eos=True, bad_words=words)),
+        ("plain", q, SamplingParams(max_tokens=6, ignore_eos=True)),
+    ])
+    got = out["only"].outputs[0].token_ids
+    assert got == _masked_greedy(hf_llama, p, 10, only) and set(got) <= set(allowed)
+    got = out["bad"].outputs[0].token_ids
+    assert got == _masked_greedy(hf_llama, p, 10, no_bad) and got != full
+    assert full[6] not in got
+    assert out["plain"].outputs[0].token_ids == _hf(hf_llama, q, 6)
+    for kw in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"bad_words": [" "]}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**kw)
+    with pytest.raises(InvalidRequestError):   # outside the vocabulary, or no tokenizer
+        eng.add_request("x", p, SamplingParams(allowed_token_ids=[10**6]))
+    with pytest.raises(InvalidRequestError):
+        _engine(hf_llama).add_request("y", p, SamplingParams(bad_words=["ab"]))
+    assert not eng.has_unfinished_requests()
+
+
 def test_streaming_deltas_add_up(hf_llama):
     [p] = _prompts([9], seed=11)
     eng = _engine(hf_llama, tokenizer=CharTokenizer())

@@ -685,7 +685,7 @@ def test_structured_outputs_regex_choice_grammar_and_json(ready: Server) -> None
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
-    ("bad_words", ["x"]), ("guided_whitespace_pattern", " "), ("allowed_token_ids", [1]),
+    ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
 ]
 
 
@@ -759,6 +759,43 @@ def test_prompt_logprobs_echo_and_vllm_field_are_the_engines(ready: Server, engi
     chunks = list(client.completions.create(model=MODEL, prompt=text, echo=True,
                                             max_tokens=3, temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == engine.decode(ids) + gen.text
+
+
+def test_allowed_token_ids_bad_words_and_truncation_as_the_engine(ready: Server,
+                                                                   engine: Any) -> None:
+    """vLLM's ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` through the
+    server: greedy text equal to the in-process engine's with the same settings."""
+    from radixkv import SamplingParams
+
+    client = ready.client()
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = engine.encode(text)
+    plain = engine.generate(ids, SamplingParams(max_tokens=8))[0].outputs[0]
+    allowed = sorted(set(plain.token_ids[:3]) | set(engine.encode(" Rome Milan")))
+    word = engine.decode(plain.token_ids[:2]).strip()
+    for extra, kw in (({"allowed_token_ids": allowed}, {"allowed_token_ids": allowed}),
+                      ({"bad_words": [word]}, {"bad_words": [word]})):
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0,
+                                      extra_body=extra)
+        ref = engine.generate(ids, SamplingParams(max_tokens=8, **kw))[0].outputs[0]
+        assert r.choices[0].text == ref.text, extra
+        assert r.choices[0].text != plain.text or "allowed_token_ids" in extra
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    ref = engine.generate(ids[-5:], SamplingParams(max_tokens=4))[0].outputs[0]
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == ref.text
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == len(ids)   # it all fits
+    for body, param in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"bad_words": [" "]}, "bad_words"),
+                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": 3, "prompt_cache_retention": "24h"},
+                         "truncate_prompt_tokens")):
+        status, err = ready.raw("POST", "/v1/completions", {
+            "model": MODEL, "prompt": text, "max_tokens": 2, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
 
 
 def test_min_tokens_holds_the_end_off_as_the_engine_does(ready: Server, engine: Any) -> None:
