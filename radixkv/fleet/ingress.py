@@ -210,7 +210,8 @@ class FleetIngress:
         return create_app(backend, model_name=o.get("model_name") or info["model_id"],
                           api_keys=o.get("api_keys") or [], max_queued=o.get("max_queued", 256),
                           default_max_tokens=o.get("default_max_tokens"),
-                          salt_secret=o.get("salt_secret"), extra_metrics=extra)
+                          salt_secret=o.get("salt_secret"), extra_metrics=extra,
+                          reasoning_parser=o.get("reasoning_parser"))
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

@@ -64,13 +64,16 @@ class ServerState:
 
     def __init__(self, model_name: str, tenants: Tenants, max_queued: int,
                  default_max_tokens: int | None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 reasoning_parser: str | None = None) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
         self.tenants = tenants
         self.max_queued = max_queued
         self.default_max_tokens = default_max_tokens
+        #: ``--reasoning-parser``: chat replies' thinking goes to ``reasoning`` (reasoning.py)
+        self.reasoning_parser = reasoning_parser
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
@@ -211,7 +214,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                salt_secret: str | None = None,
                extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               on_load_error: Callable[[str], None] | None = None) -> Any:
+               on_load_error: Callable[[str], None] | None = None,
+               reasoning_parser: str | None = None) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -219,7 +223,9 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     appended to
     ``/metrics`` (the fleet's router). ``max_request_bytes``: larger bodies get 413 before
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
-    fails, e.g. to stop the server (``radixkv serve`` exits non-zero). Returns the app wrapped in
+    fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
+    of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). Returns the app
+    wrapped in
     its gate middleware; the FastAPI object is ``app.fastapi`` and the shared state
     ``app.state``."""
     if engine is None and load is None:
@@ -227,8 +233,14 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     if engine is not None:
         engine = _backend(engine)
     name = model_name or (engine.model_id if engine is not None else "radixkv")
+    if reasoning_parser is not None:
+        from radixkv.server.reasoning import PARSERS
+
+        if reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)}, got "
+                             f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
-                        default_max_tokens, max_request_bytes)
+                        default_max_tokens, max_request_bytes, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -647,6 +659,12 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             if req.prompt_logprobs is not None and not chat:
                 choice["prompt_logprobs"] = serving.vllm_prompt_logprobs(
                     decode, out.prompt_logprobs)
+            reasoning: str | None = None
+            if chat and state.reasoning_parser is not None:   # thinking apart, then the rest
+                from radixkv.server.reasoning import split
+
+                reasoning, rest = split(text, state.reasoning_parser)
+                text = rest or ""
             if chat and tool_names is not None:
                 from radixkv.server.tools import parse
 
@@ -657,9 +675,14 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                     if c.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
             elif chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant",
+                                     "content": text if text or reasoning is None else None}
             else:
                 choice["text"] = text
+            if chat and state.reasoning_parser is not None:
+                # vLLM's field, and the name older vLLM (and clients written for it) used
+                choice["message"]["reasoning"] = reasoning
+                choice["message"]["reasoning_content"] = reasoning
             choices.append(choice)
     usage = serving.usage(outs, timing, eng.output_tier_names)
     if only:   # the token the engine picked is not part of the answer
@@ -770,21 +793,38 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         from radixkv.server.tools import CallStream
 
         calls = {i: CallStream(tool_names) for i in range(req.n)}
+    thinks: dict[int, Any] = {}   # choice index -> its reasoning.ReasoningStream
+    if chat and state.reasoning_parser is not None:
+        from radixkv.server.reasoning import ReasoningStream
 
-    def tool_part(c: Any, text: str) -> dict | None:
-        """The chunk entry of choice ``c`` with tools: content outside the calls, the calls
-        completed now, ``finish_reason`` "tool_calls" once a call was made."""
-        stream = calls[c.index]
-        content, made = stream.feed(text)
+        thinks = {i: ReasoningStream(state.reasoning_parser) for i in range(req.n)}
+
+    def parsed_part(c: Any, text: str) -> dict | None:
+        """The chunk entry of choice ``c`` through its parsers: the thinking as ``reasoning``,
+        then (with tools) content outside the calls and the calls completed now, with
+        ``finish_reason`` "tool_calls" once a call was made."""
         finish = c.finish_reason
-        if finish:
-            rest, _ = stream.finish()
-            content += rest
-            if finish == "stop" and stream.num_calls:
-                finish = "tool_calls"
-        if not (content or made or finish or c.delta_logprobs):
+        reasoning = ""
+        if thinks:
+            reasoning, text = thinks[c.index].feed(text)
+            if finish:
+                r, t = thinks[c.index].finish()
+                reasoning, text = reasoning + r, text + t
+        made: list[dict] = []
+        content = text
+        if calls:
+            stream = calls[c.index]
+            content, made = stream.feed(text)
+            if finish:
+                rest, _ = stream.finish()
+                content += rest
+                if finish == "stop" and stream.num_calls:
+                    finish = "tool_calls"
+        if not (content or reasoning or made or finish or c.delta_logprobs):
             return None
         part = choice(c.index, content or None, finish, lps=c.delta_logprobs)
+        if reasoning:
+            part["delta"]["reasoning"] = part["delta"]["reasoning_content"] = reasoning
         if made:
             part["delta"]["tool_calls"] = made
         return part
@@ -804,8 +844,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 if c.index in done:
                     continue
                 text = c.text if beam else c.delta_text
-                if calls:
-                    part = tool_part(c, text or "")
+                if calls or thinks:
+                    part = parsed_part(c, text or "")
                     if part is not None:
                         parts.append(part)
                 elif text or c.finish_reason or c.delta_logprobs:

@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a Jinja chat template file to use instead of the model's (e.g. one "
                         "that declares tools)")
+    v.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="put chat replies' <think>...</think> in message.reasoning (and "
+                        "reasoning_content), the rest in content, as vLLM's parsers of these "
+                        "names (docs/serve.md)")
     v.add_argument("--allow-download", action="store_true",
                    help="let a Hugging Face hub id that is not in the local cache be "
                         "downloaded (default: load only what is on disk)")
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret,
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                     on_load_error=stop)
+                     on_load_error=stop, reasoning_parser=args.reasoning_parser)
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -71,7 +71,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("tpl") / "tools.jinja"
     path.write_text(TEMPLATE)
     with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
-                         "1", "--device", "cpu", "--dtype", "float32"]) as server:
+                         "1", "--device", "cpu", "--dtype", "float32",
+                         "--reasoning-parser", "qwen3"]) as server:
         yield server
 
 
@@ -239,6 +240,33 @@ def test_chat_template_kwargs_reach_the_template(srv: Server) -> None:
     r0 = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
                                         temperature=0, tools=[WEATHER], tool_choice="auto")
     assert r.usage.prompt_tokens == r0.usage.prompt_tokens + thin["count"] - plain["count"]
+
+
+@pytest.mark.model
+def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
+    """``--reasoning-parser qwen3``: a reply that thinks (forced here by a regex, since the
+    135M model was not trained to) has its thinking in ``reasoning`` and
+    ``reasoning_content``, the answer in ``content``, streamed or not; a reply without
+    ``<think>`` is all content."""
+    import re
+
+    form = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,3}</think>(yes|no)"
+    kw = {"messages": ASK, "temperature": 1.0, "seed": 3, "max_tokens": 40,
+          "extra_body": {"structured_outputs": {"regex": form}}}
+    whole = _chat(srv, **kw)
+    msg = whole.choices[0].message
+    extra = msg.model_extra
+    assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,3}", extra["reasoning"]), extra
+    assert extra["reasoning_content"] == extra["reasoning"] and msg.content in ("yes", "no")
+    reasoning = content = ""
+    for ch in _chat(srv, stream=True, **kw):
+        for c in ch.choices:
+            d = c.delta.model_extra or {}
+            reasoning += d.get("reasoning") or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == (extra["reasoning"], msg.content)
+    plain = _chat(srv, messages=ASK, max_tokens=6).choices[0].message
+    assert plain.model_extra["reasoning"] is None and plain.content
 
 
 def test_parse_takes_well_formed_calls_of_known_tools_and_leaves_the_rest() -> None:

@@ -1,0 +1,98 @@
+"""Reasoning output apart from the answer: ``radixkv serve --reasoning-parser``, as vLLM's.
+
+Reasoning models write their thinking between ``<think>`` and ``</think>`` before the answer.
+With a parser chosen, a chat reply's thinking goes to ``message.reasoning`` (and, for clients
+written against older vLLM, the same text in ``reasoning_content``) and the rest to
+``content``; tool calls are then read from the content only. Two rules, by vLLM's names:
+
+* ``deepseek_r1``: the reply *is* thinking from its first token (the template opened the
+  ``<think>`` in the prompt; a ``<think>`` the model writes itself is dropped) until
+  ``</think>``; a reply without ``</think>`` (cut by ``max_tokens``) is all reasoning.
+* ``qwen3``: a reply that begins with ``<think>`` (leading whitespace aside) thinks until
+  ``</think>`` (or its end); any other reply is all content (Qwen3 with
+  ``enable_thinking: false`` writes no tags).
+
+Streamed, :class:`ReasoningStream` sends each delta to the side it belongs to as it comes,
+holding back only text that may be the start of a tag; what a client assembles equals
+:func:`split` of the whole reply (a property test checks it for any split into deltas).
+"""
+
+from __future__ import annotations
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: ``--reasoning-parser`` values
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def split(text: str, parser: str) -> tuple[str | None, str | None]:
+    """``(reasoning, content)`` of a whole reply by ``parser``'s rule (module docstring); an
+    empty side is None."""
+    if parser not in PARSERS:
+        raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    head = text.lstrip()
+    if head.startswith(THINK_OPEN):
+        text = head[len(THINK_OPEN):]
+    elif parser == "qwen3":
+        return None, text or None
+    reasoning, closed, content = text.partition(THINK_CLOSE)
+    return reasoning or None, (content if closed else "") or None
+
+
+class ReasoningStream:
+    """One streamed reply split into reasoning and content deltas (module docstring).
+
+    :meth:`feed` each delta and :meth:`finish` once; each returns ``(reasoning, content)``
+    to send now."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
+                             f"got {parser!r}")
+        self.parser = parser
+        # "start": deciding how the reply begins; "think": in the reasoning; "answer": after
+        self._state = "start"
+        self._buf = ""   # text not yet sent (a possible tag start)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf = self._buf + text
+        reasoning = content = ""
+        if self._state == "start":
+            head = buf.lstrip()
+            if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+                self._buf = buf   # may still become "<think>": wait
+                return "", ""
+            if head.startswith(THINK_OPEN):
+                buf = head[len(THINK_OPEN):]
+                self._state = "think"
+            elif self.parser == "deepseek_r1":
+                self._state = "think"   # the prompt opened the thinking
+            else:
+                self._state = "answer"
+        if self._state == "think":
+            end = buf.find(THINK_CLOSE)
+            if end < 0:
+                keep = _tag_prefix(buf)
+                self._buf = buf[len(buf) - keep:]
+                return buf[:len(buf) - keep], ""
+            reasoning, buf = buf[:end], buf[end + len(THINK_CLOSE):]
+            self._state = "answer"
+        self._buf = ""
+        return reasoning, content + buf
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held: a partial tag is text of the side it was on."""
+        text, self._buf = self._buf, ""
+        if self._state == "think" or (self._state == "start" and self.parser == "deepseek_r1"):
+            return text, ""
+        return "", text
+
+
+def _tag_prefix(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``</think>``."""
+    for n in range(min(len(text), len(THINK_CLOSE) - 1), 0, -1):
+        if THINK_CLOSE.startswith(text[-n:]):
+            return n
+    return 0
+
+
+__all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "split"]

@@ -1,0 +1,47 @@
+"""``--reasoning-parser`` (radixkv/server/reasoning.py): the streamed split assembles to the
+whole-reply split for any cut into deltas, and the two rules on the replies that tell them
+apart. Through the real server: tests/server/test_tool_calls.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixkv.server.reasoning import PARSERS, THINK_CLOSE, THINK_OPEN, ReasoningStream, split
+
+_PIECES = st.one_of(
+    st.text(alphabet="ab <>/thinkc\n", max_size=10),
+    st.sampled_from([THINK_OPEN, THINK_CLOSE, " ", "\n", "<th", "</thi", "<think", "</"]))
+
+
+@settings(max_examples=400)   # ~2 s: a pure function, cheap examples
+@given(st.sampled_from(PARSERS), st.lists(_PIECES, max_size=8), st.data())
+def test_streamed_split_assembles_to_the_whole_split(parser: str, pieces: list[str],
+                                                     data: st.DataObject) -> None:
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    stream = ReasoningStream(parser)
+    reasoning = content = ""
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        r, c = stream.feed(text[a:b])
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    assert ((reasoning + r) or None, (content + c) or None) == split(text, parser)
+
+
+@pytest.mark.parametrize("text, r1, q3", [
+    ("<think>plan</think>\n\nYes.", ("plan", "\n\nYes."), ("plan", "\n\nYes.")),
+    ("plan</think>Yes.", ("plan", "Yes."), (None, "plan</think>Yes.")),   # prompt opened it
+    ("Yes.", ("Yes.", None), (None, "Yes.")),
+    ("  <think>cut by max_tokens", ("cut by max_tokens", None), ("cut by max_tokens", None)),
+    ("<think></think>Yes.", (None, "Yes."), (None, "Yes.")),
+])
+def test_the_two_rules(text: str, r1: tuple, q3: tuple) -> None:
+    assert split(text, "deepseek_r1") == r1
+    assert split(text, "qwen3") == q3
+
+
+def test_an_unknown_parser_is_refused() -> None:
+    with pytest.raises(ValueError):
+        ReasoningStream("granite")
