@@ -538,8 +538,7 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     tool_calls.check_template(getattr(tok, "chat_template", None))
     constraint = req.output_constraint()   # response_format, structured_outputs, guided_*
     for name, bad in (("use_beam_search", req.use_beam_search),
-                      (constraint[0] if constraint else "", constraint is not None),
-                      ("messages", any(m.cache_control for m in req.messages))):
+                      (constraint[0] if constraint else "", constraint is not None)):
         if bad:
             raise APIError(400, f"{name} is not supported together with tools yet",
                            param=name, code="unsupported_parameter")
@@ -548,9 +547,24 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     active = bool(req.tools) and req.tool_choice != "none"
     defs = [t.model_dump(exclude_none=True) for t in req.tools] if active else None
     msgs = tool_calls.template_messages(req.messages)
+    # what the template renders besides the messages (cache points and documents alike)
+    variables = {**(req.chat_template_kwargs or {}), **({"tools": defs} if defs else {})}
+    if req.documents is not None:
+        serving.check_text(eng, serving.document_texts(req), "documents",
+                           await _max_token_chars(state, eng))
+    marks = [m.cache_control for m in req.messages]
     try:
-        ids = await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
-            msgs, tools=defs, tokenize=True, **req.template_options())))
+        if req.documents is not None:   # placed as in a plain chat, the tools rendered too
+            ids = (await asyncio.to_thread(serving.document_prompt, eng, req, msgs, None, True,
+                                           variables)).token_ids
+        else:
+            ids = await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
+                msgs, tools=defs, tokenize=True, **req.template_options())))
+        points = None
+        if any(marks) or req.prompt_cache_retention:
+            points = [await asyncio.to_thread(
+                serving.cache_points, eng.chat_template, msgs, marks, len(ids),
+                req.prompt_cache_retention, variables)]
     except (TemplateError, ValueError) as exc:
         raise _template_refused(exc) from None
     grammar = None
@@ -565,7 +579,7 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                 tool_calls.CALL_CLOSE)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
-    return await _serve(state, request, req, [ids], chat=True, grammar=grammar,
+    return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,
                         tool_names={t.function.name for t in req.tools} if active else None)
 
 

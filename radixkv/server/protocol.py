@@ -455,9 +455,6 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
         if self.blend_ratio is not None and self.documents is None:
             raise FieldError("blend_ratio", "blend_ratio needs documents")
         if self.documents is not None:
-            if self.tools or any(m.tool_calls for m in self.messages):
-                raise FieldError("documents", "documents are not supported together with "
-                                 "tools or tool calls yet")
             if any(m.cache_control for m in self.messages):
                 raise FieldError("documents", "documents are not supported together with "
                                  "cache_control yet (prompt_cache_retention is)")

@@ -471,15 +471,18 @@ def usage(outs: Sequence[Any], timing: Timing,
     }
 
 
-def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | None = None,
-                    text: str | None = None, add_special_tokens: bool = True) -> Any:
+def document_prompt(backend: Any, req: Any, messages: list[dict[str, Any]] | None = None,
+                    text: str | None = None, add_special_tokens: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> Any:
     """The :class:`~radixkv.api.rag.DocumentPrompt` (token ids, exact document spans) of a
     request whose ``documents`` are texts: chat ``messages`` get the documents placed before
     the last user message's text, padded to whole blocks
     (:func:`radixkv.api.rag.chat_document_prompt`); a ``text`` prompt is split where it contains
     them (:func:`radixkv.api.rag.text_document_prompt`). The spans of the documents that have a
     cache entry, at least one full block, are recorded on the request (``place_documents``, read
-    by :func:`blend_hints`); a shorter document is computed like the text around it. A document
+    by :func:`blend_hints`); a shorter document is computed like the text around it.
+    ``template_kwargs``: the chat template's variables (default: the request's
+    ``chat_template_kwargs``; with tools, those and ``tools``). A document
     that cannot be placed or found is a 400 naming ``documents``; nothing reaches the
     engine."""
     from radixkv.api.rag import chat_document_prompt, text_document_prompt
@@ -488,8 +491,10 @@ def document_prompt(backend: Any, req: Any, messages: list[dict[str, str]] | Non
     tpl = backend.chat_template
     try:
         if messages is not None:
-            out = chat_document_prompt(tpl, messages, req.documents, backend.block_size,
-                                       getattr(req, "chat_template_kwargs", None))
+            out = chat_document_prompt(
+                tpl, messages, req.documents, backend.block_size,
+                template_kwargs if template_kwargs is not None
+                else getattr(req, "chat_template_kwargs", None))
         else:
             assert text is not None, "document_prompt needs messages or a text"
             out = text_document_prompt(backend.encode if add_special_tokens else tpl.encode,

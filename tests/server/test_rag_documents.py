@@ -188,8 +188,8 @@ TEXT = {"model": MODEL, "prompt": "Context: alpha beta gamma. Q?", "max_tokens":
     ("/v1/chat/completions", {**CHAT, "documents": ["x"],
                               "messages": [{"role": "system", "content": "no user"}]},
      "documents"),
-    ("/v1/chat/completions", {**CHAT, "documents": ["x"], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, "documents"),
+    ("/v1/chat/completions", {**CHAT, "documents": ["x"], "add_generation_prompt": False},
+     "documents"),
     ("/v1/completions", {**TEXT, "documents": ["delta"]}, "documents"),
     ("/v1/completions", {**TEXT, "documents": ["gamma", "alpha"]}, "documents"),
     ("/v1/completions", {**TEXT, "documents": [[0, 4]]}, "documents"),

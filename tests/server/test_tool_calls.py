@@ -243,6 +243,34 @@ def test_chat_template_kwargs_reach_the_template(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_tools_with_documents_and_cache_breakpoints(srv: Server) -> None:
+    """Tools beside RAG ``documents`` (placed before the last user message, the tools rendered
+    too; the documents' blocks are reused in another order) and beside ``cache_control``
+    marks and ``prompt_cache_retention`` (their positions in the prompt the tools are
+    rendered into)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    a = "Paris is the capital of France and has a mild oceanic climate. " * 3
+    b = "Rome is the capital of Italy and has hot, dry summers in most years. " * 3
+    first = _chat(srv, messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
+                  extra_body={"documents": [a, b]})
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    alone = _chat(srv, messages=ASK, tools=[WEATHER, TIME], tool_choice=named)
+    assert first.usage.prompt_tokens > alone.usage.prompt_tokens + 40   # the documents are in
+    swapped = _chat(srv, messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
+                    extra_body={"documents": [b, a]})
+    # both documents' blocks come from their entries, not only the shared head
+    assert swapped.usage.prompt_tokens_details.cached_tokens > \
+        alone.usage.prompt_tokens_details.cached_tokens + 40
+    system = {"role": "system", "content": "You answer weather questions. " * 8,
+              "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    for _ in range(2):
+        r = _chat(srv, messages=[system, *ASK], tools=[WEATHER], tool_choice="auto",
+                  max_tokens=2, extra_body={"prompt_cache_retention": "in_memory"})
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.model
 def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
     """``--reasoning-parser qwen3``: a reply that thinks (forced here by a regex, since the
     135M model was not trained to) has its thinking in ``reasoning`` and
