@@ -10,7 +10,8 @@ only allowed once the value is complete.
 
 * :class:`GrammarCompiler`: one per tokenizer (the server keeps one); ``json_object()``,
   ``json_schema(schema)``, ``regex(pattern)``, ``choice(options)``, ``ebnf(grammar)`` (vLLM's
-  ``structured_outputs``) and ``tool_call(tools, ...)`` give a :class:`Grammar`.
+  ``structured_outputs``; all through ``compile(kind, value)``) and ``tool_call(tools, ...)``
+  (optionally or another constraint's ``source``) give a :class:`Grammar`.
 * :class:`Grammar` travels in ``SamplingParams.grammar``; the engine makes one matcher per
   sequence (:func:`matcher_for`), masks the rows (:func:`mask_rows`) and advances the matcher
   with each chosen token (:func:`accept`).
@@ -73,81 +74,95 @@ class GrammarCompiler:
 
     def json_object(self) -> Grammar:
         """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
-        with self._lock:
-            # not strict: an object with any properties (strict would forbid unlisted ones)
-            compiled = self._compiler.compile_json_schema('{"type": "object"}',
-                                                          strict_mode=False)
-        return Grammar(compiled, "json_object", self.vocab_size)
+        return self.compile("json_object", True)
 
     def json_schema(self, schema: Any, any_whitespace: bool = True) -> Grammar:
         """Output that validates against ``schema`` (a JSON schema as a dict); properties the
         schema does not list are not generated. ``any_whitespace`` False: one layout only, no
         free whitespace (``{"n": 1}``; vLLM's ``disable_any_whitespace``). Raises
         :class:`InvalidRequestError` for a schema xgrammar cannot compile."""
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(f"the JSON schema must be an object, got {schema!r}")
-        try:
-            text = json.dumps(schema)
-            with self._lock:
-                compiled = self._compiler.compile_json_schema(text,
-                                                              any_whitespace=any_whitespace)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            # xgrammar raises RuntimeError on a schema it cannot compile; json.dumps raises
-            # TypeError or ValueError on one that is not JSON
-            raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
-        return Grammar(compiled, "json_schema", self.vocab_size)
+        return self.compile("json", schema, any_whitespace)
 
     def regex(self, pattern: str) -> Grammar:
         """Output that matches ``pattern`` whole (xgrammar's regex dialect: the common
         ECMAScript/Python syntax without look-around or back-references)."""
-        if not isinstance(pattern, str) or not pattern:
-            raise InvalidRequestError(f"the regex must be a non-empty string, got {pattern!r}")
-        try:
-            with self._lock:
-                compiled = self._compiler.compile_regex(pattern)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"the regex cannot be compiled: {exc}") from None
-        return Grammar(compiled, "regex", self.vocab_size)
+        return self.compile("regex", pattern)
 
     def choice(self, options: Sequence[str]) -> Grammar:
         """Output that is exactly one of ``options`` (vLLM's ``choice``)."""
-        if not options or not all(isinstance(o, str) and o for o in options):
-            raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, "
-                                      f"got {options!r}")
-        # EBNF string literals take JSON's escapes (quotes, backslashes, control characters)
-        rule = "root ::= " + " | ".join(json.dumps(o) for o in dict.fromkeys(options))
-        return self._compile(rule, "choice", "the choice")
+        return self.compile("choice", options)
 
     def ebnf(self, grammar: str) -> Grammar:
         """Output in the language of ``grammar``: EBNF (GBNF style, start rule ``root``), or a
         Lark grammar (start rule ``start``), the two forms vLLM's ``grammar`` takes."""
-        if not isinstance(grammar, str) or not grammar.strip():
-            raise InvalidRequestError(f"the grammar must be a non-empty string, got "
-                                      f"{grammar!r}")
-        try:
-            return self._compile(grammar, "grammar", "the grammar")
-        except InvalidRequestError as ebnf_error:
-            try:
-                with self._lock:
-                    compiled = self._compiler.compile_lark(grammar)
-            except (RuntimeError, TypeError, ValueError):
-                raise ebnf_error from None   # EBNF's message: the documented form
-            return Grammar(compiled, "grammar", self.vocab_size)
+        return self.compile("grammar", grammar)
 
-    def _compile(self, ebnf: str, kind: str, what: str) -> Grammar:
+    def compile(self, kind: str, value: Any, any_whitespace: bool = True) -> Grammar:
+        """The compiled grammar of one output constraint (:meth:`source`)."""
+        source = self.source(kind, value, any_whitespace)
         try:
             with self._lock:
-                compiled = self._compiler.compile_grammar(ebnf)
+                compiled = self._compiler.compile_grammar(source)
         except (RuntimeError, TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"{what} cannot be compiled: {exc}") from None
-        return Grammar(compiled, kind, self.vocab_size)
+            raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {exc}"
+                                      ) from None
+        return Grammar(compiled, "json_schema" if kind == "json" else kind, self.vocab_size)
 
+    def source(self, kind: str, value: Any, any_whitespace: bool = True) -> Any:
+        """The (uncompiled) xgrammar ``Grammar`` of one output constraint: ``json_object``
+        (any object), ``json`` (a schema, a dict), ``regex``, ``choice`` (a list of strings)
+        or ``grammar`` (EBNF, else Lark). Raises :class:`InvalidRequestError` naming what is
+        wrong with ``value``."""
+        xgr = _xgr()
+        try:
+            if kind == "json_object":
+                # not strict: an object with any properties (strict would forbid unlisted ones)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+            if kind == "json":
+                if not isinstance(value, dict):
+                    raise InvalidRequestError(f"the JSON schema must be an object, got "
+                                              f"{value!r}")
+                try:
+                    text = json.dumps(value)
+                except (TypeError, ValueError) as exc:
+                    raise InvalidRequestError(f"the JSON schema is not JSON: {exc}") from None
+                return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+            if kind == "regex":
+                if not isinstance(value, str) or not value:
+                    raise InvalidRequestError(f"the regex must be a non-empty string, got "
+                                              f"{value!r}")
+                return xgr.Grammar.from_regex(value)
+            if kind == "choice":
+                if not value or not all(isinstance(o, str) and o for o in value):
+                    raise InvalidRequestError(f"choice must be a non-empty list of non-empty "
+                                              f"strings, got {value!r}")
+                # EBNF string literals take JSON's escapes (quotes, backslashes, controls)
+                return xgr.Grammar.from_ebnf(
+                    "root ::= " + " | ".join(json.dumps(o) for o in dict.fromkeys(value)))
+            if kind == "grammar":
+                if not isinstance(value, str) or not value.strip():
+                    raise InvalidRequestError(f"the grammar must be a non-empty string, got "
+                                              f"{value!r}")
+                try:
+                    return xgr.Grammar.from_ebnf(value)
+                except (RuntimeError, TypeError, ValueError) as ebnf_error:
+                    try:
+                        return xgr.Grammar.from_lark(value)
+                    except (RuntimeError, TypeError, ValueError):
+                        raise ebnf_error from None   # EBNF's message: the documented form
+        except (RuntimeError, TypeError, ValueError) as exc:
+            # xgrammar raises RuntimeError on what it cannot parse or convert
+            raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {exc}"
+                                      ) from None
+        raise InvalidRequestError(f"unknown output constraint {kind!r}")
 
-    def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str
-                  ) -> Grammar:
+    def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str,
+                  otherwise: Any = None) -> Grammar:
         """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
         written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
-        valid against the schema (OpenAI's ``tool_choice`` required or named)."""
+        valid against the schema (OpenAI's ``tool_choice`` required or named). ``otherwise``:
+        an uncompiled grammar (:meth:`source`) the output may follow instead of calling
+        (``tool_choice`` auto beside ``response_format``)."""
         xgr = _xgr()
         try:
             calls = [xgr.Grammar.from_json_schema(json.dumps({
@@ -159,9 +174,11 @@ class GrammarCompiler:
             grammar = xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
+            if otherwise is not None:
+                grammar = xgr.Grammar.union(grammar, otherwise)
             with self._lock:
                 compiled = self._compiler.compile_grammar(grammar)
-        except (RuntimeError, TypeError, ValueError) as exc:   # as in json_schema
+        except (RuntimeError, TypeError, ValueError) as exc:   # as in source
             raise InvalidRequestError(f"the tools' parameters cannot be compiled: {exc}"
                                       ) from None
         return Grammar(compiled, "tool_call", self.vocab_size)

@@ -485,23 +485,27 @@ async def _grammar(state: ServerState, eng: Backend, req: Any) -> Any:
     found = req.output_constraint()
     if found is None:
         return None
-    param, kind, value = found
-    gc = await _compiler(state, eng, param)
+    gc = await _compiler(state, eng, found[0])
+    return await _constraint_grammar(gc, req, found, compiled=True)
+
+
+async def _constraint_grammar(gc: Any, req: Any, found: tuple[str, str, Any],
+                              compiled: bool) -> Any:
+    """The grammar of the constraint ``found`` (``req.output_constraint()``): compiled, or
+    (``compiled`` False) the source to combine with another. A 400 naming its field when it
+    does not compile."""
     from radixkv.errors import InvalidRequestError
 
+    param, kind, value = found
     try:
-        if kind == "json_object":
-            return await asyncio.to_thread(gc.json_object)
-        if kind == "json":
-            if isinstance(value, str):   # vLLM takes the schema's text too
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise InvalidRequestError("the JSON schema is not JSON") from None
-            compact = bool(getattr(req.structured_outputs, "disable_any_whitespace", False))
-            return await asyncio.to_thread(gc.json_schema, value, not compact)
-        compile_one = {"regex": gc.regex, "choice": gc.choice, "grammar": gc.ebnf}[kind]
-        return await asyncio.to_thread(compile_one, value)
+        if kind == "json" and isinstance(value, str):   # vLLM takes the schema's text too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidRequestError("the JSON schema is not JSON") from None
+        spaces = not getattr(req.structured_outputs, "disable_any_whitespace", False)
+        build = gc.compile if compiled else gc.source
+        return await asyncio.to_thread(build, kind, value, spaces)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=param) from None
 
@@ -536,12 +540,11 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
 
     tok = eng.chat_template.tokenizer
     tool_calls.check_template(getattr(tok, "chat_template", None))
-    constraint = req.output_constraint()   # response_format, structured_outputs, guided_*
-    for name, bad in (("use_beam_search", req.use_beam_search),
-                      (constraint[0] if constraint else "", constraint is not None)):
-        if bad:
-            raise APIError(400, f"{name} is not supported together with tools yet",
-                           param=name, code="unsupported_parameter")
+    if req.use_beam_search:
+        raise APIError(400, "use_beam_search is not supported together with tools yet",
+                       param="use_beam_search", code="unsupported_parameter")
+    # response_format / structured_outputs / guided_*: the shape of a reply that is not a call
+    constraint = req.output_constraint()
     # tool_choice none: the tools are not offered (nor parsed), but a history with calls and
     # their results is still rendered as the template writes them
     active = bool(req.tools) and req.tool_choice != "none"
@@ -567,16 +570,23 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                 req.prompt_cache_retention, variables)]
     except (TemplateError, ValueError) as exc:
         raise _template_refused(exc) from None
-    grammar = None
+    grammar = None   # none: _serve compiles the constraint, if any, alone
     choice = req.tool_choice
-    if choice == "required" or not isinstance(choice, (str, type(None))):
+    forced = choice == "required" or not isinstance(choice, (str, type(None)))
+    if forced or (active and constraint is not None):
+        # a call is forced (of any tool, or the named one), or with "auto" and a constraint:
+        # one call of any tool, or a reply of the constraint's shape
         wanted = [t.function for t in req.tools
-                  if choice == "required" or t.function.name == choice.function.name]
+                  if not forced or choice == "required"
+                  or t.function.name == choice.function.name]
         gc = await _compiler(state, eng, "tool_choice")
+        otherwise = None
+        if not forced and constraint is not None:
+            otherwise = await _constraint_grammar(gc, req, constraint, compiled=False)
         try:
             grammar = await asyncio.to_thread(
                 gc.tool_call, [(f.name, f.parameters) for f in wanted], tool_calls.CALL_OPEN,
-                tool_calls.CALL_CLOSE)
+                tool_calls.CALL_CLOSE, otherwise)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,

@@ -243,6 +243,37 @@ def test_chat_template_kwargs_reach_the_template(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_tools_beside_response_format(srv: Server) -> None:
+    """``response_format`` shapes a reply that is not a call: with ``auto`` every sample is one
+    valid call or a valid JSON value (one grammar, the union of the two), with ``none`` the
+    JSON value, with ``required`` a call; streamed too."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
+              "required": ["answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    r = _chat(srv, messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", response_format=fmt,
+              n=6, temperature=1.0, seed=2, max_tokens=80)
+    # both shapes occur with this seed (float32: the same samples every run)
+    assert {bool(c.message.tool_calls) for c in r.choices} == {True, False}
+    for c in r.choices:
+        if c.message.tool_calls:
+            (call,) = c.message.tool_calls
+            assert call.function.name in ("get_weather", "get_time") and c.message.content is None
+            json.loads(call.function.arguments)
+        else:
+            assert set(json.loads(c.message.content)) == {"answer"}, c
+    r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="none", response_format=fmt,
+              max_tokens=80)
+    c = r.choices[0]
+    assert c.message.tool_calls is None and set(json.loads(c.message.content)) == {"answer"}
+    r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="required", response_format=fmt)
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = _assemble(_chat(srv, messages=ASK, tools=[WEATHER],
+                                             tool_choice="none", response_format=fmt,
+                                             max_tokens=80, stream=True))
+    assert set(json.loads(content[0])) == {"answer"} and not calls
+
+
+@pytest.mark.model
 def test_tools_with_documents_and_cache_breakpoints(srv: Server) -> None:
     """Tools beside RAG ``documents`` (placed before the last user message, the tools rendered
     too; the documents' blocks are reused in another order) and beside ``cache_control``
