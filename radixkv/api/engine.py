@@ -507,6 +507,11 @@ class Engine:
 
         return RAGHelper(self, **kwargs)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds (``LLMEngine.reset_prefix_cache``:
+        all of this engine's tiers, not a shared remote one); returns how many."""
+        return int(self.loop.call(self.core.reset_prefix_cache))
+
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
         """The core engine's counters (hit rate overall and per tier, tokens saved, evictions,

@@ -845,6 +845,24 @@ class BlockManager:
         lost): the drops to run. Runtime complexity: O(dropped blocks)."""
         return self.tree.invalidate(block_hash)
 
+    def reset_cache(self) -> list[MoveOp]:
+        """Drop every cached block that no sequence holds, in every tier, and every kept tail
+        (vLLM's ``reset_prefix_cache``): the drops to run. Blocks in use stay, so this is safe
+        while requests run; each unheld subtree goes whole (a held node's ancestors are held
+        too, so those subtrees hang off held nodes or the root). O(nodes + dropped blocks)."""
+        self._drop_tails(self.tails.reclaim(len(self.tails)))
+        tree = self.tree
+
+        def held(node: Node) -> bool:
+            return node.tier == DEVICE and node.ref > 0
+
+        cuts = [n for n in tree.nodes()
+                if not held(n) and (n.parent is None or held(n.parent))]
+        moves: list[MoveOp] = []
+        for node in cuts:
+            moves.extend(tree.invalidate(node.hashes[0]))
+        return moves
+
     def drop_copy(self, block_hash: BlockHash, tier: int) -> MoveOp | None:
         """Forget ``block_hash``'s write-through copy in ``tier`` (its write failed)."""
         return self.tree.writes.drop_copy(block_hash, tier)

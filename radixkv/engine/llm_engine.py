@@ -827,6 +827,19 @@ class LLMEngine:
         host = self.tier_names.index("host") if self._remote is not None else None
         return request_output(req, finished, self.tokenizer, host)
 
+    # ------------------------------------------------------------------ cache control
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds, in every tier this engine owns
+        (device, host, disk files) and every kept partial tail, so that what follows runs on a
+        cold cache (vLLM's ``reset_prefix_cache``; benchmarks between runs). The remote tier,
+        shared with other replicas, is left alone. Safe while requests run: their blocks stay,
+        and copies in flight into slower tiers land first. Returns the blocks dropped."""
+        self._drain_kv(loads=False)   # no prefetch or write-behind may land in a freed block
+        before = len(self.tree)
+        run_kv_ops(self.kv_mover, self._bm.reset_cache())
+        self._drain_kv(loads=False)
+        return before - len(self.tree)
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Cache and scheduling figures since construction (see docs/api.md)."""

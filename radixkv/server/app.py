@@ -65,7 +65,7 @@ class ServerState:
     def __init__(self, model_name: str, tenants: Tenants, max_queued: int,
                  default_max_tokens: int | None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, cache_reset: bool = False) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -74,6 +74,8 @@ class ServerState:
         self.default_max_tokens = default_max_tokens
         #: ``--reasoning-parser``: chat replies' thinking goes to ``reasoning`` (reasoning.py)
         self.reasoning_parser = reasoning_parser
+        #: ``POST /reset_prefix_cache`` is served (``--enable-cache-reset``; else 404)
+        self.cache_reset = cache_reset
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
@@ -140,7 +142,8 @@ class ServerState:
 
 class _Gate:
     """Pure ASGI middleware: stamps each request's arrival time and checks its API key on
-    ``/v1/*`` before the body is read (so a caller without a key learns nothing else)."""
+    ``/v1/*`` and ``/reset_prefix_cache`` before the body is read (so a caller without a key
+    learns nothing else)."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -150,7 +153,7 @@ class _Gate:
             return await self.app(scope, receive, send)
         st = scope.setdefault("state", {})
         st["arrived"] = time.perf_counter()
-        if scope["path"].startswith("/v1/"):
+        if scope["path"].startswith("/v1/") or scope["path"] == "/reset_prefix_cache":
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
                          if k == b"authorization"), None)
             key = self.state.tenants.authenticate(auth)
@@ -215,7 +218,7 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                on_load_error: Callable[[str], None] | None = None,
-               reasoning_parser: str | None = None) -> Any:
+               reasoning_parser: str | None = None, cache_reset: bool = False) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -224,7 +227,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     ``/metrics`` (the fleet's router). ``max_request_bytes``: larger bodies get 413 before
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
-    of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). Returns the app
+    of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
+    serve ``POST /reset_prefix_cache``. Returns the app
     wrapped in
     its gate middleware; the FastAPI object is ``app.fastapi`` and the shared state
     ``app.state``."""
@@ -240,7 +244,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
             raise ValueError(f"reasoning_parser must be one of {', '.join(PARSERS)}, got "
                              f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
-                        default_max_tokens, max_request_bytes, reasoning_parser)
+                        default_max_tokens, max_request_bytes, reasoning_parser,
+                        cache_reset)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -314,6 +319,18 @@ def _routes(api: FastAPI, state: ServerState,
         """vLLM's (and SageMaker's) liveness probe: 200 once the model is loaded."""
         state.ready_engine()
         return Response(status_code=200)
+
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Any:
+        """vLLM's (a development endpoint there too): drop every cached block no running
+        request holds, in every tier of this server but a shared remote one, e.g. between
+        benchmark runs. Only with ``--enable-cache-reset`` (404 otherwise: it erases what
+        every tenant has cached); an API key is needed when the server has keys."""
+        if not state.cache_reset:
+            raise APIError(404, "Not Found: start the server with --enable-cache-reset to "
+                           "serve /reset_prefix_cache", code="not_found")
+        dropped = await state.ready_engine().reset_prefix_cache()
+        return {"dropped_blocks": dropped}
 
     @api.get("/version")
     async def version() -> Any:

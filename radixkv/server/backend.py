@@ -72,6 +72,14 @@ class Backend(abc.ABC):
         """Engine statistics for ``/metrics``: ``(extra labels, engine.stats())`` per engine
         (one with no labels for the single server; one per replica, labelled, for a fleet)."""
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds; how many went. A backend that
+        cannot (a fleet, for now) answers a 400."""
+        from radixkv.server.errors import APIError
+
+        raise APIError(400, "/reset_prefix_cache is not supported by this server's backend "
+                       "(--replicas) yet", code="unsupported_parameter")
+
     def close(self) -> None:
         """Release what the backend holds (at server shutdown)."""
 
@@ -137,6 +145,10 @@ class LocalBackend(Backend):
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
         loop = self.engine.loop
         return [({}, await loop.acall(self.engine.core.stats))]
+
+    async def reset_prefix_cache(self) -> int:
+        loop = self.engine.loop
+        return int(await loop.acall(self.engine.core.reset_prefix_cache))
 
     def close(self) -> None:
         """Stop the engine; with a remote tier, first write what it caches that the server

@@ -7,6 +7,7 @@ thread (progress on stderr every few seconds); then 200, and the endpoints serve
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put chat replies' <think>...</think> in message.reasoning (and "
                         "reasoning_content), the rest in content, as vLLM's parsers of these "
                         "names (docs/serve.md)")
+    v.add_argument("--enable-cache-reset", action="store_true",
+                   help="serve POST /reset_prefix_cache (vLLM's development endpoint: drops "
+                        "every cached block no request holds; also on with "
+                        "VLLM_SERVER_DEV_MODE=1)")
     v.add_argument("--allow-download", action="store_true",
                    help="let a Hugging Face hub id that is not in the local cache be "
                         "downloaded (default: load only what is on disk)")
@@ -379,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret,
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                     on_load_error=stop, reasoning_parser=args.reasoning_parser)
+                     on_load_error=stop, reasoning_parser=args.reasoning_parser,
+                     cache_reset=args.enable_cache_reset
+                     or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -452,6 +452,24 @@ class ManagerMachine(RuleBasedStateMachine):
         k = min(k, self.tree.num_evictable(tier))
         self.run_moves(self.tree.evict(tier, k), self.held())
 
+    @rule()
+    def reset_cache(self) -> None:
+        """vLLM's reset_prefix_cache: every cached block no live table holds leaves every tier
+        (drops only, never of a held block), the kept tails go, and what live sequences hold
+        stays cached and readable (the invariant re-reads every position)."""
+        STEPS.step(self.name)
+        self.run_moves(self.bm.take_moves(), self.held())
+        held = self.held()
+        kept = {h for h in self.tree.block_index()
+                if (ref := self.tree.get(h)).tier == DEVICE and ref.block_id in held}
+        moves = self.bm.reset_cache()
+        assert all(op.dst_tier is None for op in moves), moves
+        self.run_moves(moves, held)
+        assert set(self.tree.block_index()) == kept
+        assert len(self.bm.tails) == 0
+        assert self.evictable_device_blocks() == 0
+        STEPS.event(self.name, "reset_cache", len(moves))
+
     @precondition(lambda self: self.write_through)
     @rule()
     def take_moves(self) -> None:

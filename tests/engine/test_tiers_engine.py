@@ -256,3 +256,34 @@ def test_adopting_a_recomputed_disk_block_removes_its_file(hf_llama, tmp_path):
     for rnd in range(2):
         serve(eng, [(f"r{rnd}{i}", p) for i, p in enumerate(convs)], max_tokens=8)  # checks
     assert eng.tree.stats.adopted > 0   # the scenario really adopted blocks
+
+
+def test_reset_prefix_cache_empties_every_tier_and_leaves_running_requests_alone(
+        hf_llama, tmp_path):
+    """``LLMEngine.reset_prefix_cache`` (vLLM's): after conversations sank through host and
+    disk, a reset drops every block of every tier and every file, and the next turn is cold
+    with the same output; a reset while a request runs keeps that request's blocks and output."""
+    from radixkv.engine.sampling import SamplingParams
+
+    eng = make_engine(hf_llama, tmp_path, device=12, host=6, disk=64)
+    convs = [rand_tokens(21, 300 + c) for c in range(3)]
+    first = serve(eng, [(f"a{i}", p) for i, p in enumerate(convs)])   # checks the outputs
+    assert eng.tree.num_resident(1) + eng.tree.num_resident(2) > 0   # blocks sank
+    cached = len(eng.tree)
+    assert eng.reset_prefix_cache() == cached and len(eng.tree) == 0
+    check_tiers(eng)   # no file left behind
+    again = serve(eng, [(f"b{i}", p) for i, p in enumerate(convs)])
+    for i in range(3):
+        assert again[f"b{i}"].num_cached_tokens == 0
+        assert again[f"b{i}"].outputs[0].token_ids == first[f"a{i}"].outputs[0].token_ids
+    # mid-request: its blocks are held and stay; the rest goes
+    eng.add_request("live", convs[0], SamplingParams(max_tokens=8))
+    eng.step()
+    eng.step()
+    assert 0 < eng.reset_prefix_cache() < cached + 1
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            final = out
+    assert final.outputs[0].token_ids == hf_greedy(hf_llama, convs[0], 8)
+    check_tiers(eng)

@@ -126,7 +126,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     keyfile.write_text(f"# tenants\n{KEY_B}\n")
     args = ["--api-key", KEY_A, "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS),
             "--max-queued", str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1",
-            "--device", "cpu",
+            "--device", "cpu", "--enable-cache-reset",
             # float32: greedy equality with Engine.generate below (a CPU with native bf16
             # would default to bf16, whose cached and cold continuations may differ)
             "--dtype", "float32"]
@@ -908,3 +908,20 @@ def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
     assert total - total_before == 1
     assert sum(_value(fams, "vllm:request_success", finished_reason=r)
                for r in ("stop", "length")) == total
+
+
+def test_reset_prefix_cache_drops_what_no_request_holds(ready: Server) -> None:
+    """vLLM's ``POST /reset_prefix_cache`` (served with ``--enable-cache-reset``, behind the API
+    key): a repeated prompt is cached before it and cold after it, with the same answer."""
+    client = ready.client()
+    msgs = [{"role": "user", "content": "Name three rivers of Europe, briefly. " * 4}]
+    first = _chat(client, msgs, temperature=0, max_tokens=6)
+    again = _chat(client, msgs, temperature=0, max_tokens=6)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert ready.raw("POST", "/reset_prefix_cache", key=None)[0] == 401
+    status, body = ready.raw("POST", "/reset_prefix_cache")
+    assert status == 200 and body["dropped_blocks"] >= again.usage.prompt_tokens // 16
+    cold = _chat(client, msgs, temperature=0, max_tokens=6)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert cold.choices[0].message.content == first.choices[0].message.content
+    assert ready.raw("POST", "/reset_prefix_cache")[1]["dropped_blocks"] > 0   # cold's own

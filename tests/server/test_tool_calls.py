@@ -328,6 +328,12 @@ def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
     assert plain.model_extra["reasoning"] is None and plain.content
 
 
+@pytest.mark.model
+def test_reset_prefix_cache_is_404_without_the_flag(srv: Server) -> None:
+    status, err = srv.raw("POST", "/reset_prefix_cache", key=None)
+    assert status == 404 and "--enable-cache-reset" in err["error"]["message"]
+
+
 def test_parse_takes_well_formed_calls_of_known_tools_and_leaves_the_rest() -> None:
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
             '\n</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
