@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish the engine's KV events in vLLM's wire format on a ZMQ PUB "
                         "socket bound here, e.g. tcp://*:5557, for external KV-aware routers "
                         "(needs the events extra; single server only)")
-    g.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    g.add_argument("--log-level", "--uvicorn-log-level", default="warning",
+                   help="uvicorn log level (default warning; vLLM's --uvicorn-log-level too)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, metavar="DIR",
                    help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -157,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model, as vllm serve takes it (same as --model)")
     v.add_argument("--enable-prefix-caching", action="store_true",
                    help="accepted for vLLM compatibility: prefix caching is on by default")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice auto is on for every "
+                        "chat template that declares tools")
+    v.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                   help="accepted for vLLM compatibility: radixkv reads hermes' <tool_call> "
+                        "format (Hermes, Qwen2/2.5/3, SmolLM3), the only one it takes")
+    v.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted for vLLM compatibility: prefills longer than "
+                        "--max-num-batched-tokens are always chunked")
+    v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+                   help="accepted for vLLM compatibility: radixkv logs neither requests nor "
+                        "periodic stats (Prometheus /metrics has them)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility: radixkv never runs code that comes "
+                        "with a checkpoint (a model that needs it fails to load, naming it)")
     v.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a Jinja chat template file to use instead of the model's (e.g. one "
                         "that declares tools)")

@@ -30,6 +30,20 @@ def test_enforce_eager_turns_cuda_graphs_off() -> None:
     assert configs(p.parse_args([]))[1].cuda_graphs is None
 
 
+def test_a_vllm_tool_calling_command_line_parses() -> None:
+    """The flags vLLM's tool-calling recipes pass are taken (no-ops that name radixkv's
+    behaviour); a tool-call parser radixkv does not read is a usage error."""
+    p = build_parser()
+    args = p.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--enable-chunked-prefill", "--disable-log-requests",
+                         "--disable-log-stats", "--trust-remote-code",
+                         "--uvicorn-log-level", "info"])
+    assert args.log_level == "info" and args.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit) as info:
+        p.parse_args(["--tool-call-parser", "mistral"])
+    assert info.value.code == 2
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--scheduling-policy", "sjf"], "invalid choice"),
     (["--scheduling-max-wait", "-1"], "max_wait_s"),
