@@ -207,6 +207,48 @@ def local_dir(source: ModelSource) -> Path | None:
     return Path(hit).parent if isinstance(hit, str) else None
 
 
+#: ``generation_config.json`` keys that become default sampling parameters, and their
+#: ``SamplingParams`` names (vLLM's ``--generation-config auto`` reads the same keys)
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                           "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str | os.PathLike | None = None,
+                        gguf_file: str | os.PathLike | None = None, *,
+                        allow_download: bool = False) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, by
+    ``SamplingParams`` name (``max_new_tokens`` as ``max_tokens``): what its authors tuned it
+    for (Qwen3: temperature 0.6, top_p 0.95, top_k 20), which vLLM applies to requests that
+    leave them unset. Only keys the file writes; a value that is not a number, or that
+    ``SamplingParams`` would refuse, is left out. {} without a file (the embedded SmolLM2,
+    GGUF files)."""
+    import json
+
+    from radixkv.engine.sampling import SamplingParams
+    from radixkv.errors import InvalidRequestError
+
+    directory = local_dir(resolve_source(model_dir, gguf_file, allow_download=allow_download))
+    path = directory / "generation_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    for key, name in GENERATION_DEFAULT_KEYS.items():
+        v = raw.get(key) if isinstance(raw, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        try:
+            SamplingParams(**{name: v})
+        except (InvalidRequestError, TypeError):
+            continue
+        out[name] = v
+    return out
+
+
 #: model types whose ``TokenizersBackend`` tokenizer AutoTokenizer loads as it is (no
 #: per-type override in transformers' AutoTokenizer; Mistral's may switch to its own backend)
 _PLAIN_TOKENIZER_TYPES = frozenset({"llama", "qwen2", "qwen3"})

@@ -43,7 +43,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               model_name: str | None = None, api_keys: list[str] | None = None,
               max_queued: int = 256, default_max_tokens: int | None = None,
               salt_secret: str | None = None, app_name: str = APP_NAME,
-              model_impl: str = "auto", reasoning_parser: str | None = None) -> Any:
+              model_impl: str = "auto", reasoning_parser: str | None = None,
+              generation_config: str = "auto") -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -83,7 +84,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
     options = {"model": model, "gguf_file": gguf_file, "model_name": model_name,
                "api_keys": api_keys or [], "max_queued": max_queued,
                "default_max_tokens": default_max_tokens,
-               "reasoning_parser": reasoning_parser,
+               "reasoning_parser": reasoning_parser, "generation_config": generation_config,
                # one secret for every ingress replica: a tenant's salt must not depend on
                # which ingress parsed its request
                "salt_secret": salt_secret or secrets.token_hex(16),
@@ -146,7 +147,8 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     replica_cpus=args.replica_cpus, model_name=model_name, api_keys=api_keys,
                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                     salt_secret=args.salt_secret, model_impl=args.model_impl,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    generation_config=args.generation_config)
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "
           f"http://{args.host}:{args.port} (model name {model_name!r}, {replicas} replicas)",

@@ -196,6 +196,11 @@ class FleetIngress:
         bus = ray.get_actor(o["bus_name"], namespace=o["bus_namespace"]) \
             if o.get("bus_name") else None
         backend = FleetBackend(self._engines, tokenizer, info, bus)
+        if o.get("generation_config", "auto") == "auto":   # as the single server's
+            from radixkv.models import generation_defaults
+
+            backend.sampling_defaults = await asyncio.to_thread(
+                generation_defaults, o.get("model"), o.get("gguf_file"))
         self.backend = backend
 
         async def extra() -> bytes:

@@ -640,7 +640,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
-                                              state.default_max_tokens, vocab, grammar))
+                                              state.default_max_tokens, vocab, grammar,
+                                              eng.sampling_defaults))
     if req.stream and len(prompts) > 1:
         raise APIError(400, "stream one prompt per request", param="prompt")
     key = request.state.api_key if hasattr(request.state, "api_key") else ""

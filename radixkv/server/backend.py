@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import sys
+from types import MappingProxyType
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,9 @@ class Backend(abc.ABC):
     max_num_seqs: int
     #: Tokens per KV block (chat ``documents`` are padded to whole blocks).
     block_size: int
+    #: Sampling defaults from the model's generation config for what a request leaves unset
+    #: (``radixkv.models.generation_defaults``; empty with ``--generation-config vllm``).
+    sampling_defaults: Mapping[str, Any] = MappingProxyType({})
 
     @property
     @abc.abstractmethod

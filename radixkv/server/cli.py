@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model, as vllm serve takes it (same as --model)")
     v.add_argument("--enable-prefix-caching", action="store_true",
                    help="accepted for vLLM compatibility: prefix caching is on by default")
+    v.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto (vLLM's default): the model's generation_config.json sets the "
+                        "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
+                        "of requests that leave them unset; vllm: OpenAI's defaults")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
@@ -295,6 +299,7 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         finally:
             done.set()
         backend = _with_kv_events(engine, args.kv_events_endpoint, cc.block_size)
+        backend.sampling_defaults = _generation_defaults(args)
         print(f"radixkv serve: ready in {time.perf_counter() - t0:.1f} s "
               f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks "
               f"= {engine.core.tier_capacity_blocks[0] * cc.block_size} tokens)",
@@ -305,6 +310,21 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         return backend
 
     return load
+
+
+def _generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """``--generation-config auto`` (vLLM's default): the sampling defaults the model's
+    ``generation_config.json`` sets, said on stderr; ``vllm``: none (OpenAI's defaults)."""
+    if args.generation_config == "vllm":
+        return {}
+    from radixkv.models import generation_defaults
+
+    found = generation_defaults(args.model, args.gguf_file, allow_download=args.allow_download)
+    if found:
+        print(f"radixkv serve: default sampling from the model's generation config for what "
+              f"a request leaves unset: {found} (--generation-config vllm: OpenAI's defaults)",
+              file=sys.stderr, flush=True)
+    return found
 
 
 def _with_kv_events(engine: Any, endpoint: str | None, block_size: int) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +57,19 @@ def request_salt(req: Any) -> str | None:
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
                     max_model_len: int, default_max_tokens: int | None,
-                    vocab_size: int | None = None, grammar: Any = None) -> Any:
+                    vocab_size: int | None = None, grammar: Any = None,
+                    defaults: Mapping[str, Any] | None = None) -> Any:
     """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens
-    (``grammar``: the compiled ``response_format``, or None). Raises :class:`APIError` (400)
+    (``grammar``: the compiled ``response_format``, or None). ``defaults``: the model's
+    generation config (``radixkv.models.generation_defaults``) for the fields the request leaves
+    unset (not for beam search, which is deterministic). Raises :class:`APIError` (400)
     naming the field for anything the engine cannot honour."""
     from radixkv.engine.sampling import SamplingParams
+
+    d = {} if req.use_beam_search or defaults is None else defaults
+
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        return value if value is not None else d.get(name, fallback)
 
     if prompt_len >= max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; "
@@ -83,20 +91,21 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                        f"length is {max_model_len} tokens and the prompt has {prompt_len}, so "
                        f"at most {room} can be generated", param=param,
                        code="context_length_exceeded")
-    max_tokens = asked if asked is not None else min(room, default_max_tokens or room)
+    max_tokens = asked if asked is not None else min(
+        room, default_max_tokens or d.get("max_tokens") or room)
     top_logprobs = logprobs_asked(req)
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise APIError(400, f"seed must be in [0, {MAX_SEED}], got {req.seed}", param="seed")
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = pick(req.temperature, "temperature", 1.0)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = dict(
-        max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        top_k=max(0, req.top_k or 0), seed=req.seed, stop=tuple(stop), n=req.n,
+        max_tokens=max_tokens, top_p=pick(req.top_p, "top_p", 1.0),
+        min_p=pick(req.min_p, "min_p", 0.0),
+        top_k=max(0, pick(req.top_k, "top_k", 0)), seed=req.seed, stop=tuple(stop), n=req.n,
         ignore_eos=req.ignore_eos, logprobs=top_logprobs,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, grammar=grammar,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         stop_token_ids=tuple(req.stop_token_ids or ()))
     bad = next((t for t in kwargs["stop_token_ids"] if vocab_size is not None
                 and not 0 <= t < vocab_size), None)
