@@ -249,6 +249,40 @@ def generation_defaults(model_dir: str | os.PathLike | None = None,
     return out
 
 
+def parse_generation_overrides(text: str | None) -> dict[str, Any]:
+    """vLLM's ``--override-generation-config`` JSON (generation-config key names) as
+    ``SamplingParams`` defaults; ``ConfigError`` naming what is wrong (a key that is not one
+    of :data:`GENERATION_DEFAULT_KEYS`, a value ``SamplingParams`` refuses)."""
+    import json
+
+    from radixkv.engine.sampling import SamplingParams
+    from radixkv.errors import InvalidRequestError
+
+    if text is None:
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--override-generation-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--override-generation-config must be a JSON object")
+    out: dict[str, Any] = {}
+    for key, v in raw.items():
+        name = GENERATION_DEFAULT_KEYS.get(key)
+        if name is None:
+            raise ConfigError(f"--override-generation-config: {key!r} is not one of "
+                              f"{', '.join(GENERATION_DEFAULT_KEYS)}")
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            SamplingParams(**{name: v})
+        except (InvalidRequestError, TypeError):
+            raise ConfigError(f"--override-generation-config: {key}={v!r} is not a valid "
+                              "value") from None
+        out[name] = v
+    return out
+
+
 #: model types whose ``TokenizersBackend`` tokenizer AutoTokenizer loads as it is (no
 #: per-type override in transformers' AutoTokenizer; Mistral's may switch to its own backend)
 _PLAIN_TOKENIZER_TYPES = frozenset({"llama", "qwen2", "qwen3"})

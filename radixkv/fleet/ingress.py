@@ -196,11 +196,14 @@ class FleetIngress:
         bus = ray.get_actor(o["bus_name"], namespace=o["bus_namespace"]) \
             if o.get("bus_name") else None
         backend = FleetBackend(self._engines, tokenizer, info, bus)
-        if o.get("generation_config", "auto") == "auto":   # as the single server's
-            from radixkv.models import generation_defaults
+        from radixkv.models import generation_defaults, parse_generation_overrides
 
-            backend.sampling_defaults = await asyncio.to_thread(
-                generation_defaults, o.get("model"), o.get("gguf_file"))
+        defaults = {}   # as the single server's
+        if o.get("generation_config", "auto") == "auto":
+            defaults = await asyncio.to_thread(generation_defaults, o.get("model"),
+                                               o.get("gguf_file"))
+        defaults.update(parse_generation_overrides(o.get("override_generation_config")))
+        backend.sampling_defaults = defaults
         self.backend = backend
 
         async def extra() -> bytes:

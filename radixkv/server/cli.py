@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (vLLM's default): the model's generation_config.json sets the "
                         "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
                         "of requests that leave them unset; vllm: OpenAI's defaults")
+    v.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over the model's generation config, as vLLM's: "
+                        "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}' (keys: "
+                        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
@@ -315,11 +319,11 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
 def _generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """``--generation-config auto`` (vLLM's default): the sampling defaults the model's
     ``generation_config.json`` sets, said on stderr; ``vllm``: none (OpenAI's defaults)."""
-    if args.generation_config == "vllm":
-        return {}
-    from radixkv.models import generation_defaults
+    from radixkv.models import generation_defaults, parse_generation_overrides
 
-    found = generation_defaults(args.model, args.gguf_file, allow_download=args.allow_download)
+    found = {} if args.generation_config == "vllm" else generation_defaults(
+        args.model, args.gguf_file, allow_download=args.allow_download)
+    found.update(parse_generation_overrides(args.override_generation_config))
     if found:
         print(f"radixkv serve: default sampling from the model's generation config for what "
               f"a request leaves unset: {found} (--generation-config vllm: OpenAI's defaults)",
@@ -476,6 +480,10 @@ def _vllm_flags(args: argparse.Namespace) -> None:
         args.kv_dtype = "fp8_e4m3"
     if args.chat_template:
         _read_template(args.chat_template)   # a missing file fails now, not after loading
+    if args.override_generation_config is not None:
+        from radixkv.models import parse_generation_overrides
+
+        parse_generation_overrides(args.override_generation_config)   # a usage error now
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 

@@ -39,6 +39,18 @@ def test_the_file_sets_what_it_writes_and_sampling_params_would_take(tmp_path: P
     assert generation_defaults() == {}   # the embedded GGUF has none
 
 
+def test_overrides_are_checked_like_the_file() -> None:
+    from radixkv.errors import ConfigError
+    from radixkv.models import parse_generation_overrides
+
+    assert parse_generation_overrides('{"temperature": 0.5, "max_new_tokens": 9}') == {
+        "temperature": 0.5, "max_tokens": 9}
+    assert parse_generation_overrides(None) == {}
+    for bad in ("{nope", "[1]", '{"seed": 1}', '{"top_p": 2}', '{"temperature": true}'):
+        with pytest.raises(ConfigError):
+            parse_generation_overrides(bad)
+
+
 def test_defaults_fill_only_what_the_request_leaves_unset() -> None:
     d = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 48,
          "repetition_penalty": 1.1}
@@ -98,3 +110,9 @@ def test_the_server_applies_the_checkpoint_defaults(tmp_path: Path) -> None:
         r = client.chat.completions.create(model=client.models.list().data[0].id,
                                            messages=msgs, seed=1)
         assert r.usage.completion_tokens == 12   # not the file's 5
+    with running_server([*args, "--override-generation-config", '{"max_new_tokens": 7}']
+                        ) as srv:   # over the file's 5, its greedy decoding kept
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id,
+                                           messages=msgs)
+        assert r.usage.completion_tokens == 7
