@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.errors import ConfigError, InvalidRequestError
 
@@ -39,6 +39,22 @@ def _xgr() -> Any:
     return xgrammar
 
 
+class Thinking(NamedTuple):
+    """Where a reasoning model's thinking ends, so that a grammar shapes only the answer
+    (vLLM applies structured outputs after the reasoning the same way).
+
+    * ``from_start`` True (``--reasoning-parser deepseek_r1``): the reply thinks from its first
+      token until it ends with ``close`` (token ids of ``</think>``).
+    * ``from_start`` False (``qwen3``): the reply thinks only if its first token is ``open``
+      (the one token of ``<think>``): the first token may be that or any the grammar allows;
+      without thinking the grammar applies from the first token.
+    """
+
+    open: int | None
+    close: tuple[int, ...]
+    from_start: bool
+
+
 class Grammar:
     """A grammar compiled for one vocabulary. Immutable; shared by every request using it.
 
@@ -47,12 +63,20 @@ class Grammar:
         vocab_size: the model's logits width the masks are made for.
     """
 
-    def __init__(self, compiled: Any, kind: str, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, kind: str, vocab_size: int,
+                 thinking: Thinking | None = None) -> None:
         self.compiled, self.kind, self.vocab_size = compiled, kind, vocab_size
+        #: with a reasoning model: the grammar applies after its thinking (:class:`Thinking`)
+        self.thinking = thinking
 
     def matcher(self) -> Any:
         """A fresh matcher (the state of one output sequence)."""
         return _xgr().GrammarMatcher(self.compiled)
+
+    def after_thinking(self, thinking: Thinking) -> Grammar:
+        """This grammar, applied only once the reply's thinking is over (the same compiled
+        grammar: compiling is per vocabulary, not per request)."""
+        return Grammar(self.compiled, self.kind, self.vocab_size, thinking)
 
     def __repr__(self) -> str:
         return f"Grammar({self.kind})"
@@ -184,39 +208,88 @@ class GrammarCompiler:
         return Grammar(compiled, "tool_call", self.vocab_size)
 
 
-def matcher_for(req: Any, seq: Any) -> Any:
-    """The grammar matcher of ``seq`` (a sequence of ``req``), made on first use. Stored on the
+#: ``SeqGrammar.phase`` values: the grammar masks every token; the reply is thinking (no
+#: mask); the first token decides (the grammar's tokens or ``Thinking.open``)
+ACTIVE, THINKING, UNDECIDED = "active", "thinking", "undecided"
+
+
+class SeqGrammar:
+    """One output sequence's grammar state: its matcher and, with a :class:`Thinking`, whether
+    the grammar applies yet."""
+
+    __slots__ = ("matcher", "phase", "open")
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.matcher = grammar.matcher()
+        t = grammar.thinking
+        self.phase = ACTIVE if t is None else THINKING if t.from_start else UNDECIDED
+        self.open = t.open if t is not None else None
+
+
+def matcher_for(req: Any, seq: Any) -> SeqGrammar:
+    """The grammar state of ``seq`` (a sequence of ``req``), made on first use. Stored on the
     request by the sequence's output index, so it lives and dies with the request; a sample
-    forked at its first token gets a fresh matcher, which is right since it has accepted
-    nothing yet."""
+    forked at its first token gets a fresh one, which is right since it has accepted nothing
+    yet."""
     m = req.grammar_state.get(seq.index)
     if m is None:
-        m = req.grammar_state[seq.index] = req.params.grammar.matcher()
+        m = req.grammar_state[seq.index] = SeqGrammar(req.params.grammar)
     return m
 
 
 def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
-    """Set to ``-inf``, in place, every logit of row ``r`` that matcher ``m`` does not allow
-    next, for each ``(r, m)`` in ``rows``. One bitmask for the batch, one apply call."""
+    """Set to ``-inf``, in place, every logit of row ``r`` that its grammar does not allow
+    next, for each ``(r, state)`` in ``rows`` (a :class:`SeqGrammar`; a thinking one masks
+    nothing; an undecided one also allows its ``Thinking.open`` token). One bitmask for the
+    batch, one apply call."""
+    rows = [(r, st) for r, st in rows if st.phase != THINKING]
     if not rows:
         return
     xgr = _xgr()
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-    for r, m in rows:
-        m.fill_next_token_bitmask(bitmask, r)
+    for r, st in rows:
+        st.matcher.fill_next_token_bitmask(bitmask, r)
+        if st.phase == UNDECIDED:
+            _allow(bitmask, r, st)
     if logits.device.type != "cpu":   # queued, not a stream sync (sampling.to_device)
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[r for r, _ in rows])
 
 
+def _allow(bitmask: Any, row: int, st: SeqGrammar) -> None:
+    """Set the bit of ``Thinking.open`` in ``row`` of an int32 bitmask (32 tokens a word)."""
+    assert st.open is not None, "an undecided grammar has an open token"
+    word, bit = divmod(st.open, 32)
+    v = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = v - (1 << 32) if v >= 1 << 31 else v
+
+
 def accept(req: Any, seq: Any, token: int) -> None:
-    """Advance ``seq``'s matcher by the token just chosen for it (masked, so always allowed;
-    a token the grammar refuses would be a bug, reported loudly)."""
-    m = matcher_for(req, seq)
+    """Advance ``seq``'s grammar by the token just chosen for it (before it is appended to
+    the sequence; masked, so always allowed;
+    a token the grammar refuses would be a bug, reported loudly). Thinking: nothing is fed
+    until the output ends with ``Thinking.close``, then the grammar starts; undecided: the
+    open token starts thinking, any other is the grammar's first."""
+    st = matcher_for(req, seq)
+    if st.phase == THINKING:   # (``token`` is not in ``seq.token_ids`` yet)
+        close = req.params.grammar.thinking.close
+        k = len(close) - 1
+        out = seq.token_ids
+        if int(token) == close[-1] and len(out) - seq.prompt_len >= k and \
+                (k == 0 or tuple(out[len(out) - k:]) == close[:-1]):
+            st.phase = ACTIVE
+        return
+    if st.phase == UNDECIDED:
+        if int(token) == req.params.grammar.thinking.open:
+            st.phase = THINKING
+            return
+        st.phase = ACTIVE
+    m = st.matcher
     if m.is_terminated():
         return
     if not m.accept_token(int(token)):
         raise RuntimeError(f"grammar {req.params.grammar!r} refused token {token} it allowed")
 
 
-__all__ = ["Grammar", "GrammarCompiler", "accept", "mask_rows", "matcher_for"]
+__all__ = ["ACTIVE", "THINKING", "UNDECIDED", "Grammar", "GrammarCompiler", "SeqGrammar",
+           "Thinking", "accept", "mask_rows", "matcher_for"]

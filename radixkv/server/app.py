@@ -634,6 +634,11 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     prompts = serving.truncate(req, prompts, eng.max_model_len)
     if grammar is None:
         grammar = await _grammar(state, eng, req)
+    if grammar is not None and chat and state.reasoning_parser is not None:
+        # a reasoning model thinks first: the grammar shapes the answer after it
+        thinking = serving.thinking_marks(eng.chat_template.tokenizer, state.reasoning_parser)
+        if thinking is not None:
+            grammar = grammar.after_thinking(thinking)
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -9,6 +9,7 @@ in ``run``'s ``finally``, which frees its blocks.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -199,6 +200,25 @@ def truncate(req: Any, prompts: list[list[int]], max_model_len: int) -> list[lis
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or 1
         k = max(1, max_model_len - asked)
     return [ids[-k:] for ids in prompts]
+
+
+@functools.lru_cache(maxsize=8)
+def thinking_marks(tokenizer: Any, parser: str) -> Any:
+    """Where a reply's thinking ends, for a grammar that shapes only the answer
+    (``engine.grammar.Thinking``), by ``--reasoning-parser``'s rule: ``deepseek_r1`` thinks
+    from the first token to the tokens of ``</think>``; ``qwen3`` thinks if the first token is
+    ``<think>``, which must then be one token (Qwen3's is): otherwise None, and the grammar
+    applies from the first token."""
+    from radixkv.engine.grammar import Thinking
+    from radixkv.server.reasoning import THINK_CLOSE, THINK_OPEN
+
+    close = tuple(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+    if not close:
+        return None
+    if parser == "deepseek_r1":
+        return Thinking(None, close, True)
+    opening = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+    return Thinking(opening[0], close, False) if len(opening) == 1 else None
 
 
 def echo_only(req: Any) -> bool:

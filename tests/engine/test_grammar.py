@@ -57,3 +57,39 @@ def test_what_does_not_compile_is_an_invalid_request(gc: GrammarCompiler, call: 
                                                       arg: object) -> None:
     with pytest.raises(InvalidRequestError):
         getattr(gc, call)(arg)
+
+
+@pytest.mark.model
+def test_a_grammar_after_thinking_shapes_only_the_answer() -> None:
+    """A reasoning model's grammar (``Grammar.after_thinking``) leaves the thinking free and
+    shapes what follows its close marker; an undecided reply that does not open a thinking
+    is shaped from its first token. The embedded model's own greedy first tokens stand in
+    for the ``<think>`` and ``</think>`` tokens (what the mechanism reads is token ids)."""
+    import re
+
+    import radixkv
+    from radixkv import SamplingParams
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.engine.grammar import Thinking
+
+    eng = radixkv.Engine.from_pretrained(cache_config=CacheConfig(num_device_blocks=64),
+                                         engine_config=EngineConfig(device="cpu",
+                                                                    dtype="float32"))
+    ids = eng.chat_template.prompt_ids([{"role": "user", "content": "Hi!"}])
+    free = eng.generate(ids, SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+    gc = GrammarCompiler(eng.tokenizer, eng.core.vocab_size, eng.core._eos)
+    digits = gc.regex("[0-9]{3}")
+    head = eng.decode(free[:2])
+    for thinking in (Thinking(free[0], (free[1],), False),    # qwen3: opens, then closes
+                     Thinking(None, tuple(free[:2]), True)):  # deepseek_r1: from the start
+        out = eng.generate(ids, SamplingParams(max_tokens=12,
+                                               grammar=digits.after_thinking(thinking)))
+        c = out[0].outputs[0]
+        assert c.token_ids[:2] == free[:2], thinking
+        assert c.text.startswith(head) and re.fullmatch("[0-9]{3}", c.text[len(head):]), c.text
+    # undecided and not opened (the open token banned): shaped from the first token
+    opener = Thinking(free[1], (free[2],), False)
+    out = eng.generate(ids, SamplingParams(max_tokens=12, grammar=digits.after_thinking(opener),
+                                           logit_bias={free[1]: -100}))
+    assert re.fullmatch("[0-9]{3}", out[0].outputs[0].text), out[0].outputs[0].text
+    eng.close()

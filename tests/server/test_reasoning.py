@@ -45,3 +45,30 @@ def test_the_two_rules(text: str, r1: tuple, q3: tuple) -> None:
 def test_an_unknown_parser_is_refused() -> None:
     with pytest.raises(ValueError):
         ReasoningStream("granite")
+
+
+class _Tok:
+    """A tokenizer whose <think> and </think> are one token each (as Qwen3's special tokens)
+    or several (``split``)."""
+
+    def __init__(self, split: bool) -> None:
+        self.split = split
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self.split:
+            return [ord(c) for c in text]
+        return {THINK_OPEN: [7], THINK_CLOSE: [8]}[text]
+
+
+def test_where_thinking_ends_for_a_grammar() -> None:
+    """``serving.thinking_marks``: what a constrained reply's grammar waits for under each
+    parser; qwen3 needs a one-token <think> (the first token decides), else the grammar
+    shapes the reply from its first token."""
+    from radixkv.engine.grammar import Thinking
+    from radixkv.server.serving import thinking_marks
+
+    assert thinking_marks(_Tok(False), "qwen3") == Thinking(7, (8,), False)
+    assert thinking_marks(_Tok(False), "deepseek_r1") == Thinking(None, (8,), True)
+    assert thinking_marks(_Tok(True), "qwen3") is None
+    assert thinking_marks(_Tok(True), "deepseek_r1") == Thinking(
+        None, tuple(ord(c) for c in THINK_CLOSE), True)
