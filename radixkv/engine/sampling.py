@@ -80,9 +80,9 @@ class SamplingParams:
         allowed_token_ids: vLLM's: None = any token; else only these can be chosen (every
             other logit is ``-inf`` for the choice).
         bad_words: vLLM's: strings never generated. Each is tokenized as written and with a
-            leading space (``LLMEngine.bad_words_ids``); a token is banned where the output so
-            far ends with all of a bad word's tokens but its last (a one-token word is always
-            banned). Needs the engine's tokenizer.
+            leading space (``engine.validation.bad_words_ids``); a token is banned where the
+            output so far ends with all of a bad word's tokens but its last (a one-token word
+            is always banned). Needs the engine's tokenizer.
         min_tokens: vLLM's: until this many tokens are generated, the end-of-sequence token
             (unless ``ignore_eos``) and ``stop_token_ids`` are masked out of the choice and no
             stop string ends the sequence (0 = off; at most ``max_tokens``). Not with beam

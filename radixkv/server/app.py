@@ -228,10 +228,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
-    serve ``POST /reset_prefix_cache``. Returns the app
-    wrapped in
-    its gate middleware; the FastAPI object is ``app.fastapi`` and the shared state
-    ``app.state``."""
+    serve ``POST /reset_prefix_cache``. Returns the app wrapped in its gate middleware; the
+    FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
     if engine is not None:
@@ -800,8 +798,9 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                   tool_names: set[str] | None = None, echo: str | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
-    comes, each call of these tools whole in ``delta.tool_calls``). ``echo``: a completion's
-    prompt text, sent first in every choice (``echo: true``)."""
+    comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
+    a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
+    ``echo``: a completion's prompt text, sent first in every choice (``echo: true``)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
