@@ -182,37 +182,6 @@ class _SamplingFields(_PlacedDocuments):
     guided_choice: Optional[list[str]] = Field(default=None, min_length=1)
     guided_grammar: Optional[str] = None
 
-    @model_validator(mode="after")
-    def _one_constraint(self) -> Any:
-        self.output_constraint()
-        if self.truncate_prompt_tokens == 0:
-            raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens 0 would leave "
-                             "no prompt: give k >= 1, or -1")
-        return self
-
-    def output_constraint(self) -> tuple[str, str, Any] | None:
-        """``(field, kind, value)`` of the request's one output constraint (kind ``json``,
-        ``json_object``, ``regex``, ``choice`` or ``grammar``), None without one; a
-        ``FieldError`` naming the second field when two are given."""
-        found: list[tuple[str, str, Any]] = []
-        fmt = self.response_format
-        if fmt is not None and fmt.type != "text":
-            found.append(("response_format", fmt.type,
-                          fmt.json_schema.schema_ if fmt.json_schema is not None else None))
-        if self.structured_outputs is not None:
-            found.append(("structured_outputs", *self.structured_outputs.constraint()))
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-            value = getattr(self, name)
-            if value is not None:
-                found.append((name, kind, value))
-        if len(found) > 1:
-            raise FieldError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
-                             "the output: give one")
-        if not found:
-            return None
-        field, kind, value = found[0]
-        return field, "json" if kind == "json_schema" else kind, value
     length_penalty: float = 1.0
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     # OpenAI: how long the prompt's prefix stays cached (radixkv: a TTL on it, see serve.md)
@@ -275,6 +244,37 @@ class _SamplingFields(_PlacedDocuments):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
+    @model_validator(mode="after")
+    def _one_constraint(self) -> Any:
+        self.output_constraint()
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens 0 would leave "
+                             "no prompt: give k >= 1, or -1")
+        return self
+
+    def output_constraint(self) -> tuple[str, str, Any] | None:
+        """``(field, kind, value)`` of the request's one output constraint (kind ``json``,
+        ``json_object``, ``regex``, ``choice`` or ``grammar``), None without one; a
+        ``FieldError`` naming the second field when two are given."""
+        found: list[tuple[str, str, Any]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            found.append(("response_format", fmt.type,
+                          fmt.json_schema.schema_ if fmt.json_schema is not None else None))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", *self.structured_outputs.constraint()))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, kind, value))
+        if len(found) > 1:
+            raise FieldError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
+                             "the output: give one")
+        if not found:
+            return None
+        field, kind, value = found[0]
+        return field, "json" if kind == "json_schema" else kind, value
     @field_validator("length_penalty")
     @classmethod
     def _finite(cls, v: float) -> float:
