@@ -115,7 +115,8 @@ class RequestOutput:
 def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) -> None:
     """Set ``seq.finish_reason`` (and ``stop_reason``) if ``tok``, just appended, ends it: an
     end-of-sequence token (unless ``ignore_eos``), a stop token, a stop string in the new text
-    (which is cut there, or after it with ``include_stop_str_in_output``), or the length.
+    (which is cut there, or after it with ``include_stop_str_in_output`` or for a
+    ``stop_after`` string), or the length.
     Before ``min_tokens`` tokens, only the length (vLLM's rule; the choice masked the stop
     tokens, so one here came from a caller that did not)."""
     detok = seq.detok
@@ -131,7 +132,8 @@ def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) ->
     hit = detok.find_stop(len(new_text)) if new_text and detok.stop else None
     if hit is not None:
         s, i = hit
-        detok.truncate(i + len(s) if params.include_stop_str_in_output else i)
+        keep = params.include_stop_str_in_output or s in params.stop_after
+        detok.truncate(i + len(s) if keep else i)
         seq.finish_reason, seq.stop_reason = FINISH_STOP, s
         return
     n = len(seq.token_ids)

@@ -70,6 +70,8 @@ class SamplingParams:
         stop_token_ids: tokens that end a sequence (kept in ``token_ids``, dropped from the text).
         stop: strings that end a sequence; the text is cut before them unless
             ``include_stop_str_in_output``.
+        stop_after: strings that end a sequence and stay in its text (the server ends a reply
+            after its first ``</tool_call>`` for ``parallel_tool_calls: false``).
         n: samples per prompt; they share the prompt's KV blocks (fork + copy-on-write).
         beam_width: > 1 runs beam search with that many beams (returns the best ``n`` <= width);
             deterministic, so temperature must be 0.
@@ -122,6 +124,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    stop_after: tuple[str, ...] = ()
     n: int = 1
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -154,7 +157,7 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", (self.bad_words,))
         for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids),
-                            ("bad_words", self.bad_words)) + (
+                            ("bad_words", self.bad_words), ("stop_after", self.stop_after)) + (
                 (("allowed_token_ids", self.allowed_token_ids),)
                 if self.allowed_token_ids is not None else ()):
             try:
@@ -232,6 +235,8 @@ def _first_error(p: SamplingParams) -> str | None:
         return f"stop_token_ids must be non-negative ints, got {list(p.stop_token_ids)!r}"
     if not all(isinstance(s, str) and s for s in p.stop):
         return f"stop must be non-empty strings, got {list(p.stop)!r}"
+    if not all(isinstance(s, str) and s for s in p.stop_after):
+        return f"stop_after must be non-empty strings, got {list(p.stop_after)!r}"
     allowed = p.allowed_token_ids
     if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
         return (f"allowed_token_ids must be None or a non-empty list of token ids >= 0, got "
@@ -286,7 +291,7 @@ def _first_error(p: SamplingParams) -> str | None:
                     "0, top_p at 1")
         if p.n > p.beam_width:
             return f"n ({p.n}) must be <= beam_width ({p.beam_width}) with beam search"
-        if p.stop:
+        if p.stop or p.stop_after:
             return "stop strings are not supported with beam search (use stop_token_ids)"
     return None
 

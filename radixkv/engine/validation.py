@@ -53,7 +53,7 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
         raise InvalidRequestError(
             f"n/beam_width {params.num_seqs} exceeds EngineConfig.max_num_seqs "
             f"{engine.engine_config.max_num_seqs}")
-    if params.stop and engine.tokenizer is None:
+    if (params.stop or params.stop_after) and engine.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
     if params.bad_words and engine.tokenizer is None:
         raise InvalidRequestError("bad_words need a tokenizer; this engine has none")

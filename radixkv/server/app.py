@@ -605,7 +605,9 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,
-                        tool_names={t.function.name for t in req.tools} if active else None)
+                        tool_names={t.function.name for t in req.tools} if active else None,
+                        stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
+                                                         forced))
 
 
 def _num_seqs(req: Any) -> int:
@@ -621,11 +623,12 @@ def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> N
 
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
                  chat: bool, points: list[Any] | None = None, grammar: Any = None,
-                 tool_names: set[str] | None = None) -> Any:
+                 tool_names: set[str] | None = None, stop_after: tuple[str, ...] = ()) -> Any:
     """Validate every prompt, then answer with one body or an SSE stream. ``points``: per
     prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
     constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
-    the replies' tool calls to these tools."""
+    the replies' tool calls to these tools; ``stop_after``: strings that end a reply and stay
+    in it (``SamplingParams.stop_after``)."""
     points = points or [None] * len(prompts)
     eng = state.engine
     vocab = eng.vocab_size
@@ -645,6 +648,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
                                               state.default_max_tokens, vocab, grammar,
                                               eng.sampling_defaults))
+    if stop_after:
+        params = [dataclasses.replace(sp, stop_after=stop_after) for sp in params]
     if req.stream and len(prompts) > 1:
         raise APIError(400, "stream one prompt per request", param="prompt")
     key = request.state.api_key if hasattr(request.state, "api_key") else ""

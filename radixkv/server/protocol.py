@@ -19,7 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, fie
 #: given a value other than its "off" value (listed).
 UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
     # vLLM extensions with no radixkv equivalent yet
@@ -441,6 +441,8 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    #: false: at most one call per reply (the reply ends after its first ``</tool_call>``)
+    parallel_tool_calls: Optional[bool] = None
     # radixkv (vLLM's field, placed by the server rather than the template): the retrieved
     # documents' texts, placed before the last user message's text (docs/serve.md)
     documents: Optional[list[Union[str, dict[str, Any]]]] = None

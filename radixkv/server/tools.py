@@ -164,6 +164,17 @@ def _tag_prefix(text: str) -> int:
     return 0
 
 
+def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool
+               ) -> tuple[str, ...]:
+    """What ends a reply for ``parallel_tool_calls``: false allows one call, so an ``auto``
+    reply ends after its first ``</tool_call>`` (kept in its text:
+    ``SamplingParams.stop_after``); a forced call is one call by its grammar already, and
+    true (the default) or no tools offered end nothing."""
+    if parallel_tool_calls is False and active and not forced:
+        return (CALL_CLOSE,)
+    return ()
+
+
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """The request's messages as the template reads them, tool calls and results included
     (an assistant call's ``arguments`` JSON string is given to the template as an object, as
@@ -192,5 +203,5 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "CallStream", "check_template", "parse",
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "CallStream", "check_template", "parse", "stop_after",
            "template_messages"]

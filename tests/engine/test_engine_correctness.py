@@ -213,6 +213,13 @@ def test_stop_token_ids_and_stop_strings(hf_llama):
     assert o.text == text[:cut] and o.finish_reason == "stop" and o.stop_reason == stop_str
     assert o.token_ids == full[:cut + 2]
     assert out["keep"].outputs[0].text == text[:cut + 2]
+    # stop_after: ends there too, the string kept (whatever include_stop_str_in_output says)
+    out = _run(eng, [("after", p, SamplingParams(max_tokens=12, stop_after=[stop_str])),
+                     ("both", p, SamplingParams(max_tokens=12, stop=["\x00"],
+                                                stop_after=[stop_str]))])
+    for rid in ("after", "both"):
+        o = out[rid].outputs[0]
+        assert (o.text, o.finish_reason, o.stop_reason) == (text[:cut + 2], "stop", stop_str)
 
 
 def test_min_tokens_masks_the_stop_tokens_as_transformers_does(hf_llama):

@@ -117,6 +117,9 @@ def test_auto_and_none(srv: Server) -> None:
     auto = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=40)
     c = auto.choices[0]
     assert c.message.tool_calls or c.message.content   # the model's own choice, well-formed
+    one = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=40,
+                parallel_tool_calls=False).choices[0].message
+    assert len(one.tool_calls or []) <= 1 and (one.tool_calls or one.content)
     none = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4)
     assert none.choices[0].message.tool_calls is None
     assert none.usage.prompt_tokens < auto.usage.prompt_tokens   # tools not rendered
@@ -332,6 +335,22 @@ def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
 def test_reset_prefix_cache_is_404_without_the_flag(srv: Server) -> None:
     status, err = srv.raw("POST", "/reset_prefix_cache", key=None)
     assert status == 404 and "--enable-cache-reset" in err["error"]["message"]
+
+
+def test_parallel_tool_calls_false_ends_an_auto_reply_after_its_first_call() -> None:
+    """The reply's end, per ``parallel_tool_calls`` (the engine keeps a ``stop_after`` string
+    in the text: tests/engine/test_engine_correctness.py); the call it ends on is parsed."""
+    from radixkv.server.tools import stop_after
+
+    assert stop_after(False, active=True, forced=False) == (CALL_CLOSE,)
+    assert stop_after(True, active=True, forced=False) == ()
+    assert stop_after(None, active=True, forced=False) == ()
+    assert stop_after(False, active=True, forced=True) == ()    # the grammar makes one call
+    assert stop_after(False, active=False, forced=False) == ()  # tool_choice none
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n' + \
+        CALL_CLOSE
+    content, calls = parse(text, {"get_weather"})
+    assert content == "Sure." and len(calls) == 1
 
 
 def test_parse_takes_well_formed_calls_of_known_tools_and_leaves_the_rest() -> None:
