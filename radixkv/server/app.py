@@ -673,7 +673,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
 
         echo = eng.decode(prompts[0]) if not chat and getattr(req, "echo", False) else None
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names, echo), close)
+                               tool_names, echo, prompts[0]), close)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
@@ -731,8 +731,14 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                 choice["text"] = text
             if chat and state.reasoning_parser is not None:
                 # vLLM's field, and the name older vLLM (and clients written for it) used
+                if not req.include_reasoning:
+                    reasoning = None
                 choice["message"]["reasoning"] = reasoning
                 choice["message"]["reasoning_content"] = reasoning
+            if req.return_token_ids:   # vLLM's: what the engine computed and chose
+                choice["token_ids"] = [] if only else list(c.token_ids)
+                if not chat:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
     usage = serving.usage(outs, timing, eng.output_tier_names)
     if only:   # the token the engine picked is not part of the answer
@@ -743,6 +749,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             "usage": usage}
     if chat and req.prompt_logprobs is not None:   # vLLM puts the chat's beside the choices
         body["prompt_logprobs"] = serving.vllm_prompt_logprobs(decode, outs[0].prompt_logprobs)
+    if chat and req.return_token_ids:
+        body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
     return JSONResponse(body)
 
 
@@ -800,12 +808,14 @@ async def _disconnected(request: Request) -> None:
 async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: Any,
                   timing: serving.Timing, chat: bool,
                   release: Callable[[], None] = lambda: None,
-                  tool_names: set[str] | None = None, echo: str | None = None) -> Any:
+                  tool_names: set[str] | None = None, echo: str | None = None,
+                  prompt_ids: list[int] | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
     comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
-    ``echo``: a completion's prompt text, sent first in every choice (``echo: true``)."""
+    ``echo``: a completion's prompt text, sent first in every choice (``echo: true``).
+    ``prompt_ids``: the prompt, for ``return_token_ids`` (with each chunk's own token ids)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -844,6 +854,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         from radixkv.server.tools import CallStream
 
         calls = {i: CallStream(tool_names) for i in range(req.n)}
+    ids_out = bool(req.return_token_ids)
     thinks: dict[int, Any] = {}   # choice index -> its reasoning.ReasoningStream
     if chat and state.reasoning_parser is not None:
         from radixkv.server.reasoning import ReasoningStream
@@ -874,7 +885,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         if not (content or reasoning or made or finish or c.delta_logprobs):
             return None
         part = choice(c.index, content or None, finish, lps=c.delta_logprobs)
-        if reasoning:
+        if reasoning and req.include_reasoning:
             part["delta"]["reasoning"] = part["delta"]["reasoning_content"] = reasoning
         if made:
             part["delta"]["tool_calls"] = made
@@ -882,9 +893,18 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
 
     try:
         if chat:
-            yield chunk([choice(i, "", None, role=True) for i in range(req.n)])
-        elif echo:
-            yield chunk([choice(i, echo, None) for i in range(req.n)])
+            first = [choice(i, "", None, role=True) for i in range(req.n)]
+        else:
+            first = [choice(i, echo, None) for i in range(req.n)] if echo or ids_out else []
+        extra = ""
+        if ids_out and prompt_ids is not None:   # vLLM's return_token_ids: the prompt first
+            if chat:   # beside the choices, as the non-streamed chat answer has it
+                extra = ',"prompt_token_ids":' + json.dumps(list(prompt_ids))
+            else:
+                for part in first:
+                    part["prompt_token_ids"] = list(prompt_ids)
+        if first:
+            yield head + json.dumps(first, separators=(",", ":")) + extra + tail
         last, done = None, set()
         async for out in serving.run(state, rid, [], params, None, timing, handle=handle):
             last = out
@@ -895,12 +915,20 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 if c.index in done:
                     continue
                 text = c.text if beam else c.delta_text
+                part = None
                 if calls or thinks:
                     part = parsed_part(c, text or "")
+                elif text or c.finish_reason or c.delta_logprobs or (ids_out and
+                                                                     c.delta_token_ids):
+                    part = choice(c.index, text, c.finish_reason, lps=c.delta_logprobs)
+                if ids_out:
+                    ids = list(c.token_ids if beam else c.delta_token_ids)
+                    if part is None and ids:
+                        part = choice(c.index, None, None)
                     if part is not None:
-                        parts.append(part)
-                elif text or c.finish_reason or c.delta_logprobs:
-                    parts.append(choice(c.index, text, c.finish_reason, lps=c.delta_logprobs))
+                        part["token_ids"] = ids
+                if part is not None:
+                    parts.append(part)
                 if c.finish_reason:
                     done.add(c.index)
             if parts:

@@ -27,6 +27,16 @@ UNSUPPORTED = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
+    "echo": (None, False),   # chat's (completions' is implemented)
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None, []),
+    "truncation_side": (None, "left"), "priority": (None, 0),
+    "thinking_token_budget": (None,), "logits_processors": (None, []),
+    "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,), "ec_transfer_params": (None,),
+    "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
+    "return_token_offsets": (None, False), "return_prompt_text": (None, False),
+    "stream_interval": (None, 1),
 }
 
 
@@ -167,6 +177,9 @@ class _SamplingFields(_PlacedDocuments):
     use_beam_search: bool = False
     best_of: Optional[int] = Field(default=None, ge=1)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False   # vLLM's: the stop string that ended it, kept
+    # vLLM's: the prompt's and each choice's token ids in the answer (RL pipelines read them)
+    return_token_ids: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
     # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -443,6 +456,8 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     #: false: at most one call per reply (the reply ends after its first ``</tool_call>``)
     parallel_tool_calls: Optional[bool] = None
+    #: vLLM's: false leaves the thinking out of the answer (with ``--reasoning-parser``)
+    include_reasoning: bool = True
     # radixkv (vLLM's field, placed by the server rather than the template): the retrieved
     # documents' texts, placed before the last user message's text (docs/serve.md)
     documents: Optional[list[Union[str, dict[str, Any]]]] = None
@@ -480,6 +495,7 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
 
 
 class CompletionRequest(_SamplingFields):
+    _implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]

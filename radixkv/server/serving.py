@@ -104,6 +104,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         min_p=pick(req.min_p, "min_p", 0.0),
         top_k=max(0, pick(req.top_k, "top_k", 0)), seed=req.seed, stop=tuple(stop), n=req.n,
         ignore_eos=req.ignore_eos, logprobs=top_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, grammar=grammar,
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),

@@ -686,6 +686,7 @@ UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
+    ("skip_special_tokens", False), ("priority", 3), ("echo", True), ("vllm_xargs", {"a": 1}),
 ]
 
 
@@ -818,6 +819,42 @@ def test_min_tokens_holds_the_end_off_as_the_engine_does(ready: Server, engine: 
         status, err = ready.raw("POST", "/v1/chat/completions", {
             "model": MODEL, "messages": msgs, "max_tokens": 30, "temperature": 0, **body})
         assert status == 400 and err["error"]["param"] == "min_tokens", (body, err)
+
+
+def test_return_token_ids_and_include_stop_str_in_output(ready: Server, engine: Any) -> None:
+    """vLLM's ``return_token_ids`` (the prompt's and each choice's token ids, streamed or not)
+    and ``include_stop_str_in_output`` (the stop string kept), as the engine gives them."""
+    from radixkv import SamplingParams
+
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = engine.encode(text)
+    ref = engine.generate(ids, SamplingParams(max_tokens=6))[0].outputs[0]
+    status, body = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": text, "max_tokens": 6, "temperature": 0,
+        "return_token_ids": True})
+    c = body["choices"][0]
+    assert status == 200 and c["prompt_token_ids"] == ids and c["token_ids"] == ref.token_ids
+    msgs = [{"role": "user", "content": "Hi!"}]
+    chat_ids = engine.chat_template.prompt_ids(msgs)
+    chat_ref = engine.generate(chat_ids, SamplingParams(max_tokens=5))[0].outputs[0]
+    status, body = ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0,
+        "return_token_ids": True})
+    assert body["prompt_token_ids"] == chat_ids
+    assert body["choices"][0]["token_ids"] == chat_ref.token_ids
+    chunks = list(ready.client().chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=5, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_ids
+    assert [t for ch in chunks for c in ch.choices
+            for t in (c.model_extra or {}).get("token_ids") or []] == chat_ref.token_ids
+    # the stop string: cut before it by default, kept on request
+    stop = engine.decode(ref.token_ids)[3:6]
+    for keep in (False, True):
+        r = ready.client().completions.create(
+            model=MODEL, prompt=text, max_tokens=6, temperature=0, stop=[stop],
+            extra_body={"include_stop_str_in_output": keep})
+        assert r.choices[0].text.endswith(stop) == keep, (keep, r.choices[0].text)
 
 
 def test_template_endings_as_transformers_renders_them(ready: Server, engine: Any) -> None:

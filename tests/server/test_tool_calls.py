@@ -327,6 +327,9 @@ def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
             reasoning += d.get("reasoning") or ""
             content += c.delta.content or ""
     assert (reasoning, content) == (extra["reasoning"], msg.content)
+    kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}   # vLLM's: left out
+    hidden = _chat(srv, **kw).choices[0].message
+    assert hidden.model_extra["reasoning"] is None and hidden.content == msg.content
     plain = _chat(srv, messages=ASK, max_tokens=6).choices[0].message
     assert plain.model_extra["reasoning"] is None and plain.content
 
