@@ -459,9 +459,10 @@ def _routes(api: FastAPI, state: ServerState,
             serving.check_text(eng, serving.document_texts(req), "documents",
                                await _max_token_chars(state, eng))
             ids = [(await _off_loop(len(req.prompt), serving.document_prompt, eng, req, None,
-                                    req.prompt)).token_ids]
+                                    req.prompt, req.add_special_tokens)).token_ids]
         else:
-            ids = [await _off_loop(len(x), eng.encode, x) if isinstance(x, str) else list(x)
+            encode = eng.encode if req.add_special_tokens else eng.chat_template.encode
+            ids = [await _off_loop(len(x), encode, x) if isinstance(x, str) else list(x)
                    for x in prompts]
         points = None
         if req.prompt_cache_retention:

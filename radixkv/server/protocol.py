@@ -37,6 +37,9 @@ UNSUPPORTED = {
     "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
     "return_token_offsets": (None, False), "return_prompt_text": (None, False),
     "stream_interval": (None, 1),
+    "prompt_embeds": (None,), "mm_payload": (None,), "return_mm_kwargs": (None, False),
+    "routed_experts_prompt_start": (None,),
+    "add_special_tokens": (None, False),   # chat's (completions' is implemented)
 }
 
 
@@ -495,13 +498,15 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
 
 
 class CompletionRequest(_SamplingFields):
-    _implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
+    _implemented: ClassVar[frozenset[str]] = frozenset({"echo", "add_special_tokens"})
 
     # A string, a list of token ids, or (OpenAI's batch form) a list of one of those.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     # 0 with echo: the prompt alone comes back (with its logprobs), as OpenAI's and vLLM's
     max_tokens: Optional[int] = Field(default=None, ge=0)
     echo: bool = False
+    # vLLM's: a text prompt tokenized with the tokenizer's special tokens (BOS) or without
+    add_special_tokens: bool = True
     suffix: Optional[str] = None
     # radixkv: RAG documents blended from their cached entries (docs/rag.md): with a text
     # prompt their texts (found in it), with token ids their [start, end) token spans

@@ -687,6 +687,7 @@ UNSUPPORTED = [
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
     ("skip_special_tokens", False), ("priority", 3), ("echo", True), ("vllm_xargs", {"a": 1}),
+    ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
 ]
 
 
@@ -834,6 +835,11 @@ def test_return_token_ids_and_include_stop_str_in_output(ready: Server, engine: 
         "return_token_ids": True})
     c = body["choices"][0]
     assert status == 200 and c["prompt_token_ids"] == ids and c["token_ids"] == ref.token_ids
+    _, plain = ready.raw("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    _, body = ready.raw("POST", "/v1/completions", {   # vLLM's add_special_tokens, as /tokenize
+        "model": MODEL, "prompt": text, "max_tokens": 1, "add_special_tokens": False,
+        "return_token_ids": True})
+    assert body["choices"][0]["prompt_token_ids"] == plain["tokens"]
     msgs = [{"role": "user", "content": "Hi!"}]
     chat_ids = engine.chat_template.prompt_ids(msgs)
     chat_ref = engine.generate(chat_ids, SamplingParams(max_tokens=5))[0].outputs[0]
