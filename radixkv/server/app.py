@@ -347,21 +347,27 @@ def _routes(api: FastAPI, state: ServerState,
         if req.documents is not None:
             serving.check_text(eng, serving.document_texts(req), "documents", limit)
         if req.messages is not None:
+            from radixkv.server import tools as tool_calls
+
             try:
-                msgs = [{"role": "system" if m.role == "developer" else m.role,
-                         "content": m.text()} for m in req.messages]
+                msgs = tool_calls.template_messages(req.messages)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
+            variables = dict(req.chat_template_kwargs or {})
+            if req.tools:   # rendered as a chat request with these tools renders them
+                tool_calls.check_template(getattr(eng.chat_template.tokenizer,
+                                                  "chat_template", None))
+                variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             if req.documents is not None and not req.default_ending():
                 raise APIError(400, "documents are not supported with add_generation_prompt "
                                "false or continue_final_message", param="documents")
             try:
-                placed = None if req.documents is None else \
-                    await asyncio.to_thread(serving.document_prompt, eng, req, msgs)
+                placed = None if req.documents is None else await asyncio.to_thread(
+                    serving.document_prompt, eng, req, msgs, None, True, variables)
                 ids = await asyncio.to_thread(functools.partial(
-                    eng.chat_template.prompt_ids, **req.template_options()), msgs) \
-                    if placed is None else placed.token_ids
+                    eng.chat_template.prompt_ids, **{**req.template_options(), **variables}),
+                    msgs) if placed is None else placed.token_ids
             except (TemplateError, ValueError) as exc:
                 raise _template_refused(exc) from None
         elif req.prompt is not None:
@@ -376,8 +382,10 @@ def _routes(api: FastAPI, state: ServerState,
                 req.prompt) if placed is None else placed.token_ids
         else:
             raise APIError(400, "give a prompt or messages", param="prompt")
+        strs = eng.chat_template.tokenizer.convert_ids_to_tokens(ids) \
+            if req.return_token_strs else None
         out = {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids,
-               "token_strs": None}
+               "token_strs": strs}
         if placed is not None:   # where the documents are: for /v1/completions' spans
             out["document_spans"] = [list(sp) for sp in placed.spans]
         return out

@@ -563,6 +563,10 @@ class TokenizeRequest(_PlacedDocuments, _TemplateOptions):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
+    #: vLLM's: the tools the chat template renders into the prompt (as a chat request's)
+    tools: Optional[list[ToolDef]] = None
+    #: vLLM's: each token's string too (``token_strs``)
+    return_token_strs: bool = False
     # radixkv: the documents as chat or completions would take them; the answer then also
     # has their token spans (``document_spans``)
     documents: Optional[list[Union[str, dict[str, Any]]]] = None

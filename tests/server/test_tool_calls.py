@@ -335,6 +335,20 @@ def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_tokenize_renders_the_tools_as_the_chat_does(srv: Server) -> None:
+    """vLLM's ``/tokenize`` with ``tools``: the chat request's prompt, token for token."""
+    status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": ASK,
+                                                "tools": [WEATHER], "return_token_strs": True},
+                          key=None)
+    r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=1,
+              extra_body={"return_token_ids": True})
+    assert status == 200 and tok["tokens"] == r.model_extra["prompt_token_ids"]
+    assert len(tok["token_strs"]) == tok["count"] and "".join(tok["token_strs"])
+    _, bare = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": ASK}, key=None)
+    assert bare["count"] < tok["count"]
+
+
+@pytest.mark.model
 def test_reset_prefix_cache_is_404_without_the_flag(srv: Server) -> None:
     status, err = srv.raw("POST", "/reset_prefix_cache", key=None)
     assert status == 404 and "--enable-cache-reset" in err["error"]["message"]
