@@ -20,10 +20,13 @@ from typing import Any
 class IncrementalDetokenizer:
     """Text of a growing list of output token ids; None tokenizer means no text (tests)."""
 
-    __slots__ = ("tokenizer", "ids", "text", "prefix_offset", "read_offset", "stop", "max_stop")
+    __slots__ = ("tokenizer", "ids", "text", "prefix_offset", "read_offset", "stop", "max_stop",
+                 "skip_special")
 
-    def __init__(self, tokenizer: Any | None, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any | None, stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0
@@ -32,7 +35,7 @@ class IncrementalDetokenizer:
         self.max_stop = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
 
     def append(self, token_id: int) -> str:
         """Add a token; return the new text it completes (may be "")."""

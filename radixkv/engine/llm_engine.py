@@ -389,7 +389,8 @@ class LLMEngine:
         if gen is None and not p.greedy:
             gen = self._generator(req, index)
         seq = Sequence(next(self._ids), index, token_ids, len(req.prompt_token_ids),
-                       IncrementalDetokenizer(self.tokenizer, p.stop + p.stop_after), gen)
+                       IncrementalDetokenizer(self.tokenizer, p.stop + p.stop_after,
+                                              p.skip_special_tokens), gen)
         if p.logprobs is not None:
             seq.logprobs = []
         return seq

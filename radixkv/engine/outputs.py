@@ -149,7 +149,8 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
     if req.beam is not None:
         comps = []
         for i, (toks, _score, raw) in enumerate(req.beam.best(req.params.n)):
-            text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer else ""
+            text = tokenizer.decode(toks, skip_special_tokens=req.params.skip_special_tokens) \
+                if tokenizer else ""
             reason = FINISH_STOP if toks and toks[-1] in req.beam.eos else FINISH_LENGTH
             comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
     else:

@@ -89,6 +89,8 @@ class SamplingParams:
             (unless ``ignore_eos``) and ``stop_token_ids`` are masked out of the choice and no
             stop string ends the sequence (0 = off; at most ``max_tokens``). Not with beam
             search or a grammar (whose value may end earlier).
+        skip_special_tokens: leave special tokens (end of turn, template markers) out of the
+            text (default, as vLLM's); False writes them (token ids are the same either way).
         logprobs: None = no per-token log-probabilities; k in [0, MAX_LOGPROBS] = each output
             token's own log-probability plus the k most likely tokens at that position
             (``CompletionOutput.logprobs``). Raw model distribution, like
@@ -134,6 +136,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     frequency_penalty: float = 0.0

@@ -219,7 +219,8 @@ class FleetIngress:
                           api_keys=o.get("api_keys") or [], max_queued=o.get("max_queued", 256),
                           default_max_tokens=o.get("default_max_tokens"),
                           salt_secret=o.get("salt_secret"), extra_metrics=extra,
-                          reasoning_parser=o.get("reasoning_parser"))
+                          reasoning_parser=o.get("reasoning_parser"),
+                          max_logprobs=o.get("max_logprobs", 20))
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

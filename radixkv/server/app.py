@@ -65,7 +65,8 @@ class ServerState:
     def __init__(self, model_name: str, tenants: Tenants, max_queued: int,
                  default_max_tokens: int | None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 reasoning_parser: str | None = None, cache_reset: bool = False) -> None:
+                 reasoning_parser: str | None = None, cache_reset: bool = False,
+                 max_logprobs: int = 20) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -76,6 +77,8 @@ class ServerState:
         self.reasoning_parser = reasoning_parser
         #: ``POST /reset_prefix_cache`` is served (``--enable-cache-reset``; else 404)
         self.cache_reset = cache_reset
+        #: ``--max-logprobs``: most alternatives a token a request may ask for
+        self.max_logprobs = max_logprobs
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
@@ -218,7 +221,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                on_load_error: Callable[[str], None] | None = None,
-               reasoning_parser: str | None = None, cache_reset: bool = False) -> Any:
+               reasoning_parser: str | None = None, cache_reset: bool = False,
+               max_logprobs: int = 20) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -228,7 +232,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
-    serve ``POST /reset_prefix_cache``. Returns the app wrapped in its gate middleware; the
+    serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``. Returns the app
+    wrapped in its gate middleware; the
     FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
@@ -243,7 +248,7 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
-                        cache_reset)
+                        cache_reset, max_logprobs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -656,7 +661,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
                                               state.default_max_tokens, vocab, grammar,
-                                              eng.sampling_defaults))
+                                              eng.sampling_defaults, state.max_logprobs))
     if stop_after:
         params = [dataclasses.replace(sp, stop_after=stop_after) for sp in params]
     if req.stream and len(prompts) > 1:

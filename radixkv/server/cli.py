@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults over the model's generation config, as vLLM's: "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}' (keys: "
                         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
+    v.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                   help="most log-probabilities per token a request may ask for (logprobs, "
+                        "top_logprobs, prompt_logprobs), as vLLM's; 0..20 (default 20)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
@@ -425,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                      salt_secret=args.salt_secret,
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                      on_load_error=stop, reasoning_parser=args.reasoning_parser,
+                     max_logprobs=args.max_logprobs,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
@@ -484,6 +488,9 @@ def _vllm_flags(args: argparse.Namespace) -> None:
         from radixkv.models import parse_generation_overrides
 
         parse_generation_overrides(args.override_generation_config)   # a usage error now
+    if not 0 <= args.max_logprobs <= 20:
+        raise ConfigError(f"--max-logprobs must be in [0, 20] (radixkv returns at most 20 "
+                          f"alternatives a token), got {args.max_logprobs}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 

@@ -28,7 +28,7 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),   # chat's (completions' is implemented)
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None, []),
     "truncation_side": (None, "left"), "priority": (None, 0),
     "thinking_token_budget": (None,), "logits_processors": (None, []),
@@ -181,6 +181,7 @@ class _SamplingFields(_PlacedDocuments):
     best_of: Optional[int] = Field(default=None, ge=1)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False   # vLLM's: the stop string that ended it, kept
+    skip_special_tokens: bool = True   # vLLM's: false writes special tokens into the text
     # vLLM's: the prompt's and each choice's token ids in the answer (RL pipelines read them)
     return_token_ids: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens

@@ -59,11 +59,12 @@ def request_salt(req: Any) -> str | None:
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
                     max_model_len: int, default_max_tokens: int | None,
                     vocab_size: int | None = None, grammar: Any = None,
-                    defaults: Mapping[str, Any] | None = None) -> Any:
+                    defaults: Mapping[str, Any] | None = None, max_logprobs: int = 20) -> Any:
     """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens
     (``grammar``: the compiled ``response_format``, or None). ``defaults``: the model's
     generation config (``radixkv.models.generation_defaults``) for the fields the request leaves
-    unset (not for beam search, which is deterministic). Raises :class:`APIError` (400)
+    unset (not for beam search, which is deterministic). ``max_logprobs``: the server's cap
+    on alternatives a token (``--max-logprobs``). Raises :class:`APIError` (400)
     naming the field for anything the engine cannot honour."""
     from radixkv.engine.sampling import SamplingParams
 
@@ -95,6 +96,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     max_tokens = asked if asked is not None else min(
         room, default_max_tokens or d.get("max_tokens") or room)
     top_logprobs = logprobs_asked(req)
+    for name, k in (("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs",
+                     top_logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if k is not None and k > max_logprobs:
+            raise APIError(400, f"{name}={k} is more than this server's --max-logprobs "
+                           f"{max_logprobs}", param=name)
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise APIError(400, f"seed must be in [0, {MAX_SEED}], got {req.seed}", param="seed")
     temperature = pick(req.temperature, "temperature", 1.0)
@@ -105,6 +111,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         top_k=max(0, pick(req.top_k, "top_k", 0)), seed=req.seed, stop=tuple(stop), n=req.n,
         ignore_eos=req.ignore_eos, logprobs=top_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, grammar=grammar,
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),

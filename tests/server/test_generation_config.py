@@ -116,3 +116,25 @@ def test_the_server_applies_the_checkpoint_defaults(tmp_path: Path) -> None:
         r = client.chat.completions.create(model=client.models.list().data[0].id,
                                            messages=msgs)
         assert r.usage.completion_tokens == 7
+
+
+def test_max_logprobs_caps_what_a_request_may_ask() -> None:
+    """vLLM's --max-logprobs: a request asking more alternatives a token is a 400 naming the
+    field; the flag itself is 0..20 (a usage error outside)."""
+    from radixkv.errors import ConfigError
+    from radixkv.server.cli import _vllm_flags, build_parser
+    from radixkv.server.errors import APIError
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                logprobs=True, top_logprobs=5)
+    assert sampling_params(req, 5, 1000, None, 100, None, None, 5).logprobs == 5
+    with pytest.raises(APIError) as info:
+        sampling_params(req, 5, 1000, None, 100, None, None, 4)
+    assert info.value.param == "top_logprobs"
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                prompt_logprobs=3)
+    with pytest.raises(APIError):
+        sampling_params(req, 5, 1000, None, 100, None, None, 2)
+    assert build_parser().parse_args(["--max-logprobs", "5"]).max_logprobs == 5
+    with pytest.raises(ConfigError):
+        _vllm_flags(build_parser().parse_args(["--max-logprobs", "21"]))

@@ -686,8 +686,8 @@ UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
-    ("skip_special_tokens", False), ("priority", 3), ("echo", True), ("vllm_xargs", {"a": 1}),
-    ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
+    ("spaces_between_special_tokens", False), ("priority", 3), ("echo", True),
+    ("vllm_xargs", {"a": 1}), ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
 ]
 
 
@@ -854,6 +854,15 @@ def test_return_token_ids_and_include_stop_str_in_output(ready: Server, engine: 
     assert chunks[0].model_extra["prompt_token_ids"] == chat_ids
     assert [t for ch in chunks for c in ch.choices
             for t in (c.model_extra or {}).get("token_ids") or []] == chat_ref.token_ids
+    # special tokens: left out of the text by default, written with skip_special_tokens false
+    written = _chat(ready.client(), msgs, max_tokens=30, temperature=0,
+                    extra_body={"skip_special_tokens": False}).choices[0].message.content
+    want = engine.generate(chat_ids, SamplingParams(max_tokens=30, skip_special_tokens=False)
+                           )[0].outputs[0]
+    assert want.finish_reason == "stop" and written == want.text
+    assert written.endswith(engine.decode(want.token_ids[-1:], skip_special_tokens=False))
+    assert written != _chat(ready.client(), msgs, max_tokens=30,
+                            temperature=0).choices[0].message.content
     # the stop string: cut before it by default, kept on request
     stop = engine.decode(ref.token_ids)[3:6]
     for keep in (False, True):
