@@ -408,6 +408,9 @@ class EngineConfig:
             generation, Triton's compilation on CUDA; ``ModelRunner.warm_up``): on the
             embedded model on the CPU ~0.13 s at start against 5-6x the TTFT of the first
             request through the server.
+        seed: vLLM's ``--seed``: requests that give no ``seed`` draw from generators seeded in
+            turn from this one, so the same requests in the same order sample the same tokens
+            after a restart. None (default): fresh entropy per request (OpenAI's behaviour).
         blend_ratio: the share of document tokens recomputed when a request's documents are
             blended from their cached entries (``add_request(documents=...)``, the server's
             ``documents``; docs/rag.md) and the request names no ratio. 0.15: the smallest
@@ -428,10 +431,14 @@ class EngineConfig:
     prefill_priority_steps: int = 4
     warm_up: bool = True
     blend_ratio: float = 0.15
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         from radixkv.engine.admission_order import POLICIES, check_lpm_options
 
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or isinstance(self.seed, bool)):
+            raise ConfigError(f"EngineConfig.seed must be an int or None, got {self.seed!r}")
         r = self.blend_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise ConfigError(f"EngineConfig.blend_ratio must be a number in [0, 1], got {r!r}")

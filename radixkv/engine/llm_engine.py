@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
+import random
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence as Seq
@@ -194,6 +195,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []   # outputs produced outside step (aborts)
         self._num_forwards = 0
         self._prompt_rows = False   # the step's forward returns prompt positions' logits too
+        # EngineConfig.seed: the seeds of requests that give none, in arrival order
+        self._seeds = (random.Random(engine_config.seed)
+                       if engine_config.seed is not None else None)
         # Close (join the tier threads) before the interpreter finalizes: a daemon thread in a
         # CUDA copy at finalization aborts the process (see api/engine_loop.py).
         self._at_exit = _close_at_exit(weakref.ref(self))
@@ -337,6 +341,10 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, ns, arrival_time=arrival_time)
         req.cache_points = points
         req.bad_words_ids = bad_words
+        if params.seed is not None:
+            req.seed = params.seed
+        elif self._seeds is not None and not params.greedy:
+            req.seed = self._seeds.getrandbits(63)
         req.session, req.end_session = session, end_session
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):
@@ -621,9 +629,10 @@ class LLMEngine:
         return outputs
 
     def _generator(self, req: Request, index: int) -> torch.Generator:
-        """Sample ``index`` of a request draws from its own generator (``seed + index``)."""
-        p = req.params
-        return make_generator(None if p.seed is None else p.seed + index, self._runner.device)
+        """Sample ``index`` of a request draws from its own generator (``seed + index``; the
+        request's seed, or one drawn from ``EngineConfig.seed``'s sequence)."""
+        seed = req.seed
+        return make_generator(None if seed is None else seed + index, self._runner.device)
 
     def _prefilled(self, req: Request) -> None:
         """The prompt is computed: count what it wrote to the cache, apply its cache points

@@ -113,6 +113,8 @@ class Request:
         self.finished_outputs_sent = False
         # response_format: each sequence's grammar matcher by output index (engine/grammar.py)
         self.grammar_state: dict[int, Any] = {}
+        #: the seed its samples draw from (``params.seed``, or one from ``EngineConfig.seed``)
+        self.seed: int | None = params.seed
         #: ``params.bad_words`` as token sequences (``LLMEngine.add_request`` sets them)
         self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
         #: with ``params.prompt_logprobs``: entry i is prompt token i's ``TokenLogprob`` (None

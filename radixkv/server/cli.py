@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults over the model's generation config, as vLLM's: "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}' (keys: "
                         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
+    v.add_argument("--seed", type=int, default=None,
+                   help="seed the sampling of requests that give no seed, in arrival order, "
+                        "so a replay samples the same tokens after a restart (vLLM's; "
+                        "default: fresh entropy per request)")
     v.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="most log-probabilities per token a request may ask for (logprobs, "
                         "top_logprobs, prompt_logprobs), as vLLM's; 0..20 (default 20)")
@@ -262,7 +266,8 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                       dtype=args.dtype, max_model_len=args.max_model_len,
                       prefetch_requests=args.prefetch_requests,
                       async_loads=not args.no_async_loads,
-                      cuda_graphs=False if args.enforce_eager else None, **_scheduling(args))
+                      cuda_graphs=False if args.enforce_eager else None, seed=args.seed,
+                      **_scheduling(args))
     return cc, ec
 
 

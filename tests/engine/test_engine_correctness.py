@@ -174,6 +174,33 @@ def test_n_samples_seeded_reproducible_and_distinct(hf_llama):
     assert all(o.cumulative_logprob < 0 for o in a.outputs)
 
 
+def test_engine_seed_makes_unseeded_sampling_repeat(hf_llama):
+    """``EngineConfig.seed`` (vLLM's ``--seed``): the same unseeded sampled requests in the
+    same order draw the same tokens on a fresh engine, a greedy request between them does not
+    shift the sequence, and a request's own seed still wins."""
+    prompts = _prompts([7, 11, 5], seed=9)
+
+    def run(seed, greedy_between=False):
+        eng = LLMEngine(copy.deepcopy(hf_llama), None,
+                        CacheConfig(block_size=4, num_device_blocks=128),
+                        EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, seed=seed),
+                        model_id="tiny")
+        reqs = [(f"s{i}", p, SamplingParams(max_tokens=8, temperature=1.0, n=2))
+                for i, p in enumerate(prompts)]
+        if greedy_between:
+            reqs.insert(1, ("g", prompts[0], _greedy(4)))
+        reqs.append(("own", prompts[0], SamplingParams(max_tokens=8, temperature=1.0, seed=3)))
+        out = _run(eng, reqs)
+        return {k: [c.token_ids for c in o.outputs] for k, o in out.items() if k != "g"}
+
+    a, b = run(5), run(5, greedy_between=True)
+    assert a == b
+    c = run(6)
+    assert c["own"] == a["own"] and any(c[k] != a[k] for k in ("s0", "s1", "s2"))
+    with pytest.raises(ConfigError):
+        EngineConfig(seed="x")
+
+
 def test_topk1_sampling_equals_greedy(hf_llama):
     [p] = _prompts([8])
     out = _run(_engine(hf_llama),
