@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.errors import ConfigError, InvalidRequestError
@@ -58,16 +58,25 @@ class Thinking(NamedTuple):
 class Grammar:
     """A grammar compiled for one vocabulary. Immutable; shared by every request using it.
 
+    Pickling sends its *recipe* (``spec``), not xgrammar's compiled tables: a fleet's ingress
+    compiles a request's grammar (a 400 before routing when it cannot), and the replica that
+    runs the request compiles the same recipe with its own compiler
+    (:func:`register_compiler`; xgrammar caches what it compiled).
+
     Attributes:
-        kind: ``"json_object"`` or ``"json_schema"`` (for messages).
+        kind: ``"json_object"``, ``"json_schema"``, ``"regex"``, ``"choice"``, ``"grammar"``
+            or ``"tool_call"`` (for messages).
         vocab_size: the model's logits width the masks are made for.
+        spec: the recipe: ``("constraint", kind, value, any_whitespace)`` or
+            ``("tool_call", tools, open_tag, close_tag, otherwise)``.
     """
 
     def __init__(self, compiled: Any, kind: str, vocab_size: int,
-                 thinking: Thinking | None = None) -> None:
+                 thinking: Thinking | None = None, spec: tuple[Any, ...] | None = None) -> None:
         self.compiled, self.kind, self.vocab_size = compiled, kind, vocab_size
         #: with a reasoning model: the grammar applies after its thinking (:class:`Thinking`)
         self.thinking = thinking
+        self.spec = spec
 
     def matcher(self) -> Any:
         """A fresh matcher (the state of one output sequence)."""
@@ -76,7 +85,45 @@ class Grammar:
     def after_thinking(self, thinking: Thinking) -> Grammar:
         """This grammar, applied only once the reply's thinking is over (the same compiled
         grammar: compiling is per vocabulary, not per request)."""
-        return Grammar(self.compiled, self.kind, self.vocab_size, thinking)
+        return Grammar(self.compiled, self.kind, self.vocab_size, thinking, self.spec)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.spec is None:
+            raise TypeError(f"{self!r} was compiled without a recipe and cannot be sent to "
+                            "another process")
+        return (_rebuild, (self.spec, self.vocab_size, self.thinking))
+
+
+#: vocab_size -> a function that builds this process's compiler for it (a fleet replica
+#: registers its engine's), and the compilers built
+_FACTORIES: dict[int, Callable[[], GrammarCompiler]] = {}
+_COMPILERS: dict[int, GrammarCompiler] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_compiler(vocab_size: int, factory: Callable[[], GrammarCompiler]) -> None:
+    """How this process compiles grammars sent to it for a ``vocab_size`` model (built on the
+    first one that arrives: building a compiler reads the whole vocabulary)."""
+    with _REGISTRY_LOCK:
+        _FACTORIES[vocab_size] = factory
+        _COMPILERS.pop(vocab_size, None)
+
+
+def _rebuild(spec: tuple[Any, ...], vocab_size: int, thinking: Thinking | None) -> Grammar:
+    """Unpickling a :class:`Grammar`: compile its recipe with this process's compiler."""
+    with _REGISTRY_LOCK:
+        gc = _COMPILERS.get(vocab_size)
+        if gc is None:
+            factory = _FACTORIES.get(vocab_size)
+            if factory is None:
+                raise ConfigError(f"a grammar for a {vocab_size}-token vocabulary arrived, and "
+                                  "this process has no compiler for it (register_compiler)")
+            gc = _COMPILERS[vocab_size] = factory()
+    if spec[0] == "constraint":
+        g = gc.compile(spec[1], spec[2], spec[3])
+    else:
+        g = gc.tool_call(spec[1], spec[2], spec[3], spec[4])
+    return g if thinking is None else g.after_thinking(thinking)
 
     def __repr__(self) -> str:
         return f"Grammar({self.kind})"
@@ -130,7 +177,8 @@ class GrammarCompiler:
         except (RuntimeError, TypeError, ValueError) as exc:
             raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {exc}"
                                       ) from None
-        return Grammar(compiled, "json_schema" if kind == "json" else kind, self.vocab_size)
+        return Grammar(compiled, "json_schema" if kind == "json" else kind, self.vocab_size,
+                       spec=("constraint", kind, value, any_whitespace))
 
     def source(self, kind: str, value: Any, any_whitespace: bool = True) -> Any:
         """The (uncompiled) xgrammar ``Grammar`` of one output constraint: ``json_object``
@@ -181,13 +229,14 @@ class GrammarCompiler:
         raise InvalidRequestError(f"unknown output constraint {kind!r}")
 
     def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str,
-                  otherwise: Any = None) -> Grammar:
+                  otherwise: tuple[str, Any, bool] | None = None) -> Grammar:
         """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
         written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
         valid against the schema (OpenAI's ``tool_choice`` required or named). ``otherwise``:
-        an uncompiled grammar (:meth:`source`) the output may follow instead of calling
-        (``tool_choice`` auto beside ``response_format``)."""
+        ``(kind, value, any_whitespace)`` of a constraint (:meth:`source`) the output may
+        follow instead of calling (``tool_choice`` auto beside ``response_format``)."""
         xgr = _xgr()
+        alternative = None if otherwise is None else self.source(*otherwise)
         try:
             calls = [xgr.Grammar.from_json_schema(json.dumps({
                 "type": "object", "properties": {"name": {"const": name},
@@ -198,14 +247,16 @@ class GrammarCompiler:
             grammar = xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
-            if otherwise is not None:
-                grammar = xgr.Grammar.union(grammar, otherwise)
+            if alternative is not None:
+                grammar = xgr.Grammar.union(grammar, alternative)
             with self._lock:
                 compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, TypeError, ValueError) as exc:   # as in source
             raise InvalidRequestError(f"the tools' parameters cannot be compiled: {exc}"
                                       ) from None
-        return Grammar(compiled, "tool_call", self.vocab_size)
+        return Grammar(compiled, "tool_call", self.vocab_size,
+                       spec=("tool_call", [tuple(t) for t in tools], open_tag, close_tag,
+                             otherwise))
 
 
 #: ``SeqGrammar.phase`` values: the grammar masks every token; the reply is thinking (no
@@ -292,4 +343,4 @@ def accept(req: Any, seq: Any, token: int) -> None:
 
 
 __all__ = ["ACTIVE", "THINKING", "UNDECIDED", "Grammar", "GrammarCompiler", "SeqGrammar",
-           "Thinking", "accept", "mask_rows", "matcher_for"]
+           "Thinking", "accept", "mask_rows", "matcher_for", "register_compiler"]

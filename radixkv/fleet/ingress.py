@@ -106,6 +106,7 @@ class FleetBackend(Backend):
         self.max_num_seqs = info["max_num_seqs"] * max(1, info.get("num_replicas", 1))
         self.block_size = info["block_size"]
         self.hash_prefixes = bool(info.get("prefix_caching", True))
+        self.eos_token_ids = frozenset(info.get("eos_token_ids", ()))
         self._namespace = Namespace(info["namespace_model"])
         self._template: Any = None
         self.failovers = 0

@@ -55,6 +55,17 @@ def replica_cache_config(cc: Any, rank: int) -> Any:
     return dataclasses.replace(cc, disk_dir=os.path.join(str(cc.disk_dir), f"replica-{rank}"))
 
 
+def _register_grammars(engine: Any) -> None:
+    """Let grammars the ingress compiled (response_format, structured outputs, forced tool
+    calls) arrive here: they travel as recipes and are compiled again with this engine's
+    tokenizer on the first one (``engine.grammar.register_compiler``)."""
+    from radixkv.engine import grammar
+
+    core = engine.core
+    grammar.register_compiler(core.vocab_size, lambda: grammar.GrammarCompiler(
+        engine.tokenizer, core.vocab_size, core._eos or None))
+
+
 class EngineReplica:
     """The engine deployment's class (Serve instantiates one per replica)."""
 
@@ -88,6 +99,7 @@ class EngineReplica:
 
     def _attach(self, engine: Any, replica_id: str, bus: Any, load_s: float) -> None:
         self.engine, self.replica_id, self.load_s = engine, replica_id, load_s
+        _register_grammars(engine)
         # the fleet's /metrics radixkv_kv_blocks_{stored,removed}_total, as the server's
         engine.loop.call(engine.core.count_kv_events)
         self._recorder = EventRecorder(engine.core.tree)
@@ -142,6 +154,7 @@ class EngineReplica:
                 "block_size": eng.cache_config.block_size,
                 "namespace_model": core.namespace.model,
                 "prefix_caching": eng.cache_config.enable_prefix_caching,
+                "eos_token_ids": sorted(core._eos),
                 "replica_id": self.replica_id, "pid": os.getpid(), "load_s": self.load_s}
 
     def stats(self) -> dict[str, Any]:

@@ -521,8 +521,8 @@ async def _grammar(state: ServerState, eng: Backend, req: Any) -> Any:
 async def _constraint_grammar(gc: Any, req: Any, found: tuple[str, str, Any],
                               compiled: bool) -> Any:
     """The grammar of the constraint ``found`` (``req.output_constraint()``): compiled, or
-    (``compiled`` False) the source to combine with another. A 400 naming its field when it
-    does not compile."""
+    (``compiled`` False, checked) its ``(kind, value, any_whitespace)`` to combine with another.
+    A 400 naming its field when it does not compile."""
     from radixkv.errors import InvalidRequestError
 
     param, kind, value = found
@@ -533,18 +533,18 @@ async def _constraint_grammar(gc: Any, req: Any, found: tuple[str, str, Any],
             except ValueError:
                 raise InvalidRequestError("the JSON schema is not JSON") from None
         spaces = not getattr(req.structured_outputs, "disable_any_whitespace", False)
-        build = gc.compile if compiled else gc.source
-        return await asyncio.to_thread(build, kind, value, spaces)
+        if compiled:
+            return await asyncio.to_thread(gc.compile, kind, value, spaces)
+        await asyncio.to_thread(gc.source, kind, value, spaces)   # a 400 now if it is wrong
+        return kind, value, spaces
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=param) from None
 
 
 async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
     """The server's grammar compiler (the vocabulary's token table, about a second), built
-    once in a thread; a 400 naming ``param`` where grammars cannot run."""
-    if not isinstance(eng, LocalBackend):
-        raise APIError(400, f"{param} is not supported by a fleet (--replicas) yet",
-                       param=param, code="unsupported_parameter")
+    once in a thread; a 400 naming ``param`` where grammars cannot run. A fleet's replicas
+    compile the same recipes with their own (``engine.grammar.register_compiler``)."""
     from radixkv.engine.grammar import GrammarCompiler
     from radixkv.errors import ConfigError
 
@@ -552,7 +552,7 @@ async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
         if state.grammar_compiler is None:
             state.grammar_compiler = await asyncio.to_thread(
                 GrammarCompiler, eng.chat_template.tokenizer, eng.vocab_size,
-                getattr(eng.engine.core, "_eos", None))
+                eng.eos_token_ids or None)
     except ConfigError as exc:
         raise APIError(400, str(exc), param=param) from None
     return state.grammar_compiler

@@ -50,6 +50,8 @@ class Backend(abc.ABC):
     #: Sampling defaults from the model's generation config for what a request leaves unset
     #: (``radixkv.models.generation_defaults``; empty with ``--generation-config vllm``).
     sampling_defaults: Mapping[str, Any] = MappingProxyType({})
+    #: The model's end-of-sequence token ids (a grammar allows them once its value is done).
+    eos_token_ids: frozenset[int] = frozenset()
 
     @property
     @abc.abstractmethod
@@ -127,6 +129,7 @@ class LocalBackend(Backend):
         self.output_tier_names = core.output_tier_names
         self.max_num_seqs = engine.engine_config.max_num_seqs
         self.block_size = engine.cache_config.block_size   # server-placed RAG documents pad to it
+        self.eos_token_ids = frozenset(core._eos)
 
     @property
     def chat_template(self) -> Any:

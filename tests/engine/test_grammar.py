@@ -93,3 +93,32 @@ def test_a_grammar_after_thinking_shapes_only_the_answer() -> None:
                                            logit_bias={free[1]: -100}))
     assert re.fullmatch("[0-9]{3}", out[0].outputs[0].text), out[0].outputs[0].text
     eng.close()
+
+
+def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
+    """A fleet's ingress compiles a request's grammar and sends it to a replica: pickling
+    sends the recipe, and the receiving process compiles it with its registered compiler
+    into a grammar that takes the same outputs (thinking rule included)."""
+    import pickle
+
+    from radixkv.engine.grammar import Grammar, Thinking, register_compiler
+    from radixkv.errors import ConfigError
+
+    register_compiler(gc.vocab_size, lambda: gc)   # what a replica does with its engine's
+    cases = [(gc.regex("[0-9]{3}"), "123", "12a"),
+             (gc.choice(["yes", "no"]), "no", "nope"),
+             (gc.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                              "required": ["n"]}, any_whitespace=False), '{"n": 7}', '{"m": 7}'),
+             (gc.tool_call([("f", {"type": "object"})], "<a>", "</a>",
+                           ("regex", "[0-9]+", True)), "42", "x"),
+             (gc.ebnf('root ::= "a" [0-9]').after_thinking(Thinking(5, (6,), False)),
+              "a1", "b1")]
+    for g, good, bad in cases:
+        back = pickle.loads(pickle.dumps(g))
+        assert (back.kind, back.spec, back.thinking) == (g.kind, g.spec, g.thinking)
+        assert _accepts(gc, back, good) and not _accepts(gc, back, bad), g
+    with pytest.raises(TypeError):   # compiled without a recipe: nothing to send
+        pickle.dumps(Grammar(None, "regex", gc.vocab_size))
+    with pytest.raises(ConfigError):   # a process without a compiler for that vocabulary
+        pickle.loads(pickle.dumps(Grammar(None, "regex", 12345, spec=("constraint", "regex",
+                                                                       "a", True))))

@@ -213,6 +213,15 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
     chunks = list(_chat(client, [{"role": "user", "content": "Say hi."}], max_tokens=6,
                         stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 6
+    # a grammar compiled at the ingress runs on the replica it is routed to (as a recipe)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=8,
+        temperature=1.0, n=3, seed=4,
+        extra_body={"structured_outputs": {"choice": ["red", "light blue"]}})
+    assert all(ch.message.content in ("red", "light blue") for ch in r.choices), r
+    with pytest.raises(openai.BadRequestError):   # refused at the ingress, not on a replica
+        _chat(client, [{"role": "user", "content": "x"}], max_tokens=2,
+              extra_body={"structured_outputs": {"regex": "(a"}})
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
