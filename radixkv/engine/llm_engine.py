@@ -837,6 +837,12 @@ class LLMEngine:
         host = self.tier_names.index("host") if self._remote is not None else None
         return request_output(req, finished, self.tokenizer, host)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence token ids (what ends a sequence unless ``ignore_eos``;
+        a grammar allows them once its value is complete)."""
+        return frozenset(self._eos)
+
     # ------------------------------------------------------------------ cache control
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request holds, in every tier this engine owns

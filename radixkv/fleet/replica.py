@@ -63,7 +63,7 @@ def _register_grammars(engine: Any) -> None:
 
     core = engine.core
     grammar.register_compiler(core.vocab_size, lambda: grammar.GrammarCompiler(
-        engine.tokenizer, core.vocab_size, core._eos or None))
+        engine.tokenizer, core.vocab_size, core.eos_token_ids or None))
 
 
 class EngineReplica:
@@ -154,7 +154,7 @@ class EngineReplica:
                 "block_size": eng.cache_config.block_size,
                 "namespace_model": core.namespace.model,
                 "prefix_caching": eng.cache_config.enable_prefix_caching,
-                "eos_token_ids": sorted(core._eos),
+                "eos_token_ids": sorted(core.eos_token_ids),
                 "replica_id": self.replica_id, "pid": os.getpid(), "load_s": self.load_s}
 
     def stats(self) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class LocalBackend(Backend):
         self.output_tier_names = core.output_tier_names
         self.max_num_seqs = engine.engine_config.max_num_seqs
         self.block_size = engine.cache_config.block_size   # server-placed RAG documents pad to it
-        self.eos_token_ids = frozenset(core._eos)
+        self.eos_token_ids = core.eos_token_ids
 
     @property
     def chat_template(self) -> Any:

@@ -77,7 +77,7 @@ def test_a_grammar_after_thinking_shapes_only_the_answer() -> None:
                                                                     dtype="float32"))
     ids = eng.chat_template.prompt_ids([{"role": "user", "content": "Hi!"}])
     free = eng.generate(ids, SamplingParams(max_tokens=4))[0].outputs[0].token_ids
-    gc = GrammarCompiler(eng.tokenizer, eng.core.vocab_size, eng.core._eos)
+    gc = GrammarCompiler(eng.tokenizer, eng.core.vocab_size, eng.core.eos_token_ids)
     digits = gc.regex("[0-9]{3}")
     head = eng.decode(free[:2])
     for thinking in (Thinking(free[0], (free[1],), False),    # qwen3: opens, then closes
