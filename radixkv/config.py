@@ -384,9 +384,12 @@ class EngineConfig:
         scheduling_policy: the order waiting requests are admitted in: ``"lpm"`` (default:
             longest cached prefix first; requests sharing an uncached prefix wait for one of
             them to compute it; an age limit keeps arrival order for requests that waited
-            ``scheduling_max_wait_s``; see ``engine/admission_order.py``) or ``"fcfs"``
-            (arrival order). lpm with a 2 s age limit was at least as good as fcfs in TTFT
-            p50/p99 and better in hit rate on the rag and chat traces (docs/benchmarks.md).
+            ``scheduling_max_wait_s``; see ``engine/admission_order.py``), ``"fcfs"``
+            (arrival order) or ``"priority"`` (vLLM's: by each request's ``priority``, lower
+            first, then arrival; the least urgent running request is preempted first; a
+            non-zero ``priority`` is refused under the other two). lpm with a 2 s age limit was
+            at least as good as fcfs in TTFT p50/p99 and better in hit rate on the rag and chat
+            traces (docs/benchmarks.md).
         scheduling_window: lpm ranks only the this many oldest waiting requests each step
             (bounds its matching cost per step).
         scheduling_max_wait_s: lpm's age limit: a request waiting this many seconds or more is

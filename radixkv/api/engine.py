@@ -266,7 +266,8 @@ class Engine:
     def submit(self, prompt: Prompt, params: ParamsLike = None, *,
                cache_salt: str | None = None, request_id: str | None = None,
                cache_points: Sequence[Any] | None = None, session: str | int | None = None,
-               end_session: bool = False, namespace_extra: str | None = None) -> str:
+               end_session: bool = False, namespace_extra: str | None = None,
+               priority: int = 0) -> str:
         """Add one request to the running batch; returns its id. Outputs come from
         :meth:`stream_request` / :meth:`wait` (or :meth:`generate`, which does all of it).
         Thread-safe: the request joins the batch the engine loop is stepping.
@@ -275,7 +276,9 @@ class Engine:
         ``end_session``: it is the session's last request; eviction hints for the forecasting
         policies (``forecast``, ``duel``), ignored by the others (docs/api.md).
         ``namespace_extra``: a cache domain of the same salt, for document entries and blended
-        prompts (:mod:`radixkv.engine.blend`, used by :class:`~radixkv.api.rag.RAGHelper`)."""
+        prompts (:mod:`radixkv.engine.blend`, used by :class:`~radixkv.api.rag.RAGHelper`).
+        ``priority``: the scheduling priority under ``EngineConfig(scheduling_policy=
+        "priority")``, lower first (vLLM's convention); 0 under the other policies."""
         ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -284,6 +287,8 @@ class Engine:
             {"session": session, "end_session": end_session}
         if namespace_extra is not None:
             hints["namespace_extra"] = namespace_extra
+        if type(priority) is not int or priority:   # (the engine validates it)
+            hints["priority"] = priority
         self._streams[rid] = self.loop.submit(rid, ids, as_params(params), cache_salt,
                                               cache_points, **hints)
         return rid
@@ -338,14 +343,16 @@ class Engine:
         return last
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: ParamsLike |
-                 Sequence[ParamsLike] = None, *, cache_salt: str | None = None
-                 ) -> list[RequestOutput]:
+                 Sequence[ParamsLike] = None, *, cache_salt: str | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one or many prompts with continuous batching; outputs in input order.
 
         Args:
             prompts: a str, a list of token ids, or a list of either.
             params: one SamplingParams (or dict) for all prompts, or one per prompt.
             cache_salt: tenant/session salt; prompts with different salts never share blocks.
+            priority: one scheduling priority per prompt (vLLM's ``LLM.generate(priority=)``;
+                lower is sooner), under ``EngineConfig(scheduling_policy="priority")``.
 
         Returns one final :class:`RequestOutput` per prompt (text, token ids, finish reason,
         ``num_cached_tokens``, ``ttft`` in seconds). If any prompt is invalid, nothing is run:
@@ -360,6 +367,15 @@ class Engine:
                 raise InvalidRequestError(f"{len(plist)} SamplingParams for {len(items)} prompts")
         else:
             plist = [params] * len(items)
+        if priority is None:
+            prios: list[dict[str, Any]] = [{} for _ in items]
+        else:
+            if isinstance(priority, (int, str)) or not isinstance(priority, Sequence):
+                raise InvalidRequestError("priority is a list with one int per prompt, got "
+                                          f"{type(priority).__name__}")
+            if len(priority) != len(items):
+                raise InvalidRequestError(f"{len(priority)} priorities for {len(items)} prompts")
+            prios = [{"priority": p} for p in priority]
         # Everything is converted first and added in one loop operation, so an invalid prompt
         # means nothing ran (the loop cannot step between two of these adds).
         # Only the final outputs are read here: the engine builds and routes no snapshot per
@@ -374,8 +390,8 @@ class Engine:
                                                          output_kind=OUTPUT_FINAL_ONLY)
             return final_only[id(sp)]
 
-        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), once(sp), cache_salt)
-                 for p, sp in zip(items, plist)]
+        batch = [(f"req-{next(self._ids)}", self._prompt_ids(p), once(sp), cache_salt, kw)
+                 for p, sp, kw in zip(items, plist, prios)]
         rids = [b[0] for b in batch]
         for rid, stream in zip(rids, self.loop.submit_many(batch)):
             self._streams[rid] = stream
@@ -396,8 +412,8 @@ class Engine:
 
     def stream(self, prompt: Prompt, params: ParamsLike = None, *,
                cache_salt: str | None = None, cache_points: Sequence[Any] | None = None,
-               session: str | int | None = None, end_session: bool = False
-               ) -> Iterator[RequestOutput]:
+               session: str | int | None = None, end_session: bool = False,
+               priority: int = 0) -> Iterator[RequestOutput]:
         """Stream one prompt: yields a :class:`RequestOutput` per step with new tokens.
 
         Each output's ``outputs[i].delta_text`` / ``delta_token_ids`` hold what is new since the
@@ -407,7 +423,7 @@ class Engine:
         >>> #     print(out.outputs[0].delta_text, end="", flush=True)
         """
         rid = self.submit(prompt, params, cache_salt=cache_salt, cache_points=cache_points,
-                          session=session, end_session=end_session)
+                          session=session, end_session=end_session, priority=priority)
         return self.stream_request(rid)
 
     # ------------------------------------------------------------------ cache queries

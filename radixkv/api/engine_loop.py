@@ -203,11 +203,13 @@ class EngineLoop:
         return self.call(self.add_request(request_id, prompt_token_ids, params, cache_salt,
                                           cache_points, **hints))
 
-    def submit_many(self, requests: list[tuple[str, list[int], Any, str | None]]
+    def submit_many(self, requests: list[tuple[str, list[int], Any, str | None, dict[str, Any]]]
                     ) -> list[RequestStream]:
         """Add several requests in one operation, all or nothing: if one is refused, those
-        already added are aborted before any step runs, and the error is raised here."""
-        ops = [self.add_request(*r) for r in requests]
+        already added are aborted before any step runs, and the error is raised here. Each is
+        ``(request id, prompt ids, params, cache salt, add_request keywords)``."""
+        ops = [self.add_request(rid, ids, params, salt, **kw)
+               for rid, ids, params, salt, kw in requests]
 
         def op() -> list[RequestStream]:
             streams: list[RequestStream] = []

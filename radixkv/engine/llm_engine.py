@@ -54,7 +54,7 @@ from radixkv.engine.sampling import (OUTPUT_CUMULATIVE, SamplingParams, StepRead
 from radixkv.engine.schedule_types import drive
 from radixkv.engine.admission_order import make_admission_order
 from radixkv.engine.scheduler import Scheduler, SchedulerOutput
-from radixkv.engine.validation import bad_words_ids, check_request
+from radixkv.engine.validation import bad_words_ids, check_priority, check_request
 from radixkv.engine.sequence import Request, Sequence, check_session
 from radixkv.errors import ConfigError, EngineClosedError, InvalidRequestError
 
@@ -301,7 +301,8 @@ class LLMEngine:
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     cache_points: Seq[Any] | None = None, session: str | int | None = None,
                     end_session: bool = False, namespace_extra: str | None = None,
-                    documents: Seq[Any] | None = None, blend_ratio: float | None = None) -> None:
+                    documents: Seq[Any] | None = None, blend_ratio: float | None = None,
+                    priority: int = 0) -> None:
         """Queue a request. Everything is validated first: a bad request raises
         InvalidRequestError and leaves the engine (and requests in flight) untouched.
 
@@ -315,8 +316,12 @@ class LLMEngine:
         a document entry or a blended prompt (:mod:`radixkv.engine.blend`).
         ``documents``: ``(start, end)`` token spans of the prompt's documents: their cached
         entries are blended in now, at admission, recomputing the ``blend_ratio`` share
-        (default ``EngineConfig.blend_ratio``), and the request runs over the result."""
+        (default ``EngineConfig.blend_ratio``), and the request runs over the result.
+        ``priority``: its scheduling priority under ``scheduling_policy="priority"`` (lower is
+        sooner, vLLM's convention; :mod:`radixkv.engine.admission_order`); must be 0 under the
+        other policies."""
         params = check_request(self, request_id, prompt_token_ids, params, cache_salt)
+        priority = check_priority(priority, self.engine_config.scheduling_policy)
         bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         check_session(session, end_session)
         points = check_points(cache_points, len(prompt_token_ids))
@@ -346,6 +351,7 @@ class LLMEngine:
         elif self._seeds is not None and not params.greedy:
             req.seed = self._seeds.getrandbits(63)
         req.session, req.end_session = session, end_session
+        req.priority = priority
         n_first = 1 if params.n > 1 or params.use_beam_search else params.n
         for i in range(n_first):
             req.seqs.append(self._new_seq(req, i, list(req.prompt_token_ids)))

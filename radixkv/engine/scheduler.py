@@ -3,10 +3,12 @@
 Every step the scheduler, in this order,
 
 1. reserves KV slots for the running sequences' pending tokens (the token sampled last step).
-   If the pool (free + evictable blocks) is short, it *preempts* the most recently admitted
-   request: frees its sequences (their committed full blocks stay in the prefix cache) and puts
-   it back at the FRONT of the waiting queue. Resuming re-prefills the sequence's tokens, mostly
-   from the cache; greedy output is unchanged (recompute-preemption, as in vLLM).
+   If the pool (free + evictable blocks) is short, it *preempts* a request (the most recently
+   admitted one; under the ``priority`` order the least urgent, see
+   :meth:`~radixkv.engine.admission_order.AdmissionOrder.victim`): frees its sequences (their
+   committed full blocks stay in the prefix cache) and puts it back at the FRONT of the
+   waiting queue. Resuming re-prefills the sequence's tokens, mostly from the cache; greedy
+   output is unchanged (recompute-preemption, as in vLLM).
 2. gives running requests, oldest first, their tokens to compute within
    ``max_num_batched_tokens``: a decode is one token per live sequence, a prefill the uncached
    suffix of the prompt. A prefill that does not fit is *chunked*: it computes up to all but its
@@ -18,8 +20,9 @@ Every step the scheduler, in this order,
    with a running sequence still prefilling it is *held* (skipped, not blocking the queue)
    until that prefix is committed, so a shared new prefix is computed once
    (:mod:`radixkv.engine.shared_prefix`). The order admission tries is the queue's, as an
-   :class:`~radixkv.engine.admission_order.AdmissionOrder` leaves it: FCFS (default), or
-   longest cached prefix first with an age limit (``lpm``; see that module).
+   :class:`~radixkv.engine.admission_order.AdmissionOrder` leaves it: FCFS (default), longest
+   cached prefix first with an age limit (``lpm``, the engine's default), or the requests'
+   ``priority`` (see that module).
 
 **Prefill priority** (``prefill_priority_steps``, the engine's default 4): in a step where
 requests wait, running requests that only decode are left out of step 2; if admission then
@@ -119,7 +122,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []      # in admission order; the last is preempted first
+        self.running: list[Request] = []      # in admission order
         self.counters = SchedulerCounters(cached_tokens_per_tier=[0] * block_manager.tree.num_tiers)
         #: the most consecutive steps whose admissions may run without the running decodes
         #: (module docstring, "Prefill priority"); 0: every step carries every decode
@@ -321,9 +324,10 @@ class Scheduler:
         return seq.seq_id in self.bm and self.bm.num_tokens(seq.seq_id) < len(seq.token_ids)
 
     def _reserve_appends(self, out: SchedulerOutput) -> Plan[list[Sequence]]:
-        """Preempt newest-first until every running sequence's pending token has a slot;
-        returns those sequences (running order). An append takes at most one block, so the
-        exact count is only needed when fewer blocks are available than sequences pending."""
+        """Preempt (the admission order's victim first) until every running sequence's pending
+        token has a slot; returns those sequences (running order). An append takes at most one
+        block, so the exact count is only needed when fewer blocks are available than sequences
+        pending."""
         bm = self.bm
         while self.running:
             num_tokens = bm.num_tokens   # (= self._pending, inlined: once per sequence)
@@ -333,7 +337,7 @@ class Scheduler:
             if len(pending) <= available or sum(
                     bm.blocks_needed_to_append(s.seq_id) for s in pending) <= available:
                 return pending
-            victim = self.running.pop()
+            victim = self.running.pop(self.admission.victim(self.running))
             yield from self._free_request(victim)
             victim.status = RequestStatus.WAITING
             victim.num_preemptions += 1

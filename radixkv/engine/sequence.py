@@ -109,6 +109,8 @@ class Request:
         self.policy_started = False   # its first allocation told the policy (a turn)
         self.cache_write_tokens = 0   # prompt tokens its prefill added to the cache
         self.num_preemptions = 0
+        #: scheduling priority under ``scheduling_policy="priority"`` (lower: sooner; vLLM's)
+        self.priority = 0
         self.beam: Any = None
         self.finished_outputs_sent = False
         # response_format: each sequence's grammar matcher by output index (engine/grammar.py)

@@ -82,4 +82,26 @@ def bad_words_ids(tokenizer: Any, words: Seq[str]) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
-__all__ = ["bad_words_ids", "check_request"]
+#: the range of a request's scheduling ``priority`` (a signed 64-bit int, as vLLM's protocol)
+PRIORITY_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def check_priority(priority: Any, policy: str) -> int:
+    """A request's scheduling ``priority`` (``LLMEngine.add_request``), or
+    ``InvalidRequestError``: an int in :data:`PRIORITY_RANGE`; non-zero only under the
+    ``"priority"`` scheduling policy, where it orders the queue (under the others it would
+    be silently ignored, so it is refused, as vLLM documents)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an int, got {type(priority).__name__}")
+    lo, hi = PRIORITY_RANGE
+    if not lo <= priority <= hi:
+        raise InvalidRequestError(f"priority must be a 64-bit signed int, got {priority}")
+    if priority and policy != "priority":
+        raise InvalidRequestError(
+            f"priority {priority} needs priority scheduling (EngineConfig.scheduling_policy="
+            f"'priority', radixkv serve --scheduling-policy priority); this engine schedules "
+            f"by {policy!r}")
+    return priority
+
+
+__all__ = ["PRIORITY_RANGE", "bad_words_ids", "check_priority", "check_request"]

@@ -107,6 +107,7 @@ class FleetBackend(Backend):
         self.block_size = info["block_size"]
         self.hash_prefixes = bool(info.get("prefix_caching", True))
         self.eos_token_ids = frozenset(info.get("eos_token_ids", ()))
+        self.scheduling_policy = info.get("scheduling_policy", "lpm")
         self._namespace = Namespace(info["namespace_model"])
         self._template: Any = None
         self.failovers = 0

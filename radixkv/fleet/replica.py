@@ -155,6 +155,7 @@ class EngineReplica:
                 "namespace_model": core.namespace.model,
                 "prefix_caching": eng.cache_config.enable_prefix_caching,
                 "eos_token_ids": sorted(core.eos_token_ids),
+                "scheduling_policy": eng.engine_config.scheduling_policy,
                 "replica_id": self.replica_id, "pid": os.getpid(), "load_s": self.load_s}
 
     def stats(self) -> dict[str, Any]:

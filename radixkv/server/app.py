@@ -666,6 +666,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         params = [dataclasses.replace(sp, stop_after=stop_after) for sp in params]
     if req.stream and len(prompts) > 1:
         raise APIError(400, "stream one prompt per request", param="prompt")
+    hints = {**serving.session_hints(req), **serving.priority_hint(
+        req, request.headers.get(serving.PRIORITY_HEADER), eng.scheduling_policy)}
     key = request.state.api_key if hasattr(request.state, "api_key") else ""
     salt = state.tenants.cache_salt(key, serving.request_salt(req))
     timing = serving.Timing(arrived=getattr(request.state, "arrived", time.perf_counter()))
@@ -676,7 +678,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         release = _once(lambda: state.release(seqs))
         try:   # in the engine before the response starts: it computes while headers go out
             handle = await serving.submit(state, rid, prompts[0], params[0], salt, timing,
-                                          points[0], serving.session_hints(req))
+                                          points[0], hints)
         except BaseException:
             release()
             raise
@@ -693,7 +695,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
-            _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, serving.session_hints(req))
+            _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, hints)
             for i, (ids, sp, pts) in enumerate(zip(prompts, params, points)))))
     finally:
         state.release(seqs)

@@ -52,6 +52,9 @@ class Backend(abc.ABC):
     sampling_defaults: Mapping[str, Any] = MappingProxyType({})
     #: The model's end-of-sequence token ids (a grammar allows them once its value is done).
     eos_token_ids: frozenset[int] = frozenset()
+    #: The engines' ``EngineConfig.scheduling_policy`` (a request's non-zero ``priority`` is
+    #: a 400 unless it is ``"priority"``).
+    scheduling_policy: str = "lpm"
 
     @property
     @abc.abstractmethod
@@ -130,6 +133,7 @@ class LocalBackend(Backend):
         self.max_num_seqs = engine.engine_config.max_num_seqs
         self.block_size = engine.cache_config.block_size   # server-placed RAG documents pad to it
         self.eos_token_ids = core.eos_token_ids
+        self.scheduling_policy = engine.engine_config.scheduling_policy
 
     @property
     def chat_template(self) -> Any:

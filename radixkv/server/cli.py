@@ -140,9 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying CUDA graphs (graphs are "
                         "on by default where the model allows; docs/gpu.md)")
-    e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs"],
+    e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs", "priority"],
                    help="order waiting requests are admitted in: lpm (longest cached prefix "
-                        "first, with an age limit) or fcfs (default: EngineConfig's, lpm)")
+                        "first, with an age limit), fcfs, or priority (vLLM's: by each "
+                        "request's priority field or X-Vllm-Priority header, lower first, and "
+                        "the least urgent running request preempted first) (default: "
+                        "EngineConfig's, lpm)")
     e.add_argument("--scheduling-max-wait", type=float, default=None, metavar="SECONDS",
                    help="lpm's age limit: a request waiting this long is admitted next "
                         "(default: EngineConfig's, 2)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
+                      field_validator,
                       model_validator)
 
 #: Request fields radixkv does not implement and would otherwise silently ignore (a 200 with
@@ -30,7 +31,7 @@ UNSUPPORTED = {
     "echo": (None, False),   # chat's (completions' is implemented)
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None, []),
-    "truncation_side": (None, "left"), "priority": (None, 0),
+    "truncation_side": (None, "left"),
     "thinking_token_budget": (None,), "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
@@ -208,6 +209,9 @@ class _SamplingFields(_PlacedDocuments):
     # to, and whether it is its last request
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     end_session: StrictBool = False
+    # vLLM: the scheduling priority under --scheduling-policy priority (lower is sooner; the
+    # X-Vllm-Priority header overrides it); non-zero otherwise is a 400
+    priority: StrictInt = Field(default=0, ge=-(2 ** 63), le=2 ** 63 - 1)
     # OpenAI's penalties (engine/sampling.adjust_logits) and logit_bias {"token id": bias}
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)

@@ -380,6 +380,32 @@ def vllm_prompt_logprobs(decode: Any, items: Sequence[Any]) -> list[dict[str, An
     return out
 
 
+#: vLLM's header for a request's scheduling priority; it overrides the body's ``priority``
+PRIORITY_HEADER = "x-vllm-priority"
+
+
+def priority_hint(req: Any, header: str | None, policy: str) -> dict[str, Any]:
+    """The request's scheduling priority for the engine (``{"priority": p}``, {} for 0): the
+    ``X-Vllm-Priority`` header if it is an int (vLLM ignores one that is not, and so do we),
+    else the body's ``priority``. Non-zero needs ``--scheduling-policy priority``: a 400
+    naming ``priority`` otherwise, before anything is queued (vLLM documents the same)."""
+    p = req.priority
+    if header is not None:
+        try:
+            p = int(header.strip())
+        except ValueError:
+            pass
+        if not -(2 ** 63) <= p < 2 ** 63:
+            raise APIError(400, f"the {PRIORITY_HEADER} header must be a 64-bit signed int, "
+                           f"got {header!r:.40}", param="priority")
+    if not p:
+        return {}
+    if policy != "priority":
+        raise APIError(400, f"priority {p} needs a server started with --scheduling-policy "
+                       f"priority (this one schedules by {policy!r})", param="priority")
+    return {"priority": p}
+
+
 def session_hints(req: Any) -> dict[str, Any]:
     """The request's eviction hints for the engine (``session``/``end_session``), {} if none."""
     hints = blend_hints(req)

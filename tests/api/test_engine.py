@@ -127,6 +127,31 @@ def test_prefix_hints_protect_a_prefix_under_priority_policy(make_engine):
     assert e.cached_prefix_tokens(keep) == 64
 
 
+def test_scheduling_priority_through_generate_stream_and_submit(make_engine):
+    """vLLM's ``LLM.generate(priority=[...])``: one sequence at a time, the queue is served by
+    priority (lower first), so the TTFTs come in that order; ``stream``/``submit`` take one.
+    Non-zero under another scheduling policy, or a list of the wrong length, is refused."""
+    e = make_engine(scheduling_policy="priority", max_num_seqs=1)
+    outs = e.generate(["one two", "three four", "five six"], GREEDY8, priority=[4, -2, 0])
+    ttft = [o.ttft for o in outs]
+    assert ttft[1] < ttft[2] < ttft[0], ttft
+    streamed = "".join(o.outputs[0].delta_text for o in e.stream("one two", GREEDY8,
+                                                                  priority=-9))
+    assert streamed == outs[0].outputs[0].text
+    with pytest.raises(InvalidRequestError, match="2 priorities for 3 prompts"):
+        e.generate(["a", "b", "c"], GREEDY8, priority=[1, 2])
+    with pytest.raises(InvalidRequestError, match="one int per prompt"):
+        e.generate(["a"], GREEDY8, priority=1)
+    fcfs = make_engine()
+    with pytest.raises(InvalidRequestError, match="priority"):
+        fcfs.submit("a", GREEDY8, priority=1)
+    with pytest.raises(InvalidRequestError, match="priority"):
+        fcfs.generate(["a", "b"], GREEDY8, priority=[0, 1])
+    assert fcfs.stats()["num_waiting"] == fcfs.stats()["num_running"] == 0
+    [ok] = fcfs.generate(["a"], GREEDY8, priority=[0])
+    assert ok.finished
+
+
 def test_stats_and_metrics_text(make_engine):
     e = make_engine()
     e.generate(list(range(10, 60)), GREEDY8)

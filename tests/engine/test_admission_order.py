@@ -1,5 +1,7 @@
 """Admission order (issue 32, item 4): longest cached prefix first, groups over an uncached
-prefix led by one request, and an age limit so that nothing starves.
+prefix led by one request, and an age limit so that nothing starves; and vLLM's priority
+scheduling (issue 33): waiting requests by ``(priority, arrival)``, the least urgent running
+request preempted first.
 
 The ordering is tested alone (``LongestPrefixFirst.order`` over a real tree), inside the real
 scheduler over a real block manager with the fake forward of ``test_scheduler.py`` (a step
@@ -17,7 +19,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis.stateful import initialize
+from hypothesis.stateful import initialize, rule
 
 from radixkv.config import CacheConfig, EngineConfig
 from radixkv.core.block_manager import BlockManager
@@ -25,6 +27,7 @@ from radixkv.core.hashing import Namespace
 from radixkv.engine.admission_order import (
     FCFSOrder,
     LongestPrefixFirst,
+    PriorityOrder,
     make_admission_order,
 )
 from radixkv.engine.detokenizer import IncrementalDetokenizer
@@ -32,7 +35,7 @@ from radixkv.engine.llm_engine import LLMEngine
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence
-from radixkv.errors import ConfigError
+from radixkv.errors import ConfigError, InvalidRequestError
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "core"))
@@ -199,6 +202,73 @@ def test_make_admission_order_and_config_validate():
         with pytest.raises(ConfigError, match="max_wait_s"):
             EngineConfig(scheduling_max_wait_s=bad)
     assert EngineConfig(scheduling_policy="lpm").scheduling_policy == "lpm"
+    assert isinstance(make_admission_order("priority", bm), PriorityOrder)
+    assert EngineConfig(scheduling_policy="priority").scheduling_policy == "priority"
+
+
+def _prio(rid: str, priority: int, t: float, tokens: list[int] | None = None,
+          max_tokens: int = 1) -> Request:
+    r = _req(rid, tokens or [1, 2, 3], t, max_tokens)
+    r.priority = priority
+    return r
+
+
+def test_priority_order_sorts_by_priority_then_arrival_and_is_stable():
+    from collections import deque
+
+    reqs = [_prio("a", 0, 3.0), _prio("b", -1, 5.0), _prio("c", 0, 1.0), _prio("d", 2, 0.0),
+            _prio("e", -1, 5.0), _prio("f", 0, 3.0)]
+    q = deque(reqs)
+    PriorityOrder().reorder(q)
+    assert _ids(q) == ["b", "e", "c", "a", "f", "d"]   # b before e, a before f: queue order
+    q = deque(reqs[:1])
+    PriorityOrder().reorder(q)
+    assert _ids(q) == ["a"]
+
+
+def test_priority_victim_is_the_least_urgent_and_ties_go_to_the_newest():
+    o = PriorityOrder()
+    running = [_prio("a", 0, 1.0), _prio("b", 5, 0.0), _prio("c", 0, 2.0), _prio("d", 5, 0.0)]
+    assert o.victim(running) == 3          # (5, 0.0) twice: the later admitted goes first
+    assert o.victim(running[:3]) == 1
+    assert o.victim(running[:1]) == 0
+    assert o.victim([_prio("x", -3, 9.0), _prio("y", -3, 1.0)]) == 0   # later arrival
+    for other in (FCFSOrder(), LongestPrefixFirst(BlockManager.create(8, BS))):
+        assert other.victim(running) == 3 and other.victim(running[:3]) == 2
+
+
+def test_scheduler_under_priority_admits_the_urgent_first_and_preempts_the_least_urgent():
+    """One sequence at a time: the queue is served by priority whatever the arrival order.
+    Then a pool too small for three growing requests: the one with the highest priority value
+    is preempted, not the most recently admitted (which FCFS would take)."""
+    bm = BlockManager.create(64, BS)
+    s = Scheduler(bm, 1, 64, admission=PriorityOrder())
+    for r in (_prio("low", 5, 0.0), _prio("mid", 0, 1.0), _prio("high", -5, 2.0),
+              _prio("mid2", 0, 0.5)):
+        s.add(r)
+    admitted: dict[str, int] = {}
+    while s.has_unfinished():
+        _step(s, admitted)
+    assert sorted(admitted, key=admitted.get) == ["high", "mid2", "mid", "low"]
+
+    def grow(policy):
+        bm = BlockManager.create(6, BS)
+        s = Scheduler(bm, 3, 64, admission=policy)
+        s.add(_prio("urgent", -1, 0.0, [11, 12, 13], max_tokens=50))
+        s.add(_prio("batch", 3, 1.0, [21, 22, 23], max_tokens=50))
+        s.add(_prio("normal", 0, 2.0, [31, 32, 33], max_tokens=50))
+        for _ in range(40):
+            out = s.schedule()
+            if out.preempted:
+                return [r.request_id for r in out.preempted]
+            for c in out.chunks:
+                s.bm.commit(c.seq.seq_id, c.start + c.num_tokens)
+                if c.wants_logits:
+                    c.seq.token_ids.append(7)
+        raise AssertionError("no preemption")
+
+    assert grow(PriorityOrder()) == ["batch"]
+    assert grow(FCFSOrder()) == ["normal"]
 
 
 # ----------------------------------------------------------------------------- in the scheduler
@@ -341,6 +411,64 @@ TestLPMSchedulerManager.settings = settings(max_examples=40, stateful_step_count
                                             deadline=None)
 
 
+def _urgency(r: Request) -> tuple[int, float]:
+    return r.priority, r.arrival_time
+
+
+class PrioritySchedulerMachine(sm.SchedulerMachine):
+    """The scheduler + block manager state machine under the ``priority`` order, requests with
+    random priorities. Besides every conservation invariant, after each step:
+
+    * each preempted request was, when it was preempted, the least urgent running one (no
+      request left running, nor one preempted after it, has a higher ``(priority, arrival)``);
+    * no request admitted in the step is less urgent than one left waiting, unless that one is
+      held for a leader computing the prefix it shares (``Scheduler._held``).
+    """
+
+    @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
+                budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
+                priority=st.sampled_from([0, 4]))
+    def setup(self, blocks, max_seqs, budget, policy, priority) -> None:
+        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority)
+        s = self.s
+        s.admission = PriorityOrder()
+        plan = s.schedule
+
+        def checked_schedule():
+            before = set(map(id, s.running))
+            out = plan()
+            after = list(s.running)
+            for i, v in enumerate(out.preempted):
+                others = after + out.preempted[i + 1:]
+                assert all(_urgency(r) <= _urgency(v) for r in others), (
+                    f"preempted {v.request_id} {_urgency(v)} while "
+                    f"{[(r.request_id, _urgency(r)) for r in others]} ran")
+            admitted = [r for r in after if id(r) not in before]
+            if admitted:
+                assert not out.preempted
+                worst = max(map(_urgency, admitted))
+                for w in s.waiting:
+                    assert _urgency(w) > worst or s._held(w), (
+                        f"{w.request_id} {_urgency(w)} waits (not held) behind admitted "
+                        f"{[(r.request_id, _urgency(r)) for r in admitted]}")
+                if any(s._held(w) for w in s.waiting):
+                    sm.STEPS.event(self.name, "urgent one held")
+            return out
+
+        s.schedule = checked_schedule
+
+    @rule(prompt=sm.PROMPTS, max_tokens=st.integers(1, 6), priority=st.integers(-2, 2))
+    def admit_urgent(self, prompt, max_tokens, priority) -> None:
+        """A request with a priority joins the queue."""
+        sm.SchedulerMachine.admit(self, prompt, max_tokens)
+        self.s.waiting[-1].priority = priority   # (add appends it)
+
+
+TestPrioritySchedulerManager = PrioritySchedulerMachine.TestCase
+TestPrioritySchedulerManager.settings = settings(max_examples=40, stateful_step_count=30,
+                                                 deadline=None)
+
+
 # ----------------------------------------------------------------------------- in the engine
 
 @pytest.fixture(scope="module")
@@ -401,3 +529,38 @@ def test_engine_lpm_admits_a_cached_document_before_it_is_evicted(hf):
     total = sum(len(p) for _, p in batch)
     assert prefill["fcfs"] == (total, 0)
     assert prefill["lpm"] == (total - 192, 192)
+
+
+def test_engine_priority_serves_the_queue_by_priority_with_fcfs_tokens(hf):
+    """One sequence at a time, five requests queued at once with priorities: they finish in
+    ``(priority, arrival)`` order, with the tokens FCFS gives each."""
+    prompts = _rand(5, 40, seed=21)
+    prios = [3, -1, 0, -1, 7]
+    params = SamplingParams(max_tokens=3)
+    eng = _engine(hf, "priority", 64, max_seqs=1)
+    for i, (p, prio) in enumerate(zip(prompts, prios)):
+        eng.add_request(f"r{i}", p, params, arrival_time=float(i), priority=prio)
+    order, final = [], {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                order.append(out.request_id)
+                final[out.request_id] = out
+    assert order == ["r1", "r3", "r2", "r0", "r4"]
+    fcfs = run_requests(_engine(hf, "fcfs", 64), [(f"r{i}", p, params)
+                                                 for i, p in enumerate(prompts)])
+    assert {k: v.outputs[0].token_ids for k, v in final.items()} == \
+        {k: v.outputs[0].token_ids for k, v in fcfs.items()}
+
+
+def test_engine_priority_is_validated_before_anything_changes(hf):
+    lpm, prio = _engine(hf, "lpm", 64), _engine(hf, "priority", 64)
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'"):
+        lpm.add_request("a", [1, 2, 3], None, priority=2)
+    lpm.add_request("a", [1, 2, 3], {"max_tokens": 1}, priority=0)   # 0 is everyone's default
+    for bad in (True, 1.0, "1", 2 ** 63, -(2 ** 63) - 1, None):
+        with pytest.raises(InvalidRequestError, match="priority"):
+            prio.add_request("b", [1, 2, 3], None, priority=bad)
+    assert not prio.has_unfinished_requests() and not prio.has_request("b")
+    prio.add_request("b", [1, 2, 3], {"max_tokens": 1}, priority=-(2 ** 63))
+    assert prio.has_request("b")

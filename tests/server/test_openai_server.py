@@ -87,10 +87,12 @@ class Server:
                              timeout=300)
 
     def raw(self, method: str, path: str, body: Any = None, key: str | None = KEY_A,
-            raw_body: bytes | None = None) -> tuple[int, Any]:
+            raw_body: bytes | None = None, headers: dict[str, str] | None = None
+            ) -> tuple[int, Any]:
         data = raw_body if raw_body is not None else (
             None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers=headers or {})
         req.add_header("Content-Type", "application/json")
         if key:
             req.add_header("Authorization", f"Bearer {key}")
@@ -686,7 +688,7 @@ UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
-    ("spaces_between_special_tokens", False), ("priority", 3), ("echo", True),
+    ("spaces_between_special_tokens", False), ("echo", True),
     ("vllm_xargs", {"a": 1}), ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
 ]
 
@@ -706,6 +708,29 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
     assert ok[0] == 200, ok
+
+
+def test_priority_needs_priority_scheduling(ready: Server) -> None:
+    """vLLM's ``priority`` (and its ``X-Vllm-Priority`` header, which overrides the body) on a
+    server that schedules by lpm: 0 is everyone's default; anything else is a 400 naming the
+    flag it needs (tests/server/test_priority_scheduling.py serves them). Before: a 400 as an
+    unsupported parameter."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body in (("/v1/chat/completions", chat),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})):
+        status, err = ready.raw("POST", path, {**body, "priority": 3})
+        assert status == 400 and err["error"]["param"] == "priority", err
+        assert "--scheduling-policy priority" in err["error"]["message"]
+        status, err = ready.raw("POST", path, body, headers={"X-Vllm-Priority": "-2"})
+        assert status == 400 and err["error"]["param"] == "priority", err
+        for ok_body, headers in (({**body, "priority": 0}, {}),
+                                 ({**body, "priority": 5}, {"X-Vllm-Priority": "0"}),
+                                 (body, {"X-Vllm-Priority": "soon"})):   # not an int: ignored
+            status, out = ready.raw("POST", path, ok_body, headers=headers)
+            assert status == 200, (ok_body, headers, out)
+        for bad in ("3", True, 1.5, 2 ** 63):
+            status, err = ready.raw("POST", path, {**body, "priority": bad})
+            assert status == 400 and err["error"]["param"] == "priority", (bad, err)
 
 
 def test_prompt_logprobs_echo_and_vllm_field_are_the_engines(ready: Server, engine: Any
