@@ -45,7 +45,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               salt_secret: str | None = None, app_name: str = APP_NAME,
               model_impl: str = "auto", reasoning_parser: str | None = None,
               generation_config: str = "auto",
-              override_generation_config: str | None = None, max_logprobs: int = 20) -> Any:
+              override_generation_config: str | None = None, max_logprobs: int = 20,
+              responses_store_size: int = 1024) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -87,7 +88,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
                "default_max_tokens": default_max_tokens,
                "reasoning_parser": reasoning_parser, "generation_config": generation_config,
                "override_generation_config": override_generation_config,
-               "max_logprobs": max_logprobs,
+               "max_logprobs": max_logprobs, "responses_store_size": responses_store_size,
                # one secret for every ingress replica: a tenant's salt must not depend on
                # which ingress parsed its request
                "salt_secret": salt_secret or secrets.token_hex(16),
@@ -153,7 +154,8 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     reasoning_parser=args.reasoning_parser,
                     generation_config=args.generation_config,
                     override_generation_config=args.override_generation_config,
-                    max_logprobs=args.max_logprobs)
+                    max_logprobs=args.max_logprobs,
+                    responses_store_size=args.responses_store_size)
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "
           f"http://{args.host}:{args.port} (model name {model_name!r}, {replicas} replicas)",

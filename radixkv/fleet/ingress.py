@@ -222,7 +222,8 @@ class FleetIngress:
                           default_max_tokens=o.get("default_max_tokens"),
                           salt_secret=o.get("salt_secret"), extra_metrics=extra,
                           reasoning_parser=o.get("reasoning_parser"),
-                          max_logprobs=o.get("max_logprobs", 20))
+                          max_logprobs=o.get("max_logprobs", 20),
+                          responses_store_size=o.get("responses_store_size", 1024))
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

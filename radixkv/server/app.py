@@ -21,17 +21,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
+from radixkv.server import responses as rs
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
-from radixkv.server.errors import APIError, install_handlers
+from radixkv.server.errors import APIError, install_handlers, validation_error
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     DetokenizeRequest, TokenizeRequest)
+                                     DetokenizeRequest, ResponsesRequest, TokenizeRequest)
 from radixkv.server.tenants import Tenants
 
 
@@ -66,7 +69,8 @@ class ServerState:
                  default_max_tokens: int | None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  reasoning_parser: str | None = None, cache_reset: bool = False,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE
+                 ) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -79,6 +83,8 @@ class ServerState:
         self.cache_reset = cache_reset
         #: ``--max-logprobs``: most alternatives a token a request may ask for
         self.max_logprobs = max_logprobs
+        #: the Responses API's stored responses (``previous_response_id``, ``GET``)
+        self.responses = rs.ResponseStore(responses_store_size)
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
@@ -222,7 +228,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                on_load_error: Callable[[str], None] | None = None,
                reasoning_parser: str | None = None, cache_reset: bool = False,
-               max_logprobs: int = 20) -> Any:
+               max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE
+               ) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -232,9 +239,10 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     they are read. ``on_load_error(message)``: called (in the loading thread) when ``load()``
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
-    serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``. Returns the app
-    wrapped in its gate middleware; the
-    FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
+    serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``.
+    ``responses_store_size``: responses kept for ``previous_response_id`` (0: none). Returns the
+    app wrapped in its gate middleware; the FastAPI object is ``app.fastapi`` and the shared
+    state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
     if engine is not None:
@@ -248,7 +256,7 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
-                        cache_reset, max_logprobs)
+                        cache_reset, max_logprobs, responses_store_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -415,43 +423,24 @@ def _routes(api: FastAPI, state: ServerState,
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        eng = state.ready_engine()
-        state.check_model(req.model)
-        marks = [m.cache_control for m in req.messages]
-        if sum(m is not None for m in marks) > MAX_CACHE_MARKS:
-            raise APIError(400, f"at most {MAX_CACHE_MARKS} messages may carry cache_control "
-                           f"(got {sum(m is not None for m in marks)})", param="messages",
-                           code="too_many_cache_breakpoints")
-        try:
-            messages = [{"role": "system" if m.role == "developer" else m.role,
-                         "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        serving.check_text(eng, [m["content"] for m in messages], "messages",
-                           await _max_token_chars(state, eng))
-        if req.tools or any(m.tool_calls for m in req.messages):
-            return await _chat_with_tools(state, request, req, eng)
-        chars = sum(len(m["content"]) for m in messages)
-        if req.documents is not None:   # RAG documents placed by the server (serve.md)
-            docs = serving.document_texts(req)
-            serving.check_text(eng, docs + [m["content"] for m in messages], "documents",
-                               await _max_token_chars(state, eng))
-            chars += sum(map(len, docs))
-        try:
-            ids = await _off_loop(chars, functools.partial(
-                eng.chat_template.prompt_ids, **req.template_options()), messages) \
-                if req.documents is None else \
-                (await _off_loop(chars, serving.document_prompt, eng, req, messages)).token_ids
-            points = None
-            if any(marks) or req.prompt_cache_retention:
-                points = await _off_loop(
-                    chars * (1 + sum(m is not None for m in marks)), serving.cache_points,
-                    eng.chat_template, messages, marks, len(ids),
-                    req.prompt_cache_retention, req.chat_template_kwargs)
-        except (TemplateError, ValueError) as exc:   # the template refuses these messages
-            raise _template_refused(exc) from None
-        return await _serve(state, request, req, [ids], chat=True,
-                            points=None if points is None else [points])
+        return await _chat(state, request, req)
+
+    @api.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request) -> Any:
+        return await _responses(state, request, req)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Any:
+        entry = state.responses.get(_tenant(request), response_id)
+        if entry is None:
+            raise rs.not_found(response_id)
+        return entry.response
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Any:
+        if not state.responses.delete(_tenant(request), response_id):
+            raise rs.not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -482,6 +471,95 @@ def _routes(api: FastAPI, state: ServerState,
             points = [[serving.retention_point(len(x), req.prompt_cache_retention)] if x
                       else None for x in ids]
         return await _serve(state, request, req, ids, chat=False, points=points)
+
+
+async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest) -> Any:
+    """``POST /v1/chat/completions`` (and the chat request a Responses request becomes)."""
+    eng = state.ready_engine()
+    state.check_model(req.model)
+    marks = [m.cache_control for m in req.messages]
+    if sum(m is not None for m in marks) > MAX_CACHE_MARKS:
+        raise APIError(400, f"at most {MAX_CACHE_MARKS} messages may carry cache_control "
+                       f"(got {sum(m is not None for m in marks)})", param="messages",
+                       code="too_many_cache_breakpoints")
+    try:
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.text()} for m in req.messages]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    serving.check_text(eng, [m["content"] for m in messages], "messages",
+                       await _max_token_chars(state, eng))
+    if req.tools or any(m.tool_calls for m in req.messages):
+        return await _chat_with_tools(state, request, req, eng)
+    chars = sum(len(m["content"]) for m in messages)
+    if req.documents is not None:   # RAG documents placed by the server (serve.md)
+        docs = serving.document_texts(req)
+        serving.check_text(eng, docs + [m["content"] for m in messages], "documents",
+                           await _max_token_chars(state, eng))
+        chars += sum(map(len, docs))
+    try:
+        ids = await _off_loop(chars, functools.partial(
+            eng.chat_template.prompt_ids, **req.template_options()), messages) \
+            if req.documents is None else \
+            (await _off_loop(chars, serving.document_prompt, eng, req, messages)).token_ids
+        points = None
+        if any(marks) or req.prompt_cache_retention:
+            points = await _off_loop(
+                chars * (1 + sum(m is not None for m in marks)), serving.cache_points,
+                eng.chat_template, messages, marks, len(ids),
+                req.prompt_cache_retention, req.chat_template_kwargs)
+    except (TemplateError, ValueError) as exc:   # the template refuses these messages
+        raise _template_refused(exc) from None
+    return await _serve(state, request, req, [ids], chat=True,
+                        points=None if points is None else [points])
+
+
+def _tenant(request: Request) -> str:
+    """The API key the request authenticated with ("" on a server without keys)."""
+    return getattr(request.state, "api_key", "") or ""
+
+
+async def _responses(state: ServerState, request: Request, req: ResponsesRequest) -> Any:
+    """``POST /v1/responses``: the request as a chat request (radixkv/server/responses.py),
+    continuing a stored conversation with ``previous_response_id``, answered as a
+    ``Response`` or its event stream, and stored (``store``) once it completed."""
+    state.ready_engine()
+    tenant = _tenant(request)
+    history: tuple[dict[str, Any], ...] = ()
+    if req.previous_response_id is not None:
+        prev = state.responses.get(tenant, req.previous_response_id)
+        if prev is None:
+            raise rs.not_found(req.previous_response_id, "previous_response_id")
+        history = prev.messages
+    body, new = rs.chat_request(req, history)
+    body["model"] = req.model or state.model_name
+    try:
+        chat_req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = validation_error(RequestValidationError(exc.errors()))
+        err.param = rs.response_param(err.param)
+        raise err from None
+    rid = rs.new_id("resp")
+    conversation = (*history, *new)
+
+    def keep(final: dict[str, Any]) -> None:
+        if req.store:
+            state.responses.put(rid, rs.Stored(tenant, (
+                *conversation, rs.assistant_message(final["output"])), final))
+
+    answer = await _chat(state, request, chat_req)
+    if isinstance(answer, _Stream):
+        events = rs.EventStream(rid, req, state.model_name, keep)
+        return _Stream(events.adapt(answer.body_iterator), answer.on_close)
+    if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+        return answer   # the client went away (499)
+    chat = json.loads(bytes(answer.body))
+    choice = chat["choices"][0]
+    final = rs.response_body(rid, req, state.model_name, int(time.time()),
+                             rs.output_items(choice["message"]), rs.usage(chat["usage"]),
+                             choice["finish_reason"])
+    keep(final)
+    return JSONResponse(final)
 
 
 def _template_refused(exc: Exception) -> APIError:
@@ -982,13 +1060,13 @@ class _Stream(StreamingResponse):
 
     def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream")
-        self._on_close = on_close
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            self.on_close()
 
 
 __all__ = ["create_app", "ServerState", "UVICORN_LOOP"]

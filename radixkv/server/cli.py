@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="most log-probabilities per token a request may ask for (logprobs, "
                         "top_logprobs, prompt_logprobs), as vLLM's; 0..20 (default 20)")
+    v.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="responses the Responses API keeps (store: true) for "
+                        "previous_response_id and GET /v1/responses/{id}, the least recently "
+                        "used dropped first; 0 keeps none (default 1024)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
@@ -289,7 +293,9 @@ def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
+def _loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radixkv serve") -> Any:
+    """The function that loads the model and engine ``args`` name (``prog``: who says so on
+    stderr)."""
     def load() -> Any:
         import radixkv
 
@@ -299,10 +305,10 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
 
         def progress() -> None:
             while not done.wait(5.0):
-                print(f"radixkv serve: loading {what} ... {time.perf_counter() - t0:.0f} s",
+                print(f"{prog}: loading {what} ... {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr, flush=True)
 
-        print(f"radixkv serve: loading {what}", file=sys.stderr, flush=True)
+        print(f"{prog}: loading {what}", file=sys.stderr, flush=True)
         threading.Thread(target=progress, daemon=True).start()
         try:
             engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
@@ -314,20 +320,21 @@ def _loader(args: argparse.Namespace, cc: Any, ec: Any) -> Any:
         finally:
             done.set()
         backend = _with_kv_events(engine, args.kv_events_endpoint, cc.block_size)
-        backend.sampling_defaults = _generation_defaults(args)
-        print(f"radixkv serve: ready in {time.perf_counter() - t0:.1f} s "
+        backend.sampling_defaults = _generation_defaults(args, prog)
+        print(f"{prog}: ready in {time.perf_counter() - t0:.1f} s "
               f"(model {engine.model_id}, {engine.core.tier_capacity_blocks[0]} device blocks "
               f"= {engine.core.tier_capacity_blocks[0] * cc.block_size} tokens)",
               file=sys.stderr, flush=True)
         sizing = getattr(engine.core, "pool_sizing", None)
         if sizing is not None:
-            print(f"radixkv serve: {sizing.describe()}", file=sys.stderr, flush=True)
+            print(f"{prog}: {sizing.describe()}", file=sys.stderr, flush=True)
         return backend
 
     return load
 
 
-def _generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
+def _generation_defaults(args: argparse.Namespace, prog: str = "radixkv serve"
+                         ) -> dict[str, Any]:
     """``--generation-config auto`` (vLLM's default): the sampling defaults the model's
     ``generation_config.json`` sets, said on stderr; ``vllm``: none (OpenAI's defaults)."""
     from radixkv.models import generation_defaults, parse_generation_overrides
@@ -336,7 +343,7 @@ def _generation_defaults(args: argparse.Namespace) -> dict[str, Any]:
         args.model, args.gguf_file, allow_download=args.allow_download)
     found.update(parse_generation_overrides(args.override_generation_config))
     if found:
-        print(f"radixkv serve: default sampling from the model's generation config for what "
+        print(f"{prog}: default sampling from the model's generation config for what "
               f"a request leaves unset: {found} (--generation-config vllm: OpenAI's defaults)",
               file=sys.stderr, flush=True)
     return found
@@ -437,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                      on_load_error=stop, reasoning_parser=args.reasoning_parser,
                      max_logprobs=args.max_logprobs,
+                     responses_store_size=args.responses_store_size,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
@@ -496,6 +504,9 @@ def _vllm_flags(args: argparse.Namespace) -> None:
         from radixkv.models import parse_generation_overrides
 
         parse_generation_overrides(args.override_generation_config)   # a usage error now
+    if args.responses_store_size < 0:
+        raise ConfigError(f"--responses-store-size must be >= 0, got "
+                          f"{args.responses_store_size}")
     if not 0 <= args.max_logprobs <= 20:
         raise ConfigError(f"--max-logprobs must be in [0, 20] (radixkv returns at most 20 "
                           f"alternatives a token), got {args.max_logprobs}")

@@ -42,7 +42,8 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The 400 for a request body that failed validation, naming the first bad field."""
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -75,7 +76,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(InvalidRequestError)
     async def _engine_refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -86,4 +87,4 @@ def install_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response()
 
 
-__all__ = ["APIError", "install_handlers"]
+__all__ = ["APIError", "install_handlers", "validation_error"]

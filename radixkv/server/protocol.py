@@ -594,7 +594,69 @@ _SamplingFields.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
+#: Responses API fields radixkv does not implement, with their "off" values (as UNSUPPORTED).
+RESPONSES_UNSUPPORTED = {
+    "background": (None, False), "conversation": (None,), "prompt": (None,),
+    "include": (None, []), "max_tool_calls": (None,), "top_logprobs": (None, 0),
+    "truncation": (None, "disabled"), "n": (None, 1),
+}
+
+#: Chat request fields a Responses request may also carry (vLLM's sampling extensions and
+#: radixkv's cache fields): passed to the chat request as they are, validated there.
+RESPONSES_PASSTHROUGH = (
+    "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "bad_words",
+    "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output", "priority",
+    "cache_salt", "prompt_cache_key", "prompt_cache_retention", "session_id", "end_session",
+    "chat_template_kwargs", "structured_outputs", "user",
+)
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's ``POST /v1/responses`` body, as far as radixkv implements it
+    (radixkv/server/responses.py turns it into a chat request). Unknown fields are ignored as
+    in the chat models, except :data:`RESPONSES_UNSUPPORTED` (a 400 naming the field) and
+    :data:`RESPONSES_PASSTHROUGH` (handed to the chat request)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    store: StrictBool = True
+    stream: StrictBool = False
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, str]] = Field(default=None, max_length=16)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in RESPONSES_UNSUPPORTED.items():
+                if name in data and not any(
+                        data[name] == o and type(data[name]) is type(o) for o in off):
+                    raise UnsupportedField(name)
+            r = data.get("reasoning")
+            if isinstance(r, dict) and any(v is not None for v in r.values()):
+                raise UnsupportedField("reasoning")   # no effort or summary control
+        return data
+
+    def passthrough(self) -> dict[str, Any]:
+        """The chat request fields this request carries (:data:`RESPONSES_PASSTHROUGH`)."""
+        extra = self.model_extra or {}
+        return {k: extra[k] for k in RESPONSES_PASSTHROUGH if k in extra}
+
+
 __all__ = ["FieldError", "MAX_DOCUMENTS", "check_documents", "TokenizeRequest",
            "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
            "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
-           "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice"]
+           "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice", "ResponsesRequest",
+           "RESPONSES_UNSUPPORTED", "RESPONSES_PASSTHROUGH"]

@@ -50,6 +50,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--scheduling-max-wait", "soon"], "invalid float"),
     (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
     (["--prefill-priority-steps", "2.5"], "invalid int"),
+    (["--responses-store-size", "-1"], "--responses-store-size"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:

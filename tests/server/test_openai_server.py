@@ -1002,3 +1002,140 @@ def test_reset_prefix_cache_drops_what_no_request_holds(ready: Server) -> None:
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert cold.choices[0].message.content == first.choices[0].message.content
     assert ready.raw("POST", "/reset_prefix_cache")[1]["dropped_blocks"] > 0   # cold's own
+
+
+# ----------------------------------------------------------------------------- Responses API
+
+def _responses_chat(ready: Server, messages: list, **kw: Any) -> Any:
+    return ready.client().chat.completions.create(model=MODEL, messages=messages,
+                                                  temperature=0, **kw)
+
+
+@pytest.mark.model
+def test_responses_is_the_chat_reply_and_continues_from_the_store(ready: Server) -> None:
+    """``/v1/responses``: instructions + input give the chat completion's reply (greedy, same
+    messages); ``previous_response_id`` continues the stored conversation (the next reply is
+    the chat reply to the whole history, its prompt mostly cached); the stored response reads
+    back with ``GET``, is another API key's 404, and is gone after ``DELETE``."""
+    client = ready.client()
+    first = client.responses.create(model=MODEL, instructions="Answer briefly.",
+                                    input="Name a colour.", max_output_tokens=12,
+                                    temperature=0)
+    history = [{"role": "system", "content": "Answer briefly."},
+               {"role": "user", "content": "Name a colour."}]
+    chat = _responses_chat(ready, history, max_tokens=12)
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.output_text == chat.choices[0].message.content
+    [item] = first.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.usage.output_tokens == chat.usage.completion_tokens
+    assert first.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                            else "completed")
+    # the next turn: only the new input; instructions are not carried over (OpenAI's rule),
+    # so a client that keeps them sends them again (as the Agents SDK does)
+    history += [{"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And another?"}]
+    for instructions, messages in ((None, history[1:]), ("Answer briefly.", history)):
+        second = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                         input=[{"role": "user", "content": "And another?"}],
+                                         instructions=instructions, max_output_tokens=8,
+                                         temperature=0)
+        chat2 = _responses_chat(ready, messages, max_tokens=8)
+        assert second.output_text == chat2.choices[0].message.content
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens == chat2.usage.prompt_tokens
+    # the first turn's blocks: the continuation's prompt starts with the first turn's
+    assert second.usage.input_tokens_details.cached_tokens >= 32
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    other = ready.client(KEY_B)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        other.responses.create(model=MODEL, previous_response_id=first.id, input="x",
+                               max_output_tokens=1)
+    assert exc.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unsaved = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unsaved.id)
+
+
+@pytest.mark.model
+def test_responses_streamed_events_assemble_the_non_streamed_response(ready: Server) -> None:
+    """The streamed event sequence (created, in_progress, the message item and its part
+    added, text deltas, their done events, item done, completed; numbered in order) carries
+    the non-streamed text, and the SDK's ``responses.stream()`` helper assembles the same
+    response; ``max_output_tokens`` reached is ``incomplete``."""
+    client = ready.client()
+    kw = {"model": MODEL, "input": "Write a sentence about the sea.", "max_output_tokens": 10,
+          "temperature": 0}
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    status, raw = ready.raw("POST", "/v1/responses", {**kw, "stream": True})
+    assert status == 200 and '"_text"' not in raw and "[DONE]" not in raw   # OpenAI sends none
+    assert raw.count("\nevent: ") + raw.startswith("event: ") == len(events)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        whole.output_text
+    final = events[-1].response
+    assert final.status == whole.status == "incomplete"
+    assert final.incomplete_details.reason == "max_output_tokens"
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 10
+    # the SDK's helper assembles a completed response (it has no final response for an
+    # incomplete one, whatever the server); a choice ends the reply early
+    short = {**kw, "extra_body": {"structured_outputs": {"choice": ["calm", "rough"]}}}
+    alone = client.responses.create(**short)
+    with client.responses.stream(**short) as stream:
+        kinds = [e.type for e in stream]
+        done = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and done.status == alone.status == "completed"
+    assert done.output_text == alone.output_text in ("calm", "rough")
+    # a streamed response is stored too, and continues like any other
+    follow = client.responses.create(model=MODEL, previous_response_id=final.id, input="More.",
+                                     max_output_tokens=2, temperature=0)
+    chat = _responses_chat(ready, [{"role": "user", "content": kw["input"]},
+                                   {"role": "assistant", "content": final.output_text},
+                                   {"role": "user", "content": "More."}], max_tokens=2)
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert follow.output_text == chat.choices[0].message.content
+    assert follow.usage.input_tokens_details.cached_tokens >= 16
+
+
+@pytest.mark.model
+def test_responses_structured_output_and_refusals(ready: Server) -> None:
+    """``text.format`` json_schema is enforced like chat's ``response_format``; what radixkv
+    does not implement is a 400 naming the field, never ignored."""
+    client = ready.client()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Give a number.", max_output_tokens=20,
+                                text={"format": {"type": "json_schema", "name": "num",
+                                                 "schema": schema}})
+    assert set(json.loads(r.output_text)) == {"n"}
+    refused = [({"background": True}, "background"), ({"include": ["file_search_call.results"]},
+                                                      "include"),
+               ({"tools": [{"type": "web_search"}]}, "tools"),
+               ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                                         "image_url": "x"}]}]}, "input"),
+               ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+               ({"reasoning": {"effort": "high"}}, "reasoning"),
+               ({"truncation": "auto"}, "truncation"), ({"max_output_tokens": 0},
+                                                        "max_output_tokens"),
+               ({"tool_choice": "required"}, "tool_choice"),
+               ({"previous_response_id": "resp_nothing"}, "previous_response_id")]
+    for extra, param in refused:
+        status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi",
+                                                          "max_output_tokens": 2, **extra})
+        assert status == 400 and err["error"]["param"] == param, (extra, err)
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi"}, key=None)
+    assert status == 401

@@ -386,3 +386,86 @@ def test_the_template_file_must_exist() -> None:
                            str(Path("/nonexistent/t.jinja")), "--port", str(_free_port())],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--chat-template" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- Responses API
+
+def _flat(tool: dict) -> dict:
+    """A chat tool in the Responses API's flat form."""
+    return {"type": "function", **tool["function"]}
+
+
+def _responses(srv: Server) -> Any:
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0,
+                         timeout=300).responses
+
+
+@pytest.mark.model
+def test_responses_function_calls_and_their_outputs_round_trip(srv: Server) -> None:
+    """A forced call comes back as a ``function_call`` item (the chat reply's call); its
+    output goes back as a ``function_call_output`` item, continuing the stored conversation
+    or sent whole with the call as items, and the next reply is the chat reply to that
+    history. Streamed, the call is an item with its argument events."""
+    r = _responses(srv)
+    tools = [_flat(WEATHER), _flat(TIME)]
+    named = {"type": "function", "name": "get_weather"}
+    first = r.create(model=MODEL, input=ASK[0]["content"], tools=tools, tool_choice=named,
+                     temperature=0, max_output_tokens=60)
+    [call] = [it for it in first.output if it.type == "function_call"]
+    chat = _chat(srv, messages=ASK, tools=[WEATHER, TIME],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [chat_call] = chat.choices[0].message.tool_calls
+    assert (call.name, call.arguments) == ("get_weather", chat_call.function.arguments)
+    assert call.call_id and call.status == "completed" and first.status == "completed"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}]
+    expect = _chat(srv, messages=follow, tools=[WEATHER, TIME], tool_choice="none",
+                   max_tokens=8)
+    stored = r.create(model=MODEL, previous_response_id=first.id, input=[result], tools=tools,
+                      tool_choice="none", temperature=0, max_output_tokens=8)
+    whole = r.create(model=MODEL, input=[ASK[0], {"type": "function_call", "call_id":
+                                                  call.call_id, "name": call.name,
+                                                  "arguments": call.arguments}, result],
+                     tools=tools, tool_choice="none", temperature=0, max_output_tokens=8)
+    for got in (stored, whole):
+        assert got.output_text == expect.choices[0].message.content
+        assert got.usage.input_tokens == expect.usage.prompt_tokens
+    assert stored.usage.input_tokens_details.cached_tokens >= 32
+    events = list(r.create(model=MODEL, input=ASK[0]["content"], tools=tools,
+                           tool_choice=named, temperature=0, max_output_tokens=60, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"], kinds
+    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
+    assert events[3].delta == events[4].arguments == call.arguments
+    [streamed] = events[-1].response.output
+    assert (streamed.name, streamed.arguments, streamed.call_id) == (
+        call.name, call.arguments, events[2].item.call_id)
+
+
+@pytest.mark.model
+def test_responses_reasoning_is_an_item_before_the_message(srv: Server) -> None:
+    """With ``--reasoning-parser``, the thinking is a ``reasoning`` item (its text the chat
+    reply's ``reasoning``) before the message item, streamed as ``reasoning_text`` events."""
+    form = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,3}</think>(yes|no)"
+    kw = {"model": MODEL, "input": ASK[0]["content"], "temperature": 1.0, "max_output_tokens": 40,
+          "extra_body": {"structured_outputs": {"regex": form}, "seed": 3}}
+    whole = _responses(srv).create(**kw)
+    chat = _chat(srv, messages=ASK, temperature=1.0, seed=3, max_tokens=40,
+                 extra_body={"structured_outputs": {"regex": form}}).choices[0].message
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content[0].text == chat.model_extra["reasoning"]
+    assert whole.output_text == chat.content
+    events = list(_responses(srv).create(stream=True, **kw))
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == chat.model_extra["reasoning"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        chat.content
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"]
