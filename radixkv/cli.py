@@ -1,5 +1,5 @@
 """The ``radixkv`` command line: ``radixkv demo``, ``radixkv chat``, ``radixkv serve``,
-``radixkv bench NAME``.
+``radixkv run-batch``, ``radixkv bench NAME``.
 
 Subcommands are resolved lazily (module path + function) so ``radixkv bench core`` never imports
 torch and ``radixkv --help`` is instant.
@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "chat": ("radixkv.api.demo", "chat_main",
              "interactive streaming chat with per-turn cache figures"),
     "serve": ("radixkv.server.cli", "main", "OpenAI-compatible HTTP server (docs/serve.md)"),
+    "run-batch": ("radixkv.server.batch", "main",
+                  "run an OpenAI batch file (JSONL) offline through the server's routes"),
 }
 
 

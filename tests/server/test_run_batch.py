@@ -1,0 +1,90 @@
+"""``radixkv run-batch``: an OpenAI batch file through the server's routes, in one process.
+
+One subprocess run over a file that mixes the three endpoints, requests that share a long
+system prompt, a repeat of one request, lines that are not requests, and a request the server
+refuses. The answers themselves are the routes' (tested through the server elsewhere); this
+checks the file format, the order, the errors, and that the shared prefix came from the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+SYSTEM = ("You are a careful assistant. You answer every question about lighthouses, tides, "
+          "ships and the sea in one short sentence, and you never use lists or headings.")
+
+
+def _chat(cid: str, question: str) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": question}],
+                     "max_tokens": 6, "temperature": 0}}
+
+
+@pytest.mark.model
+def test_run_batch_answers_every_line_in_order(tmp_path: Path) -> None:
+    lines = [json.dumps(_chat(f"q{i}", q)) for i, q in enumerate(
+        ["What is a lighthouse?", "Why are tides?", "What is a lighthouse?",
+         "Name a ship.", "Is the sea salty?"])]
+    lines += [
+        json.dumps({"custom_id": "text", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "The tide comes in", "max_tokens": 4,
+                             "temperature": 0}}),
+        json.dumps({"custom_id": "resp", "method": "POST", "url": "/v1/responses",
+                    "body": {"input": "Name a colour.", "max_output_tokens": 4,
+                             "temperature": 0}}),
+        "this is not json",
+        json.dumps({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
+                    "body": {"input": "x"}}),
+        json.dumps({**_chat("q0", "again"), "custom_id": "q0"}),
+        json.dumps({**_chat("streamed", "x"), "body": {**_chat("s", "x")["body"],
+                                                       "stream": True}}),
+        json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "x", "max_tokens": -1}}),
+        "",
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "radixkv.cli", "run-batch", "-i", str(src),
+                           "-o", str(dst), "--threads", "1", "--device", "cpu", "--dtype",
+                           "float32", "--device-blocks", "256"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(t) for t in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["q0", "q1", "q2", "q3", "q4", "text", "resp", None,
+                                             "emb", "q0", "streamed", "bad"]
+    assert len({o["id"] for o in out}) == len(out)
+    ok = {o["custom_id"]: o["response"]["body"] for o in out[:7]}
+    assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out[:7])
+    assert ok["q0"]["object"] == "chat.completion" and ok["text"]["object"] == "text_completion"
+    assert ok["resp"]["object"] == "response" and ok["resp"]["output"][0]["type"] == "message"
+    assert out[0]["response"]["request_id"] == ok["q0"]["id"]
+    # the same request, greedy: the same answer; the shared system prompt came from the cache
+    assert ok["q0"]["choices"][0]["message"] == ok["q2"]["choices"][0]["message"]
+    cached = sorted(ok[f"q{i}"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    for i in range(5))
+    assert cached[-4:] >= [32] * 4, cached   # computed once, read by the other four
+    codes = [o["error"]["code"] for o in out[7:11]]
+    assert codes == ["invalid_json", "invalid_url", "duplicate_custom_id", "invalid_request"]
+    assert all(o["response"] is None for o in out[7:11])
+    bad = out[11]
+    assert bad["error"] is None and bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["param"] == "max_tokens"
+    assert "12 requests (7 ok, 5 failed)" in proc.stderr and "from the cache" in proc.stderr
+
+
+def test_run_batch_usage_errors(tmp_path: Path, monkeypatch) -> None:
+    from radixkv.server.batch import main
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")   # main() must not set it for this process
+    assert main(["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o")]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["-o", str(tmp_path / "o")])   # no input file
+    assert exc.value.code == 2
