@@ -226,6 +226,20 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         _chat(client, [{"role": "user", "content": "x"}], max_tokens=-1)
+    # the Responses API: the ingress keeps the conversation, a replica answers each turn
+    first = client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4,
+                                    temperature=0)
+    more = client.responses.create(model=MODEL, input="Another.", max_output_tokens=4,
+                                   previous_response_id=first.id, temperature=0)
+    assert more.usage.input_tokens > first.usage.input_tokens + 4
+    events = list(client.responses.create(model=MODEL, input="Hi.", max_output_tokens=3,
+                                          stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    # the replicas schedule by lpm (their info says so): a priority is a 400 at the ingress
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, [{"role": "user", "content": "x"}], max_tokens=2,
+              extra_body={"priority": 1})
+    assert exc.value.body["param"] == "priority"
 
 
 
