@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        cli._vllm_flags(args)
+        cli.check_flags(args)
         cc, ec = cli.configs(args)
     except ConfigError as exc:
         print(f"radixkv run-batch: {exc}", file=sys.stderr)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"radixkv run-batch: {apply_threads(args.threads)}; OMP_WAIT_POLICY {wait_policy}",
           file=sys.stderr, flush=True)
     try:
-        backend = cli._loader(args, cc, ec, "radixkv run-batch")()
+        backend = cli.engine_loader(args, cc, ec, "radixkv run-batch")()
     except Exception as exc:  # noqa: BLE001 (any load failure: say why, exit non-zero)
         print(f"radixkv run-batch: the model failed to load: {exc}", file=sys.stderr)
         return 1

@@ -293,7 +293,8 @@ def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radixkv serve") -> Any:
+def engine_loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radixkv serve"
+                  ) -> Any:
     """The function that loads the model and engine ``args`` name (``prog``: who says so on
     stderr)."""
     def load() -> Any:
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        _vllm_flags(args)
+        check_flags(args)
         cc, ec = configs(args)
         keys = read_keys(args.api_key, args.api_key_file)
         if args.max_queued < 0:
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
 
-    app = create_app(load=_loader(args, cc, ec), model_name=name, api_keys=keys,
+    app = create_app(load=engine_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret,
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
@@ -485,7 +486,7 @@ def _read_template(path: str) -> str:
         raise ConfigError(f"--chat-template: {exc}") from None
 
 
-def _vllm_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     """Fold vLLM's spellings into radixkv's flags (ConfigError on a contradiction)."""
     from radixkv.errors import ConfigError
 

@@ -122,7 +122,7 @@ def test_max_logprobs_caps_what_a_request_may_ask() -> None:
     """vLLM's --max-logprobs: a request asking more alternatives a token is a 400 naming the
     field; the flag itself is 0..20 (a usage error outside)."""
     from radixkv.errors import ConfigError
-    from radixkv.server.cli import _vllm_flags, build_parser
+    from radixkv.server.cli import build_parser, check_flags
     from radixkv.server.errors import APIError
 
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -137,4 +137,4 @@ def test_max_logprobs_caps_what_a_request_may_ask() -> None:
         sampling_params(req, 5, 1000, None, 100, None, None, 2)
     assert build_parser().parse_args(["--max-logprobs", "5"]).max_logprobs == 5
     with pytest.raises(ConfigError):
-        _vllm_flags(build_parser().parse_args(["--max-logprobs", "21"]))
+        check_flags(build_parser().parse_args(["--max-logprobs", "21"]))
