@@ -972,8 +972,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             stream = calls[c.index]
             content, made = stream.feed(text)
             if finish:
-                rest, _ = stream.finish()
-                content += rest
+                rest, more = stream.finish()   # (a call cut short may end with a piece)
+                content, made = content + rest, made + more
                 if finish == "stop" and stream.num_calls:
                     finish = "tool_calls"
         if not (content or reasoning or made or finish or c.delta_logprobs):

@@ -313,8 +313,8 @@ class EventStream:
     ``function_call_arguments``), their ``.done`` events and ``output_item.done``; then
     ``response.completed`` (or ``response.incomplete`` at ``max_output_tokens``), every event
     numbered (``sequence_number``). An error the chat stream reports (a replica that died)
-    becomes an ``error`` event and ``response.failed``. ``on_done(response, output)`` runs
-    once the response completed (to store it)."""
+    becomes an ``error`` event and ``response.failed``. ``on_done(response)`` runs once the
+    response completed (to store it)."""
 
     def __init__(self, rid: str, req: Any, model: str, on_done: Any = None) -> None:
         self.rid, self.req, self.model, self.on_done = rid, req, model, on_done
@@ -356,7 +356,16 @@ class EventStream:
         if item is None:
             return out
         where = self._where()
-        if item["type"] in ("message", "reasoning"):
+        if item["type"] == "function_call":
+            args = item["_text"]
+            out.append(self._event("response.function_call_arguments.done", **where,
+                                   arguments=args, name=item["name"]))
+            done = {k: v for k, v in item.items() if k != "_text"}
+            done.update(arguments=args, status="completed")
+            self.output[-1] = done
+            out.append(self._event("response.output_item.done",
+                                   output_index=where["output_index"], item=done))
+        elif item["type"] in ("message", "reasoning"):
             text = item["_text"]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
             out.append(self._event(f"response.{kind}.done", **where, content_index=0,
@@ -388,20 +397,23 @@ class EventStream:
                                delta=delta, **({"logprobs": []} if kind == "message" else {})))
         return out
 
-    def _call(self, call: dict[str, Any]) -> list[str]:
-        """A whole function call (the chat stream sends each call complete)."""
-        item = call_item(call, status="in_progress")
-        args = item["arguments"]
-        out = self._start({**item, "arguments": ""}, None)
-        where = self._where()
-        out.append(self._event("response.function_call_arguments.delta", **where, delta=args))
-        out.append(self._event("response.function_call_arguments.done", **where,
-                               arguments=args, name=item["name"]))
-        done = {**item, "status": "completed"}
-        self.output[-1] = done
-        out.append(self._event("response.output_item.done", output_index=where["output_index"],
-                               item=done))
-        self.open = None
+    def _call(self, delta: dict[str, Any]) -> list[str]:
+        """A chat ``tool_calls`` delta: the first of a call (it has the ``id``) starts a
+        ``function_call`` item; its arguments, in that delta or the ones after, are
+        ``function_call_arguments.delta`` events; the item ends when the next item starts or
+        the response does (:meth:`_close`)."""
+        out: list[str] = []
+        fn = delta.get("function") or {}
+        if delta.get("id"):
+            item = call_item({"id": delta["id"], "function": {
+                "name": fn.get("name", ""), "arguments": ""}}, status="in_progress")
+            out = self._start(item, None)
+            item["_text"] = ""   # after the added event: kept out of what is sent
+        piece = fn.get("arguments") or ""
+        if piece and self.open is not None and self.open["type"] == "function_call":
+            self.open["_text"] += piece
+            out.append(self._event("response.function_call_arguments.delta", **self._where(),
+                                   delta=piece))
         return out
 
     def _items(self) -> list[dict[str, Any]]:

@@ -16,12 +16,14 @@ the format of Hermes, Qwen2/2.5/3 and SmolLM3 templates, the common one::
 * ``"none"``: the tools are not rendered and nothing is parsed.
 
 Streamed (``stream: true``), each choice's text goes through a :class:`CallStream`: the content
-around the calls is sent as it is generated, and each call is sent whole, in one
-``delta.tool_calls`` entry (its ``index``, ``id``, ``name`` and complete ``arguments``), as soon
-as its ``</tool_call>`` arrives. Text that may be the start of ``<tool_call>`` is held back until
-the next tokens tell. What a client assembles from the chunks is what the non-streamed answer
-holds: the same content (stripped the same way) and the same calls (a property test checks it for
-any split of the text into deltas).
+around the calls is sent as it is generated; a call is announced in a ``delta.tool_calls``
+entry (its ``index``, ``id``, ``name`` and empty ``arguments``) as soon as its header
+``{"name": ..., "arguments":`` is written, and its arguments follow in pieces as the model
+writes them, in ``json.dumps`` form (:mod:`radixkv.server.json_stream`), as vLLM's parsers
+stream them. Text that may be the start of ``<tool_call>`` is held back until the next tokens
+tell. The non-streamed answer is the same reading of the whole text (:func:`parse`), so what a
+client assembles from the chunks is what it holds, for any split of the text into deltas; a
+property test also checks both against an independent reading of whole replies.
 
 A template that does not declare tools, or writes calls in another format, gets a 400 naming
 ``tools`` rather than tool definitions silently dropped.
@@ -35,6 +37,7 @@ import uuid
 from typing import Any
 
 from radixkv.server.errors import APIError
+from radixkv.server.json_stream import JSONCanon
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
@@ -69,80 +72,116 @@ def _call(body: str, names: set[str]) -> dict[str, Any] | None:
                          else json.dumps(args, ensure_ascii=False)}}
 
 
-def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` from a reply: each well-formed ``<tool_call>`` whose JSON
-    names one of ``names`` becomes an OpenAI tool call; anything else stays in the content
-    (``None`` when nothing is left)."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _CALL.finditer(text):
-        call = _call(m.group(1), names)
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None), calls
-
-
 class CallStream:
-    """One streamed choice's text split into content deltas and whole tool calls, so that what
-    a client assembles equals :func:`parse` of the whole text (module docstring).
+    """One streamed choice's text split into content deltas and tool-call deltas (module
+    docstring); :func:`parse` is this over the whole text.
 
     :meth:`feed` each delta as it is generated and :meth:`finish` once at the end; each
-    returns ``(content to send now, calls completed now)``. Held back meanwhile: text that may
-    begin ``<tool_call>``, a call until its ``</tool_call>``, and trailing whitespace (the
-    non-streamed content is stripped: whitespace is sent only once text follows it). A block
-    that is not a call of a known tool, or is never closed, is sent as content, as
-    :func:`parse` keeps it."""
+    returns ``(content to send now, tool-call deltas)``. A call is announced (``index``,
+    ``id``, ``type``, ``function.name``, ``function.arguments`` empty) once its block's header
+    ``{"name": "...", "arguments":`` is complete and names one of ``names``; its arguments
+    follow in pieces (``{"index", "function": {"arguments": piece}}``) as the model writes
+    them, in ``json.dumps`` form (:class:`~radixkv.server.json_stream.JSONCanon`). A block
+    whose header is not that (another key order, an escaped name) is parsed at its
+    ``</tool_call>`` and sent whole, or as content when it is not a call of a known tool. An
+    announced call keeps what it has: cut short by the end of the reply (``max_tokens``), or
+    written as invalid JSON, its arguments are the part that was valid, as OpenAI's are for a
+    call cut short. Held back meanwhile: text that may begin ``<tool_call>``, a block until
+    its header is known, and trailing whitespace (the non-streamed content is stripped)."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
-        self.num_calls = 0       # calls returned so far (the next call's ``index``)
-        self._buf = ""           # text not yet sent: a possible tag start, or an open call
-        self._in_call = False    # ``_buf`` starts with CALL_OPEN and has no CALL_CLOSE yet
+        self.num_calls = 0       # calls announced so far (the next call's ``index``)
+        self._buf = ""           # text not yet sent or dropped
+        # None: outside a block; "pending": in a block, header not known yet; "whole": a
+        # block parsed at its end; "args": an announced call's arguments; "tail": after them,
+        # up to the closing tag (dropped); "broken": invalid arguments, up to the closing tag
+        self._mode: str | None = None
+        self._canon: JSONCanon | None = None
         self._started = False    # some content was sent (leading whitespace is dropped)
         self._space = ""         # whitespace held after the content sent
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         buf = self._buf + text
         out: list[str] = []
-        calls: list[dict[str, Any]] = []
+        deltas: list[dict[str, Any]] = []
         while buf:
-            if not self._in_call:
+            mode = self._mode
+            if mode is None:
                 at = buf.find(CALL_OPEN)
                 if at < 0:
-                    keep = _tag_prefix(buf)
+                    keep = _tag_prefix(buf, CALL_OPEN)
                     out.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
                 out.append(buf[:at])
                 buf = buf[at:]
-                self._in_call = True
-            end = buf.find(CALL_CLOSE, len(CALL_OPEN))
-            if end < 0:
-                break
-            end += len(CALL_CLOSE)
-            block, buf = buf[:end], buf[end:]
-            self._in_call = False
-            m = _CALL.fullmatch(block)
-            call = _call(m.group(1), self.names) if m is not None else None
-            if call is None:
-                out.append(block)
-            else:
-                calls.append({"index": self.num_calls, **call})
+                self._mode = "pending"
+            elif mode == "pending":
+                body = buf[len(CALL_OPEN):]
+                status, name, start = _header(body)
+                if status == "pending" and CALL_CLOSE not in body:
+                    break
+                if status != "yes" or name not in self.names:
+                    self._mode = "whole"
+                    continue
+                deltas.append({"index": self.num_calls,
+                               "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                               "function": {"name": name, "arguments": ""}})
                 self.num_calls += 1
+                self._mode, self._canon = "args", JSONCanon(raw_string=True)
+                buf = body[start:]
+            elif mode == "whole":
+                end = buf.find(CALL_CLOSE, len(CALL_OPEN))
+                if end < 0:
+                    break
+                end += len(CALL_CLOSE)
+                block, buf = buf[:end], buf[end:]
+                self._mode = None
+                m = _CALL.fullmatch(block)
+                call = _call(m.group(1), self.names) if m is not None else None
+                if call is None:
+                    out.append(block)
+                else:
+                    deltas.append({"index": self.num_calls, **call})
+                    self.num_calls += 1
+            elif mode == "args":
+                assert self._canon is not None
+                piece, read = self._canon.feed(buf)
+                if piece:
+                    deltas.append({"index": self.num_calls - 1,
+                                   "function": {"arguments": piece}})
+                buf = buf[read:]
+                if self._canon.done:
+                    self._mode = "tail"
+                elif self._canon.failed:
+                    self._mode = "broken"
+                else:
+                    break
+            else:   # "tail" / "broken": drop up to the closing tag
+                end = buf.find(CALL_CLOSE)
+                if end < 0:
+                    buf = buf[len(buf) - _tag_prefix(buf, CALL_CLOSE):]
+                    break
+                buf = buf[end + len(CALL_CLOSE):]
+                self._mode = None
         self._buf = buf
-        return self._content("".join(out)), calls
+        return self._content("".join(out)), deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The text still held (an unclosed call or a partial tag is content); trailing
-        whitespace is dropped."""
-        text, self._buf, self._in_call = self._buf, "", False
-        return self._content(text), []
+        """The end of the reply: a partial tag or an unannounced, unclosed block is content;
+        an announced call ends with the arguments it has (trailing whitespace is dropped)."""
+        text, mode, self._buf, self._mode = self._buf, self._mode, "", None
+        deltas: list[dict[str, Any]] = []
+        if mode == "args":
+            assert self._canon is not None
+            piece = self._canon.finish()
+            if piece:
+                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            text = ""
+        elif mode in ("tail", "broken"):
+            text = ""
+        return self._content(text), deltas
 
     def _content(self, text: str) -> str:
         if not self._started:
@@ -156,10 +195,60 @@ class CallStream:
         return kept
 
 
-def _tag_prefix(text: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``CALL_OPEN``."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
+def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a whole reply: what a :class:`CallStream` fed the whole
+    text sends, assembled (so a streamed reply and a non-streamed one agree by construction).
+    Each ``<tool_call>`` block that calls one of ``names`` becomes an OpenAI tool call; the rest
+    stays in the content (``None`` when nothing is left)."""
+    stream = CallStream(names)
+    content, deltas = stream.feed(text)
+    rest, more = stream.finish()
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas + more:
+        if "id" in d:
+            calls[d["index"]] = {k: v for k, v in d.items() if k != "index"}
+            calls[d["index"]]["function"] = dict(d["function"])
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return (content + rest or None), [calls[i] for i in sorted(calls)]
+
+
+def _header(body: str) -> tuple[str, str | None, int]:
+    """Whether a ``<tool_call>`` block's text (after the tag) starts with the header
+    ``{"name": "NAME", "arguments":`` (or ``"parameters"``), any whitespace between:
+    ``("yes", NAME, where the arguments value begins)``, ``("no", None, 0)`` or, when the text
+    so far is a proper start of one, ``("pending", None, 0)``."""
+    n, i = len(body), 0
+    name = None
+    for step in ("{", '"name"', ":", '"', None, ",", ('"arguments"', '"parameters"'), ":"):
+        while i < n and body[i] in " \t\n\r":
+            i += 1
+        if i >= n:
+            return "pending", None, 0
+        if step is None:   # the name, up to its closing quote
+            end = i
+            while end < n and body[end] not in '"\\':
+                end += 1
+            if end >= n:
+                return "pending", None, 0
+            if body[end] == "\\":
+                return "no", None, 0   # an escaped name: the block is parsed at its end
+            name, i = body[i:end], end + 1
+            continue
+        words = step if isinstance(step, tuple) else (step,)
+        word = next((w for w in words if body.startswith(w, i)), None)
+        if word is None:
+            if any(w.startswith(body[i:]) for w in words):
+                return "pending", None, 0
+            return "no", None, 0
+        i += len(word)
+    return "yes", name, i
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

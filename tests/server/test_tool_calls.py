@@ -10,6 +10,7 @@ a grammar, and parsing is checked on its own.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -161,7 +162,10 @@ def test_a_streamed_call_is_the_non_streamed_one(srv: Server) -> None:
     (got,) = calls[0].values()
     assert finish == {0: "tool_calls"} and not content.get(0) and whole.message.content is None
     assert got["id"] and got["name"] == call.function.name == "get_weather"
-    assert json.loads(got["arguments"]) == json.loads(call.function.arguments)
+    assert got["arguments"] == call.function.arguments   # the same text, sent in pieces:
+    pieces = [tc for ch in _chat(srv, stream=True, **kw) for c in ch.choices
+              for tc in c.delta.tool_calls or () if tc.function and tc.function.arguments]
+    assert len(pieces) >= 3 and not any(tc.id for tc in pieces)
     # n = 2 sampled calls, each choice its own call stream; "required" picks a tool per choice
     sampled = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "n": 2,
                "temperature": 1.0, "seed": 11}
@@ -201,25 +205,93 @@ _PIECES = st.one_of(
     st.just(f"{CALL_OPEN}{{not json}}{CALL_CLOSE}"))
 
 
+_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+
+
+def _reference_parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+    """An independent reading of a whole reply (the regular expression the server used before
+    calls streamed in pieces): each closed block whose JSON calls a known tool is a call, its
+    arguments ``json.dumps`` of the parsed value; the rest is content."""
+    calls, kept, pos = [], [], 0
+    for m in _CALL_RE.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"name": obj["name"], "arguments": args if isinstance(args, str)
+                      else json.dumps(args, ensure_ascii=False)})
+    kept.append(text[pos:])
+    return ("".join(kept).strip() or None), calls
+
+
+def _stream(text: str, data: st.DataObject, names: set[str]) -> tuple[str, list[dict], Any]:
+    """``text`` through a CallStream in random deltas: the content and the calls a client
+    assembles (deltas of one ``index`` joined: the first names it, the rest add arguments)."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    stream = CallStream(names)
+    content, calls = "", {}
+    for piece in [*(text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])), None]:
+        c, made = stream.feed(piece) if piece is not None else stream.finish()
+        content += c
+        for d in made:
+            if "id" in d:
+                assert d["index"] not in calls and d["id"].startswith("call_")
+                calls[d["index"]] = dict(d["function"])
+            else:
+                assert set(d) == {"index", "function"} and d["function"]["arguments"]
+                calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls))) == list(range(stream.num_calls))
+    return content, [calls[i] for i in sorted(calls)], stream
+
+
 @settings(max_examples=400)   # ~2 s: a pure function, cheap examples
 @given(st.lists(_PIECES, max_size=10), st.data())
-def test_call_stream_assembles_what_parse_returns(pieces: list[str], data: st.DataObject
-                                                  ) -> None:
+def test_call_stream_assembles_what_a_whole_reading_finds(pieces: list[str],
+                                                          data: st.DataObject) -> None:
+    """For any reply made of text, calls and broken blocks, cut into deltas anywhere: what a
+    client assembles from the stream is what an independent reading of the whole text finds,
+    and what the non-streamed answer (``parse``) holds."""
     text = "".join(pieces)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    stream = CallStream({"get_weather", "get_time"})
-    content, calls = "", []
-    for d in deltas:
-        c, made = stream.feed(d)
-        content, calls = content + c, calls + made
-    c, made = stream.finish()
-    content, calls = content + c, calls + made
-    want_content, want_calls = parse(text, {"get_weather", "get_time"})
+    names = {"get_weather", "get_time"}
+    content, calls, _ = _stream(text, data, names)
+    want_content, want_calls = _reference_parse(text, names)
     assert content == (want_content or "")
-    assert [(c["index"], c["function"]) for c in calls] == [
-        (i, c["function"]) for i, c in enumerate(want_calls)]
-    assert stream.num_calls == len(want_calls)
+    assert calls == want_calls
+    got_content, got_calls = parse(text, names)
+    assert (got_content, [c["function"] for c in got_calls]) == (want_content, want_calls)
+
+
+_ARGS = st.dictionaries(st.sampled_from(["city", "unit", "path", "text"]),
+                        st.one_of(st.text(max_size=20), st.integers(), st.booleans(),
+                                  st.lists(st.integers(), max_size=3)), max_size=4)
+
+
+@settings(max_examples=300)
+@given(_ARGS, st.sampled_from(["", " ", "\n  "]), st.data())
+def test_arguments_stream_in_pieces_and_a_cut_call_keeps_what_it_has(
+        args: dict, space: str, data: st.DataObject) -> None:
+    """A call's arguments arrive in pieces as they are written (before its closing tag), in
+    ``json.dumps`` form whatever the model's layout; a reply cut inside them (``max_tokens``)
+    keeps the call with the arguments written so far, streamed or not."""
+    raw = json.dumps(args, indent=data.draw(st.sampled_from([None, 1])),
+                     ensure_ascii=data.draw(st.booleans()))
+    head = f'Sure.{CALL_OPEN}\n{{"name":{space}"get_weather",{space}"arguments": '
+    text = head + raw + "}\n" + CALL_CLOSE
+    want = json.dumps(args, ensure_ascii=False)
+    content, calls, _ = _stream(text, data, {"get_weather"})
+    assert (content, calls) == ("Sure.", [{"name": "get_weather", "arguments": want}])
+    stream = CallStream({"get_weather"})
+    _, early = stream.feed(head + raw)   # the arguments, before the call is closed
+    assert "".join(d["function"]["arguments"] for d in early) == want
+    cut = text[:data.draw(st.integers(len(head), len(head) + len(raw) - 1))]
+    content, calls, _ = _stream(cut, data, {"get_weather"})
+    assert content == "Sure." and len(calls) == 1 and want.startswith(calls[0]["arguments"])
+    assert parse(cut, {"get_weather"})[1][0]["function"] == calls[0]
 
 
 @pytest.mark.model
@@ -370,6 +442,20 @@ def test_parallel_tool_calls_false_ends_an_auto_reply_after_its_first_call() -> 
     assert content == "Sure." and len(calls) == 1
 
 
+def test_broken_arguments_keep_their_valid_part_and_drop_the_rest() -> None:
+    text = (f'{CALL_OPEN}{{"name": "get_weather", "arguments": {{"city": "Oslo", oops}}}}'
+            f'{CALL_CLOSE} done')
+    content, calls = parse(text, {"get_weather"})
+    assert content == "done"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", '}
+    # arguments written as a string holding JSON are that string's text
+    text = f'{CALL_OPEN}{{"name": "f", "arguments": "{{\\"a\\": 1}}"}}{CALL_CLOSE}'
+    assert parse(text, {"f"})[1][0]["function"]["arguments"] == '{"a": 1}'
+    # another key order is parsed whole at the closing tag
+    text = f'{CALL_OPEN}{{"arguments": {{"a": 1}}, "name": "f"}}{CALL_CLOSE}'
+    assert parse(text, {"f"})[1][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
 def test_parse_takes_well_formed_calls_of_known_tools_and_leaves_the_rest() -> None:
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
             '\n</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
@@ -437,12 +523,14 @@ def test_responses_function_calls_and_their_outputs_round_trip(srv: Server) -> N
     events = list(r.create(model=MODEL, input=ASK[0]["content"], tools=tools,
                            tool_choice=named, temperature=0, max_output_tokens=60, stream=True))
     kinds = [e.type for e in events]
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.function_call_arguments.delta",
-                     "response.function_call_arguments.done", "response.output_item.done",
-                     "response.completed"], kinds
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"], kinds
+    assert kinds[-3:] == ["response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"], kinds
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"} and \
+        len(kinds) - 6 >= 3   # the arguments in pieces, as they were written
     assert events[2].item.type == "function_call" and events[2].item.arguments == ""
-    assert events[3].delta == events[4].arguments == call.arguments
+    assert "".join(e.delta for e in events[3:-3]) == events[-3].arguments == call.arguments
     [streamed] = events[-1].response.output
     assert (streamed.name, streamed.arguments, streamed.call_id) == (
         call.name, call.arguments, events[2].item.call_id)
