@@ -787,22 +787,23 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     def decode(tid: int) -> str:
         return eng.decode([tid], skip_special_tokens=False)
 
+    label = serving.token_id_label if req.return_tokens_as_token_ids else decode
     for i, out in enumerate(outs):
         for c in out.outputs:
             text = "" if only else c.text
-            lps = _logprobs(eng, chat, c.logprobs, 0)
+            lps = _logprobs(eng, chat, c.logprobs, 0, req.return_tokens_as_token_ids)
             if echo:
                 text = eng.decode(out.prompt_token_ids) + text
                 if c.logprobs is not None:   # the prompt's entries, then the generated ones
                     gen = [] if only else c.logprobs
                     lps = serving.completion_logprobs(
                         decode, [*out.prompt_logprobs, *gen], 0,
-                        [*out.prompt_token_ids, *(t.token_id for t in gen)])
+                        [*out.prompt_token_ids, *(t.token_id for t in gen)], label)
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
                                       "logprobs": lps}
             if req.prompt_logprobs is not None and not chat:
                 choice["prompt_logprobs"] = serving.vllm_prompt_logprobs(
-                    decode, out.prompt_logprobs)
+                    label, out.prompt_logprobs)
             reasoning: str | None = None
             if chat and state.reasoning_parser is not None:   # thinking apart, then the rest
                 from radixkv.server.reasoning import split
@@ -842,20 +843,23 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             "created": int(time.time()), "model": state.model_name, "choices": choices,
             "usage": usage}
     if chat and req.prompt_logprobs is not None:   # vLLM puts the chat's beside the choices
-        body["prompt_logprobs"] = serving.vllm_prompt_logprobs(decode, outs[0].prompt_logprobs)
+        body["prompt_logprobs"] = serving.vllm_prompt_logprobs(label, outs[0].prompt_logprobs)
     if chat and req.return_token_ids:
         body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
     return JSONResponse(body)
 
 
-def _logprobs(eng: Any, chat: bool, items: list | None, offset: int) -> dict | None:
-    """``choice.logprobs`` in the endpoint's format (None when the request did not ask)."""
+def _logprobs(eng: Any, chat: bool, items: list | None, offset: int, as_ids: bool = False
+              ) -> dict | None:
+    """``choice.logprobs`` in the endpoint's format (None when the request did not ask);
+    ``as_ids``: tokens named ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
     def decode(tid: int) -> str:
         return eng.decode([tid], skip_special_tokens=False)
 
+    label = serving.token_id_label if as_ids else decode
     if chat:
-        return serving.chat_logprobs(decode, items)
-    return serving.completion_logprobs(decode, items, offset)
+        return serving.chat_logprobs(label, items)
+    return serving.completion_logprobs(decode, items, offset, label=label)
 
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
@@ -932,9 +936,12 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                lps: list | None = None) -> dict:
         logprobs = None
         if lps is not None:
-            logprobs = _logprobs(state.engine, chat, lps, offsets.get(index, 0))
-            if not chat:
-                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+            eng = state.engine
+            logprobs = _logprobs(eng, chat, lps, offsets.get(index, 0),
+                                 req.return_tokens_as_token_ids)
+            if not chat:   # the text's characters, however the tokens are named
+                offsets[index] = offsets.get(index, 0) + sum(
+                    len(eng.decode([t.token_id], skip_special_tokens=False)) for t in lps)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:

@@ -30,8 +30,7 @@ UNSUPPORTED = {
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),   # chat's (completions' is implemented)
     "spaces_between_special_tokens": (None, True),
-    "return_tokens_as_token_ids": (None, False), "logprob_token_ids": (None, []),
-    "truncation_side": (None, "left"),
+    "logprob_token_ids": (None, []),
     "thinking_token_budget": (None,), "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
@@ -193,6 +192,9 @@ class _SamplingFields(_PlacedDocuments):
     bad_words: Optional[list[str]] = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as fit beside max_tokens)
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None   # vLLM's: right keeps the first
+    # vLLM's: logprobs name each token "token_id:N" instead of its text
+    return_tokens_as_token_ids: bool = False
     # vLLM's constrained output, and the guided_* fields it had before (serve.md)
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None

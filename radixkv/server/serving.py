@@ -191,12 +191,14 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
 
 
 def truncate(req: Any, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
-    """``truncate_prompt_tokens``: each prompt's last k tokens (-1: as many as fit beside the
-    request's ``max_tokens``, or one token to generate). Refused (400) where token positions
+    """``truncate_prompt_tokens``: each prompt's last k tokens, or its first k with vLLM's
+    ``truncation_side: "right"`` (-1: as many as fit beside the request's ``max_tokens``, or
+    one token to generate). Refused (400) where token positions
     were computed for the whole prompt: cache breakpoints, retention, documents."""
     k = getattr(req, "truncate_prompt_tokens", None)
     if k is None:
         return prompts
+    right = getattr(req, "truncation_side", None) == "right"   # vLLM's: keep the first k
     marks = any(getattr(m, "cache_control", None) for m in getattr(req, "messages", None) or ())
     for bad, name in ((marks, "cache_control"),
                       (req.prompt_cache_retention, "prompt_cache_retention"),
@@ -207,7 +209,7 @@ def truncate(req: Any, prompts: list[list[int]], max_model_len: int) -> list[lis
     if k == -1:
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or 1
         k = max(1, max_model_len - asked)
-    return [ids[-k:] for ids in prompts]
+    return [ids[:k] if right else ids[-k:] for ids in prompts]
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,24 +345,35 @@ def chat_logprobs(decode: Any, items: Sequence[Any] | None) -> dict[str, Any] | 
 
 
 def completion_logprobs(decode: Any, items: Sequence[Any] | None, offset: int,
-                        ids: Sequence[int] | None = None) -> dict[str, Any] | None:
+                        ids: Sequence[int] | None = None, label: Any = None
+                        ) -> dict[str, Any] | None:
     """OpenAI's legacy completions ``choice.logprobs`` (token strings, their logprobs, the top
     alternatives as ``{token: logprob}``, and each token's character offset from ``offset``).
     ``ids``: the token of each item, for items that may be None (an echoed prompt's first
-    token, which has no logprob: OpenAI's ``null``)."""
+    token, which has no logprob: OpenAI's ``null``). ``label``: how a token is named (default
+    its text; :func:`token_id_label` for vLLM's ``return_tokens_as_token_ids``); offsets count
+    the text either way."""
     if items is None:
         return None
+    label = decode if label is None else label
     tokens, offsets = [], []
     for i, t in enumerate(items):
         offsets.append(offset)
-        text = decode(t.token_id if ids is None else ids[i])
-        tokens.append(text)
-        offset += len(text)
+        tid = t.token_id if ids is None else ids[i]
+        tokens.append(label(tid))
+        offset += len(decode(tid))
     return {"tokens": tokens,
             "token_logprobs": [None if t is None else t.logprob for t in items],
-            "top_logprobs": [None if t is None else {decode(i): v for i, v in t.top}
+            "top_logprobs": [None if t is None else {label(i): v for i, v in t.top}
                              for t in items],
             "text_offset": offsets}
+
+
+def token_id_label(tid: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: a token named ``token_id:N`` (RL pipelines map
+    logprobs back to ids without re-tokenizing, and a token that is not valid UTF-8 alone
+    still has a name)."""
+    return f"token_id:{tid}"
 
 
 def vllm_prompt_logprobs(decode: Any, items: Sequence[Any]) -> list[dict[str, Any] | None]:

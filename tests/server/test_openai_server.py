@@ -1139,3 +1139,55 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
         assert status == 400 and err["error"]["param"] == param, (extra, err)
     status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi"}, key=None)
     assert status == 401
+
+
+@pytest.mark.model
+def test_tokens_as_token_ids_and_right_truncation(ready: Server, engine: Any) -> None:
+    """vLLM's ``return_tokens_as_token_ids`` (RL pipelines' form: each logprob token named
+    ``token_id:N``, the values and text offsets unchanged; chat, completions, streamed, echo,
+    prompt_logprobs) and ``truncation_side: "right"`` (``truncate_prompt_tokens`` keeps the
+    first k tokens)."""
+    client = ready.client()
+    prompt = "The capital of France is"
+    ids = engine.encode(prompt)
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(**kw).choices[0]
+    named = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    out = named.choices[0]
+    assert out.text == plain.text and out.logprobs.token_logprobs == \
+        plain.logprobs.token_logprobs and out.logprobs.text_offset == plain.logprobs.text_offset
+    gen = [int(t.split(":")[1]) for t in out.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in out.logprobs.tokens)
+    assert engine.decode(gen) == plain.text
+    for top, ref in zip(out.logprobs.top_logprobs, plain.logprobs.top_logprobs):
+        assert sorted(top.values()) == sorted(ref.values())
+        assert all(k.startswith("token_id:") for k in top)
+    streamed = [t for ch in client.completions.create(
+        **kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+        for c in ch.choices if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == out.logprobs.tokens
+    echo = client.completions.create(**{**kw, "max_tokens": 1}, echo=True, extra_body={
+        "return_tokens_as_token_ids": True}).choices[0]
+    assert echo.logprobs.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
+    status, got = ready.raw("POST", "/v1/completions", {
+        **kw, "max_tokens": 1, "prompt_logprobs": 0, "return_tokens_as_token_ids": True})
+    first = got["choices"][0]["prompt_logprobs"][1]
+    assert status == 200 and first[str(ids[1])]["decoded_token"] == f"token_id:{ids[1]}"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    toks = [e.token for e in chat.logprobs.content]
+    assert all(t.startswith("token_id:") for t in toks)
+    assert engine.decode([int(t.split(":")[1]) for t in toks]) == chat.message.content
+    # truncation_side: the first k tokens (vLLM's "right"), or the last k (the default)
+    for side, kept in (("right", ids[:3]), ("left", ids[-3:]), (None, ids[-3:])):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0,
+                "truncate_prompt_tokens": 3, **({"truncation_side": side} if side else {})}
+        status, got = ready.raw("POST", "/v1/completions", body)
+        want = client.completions.create(model=MODEL, prompt=kept, max_tokens=2, temperature=0)
+        assert status == 200 and got["usage"]["prompt_tokens"] == 3, got
+        assert got["choices"][0]["text"] == want.choices[0].text, side
+    status, err = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                        "truncation_side": "middle"})
+    assert status == 400 and err["error"]["param"] == "truncation_side"
