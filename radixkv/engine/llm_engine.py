@@ -544,7 +544,7 @@ class LLMEngine:
         # Everything the host needs from the device this step (greedy tokens, their
         # log-probabilities, adjusted argmaxes, sampled tokens and theirs) is queued first and
         # read back in one transfer: on CUDA each read is a stream sync (StepReads).
-        need_top = any(r.params.logprobs for r in reqs.values())
+        need_top = any(r.params.logprobs or r.params.logprob_token_ids for r in reqs.values())
         fast = None if need_top else greedy_and_logsumexp(logits)   # CPU: native, host lists
         reads = StepReads()
         lse: list[float] | None = None
@@ -571,7 +571,17 @@ class LLMEngine:
             k_pick_lp = reads.add(source.gather(1, adj_best[:, None])[:, 0])
         draws = self._queue_draws(reqs, rows, logits, adj, logp, reads)
         top_rows = sorted({rows[s.seq_id] for r in reqs.values()
-                           if r.params.logprobs and r.beam is None for s in r.seqs})
+                           if r.params.logprobs and r.params.logprob_token_ids is None
+                           and r.beam is None for s in r.seqs})
+        # logprob_token_ids: each such request's rows, at its tokens (one gather a request)
+        named: list[tuple[list[int], tuple[int, ...], int]] = []
+        for r in reqs.values():
+            ids_ = r.params.logprob_token_ids
+            if ids_ is not None and r.beam is None:
+                rr = [rows[s.seq_id] for s in r.seqs]
+                assert logp is not None   # need_top: the native pass did not run
+                named.append((rr, ids_, reads.add(logp[to_device(rr, logp.device, torch.long)][
+                    :, to_device(list(ids_), logp.device, torch.long)])))
         k_top = -1
         if top_rows:   # the most likely tokens of every row that reports them, one topk
             assert logp is not None   # need_top: the native pass did not run
@@ -595,6 +605,10 @@ class LLMEngine:
             w = len(got[k_top]) // len(top_rows)
             tops = {r: (got[k_top][i * w:(i + 1) * w], got[k_top + 1][i * w:(i + 1) * w])
                     for i, r in enumerate(top_rows)}
+        for rr, ids_, k in named:
+            w = len(ids_)
+            for i, row_ in enumerate(rr):
+                tops[row_] = ([float(t) for t in ids_], got[k][i * w:(i + 1) * w])
         drawn, forks = self._drawn(draws, got, lse)
         now = time.perf_counter()
         outputs = []
@@ -608,7 +622,7 @@ class LLMEngine:
             p = req.params
             if req.beam is not None:
                 self._beam_step(req, logits[[rows[s.seq_id] for s in seqs]])
-            elif len(seqs) == 1 and p.n == 1 and not p.logprobs:
+            elif len(seqs) == 1 and p.n == 1 and not p.logprobs and not p.logprob_token_ids:
                 # one sequence, no fork, no top-k: the token alone (the decode step's common
                 # case, once per sequence per step)
                 seq = seqs[0]
@@ -749,8 +763,9 @@ class LLMEngine:
             picks = [(s, choose(r)) for s, r in zip(req.seqs, idx)]
             rows_for = idx
         top = None
-        if p.logprobs and tops:   # this request's k most likely tokens of each of its rows
-            k = p.logprobs
+        if (p.logprobs or p.logprob_token_ids) and tops:
+            # this request's k most likely tokens of each of its rows, or its named tokens
+            k = len(p.logprob_token_ids) if p.logprob_token_ids else p.logprobs
             top = {r: tuple(zip((int(t) for t in tops[r][0][:k]), tops[r][1][:k]))
                    for r in set(rows_for)}
         for (seq, (tok, lp)), row in zip(picks, rows_for):

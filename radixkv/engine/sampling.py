@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # torch is imported inside the functions: the scheduler impor
 MIN_TEMPERATURE = 1e-5
 #: Most alternatives per position a request may ask for (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+#: Most ``logprob_token_ids`` one request may name (each is a value in every token's entry).
+MAX_LOGPROB_TOKEN_IDS = 256
 #: Seeds are used modulo 2**64 (torch generators take 64-bit seeds; sample i uses seed + i).
 SEED_MODULUS = 2**64
 
@@ -95,6 +97,10 @@ class SamplingParams:
             token's own log-probability plus the k most likely tokens at that position
             (``CompletionOutput.logprobs``). Raw model distribution, like
             ``cumulative_logprob``. Not with beam search (its tokens are re-ranked at the end).
+        logprob_token_ids: vLLM's: None, or token ids (at most ``MAX_LOGPROB_TOKEN_IDS``) whose
+            log-probabilities each output token's entry lists instead of the most likely ones,
+            in this order (a classifier's label tokens, every step); implies ``logprobs`` (0:
+            with ``logprobs`` k > 0 as well it is an error). Not with beam search.
         prompt_logprobs: vLLM's: None = none; k in [0, MAX_LOGPROBS] = the log-probability of
             every prompt token after the first, given the tokens before it, with its rank and
             the k most likely tokens at its position (``RequestOutput.prompt_logprobs``). Such a
@@ -138,6 +144,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -162,7 +169,9 @@ class SamplingParams:
         for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids),
                             ("bad_words", self.bad_words), ("stop_after", self.stop_after)) + (
                 (("allowed_token_ids", self.allowed_token_ids),)
-                if self.allowed_token_ids is not None else ()):
+                if self.allowed_token_ids is not None else ()) + (
+                (("logprob_token_ids", self.logprob_token_ids),)
+                if self.logprob_token_ids is not None else ()):
             try:
                 object.__setattr__(self, name, tuple(value))
             except TypeError:
@@ -170,6 +179,8 @@ class SamplingParams:
         bad = _first_error(self)
         if bad:
             raise InvalidRequestError(f"invalid sampling parameters: {bad}")
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            object.__setattr__(self, "logprobs", 0)   # the entries that will list them
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
 
@@ -262,6 +273,15 @@ def _first_error(p: SamplingParams) -> str | None:
     if p.logprobs is not None and (not _is_int(p.logprobs)
                                    or not 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {p.logprobs!r}"
+    ids = p.logprob_token_ids
+    if ids is not None:
+        if not ids or len(ids) > MAX_LOGPROB_TOKEN_IDS or not all(
+                _is_int(t) and t >= 0 for t in ids):
+            return (f"logprob_token_ids must be None or 1 to {MAX_LOGPROB_TOKEN_IDS} token ids "
+                    f">= 0, got {list(ids)!r:.80}")
+        if p.logprobs:
+            return ("logprob_token_ids lists the log-probabilities of those tokens instead of "
+                    "the most likely ones: not with logprobs > 0")
     if p.prompt_logprobs is not None and (not _is_int(p.prompt_logprobs)
                                           or not 0 <= p.prompt_logprobs <= MAX_LOGPROBS):
         return (f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got "
@@ -287,7 +307,8 @@ def _first_error(p: SamplingParams) -> str | None:
         if p.adjusts_logits:
             return ("beam search does not take frequency_penalty, presence_penalty, "
                     "logit_bias, min_tokens or a grammar")
-        if p.logprobs is not None or p.prompt_logprobs is not None:
+        if p.logprobs is not None or p.prompt_logprobs is not None or \
+                p.logprob_token_ids is not None:
             return "per-token logprobs are not available with beam search"
         if p.temperature != 0 or p.top_k or p.top_p != 1.0 or p.min_p:
             return ("beam search is deterministic: leave temperature at 0, top_k and min_p at "

@@ -57,11 +57,11 @@ API documents (``InvalidRequestError``, ``EngineClosedError``)."""
         raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
     if params.bad_words and engine.tokenizer is None:
         raise InvalidRequestError("bad_words need a tokenizer; this engine has none")
-    if params.allowed_token_ids is not None:
-        bad = next((t for t in params.allowed_token_ids if t >= engine.vocab_size), None)
+    for name in ("allowed_token_ids", "logprob_token_ids"):
+        ids = getattr(params, name)
+        bad = next((t for t in ids if t >= engine.vocab_size), None) if ids else None
         if bad is not None:
-            raise InvalidRequestError(f"allowed_token_ids: {bad} is not in "
-                                      f"[0, {engine.vocab_size})")
+            raise InvalidRequestError(f"{name}: {bad} is not in [0, {engine.vocab_size})")
     return params
 
 

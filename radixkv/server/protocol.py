@@ -30,7 +30,6 @@ UNSUPPORTED = {
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),   # chat's (completions' is implemented)
     "spaces_between_special_tokens": (None, True),
-    "logprob_token_ids": (None, []),
     "thinking_token_budget": (None,), "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
@@ -195,6 +194,8 @@ class _SamplingFields(_PlacedDocuments):
     truncation_side: Optional[Literal["left", "right"]] = None   # vLLM's: right keeps the first
     # vLLM's: logprobs name each token "token_id:N" instead of its text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: these tokens' logprobs in every token's entry, instead of the most likely ones
+    logprob_token_ids: Optional[list[int]] = Field(default=None, min_length=1, max_length=256)
     # vLLM's constrained output, and the guided_* fields it had before (serve.md)
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None

@@ -128,6 +128,18 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
             raise APIError(400, f"allowed_token_ids: {bad} is not in [0, {vocab_size})",
                            param="allowed_token_ids")
         kwargs["allowed_token_ids"] = tuple(req.allowed_token_ids)
+    if req.logprob_token_ids is not None:   # vLLM's: these tokens' logprobs, every step
+        if top_logprobs:
+            raise APIError(400, "logprob_token_ids lists those tokens' log-probabilities "
+                           "instead of the most likely ones: not with top_logprobs / logprobs "
+                           "> 0", param="logprob_token_ids")
+        bad = next((t for t in req.logprob_token_ids if vocab_size is not None
+                    and not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"logprob_token_ids: {bad} is not in [0, {vocab_size})",
+                           param="logprob_token_ids")
+        kwargs["logprob_token_ids"] = tuple(req.logprob_token_ids)
+        kwargs["logprobs"] = 0
     if req.bad_words:
         if not all(w.strip() for w in req.bad_words):
             raise APIError(400, "bad_words must be non-blank strings", param="bad_words")

@@ -339,6 +339,48 @@ def test_prompt_logprobs_are_transformers_log_softmax(hf_llama, budget):
         SamplingParams(beam_width=2, prompt_logprobs=1)
 
 
+def test_logprob_token_ids_are_transformers_log_softmax_at_those_tokens(hf_llama):
+    """vLLM's ``logprob_token_ids``: every generated token's entry lists these tokens'
+    log-probabilities, in the order given (a label set), equal to ``log_softmax`` of
+    transformers' logits at that position; greedy, sampled with n=2 (each sample its own
+    rows) and beside requests that ask nothing; the tokens chosen are unchanged."""
+    p, q = _prompts([11, 7], seed=5)
+    labels = (17, 3, 200, 3)
+    eng = _engine(hf_llama)
+    out = _run(eng, [("ids", p, SamplingParams(max_tokens=4, logprob_token_ids=labels)),
+                     ("plain", q, _greedy(3)),
+                     ("n2", q, SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=3,
+                                              logprob_token_ids=[5]))])
+    o = out["ids"].outputs[0]
+    assert o.token_ids == _hf(hf_llama, p, 4) and len(o.logprobs) == 4
+    seq = list(p)
+    for e, tok in zip(o.logprobs, o.token_ids):
+        with torch.no_grad():
+            row = torch.log_softmax(hf_llama(torch.tensor([seq])).logits[0, -1].float(), -1)
+        assert [t for t, _ in e.top] == list(labels)
+        assert [v for _, v in e.top] == pytest.approx([float(row[t]) for t in labels],
+                                                      abs=1e-4)
+        assert e.token_id == tok and e.logprob == pytest.approx(float(row[tok]), abs=1e-4)
+        seq.append(tok)
+    assert out["plain"].outputs[0].logprobs is None
+    for c in out["n2"].outputs:
+        seq = list(q)
+        for e in c.logprobs:
+            with torch.no_grad():
+                row = torch.log_softmax(hf_llama(torch.tensor([seq])).logits[0, -1].float(),
+                                        -1)
+            assert e.top[0][0] == 5 and e.top[0][1] == pytest.approx(float(row[5]), abs=1e-4)
+            seq.append(e.token_id)
+    for bad in ({"logprob_token_ids": []}, {"logprob_token_ids": [1], "logprobs": 2},
+                {"logprob_token_ids": [-1]}, {"logprob_token_ids": [1], "beam_width": 2},
+                {"logprob_token_ids": list(range(257))}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequestError, match="logprob_token_ids"):
+        eng.add_request("big", p, SamplingParams(logprob_token_ids=[10**6]))
+    assert not eng.has_request("big")
+
+
 class UniTokenizer:
     """Token t is the one character chr(0x100 + t), both ways (so any token sequence is a
     string that tokenizes back to it); 0 is a special token."""

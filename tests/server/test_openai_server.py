@@ -1191,3 +1191,36 @@ def test_tokens_as_token_ids_and_right_truncation(ready: Server, engine: Any) ->
     status, err = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
                                                         "truncation_side": "middle"})
     assert status == 400 and err["error"]["param"] == "truncation_side"
+
+
+@pytest.mark.model
+def test_logprob_token_ids_list_those_tokens_each_step(ready: Server, engine: Any) -> None:
+    """vLLM's ``logprob_token_ids`` (a classifier's label set): each generated token's entry
+    lists those tokens' log-probabilities in the order given, the in-process engine's values
+    (float32 on both sides); chat and completions; refused beside ``top_logprobs`` and for a
+    token outside the vocabulary."""
+    from radixkv import SamplingParams
+
+    yes, no = engine.encode(" yes")[-1], engine.encode(" no")[-1]
+    prompt = "Is water wet? Answer:"
+    [ref] = engine.generate(prompt, SamplingParams(max_tokens=2, logprob_token_ids=[yes, no]))
+    want = [[v for _, v in e.top] for e in ref.outputs[0].logprobs]
+    client = ready.client()
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"logprob_token_ids": [yes, no]}).choices[0]
+    assert len(c.logprobs.top_logprobs) == len(want) >= 1
+    for got, vals in zip(c.logprobs.top_logprobs, want):
+        assert list(got) == [engine.decode([yes]), engine.decode([no])]
+        assert list(got.values()) == pytest.approx(vals, abs=1e-4)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=2,
+        temperature=0, logprobs=True, extra_body={"logprob_token_ids": [no, yes],
+                                                  "return_tokens_as_token_ids": True})
+    for e in chat.choices[0].logprobs.content:
+        assert [t.token for t in e.top_logprobs] == [f"token_id:{no}", f"token_id:{yes}"]
+    for extra, param in (({"logprob_token_ids": [yes], "logprobs": 2}, "logprob_token_ids"),
+                         ({"logprob_token_ids": [10**7]}, "logprob_token_ids"),
+                         ({"logprob_token_ids": []}, "logprob_token_ids")):
+        status, err = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                            "max_tokens": 1, **extra})
+        assert status == 400 and err["error"]["param"] == param, (extra, err)
