@@ -30,6 +30,9 @@ log = logging.getLogger("radixkv.fleet")
 
 #: Times one request is sent again after its replica died before answering.
 FAILOVER_ATTEMPTS = 2
+#: How long the fleet's /reset_prefix_cache waits for every replica to answer (they see a
+#: reset within a publish period, <= ~1 s).
+RESET_TIMEOUT_S = 30.0
 
 
 def _replica_failures() -> tuple[type[BaseException], ...]:

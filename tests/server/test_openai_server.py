@@ -1154,13 +1154,16 @@ def test_tokens_as_token_ids_and_right_truncation(ready: Server, engine: Any) ->
     plain = client.completions.create(**kw).choices[0]
     named = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
     out = named.choices[0]
-    assert out.text == plain.text and out.logprobs.token_logprobs == \
-        plain.logprobs.token_logprobs and out.logprobs.text_offset == plain.logprobs.text_offset
+    assert out.text == plain.text and out.logprobs.text_offset == plain.logprobs.text_offset
+    # (the second request reads the first's prompt from the cache: the same values to
+    # float32 rounding, not bit for bit)
+    assert out.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs,
+                                                        abs=1e-4)
     gen = [int(t.split(":")[1]) for t in out.logprobs.tokens]
     assert all(t.startswith("token_id:") for t in out.logprobs.tokens)
     assert engine.decode(gen) == plain.text
     for top, ref in zip(out.logprobs.top_logprobs, plain.logprobs.top_logprobs):
-        assert sorted(top.values()) == sorted(ref.values())
+        assert sorted(top.values()) == pytest.approx(sorted(ref.values()), abs=1e-4)
         assert all(k.startswith("token_id:") for k in top)
     streamed = [t for ch in client.completions.create(
         **kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
