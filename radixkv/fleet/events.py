@@ -131,9 +131,16 @@ class KVEventBus:
         self.stats: dict[str, dict[str, Any]] = {}
         self.routers: dict[str, dict[str, Any]] = {}
         self._changed = asyncio.Event()
+        #: ``POST /reset_prefix_cache`` under a fleet: the ingress raises the epoch; each
+        #: replica sees it in its next :meth:`publish` answer, drops its cache and reports
+        #: ``(epoch, blocks dropped)`` with :meth:`reset_done`
+        self.reset_epoch = 0
+        self.resets: dict[str, tuple[int, int]] = {}
 
     async def publish(self, replica: str, added: list[bytes], removed: list[bytes],
-                      reset: bool = False, stats: dict[str, Any] | None = None) -> int:
+                      reset: bool = False, stats: dict[str, Any] | None = None
+                      ) -> tuple[int, int]:
+        """Append a replica's batch; returns ``(log sequence, reset epoch)``."""
         before = self.log.seq
         seq = self.log.publish(replica, added, removed, reset)
         if stats is not None:
@@ -141,11 +148,24 @@ class KVEventBus:
         if seq != before:
             self._changed.set()
             self._changed = asyncio.Event()
-        return seq
+        return seq, self.reset_epoch
+
+    async def request_reset(self) -> tuple[int, list[str]]:
+        """A new reset epoch, and the replicas expected to answer it (those that report)."""
+        self.reset_epoch += 1
+        return self.reset_epoch, sorted(self.stats)
+
+    async def reset_done(self, replica: str, epoch: int, dropped: int) -> None:
+        self.resets[replica] = (epoch, dropped)
+
+    async def reset_report(self, epoch: int) -> dict[str, int]:
+        """Blocks dropped per replica that has reset at ``epoch`` (or a later one)."""
+        return {r: n for r, (e, n) in self.resets.items() if e >= epoch}
 
     async def remove(self, replica: str) -> None:
         self.log.remove(replica)
         self.stats.pop(replica, None)
+        self.resets.pop(replica, None)
         self._changed.set()
         self._changed = asyncio.Event()
 

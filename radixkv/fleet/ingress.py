@@ -173,6 +173,31 @@ class FleetBackend(Backend):
         return _FleetHandle(self, (request_id, prompt_ids, params, cache_salt, cache_points,
                                    hints), route, restartable)
 
+    async def reset_prefix_cache(self) -> int:
+        """Every replica drops its unheld cached blocks: a new reset epoch on the bus, which
+        each replica sees within a publish (<= ~1 s) and answers; waits for every replica that
+        reports (``RESET_TIMEOUT_S``). Returns the blocks dropped in all; a 503 naming the
+        replicas that did not answer in time."""
+        import asyncio
+        import time
+
+        from radixkv.server.errors import APIError
+
+        if self.bus is None:
+            return await super().reset_prefix_cache()
+        epoch, expected = await self.bus.request_reset.remote()
+        deadline = time.monotonic() + RESET_TIMEOUT_S
+        while True:
+            done = await self.bus.reset_report.remote(epoch)
+            missing = [r for r in expected if r not in done]
+            if not missing:
+                return sum(done.values())
+            if time.monotonic() > deadline:
+                raise APIError(503, f"replicas {', '.join(missing)} did not reset their prefix "
+                               f"cache within {RESET_TIMEOUT_S:.0f} s (the others did)",
+                               code="reset_incomplete")
+            await asyncio.sleep(0.05)
+
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
         if self.bus is None:
             return []
@@ -226,6 +251,7 @@ class FleetIngress:
                           salt_secret=o.get("salt_secret"), extra_metrics=extra,
                           reasoning_parser=o.get("reasoning_parser"),
                           max_logprobs=o.get("max_logprobs", 20),
+                          cache_reset=o.get("cache_reset", False),
                           responses_store_size=o.get("responses_store_size", 1024))
 
 

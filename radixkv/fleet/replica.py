@@ -119,6 +119,7 @@ class EngineReplica:
 
         reset, pending_add, pending_rm = True, {}, {}
         next_stats = 0.0
+        seen_epoch = None   # the fleet's reset epoch when this replica joined: not for it
         while not self._stop.wait(PUBLISH_PERIOD_S):
             added, removed = self._recorder.drain()
             for h in added:
@@ -135,13 +136,30 @@ class EngineReplica:
             if not (pending_add or pending_rm or reset or stats):
                 continue
             try:
-                ray.get(self._bus.publish.remote(self.replica_id, list(pending_add),
-                                                 list(pending_rm), reset, stats), timeout=5)
+                _, epoch = ray.get(self._bus.publish.remote(
+                    self.replica_id, list(pending_add), list(pending_rm), reset, stats),
+                    timeout=5)
             except Exception as exc:  # noqa: BLE001 (publisher thread must not die: keep batch, retry)
                 log.warning("radixkv replica %s: publishing KV events failed (%s)",
                             self.replica_id, exc)
                 continue
             reset, pending_add, pending_rm = False, {}, {}
+            if seen_epoch is not None and epoch > seen_epoch:
+                self._reset_cache(epoch)
+            seen_epoch = epoch
+
+    def _reset_cache(self, epoch: int) -> None:
+        """The fleet's ``/reset_prefix_cache`` reached this replica (a new reset epoch): drop
+        every unheld cached block and report how many to the bus (the removals go out as KV
+        events with the next publish, so the routers forget them)."""
+        import ray
+
+        try:
+            dropped = self.engine.loop.call(self.engine.core.reset_prefix_cache)
+            ray.get(self._bus.reset_done.remote(self.replica_id, epoch, dropped), timeout=5)
+        except Exception as exc:  # noqa: BLE001 (publisher thread must not die)
+            log.warning("radixkv replica %s: prefix cache reset failed (%s)", self.replica_id,
+                        exc)
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict[str, Any]:

@@ -83,7 +83,7 @@ class Backend(abc.ABC):
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request holds; how many went. A backend that
-        cannot (a fleet, for now) answers a 400."""
+        cannot answers a 400."""
         from radixkv.server.errors import APIError
 
         raise APIError(400, "/reset_prefix_cache is not supported by this server's backend "

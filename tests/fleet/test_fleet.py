@@ -93,7 +93,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),
            "--ray-cpus", "2", "--replica-cpus", "1", "--device", "cpu", "--dtype", "float32",
            "--device-blocks", "128", "--max-num-seqs", "4", "--remote-url", redis_srv.url,
-           "--remote-write", "write_through", "--remote-timeout", "5"]
+           "--remote-write", "write_through", "--remote-timeout", "5", "--enable-cache-reset"]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -308,6 +308,26 @@ def test_rag_documents_reach_the_replica_and_route_the_reordered_request(fleet: 
     doc_tokens = sum(e - s for s, e in spans)          # the entries' blocks, past the lead
     _eventually(lambda: fleet.metrics()[("radixkv_router_hit_tokens_total:chosen", None)]
                 - chosen0 >= doc_tokens)
+
+
+def test_reset_prefix_cache_reaches_every_replica(fleet: Fleet) -> None:
+    """vLLM's ``POST /reset_prefix_cache`` under ``--replicas`` (was a 400): every replica
+    drops its unheld cached blocks (the bus carries a reset epoch to each, which answers),
+    the answer counts them, and a conversation's next turn finds nothing on its replica's
+    device (the shared remote tier is left alone)."""
+    client = fleet.client()
+    msgs = [{"role": "user", "content": "Describe a lighthouse at night in detail."}]
+    _chat(client, msgs, max_tokens=4)
+    again = _chat(client, msgs, max_tokens=4)
+    assert again.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] > 0
+    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/reset_prefix_cache",
+                                 method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.loads(r.read())
+    assert r.status == 200 and body["dropped_blocks"] > 0, body
+    after = _chat(client, msgs, max_tokens=4)
+    assert after.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] == 0
+    assert after.choices[0].message.content == again.choices[0].message.content
 
 
 def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet) -> None:

@@ -424,3 +424,30 @@ class InFlightMachine(RuleBasedStateMachine):
 
 
 TestInFlight = InFlightMachine.TestCase
+
+
+def test_the_bus_carries_a_reset_epoch_to_every_replica_and_collects_their_answers() -> None:
+    """``/reset_prefix_cache`` under a fleet: the ingress raises the epoch and learns which
+    replicas to wait for (those that report stats); each sees the epoch in its next publish
+    answer and reports what it dropped; a replica that left is not waited for."""
+    import asyncio
+
+    from radixkv.fleet.events import KVEventBus
+
+    async def run() -> None:
+        bus = KVEventBus()
+        assert (await bus.publish("a", [b"x"], [], True, {"n": 1}))[1] == 0
+        await bus.publish("b", [], [], True, {"n": 2})
+        epoch, expected = await bus.request_reset()
+        assert (epoch, expected) == (1, ["a", "b"])
+        assert (await bus.publish("a", [], [b"x"]))[1] == 1   # a sees it, answers
+        await bus.reset_done("a", 1, 7)
+        assert await bus.reset_report(1) == {"a": 7}
+        await bus.remove("b")                                   # b left the fleet
+        epoch2, expected2 = await bus.request_reset()
+        assert (epoch2, expected2) == (2, ["a"])
+        assert await bus.reset_report(2) == {}                  # a's answer was for epoch 1
+        await bus.reset_done("a", 2, 0)
+        assert await bus.reset_report(2) == {"a": 0} and await bus.reset_report(1) == {"a": 0}
+
+    asyncio.run(run())
