@@ -46,7 +46,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               model_impl: str = "auto", reasoning_parser: str | None = None,
               generation_config: str = "auto",
               override_generation_config: str | None = None, max_logprobs: int = 20,
-              responses_store_size: int = 1024, cache_reset: bool = False) -> Any:
+              responses_store_size: int = 1024, cache_reset: bool = False,
+              stream_interval: int = 1) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -89,7 +90,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
                "reasoning_parser": reasoning_parser, "generation_config": generation_config,
                "override_generation_config": override_generation_config,
                "max_logprobs": max_logprobs, "responses_store_size": responses_store_size,
-               "cache_reset": cache_reset,
+               "cache_reset": cache_reset, "stream_interval": stream_interval,
                # one secret for every ingress replica: a tenant's salt must not depend on
                # which ingress parsed its request
                "salt_secret": salt_secret or secrets.token_hex(16),
@@ -157,7 +158,7 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     override_generation_config=args.override_generation_config,
                     max_logprobs=args.max_logprobs,
                     responses_store_size=args.responses_store_size,
-                    cache_reset=args.enable_cache_reset
+                    stream_interval=args.stream_interval, cache_reset=args.enable_cache_reset
                     or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "

@@ -252,6 +252,7 @@ class FleetIngress:
                           reasoning_parser=o.get("reasoning_parser"),
                           max_logprobs=o.get("max_logprobs", 20),
                           cache_reset=o.get("cache_reset", False),
+                          stream_interval=o.get("stream_interval", 1),
                           responses_store_size=o.get("responses_store_size", 1024))
 
 

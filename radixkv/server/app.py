@@ -69,8 +69,8 @@ class ServerState:
                  default_max_tokens: int | None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  reasoning_parser: str | None = None, cache_reset: bool = False,
-                 max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE
-                 ) -> None:
+                 max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
+                 stream_interval: int = 1) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -83,6 +83,8 @@ class ServerState:
         self.cache_reset = cache_reset
         #: ``--max-logprobs``: most alternatives a token a request may ask for
         self.max_logprobs = max_logprobs
+        #: ``--stream-interval``: the fewest tokens a streamed chunk carries (after the first)
+        self.stream_interval = stream_interval
         #: the Responses API's stored responses (``previous_response_id``, ``GET``)
         self.responses = rs.ResponseStore(responses_store_size)
         self.metrics = ServerMetrics(model_name)
@@ -228,8 +230,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                on_load_error: Callable[[str], None] | None = None,
                reasoning_parser: str | None = None, cache_reset: bool = False,
-               max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE
-               ) -> Any:
+               max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
+               stream_interval: int = 1) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -240,9 +242,9 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
     serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``.
-    ``responses_store_size``: responses kept for ``previous_response_id`` (0: none). Returns the
-    app wrapped in its gate middleware; the FastAPI object is ``app.fastapi`` and the shared
-    state ``app.state``."""
+    ``responses_store_size``: responses kept for ``previous_response_id`` (0: none).
+    ``stream_interval``: ``--stream-interval``. Returns the app wrapped in its gate
+    middleware; the FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
     if engine is not None:
@@ -256,7 +258,7 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
-                        cache_reset, max_logprobs, responses_store_size)
+                        cache_reset, max_logprobs, responses_store_size, stream_interval)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -1007,6 +1009,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         if first:
             yield head + json.dumps(first, separators=(",", ":")) + extra + tail
         last, done = None, set()
+        joined = serving.Coalescer(1 if beam else max(state.stream_interval,
+                                                      req.stream_interval or 1))
         async for out in serving.run(state, rid, [], params, None, timing, handle=handle):
             last = out
             if beam and not out.finished:
@@ -1015,6 +1019,9 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             for c in out.outputs:
                 if c.index in done:
                     continue
+                c = joined.take(c)
+                if c is None:
+                    continue   # held for --stream-interval / stream_interval
                 text = c.text if beam else c.delta_text
                 part = None
                 if calls or thinks:

@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="most log-probabilities per token a request may ask for (logprobs, "
                         "top_logprobs, prompt_logprobs), as vLLM's; 0..20 (default 20)")
+    v.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per streamed chunk after the first (vLLM's; a request's "
+                        "stream_interval may raise it): fewer, larger chunks for clients that "
+                        "do not need every token at once (default 1)")
     v.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses the Responses API keeps (store: true) for "
                         "previous_response_id and GET /v1/responses/{id}, the least recently "
@@ -446,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                      on_load_error=stop, reasoning_parser=args.reasoning_parser,
                      max_logprobs=args.max_logprobs,
                      responses_store_size=args.responses_store_size,
+                     stream_interval=args.stream_interval,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
@@ -505,6 +510,8 @@ def check_flags(args: argparse.Namespace) -> None:
         from radixkv.models import parse_generation_overrides
 
         parse_generation_overrides(args.override_generation_config)   # a usage error now
+    if not 1 <= args.stream_interval <= 1024:
+        raise ConfigError(f"--stream-interval must be in [1, 1024], got {args.stream_interval}")
     if args.responses_store_size < 0:
         raise ConfigError(f"--responses-store-size must be >= 0, got "
                           f"{args.responses_store_size}")

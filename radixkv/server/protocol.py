@@ -35,7 +35,6 @@ UNSUPPORTED = {
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
     "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
     "return_token_offsets": (None, False), "return_prompt_text": (None, False),
-    "stream_interval": (None, 1),
     "prompt_embeds": (None,), "mm_payload": (None,), "return_mm_kwargs": (None, False),
     "routed_experts_prompt_start": (None,),
     "add_special_tokens": (None, False),   # chat's (completions' is implemented)
@@ -174,6 +173,8 @@ class _SamplingFields(_PlacedDocuments):
     seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
+    stream_interval: Optional[int] = Field(default=None, ge=1, le=1024)
     logprobs: Optional[Union[bool, int]] = None
     # radixkv / vLLM extensions
     use_beam_search: bool = False

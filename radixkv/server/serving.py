@@ -405,6 +405,47 @@ def vllm_prompt_logprobs(decode: Any, items: Sequence[Any]) -> list[dict[str, An
     return out
 
 
+class Coalescer:
+    """vLLM's ``stream_interval``: a streamed choice's engine outputs joined so that each
+    chunk carries ``interval`` tokens (its first token and its last chunk go at once). Each
+    output passes through :meth:`take`, which returns ``None`` while it holds it, or an output
+    whose ``delta_text``, ``delta_logprobs`` and ``delta_token_ids`` are everything held for
+    that choice. Fewer chunks, so less JSON, fewer writes and fewer event-loop wake-ups per
+    token for a client that does not need every token at once."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: dict[int, tuple[str, list[Any] | None, list[int]]] = {}
+        self._sent: set[int] = set()
+
+    def take(self, c: Any) -> Any:
+        if self.interval <= 1:
+            return c
+        text, lps, ids = self._held.pop(c.index, ("", None, []))
+        text += c.delta_text or ""
+        if c.delta_logprobs is not None:
+            lps = [*(lps or ()), *c.delta_logprobs]
+        ids = [*ids, *c.delta_token_ids]
+        if c.index in self._sent and not c.finish_reason and len(ids) < self.interval:
+            self._held[c.index] = (text, lps, ids)
+            return None
+        self._sent.add(c.index)
+        return _Joined(c.index, c.finish_reason, text, lps, ids, c.text, c.token_ids)
+
+
+@dataclass
+class _Joined:
+    """A choice's outputs joined by :class:`Coalescer` (the fields the stream reads)."""
+
+    index: int
+    finish_reason: str | None
+    delta_text: str
+    delta_logprobs: list[Any] | None
+    delta_token_ids: list[int]
+    text: str
+    token_ids: Any
+
+
 #: vLLM's header for a request's scheduling priority; it overrides the body's ``priority``
 PRIORITY_HEADER = "x-vllm-priority"
 

@@ -51,6 +51,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
     (["--prefill-priority-steps", "2.5"], "invalid int"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
+    (["--stream-interval", "0"], "--stream-interval"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:

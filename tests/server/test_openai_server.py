@@ -1227,3 +1227,34 @@ def test_logprob_token_ids_list_those_tokens_each_step(ready: Server, engine: An
         status, err = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
                                                             "max_tokens": 1, **extra})
         assert status == 400 and err["error"]["param"] == param, (extra, err)
+
+
+@pytest.mark.model
+def test_stream_interval_joins_tokens_into_fewer_chunks(ready: Server) -> None:
+    """vLLM's ``stream_interval``: after the first token (sent at once) each chunk carries
+    that many tokens, the last one what is left; text, logprobs and token ids assemble to the
+    non-streamed answer; each choice of ``n`` on its own."""
+    client = ready.client()
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 17, "temperature": 0,
+          "logprobs": 1}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**kw, extra_body=extra).choices[0]
+    parts = [c for ch in client.completions.create(
+        **kw, stream=True, extra_body={**extra, "stream_interval": 5}) for c in ch.choices]
+    sized = [c for c in parts if c.logprobs and c.logprobs.tokens]
+    assert [len(c.logprobs.tokens) for c in sized] == [1, 5, 5, 5, 1]
+    assert "".join(c.text for c in parts) == whole.text
+    assert [t for c in sized for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert [t for c in parts for t in (c.model_extra.get("token_ids") or [])] == \
+        whole.model_extra["token_ids"]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=9,
+        temperature=0, n=2, stream=True, extra_body={"stream_interval": 4, "ignore_eos": True,
+                                                     "return_token_ids": True}))
+    for i in (0, 1):
+        ids = [len(c.model_extra["token_ids"]) for ch in chunks for c in ch.choices
+               if c.index == i and c.model_extra.get("token_ids")]
+        assert ids == [1, 4, 4], ids
+    status, err = ready.raw("POST", "/v1/completions", {**kw, "stream": True,
+                                                        "stream_interval": 0})
+    assert status == 400 and err["error"]["param"] == "stream_interval"
