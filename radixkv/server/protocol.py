@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),   # chat's (completions' is implemented)
-    "spaces_between_special_tokens": (None, True),
     "thinking_token_budget": (None,), "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
@@ -182,6 +181,10 @@ class _SamplingFields(_PlacedDocuments):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False   # vLLM's: the stop string that ended it, kept
     skip_special_tokens: bool = True   # vLLM's: false writes special tokens into the text
+    # vLLM's: a space between special tokens written into the text. transformers 5's
+    # tokenizers (slow ones too) never write one and ignore the keyword, so both values give
+    # the same text here, as in vLLM over transformers 5
+    spaces_between_special_tokens: bool = True
     # vLLM's: the prompt's and each choice's token ids in the answer (RL pipelines read them)
     return_token_ids: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
