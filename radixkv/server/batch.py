@@ -29,6 +29,11 @@ import uuid
 from typing import Any, TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+#: run-batch's engine defaults (``--max-num-seqs``, ``--max-num-batched-tokens``): on the
+#: 256-line benchmark file (docs/benchmarks.md, "Offline batch files") 128 / 4096 took the
+#: batch from 21.5-22.5 s (serve's 32 / 2048) to 16.0-16.8 s
+BATCH_MAX_NUM_SEQS = 128
+BATCH_MAX_NUM_BATCHED_TOKENS = 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "through radixkv's OpenAI routes in this process; write one result line "
                      "per request, in input order. Takes radixkv serve's model and engine "
                      "flags (docs/serve.md, 'Batch files').")
+    # offline: throughput over latency (vLLM's offline runner batches 256 sequences); serve's
+    # defaults (32, 2048) keep each request's time to first token short instead
+    p.set_defaults(max_num_seqs=BATCH_MAX_NUM_SEQS,
+                   max_num_batched_tokens=BATCH_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("-i", "--input-file", required=True, metavar="PATH",
                    help="the batch file (JSONL); - reads standard input")
     p.add_argument("-o", "--output-file", required=True, metavar="PATH",
