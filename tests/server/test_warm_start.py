@@ -92,3 +92,38 @@ def test_a_failed_load_is_reported_not_warmed() -> None:
     with pytest.raises(APIError) as err:
         state.ready_engine()
     assert err.value.status == 503
+
+
+class _CountingTemplate(_Template):
+    def __init__(self, state: app_mod.ServerState) -> None:
+        super().__init__(state)
+        self.scans = 0
+
+    def get_vocab(self) -> dict[str, int]:
+        self.scans += 1
+        return super().get_vocab()
+
+
+def test_a_burst_of_requests_scans_the_vocabulary_once() -> None:
+    """A server given its engine (``create_app(engine)``, what ``radixkv run-batch`` does)
+    had skipped the warm-up, and every request of a burst walked the 49k-token vocabulary on
+    its own (256 lines: ~3.6 s of CPU beside the engine). Now the app's start warms it, and
+    requests arriving before it is known share one computation."""
+    import asyncio
+
+    state = _state()
+    template = _CountingTemplate(state)
+    backend = _Backend(template)
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(app_mod._max_token_chars(state, backend)
+                                      for _ in range(50)))
+
+    assert asyncio.run(burst()) == [len("<|im_start|>")] * 50 and template.scans == 1
+    app = app_mod.create_app(_Backend(counted := _CountingTemplate(state)), model_name="m")
+
+    async def start() -> Any:
+        async with app.fastapi.router.lifespan_context(app.fastapi):
+            return app.state.max_token_chars
+
+    assert asyncio.run(start()) == len("<|im_start|>") and counted.scans == 1
