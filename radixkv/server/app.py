@@ -560,7 +560,8 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     chat = json.loads(bytes(answer.body))
     choice = chat["choices"][0]
     final = rs.response_body(rid, req, state.model_name, int(time.time()),
-                             rs.output_items(choice["message"]), rs.usage(chat["usage"]),
+                             rs.output_items(choice["message"], choice.get("logprobs")),
+                             rs.usage(chat["usage"]),
                              choice["finish_reason"])
     keep(final)
     return JSONResponse(final)

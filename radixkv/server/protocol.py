@@ -604,9 +604,12 @@ CompletionRequest.model_rebuild()
 #: Responses API fields radixkv does not implement, with their "off" values (as UNSUPPORTED).
 RESPONSES_UNSUPPORTED = {
     "background": (None, False), "conversation": (None,), "prompt": (None,),
-    "include": (None, []), "max_tool_calls": (None,), "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
     "truncation": (None, "disabled"), "n": (None, 1),
 }
+
+#: The one ``include`` value radixkv produces.
+RESPONSES_LOGPROBS = "message.output_text.logprobs"
 
 #: Chat request fields a Responses request may also carry (vLLM's sampling extensions and
 #: radixkv's cache fields): passed to the chat request as they are, validated there.
@@ -641,6 +644,18 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None
     reasoning: Optional[dict[str, Any]] = None
+    #: extra output: only ``message.output_text.logprobs`` (each text token's log-probability,
+    #: with ``top_logprobs`` alternatives); anything else is a 400
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: Any) -> Any:
+        for item in v or ():
+            if item != RESPONSES_LOGPROBS:
+                raise UnsupportedField("include")
+        return v
     metadata: Optional[dict[str, str]] = Field(default=None, max_length=16)
 
     @model_validator(mode="before")

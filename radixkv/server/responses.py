@@ -185,6 +185,12 @@ def chat_request(req: Any, history: Sequence[dict[str, Any]]) -> tuple[dict[str,
                             "stream": req.stream, **req.passthrough()}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
+    if req.include:   # message.output_text.logprobs (the only value the model lets through)
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise APIError(400, "top_logprobs needs include: [\"message.output_text.logprobs\"]",
+                       param="top_logprobs")
     for key, value in (("max_completion_tokens", req.max_output_tokens),
                        ("temperature", req.temperature), ("top_p", req.top_p),
                        ("tools", chat_tools(req.tools)),
@@ -214,12 +220,14 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def message_item(text: str, item_id: str | None = None, status: str = "completed"
-                 ) -> dict[str, Any]:
+def message_item(text: str, item_id: str | None = None, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A message item; ``logprobs``: its text tokens' (chat's ``logprobs.content`` entries:
+    ``token``, ``logprob``, ``bytes``, ``top_logprobs``, the shape Responses uses too)."""
     return {"type": "message", "id": item_id or new_id("msg"), "status": status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
+                         "logprobs": logprobs or []}]}
 
 
 def reasoning_item(text: str, item_id: str | None = None, status: str = "completed"
@@ -235,15 +243,18 @@ def call_item(call: dict[str, Any], item_id: str | None = None, status: str = "c
             "status": status}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat reply (``choices[0].message``) as output items: its reasoning, its text, its
-    function calls, in that order (a reply that is only calls has no message item)."""
+def output_items(message: dict[str, Any], logprobs: dict[str, Any] | None = None
+                 ) -> list[dict[str, Any]]:
+    """A chat reply (``choices[0].message``, and its ``logprobs``) as output items: its
+    reasoning, its text, its function calls, in that order (a reply that is only calls has no
+    message item)."""
     items = []
     if message.get("reasoning"):
         items.append(reasoning_item(message["reasoning"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or ""))
+        items.append(message_item(message.get("content") or "",
+                                  logprobs=(logprobs or {}).get("content")))
     items.extend(call_item(c) for c in calls)
     return items
 
@@ -366,13 +377,13 @@ class EventStream:
             out.append(self._event("response.output_item.done",
                                    output_index=where["output_index"], item=done))
         elif item["type"] in ("message", "reasoning"):
-            text = item["_text"]
+            text, lps = item["_text"], item.get("_lps") or []
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
             out.append(self._event(f"response.{kind}.done", **where, content_index=0,
-                                   text=text, **({"logprobs": []} if kind == "output_text"
+                                   text=text, **({"logprobs": lps} if kind == "output_text"
                                                  else {})))
-            done = (message_item if item["type"] == "message" else reasoning_item)(
-                text, item["id"])
+            done = message_item(text, item["id"], logprobs=lps) if item["type"] == "message" \
+                else reasoning_item(text, item["id"])
             out.append(self._event("response.content_part.done", **where, content_index=0,
                                    part=done["content"][0]))
             self.output[-1] = done
@@ -381,7 +392,8 @@ class EventStream:
         self.open = None
         return out
 
-    def _text(self, kind: str, delta: str) -> list[str]:
+    def _text(self, kind: str, delta: str, lps: list[dict[str, Any]] | None = None
+              ) -> list[str]:
         out: list[str] = []
         if self.open is None or self.open["type"] != kind:
             empty = (message_item if kind == "message" else reasoning_item)(
@@ -393,8 +405,11 @@ class EventStream:
         assert self.open is not None
         self.open["_text"] += delta
         name = "output_text" if kind == "message" else "reasoning_text"
+        if kind == "message":
+            self.open.setdefault("_lps", []).extend(lps or ())
         out.append(self._event(f"response.{name}.delta", **self._where(), content_index=0,
-                               delta=delta, **({"logprobs": []} if kind == "message" else {})))
+                               delta=delta, **({"logprobs": lps or []} if kind == "message"
+                                               else {})))
         return out
 
     def _call(self, delta: dict[str, Any]) -> list[str]:
@@ -417,7 +432,8 @@ class EventStream:
         return out
 
     def _items(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in it.items() if k != "_text"} for it in self.output]
+        return [{k: v for k, v in it.items() if k not in ("_text", "_lps")}
+                for it in self.output]
 
     async def adapt(self, chat: AsyncIterator[Any]) -> AsyncIterator[str]:
         """The Responses events of the chat SSE stream ``chat`` (closed when this ends)."""
@@ -456,7 +472,8 @@ class EventStream:
                             for e in self._text("reasoning", delta["reasoning"]):
                                 yield e
                         if delta.get("content"):
-                            for e in self._text("message", delta["content"]):
+                            lps = (choice.get("logprobs") or {}).get("content")
+                            for e in self._text("message", delta["content"], lps):
                                 yield e
                         for call in delta.get("tool_calls") or ():
                             for e in self._call(call):

@@ -1262,3 +1262,32 @@ def test_stream_interval_joins_tokens_into_fewer_chunks(ready: Server) -> None:
     status, err = ready.raw("POST", "/v1/completions", {**kw, "stream": True,
                                                         "stream_interval": 0})
     assert status == 400 and err["error"]["param"] == "stream_interval"
+
+
+@pytest.mark.model
+def test_responses_output_text_logprobs(ready: Server) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the message's
+    text tokens with their log-probabilities and alternatives, the chat completion's entries
+    for the same messages (greedy), streamed on the text deltas too; ``top_logprobs`` alone
+    is a 400."""
+    client = ready.client()
+    kw = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 6, "temperature": 0,
+          "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    assert "".join(e.token for e in lps) == r.output_text == chat.message.content
+    assert [e.logprob for e in lps] == pytest.approx(
+        [e.logprob for e in chat.logprobs.content], abs=1e-4)
+    assert all(len(e.top_logprobs) == 2 for e in lps)
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [e for ev in events if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in lps]
+    assert [e.token for e in events[-1].response.output[0].content[0].logprobs] == \
+        [e.token for e in lps]
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi",
+                                                      "top_logprobs": 2})
+    assert status == 400 and err["error"]["param"] == "top_logprobs"
