@@ -116,28 +116,16 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         presence_penalty=req.presence_penalty or 0.0, grammar=grammar,
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         stop_token_ids=tuple(req.stop_token_ids or ()))
-    bad = next((t for t in kwargs["stop_token_ids"] if vocab_size is not None
-                and not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: {bad} is not in [0, {vocab_size})",
-                       param="stop_token_ids")
+    _check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", vocab_size)
     if req.allowed_token_ids is not None:
-        bad = next((t for t in req.allowed_token_ids if vocab_size is not None
-                    and not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"allowed_token_ids: {bad} is not in [0, {vocab_size})",
-                           param="allowed_token_ids")
+        _check_token_ids(req.allowed_token_ids, "allowed_token_ids", vocab_size)
         kwargs["allowed_token_ids"] = tuple(req.allowed_token_ids)
     if req.logprob_token_ids is not None:   # vLLM's: these tokens' logprobs, every step
         if top_logprobs:
             raise APIError(400, "logprob_token_ids lists those tokens' log-probabilities "
                            "instead of the most likely ones: not with top_logprobs / logprobs "
                            "> 0", param="logprob_token_ids")
-        bad = next((t for t in req.logprob_token_ids if vocab_size is not None
-                    and not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"logprob_token_ids: {bad} is not in [0, {vocab_size})",
-                           param="logprob_token_ids")
+        _check_token_ids(req.logprob_token_ids, "logprob_token_ids", vocab_size)
         kwargs["logprob_token_ids"] = tuple(req.logprob_token_ids)
         kwargs["logprobs"] = 0
     if req.bad_words:
@@ -247,6 +235,13 @@ def echo_only(req: Any) -> bool:
     """A completions request that wants its prompt back and nothing generated (``echo`` with
     ``max_tokens`` 0, lm-evaluation-harness's way to read prompt logprobs)."""
     return bool(getattr(req, "echo", False)) and req.max_tokens == 0
+
+
+def _check_token_ids(ids: Sequence[int], param: str, vocab_size: int | None) -> None:
+    """A 400 naming ``param`` for the first token id outside the vocabulary (when known)."""
+    bad = next((t for t in ids if vocab_size is not None and not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{param}: {bad} is not in [0, {vocab_size})", param=param)
 
 
 def logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None:
