@@ -15,6 +15,13 @@ only allowed once the value is complete.
 * :class:`Grammar` travels in ``SamplingParams.grammar``; the engine makes one matcher per
   sequence (:func:`matcher_for`), masks the rows (:func:`mask_rows`) and advances the matcher
   with each chosen token (:func:`accept`).
+
+JSON grammars (``json_object``, ``json``, tool calls) bound the whitespace between two tokens
+of the JSON text (:data:`DEFAULT_MAX_WHITESPACE` characters, ``GrammarCompiler(max_whitespace=)``):
+with free whitespace a model that has nothing likely left to write can pad newlines until
+``max_tokens`` and return JSON cut short (seen in this project's CI with SmolLM2, and reported
+against vLLM, SGLang and oMLX); a bound leaves pretty-printing legal and forces the next token
+of the value. Whitespace inside strings is the value's and is not bounded.
 """
 
 from __future__ import annotations
@@ -37,6 +44,22 @@ def _xgr() -> Any:
         raise ConfigError(f"structured output needs xgrammar ({exc}): pip install "
                           "'radixkv[grammar]'") from None
     return xgrammar
+
+
+#: Whitespace characters a JSON grammar allows between two of its tokens (newline and an
+#: indent up to 19: four levels at indent 4, nine at indent 2). llama.cpp's JSON grammar
+#: allows 20 too; None: unbounded (vLLM's and xgrammar's default).
+DEFAULT_MAX_WHITESPACE = 20
+
+
+def check_max_whitespace(value: int | None) -> int | None:
+    """``value`` when it is a usable whitespace bound (an int >= 1, or None: unbounded); a
+    :class:`ConfigError` otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ConfigError(f"the JSON whitespace bound must be an integer >= 1 or None "
+                          f"(unbounded), got {value!r}")
+    return value
 
 
 class Thinking(NamedTuple):
@@ -67,8 +90,11 @@ class Grammar:
         kind: ``"json_object"``, ``"json_schema"``, ``"regex"``, ``"choice"``, ``"grammar"``
             or ``"tool_call"`` (for messages).
         vocab_size: the model's logits width the masks are made for.
-        spec: the recipe: ``("constraint", kind, value, any_whitespace)`` or
-            ``("tool_call", tools, open_tag, close_tag, otherwise)``.
+        spec: the recipe: ``("constraint", kind, value, whitespace)`` or
+            ``("tool_call", tools, open_tag, close_tag, otherwise, whitespace)``, where
+            ``whitespace`` is what JSON may have between tokens (:meth:`GrammarCompiler.source`):
+            the recipe carries it so that another process compiles the same language whatever
+            its own compiler's default.
     """
 
     def __init__(self, compiled: Any, kind: str, vocab_size: int,
@@ -92,6 +118,9 @@ class Grammar:
             raise TypeError(f"{self!r} was compiled without a recipe and cannot be sent to "
                             "another process")
         return (_rebuild, (self.spec, self.vocab_size, self.thinking))
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind})"
 
 
 #: vocab_size -> a function that builds this process's compiler for it (a fleet replica
@@ -120,21 +149,27 @@ def _rebuild(spec: tuple[Any, ...], vocab_size: int, thinking: Thinking | None) 
                                   "this process has no compiler for it (register_compiler)")
             gc = _COMPILERS[vocab_size] = factory()
     if spec[0] == "constraint":
-        g = gc.compile(spec[1], spec[2], spec[3])
+        g = gc.compile(spec[1], spec[2], whitespace=spec[3])
     else:
-        g = gc.tool_call(spec[1], spec[2], spec[3], spec[4])
+        g = gc.tool_call(spec[1], spec[2], spec[3], spec[4], whitespace=spec[5])
     return g if thinking is None else g.after_thinking(thinking)
 
-    def __repr__(self) -> str:
-        return f"Grammar({self.kind})"
+
+#: what a grammar's ``whitespace`` was not given as: the compiler's bound
+_DEFAULT: Any = object()
 
 
 class GrammarCompiler:
     """Compiles grammars for one tokenizer (``vocab_size``: the model's logits width, which may
-    exceed the tokenizer's vocabulary). Thread-safe; xgrammar caches compiled schemas."""
+    exceed the tokenizer's vocabulary). Thread-safe; xgrammar caches compiled schemas.
+    ``max_whitespace``: the whitespace characters JSON may have between two of its tokens
+    (:data:`DEFAULT_MAX_WHITESPACE`; None: unbounded); raises :class:`ConfigError` for
+    anything else."""
 
     def __init__(self, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: Iterable[int] | None = None) -> None:
+                 stop_token_ids: Iterable[int] | None = None,
+                 max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> None:
+        self.max_whitespace = check_max_whitespace(max_whitespace)
         xgr = _xgr()
         stops = sorted(stop_token_ids) if stop_token_ids else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
@@ -168,9 +203,17 @@ class GrammarCompiler:
         Lark grammar (start rule ``start``), the two forms vLLM's ``grammar`` takes."""
         return self.compile("grammar", grammar)
 
-    def compile(self, kind: str, value: Any, any_whitespace: bool = True) -> Grammar:
+    def whitespace(self, any_whitespace: bool) -> int | None:
+        """The ``whitespace`` of a JSON grammar asked ``any_whitespace`` (or not): this
+        compiler's bound, or 0 (one layout)."""
+        return self.max_whitespace if any_whitespace else 0
+
+    def compile(self, kind: str, value: Any, any_whitespace: bool = True, *,
+                whitespace: Any = _DEFAULT) -> Grammar:
         """The compiled grammar of one output constraint (:meth:`source`)."""
-        source = self.source(kind, value, any_whitespace)
+        if whitespace is _DEFAULT:
+            whitespace = self.whitespace(any_whitespace)
+        source = self.source(kind, value, whitespace=whitespace)
         try:
             with self._lock:
                 compiled = self._compiler.compile_grammar(source)
@@ -178,18 +221,23 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the {kind} constraint cannot be compiled: {exc}"
                                       ) from None
         return Grammar(compiled, "json_schema" if kind == "json" else kind, self.vocab_size,
-                       spec=("constraint", kind, value, any_whitespace))
+                       spec=("constraint", kind, value, whitespace))
 
-    def source(self, kind: str, value: Any, any_whitespace: bool = True) -> Any:
+    def source(self, kind: str, value: Any, any_whitespace: bool = True, *,
+               whitespace: Any = _DEFAULT) -> Any:
         """The (uncompiled) xgrammar ``Grammar`` of one output constraint: ``json_object``
         (any object), ``json`` (a schema, a dict), ``regex``, ``choice`` (a list of strings)
-        or ``grammar`` (EBNF, else Lark). Raises :class:`InvalidRequestError` naming what is
-        wrong with ``value``."""
+        or ``grammar`` (EBNF, else Lark). JSON's ``whitespace`` between tokens: at most that
+        many characters, None any, 0 one layout only (``{"n": 1}``; vLLM's
+        ``disable_any_whitespace``); by default :meth:`whitespace` of ``any_whitespace``.
+        Raises :class:`InvalidRequestError` naming what is wrong with ``value``."""
         xgr = _xgr()
+        if whitespace is _DEFAULT:
+            whitespace = self.whitespace(any_whitespace)
         try:
             if kind == "json_object":
                 # not strict: an object with any properties (strict would forbid unlisted ones)
-                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+                return _json(xgr, '{"type": "object"}', whitespace, strict=False)
             if kind == "json":
                 if not isinstance(value, dict):
                     raise InvalidRequestError(f"the JSON schema must be an object, got "
@@ -198,7 +246,7 @@ class GrammarCompiler:
                     text = json.dumps(value)
                 except (TypeError, ValueError) as exc:
                     raise InvalidRequestError(f"the JSON schema is not JSON: {exc}") from None
-                return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+                return _json(xgr, text, whitespace)
             if kind == "regex":
                 if not isinstance(value, str) or not value:
                     raise InvalidRequestError(f"the regex must be a non-empty string, got "
@@ -229,19 +277,27 @@ class GrammarCompiler:
         raise InvalidRequestError(f"unknown output constraint {kind!r}")
 
     def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str,
-                  otherwise: tuple[str, Any, bool] | None = None) -> Grammar:
+                  otherwise: tuple[str, Any, bool] | None = None, *,
+                  whitespace: Any = _DEFAULT) -> Grammar:
         """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
         written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
         valid against the schema (OpenAI's ``tool_choice`` required or named). ``otherwise``:
         ``(kind, value, any_whitespace)`` of a constraint (:meth:`source`) the output may
-        follow instead of calling (``tool_choice`` auto beside ``response_format``)."""
+        follow instead of calling (``tool_choice`` auto beside ``response_format``).
+        ``whitespace``: the calls' JSON whitespace bound (default this compiler's); the
+        alternative keeps its own ``any_whitespace``."""
         xgr = _xgr()
-        alternative = None if otherwise is None else self.source(*otherwise)
+        if whitespace is _DEFAULT:
+            whitespace = self.max_whitespace
+        alternative = None
+        if otherwise is not None:
+            alternative = self.source(otherwise[0], otherwise[1], whitespace=(
+                whitespace if otherwise[2] else 0))
         try:
-            calls = [xgr.Grammar.from_json_schema(json.dumps({
+            calls = [_json(xgr, json.dumps({
                 "type": "object", "properties": {"name": {"const": name},
                                                  "arguments": schema or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}))
+                "required": ["name", "arguments"], "additionalProperties": False}), whitespace)
                 for name, schema in tools]
             body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
             grammar = xgr.Grammar.concat(
@@ -256,7 +312,16 @@ class GrammarCompiler:
                                       ) from None
         return Grammar(compiled, "tool_call", self.vocab_size,
                        spec=("tool_call", [tuple(t) for t in tools], open_tag, close_tag,
-                             otherwise))
+                             otherwise, whitespace))
+
+
+def _json(xgr: Any, schema: str, whitespace: int | None, strict: bool = True) -> Any:
+    """xgrammar's grammar of JSON valid against ``schema`` (its text) with ``whitespace``
+    between tokens (:meth:`GrammarCompiler.source`)."""
+    if whitespace == 0:
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict,
+                                        max_whitespace_cnt=whitespace)
 
 
 #: ``SeqGrammar.phase`` values: the grammar masks every token; the reply is thinking (no
@@ -342,5 +407,6 @@ def accept(req: Any, seq: Any, token: int) -> None:
         raise RuntimeError(f"grammar {req.params.grammar!r} refused token {token} it allowed")
 
 
-__all__ = ["ACTIVE", "THINKING", "UNDECIDED", "Grammar", "GrammarCompiler", "SeqGrammar",
-           "Thinking", "accept", "mask_rows", "matcher_for", "register_compiler"]
+__all__ = ["ACTIVE", "DEFAULT_MAX_WHITESPACE", "THINKING", "UNDECIDED", "Grammar",
+           "GrammarCompiler", "SeqGrammar", "Thinking", "accept", "check_max_whitespace",
+           "mask_rows", "matcher_for", "register_compiler"]

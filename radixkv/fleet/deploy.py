@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE
+
 RAY_NAMESPACE = "radixkv"
 APP_NAME = "radixkv"
 #: A local Ray instance's object store (bytes): outputs are small, weights are loaded per
@@ -47,7 +49,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               generation_config: str = "auto",
               override_generation_config: str | None = None, max_logprobs: int = 20,
               responses_store_size: int = 1024, cache_reset: bool = False,
-              stream_interval: int = 1) -> Any:
+              stream_interval: int = 1,
+              json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -91,6 +94,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
                "override_generation_config": override_generation_config,
                "max_logprobs": max_logprobs, "responses_store_size": responses_store_size,
                "cache_reset": cache_reset, "stream_interval": stream_interval,
+               "json_max_whitespace": json_max_whitespace,
                # one secret for every ingress replica: a tenant's salt must not depend on
                # which ingress parsed its request
                "salt_secret": salt_secret or secrets.token_hex(16),
@@ -158,7 +162,9 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     override_generation_config=args.override_generation_config,
                     max_logprobs=args.max_logprobs,
                     responses_store_size=args.responses_store_size,
-                    stream_interval=args.stream_interval, cache_reset=args.enable_cache_reset
+                    stream_interval=args.stream_interval,
+                    json_max_whitespace=args.structured_outputs_max_whitespace,
+                    cache_reset=args.enable_cache_reset
                     or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "

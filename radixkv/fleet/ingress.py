@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE
 from radixkv.server.backend import Backend, RequestHandle
 from radixkv.server.errors import APIError
 
@@ -253,7 +254,8 @@ class FleetIngress:
                           max_logprobs=o.get("max_logprobs", 20),
                           cache_reset=o.get("cache_reset", False),
                           stream_interval=o.get("stream_interval", 1),
-                          responses_store_size=o.get("responses_store_size", 1024))
+                          responses_store_size=o.get("responses_store_size", 1024),
+                          json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE))
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, check_max_whitespace
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server import responses as rs
 from radixkv.server import serving
@@ -70,7 +71,8 @@ class ServerState:
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  reasoning_parser: str | None = None, cache_reset: bool = False,
                  max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1,
+                 json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -92,6 +94,8 @@ class ServerState:
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
         self.max_token_chars_task: asyncio.Future[int] | None = None   # computing it
         self.grammar_compiler: Any = None         # response_format, built on first use
+        #: ``--structured-outputs-max-whitespace``: JSON output's whitespace between tokens
+        self.json_max_whitespace = json_max_whitespace
         #: Sequences (every prompt x n, or x beams) admitted and not finished: the engine
         #: holds each as its own row, so admission counts them, not HTTP requests (event-loop
         #: thread only).
@@ -232,7 +236,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                on_load_error: Callable[[str], None] | None = None,
                reasoning_parser: str | None = None, cache_reset: bool = False,
                max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
-               stream_interval: int = 1) -> Any:
+               stream_interval: int = 1,
+               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -244,7 +249,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
     serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``.
     ``responses_store_size``: responses kept for ``previous_response_id`` (0: none).
-    ``stream_interval``: ``--stream-interval``. Returns the app wrapped in its gate
+    ``stream_interval``: ``--stream-interval``. ``json_max_whitespace``:
+    ``--structured-outputs-max-whitespace`` (None: unbounded). Returns the app wrapped in its gate
     middleware; the FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
@@ -259,7 +265,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              f"{reasoning_parser!r}")
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
-                        cache_reset, max_logprobs, responses_store_size, stream_interval)
+                        cache_reset, max_logprobs, responses_store_size, stream_interval,
+                        check_max_whitespace(json_max_whitespace))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -641,7 +648,7 @@ async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
         if state.grammar_compiler is None:
             state.grammar_compiler = await asyncio.to_thread(
                 GrammarCompiler, eng.chat_template.tokenizer, eng.vocab_size,
-                eng.eos_token_ids or None)
+                eng.eos_token_ids or None, state.json_max_whitespace)
     except ConfigError as exc:
         raise APIError(400, str(exc), param=param) from None
     return state.grammar_compiler

@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(backend, model_name=name, max_queued=args.max_queued,
                      default_max_tokens=args.default_max_tokens,
                      reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs,
-                     responses_store_size=args.responses_store_size)
+                     responses_store_size=args.responses_store_size,
+                     json_max_whitespace=args.structured_outputs_max_whitespace)
     window = backend.max_num_seqs + args.max_queued
     t0 = time.perf_counter()
 

@@ -13,6 +13,22 @@ import threading
 import time
 from typing import Any
 
+from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE
+
+
+def _whitespace_bound(text: str) -> int | None:
+    """``--structured-outputs-max-whitespace``: an integer >= 1, or ``none`` (unbounded)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'none', got {text!r}"
+                                         ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'none', got {value}")
+    return value
+
 
 def _json_object(text: str) -> dict[str, Any]:
     """A JSON object flag value (argparse reports the error with the flag's name)."""
@@ -184,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="responses the Responses API keeps (store: true) for "
                         "previous_response_id and GET /v1/responses/{id}, the least recently "
                         "used dropped first; 0 keeps none (default 1024)")
+    v.add_argument("--structured-outputs-max-whitespace", type=_whitespace_bound,
+                   default=DEFAULT_MAX_WHITESPACE, metavar="N|none",
+                   help="whitespace characters structured JSON output (response_format, "
+                        "structured_outputs json, tool calls) may have between two tokens: "
+                        "stops a model padding newlines until max_tokens; 'none' unbounded, "
+                        "as vLLM (default 20)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
@@ -451,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                      max_logprobs=args.max_logprobs,
                      responses_store_size=args.responses_store_size,
                      stream_interval=args.stream_interval,
+                     json_max_whitespace=args.structured_outputs_max_whitespace,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"

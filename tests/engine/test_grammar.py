@@ -122,3 +122,53 @@ def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
     with pytest.raises(ConfigError):   # a process without a compiler for that vocabulary
         pickle.loads(pickle.dumps(Grammar(None, "regex", 12345, spec=("constraint", "regex",
                                                                        "a", True))))
+
+
+def test_json_whitespace_between_tokens_is_bounded(gc: GrammarCompiler) -> None:
+    """JSON grammars allow at most ``max_whitespace`` whitespace characters between two tokens
+    (default 20: a model cannot pad newlines until ``max_tokens``); ``None`` any; ``0`` (vLLM's
+    ``disable_any_whitespace``) one layout. Inside strings whitespace is the value's. A
+    grammar's recipe carries its bound, so a process whose compiler has another default
+    compiles the same language."""
+    import pickle
+
+    from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, register_compiler
+    from radixkv.models import load_tokenizer
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+              "required": ["n", "s"], "additionalProperties": False}
+
+    def text(gap: int, inside: int = 0) -> str:
+        return '{"n":' + "\n" * gap + '7, "s": "' + " " * inside + '"}'
+
+    bound = DEFAULT_MAX_WHITESPACE
+    assert gc.max_whitespace == bound
+    for g in (gc.json_schema(schema), gc.json_object(),
+              gc.tool_call([("f", schema)], "<a>", "</a>", ("json_object", True, True))):
+        wrap = (lambda t: "<a>\n" + '{"name": "f", "arguments": ' + t + "}\n</a>") \
+            if g.kind == "tool_call" else (lambda t: t)
+        assert _accepts(gc, g, wrap(text(bound, inside=50))), g
+        assert not _accepts(gc, g, wrap(text(bound + 1))), g
+    tok = load_tokenizer()
+    free = GrammarCompiler(tok, len(tok), [tok.eos_token_id], max_whitespace=None)
+    assert _accepts(free, free.json_schema(schema), text(200))
+    one = gc.json_schema(schema, any_whitespace=False)
+    assert _accepts(gc, one, '{"n": 7, "s": ""}') and not _accepts(gc, one, text(1))
+    tight = GrammarCompiler(tok, len(tok), [tok.eos_token_id], max_whitespace=3)
+    g = tight.json_schema(schema)
+    assert _accepts(tight, g, text(3)) and not _accepts(tight, g, text(4))
+    register_compiler(gc.vocab_size, lambda: gc)   # the receiving side's default is 20
+    back = pickle.loads(pickle.dumps(g))
+    assert back.spec == g.spec and not _accepts(gc, back, text(4))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
+def test_a_whitespace_bound_is_a_positive_integer_or_none(bad: object) -> None:
+    from radixkv.engine.grammar import check_max_whitespace
+    from radixkv.errors import ConfigError
+    from radixkv.models import load_tokenizer
+
+    tok = load_tokenizer()
+    with pytest.raises(ConfigError):
+        GrammarCompiler(tok, len(tok), max_whitespace=bad)   # type: ignore[arg-type]
+    assert check_max_whitespace(None) is None and check_max_whitespace(1) == 1

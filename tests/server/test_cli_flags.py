@@ -52,6 +52,8 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--prefill-priority-steps", "2.5"], "invalid int"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
     (["--stream-interval", "0"], "--stream-interval"),
+    (["--structured-outputs-max-whitespace", "0"], "--structured-outputs-max-whitespace"),
+    (["--structured-outputs-max-whitespace", "lots"], "integer >= 1 or 'none'"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:
@@ -62,6 +64,19 @@ def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, ca
         rc = exc.code
     assert rc == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_json_whitespace_bound_reaches_the_server() -> None:
+    """``--structured-outputs-max-whitespace``: an integer, or ``none`` for unbounded; the
+    server's grammar compiler is built with it (server/app.py's ``_compiler``)."""
+    from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE
+
+    p = build_parser()
+    assert p.parse_args([]).structured_outputs_max_whitespace == DEFAULT_MAX_WHITESPACE
+    assert p.parse_args(["--structured-outputs-max-whitespace", "none"]
+                        ).structured_outputs_max_whitespace is None
+    assert p.parse_args(["--structured-outputs-max-whitespace", "4"]
+                        ).structured_outputs_max_whitespace == 4
 
 
 def test_serve_runs_uvicorn_on_asyncios_event_loop(monkeypatch) -> None:

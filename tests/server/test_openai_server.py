@@ -32,6 +32,7 @@ pytestmark = pytest.mark.model
 
 KEY_A, KEY_B = "key-alpha", "key-bravo"
 MODEL = "SmolLM2-135M-Instruct"
+JSON_WHITESPACE = 6   # the shared server's --structured-outputs-max-whitespace
 MAX_SEQS, MAX_QUEUED = 8, 8
 
 
@@ -129,6 +130,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     args = ["--api-key", KEY_A, "--api-key-file", str(keyfile), "--max-num-seqs", str(MAX_SEQS),
             "--max-queued", str(MAX_QUEUED), "--device-blocks", "512", "--threads", "1",
             "--device", "cpu", "--enable-cache-reset",
+            # below the default 20, which sampled JSON here exceeds (the whitespace test)
+            "--structured-outputs-max-whitespace", str(JSON_WHITESPACE),
             # float32: greedy equality with Engine.generate below (a CPU with native bf16
             # would default to bf16, whose cached and cold continuations may differ)
             "--dtype", "float32"]
@@ -631,6 +634,28 @@ def test_response_format_json_object_and_schema_give_valid_json(ready: Server) -
     assert status == 400 and err["error"]["param"] == "response_format", err
 
 
+def test_json_output_whitespace_is_bounded_by_the_flag(ready: Server) -> None:
+    """``--structured-outputs-max-whitespace``: sampled JSON has no run of whitespace between
+    tokens longer than the server's bound (the schema has no strings, so every run is between
+    tokens). Under the default bound (20) these samples had runs up to 14 characters; without
+    one a model can pad to ``max_tokens`` (engine/grammar.py)."""
+    import re
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    runs = []
+    for seed in (1, 2):
+        r = _chat(ready.client(), [{"role": "user", "content": "Give two numbers."}], n=8,
+                  temperature=1.5, seed=seed, max_tokens=40,
+                  response_format={"type": "json_schema", "json_schema": {"name": "two",
+                                                                          "schema": schema}})
+        runs += [max([0] + [len(m) for m in re.findall(r"\s+", c.message.content)])
+                 for c in r.choices]
+    assert max(runs) <= JSON_WHITESPACE, runs
+    assert max(runs) >= 3, runs   # the samples do pad: the bound is what stops them
+
+
 def test_structured_outputs_regex_choice_grammar_and_json(ready: Server) -> None:
     """vLLM's ``structured_outputs`` (and its older ``guided_*`` fields): sampled outputs match
     the regex, are one of the choices, are in the grammar's language (EBNF or Lark), or are
@@ -1122,7 +1147,8 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
     client = ready.client()
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
-    r = client.responses.create(model=MODEL, input="Give a number.", max_output_tokens=20,
+    r = client.responses.create(model=MODEL, input="Give a number.", max_output_tokens=40,
+                                temperature=0,
                                 text={"format": {"type": "json_schema", "name": "num",
                                                  "schema": schema}})
     assert set(json.loads(r.output_text)) == {"n"}
