@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import sys
 import threading
 import time
@@ -62,6 +63,8 @@ INLINE_TOKENIZE_CHARS = 4096
 #: (httptools when installed, else h11): the two were even (p50 difference 0.1 ms).
 UVICORN_LOOP = "asyncio"
 
+log = logging.getLogger("radixkv.server")
+
 
 class ServerState:
     """What the handlers share: the backend (once loaded), tenants, limits, metrics."""
@@ -89,6 +92,8 @@ class ServerState:
         self.stream_interval = stream_interval
         #: the Responses API's stored responses (``previous_response_id``, ``GET``)
         self.responses = rs.ResponseStore(responses_store_size)
+        #: background responses' tasks, held until they end (the loop holds tasks weakly)
+        self.background: set[asyncio.Task[None]] = set()
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
@@ -278,6 +283,10 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                              name="radixkv-load",
                              daemon=True).start()
         yield
+        for task in list(state.background):   # background responses end as cancelled,
+            task.cancel()                      # their engine requests aborted, before the
+        if state.background:                   # engine closes
+            await asyncio.wait(set(state.background), timeout=5)
         if state.engine is not None:
             state.engine.close()
 
@@ -441,11 +450,52 @@ def _routes(api: FastAPI, state: ServerState,
         return await _responses(state, request, req)
 
     @api.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request) -> Any:
+    async def get_response(response_id: str, request: Request, stream: bool = False,
+                           starting_after: int | None = None) -> Any:
         entry = state.responses.get(_tenant(request), response_id)
         if entry is None:
             raise rs.not_found(response_id)
-        return entry.response
+        if not stream:
+            return entry.current()
+        if entry.run is None or entry.run.events is None:
+            raise APIError(400, "stream is for background responses created with stream: "
+                           "true (their events are kept)", param="stream")
+        if starting_after is not None and starting_after < 0:
+            raise APIError(400, f"starting_after must be >= 0, got {starting_after}",
+                           param="starting_after")
+        after = -1 if starting_after is None else starting_after
+        return StreamingResponse(entry.run.follow(after), media_type="text/event-stream")
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Any:
+        entry = state.responses.get(_tenant(request), response_id)
+        if entry is None:
+            raise rs.not_found(response_id)
+        run = entry.run
+        if run is None:
+            raise APIError(400, "only background responses can be cancelled",
+                           param="response_id")
+        if run.done and entry.response["status"] != "cancelled":
+            raise APIError(400, f"the response is already {entry.response['status']}",
+                           param="response_id")
+        await run.cancel()
+        # the run's ending stored the cancelled response in a new entry (unless the store
+        # dropped it meanwhile)
+        now = state.responses.get(_tenant(request), response_id, touch=False) or entry
+        return now.response
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request,
+                                   after: str | None = None, limit: int = 20,
+                                   order: str = "desc") -> Any:
+        entry = state.responses.get(_tenant(request), response_id)
+        if entry is None:
+            raise rs.not_found(response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+        return rs.page(entry.input_items(), after, limit, order)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Any:
@@ -533,16 +583,27 @@ def _tenant(request: Request) -> str:
 async def _responses(state: ServerState, request: Request, req: ResponsesRequest) -> Any:
     """``POST /v1/responses``: the request as a chat request (radixkv/server/responses.py),
     continuing a stored conversation with ``previous_response_id``, answered as a
-    ``Response`` or its event stream, and stored (``store``) once it completed."""
+    ``Response`` or its event stream, and stored (``store``) once it completed; with
+    ``background`` run apart from this HTTP request (:func:`_background`)."""
     state.ready_engine()
     tenant = _tenant(request)
     history: tuple[dict[str, Any], ...] = ()
+    if req.background and (not req.store or state.responses.capacity == 0):
+        raise APIError(400, "background needs store: true (and a server that stores "
+                       "responses, --responses-store-size > 0): it is read back by id",
+                       param="background")
     if req.previous_response_id is not None:
         prev = state.responses.get(tenant, req.previous_response_id)
         if prev is None:
             raise rs.not_found(req.previous_response_id, "previous_response_id")
+        if prev.current()["status"] in ("queued", "in_progress"):
+            raise APIError(400, f"response {req.previous_response_id!r} is still in progress",
+                           param="previous_response_id")
         history = prev.messages
     body, new = rs.chat_request(req, history)
+    if req.background:   # generated as a stream whatever the client asked (_background)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     body["model"] = req.model or state.model_name
     try:
         chat_req = ChatCompletionRequest.model_validate(body)
@@ -559,6 +620,8 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                 *conversation, rs.assistant_message(final["output"])), final))
 
     answer = await _chat(state, request, chat_req)
+    if req.background:
+        return _background(state, tenant, rid, req, conversation, answer)
     if isinstance(answer, _Stream):
         events = rs.EventStream(rid, req, state.model_name, keep)
         return _Stream(events.adapt(answer.body_iterator), answer.on_close)
@@ -572,6 +635,46 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                              choice["finish_reason"])
     keep(final)
     return JSONResponse(final)
+
+
+def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest,
+                conversation: tuple[dict[str, Any], ...], answer: Any) -> Any:
+    """A background response: ``answer`` (the chat stream, already admitted and in the engine,
+    so a 400 or 429 reached the client before this) is driven by a task of its own, which
+    neither a client that goes away nor the end of this HTTP request stops; only
+    ``POST /v1/responses/{id}/cancel`` does. The response is stored at once (``queued``) and
+    again when it ends. Answers the queued response, or with ``stream`` its events as they
+    come (the same a ``GET ?stream=true`` replays)."""
+    if not isinstance(answer, _Stream):   # the stream path always answers a stream
+        raise RuntimeError(f"a background chat request answered {type(answer).__name__}")
+    events = rs.EventStream(rid, req, state.model_name, queued=True)
+    run = rs.Run(events, keep_events=req.stream)
+    first = events.snapshot()
+    state.responses.put(rid, rs.Stored(tenant, conversation, first, len(conversation), run))
+
+    async def drive() -> None:
+        async for event in events.adapt(answer.body_iterator):
+            run.push(event)
+
+    def ended(task: asyncio.Task[None]) -> None:
+        # a done callback, not a ``finally``: a task cancelled before it first ran runs no
+        # code of its own, and its request must still leave the engine and the admission
+        state.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background response %s failed", rid, exc_info=task.exception())
+        answer.on_close()   # admission slot back, engine request aborted if still there
+        final = run.ended()
+        reply = () if final["status"] == "failed" else (rs.assistant_message(final["output"]),)
+        state.responses.put(rid, rs.Stored(tenant, (*conversation, *reply), final,
+                                           len(conversation), run))
+        run.finish()
+
+    run.task = asyncio.ensure_future(drive())
+    state.background.add(run.task)   # held: the loop keeps only weak references to tasks
+    run.task.add_done_callback(ended)
+    if req.stream:
+        return StreamingResponse(run.follow(), media_type="text/event-stream")
+    return JSONResponse(first)
 
 
 def _template_refused(exc: Exception) -> APIError:

@@ -85,6 +85,9 @@ def parse_line(text: str, seen: set[str]) -> tuple[dict[str, Any] | None, dict[s
         return None, _line_error(cid, "invalid_request", "body must be a JSON object")
     if body.get("stream"):
         return None, _line_error(cid, "invalid_request", "stream is not supported in a batch")
+    if body.get("background"):   # its answer would be "queued", and the run ends with the file
+        return None, _line_error(cid, "invalid_request",
+                                 "background is not supported in a batch")
     return line, None
 
 

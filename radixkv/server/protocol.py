@@ -603,7 +603,7 @@ CompletionRequest.model_rebuild()
 
 #: Responses API fields radixkv does not implement, with their "off" values (as UNSUPPORTED).
 RESPONSES_UNSUPPORTED = {
-    "background": (None, False), "conversation": (None,), "prompt": (None,),
+    "conversation": (None,), "prompt": (None,),
     "max_tool_calls": (None,),
     "truncation": (None, "disabled"), "n": (None, 1),
 }
@@ -636,6 +636,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     store: StrictBool = True
     stream: StrictBool = False
+    #: run apart from this HTTP request: poll, follow or cancel it by id (needs ``store``)
+    background: Optional[StrictBool] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)

@@ -12,7 +12,9 @@ default) the server keeps each response and the conversation that led to it
 (:class:`ResponseStore`), so a client continues a conversation by sending only
 ``previous_response_id`` and the new input, and ``GET /v1/responses/{id}`` reads one back.
 The prefix cache makes that continuation cheap: the next turn's prompt starts with the
-previous turn's tokens, which are cached.
+previous turn's tokens, which are cached. ``background: true`` runs the response apart from
+the HTTP request that asked for it (:class:`Run`): polled with ``GET``, followed from any event
+with ``GET ?stream=true&starting_after=N``, stopped with ``POST .../cancel``.
 
 Why translate rather than implement the endpoint beside chat: every chat feature (tools,
 structured outputs, reasoning, documents' cache fields, admission, disconnect handling) then
@@ -24,12 +26,13 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.server.errors import APIError
@@ -278,7 +281,7 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
                   ) -> dict[str, Any]:
     """A ``Response`` object. ``finish``: the chat finish reason (``length`` makes it
     ``incomplete`` with reason ``max_output_tokens``); ``status`` overrides (in_progress,
-    failed)."""
+    failed, queued, cancelled)."""
     if status is None:
         status = "incomplete" if finish == "length" else "completed"
     fmt = (req.text or {}).get("format") or {"type": "text"}
@@ -296,7 +299,7 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
         "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": "disabled", "usage": usage_, "user": (req.model_extra or {}).get("user"),
-        "metadata": req.metadata or {},
+        "metadata": req.metadata or {}, "background": bool(req.background),
     }
 
 
@@ -325,9 +328,13 @@ class EventStream:
     ``response.completed`` (or ``response.incomplete`` at ``max_output_tokens``), every event
     numbered (``sequence_number``). An error the chat stream reports (a replica that died)
     becomes an ``error`` event and ``response.failed``. ``on_done(response)`` runs once the
-    response completed (to store it)."""
+    response completed (to store it). ``queued`` (a background response): it starts
+    ``response.created`` (status ``queued``) and ``response.queued``, and is
+    ``response.in_progress`` from the engine's first output on. ``final``: the response of
+    the terminal event sent (completed, incomplete or failed), None before."""
 
-    def __init__(self, rid: str, req: Any, model: str, on_done: Any = None) -> None:
+    def __init__(self, rid: str, req: Any, model: str, on_done: Any = None,
+                 queued: bool = False) -> None:
         self.rid, self.req, self.model, self.on_done = rid, req, model, on_done
         self.created = int(time.time())
         self.seq = 0
@@ -335,6 +342,30 @@ class EventStream:
         self.open: dict[str, Any] | None = None   # the item whose deltas are flowing
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.status = "queued" if queued else "in_progress"
+        self.final: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        """One more event of this response (numbered after the last), as SSE text."""
+        return self._event(kind, **fields)
+
+    def snapshot(self, status: str | None = None) -> dict[str, Any]:
+        """The response as it stands (``status``, default its own): the items so far, the
+        one being written with its text up to now."""
+        items = []
+        for it in self.output:
+            if it is not self.open:
+                items.append({k: v for k, v in it.items() if k not in ("_text", "_lps")})
+            elif it["type"] == "message":
+                items.append(message_item(it["_text"], it["id"], "in_progress",
+                                          it.get("_lps")))
+            elif it["type"] == "reasoning":
+                items.append(reasoning_item(it["_text"], it["id"], "in_progress"))
+            else:
+                items.append({**{k: v for k, v in it.items() if k != "_text"},
+                              "arguments": it["_text"]})
+        return response_body(self.rid, self.req, self.model, self.created, items,
+                             usage(self.usage), self.finish, status or self.status)
 
     def _event(self, kind: str, **fields: Any) -> str:
         ev = {"type": kind, **fields, "sequence_number": self.seq}
@@ -360,6 +391,22 @@ class EventStream:
             out.append(self._event("response.content_part.added", **self._where(),
                                    content_index=0, part=part))
         return out
+
+    def close_open(self) -> None:
+        """End the item being written without its ``.done`` events (a run that stopped
+        before its terminal event: the item stays as far as it got, ``incomplete``)."""
+        it = self.open
+        if it is None:
+            return
+        if it["type"] == "message":
+            done = message_item(it["_text"], it["id"], "incomplete", it.get("_lps"))
+        elif it["type"] == "reasoning":
+            done = reasoning_item(it["_text"], it["id"], "incomplete")
+        else:
+            done = {**{k: v for k, v in it.items() if k != "_text"},
+                    "arguments": it["_text"], "status": "incomplete"}
+        self.output[-1] = done
+        self.open = None
 
     def _close(self) -> list[str]:
         """Finish the open item: its text's ``.done``, its part's, the item's."""
@@ -438,11 +485,14 @@ class EventStream:
     async def adapt(self, chat: AsyncIterator[Any]) -> AsyncIterator[str]:
         """The Responses events of the chat SSE stream ``chat`` (closed when this ends)."""
         try:
-            body = self._body("in_progress")
+            body = self._body(self.status)
             yield self._event("response.created", response=body)
-            yield self._event("response.in_progress", response=body)
+            yield self._event(f"response.{self.status}", response=body)
             async for chunk in chat:
                 text = chunk.decode() if isinstance(chunk, bytes) else chunk
+                if self.status == "queued":   # the engine has begun answering
+                    self.status = "in_progress"
+                    yield self._event("response.in_progress", response=self._body(self.status))
                 for data in _chat_events(text):
                     if data == "[DONE]":
                         for e in self._close():
@@ -451,6 +501,7 @@ class EventStream:
                         final = self._body()
                         kind = "response.incomplete" if final["status"] == "incomplete" \
                             else "response.completed"
+                        self.final = final
                         if self.on_done is not None:
                             self.on_done(final)
                         yield self._event(kind, response=final)
@@ -460,9 +511,10 @@ class EventStream:
                         yield self._event("error", code=err.get("code"),
                                           message=err.get("message"), param=err.get("param"))
                         self.output = self._items()
-                        yield self._event("response.failed", response=self._body(
-                            "failed", {"code": err.get("code") or "server_error",
-                                       "message": err.get("message")}))
+                        self.final = self._body("failed", {
+                            "code": err.get("code") or "server_error",
+                            "message": err.get("message")})
+                        yield self._event("response.failed", response=self.final)
                         return
                     if data.get("usage"):
                         self.usage = data["usage"]
@@ -486,16 +538,164 @@ class EventStream:
                 await aclose()
 
 
+# ---------------------------------------------------------------------------- background
+
+class Run:
+    """A background response (``background: true``) being generated apart from any HTTP
+    request: ``task`` drives the chat stream through ``stream`` (:class:`EventStream`) and
+    pushes each event here. Readers poll :meth:`response` or follow the events from any
+    sequence number (:meth:`follow`), kept when the response was created with ``stream``
+    (``events`` None otherwise: nobody can ask for them). Event-loop thread only."""
+
+    def __init__(self, stream: EventStream, keep_events: bool) -> None:
+        self.stream = stream
+        self.events: list[str] | None = [] if keep_events else None
+        self.task: asyncio.Task[None] | None = None
+        self.done = False
+        self.cancelling = False   # :meth:`cancel` asked: the run ends as ``cancelled``
+        self._wake = asyncio.Event()
+        self._finished = asyncio.Event()
+
+    def push(self, event: str) -> None:
+        if self.events is not None:
+            self.events.append(event)
+        self._notify()
+
+    def finish(self) -> None:
+        """The run ended and its final response is stored (called once, by the task's done
+        callback)."""
+        self.done = True
+        self._finished.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        # each waiter holds the event it waits on; a fresh one for the next wait
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def response(self) -> dict[str, Any]:
+        """The response as it stands while running (queued or in progress, the output so
+        far)."""
+        return self.stream.snapshot()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events numbered after ``after`` (events are numbered from 0 and kept in
+        order, so that is their index), then each new one as it comes, until the run ends."""
+        assert self.events is not None, "a run created without stream keeps no events"
+        i = after + 1
+        while True:
+            wake = self._wake
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await wake.wait()
+
+    async def cancel(self) -> None:
+        """Stop generating and return once the cancelled response is stored: the task is
+        cancelled, which closes the chat stream (aborting the engine request, its blocks
+        freed within a step), and its ending records the response as ``cancelled``
+        (:meth:`ended`, :meth:`finish`)."""
+        if self.done or self.task is None:
+            return
+        self.cancelling = True
+        self.task.cancel()
+        await self._finished.wait()
+
+    def ended(self) -> dict[str, Any]:
+        """The final response once the stream stopped: the terminal event's, else
+        ``cancelled`` (with an ``error`` event, code ``response_cancelled``, for followers:
+        OpenAI's stream has no cancelled event) or ``failed`` (a task that died)."""
+        s = self.stream
+        if s.final is not None:
+            return s.final
+        s.close_open()
+        if self.cancelling:
+            self.push(s.event("error", code="response_cancelled", param=None,
+                              message="the response was cancelled"))
+            return s.snapshot("cancelled")
+        error = {"code": "server_error", "message": "the response stopped unexpectedly"}
+        self.push(s.event("error", code=error["code"], message=error["message"], param=None))
+        failed = {**s.snapshot("failed"), "error": error}
+        self.push(s.event("response.failed", response=failed))
+        return failed
+
+
 # ---------------------------------------------------------------------------- the store
 
 @dataclass
 class Stored:
     """One stored response: its owner (API key), the conversation it ended (chat messages,
-    without instructions, ending with its reply) and its ``Response`` object."""
+    without instructions, ending with its reply when it has one), how many of those messages
+    were its input (``inputs``; None: all but the last), its ``Response`` object, and its
+    :class:`Run` when it was a background one."""
 
     tenant: str
     messages: tuple[dict[str, Any], ...]
     response: dict[str, Any]
+    inputs: int | None = None
+    run: Run | None = field(default=None, compare=False)
+
+    def current(self) -> dict[str, Any]:
+        """The response now: a running background one's as it stands, else the stored one."""
+        if self.run is not None and not self.run.done:
+            return self.run.response()
+        return self.response
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The items the response answered (the conversation before its reply) in the
+        Responses shape, each with an id stable for this response (pagination)."""
+        n = len(self.messages) - 1 if self.inputs is None else self.inputs
+        return message_items(self.messages[:n], self.response["id"])
+
+
+def message_items(messages: Sequence[dict[str, Any]], rid: str) -> list[dict[str, Any]]:
+    """Chat messages as Responses input items (the inverse of :func:`input_messages`):
+    messages with ``input_text`` parts (``output_text`` for the assistant's), a
+    ``function_call`` per tool call and a ``function_call_output`` per tool message. Ids:
+    ``<kind>_<response hex>_<position>``."""
+    tag = rid.split("_", 1)[-1]
+    out: list[dict[str, Any]] = []
+
+    def add(kind: str, item: dict[str, Any]) -> None:
+        out.append({"id": f"{kind}_{tag}_{len(out)}", **item})
+
+    for m in messages:
+        if m["role"] == "tool":
+            add("fco", {"type": "function_call_output", "call_id": m.get("tool_call_id"),
+                        "output": m.get("content") or "", "status": "completed"})
+            continue
+        if m.get("content") or not m.get("tool_calls"):
+            part = "output_text" if m["role"] == "assistant" else "input_text"
+            add("msg", {"type": "message", "role": m["role"], "status": "completed",
+                        "content": [{"type": part, "text": m.get("content") or "",
+                                     **({"annotations": []} if part == "output_text"
+                                        else {})}]})
+        for c in m.get("tool_calls") or ():
+            add("fc", {"type": "function_call", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                       "status": "completed"})
+    return out
+
+
+def page(items: Sequence[dict[str, Any]], after: str | None, limit: int, order: str
+         ) -> dict[str, Any]:
+    """One page of ``items`` (oldest first) as an OpenAI list: ``order`` asc or desc,
+    starting after the item whose id is ``after``, at most ``limit``."""
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    start = 0
+    if after is not None:
+        ids = [it["id"] for it in ordered]
+        if after not in ids:
+            raise APIError(400, f"no input item with id {after!r} in this response",
+                           param="after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return {"object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + limit < len(ordered)}
 
 
 class ResponseStore:
@@ -521,11 +721,14 @@ class ResponseStore:
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, tenant: str, rid: str) -> Stored | None:
+    def get(self, tenant: str, rid: str, touch: bool = True) -> Stored | None:
+        """The response ``rid`` if ``tenant`` stored it (``touch``: now the most recently
+        used)."""
         entry = self._items.get(rid)
         if entry is None or entry.tenant != tenant:
             return None
-        self._items.move_to_end(rid)
+        if touch:
+            self._items.move_to_end(rid)
         return entry
 
     def delete(self, tenant: str, rid: str) -> bool:
@@ -541,7 +744,7 @@ def not_found(rid: str, param: str | None = None) -> APIError:
                     "store, or another API key's)", param=param, code="response_not_found")
 
 
-__all__ = ["DEFAULT_STORE_SIZE", "EventStream", "ResponseStore", "Stored", "assistant_message",
-           "chat_request", "chat_tool_choice", "chat_tools", "input_messages", "new_id",
-           "not_found", "output_items", "response_body", "response_format", "response_param",
-           "usage"]
+__all__ = ["DEFAULT_STORE_SIZE", "EventStream", "ResponseStore", "Run", "Stored",
+           "assistant_message", "chat_request", "chat_tool_choice", "chat_tools",
+           "input_messages", "message_items", "new_id", "not_found", "output_items", "page",
+           "response_body", "response_format", "response_param", "usage"]

@@ -235,6 +235,14 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
     events = list(client.responses.create(model=MODEL, input="Hi.", max_output_tokens=3,
                                           stream=True))
     assert events[-1].type in ("response.completed", "response.incomplete")
+    # a background response runs in the ingress's loop, on a replica, polled by id
+    bg = client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=4,
+                                 temperature=0, background=True)
+    deadline = time.monotonic() + 120
+    while (got := client.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert got.output_text == first.output_text
     # the replicas schedule by lpm (their info says so): a priority is a 400 at the ingress
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, [{"role": "user", "content": "x"}], max_tokens=2,

@@ -1152,8 +1152,8 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
                                 text={"format": {"type": "json_schema", "name": "num",
                                                  "schema": schema}})
     assert set(json.loads(r.output_text)) == {"n"}
-    refused = [({"background": True}, "background"), ({"include": ["file_search_call.results"]},
-                                                      "include"),
+    refused = [({"background": True, "store": False}, "background"),
+               ({"include": ["file_search_call.results"]}, "include"),
                ({"tools": [{"type": "web_search"}]}, "tools"),
                ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                          "image_url": "x"}]}]}, "input"),
@@ -1169,6 +1169,141 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
         assert status == 400 and err["error"]["param"] == param, (extra, err)
     status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi"}, key=None)
     assert status == 401
+
+
+def _until_done(client: Any, rid: str) -> Any:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        time.sleep(0.05)
+    raise AssertionError(f"response {rid} still {r.status}")
+
+
+@pytest.mark.model
+def test_background_responses_are_polled_followed_and_replayed(ready: Server) -> None:
+    """``background: true``: the POST answers at once (``queued``); the response is generated
+    apart from the request, polled with ``GET`` (the output growing), and equals the
+    foreground answer. Created with ``stream``, its events can be dropped and followed again
+    from any ``starting_after``, and replayed whole once it ended."""
+    client = ready.client()
+    kw = dict(model=MODEL, input="Tell me about the sea.", max_output_tokens=24, temperature=0)
+    fore = client.responses.create(**kw)
+    r = client.responses.create(**kw, background=True)
+    assert r.status == "queued" and r.background is True and r.output == []
+    g = _until_done(client, r.id)
+    assert (g.status, g.output_text) == (fore.status, fore.output_text), g
+    assert g.usage.output_tokens == fore.usage.output_tokens == 24
+    # streamed: leave after a few events; the run goes on and is followed to its end
+    stream = client.responses.create(**kw, background=True, stream=True)
+    head = []
+    for e in stream:
+        head.append(e)
+        if len(head) == 6:
+            break
+    stream.close()
+    assert [e.type for e in head[:3]] == ["response.created", "response.queued",
+                                          "response.in_progress"]
+    assert head[0].response.status == "queued"
+    rid = head[0].response.id
+    rest = list(client.responses.retrieve(rid, stream=True,
+                                          starting_after=head[-1].sequence_number))
+    numbers = [e.sequence_number for e in head + rest]
+    assert numbers == list(range(len(numbers))), numbers
+    assert rest[-1].type == "response.incomplete"
+    assert rest[-1].response.output[0].content[0].text == fore.output_text
+    replay = list(client.responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in head + rest]
+    # what GET ?stream cannot replay, and what background needs
+    status, err = ready.raw("GET", f"/v1/responses/{r.id}?stream=true")
+    assert status == 400 and err["error"]["param"] == "stream", err
+    status, err = ready.raw("GET", f"/v1/responses/{rid}?stream=true&starting_after=-2")
+    assert status == 400 and err["error"]["param"] == "starting_after", err
+    other = ready.client(KEY_B)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(rid)
+
+
+@pytest.mark.model
+def test_cancelling_a_background_response_frees_the_engine(ready: Server) -> None:
+    """``POST /v1/responses/{id}/cancel``: a running background response stops (its engine
+    request aborted, its blocks freed), keeps the output it had, and is ``cancelled``
+    (again: the same); a continuation of a running response is a 400, as is cancelling a
+    foreground or finished one. A follower of the stream gets an ``error`` event."""
+    client = ready.client()
+    long = dict(model=MODEL, input="Write a long story about a lighthouse.",
+                max_output_tokens=2000, temperature=0, background=True,
+                extra_body={"ignore_eos": True})
+    r = client.responses.create(**long, stream=True)
+    first = next(iter(r))
+    rid = first.response.id
+    deadline = time.monotonic() + 60
+    while not (now := client.responses.retrieve(rid)).output_text:   # the output grows
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now.status == "in_progress" and _held_blocks(ready.metrics()) > 0
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "more",
+                                                      "previous_response_id": rid})
+    assert status == 400 and err["error"]["param"] == "previous_response_id", err
+    gone = client.responses.cancel(rid)
+    assert gone.status == "cancelled" and 0 < len(gone.output_text), gone
+    assert client.responses.retrieve(rid).status == "cancelled"
+    assert client.responses.cancel(rid).status == "cancelled"
+    tail = list(r)
+    assert tail[-1].type == "error" and tail[-1].code == "response_cancelled", tail[-1]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        fams = ready.metrics()
+        if _value(fams, "radixkv_num_requests_running") == 0 and _held_blocks(fams) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"blocks still held after the cancel: {_held_blocks(fams)}")
+    done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                   background=True)
+    _until_done(client, done.id)
+    fore = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for rid_ in (done.id, fore.id):
+        status, err = ready.raw("POST", f"/v1/responses/{rid_}/cancel")
+        assert status == 400 and err["error"]["param"] == "response_id", err
+    assert ready.raw("POST", "/v1/responses/resp_nothing/cancel")[0] == 404
+
+
+@pytest.mark.model
+def test_input_items_list_what_a_response_answered(ready: Server) -> None:
+    """``GET /v1/responses/{id}/input_items``: the conversation a response answered (earlier
+    turns' input and replies, then its own input; instructions apart), newest first by
+    default, in pages (``limit``, ``after``); function calls and their outputs as their own
+    items (tests/server/test_tool_calls.py)."""
+    client = ready.client()
+    one = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4,
+                                  temperature=0, instructions="Be brief.")
+    two = client.responses.create(model=MODEL, previous_response_id=one.id, temperature=0,
+                                  max_output_tokens=4, input=[
+                                      {"role": "user", "content": "Why that one?"},
+                                      {"role": "assistant", "content": "It is calm."},
+                                      {"role": "user", "content": "And another?"}])
+    items = client.responses.input_items.list(two.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", r) for r in (
+        "user", "assistant", "user", "assistant", "user")]
+    assert items[0].content[0].text == "Name a colour."
+    assert items[1].content[0].text == one.output_text
+    assert items[1].content[0].type == "output_text" and items[0].content[0].type == "input_text"
+    assert [i.content[0].text for i in items[2:]] == ["Why that one?", "It is calm.",
+                                                      "And another?"]
+    desc = client.responses.input_items.list(two.id).data
+    assert [i.id for i in desc] == [i.id for i in reversed(items)]
+    page = client.responses.input_items.list(two.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in items[:2]] and page.has_more
+    page2 = client.responses.input_items.list(two.id, order="asc", limit=2, after=page.last_id)
+    assert [i.id for i in page2.data] == [i.id for i in items[2:4]]
+    assert [i.type for i in client.responses.input_items.list(one.id).data] == ["message"]
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=x", "after")):
+        status, err = ready.raw("GET", f"/v1/responses/{two.id}/input_items?{query}")
+        assert status == 400 and err["error"]["param"] == param, (query, err)
+    with pytest.raises(openai.NotFoundError):
+        ready.client(KEY_B).responses.input_items.list(two.id)
 
 
 @pytest.mark.model

@@ -77,3 +77,59 @@ def test_the_store_is_bounded_least_recently_used_and_per_api_key() -> None:
     assert len(none) == 0
     with pytest.raises(ValueError):
         rs.ResponseStore(-1)
+
+
+def test_input_items_are_the_stored_messages_as_items_again() -> None:
+    """``GET .../input_items`` writes the stored chat messages back as items: read again by
+    :func:`input_messages`, they are the same messages; ids are stable per response."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "let me see", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "[]"}}]}]
+    items = rs.message_items(msgs, "resp_abc")
+    assert [i["type"] for i in items] == ["message", "message", "message", "function_call",
+                                          "function_call_output", "function_call"]
+    assert rs.input_messages(items) == msgs
+    assert items == rs.message_items(msgs, "resp_abc") and len({i["id"] for i in items}) == 6
+    page = rs.page(items, None, 4, "desc")
+    assert [i["id"] for i in page["data"]] == [i["id"] for i in items[::-1][:4]]
+    assert page["has_more"] and page["first_id"] == items[-1]["id"]
+    rest = rs.page(items, page["last_id"], 4, "desc")
+    assert [i["id"] for i in rest["data"]] == [items[1]["id"], items[0]["id"]]
+    assert not rest["has_more"]
+    with pytest.raises(APIError):
+        rs.page(items, "msg_nothing", 4, "asc")
+
+
+def test_a_background_response_cancelled_before_it_ran_leaves_the_engine() -> None:
+    """A background response's task may be cancelled before it first runs (a cancel that
+    arrives at once): its chat stream never starts, and still its admission and engine
+    request are released (the stream's ``on_close``) and it is stored ``cancelled``."""
+    import asyncio
+
+    from radixkv.server import app as app_mod
+    from radixkv.server.protocol import ResponsesRequest
+    from radixkv.server.tenants import Tenants
+
+    state = app_mod.ServerState("m", Tenants.create([], None), 4, None)
+    closed = []
+
+    async def chat() -> object:
+        yield 'data: {"choices": []}\n\n'
+
+    async def go() -> dict:
+        req = ResponsesRequest(input="x", background=True)
+        stream = app_mod._Stream(chat(), lambda: closed.append(1))
+        first = app_mod._background(state, "", "resp_1", req,
+                                    ({"role": "user", "content": "x"},), stream)
+        assert first.status_code == 200
+        entry = state.responses.get("", "resp_1")
+        assert entry.current()["status"] == "queued"
+        await entry.run.cancel()   # before the task had a turn
+        assert not state.background
+        return state.responses.get("", "resp_1").response
+
+    final = asyncio.run(go())
+    assert final["status"] == "cancelled" and final["output"] == [] and closed == [1]

@@ -88,3 +88,21 @@ def test_run_batch_usage_errors(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["-o", str(tmp_path / "o")])   # no input file
     assert exc.value.code == 2
+
+
+def test_lines_a_batch_cannot_answer_are_line_errors() -> None:
+    """A streamed or a background request has no place in an output file (a background one
+    would answer ``queued`` and end with the run): an error line each, the rest go on."""
+    from radixkv.server.batch import parse_line
+
+    def line(body: dict) -> str:
+        return json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/responses",
+                           "body": body})
+
+    for body, words in (({"input": "x", "stream": True}, "stream"),
+                        ({"input": "x", "background": True}, "background")):
+        req, err = parse_line(line(body), set())
+        assert req is None and err["error"]["code"] == "invalid_request"
+        assert words in err["error"]["message"]
+    req, err = parse_line(line({"input": "x", "background": False}), set())
+    assert err is None and req["body"]["background"] is False

@@ -520,6 +520,13 @@ def test_responses_function_calls_and_their_outputs_round_trip(srv: Server) -> N
         assert got.output_text == expect.choices[0].message.content
         assert got.usage.input_tokens == expect.usage.prompt_tokens
     assert stored.usage.input_tokens_details.cached_tokens >= 32
+    # what each answered, as items: the call and its output among them
+    for got in (stored, whole):
+        items = r.input_items.list(got.id, order="asc").data
+        assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+        assert (items[1].call_id, items[1].name, items[1].arguments) == (
+            call.call_id, call.name, call.arguments)
+        assert (items[2].call_id, items[2].output) == (call.call_id, "18 C, sunny")
     events = list(r.create(model=MODEL, input=ASK[0]["content"], tools=tools,
                            tool_choice=named, temperature=0, max_output_tokens=60, stream=True))
     kinds = [e.type for e in events]
