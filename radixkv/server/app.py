@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -534,8 +534,10 @@ def _routes(api: FastAPI, state: ServerState,
         return await _serve(state, request, req, ids, chat=False, points=points)
 
 
-async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest) -> Any:
-    """``POST /v1/chat/completions`` (and the chat request a Responses request becomes)."""
+async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest,
+                count_only: bool = False) -> Any:
+    """``POST /v1/chat/completions`` (and the chat request a Responses request becomes).
+    ``count_only``: the prompt's length in tokens, nothing served (Responses' truncation)."""
     eng = state.ready_engine()
     state.check_model(req.model)
     marks = [m.cache_control for m in req.messages]
@@ -551,7 +553,7 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
     serving.check_text(eng, [m["content"] for m in messages], "messages",
                        await _max_token_chars(state, eng))
     if req.tools or any(m.tool_calls for m in req.messages):
-        return await _chat_with_tools(state, request, req, eng)
+        return await _chat_with_tools(state, request, req, eng, count_only)
     chars = sum(len(m["content"]) for m in messages)
     if req.documents is not None:   # RAG documents placed by the server (serve.md)
         docs = serving.document_texts(req)
@@ -571,6 +573,8 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
                 req.prompt_cache_retention, req.chat_template_kwargs)
     except (TemplateError, ValueError) as exc:   # the template refuses these messages
         raise _template_refused(exc) from None
+    if count_only:
+        return len(ids)
     return await _serve(state, request, req, [ids], chat=True,
                         points=None if points is None else [points])
 
@@ -605,12 +609,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     body["model"] = req.model or state.model_name
-    try:
-        chat_req = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        err = validation_error(RequestValidationError(exc.errors()))
-        err.param = rs.response_param(err.param)
-        raise err from None
+    chat_req = _as_chat(body)
     rid = rs.new_id("resp")
     conversation = (*history, *new)
 
@@ -619,7 +618,13 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             state.responses.put(rid, rs.Stored(tenant, (
                 *conversation, rs.assistant_message(final["output"])), final))
 
-    answer = await _chat(state, request, chat_req)
+    try:
+        answer = await _chat(state, request, chat_req)
+    except APIError as exc:
+        if req.truncation != "auto" or exc.code != "context_length_exceeded":
+            raise
+        chat_req = await _truncated(state, request, req, body, conversation)
+        answer = await _chat(state, request, chat_req)
     if req.background:
         return _background(state, tenant, rid, req, conversation, answer)
     if isinstance(answer, _Stream):
@@ -635,6 +640,54 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                              choice["finish_reason"])
     keep(final)
     return JSONResponse(final)
+
+
+def _as_chat(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request a Responses request became; a 400 names the Responses field."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = validation_error(RequestValidationError(exc.errors()))
+        err.param = rs.response_param(err.param)
+        raise err from None
+
+
+async def _truncated(state: ServerState, request: Request, req: ResponsesRequest,
+                     body: dict[str, Any], conversation: Sequence[dict[str, Any]]
+                     ) -> ChatCompletionRequest:
+    """``truncation: "auto"`` for a request whose prompt does not fit: the chat request
+    without the fewest earliest turns of ``conversation`` (:func:`rs.without_turns`) such
+    that the prompt and ``max_output_tokens`` fit the context, found by bisection over the
+    prompt's length (each probe templates and tokenizes, serves nothing). When even the last
+    turn alone does not fit, the request without every earlier turn, whose serving raises
+    the 400 as without truncation."""
+    head = body["messages"][:len(body["messages"]) - len(conversation)]   # the instructions
+    starts = rs.turn_starts(conversation)
+    need = req.max_output_tokens or 1
+    limit = state.ready_engine().max_model_len
+
+    def cut(k: int) -> ChatCompletionRequest:
+        return _as_chat({**body, "messages": [*head, *rs.without_turns(conversation, starts,
+                                                                        k)]})
+
+    async def fits(k: int) -> bool:
+        try:
+            return int(await _chat(state, request, cut(k), count_only=True)) + need <= limit
+        except APIError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            return False
+
+    lo, hi = 1, len(starts) - 1   # the smallest k in [lo, hi] that fits; hi: the last turn
+    if hi < lo or not await fits(hi):
+        return cut(max(hi, 0))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(lo)
 
 
 def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest,
@@ -757,11 +810,12 @@ async def _compiler(state: ServerState, eng: Backend, param: str) -> Any:
     return state.grammar_compiler
 
 
-async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: Backend
-                           ) -> Any:
+async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: Backend,
+                           count_only: bool = False) -> Any:
     """A chat request with ``tools`` (``tool_choice`` auto, required or named): the tools
     rendered by the model's template, calls forced by a grammar when required, and the reply's
-    ``<tool_call>`` blocks answered as OpenAI ``tool_calls`` (radixkv/server/tools.py)."""
+    ``<tool_call>`` blocks answered as OpenAI ``tool_calls`` (radixkv/server/tools.py).
+    ``count_only``: as :func:`_chat`'s."""
     from radixkv.api.chat import _ids
     from radixkv.errors import InvalidRequestError
     from radixkv.server import tools as tool_calls
@@ -798,6 +852,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                 req.prompt_cache_retention, variables)]
     except (TemplateError, ValueError) as exc:
         raise _template_refused(exc) from None
+    if count_only:
+        return len(ids)
     grammar = None   # none: _serve compiles the constraint, if any, alone
     choice = req.tool_choice
     forced = choice == "required" or not isinstance(choice, (str, type(None)))

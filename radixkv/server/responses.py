@@ -205,6 +205,23 @@ def chat_request(req: Any, history: Sequence[dict[str, Any]]) -> tuple[dict[str,
     return body, new
 
 
+def turn_starts(messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Where each turn of a conversation starts: its user messages (a turn is a user message
+    and the replies, calls and results after it)."""
+    return [i for i, m in enumerate(messages) if m["role"] == "user"]
+
+
+def without_turns(messages: Sequence[dict[str, Any]], starts: Sequence[int], k: int
+                  ) -> list[dict[str, Any]]:
+    """``messages`` without its first ``k`` turns (``truncation: "auto"``); the system and
+    developer messages among them stay, in order: they are instructions, not history."""
+    if k == 0:
+        return list(messages)
+    cut = starts[k]
+    return [m for m in messages[:cut] if m["role"] in ("system", "developer")] + \
+        list(messages[cut:])
+
+
 # ---------------------------------------------------------------------------- the answer
 
 def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -298,8 +315,9 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,
-        "truncation": "disabled", "usage": usage_, "user": (req.model_extra or {}).get("user"),
-        "metadata": req.metadata or {}, "background": bool(req.background),
+        "truncation": req.truncation or "disabled", "usage": usage_,
+        "user": (req.model_extra or {}).get("user"), "metadata": req.metadata or {},
+        "background": bool(req.background),
     }
 
 
@@ -747,4 +765,5 @@ def not_found(rid: str, param: str | None = None) -> APIError:
 __all__ = ["DEFAULT_STORE_SIZE", "EventStream", "ResponseStore", "Run", "Stored",
            "assistant_message", "chat_request", "chat_tool_choice", "chat_tools",
            "input_messages", "message_items", "new_id", "not_found", "output_items", "page",
-           "response_body", "response_format", "response_param", "usage"]
+           "response_body", "response_format", "response_param", "turn_starts", "usage",
+           "without_turns"]

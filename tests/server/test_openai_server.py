@@ -1159,7 +1159,7 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
                                                          "image_url": "x"}]}]}, "input"),
                ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
                ({"reasoning": {"effort": "high"}}, "reasoning"),
-               ({"truncation": "auto"}, "truncation"), ({"max_output_tokens": 0},
+               ({"truncation": "some"}, "truncation"), ({"max_output_tokens": 0},
                                                         "max_output_tokens"),
                ({"tool_choice": "required"}, "tool_choice"),
                ({"previous_response_id": "resp_nothing"}, "previous_response_id")]
@@ -1169,6 +1169,39 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
         assert status == 400 and err["error"]["param"] == param, (extra, err)
     status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi"}, key=None)
     assert status == 401
+
+
+@pytest.mark.model
+def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit(ready: Server) -> None:
+    """``truncation: "auto"``: a conversation past the context loses its earliest whole turns,
+    the fewest that make the prompt and ``max_output_tokens`` fit (instructions and developer
+    messages stay); the reply is the chat completion of what is left. ``disabled`` (the
+    default) is the 400 it was."""
+    client = ready.client()
+    limit = client.models.list().data[0].model_extra["max_model_len"]
+    big = "word " * (limit * 7 // 8)     # one turn of about 7/8 of the context
+    mid = "note " * (limit // 4)          # fits beside the rest, not beside the big one
+    convo = [{"role": "user", "content": big}, {"role": "assistant", "content": "Noted."},
+             {"role": "developer", "content": "Answer in one word."},
+             {"role": "user", "content": mid}, {"role": "assistant", "content": "Noted too."},
+             {"role": "user", "content": "Name a colour."}]
+    kw = dict(model=MODEL, input=convo, instructions="Be brief.", max_output_tokens=4,
+              temperature=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(**kw)
+    assert exc.value.body["code"] == "context_length_exceeded"
+    r = client.responses.create(**kw, truncation="auto")
+    assert r.truncation == "auto"
+    left = [{"role": "system", "content": "Be brief."}, convo[2], *convo[3:]]
+    chat = _responses_chat(ready, left, max_tokens=4)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
+    # the last turn alone past the context: the same 400 as without truncation
+    status, err = ready.raw("POST", "/v1/responses", {**kw, "truncation": "auto",
+                                                      "input": [convo[0], {
+                                                          "role": "user",
+                                                          "content": "word " * limit}]})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
 
 
 def _until_done(client: Any, rid: str) -> Any:

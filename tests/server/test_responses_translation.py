@@ -133,3 +133,16 @@ def test_a_background_response_cancelled_before_it_ran_leaves_the_engine() -> No
 
     final = asyncio.run(go())
     assert final["status"] == "cancelled" and final["output"] == [] and closed == [1]
+
+
+def test_truncation_drops_whole_turns_and_keeps_instructions() -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "1"},
+            {"role": "assistant", "content": "a1"}, {"role": "developer", "content": "d"},
+            {"role": "user", "content": "2"}, {"role": "tool", "tool_call_id": "c",
+                                               "content": "t"},
+            {"role": "user", "content": "3"}]
+    starts = rs.turn_starts(msgs)
+    assert starts == [1, 4, 6]
+    assert rs.without_turns(msgs, starts, 0) == msgs
+    assert rs.without_turns(msgs, starts, 1) == [msgs[0], msgs[3], *msgs[4:]]
+    assert rs.without_turns(msgs, starts, 2) == [msgs[0], msgs[3], msgs[6]]
