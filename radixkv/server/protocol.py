@@ -604,7 +604,7 @@ CompletionRequest.model_rebuild()
 #: Responses API fields radixkv does not implement, with their "off" values (as UNSUPPORTED).
 RESPONSES_UNSUPPORTED = {
     "conversation": (None,), "prompt": (None,),
-    "max_tool_calls": (None,), "n": (None, 1),
+    "n": (None, 1),
 }
 
 #: The one ``include`` value radixkv produces.
@@ -640,6 +640,9 @@ class ResponsesRequest(BaseModel):
     #: ``auto``: drop the conversation's earliest turns until the prompt and
     #: ``max_output_tokens`` fit the context (``disabled``: a 400 instead)
     truncation: Optional[Literal["auto", "disabled"]] = None
+    #: OpenAI's bound on calls of its built-in tools; radixkv has none (function calls are
+    #: the client's), so it bounds nothing here and is echoed
+    max_tool_calls: Optional[int] = Field(default=None, ge=0)
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)

@@ -317,7 +317,7 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
         "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled", "usage": usage_,
         "user": (req.model_extra or {}).get("user"), "metadata": req.metadata or {},
-        "background": bool(req.background),
+        "background": bool(req.background), "max_tool_calls": req.max_tool_calls,
     }
 
 

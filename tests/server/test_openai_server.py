@@ -1161,6 +1161,7 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
                ({"reasoning": {"effort": "high"}}, "reasoning"),
                ({"truncation": "some"}, "truncation"), ({"max_output_tokens": 0},
                                                         "max_output_tokens"),
+               ({"max_tool_calls": -1}, "max_tool_calls"),
                ({"tool_choice": "required"}, "tool_choice"),
                ({"previous_response_id": "resp_nothing"}, "previous_response_id")]
     for extra, param in refused:
@@ -1192,6 +1193,7 @@ def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit(ready: Server)
     assert exc.value.body["code"] == "context_length_exceeded"
     r = client.responses.create(**kw, truncation="auto")
     assert r.truncation == "auto"
+    assert client.responses.create(**kw, truncation="auto", max_tool_calls=2).max_tool_calls == 2
     left = [{"role": "system", "content": "Be brief."}, convo[2], *convo[3:]]
     chat = _responses_chat(ready, left, max_tokens=4)
     assert r.usage.input_tokens == chat.usage.prompt_tokens
