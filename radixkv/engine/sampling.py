@@ -117,6 +117,12 @@ class SamplingParams:
             a negative one multiplied.
         grammar: a compiled grammar (:class:`radixkv.engine.grammar.Grammar`, e.g. a JSON
             schema) that masks every token the output could not continue with.
+        thinking_token_budget: vLLM's: None = off; n >= 0 = a reasoning model thinks at most
+            n tokens, then the tokens of its close marker are forced one a step
+            (``engine/thinking_budget.py``). Needs ``thinking``; not with beam search.
+        thinking: where the thinking opens and closes
+            (:class:`radixkv.engine.grammar.Thinking`: ``open`` token, ``close`` tokens,
+            ``from_start``), for ``thinking_token_budget``.
         output_kind: ``"cumulative"`` (default): ``LLMEngine.step`` returns a ``RequestOutput``
             of the request after every step that changed it (streaming); ``"final_only"``:
             only the final one (vLLM's ``RequestOutputKind.FINAL_ONLY``), whose deltas then
@@ -151,6 +157,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
     grammar: Any = None
+    thinking_token_budget: int | None = None
+    thinking: Any = None
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
@@ -195,7 +203,7 @@ class SamplingParams:
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.grammar is not None
                     or self.min_tokens or self.allowed_token_ids is not None
-                    or self.bad_words)
+                    or self.bad_words or self.thinking_token_budget is not None)
 
     @property
     def use_beam_search(self) -> bool:
@@ -303,10 +311,21 @@ def _first_error(p: SamplingParams) -> str | None:
     if not bias_ok:
         return ("logit_bias must map token ids >= 0 to biases in [-100, 100], got "
                 f"{p.logit_bias!r}")
+    budget = p.thinking_token_budget
+    if budget is not None:
+        if not _is_int(budget) or budget < 0:
+            return f"thinking_token_budget must be None or an int >= 0, got {budget!r}"
+        t = p.thinking
+        if t is None or not getattr(t, "close", None) or not all(
+                _is_int(x) and x >= 0 for x in t.close) or (
+                not t.from_start and not (_is_int(t.open) and t.open >= 0)):
+            return ("thinking_token_budget needs thinking: where the model's thinking opens "
+                    "and closes (engine.grammar.Thinking with close token ids, and an open "
+                    f"token unless from_start), got {t!r}")
     if p.beam_width > 1:
         if p.adjusts_logits:
             return ("beam search does not take frequency_penalty, presence_penalty, "
-                    "logit_bias, min_tokens or a grammar")
+                    "logit_bias, min_tokens, a grammar or thinking_token_budget")
         if p.logprobs is not None or p.prompt_logprobs is not None or \
                 p.logprob_token_ids is not None:
             return "per-token logprobs are not available with beam search"
@@ -600,8 +619,9 @@ def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]],
     """The logits tokens are chosen from when some rows adjust them: ``items`` are ``(row,
     request, sequence)`` of those rows. Penalties and biases (:func:`adjust_logits`), the
     ``min_tokens`` mask (:func:`mask_min_tokens`; ``eos``: the model's end-of-sequence ids),
-    ``allowed_token_ids`` (:func:`keep_only`), ``bad_words`` (:func:`banned_next`), then each
-    grammar's mask (``-inf`` for tokens it forbids). The raw ``logits`` are left as they are:
+    ``allowed_token_ids`` (:func:`keep_only`), ``bad_words`` (:func:`banned_next`), each
+    grammar's mask (``-inf`` for tokens it forbids), then the close marker a spent thinking
+    budget forces (``engine/thinking_budget.py``). The raw ``logits`` are left as they are:
     reported log-probabilities stay the model's own."""
     import torch
 
@@ -626,7 +646,25 @@ def choice_logits(logits: torch.Tensor, items: Sequence[tuple[int, Any, Any]],
         from radixkv.engine import grammar
 
         grammar.mask_rows(out, [(r, grammar.matcher_for(req, seq)) for r, req, seq in masked])
+    budgeted = [it for it in items if it[1].params.thinking_token_budget is not None]
+    if budgeted:   # last: a forced token overrides every other mask of its row
+        from radixkv.engine import thinking_budget
+
+        forced = thinking_budget.forced_rows(budgeted)
+        if forced:
+            force_tokens(out, forced)
     return out
+
+
+def force_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, int]]) -> None:
+    """In place: each row ``r`` of ``rows`` allows only its token (``-inf`` elsewhere, 0 on
+    it), whatever masks the row had."""
+    import torch
+
+    dev = logits.device
+    r_i = to_device([r for r, _ in rows], dev, torch.long)
+    logits[r_i] = float("-inf")
+    logits[r_i, to_device([t for _, t in rows], dev, torch.long)] = 0.0
 
 
 def keep_only(logits: torch.Tensor, rows: Sequence[tuple[int, Sequence[int]]]) -> None:

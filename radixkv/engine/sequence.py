@@ -115,6 +115,9 @@ class Request:
         self.finished_outputs_sent = False
         # response_format: each sequence's grammar matcher by output index (engine/grammar.py)
         self.grammar_state: dict[int, Any] = {}
+        #: ``params.thinking_token_budget``: each sequence's scan by output index
+        #: (engine/thinking_budget.py)
+        self.thinking_state: dict[int, Any] = {}
         #: the seed its samples draw from (``params.seed``, or one from ``EngineConfig.seed``)
         self.seed: int | None = params.seed
         #: ``params.bad_words`` as token sequences (``LLMEngine.add_request`` sets them)

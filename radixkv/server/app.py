@@ -904,11 +904,12 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     prompts = serving.truncate(req, prompts, eng.max_model_len)
     if grammar is None:
         grammar = await _grammar(state, eng, req)
-    if grammar is not None and chat and state.reasoning_parser is not None:
-        # a reasoning model thinks first: the grammar shapes the answer after it
+    thinking = None   # where a reasoning model's thinking ends (grammars, thinking budgets)
+    if chat and state.reasoning_parser is not None:
         thinking = serving.thinking_marks(eng.chat_template.tokenizer, state.reasoning_parser)
-        if thinking is not None:
-            grammar = grammar.after_thinking(thinking)
+    if grammar is not None and thinking is not None:
+        # a reasoning model thinks first: the grammar shapes the answer after it
+        grammar = grammar.after_thinking(thinking)
     params = []
     for ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -916,7 +917,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
                                               state.default_max_tokens, vocab, grammar,
-                                              eng.sampling_defaults, state.max_logprobs))
+                                              eng.sampling_defaults, state.max_logprobs,
+                                              thinking))
     if stop_after:
         params = [dataclasses.replace(sp, stop_after=stop_after) for sp in params]
     if req.stream and len(prompts) > 1:

@@ -29,7 +29,7 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),   # chat's (completions' is implemented)
-    "thinking_token_budget": (None,), "logits_processors": (None, []),
+    "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
     "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
@@ -188,6 +188,9 @@ class _SamplingFields(_PlacedDocuments):
     # vLLM's: the prompt's and each choice's token ids in the answer (RL pipelines read them)
     return_token_ids: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
+    #: vLLM's: a reasoning model thinks at most this many tokens, then its ``</think>`` is
+    #: forced (chat with ``--reasoning-parser``)
+    thinking_token_budget: Optional[int] = Field(default=None, ge=0)
     # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     # vLLM's token restrictions: only these tokens; never these strings (serve.md)
@@ -617,7 +620,7 @@ RESPONSES_PASSTHROUGH = (
     "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "bad_words",
     "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output", "priority",
     "cache_salt", "prompt_cache_key", "prompt_cache_retention", "session_id", "end_session",
-    "chat_template_kwargs", "structured_outputs", "user",
+    "chat_template_kwargs", "structured_outputs", "user", "thinking_token_budget",
 )
 
 

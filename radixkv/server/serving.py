@@ -59,13 +59,16 @@ def request_salt(req: Any) -> str | None:
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
                     max_model_len: int, default_max_tokens: int | None,
                     vocab_size: int | None = None, grammar: Any = None,
-                    defaults: Mapping[str, Any] | None = None, max_logprobs: int = 20) -> Any:
+                    defaults: Mapping[str, Any] | None = None, max_logprobs: int = 20,
+                    thinking: Any = None) -> Any:
     """The engine's ``SamplingParams`` for a request whose prompt has ``prompt_len`` tokens
     (``grammar``: the compiled ``response_format``, or None). ``defaults``: the model's
     generation config (``radixkv.models.generation_defaults``) for the fields the request leaves
     unset (not for beam search, which is deterministic). ``max_logprobs``: the server's cap
-    on alternatives a token (``--max-logprobs``). Raises :class:`APIError` (400)
-    naming the field for anything the engine cannot honour."""
+    on alternatives a token (``--max-logprobs``). ``thinking``: where a chat reply's thinking
+    opens and closes (:func:`thinking_marks` of ``--reasoning-parser``), for
+    ``thinking_token_budget``. Raises :class:`APIError` (400) naming the field for anything
+    the engine cannot honour."""
     from radixkv.engine.sampling import SamplingParams
 
     d = {} if req.use_beam_search or defaults is None else defaults
@@ -164,6 +167,16 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                               "tool_choice: its value may end before)"),
                            param="min_tokens")
         kwargs["min_tokens"] = req.min_tokens
+    if req.thinking_token_budget is not None:
+        if not isinstance(req, ChatCompletionRequest) or thinking is None:
+            raise APIError(400, "thinking_token_budget needs a chat request to a server started "
+                           "with --reasoning-parser (deepseek_r1, or qwen3 where <think> is one "
+                           "token): it is what says where the thinking ends",
+                           param="thinking_token_budget")
+        if req.use_beam_search:
+            raise APIError(400, "thinking_token_budget is not available with use_beam_search",
+                           param="thinking_token_budget")
+        kwargs.update(thinking_token_budget=req.thinking_token_budget, thinking=thinking)
     if req.use_beam_search:
         for name in ("frequency_penalty", "presence_penalty", "logit_bias",
                      "repetition_penalty"):

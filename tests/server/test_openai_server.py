@@ -735,6 +735,21 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
     assert ok[0] == 200, ok
 
 
+def test_a_thinking_budget_needs_a_reasoning_parser(ready: Server) -> None:
+    """vLLM's ``thinking_token_budget`` on a server without ``--reasoning-parser``: a 400
+    naming it (nothing says where the thinking ends), not ignored; ``null`` is everyone's
+    default (tests/server/test_run_batch.py serves one)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for value in (3, 0):
+        status, err = ready.raw("POST", "/v1/chat/completions",
+                                {**chat, "thinking_token_budget": value})
+        assert status == 400 and err["error"]["param"] == "thinking_token_budget", err
+    status, err = ready.raw("POST", "/v1/chat/completions", {**chat, "thinking_token_budget": -1})
+    assert status == 400 and err["error"]["param"] == "thinking_token_budget", err
+    assert ready.raw("POST", "/v1/chat/completions",
+                     {**chat, "thinking_token_budget": None})[0] == 200
+
+
 def test_priority_needs_priority_scheduling(ready: Server) -> None:
     """vLLM's ``priority`` (and its ``X-Vllm-Priority`` header, which overrides the body) on a
     server that schedules by lpm: 0 is everyone's default; anything else is a 400 naming the

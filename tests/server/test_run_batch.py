@@ -106,3 +106,37 @@ def test_lines_a_batch_cannot_answer_are_line_errors() -> None:
         assert words in err["error"]["message"]
     req, err = parse_line(line({"input": "x", "background": False}), set())
     assert err is None and req["body"]["background"] is False
+
+
+@pytest.mark.model
+def test_a_thinking_budget_cuts_the_reasoning_through_the_server(tmp_path: Path) -> None:
+    """``thinking_token_budget`` with ``--reasoning-parser deepseek_r1`` (thinking from the
+    first token): the reasoning is the first N tokens of the free reply, then ``</think>`` is
+    forced and the rest is the answer; the 135M model never closes on its own, so without a
+    budget its whole reply is reasoning. Without a parser, or in a completion, it is a 400."""
+    ask = {"messages": [{"role": "user", "content": "Why is the sky blue?"}],
+           "max_tokens": 16, "temperature": 0}
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
+              "body": {**ask, **extra}}
+             for name, extra in (("free", {}), ("cut", {"thinking_token_budget": 3}),
+                                 ("zero", {"thinking_token_budget": 0}),
+                                 ("beams", {"thinking_token_budget": 3, "n": 2,
+                                            "use_beam_search": True}))]
+    lines.append({"custom_id": "text", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": "x", "max_tokens": 2, "thinking_token_budget": 3}})
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run([sys.executable, "-m", "radixkv.cli", "run-batch", "-i", str(src),
+                           "-o", str(dst), "--threads", "1", "--device", "cpu", "--dtype",
+                           "float32", "--device-blocks", "64", "--reasoning-parser",
+                           "deepseek_r1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = {o["custom_id"]: o["response"] for o in map(json.loads, dst.read_text().splitlines())}
+    free, cut, zero = (out[k]["body"]["choices"][0]["message"] for k in ("free", "cut", "zero"))
+    assert free["content"] is None and len(free["reasoning"]) > 10
+    assert cut["reasoning"] and free["reasoning"].startswith(cut["reasoning"].rstrip())
+    assert len(cut["reasoning"]) < len(free["reasoning"]) and cut["content"]
+    assert zero["reasoning"] in ("", None) and zero["content"]
+    for name in ("beams", "text"):
+        assert out[name]["status_code"] == 400, out[name]
+        assert out[name]["body"]["error"]["param"] == "thinking_token_budget", out[name]
