@@ -30,13 +30,16 @@ from pydantic import ValidationError
 
 from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, check_max_whitespace
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
+from radixkv.server import conversations as cv
 from radixkv.server import responses as rs
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers, validation_error
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     DetokenizeRequest, ResponsesRequest, TokenizeRequest)
+                                     ConversationCreate, ConversationItemsCreate,
+                                     ConversationUpdate, DetokenizeRequest, ResponsesRequest,
+                                     TokenizeRequest)
 from radixkv.server.tenants import Tenants
 
 
@@ -92,6 +95,8 @@ class ServerState:
         self.stream_interval = stream_interval
         #: the Responses API's stored responses (``previous_response_id``, ``GET``)
         self.responses = rs.ResponseStore(responses_store_size)
+        #: the Conversations API's conversations (``conversation`` of a Responses request)
+        self.conversations = cv.ConversationStore(responses_store_size)
         #: background responses' tasks, held until they end (the loop holds tasks weakly)
         self.background: set[asyncio.Task[None]] = set()
         self.metrics = ServerMetrics(model_name)
@@ -491,11 +496,58 @@ def _routes(api: FastAPI, state: ServerState,
         entry = state.responses.get(_tenant(request), response_id)
         if entry is None:
             raise rs.not_found(response_id)
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+        _check_page(limit, order)
         return rs.page(entry.input_items(), after, limit, order)
+
+    @api.post("/v1/conversations")
+    async def create_conversation(body: ConversationCreate, request: Request) -> Any:
+        conv = state.conversations.create(_tenant(request), cv.new_items(body.items or []),
+                                          cv.check_metadata(body.metadata))
+        return conv.body()
+
+    @api.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str, request: Request) -> Any:
+        return state.conversations.get(_tenant(request), conversation_id).body()
+
+    @api.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(conversation_id: str, body: ConversationUpdate,
+                                  request: Request) -> Any:
+        conv = state.conversations.get(_tenant(request), conversation_id)
+        conv.metadata = cv.check_metadata(body.metadata)
+        return conv.body()
+
+    @api.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(conversation_id: str, request: Request) -> Any:
+        state.conversations.delete(_tenant(request), conversation_id)
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @api.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(conversation_id: str, body: ConversationItemsCreate,
+                                     request: Request) -> Any:
+        conv = state.conversations.get(_tenant(request), conversation_id)
+        added = cv.new_items(body.items)
+        conv.items.extend(added)
+        return rs.page(added, None, max(1, len(added)), "asc")
+
+    @api.get("/v1/conversations/{conversation_id}/items")
+    async def list_conversation_items(conversation_id: str, request: Request,
+                                      after: str | None = None, limit: int = 20,
+                                      order: str = "desc") -> Any:
+        conv = state.conversations.get(_tenant(request), conversation_id)
+        _check_page(limit, order)
+        return rs.page(conv.items, after, limit, order)
+
+    @api.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_conversation_item(conversation_id: str, item_id: str,
+                                    request: Request) -> Any:
+        return state.conversations.get(_tenant(request), conversation_id).item(item_id)
+
+    @api.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_conversation_item(conversation_id: str, item_id: str,
+                                       request: Request) -> Any:
+        conv = state.conversations.get(_tenant(request), conversation_id)
+        conv.items.remove(conv.item(item_id))
+        return conv.body()
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Any:
@@ -579,6 +631,14 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
                         points=None if points is None else [points])
 
 
+def _check_page(limit: int, order: str) -> None:
+    """A 400 for a list's ``limit`` outside 1..100 or an ``order`` other than asc / desc."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+
+
 def _tenant(request: Request) -> str:
     """The API key the request authenticated with ("" on a server without keys)."""
     return getattr(request.state, "api_key", "") or ""
@@ -592,6 +652,14 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     state.ready_engine()
     tenant = _tenant(request)
     history: tuple[dict[str, Any], ...] = ()
+    conv = None
+    cid = cv.conversation_id(req.conversation)
+    if cid is not None:
+        if req.previous_response_id is not None:
+            raise APIError(400, "conversation and previous_response_id both say what came "
+                           "before: send one", param="conversation")
+        conv = state.conversations.get(tenant, cid, param="conversation")
+        history = tuple(conv.messages())
     if req.background and (not req.store or state.responses.capacity == 0):
         raise APIError(400, "background needs store: true (and a server that stores "
                        "responses, --responses-store-size > 0): it is read back by id",
@@ -613,10 +681,15 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     rid = rs.new_id("resp")
     conversation = (*history, *new)
 
+    def join(final: dict[str, Any]) -> None:   # the conversation grows by this turn
+        if conv is not None and final["status"] != "failed":
+            cv.record(conv, new, final)
+
     def keep(final: dict[str, Any]) -> None:
         if req.store:
             state.responses.put(rid, rs.Stored(tenant, (
                 *conversation, rs.assistant_message(final["output"])), final))
+        join(final)
 
     try:
         answer = await _chat(state, request, chat_req)
@@ -626,7 +699,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
         chat_req = await _truncated(state, request, req, body, conversation)
         answer = await _chat(state, request, chat_req)
     if req.background:
-        return _background(state, tenant, rid, req, conversation, answer)
+        return _background(state, tenant, rid, req, conversation, answer, join)
     if isinstance(answer, _Stream):
         events = rs.EventStream(rid, req, state.model_name, keep)
         return _Stream(events.adapt(answer.body_iterator), answer.on_close)
@@ -691,13 +764,15 @@ async def _truncated(state: ServerState, request: Request, req: ResponsesRequest
 
 
 def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest,
-                conversation: tuple[dict[str, Any], ...], answer: Any) -> Any:
+                conversation: tuple[dict[str, Any], ...], answer: Any,
+                on_end: Callable[[dict[str, Any]], None] = lambda final: None) -> Any:
     """A background response: ``answer`` (the chat stream, already admitted and in the engine,
     so a 400 or 429 reached the client before this) is driven by a task of its own, which
     neither a client that goes away nor the end of this HTTP request stops; only
     ``POST /v1/responses/{id}/cancel`` does. The response is stored at once (``queued``) and
     again when it ends. Answers the queued response, or with ``stream`` its events as they
-    come (the same a ``GET ?stream=true`` replays)."""
+    come (the same a ``GET ?stream=true`` replays). ``on_end(final)``: once it ended (its
+    conversation grows by it)."""
     if not isinstance(answer, _Stream):   # the stream path always answers a stream
         raise RuntimeError(f"a background chat request answered {type(answer).__name__}")
     events = rs.EventStream(rid, req, state.model_name, queued=True)
@@ -720,6 +795,7 @@ def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest
         reply = () if final["status"] == "failed" else (rs.assistant_message(final["output"]),)
         state.responses.put(rid, rs.Stored(tenant, (*conversation, *reply), final,
                                            len(conversation), run))
+        on_end(final)
         run.finish()
 
     run.task = asyncio.ensure_future(drive())

@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "do not need every token at once (default 1)")
     v.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses the Responses API keeps (store: true) for "
-                        "previous_response_id and GET /v1/responses/{id}, the least recently "
-                        "used dropped first; 0 keeps none (default 1024)")
+                        "previous_response_id and GET /v1/responses/{id}, and conversations "
+                        "(/v1/conversations) it keeps, each the least recently used dropped "
+                        "first; 0 keeps none (default 1024)")
     v.add_argument("--structured-outputs-max-whitespace", type=_whitespace_bound,
                    default=DEFAULT_MAX_WHITESPACE, metavar="N|none",
                    help="whitespace characters structured JSON output (response_format, "

@@ -606,7 +606,7 @@ CompletionRequest.model_rebuild()
 
 #: Responses API fields radixkv does not implement, with their "off" values (as UNSUPPORTED).
 RESPONSES_UNSUPPORTED = {
-    "conversation": (None,), "prompt": (None,),
+    "prompt": (None,),
     "n": (None, 1),
 }
 
@@ -643,6 +643,9 @@ class ResponsesRequest(BaseModel):
     #: ``auto``: drop the conversation's earliest turns until the prompt and
     #: ``max_output_tokens`` fit the context (``disabled``: a 400 instead)
     truncation: Optional[Literal["auto", "disabled"]] = None
+    #: a conversation (``/v1/conversations``) whose items are the history, and which the
+    #: response's input and output items join: its id, or ``{"id": id}``
+    conversation: Optional[Union[str, dict[str, Any]]] = None
     #: OpenAI's bound on calls of its built-in tools; radixkv has none (function calls are
     #: the client's), so it bounds nothing here and is echoed
     max_tool_calls: Optional[int] = Field(default=None, ge=0)
@@ -687,8 +690,34 @@ class ResponsesRequest(BaseModel):
         return {k: extra[k] for k in RESPONSES_PASSTHROUGH if k in extra}
 
 
+class ConversationCreate(BaseModel):
+    """``POST /v1/conversations``: its first items and metadata (server/conversations.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: Optional[list[Any]] = None
+    metadata: Optional[Any] = None
+
+
+class ConversationUpdate(BaseModel):
+    """``POST /v1/conversations/{id}``: new metadata."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: Any
+
+
+class ConversationItemsCreate(BaseModel):
+    """``POST /v1/conversations/{id}/items``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[Any]
+
+
 __all__ = ["FieldError", "MAX_DOCUMENTS", "check_documents", "TokenizeRequest",
            "DetokenizeRequest", "UNSUPPORTED", "UnsupportedField",
            "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
            "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice", "ResponsesRequest",
-           "RESPONSES_UNSUPPORTED", "RESPONSES_PASSTHROUGH"]
+           "RESPONSES_UNSUPPORTED", "RESPONSES_PASSTHROUGH", "ConversationCreate",
+           "ConversationUpdate", "ConversationItemsCreate"]

@@ -318,7 +318,14 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
         "truncation": req.truncation or "disabled", "usage": usage_,
         "user": (req.model_extra or {}).get("user"), "metadata": req.metadata or {},
         "background": bool(req.background), "max_tool_calls": req.max_tool_calls,
+        "conversation": _conversation_ref(req.conversation),
     }
+
+
+def _conversation_ref(value: Any) -> dict[str, str] | None:
+    """A response's ``conversation`` field: ``{"id": id}`` of the one it ran in, or None."""
+    cid = value.get("id") if isinstance(value, dict) else value
+    return {"id": cid} if isinstance(cid, str) and cid else None
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -672,7 +679,8 @@ def message_items(messages: Sequence[dict[str, Any]], rid: str) -> list[dict[str
     """Chat messages as Responses input items (the inverse of :func:`input_messages`):
     messages with ``input_text`` parts (``output_text`` for the assistant's), a
     ``function_call`` per tool call and a ``function_call_output`` per tool message. Ids:
-    ``<kind>_<response hex>_<position>``."""
+    ``<kind>_<tag>_<position>``, the tag being ``rid``'s part after its prefix (a response's,
+    or a fresh one for items a conversation gains)."""
     tag = rid.split("_", 1)[-1]
     out: list[dict[str, Any]] = []
 
@@ -706,8 +714,7 @@ def page(items: Sequence[dict[str, Any]], after: str | None, limit: int, order: 
     if after is not None:
         ids = [it["id"] for it in ordered]
         if after not in ids:
-            raise APIError(400, f"no input item with id {after!r} in this response",
-                           param="after")
+            raise APIError(400, f"no item with id {after!r} in this list", param="after")
         start = ids.index(after) + 1
     data = ordered[start:start + limit]
     return {"object": "list", "data": data,

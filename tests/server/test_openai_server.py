@@ -1221,6 +1221,75 @@ def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit(ready: Server)
     assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
 
 
+@pytest.mark.model
+def test_conversations_hold_the_history_responses_continue(ready: Server) -> None:
+    """``/v1/conversations``: a conversation created with its first item; responses run in it
+    answer its items as their history (equal to the chat completion of those messages, the
+    earlier turn's prompt from the cache) and append their input and output; items are listed
+    in pages, read, added and deleted; metadata updated; per API key; deleted: gone."""
+    client = ready.client()
+    conv = client.conversations.create(items=[{"type": "message", "role": "user",
+                                               "content": "My name is Ada."}],
+                                       metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    one = client.responses.create(model=MODEL, conversation=conv.id, input="Hello!",
+                                  max_output_tokens=8, temperature=0)
+    assert one.conversation.id == conv.id
+    msgs = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "Hello!"}]
+    chat = _responses_chat(ready, msgs, max_tokens=8)
+    assert one.output_text == chat.choices[0].message.content
+    two = client.responses.create(model=MODEL, conversation={"id": conv.id},
+                                  input="What is my name?", max_output_tokens=8, temperature=0)
+    msgs += [{"role": "assistant", "content": one.output_text},
+             {"role": "user", "content": "What is my name?"}]
+    chat = _responses_chat(ready, msgs, max_tokens=8)
+    assert two.output_text == chat.choices[0].message.content
+    assert two.usage.input_tokens == chat.usage.prompt_tokens
+    assert two.usage.input_tokens_details.cached_tokens >= 16   # the first turn's prompt
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", r) for r in (
+        "user", "user", "assistant", "user", "assistant")]
+    assert items[2].content[0].text == one.output_text and items[2].id == one.output[0].id
+    desc = client.conversations.items.list(conv.id, limit=2)
+    assert [i.id for i in desc.data] == [items[4].id, items[3].id] and desc.has_more
+    assert client.conversations.items.retrieve(items[1].id,
+                                               conversation_id=conv.id).content[0].text == \
+        "Hello!"
+    added = client.conversations.items.create(conv.id, items=[
+        {"role": "user", "content": "Thanks."}])
+    assert [i.content[0].text for i in added.data] == ["Thanks."]
+    client.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert len(client.conversations.items.list(conv.id).data) == 5
+    # streamed and background turns join it too, once they end
+    events = list(client.responses.create(model=MODEL, conversation=conv.id, input="Again?",
+                                          max_output_tokens=3, temperature=0, stream=True))
+    bg = client.responses.create(model=MODEL, conversation=conv.id, input="Once more?",
+                                 max_output_tokens=3, temperature=0, background=True)
+    _until_done(client, bg.id)
+    texts = [i.content[0].text for i in client.conversations.items.list(conv.id, limit=4).data]
+    assert texts[1::2] == ["Once more?", "Again?"], texts
+    assert texts[2] == events[-1].response.output_text
+    assert client.conversations.update(conv.id, metadata={"topic": "x"}).metadata == \
+        {"topic": "x"}
+    with pytest.raises(openai.NotFoundError):
+        ready.client(KEY_B).conversations.retrieve(conv.id)
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "x",
+                                                      "conversation": conv.id,
+                                                      "previous_response_id": one.id})
+    assert status == 400 and err["error"]["param"] == "conversation", err
+    for body, param in (({"items": [{"type": "item_reference", "id": "x"}]}, "items"),
+                        ({"items": [{"role": "user", "content": "x"}] * 21}, "items"),
+                        ({"metadata": {"k": 1}}, "metadata")):
+        status, err = ready.raw("POST", "/v1/conversations", body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "x",
+                                                      "conversation": conv.id})
+    assert status == 400 and err["error"]["param"] == "conversation", err
+
+
 def _until_done(client: Any, rid: str) -> Any:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

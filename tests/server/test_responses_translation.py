@@ -146,3 +146,27 @@ def test_truncation_drops_whole_turns_and_keeps_instructions() -> None:
     assert rs.without_turns(msgs, starts, 0) == msgs
     assert rs.without_turns(msgs, starts, 1) == [msgs[0], msgs[3], *msgs[4:]]
     assert rs.without_turns(msgs, starts, 2) == [msgs[0], msgs[3], msgs[6]]
+
+
+def test_the_conversation_store_is_bounded_and_per_api_key() -> None:
+    from radixkv.server import conversations as cv
+
+    store = cv.ConversationStore(2)
+    a = store.create("k1", cv.new_items([{"role": "user", "content": "hi"}]), {})
+    b = store.create("k1", [], {"x": "y"})
+    assert a.messages() == [{"role": "user", "content": "hi"}] and b.messages() == []
+    with pytest.raises(APIError) as exc:
+        store.get("k2", a.id)   # another key's
+    assert exc.value.status == 404
+    store.get("k1", a.id)       # now the most recently used: b is dropped next
+    store.create("k1", [], {})
+    assert len(store) == 2 and store.get("k1", a.id) is a
+    with pytest.raises(APIError) as exc:
+        store.get("k1", b.id, param="conversation")
+    assert (exc.value.status, exc.value.param) == (400, "conversation")
+    with pytest.raises(APIError):
+        cv.ConversationStore(0).create("k1", [], {})
+    with pytest.raises(APIError) as exc:
+        cv.check_metadata({str(i): "v" for i in range(17)})
+    assert exc.value.param == "metadata"
+    assert cv.conversation_id({"id": "conv_1"}) == cv.conversation_id("conv_1") == "conv_1"
