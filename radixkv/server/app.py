@@ -628,7 +628,8 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
     if count_only:
         return len(ids)
     return await _serve(state, request, req, [ids], chat=True,
-                        points=None if points is None else [points])
+                        points=None if points is None else [points],
+                        chat_echo=serving.chat_echo(req, messages))
 
 
 def _check_page(limit: int, order: str) -> None:
@@ -952,7 +953,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,
                         tool_names={t.function.name for t in req.tools} if active else None,
                         stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
-                                                         forced))
+                                                         forced),
+                        chat_echo=serving.chat_echo(req, msgs))
 
 
 def _num_seqs(req: Any) -> int:
@@ -968,8 +970,10 @@ def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> N
 
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
                  chat: bool, points: list[Any] | None = None, grammar: Any = None,
-                 tool_names: set[str] | None = None, stop_after: tuple[str, ...] = ()) -> Any:
-    """Validate every prompt, then answer with one body or an SSE stream. ``points``: per
+                 tool_names: set[str] | None = None, stop_after: tuple[str, ...] = (),
+                 chat_echo: str | None = None) -> Any:
+    """Validate every prompt, then answer with one body or an SSE stream. ``chat_echo``: the
+    text a chat reply's content starts with (vLLM's chat ``echo``). ``points``: per
     prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
     constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
     the replies' tool calls to these tools; ``stop_after``: strings that end a reply and stay
@@ -1020,7 +1024,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             release()
             serving.abort(state, handle, timing)
 
-        echo = eng.decode(prompts[0]) if not chat and getattr(req, "echo", False) else None
+        echo = chat_echo if chat else (
+            eng.decode(prompts[0]) if getattr(req, "echo", False) else None)
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
                                tool_names, echo, prompts[0]), close)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
@@ -1077,6 +1082,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             elif chat:
                 choice["message"] = {"role": "assistant",
                                      "content": text if text or reasoning is None else None}
+            if chat_echo is not None:   # vLLM's chat echo: the continued message first
+                choice["message"]["content"] = chat_echo + (choice["message"]["content"] or "")
             else:
                 choice["text"] = text
             if chat and state.reasoning_parser is not None:
@@ -1101,6 +1108,9 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         body["prompt_logprobs"] = serving.vllm_prompt_logprobs(label, outs[0].prompt_logprobs)
     if chat and req.return_token_ids:
         body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+    if chat and req.return_prompt_text:   # vLLM's: what the model read, as text
+        body["prompt_text"] = eng.decode(list(outs[0].prompt_token_ids),
+                                         skip_special_tokens=False)
     return JSONResponse(body)
 
 
@@ -1167,7 +1177,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
     comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
-    ``echo``: a completion's prompt text, sent first in every choice (``echo: true``).
+    ``echo``: sent first in every choice: a completion's prompt text (``echo: true``), or
+    the message a chat reply continues (vLLM's chat ``echo``, :func:`serving.chat_echo`).
     ``prompt_ids``: the prompt, for ``return_token_ids`` (with each chunk's own token ids)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -1248,8 +1259,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         return part
 
     try:
-        if chat:
-            first = [choice(i, "", None, role=True) for i in range(req.n)]
+        if chat:   # the role, and vLLM's chat echo
+            first = [choice(i, echo or "", None, role=True) for i in range(req.n)]
         else:
             first = [choice(i, echo, None) for i in range(req.n)] if echo or ids_out else []
         extra = ""
@@ -1259,6 +1270,9 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             else:
                 for part in first:
                     part["prompt_token_ids"] = list(prompt_ids)
+        if chat and req.return_prompt_text and prompt_ids is not None:   # first chunk only
+            extra += ',"prompt_text":' + json.dumps(
+                state.engine.decode(list(prompt_ids), skip_special_tokens=False))
         if first:
             yield head + json.dumps(first, separators=(",", ":")) + extra + tail
         last, done = None, set()

@@ -28,12 +28,11 @@ UNSUPPORTED = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "echo": (None, False),   # chat's (completions' is implemented)
     "logits_processors": (None, []),
     "repetition_detection": (None,), "watermarking": (None,), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,),
     "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
-    "return_token_offsets": (None, False), "return_prompt_text": (None, False),
+    "return_token_offsets": (None, False),
     "prompt_embeds": (None,), "mm_payload": (None,), "return_mm_kwargs": (None, False),
     "routed_experts_prompt_start": (None,),
     "add_special_tokens": (None, False),   # chat's (completions' is implemented)
@@ -465,7 +464,7 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
     _implemented: ClassVar[frozenset[str]] = frozenset({
         "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs"})
+        "chat_template_kwargs", "echo", "return_prompt_text"})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -476,6 +475,11 @@ class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
     parallel_tool_calls: Optional[bool] = None
     #: vLLM's: false leaves the thinking out of the answer (with ``--reasoning-parser``)
     include_reasoning: bool = True
+    #: vLLM's: the reply's content starts with the last message's when the reply continues
+    #: it (``add_generation_prompt: false``, or a last message of the assistant)
+    echo: Optional[bool] = None
+    #: vLLM's: the answer carries ``prompt_text``, the prompt's tokens as text
+    return_prompt_text: Optional[bool] = None
     # radixkv (vLLM's field, placed by the server rather than the template): the retrieved
     # documents' texts, placed before the last user message's text (docs/serve.md)
     documents: Optional[list[Union[str, dict[str, Any]]]] = None

@@ -244,6 +244,19 @@ def thinking_marks(tokenizer: Any, parser: str) -> Any:
     return Thinking(opening[0], close, False) if len(opening) == 1 else None
 
 
+def chat_echo(req: Any, messages: Sequence[Any]) -> str | None:
+    """vLLM's chat ``echo``: the text a reply starts with, the last message's, when the reply
+    continues that message's role (the assistant's with ``add_generation_prompt``, any with
+    it off, as in ``continue_final_message``); else None."""
+    if not req.echo or not messages:
+        return None
+    last = messages[-1]
+    if req.add_generation_prompt and last["role"] != "assistant":
+        return None
+    content = last.get("content")
+    return content if isinstance(content, str) else ""
+
+
 def echo_only(req: Any) -> bool:
     """A completions request that wants its prompt back and nothing generated (``echo`` with
     ``max_tokens`` 0, lm-evaluation-harness's way to read prompt logprobs)."""

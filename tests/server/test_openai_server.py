@@ -713,7 +713,6 @@ UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
-    ("echo", True),
     ("vllm_xargs", {"a": 1}), ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
 ]
 
@@ -733,6 +732,36 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
     assert ok[0] == 200, ok
+
+
+def test_chat_echo_and_prompt_text(ready: Server) -> None:
+    """vLLM's chat ``echo``: a reply that continues the last message (``continue_final_message``)
+    starts with it, streamed or not; a reply in a new assistant turn has nothing to echo.
+    ``return_prompt_text``: the prompt's tokens as text, beside the choices (streamed: in the
+    first chunk), which tokenize back to the prompt's tokens."""
+    api = ready.client()
+    msgs = [{"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "The best fruit is"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = _chat(api, msgs, temperature=0, max_tokens=5, extra_body=cont)
+    echoed = _chat(api, msgs, temperature=0, max_tokens=5, extra_body={**cont, "echo": True,
+                                                                        "return_prompt_text": True})
+    reply = plain.choices[0].message.content
+    assert echoed.choices[0].message.content == "The best fruit is" + reply
+    streamed = "".join(c.choices[0].delta.content or "" for c in _chat(
+        api, msgs, temperature=0, max_tokens=5, stream=True,
+        extra_body={**cont, "echo": True}) if c.choices)
+    assert streamed == "The best fruit is" + reply
+    fresh = _chat(api, msgs[:1], temperature=0, max_tokens=3, extra_body={"echo": True})
+    assert not fresh.choices[0].message.content.startswith("Name a fruit.")
+    text = echoed.model_extra["prompt_text"]
+    assert text.endswith("The best fruit is") and "<|im_start|>user" in text
+    status, ids = ready.raw("POST", "/tokenize", {"model": MODEL, "prompt": text,
+                                                  "add_special_tokens": False}, key=None)
+    assert ids["tokens"] and ids["count"] == echoed.usage.prompt_tokens
+    first = next(c for c in _chat(api, msgs[:1], max_tokens=2, stream=True,
+                                  extra_body={"return_prompt_text": True}))
+    assert first.model_extra["prompt_text"].startswith("<|im_start|>")
 
 
 def test_a_thinking_budget_needs_a_reasoning_parser(ready: Server) -> None:
