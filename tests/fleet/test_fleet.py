@@ -243,6 +243,13 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
         assert time.monotonic() < deadline, got
         time.sleep(0.05)
     assert got.output_text == first.output_text
+    # a conversation lives in the ingress; its turns run on a replica and join it
+    conv = client.conversations.create(items=[{"role": "user", "content": "Name a fruit."}])
+    turn = client.responses.create(model=MODEL, conversation=conv.id, input="Another.",
+                                   max_output_tokens=4, temperature=0)
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in items] == ["user", "user", "assistant"]
+    assert items[-1].content[0].text == turn.output_text
     # the replicas schedule by lpm (their info says so): a priority is a 400 at the ingress
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, [{"role": "user", "content": "x"}], max_tokens=2,
