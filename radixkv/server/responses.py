@@ -725,7 +725,8 @@ def page(items: Sequence[dict[str, Any]], after: str | None, limit: int, order: 
 
 class ResponseStore:
     """The responses kept (``store: true``) for ``previous_response_id`` and ``GET``, the
-    least recently used dropped past ``capacity`` (0: none kept). Each is visible only to the
+    least recently used dropped past ``capacity`` (0: none kept; running background ones are
+    kept until they end, :meth:`put`). Each is visible only to the
     API key that created it. A conversation's messages are shared between the responses of
     its turns (each holds references, not copies). Event-loop thread only."""
 
@@ -739,12 +740,20 @@ class ResponseStore:
         return len(self._items)
 
     def put(self, rid: str, entry: Stored) -> None:
+        """Keep ``entry`` (now the most recently used), dropping the least recently used past
+        ``capacity``, except background responses still running: their clients poll or
+        cancel them by id, so they stay until they end (at most the server's admission
+        window of them, since each holds an admitted request)."""
         if self.capacity == 0:
             return
         self._items[rid] = entry
         self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        if len(self._items) <= self.capacity:
+            return
+        over = len(self._items) - self.capacity
+        for old in [k for k, e in self._items.items()
+                    if e.run is None or e.run.done][:over]:
+            del self._items[old]
 
     def get(self, tenant: str, rid: str, touch: bool = True) -> Stored | None:
         """The response ``rid`` if ``tenant`` stored it (``touch``: now the most recently

@@ -79,6 +79,25 @@ def test_the_store_is_bounded_least_recently_used_and_per_api_key() -> None:
         rs.ResponseStore(-1)
 
 
+def test_a_running_background_response_outlives_the_store_bound() -> None:
+    """A background response its client polls must not be dropped while it runs (a burst of
+    background requests past the store's size lost the first ones while they were queued):
+    the bound drops finished responses first, and the running one once it has ended."""
+    from radixkv.server.protocol import ResponsesRequest
+
+    store = rs.ResponseStore(2)
+    run = rs.Run(rs.EventStream("resp_a", ResponsesRequest(input="x"), "m", queued=True),
+                 keep_events=False)
+    store.put("resp_a", rs.Stored("k", (), {"id": "resp_a"}, run=run))
+    for rid in ("b", "c", "d"):
+        store.put(rid, rs.Stored("k", (), {"id": rid}))
+    assert store.get("k", "resp_a", touch=False) is not None and store.get("k", "b") is None
+    assert len(store) == 2 and store.get("k", "d") is not None   # the running one, the newest
+    run.finish()
+    store.put("e", rs.Stored("k", (), {"id": "e"}))
+    assert store.get("k", "resp_a") is None and len(store) == 2
+
+
 def test_input_items_are_the_stored_messages_as_items_again() -> None:
     """``GET .../input_items`` writes the stored chat messages back as items: read again by
     :func:`input_messages`, they are the same messages; ids are stable per response."""
