@@ -308,6 +308,19 @@ def test_sixteen_concurrent_clients(ready: Server) -> None:
     assert len({o.choices[0].message.content for o in outs}) > 1   # each its own prompt
 
 
+def _released(srv: Server, after: str, timeout: float = 60) -> dict:
+    """The server's metrics once nothing runs and no block is held (an AssertionError naming
+    ``after`` past ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fams = srv.metrics()
+        if _value(fams, "radixkv_num_requests_running") == 0 and _held_blocks(fams) == 0:
+            return fams
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held after {after}: {_held_blocks(fams)}")
+        time.sleep(0.2)
+
+
 def _held_blocks(fams: dict) -> float:
     """Device blocks requests hold: not free, not cached, not a kept partial tail."""
     total = _value(fams, "radixkv_engine_device_blocks")
@@ -333,14 +346,7 @@ def test_disconnect_mid_stream_aborts_and_releases_blocks(ready: Server) -> None
     assert held > 0   # the request is running and holds blocks
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        fams = ready.metrics()
-        if _value(fams, "radixkv_num_requests_running") == 0 and _held_blocks(fams) == 0:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"blocks still held after the disconnect: {_held_blocks(fams)}")
+    fams = _released(ready, "the disconnect")
     assert _value(fams, "radixkv_request_success", finished_reason="abort") >= 1
 
 
@@ -1400,14 +1406,7 @@ def test_cancelling_a_background_response_frees_the_engine(ready: Server) -> Non
     assert client.responses.cancel(rid).status == "cancelled"
     tail = list(r)
     assert tail[-1].type == "error" and tail[-1].code == "response_cancelled", tail[-1]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        fams = ready.metrics()
-        if _value(fams, "radixkv_num_requests_running") == 0 and _held_blocks(fams) == 0:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"blocks still held after the cancel: {_held_blocks(fams)}")
+    _released(ready, "the cancel")
     done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
                                    background=True)
     _until_done(client, done.id)
