@@ -57,7 +57,9 @@ def test_quality_pass_on_a_tiny_model():
 
 def test_quality_pass_on_a_quantized_cache_compares_with_both_prefills():
     """--kv-dtype: each mode against the same int8 cache's full prefill and against fp32's;
-    the int8 engine blends (its modes differ from prefix-only), its prefix-only is exact."""
+    the int8 engine blends (its modes differ from prefix-only), its prefix-only is exact to
+    float32 rounding (bit-exact where the native float32 prefill kernel runs, AVX-512; the
+    torch path attends a cached prefix in two parts merged by log-sum-exp)."""
     torch.set_num_threads(1)
     m = br.tiny_model("llama")
     e = br.make_engine(m, None, "float32", 256, "tiny-bench-int8", "int8")
@@ -71,8 +73,9 @@ def test_quality_pass_on_a_quantized_cache_compares_with_both_prefills():
     modes = {r["mode"]: r for r in rows}
     assert set(modes) == {"prefix-only", "plain (0%)", "blend 5%", "blend 15%", "blend 30%",
                           "full prefill"}
-    assert modes["prefix-only"]["top1"] == 1.0 and modes["prefix-only"]["kl_mean"] == 0
-    assert modes["plain (0%)"]["kl_mean"] > 0                       # blended, not a fallback
+    assert modes["prefix-only"]["top1"] == 1.0
+    assert modes["prefix-only"]["kl_mean"] == pytest.approx(0, abs=1e-6)
+    assert modes["plain (0%)"]["kl_mean"] > 1e-4                    # blended, not a fallback
     assert "kl_mean" not in modes["full prefill"] and modes["full prefill"]["kl_fp32"] >= 0
     assert all(0 <= r["top1_fp32"] <= 1 and r["kl_fp32"] >= 0 for r in rows)
 
