@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "rag-serve": ("radixkv.benchmarks.bench_rag_serve", "main"),
     "sampling": ("radixkv.benchmarks.bench_sampling", "main"),
     "decode-ops": ("radixkv.benchmarks.bench_decode_ops", "main"),
+    "linears": ("radixkv.benchmarks.bench_linears", "main"),
     "batch": ("radixkv.benchmarks.bench_batch", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {

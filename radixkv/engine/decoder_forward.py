@@ -313,6 +313,17 @@ class _Fused:
         self.key = [v for w in weights for v in (w.data_ptr(), version(w))]
 
 
+def _module_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward (packed where it is a PackedLinear)."""
+    return module.forward(x)
+
+
+def _plain_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` on the module's weight, even where it is a PackedLinear."""
+    params = module._parameters
+    return F.linear(x, params["weight"], params["bias"])
+
+
 class _Layer:
     """What one decoder layer's forward reads, resolved once."""
 
@@ -377,6 +388,14 @@ class DecoderForward:
                        for layer in base.layers[: cfg.num_hidden_layers]]
         #: fused GEMMs run only where the separate projections would take the packed path
         self.pack = pack
+        #: a one-token float32 forward takes ``F.linear`` instead of the packed GEMMs (set by
+        #: the runner when it is configured with one thread): on one thread oneDNN's packed
+        #: float32 GEMM of a single row was 1.1-1.2x MKL's (``radixkv bench linears``: decode
+        #: of one sequence 82 against 74 ms a step on the AVX2 EPYC), while from two rows, or
+        #: on two threads, the packed one wins. Only with one configured thread, so that a
+        #: runner whose thread count follows the load (ModelRunner.thread_invariant) never
+        #: mixes the two for the same batch.
+        self.plain_single_row = False
 
     def __call__(self, ctx: attention.PagedAttentionContext) -> torch.Tensor:
         """Logits (float32 ``[num_logits, vocab]``) of ``ctx.batch``, writing its K/V.
@@ -401,7 +420,10 @@ class DecoderForward:
         cos, sin = self.rotary(x, batch.position_ids)              # [1, T, D] each
         cos, sin = cos[0], sin[0]                                  # [T, D]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        packed = self.pack and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+        single_plain = t == 1 and self.plain_single_row and x.dtype is torch.float32
+        packed = (self.pack and x.dtype in packed_linear.PACKED_DTYPES
+                  and x.device.type == "cpu" and not single_plain)
+        linear = _plain_linear if single_plain else _module_linear
         host_lens = list(batch.host_seq_lens)    # the decode op's CPU planning input
         ops = _layer_ops(x)
         if ops is _DIRECT_OPS:
@@ -418,14 +440,14 @@ class DecoderForward:
                 q = ops.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
                 k = ops.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
             out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens, ops)
-            delta = lay.o.forward(out.view(t, hq * d))
+            delta = linear(lay.o, out.view(t, hq * d))
             h, x = ops.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
             gate_up = lay.gate_up(h) if packed else lay.gate_up_cat(h)
-            delta = lay.down.forward(ops.silu_mul(gate_up))
+            delta = linear(lay.down, ops.silu_mul(gate_up))
         rows = batch.logits_indices
         rows, _ = ops.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
                                    self.norm, self.norm_eps)
-        return self.head.forward(rows).float()
+        return linear(self.head, rows).float()
 
     @staticmethod
     def _attention(ctx: attention.PagedAttentionContext, lay: _Layer, q: torch.Tensor,

@@ -116,9 +116,10 @@ class ModelRunner:
                 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, on the
                 model's device in the model's dtype.
             pack_weights: pre-pack the linear layers' weights for oneDNN
-                (:mod:`radixkv.engine.packed_linear`: bit-identical, faster decode, a second
-                copy of the weights in memory); ``None`` = where supported (bf16 on a CPU with
-                native bf16).
+                (:mod:`radixkv.engine.packed_linear`: faster GEMMs, a second copy of the
+                weights in memory; bf16 bit-identical to ``F.linear`` up to 256 rows, float32
+                within rounding of it and independent of the row and thread counts);
+                ``None`` = where supported (bf16 on a CPU with native bf16, float32 on x86-64).
             lean_forward: run the model through :mod:`radixkv.engine.decoder_forward` (its
                 own weights, fused q/k/v and gate/up GEMMs, fewer ops; bit-identical logits)
                 instead of transformers' modules; ``None`` = where the architecture is
@@ -180,11 +181,12 @@ class ModelRunner:
         self._configured_threads: int | None = None
         #: whether idle OpenMP threads poll long enough for small forwards to use them all
         self.threads_poll = openmp_spin_count() >= SPIN_FOR_SMALL_FORWARDS
-        #: the bf16 lean forward with packed linears: rows come out the same at any thread
-        #: count (tests/engine/test_cpu_threads.py), so the count may follow the machine's
-        #: load without changing a bit; elsewhere it stays a function of the batch alone
+        #: the lean forward with packed linears (bf16 or float32): rows come out the same at
+        #: any thread count (tests/engine/test_cpu_threads.py), so the count may follow the
+        #: machine's load without changing a bit; elsewhere it stays a function of the batch
         self.thread_invariant = (self.device.type == "cpu" and self.lean is not None
-                                 and bool(pack_weights) and param.dtype == torch.bfloat16)
+                                 and bool(pack_weights)
+                                 and param.dtype in packed_linear.PACKED_DTYPES)
         #: whether this process's threads wait for a CPU (other processes on its cores)
         self.contention = RunQueueProbe() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
@@ -376,11 +378,15 @@ class ModelRunner:
         threads lose, as above, and then every forward runs on one (:meth:`load_mode`).
 
         The choice depends on the batch and, where the forward's bits do not depend on the
-        thread count (:attr:`thread_invariant`: the packed bf16 forward), on that contention;
+        thread count (:attr:`thread_invariant`: the packed forward), on that contention;
         so outputs stay a function of the batch. The calling thread's count is set back after
         the forward."""
         if self._configured_threads is None:
             self._configured_threads = torch.get_num_threads()
+            if self.lean is not None and self.lean.pack:
+                # one configured thread: a single-row float32 forward is faster on MKL's
+                # F.linear than on the packed GEMMs (DecoderForward.plain_single_row)
+                self.lean.plain_single_row = self._configured_threads <= 1
         n = self._configured_threads
         if n <= 1:
             return None

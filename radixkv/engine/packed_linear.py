@@ -1,32 +1,43 @@
-"""bfloat16 linear layers on the CPU with their weights pre-packed for oneDNN.
+"""Linear layers on the CPU with their weights pre-packed for oneDNN: bfloat16 on CPUs with
+native bf16, float32 on x86-64 CPUs (:data:`PACKED_DTYPES`).
 
 Why: in decode every step multiplies a few rows (one per running sequence) by every weight
 matrix, so the step is bound by streaming the weights. ``F.linear`` hands oneDNN a plain
-row-major weight, which oneDNN re-lays out into its blocked (AMX / AVX512-BF16) format on every
-call. Packing each weight once (``torch.ops.mkldnn._reorder_linear_weight``, what
+row-major bf16 weight, which oneDNN re-lays out into its blocked (AMX / AVX512-BF16) format on
+every call. Packing each weight once (``torch.ops.mkldnn._reorder_linear_weight``, what
 ``torch.compile(freezing=True)`` does for bf16 linears on the CPU) and calling
 ``torch.ops.mkldnn._linear_pointwise`` skips that: on the embedded model (16 sequences, 1
-thread) decode went from 211 to 255 tok/s in one run (see docs/benchmarks.md).
+thread) decode went from 211 to 255 tok/s in one run (see docs/benchmarks.md). In float32,
+``F.linear`` is MKL's sgemm; on an AVX2-only EPYC (Zen 2, where radixkv runs float32 by
+default) oneDNN's packed GEMMs took 0.7-0.9x its time on one thread from 2 rows up, and
+0.3-0.8x on two (MKL ran GEMMs of a few rows on one thread); whole forwards of the embedded
+model: ``radixkv bench linears``, docs/benchmarks.md ("Packed linears").
 
-Numerics: the packed call runs the same oneDNN kernel family as ``F.linear`` on the same
+Numerics, bf16: the packed call runs the same oneDNN kernel family as ``F.linear`` on the same
 values; on the shapes of the embedded model and the tiny test models it is bit-identical to
 ``F.linear`` up to 256 rows (``tests/engine/test_packed_linear.py``, 1 and 2 threads), and on
-this project's EPYC (Zen 5) at every row count tried, up to 2,100. Beyond 256 rows another CPU's
-``F.linear`` may pick another kernel (an earlier machine did from ~300 rows for some shapes), so
-there the two agree to bf16 rounding, not necessarily to the bit. Every row count is packed:
-until 2026-11-28 inputs of more than 256 rows took ``F.linear`` to stay transformers' own, but
-a cold bf16 prefill is not bit-identical to transformers' anyway (docs/architecture.md) and
-``F.linear`` re-lays out the weight on every call: a 257-token prefill of the embedded model
+an AVX512-BF16 EPYC (Zen 5) at every row count tried, up to 2,100. Beyond 256 rows another
+CPU's ``F.linear`` may pick another kernel (an earlier machine did from ~300 rows for some
+shapes), so there the two agree to bf16 rounding, not necessarily to the bit. Every row count
+is packed: until 2026-11-28 inputs of more than 256 rows took ``F.linear`` to stay transformers'
+own, but a cold bf16 prefill is not bit-identical to transformers' anyway (docs/architecture.md)
+and ``F.linear`` re-lays out the weight on every call: a 257-token prefill of the embedded model
 took 199 ms against 169 ms packed (one thread, medians of 5; docs/benchmarks.md).
 
-How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 model on the CPU to
+Numerics, float32: not bit-identical to MKL's ``F.linear`` (another summation order: outputs
+differ by float32 rounding, ~1e-6 relative), so a float32 forward agrees with transformers' to
+float32 rounding rather than to the bit. What it gains besides speed: a row's bits do not
+depend on how many rows share the call, nor on the thread count (MKL's do), on every shape
+tested (tests/engine/test_packed_linear.py; a CPU where that fails the test fails).
+
+How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 or float32 model on the CPU to
 :class:`PackedLinear` (a subclass: ``isinstance(m, nn.Linear)``, the state dict and the
 ``weight`` parameter are unchanged). The packed copy is kept *beside* the weight, not in a
 buffer: ``model.to(...)``, ``load_state_dict`` or an in-place edit of the weight leave it stale,
 and the layer notices (the weight's data pointer, dtype and version are the key) and repacks or
-falls back to ``F.linear``. The cost is memory: a second copy of every linear weight (on the
-embedded model 134 M parameters, +256 MiB in bf16); ``pack_linears(model, enable=False)`` /
-:func:`unpack_linears` give it back.
+falls back to ``F.linear`` (a dtype this CPU does not pack). The cost is memory: a second copy
+of every linear weight (on the embedded model 134 M parameters, +256 MiB in bf16, +512 MiB in
+float32); ``pack_linears(model, enable=False)`` / :func:`unpack_linears` give it back.
 """
 
 from __future__ import annotations
@@ -41,16 +52,25 @@ PACK_HINT_ROWS = 16
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when bf16 weights on this CPU can be pre-packed (oneDNN with native bf16)."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
+    """True when weights of ``dtype`` on this CPU are pre-packed: bf16 where oneDNN has native
+    bf16, float32 on x86-64 (oneDNN's AVX2 / AVX-512 kernels; see :data:`PACKED_DTYPES`)."""
+    if dtype not in _CANDIDATES or device.type != "cpu":
         return False
     mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
-        return bool(torch.backends.mkldnn.is_available()
-                    and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise")
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if not (torch.backends.mkldnn.is_available()
+                and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise")):
+            return False
+        if dtype is torch.float32:
+            return _x86_64()
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def _x86_64() -> bool:
+    import platform
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 class _Packed:
@@ -77,7 +97,15 @@ class _Packed:
         self.__init__()
 
 
-_BF16 = torch.bfloat16
+_CANDIDATES = (torch.bfloat16, torch.float32)
+#: The dtypes :class:`PackedLinear` packs on this CPU (:func:`packing_supported`). float32
+#: since 2026-11-28: on a CPU without native bf16 (radixkv's default dtype there is float32)
+#: ``F.linear`` goes to MKL's sgemm, which on the project's AVX2 EPYC (Zen 2) took 1.1-1.5x
+#: oneDNN's packed time at 2-512 rows on one thread and up to 3x at two threads (MKL ran those
+#: small GEMMs on one thread), and whose rows depend on the row count and the thread count;
+#: oneDNN's packed float32 rows do not (tests/engine/test_packed_linear.py), which makes the
+#: float32 lean forward thread-invariant too (docs/benchmarks.md, "Packed linears").
+PACKED_DTYPES = frozenset(d for d in _CANDIDATES if packing_supported(d, torch.device("cpu")))
 
 
 def weight_version(t: torch.Tensor) -> int:
@@ -87,7 +115,8 @@ def weight_version(t: torch.Tensor) -> int:
 
 
 class PackedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose bf16 CPU forward uses a once-packed oneDNN weight (see module doc).
+    """``nn.Linear`` whose CPU forward in a :data:`PACKED_DTYPES` dtype uses a once-packed
+    oneDNN weight (see module doc); anything else goes to ``F.linear``.
 
     ``_packed`` is an instance attribute, not a buffer or parameter, so the module's state dict
     and ``.to()`` see exactly an ``nn.Linear``. The forward runs once per layer per step, so it
@@ -99,7 +128,7 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._parameters
         w = params["weight"]
-        if (x.dtype is not _BF16 or w.dtype is not _BF16 or x.is_cuda or w.is_cuda
+        if (x.dtype is not w.dtype or w.dtype not in PACKED_DTYPES or x.is_cuda or w.is_cuda
                 or x.device.type != "cpu"
                 or (w.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, w, params["bias"])

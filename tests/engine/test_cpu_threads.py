@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.engine import decoder_forward, model_runner
+from radixkv.engine import decoder_forward, model_runner, packed_linear
 from radixkv.engine.model_runner import ModelRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -79,12 +79,13 @@ def test_polling_threads_run_small_forwards_on_every_thread_unless_contended(
     try:
         torch.set_num_threads(2)
         monkeypatch.setenv("GOMP_SPINCOUNT", str(model_runner.SPIN_FOR_SMALL_FORWARDS))
-        runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True,
+                                       pack_weights=False)
         assert runner.threads_poll
         monkeypatch.setenv("GOMP_SPINCOUNT", str(model_runner.SPIN_FOR_SMALL_FORWARDS - 1))
         assert not ModelRunner.for_model(make_family_model("llama"), 64, 4,
                                          lean_forward=True).threads_poll
-        assert not runner.thread_invariant   # float32 toy model: F.linear, not packed bf16
+        assert not runner.thread_invariant   # unpacked: F.linear's rows depend on the threads
         monkeypatch.setattr(model_runner, "SMALL_FORWARD_WORK", 6 * runner.layer_work)
         monkeypatch.setattr(model_runner, "SMALL_LAYER_WEIGHTS", 0)
         seen = _spy_threads(monkeypatch)
@@ -112,14 +113,13 @@ def test_polling_threads_run_small_forwards_on_every_thread_unless_contended(
         torch.set_num_threads(before)
 
 
-def test_the_packed_bf16_forward_gives_the_same_bits_on_one_and_two_threads(toy_pager):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_packed_forward_gives_the_same_bits_on_one_and_two_threads(toy_pager, dtype):
     """What lets small forwards follow the machine's load (ModelRunner.thread_invariant):
-    every row of the packed bf16 lean forward is the same at one and two threads."""
-    from radixkv.engine import packed_linear
-
-    model = make_family_model("llama").to(torch.bfloat16)
-    if not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no packed bf16 linears on this CPU")
+    every row of the packed lean forward is the same at one and two threads."""
+    model = make_family_model("llama").to(dtype)
+    if not packed_linear.packing_supported(dtype, torch.device("cpu")):
+        pytest.skip(f"no packed {dtype} linears on this CPU")
     before = torch.get_num_threads()
     try:
         runner = ModelRunner.for_model(model, 64, 4, lean_forward=True)
@@ -196,5 +196,42 @@ def test_a_model_with_small_layers_keeps_one_thread_up_to_its_own_limit(monkeypa
         # the real limits: the embedded model's layers (3.5M weights) are small, a 1B
         # model's (~67M) are not
         assert 3_500_000 < real < 60_000_000
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.float32 not in packed_linear.PACKED_DTYPES,
+                    reason="float32 linears are packed on x86-64 with oneDNN only")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_single_row_float32_forwards_take_f_linear_only_with_one_configured_thread(
+        monkeypatch, toy_pager, threads):
+    """On one thread MKL's F.linear beats the packed float32 GEMMs for a single row
+    (DecoderForward.plain_single_row); with more configured threads every forward stays packed,
+    whatever count it runs on, so the rows do not depend on the load."""
+    packed_calls = []
+    fused_call = decoder_forward._Fused.__call__
+    module_call = packed_linear.PackedLinear.forward
+    monkeypatch.setattr(decoder_forward._Fused, "__call__",
+                        lambda self, x: packed_calls.append(1) or fused_call(self, x))
+    monkeypatch.setattr(packed_linear.PackedLinear, "forward",
+                        lambda self, x: packed_calls.append(1) or module_call(self, x))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        runner = ModelRunner.for_model(make_family_model("llama"), 64, 4, lean_forward=True)
+        assert runner.lean.pack and not runner.lean.plain_single_row
+        pager = toy_pager(64, 4, seed=6)
+        pager.add(0, list(range(3, 9)))                  # 6 tokens: packed
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        assert packed_calls and runner.lean.plain_single_row is (threads == 1)
+        packed_calls.clear()
+        pager.append(0, 9)                               # one token
+        runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        assert bool(packed_calls) is (threads != 1)
+        packed_calls.clear()
+        pager.add(1, [4, 5])
+        pager.append(0, 10)                              # two rows: packed again
+        runner.execute(runner.build_batch([pager.chunk(0, None), pager.chunk(1, None)]))
+        assert packed_calls
     finally:
         torch.set_num_threads(before)

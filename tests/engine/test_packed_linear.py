@@ -1,5 +1,6 @@
-"""Pre-packed bf16 linears (engine/packed_linear.py): bit-identical to ``F.linear``, safe to copy,
-convert and undo, and what the runner turns on for bf16 CPU models."""
+"""Pre-packed linears (engine/packed_linear.py): bf16 bit-identical to ``F.linear``, float32
+within rounding of it and with rows that depend neither on the row count nor on the thread
+count; safe to copy, convert and undo; what the runner turns on for CPU models."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from radixkv.engine.model_runner import ModelRunner
 needs_bf16 = pytest.mark.skipif(
     not pl.packing_supported(torch.bfloat16, torch.device("cpu")),
     reason="this CPU/torch has no oneDNN bf16 (packing is off there, nothing to test)")
+needs_fp32 = pytest.mark.skipif(
+    not pl.packing_supported(torch.float32, torch.device("cpu")),
+    reason="float32 linears are packed on x86-64 with oneDNN only")
+#: The embedded model's fused GEMMs (q/k/v 960 x 576, o, gate/up 3072 x 576, down), its head
+#: and the tiny test models' shapes.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (64, 64),
+          (128, 64), (64, 128), (256, 64)]
 
 
 def _unpacked_call(*args, **kwargs):
@@ -70,21 +78,72 @@ def test_stale_pack_is_noticed_and_copies_repack():
     again = pickle.loads(pickle.dumps(lin))
     with torch.inference_mode():
         assert torch.equal(twin(x), lin(x)) and torch.equal(again(x), lin(x))
-    lin.float()                                  # a dtype change: plain F.linear in float32
+    lin.float()                                  # a dtype change: float32, repacked if packed
     with torch.inference_mode():
-        assert torch.equal(lin(x.float()), F.linear(x.float(), lin.weight, lin.bias))
+        got, want = lin(x.float()), F.linear(x.float(), lin.weight, lin.bias)
+        if torch.float32 in pl.PACKED_DTYPES:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want)
     assert pl.unpack_linears(lin) == 1 and type(lin) is torch.nn.Linear
     assert "_packed" not in lin.__dict__
 
 
-def test_runner_packs_bf16_cpu_models_only(tiny_model):
-    fp32 = tiny_model("llama")
-    ModelRunner.for_model(fp32, num_blocks=8, block_size=4)
-    assert not any(isinstance(m, pl.PackedLinear) for m in fp32.modules())
-    bf16 = tiny_model("llama").to(torch.bfloat16)
-    ModelRunner.for_model(bf16, num_blocks=8, block_size=4)
-    packed = any(isinstance(m, pl.PackedLinear) for m in bf16.modules())
-    assert packed == pl.packing_supported(torch.bfloat16, torch.device("cpu"))
+def test_runner_packs_the_dtypes_this_cpu_packs(tiny_model):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = tiny_model("llama").to(dtype)
+        ModelRunner.for_model(model, num_blocks=8, block_size=4)
+        packed = any(isinstance(m, pl.PackedLinear) for m in model.modules())
+        assert packed == (dtype in pl.PACKED_DTYPES)
+        assert packed == pl.packing_supported(dtype, torch.device("cpu"))
+    assert torch.float16 not in pl.PACKED_DTYPES
+    assert not pl.packing_supported(torch.float32, torch.device("meta"))
+
+
+@needs_fp32
+def test_a_dtype_this_cpu_does_not_pack_falls_back_to_f_linear(monkeypatch):
+    """A packed float32 model converted to a dtype the CPU does not pack (float16; bf16 on a
+    CPU without native bf16) runs ``F.linear``: no oneDNN call that would raise."""
+    lin = torch.nn.Linear(64, 32)
+    pl.pack_linears(lin)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        lin(x)
+    lin.half()
+    monkeypatch.setattr(pl.torch.ops.mkldnn, "_reorder_linear_weight", _unpacked_call,
+                        raising=False)
+    with torch.inference_mode():
+        assert torch.equal(lin(x.half()), F.linear(x.half(), lin.weight, lin.bias))
+
+
+@needs_fp32
+@pytest.mark.parametrize("out_f, in_f", SHAPES)
+def test_float32_packed_rows_do_not_depend_on_the_row_or_thread_count(out_f, in_f, monkeypatch):
+    """Every row of a packed float32 call is the same bits whatever rows share the call and
+    on one or two threads (what ``ModelRunner.thread_invariant`` relies on); against MKL's
+    ``F.linear`` the values agree to float32 rounding."""
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(out_f * 7 + in_f)
+    lin = torch.nn.Linear(in_f, out_f, bias=out_f == 960)
+    ref = copy.deepcopy(lin)
+    pl.pack_linears(lin)
+    x = torch.randn(600, in_f, generator=g)
+    try:
+        with torch.inference_mode(), monkeypatch.context() as m:
+            m.setattr(pl.F, "linear", _unpacked_call)   # every call takes the packed path
+            torch.set_num_threads(1)
+            full = lin(x)
+            for start, stop in ((0, 1), (0, 2), (5, 8), (0, 16), (3, 67), (100, 343),
+                                (0, 257), (88, 600)):
+                assert torch.equal(lin(x[start:stop]), full[start:stop]), (start, stop)
+            torch.set_num_threads(2)
+            for start, stop in ((0, 1), (0, 4), (7, 40), (0, 243), (0, 600)):
+                assert torch.equal(lin(x[start:stop]), full[start:stop]), (start, stop)
+        with torch.inference_mode():
+            torch.testing.assert_close(full, ref(x), rtol=1e-4, atol=1e-5)
+        assert pl.packed_bytes(lin) == out_f * in_f * 4
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_bf16
