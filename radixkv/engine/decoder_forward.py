@@ -319,9 +319,9 @@ def _module_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` on the module's weight, even where it is a PackedLinear."""
-    params = module._parameters
-    return F.linear(x, params["weight"], params["bias"])
+    """``F.linear`` on the module's weight, even where it is a PackedLinear (one-token
+    forwards only: the attribute reads cost ~1 us against a ~70 ms float32 step)."""
+    return F.linear(x, module.weight, module.bias)
 
 
 class _Layer:
@@ -390,7 +390,7 @@ class DecoderForward:
         self.pack = pack
         #: a one-token float32 forward takes ``F.linear`` instead of the packed GEMMs (set by
         #: the runner when it is configured with one thread): on one thread oneDNN's packed
-        #: float32 GEMM of a single row was 1.1-1.2x MKL's (``radixkv bench linears``: decode
+        #: float32 GEMMs of a single row took 1.25x MKL's (``radixkv bench linears``; decode
         #: of one sequence 82 against 74 ms a step on the AVX2 EPYC), while from two rows, or
         #: on two threads, the packed one wins. Only with one configured thread, so that a
         #: runner whose thread count follows the load (ModelRunner.thread_invariant) never

@@ -9,8 +9,8 @@ every call. Packing each weight once (``torch.ops.mkldnn._reorder_linear_weight`
 ``torch.ops.mkldnn._linear_pointwise`` skips that: on the embedded model (16 sequences, 1
 thread) decode went from 211 to 255 tok/s in one run (see docs/benchmarks.md). In float32,
 ``F.linear`` is MKL's sgemm; on an AVX2-only EPYC (Zen 2, where radixkv runs float32 by
-default) oneDNN's packed GEMMs took 0.7-0.9x its time on one thread from 2 rows up, and
-0.3-0.8x on two (MKL ran GEMMs of a few rows on one thread); whole forwards of the embedded
+default) oneDNN's packed GEMMs took 0.66-0.89x its time on one thread from 2 rows up, and
+0.40-0.86x on two (MKL ran GEMMs of a few rows on one thread); whole forwards of the embedded
 model: ``radixkv bench linears``, docs/benchmarks.md ("Packed linears").
 
 Numerics, bf16: the packed call runs the same oneDNN kernel family as ``F.linear`` on the same
@@ -36,8 +36,9 @@ How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 or float32 model
 buffer: ``model.to(...)``, ``load_state_dict`` or an in-place edit of the weight leave it stale,
 and the layer notices (the weight's data pointer, dtype and version are the key) and repacks or
 falls back to ``F.linear`` (a dtype this CPU does not pack). The cost is memory: a second copy
-of every linear weight (on the embedded model 134 M parameters, +256 MiB in bf16, +512 MiB in
-float32); ``pack_linears(model, enable=False)`` / :func:`unpack_linears` give it back.
+of every linear weight (on the embedded model 134 M parameters, +256 MiB in bf16; in float32
+RSS went from 1,091 to 1,635 MiB); ``pack_linears(model, enable=False)`` /
+:func:`unpack_linears` give it back (``EngineConfig.pack_weights=False`` never packs).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ _CANDIDATES = (torch.bfloat16, torch.float32)
 #: The dtypes :class:`PackedLinear` packs on this CPU (:func:`packing_supported`). float32
 #: since 2026-11-28: on a CPU without native bf16 (radixkv's default dtype there is float32)
 #: ``F.linear`` goes to MKL's sgemm, which on the project's AVX2 EPYC (Zen 2) took 1.1-1.5x
-#: oneDNN's packed time at 2-512 rows on one thread and up to 3x at two threads (MKL ran those
+#: oneDNN's packed time at 2-512 rows on one thread and up to 2.5x on two (MKL ran those
 #: small GEMMs on one thread), and whose rows depend on the row count and the thread count;
 #: oneDNN's packed float32 rows do not (tests/engine/test_packed_linear.py), which makes the
 #: float32 lean forward thread-invariant too (docs/benchmarks.md, "Packed linears").
