@@ -406,6 +406,14 @@ class EngineConfig:
             order, bounded); a decode row in a new turn's prefill step makes its TTFT longer.
             0: every step carries every running decode (vLLM's order). Four clients through
             ``radixkv serve``: mean later-turn TTFT 5-13% lower, same decode speed.
+        pack_weights: CPU only: run the linear layers on copies of their weights packed once
+            for oneDNN (``engine/packed_linear.py``): faster GEMMs (whole forwards of the
+            embedded model 0.45-0.90x the time in float32 on an AVX2 EPYC; docs/benchmarks.md,
+            "Packed linears"), at the cost of a second copy of the linear weights (+544 MiB of
+            RSS for the embedded model in float32, about half that in bf16). None (default):
+            where this CPU packs the model's dtype (bf16 with native bf16, float32 on x86-64);
+            False: ``F.linear`` on the weights as loaded (``radixkv serve --no-pack-weights``);
+            True: packed, else a ConfigError naming why.
         warm_up: run one short prefill and one decode step at start-up, so that the first
             request does not pay the forward's one-time costs (weight packing, kernel
             generation, Triton's compilation on CUDA; ``ModelRunner.warm_up``): on the
@@ -432,6 +440,7 @@ class EngineConfig:
     scheduling_max_wait_s: float = 2.0
     cuda_graphs: bool | None = None
     prefill_priority_steps: int = 4
+    pack_weights: bool | None = None
     warm_up: bool = True
     blend_ratio: float = 0.15
     seed: int | None = None
@@ -463,6 +472,9 @@ class EngineConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"EngineConfig.prefill_priority_steps must be an int >= 0, "
                               f"got {v!r}")
+        if self.pack_weights is not None and not isinstance(self.pack_weights, bool):
+            raise ConfigError(f"EngineConfig.pack_weights must be None (where this CPU packs "
+                              f"the dtype), True or False, got {self.pack_weights!r}")
         if not isinstance(self.warm_up, bool):
             raise ConfigError(f"EngineConfig.warm_up must be a bool, got {self.warm_up!r}")
         if not isinstance(self.async_loads, bool):

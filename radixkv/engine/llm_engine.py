@@ -42,6 +42,7 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.engine_stats import engine_stats
 from radixkv.tiers.protocol import DeviceOnlyMover, KVMover, run_kv_ops
 from radixkv.engine.memory import PoolSizing, size_device_pool
+from radixkv.engine import packed_linear
 from radixkv.engine.model_runner import ModelRunner, model_kv_layout
 from radixkv.engine.outputs import (
     FINISH_ABORT, FINISH_CAPACITY, RequestOutput, TokenLogprob, check_stop, request_output,
@@ -87,6 +88,18 @@ def namespace_model(model_id: str, layout: Any) -> str:
 EXPIRY_PERIOD_S = 1.0
 
 
+def _pack_weights(want: bool | None, dtype: torch.dtype, device: torch.device) -> bool | None:
+    """``EngineConfig.pack_weights`` checked before anything loads: True where this CPU does
+    not pack ``dtype`` is a ConfigError (None leaves the choice to the runner)."""
+    if want and not packed_linear.packing_supported(dtype, device):
+        where = (f"a {device.type} device" if device.type != "cpu"
+                 else f"{dtype} on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+        raise ConfigError(f"EngineConfig.pack_weights=True but linear weights are not packed "
+                          f"for {where}: packing is for bf16 on CPUs with native bf16 and "
+                          "float32 on x86-64")
+    return want
+
+
 class LLMEngine:
     """Continuous-batching engine over a transformers model with a prefix-cached paged KV pool.
 
@@ -110,6 +123,7 @@ class LLMEngine:
         param = next(model.parameters())
         device = engine_config.torch_device()
         dtype = engine_config.torch_dtype(param.dtype)
+        pack_weights = _pack_weights(engine_config.pack_weights, dtype, device)
         if param.device != device or param.dtype != dtype:
             model = model.to(device=device, dtype=dtype)
         self.model = model.eval()
@@ -144,7 +158,8 @@ class LLMEngine:
         self._bm = BlockManager.create(
             n_dev, bs, policy, lower_tier_blocks=lower, write_through=wt,
             tail_blocks=cache_config.tail_blocks if cache_config.enable_prefix_caching else 0)
-        self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype)
+        self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype,
+                                             pack_weights=pack_weights)
         #: seconds the start-up forwards took (``EngineConfig.warm_up``; 0.0: not run)
         self.warm_up_s = self._runner.warm_up() if engine_config.warm_up else 0.0
         graphs = engine_config.cuda_graphs

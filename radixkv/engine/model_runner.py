@@ -160,8 +160,8 @@ class ModelRunner:
         model.eval()
         if pack_weights is None:
             pack_weights = packed_linear.packing_supported(param.dtype, self.device)
-        if pack_weights:
-            packed_linear.pack_linears(model)
+        # False also unpacks a model an earlier runner packed (its layers would pack again)
+        packed_linear.pack_linears(model, enable=bool(pack_weights))
         reason = decoder_forward.unsupported_reason(model) if lean_forward is not False else ""
         if lean_forward and reason:
             raise ConfigError(f"lean_forward=True but {reason}")

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying CUDA graphs (graphs are "
                         "on by default where the model allows; docs/gpu.md)")
+    e.add_argument("--no-pack-weights", action="store_true",
+                   help="CPU: run linear layers on the weights as loaded (F.linear) instead of "
+                        "copies packed for oneDNN: saves a second copy of the linear weights, "
+                        "slower GEMMs (docs/benchmarks.md, 'Packed linears')")
     e.add_argument("--scheduling-policy", default=None, choices=["lpm", "fcfs", "priority"],
                    help="order waiting requests are admitted in: lpm (longest cached prefix "
                         "first, with an age limit), fcfs, or priority (vLLM's: by each "
@@ -301,6 +305,7 @@ def configs(args: argparse.Namespace) -> tuple[Any, Any]:
                       prefetch_requests=args.prefetch_requests,
                       async_loads=not args.no_async_loads,
                       cuda_graphs=False if args.enforce_eager else None, seed=args.seed,
+                      pack_weights=False if args.no_pack_weights else None,
                       **_scheduling(args))
     return cc, ec
 

@@ -681,3 +681,34 @@ def test_warm_up_runs_a_prefill_and_a_decode_on_free_blocks_and_changes_nothing(
         assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == want
     with pytest.raises(ConfigError, match="warm_up"):
         EngineConfig(warm_up=1)
+
+
+def test_pack_weights_false_runs_the_weights_as_loaded_and_true_is_checked(hf_llama):
+    """EngineConfig.pack_weights: False keeps (or makes) every linear a plain nn.Linear, even
+    on a model an earlier engine packed, and its greedy tokens are transformers'; True where
+    this CPU does not pack the dtype is a ConfigError before anything loads."""
+    from radixkv.engine import packed_linear
+
+    def engine(model, **ec):
+        return LLMEngine(model, None, CacheConfig(block_size=4, num_device_blocks=16),
+                         EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, **ec),
+                         model_id="tiny")
+
+    def packed(model):
+        return any(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
+
+    model = copy.deepcopy(hf_llama)
+    first = engine(model)                                 # default: where this CPU packs
+    assert packed(first.model) == (torch.float32 in packed_linear.PACKED_DTYPES)
+    plain = engine(model, pack_weights=False)
+    assert not packed(plain.model)
+    prompts = _prompts([3, 7, 13])
+    want = [_hf(hf_llama, p, 8) for p in prompts]
+    final = _run(plain, [(f"r{i}", p, _greedy(8)) for i, p in enumerate(prompts)])
+    assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == want
+    if torch.float32 in packed_linear.PACKED_DTYPES:
+        assert packed(engine(copy.deepcopy(hf_llama), pack_weights=True).model)
+    with pytest.raises(ConfigError, match="pack_weights=True"):
+        engine(copy.deepcopy(hf_llama), dtype="float16", pack_weights=True)
+    with pytest.raises(ConfigError, match="pack_weights"):
+        EngineConfig(pack_weights=1)

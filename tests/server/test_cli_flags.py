@@ -30,6 +30,12 @@ def test_enforce_eager_turns_cuda_graphs_off() -> None:
     assert configs(p.parse_args([]))[1].cuda_graphs is None
 
 
+def test_no_pack_weights_reaches_the_engine_config() -> None:
+    p = build_parser()
+    assert configs(p.parse_args(["--no-pack-weights"]))[1].pack_weights is False
+    assert configs(p.parse_args([]))[1].pack_weights is None
+
+
 def test_a_vllm_tool_calling_command_line_parses() -> None:
     """The flags vLLM's tool-calling recipes pass are taken (no-ops that name radixkv's
     behaviour); a tool-call parser radixkv does not read is a usage error."""
