@@ -629,7 +629,8 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
         return len(ids)
     return await _serve(state, request, req, [ids], chat=True,
                         points=None if points is None else [points],
-                        chat_echo=serving.chat_echo(req, messages))
+                        chat_echo=serving.chat_echo(req, messages),
+                        chat_role=serving.chat_role(req, messages))
 
 
 def _check_page(limit: int, order: str) -> None:
@@ -954,7 +955,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                         tool_names={t.function.name for t in req.tools} if active else None,
                         stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
                                                          forced),
-                        chat_echo=serving.chat_echo(req, msgs))
+                        chat_echo=serving.chat_echo(req, msgs),
+                        chat_role=serving.chat_role(req, msgs))
 
 
 def _num_seqs(req: Any) -> int:
@@ -971,9 +973,10 @@ def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> N
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
                  chat: bool, points: list[Any] | None = None, grammar: Any = None,
                  tool_names: set[str] | None = None, stop_after: tuple[str, ...] = (),
-                 chat_echo: str | None = None) -> Any:
+                 chat_echo: str | None = None, chat_role: str = "assistant") -> Any:
     """Validate every prompt, then answer with one body or an SSE stream. ``chat_echo``: the
-    text a chat reply's content starts with (vLLM's chat ``echo``). ``points``: per
+    text a chat reply's content starts with (vLLM's chat ``echo``); ``chat_role``: its role
+    (:func:`serving.chat_role`). ``points``: per
     prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
     constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
     the replies' tool calls to these tools; ``stop_after``: strings that end a reply and stay
@@ -1027,7 +1030,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         echo = chat_echo if chat else (
             eng.decode(prompts[0]) if getattr(req, "echo", False) else None)
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names, echo, prompts[0]), close)
+                               tool_names, echo, prompts[0], chat_role), close)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
@@ -1074,13 +1077,13 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                 from radixkv.server.tools import parse
 
                 content, calls = parse(text, tool_names)
-                choice["message"] = {"role": "assistant", "content": content}
+                choice["message"] = {"role": chat_role, "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = calls
                     if c.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
             elif chat:
-                choice["message"] = {"role": "assistant",
+                choice["message"] = {"role": chat_role,
                                      "content": text if text or reasoning is None else None}
             if chat_echo is not None:   # vLLM's chat echo: the continued message first
                 choice["message"]["content"] = chat_echo + (choice["message"]["content"] or "")
@@ -1172,14 +1175,15 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                   timing: serving.Timing, chat: bool,
                   release: Callable[[], None] = lambda: None,
                   tool_names: set[str] | None = None, echo: str | None = None,
-                  prompt_ids: list[int] | None = None) -> Any:
+                  prompt_ids: list[int] | None = None, role_name: str = "assistant") -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
     comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
     ``echo``: sent first in every choice: a completion's prompt text (``echo: true``), or
     the message a chat reply continues (vLLM's chat ``echo``, :func:`serving.chat_echo`).
-    ``prompt_ids``: the prompt, for ``return_token_ids`` (with each chunk's own token ids)."""
+    ``prompt_ids``: the prompt, for ``return_token_ids`` (with each chunk's own token ids).
+    ``role_name``: a chat reply's role in its first delta (:func:`serving.chat_role`)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1209,7 +1213,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 offsets[index] = offsets.get(index, 0) + sum(
                     len(eng.decode([t.token_id], skip_special_tokens=False)) for t in lps)
         if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            delta: dict[str, Any] = {"role": role_name} if role else {}
             if text is not None:
                 delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": logprobs,

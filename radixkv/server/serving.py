@@ -257,6 +257,15 @@ def chat_echo(req: Any, messages: Sequence[Any]) -> str | None:
     return content if isinstance(content, str) else ""
 
 
+def chat_role(req: Any, messages: Sequence[Any]) -> str:
+    """The role of a chat reply, as vLLM names it: ``assistant`` in a new turn
+    (``add_generation_prompt``, the default), else the last message's role, the one the reply
+    continues."""
+    if req.add_generation_prompt or not messages:
+        return "assistant"
+    return str(messages[-1]["role"])
+
+
 def echo_only(req: Any) -> bool:
     """A completions request that wants its prompt back and nothing generated (``echo`` with
     ``max_tokens`` 0, lm-evaluation-harness's way to read prompt logprobs)."""

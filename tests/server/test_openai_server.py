@@ -742,7 +742,8 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
 
 def test_chat_echo_and_prompt_text(ready: Server) -> None:
     """vLLM's chat ``echo``: a reply that continues the last message (``continue_final_message``)
-    starts with it, streamed or not; a reply in a new assistant turn has nothing to echo.
+    starts with it, streamed or not; a reply in a new assistant turn has nothing to echo. The
+    reply's role is the continued message's (vLLM's ``get_chat_request_role``), else assistant.
     ``return_prompt_text``: the prompt's tokens as text, beside the choices (streamed: in the
     first chunk), which tokenize back to the prompt's tokens."""
     api = ready.client()
@@ -760,6 +761,18 @@ def test_chat_echo_and_prompt_text(ready: Server) -> None:
     assert streamed == "The best fruit is" + reply
     fresh = _chat(api, msgs[:1], temperature=0, max_tokens=3, extra_body={"echo": True})
     assert not fresh.choices[0].message.content.startswith("Name a fruit.")
+    # the reply's role, as vLLM names it: the continued message's, else the assistant's
+    assert echoed.choices[0].message.role == "assistant" == fresh.choices[0].message.role
+    said = _chat(api, msgs[:1], temperature=0, max_tokens=3,
+                 extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                             "echo": True})
+    assert said.choices[0].message.role == "user"
+    assert said.choices[0].message.content.startswith("Name a fruit.")
+    roles = [c.choices[0].delta.role for c in _chat(
+        api, msgs[:1], temperature=0, max_tokens=3, stream=True,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+        if c.choices and c.choices[0].delta.role]
+    assert roles == ["user"]
     text = echoed.model_extra["prompt_text"]
     assert text.endswith("The best fruit is") and "<|im_start|>user" in text
     status, ids = ready.raw("POST", "/tokenize", {"model": MODEL, "prompt": text,
