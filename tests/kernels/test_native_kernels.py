@@ -14,6 +14,8 @@ library per source, flags, compiler and CPU).
 
 from __future__ import annotations
 
+import ctypes
+
 import os
 
 import pytest
@@ -429,12 +431,25 @@ def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monke
 
 
 def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
+    """The cache logic on a one-function source with the kernels' own flags (building the
+    kernels themselves twice took ~40 s of a 2-core CI machine; every other test here loads
+    the real build through the same function)."""
     monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path))
     cc = native._compiler()
-    first = native._build(cc)
+    src = tmp_path / "probe.c"
+    src.write_text("int probe(int x) { return x + 1; }\n")
+
+    def build():
+        return native._build(cc, (src,), (), None, "probe")
+
+    first = build()
     assert first.parent == tmp_path / "kernels" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert native._build(cc) == first and first.stat().st_mtime_ns == stamp   # reused
+    assert build() == first and first.stat().st_mtime_ns == stamp      # reused
     assert [p.name for p in first.parent.iterdir()] == [first.name]   # no temporaries left
+    assert ctypes.CDLL(str(first)).probe(41) == 42
+    src.write_text("int probe(int x) { return x + 2; }\n")
+    second = build()
+    assert second != first and ctypes.CDLL(str(second)).probe(41) == 43   # per source
     monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : another cpu")
-    assert native._build(cc) != first                                   # rebuilt for it
+    assert build() not in (first, second)                              # rebuilt for it
