@@ -37,7 +37,7 @@ runs through transformers' modules with radixkv's attention hooked in, as before
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -396,6 +396,18 @@ class DecoderForward:
         #: runner whose thread count follows the load (ModelRunner.thread_invariant) never
         #: mixes the two for the same batch.
         self.plain_single_row = False
+
+    def thread_variance(self, threads: int, row_counts: Sequence[int]) -> str | None:
+        """Where layer 0's four packed GEMMs (q/k/v, o, gate/up, down: every weight shape of a
+        layer) give other bits on ``threads`` threads than on one (None: nowhere); see
+        :func:`packed_linear.thread_variance`. Builds the packed copies if no forward has."""
+        lay = self.layers[0]
+        dtype = lay.o.weight.dtype
+        return packed_linear.thread_variance(
+            (("q/k/v", lay.qkv, lay.q.in_features), ("o", lay.o.forward, lay.o.in_features),
+             ("gate/up", lay.gate_up, lay.gate.in_features),
+             ("down", lay.down.forward, lay.down.in_features)),
+            dtype, threads, row_counts)
 
     def __call__(self, ctx: attention.PagedAttentionContext) -> torch.Tensor:
         """Logits (float32 ``[num_logits, vocab]``) of ``ctx.batch``, writing its K/V.

@@ -43,6 +43,11 @@ SMALL_LAYER_WEIGHTS = 16_000_000
 #: without a wake-up, and then every forward runs on the configured threads (see
 #: ModelRunner._cpu_threads). ``radixkv serve`` sets ``GOMP_SPINCOUNT`` to it.
 SPIN_FOR_SMALL_FORWARDS = 2000
+#: The start-up check of :attr:`ModelRunner.thread_invariant` multiplies layer 0's packed
+#: weights by inputs of 1 and 37 rows, and of 160 rows too where that is at most this much work
+#: (rows x the layer's linear weights): the embedded 135M model (3.5M) gets all three, an 8B
+#: model (218M) the first two (~33 GFLOP at both thread counts together).
+THREAD_CHECK_WORK = 1_000_000_000
 
 
 def model_kv_layout(model: torch.nn.Module, block_size: int, kv_dtype: str = "auto"
@@ -187,6 +192,12 @@ class ModelRunner:
         self.thread_invariant = (self.device.type == "cpu" and self.lean is not None
                                  and bool(pack_weights)
                                  and param.dtype in packed_linear.PACKED_DTYPES)
+        #: what the first CPU forward's check of :attr:`thread_invariant` found on this CPU:
+        #: None (not run: not claimed, or one configured thread), "" (the packed GEMMs gave the
+        #: same bits on one thread and on the configured count), else where they differed
+        #: (then :attr:`thread_invariant` is False); :attr:`thread_check_s` the seconds it took
+        self.thread_check: str | None = None
+        self.thread_check_s = 0.0
         #: whether this process's threads wait for a CPU (other processes on its cores)
         self.contention = RunQueueProbe() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
@@ -387,6 +398,8 @@ class ModelRunner:
                 # one configured thread: a single-row float32 forward is faster on MKL's
                 # F.linear than on the packed GEMMs (DecoderForward.plain_single_row)
                 self.lean.plain_single_row = self._configured_threads <= 1
+            if self.thread_invariant and self._configured_threads > 1:
+                self._check_thread_invariance(self._configured_threads)
         n = self._configured_threads
         if n <= 1:
             return None
@@ -398,6 +411,30 @@ class ModelRunner:
         limit = SMALL_MODEL_FORWARD_WORK if self.layer_work < SMALL_LAYER_WEIGHTS \
             else SMALL_FORWARD_WORK
         return 1 if tokens * self.layer_work < limit else n
+
+    def _check_thread_invariance(self, threads: int) -> None:
+        """Check on this CPU, before the first forward, that the packed GEMMs give the same
+        bits on one thread as on ``threads`` (what :attr:`thread_invariant` promises; the tests
+        show it on the CPUs they run on, this shows it where the engine runs); where they do
+        not, clear :attr:`thread_invariant` (thread counts stay a function of the batch) and
+        warn. Layer 0's four weight shapes at 1, 37 and (small models) 160 rows: what the
+        packed forward's GEMMs are, the kernel oneDNN picks depending on the shape and rows.
+        Measured on the embedded model in float32 (AVX2 EPYC, two threads): see
+        docs/architecture.md ("Packed linears")."""
+        import time
+        import warnings
+
+        assert self.lean is not None
+        rows = (1, 37, 160) if 160 * self.layer_work <= THREAD_CHECK_WORK else (1, 37)
+        t0 = time.perf_counter()
+        found = self.lean.thread_variance(threads, rows)
+        self.thread_check_s = time.perf_counter() - t0
+        self.thread_check = found or ""
+        if found:
+            self.thread_invariant = False
+            warnings.warn(f"oneDNN's packed GEMMs on this CPU are not thread-invariant ({found}):"
+                          " CPU forwards choose their thread count by the batch alone, not by "
+                          "the machine's load", RuntimeWarning, stacklevel=2)
 
     def load_mode(self) -> str:
         """How CPU forwards pick their threads now. ``"batch"``: by the batch alone (the

@@ -43,6 +43,7 @@ RSS went from 1,091 to 1,635 MiB); ``pack_linears(model, enable=False)`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -165,6 +166,37 @@ def pack_linears(model: torch.nn.Module, enable: bool = True) -> int:
 def unpack_linears(model: torch.nn.Module) -> int:
     """Undo :func:`pack_linears` (frees the packed copies)."""
     return pack_linears(model, enable=False)
+
+
+def thread_variance(gemms: Sequence[tuple[str, Callable[[torch.Tensor], torch.Tensor], int]],
+                    dtype: torch.dtype, threads: int, row_counts: Sequence[int]) -> str | None:
+    """Where one of ``gemms`` (name, the call, its input width) gives other bits on ``threads``
+    threads than on one, for inputs of each of ``row_counts`` rows; None where none does.
+
+    Why: the runner lets a packed forward's thread count follow the machine's load
+    (``ModelRunner.thread_invariant``) because oneDNN's packed GEMMs did not change a bit with
+    the thread count on every CPU the tests ran on; this checks it on the CPU the engine runs
+    on, with the engine's own packed copies, before it relies on it. Fixed inputs (seeded); the
+    calling thread's torch thread count is set back afterwards.
+    """
+    gen = torch.Generator().manual_seed(0x5EED)
+    current = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for name, gemm, width in gemms:
+                for rows in row_counts:
+                    x = torch.randn(rows, width, generator=gen).to(dtype)
+                    torch.set_num_threads(threads)
+                    many = gemm(x)
+                    torch.set_num_threads(1)
+                    one = gemm(x)
+                    if not torch.equal(many, one):
+                        worst = float((many.float() - one.float()).abs().max())
+                        return (f"{name} on {rows} rows x {width}: {threads} threads and one "
+                                f"differ by up to {worst:.3g}")
+    finally:
+        torch.set_num_threads(current)
+    return None
 
 
 def packed_bytes(model: Any) -> int:

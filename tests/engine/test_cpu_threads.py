@@ -235,3 +235,58 @@ def test_single_row_float32_forwards_take_f_linear_only_with_one_configured_thre
         assert packed_calls
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_first_forward_checks_the_packed_gemms_on_this_cpu(toy_pager, dtype):
+    """thread_invariant is checked where the engine runs, not only where the tests ran: the
+    first forward of a runner configured with two threads multiplies layer 0's packed weights
+    on one and two threads and keeps the claim (the same bits here); one configured thread
+    has no count to change and checks nothing."""
+    if not packed_linear.packing_supported(dtype, torch.device("cpu")):
+        pytest.skip(f"no packed {dtype} linears on this CPU")
+    before = torch.get_num_threads()
+    try:
+        for threads, expected in ((2, ""), (1, None)):
+            torch.set_num_threads(threads)
+            runner = ModelRunner.for_model(make_family_model("llama").to(dtype), 64, 4,
+                                           lean_forward=True)
+            assert runner.thread_invariant and runner.thread_check is None
+            pager = toy_pager(64, 4, seed=7)
+            pager.add(0, list(range(3, 9)))
+            runner.execute(runner.build_batch([pager.chunk(0, None)]))
+            assert runner.thread_check == expected
+            assert runner.thread_invariant
+            assert torch.get_num_threads() == threads
+            assert (runner.thread_check_s > 0) is (threads == 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemms_whose_bits_follow_the_thread_count_clear_thread_invariant(toy_pager):
+    """A CPU whose packed GEMMs change with the thread count (simulated on the o projection):
+    the first forward finds it, warns, and the runner's thread count goes back to following
+    the batch, however idle the machine."""
+    dtype = next(iter(packed_linear.PACKED_DTYPES), None)
+    if dtype is None:
+        pytest.skip("no packed linears on this CPU")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runner = ModelRunner.for_model(make_family_model("llama").to(dtype), 64, 4,
+                                       lean_forward=True)
+        runner.threads_poll = True
+        runner.contention = _Probe(False)
+        o = runner.lean.layers[0].o
+        real = type(o).forward.__get__(o)
+        o.forward = lambda x: real(x) + (torch.get_num_threads() - 1) * 2.0 ** -4
+        assert runner.load_mode() == "split"
+        pager = toy_pager(64, 4, seed=8)
+        pager.add(0, list(range(3, 9)))
+        with pytest.warns(RuntimeWarning, match="not thread-invariant"):
+            runner.execute(runner.build_batch([pager.chunk(0, None)]))
+        assert runner.thread_check.startswith("o on 1 rows")
+        assert not runner.thread_invariant and runner.load_mode() == "batch"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
