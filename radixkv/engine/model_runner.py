@@ -419,8 +419,8 @@ class ModelRunner:
         not, clear :attr:`thread_invariant` (thread counts stay a function of the batch) and
         warn. Layer 0's four weight shapes at 1, 37 and (small models) 160 rows: what the
         packed forward's GEMMs are, the kernel oneDNN picks depending on the shape and rows.
-        Measured on the embedded model in float32 (AVX2 EPYC, two threads): see
-        docs/architecture.md ("Packed linears")."""
+        0.13 s for the embedded model in float32 on two threads of an AVX2 EPYC (docs/serve.md,
+        "CPU threads on a shared machine")."""
         import time
         import warnings
 
