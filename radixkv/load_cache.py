@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import dataclasses
 from pathlib import Path
 from collections.abc import Iterator
@@ -154,27 +155,33 @@ def _gguf_parsed_once() -> Iterator[None]:
     converted copy (``tests/engine/test_load_cache.py`` compares it with a direct load); the
     first conversion of the embedded model went from 44 to 24 s (2-core AVX2 EPYC). transformers
     imports both names from ``gguf`` inside its functions, so the module attributes are what
-    it sees; they are put back on exit. Without ``gguf`` the block does nothing."""
+    it sees; they are put back on exit. One block at a time in a process (a lock), so that two
+    threads converting cannot put back each other's wrappers. Without ``gguf`` the block does
+    nothing."""
     try:
         import gguf
     except ImportError:
         yield
         return
-    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
+    with _GGUF_PATCH_LOCK:
+        reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
 
-    def reader(path: Any, mode: str = "r") -> Any:
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = reader_cls(path, mode)
-        return readers[key]
+        def reader(path: Any, mode: str = "r") -> Any:
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader_cls(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader = reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+        gguf.GGUFReader = reader
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
+_GGUF_PATCH_LOCK = threading.Lock()
 
 
 def _convert(source: _Source, gguf: Path, target: Path) -> None:
