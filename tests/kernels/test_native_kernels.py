@@ -15,7 +15,6 @@ library per source, flags, compiler and CPU).
 from __future__ import annotations
 
 import ctypes
-
 import os
 
 import pytest
