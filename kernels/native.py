@@ -5,7 +5,9 @@ SDPA costs a fixed ~5 us each plus a gather of every sequence's blocks; the C ke
 paged pool in place (see the C file). Prefill's causal attention through torch's CPU flash
 kernel runs at 36-64 GFLOP/s on one core; the bf16 prefill kernel, on CPUs with AVX512-BF16,
 tiles 16 query rows x 16 keys on the CPU's bf16 dot products (scores, and P.V with P rounded
-to bf16 as FlashAttention does) at ~250 on the project's Zen 5 EPYC. Both are
+to bf16 as FlashAttention does) at ~250 on the project's Zen 5 EPYC; the float32 prefill runs
+on AVX-512 or, in 8-lane halves with the same arithmetic, AVX2 with FMA (most laptops' and Zen 2
+/ 3 servers' ``-march=native``), where the float32 decode heads are AVX2 intrinsics too. All are
 accelerators, never requirements: without a compiler, with ``$RADIXKV_NATIVE_KERNELS=0``, on
 an unsupported shape, dtype or CPU, or if the build fails, :func:`paged_decode` and
 :func:`paged_prefill` return ``False`` and the caller runs the torch path.
@@ -414,9 +416,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   _quantized_kind: int | None = None) -> bool:
     """Causal extend-case attention (q packed ``[total, hq, D]`` by ``cu_seqlens_q``; query i of
     a sequence sees keys up to ``seq_len - q_len + i``) into ``out``, bf16 (AVX512-BF16) or
-    float32 (AVX512F); ``False`` when not run (other dtypes or sizes, a CPU without those
-    instructions, no compiler). ``max_seq_len`` (the longest ``seq_lens`` entry) sizes the
-    per-thread scratch the kernel packs K and V into. Otherwise as :func:`paged_decode`."""
+    float32 (AVX512F, or AVX2 with FMA); ``False`` when not run (other dtypes or sizes, a CPU
+    without those instructions, no compiler). ``max_seq_len`` (the longest ``seq_lens`` entry)
+    sizes the per-thread scratch the kernel packs K and V into. Otherwise as
+    :func:`paged_decode`."""
     key = _PREFILL_ENTRIES.get(q.dtype)
     if _quantized_kind is not None and key is not None:
         key += "_quantized"   # "no_" flags per query dtype; the C entry is one
@@ -475,7 +478,8 @@ def paged_prefill_quantized(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (same packing, same arithmetic) without the scratch. Rows are in their stored (rotated)
     domain, as for :func:`paged_decode_quantized`. ``False`` when not run: operands
     :func:`supports_quantized` refuses (cu_seqlens_q must be int32 and contiguous too), a CPU
-    without AVX512F (float32 query) / AVX512-BF16 (bfloat16), e4m3 under denormals-are-zero."""
+    without AVX512F or AVX2 + FMA (float32 query) / AVX512-BF16 (bfloat16), e4m3 under
+    denormals-are-zero."""
     if not (enabled() and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
             and cu_seqlens_q.device.type == "cpu"
             and supports_quantized(q, k_cache, v_cache, block_tables, seq_lens, out)):

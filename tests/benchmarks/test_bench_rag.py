@@ -58,7 +58,7 @@ def test_quality_pass_on_a_tiny_model():
 def test_quality_pass_on_a_quantized_cache_compares_with_both_prefills():
     """--kv-dtype: each mode against the same int8 cache's full prefill and against fp32's;
     the int8 engine blends (its modes differ from prefix-only), its prefix-only is exact to
-    float32 rounding (bit-exact where the native float32 prefill kernel runs, AVX-512; the
+    float32 rounding (bit-exact where the native float32 prefill kernel runs, AVX-512 or AVX2; the
     torch path attends a cached prefix in two parts merged by log-sum-exp)."""
     torch.set_num_threads(1)
     m = br.tiny_model("llama")

@@ -6,7 +6,7 @@ sequences, long contexts (several 16-key tiles, online-softmax rescaling), share
 and NaN in every slot a sequence must not read (unused tails, unused blocks). bf16 prefill the
 same way, with packed sequences of any cached length and chunk length (empty chunks, one-token
 chunks, chunks longer than a 16-row tile), checked to be the float32 attention rounded once;
-float32 prefill (AVX512F) against the reference to float32 summation-order noise.
+float32 prefill (AVX512F, or AVX2 + FMA) against the reference to float32 summation-order noise.
 Plus: what they decline (fp16, head dims not built, more than 8 query heads per
 KV head in decode) is left to the torch path, the environment switch, and the build cache (one
 library per source, flags, compiler and CPU).
@@ -39,7 +39,7 @@ def _run(case, q, out=None):
 
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        head_dim=st.sampled_from(sorted(native.HEAD_DIMS)),
-       group=st.integers(1, native.MAX_GROUP), num_kv_heads=st.integers(1, 3),
+       group=st.integers(1, native.MAX_GROUP), num_kv_heads=st.integers(1, 6),
        block_size=st.sampled_from([1, 4, 16, 32]))
 def test_native_decode_matches_reference(data, dtype, head_dim, group, num_kv_heads,
                                          block_size):
@@ -219,7 +219,7 @@ def _prefill(case, q, cu, out=None):
 def _prefill_or_skip(case, q, cu):
     ran, out = _prefill(case, q, cu)
     if not ran:
-        need = "AVX512-BF16" if q.dtype == torch.bfloat16 else "AVX512F"
+        need = "AVX512-BF16" if q.dtype == torch.bfloat16 else "AVX512F or AVX2 + FMA"
         pytest.skip(f"native {q.dtype} prefill unavailable here (needs {need})")
     return out
 
@@ -302,7 +302,8 @@ def test_one_row_sequences_in_a_prefill_call_take_the_decode_head(data, dtype, f
     call = native.paged_prefill if fmt is None else native.paged_prefill_quantized
     if not call(q, k_cache, v_cache, case.block_tables, cu, case.seq_lens, max(lens),
                 head_dim ** -0.5, out, parts=parts):
-        pytest.skip(f"native {dtype} prefill unavailable here (needs AVX-512)")
+        pytest.skip(f"native {dtype} prefill unavailable here (needs "
+                    f"{'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX512F or AVX2 + FMA'})")
     one = [s for s, n in enumerate(q_lens) if n == 1]
     if one:
         rows = cu[torch.tensor(one)].long()
@@ -375,7 +376,8 @@ def test_split_calls_give_the_same_bits(dtype, openmp, monkeypatch):
         ran = native.paged_prefill(qp, case.k_cache, case.v_cache, case.block_tables, cu,
                                    case.seq_lens, 300, 0.125, out, parts=parts)
         if not ran:
-            pytest.skip(f"native {dtype} prefill unavailable here (needs AVX-512)")
+            pytest.skip(f"native {dtype} prefill unavailable here (needs "
+                    f"{'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX512F or AVX2 + FMA'})")
         outs.append(out)
     assert not torch.isnan(outs[0]).any()
     assert all(torch.equal(o, outs[0]) for o in outs[1:])

@@ -1,7 +1,8 @@
-"""The native kernels built for a CPU without AVX or AVX-512 (``RADIXKV_NATIVE_MARCH=x86-64-v2``)
-pass the same tests: decode runs its generic C code, the prefill kernels decline (their AVX-512
-bodies are compiled out) and the torch path takes over. This is the build most users'
-laptops get from ``-march=native`` (AVX2 at most), checked here on a machine that has AVX-512.
+"""The native kernels built for a CPU without AVX2 or AVX-512 (``RADIXKV_NATIVE_MARCH=x86-64-v2``)
+pass the same tests: decode runs its generic C code, the prefill kernels decline (their AVX2 and
+AVX-512 bodies are compiled out) and the torch path takes over: older x86-64 CPUs, and any
+machine whose build is pinned to that target. (An AVX2 laptop's ``-march=native`` build runs the
+float32 prefill and decode in AVX2; the suite's own run covers whichever the machine has.)
 Runs the kernel test module in a fresh interpreter with its own cache folder."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_kernels_built_without_avx_pass_the_kernel_tests(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "needs AVX512-BF16" in out, out[-4000:]           # prefill declined, as it must
-    assert "needs AVX512F" in out, out[-4000:]
+    assert "needs AVX512F or AVX2 + FMA" in out, out[-4000:]
     assert "native kernel unavailable" not in out, out[-4000:]
     built = list((tmp_path / "kernels").glob("cpu_attention-*.so"))
     assert len(built) == 1, built

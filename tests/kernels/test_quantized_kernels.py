@@ -273,7 +273,7 @@ def test_native_prefill_reads_quantized_blocks_in_place(storage, dtype, head_dim
     from the quantized rows) equals the same kernel over the dequantized scratch bit for bit:
     chunks over a cached prefix, a whole prompt, a decode row in the same batch; rows past each
     sequence carry a NaN scale (poisoned), so reading one would show. Skips where the native
-    prefill cannot run (no compiler, or a CPU without AVX512F / AVX512-BF16)."""
+    prefill cannot run (no compiler, or a CPU without AVX512F or AVX2 + FMA / AVX512-BF16)."""
     from radixkv.kernels import native
 
     gen = torch.Generator().manual_seed(17)
@@ -286,7 +286,8 @@ def test_native_prefill_reads_quantized_blocks_in_place(storage, dtype, head_dim
     if not native.paged_prefill_quantized(q, k8, v8, case.block_tables, cu, case.seq_lens,
                                           max(lens), 0.125, got):
         pytest.skip(f"native prefill not run here ({native._state.get('error')!r}, "
-                    f"{dtype} needs AVX512F{'-BF16' if dtype == torch.bfloat16 else ''})")
+                    f"{dtype} needs "
+                    f"{'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX512F or AVX2 + FMA'})")
     want = poisoned_like(q)
     assert native.paged_prefill(q, _scratch(k8, dtype), _scratch(v8, dtype), case.block_tables,
                                 cu, case.seq_lens, max(lens), 0.125, want)
