@@ -172,9 +172,10 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
-/* The pool rows (block * bs + offset) of keys k0 .. k0 + 15 below L, one division per tile: a
- * division per key (what KV_ROW does) cost as much as a tile's arithmetic. Keys from L on get
- * key k0's row (never read as data: their scores are masked or their rows zero). */
+/* The pool rows (block * bs + offset) of keys k0 .. k0 + 15 below L (k0 < L), with one division
+ * per tile where KV_ROW divides per key (the speed-up expected from it did not show: within the
+ * run-to-run noise on the Zen 2 EPYC). Keys from L on get key k0's row (never read as data: their
+ * scores are masked or their rows zero). */
 static inline void tile_rows(int64_t rows[16], const int32_t *table, int k0, int L, int bs) {
     int b = k0 / bs, off = k0 - b * bs;
     for (int k = 0; k < 16; k++) {
@@ -195,7 +196,8 @@ static inline __m256 reduce8(const __m256 a[8]) {
  * reduced across the lanes on its own, and every K / V row copied first). One sequence, KV
  * heads h0 .. h1 - 1 (at most DECODE8_HEADS) at once, so that a tile's K / V rows, which
  * interleave the heads, are read from memory in one pass rather than one head's slice at a
- * time (8 GB/s against 13 here). Per tile of 16 keys and per query row of those heads: the
+ * time (a plain read of the two patterns: 8 GB/s against 13 here; the kernel itself did not get
+ * measurably faster from it, docs/kernels.md). Per tile of 16 keys and per query row of those heads: the
  * scores 8 keys at a time (8 accumulators over the head dims, reduced together into one vector
  * with the keys in the lanes), the online softmax per tile (exp256; the row's maximum and sum
  * across the lanes), then P.V with the head dims in the lanes (up to 64 in registers), keys
