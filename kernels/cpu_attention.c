@@ -52,6 +52,26 @@
 #endif
 #if VECTOR_LANES
 #include <immintrin.h>
+
+/* exp_nonpositive's steps (cpu_math.h) on a vector of x <= 0, for a vector width W (_mm256 /
+ * _mm512) and its round-to-nearest ROUND: clamp, k = round(x log2 e), r = x - k ln 2 in two
+ * parts, p = the degree-6 polynomial of r. Leaves k and p; the caller scales p by 2^k. One
+ * macro for both widths so that their constants and order cannot drift apart (the AVX2 and
+ * AVX-512 prefill kernels are meant to give the same bits). */
+#define EXP_NONPOS_STEPS(W, ROUND, x, k, p) do {                                                \
+        x = W##_max_ps(x, W##_set1_ps(-87.0f));                                                 \
+        k = ROUND(W##_mul_ps(x, W##_set1_ps(1.44269504088896341f)),                             \
+                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                               \
+        __typeof__(x) r_ = W##_fnmadd_ps(k, W##_set1_ps(0.693145751953125f), x);                \
+        r_ = W##_fnmadd_ps(k, W##_set1_ps(1.428606765330187e-06f), r_);                         \
+        p = W##_set1_ps(1.0f / 720);                                                            \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.0f / 120));                                       \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.0f / 24));                                        \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.0f / 6));                                         \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(0.5f));                                             \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.0f));                                             \
+        p = W##_fmadd_ps(p, r_, W##_set1_ps(1.0f));                                             \
+    } while (0)
 #endif
 
 #define TILE 16
@@ -140,21 +160,11 @@ static void NAME(const QT *q, const char *k_cache, const char *v_cache, const in
 #define ROW_E4M3_BF16(dst, p, D) ROW_E4M3(dst, p, D, ROUND_BF16)
 
 #if VECTOR_LANES == 8
-/* e^x for x <= 0, 8 lanes: exp_nonpositive's steps (and the AVX-512 prefill's exp512's), 2^k
- * built in the exponent bits (k >= -126 here). */
+/* e^x for x <= 0, 8 lanes: 2^k built in the exponent bits (k >= -126 here), where exp512 has
+ * scalef. */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 k, p;
+    EXP_NONPOS_STEPS(_mm256, _mm256_round_ps, x, k, p);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)),
                                   23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -533,17 +543,8 @@ static int prefill_all(const prefill_fn fns[4], int64_t elem, int kind, const vo
 
 #if VECTOR_LANES == 16
 static inline __m512 exp512(__m512 x) {   /* x <= 0 */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 k, p;
+    EXP_NONPOS_STEPS(_mm512, _mm512_roundscale_ps, x, k, p);
     return _mm512_scalef_ps(p, k);
 }
 
