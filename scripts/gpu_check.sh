@@ -7,9 +7,9 @@
 # transformers, safetensors, pytest, hypothesis, xxhash and sortedcontainers; needs no network
 # and no `pip install` of this project: the checkout is imported through a temporary import
 # root of symlinks (radixkv/ with kernels/ and benchmarks/ placed as radixkv.kernels and
-# radixkv.benchmarks, as pyproject.toml maps them). Nothing named `kernels` is importable at
-# the top level (transformers probes for such a package), so PYTHONSAFEPATH keeps the checkout
-# itself off sys.path. (benchmarks/_common.py:import_root builds the same layout for
+# radixkv.benchmarks, as pyproject.toml maps them). The checkout's kernels/ must never be
+# imported as a top-level `kernels` (transformers imports Hugging Face's package of that name,
+# a dependency from transformers 5.25), so PYTHONSAFEPATH keeps the checkout itself off sys.path. (benchmarks/_common.py:import_root builds the same layout for
 # bench serve --compare-code.) With CUDA: <= 8 minutes on one H100/H200, JSON in benchmarks/results/.
 # Without CUDA: its CPU self-check (< 2 minutes), exit 0 when that passes.
 set -euo pipefail
@@ -34,13 +34,14 @@ if ! "$PY" -c 'import torch, triton, transformers, xxhash, sortedcontainers, pyt
          "sortedcontainers, pytest (set PYTHON=...)" >&2
     exit 2
 fi
-"$PY" -c 'import radixkv, radixkv.kernels, radixkv.benchmarks, sys
+"$PY" -c 'import os, radixkv, radixkv.kernels, radixkv.benchmarks, sys
 assert radixkv.__file__.startswith(sys.argv[1]), radixkv.__file__
 try:
     import kernels
 except ImportError:
     pass
 else:
-    raise SystemExit("a top-level package `kernels` is importable: " + kernels.__file__)' \
-    "$ROOT"
+    if os.path.realpath(os.path.dirname(kernels.__file__ or "")) == os.path.realpath(sys.argv[2]):
+        raise SystemExit("the checkout is importable as top-level `kernels`: " + kernels.__file__)' \
+    "$ROOT" "$REPO/kernels"
 exec "$PY" -m radixkv.benchmarks.gpu_check "$@"
