@@ -77,8 +77,11 @@ def gemm_part(dtype: Any, threads: list[int], rows: tuple[int, ...], passes: int
     sets = []
     for _ in range(layers):
         ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for k, n in shapes]
-        sets.append([(w, torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_HINT_ROWS))
-                     for w in ws])
+        packs = [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_HINT_ROWS)
+                 for w in ws]
+        # each packed weight with its single-row rule, as the engine's packed layers run it
+        sets.append([(w, (pw, packed_linear.single_row_differs(pw, w.shape[1], dtype)))
+                     for w, pw in zip(ws, packs)])
     inputs = {k: torch.randn(600, k, generator=gen).to(dtype) for k, _ in shapes}
 
     def plain(m: int) -> None:
@@ -88,8 +91,8 @@ def gemm_part(dtype: Any, threads: list[int], rows: tuple[int, ...], passes: int
 
     def packed(m: int) -> None:
         for layer in sets:
-            for (k, _), (_, pw) in zip(shapes, layer):
-                torch.ops.mkldnn._linear_pointwise(inputs[k][:m], pw, None, "none", [], "")
+            for (k, _), (_, (pw, pad)) in zip(shapes, layer):
+                packed_linear.packed_matmul(inputs[k][:m], pw, None, pad)
 
     out = []
     before = torch.get_num_threads()
@@ -119,7 +122,7 @@ def gemm_part(dtype: Any, threads: list[int], rows: tuple[int, ...], passes: int
                 def f(x: Any, w: Any = w, pw: Any = pw, name: str = name) -> Any:
                     if name == "plain":
                         return F.linear(x, w)
-                    return torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
+                    return packed_linear.packed_matmul(x, pw[0], None, pw[1])
                 torch.set_num_threads(1)
                 full = f(inputs[k])
                 for m in (1, 2, 3, 4, 7, 16, 33, 64, 243, 257, 512):

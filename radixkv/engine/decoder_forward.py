@@ -273,7 +273,7 @@ class _Fused:
     would take.
     """
 
-    __slots__ = ("parts", "params", "key", "weight", "bias")
+    __slots__ = ("parts", "params", "key", "weight", "bias", "pad_one")
 
     def __init__(self, parts: list[torch.nn.Linear]) -> None:
         self.parts = parts
@@ -284,6 +284,7 @@ class _Fused:
         self.key: list[int] = []   # (data_ptr, version) of each part's weight, flattened
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.pad_one = False   # packed_linear.single_row_differs for the packed weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         version = packed_linear.weight_version
@@ -299,7 +300,7 @@ class _Fused:
                 i += 2
         if stale:
             self._pack(version)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return packed_linear.packed_matmul(x, self.weight, self.bias, self.pad_one)
 
     def _pack(self, version: Callable[[torch.Tensor], int]) -> None:
         """Concatenate and pack the parts' current weights (and biases); remember their key."""
@@ -307,6 +308,8 @@ class _Fused:
             weights = [params["weight"] for params in self.params]
             self.weight = torch.ops.mkldnn._reorder_linear_weight(
                 torch.cat([w.detach() for w in weights]), packed_linear.PACK_HINT_ROWS)
+            self.pad_one = packed_linear.single_row_differs(
+                self.weight, weights[0].shape[1], weights[0].dtype)
             biases = [m.bias for m in self.parts]
             self.bias = (None if biases[0] is None
                          else torch.cat([b.detach() for b in biases]))

@@ -28,7 +28,9 @@ Numerics, float32: not bit-identical to MKL's ``F.linear`` (another summation or
 differ by float32 rounding, ~1e-6 relative), so a float32 forward agrees with transformers' to
 float32 rounding rather than to the bit. What it gains besides speed: a row's bits do not
 depend on how many rows share the call, nor on the thread count (MKL's do), on every shape
-tested (tests/engine/test_packed_linear.py; a CPU where that fails the test fails).
+tested (tests/engine/test_packed_linear.py; a CPU where that fails the test fails), once a single
+row goes through as two where the CPU's one-row kernel sums differently (:func:`single_row_differs`:
+an AVX-512 EPYC's, for 1,536-wide inputs).
 
 How: :func:`pack_linears` switches each ``nn.Linear`` of a bf16 or float32 model on the CPU to
 :class:`PackedLinear` (a subclass: ``isinstance(m, nn.Linear)``, the state dict and the
@@ -83,11 +85,13 @@ class _Packed:
     neither copied nor pickled); the copy packs its own weight on first use.
     """
 
-    __slots__ = ("ptr", "version", "tensor")
+    __slots__ = ("ptr", "version", "tensor", "pad_one")
 
     def __init__(self) -> None:
         self.ptr = self.version = -1
         self.tensor: torch.Tensor | None = None
+        #: a single row goes through as two (:func:`single_row_differs`)
+        self.pad_one = False
 
     def __deepcopy__(self, memo: dict) -> _Packed:
         return _Packed()
@@ -139,9 +143,42 @@ class PackedLinear(torch.nn.Linear):
             with torch.no_grad():
                 holder.tensor = torch.ops.mkldnn._reorder_linear_weight(
                     w.detach(), PACK_HINT_ROWS)
+                holder.pad_one = single_row_differs(holder.tensor, w.shape[1], w.dtype)
             holder.ptr, holder.version = w.data_ptr(), weight_version(w)
-        return torch.ops.mkldnn._linear_pointwise(x, holder.tensor, params["bias"], "none",
-                                                  [], "")
+        return packed_matmul(x, holder.tensor, params["bias"], holder.pad_one)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  pad_one: bool = False) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` packed by ``_reorder_linear_weight``: every packed call.
+    With ``pad_one`` (what :func:`single_row_differs` found for this weight) an input of a
+    single row goes through as two rows (the row twice; the first comes back)."""
+    if pad_one and x.numel() == x.shape[-1]:
+        row = x if x.dim() == 2 else x.reshape(1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(torch.cat((row, row)), packed, bias, "none",
+                                                 [], "")[:1]
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def single_row_differs(packed: torch.Tensor, width: int, dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN gives a single row of ``packed`` other bits than the same row
+    in a call of two (checked once per packed weight, on a seeded input; float32 only).
+
+    Why: on an AVX-512 EPYC (Zen 5) oneDNN takes another kernel for one float32 row than for
+    two or more, whose sums differ in the last bit for the embedded model's 1,536-wide down
+    projection (not for its 576-wide inputs, not in bf16, not on the AVX2 EPYC), so a lone
+    decode row would not be the bits the same row gets in a batch. From two rows up every row
+    count tried gives each row the same bits (``tests/engine/test_packed_linear.py``), and two
+    rows cost what one does (50.1 against 50.8 us for that weight, one thread), so where the
+    single row differs it goes through as two; the copy costs ~2 us a call, paid only there.
+    """
+    if dtype is not torch.float32:
+        return False
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(width))
+    lp = torch.ops.mkldnn._linear_pointwise
+    return not torch.equal(lp(x[:1], packed, None, "none", [], ""),
+                           lp(x, packed, None, "none", [], "")[:1])
 
 
 def pack_linears(model: torch.nn.Module, enable: bool = True) -> int:

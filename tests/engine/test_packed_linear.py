@@ -154,3 +154,25 @@ def test_weights_made_under_inference_mode():
         pl.pack_linears(lin)
         x = torch.randn(3, 64).to(torch.bfloat16)
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+@needs_fp32
+def test_a_single_row_marked_to_pad_is_the_first_row_of_a_call_of_two():
+    """``packed_matmul`` with ``pad_one`` (set per packed weight where this CPU's single-row
+    kernel sums differently: AVX-512 Zen 5, 1,536-wide float32 inputs) returns the row as a
+    call of two rows makes it, in the input's own shape, bias included."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 1536, generator=g), torch.randn(40, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, pl.PACK_HINT_ROWS)
+    x = torch.randn(1, 1536, generator=g)
+    with torch.inference_mode():
+        two = pl.packed_matmul(torch.cat((x, x)), packed, b)
+        assert torch.equal(pl.packed_matmul(x, packed, b, True), two[:1])
+        three_d = pl.packed_matmul(x.view(1, 1, 1536), packed, b, True)
+        assert three_d.shape == (1, 1, 40) and torch.equal(three_d.view(1, 40), two[:1])
+        # several rows are never padded
+        many = torch.randn(3, 1536, generator=g)
+        assert torch.equal(pl.packed_matmul(many, packed, b, True),
+                           pl.packed_matmul(many, packed, b))
+        assert isinstance(pl.single_row_differs(packed, 1536, torch.float32), bool)
+        assert pl.single_row_differs(packed, 1536, torch.bfloat16) is False
