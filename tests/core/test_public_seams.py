@@ -21,7 +21,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # Third-party names with no public spelling: torch's oneDNN ops and a tensor's version
     # counter, transformers' config fields (the attention implementation has a public setter,
     # set_attn_implementation, but no public getter).
-    ("engine/decoder_forward.py", "torch.ops.mkldnn._linear_pointwise"): "torch: no public op",
     ("engine/decoder_forward.py", "torch.ops.mkldnn._reorder_linear_weight"): "torch: no public op",
     ("engine/packed_linear.py", "torch.ops.mkldnn._linear_pointwise"): "torch: no public op",
     ("engine/packed_linear.py", "torch.ops.mkldnn._reorder_linear_weight"): "torch: no public op",
