@@ -1,8 +1,8 @@
 /* Paged attention for the CPU, read through block tables: decode (one query token per sequence,
  * float32 and bfloat16) and prefill / extend: float32 where the CPU has AVX2 with FMA or
  * AVX-512, bfloat16 where it has AVX512-BF16. Decode's float32-query heads are AVX2 intrinsics
- * where the build has AVX2 but not AVX-512 (DEFINE_DECODE8), the compiler's vectorization of
- * plain C (DEFINE_HEAD) otherwise.
+ * where the build has AVX2 or AVX-512 (DEFINE_DECODE8), the compiler's vectorization of plain C
+ * (DEFINE_HEAD) otherwise.
  *
  * Decode.
  * Why native code: on the CPU a decode step's attention is many tiny problems (per sequence and
@@ -50,6 +50,11 @@
 #else
 #define VECTOR_LANES 0
 #endif
+/* Decode's float32-query heads are the AVX2 intrinsics of DEFINE_DECODE8 in both vector builds:
+ * on an AVX-512 EPYC (Zen 5) they took 0.63-0.88x the time of the compiler's 16-lane
+ * vectorization of DEFINE_HEAD (`radixkv bench kernels`, the library built both ways on one
+ * machine, docs/kernels.md). */
+#define DECODE8 (VECTOR_LANES >= 8)
 #if VECTOR_LANES
 #include <immintrin.h>
 
@@ -159,7 +164,7 @@ static void NAME(const QT *q, const char *k_cache, const char *v_cache, const in
 #define ROW_E4M3_F32(dst, p, D) ROW_E4M3(dst, p, D, LOAD_F32)
 #define ROW_E4M3_BF16(dst, p, D) ROW_E4M3(dst, p, D, ROUND_BF16)
 
-#if VECTOR_LANES == 8
+#if DECODE8
 /* e^x for x <= 0, 8 lanes: 2^k built in the exponent bits (k >= -126 here), where exp512 has
  * scalef. */
 static inline __m256 exp256(__m256 x) {
@@ -201,8 +206,8 @@ static inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Float32-query decode for AVX2 + FMA, which the compiler's vectorization of DEFINE_HEAD gave
- * too little of (on the project's Zen 2 EPYC 4.5 GFLOP/s: each (row, key) dot product was
+/* Float32-query decode for AVX2 + FMA (and AVX-512 builds: DECODE8), which the compiler's
+ * vectorization of DEFINE_HEAD gave too little of (on the project's Zen 2 EPYC 4.5 GFLOP/s: each (row, key) dot product was
  * reduced across the lanes on its own, and every K / V row copied first). One sequence, KV
  * heads h0 .. h1 - 1 (at most DECODE8_HEADS) at once, so that a tile's K / V rows, which
  * interleave the heads, are read from memory in one pass rather than one head's slice at a
@@ -406,7 +411,7 @@ int radixkv_paged_decode(const void *q, const void *k_cache, const void *v_cache
     int64_t elem = kind % 2 ? 2 : 4;   /* the query's and output's element size */
     if (parts < 1 || part < 0 || part >= parts) return -2;
     if (kind >= 4 && denormals_are_zero()) return -4;
-#if VECTOR_LANES == 8
+#if DECODE8
     if (HEADS8[di][kind]) {
         /* Part p takes the p-th contiguous run of the (sequence, KV head) pairs, a sequence's
          * heads DECODE8_HEADS at a time (they share the rows the K / V reads stream). */

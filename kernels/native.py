@@ -7,7 +7,8 @@ kernel runs at 36-64 GFLOP/s on one core; the bf16 prefill kernel, on CPUs with 
 tiles 16 query rows x 16 keys on the CPU's bf16 dot products (scores, and P.V with P rounded
 to bf16 as FlashAttention does) at ~250 on the project's Zen 5 EPYC; the float32 prefill runs
 on AVX-512 or, in 8-lane halves with the same arithmetic, AVX2 with FMA (most laptops' and Zen 2
-/ 3 servers' ``-march=native``), where the float32 decode heads are AVX2 intrinsics too. All are
+/ 3 servers' ``-march=native``); the float32-query decode heads are AVX2 intrinsics in both
+builds (faster than the compiler's 16 lanes on AVX-512 too: docs/kernels.md). All are
 accelerators, never requirements: without a compiler, with ``$RADIXKV_NATIVE_KERNELS=0``, on
 an unsupported shape, dtype or CPU, or if the build fails, :func:`paged_decode` and
 :func:`paged_prefill` return ``False`` and the caller runs the torch path.
