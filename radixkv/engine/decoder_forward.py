@@ -17,7 +17,15 @@ for the architectures it knows, with
   so a decode layer is nine launches with no dtype conversion and no host read
   (tests/engine/test_decode_ops.py; docs/gpu.md);
 * token-major tensors throughout;
-* the final norm and the output head on the rows whose logits are wanted only.
+* the last layer: every row's q/k/v, rope, K/V write and attention, then only the rows whose
+  logits are wanted go through its output projection, norm and MLP (a prompt's last token, or
+  none for a prefill chunk before the prompt's end; every row for prompt log-probabilities),
+  as llama.cpp does. A chunk's other rows there feed nothing: their K/V is already written and
+  no later layer reads them. On the embedded model (30 layers) a 243-token turn over 68 cached
+  tokens took 0.978x the time at one thread and 0.977x at two, a 60-token one 0.983x / 1.001x
+  (paired medians of 30, 2026-12-07, Zen 5 EPYC, bf16). A row's bits do not change: its GEMM
+  rows do not depend on the rows beside them (packed CPU GEMMs; test_packed_linear.py);
+* the final norm and the output head on those rows only.
 
 Numerics: every op computes what transformers' op computes, in the same dtype, element by
 element (``a + (-b)`` is ``a - b``, a product with a broadcast ``cos`` is the same product, a
@@ -443,6 +451,9 @@ class DecoderForward:
         ops = _layer_ops(x)
         if ops is _DIRECT_OPS:
             ops = _CpuForwardOps(host_lens).ops() if _native_cpu_ops[0] else _REFERENCE_OPS
+        rows = batch.logits_indices
+        r = int(rows.shape[0])
+        last = self.layers[-1]
         delta = None
         for lay in self.layers:
             if delta is None:
@@ -455,14 +466,23 @@ class DecoderForward:
                 q = ops.rms_norm(q, lay.q_norm.weight, float(lay.q_norm.variance_epsilon))
                 k = ops.rms_norm(k, lay.k_norm.weight, float(lay.k_norm.variance_epsilon))
             out = self._attention(ctx, lay, q, k, v, cos, sin, host_lens, ops)
-            delta = linear(lay.o, out.view(t, hq * d))
+            n = t
+            if lay is last and r < t:
+                # Every row's K/V is written; past the last layer's attention only the rows
+                # whose logits are wanted matter (module doc: "the last layer")
+                if r == 0:
+                    return x.new_empty((0, self.head.out_features), dtype=torch.float32)
+                out, x, n = out.index_select(0, rows), x.index_select(0, rows), r
+            delta = linear(lay.o, out.view(n, hq * d))
             h, x = ops.add_rms_norm(delta, x, lay.post_norm, lay.post_eps)
             gate_up = lay.gate_up(h) if packed else lay.gate_up_cat(h)
             delta = linear(lay.down, ops.silu_mul(gate_up))
-        rows = batch.logits_indices
-        rows, _ = ops.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
-                                   self.norm, self.norm_eps)
-        return linear(self.head, rows).float()
+        if r < t:
+            final, _ = ops.add_rms_norm(delta, x, self.norm, self.norm_eps)
+        else:
+            final, _ = ops.add_rms_norm(delta.index_select(0, rows), x.index_select(0, rows),
+                                        self.norm, self.norm_eps)
+        return linear(self.head, final).float()
 
     @staticmethod
     def _attention(ctx: attention.PagedAttentionContext, lay: _Layer, q: torch.Tensor,

@@ -69,6 +69,45 @@ def test_lean_forward_is_bit_identical_to_transformers_modules(family, dtype, to
     assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_last_layer_runs_past_attention_only_for_the_wanted_rows(dtype, toy_pager):
+    """The lean forward computes every row's K/V in every layer but the last layer's output
+    projection and MLP only for the rows whose logits are wanted: a chunk that wants none (a
+    prefill chunk before the prompt's last), some rows, every row (prompt log-probabilities) or
+    a row twice gives the module runner's logits and the same KV pool, to the bit."""
+    runners = _runners("llama", dtype)
+    pagers = [toy_pager(256, 4, seed=3), toy_pager(256, 4, seed=3)]
+    g = torch.Generator().manual_seed(7)
+    prompts = {0: torch.randint(0, 256, (40,), generator=g).tolist(),
+               1: torch.randint(0, 256, (19,), generator=g).tolist()}
+    for pager in pagers:
+        for s, toks in prompts.items():
+            pager.add(s, toks)
+    rows_down = []   # the rows each forward's last down projection multiplied
+    down = runners[0].lean.layers[-1].down
+    plain = down.forward
+
+    def spy(x):
+        rows_down.append(int(x.shape[0]))
+        return plain(x)
+
+    down.forward = spy   # the lean forward calls module.forward (no hooks)
+    try:
+        none = [[pager.chunk(0, 16, logit_offsets=()), pager.chunk(1, 8, logit_offsets=())]
+                for pager in pagers]
+        outs = [r.execute(r.build_batch(c)) for r, c in zip(runners, none)]
+        assert outs[0].shape == outs[1].shape == (0, 256)
+        mixed = [[pager.chunk(0, 12, logit_offsets=(0, 5, 5, 11)),
+                  pager.chunk(1, 11, logit_offsets=tuple(range(11)))] for pager in pagers]
+        a, b = (r.execute(r.build_batch(c)) for r, c in zip(runners, mixed))
+        assert a.shape == (15, 256) and torch.equal(a, b), (a - b).abs().max()
+        _step(runners, pagers, [(0, None)])
+    finally:
+        del down.forward
+    assert rows_down == [15, 1]   # of 23 and 12 (none at all for the chunks wanting none)
+    assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
+
+
 def test_long_bf16_chunk_is_packed_and_bit_identical(toy_pager):
     """A chunk of more than 256 rows takes the fused packed GEMMs in the lean forward and the
     separately packed projections in the module path: the same bits."""
