@@ -9,8 +9,9 @@
 # root of symlinks (radixkv/ with kernels/ and benchmarks/ placed as radixkv.kernels and
 # radixkv.benchmarks, as pyproject.toml maps them). The checkout's kernels/ must never be
 # imported as a top-level `kernels` (transformers imports Hugging Face's package of that name,
-# a dependency from transformers 5.25), so PYTHONSAFEPATH keeps the checkout itself off sys.path. (benchmarks/_common.py:import_root builds the same layout for
-# bench serve --compare-code.) With CUDA: <= 8 minutes on one H100/H200, JSON in benchmarks/results/.
+# a dependency from transformers 5.25), so PYTHONSAFEPATH keeps the checkout itself off
+# sys.path. (benchmarks/_common.py:import_root builds the same layout for bench serve
+# --compare-code.) With CUDA: <= 8 minutes on one H100/H200, JSON in benchmarks/results/.
 # Without CUDA: its CPU self-check (< 2 minutes), exit 0 when that passes.
 set -euo pipefail
 
