@@ -526,6 +526,7 @@ def _routes(api: FastAPI, state: ServerState,
                                      request: Request) -> Any:
         conv = state.conversations.get(_tenant(request), conversation_id)
         added = cv.new_items(body.items)
+        conv.check_unlocked()
         conv.items.extend(added)
         return rs.page(added, None, max(1, len(added)), "asc")
 
@@ -546,7 +547,9 @@ def _routes(api: FastAPI, state: ServerState,
     async def delete_conversation_item(conversation_id: str, item_id: str,
                                        request: Request) -> Any:
         conv = state.conversations.get(_tenant(request), conversation_id)
-        conv.items.remove(conv.item(item_id))
+        item = conv.item(item_id)
+        conv.check_unlocked()
+        conv.items.remove(item)
         return conv.body()
 
     @api.delete("/v1/responses/{response_id}")
@@ -662,59 +665,77 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                            "before: send one", param="conversation")
         conv = state.conversations.get(tenant, cid, param="conversation")
         history = tuple(conv.messages())
-    if req.background and (not req.store or state.responses.capacity == 0):
-        raise APIError(400, "background needs store: true (and a server that stores "
-                       "responses, --responses-store-size > 0): it is read back by id",
-                       param="background")
-    if req.previous_response_id is not None:
-        prev = state.responses.get(tenant, req.previous_response_id)
-        if prev is None:
-            raise rs.not_found(req.previous_response_id, "previous_response_id")
-        if prev.current()["status"] in ("queued", "in_progress"):
-            raise APIError(400, f"response {req.previous_response_id!r} is still in progress",
-                           param="previous_response_id")
-        history = prev.messages
-    body, new = rs.chat_request(req, history)
-    if req.background:   # generated as a stream whatever the client asked (_background)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    body["model"] = req.model or state.model_name
-    chat_req = _as_chat(body)
     rid = rs.new_id("resp")
-    conversation = (*history, *new)
-
-    def join(final: dict[str, Any]) -> None:   # the conversation grows by this turn
-        if conv is not None and final["status"] != "failed":
-            cv.record(conv, new, final)
-
-    def keep(final: dict[str, Any]) -> None:
-        if req.store:
-            state.responses.put(rid, rs.Stored(tenant, (
-                *conversation, rs.assistant_message(final["output"])), final))
-        join(final)
-
+    # One response at a time in a conversation (a 400 conversation_locked otherwise); the
+    # release is handed to the stream or the background run where those outlive this call.
+    release = conv.lock(rid) if conv is not None else (lambda: None)
+    handed = [False]
     try:
-        answer = await _chat(state, request, chat_req)
-    except APIError as exc:
-        if req.truncation != "auto" or exc.code != "context_length_exceeded":
-            raise
-        chat_req = await _truncated(state, request, req, body, conversation)
-        answer = await _chat(state, request, chat_req)
-    if req.background:
-        return _background(state, tenant, rid, req, conversation, answer, join)
-    if isinstance(answer, _Stream):
-        events = rs.EventStream(rid, req, state.model_name, keep)
-        return _Stream(events.adapt(answer.body_iterator), answer.on_close)
-    if not isinstance(answer, JSONResponse) or answer.status_code != 200:
-        return answer   # the client went away (499)
-    chat = json.loads(bytes(answer.body))
-    choice = chat["choices"][0]
-    final = rs.response_body(rid, req, state.model_name, int(time.time()),
-                             rs.output_items(choice["message"], choice.get("logprobs")),
-                             rs.usage(chat["usage"]),
-                             choice["finish_reason"])
-    keep(final)
-    return JSONResponse(final)
+        if req.background and (not req.store or state.responses.capacity == 0):
+            raise APIError(400, "background needs store: true (and a server that stores "
+                           "responses, --responses-store-size > 0): it is read back by id",
+                           param="background")
+        if req.previous_response_id is not None:
+            prev = state.responses.get(tenant, req.previous_response_id)
+            if prev is None:
+                raise rs.not_found(req.previous_response_id, "previous_response_id")
+            if prev.current()["status"] in ("queued", "in_progress"):
+                raise APIError(400, f"response {req.previous_response_id!r} is still in "
+                               "progress", param="previous_response_id")
+            history = prev.messages
+        body, new = rs.chat_request(req, history)
+        if req.background:   # generated as a stream whatever the client asked (_background)
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        body["model"] = req.model or state.model_name
+        chat_req = _as_chat(body)
+        conversation = (*history, *new)
+
+        def join(final: dict[str, Any]) -> None:   # the conversation grows by this turn
+            if conv is not None and final["status"] != "failed":
+                cv.record(conv, new, final)
+            release()
+
+        def keep(final: dict[str, Any]) -> None:
+            if req.store:
+                state.responses.put(rid, rs.Stored(tenant, (
+                    *conversation, rs.assistant_message(final["output"])), final))
+            join(final)
+
+        try:
+            answer = await _chat(state, request, chat_req)
+        except APIError as exc:
+            if req.truncation != "auto" or exc.code != "context_length_exceeded":
+                raise
+            chat_req = await _truncated(state, request, req, body, conversation)
+            answer = await _chat(state, request, chat_req)
+        if req.background:
+            queued = _background(state, tenant, rid, req, conversation, answer, join)
+            handed[0] = True   # released when the run ends (join)
+            return queued
+        if isinstance(answer, _Stream):
+            events = rs.EventStream(rid, req, state.model_name, keep)
+
+            def closed() -> None:
+                answer.on_close()
+                release()
+
+            stream = _Stream(events.adapt(answer.body_iterator), closed)
+            handed[0] = True   # released when the stream ends, however it ends
+            return stream
+        if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+            return answer   # the client went away (499)
+        chat = json.loads(bytes(answer.body))
+        choice = chat["choices"][0]
+        final = rs.response_body(rid, req, state.model_name, int(time.time()),
+                                 rs.output_items(choice["message"], choice.get("logprobs")),
+                                 rs.usage(chat["usage"]),
+                                 choice["finish_reason"])
+        keep(final)
+        return JSONResponse(final)
+    finally:
+        if not handed[0]:
+            release()
 
 
 def _as_chat(body: dict[str, Any]) -> ChatCompletionRequest:

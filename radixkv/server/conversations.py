@@ -15,6 +15,11 @@ refuses what radixkv cannot answer) and written back as items with ids of their 
 The store is one process's memory, bounded like the response store
 (``--responses-store-size`` conversations, the least recently used dropped first).
 
+One response at a time per conversation (:meth:`Conversation.lock`): while one runs, another
+response in it, or adding or deleting its items, is a 400 ``conversation_locked``, as OpenAI
+answers; the lock is released however the response ends (completed, failed, cancelled, its
+client gone, a background run's end).
+
 Pure Python, no torch. Event-loop thread only.
 """
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +49,8 @@ class Conversation:
     created_at: int
     metadata: dict[str, str] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
+    #: the response running in it now (its id), if any: :meth:`lock`
+    busy: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The ``conversation`` object."""
@@ -53,6 +60,27 @@ class Conversation:
     def messages(self) -> list[dict[str, Any]]:
         """The items as chat messages (the history of a response in this conversation)."""
         return rs.input_messages(self.items) if self.items else []
+
+    def check_unlocked(self) -> None:
+        """A 400 ``conversation_locked`` (OpenAI's code and ``param``) while a response runs
+        in this conversation: its items are what that response answers and what it will be
+        appended to, so another response or an item added or deleted meanwhile would answer a
+        history the conversation will not have."""
+        if self.busy is not None:
+            raise APIError(400, f"response {self.busy!r} is in progress in conversation "
+                           f"{self.id!r}; retry once it has ended", param="conversation",
+                           code="conversation_locked")
+
+    def lock(self, response_id: str) -> Callable[[], None]:
+        """Hold the conversation for ``response_id`` (a 400 where another response holds it);
+        returns the release, which is safe to call more than once."""
+        self.check_unlocked()
+        self.busy = response_id
+
+        def release() -> None:
+            if self.busy == response_id:
+                self.busy = None
+        return release
 
     def item(self, item_id: str) -> dict[str, Any]:
         for it in self.items:

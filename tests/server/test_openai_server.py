@@ -1338,6 +1338,66 @@ def test_conversations_hold_the_history_responses_continue(ready: Server) -> Non
     assert status == 400 and err["error"]["param"] == "conversation", err
 
 
+def test_a_conversation_runs_one_response_at_a_time(ready: Server) -> None:
+    """While a response runs in a conversation, another response in it, and adding or deleting
+    its items, are a 400 ``conversation_locked`` naming ``conversation`` (OpenAI's answer): they
+    would answer, or change, a history the running response is about to extend. The lock goes
+    however the response ends: streamed to the end, its client gone mid-stream, a background
+    run cancelled; a response that fails validation never holds it."""
+    client = ready.client()
+    conv = client.conversations.create(items=[{"role": "user", "content": "Count to fifty."}])
+    long = dict(model=MODEL, conversation=conv.id, max_output_tokens=400, temperature=0,
+                extra_body={"ignore_eos": True})
+
+    def locked(what: str) -> None:
+        item = client.conversations.items.list(conv.id).data[0].id
+        for method, path, body in (
+                ("POST", "/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 2,
+                                           "conversation": conv.id}),
+                ("POST", f"/v1/conversations/{conv.id}/items",
+                 {"items": [{"role": "user", "content": "x"}]}),
+                ("DELETE", f"/v1/conversations/{conv.id}/items/{item}", None)):
+            status, err = ready.raw(method, path, body)
+            assert status == 400 and err["error"]["code"] == "conversation_locked" \
+                and err["error"]["param"] == "conversation", (what, method, path, err)
+
+    def free(what: str) -> None:
+        deadline = time.monotonic() + 60   # a client's disconnect is seen at the next token
+        while True:
+            status, body = ready.raw("POST", "/v1/responses", {
+                "model": MODEL, "input": "And?", "max_output_tokens": 2,
+                "conversation": conv.id})
+            if status == 200:
+                assert body["status"] in ("completed", "incomplete"), (what, body)
+                return
+            assert body["error"]["code"] == "conversation_locked", (what, body)
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    stream = client.responses.create(**long, input="Go on.", stream=True)
+    next(iter(stream))                       # response.created: it runs
+    locked("a streamed response")
+    events = list(stream)
+    assert events[-1].type == "response.incomplete", events[-1]   # max_output_tokens
+    free("the stream's end")
+    # validation failures take no lock and leave none
+    status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "x",
+                                                      "conversation": conv.id,
+                                                      "background": True, "store": False})
+    assert status == 400 and err["error"]["param"] == "background", err
+    free("a refused request")
+    gone = client.responses.create(**long, input="Again.", stream=True)
+    next(iter(gone))
+    locked("a stream whose client goes away")
+    gone.close()
+    free("the client's disconnect")
+    bg = client.responses.create(**long, input="Once more.", background=True)
+    locked("a background response")
+    client.responses.cancel(bg.id)
+    _until_done(client, bg.id)
+    free("the cancel")
+
+
 def _until_done(client: Any, rid: str) -> Any:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
