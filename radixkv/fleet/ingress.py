@@ -255,7 +255,8 @@ class FleetIngress:
                           cache_reset=o.get("cache_reset", False),
                           stream_interval=o.get("stream_interval", 1),
                           responses_store_size=o.get("responses_store_size", 1024),
-                          json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE))
+                          json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
+                          freeze_heap=True)   # the ingress replica's own process
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

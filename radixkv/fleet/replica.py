@@ -87,7 +87,13 @@ class EngineReplica:
         bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \
             if spec.bus_name else None
         self._attach(engine, ctx.replica_id.unique_id, bus, time.perf_counter() - t0)
-        log.info("radixkv replica %s ready in %.1f s", self.replica_id, self.load_s)
+        # this actor's process is the replica: its start-up heap leaves the GC's full passes
+        # (radixkv/server/heap.py)
+        from radixkv.server.heap import freeze_startup_heap
+
+        frozen, _ = freeze_startup_heap()
+        log.info("radixkv replica %s ready in %.1f s (%d objects frozen)", self.replica_id,
+                 self.load_s, frozen)
 
     @classmethod
     def from_engine(cls, engine: Any, replica_id: str, bus: Any = None) -> EngineReplica:

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, check_max_whitespace
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server import conversations as cv
+from radixkv.server import heap
 from radixkv.server import responses as rs
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
@@ -101,6 +102,8 @@ class ServerState:
         self.background: set[asyncio.Task[None]] = set()
         self.metrics = ServerMetrics(model_name)
         self.max_request_bytes = max_request_bytes
+        #: freeze the start-up heap once warm (create_app's ``freeze_heap``)
+        self.freeze_heap = False
         self.max_token_chars: int | None = None   # of the vocabulary, once loaded
         self.max_token_chars_task: asyncio.Future[int] | None = None   # computing it
         self.grammar_compiler: Any = None         # response_format, built on first use
@@ -247,7 +250,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                reasoning_parser: str | None = None, cache_reset: bool = False,
                max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
                stream_interval: int = 1,
-               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> Any:
+               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+               freeze_heap: bool = False) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -260,8 +264,12 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``.
     ``responses_store_size``: responses kept for ``previous_response_id`` (0: none).
     ``stream_interval``: ``--stream-interval``. ``json_max_whitespace``:
-    ``--structured-outputs-max-whitespace`` (None: unbounded). Returns the app wrapped in its gate
-    middleware; the FastAPI object is ``app.fastapi`` and the shared state ``app.state``."""
+    ``--structured-outputs-max-whitespace`` (None: unbounded). ``freeze_heap``: the app is the
+    process (``radixkv serve``, the fleet's ingress): once loaded and warm, freeze the start-up
+    heap out of the garbage collector's passes, and time the collector's pauses for
+    ``/metrics`` (:mod:`radixkv.server.heap`); an app embedded in another program leaves its
+    collector alone. Returns the app wrapped in its gate middleware; the FastAPI object is
+    ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
     if engine is not None:
@@ -277,9 +285,13 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                         default_max_tokens, max_request_bytes, reasoning_parser,
                         cache_reset, max_logprobs, responses_store_size, stream_interval,
                         check_max_whitespace(json_max_whitespace))
+    state.freeze_heap = freeze_heap
+    pauses = heap.PauseRecorder(state.metrics.gc_pause) if freeze_heap else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
+        if pauses is not None:
+            pauses.install()
         if engine is not None:
             await asyncio.to_thread(_warm, state, engine)   # as a loaded one is (_load)
             state.engine = engine
@@ -294,6 +306,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
             await asyncio.wait(set(state.background), timeout=5)
         if state.engine is not None:
             state.engine.close()
+        if pauses is not None:
+            pauses.remove()
 
     api = FastAPI(title="radixkv", lifespan=lifespan)
     install_handlers(api)
@@ -325,12 +339,16 @@ def _warm(state: ServerState, eng: Backend) -> None:
     ready: the vocabulary's longest token (:func:`serving.max_token_chars`, ~14 ms on the
     embedded model's 49k-token vocabulary) and a first chat-template render (~4 ms). (The
     engine warms its forward itself: ``EngineConfig.warm_up``.) A backend without a chat
-    template leaves both to the first request."""
+    template leaves both to the first request. Then, where the server owns its process
+    (``freeze_heap``), the start-up heap is frozen out of the garbage collector's passes
+    (:mod:`radixkv.server.heap`: a full pass over it stopped the engine for ~85 ms)."""
     try:
         state.max_token_chars = serving.max_token_chars(eng)
         eng.chat_template.prompt_ids([{"role": "user", "content": "Hi"}])
     except Exception:  # noqa: BLE001 (an optimisation: the request path computes it again)
         pass
+    if state.freeze_heap:
+        state.metrics.frozen_objects, _ = heap.freeze_startup_heap()
 
 
 def _routes(api: FastAPI, state: ServerState,

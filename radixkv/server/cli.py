@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                      stream_interval=args.stream_interval,
                      json_max_whitespace=args.structured_outputs_max_whitespace,
                      cache_reset=args.enable_cache_reset
-                     or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
+                     or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+                     freeze_heap=True)
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

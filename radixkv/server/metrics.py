@@ -31,6 +31,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0)
+#: Pauses of the cyclic GC: a young collection takes microseconds, a full pass over a loaded
+#: server's unfrozen heap ~85 ms (radixkv/server/heap.py).
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -170,6 +173,24 @@ class _GenericCollector:
         return []
 
 
+class _HeapCollector:
+    """``radixkv_gc_frozen_objects``: the start-up objects frozen out of the collector's passes
+    (0 where the server does not own its process or has not loaded yet)."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Any]:
+        g = GaugeMetricFamily("radixkv_gc_frozen_objects", "Objects alive at start-up that "
+                              "the cyclic garbage collector's passes skip (gc.freeze).",
+                              labels=list(self.owner.labels))
+        g.add_metric(list(self.owner.labels.values()), float(self.owner.frozen_objects))
+        yield g
+
+    def describe(self) -> list[Any]:
+        return []
+
+
 class _Twin:
     """Observations sent to two metrics at once: radixkv's and vLLM's name for the same one."""
 
@@ -241,11 +262,25 @@ class ServerMetrics:
         self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
                                 "before reaching the engine, by HTTP status.",
                                 [*names, "status"], registry=reg)
+        #: CPython's cyclic GC (radixkv/server/heap.py; only where the server owns its
+        #: process): each collection's pause, and the start-up objects frozen out of them
+        self.gc_pauses = Histogram("radixkv_gc_pause_seconds", "Pauses of Python's cyclic "
+                                   "garbage collector (every thread, the engine's included, "
+                                   "waits), by generation (2: a full pass).",
+                                   [*names, "generation"], buckets=GC_BUCKETS, registry=reg)
+        self._gc_children = [self.gc_pauses.labels(model_name, str(g)) for g in range(3)]
+        self.frozen_objects = 0
         reg.register(_EngineCollector(self))
         reg.register(_GenericCollector(self))
+        reg.register(_HeapCollector(self))
 
     def label(self) -> dict[str, str]:
         return self.labels
+
+    def gc_pause(self, generation: int, seconds: float) -> None:
+        """One collection's pause (:class:`radixkv.server.heap.PauseRecorder`'s observer; the
+        label children are made once: this runs at every collection, in any thread)."""
+        self._gc_children[min(max(generation, 0), 2)].observe(seconds)
 
     def render(self, snapshots: Sequence[tuple[Mapping[str, str], Mapping[str, Any]]]
                | Mapping[str, Any]) -> bytes:

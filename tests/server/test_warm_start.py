@@ -127,3 +127,22 @@ def test_a_burst_of_requests_scans_the_vocabulary_once() -> None:
             return app.state.max_token_chars
 
     assert asyncio.run(start()) == len("<|im_start|>") and counted.scans == 1
+
+
+def test_an_embedded_app_leaves_the_garbage_collector_alone() -> None:
+    """Only a server that owns its process (``freeze_heap``: ``radixkv serve``, the fleet)
+    freezes the start-up heap and hooks ``gc.callbacks``: frozen objects are never collected,
+    which an application that embeds the app has not asked for."""
+    import asyncio
+    import gc
+
+    frozen, hooks = gc.get_freeze_count(), list(gc.callbacks)
+    app = app_mod.create_app(_Backend(_Template(_state())), model_name="m")
+
+    async def start() -> None:
+        async with app.fastapi.router.lifespan_context(app.fastapi):
+            assert list(gc.callbacks) == hooks
+
+    asyncio.run(start())
+    assert gc.get_freeze_count() == frozen and list(gc.callbacks) == hooks
+    assert app.state.metrics.frozen_objects == 0
