@@ -79,6 +79,19 @@ case "$cmd" in
                || { echo "scripts/dev.sh test: ruff found the problems above" >&2; exit 1; }
            "$VENV/bin/mypy" $MYPY_PATHS \
                || { echo "scripts/dev.sh test: mypy found the problems above" >&2; exit 1; }
+           # what the run tested against: an unpinned dependency's new release is what changes
+           # between two runs of the same commit (transformers 5.25 broke the suite so)
+           "$VENV/bin/python" -c 'import importlib.metadata as m, platform
+names = ("torch", "transformers", "tokenizers", "kernels", "triton", "xgrammar", "ray",
+         "fastapi", "redis", "openai")
+found = []
+for n in names:
+    try:
+        found.append(n + " " + m.version(n))
+    except m.PackageNotFoundError:
+        pass
+print("scripts/dev.sh test: Python", platform.python_version() + ";", ", ".join(found))' >&2 \
+               || true
            exec "$VENV/bin/python" -m pytest -q "$@" ;;
     demo)  setup; exec "$VENV/bin/radixkv" demo "$@" ;;
     bench) setup; exec "$VENV/bin/radixkv" bench "$@" ;;
