@@ -418,7 +418,10 @@ class EngineConfig:
             request does not pay the forward's one-time costs (weight packing, kernel
             generation, Triton's compilation on CUDA; ``ModelRunner.warm_up``): on the
             embedded model on the CPU ~0.13 s at start against 5-6x the TTFT of the first
-            request through the server.
+            request through the server. With packed CPU GEMMs it then has oneDNN build its
+            kernels for forwards of 1 to 128 rows at one thread and at the configured count,
+            within 0.5 s (81 row counts on the 2-core Zen 5 EPYC at two threads): a prompt
+            length not met before had paid ~2 ms for them.
         seed: vLLM's ``--seed``: requests that give no ``seed`` draw from generators seeded in
             turn from this one, so the same requests in the same order sample the same tokens
             after a restart. None (default): fresh entropy per request (OpenAI's behaviour).

@@ -26,6 +26,9 @@ def pytest_configure(config) -> None:
     the user's ~/.cache, unless the caller chose a folder."""
     import tempfile
 
+    # Engines skip warming oneDNN's per-row-count GEMM kernels (up to 0.5 s each: the suite
+    # builds hundreds); test_engine_correctness's warm-up test turns it back on.
+    os.environ.setdefault("RADIXKV_WARM_GEMM_ROWS", "0")
     config.radixkv_model_cache = None
     if "RADIXKV_MODEL_CACHE_DIR" not in os.environ:
         config.radixkv_model_cache = tempfile.mkdtemp(prefix="radixkv-test-models-")

@@ -408,6 +408,21 @@ class DecoderForward:
         #: mixes the two for the same batch.
         self.plain_single_row = False
 
+    def warm_gemms(self, rows: int, head: bool) -> None:
+        """Run layer 0's four GEMMs (q/k/v, o, gate/up, down: every layer's shapes) and, with
+        ``head``, the output head on ``rows`` rows of zeros, so that oneDNN has built its kernel
+        for that row count (at the calling thread's count) before a request needs it
+        (``ModelRunner.warm_up``). Only meaningful for packed CPU GEMMs; harmless elsewhere."""
+        lay = self.layers[0]
+        dtype = lay.o.weight.dtype
+        with torch.inference_mode():
+            for gemm, width in ((lay.qkv, lay.q.in_features), (lay.o.forward, lay.o.in_features),
+                                (lay.gate_up, lay.gate.in_features),
+                                (lay.down.forward, lay.down.in_features)):
+                gemm(torch.zeros(rows, width, dtype=dtype))
+            if head:
+                self.head(torch.zeros(rows, self.head.in_features, dtype=dtype))
+
     def thread_variance(self, threads: int, row_counts: Sequence[int]) -> str | None:
         """Where layer 0's four packed GEMMs (q/k/v, o, gate/up, down: every weight shape of a
         layer) give other bits on ``threads`` threads than on one (None: nowhere); see

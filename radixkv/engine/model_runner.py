@@ -48,6 +48,17 @@ SPIN_FOR_SMALL_FORWARDS = 2000
 #: (rows x the layer's linear weights): the embedded 135M model (3.5M) gets all three, an 8B
 #: model (218M) the first two (~33 GFLOP at both thread counts together).
 THREAD_CHECK_WORK = 1_000_000_000
+#: :meth:`ModelRunner.warm_up` has oneDNN build its packed-GEMM kernels for forwards of 1 to
+#: this many rows (the output head's up to :data:`WARM_HEAD_ROWS`), at one thread and at the
+#: configured count, stopping once :data:`WARM_GEMMS_S` seconds have gone: a kernel is built
+#: per (shape, row count, thread count) the first time one is needed, ~0.3-0.45 ms each, and a
+#: forward of a row count not seen before paid ~2 ms for its four shapes (docs/architecture.md).
+#: ``$RADIXKV_WARM_GEMM_ROWS`` replaces it (0: none; the test suite sets 0, one test excepted,
+#: so that its hundreds of engines do not each spend the budget).
+WARM_GEMM_ROWS = 128
+WARM_ROWS_VAR = "RADIXKV_WARM_GEMM_ROWS"
+WARM_HEAD_ROWS = 16
+WARM_GEMMS_S = 0.5
 
 
 def model_kv_layout(model: torch.nn.Module, block_size: int, kv_dtype: str = "auto"
@@ -192,6 +203,8 @@ class ModelRunner:
         self.thread_invariant = (self.device.type == "cpu" and self.lean is not None
                                  and bool(pack_weights)
                                  and param.dtype in packed_linear.PACKED_DTYPES)
+        #: the row counts :meth:`warm_up` had oneDNN build GEMM kernels for (1 to this; 0: none)
+        self.warm_gemm_rows = 0
         #: what the first CPU forward's check of :attr:`thread_invariant` found on this CPU:
         #: None (not run: not claimed, or one configured thread), "" (the packed GEMMs gave the
         #: same bits on one thread and on the configured count), else where they differed
@@ -227,9 +240,10 @@ class ModelRunner:
         compilation on CUDA. Measured on the embedded model (bf16, two threads, CPU): the first
         forward of a prompt took 125-139 ms against 17-22 ms for the next one, and the first
         request through ``radixkv serve`` 196 ms against 34-40 ms for the next four. One
-        forward of any length warms the later ones (an 18-, 37-, 243- and 500-token prompt
-        afterwards ran within noise of their second run), so one prefill of a block and one
-        decode step cover both attention paths.
+        forward of any length warms most of what later ones need, so one prefill of a block
+        and one decode step cover both attention paths; what is left is oneDNN's kernel per
+        GEMM row count (~2 ms the first time a prompt length is met, measured 2026-12-07),
+        which :meth:`_warm_gemms` builds for the small row counts.
 
         The blocks keep the warm-up's K/V: a block is written by the sequence it is allocated
         to before anything reads it, as after any sequence that freed it."""
@@ -248,7 +262,54 @@ class ModelRunner:
         self.execute(self.build_batch([SequenceChunk([ids[-1]], n, blocks, [n])]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.warm_gemm_rows = self._warm_gemms()
         return time.perf_counter() - t0
+
+    def _warm_gemms(self) -> int:
+        """oneDNN's packed-GEMM kernels for forwards of 1, 2, ... rows (up to
+        :data:`WARM_GEMM_ROWS`, within :data:`WARM_GEMMS_S`), at one thread and at the
+        configured count (a kernel is built per thread count, and :meth:`_cpu_threads` runs
+        small forwards on one); returns the rows reached (0: nothing to warm: not the CPU's
+        packed lean forward).
+
+        Why: one forward warms everything else of its kind, but oneDNN builds a kernel per row
+        count the first time it meets one, ~0.3-0.45 ms per weight shape; a prompt of a length
+        not seen before paid ~2 ms more than its second run (median of 18 lengths, 20-139 new
+        tokens over 64 cached, bf16, one thread: 51.0 against 49.4 ms, and 0.3 ms with these
+        kernels built first; 2026-12-07, Zen 5 EPYC). Every new turn of a chat has a new
+        length, so without this the first few hundred requests of a server pay it. Numerics
+        are untouched: which forward built a kernel does not change what it computes."""
+        import os
+        import time
+
+        lean = self.lean
+        limit = WARM_GEMM_ROWS
+        raw = os.environ.get(WARM_ROWS_VAR, "").strip()
+        if raw:
+            try:
+                limit = max(0, int(raw))
+            except ValueError:
+                raise ConfigError(f"${WARM_ROWS_VAR} must be a row count (0: none), got "
+                                  f"{raw!r}") from None
+        if (limit == 0 or self.device.type != "cpu" or lean is None or not lean.pack
+                or lean.layers[0].o.weight.dtype not in packed_linear.PACKED_DTYPES):
+            return 0
+
+        configured = torch.get_num_threads()
+        counts = sorted({1, configured})
+        deadline = time.perf_counter() + WARM_GEMMS_S
+        reached = 0
+        try:
+            for rows in range(1, limit + 1):
+                for n in counts:
+                    torch.set_num_threads(n)
+                    lean.warm_gemms(rows, head=rows <= WARM_HEAD_ROWS)
+                reached = rows
+                if time.perf_counter() > deadline:
+                    break
+        finally:
+            torch.set_num_threads(configured)
+        return reached
 
     def decode_graphs_unsupported(self) -> str | None:
         """Why this runner's decode steps cannot be replayed from a graph (None: they can):

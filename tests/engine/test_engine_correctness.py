@@ -683,6 +683,52 @@ def test_warm_up_runs_a_prefill_and_a_decode_on_free_blocks_and_changes_nothing(
         EngineConfig(warm_up=1)
 
 
+def test_warm_up_builds_the_packed_gemm_kernels_for_small_row_counts(hf_llama, monkeypatch):
+    """Where the CPU's lean forward packs its GEMMs, the warm-up also runs layer 0's four GEMM
+    shapes (and the head, for a few rows) on 1, 2, ... rows at one thread and at the
+    configured count, so that oneDNN's per-row-count kernels exist before requests need them
+    (a new prompt length had paid ~2 ms); it stops at ModelRunner.WARM_GEMM_ROWS or the time
+    budget, restores the thread count, and leaves outputs as they were."""
+    import torch
+
+    from radixkv.engine import model_runner as mr
+    from radixkv.engine import packed_linear
+
+    if not packed_linear.packing_supported(next(hf_llama.parameters()).dtype,
+                                           torch.device("cpu")):
+        pytest.skip("this CPU does not pack the test model's dtype (oneDNN)")
+    monkeypatch.setenv(mr.WARM_ROWS_VAR, "6")   # the suite's conftest sets 0
+    monkeypatch.setattr(mr, "WARM_HEAD_ROWS", 2)
+    calls: list[tuple[int, bool, int]] = []
+    original = mr.decoder_forward.DecoderForward.warm_gemms
+
+    def spy(self, rows, head):
+        calls.append((rows, head, torch.get_num_threads()))
+        return original(self, rows, head)
+
+    monkeypatch.setattr(mr.decoder_forward.DecoderForward, "warm_gemms", spy)
+    before = torch.get_num_threads()
+    eng = _engine(hf_llama, num_blocks=16, block_size=4)
+    assert torch.get_num_threads() == before
+    runner = eng.model_runner
+    assert runner.warm_gemm_rows == 6
+    counts = sorted({1, before})
+    assert calls == [(r, r <= 2, n) for r in range(1, 7) for n in counts]
+    prompts = _prompts([3, 7])
+    final = _run(eng, [(f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts)])
+    assert [final[f"r{i}"].outputs[0].token_ids for i in range(2)] == \
+        [_hf(hf_llama, p, 6) for p in prompts]
+    calls.clear()
+    plain = LLMEngine(copy.deepcopy(hf_llama), None,
+                      CacheConfig(block_size=4, num_device_blocks=16),
+                      EngineConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                   pack_weights=False), model_id="tiny")
+    assert plain.model_runner.warm_gemm_rows == 0 and calls == []
+    monkeypatch.setenv(mr.WARM_ROWS_VAR, "many")
+    with pytest.raises(ConfigError, match="RADIXKV_WARM_GEMM_ROWS"):
+        _engine(hf_llama, num_blocks=16, block_size=4)
+
+
 def test_pack_weights_false_runs_the_weights_as_loaded_and_true_is_checked(hf_llama):
     """EngineConfig.pack_weights: False keeps (or makes) every linear a plain nn.Linear, even
     on a model an earlier engine packed, and its greedy tokens are transformers'; True where
