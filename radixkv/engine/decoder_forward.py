@@ -408,32 +408,32 @@ class DecoderForward:
         #: mixes the two for the same batch.
         self.plain_single_row = False
 
-    def warm_gemms(self, rows: int, head: bool) -> None:
-        """Run layer 0's four GEMMs (q/k/v, o, gate/up, down: every layer's shapes) and, with
-        ``head``, the output head on ``rows`` rows of zeros, so that oneDNN has built its kernel
-        for that row count (at the calling thread's count) before a request needs it
-        (``ModelRunner.warm_up``). Only meaningful for packed CPU GEMMs; harmless elsewhere."""
+    def layer_gemms(self) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], int]]:
+        """Layer 0's four GEMMs as the forward calls them: (name, the call, its input width)
+        for q/k/v, o, gate/up and down, every weight shape of a layer."""
         lay = self.layers[0]
-        dtype = lay.o.weight.dtype
+        return [("q/k/v", lay.qkv, lay.q.in_features), ("o", lay.o.forward, lay.o.in_features),
+                ("gate/up", lay.gate_up, lay.gate.in_features),
+                ("down", lay.down.forward, lay.down.in_features)]
+
+    def warm_gemms(self, rows: int, head: bool) -> None:
+        """Run :meth:`layer_gemms` and, with ``head``, the output head on ``rows`` rows of
+        zeros, so that oneDNN has built its kernel for that row count (at the calling thread's
+        count) before a request needs it (``ModelRunner.warm_up``). Only meaningful for packed
+        CPU GEMMs; harmless elsewhere."""
+        dtype = self.layers[0].o.weight.dtype
         with torch.inference_mode():
-            for gemm, width in ((lay.qkv, lay.q.in_features), (lay.o.forward, lay.o.in_features),
-                                (lay.gate_up, lay.gate.in_features),
-                                (lay.down.forward, lay.down.in_features)):
+            for _, gemm, width in self.layer_gemms():
                 gemm(torch.zeros(rows, width, dtype=dtype))
             if head:
                 self.head(torch.zeros(rows, self.head.in_features, dtype=dtype))
 
     def thread_variance(self, threads: int, row_counts: Sequence[int]) -> str | None:
-        """Where layer 0's four packed GEMMs (q/k/v, o, gate/up, down: every weight shape of a
-        layer) give other bits on ``threads`` threads than on one (None: nowhere); see
-        :func:`packed_linear.thread_variance`. Builds the packed copies if no forward has."""
-        lay = self.layers[0]
-        dtype = lay.o.weight.dtype
-        return packed_linear.thread_variance(
-            (("q/k/v", lay.qkv, lay.q.in_features), ("o", lay.o.forward, lay.o.in_features),
-             ("gate/up", lay.gate_up, lay.gate.in_features),
-             ("down", lay.down.forward, lay.down.in_features)),
-            dtype, threads, row_counts)
+        """Where :meth:`layer_gemms` give other bits on ``threads`` threads than on one (None:
+        nowhere); see :func:`packed_linear.thread_variance`. Builds the packed copies if no
+        forward has."""
+        return packed_linear.thread_variance(self.layer_gemms(), self.layers[0].o.weight.dtype,
+                                             threads, row_counts)
 
     def __call__(self, ctx: attention.PagedAttentionContext) -> torch.Tensor:
         """Logits (float32 ``[num_logits, vocab]``) of ``ctx.batch``, writing its K/V.

@@ -287,10 +287,12 @@ class ModelRunner:
         raw = os.environ.get(WARM_ROWS_VAR, "").strip()
         if raw:
             try:
-                limit = max(0, int(raw))
+                limit = int(raw)
             except ValueError:
+                limit = -1
+            if limit < 0:
                 raise ConfigError(f"${WARM_ROWS_VAR} must be a row count (0: none), got "
-                                  f"{raw!r}") from None
+                                  f"{raw!r}")
         if (limit == 0 or self.device.type != "cpu" or lean is None or not lean.pack
                 or lean.layers[0].o.weight.dtype not in packed_linear.PACKED_DTYPES):
             return 0

@@ -687,7 +687,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     # One response at a time in a conversation (a 400 conversation_locked otherwise); the
     # release is handed to the stream or the background run where those outlive this call.
     release = conv.lock(rid) if conv is not None else (lambda: None)
-    handed = [False]
+    handed = False
     try:
         if req.background and (not req.store or state.responses.capacity == 0):
             raise APIError(400, "background needs store: true (and a server that stores "
@@ -729,7 +729,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             answer = await _chat(state, request, chat_req)
         if req.background:
             queued = _background(state, tenant, rid, req, conversation, answer, join)
-            handed[0] = True   # released when the run ends (join)
+            handed = True   # released when the run ends (join)
             return queued
         if isinstance(answer, _Stream):
             events = rs.EventStream(rid, req, state.model_name, keep)
@@ -739,7 +739,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                 release()
 
             stream = _Stream(events.adapt(answer.body_iterator), closed)
-            handed[0] = True   # released when the stream ends, however it ends
+            handed = True   # released when the stream ends, however it ends
             return stream
         if not isinstance(answer, JSONResponse) or answer.status_code != 200:
             return answer   # the client went away (499)
@@ -752,7 +752,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
         keep(final)
         return JSONResponse(final)
     finally:
-        if not handed[0]:
+        if not handed:
             release()
 
 

@@ -724,9 +724,10 @@ def test_warm_up_builds_the_packed_gemm_kernels_for_small_row_counts(hf_llama, m
                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                    pack_weights=False), model_id="tiny")
     assert plain.model_runner.warm_gemm_rows == 0 and calls == []
-    monkeypatch.setenv(mr.WARM_ROWS_VAR, "many")
-    with pytest.raises(ConfigError, match="RADIXKV_WARM_GEMM_ROWS"):
-        _engine(hf_llama, num_blocks=16, block_size=4)
+    for bad in ("many", "-3"):
+        monkeypatch.setenv(mr.WARM_ROWS_VAR, bad)
+        with pytest.raises(ConfigError, match="RADIXKV_WARM_GEMM_ROWS"):
+            _engine(hf_llama, num_blocks=16, block_size=4)
 
 
 def test_pack_weights_false_runs_the_weights_as_loaded_and_true_is_checked(hf_llama):
