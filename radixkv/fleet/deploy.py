@@ -50,7 +50,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               override_generation_config: str | None = None, max_logprobs: int = 20,
               responses_store_size: int = 1024, cache_reset: bool = False,
               stream_interval: int = 1,
-              json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> Any:
+              json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+              max_conversation_bytes: int | None = None) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -93,6 +94,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
                "reasoning_parser": reasoning_parser, "generation_config": generation_config,
                "override_generation_config": override_generation_config,
                "max_logprobs": max_logprobs, "responses_store_size": responses_store_size,
+               "max_conversation_bytes": max_conversation_bytes,
                "cache_reset": cache_reset, "stream_interval": stream_interval,
                "json_max_whitespace": json_max_whitespace,
                # one secret for every ingress replica: a tenant's salt must not depend on
@@ -162,6 +164,7 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     override_generation_config=args.override_generation_config,
                     max_logprobs=args.max_logprobs,
                     responses_store_size=args.responses_store_size,
+                    max_conversation_bytes=args.max_conversation_bytes,
                     stream_interval=args.stream_interval,
                     json_max_whitespace=args.structured_outputs_max_whitespace,
                     cache_reset=args.enable_cache_reset

@@ -218,6 +218,7 @@ class FleetIngress:
 
         from radixkv.fleet.router import RouterStats
         from radixkv.models import load_tokenizer
+        from radixkv.server import conversations as cv
         from radixkv.server.app import create_app
 
         o = self._options
@@ -255,6 +256,8 @@ class FleetIngress:
                           cache_reset=o.get("cache_reset", False),
                           stream_interval=o.get("stream_interval", 1),
                           responses_store_size=o.get("responses_store_size", 1024),
+                          max_conversation_bytes=o.get("max_conversation_bytes")
+                          or cv.DEFAULT_MAX_BYTES,
                           json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
                           freeze_heap=True)   # the ingress replica's own process
 

@@ -79,7 +79,8 @@ class ServerState:
                  reasoning_parser: str | None = None, cache_reset: bool = False,
                  max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
                  stream_interval: int = 1,
-                 json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> None:
+                 json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+                 max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
         self.load_error: str | None = None
         self.model_name = model_name
@@ -97,7 +98,7 @@ class ServerState:
         #: the Responses API's stored responses (``previous_response_id``, ``GET``)
         self.responses = rs.ResponseStore(responses_store_size)
         #: the Conversations API's conversations (``conversation`` of a Responses request)
-        self.conversations = cv.ConversationStore(responses_store_size)
+        self.conversations = cv.ConversationStore(responses_store_size, max_conversation_bytes)
         #: background responses' tasks, held until they end (the loop holds tasks weakly)
         self.background: set[asyncio.Task[None]] = set()
         self.metrics = ServerMetrics(model_name)
@@ -251,7 +252,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
                stream_interval: int = 1,
                json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
-               freeze_heap: bool = False) -> Any:
+               freeze_heap: bool = False,
+               max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -262,7 +264,9 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     fails, e.g. to stop the server (``radixkv serve`` exits non-zero). ``reasoning_parser``: one
     of :data:`radixkv.server.reasoning.PARSERS` (chat replies' thinking apart). ``cache_reset``:
     serve ``POST /reset_prefix_cache``. ``max_logprobs``: ``--max-logprobs``.
-    ``responses_store_size``: responses kept for ``previous_response_id`` (0: none).
+    ``responses_store_size``: responses kept for ``previous_response_id`` (0: none), and
+    conversations kept. ``max_conversation_bytes``: ``--max-conversation-bytes``, the most a
+    conversation (or a ``previous_response_id`` chain) holds before it takes no more.
     ``stream_interval``: ``--stream-interval``. ``json_max_whitespace``:
     ``--structured-outputs-max-whitespace`` (None: unbounded). ``freeze_heap``: the app is the
     process (``radixkv serve``, the fleet's ingress): once loaded and warm, freeze the start-up
@@ -284,7 +288,7 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
                         cache_reset, max_logprobs, responses_store_size, stream_interval,
-                        check_max_whitespace(json_max_whitespace))
+                        check_max_whitespace(json_max_whitespace), max_conversation_bytes)
     state.freeze_heap = freeze_heap
     pauses = heap.PauseRecorder(state.metrics.gc_pause) if freeze_heap else None
 
@@ -545,7 +549,7 @@ def _routes(api: FastAPI, state: ServerState,
         conv = state.conversations.get(_tenant(request), conversation_id)
         added = cv.new_items(body.items)
         conv.check_unlocked()
-        conv.items.extend(added)
+        conv.add(added, state.conversations.max_bytes)
         return rs.page(added, None, max(1, len(added)), "asc")
 
     @api.get("/v1/conversations/{conversation_id}/items")
@@ -567,7 +571,7 @@ def _routes(api: FastAPI, state: ServerState,
         conv = state.conversations.get(_tenant(request), conversation_id)
         item = conv.item(item_id)
         conv.check_unlocked()
-        conv.items.remove(item)
+        conv.remove(item)
         return conv.body()
 
     @api.delete("/v1/responses/{response_id}")
@@ -682,6 +686,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             raise APIError(400, "conversation and previous_response_id both say what came "
                            "before: send one", param="conversation")
         conv = state.conversations.get(tenant, cid, param="conversation")
+        conv.check_room(state.conversations.max_bytes)
         history = tuple(conv.messages())
     rid = rs.new_id("resp")
     # One response at a time in a conversation (a 400 conversation_locked otherwise); the
@@ -700,6 +705,11 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             if prev.current()["status"] in ("queued", "in_progress"):
                 raise APIError(400, f"response {req.previous_response_id!r} is still in "
                                "progress", param="previous_response_id")
+            size = sum(map(cv.item_size, prev.messages))
+            if size >= state.conversations.max_bytes:   # a chain is bounded as a conversation
+                raise cv.too_large(f"the conversation response {req.previous_response_id!r} "
+                                   "ended", size, state.conversations.max_bytes,
+                                   "previous_response_id")
             history = prev.messages
         body, new = rs.chat_request(req, history)
         if req.background:   # generated as a stream whatever the client asked (_background)

@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "previous_response_id and GET /v1/responses/{id}, and conversations "
                         "(/v1/conversations) it keeps, each the least recently used dropped "
                         "first; 0 keeps none (default 1024)")
+    v.add_argument("--max-conversation-bytes", type=int, default=None, metavar="N",
+                   help="the most a stored conversation (/v1/conversations, or a chain of "
+                        "previous_response_id) holds, its items as JSON: adding past it, or a "
+                        "response in one at or past it, is a 400 conversation_too_large "
+                        "(default 4 MiB)")
     v.add_argument("--structured-outputs-max-whitespace", type=_whitespace_bound,
                    default=DEFAULT_MAX_WHITESPACE, metavar="N|none",
                    help="whitespace characters structured JSON output (response_format, "
@@ -469,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
+    from radixkv.server import conversations as cv
     from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
 
     app = create_app(load=engine_loader(args, cc, ec), model_name=name, api_keys=keys,
@@ -478,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                      on_load_error=stop, reasoning_parser=args.reasoning_parser,
                      max_logprobs=args.max_logprobs,
                      responses_store_size=args.responses_store_size,
+                     max_conversation_bytes=args.max_conversation_bytes
+                     or cv.DEFAULT_MAX_BYTES,
                      stream_interval=args.stream_interval,
                      json_max_whitespace=args.structured_outputs_max_whitespace,
                      cache_reset=args.enable_cache_reset
@@ -548,6 +556,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.max_logprobs <= 20:
         raise ConfigError(f"--max-logprobs must be in [0, 20] (radixkv returns at most 20 "
                           f"alternatives a token), got {args.max_logprobs}")
+    if args.max_conversation_bytes is not None and args.max_conversation_bytes < 1:
+        raise ConfigError(f"--max-conversation-bytes must be >= 1, got "
+                          f"{args.max_conversation_bytes}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 

@@ -13,7 +13,15 @@ Items are stored normalized: read as chat messages (:func:`responses.input_messa
 refuses what radixkv cannot answer) and written back as items with ids of their own
 (:func:`responses.message_items`); a response's output items are stored as they were sent.
 The store is one process's memory, bounded like the response store
-(``--responses-store-size`` conversations, the least recently used dropped first).
+(``--responses-store-size`` conversations, the least recently used dropped first), and each
+conversation by size (``--max-conversation-bytes``, :data:`DEFAULT_MAX_BYTES`): its items as
+compact JSON (non-ASCII escaped, so at least their UTF-8 bytes). Adding items past it, or
+creating a conversation with more, is a 400 ``conversation_too_large`` naming ``items`` that
+changes nothing; a response in a conversation already at or past it is the same 400 naming
+``conversation``. A response's own items are always recorded, so a conversation can pass the
+bound by one turn, never more. Without it one API key could grow a conversation without
+bound (20 items a call, no request ever reading them all: ``truncation: "auto"`` drops the
+earliest turns), and the store's whole size is at most ``--responses-store-size`` times it.
 
 One response at a time per conversation (:meth:`Conversation.lock`): while one runs, another
 response in it, or adding or deleting its items, is a 400 ``conversation_locked``, as OpenAI
@@ -25,6 +33,7 @@ Pure Python, no torch. Event-loop thread only.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -38,6 +47,20 @@ from radixkv.server.errors import APIError
 MAX_ITEMS_PER_CALL = 20
 #: Metadata pairs a conversation may carry, and the lengths of keys and values (OpenAI's).
 MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
+#: ``--max-conversation-bytes``' default: ~1M tokens of English, past any context a server of
+#: this kind runs, and 4 GiB for a full store at the default ``--responses-store-size``.
+DEFAULT_MAX_BYTES = 4 << 20
+
+
+def item_size(item: Any) -> int:
+    """An item's size as the bound counts it: its compact JSON, non-ASCII escaped."""
+    return len(json.dumps(item, separators=(",", ":")))
+
+
+def too_large(what: str, size: int, limit: int, param: str) -> APIError:
+    return APIError(400, f"{what} would hold {size} bytes of items, over this server's limit "
+                    f"of {limit} (--max-conversation-bytes): start a new conversation, or "
+                    "delete items", param=param, code="conversation_too_large")
 
 
 @dataclass
@@ -51,6 +74,8 @@ class Conversation:
     items: list[dict[str, Any]] = field(default_factory=list)
     #: the response running in it now (its id), if any: :meth:`lock`
     busy: str | None = None
+    #: its items' :func:`item_size` summed
+    size: int = 0
 
     def body(self) -> dict[str, Any]:
         """The ``conversation`` object."""
@@ -81,6 +106,25 @@ class Conversation:
             if self.busy == response_id:
                 self.busy = None
         return release
+
+    def add(self, items: Sequence[dict[str, Any]], limit: int) -> None:
+        """Append client ``items`` (a 400 ``conversation_too_large`` naming ``items``, nothing
+        added, where they would take it past ``limit``)."""
+        size = self.size + sum(map(item_size, items))
+        if size > limit:
+            raise too_large(f"conversation {self.id!r}", size, limit, "items")
+        self.items.extend(items)
+        self.size = size
+
+    def remove(self, item: dict[str, Any]) -> None:
+        self.items.remove(item)
+        self.size -= item_size(item)
+
+    def check_room(self, limit: int) -> None:
+        """A 400 ``conversation_too_large`` naming ``conversation`` when it is at or past
+        ``limit``: a response in it would take it further."""
+        if self.size >= limit:
+            raise too_large(f"conversation {self.id!r}", self.size, limit, "conversation")
 
     def item(self, item_id: str) -> dict[str, Any]:
         for it in self.items:
@@ -122,12 +166,17 @@ def new_items(items: Any) -> list[dict[str, Any]]:
 
 class ConversationStore:
     """The conversations, per API key, the least recently used dropped past ``capacity``
-    (0: none kept, and creating one is a 400)."""
+    (0: none kept, and creating one is a 400), each at most ``max_bytes`` of items
+    (:meth:`Conversation.add`)."""
 
-    def __init__(self, capacity: int = rs.DEFAULT_STORE_SIZE) -> None:
+    def __init__(self, capacity: int = rs.DEFAULT_STORE_SIZE,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if capacity < 0:
             raise ValueError(f"the conversation store's capacity must be >= 0, got {capacity}")
+        if max_bytes < 1:
+            raise ValueError(f"a conversation's size bound must be >= 1, got {max_bytes}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._items: OrderedDict[str, Conversation] = OrderedDict()
 
     def __len__(self) -> int:
@@ -138,7 +187,8 @@ class ConversationStore:
         if self.capacity == 0:
             raise APIError(400, "this server keeps no conversations (--responses-store-size "
                            "0)", code="unsupported_parameter")
-        conv = Conversation(rs.new_id("conv"), tenant, int(time.time()), metadata, list(items))
+        conv = Conversation(rs.new_id("conv"), tenant, int(time.time()), metadata)
+        conv.add(items, self.max_bytes)
         self._items[conv.id] = conv
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
@@ -175,10 +225,12 @@ def conversation_id(value: Any) -> str | None:
 def record(conv: Conversation, inputs: Sequence[dict[str, Any]],
            response: dict[str, Any]) -> None:
     """Append a response's input (chat messages, given ids) and its output items to the
-    conversation it ran in."""
-    conv.items.extend(rs.message_items(inputs, rs.new_id("item")))
-    conv.items.extend(dict(it) for it in response["output"])
+    conversation it ran in, whatever its size (the response ran: its turn is kept)."""
+    items = [*rs.message_items(inputs, rs.new_id("item")),
+             *(dict(it) for it in response["output"])]
+    conv.items.extend(items)
+    conv.size += sum(map(item_size, items))
 
 
-__all__ = ["Conversation", "ConversationStore", "MAX_ITEMS_PER_CALL", "check_metadata",
-           "conversation_id", "new_items", "record"]
+__all__ = ["Conversation", "ConversationStore", "DEFAULT_MAX_BYTES", "MAX_ITEMS_PER_CALL",
+           "check_metadata", "conversation_id", "item_size", "new_items", "record", "too_large"]

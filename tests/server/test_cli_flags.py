@@ -57,6 +57,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
     (["--prefill-priority-steps", "2.5"], "invalid int"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
+    (["--max-conversation-bytes", "0"], "--max-conversation-bytes"),
     (["--stream-interval", "0"], "--stream-interval"),
     (["--structured-outputs-max-whitespace", "0"], "--structured-outputs-max-whitespace"),
     (["--structured-outputs-max-whitespace", "lots"], "integer >= 1 or 'none'"),

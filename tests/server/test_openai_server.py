@@ -33,6 +33,7 @@ pytestmark = pytest.mark.model
 KEY_A, KEY_B = "key-alpha", "key-bravo"
 MODEL = "SmolLM2-135M-Instruct"
 JSON_WHITESPACE = 6   # the shared server's --structured-outputs-max-whitespace
+CONVERSATION_BYTES = 16384   # the shared server's --max-conversation-bytes
 MAX_SEQS, MAX_QUEUED = 8, 8
 
 
@@ -132,6 +133,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "--device", "cpu", "--enable-cache-reset",
             # below the default 20, which sampled JSON here exceeds (the whitespace test)
             "--structured-outputs-max-whitespace", str(JSON_WHITESPACE),
+            "--max-conversation-bytes", str(CONVERSATION_BYTES),
             # float32: greedy equality with Engine.generate below (a CPU with native bf16
             # would default to bf16, whose cached and cold continuations may differ)
             "--dtype", "float32"]
@@ -1391,7 +1393,9 @@ def test_a_conversation_runs_one_response_at_a_time(ready: Server) -> None:
             assert time.monotonic() < deadline, what
             time.sleep(0.05)
 
-    stream = client.responses.create(**long, input="Go on.", stream=True)
+    # long enough to outlast locked()'s three requests, short enough to run to its end soon
+    stream = client.responses.create(**{**long, "max_output_tokens": 120}, input="Go on.",
+                                     stream=True)
     next(iter(stream))                       # response.created: it runs
     locked("a streamed response")
     events = list(stream)
@@ -1413,6 +1417,40 @@ def test_a_conversation_runs_one_response_at_a_time(ready: Server) -> None:
     client.responses.cancel(bg.id)
     _until_done(client, bg.id)
     free("the cancel")
+
+
+def test_a_conversation_past_its_size_bound_takes_no_more(ready: Server) -> None:
+    """``--max-conversation-bytes`` (16 KiB here): items that would take a conversation past
+    it are a 400 ``conversation_too_large`` naming ``items`` and nothing is added; a response's
+    turn is recorded whole, after which a response in it is the same 400 naming
+    ``conversation`` until items are deleted; a ``previous_response_id`` chain past it is the
+    400 naming ``previous_response_id``. Before, a key could grow one without bound."""
+    client = ready.client()
+    big = {"role": "user", "content": "-" * 7000}   # few tokens: runs of '-' merge
+    conv = client.conversations.create(items=[big])
+
+    def refused(method: str, path: str, body: dict[str, Any], param: str) -> None:
+        status, err = ready.raw(method, path, body)
+        assert status == 400 and err["error"]["code"] == "conversation_too_large" \
+            and err["error"]["param"] == param, err
+
+    refused("POST", f"/v1/conversations/{conv.id}/items", {"items": [big, big]}, "items")
+    assert len(client.conversations.items.list(conv.id).data) == 1
+    client.conversations.items.create(conv.id, items=[big])
+    answer = dict(model=MODEL, max_output_tokens=2, temperature=0)
+    client.responses.create(**answer, conversation=conv.id, input="-" * 3000)
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert len(items) == 4   # the turn ran and was kept, past the bound
+    refused("POST", "/v1/responses", {**answer, "input": "x", "conversation": conv.id},
+            "conversation")
+    refused("POST", "/v1/conversations", {"items": [big, big, big]}, "items")
+    client.conversations.items.delete(items[0].id, conversation_id=conv.id)
+    assert client.responses.create(**answer, conversation=conv.id, input="Hi").status in (
+        "completed", "incomplete")
+    first = client.responses.create(**answer, input="-" * (CONVERSATION_BYTES + 100))
+    refused("POST", "/v1/responses", {**answer, "input": "x",
+                                      "previous_response_id": first.id},
+            "previous_response_id")
 
 
 def _until_done(client: Any, rid: str) -> Any:

@@ -6,6 +6,8 @@ endpoint itself is tested through the server in test_openai_server.py and test_t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
 
@@ -189,3 +191,73 @@ def test_the_conversation_store_is_bounded_and_per_api_key() -> None:
         cv.check_metadata({str(i): "v" for i in range(17)})
     assert exc.value.param == "metadata"
     assert cv.conversation_id({"id": "conv_1"}) == cv.conversation_id("conv_1") == "conv_1"
+
+
+def test_a_conversation_is_bounded_in_size_and_a_refused_add_changes_nothing() -> None:
+    """``--max-conversation-bytes``: adding items that would take a conversation past the
+    bound (or creating one with them) is a 400 ``conversation_too_large`` naming ``items``
+    that leaves it as it was; a response's own turn is always recorded, after which the
+    conversation, at or past the bound, takes no response (the same 400, naming
+    ``conversation``) until items are deleted."""
+    from radixkv.server import conversations as cv
+
+    def user(n: int) -> list[dict]:
+        return cv.new_items([{"role": "user", "content": "x" * n}])
+
+    limit = cv.item_size(user(1000)[0]) * 3
+    store = cv.ConversationStore(4, max_bytes=limit)
+    with pytest.raises(APIError) as exc:
+        store.create("k1", user(1000) * 4, {})
+    assert (exc.value.status, exc.value.code, exc.value.param) == (
+        400, "conversation_too_large", "items") and len(store) == 0
+    conv = store.create("k1", user(1000), {})
+    conv.add(user(1000), store.max_bytes)
+    before = (list(conv.items), conv.size)
+    with pytest.raises(APIError) as exc:
+        conv.add(user(1000) + user(1), store.max_bytes)
+    assert exc.value.code == "conversation_too_large" and (conv.items, conv.size) == before
+    conv.check_room(store.max_bytes)          # under the bound: a response may run
+    cv.record(conv, [{"role": "user", "content": "y" * 2000}],
+              {"output": [{"type": "message", "role": "assistant", "id": "msg_1",
+                           "content": [{"type": "output_text", "text": "ok"}]}]})
+    assert conv.size > limit                  # the turn that ran is kept whole
+    with pytest.raises(APIError) as exc:
+        conv.check_room(store.max_bytes)
+    assert (exc.value.code, exc.value.param) == ("conversation_too_large", "conversation")
+    conv.remove(conv.items[0])
+    conv.remove(conv.items[0])
+    conv.check_room(store.max_bytes)
+    assert conv.size == sum(map(cv.item_size, conv.items))
+    with pytest.raises(ValueError):
+        cv.ConversationStore(4, max_bytes=0)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "record"]),
+                          st.integers(0, 400), st.integers(1, 3)), max_size=40))
+def test_a_conversations_size_is_its_items_and_past_the_bound_by_one_turn_at_most(
+        ops: list[tuple[str, int, int]]) -> None:
+    """Whatever adds, deletes and recorded turns come: ``size`` is its items' sizes summed, a
+    refused add changes nothing, and only a recorded turn takes it past the bound."""
+    from radixkv.server import conversations as cv
+
+    limit = 1500
+    conv = cv.ConversationStore(1, max_bytes=limit).create("k", [], {})
+    for op, chars, count in ops:
+        if op == "add":
+            items = cv.new_items([{"role": "user", "content": "z" * chars}] * count)
+            before = (list(conv.items), conv.size)
+            fits = before[1] + sum(map(cv.item_size, items)) <= limit
+            try:
+                conv.add(items, limit)
+            except APIError as exc:
+                assert not fits and exc.code == "conversation_too_large"
+                assert (conv.items, conv.size) == before
+            else:
+                assert fits and conv.size <= limit
+        elif op == "remove" and conv.items:
+            conv.remove(conv.items[chars % len(conv.items)])
+        elif op == "record":
+            was = conv.size
+            cv.record(conv, [{"role": "user", "content": "w" * chars}], {"output": []})
+            assert conv.size > was
+        assert conv.size == sum(map(cv.item_size, conv.items))
