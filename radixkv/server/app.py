@@ -707,9 +707,9 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                                "progress", param="previous_response_id")
             size = sum(map(cv.item_size, prev.messages))
             if size >= state.conversations.max_bytes:   # a chain is bounded as a conversation
-                raise cv.too_large(f"the conversation response {req.previous_response_id!r} "
-                                   "ended", size, state.conversations.max_bytes,
-                                   "previous_response_id")
+                raise cv.too_large(f"the conversation that response "
+                                   f"{req.previous_response_id!r} ended", size,
+                                   state.conversations.max_bytes, "previous_response_id")
             history = prev.messages
         body, new = rs.chat_request(req, history)
         if req.background:   # generated as a stream whatever the client asked (_background)

@@ -58,9 +58,10 @@ def item_size(item: Any) -> int:
 
 
 def too_large(what: str, size: int, limit: int, param: str) -> APIError:
-    return APIError(400, f"{what} would hold {size} bytes of items, over this server's limit "
-                    f"of {limit} (--max-conversation-bytes): start a new conversation, or "
-                    "delete items", param=param, code="conversation_too_large")
+    """The 400 for ``what`` (a conversation) at ``size`` bytes of items against ``limit``."""
+    return APIError(400, f"{what} holds or would hold {size} bytes of items, past this "
+                    f"server's limit of {limit} (--max-conversation-bytes): start a new "
+                    "conversation, or delete items", param=param, code="conversation_too_large")
 
 
 @dataclass
