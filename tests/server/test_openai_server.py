@@ -1051,6 +1051,26 @@ def test_template_endings_as_transformers_renders_them(ready: Server, engine: An
     assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
 
 
+def test_no_endpoint_takes_a_template_from_the_request(ready: Server) -> None:
+    """A request's own Jinja template is refused everywhere, whichever field carries it:
+    vLLM 0.16-0.31 let ``/v1/responses`` take one in ``chat_template_kwargs`` past its trust
+    flag (CVE-2026-115918: CPU and memory exhaustion by rendering), so each way in is checked
+    here with a template that would run for ever if rendered."""
+    bomb = "{% for i in range(10**9) %}{{ i }}{% endfor %}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    for path, body in (
+            ("/v1/chat/completions", {"messages": msgs, "chat_template": bomb}),
+            ("/v1/chat/completions", {"messages": msgs,
+                                      "chat_template_kwargs": {"chat_template": bomb}}),
+            ("/v1/responses", {"input": "Hi", "chat_template_kwargs": {"chat_template": bomb}}),
+            ("/tokenize", {"messages": msgs, "chat_template_kwargs": {"chat_template": bomb}})):
+        t0 = time.monotonic()
+        status, err = ready.raw("POST", path, {"model": MODEL, "max_tokens": 1, **body})
+        assert status == 400 and err["error"]["param"] in (
+            "chat_template", "chat_template_kwargs"), (path, body, err)
+        assert time.monotonic() - t0 < 10, path   # refused, not rendered
+
+
 def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
     """/tokenize, /detokenize, /version, /ping as vLLM answers them, and vLLM's metric names
     beside radixkv's (the same values), so vLLM dashboards work unchanged."""
