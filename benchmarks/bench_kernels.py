@@ -16,6 +16,13 @@ On CUDA the cases run for two attention shapes (SmolLM2's 9/3 heads x 64 and Lla
 32/8 x 128), int8 / fp8 decode is timed against bf16 KV of the same shape, and every row names
 the card.
 
+On the CPU also decode **as a step meets it** (``cold decode``): one call per layer of the
+embedded model (30), each layer with its own cache, so that K and V come from memory as they do
+after a step's GEMMs have streamed the weights through every cache level (the other decode rows
+reuse one cache, which then sits in L2/L3). Its baseline, measured in the same run: a plain
+streaming read (``sum`` of a 256 MiB tensor) on the same threads; the row gives the decode's
+K/V GB/s and its fraction of that read.
+
 ``--sweep`` (CUDA) times every launch shape in SWEEP_DECODE / SWEEP_PREFILL instead, fastest
 first, to tune ``triton_attention.DECODE_CONFIG`` / ``PREFILL_CONFIG`` on the card at hand.
 
@@ -25,6 +32,7 @@ Usage: ``radixkv bench kernels [--quick] [--sweep] [--threads N] [--seed S]``.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -115,6 +123,52 @@ def bench_decode(cases, dtypes, device, gen, timer, with_reference: bool,
                 row["reference_over_paged"] = t_ref / t_paged
             rows.append(row)
     return rows
+
+
+def _read_bandwidth(timer) -> float:
+    """Bytes per second of a plain streaming read on this thread count (the cold decode's
+    baseline): the sum of a 256 MiB float32 tensor, far larger than any cache."""
+    big = torch.ones(64 * 1024 * 1024)
+    t = timer(lambda: big.sum())
+    return big.numel() * big.element_size() / t
+
+
+def bench_cold_decode(cases, dtypes, gen, timer, layers: int) -> list[dict]:
+    """CPU decode over ``layers`` caches in turn (one batch, one query per sequence), each
+    cache its own memory, as a decode step's layers read theirs; against a streaming read."""
+    read_bw = _read_bandwidth(timer)
+    hq, hkv, d, bs = (MODEL[k] for k in ("num_q_heads", "num_kv_heads", "head_dim",
+                                            "block_size"))
+    rows = []
+    for name, lens in cases:
+        nbs = [-(-n // bs) for n in lens]
+        num_blocks = sum(nbs) + 8
+        perm = torch.randperm(num_blocks, generator=gen)
+        bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+        pos = 0
+        for s, nb in enumerate(nbs):
+            bt[s, :nb] = perm[pos:pos + nb].int()
+            pos += nb
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        for dtype in dtypes:
+            caches = [tuple(torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+                            for _ in range(2)) for _ in range(layers)]
+            q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+            t = timer(functools.partial(_decode_layers, caches, q, bt, seq_lens))
+            kv_bytes = sum(lens) * hkv * d * 2 * q.element_size() * layers
+            rows.append(dict(op="cold decode", case=f"{name} x {layers} layers",
+                             dtype=str(dtype).replace("torch.", ""), step_ms=t * 1e3,
+                             kv_GBps=kv_bytes / t / 1e9, read_GBps=read_bw / 1e9,
+                             fraction_of_read=kv_bytes / t / read_bw))
+    return rows
+
+
+def _decode_layers(caches, q, bt, seq_lens) -> None:
+    """One decode step's attention calls: every layer's cache in turn, as the engine calls
+    the kernel (no argument checks)."""
+    out = torch.empty_like(q)
+    for k_cache, v_cache in caches:
+        paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, check=False)
 
 
 def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool,
@@ -340,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [torch.float32, torch.bfloat16]
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, True)
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, args.quick)
+        cold_cases = ([("4 x 256", [256] * 4)] if args.quick else
+                      [("4 x 600", [600] * 4), ("16 x 300", [300] * 16),
+                       ("4 x 2000", [2000] * 4)])
+        results["cold_decode"] = bench_cold_decode(cold_cases, dtypes, gen, timer,
+                                                   4 if args.quick else 30)
     copies = bench_copies(device, gen, timer, args.quick)
     if device.type == "cuda":
         for r in prefill + copies:
@@ -347,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(decode, title="decode: paged vs dense SDPA on the same K/V")
     print_table(prefill, title="prefill over a cached prefix: paged vs dense SDPA (same shape)")
     print_table(copies, title="block copies and KV writes")
+    if "cold_decode" in results:
+        print_table(results["cold_decode"], title="decode as a step meets it (each layer's K/V "
+                                                  "from memory) vs a streaming read")
     results.update(decode=decode, prefill=prefill, copies=copies)
     write_results("kernels", header, results)
     return 0

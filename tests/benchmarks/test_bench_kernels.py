@@ -1,0 +1,33 @@
+"""benchmarks/bench_kernels.py on the CPU: the quick run times decode, prefill, copies and the
+cold decode (each layer's K/V from memory) against its streaming-read baseline."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_quick_run_writes_every_table_and_the_cold_decode_against_a_read(tmp_path, monkeypatch,
+                                                                         capsys):
+    import torch
+
+    from radixkv.benchmarks import bench_kernels
+
+    monkeypatch.setenv("RADIXKV_RESULTS_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        assert bench_kernels.main(["--quick", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "decode as a step meets it" in capsys.readouterr().out
+    [path] = list(tmp_path.glob("kernels*.json"))
+    result = json.loads(path.read_text())["results"]
+    assert result["decode"] and result["prefill"] and result["copies"]
+    cold = result["cold_decode"]
+    assert sorted(r["dtype"] for r in cold) == ["bfloat16", "float32"]
+    for r in cold:
+        # 4 sequences x 256 keys x 3 KV heads x 64 x (K and V) x 4 layers, in the row's dtype
+        size = 4 if r["dtype"] == "float32" else 2
+        kv_bytes = 4 * 256 * 3 * 64 * 2 * size * 4
+        assert abs(r["kv_GBps"] - kv_bytes / (r["step_ms"] / 1e3) / 1e9) < 1e-6 * r["kv_GBps"]
+        assert r["read_GBps"] > 0
+        assert abs(r["fraction_of_read"] - r["kv_GBps"] / r["read_GBps"]) < 1e-9
