@@ -16,10 +16,11 @@ On CUDA the cases run for two attention shapes (SmolLM2's 9/3 heads x 64 and Lla
 32/8 x 128), int8 / fp8 decode is timed against bf16 KV of the same shape, and every row names
 the card.
 
-On the CPU also decode **as a step meets it** (``cold decode``): one call per layer of the
-embedded model (30), each layer with its own cache, so that K and V come from memory as they do
-after a step's GEMMs have streamed the weights through every cache level (the other decode rows
-reuse one cache, which then sits in L2/L3). Its baseline, measured in the same run: a plain
+On the CPU also attention **as a step meets it** (``cold decode``, ``cold prefill``: a chat
+turn's 32 new tokens over its cached history): one call per layer of the embedded model (30),
+each layer with its own cache, so that K and V come from memory as they do after a step's
+GEMMs have streamed the weights through every cache level (the other rows reuse one cache,
+which then sits in L2/L3). Its baseline, measured in the same run: a plain
 streaming read (``sum`` of a 256 MiB tensor) on the same threads; the row gives the decode's
 K/V GB/s and its fraction of that read.
 
@@ -134,13 +135,15 @@ def _read_bandwidth(timer) -> float:
 
 
 def bench_cold_decode(cases, dtypes, gen, timer, layers: int) -> list[dict]:
-    """CPU decode over ``layers`` caches in turn (one batch, one query per sequence), each
-    cache its own memory, as a decode step's layers read theirs; against a streaming read."""
+    """CPU attention over ``layers`` caches in turn, each cache its own memory, as a step's
+    layers read theirs; against a streaming read. ``cases``: (name, sequence lengths, new
+    tokens a sequence): 1 is a decode step, more a prefill of that many over the rest cached
+    (a chat turn extending its history)."""
     read_bw = _read_bandwidth(timer)
     hq, hkv, d, bs = (MODEL[k] for k in ("num_q_heads", "num_kv_heads", "head_dim",
                                             "block_size"))
     rows = []
-    for name, lens in cases:
+    for name, lens, new in cases:
         nbs = [-(-n // bs) for n in lens]
         num_blocks = sum(nbs) + 8
         perm = torch.randperm(num_blocks, generator=gen)
@@ -153,22 +156,29 @@ def bench_cold_decode(cases, dtypes, gen, timer, layers: int) -> list[dict]:
         for dtype in dtypes:
             caches = [tuple(torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
                             for _ in range(2)) for _ in range(layers)]
-            q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-            t = timer(functools.partial(_decode_layers, caches, q, bt, seq_lens))
+            q = torch.randn(len(lens) * new, hq, d, generator=gen).to(dtype)
+            t = timer(functools.partial(_decode_layers, caches, q, bt, seq_lens, new))
             kv_bytes = sum(lens) * hkv * d * 2 * q.element_size() * layers
-            rows.append(dict(op="cold decode", case=f"{name} x {layers} layers",
+            rows.append(dict(op="cold decode" if new == 1 else "cold prefill",
+                             case=f"{name} x {layers} layers",
                              dtype=str(dtype).replace("torch.", ""), step_ms=t * 1e3,
                              kv_GBps=kv_bytes / t / 1e9, read_GBps=read_bw / 1e9,
                              fraction_of_read=kv_bytes / t / read_bw))
     return rows
 
 
-def _decode_layers(caches, q, bt, seq_lens) -> None:
-    """One decode step's attention calls: every layer's cache in turn, as the engine calls
-    the kernel (no argument checks)."""
+def _decode_layers(caches, q, bt, seq_lens, new: int) -> None:
+    """One step's attention calls: every layer's cache in turn, as the engine calls the
+    kernels (no argument checks); ``new`` query tokens a sequence (1: decode)."""
     out = torch.empty_like(q)
+    if new == 1:
+        for k_cache, v_cache in caches:
+            paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, check=False)
+        return
+    cu = torch.arange(0, new * (len(seq_lens) + 1), new, dtype=torch.int32)
     for k_cache, v_cache in caches:
-        paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, check=False)
+        paged_prefill_attention(q, k_cache, v_cache, bt, cu, seq_lens, out=out, check=False,
+                                max_q_len=new)
 
 
 def bench_prefill(cases, dtypes, device, gen, timer, with_reference: bool,
@@ -394,9 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [torch.float32, torch.bfloat16]
         decode = bench_decode(decode_cases, dtypes, device, gen, timer, True)
         prefill = bench_prefill(prefill_cases, dtypes, device, gen, timer, args.quick)
-        cold_cases = ([("4 x 256", [256] * 4)] if args.quick else
-                      [("4 x 600", [600] * 4), ("16 x 300", [300] * 16),
-                       ("4 x 2000", [2000] * 4)])
+        cold_cases = ([("4 x 256", [256] * 4, 1), ("1 x (224 + 32 new)", [256], 32)]
+                      if args.quick else
+                      [("4 x 600", [600] * 4, 1), ("16 x 300", [300] * 16, 1),
+                       ("4 x 2000", [2000] * 4, 1), ("1 x (600 + 32 new)", [632], 32),
+                       ("1 x (1500 + 32 new)", [1532], 32)])
         results["cold_decode"] = bench_cold_decode(cold_cases, dtypes, gen, timer,
                                                    4 if args.quick else 30)
     copies = bench_copies(device, gen, timer, args.quick)
@@ -407,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(prefill, title="prefill over a cached prefix: paged vs dense SDPA (same shape)")
     print_table(copies, title="block copies and KV writes")
     if "cold_decode" in results:
-        print_table(results["cold_decode"], title="decode as a step meets it (each layer's K/V "
-                                                  "from memory) vs a streaming read")
+        print_table(results["cold_decode"], title="attention as a step meets it (each layer's "
+                                                  "K/V from memory) vs a streaming read")
     results.update(decode=decode, prefill=prefill, copies=copies)
     write_results("kernels", header, results)
     return 0
