@@ -143,7 +143,7 @@ def _converted(source: _S, target: Path) -> _S:
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
+def gguf_parsed_once() -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader`` of the same file and ``gguf.get_tensor_name_map``
     of the same arguments are built once and shared.
 
@@ -153,7 +153,9 @@ def _gguf_parsed_once() -> Iterator[None]:
     submodule of the model (397 times, ~8 s in all). Both are pure functions of their inputs
     and the reader only reads its memory map, so sharing them changes no byte of the
     converted copy (``tests/engine/test_load_cache.py`` compares it with a direct load); the
-    first conversion of the embedded model went from 44 to 24 s (2-core AVX2 EPYC). transformers
+    first conversion of the embedded model went from 44 to 24 s (2-core AVX2 EPYC); a direct
+    load (``cache_converted=False``, :meth:`radixkv.Engine.from_pretrained`) shares the parse
+    between the tokenizer and the model the same way. transformers
     imports both names from ``gguf`` inside its functions, so the module attributes are what
     it sees; they are put back on exit. One block at a time in a process (a lock), so that two
     threads converting cannot put back each other's wrappers. Without ``gguf`` the block does
@@ -192,7 +194,7 @@ def _convert(source: _Source, gguf: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         kwargs = source.hf_kwargs()
-        with _gguf_parsed_once():
+        with gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(source.name_or_path,
                                                          dtype=torch.float32, **kwargs)

@@ -20,6 +20,7 @@ produced them, so no caller loses another's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -212,6 +213,7 @@ class Engine:
         """
         from radixkv import models
         from radixkv.config import EngineConfig, default_dtype, resolve_device
+        from radixkv.load_cache import gguf_parsed_once
 
         if model_impl not in models.MODEL_IMPLS:   # before anything is loaded or converted
             raise ConfigError(f"model_impl must be one of {models.MODEL_IMPLS}, "
@@ -222,9 +224,12 @@ class Engine:
         dtype = dtype if dtype is not None else ec.torch_dtype(default_dtype(device))
         source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
                                        cache_converted=cache_converted, progress=progress)
-        tokenizer = models.load_tokenizer(source=source)
-        model = models.load_model(dtype=dtype, device=device, source=source,
-                                  model_impl=model_impl, progress=progress)
+        # A GGUF file read directly (cache_converted=False): the tokenizer, the config and the
+        # weights from one parse of it (transformers alone parses it three times)
+        with (gguf_parsed_once() if source.gguf_file is not None else contextlib.nullcontext()):
+            tokenizer = models.load_tokenizer(source=source)
+            model = models.load_model(dtype=dtype, device=device, source=source,
+                                      model_impl=model_impl, progress=progress)
         if model_id is None and (cache_config is None or cache_config.model_id is None):
             # the checkpoint's files name the weights (digests cached per file): no pass over
             # the loaded tensors unless the files are not here
