@@ -62,13 +62,7 @@ def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, he
         int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
     k_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     v_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-    pos = 0
-    for s, nb in enumerate(nbs):
-        bt[s, :nb] = perm[pos:pos + nb].int()
-        pos += nb
-    bt = bt.to(device)
+    bt = _block_table(nbs, num_blocks, gen).to(device)
     max_len = max(lens)
     dense_k = torch.zeros(len(lens), num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
     dense_v = torch.zeros_like(dense_k)
@@ -78,6 +72,18 @@ def _paged(lens: list[int], dtype, device, gen, *, num_q_heads, num_kv_heads, he
         dense_v[s, :, :n] = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, bt, seq_lens, dense_k, dense_v
+
+
+def _block_table(nbs: list[int], num_blocks: int, gen) -> torch.Tensor:
+    """Block tables for sequences of ``nbs`` blocks each, drawn from a shuffled pool of
+    ``num_blocks`` (so no sequence's blocks are contiguous, as in a pool that has churned)."""
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = torch.zeros(len(nbs), max(nbs), dtype=torch.int32)
+    pos = 0
+    for s, nb in enumerate(nbs):
+        bt[s, :nb] = perm[pos:pos + nb].int()
+        pos += nb
+    return bt
 
 
 def _timer(device: torch.device, quick: bool):
@@ -146,12 +152,7 @@ def bench_cold_decode(cases, dtypes, gen, timer, layers: int) -> list[dict]:
     for name, lens, new in cases:
         nbs = [-(-n // bs) for n in lens]
         num_blocks = sum(nbs) + 8
-        perm = torch.randperm(num_blocks, generator=gen)
-        bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-        pos = 0
-        for s, nb in enumerate(nbs):
-            bt[s, :nb] = perm[pos:pos + nb].int()
-            pos += nb
+        bt = _block_table(nbs, num_blocks, gen)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         for dtype in dtypes:
             caches = [tuple(torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)

@@ -679,6 +679,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     state.ready_engine()
     tenant = _tenant(request)
     history: tuple[dict[str, Any], ...] = ()
+    history_size = 0   # as --max-conversation-bytes counts it (cv.item_size)
     conv = None
     cid = cv.conversation_id(req.conversation)
     if cid is not None:
@@ -688,6 +689,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
         conv = state.conversations.get(tenant, cid, param="conversation")
         conv.check_room(state.conversations.max_bytes)
         history = tuple(conv.messages())
+        history_size = conv.size
     rid = rs.new_id("resp")
     # One response at a time in a conversation (a 400 conversation_locked otherwise); the
     # release is handed to the stream or the background run where those outlive this call.
@@ -705,12 +707,11 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             if prev.current()["status"] in ("queued", "in_progress"):
                 raise APIError(400, f"response {req.previous_response_id!r} is still in "
                                "progress", param="previous_response_id")
-            size = sum(map(cv.item_size, prev.messages))
-            if size >= state.conversations.max_bytes:   # a chain is bounded as a conversation
+            if prev.size >= state.conversations.max_bytes:   # bounded as a conversation
                 raise cv.too_large(f"the conversation that response "
-                                   f"{req.previous_response_id!r} ended", size,
+                                   f"{req.previous_response_id!r} ended", prev.size,
                                    state.conversations.max_bytes, "previous_response_id")
-            history = prev.messages
+            history, history_size = prev.messages, prev.size
         body, new = rs.chat_request(req, history)
         if req.background:   # generated as a stream whatever the client asked (_background)
             body["stream"] = True
@@ -718,6 +719,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
         body["model"] = req.model or state.model_name
         chat_req = _as_chat(body)
         conversation = (*history, *new)
+        size = history_size + sum(map(cv.item_size, new))
 
         def join(final: dict[str, Any]) -> None:   # the conversation grows by this turn
             if conv is not None and final["status"] != "failed":
@@ -726,8 +728,9 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
 
         def keep(final: dict[str, Any]) -> None:
             if req.store:
-                state.responses.put(rid, rs.Stored(tenant, (
-                    *conversation, rs.assistant_message(final["output"])), final))
+                reply = rs.assistant_message(final["output"])
+                state.responses.put(rid, rs.Stored(tenant, (*conversation, reply), final,
+                                                   size=size + cv.item_size(reply)))
             join(final)
 
         try:
@@ -738,7 +741,7 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
             chat_req = await _truncated(state, request, req, body, conversation)
             answer = await _chat(state, request, chat_req)
         if req.background:
-            queued = _background(state, tenant, rid, req, conversation, answer, join)
+            queued = _background(state, tenant, rid, req, conversation, size, answer, join)
             handed = True   # released when the run ends (join)
             return queued
         if isinstance(answer, _Stream):
@@ -815,21 +818,22 @@ async def _truncated(state: ServerState, request: Request, req: ResponsesRequest
 
 
 def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest,
-                conversation: tuple[dict[str, Any], ...], answer: Any,
+                conversation: tuple[dict[str, Any], ...], size: int, answer: Any,
                 on_end: Callable[[dict[str, Any]], None] = lambda final: None) -> Any:
     """A background response: ``answer`` (the chat stream, already admitted and in the engine,
     so a 400 or 429 reached the client before this) is driven by a task of its own, which
     neither a client that goes away nor the end of this HTTP request stops; only
     ``POST /v1/responses/{id}/cancel`` does. The response is stored at once (``queued``) and
     again when it ends. Answers the queued response, or with ``stream`` its events as they
-    come (the same a ``GET ?stream=true`` replays). ``on_end(final)``: once it ended (its
-    conversation grows by it)."""
+    come (the same a ``GET ?stream=true`` replays). ``size``: the conversation's
+    (:attr:`rs.Stored.size`). ``on_end(final)``: once it ended (its conversation grows by it)."""
     if not isinstance(answer, _Stream):   # the stream path always answers a stream
         raise RuntimeError(f"a background chat request answered {type(answer).__name__}")
     events = rs.EventStream(rid, req, state.model_name, queued=True)
     run = rs.Run(events, keep_events=req.stream)
     first = events.snapshot()
-    state.responses.put(rid, rs.Stored(tenant, conversation, first, len(conversation), run))
+    state.responses.put(rid, rs.Stored(tenant, conversation, first, len(conversation), run,
+                                       size))
 
     async def drive() -> None:
         async for event in events.adapt(answer.body_iterator):
@@ -845,7 +849,8 @@ def _background(state: ServerState, tenant: str, rid: str, req: ResponsesRequest
         final = run.ended()
         reply = () if final["status"] == "failed" else (rs.assistant_message(final["output"]),)
         state.responses.put(rid, rs.Stored(tenant, (*conversation, *reply), final,
-                                           len(conversation), run))
+                                           len(conversation), run,
+                                           size + sum(map(cv.item_size, reply))))
         on_end(final)
         run.finish()
 

@@ -653,14 +653,17 @@ class Run:
 class Stored:
     """One stored response: its owner (API key), the conversation it ended (chat messages,
     without instructions, ending with its reply when it has one), how many of those messages
-    were its input (``inputs``; None: all but the last), its ``Response`` object, and its
-    :class:`Run` when it was a background one."""
+    were its input (``inputs``; None: all but the last), its ``Response`` object, its
+    :class:`Run` when it was a background one, and ``size``: the messages' size as
+    ``--max-conversation-bytes`` counts it (kept as the chain grows, so continuing one checks
+    the bound without re-reading its history)."""
 
     tenant: str
     messages: tuple[dict[str, Any], ...]
     response: dict[str, Any]
     inputs: int | None = None
     run: Run | None = field(default=None, compare=False)
+    size: int = 0
 
     def current(self) -> dict[str, Any]:
         """The response now: a running background one's as it stands, else the stored one."""

@@ -144,13 +144,18 @@ def test_a_background_response_cancelled_before_it_ran_leaves_the_engine() -> No
         req = ResponsesRequest(input="x", background=True)
         stream = app_mod._Stream(chat(), lambda: closed.append(1))
         first = app_mod._background(state, "", "resp_1", req,
-                                    ({"role": "user", "content": "x"},), stream)
+                                    ({"role": "user", "content": "x"},), 0, stream)
         assert first.status_code == 200
         entry = state.responses.get("", "resp_1")
         assert entry.current()["status"] == "queued"
         await entry.run.cancel()   # before the task had a turn
         assert not state.background
-        return state.responses.get("", "resp_1").response
+        ended = state.responses.get("", "resp_1")
+        # the size --max-conversation-bytes counts, kept with the entry (the question's 0 here
+        # stands for its history; its message and the reply added)
+        from radixkv.server import conversations as cv
+        assert ended.size == sum(map(cv.item_size, ended.messages[1:])) > 0
+        return ended.response
 
     final = asyncio.run(go())
     assert final["status"] == "cancelled" and final["output"] == [] and closed == [1]
