@@ -51,8 +51,11 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               responses_store_size: int = 1024, cache_reset: bool = False,
               stream_interval: int = 1,
               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
-              max_conversation_bytes: int | None = None) -> Any:
-    """The Serve application (``serve.run`` it after :func:`start_bus`)."""
+              max_conversation_bytes: int | None = None,
+              frontend: dict[str, Any] | None = None) -> Any:
+    """The Serve application (``serve.run`` it after :func:`start_bus`). ``frontend``:
+    :class:`~radixkv.server.frontend.FrontendOptions` as a dict (``as_dict``), for the
+    ingress's app."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -95,6 +98,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
                "override_generation_config": override_generation_config,
                "max_logprobs": max_logprobs, "responses_store_size": responses_store_size,
                "max_conversation_bytes": max_conversation_bytes,
+               "frontend": frontend or {},
                "cache_reset": cache_reset, "stream_interval": stream_interval,
                "json_max_whitespace": json_max_whitespace,
                # one secret for every ingress replica: a tenant's salt must not depend on
@@ -153,6 +157,8 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
     bus = start_bus()   # held until shutdown: an actor dies with its last handle
     ray.get(bus.holders.remote())
     threads = args.threads or max(1, int(args.replica_cpus))
+    from radixkv.server.frontend import FrontendOptions
+
     app = build_app(replicas=replicas, cache_config=cache_config, engine_config=engine_config,
                     model=args.model, gguf_file=args.gguf_file, threads=threads,
                     router=args.router, load_tokens=args.route_load_tokens,
@@ -168,7 +174,8 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     stream_interval=args.stream_interval,
                     json_max_whitespace=args.structured_outputs_max_whitespace,
                     cache_reset=args.enable_cache_reset
-                    or os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
+                    or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+                    frontend=FrontendOptions.from_args(args).as_dict())
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "
           f"http://{args.host}:{args.port} (model name {model_name!r}, {replicas} replicas)",

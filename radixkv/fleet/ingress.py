@@ -220,6 +220,7 @@ class FleetIngress:
         from radixkv.models import load_tokenizer
         from radixkv.server import conversations as cv
         from radixkv.server.app import create_app
+        from radixkv.server.frontend import FrontendOptions
 
         o = self._options
         info = dict(await self._engines.info.remote())
@@ -258,6 +259,7 @@ class FleetIngress:
                           responses_store_size=o.get("responses_store_size", 1024),
                           max_conversation_bytes=o.get("max_conversation_bytes")
                           or cv.DEFAULT_MAX_BYTES,
+                          frontend=FrontendOptions(**(o.get("frontend") or {})),
                           json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
                           freeze_heap=True)   # the ingress replica's own process
 

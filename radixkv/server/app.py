@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +37,7 @@ from radixkv.server import responses as rs
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers, validation_error
+from radixkv.server.frontend import LOAD_TRACKED, FrontendOptions
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      ConversationCreate, ConversationItemsCreate,
@@ -80,8 +82,13 @@ class ServerState:
                  max_logprobs: int = 20, responses_store_size: int = rs.DEFAULT_STORE_SIZE,
                  stream_interval: int = 1,
                  json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
-                 max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES) -> None:
+                 max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES,
+                 frontend: FrontendOptions | None = None) -> None:
         self.engine: Backend | None = None     # the backend (an engine, or a fleet)
+        #: vLLM's frontend options (radixkv/server/frontend.py)
+        self.frontend = frontend or FrontendOptions()
+        #: generation requests in flight, for ``GET /load`` (``--enable-server-load-tracking``)
+        self.server_load = 0
         self.load_error: str | None = None
         self.model_name = model_name
         self.tenants = tenants
@@ -183,6 +190,9 @@ class _Gate:
             return await self.app(scope, receive, send)
         st = scope.setdefault("state", {})
         st["arrived"] = time.perf_counter()
+        frontend = self.state.frontend
+        if frontend.request_id_headers:
+            send = _with_request_id(scope, send)
         if scope["path"].startswith("/v1/") or scope["path"] == "/reset_prefix_cache":
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
                          if k == b"authorization"), None)
@@ -197,6 +207,12 @@ class _Gate:
             receive = await self._bounded(scope, receive, send)
             if receive is None:
                 return None
+            if frontend.load_tracking and scope["path"] in LOAD_TRACKED:
+                self.state.server_load += 1   # until the response (a stream: its end) is out
+                try:
+                    return await self.app(scope, receive, send)
+                finally:
+                    self.state.server_load -= 1
         return await self.app(scope, receive, send)
 
     async def _bounded(self, scope: dict, receive: Any, send: Any) -> Any:
@@ -241,6 +257,32 @@ class _Gate:
         return replayed
 
 
+def _request_defaults(state: ServerState, req: Any) -> None:
+    """The server's defaults for what a request leaves unset (vLLM's frontend flags):
+    ``chat_template_kwargs`` over ``--default-chat-template-kwargs``, and
+    ``return_tokens_as_token_ids`` from ``--return-tokens-as-token-ids``. Idempotent."""
+    frontend = state.frontend
+    if getattr(req, "return_tokens_as_token_ids", False) is None:
+        req.return_tokens_as_token_ids = frontend.return_tokens_as_token_ids
+    if hasattr(req, "chat_template_kwargs"):
+        req.chat_template_kwargs = frontend.template_kwargs(req.chat_template_kwargs)
+
+
+def _with_request_id(scope: dict, send: Any) -> Any:
+    """``send`` that adds ``X-Request-Id`` to the response's headers: the request's own (a
+    proxy's trace id), else a new one (``--enable-request-id-headers``, as vLLM's)."""
+    rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) \
+        or uuid.uuid4().hex.encode()
+
+    async def send_with_id(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                               (b"x-request-id", rid)]}
+        await send(message)
+
+    return send_with_id
+
+
 def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                model_name: str | None = None, api_keys: list[str] | None = None,
                max_queued: int = 256, default_max_tokens: int | None = None,
@@ -253,7 +295,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                stream_interval: int = 1,
                json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
                freeze_heap: bool = False,
-               max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES) -> Any:
+               max_conversation_bytes: int = cv.DEFAULT_MAX_BYTES,
+               frontend: FrontendOptions | None = None) -> Any:
     """The ASGI app serving ``engine`` (a :class:`radixkv.Engine` or a
     :class:`~radixkv.server.backend.Backend`), or what ``load()`` returns, loaded in a thread at
     start-up (``/health`` is 503 until then). ``model_name`` is what clients pass as ``model``
@@ -272,7 +315,9 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     process (``radixkv serve``, the fleet's ingress): once loaded and warm, freeze the start-up
     heap out of the garbage collector's passes, and time the collector's pauses for
     ``/metrics`` (:mod:`radixkv.server.heap`); an app embedded in another program leaves its
-    collector alone. Returns the app wrapped in its gate middleware; the FastAPI object is
+    collector alone. ``frontend``: vLLM's frontend options (:mod:`radixkv.server.frontend`:
+    request-id headers, default template variables, the reply's role, ...; default vLLM's
+    defaults). Returns the app wrapped in its gate middleware; the FastAPI object is
     ``app.fastapi`` and the shared state ``app.state``."""
     if engine is None and load is None:
         raise ValueError("create_app needs an engine or a load() function")
@@ -288,7 +333,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
     state = ServerState(name, Tenants.create(api_keys or [], salt_secret), max_queued,
                         default_max_tokens, max_request_bytes, reasoning_parser,
                         cache_reset, max_logprobs, responses_store_size, stream_interval,
-                        check_max_whitespace(json_max_whitespace), max_conversation_bytes)
+                        check_max_whitespace(json_max_whitespace), max_conversation_bytes,
+                        frontend)
     state.freeze_heap = freeze_heap
     pauses = heap.PauseRecorder(state.metrics.gc_pause) if freeze_heap else None
 
@@ -313,7 +359,10 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
         if pauses is not None:
             pauses.remove()
 
-    api = FastAPI(title="radixkv", lifespan=lifespan)
+    docs = state.frontend.docs   # --disable-fastapi-docs: none of the three
+    api = FastAPI(title="radixkv", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     install_handlers(api)
     _routes(api, state, extra_metrics)
     gate = _Gate(api, state)
@@ -372,6 +421,12 @@ def _routes(api: FastAPI, state: ServerState,
             body += await extra_metrics()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    @api.get("/load")
+    async def load() -> Any:
+        """vLLM's: generation requests in flight (chat, completions, responses: from arrival
+        to the response's end), counted with ``--enable-server-load-tracking``; 0 without."""
+        return {"server_load": state.server_load}
+
     @api.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         """vLLM's (and SageMaker's) liveness probe: 200 once the model is loaded."""
@@ -414,6 +469,7 @@ def _routes(api: FastAPI, state: ServerState,
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
+            _request_defaults(state, req)
             variables = dict(req.chat_template_kwargs or {})
             if req.tools:   # rendered as a chat request with these tools renders them
                 tool_calls.check_template(getattr(eng.chat_template.tokenizer,
@@ -584,6 +640,7 @@ def _routes(api: FastAPI, state: ServerState,
     async def completions(req: CompletionRequest, request: Request) -> Any:
         eng = state.ready_engine()
         state.check_model(req.model)
+        _request_defaults(state, req)
         if req.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         p = req.prompt
@@ -617,6 +674,7 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
     ``count_only``: the prompt's length in tokens, nothing served (Responses' truncation)."""
     eng = state.ready_engine()
     state.check_model(req.model)
+    _request_defaults(state, req)
     marks = [m.cache_control for m in req.messages]
     if sum(m is not None for m in marks) > MAX_CACHE_MARKS:
         raise APIError(400, f"at most {MAX_CACHE_MARKS} messages may carry cache_control "
@@ -655,7 +713,8 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
     return await _serve(state, request, req, [ids], chat=True,
                         points=None if points is None else [points],
                         chat_echo=serving.chat_echo(req, messages),
-                        chat_role=serving.chat_role(req, messages))
+                        chat_role=serving.chat_role(req, messages,
+                                                    state.frontend.response_role))
 
 
 def _check_page(limit: int, order: str) -> None:
@@ -1010,7 +1069,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                         stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
                                                          forced),
                         chat_echo=serving.chat_echo(req, msgs),
-                        chat_role=serving.chat_role(req, msgs))
+                        chat_role=serving.chat_role(req, msgs,
+                                                    state.frontend.response_role))
 
 
 def _num_seqs(req: Any) -> int:
@@ -1240,7 +1300,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     ``role_name``: a chat reply's role in its first delta (:func:`serving.chat_role`)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage) \
+        or state.frontend.force_include_usage
     beam = params.use_beam_search
 
     # Every chunk is {"id", "object", "created", "model", "choices"[, "usage": null]}: the

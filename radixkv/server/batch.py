@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from radixkv.server.app import create_app
+        from radixkv.server.frontend import FrontendOptions
     except ImportError as exc:
         print(f"radixkv run-batch needs the serve extra ({exc}): pip install 'radixkv[serve]'",
               file=sys.stderr)
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                      default_max_tokens=args.default_max_tokens,
                      reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs,
                      responses_store_size=args.responses_store_size,
-                     json_max_whitespace=args.structured_outputs_max_whitespace)
+                     json_max_whitespace=args.structured_outputs_max_whitespace,
+                     frontend=FrontendOptions.from_args(args))
     window = backend.max_num_seqs + args.max_queued
     t0 = time.perf_counter()
 

@@ -228,6 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                    help="accepted for vLLM compatibility: radixkv logs neither requests nor "
                         "periodic stats (Prometheus /metrics has them)")
+    v.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own, else a new "
+                        "one (vLLM's)")
+    v.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="chat-template variables for requests that do not set them, e.g. "
+                        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win "
+                        "(vLLM's)")
+    v.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role a chat reply is given in a new turn (vLLM's; default "
+                        "assistant)")
+    v.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' unless a request sets "
+                        "return_tokens_as_token_ids (vLLM's)")
+    v.add_argument("--enable-force-include-usage", action="store_true",
+                   help="streamed responses end with a usage chunk even without "
+                        "stream_options.include_usage (vLLM's)")
+    v.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts the chat, completions and responses requests in "
+                        "flight (vLLM's; without it /load answers 0)")
+    v.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (vLLM's)")
+    v.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no uvicorn access log lines (vLLM's; they show at --log-level info)")
+    v.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM compatibility: usage.prompt_tokens_details "
+                        "(cached_tokens) is always reported")
     v.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility: radixkv never runs code that comes "
                         "with a checkpoint (a model that needs it fails to load, naming it)")
@@ -476,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from radixkv.server import conversations as cv
     from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
+    from radixkv.server.frontend import FrontendOptions
 
     app = create_app(load=engine_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
@@ -490,11 +517,12 @@ def main(argv: list[str] | None = None) -> int:
                      json_max_whitespace=args.structured_outputs_max_whitespace,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
-                     freeze_heap=True)
+                     freeze_heap=True, frontend=FrontendOptions.from_args(args))
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, loop=UVICORN_LOOP))
+                                           log_level=args.log_level, loop=UVICORN_LOOP,
+                                           access_log=not args.disable_uvicorn_access_log))
     if failed:   # failed before the server object existed
         server.should_exit = True
     server.run()
@@ -561,6 +589,9 @@ def check_flags(args: argparse.Namespace) -> None:
                           f"{args.max_conversation_bytes}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    from radixkv.server.frontend import FrontendOptions
+
+    FrontendOptions.from_args(args)   # a bad --default-chat-template-kwargs / --response-role
 
 
 if __name__ == "__main__":

@@ -198,8 +198,9 @@ class _SamplingFields(_PlacedDocuments):
     # vLLM's: keep the prompt's last k tokens (-1: as many as fit beside max_tokens)
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     truncation_side: Optional[Literal["left", "right"]] = None   # vLLM's: right keeps the first
-    # vLLM's: logprobs name each token "token_id:N" instead of its text
-    return_tokens_as_token_ids: bool = False
+    # vLLM's: logprobs name each token "token_id:N" instead of its text (unset: the server's
+    # --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: these tokens' logprobs in every token's entry, instead of the most likely ones
     logprob_token_ids: Optional[list[int]] = Field(default=None, min_length=1, max_length=256)
     # vLLM's constrained output, and the guided_* fields it had before (serve.md)

@@ -257,12 +257,12 @@ def chat_echo(req: Any, messages: Sequence[Any]) -> str | None:
     return content if isinstance(content, str) else ""
 
 
-def chat_role(req: Any, messages: Sequence[Any]) -> str:
-    """The role of a chat reply, as vLLM names it: ``assistant`` in a new turn
-    (``add_generation_prompt``, the default), else the last message's role, the one the reply
-    continues."""
+def chat_role(req: Any, messages: Sequence[Any], response_role: str = "assistant") -> str:
+    """The role of a chat reply, as vLLM names it: ``response_role`` (``--response-role``,
+    default ``assistant``) in a new turn (``add_generation_prompt``, the default), else the
+    last message's role, the one the reply continues."""
     if req.add_generation_prompt or not messages:
-        return "assistant"
+        return response_role
     return str(messages[-1]["role"])
 
 

@@ -61,6 +61,11 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--stream-interval", "0"], "--stream-interval"),
     (["--structured-outputs-max-whitespace", "0"], "--structured-outputs-max-whitespace"),
     (["--structured-outputs-max-whitespace", "lots"], "integer >= 1 or 'none'"),
+    (["--default-chat-template-kwargs", "{nope"], "is not JSON"),
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--default-chat-template-kwargs", '{"tools": []}'], "is set by the server"),
+    (["--default-chat-template-kwargs", '{"a b": 1}'], "not a template variable name"),
+    (["--response-role", " "], "--response-role"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:

@@ -54,7 +54,9 @@ def test_run_batch_answers_every_line_in_order(tmp_path: Path) -> None:
     src.write_text("\n".join(lines) + "\n")
     proc = subprocess.run([sys.executable, "-m", "radixkv.cli", "run-batch", "-i", str(src),
                            "-o", str(dst), "--threads", "1", "--device", "cpu", "--dtype",
-                           "float32", "--device-blocks", "256"], capture_output=True,
+                           "float32", "--device-blocks", "256",
+                           "--response-role", "batch-helper"],   # serve's frontend flags too
+                          capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = [json.loads(t) for t in dst.read_text().splitlines()]
@@ -65,6 +67,8 @@ def test_run_batch_answers_every_line_in_order(tmp_path: Path) -> None:
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out[:7])
     assert ok["q0"]["object"] == "chat.completion" and ok["text"]["object"] == "text_completion"
     assert ok["resp"]["object"] == "response" and ok["resp"]["output"][0]["type"] == "message"
+    assert ok["q0"]["choices"][0]["message"]["role"] == "batch-helper"
+    assert ok["resp"]["output"][0]["role"] == "assistant"   # Responses' items keep theirs
     assert out[0]["response"]["request_id"] == ok["q0"]["id"]
     # the same request, greedy: the same answer; the shared system prompt came from the cache
     assert ok["q0"]["choices"][0]["message"] == ok["q2"]["choices"][0]["message"]
