@@ -266,6 +266,17 @@ def _request_defaults(state: ServerState, req: Any) -> None:
         req.return_tokens_as_token_ids = frontend.return_tokens_as_token_ids
     if hasattr(req, "chat_template_kwargs"):
         req.chat_template_kwargs = frontend.template_kwargs(req.chat_template_kwargs)
+    template = getattr(req, "chat_template", None)
+    if template is not None:
+        if not frontend.trust_request_chat_template:
+            raise APIError(400, "a request's own chat_template is rendered only by a server "
+                           "started with --trust-request-chat-template (rendering a "
+                           "client's template can take any CPU and memory)",
+                           param="chat_template", code="untrusted_chat_template")
+        # every render of this request's prompt (prompt ids, cache breakpoints, documents,
+        # tools) passes its template variables to apply_chat_template: the template rides there
+        req.chat_template_kwargs = {**(req.chat_template_kwargs or {}),
+                                    "chat_template": template}
 
 
 def _with_request_id(scope: dict, send: Any) -> Any:
@@ -472,8 +483,8 @@ def _routes(api: FastAPI, state: ServerState,
             _request_defaults(state, req)
             variables = dict(req.chat_template_kwargs or {})
             if req.tools:   # rendered as a chat request with these tools renders them
-                tool_calls.check_template(getattr(eng.chat_template.tokenizer,
-                                                  "chat_template", None))
+                tool_calls.check_template(req.chat_template or getattr(
+                    eng.chat_template.tokenizer, "chat_template", None))
                 variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             if req.documents is not None and not req.default_ending():
                 raise APIError(400, "documents are not supported with add_generation_prompt "
@@ -690,6 +701,8 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
     if req.tools or any(m.tool_calls for m in req.messages):
         return await _chat_with_tools(state, request, req, eng, count_only)
     chars = sum(len(m["content"]) for m in messages)
+    if req.chat_template is not None:   # a client's template: its cost is unknown, never inline
+        chars = max(chars, INLINE_TOKENIZE_CHARS + 1)
     if req.documents is not None:   # RAG documents placed by the server (serve.md)
         docs = serving.document_texts(req)
         serving.check_text(eng, docs + [m["content"] for m in messages], "documents",
@@ -1012,7 +1025,7 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     from radixkv.server import tools as tool_calls
 
     tok = eng.chat_template.tokenizer
-    tool_calls.check_template(getattr(tok, "chat_template", None))
+    tool_calls.check_template(req.chat_template or getattr(tok, "chat_template", None))
     if req.use_beam_search:
         raise APIError(400, "use_beam_search is not supported together with tools yet",
                        param="use_beam_search", code="unsupported_parameter")

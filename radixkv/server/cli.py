@@ -251,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve no /docs, /redoc or /openapi.json (vLLM's)")
     v.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no uvicorn access log lines (vLLM's; they show at --log-level info)")
+    v.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat or /tokenize request's own chat_template instead of "
+                        "the model's (vLLM's; off: such a request is a 400). Only for "
+                        "trusted clients: a template can take any CPU and memory to render")
     v.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM compatibility: usage.prompt_tokens_details "
                         "(cached_tokens) is always reported")

@@ -21,6 +21,10 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--enable-server-load-tracking``         ``GET /load`` counts the generation requests in
                                           flight (without it, it answers 0, as vLLM's)
 ``--disable-fastapi-docs``                no ``/docs``, ``/redoc``, ``/openapi.json``
+``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
+                                          is rendered instead of the model's (without it, a
+                                          400: a template can take any CPU and memory to
+                                          render, so only for clients the operator trusts)
 ========================================  ==================================================
 
 One frozen value carries them from the command line (``serve`` and the fleet's ingress alike)
@@ -52,6 +56,7 @@ class FrontendOptions:
     force_include_usage: bool = False
     load_tracking: bool = False
     docs: bool = True
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.response_role, str) or not self.response_role.strip():
@@ -83,7 +88,8 @@ class FrontendOptions:
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    force_include_usage=args.enable_force_include_usage,
                    load_tracking=args.enable_server_load_tracking,
-                   docs=not args.disable_fastapi_docs)
+                   docs=not args.disable_fastapi_docs,
+                   trust_request_chat_template=args.trust_request_chat_template)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (the fleet passes them to its ingress replicas)."""

@@ -125,6 +125,10 @@ class _TemplateOptions(BaseModel):
     continue_final_message: bool = False
     #: more variables for the template (e.g. Qwen3's ``enable_thinking``)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    #: vLLM's: a Jinja template for this request instead of the model's; served only with
+    #: ``--trust-request-chat-template`` (a 400 otherwise: rendering a client's template can
+    #: take any amount of CPU and memory)
+    chat_template: Optional[str] = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -465,7 +469,7 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_SamplingFields, _TemplateOptions):
     _implemented: ClassVar[frozenset[str]] = frozenset({
         "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
-        "chat_template_kwargs", "echo", "return_prompt_text"})
+        "chat_template_kwargs", "echo", "return_prompt_text", "chat_template"})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)

@@ -44,6 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "--enable-server-load-tracking",
             "--disable-fastapi-docs",
             "--disable-uvicorn-access-log",
+            "--trust-request-chat-template",
             "--enable-prompt-tokens-details"]   # accepted: always reported
     with running_server(args) as srv:
         yield srv
@@ -102,6 +103,27 @@ def test_default_template_kwargs_reach_the_template_and_a_request_overrides_them
                                                 temperature=0)
     status, _, body = _http(server, "POST", "/tokenize", {"model": MODEL, "messages": HI})
     assert r.usage.prompt_tokens == body["count"]
+
+
+def test_a_trusted_request_template_renders_the_prompt(server: Server) -> None:
+    """With --trust-request-chat-template a request's chat_template replaces the model's on
+    /tokenize and chat (the same prompt: the chat's usage counts its tokens); the template
+    variables still reach it; chat_template_kwargs may not carry one even so."""
+    mine = ("{%- for m in messages %}[{{ m['role'] }}|{{ probe_word }}]{{ m['content'] }}"
+            "{%- endfor %}{%- if add_generation_prompt %}[answer]{%- endif %}")
+    status, _, tok = _http(server, "POST", "/tokenize",
+                           {"model": MODEL, "messages": HI, "chat_template": mine})
+    assert status == 200, tok
+    text = _http(server, "POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})[2]
+    assert text["prompt"] == "[user|zebra]Say hi.[answer]"   # the server's default variable
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=1, temperature=0,
+        extra_body={"chat_template": mine})
+    assert r.usage.prompt_tokens == tok["count"]
+    status, _, err = _http(server, "POST", "/v1/chat/completions",
+                           {"model": MODEL, "messages": HI, "max_tokens": 1,
+                            "chat_template_kwargs": {"chat_template": mine}})
+    assert status == 400 and err["error"]["param"] == "chat_template_kwargs"
 
 
 def test_the_reply_role_is_the_response_role(server: Server) -> None:
@@ -191,6 +213,7 @@ def test_a_requests_own_template_kwargs_win() -> None:
     assert FrontendOptions().template_kwargs(None) is None
     assert FrontendOptions().template_kwargs({"c": 1}) == {"c": 1}
     assert FrontendOptions(**opts.as_dict()) == opts   # what the fleet's ingress rebuilds
+    assert not FrontendOptions().trust_request_chat_template   # vLLM's default: refused
 
 
 def test_docs_are_served_by_default() -> None:

@@ -1052,14 +1052,16 @@ def test_template_endings_as_transformers_renders_them(ready: Server, engine: An
 
 
 def test_no_endpoint_takes_a_template_from_the_request(ready: Server) -> None:
-    """A request's own Jinja template is refused everywhere, whichever field carries it:
-    vLLM 0.16-0.31 let ``/v1/responses`` take one in ``chat_template_kwargs`` past its trust
-    flag (CVE-2026-115918: CPU and memory exhaustion by rendering), so each way in is checked
-    here with a template that would run for ever if rendered."""
+    """Without --trust-request-chat-template (this server) a request's own Jinja template is
+    refused everywhere, whichever field carries it: vLLM 0.16-0.31 let ``/v1/responses`` take
+    one in ``chat_template_kwargs`` past its trust flag (CVE-2026-115918: CPU and memory
+    exhaustion by rendering), so each way in is checked here with a template that would run
+    for ever if rendered (the trusted case: tests/server/test_frontend_options.py)."""
     bomb = "{% for i in range(10**9) %}{{ i }}{% endfor %}"
     msgs = [{"role": "user", "content": "Hi"}]
     for path, body in (
             ("/v1/chat/completions", {"messages": msgs, "chat_template": bomb}),
+            ("/tokenize", {"messages": msgs, "chat_template": bomb}),
             ("/v1/chat/completions", {"messages": msgs,
                                       "chat_template_kwargs": {"chat_template": bomb}}),
             ("/v1/responses", {"input": "Hi", "chat_template_kwargs": {"chat_template": bomb}}),
