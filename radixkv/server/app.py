@@ -193,7 +193,8 @@ class _Gate:
         frontend = self.state.frontend
         if frontend.request_id_headers:
             send = _with_request_id(scope, send)
-        if scope["path"].startswith("/v1/") or scope["path"] == "/reset_prefix_cache":
+        path = frontend.route_path(scope)   # below --root-path: what the routes match
+        if path.startswith("/v1/") or path == "/reset_prefix_cache":
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
                          if k == b"authorization"), None)
             key = self.state.tenants.authenticate(auth)
@@ -207,7 +208,7 @@ class _Gate:
             receive = await self._bounded(scope, receive, send)
             if receive is None:
                 return None
-            if frontend.load_tracking and scope["path"] in LOAD_TRACKED:
+            if frontend.load_tracking and path in LOAD_TRACKED:
                 self.state.server_load += 1   # until the response (a stream: its end) is out
                 try:
                     return await self.app(scope, receive, send)
@@ -370,15 +371,26 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
         if pauses is not None:
             pauses.remove()
 
-    docs = state.frontend.docs   # --disable-fastapi-docs: none of the three
+    frontend = state.frontend
+    docs = frontend.docs   # --disable-fastapi-docs: none of the three
     api = FastAPI(title="radixkv", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None,
-                  openapi_url="/openapi.json" if docs else None)
+                  openapi_url="/openapi.json" if docs else None,
+                  root_path=frontend.root_path)
     install_handlers(api)
     _routes(api, state, extra_metrics)
-    gate = _Gate(api, state)
-    gate.fastapi, gate.state = api, state  # type: ignore[attr-defined]
-    return gate
+    app: Any = _Gate(api, state)
+    if frontend.allowed_origins:
+        # outside the gate: a browser's preflight (OPTIONS, no API key) is answered here, and
+        # every answer, a 401 included, carries the CORS headers the browser needs to read it
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(app, allow_origins=list(frontend.allowed_origins),
+                             allow_methods=list(frontend.allowed_methods),
+                             allow_headers=list(frontend.allowed_headers),
+                             allow_credentials=frontend.allow_credentials)
+    app.fastapi, app.state = api, state
+    return app
 
 
 def _backend(engine: Any) -> Backend:
@@ -823,7 +835,8 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
                 answer.on_close()
                 release()
 
-            stream = _Stream(events.adapt(answer.body_iterator), closed)
+            stream = _Stream(events.adapt(answer.body_iterator), closed,
+                             state.frontend.sse_keep_alive_interval)
             handed = True   # released when the stream ends, however it ends
             return stream
         if not isinstance(answer, JSONResponse) or answer.status_code != 200:
@@ -1157,7 +1170,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         echo = chat_echo if chat else (
             eng.decode(prompts[0]) if getattr(req, "echo", False) else None)
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names, echo, prompts[0], chat_role), close)
+                               tool_names, echo, prompts[0], chat_role), close,
+                       state.frontend.sse_keep_alive_interval)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
@@ -1469,13 +1483,21 @@ class _Stream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends. The event generator releases
     the request's admission slot in its ``finally``, but a client that disconnects before the
     generator's first step cancels it unstarted, and an unstarted generator runs no
-    ``finally``: without this the slot would leak."""
+    ``finally``: without this the slot would leak. ``keep_alive``: ``--sse-keep-alive-interval``
+    (seconds; 0 none), applied only when this response is sent (the Responses API reads a chat
+    stream's chunks without sending it, and must not see the comments)."""
 
-    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+    def __init__(self, content: Any, on_close: Callable[[], None],
+                 keep_alive: float = 0.0) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.on_close = on_close
+        self.keep_alive = keep_alive
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.keep_alive > 0:
+            from radixkv.server.frontend import keep_alive
+
+            self.body_iterator = keep_alive(self.body_iterator, self.keep_alive)
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -251,6 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve no /docs, /redoc or /openapi.json (vLLM's)")
     v.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no uvicorn access log lines (vLLM's; they show at --log-level info)")
+    v.add_argument("--sse-keep-alive-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="send an SSE comment when a streamed response has been idle this long "
+                        "(queued, prefilling, between tokens), so that a proxy's read timeout "
+                        "does not close it (vLLM's; default 0: never)")
+    v.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help="CORS: origins allowed to call the server from a browser, a JSON list "
+                        "(e.g. '[\"*\"]'; vLLM's; default none: no CORS headers)")
+    v.add_argument("--allowed-methods", default=None, metavar="JSON",
+                   help="CORS: allowed methods, a JSON list (default [\"*\"])")
+    v.add_argument("--allowed-headers", default=None, metavar="JSON",
+                   help="CORS: allowed request headers, a JSON list (default [\"*\"])")
+    v.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (vLLM's)")
+    v.add_argument("--root-path", default=None, metavar="PATH",
+                   help="the path prefix a proxy in front routes to this server (e.g. /llm): "
+                        "PATH/v1/... is served as /v1/... (vLLM's)")
+    v.add_argument("--ssl-keyfile", default=None, metavar="PATH",
+                   help="serve HTTPS with this private key (with --ssl-certfile; vLLM's)")
+    v.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                   help="the certificate chain for --ssl-keyfile")
+    v.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                   help="CA certificates to verify client certificates with (vLLM's)")
+    v.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 none, 1 optional, 2 required (Python ssl's "
+                        "CERT_NONE/OPTIONAL/REQUIRED; vLLM's; default 0)")
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat or /tokenize request's own chat_template instead of "
                         "the model's (vLLM's; off: such a request is a 400). Only for "
@@ -526,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, loop=UVICORN_LOOP,
-                                           access_log=not args.disable_uvicorn_access_log))
+                                           access_log=not args.disable_uvicorn_access_log,
+                                           ssl_keyfile=args.ssl_keyfile,
+                                           ssl_certfile=args.ssl_certfile,
+                                           ssl_ca_certs=args.ssl_ca_certs,
+                                           ssl_cert_reqs=args.ssl_cert_reqs))
     if failed:   # failed before the server object existed
         server.should_exit = True
     server.run()
@@ -596,6 +625,16 @@ def check_flags(args: argparse.Namespace) -> None:
     from radixkv.server.frontend import FrontendOptions
 
     FrontendOptions.from_args(args)   # a bad --default-chat-template-kwargs / --response-role
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag}: no such file {path!r}")
+    if (args.ssl_keyfile or args.ssl_ca_certs) and (args.replicas is not None
+                                                    or args.ray_address):
+        raise ConfigError("--ssl-* flags serve one server's HTTPS; a fleet's endpoint is Ray "
+                          "Serve's proxy (put a TLS proxy in front of it)")
 
 
 if __name__ == "__main__":

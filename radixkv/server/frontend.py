@@ -21,6 +21,15 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--enable-server-load-tracking``         ``GET /load`` counts the generation requests in
                                           flight (without it, it answers 0, as vLLM's)
 ``--disable-fastapi-docs``                no ``/docs``, ``/redoc``, ``/openapi.json``
+``--sse-keep-alive-interval S``           a streamed response idle for S seconds (queued,
+                                          prefilling, between tokens) sends an SSE comment,
+                                          so a proxy's read timeout does not cut it
+``--allowed-origins JSON`` (and           CORS for browsers calling the server directly
+``--allowed-methods``,                    (Starlette's middleware, outside the API-key check
+``--allowed-headers``,                    so that preflights are answered)
+``--allow-credentials``)
+``--root-path PATH``                      served behind a proxy that routes PATH/...: routes
+                                          and the API-key check see the path below it
 ``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
                                           is rendered instead of the model's (without it, a
                                           400: a template can take any CPU and memory to
@@ -34,15 +43,21 @@ threaded through every layer. Bad values are :class:`~radixkv.errors.ConfigError
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from radixkv.errors import ConfigError
 
 #: Paths whose requests ``GET /load`` counts (vLLM's load-aware routes that radixkv serves).
 LOAD_TRACKED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+#: What ``--sse-keep-alive-interval`` sends: an SSE comment, which clients ignore and proxies
+#: count as traffic.
+KEEP_ALIVE = ": keep-alive\n\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +72,28 @@ class FrontendOptions:
     load_tracking: bool = False
     docs: bool = True
     trust_request_chat_template: bool = False
+    sse_keep_alive_interval: float = 0.0
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""
 
     def __post_init__(self) -> None:
+        every = self.sse_keep_alive_interval
+        if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
+            raise ConfigError(f"--sse-keep-alive-interval must be >= 0 seconds (0: off), got "
+                              f"{every!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a JSON list of "
+                                  f"strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        root = self.root_path
+        if root and (not root.startswith("/") or root.endswith("/")):
+            raise ConfigError(f"--root-path must start with / and not end with one, got "
+                              f"{root!r}")
         if not isinstance(self.response_role, str) or not self.response_role.strip():
             raise ConfigError(f"--response-role must be a non-empty name, got "
                               f"{self.response_role!r}")
@@ -89,7 +124,25 @@ class FrontendOptions:
                    force_include_usage=args.enable_force_include_usage,
                    load_tracking=args.enable_server_load_tracking,
                    docs=not args.disable_fastapi_docs,
-                   trust_request_chat_template=args.trust_request_chat_template)
+                   trust_request_chat_template=args.trust_request_chat_template,
+                   sse_keep_alive_interval=args.sse_keep_alive_interval,
+                   allowed_origins=parse_list(args.allowed_origins, "--allowed-origins")
+                   or (),
+                   allowed_methods=parse_list(args.allowed_methods, "--allowed-methods")
+                   or ("*",),
+                   allowed_headers=parse_list(args.allowed_headers, "--allowed-headers")
+                   or ("*",),
+                   allow_credentials=args.allow_credentials,
+                   root_path=args.root_path or "")
+
+    def route_path(self, scope: dict) -> str:
+        """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),
+        whether or not the proxy in front kept the prefix."""
+        path = scope["path"]
+        root = self.root_path
+        if root and (path == root or path.startswith(root + "/")):
+            return path[len(root):] or "/"
+        return path
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (the fleet passes them to its ingress replicas)."""
@@ -101,6 +154,49 @@ class FrontendOptions:
         if not self.default_chat_template_kwargs:
             return None if requested is None else dict(requested)
         return {**self.default_chat_template_kwargs, **(requested or {})}
+
+
+def parse_list(text: str | None, flag: str) -> tuple[str, ...] | None:
+    """A JSON list of strings (vLLM's ``--allowed-origins '["*"]'``); None for None."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{flag} must be a JSON list of strings, got {text!r}")
+    return tuple(value)
+
+
+async def keep_alive(chunks: AsyncIterator[Any], every: float) -> AsyncIterator[Any]:
+    """``chunks`` (a streamed response's body), with :data:`KEEP_ALIVE` whenever none came for
+    ``every`` seconds. One pending ``__anext__`` task advances ``chunks`` (an async generator
+    may not be advanced twice at once), watched with a timeout that does not cancel it; when
+    this generator is closed or cancelled (the client went away), so is that task and then
+    ``chunks``, whose own clean-up runs."""
+    it = chunks.__aiter__()
+    pending: asyncio.Future[Any] = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(it.__anext__())
+    finally:
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await pending
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            with contextlib.suppress(BaseException):
+                await close()
 
 
 def parse_template_kwargs(text: str | None) -> dict[str, Any] | None:

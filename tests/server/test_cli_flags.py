@@ -66,6 +66,13 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--default-chat-template-kwargs", '{"tools": []}'], "is set by the server"),
     (["--default-chat-template-kwargs", '{"a b": 1}'], "not a template variable name"),
     (["--response-role", " "], "--response-role"),
+    (["--allowed-origins", '"*"'], "--allowed-origins must be a JSON list"),
+    (["--allowed-methods", "GET"], "--allowed-methods is not JSON"),
+    (["--root-path", "llm"], "--root-path must start with /"),
+    (["--sse-keep-alive-interval", "-1"], "--sse-keep-alive-interval"),
+    (["--ssl-keyfile", "k.pem"], "go together"),
+    (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"],
+     "no such file"),
 ])
 def test_a_bad_scheduling_value_is_a_usage_error(argv: list[str], words: str, capsys,
                                                  monkeypatch) -> None:

@@ -28,6 +28,10 @@ TEMPLATE = (
     "message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 HI = [{"role": "user", "content": "Say hi."}]
+KEY = "fe-key"
+ROOT = "/llm"          # --root-path
+KEEP_ALIVE_S = 0.2     # --sse-keep-alive-interval
+ORIGIN = "https://chat.example"   # --allowed-origins
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tpl = tmp_path_factory.mktemp("tpl") / "chatml_probe.jinja"
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "256", "--dtype", "float32",
-            "--chat-template", str(tpl),
+            "--api-key", KEY, "--max-num-seqs", "1",   # a second stream waits (keep-alive)
+            "--chat-template", str(tpl), "--root-path", ROOT,
+            "--sse-keep-alive-interval", str(KEEP_ALIVE_S),
+            "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials",
             "--enable-request-id-headers",
             "--default-chat-template-kwargs", json.dumps({"probe_word": "zebra"}),
             "--response-role", "helper",
@@ -51,11 +58,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _http(srv: Server, method: str, path: str, body: Any = None,
-          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+          headers: dict[str, str] | None = None, key: str | None = KEY
+          ) -> tuple[int, dict[str, str], Any]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         conn.request(method, path, None if body is None else json.dumps(body),
-                     {"Content-Type": "application/json", **(headers or {})})
+                     {"Content-Type": "application/json", **auth, **(headers or {})})
         r = conn.getresponse()
         text = r.read().decode()
         hdrs = {k.lower(): v for k, v in r.getheaders()}
@@ -67,8 +76,8 @@ def _http(srv: Server, method: str, path: str, body: Any = None,
         return r.status, hdrs, text
 
 
-def _client(srv: Server) -> Any:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0,
+def _client(srv: Server, root: str = "") -> Any:
+    return openai.OpenAI(base_url=srv.base + root + "/v1", api_key=KEY, max_retries=0,
                          timeout=120)
 
 
@@ -194,7 +203,172 @@ def test_no_api_docs(server: Server) -> None:
         assert _http(server, "GET", path)[0] == 404
 
 
+def test_an_idle_stream_sends_keep_alive_comments(server: Server) -> None:
+    """With --max-num-seqs 1 a second stream waits for the first one's 48 tokens: while it
+    waits its response sends SSE comments every --sse-keep-alive-interval, which the openai
+    client reads past."""
+    first = threading.Thread(target=lambda: list(_client(server).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=48, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})))
+    first.start()
+    time.sleep(0.3)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    lines = conn.getresponse().read().decode().split("\n\n")
+    conn.close()
+    first.join()
+    comments = [x for x in lines if x.startswith(":")]
+    assert comments and set(comments) == {": keep-alive"}
+    assert lines[-2] == "data: [DONE]"
+    # the official client ignores the comments: a waiting stream still parses
+    other = threading.Thread(target=lambda: list(_client(server).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=32, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})))
+    other.start()
+    time.sleep(0.3)
+    chunks = list(_client(server).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, temperature=0, stream=True))
+    other.join()
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+
+
+def test_cors_preflight_and_headers_come_before_the_key_check(server: Server) -> None:
+    status, hdrs, _ = _http(server, "OPTIONS", "/v1/chat/completions", key=None, headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert status == 200 and hdrs["access-control-allow-origin"] == ORIGIN
+    assert hdrs["access-control-allow-credentials"] == "true"
+    status, hdrs, _ = _http(server, "GET", "/v1/models", key=None, headers={"Origin": ORIGIN})
+    assert status == 401 and hdrs["access-control-allow-origin"] == ORIGIN   # readable
+    status, hdrs, _ = _http(server, "GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert status == 200 and hdrs["access-control-allow-origin"] == ORIGIN
+    status, hdrs, _ = _http(server, "GET", "/v1/models",
+                            headers={"Origin": "https://elsewhere.example"})
+    assert status == 200 and "access-control-allow-origin" not in hdrs
+
+
+def test_the_root_path_serves_below_it_and_keeps_the_key_check(server: Server) -> None:
+    """Behind a proxy that keeps the prefix (PATH/v1/...) or strips it (/v1/...), the same
+    routes answer, and the API key is required under the prefix too."""
+    for prefix in (ROOT, ""):
+        assert _http(server, "GET", prefix + "/v1/models")[0] == 200
+        assert _http(server, "GET", prefix + "/v1/models", key=None)[0] == 401
+        assert _http(server, "POST", prefix + "/v1/completions",
+                     {"model": MODEL, "prompt": "Hi", "max_tokens": 1}, key=None)[0] == 401
+    assert _http(server, "GET", ROOT + "/health", key=None)[0] == 200
+    r = _client(server, ROOT).completions.create(model=MODEL, prompt="The sky is",
+                                                 max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    assert _http(server, "GET", ROOT + "x/v1/models")[0] == 404   # a prefix, not a substring
+
+
+def test_https_with_a_certificate(tmp_path) -> None:
+    """--ssl-keyfile / --ssl-certfile: the server answers over TLS (the openai client trusting
+    the self-signed certificate), and plain HTTP gets no answer from it."""
+    import datetime
+    import ipaddress
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    keyfile, certfile = tmp_path / "key.pem", tmp_path / "cert.pem"
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    args = ["--threads", "1", "--device", "cpu", "--device-blocks", "64",
+            "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile)]
+    with running_server(args, wait=False) as srv:
+        ctx = ssl.create_default_context(cafile=str(certfile))
+        base = f"https://127.0.0.1:{srv.port}"
+        deadline = time.monotonic() + 600
+        while True:
+            assert srv.proc.poll() is None, srv.proc.stdout.read()
+            try:
+                with urllib.request.urlopen(base + "/health", context=ctx, timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=ctx, timeout=120))
+        with client:   # closed (TLS close_notify sent) before the server stops
+            r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2,
+                                          temperature=0)
+        assert r.usage.completion_tokens == 2
+        with pytest.raises((urllib.error.URLError, OSError)):   # no plain HTTP answer
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+
+
 # ------------------------------------------------------------------ the options alone
+def test_keep_alive_fills_idle_gaps_and_closes_what_it_wraps() -> None:
+    import asyncio
+
+    from radixkv.server.frontend import KEEP_ALIVE, keep_alive
+
+    closed = []
+
+    async def slow() -> Any:
+        try:
+            for i in range(3):
+                await asyncio.sleep(0.25)
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def run(limit: int | None) -> list[str]:
+        out = []
+        gen = keep_alive(slow(), 0.1)
+        async for chunk in gen:
+            out.append(chunk)
+            if limit is not None and len(out) == limit:
+                await gen.aclose()   # the client went away
+                break
+        return out
+
+    out = asyncio.run(run(None))
+    assert [c for c in out if c != KEEP_ALIVE] == ["data: 0\n\n", "data: 1\n\n",
+                                                   "data: 2\n\n"]
+    assert out.count(KEEP_ALIVE) >= 3 and closed == [True]
+    closed.clear()
+    asyncio.run(run(2))   # closed while the next chunk is pending
+    assert closed == [True]
+
+
+def test_cors_and_root_path_values_are_checked() -> None:
+    from radixkv.server.frontend import parse_list
+
+    assert parse_list('["*"]', "--allowed-origins") == ("*",)
+    for bad in ('"*"', "[1]", "{"):
+        with pytest.raises(ConfigError, match="--allowed-origins"):
+            parse_list(bad, "--allowed-origins")
+    for bad in ("llm", "/llm/"):
+        with pytest.raises(ConfigError, match="--root-path"):
+            FrontendOptions(root_path=bad)
+    with pytest.raises(ConfigError, match="--sse-keep-alive-interval"):
+        FrontendOptions(sse_keep_alive_interval=-1)
+    opts = FrontendOptions(root_path="/llm")
+    assert [opts.route_path({"path": p}) for p in ("/llm/v1/x", "/llm", "/v1/x", "/llmx/v1")] \
+        == ["/v1/x", "/", "/v1/x", "/llmx/v1"]
 def test_options_refuse_bad_values_at_start_up() -> None:
     with pytest.raises(ConfigError, match="non-empty"):
         FrontendOptions(response_role="")
