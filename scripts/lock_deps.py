@@ -13,6 +13,9 @@ a GPU), and radixkv itself. The lock applies where the installed torch is the on
 with (the ``# torch:`` line); elsewhere (a CUDA torch, ``RADIXKV_UNPINNED=1``) pip resolves
 freely as before.
 
+Make it where CI runs (a machine without a GPU, torch's CPU build): ``dev.sh lock`` keeps the
+installed torch and triton while it upgrades the rest, and the test requires a CPU lock.
+
 Run as ``python scripts/lock_deps.py`` (prints the file) or import :func:`closure` (the test
 that the lock covers what is installed, tests/test_constraints.py).
 """

@@ -65,6 +65,10 @@ def test_lock_is_well_formed_and_pins_no_machine_dependent_build():
     assert names == sorted(names), "pins out of order (regenerate with scripts/dev.sh lock)"
     for name in lock.NO_DEPS:
         assert canonicalize_name(name) in pins
+    # made where CI runs: the CPU build (a lock made beside a CUDA torch would not apply in CI,
+    # which would then resolve freely again, and would pin CUDA wheels)
+    assert _header("torch").endswith("+cpu"), _header("torch")
+    assert not [p for p in pins if p.startswith(("nvidia-", "cuda-"))]
 
 
 def test_lock_extras_are_the_setups():
