@@ -548,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
                      freeze_heap=True, frontend=FrontendOptions.from_args(args))
     print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
-          f"{', %d API key(s)' % len(keys) if keys else ''})", file=sys.stderr, flush=True)
+          f"{', %d API key(s)' % len(keys) if keys else ''}"
+          f"{' from $VLLM_API_KEY' if keys and not args.api_key and not args.api_key_file else ''}"
+          ")", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, loop=UVICORN_LOOP,
                                            access_log=not args.disable_uvicorn_access_log,

@@ -15,16 +15,29 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from radixkv.errors import ConfigError
 
 
-def read_keys(keys: Iterable[str], key_files: Iterable[str]) -> list[str]:
-    """Keys from the command line plus one key per non-empty, non-``#`` line of each file."""
+#: The environment variable ``vllm serve`` reads its API key from when ``--api-key`` is not
+#: given: a deployment that sets it must not get an open server by switching to radixkv.
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def read_keys(keys: Iterable[str], key_files: Iterable[str],
+              environ: Mapping[str, str] | None = None) -> list[str]:
+    """Keys from the command line plus one key per non-empty, non-``#`` line of each file;
+    with neither, ``$VLLM_API_KEY`` (``environ``, default the process's) when it is set and
+    not empty, as vLLM's."""
+    keys, key_files = list(keys), list(key_files)
+    if not keys and not key_files:
+        env = (os.environ if environ is None else environ).get(API_KEY_ENV, "")
+        keys = [env.strip()] if env.strip() else []
     out = [k for k in keys]
     for f in key_files:
         try:

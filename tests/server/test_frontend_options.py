@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -39,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tpl = tmp_path_factory.mktemp("tpl") / "chatml_probe.jinja"
     tpl.write_text(TEMPLATE)
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "256", "--dtype", "float32",
-            "--api-key", KEY, "--max-num-seqs", "1",   # a second stream waits (keep-alive)
+            "--max-num-seqs", "1",   # a second stream waits (keep-alive)
             "--chat-template", str(tpl), "--root-path", ROOT,
             "--sse-keep-alive-interval", str(KEEP_ALIVE_S),
             "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials",
@@ -53,8 +54,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "--disable-uvicorn-access-log",
             "--trust-request-chat-template",
             "--enable-prompt-tokens-details"]   # accepted: always reported
-    with running_server(args) as srv:
-        yield srv
+    # the key as a vLLM deployment sets it: the environment, no --api-key (the CORS and
+    # root-path tests check that requests without it are refused)
+    old = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = KEY
+    try:
+        with running_server(args) as srv:
+            yield srv
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_API_KEY", None)
+        else:
+            os.environ["VLLM_API_KEY"] = old
 
 
 def _http(srv: Server, method: str, path: str, body: Any = None,
@@ -309,7 +320,8 @@ def test_https_with_a_certificate(tmp_path) -> None:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+        # (KEY: the module's server may have put VLLM_API_KEY in the environment it inherits)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0,
                                http_client=openai.DefaultHttpxClient(verify=ctx, timeout=120))
         with client:   # closed (TLS close_notify sent) before the server stops
             r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2,

@@ -37,3 +37,16 @@ def test_key_files(tmp_path):
         read_keys([], [str(tmp_path / "missing")])
     with pytest.raises(ConfigError):
         read_keys(["has space"], [])
+
+
+def test_vllm_api_key_from_the_environment_unless_keys_are_given(tmp_path):
+    """vllm serve reads VLLM_API_KEY when --api-key is not given; a deployment that sets it
+    must not get an open radixkv server. Keys on the command line or in a file win."""
+    env = {"VLLM_API_KEY": " sk-env "}
+    assert read_keys([], [], env) == ["sk-env"]
+    assert read_keys(["sk-cli"], [], env) == ["sk-cli"]
+    f = tmp_path / "keys.txt"
+    f.write_text("sk-file\n")
+    assert read_keys([], [str(f)], env) == ["sk-file"]
+    assert read_keys([], [], {"VLLM_API_KEY": "  "}) == []   # empty: no key, as vLLM
+    assert read_keys([], [], {}) == []
