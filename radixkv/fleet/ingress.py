@@ -223,6 +223,11 @@ class FleetIngress:
         from radixkv.server.frontend import FrontendOptions
 
         o = self._options
+        frontend = FrontendOptions(**(o.get("frontend") or {}))
+        if frontend.log_requests:   # this actor's stderr: Ray's worker log
+            from radixkv.server import request_log
+
+            request_log.install(debug=False)
         info = dict(await self._engines.info.remote())
         info["num_replicas"] = o.get("num_replicas", 1)
         tokenizer = await asyncio.to_thread(load_tokenizer, o.get("model"), o.get("gguf_file"))
@@ -259,7 +264,7 @@ class FleetIngress:
                           responses_store_size=o.get("responses_store_size", 1024),
                           max_conversation_bytes=o.get("max_conversation_bytes")
                           or cv.DEFAULT_MAX_BYTES,
-                          frontend=FrontendOptions(**(o.get("frontend") or {})),
+                          frontend=frontend,
                           json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
                           freeze_heap=True)   # the ingress replica's own process
 

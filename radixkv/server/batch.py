@@ -240,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (any load failure: say why, exit non-zero)
         print(f"radixkv run-batch: the model failed to load: {exc}", file=sys.stderr)
         return 1
+    if args.enable_log_requests:
+        from radixkv.server import request_log
+
+        request_log.install(debug=args.log_level == "debug")
     app = create_app(backend, model_name=name, max_queued=args.max_queued,
                      default_max_tokens=args.default_max_tokens,
                      reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs,

@@ -225,9 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted for vLLM compatibility: prefills longer than "
                         "--max-num-batched-tokens are always chunked")
+    v.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request reaching the engine (id, sampling parameters, prompt "
+                        "length; prompt ids and text at --log-level debug) on stderr (vLLM's)")
+    v.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: also each finished request's text and "
+                        "finish reason (vLLM's)")
+    v.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="cut logged prompts, outputs and id lists to N characters / ids "
+                        "(vLLM's; default: whole)")
     v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
-                   help="accepted for vLLM compatibility: radixkv logs neither requests nor "
-                        "periodic stats (Prometheus /metrics has them)")
+                   help="accepted for vLLM compatibility: requests are logged only with "
+                        "--enable-log-requests, periodic stats never (Prometheus /metrics has "
+                        "them)")
     v.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else a new "
                         "one (vLLM's)")
@@ -533,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
     from radixkv.server.frontend import FrontendOptions
 
+    if args.enable_log_requests:
+        from radixkv.server import request_log
+
+        request_log.install(debug=args.log_level == "debug")
     app = create_app(load=engine_loader(args, cc, ec), model_name=name, api_keys=keys,
                      max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                      salt_secret=args.salt_secret,

@@ -30,6 +30,9 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--allow-credentials``)
 ``--root-path PATH``                      served behind a proxy that routes PATH/...: routes
                                           and the API-key check see the path below it
+``--enable-log-requests``,                a log line per request reaching the engine, and
+``--enable-log-outputs``,                 per finished one (radixkv/server/request_log.py),
+``--max-log-len N``                       texts and id lists cut to N
 ``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
                                           is rendered instead of the model's (without it, a
                                           400: a template can take any CPU and memory to
@@ -78,8 +81,15 @@ class FrontendOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     root_path: str = ""
+    log_requests: bool = False
+    log_outputs: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.log_outputs and not self.log_requests:
+            raise ConfigError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         every = self.sse_keep_alive_interval
         if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
             raise ConfigError(f"--sse-keep-alive-interval must be >= 0 seconds (0: off), got "
@@ -133,7 +143,9 @@ class FrontendOptions:
                    allowed_headers=parse_list(args.allowed_headers, "--allowed-headers")
                    or ("*",),
                    allow_credentials=args.allow_credentials,
-                   root_path=args.root_path or "")
+                   root_path=args.root_path or "",
+                   log_requests=args.enable_log_requests,
+                   log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len)
 
     def route_path(self, scope: dict) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),

@@ -537,6 +537,12 @@ async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any
     handle = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
                                      restartable=restartable, **(hints or {}))
     timing.submitted = time.perf_counter()
+    frontend = getattr(state, "frontend", None)
+    if frontend is not None and frontend.log_requests:   # --enable-log-requests
+        from radixkv.server import request_log
+
+        request_log.received(request_id, prompt_ids, params, frontend.max_log_len,
+                             lambda ids: state.engine.decode(ids, skip_special_tokens=False))
     return handle
 
 
@@ -579,6 +585,11 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
             if finished:
                 timing.finished = True
                 state.observe_finished(out, timing)
+                frontend = getattr(state, "frontend", None)
+                if frontend is not None and frontend.log_outputs:   # --enable-log-outputs
+                    from radixkv.server import request_log
+
+                    request_log.generated(request_id, out, frontend.max_log_len)
             yield out
     finally:
         if not finished:   # this prompt's own request (several may share ``timing``)

@@ -275,9 +275,11 @@ def test_the_root_path_serves_below_it_and_keeps_the_key_check(server: Server) -
     assert _http(server, "GET", ROOT + "x/v1/models")[0] == 404   # a prefix, not a substring
 
 
-def test_https_with_a_certificate(tmp_path) -> None:
+def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     """--ssl-keyfile / --ssl-certfile: the server answers over TLS (the openai client trusting
-    the self-signed certificate), and plain HTTP gets no answer from it."""
+    the self-signed certificate), and plain HTTP gets no answer from it. The same server logs
+    requests and outputs (--enable-log-requests --enable-log-outputs --max-log-len, prompt ids
+    at --log-level debug), named by the ids their responses carry."""
     import datetime
     import ipaddress
     import ssl
@@ -305,7 +307,9 @@ def test_https_with_a_certificate(tmp_path) -> None:
                                           serialization.NoEncryption()))
     certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "64",
-            "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile)]
+            "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
+            "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "8",
+            "--log-level", "debug"]
     with running_server(args, wait=False) as srv:
         ctx = ssl.create_default_context(cafile=str(certfile))
         base = f"https://127.0.0.1:{srv.port}"
@@ -326,9 +330,22 @@ def test_https_with_a_certificate(tmp_path) -> None:
         with client:   # closed (TLS close_notify sent) before the server stops
             r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2,
                                           temperature=0)
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
         assert r.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, OSError)):   # no plain HTTP answer
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+    logs = srv.proc.stdout.read()
+    streamed = chunks[0].id
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    for rid in (r.id + "-0", streamed):   # a non-streamed request's prompts: ID-0, ID-1, ...
+        assert f"Received request {rid}: params: SamplingParams(" in logs, logs[-3000:]
+        assert f"Request {rid} details: prompt: " in logs   # debug: the prompt too
+    assert f"Generated response {r.id}-0: output: {r.choices[0].text[:8]!r}, " \
+           f"finish_reason: length" in logs
+    assert f"Generated response {streamed}: output: {text[:8]!r}" in logs
+    assert "prompt_tokens: " in logs
 
 
 # ------------------------------------------------------------------ the options alone
@@ -378,6 +395,10 @@ def test_cors_and_root_path_values_are_checked() -> None:
             FrontendOptions(root_path=bad)
     with pytest.raises(ConfigError, match="--sse-keep-alive-interval"):
         FrontendOptions(sse_keep_alive_interval=-1)
+    with pytest.raises(ConfigError, match="needs --enable-log-requests"):
+        FrontendOptions(log_outputs=True)
+    with pytest.raises(ConfigError, match="--max-log-len"):
+        FrontendOptions(log_requests=True, max_log_len=-1)
     opts = FrontendOptions(root_path="/llm")
     assert [opts.route_path({"path": p}) for p in ("/llm/v1/x", "/llm", "/v1/x", "/llmx/v1")] \
         == ["/v1/x", "/", "/v1/x", "/llmx/v1"]
