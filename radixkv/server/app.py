@@ -37,7 +37,7 @@ from radixkv.server import responses as rs
 from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers, validation_error
-from radixkv.server.frontend import LOAD_TRACKED, FrontendOptions
+from radixkv.server.frontend import LOAD_TRACKED, FrontendOptions, load_middleware
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      ConversationCreate, ConversationItemsCreate,
@@ -379,6 +379,12 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                   root_path=frontend.root_path)
     install_handlers(api)
     _routes(api, state, extra_metrics)
+    for path in frontend.middleware:   # --middleware: the operator's, inside the key check
+        kind, obj = load_middleware(path)
+        if kind == "class":
+            api.add_middleware(obj)
+        else:
+            api.middleware("http")(obj)
     app: Any = _Gate(api, state)
     if frontend.allowed_origins:
         # outside the gate: a browser's preflight (OPTIONS, no API key) is answered here, and

@@ -277,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--root-path", default=None, metavar="PATH",
                    help="the path prefix a proxy in front routes to this server (e.g. /llm): "
                         "PATH/v1/... is served as /v1/... (vLLM's)")
+    v.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port (vLLM's)")
+    v.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                   help="comma-separated paths whose uvicorn access log lines are dropped, "
+                        "e.g. /health,/metrics,/ping (vLLM's; they show at --log-level info)")
+    v.add_argument("--middleware", action="append", default=None, metavar="MODULE.NAME",
+                   help="add an ASGI middleware class or an async http middleware function "
+                        "by import path (repeatable; vLLM's)")
     v.add_argument("--ssl-keyfile", default=None, metavar="PATH",
                    help="serve HTTPS with this private key (with --ssl-certfile; vLLM's)")
     v.add_argument("--ssl-certfile", default=None, metavar="PATH",
@@ -561,17 +569,25 @@ def main(argv: list[str] | None = None) -> int:
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
                      freeze_heap=True, frontend=FrontendOptions.from_args(args))
-    print(f"radixkv serve: http://{args.host}:{args.port} (model name {name!r}"
+    where = f"unix:{args.uds}" if args.uds else \
+        f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+    print(f"radixkv serve: {where} (model name {name!r}"
           f"{', %d API key(s)' % len(keys) if keys else ''}"
           f"{' from $VLLM_API_KEY' if keys and not args.api_key and not args.api_key_file else ''}"
           ")", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, loop=UVICORN_LOOP,
-                                           access_log=not args.disable_uvicorn_access_log,
-                                           ssl_keyfile=args.ssl_keyfile,
-                                           ssl_certfile=args.ssl_certfile,
-                                           ssl_ca_certs=args.ssl_ca_certs,
-                                           ssl_cert_reqs=args.ssl_cert_reqs))
+    config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds,
+                            log_level=args.log_level, loop=UVICORN_LOOP,
+                            access_log=not args.disable_uvicorn_access_log,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+    if args.disable_access_log_for_endpoints:   # after Config, which sets uvicorn's loggers up
+        import logging
+
+        from radixkv.server.frontend import AccessLogFilter
+
+        logging.getLogger("uvicorn.access").addFilter(
+            AccessLogFilter(args.disable_access_log_for_endpoints))
+    server = uvicorn.Server(config)
     if failed:   # failed before the server object existed
         server.should_exit = True
     server.run()
@@ -647,6 +663,8 @@ def check_flags(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag}: no such file {path!r}")
+    if args.uds and (args.replicas is not None or args.ray_address):
+        raise ConfigError("--uds serves one server; a fleet's endpoint is Ray Serve's proxy")
     if (args.ssl_keyfile or args.ssl_ca_certs) and (args.replicas is not None
                                                     or args.ray_address):
         raise ConfigError("--ssl-* flags serve one server's HTTPS; a fleet's endpoint is Ray "

@@ -33,6 +33,8 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--enable-log-requests``,                a log line per request reaching the engine, and
 ``--enable-log-outputs``,                 per finished one (radixkv/server/request_log.py),
 ``--max-log-len N``                       texts and id lists cut to N
+``--middleware MODULE.NAME``              an operator's ASGI middleware class, or an
+                                          ``http`` middleware function, added to the app
 ``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
                                           is rendered instead of the model's (without it, a
                                           400: a template can take any CPU and memory to
@@ -84,8 +86,12 @@ class FrontendOptions:
     log_requests: bool = False
     log_outputs: bool = False
     max_log_len: int | None = None
+    middleware: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "middleware", tuple(self.middleware))
+        for path in self.middleware:
+            load_middleware(path)   # importable, and a class or a coroutine function
         if self.log_outputs and not self.log_requests:
             raise ConfigError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -145,7 +151,8 @@ class FrontendOptions:
                    allow_credentials=args.allow_credentials,
                    root_path=args.root_path or "",
                    log_requests=args.enable_log_requests,
-                   log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len)
+                   log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
+                   middleware=tuple(args.middleware or ()))
 
     def route_path(self, scope: dict) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),
@@ -166,6 +173,44 @@ class FrontendOptions:
         if not self.default_chat_template_kwargs:
             return None if requested is None else dict(requested)
         return {**self.default_chat_template_kwargs, **(requested or {})}
+
+
+def load_middleware(path: str) -> tuple[str, Any]:
+    """``--middleware MODULE.NAME``: ``("class", cls)`` for an ASGI middleware class (added
+    with ``add_middleware``), ``("http", fn)`` for an ``async def fn(request, call_next)``
+    (FastAPI's ``@app.middleware("http")``), as vLLM's flag takes them; a ConfigError names what
+    is wrong. The module must be importable where the app runs (the fleet: its ingress)."""
+    import importlib
+    import inspect
+
+    module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"--middleware {path!r}: give MODULE.NAME")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--middleware {path!r}: {exc}") from None
+    if inspect.isclass(obj):
+        return "class", obj
+    if inspect.iscoroutinefunction(obj):
+        return "http", obj
+    raise ConfigError(f"--middleware {path!r} is neither a class nor an async function")
+
+
+class AccessLogFilter:
+    """A ``logging`` filter for uvicorn's access log that drops the lines of some paths
+    (``--disable-access-log-for-endpoints /health,/metrics``: probes every few seconds drown
+    the requests). uvicorn's access record's ``args`` are (client, method, path with query,
+    HTTP version, status)."""
+
+    def __init__(self, paths: str) -> None:
+        self.paths = frozenset(p.strip() for p in paths.split(",") if p.strip())
+
+    def filter(self, record: Any) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
 
 
 def parse_list(text: str | None, flag: str) -> tuple[str, ...] | None:

@@ -72,6 +72,8 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--sse-keep-alive-interval", "-1"], "--sse-keep-alive-interval"),
     (["--ssl-keyfile", "k.pem"], "go together"),
     (["--enable-log-outputs"], "needs --enable-log-requests"),
+    (["--middleware", "nodot"], "MODULE.NAME"),
+    (["--uds", "/tmp/radixkv-test.sock", "--replicas", "2"], "--uds serves one server"),
     (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len"),
     (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"],
      "no such file"),

@@ -348,6 +348,93 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     assert "prompt_tokens: " in logs
 
 
+MIDDLEWARE = """
+async def stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-operator"] = "stamped"
+    return response
+
+
+class Count:
+    calls = 0
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            Count.calls += 1
+
+            async def counted(message):
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", []),
+                                          (b"x-count", str(Count.calls).encode())]
+                await send(message)
+            return await self.app(scope, receive, counted)
+        return await self.app(scope, receive, send)
+"""
+
+
+def test_a_unix_socket_operator_middleware_and_quiet_probes(tmp_path) -> None:
+    """--uds: the server listens on a Unix socket (no TCP port); --middleware adds an http
+    function and an ASGI class by import path; --disable-access-log-for-endpoints drops the
+    probes' access lines while other requests keep theirs."""
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "operator_mw.py").write_text(MIDDLEWARE)
+    sock = str(tmp_path / "radixkv.sock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("VLLM_API_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv.server.cli", "--uds", sock, "--threads", "1",
+         "--device", "cpu", "--device-blocks", "64", "--log-level", "info",
+         "--middleware", "operator_mw.stamp", "--middleware", "operator_mw.Count",
+         "--disable-access-log-for-endpoints", "/health,/metrics"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(sock)
+
+    def get(path: str) -> tuple[int, dict[str, str], str]:
+        conn = UnixConnection("localhost", timeout=60)
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if get("/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        status, hdrs, body = get("/v1/models")
+        assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+        assert hdrs["x-operator"] == "stamped" and int(hdrs["x-count"]) >= 2
+        assert get("/metrics")[0] == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    logs = proc.stdout.read()
+    assert "radixkv serve: unix:" + sock in logs
+    assert '"GET /v1/models HTTP/1.1" 200' in logs
+    assert '"GET /health' not in logs and '"GET /metrics' not in logs
+
+
 # ------------------------------------------------------------------ the options alone
 def test_keep_alive_fills_idle_gaps_and_closes_what_it_wraps() -> None:
     import asyncio
@@ -399,6 +486,10 @@ def test_cors_and_root_path_values_are_checked() -> None:
         FrontendOptions(log_outputs=True)
     with pytest.raises(ConfigError, match="--max-log-len"):
         FrontendOptions(log_requests=True, max_log_len=-1)
+    for bad, words in (("nodot", "MODULE.NAME"), ("json.nosuchname", "has no attribute"),
+                       ("json.dumps", "neither a class nor an async function")):
+        with pytest.raises(ConfigError, match=words):
+            FrontendOptions(middleware=(bad,))
     opts = FrontendOptions(root_path="/llm")
     assert [opts.route_path({"path": p}) for p in ("/llm/v1/x", "/llm", "/v1/x", "/llmx/v1")] \
         == ["/v1/x", "/", "/v1/x", "/llmx/v1"]
