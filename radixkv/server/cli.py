@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                    help="accepted for vLLM compatibility: radixkv reads hermes' <tool_call> "
                         "format (Hermes, Qwen2/2.5/3, SmolLM3), the only one it takes")
+    v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="accepted for vLLM compatibility: with tool_choice none radixkv never "
+                        "renders the tools")
+    v.add_argument("--chat-template-content-format", choices=("auto", "string"),
+                   default="auto",
+                   help="how message content reaches the template: radixkv joins text parts "
+                        "into one string (vLLM's 'string', what its 'auto' picks for text "
+                        "templates); vLLM's 'openai' (parts as a list) is not supported")
     v.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted for vLLM compatibility: prefills longer than "
                         "--max-num-batched-tokens are always chunked")

@@ -73,6 +73,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--ssl-keyfile", "k.pem"], "go together"),
     (["--enable-log-outputs"], "needs --enable-log-requests"),
     (["--middleware", "nodot"], "MODULE.NAME"),
+    (["--chat-template-content-format", "openai"], "invalid choice"),
     (["--uds", "/tmp/radixkv-test.sock", "--replicas", "2"], "--uds serves one server"),
     (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len"),
     (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"],
@@ -123,3 +124,33 @@ def test_serve_runs_uvicorn_on_asyncios_event_loop(monkeypatch) -> None:
     monkeypatch.setattr(cpu, "apply_threads", lambda n: "threads untouched by this test")
     assert main(["--port", "0"]) == 0
     assert seen == {"loop": "asyncio", "ran": True}
+
+
+def test_a_vllm_frontend_command_line_parses_into_the_options() -> None:
+    """vllm serve's frontend flags, as a deployment script passes them, reach FrontendOptions
+    (their effects: tests/server/test_frontend_options.py)."""
+    from radixkv.server.cli import check_flags
+    from radixkv.server.frontend import FrontendOptions
+
+    args = build_parser().parse_args([
+        "--enable-request-id-headers", "--default-chat-template-kwargs",
+        '{"enable_thinking": false}', "--response-role", "bot",
+        "--return-tokens-as-token-ids", "--enable-force-include-usage",
+        "--enable-server-load-tracking", "--disable-fastapi-docs",
+        "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
+        "--trust-request-chat-template", "--sse-keep-alive-interval", "15",
+        "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["POST"]',
+        "--allow-credentials", "--root-path", "/llm", "--enable-log-requests",
+        "--enable-log-outputs", "--max-log-len", "100", "--middleware", "json.JSONDecoder",
+        "--exclude-tools-when-tool-choice-none", "--chat-template-content-format", "string",
+        "--disable-access-log-for-endpoints", "/health"])
+    check_flags(args)
+    o = FrontendOptions.from_args(args)
+    assert o == FrontendOptions(
+        request_id_headers=True, default_chat_template_kwargs={"enable_thinking": False},
+        response_role="bot", return_tokens_as_token_ids=True, force_include_usage=True,
+        load_tracking=True, docs=False, trust_request_chat_template=True,
+        sse_keep_alive_interval=15.0, allowed_origins=("https://a.example",),
+        allowed_methods=("POST",), allowed_headers=("*",), allow_credentials=True,
+        root_path="/llm", log_requests=True, log_outputs=True, max_log_len=100,
+        middleware=("json.JSONDecoder",))
