@@ -285,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--root-path", default=None, metavar="PATH",
                    help="the path prefix a proxy in front routes to this server (e.g. /llm): "
                         "PATH/v1/... is served as /v1/... (vLLM's)")
+    v.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                   help="at SIGTERM / Ctrl-C, let requests in flight finish for up to this "
+                        "long, then abort the rest, before the engine closes (and flushes to "
+                        "the remote tier); 0 aborts at once (vLLM's default and radixkv's)")
     v.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host/--port (vLLM's)")
     v.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
@@ -584,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{' from $VLLM_API_KEY' if keys and not args.api_key and not args.api_key_file else ''}"
           ")", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds,
+                            timeout_graceful_shutdown=args.shutdown_timeout or 0,
                             log_level=args.log_level, loop=UVICORN_LOOP,
                             access_log=not args.disable_uvicorn_access_log,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
@@ -671,6 +676,11 @@ def check_flags(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag}: no such file {path!r}")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.shutdown_timeout is not None and (args.replicas is not None or args.ray_address):
+        raise ConfigError("--shutdown-timeout bounds one server's drain; a fleet's replicas "
+                          "drain as Ray Serve's graceful_shutdown_timeout_s says (docs/fleet.md)")
     if args.uds and (args.replicas is not None or args.ray_address):
         raise ConfigError("--uds serves one server; a fleet's endpoint is Ray Serve's proxy")
     if (args.ssl_keyfile or args.ssl_ca_certs) and (args.replicas is not None

@@ -74,6 +74,8 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--enable-log-outputs"], "needs --enable-log-requests"),
     (["--middleware", "nodot"], "MODULE.NAME"),
     (["--chat-template-content-format", "openai"], "invalid choice"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    (["--shutdown-timeout", "5", "--replicas", "2"], "--shutdown-timeout bounds one server"),
     (["--uds", "/tmp/radixkv-test.sock", "--replicas", "2"], "--uds serves one server"),
     (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len"),
     (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"],

@@ -309,7 +309,7 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "64",
             "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
             "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "8",
-            "--log-level", "debug"]
+            "--log-level", "debug", "--shutdown-timeout", "120"]
     with running_server(args, wait=False) as srv:
         ctx = ssl.create_default_context(cafile=str(certfile))
         base = f"https://127.0.0.1:{srv.port}"
@@ -336,6 +336,28 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
         assert r.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, OSError)):   # no plain HTTP answer
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+        # --shutdown-timeout 120: a stream in flight at SIGTERM is drained to its end
+        drained: list[Any] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=ctx,
+                                                                     timeout=120)) as c:
+                for chunk in c.chat.completions.create(
+                        model=MODEL, messages=HI, max_tokens=40, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    drained.append(chunk)
+                    started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        srv.proc.terminate()
+        t.join(120)
+        assert srv.proc.wait(60) is not None
+        assert drained[-1].choices[0].finish_reason == "length"
+        assert sum(1 for c in drained if c.choices and c.choices[0].delta.content) >= 30
     logs = srv.proc.stdout.read()
     streamed = chunks[0].id
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -423,6 +445,25 @@ def test_a_unix_socket_operator_middleware_and_quiet_probes(tmp_path) -> None:
         assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
         assert hdrs["x-operator"] == "stamped" and int(hdrs["x-count"]) >= 2
         assert get("/metrics")[0] == 200
+        # SIGTERM with a long stream in flight: by default (--shutdown-timeout 0, vLLM's) it
+        # is aborted and the server exits at once, instead of generating its 3000 tokens
+        conn = UnixConnection("localhost", timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": HI, "max_tokens": 3000, "stream": True,
+             "ignore_eos": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert b"data: " in resp.read1(65536)   # streaming
+        t0 = time.monotonic()
+        proc.terminate()
+        proc.wait(60)
+        took = time.monotonic() - t0
+        try:
+            rest = resp.read()
+        except http.client.IncompleteRead as exc:
+            rest = exc.partial
+        conn.close()
+        assert took < 15, took
+        assert rest.count(b"data: ") < 1000 and b"[DONE]" not in rest
     finally:
         proc.terminate()
         try:
