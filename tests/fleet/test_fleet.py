@@ -93,7 +93,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),
            "--ray-cpus", "2", "--replica-cpus", "1", "--device", "cpu", "--dtype", "float32",
            "--device-blocks", "128", "--max-num-seqs", "4", "--remote-url", redis_srv.url,
-           "--remote-write", "write_through", "--remote-timeout", "5", "--enable-cache-reset"]
+           "--remote-write", "write_through", "--remote-timeout", "5", "--enable-cache-reset",
+           # vLLM's frontend flags reach the ingress's app (test_frontend_options_reach_...)
+           "--enable-request-id-headers", "--enable-server-load-tracking",
+           "--response-role", "fleet-helper"]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -384,3 +387,15 @@ def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet)
     _eventually(lambda: fleet.metrics()[("radixkv_fleet_failovers_total", None)] >= 1)
     for _ in range(3):                               # and it keeps answering
         assert _chat(client, [{"role": "user", "content": "ping"}], max_tokens=2).choices
+
+
+def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
+    """The FrontendOptions `radixkv serve` builds from vLLM's frontend flags travel to the
+    fleet's ingress replicas (as a dict in the deployment's options) and shape its answers."""
+    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/load",
+                                 headers={"X-Request-Id": "fleet-trace-1"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["X-Request-Id"] == "fleet-trace-1"
+        assert json.loads(r.read()) == {"server_load": 0}
+    r = _chat(fleet.client(), [{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.choices[0].message.role == "fleet-helper"
