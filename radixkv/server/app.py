@@ -156,8 +156,11 @@ class ServerState:
     def release(self, seqs: int) -> None:
         self.in_flight -= seqs
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """A 404 unless ``name`` is this server's model (or one of ``--served-model-name``'s
+        other names); None (left out) is the server's model, as vLLM's."""
+        if name is not None and name != self.model_name \
+                and name not in self.frontend.model_aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
@@ -550,8 +553,9 @@ def _routes(api: FastAPI, state: ServerState,
     async def models() -> Any:
         eng = state.ready_engine()
         return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "radixkv", "max_model_len": eng.max_model_len}]}
+            "id": name, "object": "model", "created": state.created, "owned_by": "radixkv",
+            "root": state.model_name, "max_model_len": eng.max_model_len}
+            for name in (state.model_name, *state.frontend.model_aliases)]}
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:

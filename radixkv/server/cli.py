@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, metavar="DIR",
                    help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
-    m.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as 'model' (default: the model's name)")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name clients pass as 'model' (default: the model's name); with "
+                        "several, any is accepted and the first is the one answers carry "
+                        "(vLLM's)")
     m.add_argument("--device", default="auto", help="torch device (default auto)")
     m.add_argument("--dtype", default=None, help="model/KV dtype, e.g. float16 (default: "
                    "bfloat16 on a CPU with native bf16, else float32)")
@@ -638,6 +640,12 @@ def _read_template(path: str) -> str:
 def check_flags(args: argparse.Namespace) -> None:
     """Fold vLLM's spellings into radixkv's flags (ConfigError on a contradiction)."""
     from radixkv.errors import ConfigError
+
+    names = args.served_model_name
+    if isinstance(names, list):   # vLLM's aliases: the first names answers, all are accepted
+        if any(not n.strip() for n in names):
+            raise ConfigError("--served-model-name: names must not be empty")
+        args.served_model_name, args.served_model_aliases = names[0], tuple(names[1:])
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

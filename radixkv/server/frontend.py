@@ -33,6 +33,8 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--enable-log-requests``,                a log line per request reaching the engine, and
 ``--enable-log-outputs``,                 per finished one (radixkv/server/request_log.py),
 ``--max-log-len N``                       texts and id lists cut to N
+``--served-model-name A B ...``           more names a request's ``model`` may give (the
+                                          first, A, is the one answers carry)
 ``--middleware MODULE.NAME``              an operator's ASGI middleware class, or an
                                           ``http`` middleware function, added to the app
 ``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
@@ -87,9 +89,11 @@ class FrontendOptions:
     log_outputs: bool = False
     max_log_len: int | None = None
     middleware: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "middleware", tuple(self.middleware))
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
         for path in self.middleware:
             load_middleware(path)   # importable, and a class or a coroutine function
         if self.log_outputs and not self.log_requests:
@@ -152,7 +156,8 @@ class FrontendOptions:
                    root_path=args.root_path or "",
                    log_requests=args.enable_log_requests,
                    log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
-                   middleware=tuple(args.middleware or ()))
+                   middleware=tuple(args.middleware or ()),
+                   model_aliases=tuple(getattr(args, "served_model_aliases", ())))
 
     def route_path(self, scope: dict) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),

@@ -165,7 +165,8 @@ class _SamplingFields(_PlacedDocuments):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    # OpenAI requires it; vLLM (and radixkv) serve the server's model when it is left out
+    model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)

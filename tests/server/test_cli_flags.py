@@ -74,6 +74,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--enable-log-outputs"], "needs --enable-log-requests"),
     (["--middleware", "nodot"], "MODULE.NAME"),
     (["--chat-template-content-format", "openai"], "invalid choice"),
+    (["--served-model-name", "a", " "], "names must not be empty"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--shutdown-timeout", "5", "--replicas", "2"], "--shutdown-timeout bounds one server"),
     (["--uds", "/tmp/radixkv-test.sock", "--replicas", "2"], "--uds serves one server"),
@@ -145,8 +146,10 @@ def test_a_vllm_frontend_command_line_parses_into_the_options() -> None:
         "--allow-credentials", "--root-path", "/llm", "--enable-log-requests",
         "--enable-log-outputs", "--max-log-len", "100", "--middleware", "json.JSONDecoder",
         "--exclude-tools-when-tool-choice-none", "--chat-template-content-format", "string",
-        "--disable-access-log-for-endpoints", "/health"])
+        "--disable-access-log-for-endpoints", "/health",
+        "--served-model-name", "main-name", "alias-a", "alias-b"])
     check_flags(args)
+    assert args.served_model_name == "main-name"
     o = FrontendOptions.from_args(args)
     assert o == FrontendOptions(
         request_id_headers=True, default_chat_template_kwargs={"enable_thinking": False},
@@ -155,4 +158,4 @@ def test_a_vllm_frontend_command_line_parses_into_the_options() -> None:
         sse_keep_alive_interval=15.0, allowed_origins=("https://a.example",),
         allowed_methods=("POST",), allowed_headers=("*",), allow_credentials=True,
         root_path="/llm", log_requests=True, log_outputs=True, max_log_len=100,
-        middleware=("json.JSONDecoder",))
+        middleware=("json.JSONDecoder",), model_aliases=("alias-a", "alias-b"))

@@ -42,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "256", "--dtype", "float32",
             "--max-num-seqs", "1",   # a second stream waits (keep-alive)
             "--chat-template", str(tpl), "--root-path", ROOT,
+            "--served-model-name", MODEL, "alias-one",
             "--sse-keep-alive-interval", str(KEEP_ALIVE_S),
             "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials",
             "--enable-request-id-headers",
@@ -207,6 +208,26 @@ def test_load_counts_generation_requests_in_flight(server: Server) -> None:
     t.join()
     assert seen == 1
     assert _http(server, "GET", "/load")[2] == {"server_load": 0}
+
+
+def test_served_model_aliases_and_a_left_out_model(server: Server) -> None:
+    """--served-model-name MODEL alias-one: either name is served (answers carry the first),
+    /v1/models lists both; a request without `model` gets the server's (vLLM's leniency)."""
+    r = _client(server).chat.completions.create(model="alias-one", messages=HI, max_tokens=1,
+                                                temperature=0)
+    assert r.model == MODEL
+    status, _, body = _http(server, "POST", "/v1/completions",
+                            {"prompt": "The sky is", "max_tokens": 1})
+    assert status == 200 and body["model"] == MODEL
+    status, _, body = _http(server, "POST", "/v1/chat/completions",
+                            {"messages": HI, "max_tokens": 1})
+    assert status == 200 and body["model"] == MODEL
+    status, _, body = _http(server, "GET", "/v1/models")
+    assert [m["id"] for m in body["data"]] == [MODEL, "alias-one"]
+    assert {m["root"] for m in body["data"]} == {MODEL}
+    status, _, body = _http(server, "POST", "/v1/completions",
+                            {"model": "alias-two", "prompt": "x", "max_tokens": 1})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
 def test_no_api_docs(server: Server) -> None:
