@@ -27,13 +27,16 @@ from typing import Any
 log = logging.getLogger("radixkv.requests")
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler :func:`install` adds (its own class, so a second call finds it)."""
+
+
 def install(debug: bool) -> None:
     """Send ``radixkv.requests`` to stderr (``radixkv serve`` with ``--enable-log-requests``):
     INFO, or DEBUG (prompt and output ids) with ``debug``. Idempotent."""
-    if not any(getattr(h, "_radixkv", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._radixkv = True  # type: ignore[attr-defined]
         log.addHandler(handler)
     log.setLevel(logging.DEBUG if debug else logging.INFO)
     log.propagate = False

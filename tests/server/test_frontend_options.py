@@ -582,3 +582,23 @@ def test_docs_are_served_by_default() -> None:
     assert create_app(load=lambda: None).fastapi.docs_url == "/docs"
     assert create_app(load=lambda: None,
                       frontend=FrontendOptions(docs=False)).fastapi.openapi_url is None
+
+
+def test_the_request_log_handler_is_installed_once() -> None:
+    import logging
+
+    from radixkv.server import request_log
+
+    before = list(request_log.log.handlers)
+    try:
+        request_log.install(debug=False)
+        request_log.install(debug=True)
+        added = [h for h in request_log.log.handlers if h not in before]
+        assert len(added) <= 1 and request_log.log.level == logging.DEBUG
+        assert not request_log.log.propagate
+    finally:
+        for h in list(request_log.log.handlers):
+            if h not in before:
+                request_log.log.removeHandler(h)
+        request_log.log.setLevel(logging.NOTSET)
+        request_log.log.propagate = True
