@@ -197,7 +197,7 @@ class _Gate:
         if frontend.request_id_headers:
             send = _with_request_id(scope, send)
         path = frontend.route_path(scope)   # below --root-path: what the routes match
-        if path.startswith("/v1/") or path == "/reset_prefix_cache":
+        if path.startswith("/v1/") or path in ("/reset_prefix_cache", "/invocations"):
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
                          if k == b"authorization"), None)
             key = self.state.tenants.authenticate(auth)
@@ -560,6 +560,25 @@ def _routes(api: FastAPI, state: ServerState,
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await _chat(state, request, req)
+
+    @api.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """SageMaker's inference route, as vLLM serves it: a body with ``messages`` is a chat
+        completion, one with ``prompt`` a completion (vLLM tries the request types in that
+        order). Unlike vLLM's, it takes the API key like ``/v1/*`` (the gate)."""
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
+            raise APIError(400, "/invocations takes a chat completion (messages) or a "
+                           "completion (prompt) request", param="messages")
+        try:
+            if "messages" in body:
+                return await _chat(state, request, ChatCompletionRequest.model_validate(body))
+            return await completions(CompletionRequest.model_validate(body), request)
+        except ValidationError as exc:
+            raise validation_error(RequestValidationError(exc.errors())) from None
 
     @api.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Any:

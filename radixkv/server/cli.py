@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the certificate chain for --ssl-keyfile")
     v.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
                    help="CA certificates to verify client certificates with (vLLM's)")
+    v.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
+                   help="the TLS ciphers to allow, in OpenSSL's cipher list format (vLLM's; "
+                        "default uvicorn's)")
     v.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                    help="client certificates: 0 none, 1 optional, 2 required (Python ssl's "
                         "CERT_NONE/OPTIONAL/REQUIRED; vLLM's; default 0)")
@@ -594,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
                             log_level=args.log_level, loop=UVICORN_LOOP,
                             access_log=not args.disable_uvicorn_access_log,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                            **({"ssl_ciphers": args.ssl_ciphers} if args.ssl_ciphers else {}))
     if args.disable_access_log_for_endpoints:   # after Config, which sets uvicorn's loggers up
         import logging
 

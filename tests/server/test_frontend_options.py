@@ -230,6 +230,22 @@ def test_served_model_aliases_and_a_left_out_model(server: Server) -> None:
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
+def test_sagemaker_invocations_route_by_the_body_and_need_the_key(server: Server) -> None:
+    status, _, body = _http(server, "POST", "/invocations",
+                            {"messages": HI, "max_tokens": 2, "temperature": 0})
+    assert status == 200 and body["object"] == "chat.completion", body
+    assert body["choices"][0]["message"]["role"] == "helper"   # the same chat route
+    status, _, body = _http(server, "POST", ROOT + "/invocations",
+                            {"prompt": "The sky is", "max_tokens": 2})
+    assert status == 200 and body["object"] == "text_completion", body
+    assert _http(server, "POST", "/invocations", {"prompt": "x"}, key=None)[0] == 401
+    status, _, body = _http(server, "POST", "/invocations", {"input": "x"})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, _, body = _http(server, "POST", "/invocations",
+                            {"messages": HI, "temperature": "hot"})
+    assert status == 400 and body["error"]["param"] == "temperature"
+
+
 def test_no_api_docs(server: Server) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert _http(server, "GET", path)[0] == 404
