@@ -23,9 +23,11 @@ def test_quick_run_writes_every_table_and_the_cold_decode_against_a_read(tmp_pat
     result = json.loads(path.read_text())["results"]
     assert result["decode"] and result["prefill"] and result["copies"]
     cold = result["cold_decode"]
-    assert sorted((r["op"], r["dtype"]) for r in cold) == [
-        ("cold decode", "bfloat16"), ("cold decode", "float32"),
-        ("cold prefill", "bfloat16"), ("cold prefill", "float32")]
+    assert sorted((r["op"], r["dtype"], r["pool"]) for r in cold) == [
+        ("cold decode", "bfloat16", 1), ("cold decode", "bfloat16", 8),
+        ("cold decode", "float32", 1), ("cold decode", "float32", 8),
+        ("cold prefill", "bfloat16", 1), ("cold prefill", "float32", 1)]
+    assert {r["case"] for r in cold if r["pool"] == 8} == {"4 x 256 x 4 layers, pool 8x"}
     for r in cold:
         # 4 sequences x 256 keys (decode) or 1 x 256 (prefill) x 3 KV heads x 64 x (K and V)
         # x 4 layers, in the row's dtype
