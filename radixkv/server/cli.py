@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
                    help="the TLS ciphers to allow, in OpenSSL's cipher list format (vLLM's; "
                         "default uvicorn's)")
+    v.add_argument("--enable-ssl-refresh", action="store_true",
+                   help="reload the certificate, key and CA files when they change on disk "
+                        "(a rotated certificate without a restart; vLLM's)")
     v.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                    help="client certificates: 0 none, 1 optional, 2 required (Python ssl's "
                         "CERT_NONE/OPTIONAL/REQUIRED; vLLM's; default 0)")
@@ -606,7 +609,13 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.getLogger("uvicorn.access").addFilter(
             AccessLogFilter(args.disable_access_log_for_endpoints))
-    server = uvicorn.Server(config)
+    if args.enable_ssl_refresh:
+        from radixkv.server.tls import RefreshingServer
+
+        server: Any = RefreshingServer(config, args.ssl_keyfile, args.ssl_certfile,
+                                       args.ssl_ca_certs)
+    else:
+        server = uvicorn.Server(config)
     if failed:   # failed before the server object existed
         server.should_exit = True
     server.run()
@@ -682,6 +691,9 @@ def check_flags(args: argparse.Namespace) -> None:
     from radixkv.server.frontend import FrontendOptions
 
     FrontendOptions.from_args(args)   # a bad --default-chat-template-kwargs / --response-role
+    if args.enable_ssl_refresh and not args.ssl_certfile:
+        raise ConfigError("--enable-ssl-refresh reloads --ssl-keyfile / --ssl-certfile: give "
+                          "them")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),

@@ -71,6 +71,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--root-path", "llm"], "--root-path must start with /"),
     (["--sse-keep-alive-interval", "-1"], "--sse-keep-alive-interval"),
     (["--ssl-keyfile", "k.pem"], "go together"),
+    (["--enable-ssl-refresh"], "--enable-ssl-refresh reloads"),
     (["--enable-log-outputs"], "needs --enable-log-requests"),
     (["--middleware", "nodot"], "MODULE.NAME"),
     (["--chat-template-content-format", "openai"], "invalid choice"),

@@ -328,25 +328,42 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
     keyfile, certfile = tmp_path / "key.pem", tmp_path / "cert.pem"
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def make_cert() -> bytes:
+        """A new self-signed key and certificate for 127.0.0.1, written to the two files;
+        returns the certificate (DER)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                .sign(key, hashes.SHA256()))
+        keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                              serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()))
+        certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return cert.public_bytes(serialization.Encoding.DER)
+
+    def served_cert(port: int) -> bytes:
+        """The certificate a new TLS connection is given (not verified: just looked at)."""
+        import socket
+
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                ctx.wrap_socket(raw) as tls:
+            return tls.getpeercert(binary_form=True)
+
+    first_cert = make_cert()
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "64",
             "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
             "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "8",
-            "--log-level", "debug", "--shutdown-timeout", "120"]
+            "--log-level", "debug", "--shutdown-timeout", "120", "--enable-ssl-refresh"]
     with running_server(args, wait=False) as srv:
         ctx = ssl.create_default_context(cafile=str(certfile))
         base = f"https://127.0.0.1:{srv.port}"
@@ -373,6 +390,16 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
         assert r.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, OSError)):   # no plain HTTP answer
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+        # --enable-ssl-refresh: a rotated certificate is what new connections get, no restart
+        assert served_cert(srv.port) == first_cert
+        second_cert = make_cert()
+        deadline = time.monotonic() + 30
+        while served_cert(srv.port) != second_cert:
+            assert time.monotonic() < deadline, "the rotated certificate was not served"
+            time.sleep(0.3)
+        ctx = ssl.create_default_context(cafile=str(certfile))   # trusts the new one
+        with urllib.request.urlopen(base + "/health", context=ctx, timeout=5) as health:
+            assert health.status == 200
         # --shutdown-timeout 120: a stream in flight at SIGTERM is drained to its end
         drained: list[Any] = []
         started = threading.Event()
@@ -405,6 +432,7 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
            f"finish_reason: length" in logs
     assert f"Generated response {streamed}: output: {text[:8]!r}" in logs
     assert "prompt_tokens: " in logs
+    assert "reloaded the TLS certificate" in logs
 
 
 MIDDLEWARE = """
@@ -618,3 +646,45 @@ def test_the_request_log_handler_is_installed_once() -> None:
                 request_log.log.removeHandler(h)
         request_log.log.setLevel(logging.NOTSET)
         request_log.log.propagate = True
+
+
+def test_a_tls_reload_that_fails_keeps_the_old_certificate(tmp_path, capsys) -> None:
+    """A rotation caught half-way (a new certificate beside the old key) does not load: the
+    live context keeps serving the old pair, and says so."""
+    import uvicorn
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from radixkv.server.tls import RefreshingServer
+
+    def pair() -> tuple[bytes, bytes]:
+        import datetime
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "x")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                .public_key(key.public_key()).serial_number(1)
+                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()),
+                cert.public_bytes(serialization.Encoding.PEM))
+
+    keyfile, certfile = tmp_path / "k.pem", tmp_path / "c.pem"
+    k1, c1 = pair()
+    keyfile.write_bytes(k1)
+    certfile.write_bytes(c1)
+    config = uvicorn.Config(lambda *a: None, ssl_keyfile=str(keyfile),
+                            ssl_certfile=str(certfile))
+    config.load()
+    server = RefreshingServer(config, str(keyfile), str(certfile))
+    certfile.write_bytes(pair()[1])   # the new certificate, the old key
+    assert server.reload() is False and server.reloads == 0
+    assert "did not load" in capsys.readouterr().err
+    k2, c2 = pair()
+    keyfile.write_bytes(k2)
+    certfile.write_bytes(c2)
+    assert server.reload() is True and server.reloads == 1
