@@ -453,6 +453,15 @@ def _routes(api: FastAPI, state: ServerState,
             body += await extra_metrics()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    if state.frontend.tokenizer_info:
+        @api.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Any:
+            """vLLM's (``--enable-tokenizer-info-endpoint``): what a client needs to render and
+            tokenize prompts itself."""
+            from radixkv.server.frontend import tokenizer_info
+
+            return tokenizer_info(state.ready_engine().chat_template.tokenizer)
+
     @api.get("/load")
     async def load() -> Any:
         """vLLM's: generation requests in flight (chat, completions, responses: from arrival

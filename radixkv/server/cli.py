@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
                    help="comma-separated paths whose uvicorn access log lines are dropped, "
                         "e.g. /health,/metrics,/ping (vLLM's; they show at --log-level info)")
+    v.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration and the chat "
+                        "template in use (vLLM's)")
     v.add_argument("--middleware", action="append", default=None, metavar="MODULE.NAME",
                    help="add an ASGI middleware class or an async http middleware function "
                         "by import path (repeatable; vLLM's)")

@@ -35,6 +35,8 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--max-log-len N``                       texts and id lists cut to N
 ``--served-model-name A B ...``           more names a request's ``model`` may give (the
                                           first, A, is the one answers carry)
+``--enable-tokenizer-info-endpoint``      ``GET /tokenizer_info``: the tokenizer's
+                                          configuration and the chat template in use
 ``--middleware MODULE.NAME``              an operator's ASGI middleware class, or an
                                           ``http`` middleware function, added to the app
 ``--trust-request-chat-template``         a chat or ``/tokenize`` request's ``chat_template``
@@ -90,6 +92,7 @@ class FrontendOptions:
     max_log_len: int | None = None
     middleware: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = ()
+    tokenizer_info: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "middleware", tuple(self.middleware))
@@ -157,7 +160,8 @@ class FrontendOptions:
                    log_requests=args.enable_log_requests,
                    log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
                    middleware=tuple(args.middleware or ()),
-                   model_aliases=tuple(getattr(args, "served_model_aliases", ())))
+                   model_aliases=tuple(getattr(args, "served_model_aliases", ())),
+                   tokenizer_info=args.enable_tokenizer_info_endpoint)
 
     def route_path(self, scope: dict) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),
@@ -178,6 +182,31 @@ class FrontendOptions:
         if not self.default_chat_template_kwargs:
             return None if requested is None else dict(requested)
         return {**self.default_chat_template_kwargs, **(requested or {})}
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info`` body: the tokenizer's construction arguments (its
+    ``tokenizer_config.json``, without file paths; special tokens as their text), its class,
+    and the chat template it renders with (``--chat-template``'s when given)."""
+
+    def plain(v: Any) -> Any:
+        if hasattr(v, "content"):   # tokenizers' AddedToken
+            return v.content
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if v is None or isinstance(v, (str, int, float, bool)):
+            return v
+        return str(v)
+
+    config = {k: plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if not k.endswith("_file") and k not in ("name_or_path", "tokenizer_object")}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        config["chat_template"] = template
+    return config
 
 
 def load_middleware(path: str) -> tuple[str, Any]:

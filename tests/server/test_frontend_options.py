@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "--enable-server-load-tracking",
             "--disable-fastapi-docs",
             "--disable-uvicorn-access-log",
-            "--trust-request-chat-template",
+            "--trust-request-chat-template", "--enable-tokenizer-info-endpoint",
             "--enable-prompt-tokens-details"]   # accepted: always reported
     # the key as a vLLM deployment sets it: the environment, no --api-key (the CORS and
     # root-path tests check that requests without it are refused)
@@ -244,6 +244,15 @@ def test_sagemaker_invocations_route_by_the_body_and_need_the_key(server: Server
     status, _, body = _http(server, "POST", "/invocations",
                             {"messages": HI, "temperature": "hot"})
     assert status == 400 and body["error"]["param"] == "temperature"
+
+
+def test_tokenizer_info_has_the_template_in_use(server: Server) -> None:
+    status, _, info = _http(server, "GET", "/tokenizer_info", key=None)
+    assert status == 200, info
+    assert info["chat_template"] == TEMPLATE   # --chat-template's, not the model's
+    assert info["tokenizer_class"] and info["eos_token"] == "<|im_end|>"
+    assert not any(k.endswith("_file") for k in info)
+    json.dumps(info)   # plain JSON all through
 
 
 def test_no_api_docs(server: Server) -> None:
@@ -510,6 +519,7 @@ def test_a_unix_socket_operator_middleware_and_quiet_probes(tmp_path) -> None:
         assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
         assert hdrs["x-operator"] == "stamped" and int(hdrs["x-count"]) >= 2
         assert get("/metrics")[0] == 200
+        assert get("/tokenizer_info")[0] == 404   # only with --enable-tokenizer-info-endpoint
         # SIGTERM with a long stream in flight: by default (--shutdown-timeout 0, vLLM's) it
         # is aborted and the server exits at once, instead of generating its 3000 tokens
         conn = UnixConnection("localhost", timeout=60)
