@@ -206,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from radixkv.server.app import create_app
-        from radixkv.server.frontend import FrontendOptions
     except ImportError as exc:
         print(f"radixkv run-batch needs the serve extra ({exc}): pip install 'radixkv[serve]'",
               file=sys.stderr)
@@ -228,11 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"radixkv run-batch: cannot read {args.input_file}: {exc}", file=sys.stderr)
         return 2
-    from radixkv.models import EMBEDDED_NAME
     from radixkv.server.cpu import apply_threads
 
-    name = args.served_model_name or (args.model.rstrip("/").rsplit("/", 1)[-1] if args.model
-                                      else EMBEDDED_NAME)
     print(f"radixkv run-batch: {apply_threads(args.threads)}; OMP_WAIT_POLICY {wait_policy}",
           file=sys.stderr, flush=True)
     try:
@@ -240,16 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (any load failure: say why, exit non-zero)
         print(f"radixkv run-batch: the model failed to load: {exc}", file=sys.stderr)
         return 1
-    if args.enable_log_requests:
-        from radixkv.server import request_log
-
-        request_log.install(debug=args.log_level == "debug")
-    app = create_app(backend, model_name=name, max_queued=args.max_queued,
-                     default_max_tokens=args.default_max_tokens,
-                     reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs,
-                     responses_store_size=args.responses_store_size,
-                     json_max_whitespace=args.structured_outputs_max_whitespace,
-                     frontend=FrontendOptions.from_args(args))
+    cli.install_request_log(args)
+    app = create_app(backend, **cli.app_options(args))
     window = backend.max_num_seqs + args.max_queued
     t0 = time.perf_counter()
 
@@ -262,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w",
                                                                  encoding="utf-8")
             try:
-                return await run_lines(app, lines, dst, name, window)
+                return await run_lines(app, lines, dst, app.state.model_name, window)
             finally:
                 if dst is not sys.stdout:
                     dst.close()

@@ -507,6 +507,45 @@ def _with_kv_events(engine: Any, endpoint: str | None, block_size: int) -> Any:
     return LocalBackend(engine, kv_events=publisher.start())
 
 
+def served_name(args: argparse.Namespace) -> str:
+    """The model name answers carry: ``--served-model-name``'s (first), else the model
+    directory's last part, else the embedded model's."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.model:
+        return str(args.model).rstrip("/").rsplit("/", 1)[-1]
+    from radixkv.models import EMBEDDED_NAME
+
+    return EMBEDDED_NAME
+
+
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`~radixkv.server.app.create_app` arguments that ``radixkv serve`` and
+    ``radixkv run-batch`` both take from the command line (the model's name, admission,
+    sampling and output limits, vLLM's frontend options), written once so that the two cannot
+    drift apart; serve adds what only a listening server has (keys, body limit, the load)."""
+    from radixkv.server import conversations as cv
+    from radixkv.server.frontend import FrontendOptions
+
+    return dict(model_name=served_name(args), max_queued=args.max_queued,
+                default_max_tokens=args.default_max_tokens,
+                reasoning_parser=args.reasoning_parser, max_logprobs=args.max_logprobs,
+                responses_store_size=args.responses_store_size,
+                max_conversation_bytes=args.max_conversation_bytes or cv.DEFAULT_MAX_BYTES,
+                stream_interval=args.stream_interval,
+                json_max_whitespace=args.structured_outputs_max_whitespace,
+                frontend=FrontendOptions.from_args(args))
+
+
+def install_request_log(args: argparse.Namespace) -> None:
+    """``--enable-log-requests``: the request log's handler on stderr (DEBUG lines at
+    ``--log-level debug``)."""
+    if args.enable_log_requests:
+        from radixkv.server import request_log
+
+        request_log.install(debug=args.log_level == "debug")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from radixkv.server.cpu import prepare_openmp
@@ -536,11 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"radixkv serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
-    if args.served_model_name is None and args.model is None:
-        from radixkv.models import EMBEDDED_NAME
-
-        args.served_model_name = EMBEDDED_NAME
-    name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    name = served_name(args)
     if args.replicas is not None or args.ray_address:
         try:
             from radixkv.fleet.deploy import run as run_fleet
@@ -570,28 +605,16 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    from radixkv.server import conversations as cv
     from radixkv.server.app import DEFAULT_MAX_REQUEST_BYTES, UVICORN_LOOP
-    from radixkv.server.frontend import FrontendOptions
 
-    if args.enable_log_requests:
-        from radixkv.server import request_log
-
-        request_log.install(debug=args.log_level == "debug")
-    app = create_app(load=engine_loader(args, cc, ec), model_name=name, api_keys=keys,
-                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
+    install_request_log(args)
+    app = create_app(load=engine_loader(args, cc, ec), api_keys=keys,
                      salt_secret=args.salt_secret,
                      max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                     on_load_error=stop, reasoning_parser=args.reasoning_parser,
-                     max_logprobs=args.max_logprobs,
-                     responses_store_size=args.responses_store_size,
-                     max_conversation_bytes=args.max_conversation_bytes
-                     or cv.DEFAULT_MAX_BYTES,
-                     stream_interval=args.stream_interval,
-                     json_max_whitespace=args.structured_outputs_max_whitespace,
+                     on_load_error=stop,
                      cache_reset=args.enable_cache_reset
                      or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
-                     freeze_heap=True, frontend=FrontendOptions.from_args(args))
+                     freeze_heap=True, **app_options(args))
     where = f"unix:{args.uds}" if args.uds else \
         f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
     print(f"radixkv serve: {where} (model name {name!r}"
