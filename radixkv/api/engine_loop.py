@@ -153,6 +153,10 @@ class EngineLoop:
         # batch is not retried in a hot loop; the aborts of the failed requests are flushed by
         # the next step anyone asks for).
         self._stalled = False
+        #: Steps in a row that raised (0 after any step that did not) and the last error:
+        #: a server's ``/health`` turns 503 once failures persist (:meth:`health`).
+        self.failed_steps = 0
+        self.last_failure: str | None = None
 
     # ------------------------------------------------------------------ operations
     def call(self, fn: Callable[[], T]) -> T:
@@ -310,8 +314,11 @@ class EngineLoop:
             outputs = self.core.step()
         except Exception as exc:  # noqa: BLE001 (loop thread: callers in flight get it, it goes on)
             self._stalled = True
+            self.failed_steps += 1
+            self.last_failure = f"{type(exc).__name__}: {exc}"
             self._fail_all(exc)
             return
+        self.failed_steps = 0
         now = time.perf_counter()
         # One wake-up per event loop per step, however many of its streams got an output: each
         # call_soon_threadsafe writes the loop's self-pipe and costs it a pass of its selector.
@@ -328,6 +335,17 @@ class EngineLoop:
             if aio is not None:
                 wake.setdefault(aio[0], []).append(aio[1])
         _wake(wake)
+
+    def health(self, after: int = 3) -> str | None:
+        """None while the engine serves; else why not: the last ``after`` steps in a row
+        raised (one failed step can be one bad batch, whose requests get the error while the
+        loop goes on; failures that persist mean every request will fail, and a server should
+        say so, so that an orchestrator restarts it and a balancer stops sending it work).
+        A step that succeeds clears it."""
+        if self.failed_steps >= after:
+            return (f"the engine's last {self.failed_steps} steps failed "
+                    f"(last: {self.last_failure})")
+        return None
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -261,6 +261,15 @@ class _Gate:
         return replayed
 
 
+def _check_health(state: ServerState) -> None:
+    """``/health`` and ``/ping``: 503 while the model loads or failed to (``ready_engine``),
+    and while the backend says it cannot serve (an engine whose steps keep failing:
+    ``EngineLoop.health``), so that an orchestrator restarts it and a balancer skips it."""
+    why = state.ready_engine().health()
+    if why is not None:
+        raise APIError(503, why, code="engine_unhealthy")
+
+
 def _request_defaults(state: ServerState, req: Any) -> None:
     """The server's defaults for what a request leaves unset (vLLM's frontend flags):
     ``chat_template_kwargs`` over ``--default-chat-template-kwargs``, and
@@ -440,7 +449,7 @@ def _routes(api: FastAPI, state: ServerState,
             extra_metrics: Callable[[], Awaitable[bytes]] | None = None) -> None:
     @api.get("/health")
     async def health() -> Any:
-        state.ready_engine()
+        _check_health(state)
         return {"status": "ok"}
 
     @api.get("/metrics")
@@ -470,8 +479,9 @@ def _routes(api: FastAPI, state: ServerState,
 
     @api.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
-        """vLLM's (and SageMaker's) liveness probe: 200 once the model is loaded."""
-        state.ready_engine()
+        """vLLM's (and SageMaker's) liveness probe: 200 once the model is loaded, 503 while
+        its engine fails every step (as ``/health``)."""
+        _check_health(state)
         return Response(status_code=200)
 
     @api.post("/reset_prefix_cache")

@@ -89,6 +89,11 @@ class Backend(abc.ABC):
         raise APIError(400, "/reset_prefix_cache is not supported by this server's backend "
                        "(--replicas) yet", code="unsupported_parameter")
 
+    def health(self) -> str | None:
+        """None when the backend serves, else why not (``/health`` and ``/ping`` answer 503
+        with it). Default: healthy (a fleet's replicas have Serve's own health checks)."""
+        return None
+
     def close(self) -> None:
         """Release what the backend holds (at server shutdown)."""
 
@@ -156,6 +161,9 @@ class LocalBackend(Backend):
     async def snapshots(self) -> list[tuple[Mapping[str, str], Mapping[str, Any]]]:
         loop = self.engine.loop
         return [({}, await loop.acall(self.engine.core.stats))]
+
+    def health(self) -> str | None:
+        return self.engine.loop.health()
 
     async def reset_prefix_cache(self) -> int:
         loop = self.engine.loop

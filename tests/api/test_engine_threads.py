@@ -197,3 +197,64 @@ def test_per_token_logprobs_follow_each_sample_through_the_fork(make_engine):
         SamplingParams(beam_width=2, logprobs=1)
     with pytest.raises(InvalidRequestError):
         SamplingParams(logprobs=21)
+
+
+def test_failures_that_persist_make_the_server_unhealthy_until_a_step_succeeds(
+        make_engine, monkeypatch):
+    """One failed step is one bad batch; three in a row mean every request fails: the loop's
+    health() says why, the server's /health and /ping answer 503 with it (an orchestrator
+    restarts, a balancer skips), and the first step that succeeds clears it."""
+    import asyncio
+
+    import pytest
+
+    pytest.importorskip("fastapi")
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import LocalBackend
+
+    e = make_engine()
+    real_step = e.core.step
+    broken = {"on": True}
+
+    def step():
+        if broken["on"]:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(e.core, "step", step)
+    app = create_app(load=lambda: None)
+    app.state.engine = LocalBackend(e)
+
+    def status(path: str) -> tuple[int, bytes]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "GET", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "root_path": "", "query_string": b"", "headers": [],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        asyncio.run(app(scope, receive, send))
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return sent[0]["status"], body
+
+    assert status("/health")[0] == 200
+    with pytest.raises(RuntimeError, match="device lost"):   # one bad batch: still healthy
+        e.generate(list(range(300, 320)), GREEDY)
+    assert e.loop.health() is None and status("/health")[0] == 200
+    for _ in range(3):   # (a failed request's aborts are flushed by one more failing step)
+        with pytest.raises(RuntimeError, match="device lost"):
+            e.generate(list(range(300, 320)), GREEDY)
+        if e.loop.health() is not None:
+            break
+    assert e.loop.failed_steps >= 3
+    code, body = status("/health")
+    assert code == 503 and b"engine_unhealthy" in body and b"device lost" in body
+    assert status("/ping")[0] == 503
+    broken["on"] = False
+    assert e.generate(list(range(300, 320)), GREEDY)[0].finished
+    assert e.loop.health() is None and status("/health")[0] == 200
