@@ -223,13 +223,19 @@ def generation_defaults(model_dir: str | os.PathLike | None = None,
     leave them unset. Only keys the file writes; a value that is not a number, or that
     ``SamplingParams`` would refuse, is left out. {} without a file (the embedded SmolLM2,
     GGUF files)."""
+    directory = local_dir(resolve_source(model_dir, gguf_file, allow_download=allow_download))
+    return generation_defaults_in(directory)
+
+
+def generation_defaults_in(directory: str | os.PathLike | None) -> dict[str, Any]:
+    """:func:`generation_defaults` of the ``generation_config.json`` in ``directory`` (vLLM's
+    ``--generation-config FOLDER`` names one apart from the model's); {} without one."""
     import json
 
     from radixkv.engine.sampling import SamplingParams
     from radixkv.errors import InvalidRequestError
 
-    directory = local_dir(resolve_source(model_dir, gguf_file, allow_download=allow_download))
-    path = directory / "generation_config.json" if directory is not None else None
+    path = Path(directory) / "generation_config.json" if directory is not None else None
     if path is None or not path.is_file():
         return {}
     try:

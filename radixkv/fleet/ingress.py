@@ -234,12 +234,16 @@ class FleetIngress:
         bus = ray.get_actor(o["bus_name"], namespace=o["bus_namespace"]) \
             if o.get("bus_name") else None
         backend = FleetBackend(self._engines, tokenizer, info, bus)
-        from radixkv.models import generation_defaults, parse_generation_overrides
+        from radixkv.models import (generation_defaults, generation_defaults_in,
+                                    parse_generation_overrides)
 
         defaults = {}   # as the single server's
-        if o.get("generation_config", "auto") == "auto":
+        source = o.get("generation_config", "auto")
+        if source == "auto":
             defaults = await asyncio.to_thread(generation_defaults, o.get("model"),
                                                o.get("gguf_file"))
+        elif source != "vllm":   # a folder of its own
+            defaults = await asyncio.to_thread(generation_defaults_in, source)
         defaults.update(parse_generation_overrides(o.get("override_generation_config")))
         backend.sampling_defaults = defaults
         self.backend = backend

@@ -183,10 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model, as vllm serve takes it (same as --model)")
     v.add_argument("--enable-prefix-caching", action="store_true",
                    help="accepted for vLLM compatibility: prefix caching is on by default")
-    v.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+    v.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="auto (vLLM's default): the model's generation_config.json sets the "
                         "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
-                        "of requests that leave them unset; vllm: OpenAI's defaults")
+                        "of requests that leave them unset; vllm: OpenAI's defaults; a folder: "
+                        "its generation_config.json instead of the model's")
     v.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="sampling defaults over the model's generation config, as vLLM's: "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}' (keys: "
@@ -473,8 +474,15 @@ def _generation_defaults(args: argparse.Namespace, prog: str = "radixkv serve"
     ``generation_config.json`` sets, said on stderr; ``vllm``: none (OpenAI's defaults)."""
     from radixkv.models import generation_defaults, parse_generation_overrides
 
-    found = {} if args.generation_config == "vllm" else generation_defaults(
-        args.model, args.gguf_file, allow_download=args.allow_download)
+    from radixkv.models import generation_defaults_in
+
+    if args.generation_config == "vllm":
+        found = {}
+    elif args.generation_config == "auto":
+        found = generation_defaults(args.model, args.gguf_file,
+                                    allow_download=args.allow_download)
+    else:   # a folder of its own (checked by check_flags)
+        found = generation_defaults_in(args.generation_config)
     found.update(parse_generation_overrides(args.override_generation_config))
     if found:
         print(f"{prog}: default sampling from the model's generation config for what "
@@ -697,6 +705,10 @@ def check_flags(args: argparse.Namespace) -> None:
         args.kv_dtype = "fp8_e4m3"
     if args.chat_template:
         _read_template(args.chat_template)   # a missing file fails now, not after loading
+    if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(args.generation_config, "generation_config.json")):
+        raise ConfigError(f"--generation-config {args.generation_config!r}: 'auto', 'vllm' or "
+                          "a folder holding a generation_config.json")
     if args.override_generation_config is not None:
         from radixkv.models import parse_generation_overrides
 

@@ -138,3 +138,21 @@ def test_max_logprobs_caps_what_a_request_may_ask() -> None:
     assert build_parser().parse_args(["--max-logprobs", "5"]).max_logprobs == 5
     with pytest.raises(ConfigError):
         check_flags(build_parser().parse_args(["--max-logprobs", "21"]))
+
+
+def test_a_generation_config_folder_of_its_own(tmp_path: Path, capsys) -> None:
+    """vLLM's --generation-config FOLDER: that folder's generation_config.json, not the
+    model's; a folder without one is a usage error at start-up."""
+    from radixkv.errors import ConfigError
+    from radixkv.server.cli import _generation_defaults, build_parser, check_flags
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.25, "top_k": 7, "max_new_tokens": 11}))
+    args = build_parser().parse_args(["--generation-config", str(tmp_path)])
+    check_flags(args)
+    assert _generation_defaults(args) == {"temperature": 0.25, "top_k": 7, "max_tokens": 11}
+    assert "default sampling from the model's generation config" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="a folder holding a generation_config.json"):
+        check_flags(build_parser().parse_args(["--generation-config", str(empty)]))
