@@ -247,14 +247,19 @@ class AccessLogFilter:
         return True
 
 
+def _json_flag(text: str, flag: str) -> Any:
+    """A flag's JSON value; a ConfigError naming the flag when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+
+
 def parse_list(text: str | None, flag: str) -> tuple[str, ...] | None:
     """A JSON list of strings (vLLM's ``--allowed-origins '["*"]'``); None for None."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+    value = _json_flag(text, flag)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{flag} must be a JSON list of strings, got {text!r}")
     return tuple(value)
@@ -294,10 +299,7 @@ def parse_template_kwargs(text: str | None) -> dict[str, Any] | None:
     """``--default-chat-template-kwargs``' JSON; a ConfigError names what is wrong."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+    value = _json_flag(text, "--default-chat-template-kwargs")
     if not isinstance(value, dict):
         raise ConfigError("--default-chat-template-kwargs must be a JSON object, got "
                           f"{type(value).__name__}")

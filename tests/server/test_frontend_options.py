@@ -18,7 +18,8 @@ pytest.importorskip("fastapi")
 
 from radixkv.errors import ConfigError  # noqa: E402
 from radixkv.server.frontend import FrontendOptions, parse_template_kwargs  # noqa: E402
-from tests.server.test_openai_server import MODEL, Server, running_server  # noqa: E402
+from tests.server.test_openai_server import (MODEL, Server, running_server,  # noqa: E402
+                                             stop_process)
 
 # ChatML (the embedded model's format) with one variable of its own, so that what the template
 # was given shows in the prompt's tokens.
@@ -540,11 +541,7 @@ def test_a_unix_socket_operator_middleware_and_quiet_probes(tmp_path) -> None:
         assert took < 15, took
         assert rest.count(b"data: ") < 1000 and b"[DONE]" not in rest
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     logs = proc.stdout.read()
     assert "radixkv serve: unix:" + sock in logs
     assert '"GET /v1/models HTTP/1.1" 200' in logs
