@@ -509,17 +509,23 @@ int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t 
             }                                                                                   \
         }                                                                                       \
     } while (0)
-/* What is copied once per (sequence, KV head) before the tiles: V widened into float32 rows
- * for the FMAs, and for quantized caches K widened into rows of KW words (float caches' K is
- * read in place). PACK(key row, value row, K's destination row, V's float row, KW, D);
- * KSRC(cache row, scratch row) picks where a key's words are read from. */
+/* What is copied once per (sequence, KV head) before the tiles: K into rows of KW words (as
+ * they are for float caches, widened for quantized ones) and V widened into float32 rows for
+ * the P.V. PACK(key row, value row, K's destination row, V's float row, KW, D).
+ * Why K is copied although a float cache's rows could be read in place: the tiles then find
+ * key j's words at Kw + j KW (contiguous, rows past the sequence zero) instead of looking up
+ * the block table and loading a row pointer per key in every tile of every query head; the
+ * scores' broadcasts were a pointer load each. A (sequence, KV head)'s K is read by g query
+ * heads x every query tile, so the copy is paid once for all of them: the bf16 prefill of 250
+ * tokens over 600 cached (9 / 3 heads of 64) went from 1.46 to 1.30 ms, float32 2.71 -> 2.41 ms
+ * (one thread, Zen 5; the same bits). */
+#define COPY_K(kb, kw, KW) do { const uint32_t *kr_ = (const uint32_t *)(kb);                  \
+    for (int p = 0; p < KW; p++) (kw)[p] = kr_[p]; } while (0)
 #define PACK_F32(kb, vb, kw, vdst, KW, D) do { const float *vr_ = (const float *)(vb);         \
-    (void)(kb); (void)(kw); for (int e = 0; e < D; e++) (vdst)[e] = vr_[e]; } while (0)
+    COPY_K(kb, kw, KW); for (int e = 0; e < D; e++) (vdst)[e] = vr_[e]; } while (0)
 #define PACK_BF16(kb, vb, kw, vdst, KW, D) do { const bf16_t *vr_ = (const bf16_t *)(vb);      \
-    (void)(kb); (void)(kw); for (int e = 0; e < D; e++) (vdst)[e] = bf16_to_f32(vr_[e]); }      \
+    COPY_K(kb, kw, KW); for (int e = 0; e < D; e++) (vdst)[e] = bf16_to_f32(vr_[e]); }          \
     while (0)
-#define KSRC_CACHE(krow, kscratch) (krow)
-#define KSRC_SCRATCH(krow, kscratch) (kscratch)
 /* Quantized caches, float32 query: K's widened values as float32 words. */
 #define PACK_Q_F32(ROWLOAD, kb, vb, kw, vdst, KW, D) do { float kf_[D];                         \
     ROWLOAD(kf_, kb, D);                                                                        \
@@ -536,8 +542,6 @@ int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t 
 #define PACK_I8_BF16(kb, vb, kw, vdst, KW, D) PACK_Q_BF16(ROW_I8_BF16, kb, vb, kw, vdst, KW, D)
 #define PACK_E4M3_BF16(kb, vb, kw, vdst, KW, D)                                                 \
     PACK_Q_BF16(ROW_E4M3_BF16, kb, vb, kw, vdst, KW, D)
-
-static const uint32_t ZERO_ROW[128] = {0};
 
 typedef void (*prefill_fn)(const void *, const void *, const void *, const int32_t *, int, int,
                            int, int, int, float, void *, uint32_t *, int64_t, int, int);
@@ -597,19 +601,21 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
 
 /* How each dtype forms the scores. KW: 32-bit words of a key row. Query rows are transposed
  * once per 16-row tile into qt[KW][16] (lanes = query rows); each key's words are broadcast
- * from the key's row, which for float caches is read where it lies in the pool (no packing).
+ * from its packed row (kb: the tile's first key's, KW words a key, see PACK above).
  * bf16: AVX512-BF16's dot product multiplies a pair exactly and accumulates in float32.
  * float32: one FMA per dimension. Per (row, key) the pairs / dimensions are accumulated in
  * ascending order, whichever operand is broadcast. KW: KW_BF16 / KW_F32 above. */
-#define DOT_BF16(S, qt, krow, KW) for (int p = 0; p < (KW); p++) {                              \
+#define DOT_BF16(S, qt, kb, KW) for (int p = 0; p < (KW); p++) {                                \
         __m512bh qv_ = (__m512bh)_mm512_load_si512((qt) + p * 16);                              \
         for (int k = 0; k < 16; k++)                                                            \
-            S[k] = _mm512_dpbf16_ps(S[k], qv_, (__m512bh)_mm512_set1_epi32((int)krow[k][p]));   \
+            S[k] = _mm512_dpbf16_ps(S[k], qv_,                                                  \
+                                    (__m512bh)_mm512_set1_epi32((int)(kb)[k * (KW) + p]));      \
     }
-#define DOT_F32(S, qt, krow, KW) for (int p = 0; p < (KW); p++) {                               \
+#define DOT_F32(S, qt, kb, KW) for (int p = 0; p < (KW); p++) {                                 \
         __m512 qv_ = _mm512_load_ps((const float *)(qt) + p * 16);                              \
         for (int k = 0; k < 16; k++)                                                            \
-            S[k] = _mm512_fmadd_ps(qv_, _mm512_set1_ps(((const float *)krow[k])[p]), S[k]);     \
+            S[k] = _mm512_fmadd_ps(qv_, _mm512_set1_ps(((const float *)(kb))[k * (KW) + p]),    \
+                                   S[k]);                                                       \
     }
 #define STORE16_BF16(op, v) _mm256_storeu_si256((__m256i *)(op), (__m256i)_mm512_cvtneps_pbh(v))
 #define STORE16_F32(op, v) _mm512_storeu_ps((op), (v))
@@ -700,12 +706,12 @@ static inline __m512 exp512(__m512 x) {   /* x <= 0 */
  * Query rows past q_len and keys past a row's causal bound are masked out; a key past the
  * sequence reads a zero row. scratch: (16 KW + 16 D) * ceil(seq_len / 16) 32-bit words
  * (kernels/native.py sizes it; the bf16 V takes half of its 16 D). */
-#define DEFINE_PREFILL(NAME, T, KW, PACK, KSRC, ROWB, DOT, STORE16, D, VROW, STOREV, PSTORE, PV) \
+#define DEFINE_PREFILL(NAME, T, KW, PACK, ROWB, DOT, STORE16, D, VROW, STOREV, PSTORE, PV) \
 static void NAME(const T *q, const char *kc, const char *vc, const int32_t *table, \
     int q_len, int L, int bs, int hq, int hkv, float scale, T *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
-    uint32_t *Kw = scratch;                                  /* [nt * 16][KW] (quantized) */ \
+    uint32_t *Kw = scratch;                                  /* [nt * 16][KW] K rows */ \
     uint32_t *Vs = scratch + (int64_t)nt * KW * 16;          /* V rows for PV */ \
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); \
     const __m512i PAIR_IDX = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, \
@@ -749,17 +755,9 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
                 int last = cached + i0 + nr - 1; \
                 for (int t = 0; t <= last / 16; t++) { \
                     int k0 = t * 16; \
-                    const uint32_t *krow[16]; \
-                    for (int k = 0; k < 16; k++) { \
-                        int j = k0 + k; \
-                        const uint32_t *cache_row = j < L ? (const uint32_t *)(kc + \
-                            (((int64_t)table[j / bs] * bs + j % bs) * hkv + h) * (int64_t)(ROWB)) \
-                            : ZERO_ROW; \
-                        krow[k] = j < L ? KSRC(cache_row, Kw + (int64_t)j * KW) : ZERO_ROW; \
-                    } \
                     __m512 S[16]; \
                     for (int k = 0; k < 16; k++) S[k] = _mm512_setzero_ps(); \
-                    DOT(S, qt, krow, KW) \
+                    DOT(S, qt, Kw + (int64_t)k0 * KW, KW) \
                     __mmask16 vis[16]; \
                     __m512 mnew = mv; \
                     for (int k = 0; k < 16; k++) { \
@@ -802,11 +800,11 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
 }
 
 #define DEFINE_PREFILL_F32(D) \
-    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, KSRC_CACHE, 4 * (D), DOT_F32, \
+    DEFINE_PREFILL(prefill_f32_##D, float, KW_F32(D), PACK_F32, 4 * (D), DOT_F32, \
                    STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32) \
-    DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
+    DEFINE_PREFILL(prefill_i8_f32_##D, float, KW_F32(D), PACK_I8_F32, (D) + 2, DOT_F32, \
                    STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32) \
-    DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, KSRC_SCRATCH, (D) + 2, DOT_F32, \
+    DEFINE_PREFILL(prefill_e4m3_f32_##D, float, KW_F32(D), PACK_E4M3_F32, (D) + 2, DOT_F32, \
                    STORE16_F32, D, VROW_F32, STOREV_F32, PSTORE_F32, PV_F32)
 #elif VECTOR_LANES == 8
 /* AVX2 + FMA: 8 float lanes and 16 vector registers, float32 queries only (bf16 needs
@@ -827,14 +825,11 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
 
 /* Scores of keys k0 + KB .. + NK - 1 against the tile's 16 rows (qt: [D][16]), scaled and
  * masked into sbuf[key][16 rows]; the rows' running maxima ma / mb take them in. */
-#define SCORES8(NK, KB, D, KSRC, ROWB) do {                                                     \
+#define SCORES8(NK, KB, D) do {                                                                 \
         __m256 sa_[NK], sb_[NK];                                                                \
         const float *kr_[NK];                                                                   \
         for (int k = 0; k < (NK); k++) {                                                        \
-            int j = k0 + (KB) + k;                                                              \
-            kr_[k] = j < L ? (const float *)KSRC((const uint32_t *)(kc +                        \
-                (trow[(KB) + k] * hkv + h) * (int64_t)(ROWB)), Kw + (int64_t)j * (D))           \
-                : (const float *)ZERO_ROW;                                                      \
+            kr_[k] = (const float *)(Kw + (int64_t)(k0 + (KB) + k) * (D));                      \
             sa_[k] = sb_[k] = _mm256_setzero_ps();                                              \
         }                                                                                       \
         for (int p = 0; p < (D); p++) {                                                         \
@@ -905,12 +900,12 @@ static void NAME(const T *q, const char *kc, const char *vc, const int32_t *tabl
     } while (0)
 
 /* One sequence, every head, as DEFINE_PREFILL (same scratch layout, tiles and work split). */
-#define DEFINE_PREFILL8(NAME, PACK, KSRC, ROWB, D) \
+#define DEFINE_PREFILL8(NAME, PACK, ROWB, D) \
 static void NAME(const float *q, const char *kc, const char *vc, const int32_t *table, \
     int q_len, int L, int bs, int hq, int hkv, float scale, float *out, uint32_t *scratch, \
     int64_t tile0, int part, int parts) { \
     int g = hq / hkv, cached = L - q_len, nt = (L + 15) / 16, qtiles = (q_len + 15) / 16; \
-    uint32_t *Kw = scratch;                                  /* [nt * 16][D] (quantized) */ \
+    uint32_t *Kw = scratch;                                  /* [nt * 16][D] K rows */ \
     float *Vs = (float *)(scratch + (int64_t)nt * (D) * 16); /* V rows for P.V */ \
     const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0); \
     const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale); \
@@ -949,12 +944,10 @@ static void NAME(const float *q, const char *kc, const char *vc, const int32_t *
                 int last = cached + i0 + nr - 1; \
                 for (int t = 0; t <= last / 16; t++) { \
                     int k0 = t * 16; \
-                    int64_t trow[16]; \
-                    tile_rows(trow, table, k0, L, bs); \
                     __m256 ma = mva, mb = mvb; \
-                    SCORES8(6, 0, D, KSRC, ROWB); \
-                    SCORES8(6, 6, D, KSRC, ROWB); \
-                    SCORES8(4, 12, D, KSRC, ROWB); \
+                    SCORES8(6, 0, D); \
+                    SCORES8(6, 6, D); \
+                    SCORES8(4, 12, D); \
                     SOFTMAX8(mva, lva, ma, 0, i0, rows_a); \
                     SOFTMAX8(mvb, lvb, mb, 8, i0 + 8, rows_b); \
                     PV8(6, 0, D); \
@@ -975,9 +968,9 @@ static void NAME(const float *q, const char *kc, const char *vc, const int32_t *
 }
 
 #define DEFINE_PREFILL_F32(D) \
-    DEFINE_PREFILL8(prefill_f32_##D, PACK_F32, KSRC_CACHE, 4 * (D), D) \
-    DEFINE_PREFILL8(prefill_i8_f32_##D, PACK_I8_F32, KSRC_SCRATCH, (D) + 2, D) \
-    DEFINE_PREFILL8(prefill_e4m3_f32_##D, PACK_E4M3_F32, KSRC_SCRATCH, (D) + 2, D)
+    DEFINE_PREFILL8(prefill_f32_##D, PACK_F32, 4 * (D), D) \
+    DEFINE_PREFILL8(prefill_i8_f32_##D, PACK_I8_F32, (D) + 2, D) \
+    DEFINE_PREFILL8(prefill_e4m3_f32_##D, PACK_E4M3_F32, (D) + 2, D)
 #endif
 
 #if VECTOR_LANES
@@ -1008,11 +1001,11 @@ PREFILL_UNAVAILABLE(radixkv_paged_prefill_f32)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define DEFINE_PREFILL_BF16(D) \
-    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, KSRC_CACHE, 2 * (D), DOT_BF16, \
+    DEFINE_PREFILL(prefill_bf16_##D, bf16_t, KW_BF16(D), PACK_BF16, 2 * (D), DOT_BF16, \
                    STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16) \
-    DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, KSRC_SCRATCH, (D) + 2, DOT_BF16, \
+    DEFINE_PREFILL(prefill_i8_bf16_##D, bf16_t, KW_BF16(D), PACK_I8_BF16, (D) + 2, DOT_BF16, \
                    STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16) \
-    DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, KSRC_SCRATCH, (D) + 2, \
+    DEFINE_PREFILL(prefill_e4m3_bf16_##D, bf16_t, KW_BF16(D), PACK_E4M3_BF16, (D) + 2, \
                    DOT_BF16, STORE16_BF16, D, VROW_BF16, STOREV_BF16, PSTORE_BF16, PV_BF16)
 DEFINE_PREFILL_BF16(16)
 DEFINE_PREFILL_BF16(32)
