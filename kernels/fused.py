@@ -129,6 +129,12 @@ def rope_write_kv_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     return out
 
 
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul_ref`'s result, natively where that is bit-identical."""
+    out = native_fused.silu_mul(gate_up)
+    return silu_mul_ref(gate_up) if out is None else out
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return resolve_backend(None, t.device) == "triton"
 

@@ -1,5 +1,5 @@
-"""Native CPU versions of :mod:`radixkv.kernels.fused`'s norm and rope references, used only
-where they are bit-identical to them on this machine.
+"""Native CPU versions of :mod:`radixkv.kernels.fused`'s norm, rope and silu-multiply
+references, used only where they are bit-identical to them on this machine.
 
 Why: a one-thread decode step of the embedded 30-layer model spends ~2 ms of its ~17 ms in the
 references' small torch ops (residual add + RMSNorm: 9 ops, ~14 us a call, twice a layer;
@@ -29,6 +29,15 @@ OpenMP team, torch's runtime, shared as the attention kernels share it (one runt
 thread. A 243-token prefill at two threads: 0.945x. Before, these ran on one thread whatever
 the count (8 ms of a ~100 ms two-thread prefill).
 
+``silu(gate) * up`` (bf16, CPUs with AVX-512): the reference is two torch ops, each a pass
+over the MLP's ``[T, I]`` rows; the kernel does one pass with ATen's arithmetic (SLEEF's
+``expf``, step for step; the roundings of ATen's vectorized bf16 conversion). Its input is a bf16
+value, so the check is exhaustive: all 65,536 gate values, in rows of the model's intermediate
+size, against the reference, every bit (NaNs included); used only where every one agrees and the
+row length is a multiple of ATen's 32-element bf16 vector (so that torch never takes its scalar
+tail, whose ``exp`` is libm's). Embedded model, one thread: 250 rows 176 -> ~130 us a layer, one
+row 5.3 -> 1.7 us (torch's two calls' dispatch), in the forward ``docs/kernels.md``.
+
 The library is built like the attention kernels (:mod:`radixkv.kernels.native`: same cache
 folder, digest-named) but apart from them and without their reassociation flags
 (``-ffp-contract=off``): a fused multiply-add or a reordered sum would round differently.
@@ -48,7 +57,7 @@ from . import native
 log = logging.getLogger("radixkv.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-_ABI = 2
+_ABI = 3
 #: ATen's serial-reduction bound (``internal::GRAIN_SIZE``): below it a sum never splits.
 _SERIAL_NUMEL = 32768
 _MAX_HIDDEN = 16384
@@ -61,6 +70,10 @@ _lib: list = []                     # [ctypes library or None] once tried
 _norm_variant: dict = {}            # (h, dtype) -> (lanes, recip) or None
 _parallel_same: dict = {}           # (h, dtype, threads, variant) -> bool (see the module doc)
 _rope_ok: dict = {}                 # (d, dtype) -> bool
+_silu_ok: dict = {}                 # intermediate size -> bool (bf16 only)
+#: ATen's bf16 vector length under AVX-512: rows that are a multiple of it never take its
+#: scalar tail (another ``exp``)
+_SILU_ROW_MULTIPLE = 32
 
 
 def build_flags() -> tuple[str, ...]:
@@ -99,6 +112,8 @@ def _library():
             lib.radixkv_rope_write_kv.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64,
                                                   i64, i64, i64, i64, i32]
             lib.radixkv_rope_write_kv.restype = i32
+            lib.radixkv_silu_mul.argtypes = [vp, vp, i64, i64, i32]
+            lib.radixkv_silu_mul.restype = i32
         except (OSError, RuntimeError, AttributeError) as exc:
             log.warning("radixkv: native fused CPU ops unavailable, using torch (%s)", exc)
             lib = None
@@ -254,11 +269,13 @@ def norm_variant(x: torch.Tensor, weight: torch.Tensor,
     return _norm_ok(x, weight)
 
 
-def prepare(norm_sizes: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> bool:
-    """Build or load the library and run the bit-identity checks for these row lengths and
-    this head_dim now (a model's runner calls it when it is created), so that the first
-    forward, and so a first request's TTFT, pays neither the compiler (~2 s on a machine's
-    first use) nor the checks (~20 ms per row length). Returns whether the library loaded;
+def prepare(norm_sizes: tuple[int, ...], head_dim: int, dtype: torch.dtype,
+            mlp_sizes: tuple[int, ...] = ()) -> bool:
+    """Build or load the library and run the bit-identity checks for these row lengths, this
+    head_dim and these MLP intermediate sizes now (a model's runner calls it when it is
+    created), so that the first forward, and so a first request's TTFT, pays neither the
+    compiler (~2 s on a machine's first use) nor the checks (~20 ms per row length, ~6 ms per
+    intermediate size). Returns whether the library loaded;
     the checks' outcomes are remembered as on first use."""
     if not native.enabled() or dtype not in _DTYPES or _library() is None:
         return False
@@ -273,6 +290,10 @@ def prepare(norm_sizes: tuple[int, ...], head_dim: int, dtype: torch.dtype) -> b
             _parallel_same[(h, dtype, threads, variant)] = _parallel_matches(h, dtype, variant)
     if head_dim % 2 == 0 and (head_dim, dtype) not in _rope_ok:
         _rope_ok[(head_dim, dtype)] = _rope_checked(head_dim, dtype)
+    if dtype is torch.bfloat16:
+        for inter in mlp_sizes:
+            if inter not in _silu_ok:
+                _silu_ok[inter] = _silu_checked(inter)
     return True
 
 
@@ -375,3 +396,69 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if not rope_supported(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
         return None
     return run_rope(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _call_silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    rc = lib.radixkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter),
+                              inter, _DTYPES[gate_up.dtype])
+    if rc != 0:
+        raise RuntimeError(f"radixkv_silu_mul returned {rc}")
+    return out
+
+
+def _silu_checked(inter: int) -> bool:
+    """Whether the native silu-multiply equals :func:`fused.silu_mul_ref` bit for bit on every
+    bf16 gate value (all 65,536, in rows of ``inter``), against up values of every kind (random,
+    zeros, signed infinities, NaNs, subnormals), at one thread and at the current count."""
+    from .fused import silu_mul_ref
+    lib = _library()
+    if lib is None or inter < _SILU_ROW_MULTIPLE or inter % _SILU_ROW_MULTIPLE:
+        return False
+    gen = torch.Generator().manual_seed(inter)
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    rows = -(-65536 // inter)
+    gate = torch.zeros(rows * inter, dtype=torch.bfloat16)
+    gate[:65536] = every
+    up = torch.randn(rows * inter, generator=gen).to(torch.bfloat16)
+    up[torch.randperm(rows * inter, generator=gen)[:4096]] = every[
+        torch.randint(0, 65536, (4096,), generator=gen)]   # up's special values too
+    gate_up = torch.cat([gate.view(rows, inter), up.view(rows, inter)], 1).contiguous()
+    threads = torch.get_num_threads()
+    try:
+        for n in dict.fromkeys((1, threads)):
+            torch.set_num_threads(n)
+            if not _same_bits(_call_silu_mul(lib, gate_up), silu_mul_ref(gate_up)):
+                log.info("radixkv: the native silu-multiply differs from torch's for rows of "
+                         "%d at %d threads; using torch", inter, n)
+                return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def silu_mul_supported(gate_up: torch.Tensor) -> bool:
+    """Whether :func:`run_silu_mul` computes :func:`fused.silu_mul_ref` for ``gate_up``: a
+    contiguous bf16 CPU tensor ``[..., 2I]`` whose ``I`` is a multiple of 32 and passed the
+    exhaustive check on this machine (:func:`_silu_checked`)."""
+    if (gate_up.device.type != "cpu" or gate_up.dtype is not torch.bfloat16
+            or gate_up.dim() < 1 or gate_up.shape[-1] % 2 or not gate_up.is_contiguous()
+            or gate_up.numel() == 0 or not native.enabled()):
+        return False
+    inter = gate_up.shape[-1] // 2
+    ok = _silu_ok.get(inter)
+    if ok is None:
+        ok = _silu_ok[inter] = _silu_checked(inter)
+    return ok
+
+
+def run_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The native silu-multiply without the checks: :func:`silu_mul_supported` held for an
+    operand of the same kind (a forward's later layers)."""
+    return _call_silu_mul(_lib[0], gate_up)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """:func:`fused.silu_mul_ref` natively; None when not run (:func:`silu_mul_supported`)."""
+    return run_silu_mul(gate_up) if silu_mul_supported(gate_up) else None

@@ -188,7 +188,7 @@ class _Ops(NamedTuple):
 
 _CUSTOM_OPS = _Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_mul, fused.rope_write_kv,
                    fused.paged_decode)
-_DIRECT_OPS = _Ops(fused.rms_norm_cpu, fused.add_rms_norm_cpu, fused.silu_mul_ref,
+_DIRECT_OPS = _Ops(fused.rms_norm_cpu, fused.add_rms_norm_cpu, fused.silu_mul_cpu,
                    fused.rope_write_kv_cpu, _paged_decode_direct)
 #: The torch references one op at a time (what the direct path ran before the native norm and
 #: rope): :func:`use_native_cpu_ops` ``(False)`` selects them, for A/B measurements.
@@ -232,12 +232,19 @@ class _CpuForwardOps:
     the final norm's rows are a subset), so they skip the checks: ~5 us a call, three calls
     a layer, at batch 1."""
 
-    __slots__ = ("plan", "norm_variant", "rope_native")
+    __slots__ = ("plan", "norm_variant", "rope_native", "silu_native")
 
     def __init__(self, host_lens: list[int]) -> None:
         self.plan: dict = {"host_seq_lens": host_lens}
         self.norm_variant: tuple | None = None    # () once known not to apply
         self.rope_native: bool | None = None
+        self.silu_native: bool | None = None
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ok = self.silu_native
+        if ok is None:
+            ok = self.silu_native = native_fused.silu_mul_supported(gate_up)
+        return native_fused.run_silu_mul(gate_up) if ok else fused.silu_mul_ref(gate_up)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +275,7 @@ class _CpuForwardOps:
                                      self.plan)
 
     def ops(self) -> _Ops:
-        return _Ops(fused.rms_norm_cpu, self.add_rms_norm, fused.silu_mul_ref,
+        return _Ops(fused.rms_norm_cpu, self.add_rms_norm, self.silu_mul,
                     self.rope_write_kv, self.paged_decode)
 
 

@@ -227,7 +227,8 @@ class ModelRunner:
                 sizes = {int(lean.norm.shape[0])}
                 sizes.update(int(lay.q_norm.weight.shape[0]) for lay in lean.layers
                              if lay.q_norm is not None)
-                native_fused.prepare(tuple(sorted(sizes)), lean.head_dim, param.dtype)
+                native_fused.prepare(tuple(sorted(sizes)), lean.head_dim, param.dtype,
+                                     (int(lean.layers[0].gate.out_features),))
 
     def warm_up(self) -> float:
         """Run one short prefill and one decode step on the first blocks of the cache, which

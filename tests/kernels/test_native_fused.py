@@ -159,7 +159,9 @@ def test_prepare_runs_the_checks_up_front(monkeypatch):
     remembers each check's outcome, so the first forward runs none of them."""
     monkeypatch.setattr(native_fused, "_norm_variant", {})
     monkeypatch.setattr(native_fused, "_rope_ok", {})
-    assert native_fused.prepare((576, 64), 64, torch.bfloat16)
+    monkeypatch.setattr(native_fused, "_silu_ok", {})
+    assert native_fused.prepare((576, 64), 64, torch.bfloat16, (1536,))
+    assert set(native_fused._silu_ok) == {1536}     # the exhaustive check ran (either outcome)
     assert set(native_fused._norm_variant) == {(576, torch.bfloat16), (64, torch.bfloat16)}
     assert native_fused._norm_variant[(576, torch.bfloat16)] is not None
     assert native_fused._rope_ok == {(64, torch.bfloat16): True}
@@ -243,6 +245,91 @@ def test_calls_over_many_rows_split_on_torchs_openmp_team_with_the_same_bits(dty
                 pytest.skip("torch's parallel norm bits differ here: the kernel is not used")
             outs.append(got)
         assert same(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1])
+    finally:
+        lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
+        torch.set_num_threads(before)
+
+
+def _silu_available() -> bool:
+    return native_fused._silu_checked(64)
+
+
+@given(rows=st.integers(1, 40), inter=st.sampled_from([32, 64, 96, 128, 160, 1536, 2048]),
+       log_scale=st.floats(-6.0, 3.0), seed=st.integers(0, 2**16))
+def test_silu_mul_is_bit_identical_to_the_reference(rows, inter, log_scale, seed):
+    """Where the exhaustive check passed, any rows (any magnitudes, the eight-vector body and
+    the one-vector tail of a row: 96 and 160 elements take both) give torch's bits."""
+    if not _silu_available():
+        pytest.skip("the native silu-multiply does not match torch on this machine")
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 10.0 ** log_scale).bfloat16()
+    assert native_fused.silu_mul_supported(x)
+    assert same(native_fused.silu_mul(x), fused.silu_mul_ref(x))
+    assert same(fused.silu_mul_cpu(x), fused.silu_mul_ref(x))
+
+
+def test_silu_mul_check_covers_every_gate_value_and_special_up_values():
+    """The check runs all 65,536 bf16 gate values (NaN payloads, infinities, subnormals, both
+    zeros) against torch; special values give ATen's vector-path bits (a NaN is 0xffff)."""
+    if not _silu_available():
+        pytest.skip("the native silu-multiply does not match torch on this machine")
+    specials = torch.tensor([0x0000, 0x8000, 0x0001, 0x8001, 0x007f, 0x7f80, 0xff80, 0x7fc0,
+                             0xffc0, 0x7f81, 0x3f80, 0xbf80, 0x4300, 0xc300, 0x42c8, 0xc2d0],
+                            dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = specials.repeat(4)                        # 64 values
+    up = specials.repeat_interleave(4)               # each up value against several gates
+    x = torch.cat([gate, up]).view(1, 128).contiguous()
+    got, want = native_fused.silu_mul(x), fused.silu_mul_ref(x)
+    assert same(got, want)
+    assert (bits(got) == -1).any()                   # a NaN, written as torch's vector loop does
+    seen = []
+    real = native_fused._call_silu_mul
+    native_fused._silu_ok.pop(2048, None)
+    try:
+        native_fused._call_silu_mul = lambda lib, gu: seen.append(gu) or real(lib, gu)
+        assert native_fused._silu_checked(2048)
+    finally:
+        native_fused._call_silu_mul = real
+    gates = seen[0][:, :2048].reshape(-1)[:65536]
+    assert torch.equal(bits(gates).sort().values,
+                       torch.arange(-32768, 32768, dtype=torch.int16))
+
+
+def test_silu_mul_declines_what_it_cannot_match(monkeypatch):
+    """float32, row lengths that are not a multiple of ATen's 32-element bf16 vector (torch's
+    scalar tail uses libm's exp), non-contiguous inputs; and a kernel that differs from torch
+    anywhere is never used: the forward then runs the reference."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 128, generator=gen)
+    assert native_fused.silu_mul(x) is None                          # float32
+    assert native_fused.silu_mul(torch.randn(3, 96).bfloat16()) is None   # I = 48
+    assert native_fused.silu_mul(torch.randn(3, 256).bfloat16()[:, ::2]) is None
+    assert not native_fused._silu_checked(48)
+    monkeypatch.setattr(native_fused, "_silu_ok", {})
+    monkeypatch.setattr(fused, "silu_mul_ref",
+                        lambda gu: torch.nn.functional.silu(gu[..., :gu.shape[-1] // 2]) *
+                        gu[..., gu.shape[-1] // 2:] * 1.01)   # "torch" computes otherwise
+    y = torch.randn(2, 256, generator=gen).bfloat16()
+    assert not native_fused.silu_mul_supported(y)
+    assert native_fused._silu_ok == {128: False}
+
+
+def test_silu_mul_at_several_threads_gives_the_same_bits():
+    """Rows split over torch's OpenMP team (from PAR_NUMEL elements) are each computed by the
+    same code: the same bits at one and two threads, split or not."""
+    if not _silu_available():
+        pytest.skip("the native silu-multiply does not match torch on this machine")
+    lib = native_fused._library()
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(300, 3072, generator=gen) * 4).bfloat16()
+    want = fused.silu_mul_ref(x)
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for split in (1, 0):
+                lib.radixkv_fused_set_parallel(split)
+                assert same(native_fused.run_silu_mul(x), want)
     finally:
         lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
         torch.set_num_threads(before)
