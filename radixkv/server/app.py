@@ -1199,13 +1199,14 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     key = request.state.api_key if hasattr(request.state, "api_key") else ""
     salt = state.tenants.cache_salt(key, serving.request_salt(req))
     timing = serving.Timing(arrived=getattr(request.state, "arrived", time.perf_counter()))
-    rid = serving.new_id("chatcmpl" if chat else "cmpl")
+    rid, eid = serving.response_ids("chatcmpl" if chat else "cmpl",
+                                    request.headers.get("x-request-id"))
     seqs = len(prompts) * _num_seqs(req)
     state.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     if req.stream:
         release = _once(lambda: state.release(seqs))
         try:   # in the engine before the response starts: it computes while headers go out
-            handle = await serving.submit(state, rid, prompts[0], params[0], salt, timing,
+            handle = await serving.submit(state, eid, prompts[0], params[0], salt, timing,
                                           points[0], hints)
         except BaseException:
             release()
@@ -1218,14 +1219,14 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         echo = chat_echo if chat else (
             eng.decode(prompts[0]) if getattr(req, "echo", False) else None)
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names, echo, prompts[0], chat_role), close,
+                               tool_names, echo, prompts[0], chat_role, eid), close,
                        state.frontend.sse_keep_alive_interval)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
-            _final(state, f"{rid}-{i}", ids, sp, salt, timing, pts, hints)
+            _final(state, f"{eid}-{i}", ids, sp, salt, timing, pts, hints)
             for i, (ids, sp, pts) in enumerate(zip(prompts, params, points)))))
     finally:
         state.release(seqs)
@@ -1364,8 +1365,11 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                   timing: serving.Timing, chat: bool,
                   release: Callable[[], None] = lambda: None,
                   tool_names: set[str] | None = None, echo: str | None = None,
-                  prompt_ids: list[int] | None = None, role_name: str = "assistant") -> Any:
+                  prompt_ids: list[int] | None = None, role_name: str = "assistant",
+                  engine_id: str | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
+    ``rid`` names the chunks; ``engine_id`` (default ``rid``) is the engine's id for it, which
+    the request log uses (:func:`serving.response_ids`).
     ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
     comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
@@ -1472,7 +1476,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         last, done = None, set()
         joined = serving.Coalescer(1 if beam else max(state.stream_interval,
                                                       req.stream_interval or 1))
-        async for out in serving.run(state, rid, [], params, None, timing, handle=handle):
+        async for out in serving.run(state, engine_id or rid, [], params, None, timing,
+                                     handle=handle):
             last = out
             if beam and not out.finished:
                 continue   # beams reorder until the end: only the final best n are sent

@@ -49,6 +49,29 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+#: An ``X-Request-Id`` names a response only when it is this short and printable ASCII (a
+#: trace id: W3C's ``traceparent`` is 55 characters); a longer or stranger one is still echoed
+#: by ``--enable-request-id-headers`` but the response keeps an id of its own, so that no
+#: header puts kilobytes or control characters into every streamed chunk.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def response_ids(prefix: str, header: str | None) -> tuple[str, str]:
+    """``(the response's id, the engine's request id)`` of a completion.
+
+    vLLM names a response after the request's ``X-Request-Id`` (``chatcmpl-<header>``), so a
+    proxy's trace id finds its answer in the client's logs; radixkv does too. The engine's id
+    stays unique (the header plus a random suffix), since two requests may carry the same
+    header (a retry, a client that sets a constant one) and the engine refuses an id in
+    flight. Without a usable header both are one new id, as before."""
+    if header and len(header) <= MAX_REQUEST_ID_CHARS and header.isascii() \
+            and header.isprintable():
+        rid = f"{prefix}-{header}"
+        return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+    rid = new_id(prefix)
+    return rid, rid
+
+
 def request_salt(req: Any) -> str | None:
     """The request's own namespace narrowing: vLLM's ``cache_salt``, OpenAI's
     ``prompt_cache_key``, or both."""

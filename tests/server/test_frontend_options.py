@@ -106,6 +106,42 @@ def test_every_response_carries_x_request_id(server: Server) -> None:
     assert status in (400, 404) and hdrs["x-request-id"] == "trace-43"   # errors too
 
 
+def test_x_request_id_names_the_response_as_vllm_does(server: Server) -> None:
+    """A completion answered to a request with ``X-Request-Id: T`` has the id ``chatcmpl-T``
+    (``cmpl-T``), streamed chunks too; two requests with the same header both run; a header
+    too long (or not printable ASCII) to name a response leaves it an id of its own."""
+    client = _client(server)
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0,
+                                       extra_headers={"X-Request-Id": "trace-77"})
+    assert r.id == "chatcmpl-trace-77"
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0,
+                                  extra_headers={"X-Request-Id": "trace-78"})
+    assert c.id == "cmpl-trace-78"
+    ids = {chunk.id for chunk in client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3, temperature=0, stream=True,
+        extra_headers={"X-Request-Id": "trace-79"})}
+    assert ids == {"chatcmpl-trace-79"}
+    got: list[Any] = []
+
+    def ask() -> None:
+        got.append(client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=4, temperature=0,
+            extra_headers={"X-Request-Id": "same-twice"}))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [x.id for x in got] == ["chatcmpl-same-twice"] * 2
+    long_id = "x" * 200
+    status, hdrs, body = _http(server, "POST", "/v1/chat/completions",
+                               {"model": MODEL, "messages": HI, "max_tokens": 1},
+                               headers={"X-Request-Id": long_id})
+    assert status == 200 and hdrs["x-request-id"] == long_id     # still echoed
+    assert body["id"].startswith("chatcmpl-") and long_id not in body["id"]
+
+
 def test_default_template_kwargs_reach_the_template_and_a_request_overrides_them(
         server: Server) -> None:
     def prompt(extra: dict[str, Any]) -> str:
@@ -695,3 +731,15 @@ def test_a_tls_reload_that_fails_keeps_the_old_certificate(tmp_path, capsys) -> 
     keyfile.write_bytes(k2)
     certfile.write_bytes(c2)
     assert server.reload() is True and server.reloads == 1
+
+
+def test_response_ids_take_a_usable_x_request_id_and_keep_engine_ids_unique() -> None:
+    from radixkv.server import serving
+
+    rid, eid = serving.response_ids("chatcmpl", "trace-1")
+    rid2, eid2 = serving.response_ids("chatcmpl", "trace-1")
+    assert rid == rid2 == "chatcmpl-trace-1" and eid != eid2 and eid.startswith(rid + "-")
+    for bad in (None, "", "a\nb", "tr\u00e4ce", "\x00", "y" * 129):
+        rid, eid = serving.response_ids("cmpl", bad)
+        assert rid == eid and rid.startswith("cmpl-") and len(rid) == len("cmpl-") + 24
+    assert serving.response_ids("cmpl", "y" * 128)[0] == "cmpl-" + "y" * 128
