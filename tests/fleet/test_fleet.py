@@ -96,7 +96,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
            "--remote-write", "write_through", "--remote-timeout", "5", "--enable-cache-reset",
            # vLLM's frontend flags reach the ingress's app (test_frontend_options_reach_...)
            "--enable-request-id-headers", "--enable-server-load-tracking",
-           "--response-role", "fleet-helper"]
+           "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint"]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -391,11 +391,26 @@ def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet)
 
 def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
     """The FrontendOptions `radixkv serve` builds from vLLM's frontend flags travel to the
-    fleet's ingress replicas (as a dict in the deployment's options) and shape its answers."""
+    fleet's ingress replicas (as a dict in the deployment's options) and shape its answers;
+    the ingress serves /invocations and /tokenizer_info as a single server does."""
     req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/load",
                                  headers={"X-Request-Id": "fleet-trace-1"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.headers["X-Request-Id"] == "fleet-trace-1"
         assert json.loads(r.read()) == {"server_load": 0}
-    r = _chat(fleet.client(), [{"role": "user", "content": "Hi"}], max_tokens=2)
+    r = _chat(fleet.client(), [{"role": "user", "content": "Hi"}], max_tokens=2,
+              extra_headers={"X-Request-Id": "fleet-trace-2"})
     assert r.choices[0].message.role == "fleet-helper"
+    assert r.id == "chatcmpl-fleet-trace-2"           # named after the header, as vLLM does
+    # SageMaker's route and the tokenizer's description, through the ingress too
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/invocations", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/tokenizer_info",
+                                timeout=30) as resp:
+        info = json.loads(resp.read())
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
