@@ -159,7 +159,7 @@ def test_a_one_thread_runner_never_changes_the_count(monkeypatch, toy_pager):
         torch.set_num_threads(before)
 
 
-def test_a_cpu_runner_prepares_the_native_norm_and_rope_when_created(monkeypatch):
+def test_a_cpu_runner_prepares_the_native_norm_rope_and_silu_when_created(monkeypatch):
     from radixkv.kernels import native_fused
 
     seen = []
@@ -167,7 +167,8 @@ def test_a_cpu_runner_prepares_the_native_norm_and_rope_when_created(monkeypatch
     model = make_family_model("llama")
     runner = ModelRunner.for_model(model, 16, 4, lean_forward=True)
     hidden = model.config.hidden_size
-    assert seen == [((hidden,), runner.lean.head_dim, next(model.parameters()).dtype)]
+    assert seen == [((hidden,), runner.lean.head_dim, next(model.parameters()).dtype,
+                     (model.config.intermediate_size,))]
 
 
 def test_a_model_with_small_layers_keeps_one_thread_up_to_its_own_limit(monkeypatch, toy_pager):
