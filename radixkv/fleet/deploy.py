@@ -153,7 +153,12 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
           f"{'Ray at ' + args.ray_address if args.ray_address else f'a local Ray ({cpus} CPUs)'}"
           f", router {args.router}", file=sys.stderr, flush=True)
     init_ray(args.ray_address, cpus)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    # HTTPS is the proxy's (uvicorn under Ray Serve): the key, certificate and CA file, as a
+    # single server takes them (cli.py refuses the other --ssl-* flags with --replicas)
+    tls = {k: v for k, v in (("ssl_keyfile", args.ssl_keyfile),
+                             ("ssl_certfile", args.ssl_certfile),
+                             ("ssl_ca_certs", args.ssl_ca_certs)) if v}
+    serve.start(http_options={"host": args.host, "port": args.port, **tls})
     bus = start_bus()   # held until shutdown: an actor dies with its last handle
     ray.get(bus.holders.remote())
     threads = args.threads or max(1, int(args.replica_cpus))
@@ -178,7 +183,8 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     frontend=FrontendOptions.from_args(args).as_dict())
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"radixkv serve: fleet ready in {time.perf_counter() - t0:.1f} s at "
-          f"http://{args.host}:{args.port} (model name {model_name!r}, {replicas} replicas)",
+          f"{'https' if tls else 'http'}://{args.host}:{args.port} (model name "
+          f"{model_name!r}, {replicas} replicas)",
           file=sys.stderr, flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -745,10 +745,15 @@ def check_flags(args: argparse.Namespace) -> None:
                           "drain as Ray Serve's graceful_shutdown_timeout_s says (docs/fleet.md)")
     if args.uds and (args.replicas is not None or args.ray_address):
         raise ConfigError("--uds serves one server; a fleet's endpoint is Ray Serve's proxy")
-    if (args.ssl_keyfile or args.ssl_ca_certs) and (args.replicas is not None
-                                                    or args.ray_address):
-        raise ConfigError("--ssl-* flags serve one server's HTTPS; a fleet's endpoint is Ray "
-                          "Serve's proxy (put a TLS proxy in front of it)")
+    if args.replicas is not None or args.ray_address:
+        # a fleet's HTTPS is Ray Serve's proxy's: key, certificate and CA file only
+        for flag, unsupported in (("--ssl-ciphers", args.ssl_ciphers),
+                                  ("--ssl-cert-reqs", args.ssl_cert_reqs),
+                                  ("--enable-ssl-refresh", args.enable_ssl_refresh)):
+            if unsupported:
+                raise ConfigError(f"{flag} is a single server's: a fleet's HTTPS is Ray Serve's "
+                                  "proxy, which takes --ssl-keyfile, --ssl-certfile and "
+                                  "--ssl-ca-certs only (docs/fleet.md)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The fleet for real: ``radixkv serve --replicas 2`` on a local Ray instance (2 CPUs), the KV-aware
 router, a real ``redis-server`` as the shared remote tier, driven by the unchanged ``openai``
-client. One fleet for the module (Ray and two model loads take ~30 s); the replica-kill test runs
-last. Deselect locally with ``-m 'not fleet'``; CI runs it.
+client. One fleet for the module (Ray and two model loads take ~30 s), served over HTTPS (Ray
+Serve's proxy with a self-signed certificate the clients trust: ``--ssl-keyfile`` /
+``--ssl-certfile`` as on a single server); the replica-kill test runs last. Deselect locally
+with ``-m 'not fleet'``; CI runs it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,6 +31,8 @@ pytest.importorskip("redis")
 sys.path.insert(0, str(Path(__file__).parent.parent / "storage"))
 from redis_server import RedisServer, free_port  # noqa: E402
 
+from tests.server.tls_cert import self_signed  # noqa: E402
+
 pytestmark = [pytest.mark.fleet, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = ("You are a careful assistant for a test of a serving fleet. Answer briefly and "
@@ -35,16 +40,25 @@ SYSTEM = ("You are a careful assistant for a test of a serving fleet. Answer bri
 
 
 class Fleet:
-    def __init__(self, port: int, proc: subprocess.Popen, log: Path) -> None:
+    def __init__(self, port: int, proc: subprocess.Popen, log: Path, certfile: Path) -> None:
         self.port, self.proc, self.log = port, proc, log
+        self.base = f"https://127.0.0.1:{port}"
+        self.ctx = ssl.create_default_context(cafile=str(certfile))   # trusts the fleet's
 
     def client(self, **kw: Any) -> Any:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                             max_retries=0, timeout=300, **kw)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0,
+                             timeout=300, http_client=openai.DefaultHttpxClient(
+                                 verify=self.ctx, timeout=300), **kw)
+
+    def open(self, what: str | urllib.request.Request, timeout: float = 60) -> Any:
+        """``urlopen`` of a path (or a Request whose URL starts with :attr:`base`) over the
+        fleet's TLS."""
+        req = self.base + what if isinstance(what, str) else what
+        return urllib.request.urlopen(req, timeout=timeout, context=self.ctx)
 
     def metrics(self) -> dict[tuple[str, str | None], float]:
         """``(name, replica label or None) -> value`` of the fleet's /metrics."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+        with self.open("/metrics", timeout=30) as r:
             text = r.read().decode()
         out: dict[tuple[str, str | None], float] = {}
         for line in text.splitlines():
@@ -89,18 +103,22 @@ def _wait_ready(fleet: Fleet, replicas: int = 2, timeout: float = 420) -> None:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     port = free_port()
-    log = tmp_path_factory.mktemp("fleet") / "fleet.log"
+    where = tmp_path_factory.mktemp("fleet")
+    log = where / "fleet.log"
+    keyfile, certfile = where / "key.pem", where / "cert.pem"
+    self_signed(keyfile, certfile)
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),
            "--ray-cpus", "2", "--replica-cpus", "1", "--device", "cpu", "--dtype", "float32",
            "--device-blocks", "128", "--max-num-seqs", "4", "--remote-url", redis_srv.url,
            "--remote-write", "write_through", "--remote-timeout", "5", "--enable-cache-reset",
            # vLLM's frontend flags reach the ingress's app (test_frontend_options_reach_...)
            "--enable-request-id-headers", "--enable-server-load-tracking",
-           "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint"]
+           "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint",
+           "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile)]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    f = Fleet(port, proc, log)
+    f = Fleet(port, proc, log, certfile)
     try:
         _wait_ready(f)
         yield f
@@ -306,10 +324,10 @@ def test_rag_documents_reach_the_replica_and_route_the_reordered_request(fleet: 
             {"role": "user", "content": "Which river reaches Saint-Nazaire?"}]
     reordered = [RAG_DOCS[2], RAG_DOCS[0], RAG_DOCS[1]]
     req = urllib.request.Request(
-        f"http://127.0.0.1:{fleet.port}/tokenize", method="POST",
+        fleet.base + "/tokenize", method="POST",
         data=json.dumps({"messages": msgs, "documents": reordered}).encode(),
         headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with fleet.open(req) as r:
         spans = json.loads(r.read())["document_spans"]
 
     def ask(docs: list[Any]) -> tuple[Any, str]:
@@ -338,9 +356,8 @@ def test_reset_prefix_cache_reaches_every_replica(fleet: Fleet) -> None:
     _chat(client, msgs, max_tokens=4)
     again = _chat(client, msgs, max_tokens=4)
     assert again.usage.model_extra["radixkv"]["cached_tokens_per_tier"]["device"] > 0
-    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/reset_prefix_cache",
-                                 method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=60) as r:
+    req = urllib.request.Request(fleet.base + "/reset_prefix_cache", method="POST", data=b"")
+    with fleet.open(req) as r:
         body = json.loads(r.read())
     assert r.status == 200 and body["dropped_blocks"] > 0, body
     after = _chat(client, msgs, max_tokens=4)
@@ -392,10 +409,10 @@ def test_killing_a_replica_mid_request_fails_over_with_remote_hits(fleet: Fleet)
 def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
     """The FrontendOptions `radixkv serve` builds from vLLM's frontend flags travel to the
     fleet's ingress replicas (as a dict in the deployment's options) and shape its answers;
-    the ingress serves /invocations and /tokenizer_info as a single server does."""
-    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/load",
-                                 headers={"X-Request-Id": "fleet-trace-1"})
-    with urllib.request.urlopen(req, timeout=30) as r:
+    the ingress serves /invocations and /tokenizer_info as a single server does, over the
+    HTTPS the fleet was started with."""
+    req = urllib.request.Request(fleet.base + "/load", headers={"X-Request-Id": "fleet-trace-1"})
+    with fleet.open(req, timeout=30) as r:
         assert r.headers["X-Request-Id"] == "fleet-trace-1"
         assert json.loads(r.read()) == {"server_load": 0}
     r = _chat(fleet.client(), [{"role": "user", "content": "Hi"}], max_tokens=2,
@@ -405,12 +422,15 @@ def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
     # SageMaker's route and the tokenizer's description, through the ingress too
     body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{fleet.port}/invocations", data=body,
+    req = urllib.request.Request(fleet.base + "/invocations", data=body,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with fleet.open(req, timeout=120) as resp:
         answer = json.loads(resp.read())
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/tokenizer_info",
-                                timeout=30) as resp:
+    with fleet.open("/tokenizer_info", timeout=30) as resp:
         info = json.loads(resp.read())
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
+    # the endpoint is HTTPS (--ssl-keyfile / --ssl-certfile on Ray Serve's proxy): plain HTTP
+    # gets no answer
+    with pytest.raises((urllib.error.URLError, OSError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/health", timeout=5)

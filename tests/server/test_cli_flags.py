@@ -79,6 +79,8 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--shutdown-timeout", "5", "--replicas", "2"], "--shutdown-timeout bounds one server"),
     (["--uds", "/tmp/radixkv-test.sock", "--replicas", "2"], "--uds serves one server"),
+    (["--ssl-ciphers", "ECDHE", "--replicas", "2"], "--ssl-ciphers is a single server's"),
+    (["--ssl-cert-reqs", "2", "--replicas", "2"], "--ssl-cert-reqs is a single server's"),
     (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len"),
     (["--ssl-keyfile", "/nonexistent/k.pem", "--ssl-certfile", "/nonexistent/c.pem"],
      "no such file"),

@@ -363,37 +363,16 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     the self-signed certificate), and plain HTTP gets no answer from it. The same server logs
     requests and outputs (--enable-log-requests --enable-log-outputs --max-log-len, prompt ids
     at --log-level debug), named by the ids their responses carry."""
-    import datetime
-    import ipaddress
     import ssl
     import urllib.error
     import urllib.request
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tests.server.tls_cert import self_signed
 
     keyfile, certfile = tmp_path / "key.pem", tmp_path / "cert.pem"
 
     def make_cert() -> bytes:
-        """A new self-signed key and certificate for 127.0.0.1, written to the two files;
-        returns the certificate (DER)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-                .sign(key, hashes.SHA256()))
-        keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                              serialization.PrivateFormat.PKCS8,
-                                              serialization.NoEncryption()))
-        certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return cert.public_bytes(serialization.Encoding.DER)
+        return self_signed(keyfile, certfile)
 
     def served_cert(port: int) -> bytes:
         """The certificate a new TLS connection is given (not verified: just looked at)."""
