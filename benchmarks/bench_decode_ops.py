@@ -1,8 +1,10 @@
-"""``radixkv bench decode-ops``: what the native CPU norm and rope (``kernels/native_fused.py``)
-buy a forward of the embedded model, paired against the torch references in the same process.
+"""``radixkv bench decode-ops``: what the native CPU norm, rope and (bf16) silu-multiply
+(``kernels/native_fused.py``) buy a forward of the embedded model, paired against the torch
+references in the same process.
 
 Question: at one thread a decode step of the embedded SmolLM2-135M spent ~2 ms of ~17 in the
-lean forward's small torch ops (residual add + RMSNorm, rope + K/V write) and in re-planning
+lean forward's small torch ops (residual add + RMSNorm, rope + K/V write; since 2026-12-07 the
+MLP's silu-multiply too, where it is native) and in re-planning
 the decode attention per layer. How much faster is a forward with the native ops and the
 per-forward plans, at batch 1 and 4 and on a cached chat turn (32 new tokens over a cached
 history), and are the outputs still the same?
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     print_table(rows, ["scenario", "pairs", "reference_ms", "native_ms", "pair_ratio_median",
                        "native_lower_in"],
-                title=f"lean forward, native CPU norm/rope vs the torch references "
+                title=f"lean forward, native CPU norm/rope/silu vs the torch references "
                       f"({args.threads} thread(s), paired in one process)")
     print(f"greedy tokens equal with either op set ({args.tokens} tokens): "
           f"{'yes' if same else 'NO'}")
