@@ -345,6 +345,68 @@ def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None, *
     return _load_tokenizer(source)
 
 
+#: files of which a ``tokenizer=`` directory has at least one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer(name: str | os.PathLike, *, allow_download: bool = False) -> ModelSource:
+    """Where a separate tokenizer is (vLLM's ``--tokenizer``), checked on the local file system
+    before any loading: a directory holding tokenizer files (no ``config.json`` needed), a GGUF
+    file (the tokenizer in it; its converted copy when one is cached), or a hub id whose
+    tokenizer is in the Hugging Face cache (downloaded when loading only with
+    ``allow_download``).
+
+    Raises:
+        ConfigError: naming the path or id when none of these holds; never touches the network.
+    """
+    if not isinstance(name, (str, os.PathLike)):
+        raise ConfigError(f"tokenizer must be a path or a hub id, got {type(name).__name__}")
+    text = os.fspath(name)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"tokenizer directory {str(path.resolve())!r} has none of "
+                              f"{', '.join(TOKENIZER_FILES)}")
+        return ModelSource(str(path.resolve()))
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return prepare_source(None, path, progress=False, create=False)
+        raise ConfigError(f"tokenizer {str(path.resolve())!r} is a file, not a directory or a "
+                          "GGUF file")
+    if _looks_like_path(text):
+        raise ConfigError(f"tokenizer directory {str(path.resolve())!r} does not exist")
+    from huggingface_hub import try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(text, f), str) for f in TOKENIZER_FILES):
+        return ModelSource(text)
+    if allow_download:
+        return ModelSource(text, local_files_only=False)
+    raise ConfigError(f"tokenizer {text!r} is not a local directory and no tokenizer of a hub "
+                      "model of that name is in the Hugging Face cache; radixkv does not "
+                      "download by default: allow downloads or download it first")
+
+
+def tokenizer_of(model_dir: str | None = None, gguf_file: str | None = None,
+                 tokenizer: str | None = None, *, allow_download: bool = False) -> Any:
+    """``tokenizer``'s tokenizer (:func:`resolve_tokenizer`) when given, else the model's
+    (:func:`load_tokenizer`): what a process that tokenizes without loading the model (the
+    fleet's ingress) uses, the same one the engine loads."""
+    if tokenizer is not None:
+        return _load_tokenizer(resolve_tokenizer(tokenizer, allow_download=allow_download))
+    return load_tokenizer(model_dir, gguf_file, allow_download=allow_download)
+
+
+def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
+    """ConfigError when ``tokenizer`` can produce ids past the model's embedding (a separate
+    tokenizer of another model): every request would otherwise fail one id at a time."""
+    ids = len(tokenizer)
+    rows = int(model.get_input_embeddings().num_embeddings)
+    if ids > rows:
+        raise ConfigError(f"the tokenizer has {ids} tokens but the model embeds {rows}: it is "
+                          f"not this model's tokenizer (its ids {rows}..{ids - 1} have no "
+                          "embedding)")
+
+
 #: what ``model_impl`` may name (as vLLM's ``--model-impl``)
 MODEL_IMPLS = ("auto", "radixkv", "transformers")
 

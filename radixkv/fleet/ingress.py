@@ -217,7 +217,7 @@ class FleetIngress:
         import ray
 
         from radixkv.fleet.router import RouterStats
-        from radixkv.models import load_tokenizer
+        from radixkv.models import tokenizer_of
         from radixkv.server import conversations as cv
         from radixkv.server.app import create_app
         from radixkv.server.frontend import FrontendOptions
@@ -230,7 +230,8 @@ class FleetIngress:
             request_log.install(debug=False)
         info = dict(await self._engines.info.remote())
         info["num_replicas"] = o.get("num_replicas", 1)
-        tokenizer = await asyncio.to_thread(load_tokenizer, o.get("model"), o.get("gguf_file"))
+        tokenizer = await asyncio.to_thread(tokenizer_of, o.get("model"), o.get("gguf_file"),
+                                            o.get("tokenizer"))
         bus = ray.get_actor(o["bus_name"], namespace=o["bus_namespace"]) \
             if o.get("bus_name") else None
         backend = FleetBackend(self._engines, tokenizer, info, bus)

@@ -39,6 +39,7 @@ class ReplicaSpec:
     engine_config: Any = None
     threads: int | None = None
     model_impl: str = "auto"
+    tokenizer: str | None = None
     bus_name: str = ""
     bus_namespace: str = ""
 
@@ -83,7 +84,8 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         cache_config = replica_cache_config(spec.cache_config, ctx.rank.rank)
         engine = radixkv.Engine.from_pretrained(spec.model, spec.gguf_file, cache_config,
-                                                spec.engine_config, model_impl=spec.model_impl)
+                                                spec.engine_config, model_impl=spec.model_impl,
+                                                tokenizer=spec.tokenizer)
         bus = ray.get_actor(spec.bus_name, namespace=spec.bus_namespace) \
             if spec.bus_name else None
         self._attach(engine, ctx.replica_id.unique_id, bus, time.perf_counter() - t0)

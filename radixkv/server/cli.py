@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, metavar="DIR",
                    help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     m.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    m.add_argument("--tokenizer", default=None, metavar="DIR|FILE|ID",
+                   help="load the tokenizer from here instead of the model: a directory of "
+                        "tokenizer files, a GGUF file or a cached hub id (vLLM's; e.g. a GGUF "
+                        "model's original tokenizer)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name clients pass as 'model' (default: the model's name); with "
                         "several, any is accepted and the first is the one answers carry "
@@ -448,7 +452,8 @@ def engine_loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radix
         try:
             engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
                                                     model_impl=args.model_impl,
-                                                    allow_download=args.allow_download)
+                                                    allow_download=args.allow_download,
+                                                    tokenizer=args.tokenizer)
             if args.chat_template:
                 engine.tokenizer.chat_template = _read_template(args.chat_template)
             engine.chat_template   # analyse the chat template now, not in the first request

@@ -107,6 +107,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = where / "fleet.log"
     keyfile, certfile = where / "key.pem", where / "cert.pem"
     self_signed(keyfile, certfile)
+    # --tokenizer: the embedded model's tokenizer from another directory, marked, for the
+    # ingress (which tokenizes) and the replicas' engines alike
+    from radixkv import models
+
+    tok = models.load_tokenizer()
+    tok.model_max_length = 12345
+    tok.save_pretrained(str(where / "tokenizer"))
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),
            "--ray-cpus", "2", "--replica-cpus", "1", "--device", "cpu", "--dtype", "float32",
            "--device-blocks", "128", "--max-num-seqs", "4", "--remote-url", redis_srv.url,
@@ -114,7 +121,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
            # vLLM's frontend flags reach the ingress's app (test_frontend_options_reach_...)
            "--enable-request-id-headers", "--enable-server-load-tracking",
            "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint",
-           "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile)]
+           "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
+           "--tokenizer", str(where / "tokenizer")]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -430,6 +438,7 @@ def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
     with fleet.open("/tokenizer_info", timeout=30) as resp:
         info = json.loads(resp.read())
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
+    assert info["model_max_length"] == 12345          # --tokenizer's copy
     # the endpoint is HTTPS (--ssl-keyfile / --ssl-certfile on Ray Serve's proxy): plain HTTP
     # gets no answer
     with pytest.raises((urllib.error.URLError, OSError)):

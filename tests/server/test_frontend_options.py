@@ -34,15 +34,23 @@ KEY = "fe-key"
 ROOT = "/llm"          # --root-path
 KEEP_ALIVE_S = 0.2     # --sse-keep-alive-interval
 ORIGIN = "https://chat.example"   # --allowed-origins
+TOKENIZER_MARK = 12345            # model_max_length of the --tokenizer copy
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tpl = tmp_path_factory.mktemp("tpl") / "chatml_probe.jinja"
     tpl.write_text(TEMPLATE)
+    # --tokenizer: the embedded model's tokenizer from another directory, marked
+    from radixkv import models
+
+    tok_dir = tmp_path_factory.mktemp("tokenizer")
+    tok = models.load_tokenizer()
+    tok.model_max_length = TOKENIZER_MARK
+    tok.save_pretrained(str(tok_dir))
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "256", "--dtype", "float32",
             "--max-num-seqs", "1",   # a second stream waits (keep-alive)
-            "--chat-template", str(tpl), "--root-path", ROOT,
+            "--chat-template", str(tpl), "--root-path", ROOT, "--tokenizer", str(tok_dir),
             "--served-model-name", MODEL, "alias-one",
             "--sse-keep-alive-interval", str(KEEP_ALIVE_S),
             "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials",
@@ -287,6 +295,7 @@ def test_tokenizer_info_has_the_template_in_use(server: Server) -> None:
     status, _, info = _http(server, "GET", "/tokenizer_info", key=None)
     assert status == 200, info
     assert info["chat_template"] == TEMPLATE   # --chat-template's, not the model's
+    assert info["model_max_length"] == TOKENIZER_MARK   # --tokenizer's, not the model's
     assert info["tokenizer_class"] and info["eos_token"] == "<|im_end|>"
     assert not any(k.endswith("_file") for k in info)
     json.dumps(info)   # plain JSON all through
