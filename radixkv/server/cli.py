@@ -653,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
 
         server: Any = RefreshingServer(config, args.ssl_keyfile, args.ssl_certfile,
                                        args.ssl_ca_certs)
+    elif args.ssl_certfile:
+        from radixkv.server.tls import TLSServer
+
+        server = TLSServer(config)
     else:
         server = uvicorn.Server(config)
     if failed:   # failed before the server object existed

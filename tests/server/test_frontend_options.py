@@ -371,7 +371,8 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     """--ssl-keyfile / --ssl-certfile: the server answers over TLS (the openai client trusting
     the self-signed certificate), and plain HTTP gets no answer from it. The same server logs
     requests and outputs (--enable-log-requests --enable-log-outputs --max-log-len, prompt ids
-    at --log-level debug), named by the ids their responses carry."""
+    at --log-level debug), named by the ids their responses carry. At SIGTERM it drains the
+    stream in flight (--shutdown-timeout 120) without waiting for an idle TLS client."""
     import ssl
     import urllib.error
     import urllib.request
@@ -451,9 +452,18 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
         t = threading.Thread(target=stream)
         t.start()
         assert started.wait(60)
+        # a client holding an idle keep-alive connection (a pool between requests) does not
+        # hold the drain: its TLS close waits tls.TLS_CLOSE_S for an answer, not the 120 s
+        idle = http.client.HTTPSConnection("127.0.0.1", srv.port, context=ctx, timeout=60)
+        idle.request("GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        with idle.getresponse() as models:
+            assert models.status == 200 and models.read()
         srv.proc.terminate()
         t.join(120)
+        ended = time.monotonic()
         assert srv.proc.wait(60) is not None
+        assert time.monotonic() - ended < 15, "the drain waited for the idle TLS client"
+        idle.close()
         assert drained[-1].choices[0].finish_reason == "length"
         assert sum(1 for c in drained if c.choices and c.choices[0].delta.content) >= 30
     logs = srv.proc.stdout.read()
