@@ -5,6 +5,7 @@ tokens than the model embeds is another model's)."""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.model
 def _embedded_tokenizer_copy(where: Path, *, extra_tokens: int = 0) -> Path:
     """The embedded model's tokenizer saved to ``where`` with a marker (model_max_length
     12345) and a chat template of its own, plus ``extra_tokens`` added tokens."""
-    try:
-        tok = models.load_tokenizer()
+    try:   # a copy: load_tokenizer's object is cached for the whole process
+        tok = copy.deepcopy(models.load_tokenizer())
     except ConfigError as exc:
         if os.environ.get("CI"):
             raise
@@ -78,3 +79,13 @@ def test_the_engine_uses_the_separate_tokenizer_and_refuses_a_larger_one(tmp_pat
                                           "embeds 49152"):
         Engine.from_pretrained(cache_config=CacheConfig(num_device_blocks=64),
                                tokenizer=str(bigger), progress=False)
+
+
+def test_the_copies_leave_the_processs_cached_tokenizer_alone(tmp_path) -> None:
+    """load_tokenizer's object is shared by the whole process (every later engine and test
+    gets it): the helper above must work on a copy."""
+    before = models.load_tokenizer()
+    size, limit = len(before), before.model_max_length
+    _embedded_tokenizer_copy(tmp_path / "t", extra_tokens=2)
+    assert models.load_tokenizer() is before
+    assert len(before) == size and before.model_max_length == limit

@@ -8,6 +8,7 @@ with ``-m 'not fleet'``; CI runs it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -111,7 +112,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # ingress (which tokenizes) and the replicas' engines alike
     from radixkv import models
 
-    tok = models.load_tokenizer()
+    tok = copy.deepcopy(models.load_tokenizer())   # the cached one is the process's
     tok.model_max_length = 12345
     tok.save_pretrained(str(where / "tokenizer"))
     cmd = [sys.executable, "-m", "radixkv.server.cli", "--replicas", "2", "--port", str(port),

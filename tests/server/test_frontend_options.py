@@ -4,6 +4,7 @@ HTTP. One server for the module; unit tests of the options need none."""
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from radixkv import models
 
     tok_dir = tmp_path_factory.mktemp("tokenizer")
-    tok = models.load_tokenizer()
+    tok = copy.deepcopy(models.load_tokenizer())   # the cached one is the process's
     tok.model_max_length = TOKENIZER_MARK
     tok.save_pretrained(str(tok_dir))
     args = ["--threads", "1", "--device", "cpu", "--device-blocks", "256", "--dtype", "float32",
