@@ -425,6 +425,8 @@ def _silu_checked(inter: int) -> bool:
     up[torch.randperm(rows * inter, generator=gen)[:4096]] = every[
         torch.randint(0, 65536, (4096,), generator=gen)]   # up's special values too
     gate_up = torch.cat([gate.view(rows, inter), up.view(rows, inter)], 1).contiguous()
+    if lib.radixkv_silu_mul(gate_up.data_ptr(), gate_up.data_ptr(), 0, inter, 1) != 0:
+        return False   # built without AVX-512: the kernel declines every call
     threads = torch.get_num_threads()
     try:
         for n in dict.fromkeys((1, threads)):

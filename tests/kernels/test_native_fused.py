@@ -10,6 +10,7 @@ power to tell ATen's summation orders apart, and the float environment left alon
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -333,3 +334,31 @@ def test_silu_mul_at_several_threads_gives_the_same_bits():
     finally:
         lib.radixkv_fused_set_parallel(int(native.one_openmp_runtime()))
         torch.set_num_threads(before)
+
+
+def test_silu_mul_is_used_where_torch_runs_avx512_and_declined_without_it(tmp_path) -> None:
+    """On a CPU where torch's kernels are its AVX-512 ones (SLEEF's 16-lane ``expf``, the
+    arithmetic the kernel reproduces) the exhaustive check must pass, so that a change to the
+    kernel that breaks it fails here instead of silently falling back to torch. A library built
+    without AVX-512 (``RADIXKV_NATIVE_MARCH=x86-64-v3``, in a fresh interpreter and cache)
+    declines: the check answers False, the runner's prepare() and the forward's op run torch."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets")
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in open(
+            "/proc/cpuinfo").read():
+        assert native_fused._silu_checked(1536)
+    code = ("import torch; from radixkv.kernels import native_fused, fused; "
+            "assert native_fused._library() is not None; "
+            "assert not native_fused._silu_checked(64); "
+            "assert native_fused.prepare((576,), 64, torch.bfloat16, (1536,)); "
+            "assert native_fused._silu_ok == {1536: False}; "
+            "x = torch.randn(3, 128).bfloat16(); "
+            "assert native_fused.silu_mul(x) is None; "
+            "assert native_fused._silu_ok == {1536: False, 64: False}; "
+            "assert torch.equal(fused.silu_mul_cpu(x), fused.silu_mul_ref(x)); print('ok')")
+    env = dict(os.environ, RADIXKV_NATIVE_MARCH="x86-64-v3", RADIXKV_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
