@@ -91,10 +91,10 @@ class Grammar:
             or ``"tool_call"`` (for messages).
         vocab_size: the model's logits width the masks are made for.
         spec: the recipe: ``("constraint", kind, value, whitespace)`` or
-            ``("tool_call", tools, open_tag, close_tag, otherwise, whitespace)``, where
-            ``whitespace`` is what JSON may have between tokens (:meth:`GrammarCompiler.source`):
-            the recipe carries it so that another process compiles the same language whatever
-            its own compiler's default.
+            ``("tool_call", tools, open_tag, close_tag, otherwise, whitespace, args_key)``,
+            where ``whitespace`` is what JSON may have between tokens
+            (:meth:`GrammarCompiler.source`): the recipe carries it so that another process
+            compiles the same language whatever its own compiler's default.
     """
 
     def __init__(self, compiled: Any, kind: str, vocab_size: int,
@@ -151,7 +151,8 @@ def _rebuild(spec: tuple[Any, ...], vocab_size: int, thinking: Thinking | None) 
     if spec[0] == "constraint":
         g = gc.compile(spec[1], spec[2], whitespace=spec[3])
     else:
-        g = gc.tool_call(spec[1], spec[2], spec[3], spec[4], whitespace=spec[5])
+        g = gc.tool_call(spec[1], spec[2], spec[3], spec[4], whitespace=spec[5],
+                         args_key=spec[6])
     return g if thinking is None else g.after_thinking(thinking)
 
 
@@ -278,10 +279,12 @@ class GrammarCompiler:
 
     def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str,
                   otherwise: tuple[str, Any, bool] | None = None, *,
-                  whitespace: Any = _DEFAULT) -> Grammar:
+                  whitespace: Any = _DEFAULT, args_key: str = "arguments") -> Grammar:
         """Exactly one call of one of ``tools`` (``(name, JSON schema of its arguments)``),
         written ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments
-        valid against the schema (OpenAI's ``tool_choice`` required or named). ``otherwise``:
+        valid against the schema (OpenAI's ``tool_choice`` required or named); with no tags
+        (Llama 3.x's format) the object alone. ``args_key``: the arguments' key
+        (``"parameters"`` for Llama). ``otherwise``:
         ``(kind, value, any_whitespace)`` of a constraint (:meth:`source`) the output may
         follow instead of calling (``tool_choice`` auto beside ``response_format``).
         ``whitespace``: the calls' JSON whitespace bound (default this compiler's); the
@@ -296,11 +299,11 @@ class GrammarCompiler:
         try:
             calls = [_json(xgr, json.dumps({
                 "type": "object", "properties": {"name": {"const": name},
-                                                 "arguments": schema or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}), whitespace)
+                                                 args_key: schema or {"type": "object"}},
+                "required": ["name", args_key], "additionalProperties": False}), whitespace)
                 for name, schema in tools]
             body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-            grammar = xgr.Grammar.concat(
+            grammar = body if not (open_tag or close_tag) else xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
             if alternative is not None:
@@ -312,7 +315,7 @@ class GrammarCompiler:
                                       ) from None
         return Grammar(compiled, "tool_call", self.vocab_size,
                        spec=("tool_call", [tuple(t) for t in tools], open_tag, close_tag,
-                             otherwise, whitespace))
+                             otherwise, whitespace, args_key))
 
 
 def _json(xgr: Any, schema: str, whitespace: int | None, strict: bool = True) -> Any:

@@ -44,6 +44,7 @@ from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                      ConversationUpdate, DetokenizeRequest, ResponsesRequest,
                                      TokenizeRequest)
 from radixkv.server.tenants import Tenants
+from radixkv.server.tools import Reader
 
 
 #: ``--max-request-bytes`` by default: far above any prompt a context of 128k tokens holds as
@@ -523,8 +524,9 @@ def _routes(api: FastAPI, state: ServerState,
             _request_defaults(state, req)
             variables = dict(req.chat_template_kwargs or {})
             if req.tools:   # rendered as a chat request with these tools renders them
-                tool_calls.check_template(req.chat_template or getattr(
-                    eng.chat_template.tokenizer, "chat_template", None))
+                tool_calls.template_format(req.chat_template or getattr(
+                    eng.chat_template.tokenizer, "chat_template", None),
+                    state.frontend.tool_call_parser)
                 variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             if req.documents is not None and not req.default_ending():
                 raise APIError(400, "documents are not supported with add_generation_prompt "
@@ -1079,14 +1081,16 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                            count_only: bool = False) -> Any:
     """A chat request with ``tools`` (``tool_choice`` auto, required or named): the tools
     rendered by the model's template, calls forced by a grammar when required, and the reply's
-    ``<tool_call>`` blocks answered as OpenAI ``tool_calls`` (radixkv/server/tools.py).
+    calls (in the template's format, or ``--tool-call-parser``'s) answered as OpenAI
+    ``tool_calls`` (radixkv/server/tools.py).
     ``count_only``: as :func:`_chat`'s."""
     from radixkv.api.chat import _ids
     from radixkv.errors import InvalidRequestError
     from radixkv.server import tools as tool_calls
 
     tok = eng.chat_template.tokenizer
-    tool_calls.check_template(req.chat_template or getattr(tok, "chat_template", None))
+    fmt = tool_calls.template_format(req.chat_template or getattr(tok, "chat_template", None),
+                                     state.frontend.tool_call_parser)
     if req.use_beam_search:
         raise APIError(400, "use_beam_search is not supported together with tools yet",
                        param="use_beam_search", code="unsupported_parameter")
@@ -1132,16 +1136,20 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
         otherwise = None
         if not forced and constraint is not None:
             otherwise = await _constraint_grammar(gc, req, constraint, compiled=False)
+        open_tag, close_tag, args_key = tool_calls.grammar_shape(fmt)
         try:
-            grammar = await asyncio.to_thread(
-                gc.tool_call, [(f.name, f.parameters) for f in wanted], tool_calls.CALL_OPEN,
-                tool_calls.CALL_CLOSE, otherwise)
+            grammar = await asyncio.to_thread(functools.partial(
+                gc.tool_call, [(f.name, f.parameters) for f in wanted], open_tag, close_tag,
+                otherwise, args_key=args_key))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,
-                        tool_names={t.function.name for t in req.tools} if active else None,
+                        tools=tool_calls.Reader(
+                            fmt, frozenset(t.function.name for t in req.tools),
+                            single=req.parallel_tool_calls is False and not forced)
+                        if active else None,
                         stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
-                                                         forced),
+                                                         forced, fmt),
                         chat_echo=serving.chat_echo(req, msgs),
                         chat_role=serving.chat_role(req, msgs,
                                                     state.frontend.response_role))
@@ -1160,14 +1168,15 @@ def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> N
 
 async def _serve(state: ServerState, request: Request, req: Any, prompts: list[list[int]],
                  chat: bool, points: list[Any] | None = None, grammar: Any = None,
-                 tool_names: set[str] | None = None, stop_after: tuple[str, ...] = (),
+                 tools: Reader | None = None, stop_after: tuple[str, ...] = (),
                  chat_echo: str | None = None, chat_role: str = "assistant") -> Any:
     """Validate every prompt, then answer with one body or an SSE stream. ``chat_echo``: the
     text a chat reply's content starts with (vLLM's chat ``echo``); ``chat_role``: its role
     (:func:`serving.chat_role`). ``points``: per
     prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
-    constrains the output (tool calls), instead of ``response_format``'s; ``tool_names``: parse
-    the replies' tool calls to these tools; ``stop_after``: strings that end a reply and stay
+    constrains the output (tool calls), instead of ``response_format``'s; ``tools``: a
+    ``tools.Reader`` that reads the replies' tool calls; ``stop_after``: strings that end a
+    reply and stay
     in it (``SamplingParams.stop_after``)."""
     points = points or [None] * len(prompts)
     eng = state.engine
@@ -1219,7 +1228,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         echo = chat_echo if chat else (
             eng.decode(prompts[0]) if getattr(req, "echo", False) else None)
         return _Stream(_events(state, req, rid, handle, params[0], timing, chat, close,
-                               tool_names, echo, prompts[0], chat_role, eid), close,
+                               tools, echo, prompts[0], chat_role, eid), close,
                        state.frontend.sse_keep_alive_interval)
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
@@ -1263,10 +1272,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
 
                 reasoning, rest = split(text, state.reasoning_parser)
                 text = rest or ""
-            if chat and tool_names is not None:
-                from radixkv.server.tools import parse
-
-                content, calls = parse(text, tool_names)
+            if chat and tools is not None:
+                content, calls = tools.parse(text)
                 choice["message"] = {"role": chat_role, "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = calls
@@ -1364,14 +1371,14 @@ async def _disconnected(request: Request) -> None:
 async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: Any,
                   timing: serving.Timing, chat: bool,
                   release: Callable[[], None] = lambda: None,
-                  tool_names: set[str] | None = None, echo: str | None = None,
+                  tools: Reader | None = None, echo: str | None = None,
                   prompt_ids: list[int] | None = None, role_name: str = "assistant",
                   engine_id: str | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
     ``rid`` names the chunks; ``engine_id`` (default ``rid``) is the engine's id for it, which
     the request log uses (:func:`serving.response_ids`).
-    ``tool_names``: each choice's text goes through a ``tools.CallStream`` (content as it
-    comes, each call of these tools whole in ``delta.tool_calls``); with ``--reasoning-parser``
+    ``tools`` (a ``tools.Reader``): each choice's text goes through its call stream (content
+    as it comes, the calls in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
     ``echo``: sent first in every choice: a completion's prompt text (``echo: true``), or
     the message a chat reply continues (vLLM's chat ``echo``, :func:`serving.chat_echo`).
@@ -1414,11 +1421,9 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                     "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    calls: dict[int, Any] = {}   # choice index -> its tools.CallStream (with tool_names)
-    if tool_names is not None:
-        from radixkv.server.tools import CallStream
-
-        calls = {i: CallStream(tool_names) for i in range(req.n)}
+    calls: dict[int, Any] = {}   # choice index -> its call stream (with tools)
+    if tools is not None:
+        calls = {i: tools.stream() for i in range(req.n)}
     ids_out = bool(req.return_token_ids)
     thinks: dict[int, Any] = {}   # choice index -> its reasoning.ReasoningStream
     if chat and state.reasoning_parser is not None:

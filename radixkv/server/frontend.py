@@ -43,6 +43,10 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
                                           is rendered instead of the model's (without it, a
                                           400: a template can take any CPU and memory to
                                           render, so only for clients the operator trusts)
+``--tool-call-parser NAME``               the format tool calls are read in (``hermes``,
+                                          ``llama3_json``) for every template that declares
+                                          tools; without it, the template's own
+                                          (radixkv/server/tools.py)
 ========================================  ==================================================
 
 One frozen value carries them from the command line (``serve`` and the fleet's ingress alike)
@@ -93,12 +97,19 @@ class FrontendOptions:
     middleware: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = ()
     tokenizer_info: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "middleware", tuple(self.middleware))
         object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
         for path in self.middleware:
             load_middleware(path)   # importable, and a class or a coroutine function
+        if self.tool_call_parser is not None:
+            from radixkv.server.tools import PARSERS
+
+            if self.tool_call_parser not in PARSERS:
+                raise ConfigError(f"--tool-call-parser must be one of {sorted(PARSERS)}, got "
+                                  f"{self.tool_call_parser!r}")
         if self.log_outputs and not self.log_requests:
             raise ConfigError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -161,7 +172,8 @@ class FrontendOptions:
                    log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
                    middleware=tuple(args.middleware or ()),
                    model_aliases=tuple(getattr(args, "served_model_aliases", ())),
-                   tokenizer_info=args.enable_tokenizer_info_endpoint)
+                   tokenizer_info=args.enable_tokenizer_info_endpoint,
+                   tool_call_parser=args.tool_call_parser)
 
     def route_path(self, scope: dict) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),

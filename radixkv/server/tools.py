@@ -1,29 +1,51 @@
-"""OpenAI tool calls for chat templates that declare tools, in the ``<tool_call>`` format.
+"""OpenAI tool calls for chat templates that declare tools, in the two formats open models use.
 
 A chat template that takes ``tools`` (it refers to the variable) renders their definitions into
 the prompt; the model answers with calls written the way its template teaches. radixkv reads
-the format of Hermes, Qwen2/2.5/3 and SmolLM3 templates, the common one::
+two formats (vLLM's ``--tool-call-parser`` names them):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+* ``hermes``: Hermes, Qwen2/2.5/3 and SmolLM3 templates, calls in tags, anywhere in the reply::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+* ``llama3_json`` (also named ``llama4_json``): Llama 3.1/3.2/3.3 templates, a reply that *is*
+  calls: JSON objects, after an optional ``<|python_tag|>``, separated by ``;``::
+
+      {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+  A reply is read as calls only when it starts (after whitespace) with ``{``; the calls are
+  its leading run of objects that each call a known tool, and the text from the first thing
+  that is not one is content. This is vLLM's streaming rule; vLLM's non-streamed parser also
+  looks for objects later in the text and then drops the text around them, so its two answers
+  can differ where radixkv's cannot.
+
+Which format a template writes is read from the template (:func:`template_format`: the
+``<tool_call>`` tag, or Llama's ``"parameters": dictionary of argument name`` instruction);
+``--tool-call-parser`` fixes it for every template that declares tools.
 
 * ``tool_choice: "auto"``: the model may call; calls found in its text become OpenAI
   ``tool_calls`` (``arguments`` as a JSON string) and the rest is ``content``.
 * ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: the output is
-  constrained by a grammar (:meth:`radixkv.engine.grammar.GrammarCompiler.tool_call`) to one call
-  of one of the tools (of the named one), its arguments valid against the tool's JSON schema.
+  constrained by a grammar (:meth:`radixkv.engine.grammar.GrammarCompiler.tool_call`, in the
+  format's own shape: :func:`grammar_shape`) to one call of one of the tools (of the named
+  one), its arguments valid against the tool's JSON schema.
 * ``"none"``: the tools are not rendered and nothing is parsed.
+* ``parallel_tool_calls: false``: one call; a hermes reply ends after its first
+  ``</tool_call>`` (:func:`stop_after`), a Llama reply's later calls are dropped (its calls
+  have no closing tag to stop on).
 
-Streamed (``stream: true``), each choice's text goes through a :class:`CallStream`: the content
-around the calls is sent as it is generated; a call is announced in a ``delta.tool_calls``
-entry (its ``index``, ``id``, ``name`` and empty ``arguments``) as soon as its header
-``{"name": ..., "arguments":`` is written, and its arguments follow in pieces as the model
-writes them, in ``json.dumps`` form (:mod:`radixkv.server.json_stream`), as vLLM's parsers
-stream them. Text that may be the start of ``<tool_call>`` is held back until the next tokens
-tell. The non-streamed answer is the same reading of the whole text (:func:`parse`), so what a
-client assembles from the chunks is what it holds, for any split of the text into deltas; a
-property test also checks both against an independent reading of whole replies.
+Streamed (``stream: true``), each choice's text goes through its format's stream
+(:meth:`Reader.stream`): the content around the calls is sent as it is generated; a call is
+announced in a ``delta.tool_calls`` entry (its ``index``, ``id``, ``name`` and empty
+``arguments``) as soon as its header ``{"name": ..., "arguments":`` (or ``"parameters":``) is
+written, and its arguments follow in pieces as the model writes them, in ``json.dumps`` form
+(:mod:`radixkv.server.json_stream`), as vLLM's parsers stream them. Text that may be the start
+of a call is held back until the next tokens tell. The non-streamed answer is the same reading
+of the whole text (:meth:`Reader.parse`), so what a client assembles from the chunks is what it
+holds, for any split of the text into deltas; property tests also check both against
+independent readings of whole replies.
 
 A template that does not declare tools, or writes calls in another format, gets a 400 naming
 ``tools`` rather than tool definitions silently dropped.
@@ -31,9 +53,11 @@ A template that does not declare tools, or writes calls in another format, gets 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
+from collections.abc import Set
 from typing import Any
 
 from radixkv.server.errors import APIError
@@ -41,22 +65,69 @@ from radixkv.server.json_stream import JSONCanon
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+#: what a Llama 3.x reply may start with before its calls (a special token: in the text only
+#: with ``skip_special_tokens: false``)
+PYTHON_TAG = "<|python_tag|>"
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+#: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas)
+PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA3_JSON}
+#: Llama 3.1/3.2/3.3 templates' instruction to the model (the mark of the JSON format)
+_LLAMA_MARK = '"parameters": dictionary of argument name'
 
 
-def check_template(template: str | None) -> None:
-    """Raise a 400 naming ``tools`` unless ``template`` declares tools in the ``<tool_call>``
-    format."""
+def template_format(template: str | None, parser: str | None = None) -> str:
+    """The format ``template``'s calls are read in (``hermes`` or ``llama3_json``):
+    ``parser`` (``--tool-call-parser``) when given, else what the template writes. A 400
+    naming ``tools`` when the template does not declare tools, or (without ``parser``) writes
+    calls in a format radixkv does not read."""
     if not template or "tools" not in template:
         raise APIError(400, "this model's chat template does not declare tools, so the model "
                        "was not trained to call them", param="tools",
                        code="unsupported_parameter")
-    if CALL_OPEN not in template:
-        raise APIError(400, "this model's chat template writes tool calls in a format radixkv "
-                       f"does not parse (it reads {CALL_OPEN} ... {CALL_CLOSE}: Hermes, Qwen, "
-                       "SmolLM3)", param="tools", code="unsupported_parameter")
+    if parser is not None:
+        return PARSERS[parser]
+    if CALL_OPEN in template:
+        return HERMES
+    if _LLAMA_MARK in template:
+        return LLAMA3_JSON
+    raise APIError(400, "this model's chat template writes tool calls in a format radixkv "
+                   f"does not recognize (it reads {CALL_OPEN} ... {CALL_CLOSE}: Hermes, Qwen, "
+                   "SmolLM3; and Llama 3.x's JSON calls); --tool-call-parser hermes or "
+                   "llama3_json names the format for such a template", param="tools",
+                   code="unsupported_parameter")
 
 
-def _call(body: str, names: set[str]) -> dict[str, Any] | None:
+def grammar_shape(fmt: str) -> tuple[str, str, str]:
+    """``(open_tag, close_tag, arguments key)`` of one call written in ``fmt``: what a forced
+    call's grammar produces (:meth:`~radixkv.engine.grammar.GrammarCompiler.tool_call`)."""
+    if fmt == LLAMA3_JSON:
+        return "", "", "parameters"
+    return CALL_OPEN, CALL_CLOSE, "arguments"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """How one request's replies are read for calls: the format, the tools that may be
+    called, and ``single`` (``parallel_tool_calls: false`` with ``auto``: a Llama reply's
+    calls after its first are dropped; a hermes reply already ends there, :func:`stop_after`)."""
+
+    format: str
+    names: frozenset[str]
+    single: bool = False
+
+    def stream(self) -> CallStream | JSONCallStream:
+        """A fresh stream for one choice's text."""
+        if self.format == LLAMA3_JSON:
+            return JSONCallStream(self.names, self.single)
+        return CallStream(self.names)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """``(content, tool_calls)`` of a whole reply: what :meth:`stream` fed the whole text
+        sends, assembled (so a streamed reply and a non-streamed one agree by construction)."""
+        return _assemble(self.stream(), text)
+
+
+def _call(body: str, names: Set[str]) -> dict[str, Any] | None:
     """The OpenAI tool call written by one ``<tool_call>`` block's ``body`` (the JSON between
     the tags), or None when it is not JSON or names no tool of ``names``."""
     try:
@@ -72,7 +143,27 @@ def _call(body: str, names: set[str]) -> dict[str, Any] | None:
                          else json.dumps(args, ensure_ascii=False)}}
 
 
-class CallStream:
+class _Content:
+    """The content side of a call stream: leading whitespace dropped, trailing whitespace
+    held until more content follows (the non-streamed content is stripped)."""
+
+    def __init__(self) -> None:
+        self._started = False    # some content was sent (leading whitespace is dropped)
+        self._space = ""         # whitespace held after the content sent
+
+    def _content(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        text = self._space + text
+        kept = text.rstrip()
+        self._space = text[len(kept):]
+        return kept
+
+
+class CallStream(_Content):
     """One streamed choice's text split into content deltas and tool-call deltas (module
     docstring); :func:`parse` is this over the whole text.
 
@@ -89,7 +180,8 @@ class CallStream:
     call cut short. Held back meanwhile: text that may begin ``<tool_call>``, a block until
     its header is known, and trailing whitespace (the non-streamed content is stripped)."""
 
-    def __init__(self, names: set[str]) -> None:
+    def __init__(self, names: Set[str]) -> None:
+        super().__init__()
         self.names = names
         self.num_calls = 0       # calls announced so far (the next call's ``index``)
         self._buf = ""           # text not yet sent or dropped
@@ -98,8 +190,6 @@ class CallStream:
         # up to the closing tag (dropped); "broken": invalid arguments, up to the closing tag
         self._mode: str | None = None
         self._canon: JSONCanon | None = None
-        self._started = False    # some content was sent (leading whitespace is dropped)
-        self._space = ""         # whitespace held after the content sent
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         buf = self._buf + text
@@ -183,24 +273,178 @@ class CallStream:
             text = ""
         return self._content(text), deltas
 
-    def _content(self, text: str) -> str:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        text = self._space + text
-        kept = text.rstrip()
-        self._space = text[len(kept):]
-        return kept
+
+class JSONCallStream(_Content):
+    """One streamed choice's text in Llama 3.x's JSON format (module docstring) split into
+    content deltas and tool-call deltas; :meth:`Reader.parse` is this over the whole text.
+
+    The interface and the deltas are :class:`CallStream`'s. The reply's start decides: after
+    whitespace and an optional ``<|python_tag|>``, a ``{`` begins calls; anything else makes
+    the whole reply content, sent as it comes. An object is announced once its header
+    ``{"name": "...", "parameters":`` (or ``"arguments":``) names a known tool; its arguments
+    stream, and keys after them are skipped to the object's closing brace. An object with
+    another key order is read to its end and then judged. Between objects, whitespace and
+    ``;`` separate; anything else, or an object that is not a call of a known tool, begins
+    the content, which runs to the end of the reply (the ``<|python_tag|>`` included when no
+    call was made). ``single``: the reply's first call is its only one, the rest is dropped.
+    A call cut short keeps the arguments it has, as in :class:`CallStream`."""
+
+    def __init__(self, names: Set[str], single: bool = False) -> None:
+        super().__init__()
+        self.names, self.single = names, single
+        self.num_calls = 0       # calls announced so far (the next call's ``index``)
+        self._buf = ""           # text not yet sent or dropped
+        # "start": whitespace or a python tag so far; "pending": an object whose header is not
+        # known yet; "whole": an object read to its end before it is judged; "args": an
+        # announced call's arguments; "tail": the rest of its object; "between": after a
+        # call; "text": content to the end; "drop": dropped to the end
+        self._mode = "start"
+        self._lead = ""          # what preceded the first object (whitespace, the tag)
+        self._raw = ""           # "whole": the object's text read so far
+        self._canon: JSONCanon | None = None
+        self._close = _Closing()
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        buf = self._buf + text
+        out: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while buf:
+            mode = self._mode
+            if mode == "start":
+                rest = buf.lstrip()
+                if rest.startswith(PYTHON_TAG):
+                    rest = rest[len(PYTHON_TAG):].lstrip()
+                elif PYTHON_TAG.startswith(rest):   # whitespace, or the tag's start
+                    break
+                if not rest:
+                    break
+                if rest[0] == "{":
+                    self._lead, buf = buf[:len(buf) - len(rest)], rest
+                    self._mode = "pending"
+                else:
+                    self._mode = "text"
+            elif mode == "pending":
+                status, name, start = _header(buf)
+                if status == "pending":
+                    break
+                if status == "yes" and name in self.names:
+                    deltas.append({"index": self.num_calls,
+                                   "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                   "function": {"name": name, "arguments": ""}})
+                    self.num_calls += 1
+                    self._mode, self._canon = "args", JSONCanon(raw_string=True)
+                    buf = buf[start:]
+                else:
+                    self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
+            elif mode == "whole":
+                assert self._canon is not None
+                _, read = self._canon.feed(buf)
+                self._raw, buf = self._raw + buf[:read], buf[read:]
+                if self._canon.done:
+                    call = _call(self._raw, self.names)
+                    if call is not None:
+                        deltas.append({"index": self.num_calls, **call})
+                        self.num_calls += 1
+                        self._raw, self._mode = "", "drop" if self.single else "between"
+                        continue
+                elif not self._canon.failed:
+                    break
+                buf, self._mode = self._unread() + buf, "text"   # not a call: content
+            elif mode == "args":
+                assert self._canon is not None
+                piece, read = self._canon.feed(buf)
+                if piece:
+                    deltas.append({"index": self.num_calls - 1,
+                                   "function": {"arguments": piece}})
+                buf = buf[read:]
+                if self._canon.done:
+                    self._mode, self._close = "tail", _Closing()
+                elif self._canon.failed:
+                    self._mode = "drop"
+                else:
+                    break
+            elif mode == "tail":
+                end = self._close.feed(buf)
+                if end < 0:
+                    buf = ""
+                    break
+                buf, self._mode = buf[end:], "drop" if self.single else "between"
+            elif mode == "between":
+                rest = buf.lstrip(" \t\n\r;")
+                if not rest:
+                    buf = ""
+                    break
+                buf, self._mode = rest, "pending" if rest[0] == "{" else "text"
+            elif mode == "text":
+                out.append(buf)
+                buf = ""
+            else:   # "drop"
+                buf = ""
+        self._buf = buf
+        return self._content("".join(out)), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The end of the reply: an object not yet judged is content; an announced call ends
+        with the arguments it has."""
+        text, mode, self._buf, self._mode = self._buf, self._mode, "", "drop"
+        deltas: list[dict[str, Any]] = []
+        if mode == "args":
+            assert self._canon is not None
+            piece = self._canon.finish()
+            if piece:
+                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            text = ""
+        elif mode in ("pending", "whole"):
+            text = self._unread() + text
+        elif mode not in ("start", "text"):
+            text = ""
+        return self._content(text), deltas
+
+    def _unread(self) -> str:
+        """An object judged not a call, as content: its text read so far, after the reply's
+        lead when it is the first object."""
+        raw, self._raw = self._raw, ""
+        return (self._lead if not self.num_calls else "") + raw
+
+
+class _Closing:
+    """Where the object being read closes, its text given in pieces: braces and brackets
+    counted outside strings (the keys after a call's arguments are skipped unread)."""
+
+    def __init__(self) -> None:
+        self.depth, self.string, self.escape = 1, False, False
+
+    def feed(self, text: str) -> int:
+        """The index just past the closing brace in ``text``, or -1 (read on)."""
+        for i, c in enumerate(text):
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.string = False
+            elif c == '"':
+                self.string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
 
 
 def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` of a whole reply: what a :class:`CallStream` fed the whole
-    text sends, assembled (so a streamed reply and a non-streamed one agree by construction).
-    Each ``<tool_call>`` block that calls one of ``names`` becomes an OpenAI tool call; the rest
+    """``(content, tool_calls)`` of a whole hermes reply (:meth:`Reader.parse`): each
+    ``<tool_call>`` block that calls one of ``names`` becomes an OpenAI tool call; the rest
     stays in the content (``None`` when nothing is left)."""
-    stream = CallStream(names)
+    return _assemble(CallStream(names), text)
+
+
+def _assemble(stream: CallStream | JSONCallStream, text: str
+              ) -> tuple[str | None, list[dict[str, Any]]]:
+    """What a client assembles from ``stream`` fed the whole of ``text``."""
     content, deltas = stream.feed(text)
     rest, more = stream.finish()
     calls: dict[int, dict[str, Any]] = {}
@@ -253,13 +497,14 @@ def _tag_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool
-               ) -> tuple[str, ...]:
-    """What ends a reply for ``parallel_tool_calls``: false allows one call, so an ``auto``
-    reply ends after its first ``</tool_call>`` (kept in its text:
+def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool,
+               fmt: str = HERMES) -> tuple[str, ...]:
+    """What ends a reply for ``parallel_tool_calls``: false allows one call, so a hermes
+    ``auto`` reply ends after its first ``</tool_call>`` (kept in its text:
     ``SamplingParams.stop_after``); a forced call is one call by its grammar already, and
-    true (the default) or no tools offered end nothing."""
-    if parallel_tool_calls is False and active and not forced:
+    true (the default) or no tools offered end nothing. A Llama call has no closing tag to
+    stop on: its reply's later calls are dropped instead (:class:`Reader`)."""
+    if parallel_tool_calls is False and active and not forced and fmt == HERMES:
         return (CALL_CLOSE,)
     return ()
 
@@ -292,5 +537,6 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "CallStream", "check_template", "parse", "stop_after",
-           "template_messages"]
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "PARSERS", "PYTHON_TAG",
+           "CallStream", "JSONCallStream", "Reader", "grammar_shape", "parse", "stop_after",
+           "template_format", "template_messages"]

@@ -111,6 +111,10 @@ def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
                               "required": ["n"]}, any_whitespace=False), '{"n": 7}', '{"m": 7}'),
              (gc.tool_call([("f", {"type": "object"})], "<a>", "</a>",
                            ("regex", "[0-9]+", True)), "42", "x"),
+             # Llama 3.x's shape: the object alone, its arguments under "parameters"
+             (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "required": ["a"]})], "", "", args_key="parameters"),
+              '{"name": "f", "parameters": {"a": 1}}', '{"name": "f", "arguments": {"a": 1}}'),
              (gc.ebnf('root ::= "a" [0-9]').after_thinking(Thinking(5, (6,), False)),
               "a1", "b1")]
     for g, good, bad in cases:

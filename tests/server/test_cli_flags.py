@@ -37,14 +37,16 @@ def test_no_pack_weights_reaches_the_engine_config() -> None:
 
 
 def test_a_vllm_tool_calling_command_line_parses() -> None:
-    """The flags vLLM's tool-calling recipes pass are taken (no-ops that name radixkv's
-    behaviour); a tool-call parser radixkv does not read is a usage error."""
+    """The flags vLLM's tool-calling recipes pass are taken (most are no-ops that name
+    radixkv's behaviour); a tool-call parser radixkv does not read is a usage error."""
     p = build_parser()
     args = p.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--enable-chunked-prefill", "--disable-log-requests",
                          "--disable-log-stats", "--trust-remote-code",
                          "--uvicorn-log-level", "info"])
     assert args.log_level == "info" and args.tool_call_parser == "hermes"
+    for name in ("llama3_json", "llama4_json"):   # both read Llama's JSON calls
+        assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
     with pytest.raises(SystemExit) as info:
         p.parse_args(["--tool-call-parser", "mistral"])
     assert info.value.code == 2
