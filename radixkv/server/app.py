@@ -1216,7 +1216,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         release = _once(lambda: state.release(seqs))
         try:   # in the engine before the response starts: it computes while headers go out
             handle = await serving.submit(state, eid, prompts[0], params[0], salt, timing,
-                                          points[0], hints)
+                                          points[0], hints, log_id=rid)
         except BaseException:
             release()
             raise
@@ -1235,7 +1235,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
-            _final(state, f"{eid}-{i}", ids, sp, salt, timing, pts, hints)
+            _final(state, f"{eid}-{i}", ids, sp, salt, timing, pts, hints, f"{rid}-{i}")
             for i, (ids, sp, pts) in enumerate(zip(prompts, params, points)))))
     finally:
         state.release(seqs)
@@ -1329,10 +1329,10 @@ def _logprobs(eng: Any, chat: bool, items: list | None, offset: int, as_ids: boo
 
 async def _final(state: ServerState, rid: str, ids: list[int], params: Any, salt: str | None,
                  timing: serving.Timing, points: Any = None,
-                 hints: dict[str, Any] | None = None) -> Any:
+                 hints: dict[str, Any] | None = None, log_id: str | None = None) -> Any:
     last = None
     async for last in serving.run(state, rid, ids, params, salt, timing, points, hints,
-                                  restartable=True):
+                                  restartable=True, log_id=log_id):
         pass
     return last if last is not None and last.finished else None
 
@@ -1375,8 +1375,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                   prompt_ids: list[int] | None = None, role_name: str = "assistant",
                   engine_id: str | None = None) -> Any:
     """Server-Sent Events of one submitted request (``handle``), OpenAI's chunk format.
-    ``rid`` names the chunks; ``engine_id`` (default ``rid``) is the engine's id for it, which
-    the request log uses (:func:`serving.response_ids`).
+    ``rid`` names the chunks and the request log's lines; ``engine_id`` (default ``rid``) is
+    the engine's id for it (:func:`serving.response_ids`).
     ``tools`` (a ``tools.Reader``): each choice's text goes through its call stream (content
     as it comes, the calls in ``delta.tool_calls``); with ``--reasoning-parser``
     a chat's thinking goes to ``delta.reasoning`` first (``reasoning.ReasoningStream``).
@@ -1482,7 +1482,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
         joined = serving.Coalescer(1 if beam else max(state.stream_interval,
                                                       req.stream_interval or 1))
         async for out in serving.run(state, engine_id or rid, [], params, None, timing,
-                                     handle=handle):
+                                     handle=handle, log_id=rid):
             last = out
             if beam and not out.finished:
                 continue   # beams reorder until the end: only the final best n are sent

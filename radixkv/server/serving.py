@@ -551,12 +551,15 @@ def blend_hints(req: Any) -> dict[str, Any]:
 
 async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any,
                  cache_salt: str | None, timing: Timing, cache_points: Any = None,
-                 hints: dict[str, Any] | None = None, restartable: bool = False) -> Any:
+                 hints: dict[str, Any] | None = None, restartable: bool = False,
+                 log_id: str | None = None) -> Any:
     """Submit one request to the backend; returns its handle for :func:`run`.
 
     ``restartable``: nothing of it reaches the client before it finishes (a non-streamed
     answer). A streamed answer submits before its response starts, so the engine computes the
-    prompt while the event loop sends the headers and the first (role) chunk."""
+    prompt while the event loop sends the headers and the first (role) chunk. ``log_id``: the
+    name the request log gives it (default ``request_id``): the id its response carries,
+    where the engine's adds a suffix (:func:`response_ids`)."""
     handle = await state.engine.open(request_id, prompt_ids, params, cache_salt, cache_points,
                                      restartable=restartable, **(hints or {}))
     timing.submitted = time.perf_counter()
@@ -564,7 +567,7 @@ async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any
     if frontend is not None and frontend.log_requests:   # --enable-log-requests
         from radixkv.server import request_log
 
-        request_log.received(request_id, prompt_ids, params, frontend.max_log_len,
+        request_log.received(log_id or request_id, prompt_ids, params, frontend.max_log_len,
                              lambda ids: state.engine.decode(ids, skip_special_tokens=False))
     return handle
 
@@ -572,9 +575,9 @@ async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any
 async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
               cache_salt: str | None, timing: Timing, cache_points: Any = None,
               hints: dict[str, Any] | None = None, restartable: bool = False,
-              handle: Any = None) -> AsyncIterator[Any]:
+              handle: Any = None, log_id: str | None = None) -> AsyncIterator[Any]:
     """Submit one request (unless ``handle``: one :func:`submit` returned) and yield its
-    outputs until it finishes.
+    outputs until it finishes. ``log_id``: as :func:`submit`'s.
 
     Whatever ends the iteration early (the caller stops reading, or its task is cancelled
     because the client went away: ``app._unless_disconnected``) aborts the request; a finished
@@ -582,7 +585,7 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
     """
     stream = handle if handle is not None else await submit(
         state, request_id, prompt_ids, params, cache_salt, timing, cache_points, hints,
-        restartable)
+        restartable, log_id)
     # A final-only request (a non-streamed answer) gets one output, at the end: its first
     # token's time is the engine's reading (``ttft``), not this handler's, and it has no gaps.
     final_only = getattr(params, "output_kind", None) == OUTPUT_FINAL_ONLY
@@ -612,7 +615,7 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
                 if frontend is not None and frontend.log_outputs:   # --enable-log-outputs
                     from radixkv.server import request_log
 
-                    request_log.generated(request_id, out, frontend.max_log_len)
+                    request_log.generated(log_id or request_id, out, frontend.max_log_len)
             yield out
     finally:
         if not finished:   # this prompt's own request (several may share ``timing``)

@@ -423,7 +423,17 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
             chunks = list(client.chat.completions.create(
                 model=MODEL, messages=HI, max_tokens=12, temperature=0, stream=True,
                 extra_body={"ignore_eos": True}))
+            # an X-Request-Id names the response, and the log lines (the engine's id has a
+            # random suffix, the log keeps the client's name)
+            tagged = client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, temperature=0,
+                extra_headers={"X-Request-Id": "trace-log-1"})
+            tagged_stream = [c.id for c in client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, temperature=0, stream=True,
+                extra_headers={"X-Request-Id": "trace-log-2"})]
         assert r.usage.completion_tokens == 2
+        assert tagged.id == "chatcmpl-trace-log-1"
+        assert set(tagged_stream) == {"chatcmpl-trace-log-2"}
         with pytest.raises((urllib.error.URLError, OSError)):   # no plain HTTP answer
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=5)
         # --enable-ssl-refresh: a rotated certificate is what new connections get, no restart
@@ -477,6 +487,9 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
            f"finish_reason: length" in logs
     assert f"Generated response {streamed}: output: {text[:8]!r}" in logs
     assert "prompt_tokens: " in logs
+    for rid in ("chatcmpl-trace-log-1-0", "chatcmpl-trace-log-2"):
+        assert f"Received request {rid}: params: " in logs
+        assert f"Generated response {rid}: output: " in logs
     assert "reloaded the TLS certificate" in logs
 
 
