@@ -1128,7 +1128,7 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     forced = choice == "required" or not isinstance(choice, (str, type(None)))
     if forced or (active and constraint is not None):
         # a call is forced (of any tool, or the named one), or with "auto" and a constraint:
-        # one call of any tool, or a reply of the constraint's shape
+        # calls of any tool, or a reply of the constraint's shape
         wanted = [t.function for t in req.tools
                   if not forced or choice == "required"
                   or t.function.name == choice.function.name]
@@ -1136,11 +1136,14 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
         otherwise = None
         if not forced and constraint is not None:
             otherwise = await _constraint_grammar(gc, req, constraint, compiled=False)
-        open_tag, close_tag, args_key = tool_calls.grammar_shape(fmt)
+        open_tag, close_tag, args_key, separator = tool_calls.grammar_shape(fmt)
+        # "required" (and "auto" beside a constraint) call one or more tools, as OpenAI's and
+        # vLLM's do, unless parallel_tool_calls is false; a named tool is called once
+        once = (forced and choice != "required") or req.parallel_tool_calls is False
         try:
             grammar = await asyncio.to_thread(functools.partial(
                 gc.tool_call, [(f.name, f.parameters) for f in wanted], open_tag, close_tag,
-                otherwise, args_key=args_key))
+                otherwise, args_key=args_key, separator=None if once else separator))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,

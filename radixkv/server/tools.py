@@ -98,12 +98,13 @@ def template_format(template: str | None, parser: str | None = None) -> str:
                    code="unsupported_parameter")
 
 
-def grammar_shape(fmt: str) -> tuple[str, str, str]:
-    """``(open_tag, close_tag, arguments key)`` of one call written in ``fmt``: what a forced
-    call's grammar produces (:meth:`~radixkv.engine.grammar.GrammarCompiler.tool_call`)."""
+def grammar_shape(fmt: str) -> tuple[str, str, str, str]:
+    """``(open_tag, close_tag, arguments key, separator)`` of calls written in ``fmt``: what a
+    forced call's grammar produces (:meth:`~radixkv.engine.grammar.GrammarCompiler.tool_call`;
+    the separator between two calls where several are allowed)."""
     if fmt == LLAMA3_JSON:
-        return "", "", "parameters"
-    return CALL_OPEN, CALL_CLOSE, "arguments"
+        return "", "", "parameters", "; "
+    return CALL_OPEN, CALL_CLOSE, "arguments", "\n"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,12 +115,27 @@ def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
              (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
                                    "required": ["a"]})], "", "", args_key="parameters"),
               '{"name": "f", "parameters": {"a": 1}}', '{"name": "f", "arguments": {"a": 1}}'),
+             # several calls (required, parallel calls allowed): one or more, separated
+             (gc.tool_call([("f", {"type": "object"}), ("g", {"type": "object"})], "<a>",
+                           "</a>", separator="\n"),
+              '<a>\n{"name": "f", "arguments": {}}\n</a>\n<a>\n{"name": "g", "arguments": '
+              '{}}\n</a>', '<a>\n{"name": "f", "arguments": {}}\n</a>\n'),
+             (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "additionalProperties": False})], "", "",
+                           args_key="parameters", separator="; "),
+              '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {}}',
+              '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {"b": 1}}'),
              (gc.ebnf('root ::= "a" [0-9]').after_thinking(Thinking(5, (6,), False)),
               "a1", "b1")]
     for g, good, bad in cases:
         back = pickle.loads(pickle.dumps(g))
         assert (back.kind, back.spec, back.thinking) == (g.kind, g.spec, g.thinking)
         assert _accepts(gc, back, good) and not _accepts(gc, back, bad), g
+    # without a separator, exactly one call (a named tool, parallel_tool_calls false)
+    once = gc.tool_call([("f", {"type": "object"}), ("g", {"type": "object"})], "<a>", "</a>")
+    assert _accepts(gc, once, '<a>\n{"name": "f", "arguments": {}}\n</a>')
+    assert not _accepts(gc, once, '<a>\n{"name": "f", "arguments": {}}\n</a>\n<a>\n{"name": '
+                        '"g", "arguments": {}}\n</a>')
     with pytest.raises(TypeError):   # compiled without a recipe: nothing to send
         pickle.dumps(Grammar(None, "regex", gc.vocab_size))
     with pytest.raises(ConfigError):   # a process without a compiler for that vocabulary

@@ -114,6 +114,33 @@ def test_required_calls_one_of_the_tools_and_the_result_goes_back(srv: Server) -
 
 
 @pytest.mark.model
+def test_required_may_call_several_tools_unless_parallel_calls_are_off(srv: Server) -> None:
+    """``required`` is one or more calls (OpenAI's and vLLM's meaning), streamed as the
+    non-streamed answer; ``parallel_tool_calls: false`` makes it exactly one. The model is
+    kept from ending after a call by a -100 ``logit_bias`` on its end tokens, so where the
+    grammar lets another call follow, it writes calls until ``max_tokens`` (the last one cut
+    short keeps the arguments it has), and where it does not, the end token is all it allows."""
+    ends = {"0": -100, "2": -100}   # <|endoftext|>, <|im_end|>
+    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+          "max_tokens": 90, "logit_bias": ends}
+    whole = _chat(srv, **kw).choices[0]
+    assert whole.finish_reason == "length" and len(whole.message.tool_calls) >= 2, whole
+    for call in whole.message.tool_calls[:-1]:   # complete calls, each valid
+        assert call.function.name in ("get_weather", "get_time")
+        json.loads(call.function.arguments)
+    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
+    # (a last call cut before its header is complete is content, streamed or not)
+    assert finish == {0: "length"}
+    assert content.get(0) == whole.message.content or (
+        not content.get(0) and whole.message.content is None)
+    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    one = _chat(srv, **kw, parallel_tool_calls=False, n=3, temperature=1.0, seed=3)
+    for c in one.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+
+
+@pytest.mark.model
 def test_auto_and_none(srv: Server) -> None:
     auto = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=40)
     c = auto.choices[0]
@@ -319,8 +346,8 @@ def test_chat_template_kwargs_reach_the_template(srv: Server) -> None:
 
 @pytest.mark.model
 def test_tools_beside_response_format(srv: Server) -> None:
-    """``response_format`` shapes a reply that is not a call: with ``auto`` every sample is one
-    valid call or a valid JSON value (one grammar, the union of the two), with ``none`` the
+    """``response_format`` shapes a reply that is not a call: with ``auto`` every sample is
+    valid calls or a valid JSON value (one grammar, the union of the two), with ``none`` the
     JSON value, with ``required`` a call; streamed too."""
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
               "required": ["answer"], "additionalProperties": False}
@@ -330,17 +357,20 @@ def test_tools_beside_response_format(srv: Server) -> None:
     # both shapes occur with this seed (float32: the same samples every run)
     assert {bool(c.message.tool_calls) for c in r.choices} == {True, False}
     for c in r.choices:
-        if c.message.tool_calls:
-            (call,) = c.message.tool_calls
-            assert call.function.name in ("get_weather", "get_time") and c.message.content is None
-            json.loads(call.function.arguments)
+        if c.message.tool_calls:   # one call or several; the last may be cut by max_tokens
+            assert c.message.content is None
+            for i, call in enumerate(c.message.tool_calls):
+                assert call.function.name in ("get_weather", "get_time")
+                if c.finish_reason != "length" or i < len(c.message.tool_calls) - 1:
+                    json.loads(call.function.arguments)
         else:
             assert set(json.loads(c.message.content)) == {"answer"}, c
     r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="none", response_format=fmt,
               max_tokens=80)
     c = r.choices[0]
     assert c.message.tool_calls is None and set(json.loads(c.message.content)) == {"answer"}
-    r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="required", response_format=fmt)
+    r = _chat(srv, messages=ASK, tools=[WEATHER], tool_choice="required", response_format=fmt,
+              parallel_tool_calls=False)
     assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
     content, calls, finish = _assemble(_chat(srv, messages=ASK, tools=[WEATHER],
                                              tool_choice="none", response_format=fmt,

@@ -286,6 +286,28 @@ def test_required_calls_stream_as_the_non_streamed_ones(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_required_may_call_several_tools_separated_by_semicolons(srv: Server) -> None:
+    """``required`` allows one or more calls, written ``{...}; {...}`` in this format: kept from
+    ending by a -100 bias on its end tokens, the model writes calls until ``max_tokens``, and
+    the stream assembles the non-streamed answer; with ``parallel_tool_calls: false``, one."""
+    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+          "max_tokens": 90, "logit_bias": {"0": -100, "2": -100}}
+    whole = _chat(srv, **kw).choices[0]
+    assert whole.finish_reason == "length" and len(whole.message.tool_calls) >= 2, whole
+    for call in whole.message.tool_calls[:-1]:
+        json.loads(call.function.arguments)
+    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
+    # (a last call cut before its header is complete is content, streamed or not)
+    assert finish == {0: "length"}
+    assert content.get(0) == whole.message.content or (
+        not content.get(0) and whole.message.content is None)
+    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    one = _chat(srv, **kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+
+
+@pytest.mark.model
 def test_auto_replies_agree_streamed_or_not(srv: Server) -> None:
     for extra in ({}, {"parallel_tool_calls": False}):
         kw = {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 40,
