@@ -194,7 +194,18 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    print("radixkv serve: shutting the fleet down", file=sys.stderr, flush=True)
+    drain_s = args.shutdown_timeout or 0.0
+    print(f"radixkv serve: shutting the fleet down (draining for up to {drain_s:g} s)",
+          file=sys.stderr, flush=True)
+    try:   # the ingress refuses new requests and ends those in flight by the deadline
+        drained = serve.get_app_handle(APP_NAME).drain.remote(drain_s).result(
+            timeout_s=drain_s + 30.0)
+        print(f"radixkv serve: drained: {drained['finished_sequences']} sequence(s) finished, "
+              f"{drained['aborted_requests']} request(s) ended at the deadline",
+              file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 (shutting down whatever happened to the drain)
+        print(f"radixkv serve: the drain failed ({type(exc).__name__}: {exc}); stopping",
+              file=sys.stderr, flush=True)
     serve.shutdown()
     del bus
     ray.shutdown()

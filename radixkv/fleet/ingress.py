@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ class _FleetHandle(RequestHandle):
         self._restartable = restartable
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._pump())
+        backend.open_handles.add(self)
 
     async def _pump(self) -> None:
         failures = _replica_failures()
@@ -95,6 +97,15 @@ class _FleetHandle(RequestHandle):
     def abort(self) -> None:
         self._task.cancel()   # cancels the replica's generator: it aborts the request
 
+    def end(self, error: APIError) -> bool:
+        """Abort the request and hand ``error`` to its reader (a drain's end); False when it
+        had already finished."""
+        if self._task.done():
+            return False
+        self._task.cancel()
+        self._queue.put_nowait(error)
+        return True
+
 
 class FleetBackend(Backend):
     """:class:`~radixkv.server.backend.Backend` over the engine deployment's handle."""
@@ -115,6 +126,11 @@ class FleetBackend(Backend):
         self._namespace = Namespace(info["namespace_model"])
         self._template: Any = None
         self.failovers = 0
+        #: requests whose reader still holds them (a drain ends those left at its deadline)
+        self.open_handles: weakref.WeakSet[_FleetHandle] = weakref.WeakSet()
+
+    def abort_open(self, error: Any) -> int:
+        return sum(h.end(error) for h in list(self.open_handles))
 
     @property
     def chat_template(self) -> Any:
@@ -212,6 +228,17 @@ class FleetIngress:
 
     def __init__(self, engines: Any, options: dict[str, Any]) -> None:
         self._engines, self._options = engines, options
+        self._app: Any = None
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """The fleet's graceful shutdown, called by ``radixkv serve --replicas`` at SIGTERM
+        before Serve stops the deployments: refuse new requests (503), let those in flight
+        finish for up to ``timeout_s`` (``--shutdown-timeout``), then end the rest with a 503
+        (their replicas abort them). The replicas are idle after it, so Serve's own drain of
+        them is immediate and each one's remote-tier flush runs within its budget."""
+        if self._app is None:
+            return {"finished_sequences": 0, "aborted_requests": 0}
+        return dict(await self._app.state.drain(timeout_s))
 
     async def __serve_build_asgi_app__(self) -> Any:
         import ray
@@ -258,20 +285,21 @@ class FleetIngress:
                 "# TYPE radixkv_fleet_failovers counter\n"
                 f"radixkv_fleet_failovers_total {backend.failovers}\n").encode()
 
-        return create_app(backend, model_name=o.get("model_name") or info["model_id"],
-                          api_keys=o.get("api_keys") or [], max_queued=o.get("max_queued", 256),
-                          default_max_tokens=o.get("default_max_tokens"),
-                          salt_secret=o.get("salt_secret"), extra_metrics=extra,
-                          reasoning_parser=o.get("reasoning_parser"),
-                          max_logprobs=o.get("max_logprobs", 20),
-                          cache_reset=o.get("cache_reset", False),
-                          stream_interval=o.get("stream_interval", 1),
-                          responses_store_size=o.get("responses_store_size", 1024),
-                          max_conversation_bytes=o.get("max_conversation_bytes")
-                          or cv.DEFAULT_MAX_BYTES,
-                          frontend=frontend,
-                          json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
-                          freeze_heap=True)   # the ingress replica's own process
+        self._app = create_app(
+            backend, model_name=o.get("model_name") or info["model_id"],
+            api_keys=o.get("api_keys") or [], max_queued=o.get("max_queued", 256),
+            default_max_tokens=o.get("default_max_tokens"),
+            salt_secret=o.get("salt_secret"), extra_metrics=extra,
+            reasoning_parser=o.get("reasoning_parser"),
+            max_logprobs=o.get("max_logprobs", 20),
+            cache_reset=o.get("cache_reset", False),
+            stream_interval=o.get("stream_interval", 1),
+            responses_store_size=o.get("responses_store_size", 1024),
+            max_conversation_bytes=o.get("max_conversation_bytes") or cv.DEFAULT_MAX_BYTES,
+            frontend=frontend,
+            json_max_whitespace=o.get("json_max_whitespace", DEFAULT_MAX_WHITESPACE),
+            freeze_heap=True)   # the ingress replica's own process
+        return self._app
 
 
 __all__ = ["FleetBackend", "FleetIngress", "FAILOVER_ATTEMPTS"]

@@ -122,6 +122,8 @@ class ServerState:
         #: holds each as its own row, so admission counts them, not HTTP requests (event-loop
         #: thread only).
         self.in_flight = 0
+        #: a fleet's ingress draining at shutdown: new generation requests are a 503
+        self.draining = False
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ admission
@@ -141,6 +143,9 @@ class ServerState:
         """Admit a request of ``seqs`` sequences (prompts x n, or x beams), or refuse it: 400
         when it could never fit (``param`` names the field that makes it too big), 429 when
         it would fit once others finish."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send the request again (to "
+                           "another server)", code="shutting_down")
         if seqs > self.capacity:
             raise APIError(400, f"this request needs {seqs} sequences (prompts x n, or x "
                            f"best_of beams); the server holds at most {self.capacity} at once "
@@ -156,6 +161,28 @@ class ServerState:
 
     def release(self, seqs: int) -> None:
         self.in_flight -= seqs
+
+    async def drain(self, timeout_s: float, settle_s: float = 10.0) -> dict[str, int]:
+        """Stop admitting (503 ``shutting_down``), wait up to ``timeout_s`` for the sequences in
+        flight to finish, then end the rest through the backend (``Backend.abort_open``: each
+        reader gets a 503, a stream as its last event) and wait up to ``settle_s`` for their
+        handlers to let go. A fleet's shutdown (``FleetIngress.drain``); the single server
+        drains in uvicorn (``--shutdown-timeout``). Returns the sequences that finished in
+        time and the requests ended."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        start, waiting = loop.time(), self.in_flight
+        while self.in_flight > 0 and loop.time() - start < timeout_s:
+            await asyncio.sleep(0.05)
+        left, aborted = self.in_flight, 0
+        if left and self.engine is not None:
+            aborted = self.engine.abort_open(APIError(
+                503, f"the server shut down before this request finished (it drains for "
+                f"--shutdown-timeout {timeout_s:g} s)", code="shutting_down"))
+            end = loop.time() + settle_s
+            while self.in_flight > 0 and loop.time() < end:
+                await asyncio.sleep(0.05)
+        return {"finished_sequences": waiting - left, "aborted_requests": aborted}
 
     def check_model(self, name: str | None) -> None:
         """A 404 unless ``name`` is this server's model (or one of ``--served-model-name``'s

@@ -89,6 +89,13 @@ class Backend(abc.ABC):
         raise APIError(400, "/reset_prefix_cache is not supported by this server's backend "
                        "(--replicas) yet", code="unsupported_parameter")
 
+    def abort_open(self, error: Any) -> int:
+        """End every request this backend has open with ``error`` (an ``APIError``) and stop
+        its work: a draining server's last step once its ``--shutdown-timeout`` is spent
+        (:meth:`radixkv.server.app.ServerState.drain`). Returns how many. Default: none (the
+        single server's uvicorn cancels its handlers itself)."""
+        return 0
+
     def health(self) -> str | None:
         """None when the backend serves, else why not (``/health`` and ``/ping`` answer 503
         with it). Default: healthy (a fleet's replicas have Serve's own health checks)."""

@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
                    help="at SIGTERM / Ctrl-C, let requests in flight finish for up to this "
                         "long, then abort the rest, before the engine closes (and flushes to "
-                        "the remote tier); 0 aborts at once (vLLM's default and radixkv's)")
+                        "the remote tier); 0 aborts at once (vLLM's default and radixkv's). "
+                        "With --replicas the fleet's ingress drains: new requests are a 503 "
+                        "meanwhile, and those left at the deadline end with one")
     v.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host/--port (vLLM's)")
     v.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
@@ -752,9 +754,6 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: no such file {path!r}")
     if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.shutdown_timeout is not None and (args.replicas is not None or args.ray_address):
-        raise ConfigError("--shutdown-timeout bounds one server's drain; a fleet's replicas "
-                          "drain as Ray Serve's graceful_shutdown_timeout_s says (docs/fleet.md)")
     if args.uds and (args.replicas is not None or args.ray_address):
         raise ConfigError("--uds serves one server; a fleet's endpoint is Ray Serve's proxy")
     if args.replicas is not None or args.ray_address:

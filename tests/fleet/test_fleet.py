@@ -2,8 +2,8 @@
 router, a real ``redis-server`` as the shared remote tier, driven by the unchanged ``openai``
 client. One fleet for the module (Ray and two model loads take ~30 s), served over HTTPS (Ray
 Serve's proxy with a self-signed certificate the clients trust: ``--ssl-keyfile`` /
-``--ssl-certfile`` as on a single server); the replica-kill test runs last. Deselect locally
-with ``-m 'not fleet'``; CI runs it.
+``--ssl-certfile`` as on a single server); the SIGTERM test runs last (it stops the fleet).
+Deselect locally with ``-m 'not fleet'``; CI runs it.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
            "--enable-request-id-headers", "--enable-server-load-tracking",
            "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint",
            "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
-           "--tokenizer", str(where / "tokenizer")]
+           "--tokenizer", str(where / "tokenizer"), "--shutdown-timeout", "120"]
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -444,3 +444,50 @@ def test_frontend_options_reach_the_ingress(fleet: Fleet) -> None:
     # gets no answer
     with pytest.raises((urllib.error.URLError, OSError)):
         urllib.request.urlopen(f"http://127.0.0.1:{fleet.port}/health", timeout=5)
+
+
+def test_sigterm_drains_the_stream_in_flight_and_refuses_new_requests(fleet: Fleet) -> None:
+    """Runs last: it stops the module's fleet. With ``--shutdown-timeout 120``, SIGTERM makes
+    the ingress refuse new requests (503 ``shutting_down``) while a stream in flight runs to
+    its end; then Serve stops the idle replicas and the command exits 0."""
+    client = fleet.client()
+    chunks: list[Any] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            for chunk in client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Count to a hundred."}],
+                    max_tokens=200, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}):
+                chunks.append(chunk)
+                started.set()
+        except BaseException as exc:  # noqa: BLE001 (harness: asserted below)
+            errors.append(exc)
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120)
+    fleet.proc.send_signal(signal.SIGTERM)
+    refused = None
+    deadline = time.monotonic() + 60
+    while refused is None and t.is_alive() and time.monotonic() < deadline:
+        try:   # accepted until the drain begins, then refused
+            _chat(client, [{"role": "user", "content": "ping"}], max_tokens=1)
+        except openai.APIStatusError as exc:
+            refused = exc
+        time.sleep(0.05)
+    t.join(300)
+    assert not errors, errors
+    assert refused is not None and refused.status_code == 503, refused
+    assert "shutting_down" in str(refused.body)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices
+              and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 150
+    assert fleet.proc.wait(120) == 0
+    log = fleet.log.read_text()
+    assert re.search(r"drained: \d+ sequence\(s\) finished, 0 request\(s\) ended", log), \
+        log[-3000:]

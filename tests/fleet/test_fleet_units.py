@@ -3,6 +3,8 @@ cursor/snapshot contract, the engine-side event recorder, and the routing policy
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Any
 
 from hypothesis import given
@@ -301,6 +303,7 @@ def test_fleet_handle_fails_over_only_what_the_client_has_not_seen() -> None:
 
     backend = FleetBackend.__new__(FleetBackend)
     backend.failovers = 0
+    backend.open_handles = weakref.WeakSet()
 
     async def collect(restartable: bool) -> list[Any]:
         backend.handle = Handle()
@@ -321,6 +324,99 @@ def test_fleet_handle_fails_over_only_what_the_client_has_not_seen() -> None:
     got = asyncio.run(collect(restartable=False))
     assert got[0].n == 1 and isinstance(got[-1], APIError) and got[-1].code == "replica_failed"
     assert backend.failovers == 2
+
+
+def test_a_drain_lets_requests_finish_then_ends_the_rest_with_a_503() -> None:
+    """The fleet's shutdown (``--shutdown-timeout``): the ingress refuses new requests with a
+    503 at once, a request that finishes before the deadline finishes, and one still running
+    then is ended: its replica's stream is cancelled (the replica aborts it) and its reader
+    gets a 503 ``shutting_down`` (a stream's last event), so every admission slot comes back
+    and the replicas are idle when Serve stops them."""
+    import asyncio
+
+    import pytest
+
+    pytest.importorskip("ray")
+    from radixkv.fleet.ingress import FleetBackend, _FleetHandle
+    from radixkv.server import app as app_mod
+    from radixkv.server.errors import APIError
+    from radixkv.server.tenants import Tenants
+
+    cancelled: list[int] = []
+
+    class Out:
+        def __init__(self, finished: bool) -> None:
+            self.finished = finished
+
+    class Replica:
+        """A replica's stream of ``count`` outputs, one every 50 ms."""
+
+        def __init__(self, count: int) -> None:
+            self.count, self.sent = count, 0
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> Any:
+            if self.sent == self.count:
+                raise StopAsyncIteration
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancelled.append(self.count)
+                raise
+            self.sent += 1
+            return Out(self.sent == self.count)
+
+    class Handle:
+        def options(self, **_: Any) -> Any:
+            return self
+
+        @property
+        def generate(self) -> Any:
+            return self
+
+        def remote(self, rid: str, prompt: list[int], *args: Any, **kw: Any) -> Any:
+            return Replica(prompt[0])   # the prompt says how long the answer is
+
+    async def scenario() -> None:
+        backend = FleetBackend.__new__(FleetBackend)
+        backend.failovers, backend.handle = 0, Handle()
+        backend.open_handles = weakref.WeakSet()
+        backend.max_num_seqs = 4
+        state = app_mod.ServerState("m", Tenants.create([], None), 4, None)
+        state.engine = backend
+
+        async def read(count: int) -> Any:
+            state.acquire(1, "n")
+            handle = _FleetHandle(backend, ("r", [count], None, None, None), {"hashes": []},
+                                  False)
+            try:
+                while not (await handle.aget()).finished:
+                    pass
+                return "finished"
+            except APIError as exc:
+                return exc
+            finally:
+                state.release(1)
+
+        short, long = asyncio.create_task(read(4)), asyncio.create_task(read(1000))
+        await asyncio.sleep(0.01)
+        drain = asyncio.create_task(state.drain(0.6))
+        await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as info:   # no new request once the drain began
+            state.acquire(1, "n")
+        assert (info.value.status, info.value.code) == (503, "shutting_down")
+        assert await asyncio.wait_for(drain, 20) == {"finished_sequences": 1,
+                                                     "aborted_requests": 1}
+        assert await short == "finished"
+        ended = await asyncio.wait_for(long, 10)
+        assert isinstance(ended, APIError) and (ended.status, ended.code) == (503,
+                                                                           "shutting_down")
+        assert state.in_flight == 0 and cancelled == [1000]
+        assert backend.abort_open(ended) == 0   # nothing left open
+
+    asyncio.run(scenario())
 
 
 def test_each_replica_gets_its_own_disk_tier_directory(tmp_path: Any) -> None:
