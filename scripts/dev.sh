@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}
 PY=${PYTHON:-python3}
 # Packages `test` type-checks (strict; [tool.mypy] in pyproject.toml).
-MYPY_PATHS="radixkv/core radixkv/storage radixkv/tiers"
+MYPY_PATHS="radixkv/core radixkv/storage radixkv/tiers radixkv/server"
 
 # The remote tier's tests start a real redis-server on 127.0.0.1 (Debian package redis-server).
 # Installed where missing and apt-get is usable as root; otherwise a clear message, and those
@@ -124,8 +124,9 @@ case "$cmd" in
     test)  setup
            # Lint first (ruff and mypy, pinned in the dev extra; rules in pyproject.toml): a
            # finding fails the run, as CI runs this command. mypy runs strict on the packages in
-           # MYPY_PATHS (radixkv/core, radixkv/storage, radixkv/tiers, with no module exempt;
-           # scripts/lint.sh mypy checks the same three, as [tool.mypy] files lists them).
+           # MYPY_PATHS (radixkv/core, radixkv/storage, radixkv/tiers, radixkv/server, with no
+           # module exempt; scripts/lint.sh mypy checks the same four, as [tool.mypy] files
+           # lists them).
            "$VENV/bin/ruff" check radixkv kernels benchmarks tests scripts \
                || { echo "scripts/dev.sh test: ruff found the problems above" >&2; exit 1; }
            "$VENV/bin/mypy" $MYPY_PATHS \

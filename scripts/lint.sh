@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Static checks: ruff over the repository and mypy (strict) on radixkv/core, radixkv/tiers and
-# radixkv/storage, with the configuration in pyproject.toml. Exits non-zero if either fails.
+# Static checks: ruff over the repository and mypy (strict) on radixkv/core, radixkv/tiers,
+# radixkv/storage and radixkv/server, with the configuration in pyproject.toml. Exits non-zero
+# if either fails.
 #   bash scripts/lint.sh            # both
 #   bash scripts/lint.sh ruff|mypy  # one
 # Both are pinned in the dev extra (installed by scripts/dev.sh setup). `scripts/dev.sh test`
-# (CI) runs ruff and mypy on the packages in its MYPY_PATHS (radixkv/core today).
+# (CI) runs ruff and mypy on the packages in its MYPY_PATHS (the same four).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RADIXKV_VENV:-.venv}

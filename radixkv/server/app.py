@@ -137,7 +137,7 @@ class ServerState:
     @property
     def capacity(self) -> int:
         """Sequences held at once: a full running batch plus ``max_queued`` waiting."""
-        return self.engine.max_num_seqs + self.max_queued
+        return self.ready_engine().max_num_seqs + self.max_queued
 
     def acquire(self, seqs: int, param: str) -> None:
         """Admit a request of ``seqs`` sequences (prompts x n, or x beams), or refuse it: 400
@@ -149,7 +149,8 @@ class ServerState:
         if seqs > self.capacity:
             raise APIError(400, f"this request needs {seqs} sequences (prompts x n, or x "
                            f"best_of beams); the server holds at most {self.capacity} at once "
-                           f"(--max-num-seqs {self.engine.max_num_seqs} + --max-queued "
+                           f"(--max-num-seqs {self.ready_engine().max_num_seqs} + "
+                           f"--max-queued "
                            f"{self.max_queued}): split it", param=param,
                            code="too_many_sequences")
         if self.in_flight + seqs > self.capacity:
@@ -216,9 +217,10 @@ class _Gate:
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return None
         st = scope.setdefault("state", {})
         st["arrived"] = time.perf_counter()
         frontend = self.state.frontend
@@ -242,12 +244,14 @@ class _Gate:
             if frontend.load_tracking and path in LOAD_TRACKED:
                 self.state.server_load += 1   # until the response (a stream: its end) is out
                 try:
-                    return await self.app(scope, receive, send)
+                    await self.app(scope, receive, send)
+                    return None
                 finally:
                     self.state.server_load -= 1
-        return await self.app(scope, receive, send)
+        await self.app(scope, receive, send)
+        return None
 
-    async def _bounded(self, scope: dict, receive: Any, send: Any) -> Any:
+    async def _bounded(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
         """``receive`` for a body within ``--max-request-bytes``, or None after answering 413.
         A declared ``Content-Length`` is checked before anything is read; a chunked body is
         read up to the limit (never past it) and replayed to the app."""
@@ -320,13 +324,13 @@ def _request_defaults(state: ServerState, req: Any) -> None:
                                     "chat_template": template}
 
 
-def _with_request_id(scope: dict, send: Any) -> Any:
+def _with_request_id(scope: dict[str, Any], send: Any) -> Any:
     """``send`` that adds ``X-Request-Id`` to the response's headers: the request's own (a
     proxy's trace id), else a new one (``--enable-request-id-headers``, as vLLM's)."""
     rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None) \
         or uuid.uuid4().hex.encode()
 
-    async def send_with_id(message: dict) -> None:
+    async def send_with_id(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", []),
                                                (b"x-request-id", rid)]}
@@ -482,7 +486,7 @@ def _routes(api: FastAPI, state: ServerState,
 
     @api.get("/metrics")
     async def metrics() -> Response:
-        snaps: list = []
+        snaps: list[Any] = []
         if state.engine is not None:
             snaps = await state.engine.snapshots()
         body = state.metrics.render(snaps)
@@ -1187,7 +1191,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
 
 def _num_seqs(req: Any) -> int:
     """Sequences one prompt of ``req`` holds in the engine: its samples, or its beams."""
-    return max(req.n, req.best_of or req.n) if req.use_beam_search else req.n
+    n: int = req.n
+    return max(n, req.best_of or n) if req.use_beam_search else n
 
 
 def _admissible(state: ServerState, num_prompts: int, req: Any, param: str) -> None:
@@ -1209,7 +1214,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     reply and stay
     in it (``SamplingParams.stop_after``)."""
     points = points or [None] * len(prompts)
-    eng = state.engine
+    eng = state.ready_engine()
     vocab = eng.vocab_size
     prompts = serving.truncate(req, prompts, eng.max_model_len)
     if grammar is None:
@@ -1273,18 +1278,19 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         return Response(status_code=499)   # the client is gone; nobody reads this
     choices = []
     n = req.n
-    echo = not chat and getattr(req, "echo", False)
+    echo_prompt = not chat and bool(getattr(req, "echo", False))
     only = serving.echo_only(req)   # max_tokens 0: the prompt alone
 
     def decode(tid: int) -> str:
-        return eng.decode([tid], skip_special_tokens=False)
+        text: str = eng.decode([tid], skip_special_tokens=False)
+        return text
 
     label = serving.token_id_label if req.return_tokens_as_token_ids else decode
     for i, out in enumerate(outs):
         for c in out.outputs:
             text = "" if only else c.text
             lps = _logprobs(eng, chat, c.logprobs, 0, req.return_tokens_as_token_ids)
-            if echo:
+            if echo_prompt:
                 text = eng.decode(out.prompt_token_ids) + text
                 if c.logprobs is not None:   # the prompt's entries, then the generated ones
                     gen = [] if only else c.logprobs
@@ -1331,9 +1337,10 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     if only:   # the token the engine picked is not part of the answer
         usage["completion_tokens"] = 0
         usage["total_tokens"] = usage["prompt_tokens"]
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": state.model_name, "choices": choices,
-            "usage": usage}
+    body: dict[str, Any] = {
+        "id": rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": state.model_name, "choices": choices,
+        "usage": usage}
     if chat and req.prompt_logprobs is not None:   # vLLM puts the chat's beside the choices
         body["prompt_logprobs"] = serving.vllm_prompt_logprobs(label, outs[0].prompt_logprobs)
     if chat and req.return_token_ids:
@@ -1344,12 +1351,13 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     return JSONResponse(body)
 
 
-def _logprobs(eng: Any, chat: bool, items: list | None, offset: int, as_ids: bool = False
-              ) -> dict | None:
+def _logprobs(eng: Any, chat: bool, items: list[Any] | None, offset: int,
+              as_ids: bool = False) -> dict[str, Any] | None:
     """``choice.logprobs`` in the endpoint's format (None when the request did not ask);
     ``as_ids``: tokens named ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
     def decode(tid: int) -> str:
-        return eng.decode([tid], skip_special_tokens=False)
+        text: str = eng.decode([tid], skip_special_tokens=False)
+        return text
 
     label = serving.token_id_label if as_ids else decode
     if chat:
@@ -1428,16 +1436,16 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     head = fixed[:fixed.rindex("}")] + ',"choices":'
     tail = (',"usage":null' if include_usage else "") + "}\n\n"
 
-    def chunk(choices: list[dict]) -> str:
+    def chunk(choices: list[dict[str, Any]]) -> str:
         return head + json.dumps(choices, separators=(",", ":")) + tail
 
     offsets: dict[int, int] = {}   # completions' text_offset: characters of tokens sent
 
     def choice(index: int, text: str | None, finish: str | None, role: bool = False,
-               lps: list | None = None) -> dict:
+               lps: list[Any] | None = None) -> dict[str, Any]:
         logprobs = None
         if lps is not None:
-            eng = state.engine
+            eng = state.ready_engine()
             logprobs = _logprobs(eng, chat, lps, offsets.get(index, 0),
                                  req.return_tokens_as_token_ids)
             if not chat:   # the text's characters, however the tokens are named
@@ -1461,7 +1469,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
 
         thinks = {i: ReasoningStream(state.reasoning_parser) for i in range(req.n)}
 
-    def parsed_part(c: Any, text: str) -> dict | None:
+    def parsed_part(c: Any, text: str) -> dict[str, Any] | None:
         """The chunk entry of choice ``c`` through its parsers: the thinking as ``reasoning``,
         then (with tools) content outside the calls and the calls completed now, with
         ``finish_reason`` "tool_calls" once a call was made."""
@@ -1472,7 +1480,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             if finish:
                 r, t = thinks[c.index].finish()
                 reasoning, text = reasoning + r, text + t
-        made: list[dict] = []
+        made: list[dict[str, Any]] = []
         content = text
         if calls:
             stream = calls[c.index]
@@ -1501,11 +1509,11 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             if chat:   # beside the choices, as the non-streamed chat answer has it
                 extra = ',"prompt_token_ids":' + json.dumps(list(prompt_ids))
             else:
-                for part in first:
-                    part["prompt_token_ids"] = list(prompt_ids)
+                for head_part in first:
+                    head_part["prompt_token_ids"] = list(prompt_ids)
         if chat and req.return_prompt_text and prompt_ids is not None:   # first chunk only
             extra += ',"prompt_text":' + json.dumps(
-                state.engine.decode(list(prompt_ids), skip_special_tokens=False))
+                state.ready_engine().decode(list(prompt_ids), skip_special_tokens=False))
         if first:
             yield head + json.dumps(first, separators=(",", ":")) + extra + tail
         last, done = None, set()
@@ -1524,7 +1532,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 if c is None:
                     continue   # held for --stream-interval / stream_interval
                 text = c.text if beam else c.delta_text
-                part = None
+                part: dict[str, Any] | None = None
                 if calls or thinks:
                     part = parsed_part(c, text or "")
                 elif text or c.finish_reason or c.delta_logprobs or (ids_out and
@@ -1546,7 +1554,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             yield serving.sse({"id": rid, "object": kind, "created": created,
                                "model": state.model_name, "choices": [],
                                "usage": serving.usage([last], timing,
-                                                     state.engine.output_tier_names)})
+                                                     state.ready_engine().output_tier_names)})
         yield serving.SSE_DONE
     except APIError as exc:   # e.g. the fleet replica serving it died after sending tokens
         yield serving.sse(exc.body())

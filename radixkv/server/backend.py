@@ -152,10 +152,12 @@ class LocalBackend(Backend):
         return self.engine.chat_template
 
     def encode(self, text: str) -> list[int]:
-        return self.engine.encode(text)
+        ids: list[int] = self.engine.encode(text)
+        return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.engine.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text: str = self.engine.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
 
     async def open(self, request_id: str, prompt_ids: list[int], params: Any,
                    cache_salt: str | None, cache_points: Any = None,
@@ -170,7 +172,8 @@ class LocalBackend(Backend):
         return [({}, await loop.acall(self.engine.core.stats))]
 
     def health(self) -> str | None:
-        return self.engine.loop.health()
+        why: str | None = self.engine.loop.health()
+        return why
 
     async def reset_prefix_cache(self) -> int:
         loop = self.engine.loop

@@ -441,7 +441,7 @@ def engine_loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radix
     """The function that loads the model and engine ``args`` name (``prog``: who says so on
     stderr)."""
     def load() -> Any:
-        import radixkv
+        from radixkv.api.engine import Engine
 
         what = args.model or "the embedded SmolLM2-135M-Instruct"
         t0 = time.perf_counter()
@@ -455,10 +455,10 @@ def engine_loader(args: argparse.Namespace, cc: Any, ec: Any, prog: str = "radix
         print(f"{prog}: loading {what}", file=sys.stderr, flush=True)
         threading.Thread(target=progress, daemon=True).start()
         try:
-            engine = radixkv.Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
-                                                    model_impl=args.model_impl,
-                                                    allow_download=args.allow_download,
-                                                    tokenizer=args.tokenizer)
+            engine = Engine.from_pretrained(args.model, args.gguf_file, cc, ec,
+                                            model_impl=args.model_impl,
+                                            allow_download=args.allow_download,
+                                            tokenizer=args.tokenizer)
             if args.chat_template:
                 engine.tokenizer.chat_template = _read_template(args.chat_template)
             engine.chat_template   # analyse the chat template now, not in the first request
@@ -656,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_ssl_refresh:
         from radixkv.server.tls import RefreshingServer
 
-        server: Any = RefreshingServer(config, args.ssl_keyfile, args.ssl_certfile,
-                                       args.ssl_ca_certs)
+        server = RefreshingServer(config, args.ssl_keyfile, args.ssl_certfile,
+                                  args.ssl_ca_certs)
     elif args.ssl_certfile:
         from radixkv.server.tls import TLSServer
 

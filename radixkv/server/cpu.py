@@ -66,13 +66,13 @@ def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     candidates.append(root / "cpu.max")
     for path in candidates:
         try:
-            quota, period = path.read_text().split()[:2]
+            limit, every = path.read_text().split()[:2]
         except (OSError, ValueError):
             continue
-        if quota == "max":
+        if limit == "max":
             return None
         try:
-            return int(quota) / int(period) if int(period) > 0 and int(quota) > 0 else None
+            return int(limit) / int(every) if int(every) > 0 and int(limit) > 0 else None
         except ValueError:
             return None
     for base in (root / "cpu,cpuacct", root / "cpu"):

@@ -61,7 +61,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
 from radixkv.errors import ConfigError
@@ -175,10 +175,10 @@ class FrontendOptions:
                    tokenizer_info=args.enable_tokenizer_info_endpoint,
                    tool_call_parser=args.tool_call_parser)
 
-    def route_path(self, scope: dict) -> str:
+    def route_path(self, scope: dict[str, Any]) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),
         whether or not the proxy in front kept the prefix."""
-        path = scope["path"]
+        path: str = scope["path"]
         root = self.root_path
         if root and (path == root or path.startswith(root + "/")):
             return path[len(root):] or "/"
@@ -277,7 +277,7 @@ def parse_list(text: str | None, flag: str) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-async def keep_alive(chunks: AsyncIterator[Any], every: float) -> AsyncIterator[Any]:
+async def keep_alive(chunks: AsyncIterable[Any], every: float) -> AsyncIterator[Any]:
     """``chunks`` (a streamed response's body), with :data:`KEEP_ALIVE` whenever none came for
     ``every`` seconds. One pending ``__anext__`` task advances ``chunks`` (an async generator
     may not be advanced twice at once), watched with a timeout that does not cancel it; when

@@ -19,6 +19,7 @@ Two sources:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -143,6 +144,11 @@ class _EngineCollector:
         return []
 
 
+def _same(stats: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A collector's stats function for a snapshot already taken."""
+    return stats
+
+
 def _merged(groups: Iterable[Iterable[Any]]) -> list[Any]:
     """Families of several engines (a fleet's replicas) as one family per name: the text
     format allows a name once, so the samples of each replica join the first family's."""
@@ -165,7 +171,7 @@ class _GenericCollector:
     def collect(self) -> Iterator[Any]:
         lab = self.owner.labels
         yield from _merged(
-            StatsCollector(lambda st=st: st, prefix="radixkv_engine",
+            StatsCollector(functools.partial(_same, st), prefix="radixkv_engine",
                            labels={**lab, **extra}).collect()
             for extra, st in self.owner.snapshots if st)
 
@@ -226,38 +232,38 @@ class ServerMetrics:
         self.snapshots: list[tuple[Mapping[str, str], Mapping[str, Any]]] = []
         names = ["model_name"]
         reg = self.registry
-        self.ttft = Histogram("radixkv_time_to_first_token_seconds",
-                              "Time to first token, measured in the engine.", names,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.e2e = Histogram("radixkv_e2e_request_latency_seconds",
-                             "Request latency from arrival at the server to its last token.",
-                             names, buckets=E2E_BUCKETS, registry=reg)
-        self.itl = Histogram("radixkv_inter_token_latency_seconds",
-                             "Time between two output tokens of a request (streamed requests).",
-                             names, buckets=ITL_BUCKETS, registry=reg)
-        self.success = Counter("radixkv_request_success", "Finished engine requests (one per "
-                               "prompt, whatever its n) by the finish reason of its first "
-                               "choice.", [*names, "finished_reason"], registry=reg)
-        self.prompt_tokens = Counter("radixkv_prompt_tokens", "Prompt tokens of served "
-                                     "requests.", names, registry=reg)
-        self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.",
-                                         names, registry=reg)
+        ttft = Histogram("radixkv_time_to_first_token_seconds",
+                         "Time to first token, measured in the engine.", names,
+                         buckets=TTFT_BUCKETS, registry=reg)
+        e2e = Histogram("radixkv_e2e_request_latency_seconds",
+                        "Request latency from arrival at the server to its last token.",
+                        names, buckets=E2E_BUCKETS, registry=reg)
+        itl = Histogram("radixkv_inter_token_latency_seconds",
+                        "Time between two output tokens of a request (streamed requests).",
+                        names, buckets=ITL_BUCKETS, registry=reg)
+        success = Counter("radixkv_request_success", "Finished engine requests (one per "
+                          "prompt, whatever its n) by the finish reason of its first "
+                          "choice.", [*names, "finished_reason"], registry=reg)
+        prompt_tokens = Counter("radixkv_prompt_tokens", "Prompt tokens of served requests.",
+                                names, registry=reg)
+        generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.",
+                                    names, registry=reg)
         # The same series under vLLM's names (prometheus allows ':' in names; vLLM uses it).
-        self.ttft = _Twin(self.ttft, Histogram(
+        self.ttft = _Twin(ttft, Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", names,
             buckets=TTFT_BUCKETS, registry=reg))
-        self.e2e = _Twin(self.e2e, Histogram(
+        self.e2e = _Twin(e2e, Histogram(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
             buckets=E2E_BUCKETS, registry=reg))
-        self.itl = _Twin(self.itl, Histogram(
+        self.itl = _Twin(itl, Histogram(
             "vllm:inter_token_latency_seconds", "Time between output tokens.", names,
             buckets=ITL_BUCKETS, registry=reg))
-        self.success = _Twin(self.success, Counter(
+        self.success = _Twin(success, Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             [*names, "finished_reason"], registry=reg))
-        self.prompt_tokens = _Twin(self.prompt_tokens, Counter(
+        self.prompt_tokens = _Twin(prompt_tokens, Counter(
             "vllm:prompt_tokens", "Prompt tokens.", names, registry=reg))
-        self.generation_tokens = _Twin(self.generation_tokens, Counter(
+        self.generation_tokens = _Twin(generation_tokens, Counter(
             "vllm:generation_tokens", "Generated tokens.", names, registry=reg))
         self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
                                 "before reaching the engine, by HTTP status.",

@@ -18,7 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
 #: Request fields radixkv does not implement and would otherwise silently ignore (a 200 with
 #: ordinary text where the client asked for something else): each is a 400 naming it when
 #: given a value other than its "off" value (listed).
-UNSUPPORTED = {
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),

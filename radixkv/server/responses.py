@@ -31,7 +31,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -507,7 +507,7 @@ class EventStream:
         return [{k: v for k, v in it.items() if k not in ("_text", "_lps")}
                 for it in self.output]
 
-    async def adapt(self, chat: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def adapt(self, chat: AsyncIterable[Any]) -> AsyncIterator[str]:
         """The Responses events of the chat SSE stream ``chat`` (closed when this ends)."""
         try:
             body = self._body(self.status)

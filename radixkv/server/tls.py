@@ -38,7 +38,7 @@ TLS_CLOSE_S = 1.0
 
 
 def _stamp(paths: list[str]) -> tuple[Any, ...]:
-    out = []
+    out: list[tuple[int, int, int] | None] = []
     for p in paths:
         try:
             st = os.stat(p)
