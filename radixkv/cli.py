@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode-ops": ("radixkv.benchmarks.bench_decode_ops", "main"),
     "linears": ("radixkv.benchmarks.bench_linears", "main"),
     "batch": ("radixkv.benchmarks.bench_batch", "main"),
+    "kv-pool": ("radixkv.benchmarks.bench_kv_pool", "main"),
 }
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("radixkv.api.demo", "main",

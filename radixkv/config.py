@@ -134,6 +134,13 @@ class CacheConfig:
             themselves (``radixkv.api.engine.default_model_id``), so changed weights never
             reuse a block the old ones computed. Pin a name only if you rename it whenever
             the weights, tokenizer or config change.
+        commit_device_pool: on the CPU, write the device pool's pages once when the engine
+            is built, so that its memory is resident from the start (RSS = the whole pool)
+            and no prefill pays the first touch of fresh pages. False (default, the library's):
+            pages are committed as blocks are first written (``storage.device.lazy_cpu_zeros``),
+            so a job using a few blocks stays small, at ~3 ms more for a 250-token prefill into
+            fresh blocks of the embedded model (docs/benchmarks.md, "Committed KV pool").
+            ``radixkv serve`` sets it (``--no-commit-kv-pool`` to keep the pool lazy).
     """
 
     block_size: int = 16
@@ -158,8 +165,12 @@ class CacheConfig:
     remote_shutdown_flush_s: float = 5.0
     model_id: str | None = None
     gpu_memory_utilization: float = 0.9
+    commit_device_pool: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.commit_device_pool, bool):
+            raise ConfigError(f"CacheConfig.commit_device_pool must be a bool, got "
+                              f"{self.commit_device_pool!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")

@@ -159,6 +159,7 @@ class LLMEngine:
             n_dev, bs, policy, lower_tier_blocks=lower, write_through=wt,
             tail_blocks=cache_config.tail_blocks if cache_config.enable_prefix_caching else 0)
         self._runner = ModelRunner.for_model(model, n_dev, bs, cache_config.kv_dtype,
+                                             commit_pool=cache_config.commit_device_pool,
                                              pack_weights=pack_weights)
         #: seconds the start-up forwards took (``EngineConfig.warm_up``; 0.0: not run)
         self.warm_up_s = self._runner.warm_up() if engine_config.warm_up else 0.0

@@ -357,13 +357,15 @@ class ModelRunner:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
-                  kv_dtype: str = "auto", **runner_options: Any) -> ModelRunner:
+                  kv_dtype: str = "auto", commit_pool: bool = False,
+                  **runner_options: Any) -> ModelRunner:
         """Allocate a zeroed :class:`DevicePool` of ``num_blocks`` blocks for ``model`` (its
-        dtype, or ``kv_dtype="int8"``/``"fp8_e4m3"``: quantized rows, on its device) and wrap
-        both; ``runner_options`` go to the constructor (``pack_weights``, ``lean_forward``)."""
+        dtype, or ``kv_dtype="int8"``/``"fp8_e4m3"``: quantized rows, on its device; its pages
+        written at once with ``commit_pool``) and wrap both; ``runner_options`` go to the
+        constructor (``pack_weights``, ``lean_forward``)."""
         param = next(model.parameters())
         pool = DevicePool(model_kv_layout(model, block_size, kv_dtype), num_blocks,
-                          device=param.device)
+                          device=param.device, commit=commit_pool)
         return cls(model, pool, **runner_options)
 
     @classmethod

@@ -39,6 +39,53 @@ def test_cpu_pool_is_zero_and_not_resident_until_written():
     assert not pool.kv_cache[:, :, 6:900].any() and not pool.kv_cache[:, :, 901:].any()
 
 
+def _mapping_rss(addr: int) -> int:
+    """Resident bytes of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="needs MADV_NOHUGEPAGE (Linux) and /proc/self/smaps")
+def test_a_committed_pool_is_resident_at_once_and_still_zero():
+    """``commit=True`` (``CacheConfig.commit_device_pool``, what ``radixkv serve`` sets): every
+    page of the pool's own mapping is resident after construction, so no block write faults a
+    fresh page in; the contents are the same zeros, and writes work as in a lazy pool. The
+    lazy pool of the same size has (almost) nothing resident."""
+    layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    lazy = DevicePool(layout, 512, device="cpu")        # 64 MiB
+    assert _mapping_rss(lazy.kv_cache.data_ptr()) < 1 << 20
+    # (measured before the next pool: the kernel may merge two adjacent mappings into one)
+    committed = DevicePool(layout, 512, device="cpu", commit=True)
+    assert _mapping_rss(committed.kv_cache.data_ptr()) >= committed.num_bytes
+    assert not committed.kv_cache.any()
+    shape = layout.cache_shape(1)
+    block = torch.ones(1, shape[0], shape[1], *shape[3:])
+    committed.write_blocks([7], block)
+    assert committed.kv_cache[:, :, 7].eq(1).all() and not committed.kv_cache[:, :, 8:].any()
+
+
+def test_the_server_commits_its_pool_and_the_library_does_not():
+    from radixkv.config import CacheConfig
+    from radixkv.errors import ConfigError
+    from radixkv.server.cli import build_parser, configs
+
+    assert CacheConfig().commit_device_pool is False
+    assert configs(build_parser().parse_args([]))[0].commit_device_pool is True
+    assert configs(build_parser().parse_args(["--no-commit-kv-pool"]))[0] \
+        .commit_device_pool is False
+    with pytest.raises(ConfigError, match="commit_device_pool"):
+        CacheConfig(commit_device_pool=1)
+
+
 def test_pool_dtypes_and_layout_unchanged():
     for dtype in ("float32", "bfloat16", "float16"):
         layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=dtype)
