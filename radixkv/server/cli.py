@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the tokenizer from here instead of the model: a directory of "
                         "tokenizer files, a GGUF file or a cached hub id (vLLM's; e.g. a GGUF "
                         "model's original tokenizer)")
+    m.add_argument("--revision", default=None, metavar="REV",
+                   help="a hub id model's branch, tag or commit (vLLM's; default main), read "
+                        "from the Hugging Face cache (downloaded only with --allow-download)")
+    m.add_argument("--tokenizer-revision", default=None, metavar="REV",
+                   help="the same for a hub id --tokenizer (vLLM's)")
+    m.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache folder hub models (and a hub id --tokenizer) "
+                        "are read from, and downloaded into with --allow-download (vLLM's; "
+                        "default: huggingface_hub's); a local model path ignores it")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name clients pass as 'model' (default: the model's name); with "
                         "several, any is accepted and the first is the one answers carry "
@@ -704,6 +713,31 @@ def _read_template(path: str) -> str:
         raise ConfigError(f"--chat-template: {exc}") from None
 
 
+def hub_files(args: argparse.Namespace) -> None:
+    """``--revision`` / ``--download-dir`` / ``--tokenizer-revision``: a hub id ``MODEL`` (and
+    ``--tokenizer``) becomes the local folder of that revision in that cache
+    (:func:`radixkv.models.hub_snapshot`: offline unless ``--allow-download``), so that every
+    loader after this (the server's engine, run-batch's, a fleet's ingress and replicas on this
+    machine) reads a local directory. The answers keep the hub id's name (its last part), as
+    without the flags. A local path ignores them, as vLLM's loaders do."""
+    from radixkv import models
+
+    if args.model and (args.revision or args.download_dir) \
+            and not models.looks_like_local(args.model):
+        if not args.served_model_name:
+            args.served_model_name = str(args.model).rstrip("/").rsplit("/", 1)[-1]
+        args.model = str(models.hub_snapshot(args.model, revision=args.revision,
+                                             cache_dir=args.download_dir,
+                                             allow_download=args.allow_download,
+                                             gguf_file=args.gguf_file))
+    if args.tokenizer and (args.tokenizer_revision or args.download_dir) \
+            and not models.looks_like_local(args.tokenizer):
+        args.tokenizer = str(models.hub_snapshot(args.tokenizer, revision=args.tokenizer_revision,
+                                                 cache_dir=args.download_dir,
+                                                 allow_download=args.allow_download,
+                                                 what="tokenizer"))
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Fold vLLM's spellings into radixkv's flags (ConfigError on a contradiction)."""
     from radixkv.errors import ConfigError
@@ -719,6 +753,7 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"the model is given twice: {args.model_tag!r} and --model "
                               f"{args.model!r}")
         args.model = args.model_tag
+    hub_files(args)
     if args.enable_prefix_caching and args.no_prefix_caching:
         raise ConfigError("--enable-prefix-caching and --no-prefix-caching contradict")
     if args.kv_dtype == "fp8":
