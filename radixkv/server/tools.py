@@ -29,8 +29,9 @@ Which format a template writes is read from the template (:func:`template_format
   ``tool_calls`` (``arguments`` as a JSON string) and the rest is ``content``.
 * ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: the output is
   constrained by a grammar (:meth:`radixkv.engine.grammar.GrammarCompiler.tool_call`, in the
-  format's own shape: :func:`grammar_shape`) to one call of one of the tools (of the named
-  one), its arguments valid against the tool's JSON schema.
+  format's own shape: :func:`grammar_shape`) to calls of the tools (one or more; exactly one
+  of the named tool, or with ``parallel_tool_calls: false``), each one's arguments valid
+  against its tool's JSON schema.
 * ``"none"``: the tools are not rendered and nothing is parsed.
 * ``parallel_tool_calls: false``: one call; a hermes reply ends after its first
   ``</tool_call>`` (:func:`stop_after`), a Llama reply's later calls are dropped (its calls
@@ -65,9 +66,9 @@ from radixkv.server.json_stream import JSONCanon
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+_SPACE = re.compile(r"[ \t\n\r]+")
 #: what a Llama 3.x reply may start with before its calls (a special token: in the text only
 #: with ``skip_special_tokens: false``)
-_SPACE = re.compile(r"[ \t\n\r]+")
 PYTHON_TAG = "<|python_tag|>"
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 #: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas)
