@@ -1230,10 +1230,19 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="prompt")
+        seq_thinking, seq_grammar = thinking, grammar
+        if not chat and req.thinking_token_budget is not None \
+                and state.reasoning_parser is not None:
+            # a completion's prompt says whether its reply starts inside the thinking; the
+            # grammar, if any, then shapes the answer after it, as in a chat
+            seq_thinking = serving.completion_thinking(eng.chat_template.tokenizer,
+                                                       state.reasoning_parser, ids)
+            if grammar is not None and seq_thinking is not None:
+                seq_grammar = grammar.after_thinking(seq_thinking)
         params.append(serving.sampling_params(req, len(ids), eng.max_model_len,
-                                              state.default_max_tokens, vocab, grammar,
+                                              state.default_max_tokens, vocab, seq_grammar,
                                               eng.sampling_defaults, state.max_logprobs,
-                                              thinking))
+                                              seq_thinking))
     if stop_after:
         params = [dataclasses.replace(sp, stop_after=stop_after) for sp in params]
     if req.stream and len(prompts) > 1:

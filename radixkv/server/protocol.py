@@ -193,8 +193,8 @@ class _SamplingFields(_PlacedDocuments):
     return_token_ids: bool = False
     min_tokens: int = Field(default=0, ge=0)   # vLLM's: no stop before this many tokens
     #: vLLM's: a reasoning model thinks at most this many tokens, then its ``</think>`` is
-    #: forced (chat with ``--reasoning-parser``)
-    thinking_token_budget: Optional[int] = Field(default=None, ge=0)
+    #: forced (with ``--reasoning-parser``); -1 is vLLM's "unlimited", the same as unset
+    thinking_token_budget: Optional[int] = Field(default=None, ge=-1)
     # vLLM's: each prompt token's logprob, rank and this many alternatives (serve.md)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     # vLLM's token restrictions: only these tokens; never these strings (serve.md)
@@ -253,6 +253,11 @@ class _SamplingFields(_PlacedDocuments):
                         data[name] == o and type(data[name]) is type(o) for o in off):
                     raise UnsupportedField(name)
         return data
+
+    @field_validator("thinking_token_budget")
+    @classmethod
+    def _budget(cls, v: Any) -> Any:
+        return None if v == -1 else v
 
     @field_validator("logit_bias")
     @classmethod

@@ -191,10 +191,12 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                            param="min_tokens")
         kwargs["min_tokens"] = req.min_tokens
     if req.thinking_token_budget is not None:
-        if not isinstance(req, ChatCompletionRequest) or thinking is None:
-            raise APIError(400, "thinking_token_budget needs a chat request to a server started "
-                           "with --reasoning-parser (deepseek_r1, or qwen3 where <think> is one "
-                           "token): it is what says where the thinking ends",
+        if thinking is None:
+            raise APIError(400, "thinking_token_budget needs a server started with "
+                           "--reasoning-parser (it is what says where the thinking ends) and a "
+                           "reply that can think: a chat (deepseek_r1, or qwen3 where <think> "
+                           "is one token), or a completion whose prompt ends inside <think> "
+                           "(or, where <think> is one token, whose reply may open it)",
                            param="thinking_token_budget")
         if req.use_beam_search:
             raise APIError(400, "thinking_token_budget is not available with use_beam_search",
@@ -262,6 +264,25 @@ def thinking_marks(tokenizer: Any, parser: str) -> Any:
     if not close:
         return None
     if parser == "deepseek_r1":
+        return Thinking(None, close, True)
+    opening = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+    return Thinking(opening[0], close, False) if len(opening) == 1 else None
+
+
+def completion_thinking(tokenizer: Any, parser: str, prompt_ids: Sequence[int]) -> Any:
+    """Where a completion's thinking ends (``engine.grammar.Thinking``), for a thinking budget:
+    read from the prompt, as vLLM's budget reads it. A prompt that ends inside a thinking
+    section (its last ``<think>`` after its last ``</think>``, as text, whichever parser) makes
+    the reply think from its first token; otherwise the reply thinks only if its first token
+    is ``<think>``, which must then be one token (else None: nothing to budget)."""
+    from radixkv.engine.grammar import Thinking
+    from radixkv.server.reasoning import THINK_CLOSE, THINK_OPEN
+
+    close = tuple(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+    if not close or parser not in ("deepseek_r1", "qwen3"):
+        return None
+    text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    if text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE):
         return Thinking(None, close, True)
     opening = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
     return Thinking(opening[0], close, False) if len(opening) == 1 else None

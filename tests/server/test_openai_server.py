@@ -811,16 +811,17 @@ def test_chat_echo_and_prompt_text(ready: Server) -> None:
 def test_a_thinking_budget_needs_a_reasoning_parser(ready: Server) -> None:
     """vLLM's ``thinking_token_budget`` on a server without ``--reasoning-parser``: a 400
     naming it (nothing says where the thinking ends), not ignored; ``null`` is everyone's
-    default (tests/server/test_run_batch.py serves one)."""
+    default and -1 vLLM's "unlimited", the same (tests/server/test_run_batch.py serves one)."""
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for value in (3, 0):
         status, err = ready.raw("POST", "/v1/chat/completions",
                                 {**chat, "thinking_token_budget": value})
         assert status == 400 and err["error"]["param"] == "thinking_token_budget", err
-    status, err = ready.raw("POST", "/v1/chat/completions", {**chat, "thinking_token_budget": -1})
+    status, err = ready.raw("POST", "/v1/chat/completions", {**chat, "thinking_token_budget": -2})
     assert status == 400 and err["error"]["param"] == "thinking_token_budget", err
-    assert ready.raw("POST", "/v1/chat/completions",
-                     {**chat, "thinking_token_budget": None})[0] == 200
+    for value in (None, -1):
+        assert ready.raw("POST", "/v1/chat/completions",
+                         {**chat, "thinking_token_budget": value})[0] == 200
 
 
 def test_priority_needs_priority_scheduling(ready: Server) -> None:

@@ -117,7 +117,10 @@ def test_a_thinking_budget_cuts_the_reasoning_through_the_server(tmp_path: Path)
     """``thinking_token_budget`` with ``--reasoning-parser deepseek_r1`` (thinking from the
     first token): the reasoning is the first N tokens of the free reply, then ``</think>`` is
     forced and the rest is the answer; the 135M model never closes on its own, so without a
-    budget its whole reply is reasoning. Without a parser, or in a completion, it is a 400."""
+    budget its whole reply is reasoning. In a completion the prompt says whether the reply
+    starts inside the thinking (as vLLM's budget reads it): one that ends with ``<think>`` is
+    cut the same way; one that does not has nothing to budget here (``<think>`` is not one
+    token of this vocabulary): a 400, as with beam search."""
     ask = {"messages": [{"role": "user", "content": "Why is the sky blue?"}],
            "max_tokens": 16, "temperature": 0}
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
@@ -128,6 +131,11 @@ def test_a_thinking_budget_cuts_the_reasoning_through_the_server(tmp_path: Path)
                                             "use_beam_search": True}))]
     lines.append({"custom_id": "text", "method": "POST", "url": "/v1/completions",
                   "body": {"prompt": "x", "max_tokens": 2, "thinking_token_budget": 3}})
+    thinks = {"prompt": "Q: Why is the sky blue?\nA: <think>\n", "max_tokens": 16,
+              "temperature": 0, "return_token_ids": True}
+    lines += [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+               "body": {**thinks, **extra}}
+              for name, extra in (("text_free", {}), ("text_cut", {"thinking_token_budget": 3}))]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     proc = subprocess.run([sys.executable, "-m", "radixkv.cli", "run-batch", "-i", str(src),
@@ -144,3 +152,7 @@ def test_a_thinking_budget_cuts_the_reasoning_through_the_server(tmp_path: Path)
     for name in ("beams", "text"):
         assert out[name]["status_code"] == 400, out[name]
         assert out[name]["body"]["error"]["param"] == "thinking_token_budget", out[name]
+    text_free, text_cut = (out[k]["body"]["choices"][0] for k in ("text_free", "text_cut"))
+    assert "</think>" not in text_free["text"] and "</think>" in text_cut["text"]
+    assert text_cut["token_ids"][:3] == text_free["token_ids"][:3]   # 3 free, then forced
+    assert text_cut["text"].index("</think>") > 0
