@@ -114,9 +114,11 @@ class RequestOutput:
 
 def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) -> None:
     """Set ``seq.finish_reason`` (and ``stop_reason``) if ``tok``, just appended, ends it: an
-    end-of-sequence token (unless ``ignore_eos``), a stop token, a stop string in the new text
-    (which is cut there, or after it with ``include_stop_str_in_output`` or for a
-    ``stop_after`` string), or the length.
+    end-of-sequence token (unless ``ignore_eos``) or a stop token, whose own text (with
+    ``skip_special_tokens`` false) stays out of the text unless ``include_stop_str_in_output``
+    (vLLM's rule: the token ids keep it), a stop string in the new text (which is cut there,
+    or after it with ``include_stop_str_in_output`` or for a ``stop_after`` string), or the
+    length.
     Before ``min_tokens`` tokens, only the length (vLLM's rule; the choice masked the stop
     tokens, so one here came from a caller that did not)."""
     detok = seq.detok
@@ -128,6 +130,8 @@ def check_stop(seq: Any, params: Any, tok: int, eos: Any, max_model_len: int) ->
         return
     if (not params.ignore_eos and tok in eos) or tok in params.stop_token_ids:
         seq.finish_reason, seq.stop_reason = FINISH_STOP, tok
+        if new_text and not params.include_stop_str_in_output:
+            detok.truncate(len(detok.text) - len(new_text))
         return
     hit = detok.find_stop(len(new_text)) if new_text and detok.stop else None
     if hit is not None:
@@ -149,9 +153,11 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
     if req.beam is not None:
         comps = []
         for i, (toks, _score, raw) in enumerate(req.beam.best(req.params.n)):
-            text = tokenizer.decode(toks, skip_special_tokens=req.params.skip_special_tokens) \
-                if tokenizer else ""
             reason = FINISH_STOP if toks and toks[-1] in req.beam.eos else FINISH_LENGTH
+            shown = toks[:-1] if reason == FINISH_STOP and not \
+                req.params.include_stop_str_in_output else toks   # (check_stop's rule)
+            text = tokenizer.decode(shown, skip_special_tokens=req.params.skip_special_tokens) \
+                if tokenizer else ""
             comps.append(CompletionOutput(i, text, toks, reason, raw, text, list(toks)))
     else:
         comps = []

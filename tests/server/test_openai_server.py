@@ -993,15 +993,22 @@ def test_return_token_ids_and_include_stop_str_in_output(ready: Server, engine: 
     assert chunks[0].model_extra["prompt_token_ids"] == chat_ids
     assert [t for ch in chunks for c in ch.choices
             for t in (c.model_extra or {}).get("token_ids") or []] == chat_ref.token_ids
-    # special tokens: left out of the text by default, written with skip_special_tokens false
+    # special tokens: left out of the text by default, written with skip_special_tokens false;
+    # the stop token that ended the reply (its EOS) only with include_stop_str_in_output too,
+    # as in vLLM (its token id is in the answer's ids either way)
+    plain = _chat(ready.client(), msgs, max_tokens=30, temperature=0).choices[0].message.content
     written = _chat(ready.client(), msgs, max_tokens=30, temperature=0,
                     extra_body={"skip_special_tokens": False}).choices[0].message.content
     want = engine.generate(chat_ids, SamplingParams(max_tokens=30, skip_special_tokens=False)
                            )[0].outputs[0]
-    assert want.finish_reason == "stop" and written == want.text
-    assert written.endswith(engine.decode(want.token_ids[-1:], skip_special_tokens=False))
-    assert written != _chat(ready.client(), msgs, max_tokens=30,
-                            temperature=0).choices[0].message.content
+    eos_text = engine.decode(want.token_ids[-1:], skip_special_tokens=False)
+    assert want.finish_reason == "stop" and written == want.text and eos_text
+    assert not written.endswith(eos_text) and written == plain   # no other special token
+    kept = _chat(ready.client(), msgs, max_tokens=30, temperature=0, extra_body={
+        "skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0]
+    assert kept.message.content == plain + eos_text
+    assert _chat(ready.client(), msgs, max_tokens=30, temperature=0, extra_body={
+        "include_stop_str_in_output": True}).choices[0].message.content == plain
     # vLLM's spaces_between_special_tokens: accepted; transformers 5 never adds such spaces
     assert _chat(ready.client(), msgs, max_tokens=30, temperature=0, extra_body={
         "skip_special_tokens": False, "spaces_between_special_tokens": False}
