@@ -92,7 +92,7 @@ class Grammar:
         vocab_size: the model's logits width the masks are made for.
         spec: the recipe: ``("constraint", kind, value, whitespace)`` or
             ``("tool_call", tools, open_tag, close_tag, otherwise, whitespace, args_key,
-            separator)``,
+            separator, around, name_first)``,
             where ``whitespace`` is what JSON may have between tokens
             (:meth:`GrammarCompiler.source`): the recipe carries it so that another process
             compiles the same language whatever its own compiler's default.
@@ -153,7 +153,8 @@ def _rebuild(spec: tuple[Any, ...], vocab_size: int, thinking: Thinking | None) 
         g = gc.compile(spec[1], spec[2], whitespace=spec[3])
     else:
         g = gc.tool_call(spec[1], spec[2], spec[3], spec[4], whitespace=spec[5],
-                         args_key=spec[6], separator=spec[7])
+                         args_key=spec[6], separator=spec[7], around=spec[8],
+                         name_first=spec[9])
     return g if thinking is None else g.after_thinking(thinking)
 
 
@@ -281,13 +282,17 @@ class GrammarCompiler:
     def tool_call(self, tools: Sequence[tuple[str, Any]], open_tag: str, close_tag: str,
                   otherwise: tuple[str, Any, bool] | None = None, *,
                   whitespace: Any = _DEFAULT, args_key: str = "arguments",
-                  separator: str | None = None) -> Grammar:
+                  separator: str | None = None, around: bool = False,
+                  name_first: str | None = None) -> Grammar:
         """One call of one of ``tools`` (``(name, JSON schema of its arguments)``), written
         ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments valid
         against the schema (OpenAI's ``tool_choice`` required or named); with no tags (Llama
         3.x's format) the object alone. ``separator``: one or more calls, this between two
         (``required`` with parallel calls allowed, as vLLM's; None: exactly one).
-        ``args_key``: the arguments' key (``"parameters"`` for Llama). ``otherwise``:
+        ``args_key``: the arguments' key (``"parameters"`` for Llama). ``around``: the tags
+        wrap the whole sequence of calls, without newlines (Mistral's ``[TOOL_CALLS] [...]``
+        list). ``name_first``: a call is ``open_tag + name + name_first`` then the arguments
+        alone (Mistral's ``[TOOL_CALLS]name[ARGS]{...}``). ``otherwise``:
         ``(kind, value, any_whitespace)`` of a constraint (:meth:`source`) the output may
         follow instead of calling (``tool_choice`` auto beside ``response_format``).
         ``whitespace``: the calls' JSON whitespace bound (default this compiler's); the
@@ -300,24 +305,38 @@ class GrammarCompiler:
             alternative = self.source(otherwise[0], otherwise[1], whitespace=(
                 whitespace if otherwise[2] else 0))
         try:
-            calls = [_json(xgr, json.dumps({
-                "type": "object", "properties": {"name": {"const": name},
-                                                 args_key: schema or {"type": "object"}},
-                "required": ["name", args_key], "additionalProperties": False}), whitespace)
-                for name, schema in tools]
+            def text(value: str) -> Any:
+                return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(value)}")
+
+            if name_first is not None:
+                calls = [xgr.Grammar.concat(text(open_tag + name + name_first),
+                                            _json(xgr, json.dumps(schema or {"type": "object"}),
+                                                  whitespace))
+                         for name, schema in tools]
+            else:
+                calls = [_json(xgr, json.dumps({
+                    "type": "object", "properties": {"name": {"const": name},
+                                                     args_key: schema or {"type": "object"}},
+                    "required": ["name", args_key], "additionalProperties": False}), whitespace)
+                    for name, schema in tools]
             body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-            grammar = body if not (open_tag or close_tag) else xgr.Grammar.concat(
-                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag + chr(10))}"), body,
-                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + close_tag)}"))
+            if name_first is not None or around or not (open_tag or close_tag):
+                grammar = body
+            else:
+                grammar = xgr.Grammar.concat(text(open_tag + chr(10)), body,
+                                             text(chr(10) + close_tag))
             if separator is not None:
                 # call (separator call)*: xgrammar combines grammars by concat and union only,
                 # so the repetition is a structural tag around the call's own EBNF (its rules
                 # keep their names apart there; the whitespace bounds and strictness stay)
                 one = {"type": "grammar", "grammar": str(grammar)}
+                more = one if not separator else {"type": "sequence", "elements": [
+                    {"type": "const_string", "value": separator}, one]}
                 grammar = xgr.Grammar.from_structural_tag(json.dumps({
                     "type": "structural_tag", "format": {"type": "sequence", "elements": [
-                        one, {"type": "star", "content": {"type": "sequence", "elements": [
-                            {"type": "const_string", "value": separator}, one]}}]}}))
+                        one, {"type": "star", "content": more}]}}))
+            if around:
+                grammar = xgr.Grammar.concat(text(open_tag), grammar, text(close_tag))
             if alternative is not None:
                 grammar = xgr.Grammar.union(grammar, alternative)
             with self._lock:
@@ -327,7 +346,8 @@ class GrammarCompiler:
                                       ) from None
         return Grammar(compiled, "tool_call", self.vocab_size,
                        spec=("tool_call", [tuple(t) for t in tools], open_tag, close_tag,
-                             otherwise, whitespace, args_key, separator))
+                             otherwise, whitespace, args_key, separator, around,
+                             name_first))
 
 
 def _json(xgr: Any, schema: str, whitespace: int | None, strict: bool = True) -> Any:

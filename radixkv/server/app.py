@@ -547,17 +547,18 @@ def _routes(api: FastAPI, state: ServerState,
         if req.messages is not None:
             from radixkv.server import tools as tool_calls
 
+            template = req.chat_template or getattr(eng.chat_template.tokenizer,
+                                                    "chat_template", None)
             try:
-                msgs = tool_calls.template_messages(req.messages)
+                msgs = tool_calls.template_messages(req.messages, tool_calls.history_format(
+                    template, state.frontend.tool_call_parser))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             serving.check_text(eng, [m["content"] for m in msgs], "messages", limit)
             _request_defaults(state, req)
             variables = dict(req.chat_template_kwargs or {})
             if req.tools:   # rendered as a chat request with these tools renders them
-                tool_calls.template_format(req.chat_template or getattr(
-                    eng.chat_template.tokenizer, "chat_template", None),
-                    state.frontend.tool_call_parser)
+                tool_calls.template_format(template, state.frontend.tool_call_parser)
                 variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             if req.documents is not None and not req.default_ending():
                 raise APIError(400, "documents are not supported with add_generation_prompt "
@@ -1120,8 +1121,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     from radixkv.server import tools as tool_calls
 
     tok = eng.chat_template.tokenizer
-    fmt = tool_calls.template_format(req.chat_template or getattr(tok, "chat_template", None),
-                                     state.frontend.tool_call_parser)
+    template = req.chat_template or getattr(tok, "chat_template", None)
+    fmt = tool_calls.template_format(template, state.frontend.tool_call_parser)
     if req.use_beam_search:
         raise APIError(400, "use_beam_search is not supported together with tools yet",
                        param="use_beam_search", code="unsupported_parameter")
@@ -1131,7 +1132,9 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     # their results is still rendered as the template writes them
     active = bool(req.tools) and req.tool_choice != "none"
     defs = [t.model_dump(exclude_none=True) for t in req.tools] if active else None
-    msgs = tool_calls.template_messages(req.messages)
+    msgs = tool_calls.template_messages(req.messages, fmt)
+    if active and tool_calls.keeps_special_tokens(fmt):
+        req.skip_special_tokens = False   # Mistral's [TOOL_CALLS] is a special token
     # what the template renders besides the messages (cache points and documents alike)
     variables = {**(req.chat_template_kwargs or {}), **({"tools": defs} if defs else {})}
     if req.documents is not None:
@@ -1167,14 +1170,16 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
         otherwise = None
         if not forced and constraint is not None:
             otherwise = await _constraint_grammar(gc, req, constraint, compiled=False)
-        open_tag, close_tag, args_key, separator = tool_calls.grammar_shape(fmt)
+        shape = tool_calls.grammar_shape(fmt, template)
         # "required" (and "auto" beside a constraint) call one or more tools, as OpenAI's and
         # vLLM's do, unless parallel_tool_calls is false; a named tool is called once
         once = (forced and choice != "required") or req.parallel_tool_calls is False
         try:
             grammar = await asyncio.to_thread(functools.partial(
-                gc.tool_call, [(f.name, f.parameters) for f in wanted], open_tag, close_tag,
-                otherwise, args_key=args_key, separator=None if once else separator))
+                gc.tool_call, [(f.name, f.parameters) for f in wanted], shape.open_tag,
+                shape.close_tag, otherwise, args_key=shape.args_key,
+                separator=None if once else shape.separator, around=shape.around,
+                name_first=shape.name_first))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,

@@ -240,12 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
-    v.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "llama4_json"),
-                   default=None,
+    v.add_argument("--tool-call-parser",
+                   choices=("hermes", "mistral", "llama3_json", "llama4_json"), default=None,
                    help="the format the model writes tool calls in, for every chat template "
                         "that declares tools: hermes (<tool_call> tags: Hermes, Qwen2/2.5/3, "
-                        "SmolLM3) or llama3_json (JSON objects: Llama 3.x; llama4_json is "
-                        "the same); default: read from the template")
+                        "SmolLM3), mistral ([TOOL_CALLS]: Mistral, Mixtral, Nemo, Ministral) "
+                        "or llama3_json (JSON objects: Llama 3.x; llama4_json is the same); "
+                        "default: read from the template")
     v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="accepted for vLLM compatibility: with tool_choice none radixkv never "
                         "renders the tools")

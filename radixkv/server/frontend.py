@@ -44,7 +44,8 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
                                           400: a template can take any CPU and memory to
                                           render, so only for clients the operator trusts)
 ``--tool-call-parser NAME``               the format tool calls are read in (``hermes``,
-                                          ``llama3_json``) for every template that declares
+                                          ``mistral``, ``llama3_json``) for every template
+                                          that declares
                                           tools; without it, the template's own
                                           (radixkv/server/tools.py)
 ========================================  ==================================================

@@ -1,14 +1,19 @@
-"""OpenAI tool calls for chat templates that declare tools, in the two formats open models use.
+"""OpenAI tool calls for chat templates that declare tools, in the three formats open models use.
 
 A chat template that takes ``tools`` (it refers to the variable) renders their definitions into
 the prompt; the model answers with calls written the way its template teaches. radixkv reads
-two formats (vLLM's ``--tool-call-parser`` names them):
+three formats (vLLM's ``--tool-call-parser`` names them):
 
 * ``hermes``: Hermes, Qwen2/2.5/3 and SmolLM3 templates, calls in tags, anywhere in the reply::
 
       <tool_call>
       {"name": "get_weather", "arguments": {"city": "Paris"}}
       </tool_call>
+
+* ``mistral``: Mistral templates, calls after a ``[TOOL_CALLS]`` special token, as a list or
+  (newer templates) one ``name[ARGS]{...}`` per marker (:class:`MistralCallStream`)::
+
+      [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 * ``llama3_json`` (also named ``llama4_json``): Llama 3.1/3.2/3.3 templates, a reply that *is*
   calls: JSON objects, after an optional ``<|python_tag|>``, separated by ``;``::
@@ -22,7 +27,8 @@ two formats (vLLM's ``--tool-call-parser`` names them):
   can differ where radixkv's cannot.
 
 Which format a template writes is read from the template (:func:`template_format`: the
-``<tool_call>`` tag, or Llama's ``"parameters": dictionary of argument name`` instruction);
+``<tool_call>`` tag, the ``[TOOL_CALLS]`` marker, or Llama's ``"parameters": dictionary of
+argument name`` instruction);
 ``--tool-call-parser`` fixes it for every template that declares tools.
 
 * ``tool_choice: "auto"``: the model may call; calls found in its text become OpenAI
@@ -59,7 +65,7 @@ import json
 import re
 import uuid
 from collections.abc import Set
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.server.errors import APIError
 from radixkv.server.json_stream import JSONCanon
@@ -70,9 +76,17 @@ _SPACE = re.compile(r"[ \t\n\r]+")
 #: what a Llama 3.x reply may start with before its calls (a special token: in the text only
 #: with ``skip_special_tokens: false``)
 PYTHON_TAG = "<|python_tag|>"
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 #: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas)
-PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA3_JSON}
+PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA3_JSON,
+           "mistral": MISTRAL}
+#: Mistral's marker before its calls (a special token: the server keeps special tokens in the
+#: text of a Mistral reply that may call, :func:`keeps_special_tokens`) and, in its newer
+#: templates, between a call's name and its arguments
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_NAME_PREFIX = re.compile(r"[A-Za-z0-9_.\-]{0,64}")   # (a function name, or its start)
+_ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.1/3.2/3.3 templates' instruction to the model (the mark of the JSON format)
 _LLAMA_MARK = '"parameters": dictionary of argument name'
 
@@ -90,22 +104,88 @@ def template_format(template: str | None, parser: str | None = None) -> str:
         return PARSERS[parser]
     if CALL_OPEN in template:
         return HERMES
+    if MISTRAL_CALLS in template:
+        return MISTRAL
     if _LLAMA_MARK in template:
         return LLAMA3_JSON
     raise APIError(400, "this model's chat template writes tool calls in a format radixkv "
                    f"does not recognize (it reads {CALL_OPEN} ... {CALL_CLOSE}: Hermes, Qwen, "
-                   "SmolLM3; and Llama 3.x's JSON calls); --tool-call-parser hermes or "
-                   "llama3_json names the format for such a template", param="tools",
+                   f"SmolLM3; {MISTRAL_CALLS}: Mistral; and Llama 3.x's JSON calls); "
+                   "--tool-call-parser hermes, mistral or llama3_json names the format for "
+                   "such a template", param="tools",
                    code="unsupported_parameter")
 
 
-def grammar_shape(fmt: str) -> tuple[str, str, str, str]:
-    """``(open_tag, close_tag, arguments key, separator)`` of calls written in ``fmt``: what a
-    forced call's grammar produces (:meth:`~radixkv.engine.grammar.GrammarCompiler.tool_call`;
-    the separator between two calls where several are allowed)."""
+class CallShape(NamedTuple):
+    """How calls are written in a format: what a forced call's grammar produces
+    (:meth:`~radixkv.engine.grammar.GrammarCompiler.tool_call`, which takes these as keyword
+    arguments). ``open_tag``/``close_tag`` wrap each call, or the whole sequence of calls with
+    ``around``; ``separator`` goes between two calls where several are allowed; ``name_first``:
+    a call is ``open_tag + name + middle + arguments`` (Mistral's newer templates) instead of
+    one JSON object holding both under ``name`` and ``args_key``."""
+
+    open_tag: str
+    close_tag: str
+    args_key: str = "arguments"
+    separator: str = "\n"
+    around: bool = False
+    name_first: str | None = None
+
+
+def grammar_shape(fmt: str, template: str | None = None) -> CallShape:
+    """The :class:`CallShape` of ``fmt`` (for Mistral, of the ``template``'s generation: a
+    list after ``[TOOL_CALLS]``, or ``[TOOL_CALLS]name[ARGS]{...}`` per call where the
+    template writes ``[ARGS]``)."""
     if fmt == LLAMA3_JSON:
-        return "", "", "parameters", "; "
-    return CALL_OPEN, CALL_CLOSE, "arguments", "\n"
+        return CallShape("", "", "parameters", "; ")
+    if fmt == MISTRAL:
+        if template is not None and MISTRAL_ARGS in template:
+            return CallShape(MISTRAL_CALLS, "", separator="", name_first=MISTRAL_ARGS)
+        return CallShape(MISTRAL_CALLS + " [", "]", separator=", ", around=True)
+    return CallShape(CALL_OPEN, CALL_CLOSE)
+
+
+def history_format(template: str | None, parser: str | None = None) -> str | None:
+    """The format a history's calls are rendered for where no tools are offered (``/tokenize``
+    of a history): Mistral where the parser or the template says so (its call ids are
+    mapped, :func:`mistral_id`), else None (ids as they are)."""
+    if parser is not None:
+        return PARSERS[parser]
+    return MISTRAL if template and MISTRAL_CALLS in template else None
+
+
+def keeps_special_tokens(fmt: str) -> bool:
+    """Whether a reply that may call is decoded with its special tokens (vLLM's Mistral
+    parser asks the same): Mistral's ``[TOOL_CALLS]`` is one, and without it the calls cannot
+    be told from text."""
+    return fmt == MISTRAL
+
+
+def call_id(fmt: str) -> str:
+    """A new call's ``id``: OpenAI's ``call_`` + 24 hex digits, or for Mistral 9 letters and
+    digits, the only ids its templates render back (they raise on any other)."""
+    if fmt == MISTRAL:
+        import secrets
+
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_id(given: str) -> str:
+    """A call id as Mistral's templates take it: itself when it is 9 letters and digits, else
+    9 letters and digits derived from it (the same for a call and its result, so they still
+    pair), since a history from another server's calls would otherwise make the template
+    raise."""
+    if _MISTRAL_ID.fullmatch(given):
+        return given
+    import hashlib
+
+    n = int.from_bytes(hashlib.blake2b(given.encode(), digest_size=8).digest(), "big")
+    out = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ID_CHARS))
+        out.append(_ID_CHARS[r])
+    return "".join(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +198,12 @@ class Reader:
     names: frozenset[str]
     single: bool = False
 
-    def stream(self) -> CallStream | JSONCallStream:
+    def stream(self) -> CallStream | JSONCallStream | MistralCallStream:
         """A fresh stream for one choice's text."""
         if self.format == LLAMA3_JSON:
             return JSONCallStream(self.names, self.single)
+        if self.format == MISTRAL:
+            return MistralCallStream(self.names, self.single)
         return CallStream(self.names)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -410,6 +492,199 @@ class JSONCallStream(_Content):
         return (self._lead if not self.num_calls else "") + raw
 
 
+class MistralCallStream(_Content):
+    """One streamed choice's text in Mistral's format split into content deltas and tool-call
+    deltas; :meth:`Reader.parse` is this over the whole text.
+
+    The interface and the deltas are :class:`CallStream`'s (ids of 9 letters and digits,
+    :func:`call_id`). Text up to ``[TOOL_CALLS]`` is content (a start of the marker is held
+    back until the next tokens tell). After the marker and any whitespace, either a JSON list
+    of calls, ``[{"name": ..., "arguments": {...}}, ...]`` (the templates of Mistral 7B v0.3,
+    Mixtral, Nemo, Ministral, Small 2501), each element announced at its header with its
+    arguments streamed as in :class:`JSONCallStream` (keys after them, such as an ``id``,
+    skipped to the element's end; another key order read whole, then judged), or
+    ``name[ARGS]{...}`` (newer templates: one call per marker). After a list or such a call
+    the text is content again, and another marker starts more calls. Calls that do not parse
+    (no list, an unknown tool, broken JSON) before any of the marker's was announced are
+    content, the marker included; once one was, the rest of the reply is dropped. ``single``:
+    the first call only."""
+
+    def __init__(self, names: Set[str], single: bool = False) -> None:
+        super().__init__()
+        self.names, self.single = names, single
+        self.num_calls = 0       # calls announced so far (the next call's ``index``)
+        self._buf = ""           # text not yet sent or dropped
+        # "text": content, watching for the marker; "open": just after a marker; "name": a
+        # newer call's name, up to [ARGS]; "item": in a list, before an element; "pending":
+        # an element whose header is not known yet; "whole": an element read to its end
+        # before it is judged; "args": an announced call's arguments; "tail": the rest of its
+        # element; "sep": after an element; "drop": dropped to the end
+        self._mode = "text"
+        self._section = ""       # read since the marker while none of its calls was announced
+        self._calls_here = 0     # calls announced since the marker
+        self._list = True        # the marker's calls are a list (else one name[ARGS] call)
+        self._raw = ""           # "whole": the element's text read so far
+        self._canon: JSONCanon | None = None
+        self._close = _Closing()
+
+    def _announce(self, name: str, deltas: list[dict[str, Any]]) -> None:
+        deltas.append({"index": self.num_calls, "id": call_id(MISTRAL), "type": "function",
+                       "function": {"name": name, "arguments": ""}})
+        self.num_calls += 1
+        self._calls_here += 1
+        self._section = ""
+
+    def _keep(self, text: str) -> None:
+        if not self._calls_here:
+            self._section += text
+
+    def _fail(self, out: list[str]) -> None:
+        """What followed the marker is not (more of) its calls: content from the marker when
+        none was announced (the caller goes on reading the rest as text), else dropped."""
+        if self._calls_here:
+            self._mode = "drop"
+        else:
+            out.append(self._section)
+            self._section, self._mode = "", "text"
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        buf = self._buf + text
+        out: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while buf:
+            mode = self._mode
+            if mode == "text":
+                at = buf.find(MISTRAL_CALLS)
+                if at < 0:
+                    keep = _tag_prefix(buf, MISTRAL_CALLS)
+                    out.append(buf[:len(buf) - keep])
+                    buf = buf[len(buf) - keep:]
+                    break
+                out.append(buf[:at])
+                buf = buf[at + len(MISTRAL_CALLS):]
+                self._mode, self._section, self._calls_here = "open", MISTRAL_CALLS, 0
+            elif mode == "open":
+                rest = buf.lstrip()
+                self._keep(buf[:len(buf) - len(rest)])
+                buf = rest
+                if not rest:
+                    break
+                if rest[0] == "[":
+                    self._keep("[")
+                    buf, self._mode, self._list = rest[1:], "item", True
+                else:
+                    self._mode, self._list = "name", False
+            elif mode == "name":
+                at = buf.find(MISTRAL_ARGS)
+                if at < 0:
+                    head = buf[:len(buf) - _tag_prefix(buf, MISTRAL_ARGS)]
+                    if _NAME_PREFIX.fullmatch(head):
+                        break   # a name being written
+                    self._fail(out)
+                    continue
+                name = buf[:at]
+                if _NAME_PREFIX.fullmatch(name) and name in self.names:
+                    self._announce(name, deltas)
+                    self._mode, self._canon = "args", JSONCanon(raw_string=True)
+                    buf = buf[at + len(MISTRAL_ARGS):]
+                else:
+                    self._fail(out)
+            elif mode == "item":
+                rest = buf.lstrip()
+                self._keep(buf[:len(buf) - len(rest)])
+                buf = rest
+                if not rest:
+                    break
+                if rest[0] == "{":
+                    self._mode = "pending"
+                elif rest[0] == "]" and self._calls_here:   # after a trailing comma
+                    buf, self._mode = rest[1:], "text"
+                else:
+                    self._fail(out)
+            elif mode == "pending":
+                status, called, start = _header(buf)
+                if status == "pending":
+                    break
+                if status == "yes" and called is not None and called in self.names:
+                    self._announce(called, deltas)
+                    self._mode, self._canon = "args", JSONCanon(raw_string=True)
+                    buf = buf[start:]
+                else:
+                    self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
+            elif mode == "whole":
+                assert self._canon is not None
+                _, read = self._canon.feed(buf)
+                self._raw, buf = self._raw + buf[:read], buf[read:]
+                if self._canon.done:
+                    call = _call(self._raw, self.names)
+                    if call is not None:
+                        deltas.append({"index": self.num_calls, **call,
+                                       "id": call_id(MISTRAL)})
+                        self.num_calls += 1
+                        self._calls_here += 1
+                        self._section = self._raw = ""
+                        self._mode = "drop" if self.single else "sep"
+                        continue
+                elif not self._canon.failed:
+                    break
+                buf, self._raw = self._raw + buf, ""   # not a call
+                self._fail(out)
+            elif mode == "args":
+                assert self._canon is not None
+                piece, read = self._canon.feed(buf)
+                if piece:
+                    deltas.append({"index": self.num_calls - 1,
+                                   "function": {"arguments": piece}})
+                buf = buf[read:]
+                if self._canon.done:
+                    if self._list:
+                        self._mode, self._close = "tail", _Closing()
+                    else:
+                        self._mode = "drop" if self.single else "text"
+                elif self._canon.failed:
+                    self._mode = "drop"
+                else:
+                    break
+            elif mode == "tail":
+                end = self._close.feed(buf)
+                if end < 0:
+                    buf = ""
+                    break
+                buf, self._mode = buf[end:], "drop" if self.single else "sep"
+            elif mode == "sep":
+                rest = buf.lstrip()
+                if not rest:
+                    buf = ""
+                    break
+                if rest[0] == ",":
+                    buf, self._mode = rest[1:], "item"
+                elif rest[0] == "]":
+                    buf, self._mode = rest[1:], "text"
+                else:
+                    buf, self._mode = "", "drop"
+            else:   # "drop"
+                buf = ""
+        self._buf = buf
+        return self._content("".join(out)), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The end of the reply: a marker none of whose calls was announced is content with
+        what followed it; an announced call ends with the arguments it has."""
+        text, mode, self._buf, self._mode = self._buf, self._mode, "", "drop"
+        deltas: list[dict[str, Any]] = []
+        if mode == "args":
+            assert self._canon is not None
+            piece = self._canon.finish()
+            if piece:
+                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            text = ""
+        elif mode in ("open", "name", "item", "pending", "whole"):
+            text = "" if self._calls_here else self._section + self._raw + text
+        elif mode != "text":
+            text = ""
+        return self._content(text), deltas
+
+
 class _Closing:
     """Where the object being read closes, its text given in pieces: braces and brackets
     counted outside strings (the keys after a call's arguments are skipped unread)."""
@@ -445,7 +720,7 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]
     return _assemble(CallStream(names), text)
 
 
-def _assemble(stream: CallStream | JSONCallStream, text: str
+def _assemble(stream: CallStream | JSONCallStream | MistralCallStream, text: str
               ) -> tuple[str | None, list[dict[str, Any]]]:
     """What a client assembles from ``stream`` fed the whole of ``text``."""
     content, deltas = stream.feed(text)
@@ -515,10 +790,10 @@ def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool,
     return ()
 
 
-def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def template_messages(messages: list[Any], fmt: str | None = None) -> list[dict[str, Any]]:
     """The request's messages as the template reads them, tool calls and results included
     (an assistant call's ``arguments`` JSON string is given to the template as an object, as
-    transformers' templates expect)."""
+    transformers' templates expect; for ``fmt`` Mistral, call ids as :func:`mistral_id`)."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -533,16 +808,22 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
                     except ValueError:
                         raise APIError(400, "a tool call's arguments are not JSON",
                                        param="messages") from None
-                calls.append({**c, "function": fn})
+                call = {**c, "function": fn}
+                if fmt == MISTRAL and isinstance(call.get("id"), str):
+                    call["id"] = mistral_id(call["id"])
+                calls.append(call)
             d["tool_calls"] = calls
         if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
+            d["tool_call_id"] = (mistral_id(m.tool_call_id) if fmt == MISTRAL
+                                 else m.tool_call_id)
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
     return out
 
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "PARSERS", "PYTHON_TAG",
-           "CallStream", "JSONCallStream", "Reader", "grammar_shape", "parse", "stop_after",
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS",
+           "MISTRAL_CALLS", "PARSERS", "PYTHON_TAG", "CallShape", "CallStream",
+           "JSONCallStream", "MistralCallStream", "Reader", "call_id", "grammar_shape",
+           "history_format", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
            "template_format", "template_messages"]

@@ -120,6 +120,15 @@ def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
                            "</a>", separator="\n"),
               '<a>\n{"name": "f", "arguments": {}}\n</a>\n<a>\n{"name": "g", "arguments": '
               '{}}\n</a>', '<a>\n{"name": "f", "arguments": {}}\n</a>\n'),
+             # Mistral's list (the tags around all the calls) and its newer name[ARGS] calls
+             (gc.tool_call([("f", {"type": "object"}), ("g", {"type": "object"})],
+                           "[TOOL_CALLS] [", "]", separator=", ", around=True),
+              '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]',
+              '[TOOL_CALLS] [{"name": "f", "arguments": {}}], [{"name": "g", "arguments": {}}]'),
+             (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "required": ["a"]})], "[TOOL_CALLS]", "", separator="",
+                           name_first="[ARGS]"),
+              '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]f[ARGS]{"a": 2}', '[TOOL_CALLS]f[ARGS]{}'),
              (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
                                    "additionalProperties": False})], "", "",
                            args_key="parameters", separator="; "),

@@ -45,10 +45,10 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
                          "--disable-log-stats", "--trust-remote-code",
                          "--uvicorn-log-level", "info"])
     assert args.log_level == "info" and args.tool_call_parser == "hermes"
-    for name in ("llama3_json", "llama4_json"):   # both read Llama's JSON calls
+    for name in ("llama3_json", "llama4_json", "mistral"):
         assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
     with pytest.raises(SystemExit) as info:
-        p.parse_args(["--tool-call-parser", "mistral"])
+        p.parse_args(["--tool-call-parser", "pythonic"])
     assert info.value.code == 2
 
 

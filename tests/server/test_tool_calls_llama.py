@@ -81,7 +81,7 @@ def test_frontend_options_carry_the_parser_and_refuse_an_unknown_one() -> None:
     opts = FrontendOptions(tool_call_parser="llama3_json")
     assert FrontendOptions(**opts.as_dict()).tool_call_parser == "llama3_json"   # the fleet's
     with pytest.raises(ConfigError, match="--tool-call-parser"):
-        FrontendOptions(tool_call_parser="mistral")
+        FrontendOptions(tool_call_parser="pythonic")
 
 
 def _call_text(name: str, args: dict, key: str = "parameters", space: str = " ") -> str:
@@ -144,7 +144,7 @@ def _stream(reader: Reader, text: str, data: st.DataObject) -> tuple[str, list[d
         content += c
         for d in made:
             if "id" in d:
-                assert d["index"] not in calls and d["id"].startswith("call_")
+                assert d["index"] not in calls and isinstance(d["id"], str) and d["id"]
                 calls[d["index"]] = dict(d["function"])
             else:
                 assert set(d) == {"index", "function"} and d["function"]["arguments"]
@@ -167,6 +167,7 @@ def test_a_streamed_reply_assembles_what_a_whole_reading_finds(pieces: list[str]
     assert (content or None, calls) == (want_content, want_calls)
     got_content, got_calls = reader.parse(text)
     assert (got_content, [c["function"] for c in got_calls]) == (want_content, want_calls)
+    assert all(c["id"].startswith("call_") for c in got_calls)
 
 
 _ARGS = st.dictionaries(st.sampled_from(["city", "unit", "path", "text"]),
