@@ -76,6 +76,34 @@ def test_the_format_ids_and_grammar_shape() -> None:
     assert history_format(MISTRAL_TEMPLATE) == MISTRAL and history_format("{{ x }}") is None
 
 
+def test_a_forced_call_may_open_with_the_marker_token() -> None:
+    """Where ``[TOOL_CALLS]`` is one (special) token, as in Mistral's vocabulary, the forced
+    call's grammar lets the model write that token, not only the marker spelled in ordinary
+    tokens: a vocabulary with it added (the embedded tokenizer's copy)."""
+    import copy
+
+    import xgrammar as xgr
+
+    from radixkv.engine.grammar import GrammarCompiler
+    from radixkv.models import load_tokenizer
+
+    tok = copy.deepcopy(load_tokenizer())   # (load_tokenizer's object is the process's)
+    tok.add_special_tokens({"additional_special_tokens": [MISTRAL_CALLS]})
+    marker = tok.convert_tokens_to_ids(MISTRAL_CALLS)
+    gc = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    shape = grammar_shape(MISTRAL, MISTRAL_TEMPLATE)
+    g = gc.tool_call([("get_weather", {"type": "object"})], shape.open_tag, shape.close_tag,
+                     args_key=shape.args_key, around=shape.around)
+    m = g.matcher()
+    mask = xgr.allocate_token_bitmask(1, len(tok))
+    m.fill_next_token_bitmask(mask, 0)
+    assert (int(mask[0, marker // 32]) >> (marker % 32)) & 1
+    assert m.accept_token(marker)
+    for t in tok.encode(' [{"name": "get_weather", "arguments": {}}]', add_special_tokens=False):
+        assert m.accept_token(t)
+    assert m.accept_token(tok.eos_token_id)
+
+
 def _call_list(calls: list[tuple[str, dict]], space: str) -> str:
     body = f",{space}".join(json.dumps({"name": n, "arguments": a}) for n, a in calls)
     return f"{MISTRAL_CALLS}{space}[{body}]"
