@@ -149,8 +149,7 @@ class ServerState:
         if seqs > self.capacity:
             raise APIError(400, f"this request needs {seqs} sequences (prompts x n, or x "
                            f"best_of beams); the server holds at most {self.capacity} at once "
-                           f"(--max-num-seqs {self.ready_engine().max_num_seqs} + "
-                           f"--max-queued "
+                           f"(--max-num-seqs {self.ready_engine().max_num_seqs} + --max-queued "
                            f"{self.max_queued}): split it", param=param,
                            code="too_many_sequences")
         if self.in_flight + seqs > self.capacity:
@@ -1216,8 +1215,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     prompt, its cache points (breakpoints, retention) or None. ``grammar``: one that
     constrains the output (tool calls), instead of ``response_format``'s; ``tools``: a
     ``tools.Reader`` that reads the replies' tool calls; ``stop_after``: strings that end a
-    reply and stay
-    in it (``SamplingParams.stop_after``)."""
+    reply and stay in it (``SamplingParams.stop_after``)."""
     points = points or [None] * len(prompts)
     eng = state.ready_engine()
     vocab = eng.vocab_size
