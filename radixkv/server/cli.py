@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
+    # (tools.PARSERS' names; not imported here: tools needs the serve extra, and this parser
+    # must work without it to say so; tests/server/test_cli_flags.py keeps the two equal)
     v.add_argument("--tool-call-parser",
                    choices=("hermes", "mistral", "llama3_json", "llama4_json"), default=None,
                    help="the format the model writes tool calls in, for every chat template "

@@ -45,6 +45,10 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
                          "--disable-log-stats", "--trust-remote-code",
                          "--uvicorn-log-level", "info"])
     assert args.log_level == "info" and args.tool_call_parser == "hermes"
+    from radixkv.server.tools import PARSERS
+
+    action = next(a for a in p._actions if a.dest == "tool_call_parser")
+    assert sorted(action.choices) == sorted(PARSERS)   # the flag takes every format read
     for name in ("llama3_json", "llama4_json", "mistral"):
         assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
     with pytest.raises(SystemExit) as info:
