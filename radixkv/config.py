@@ -139,8 +139,8 @@ class CacheConfig:
             and no prefill pays the first touch of fresh pages. False (default, the library's):
             pages are committed as blocks are first written (``storage.device.lazy_cpu_zeros``),
             so a job using a few blocks stays small, at ~3 ms more for a 250-token prefill into
-            fresh blocks of the embedded model (docs/benchmarks.md, "Committed KV pool").
-            ``radixkv serve`` sets it (``--no-commit-kv-pool`` to keep the pool lazy).
+            fresh blocks of the embedded model (docs/benchmarks.md, "Committing the pool at
+            start-up"). ``radixkv serve`` sets it (``--no-commit-kv-pool`` to keep it lazy).
     """
 
     block_size: int = 16
