@@ -89,6 +89,8 @@ _NAME_PREFIX = re.compile(r"[A-Za-z0-9_.\-]{0,64}")   # (a function name, or its
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.1/3.2/3.3 templates' instruction to the model (the mark of the JSON format)
 _LLAMA_MARK = '"parameters": dictionary of argument name'
+#: Qwen3-Coder's / Qwen3.5's XML calls inside ``<tool_call>`` (not read: :func:`template_format`)
+_XML_MARK = "<function="
 
 
 def template_format(template: str | None, parser: str | None = None) -> str:
@@ -102,6 +104,13 @@ def template_format(template: str | None, parser: str | None = None) -> str:
                        code="unsupported_parameter")
     if parser is not None:
         return PARSERS[parser]
+    if CALL_OPEN in template and _XML_MARK in template:
+        # Qwen3-Coder's and Qwen3.5's <tool_call><function=...><parameter=...>: the tag is
+        # hermes', the body is not JSON, so reading it as hermes would make every call content
+        raise APIError(400, "this model's chat template writes tool calls as <tool_call> "
+                       "<function=NAME> <parameter=KEY> (Qwen3-Coder, Qwen3.5; vLLM's "
+                       "qwen3_coder / qwen3_xml parsers), which radixkv does not read yet",
+                       param="tools", code="unsupported_parameter")
     if CALL_OPEN in template:
         return HERMES
     if MISTRAL_CALLS in template:
