@@ -368,7 +368,88 @@ class CallStream(_Content):
         return self._content(text), deltas
 
 
-class JSONCallStream(_Content):
+class _ObjectCalls(_Content):
+    """What the Llama and Mistral streams share: reading one call written as a JSON object
+    (:meth:`_read_object`), in the modes ``"pending"`` (its header not known yet),
+    ``"whole"`` (read to its end, then judged), ``"args"`` (an announced call's arguments,
+    streamed) and ``"tail"`` (the rest of its object, skipped). The subclass decides what
+    comes around the objects and what follows each outcome."""
+
+    FORMAT = LLAMA3_JSON   # whose call ids (:func:`call_id`)
+    OBJECT_MODES = frozenset({"pending", "whole", "args", "tail"})
+
+    def __init__(self, names: Set[str], single: bool) -> None:
+        super().__init__()
+        self.names, self.single = names, single
+        self.num_calls = 0       # calls announced so far (the next call's ``index``)
+        self._buf = ""           # text not yet sent or dropped
+        self._mode = ""
+        self._raw = ""           # "whole": the object's text read so far
+        self._canon: JSONCanon | None = None
+        self._close = _Closing()
+        self._tail = True        # an announced call's object goes on after its arguments
+
+    def _called(self) -> None:
+        """A call was announced (hook)."""
+        self.num_calls += 1
+
+    def _read_object(self, buf: str, deltas: list[dict[str, Any]]) -> tuple[str, str]:
+        """Advance the object being read over ``buf``: ``(rest, what happened)``, one of
+        ``"wait"`` (more text is needed), ``"more"`` (read on: the mode changed),
+        ``"called"`` (a call is complete), ``"other"`` (not a call: ``rest`` starts with the
+        object's text) or ``"broken"`` (an announced call's arguments are not JSON)."""
+        mode = self._mode
+        if mode == "pending":
+            status, name, start = _header(buf)
+            if status == "pending":
+                return buf, "wait"
+            if status == "yes" and name is not None and name in self.names:
+                deltas.append({"index": self.num_calls, "id": call_id(self.FORMAT),
+                               "type": "function", "function": {"name": name, "arguments": ""}})
+                self._called()
+                self._mode, self._canon = "args", JSONCanon(raw_string=True)
+                return buf[start:], "more"
+            self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
+            return buf, "more"
+        if mode == "whole":
+            assert self._canon is not None
+            _, read = self._canon.feed(buf)
+            self._raw, buf = self._raw + buf[:read], buf[read:]
+            if self._canon.done:
+                call = _call(self._raw, self.names)
+                if call is not None:
+                    deltas.append({"index": self.num_calls, **call, "id": call_id(self.FORMAT)})
+                    self._called()
+                    self._raw = ""
+                    return buf, "called"
+            elif not self._canon.failed:
+                return buf, "wait"
+            raw, self._raw = self._raw, ""
+            return raw + buf, "other"
+        if mode == "args":
+            assert self._canon is not None
+            piece, read = self._canon.feed(buf)
+            if piece:
+                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            buf = buf[read:]
+            if self._canon.done:
+                if not self._tail:
+                    return buf, "called"
+                self._mode, self._close = "tail", _Closing()
+                return buf, "more"
+            return buf, "broken" if self._canon.failed else "wait"
+        end = self._close.feed(buf)   # "tail"
+        return ("", "wait") if end < 0 else (buf[end:], "called")
+
+    def _finish_args(self, deltas: list[dict[str, Any]]) -> None:
+        """The reply ended inside an announced call's arguments: the last piece, if any."""
+        assert self._canon is not None
+        piece = self._canon.finish()
+        if piece:
+            deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+
+
+class JSONCallStream(_ObjectCalls):
     """One streamed choice's text in Llama 3.x's JSON format (module docstring) split into
     content deltas and tool-call deltas; :meth:`Reader.parse` is this over the whole text.
 
@@ -384,19 +465,11 @@ class JSONCallStream(_Content):
     A call cut short keeps the arguments it has, as in :class:`CallStream`."""
 
     def __init__(self, names: Set[str], single: bool = False) -> None:
-        super().__init__()
-        self.names, self.single = names, single
-        self.num_calls = 0       # calls announced so far (the next call's ``index``)
-        self._buf = ""           # text not yet sent or dropped
-        # "start": whitespace or a python tag so far; "pending": an object whose header is not
-        # known yet; "whole": an object read to its end before it is judged; "args": an
-        # announced call's arguments; "tail": the rest of its object; "between": after a
-        # call; "text": content to the end; "drop": dropped to the end
+        super().__init__(names, single)
+        # "start": whitespace or a python tag so far; the object modes (_ObjectCalls);
+        # "between": after a call; "text": content to the end; "drop": dropped to the end
         self._mode = "start"
         self._lead = ""          # what preceded the first object (whitespace, the tag)
-        self._raw = ""           # "whole": the object's text read so far
-        self._canon: JSONCanon | None = None
-        self._close = _Closing()
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         buf = self._buf + text
@@ -417,52 +490,17 @@ class JSONCallStream(_Content):
                     self._mode = "pending"
                 else:
                     self._mode = "text"
-            elif mode == "pending":
-                status, name, start = _header(buf)
-                if status == "pending":
+            elif mode in self.OBJECT_MODES:
+                buf, what = self._read_object(buf, deltas)
+                if what == "wait":
                     break
-                if status == "yes" and name in self.names:
-                    deltas.append({"index": self.num_calls,
-                                   "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                   "function": {"name": name, "arguments": ""}})
-                    self.num_calls += 1
-                    self._mode, self._canon = "args", JSONCanon(raw_string=True)
-                    buf = buf[start:]
-                else:
-                    self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
-            elif mode == "whole":
-                assert self._canon is not None
-                _, read = self._canon.feed(buf)
-                self._raw, buf = self._raw + buf[:read], buf[read:]
-                if self._canon.done:
-                    call = _call(self._raw, self.names)
-                    if call is not None:
-                        deltas.append({"index": self.num_calls, **call})
-                        self.num_calls += 1
-                        self._raw, self._mode = "", "drop" if self.single else "between"
-                        continue
-                elif not self._canon.failed:
-                    break
-                buf, self._mode = self._unread() + buf, "text"   # not a call: content
-            elif mode == "args":
-                assert self._canon is not None
-                piece, read = self._canon.feed(buf)
-                if piece:
-                    deltas.append({"index": self.num_calls - 1,
-                                   "function": {"arguments": piece}})
-                buf = buf[read:]
-                if self._canon.done:
-                    self._mode, self._close = "tail", _Closing()
-                elif self._canon.failed:
+                if what == "called":
+                    self._mode = "drop" if self.single else "between"
+                elif what == "other":   # not a call: content from here (the lead before it)
+                    buf = (self._lead if not self.num_calls else "") + buf
+                    self._mode = "text"
+                elif what == "broken":
                     self._mode = "drop"
-                else:
-                    break
-            elif mode == "tail":
-                end = self._close.feed(buf)
-                if end < 0:
-                    buf = ""
-                    break
-                buf, self._mode = buf[end:], "drop" if self.single else "between"
             elif mode == "between":
                 rest = buf.lstrip(" \t\n\r;")
                 if not rest:
@@ -483,25 +521,17 @@ class JSONCallStream(_Content):
         text, mode, self._buf, self._mode = self._buf, self._mode, "", "drop"
         deltas: list[dict[str, Any]] = []
         if mode == "args":
-            assert self._canon is not None
-            piece = self._canon.finish()
-            if piece:
-                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            self._finish_args(deltas)
             text = ""
         elif mode in ("pending", "whole"):
-            text = self._unread() + text
+            raw, self._raw = self._raw, ""
+            text = (self._lead if not self.num_calls else "") + raw + text
         elif mode not in ("start", "text"):
             text = ""
         return self._content(text), deltas
 
-    def _unread(self) -> str:
-        """An object judged not a call, as content: its text read so far, after the reply's
-        lead when it is the first object."""
-        raw, self._raw = self._raw, ""
-        return (self._lead if not self.num_calls else "") + raw
 
-
-class MistralCallStream(_Content):
+class MistralCallStream(_ObjectCalls):
     """One streamed choice's text in Mistral's format split into content deltas and tool-call
     deltas; :meth:`Reader.parse` is this over the whole text.
 
@@ -518,28 +548,19 @@ class MistralCallStream(_Content):
     content, the marker included; once one was, the rest of the reply is dropped. ``single``:
     the first call only."""
 
+    FORMAT = MISTRAL
+
     def __init__(self, names: Set[str], single: bool = False) -> None:
-        super().__init__()
-        self.names, self.single = names, single
-        self.num_calls = 0       # calls announced so far (the next call's ``index``)
-        self._buf = ""           # text not yet sent or dropped
+        super().__init__(names, single)
         # "text": content, watching for the marker; "open": just after a marker; "name": a
-        # newer call's name, up to [ARGS]; "item": in a list, before an element; "pending":
-        # an element whose header is not known yet; "whole": an element read to its end
-        # before it is judged; "args": an announced call's arguments; "tail": the rest of its
-        # element; "sep": after an element; "drop": dropped to the end
+        # newer call's name, up to [ARGS]; "item": in a list, before an element; the object
+        # modes (_ObjectCalls); "sep": after an element; "drop": dropped to the end
         self._mode = "text"
         self._section = ""       # read since the marker while none of its calls was announced
         self._calls_here = 0     # calls announced since the marker
-        self._list = True        # the marker's calls are a list (else one name[ARGS] call)
-        self._raw = ""           # "whole": the element's text read so far
-        self._canon: JSONCanon | None = None
-        self._close = _Closing()
 
-    def _announce(self, name: str, deltas: list[dict[str, Any]]) -> None:
-        deltas.append({"index": self.num_calls, "id": call_id(MISTRAL), "type": "function",
-                       "function": {"name": name, "arguments": ""}})
-        self.num_calls += 1
+    def _called(self) -> None:
+        super()._called()
         self._calls_here += 1
         self._section = ""
 
@@ -580,20 +601,22 @@ class MistralCallStream(_Content):
                     break
                 if rest[0] == "[":
                     self._keep("[")
-                    buf, self._mode, self._list = rest[1:], "item", True
+                    buf, self._mode, self._tail = rest[1:], "item", True
                 else:
-                    self._mode, self._list = "name", False
+                    self._mode, self._tail = "name", False
             elif mode == "name":
                 at = buf.find(MISTRAL_ARGS)
                 if at < 0:
-                    head = buf[:len(buf) - _tag_prefix(buf, MISTRAL_ARGS)]
-                    if _NAME_PREFIX.fullmatch(head):
+                    if _NAME_PREFIX.fullmatch(buf[:len(buf) - _tag_prefix(buf, MISTRAL_ARGS)]):
                         break   # a name being written
                     self._fail(out)
                     continue
                 name = buf[:at]
                 if _NAME_PREFIX.fullmatch(name) and name in self.names:
-                    self._announce(name, deltas)
+                    deltas.append({"index": self.num_calls, "id": call_id(MISTRAL),
+                                   "type": "function",
+                                   "function": {"name": name, "arguments": ""}})
+                    self._called()
                     self._mode, self._canon = "args", JSONCanon(raw_string=True)
                     buf = buf[at + len(MISTRAL_ARGS):]
                 else:
@@ -610,56 +633,16 @@ class MistralCallStream(_Content):
                     buf, self._mode = rest[1:], "text"
                 else:
                     self._fail(out)
-            elif mode == "pending":
-                status, called, start = _header(buf)
-                if status == "pending":
+            elif mode in self.OBJECT_MODES:
+                buf, what = self._read_object(buf, deltas)
+                if what == "wait":
                     break
-                if status == "yes" and called is not None and called in self.names:
-                    self._announce(called, deltas)
-                    self._mode, self._canon = "args", JSONCanon(raw_string=True)
-                    buf = buf[start:]
-                else:
-                    self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
-            elif mode == "whole":
-                assert self._canon is not None
-                _, read = self._canon.feed(buf)
-                self._raw, buf = self._raw + buf[:read], buf[read:]
-                if self._canon.done:
-                    call = _call(self._raw, self.names)
-                    if call is not None:
-                        deltas.append({"index": self.num_calls, **call,
-                                       "id": call_id(MISTRAL)})
-                        self.num_calls += 1
-                        self._calls_here += 1
-                        self._section = self._raw = ""
-                        self._mode = "drop" if self.single else "sep"
-                        continue
-                elif not self._canon.failed:
-                    break
-                buf, self._raw = self._raw + buf, ""   # not a call
-                self._fail(out)
-            elif mode == "args":
-                assert self._canon is not None
-                piece, read = self._canon.feed(buf)
-                if piece:
-                    deltas.append({"index": self.num_calls - 1,
-                                   "function": {"arguments": piece}})
-                buf = buf[read:]
-                if self._canon.done:
-                    if self._list:
-                        self._mode, self._close = "tail", _Closing()
-                    else:
-                        self._mode = "drop" if self.single else "text"
-                elif self._canon.failed:
+                if what == "called":   # a list's element goes on to its separator
+                    self._mode = "drop" if self.single else "sep" if self._tail else "text"
+                elif what == "other":
+                    self._fail(out)
+                elif what == "broken":
                     self._mode = "drop"
-                else:
-                    break
-            elif mode == "tail":
-                end = self._close.feed(buf)
-                if end < 0:
-                    buf = ""
-                    break
-                buf, self._mode = buf[end:], "drop" if self.single else "sep"
             elif mode == "sep":
                 rest = buf.lstrip()
                 if not rest:
@@ -682,13 +665,11 @@ class MistralCallStream(_Content):
         text, mode, self._buf, self._mode = self._buf, self._mode, "", "drop"
         deltas: list[dict[str, Any]] = []
         if mode == "args":
-            assert self._canon is not None
-            piece = self._canon.finish()
-            if piece:
-                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            self._finish_args(deltas)
             text = ""
         elif mode in ("open", "name", "item", "pending", "whole"):
-            text = "" if self._calls_here else self._section + self._raw + text
+            raw, self._raw = self._raw, ""
+            text = "" if self._calls_here else self._section + raw + text
         elif mode != "text":
             text = ""
         return self._content(text), deltas
