@@ -45,20 +45,6 @@ def _prefill_s(engine: Any, ids: list[int], tag: int) -> float:
     return time.perf_counter() - t0
 
 
-def _resident_mib(addr: int) -> float:
-    """Resident MiB of the mapping holding ``addr`` (/proc/self/smaps; the pool's own)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench kv-pool", description=plain_doc(__doc__))
     ap.add_argument("--quick", action="store_true", help="5 pairs (a smoke run)")
@@ -73,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     import radixkv
     from radixkv.config import CacheConfig
+    from radixkv.storage.device import DevicePool, resident_bytes
 
     header = run_header(0, quick=args.quick, threads=args.threads, tokens=args.tokens,
                         pairs=args.pairs)
@@ -83,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()        # with this one, and a resident one would then count)
         engines[arm] = radixkv.Engine.from_pretrained(
             cache_config=CacheConfig(commit_device_pool=arm == "committed"), progress=False)
-        startup[arm] = {"build_s": time.perf_counter() - t0, "pool_resident_mib": _resident_mib(
-            engines[arm].core.model_runner.kv_cache.data_ptr())}
-    from radixkv.storage.device import DevicePool
+        resident = resident_bytes(engines[arm].core.model_runner.kv_cache)
+        startup[arm] = {"build_s": time.perf_counter() - t0,
+                        "pool_resident_mib": float("nan") if resident is None
+                        else resident / 2**20}
 
     runner = engines["committed"].core.model_runner
     pool = runner.kv_cache

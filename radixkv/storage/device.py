@@ -95,6 +95,38 @@ def _small_page_buffer(nbytes: int) -> torch.Tensor | None:
     return torch.frombuffer(m, dtype=torch.uint8)   # holds a reference to the mapping
 
 
+def mapping_info(addr: int) -> dict[str, str]:
+    """The ``/proc/self/smaps`` entry of the mapping that holds ``addr`` (its fields, e.g.
+    ``Rss``, ``VmFlags``; the whole mapping, which the kernel may have merged with a neighbour
+    of the same kind); empty where there is none (not Linux, or no such mapping). Why: what a
+    pool's pages are (committed or not, huge pages or not) is only visible there."""
+    info: dict[str, str] = {}
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    if inside:
+                        break
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside:
+                    key, _, value = line.partition(":")
+                    info[key] = value.strip()
+    except OSError:
+        return {}
+    return info
+
+
+def resident_bytes(tensor: torch.Tensor) -> int | None:
+    """Resident bytes of the mapping holding ``tensor``'s data (:func:`mapping_info`'s
+    ``Rss``), or None where it cannot be read: e.g. whether a CPU pool was committed
+    (``DevicePool(commit=True)``) or is still lazy."""
+    rss = mapping_info(tensor.data_ptr()).get("Rss")
+    return int(rss.split()[0]) << 10 if rss else None
+
+
 class DevicePool:
     """Byte storage of the device tier: ``num_blocks`` blocks of ``layout`` in one tensor.
 
@@ -199,4 +231,4 @@ class DevicePool:
         self.write_blocks(dst_ids, self.read_blocks(src_ids))
 
 
-__all__ = ["DevicePool", "default_device"]
+__all__ = ["DevicePool", "default_device", "mapping_info", "resident_bytes"]

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from radixkv.storage.device import DevicePool, lazy_cpu_zeros
+from radixkv.storage.device import DevicePool, lazy_cpu_zeros, mapping_info, resident_bytes
 from radixkv.storage.layout import KVLayout
 
 
@@ -39,20 +39,6 @@ def test_cpu_pool_is_zero_and_not_resident_until_written():
     assert not pool.kv_cache[:, :, 6:900].any() and not pool.kv_cache[:, :, 901:].any()
 
 
-def _mapping_rss(addr: int) -> int:
-    """Resident bytes of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 @pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE") or not os.path.exists("/proc/self/smaps"),
                     reason="needs MADV_NOHUGEPAGE (Linux) and /proc/self/smaps")
 def test_a_committed_pool_is_resident_at_once_and_still_zero():
@@ -62,10 +48,10 @@ def test_a_committed_pool_is_resident_at_once_and_still_zero():
     lazy pool of the same size has (almost) nothing resident."""
     layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     lazy = DevicePool(layout, 512, device="cpu")        # 64 MiB
-    assert _mapping_rss(lazy.kv_cache.data_ptr()) < 1 << 20
+    assert resident_bytes(lazy.kv_cache) < 1 << 20
     # (measured before the next pool: the kernel may merge two adjacent mappings into one)
     committed = DevicePool(layout, 512, device="cpu", commit=True)
-    assert _mapping_rss(committed.kv_cache.data_ptr()) >= committed.num_bytes
+    assert resident_bytes(committed.kv_cache) >= committed.num_bytes
     assert not committed.kv_cache.any()
     shape = layout.cache_shape(1)
     block = torch.ones(1, shape[0], shape[1], *shape[3:])
@@ -95,20 +81,6 @@ def test_pool_dtypes_and_layout_unchanged():
         assert pool.kv_cache.is_contiguous() and not pool.kv_cache.any()
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """VmFlags of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 @pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE") or not os.path.exists("/proc/self/smaps"),
                     reason="needs MADV_NOHUGEPAGE (Linux) and /proc/self/smaps; elsewhere the "
                            "pool is numpy's calloc")
@@ -123,7 +95,7 @@ def test_large_pool_is_its_own_mapping_advised_against_huge_pages():
     grown = _rss() - before
     assert grown < 4 << 20, f"writing one block made {grown >> 10} KiB resident"
     assert pool.kv_cache[:, :, 3].eq(1).all() and not pool.kv_cache[:, :, 4:].any()
-    flags = _vm_flags(pool.kv_cache.data_ptr())
+    flags = mapping_info(pool.kv_cache.data_ptr())["VmFlags"].split()
     assert "nh" in flags and "hg" not in flags, flags
 
 
