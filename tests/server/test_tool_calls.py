@@ -9,11 +9,13 @@ a grammar, and parsing is checked on its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -67,13 +69,21 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+@contextlib.contextmanager
+def template_server(tmp_path_factory: pytest.TempPathFactory, template: str,
+                    *extra: str) -> Iterator[Server]:
+    """A real server of the embedded model (float32, one thread) rendering chats with
+    ``template`` (``--chat-template``): the tool-call modules' module server."""
+    path = tmp_path_factory.mktemp("tpl") / "tools.jinja"
+    path.write_text(template)
+    with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
+                         "1", "--device", "cpu", "--dtype", "float32", *extra]) as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tmp_path_factory.mktemp("tpl") / "tools.jinja"
-    path.write_text(TEMPLATE)
-    with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
-                         "1", "--device", "cpu", "--dtype", "float32",
-                         "--reasoning-parser", "qwen3"]) as server:
+    with template_server(tmp_path_factory, TEMPLATE, "--reasoning-parser", "qwen3") as server:
         yield server
 
 

@@ -23,8 +23,9 @@ openai = pytest.importorskip("openai")
 from radixkv.server.errors import APIError  # noqa: E402
 from radixkv.server.tools import (HERMES, LLAMA3_JSON, PYTHON_TAG, Reader,  # noqa: E402
                                   stop_after, template_format)
-from tests.server.test_openai_server import MODEL, Server, running_server  # noqa: E402
-from tests.server.test_tool_calls import ASK, TEMPLATE, TIME, WEATHER, _assemble  # noqa: E402
+from tests.server.test_openai_server import MODEL, Server  # noqa: E402
+from tests.server.test_tool_calls import (  # noqa: E402
+    ASK, TEMPLATE, TIME, WEATHER, _assemble, _chat, template_server)
 
 # A Llama 3.1-style template: the tools and the format instruction in a system turn, calls in
 # history written back as JSON objects, tool results in an "ipython" turn.
@@ -233,17 +234,8 @@ def test_replies_that_are_not_calls_are_content() -> None:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tmp_path_factory.mktemp("tpl") / "llama_tools.jinja"
-    path.write_text(LLAMA_TEMPLATE)
-    with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
-                         "1", "--device", "cpu", "--dtype", "float32"]) as server:
+    with template_server(tmp_path_factory, LLAMA_TEMPLATE) as server:
         yield server
-
-
-def _chat(srv: Server, **kw: Any) -> Any:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=300)
-    return client.chat.completions.create(model=MODEL, **{"temperature": 0, "max_tokens": 60,
-                                                          **kw})
 
 
 @pytest.mark.model

@@ -26,8 +26,9 @@ openai = pytest.importorskip("openai")
 from radixkv.server.tools import (MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, Reader,  # noqa: E402
                                   call_id, grammar_shape, history_format, mistral_id,
                                   template_format)
-from tests.server.test_openai_server import MODEL, Server, running_server  # noqa: E402
-from tests.server.test_tool_calls import ASK, TIME, WEATHER, _assemble  # noqa: E402
+from tests.server.test_openai_server import MODEL, Server  # noqa: E402
+from tests.server.test_tool_calls import (  # noqa: E402
+    ASK, TIME, WEATHER, _assemble, _chat, template_server)
 from tests.server.test_tool_calls_llama import _stream  # noqa: E402
 
 # A Mistral 7B v0.3-style template: the tools before the last user turn, a call in history
@@ -254,17 +255,8 @@ def test_replies_around_the_marker() -> None:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tmp_path_factory.mktemp("tpl") / "mistral_tools.jinja"
-    path.write_text(MISTRAL_TEMPLATE)
-    with running_server(["--chat-template", str(path), "--device-blocks", "256", "--threads",
-                         "1", "--device", "cpu", "--dtype", "float32"]) as server:
+    with template_server(tmp_path_factory, MISTRAL_TEMPLATE) as server:
         yield server
-
-
-def _chat(srv: Server, **kw: Any) -> Any:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=300)
-    return client.chat.completions.create(model=MODEL, **{"temperature": 0, "max_tokens": 60,
-                                                          **kw})
 
 
 @pytest.mark.model
