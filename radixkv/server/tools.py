@@ -389,8 +389,8 @@ class _ObjectCalls(_Content):
         self._close = _Closing()
         self._tail = True        # an announced call's object goes on after its arguments
 
-    def _called(self) -> None:
-        """A call was announced (hook)."""
+    def count_call(self) -> None:
+        """A call was announced: counted (a stream with more to track extends this)."""
         self.num_calls += 1
 
     def _read_object(self, buf: str, deltas: list[dict[str, Any]]) -> tuple[str, str]:
@@ -406,7 +406,7 @@ class _ObjectCalls(_Content):
             if status == "yes" and name is not None and name in self.names:
                 deltas.append({"index": self.num_calls, "id": call_id(self.FORMAT),
                                "type": "function", "function": {"name": name, "arguments": ""}})
-                self._called()
+                self.count_call()
                 self._mode, self._canon = "args", JSONCanon(raw_string=True)
                 return buf[start:], "more"
             self._mode, self._canon, self._raw = "whole", JSONCanon(), ""
@@ -419,7 +419,7 @@ class _ObjectCalls(_Content):
                 call = _call(self._raw, self.names)
                 if call is not None:
                     deltas.append({"index": self.num_calls, **call, "id": call_id(self.FORMAT)})
-                    self._called()
+                    self.count_call()
                     self._raw = ""
                     return buf, "called"
             elif not self._canon.failed:
@@ -559,8 +559,8 @@ class MistralCallStream(_ObjectCalls):
         self._section = ""       # read since the marker while none of its calls was announced
         self._calls_here = 0     # calls announced since the marker
 
-    def _called(self) -> None:
-        super()._called()
+    def count_call(self) -> None:
+        super().count_call()
         self._calls_here += 1
         self._section = ""
 
@@ -616,7 +616,7 @@ class MistralCallStream(_ObjectCalls):
                     deltas.append({"index": self.num_calls, "id": call_id(MISTRAL),
                                    "type": "function",
                                    "function": {"name": name, "arguments": ""}})
-                    self._called()
+                    self.count_call()
                     self._mode, self._canon = "args", JSONCanon(raw_string=True)
                     buf = buf[at + len(MISTRAL_ARGS):]
                 else:
