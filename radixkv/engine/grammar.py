@@ -92,7 +92,7 @@ class Grammar:
         vocab_size: the model's logits width the masks are made for.
         spec: the recipe: ``("constraint", kind, value, whitespace)`` or
             ``("tool_call", tools, open_tag, close_tag, otherwise, whitespace, args_key,
-            separator, around, name_first)``,
+            separator, around, name_first, style)``,
             where ``whitespace`` is what JSON may have between tokens
             (:meth:`GrammarCompiler.source`): the recipe carries it so that another process
             compiles the same language whatever its own compiler's default.
@@ -154,7 +154,7 @@ def _rebuild(spec: tuple[Any, ...], vocab_size: int, thinking: Thinking | None) 
     else:
         g = gc.tool_call(spec[1], spec[2], spec[3], spec[4], whitespace=spec[5],
                          args_key=spec[6], separator=spec[7], around=spec[8],
-                         name_first=spec[9])
+                         name_first=spec[9], style=spec[10])
     return g if thinking is None else g.after_thinking(thinking)
 
 
@@ -283,7 +283,7 @@ class GrammarCompiler:
                   otherwise: tuple[str, Any, bool] | None = None, *,
                   whitespace: Any = _DEFAULT, args_key: str = "arguments",
                   separator: str | None = None, around: bool = False,
-                  name_first: str | None = None) -> Grammar:
+                  name_first: str | None = None, style: str = "json") -> Grammar:
         """One call of one of ``tools`` (``(name, JSON schema of its arguments)``), written
         ``open_tag\n{"name": ..., "arguments": {...}}\nclose_tag`` with arguments valid
         against the schema (OpenAI's ``tool_choice`` required or named); with no tags (Llama
@@ -292,7 +292,10 @@ class GrammarCompiler:
         ``args_key``: the arguments' key (``"parameters"`` for Llama). ``around``: the tags
         wrap the whole sequence of calls, without newlines (Mistral's ``[TOOL_CALLS] [...]``
         list). ``name_first``: a call is ``open_tag + name + name_first`` then the arguments
-        alone (Mistral's ``[TOOL_CALLS]name[ARGS]{...}``). ``otherwise``:
+        alone (Mistral's ``[TOOL_CALLS]name[ARGS]{...}``). ``style="qwen_xml"``: a call is
+        ``open_tag\n<function=NAME>\n``, one ``<parameter=KEY>value</parameter>`` per argument
+        (xgrammar's Qwen XML form of the schema: strings as plain text, other values as
+        JSON) and ``\n</function>\nclose_tag`` (Qwen3-Coder's, Qwen3.5's). ``otherwise``:
         ``(kind, value, any_whitespace)`` of a constraint (:meth:`source`) the output may
         follow instead of calling (``tool_choice`` auto beside ``response_format``).
         ``whitespace``: the calls' JSON whitespace bound (default this compiler's); the
@@ -308,7 +311,14 @@ class GrammarCompiler:
             def text(value: str) -> Any:
                 return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(value)}")
 
-            if name_first is not None:
+            if style == "qwen_xml":
+                calls = [xgr.Grammar.concat(
+                    text(f"{open_tag}\n<function={name}>\n"),
+                    _qwen_xml(xgr, schema or {"type": "object"}, whitespace),
+                    text(f"\n</function>\n{close_tag}")) for name, schema in tools]
+            elif style != "json":
+                raise ValueError(f"style is 'json' or 'qwen_xml', not {style!r}")
+            elif name_first is not None:
                 calls = [xgr.Grammar.concat(text(open_tag + name + name_first),
                                             _json(xgr, json.dumps(schema or {"type": "object"}),
                                                   whitespace))
@@ -320,7 +330,8 @@ class GrammarCompiler:
                     "required": ["name", args_key], "additionalProperties": False}), whitespace)
                     for name, schema in tools]
             body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-            if name_first is not None or around or not (open_tag or close_tag):
+            if name_first is not None or around or style != "json" \
+                    or not (open_tag or close_tag):
                 grammar = body
             else:
                 grammar = xgr.Grammar.concat(text(open_tag + chr(10)), body,
@@ -347,7 +358,18 @@ class GrammarCompiler:
         return Grammar(compiled, "tool_call", self.vocab_size,
                        spec=("tool_call", [tuple(t) for t in tools], open_tag, close_tag,
                              otherwise, whitespace, args_key, separator, around,
-                             name_first))
+                             name_first, style))
+
+
+def _qwen_xml(xgr: Any, schema: Any, whitespace: int | None) -> Any:
+    """xgrammar's grammar of a tool's arguments in Qwen's XML form (``<parameter=KEY>`` tags
+    holding plain-text strings or JSON values), valid against ``schema``, with ``whitespace``
+    between tags (None: unbounded)."""
+    fmt: dict[str, Any] = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
+    if whitespace is not None:
+        fmt["max_whitespace_cnt"] = max(whitespace, 1)
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag",
+                                                       "format": fmt}))
 
 
 def _json(xgr: Any, schema: str, whitespace: int | None, strict: bool = True) -> Any:

@@ -1178,13 +1178,15 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
                 gc.tool_call, [(f.name, f.parameters) for f in wanted], shape.open_tag,
                 shape.close_tag, otherwise, args_key=shape.args_key,
                 separator=None if once else shape.separator, around=shape.around,
-                name_first=shape.name_first))
+                name_first=shape.name_first, style=shape.style))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools") from None
     return await _serve(state, request, req, [ids], chat=True, points=points, grammar=grammar,
                         tools=tool_calls.Reader(
                             fmt, frozenset(t.function.name for t in req.tools),
-                            single=req.parallel_tool_calls is False and not forced)
+                            single=req.parallel_tool_calls is False and not forced,
+                            params={t.function.name: t.function.parameters
+                                    for t in req.tools})
                         if active else None,
                         stop_after=tool_calls.stop_after(req.parallel_tool_calls, active,
                                                          forced, fmt),

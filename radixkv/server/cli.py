@@ -243,12 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     # (tools.PARSERS' names; not imported here: tools needs the serve extra, and this parser
     # must work without it to say so; tests/server/test_cli_flags.py keeps the two equal)
     v.add_argument("--tool-call-parser",
-                   choices=("hermes", "mistral", "llama3_json", "llama4_json"), default=None,
+                   choices=("hermes", "mistral", "llama3_json", "llama4_json", "qwen3_coder",
+                            "qwen3_xml"), default=None,
                    help="the format the model writes tool calls in, for every chat template "
                         "that declares tools: hermes (<tool_call> tags: Hermes, Qwen2/2.5/3, "
-                        "SmolLM3), mistral ([TOOL_CALLS]: Mistral, Mixtral, Nemo, Ministral) "
-                        "or llama3_json (JSON objects: Llama 3.x; llama4_json is the same); "
-                        "default: read from the template")
+                        "SmolLM3), qwen3_coder (<tool_call><function=...><parameter=...>: "
+                        "Qwen3-Coder, Qwen3.5; qwen3_xml is the same), mistral ([TOOL_CALLS]: "
+                        "Mistral, Mixtral, Nemo, Ministral) or llama3_json (JSON objects: "
+                        "Llama 3.x; llama4_json is the same); default: read from the template")
     v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="accepted for vLLM compatibility: with tool_choice none radixkv never "
                         "renders the tools")

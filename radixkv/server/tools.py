@@ -1,8 +1,8 @@
-"""OpenAI tool calls for chat templates that declare tools, in the three formats open models use.
+"""OpenAI tool calls for chat templates that declare tools, in the four formats open models use.
 
 A chat template that takes ``tools`` (it refers to the variable) renders their definitions into
 the prompt; the model answers with calls written the way its template teaches. radixkv reads
-three formats (vLLM's ``--tool-call-parser`` names them):
+four formats (vLLM's ``--tool-call-parser`` names them):
 
 * ``hermes``: Hermes, Qwen2/2.5/3 and SmolLM3 templates, calls in tags, anywhere in the reply::
 
@@ -26,9 +26,21 @@ three formats (vLLM's ``--tool-call-parser`` names them):
   looks for objects later in the text and then drops the text around them, so its two answers
   can differ where radixkv's cannot.
 
+* ``qwen3_xml`` (also named ``qwen3_coder``): Qwen3-Coder, Qwen3.5 and later Qwen templates,
+  calls in tags, the arguments as one tag per parameter, values as plain text typed by the
+  tool's schema (:class:`XMLCallStream`, :func:`typed_value`)::
+
+      <tool_call>
+      <function=get_weather>
+      <parameter=city>
+      Paris
+      </parameter>
+      </function>
+      </tool_call>
+
 Which format a template writes is read from the template (:func:`template_format`: the
-``<tool_call>`` tag, the ``[TOOL_CALLS]`` marker, or Llama's ``"parameters": dictionary of
-argument name`` instruction);
+``<tool_call>`` tag, with ``<function=`` in it for the XML calls, the ``[TOOL_CALLS]`` marker,
+or Llama's ``"parameters": dictionary of argument name`` instruction);
 ``--tool-call-parser`` fixes it for every template that declares tools.
 
 * ``tool_choice: "auto"``: the model may call; calls found in its text become OpenAI
@@ -39,16 +51,17 @@ argument name`` instruction);
   of the named tool, or with ``parallel_tool_calls: false``), each one's arguments valid
   against its tool's JSON schema.
 * ``"none"``: the tools are not rendered and nothing is parsed.
-* ``parallel_tool_calls: false``: one call; a hermes reply ends after its first
-  ``</tool_call>`` (:func:`stop_after`), a Llama reply's later calls are dropped (its calls
-  have no closing tag to stop on).
+* ``parallel_tool_calls: false``: one call; a hermes or XML reply ends after its first
+  ``</tool_call>`` (:func:`stop_after`), a Llama or Mistral reply's later calls are dropped
+  (its calls have no closing tag to stop on).
 
 Streamed (``stream: true``), each choice's text goes through its format's stream
 (:meth:`Reader.stream`): the content around the calls is sent as it is generated; a call is
 announced in a ``delta.tool_calls`` entry (its ``index``, ``id``, ``name`` and empty
-``arguments``) as soon as its header ``{"name": ..., "arguments":`` (or ``"parameters":``) is
-written, and its arguments follow in pieces as the model writes them, in ``json.dumps`` form
-(:mod:`radixkv.server.json_stream`), as vLLM's parsers stream them. Text that may be the start
+``arguments``) as soon as its header ``{"name": ..., "arguments":`` (or ``"parameters":``;
+an XML call's ``<function=NAME>``) is written, and its arguments follow in pieces as the
+model writes them, in ``json.dumps`` form (:mod:`radixkv.server.json_stream`; the XML
+format's object is built key by key), as vLLM's parsers stream them. Text that may be the start
 of a call is held back until the next tokens tell. The non-streamed answer is the same reading
 of the whole text (:meth:`Reader.parse`), so what a client assembles from the chunks is what it
 holds, for any split of the text into deltas; property tests also check both against
@@ -62,9 +75,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import uuid
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from typing import Any, NamedTuple
 
 from radixkv.server.errors import APIError
@@ -76,10 +90,11 @@ _SPACE = re.compile(r"[ \t\n\r]+")
 #: what a Llama 3.x reply may start with before its calls (a special token: in the text only
 #: with ``skip_special_tokens: false``)
 PYTHON_TAG = "<|python_tag|>"
-HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
-#: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas)
+HERMES, LLAMA3_JSON, MISTRAL, QWEN3_XML = "hermes", "llama3_json", "mistral", "qwen3_xml"
+#: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas,
+#: and one for both names of Qwen's XML calls)
 PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA3_JSON,
-           "mistral": MISTRAL}
+           "mistral": MISTRAL, "qwen3_coder": QWEN3_XML, "qwen3_xml": QWEN3_XML}
 #: Mistral's marker before its calls (a special token: the server keeps special tokens in the
 #: text of a Mistral reply that may call, :func:`keeps_special_tokens`) and, in its newer
 #: templates, between a call's name and its arguments
@@ -89,12 +104,19 @@ _NAME_PREFIX = re.compile(r"[A-Za-z0-9_.\-]{0,64}")   # (a function name, or its
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 #: Llama 3.1/3.2/3.3 templates' instruction to the model (the mark of the JSON format)
 _LLAMA_MARK = '"parameters": dictionary of argument name'
-#: Qwen3-Coder's / Qwen3.5's XML calls inside ``<tool_call>`` (not read: :func:`template_format`)
-_XML_MARK = "<function="
+#: Qwen3-Coder's / Qwen3.5's XML calls (:class:`XMLCallStream`); the first is also the mark
+#: of the format in a template
+XML_FUNC, XML_FUNC_END = "<function=", "</function>"
+XML_PARAM, XML_PARAM_END = "<parameter=", "</parameter>"
+#: what ends a parameter's value: its closing tag, or (left out) the next parameter's tag;
+#: not ``</function>``, which a value (code, say) may hold, as xgrammar's form allows
+_VALUE_ENDS = (XML_PARAM_END, XML_PARAM)
+_LONGEST_NAME = 256            # characters before a tag's ``>`` that can still be a name
+_BAD_NAME = re.compile(r"[\n<]")   # what a function's name cannot hold
 
 
 def template_format(template: str | None, parser: str | None = None) -> str:
-    """The format ``template``'s calls are read in (``hermes`` or ``llama3_json``):
+    """The format ``template``'s calls are read in (one of :data:`PARSERS`' values):
     ``parser`` (``--tool-call-parser``) when given, else what the template writes. A 400
     naming ``tools`` when the template does not declare tools, or (without ``parser``) writes
     calls in a format radixkv does not read."""
@@ -104,13 +126,10 @@ def template_format(template: str | None, parser: str | None = None) -> str:
                        code="unsupported_parameter")
     if parser is not None:
         return PARSERS[parser]
-    if CALL_OPEN in template and _XML_MARK in template:
+    if CALL_OPEN in template and XML_FUNC in template:
         # Qwen3-Coder's and Qwen3.5's <tool_call><function=...><parameter=...>: the tag is
-        # hermes', the body is not JSON, so reading it as hermes would make every call content
-        raise APIError(400, "this model's chat template writes tool calls as <tool_call> "
-                       "<function=NAME> <parameter=KEY> (Qwen3-Coder, Qwen3.5; vLLM's "
-                       "qwen3_coder / qwen3_xml parsers), which radixkv does not read yet",
-                       param="tools", code="unsupported_parameter")
+        # hermes', the body is not JSON (read as hermes, every call would be content)
+        return QWEN3_XML
     if CALL_OPEN in template:
         return HERMES
     if MISTRAL_CALLS in template:
@@ -119,9 +138,10 @@ def template_format(template: str | None, parser: str | None = None) -> str:
         return LLAMA3_JSON
     raise APIError(400, "this model's chat template writes tool calls in a format radixkv "
                    f"does not recognize (it reads {CALL_OPEN} ... {CALL_CLOSE}: Hermes, Qwen, "
-                   f"SmolLM3; {MISTRAL_CALLS}: Mistral; and Llama 3.x's JSON calls); "
-                   "--tool-call-parser hermes, mistral or llama3_json names the format for "
-                   "such a template", param="tools",
+                   f"SmolLM3, with {XML_FUNC}NAME> inside: Qwen3-Coder, Qwen3.5; "
+                   f"{MISTRAL_CALLS}: Mistral; and Llama 3.x's JSON calls); "
+                   "--tool-call-parser hermes, qwen3_coder, mistral or llama3_json names the "
+                   "format for such a template", param="tools",
                    code="unsupported_parameter")
 
 
@@ -131,7 +151,10 @@ class CallShape(NamedTuple):
     arguments). ``open_tag``/``close_tag`` wrap each call, or the whole sequence of calls with
     ``around``; ``separator`` goes between two calls where several are allowed; ``name_first``:
     a call is ``open_tag + name + middle + arguments`` (Mistral's newer templates) instead of
-    one JSON object holding both under ``name`` and ``args_key``."""
+    one JSON object holding both under ``name`` and ``args_key``; ``style``: how the
+    arguments are written, ``"json"`` or ``"qwen_xml"`` (a call is then ``open_tag`` and
+    ``<function=NAME>``, one ``<parameter=KEY>`` tag per argument, ``</function>`` and
+    ``close_tag``)."""
 
     open_tag: str
     close_tag: str
@@ -139,6 +162,7 @@ class CallShape(NamedTuple):
     separator: str = "\n"
     around: bool = False
     name_first: str | None = None
+    style: str = "json"
 
 
 def grammar_shape(fmt: str, template: str | None = None) -> CallShape:
@@ -147,6 +171,8 @@ def grammar_shape(fmt: str, template: str | None = None) -> CallShape:
     template writes ``[ARGS]``)."""
     if fmt == LLAMA3_JSON:
         return CallShape("", "", "parameters", "; ")
+    if fmt == QWEN3_XML:
+        return CallShape(CALL_OPEN, CALL_CLOSE, style="qwen_xml")
     if fmt == MISTRAL:
         if template is not None and MISTRAL_ARGS in template:
             return CallShape(MISTRAL_CALLS, "", separator="", name_first=MISTRAL_ARGS)
@@ -200,19 +226,24 @@ def mistral_id(given: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Reader:
     """How one request's replies are read for calls: the format, the tools that may be
-    called, and ``single`` (``parallel_tool_calls: false`` with ``auto``: a Llama reply's
-    calls after its first are dropped; a hermes reply already ends there, :func:`stop_after`)."""
+    called, ``single`` (``parallel_tool_calls: false`` with ``auto``: a Llama or Mistral
+    reply's calls after its first are dropped; a hermes or XML reply already ends there,
+    :func:`stop_after`) and ``params``, each tool's parameters schema (the XML format's values
+    are text, typed by it: :func:`typed_value`)."""
 
     format: str
     names: frozenset[str]
     single: bool = False
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
-    def stream(self) -> CallStream | JSONCallStream | MistralCallStream:
+    def stream(self) -> CallStream | JSONCallStream | MistralCallStream | XMLCallStream:
         """A fresh stream for one choice's text."""
         if self.format == LLAMA3_JSON:
             return JSONCallStream(self.names, self.single)
         if self.format == MISTRAL:
             return MistralCallStream(self.names, self.single)
+        if self.format == QWEN3_XML:
+            return XMLCallStream(self.names, self.params)
         return CallStream(self.names)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -675,6 +706,290 @@ class MistralCallStream(_ObjectCalls):
         return self._content(text), deltas
 
 
+class XMLCallStream(_Content):
+    """One streamed choice's text in Qwen3-Coder's XML format (module docstring) split into
+    content deltas and tool-call deltas; :meth:`Reader.parse` is this over the whole text.
+
+    The interface and the deltas are :class:`CallStream`'s. A call opens with ``<tool_call>``
+    and whitespace then ``<function=NAME>``, or with ``<function=NAME>`` alone (models of
+    this family sometimes leave the outer tag out, and vLLM reads those too); it is announced
+    at the ``>`` after a known tool's name. Then each ``<parameter=KEY>VALUE</parameter>``
+    becomes one key of the arguments' JSON object as it is written: the value's text with one
+    newline at each end taken as markup (the template writes them), ended by
+    ``</parameter>``, or by the next ``<parameter=`` when the model left the closing tag out.
+    A value whose schema type (the tool's ``parameters``) is only a string,
+    or whose key the schema does not define, streams as a JSON string as it comes; another
+    type is held to the value's end and written typed (:func:`typed_value`). ``</function>``
+    closes the object; text up to ``</tool_call>`` after it is dropped. A tag or a name that
+    is not a call of a known tool is content, as is text that may still begin a tag until
+    the next tokens tell. A call cut short (``max_tokens``) ends with the parameters written
+    so far, the last one's value as far as it got, as a whole JSON object."""
+
+    def __init__(self, names: Set[str], params: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.names = names
+        self.params = params or {}   # a tool's name -> the JSON schema of its parameters
+        self.num_calls = 0           # calls announced so far (the next call's ``index``)
+        self._buf = ""               # text not yet sent or dropped
+        # None: content; "open": after <tool_call>, before <function=; "name": the function's
+        # name; "params": between parameters; "key": a parameter's name; "value": its value;
+        # "tail": after </function>, up to </tool_call>
+        self._mode: str | None = None
+        self._block = ""             # an unannounced call's text (content if it is not one)
+        self._props: Mapping[str, Any] = {}   # the called tool's parameter schemas
+        self._nargs = 0              # keys written in the announced call's object
+        self._schema: Any = None     # the value's schema
+        self._typed = False          # the value is held and typed at its end
+        self._raw: list[str] = []    # a typed value's text so far
+        self._first = False          # the value's first character (a newline there is markup)
+
+    def _args(self, piece: str) -> dict[str, Any]:
+        return {"index": self.num_calls - 1, "function": {"arguments": piece}}
+
+    def _not_a_call(self, out: list[str]) -> None:
+        """The tag read so far is content; the text after it is read again."""
+        out.append(self._block)
+        self._block, self._mode = "", None
+
+    def _value(self, piece: str, deltas: list[dict[str, Any]]) -> None:
+        if not piece:
+            return
+        if self._typed:
+            self._raw.append(piece)
+        else:
+            deltas.append(self._args(json.dumps(piece, ensure_ascii=False)[1:-1]))
+
+    def _end_value(self, deltas: list[dict[str, Any]]) -> None:
+        if self._typed:
+            value = typed_value("".join(self._raw), self._schema)
+            self._raw = []
+            deltas.append(self._args(json.dumps(value, ensure_ascii=False)))
+        else:
+            deltas.append(self._args('"'))
+
+    def _end_args(self, deltas: list[dict[str, Any]]) -> None:
+        deltas.append(self._args("}" if self._nargs else "{}"))
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        buf = self._buf + text
+        out: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while buf:
+            mode = self._mode
+            if mode is None:
+                at, tag = _first_of(buf, (CALL_OPEN, XML_FUNC))
+                if at < 0:
+                    keep = max(_tag_prefix(buf, CALL_OPEN), _tag_prefix(buf, XML_FUNC))
+                    out.append(buf[:len(buf) - keep])
+                    buf = buf[len(buf) - keep:]
+                    break
+                out.append(buf[:at])
+                self._block, buf = tag, buf[at + len(tag):]
+                self._mode = "open" if tag == CALL_OPEN else "name"
+            elif mode == "open":
+                rest = _skip_space(buf)
+                if rest.startswith(XML_FUNC):
+                    self._block += buf[:len(buf) - len(rest) + len(XML_FUNC)]
+                    buf, self._mode = rest[len(XML_FUNC):], "name"
+                elif XML_FUNC.startswith(rest):
+                    break
+                else:
+                    self._not_a_call(out)
+            elif mode == "name":
+                end = buf.find(">")
+                head = buf if end < 0 else buf[:end]
+                if end < 0 and len(buf) <= _LONGEST_NAME and not _BAD_NAME.search(buf):
+                    break
+                name = head.strip()
+                if end < 0 or len(head) > _LONGEST_NAME or _BAD_NAME.search(head) \
+                        or name not in self.names:
+                    self._not_a_call(out)
+                    continue
+                deltas.append({"index": self.num_calls, "id": call_id(QWEN3_XML),
+                               "type": "function", "function": {"name": name, "arguments": ""}})
+                self.num_calls += 1
+                props = (self.params.get(name) or {}).get("properties") \
+                    if isinstance(self.params.get(name), dict) else None
+                self._props = props if isinstance(props, dict) else {}
+                self._nargs, self._block = 0, ""
+                buf, self._mode = buf[end + 1:], "params"
+            elif mode == "params":
+                rest = _skip_space(buf)
+                if rest.startswith(XML_PARAM):
+                    buf, self._mode = rest[len(XML_PARAM):], "key"
+                elif rest.startswith(XML_FUNC_END):
+                    self._end_args(deltas)
+                    buf, self._mode = rest[len(XML_FUNC_END):], "tail"
+                elif rest.startswith(CALL_CLOSE):   # the function's end left out
+                    self._end_args(deltas)
+                    buf, self._mode = rest[len(CALL_CLOSE):], None
+                elif any(tag.startswith(rest) for tag in (XML_PARAM, XML_FUNC_END, CALL_CLOSE)):
+                    buf = rest
+                    break
+                else:   # stray text between parameters: dropped up to the next tag
+                    at = rest.find("<", 1)
+                    buf = rest[at:] if at > 0 else ""
+            elif mode == "key":
+                end = buf.find(">")
+                if end < 0 and len(buf) <= _LONGEST_NAME:
+                    break
+                if end < 0 or end > _LONGEST_NAME:   # not a key: stray text
+                    self._mode = "params"
+                    continue
+                key, buf = buf[:end].strip(), buf[end + 1:]
+                self._schema = self._props.get(key)
+                self._typed = _types(self._schema) != {"string"}
+                self._raw, self._first = [], True
+                self._nargs += 1
+                head = "{" if self._nargs == 1 else ", "
+                deltas.append(self._args(head + json.dumps(key, ensure_ascii=False) + ": "
+                                         + ("" if self._typed else '"')))
+                self._mode = "value"
+            elif mode == "value":
+                if self._first:   # one newline after the tag is markup
+                    self._first = False
+                    if buf[0] == "\n":
+                        buf = buf[1:]
+                        continue
+                at, tag = _first_of(buf, _VALUE_ENDS)
+                if at < 0:
+                    cut = len(buf) - max(_tag_prefix(buf, t) for t in _VALUE_ENDS)
+                    if cut > 0 and buf[cut - 1] == "\n":   # may be the markup before the end
+                        cut -= 1
+                    self._value(buf[:cut], deltas)
+                    buf = buf[cut:]
+                    break
+                value = buf[:at]
+                self._value(value[:-1] if value.endswith("\n") else value, deltas)
+                self._end_value(deltas)
+                buf = buf[at + len(tag):] if tag == XML_PARAM_END else buf[at:]
+                self._mode = "params"
+            else:   # "tail": up to </tool_call>, dropped
+                rest = _skip_space(buf)
+                if rest.startswith(CALL_CLOSE):
+                    buf, self._mode = rest[len(CALL_CLOSE):], None
+                elif CALL_CLOSE.startswith(rest):
+                    buf = rest
+                    break
+                else:   # no closing tag: what follows is read as content (or a next call)
+                    buf, self._mode = rest, None
+        self._buf = buf
+        return self._content("".join(out)), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The end of the reply: held text outside a call, and an unannounced call's text,
+        are content; an announced call ends with what it has, its object closed."""
+        text, mode, self._buf, self._mode = self._buf, self._mode, "", None
+        deltas: list[dict[str, Any]] = []
+        if mode in ("open", "name"):
+            text, self._block = self._block + text, ""
+        elif mode == "value":
+            if self._first and text.startswith("\n"):
+                text = text[1:]
+            self._value(text[:-1] if text.endswith("\n") else text, deltas)
+            self._end_value(deltas)
+            self._end_args(deltas)
+            text = ""
+        elif mode in ("params", "key"):
+            self._end_args(deltas)
+            text = ""
+        elif mode == "tail":
+            text = ""
+        return self._content(text), deltas
+
+
+def _first_of(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of ``tags`` occurs in ``text`` and which: ``(-1, "")`` for none."""
+    best, found = -1, ""
+    for tag in tags:
+        at = text.find(tag)
+        if at >= 0 and (best < 0 or at < best):
+            best, found = at, tag
+    return best, found
+
+
+def _skip_space(text: str) -> str:
+    space = _SPACE.match(text)
+    return text[space.end():] if space is not None else text
+
+
+def _types(schema: Any) -> set[str]:
+    """The JSON types a schema allows (``type``, an ``enum``'s values, ``anyOf`` / ``oneOf``
+    / ``allOf`` alternatives); ``{"string"}`` where it says nothing (or is not a schema)."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    found: set[str] = set()
+    kind = schema.get("type")
+    for t in [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []:
+        if isinstance(t, str):
+            found.add(t)
+    enum = schema.get("enum")
+    for v in enum if isinstance(enum, list) else []:
+        found.add("null" if v is None else "boolean" if isinstance(v, bool)
+                  else "integer" if isinstance(v, int) else "number" if isinstance(v, float)
+                  else "string" if isinstance(v, str) else "array" if isinstance(v, list)
+                  else "object")
+    for key in ("anyOf", "oneOf", "allOf"):
+        alts = schema.get(key)
+        for alt in alts if isinstance(alts, list) else []:
+            found |= _types(alt)
+    return found or {"string"}
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema types it: the first of null, integer,
+    number, boolean, object, array and string that the schema allows and the text reads as
+    (``true``/``1``, ``false``/``0`` as booleans; an integral number as an integer), else the
+    text read as JSON, else the text (the order vLLM's Qwen3-Coder parser tries types in)."""
+    allowed = _types(schema)
+    text = raw.strip()
+    parsed: Any = _NO_JSON
+    try:
+        parsed = json.loads(text, parse_constant=_no_constant)
+    except ValueError:
+        pass
+    for kind in ("null", "integer", "number", "boolean", "object", "array", "string"):
+        if kind not in allowed:
+            continue
+        if kind == "string":
+            return raw
+        if kind == "null" and text.lower() == "null":
+            return None
+        if kind == "boolean" and text.lower() in ("true", "1", "false", "0"):
+            return text.lower() in ("true", "1")
+        if parsed is _NO_JSON or isinstance(parsed, bool):
+            continue
+        if kind in ("integer", "number") and isinstance(parsed, (int, float)) \
+                and math.isfinite(parsed):
+            if isinstance(parsed, float) and parsed.is_integer():
+                return int(parsed)
+            if kind == "number" or isinstance(parsed, int):
+                return parsed
+        if kind == "object" and isinstance(parsed, dict) \
+                or kind == "array" and isinstance(parsed, list):
+            return parsed
+    if parsed is not _NO_JSON and _finite(parsed):
+        return parsed
+    return raw
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)   # NaN, Infinity: not JSON
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+_NO_JSON: Any = object()
+
+
 class _Closing:
     """Where the object being read closes, its text given in pieces: braces and brackets
     counted outside strings (the keys after a call's arguments are skipped unread)."""
@@ -710,8 +1025,8 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]
     return _assemble(CallStream(names), text)
 
 
-def _assemble(stream: CallStream | JSONCallStream | MistralCallStream, text: str
-              ) -> tuple[str | None, list[dict[str, Any]]]:
+def _assemble(stream: CallStream | JSONCallStream | MistralCallStream | XMLCallStream,
+              text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """What a client assembles from ``stream`` fed the whole of ``text``."""
     content, deltas = stream.feed(text)
     rest, more = stream.finish()
@@ -770,12 +1085,12 @@ def _tag_prefix(text: str, tag: str) -> int:
 
 def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool,
                fmt: str = HERMES) -> tuple[str, ...]:
-    """What ends a reply for ``parallel_tool_calls``: false allows one call, so a hermes
-    ``auto`` reply ends after its first ``</tool_call>`` (kept in its text:
+    """What ends a reply for ``parallel_tool_calls``: false allows one call, so a hermes or
+    XML ``auto`` reply ends after its first ``</tool_call>`` (kept in its text:
     ``SamplingParams.stop_after``); a forced call is one call by its grammar already, and
-    true (the default) or no tools offered end nothing. A Llama call has no closing tag to
-    stop on: its reply's later calls are dropped instead (:class:`Reader`)."""
-    if parallel_tool_calls is False and active and not forced and fmt == HERMES:
+    true (the default) or no tools offered end nothing. A Llama or Mistral call has no
+    closing tag to stop on: its reply's later calls are dropped instead (:class:`Reader`)."""
+    if parallel_tool_calls is False and active and not forced and fmt in (HERMES, QWEN3_XML):
         return (CALL_CLOSE,)
     return ()
 
@@ -813,7 +1128,8 @@ def template_messages(messages: list[Any], fmt: str | None = None) -> list[dict[
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS",
-           "MISTRAL_CALLS", "PARSERS", "PYTHON_TAG", "CallShape", "CallStream",
-           "JSONCallStream", "MistralCallStream", "Reader", "call_id", "grammar_shape",
+           "MISTRAL_CALLS", "PARSERS", "PYTHON_TAG", "QWEN3_XML", "XML_FUNC", "XML_FUNC_END",
+           "XML_PARAM", "XML_PARAM_END", "CallShape", "CallStream", "JSONCallStream",
+           "MistralCallStream", "Reader", "XMLCallStream", "call_id", "grammar_shape",
            "history_format", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
-           "template_format", "template_messages"]
+           "template_format", "template_messages", "typed_value"]

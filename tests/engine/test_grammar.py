@@ -134,6 +134,14 @@ def test_a_grammar_travels_as_its_recipe(gc: GrammarCompiler) -> None:
                            args_key="parameters", separator="; "),
               '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {}}',
               '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {"b": 1}}'),
+             # Qwen3-Coder's XML calls: one tag per parameter, the integer typed
+             (gc.tool_call([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "required": ["a"]})], "<tool_call>", "</tool_call>",
+                           style="qwen_xml"),
+              "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+              "</tool_call>",
+              "<tool_call>\n<function=f>\n<parameter=a>\none\n</parameter>\n</function>\n"
+              "</tool_call>"),
              (gc.ebnf('root ::= "a" [0-9]').after_thinking(Thinking(5, (6,), False)),
               "a1", "b1")]
     for g, good, bad in cases:

@@ -73,14 +73,12 @@ def test_the_format_is_read_from_the_template_or_named_by_the_flag() -> None:
                            "llama3_json") == LLAMA3_JSON
     with pytest.raises(APIError):   # declares no tools: no flag makes a model call them
         template_format("{{ messages }}", "llama3_json")
-    # Qwen3-Coder's / Qwen3.5's XML calls inside <tool_call>: read as hermes they would all be
-    # content, so they are refused, naming the parsers that read them
+    # Qwen3-Coder's / Qwen3.5's XML calls inside <tool_call> are their own format (read as
+    # hermes they would all be content: tests/server/test_tool_calls_qwen_xml.py)
     xml = ("{% if tools %}{{ tools | tojson }} Reply <tool_call>\n<function=example_function_"
            "name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n"
            "</tool_call>{% endif %}")
-    with pytest.raises(APIError) as info:
-        template_format(xml)
-    assert info.value.param == "tools" and "qwen3_coder" in str(info.value)
+    assert template_format(xml) == "qwen3_xml"
     assert template_format(xml, "hermes") == HERMES   # the operator's word wins
 
 
