@@ -182,9 +182,12 @@ def test_overhead_pairs_the_server_with_the_engine_in_process(tmp_path, monkeypa
     finally:
         torch.set_num_threads(before)
     result = json.loads((tmp_path / "serve-overhead-quick.json").read_text())["results"]
-    (row,) = result["summary"]   # --quick: 1 thread, no background load, this code only
-    assert row["server"] == "serve" and row["threads"] == 1 and row["busy"] == 0
-    assert row["turns"] == 2   # 2 conversations x their second turn
-    assert math.isfinite(row["overhead_p50_ms"]) and row["engine_ttft_p50_ms"] > 0
+    # --quick: 1 thread, no background load, this code only, one server per client
+    rows = result["summary"]
+    assert sorted(r["client"] for r in rows) == ["openai", "raw"]
+    for row in rows:
+        assert row["server"] == "serve" and row["threads"] == 1 and row["busy"] == 0
+        assert row["turns"] == 2   # 2 conversations x their second turn
+        assert math.isfinite(row["overhead_p50_ms"]) and row["engine_ttft_p50_ms"] > 0
     later = [r for r in result["records"] if r["turn"] > 0]
     assert all(r["cached_tokens"] > 0 and r["ttft"] > 0 for r in later)
