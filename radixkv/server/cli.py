@@ -244,13 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     # must work without it to say so; tests/server/test_cli_flags.py keeps the two equal)
     v.add_argument("--tool-call-parser",
                    choices=("hermes", "mistral", "llama3_json", "llama4_json", "qwen3_coder",
-                            "qwen3_xml"), default=None,
+                            "qwen3_xml", "pythonic", "llama4_pythonic"), default=None,
                    help="the format the model writes tool calls in, for every chat template "
                         "that declares tools: hermes (<tool_call> tags: Hermes, Qwen2/2.5/3, "
                         "SmolLM3), qwen3_coder (<tool_call><function=...><parameter=...>: "
                         "Qwen3-Coder, Qwen3.5; qwen3_xml is the same), mistral ([TOOL_CALLS]: "
-                        "Mistral, Mixtral, Nemo, Ministral) or llama3_json (JSON objects: "
-                        "Llama 3.x; llama4_json is the same); default: read from the template")
+                        "Mistral, Mixtral, Nemo, Ministral), llama3_json (JSON objects: "
+                        "Llama 3.x; llama4_json is the same) or pythonic (a Python list of "
+                        "calls: Llama 3.2's pythonic template, Llama 4; llama4_pythonic is the "
+                        "same); default: read from the template")
     v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="accepted for vLLM compatibility: with tool_choice none radixkv never "
                         "renders the tools")

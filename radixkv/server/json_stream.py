@@ -11,7 +11,8 @@ form as soon as the token is complete (a string's characters one by one, each es
 ensure_ascii=False)``, and the whole output equals it, whatever the pieces the raw text came in
 (tests/server/test_json_stream.py, a hypothesis property). Two differences from
 ``json.loads``, both in what it accepts: an object with a repeated key is written with both
-(``json.loads`` keeps the last), and ``NaN``/``Infinity`` are not JSON, so they fail.
+(``json.loads`` keeps the last), and ``NaN``/``Infinity`` are not JSON, so they fail, as does
+a number beyond a double's range (``1e999``, which ``json.dumps`` would write as ``Infinity``).
 
 ``raw_string``: a value that is a JSON string is written as its decoded characters alone, no
 quotes and no escapes (a tool call whose ``arguments`` the model wrote as a string holding
@@ -23,6 +24,7 @@ Pure Python, no dependencies.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -81,7 +83,10 @@ class JSONCanon:
         else:
             if not _NUMBER.fullmatch(tok):
                 return False
-            out.append(json.dumps(json.loads(tok)))
+            value = json.loads(tok)
+            if isinstance(value, float) and not math.isfinite(value):
+                return False   # 1e999: json.dumps would write Infinity, which is not JSON
+            out.append(json.dumps(value))
         self._value_done()
         return True
 

@@ -1,8 +1,8 @@
-"""OpenAI tool calls for chat templates that declare tools, in the four formats open models use.
+"""OpenAI tool calls for chat templates that declare tools, in the five formats open models use.
 
 A chat template that takes ``tools`` (it refers to the variable) renders their definitions into
 the prompt; the model answers with calls written the way its template teaches. radixkv reads
-four formats (vLLM's ``--tool-call-parser`` names them):
+five formats (vLLM's ``--tool-call-parser`` names them):
 
 * ``hermes``: Hermes, Qwen2/2.5/3 and SmolLM3 templates, calls in tags, anywhere in the reply::
 
@@ -38,9 +38,16 @@ four formats (vLLM's ``--tool-call-parser`` names them):
       </function>
       </tool_call>
 
+* ``pythonic`` (also named ``llama4_pythonic``): Llama 3.2's pythonic template, Llama 4's, a
+  reply that *is* a Python list of calls (Llama 4: between ``<|python_start|>`` and
+  ``<|python_end|>``), each sent whole when its element ends (:class:`PythonicCallStream`)::
+
+      [get_weather(city="Paris"), get_time(zone='UTC')]
+
 Which format a template writes is read from the template (:func:`template_format`: the
 ``<tool_call>`` tag, with ``<function=`` in it for the XML calls, the ``[TOOL_CALLS]`` marker,
-or Llama's ``"parameters": dictionary of argument name`` instruction);
+the pythonic ``[func_name1(`` instruction, or Llama's ``"parameters": dictionary of argument
+name`` instruction);
 ``--tool-call-parser`` fixes it for every template that declares tools.
 
 * ``tool_choice: "auto"``: the model may call; calls found in its text become OpenAI
@@ -73,6 +80,7 @@ A template that does not declare tools, or writes calls in another format, gets 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -91,10 +99,19 @@ _SPACE = re.compile(r"[ \t\n\r]+")
 #: with ``skip_special_tokens: false``)
 PYTHON_TAG = "<|python_tag|>"
 HERMES, LLAMA3_JSON, MISTRAL, QWEN3_XML = "hermes", "llama3_json", "mistral", "qwen3_xml"
-#: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas,
-#: and one for both names of Qwen's XML calls)
+PYTHONIC = "pythonic"
+#: ``--tool-call-parser`` names -> the format read (vLLM registers one parser for both Llamas'
+#: JSON calls, and one for both names of Qwen's XML calls; its llama4_pythonic is pythonic
+#: with Llama 4's ``<|python_start|>`` around the list, which this reader takes too)
 PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA3_JSON,
-           "mistral": MISTRAL, "qwen3_coder": QWEN3_XML, "qwen3_xml": QWEN3_XML}
+           "mistral": MISTRAL, "qwen3_coder": QWEN3_XML, "qwen3_xml": QWEN3_XML,
+           "pythonic": PYTHONIC, "llama4_pythonic": PYTHONIC}
+#: Llama 4's special tokens around a pythonic list (in the text only with
+#: ``skip_special_tokens: false``)
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+#: the pythonic templates' instruction (Llama 3.2's pythonic template, Llama 4's): the mark of
+#: the format
+_PYTHONIC_MARK = "[func_name1("
 #: Mistral's marker before its calls (a special token: the server keeps special tokens in the
 #: text of a Mistral reply that may call, :func:`keeps_special_tokens`) and, in its newer
 #: templates, between a call's name and its arguments
@@ -134,14 +151,17 @@ def template_format(template: str | None, parser: str | None = None) -> str:
         return HERMES
     if MISTRAL_CALLS in template:
         return MISTRAL
+    if _PYTHONIC_MARK in template:
+        return PYTHONIC
     if _LLAMA_MARK in template:
         return LLAMA3_JSON
     raise APIError(400, "this model's chat template writes tool calls in a format radixkv "
                    f"does not recognize (it reads {CALL_OPEN} ... {CALL_CLOSE}: Hermes, Qwen, "
                    f"SmolLM3, with {XML_FUNC}NAME> inside: Qwen3-Coder, Qwen3.5; "
-                   f"{MISTRAL_CALLS}: Mistral; and Llama 3.x's JSON calls); "
-                   "--tool-call-parser hermes, qwen3_coder, mistral or llama3_json names the "
-                   "format for such a template", param="tools",
+                   f"{MISTRAL_CALLS}: Mistral; Llama 3.x's JSON calls; and pythonic lists, "
+                   f"{_PYTHONIC_MARK}...: Llama 3.2's pythonic template, Llama 4); "
+                   "--tool-call-parser hermes, qwen3_coder, mistral, llama3_json or pythonic "
+                   "names the format for such a template", param="tools",
                    code="unsupported_parameter")
 
 
@@ -173,6 +193,8 @@ def grammar_shape(fmt: str, template: str | None = None) -> CallShape:
         return CallShape("", "", "parameters", "; ")
     if fmt == QWEN3_XML:
         return CallShape(CALL_OPEN, CALL_CLOSE, style="qwen_xml")
+    if fmt == PYTHONIC:   # a JSON list of call objects, as vLLM forces calls for this format
+        return CallShape("[", "]", separator=", ", around=True)
     if fmt == MISTRAL:
         if template is not None and MISTRAL_ARGS in template:
             return CallShape(MISTRAL_CALLS, "", separator="", name_first=MISTRAL_ARGS)
@@ -236,8 +258,11 @@ class Reader:
     single: bool = False
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
-    def stream(self) -> CallStream | JSONCallStream | MistralCallStream | XMLCallStream:
+    def stream(self) -> (CallStream | JSONCallStream | MistralCallStream | XMLCallStream
+                         | PythonicCallStream):
         """A fresh stream for one choice's text."""
+        if self.format == PYTHONIC:
+            return PythonicCallStream(self.names, self.single)
         if self.format == LLAMA3_JSON:
             return JSONCallStream(self.names, self.single)
         if self.format == MISTRAL:
@@ -262,6 +287,8 @@ def _call(body: str, names: Set[str]) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if not _finite(args):   # 1e999 reads as inf, which json.dumps would write as Infinity
+        return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"],
                          "arguments": args if isinstance(args, str)
@@ -706,6 +733,279 @@ class MistralCallStream(_ObjectCalls):
         return self._content(text), deltas
 
 
+class PythonicCallStream(_Content):
+    """One streamed choice's text in the pythonic format (module docstring) split into content
+    deltas and tool-call deltas; :meth:`Reader.parse` is this over the whole text.
+
+    The interface and the deltas are :class:`CallStream`'s. The reply's start decides, as for
+    Llama's JSON calls: after whitespace and an optional ``<|python_start|>`` (Llama 4), a
+    ``[`` begins a list of calls; anything else makes the whole reply content. Each element is
+    read to its end (brackets counted outside Python string literals, :class:`_PyScan`) and
+    then judged (:func:`_element_call`): ``name(key=value, ...)`` with a known tool's name
+    (dotted names too, as vLLM reads them) and literal values (Python's, or JSON's ``true`` /
+    ``false`` / ``null``), or a JSON object ``{"name": ..., "arguments": {...}}`` (how a forced
+    call is written, :func:`grammar_shape`). A call is sent whole when its element ends (name
+    and arguments in one delta: its values are Python literals, whose JSON form is known once
+    they end). After the list's ``]`` (and an optional ``<|python_end|>``) the text is content.
+    An element that is not a call makes the whole reply content when no call was sent yet,
+    and is dropped with the rest of the reply after one; so is an element cut short by the
+    end of the reply (``max_tokens``). ``single``: the first call is the only one, the rest
+    is dropped."""
+
+    def __init__(self, names: Set[str], single: bool = False) -> None:
+        super().__init__()
+        self.names, self.single = names, single
+        self.num_calls = 0
+        self._buf = ""
+        # "start", "list" (an element is next), "elem" (one is being read: its text is the
+        # scanner's), "after" (after one: "," or "]"), "end" (after "]"), "text" (content to
+        # the end), "drop"
+        self._mode = "start"
+        self._raw: list[str] = []    # the reply's text until a call is sent (content if none)
+        self._scan = _PyScan()
+
+    def _fail(self, elem: str = "") -> None:
+        """Not a list of calls (``elem``: the element read, before the text held): content
+        from the start before any call, dropped after one."""
+        if self.num_calls:
+            self._mode, self._buf = "drop", ""
+        else:
+            self._buf = "".join(self._raw) + elem + self._buf
+            self._mode = "text"
+        self._raw, self._scan = [], _PyScan()
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._buf += text
+        out: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while self._buf:
+            buf, mode = self._buf, self._mode
+            if mode == "start":
+                rest = buf.lstrip()
+                if rest.startswith(PYTHON_START):
+                    rest = rest[len(PYTHON_START):].lstrip()
+                elif PYTHON_START.startswith(rest):   # whitespace, or the token's start
+                    break
+                if not rest:
+                    break
+                if rest[0] != "[":
+                    self._mode = "text"
+                    continue
+                cut = len(buf) - len(rest) + 1
+                self._raw.append(buf[:cut])
+                self._buf, self._mode = buf[cut:], "list"
+            elif mode == "list":
+                rest = _skip_space(buf)
+                self._raw.append(buf[:len(buf) - len(rest)])
+                self._buf = rest
+                if not rest:
+                    break
+                if rest[0] != "{" and not rest[0].isidentifier():
+                    self._fail()
+                    continue
+                self._mode, self._scan = "elem", _PyScan()
+            elif mode == "elem":
+                self._buf = ""
+                end = self._scan.feed(buf)
+                if end == -2:   # not an element of a list of calls
+                    self._fail(self._scan.text)
+                    continue
+                if end < 0:
+                    break
+                elem, self._buf = self._scan.text[:end], self._scan.text[end:]
+                call = _element_call(elem, self.names)
+                if call is None:
+                    self._fail(elem)
+                    continue
+                deltas.append({"index": self.num_calls, **call})
+                self.num_calls += 1
+                self._raw, self._scan = [], _PyScan()
+                self._mode = "drop" if self.single else "after"
+            elif mode == "after":
+                rest = _skip_space(buf)
+                self._buf = rest
+                if not rest:
+                    break
+                if rest[0] == ",":
+                    self._buf, self._mode = rest[1:], "list"
+                elif rest[0] == "]":
+                    self._buf, self._mode = rest[1:], "end"
+                else:
+                    self._fail()
+            elif mode == "end":
+                rest = _skip_space(buf)
+                if PYTHON_END.startswith(rest):
+                    self._buf = rest
+                    break
+                self._buf = rest[len(PYTHON_END):] if rest.startswith(PYTHON_END) else rest
+                self._mode = "text"
+            elif mode == "text":
+                out.append(buf)
+                self._buf = ""
+            else:   # "drop"
+                self._buf = ""
+        return self._content("".join(out)), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The end of the reply: a list not yet made of calls is content (its start
+        included); after a call, an unfinished element is dropped, and so is a held start of
+        ``<|python_end|>``."""
+        if self._mode in ("list", "elem", "after"):
+            self._fail(self._scan.text if self._mode == "elem" else "")
+        text = self._buf if self._mode in ("start", "text") else ""
+        self._buf, self._mode = "", "drop"
+        return self._content(text), []
+
+
+class _PyScan:
+    """Where one element of a list of calls ends, its text given in pieces (:attr:`text`
+    holds all of it): brackets counted outside Python string literals (single, double and
+    triple quotes, backslash escapes). Quote characters at the end of the text so far that may
+    still become a triple quote are read with the next piece."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0          # scanned up to here
+        self.depth = 0
+        self.quote = ""       # the open string's delimiter: ', ", ''' or """
+        self.opened = False   # the element's first bracket was seen
+
+    def feed(self, piece: str) -> int:
+        """The index just past the element's closing bracket in :attr:`text`, -1 (read on)
+        or -2 (not an element: before its first bracket, a character no name has)."""
+        self.text += piece
+        text, n, i = self.text, len(self.text), self.pos
+        while i < n:
+            q = self.quote
+            if q:   # inside a string: to its next quote or backslash
+                j, k = text.find(q[0], i), text.find("\\", i)
+                if k >= 0 and (j < 0 or k < j):
+                    if k + 1 >= n:
+                        i = k
+                        break
+                    i = k + 2
+                    continue
+                if j < 0:
+                    i = n
+                    break
+                if len(q) == 1:
+                    self.quote, i = "", j + 1
+                elif text.startswith(q, j):
+                    self.quote, i = "", j + 3
+                elif n - j < 3 and text[j:] == q[0] * (n - j):
+                    i = j   # may be the closing triple quote
+                    break
+                else:
+                    i = j + 1
+                continue
+            c = text[i]
+            if c in "'\"":
+                if text.startswith(c * 3, i):
+                    self.quote, i = c * 3, i + 3
+                    continue
+                if n - i < 3 and text[i:] == c * (n - i):
+                    break   # may open a triple quote
+                self.quote = c
+            elif c in "([{":
+                self.depth += 1
+                self.opened = True
+            elif c in ")]}":
+                self.depth -= 1
+                if self.depth < 0:
+                    return -2
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+            elif not self.opened and not (c.isalnum() or c in "_. \t\n\r"):
+                return -2
+            i += 1
+        self.pos = i
+        return -1
+
+
+def _element_call(text: str, names: Set[str]) -> dict[str, Any] | None:
+    """The OpenAI tool call one element of a pythonic list writes: ``name(key=value, ...)``
+    (literal values, Python's or JSON's spellings) or a JSON object with ``name`` and
+    ``arguments`` (or ``parameters``); None when it is neither or names no tool of ``names``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text, parse_constant=_no_constant)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters"} \
+                or obj.get("name") not in names:
+            return None
+        given = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(given, dict) or not _finite(given):   # (1e999 reads as inf)
+            return None
+        return {"id": call_id(PYTHONIC), "type": "function",
+                "function": {"name": obj["name"],
+                             "arguments": json.dumps(given, ensure_ascii=False)}}
+    try:
+        node = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(node, ast.Call) or node.args:
+        return None
+    name = _dotted(node.func)
+    if name is None or name not in names:
+        return None
+    args: dict[str, Any] = {}
+    try:
+        for kw in node.keywords:
+            if kw.arg is None:   # **kwargs
+                return None
+            args[kw.arg] = _literal(kw.value)
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+    return {"id": call_id(PYTHONIC), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` of a name or a chain of attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """The JSON value of a literal: strings, numbers, booleans, None, lists and tuples, dicts
+    with string keys, a sign before a number, and JSON's ``true`` / ``false`` / ``null``
+    (models trained on JSON write them); ValueError for anything else."""
+    if isinstance(node, ast.Constant):
+        if node.value is None or isinstance(node.value, (str, bool, int, float)):
+            return node.value
+    elif isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    elif isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    elif isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values):
+            if not (isinstance(k, ast.Constant) and isinstance(k.value, str)):
+                raise ValueError("a dict key that is not a string")
+            out[k.value] = _literal(v)
+        return out
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
+            and isinstance(node.operand, ast.Constant) \
+            and isinstance(node.operand.value, (int, float)) \
+            and not isinstance(node.operand.value, bool):
+        value = node.operand.value
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError("not a literal")
+
+
 class XMLCallStream(_Content):
     """One streamed choice's text in Qwen3-Coder's XML format (module docstring) split into
     content deltas and tool-call deltas; :meth:`Reader.parse` is this over the whole text.
@@ -1025,7 +1325,8 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]
     return _assemble(CallStream(names), text)
 
 
-def _assemble(stream: CallStream | JSONCallStream | MistralCallStream | XMLCallStream,
+def _assemble(stream: (CallStream | JSONCallStream | MistralCallStream | XMLCallStream
+                       | PythonicCallStream),
               text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """What a client assembles from ``stream`` fed the whole of ``text``."""
     content, deltas = stream.feed(text)
@@ -1128,8 +1429,9 @@ def template_messages(messages: list[Any], fmt: str | None = None) -> list[dict[
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS",
-           "MISTRAL_CALLS", "PARSERS", "PYTHON_TAG", "QWEN3_XML", "XML_FUNC", "XML_FUNC_END",
-           "XML_PARAM", "XML_PARAM_END", "CallShape", "CallStream", "JSONCallStream",
-           "MistralCallStream", "Reader", "XMLCallStream", "call_id", "grammar_shape",
+           "MISTRAL_CALLS", "PARSERS", "PYTHONIC", "PYTHON_END", "PYTHON_START", "PYTHON_TAG",
+           "QWEN3_XML", "XML_FUNC", "XML_FUNC_END", "XML_PARAM", "XML_PARAM_END", "CallShape",
+           "CallStream", "JSONCallStream", "MistralCallStream", "PythonicCallStream", "Reader",
+           "XMLCallStream", "call_id", "grammar_shape",
            "history_format", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
            "template_format", "template_messages", "typed_value"]

@@ -49,10 +49,10 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
 
     action = next(a for a in p._actions if a.dest == "tool_call_parser")
     assert sorted(action.choices) == sorted(PARSERS)   # the flag takes every format read
-    for name in ("llama3_json", "llama4_json", "mistral"):
+    for name in ("llama3_json", "llama4_json", "mistral", "qwen3_coder", "pythonic"):
         assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
     with pytest.raises(SystemExit) as info:
-        p.parse_args(["--tool-call-parser", "pythonic"])
+        p.parse_args(["--tool-call-parser", "granite"])
     assert info.value.code == 2
 
 

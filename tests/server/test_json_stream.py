@@ -107,7 +107,7 @@ def test_raw_strings_and_failures() -> None:
     got, canon, _ = _run(['"{\\"city\\": \\"Par', 'is\\"}"'], raw_string=True)
     assert got == '{"city": "Paris"}' and canon.done
     for bad in ['{"a" 1}', '{"a": 1,}', "[1 2]", "{'a': 1}", '{"a": tru}', '{"a": NaN}',
-                '"tab\there"', "01", '{"a": "\\x"}']:
+                '"tab\there"', "01", '{"a": "\\x"}', '{"a": 1e999}', "[-1e400]"]:
         got, canon, _ = _run([bad])
         assert canon.failed or not canon.done, bad
     got, canon, read = _run(['{"a": [1, 2], "b": {}}xyz'])

@@ -89,7 +89,7 @@ def test_frontend_options_carry_the_parser_and_refuse_an_unknown_one() -> None:
     opts = FrontendOptions(tool_call_parser="llama3_json")
     assert FrontendOptions(**opts.as_dict()).tool_call_parser == "llama3_json"   # the fleet's
     with pytest.raises(ConfigError, match="--tool-call-parser"):
-        FrontendOptions(tool_call_parser="pythonic")
+        FrontendOptions(tool_call_parser="granite")
 
 
 def _call_text(name: str, args: dict, key: str = "parameters", space: str = " ") -> str:
