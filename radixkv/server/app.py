@@ -1131,6 +1131,8 @@ async def _chat_with_tools(state: ServerState, request: Request, req: Any, eng: 
     # their results is still rendered as the template writes them
     active = bool(req.tools) and req.tool_choice != "none"
     defs = [t.model_dump(exclude_none=True) for t in req.tools] if active else None
+    if active:
+        tool_calls.check_names(fmt, (t.function.name for t in req.tools), template)
     msgs = tool_calls.template_messages(req.messages, fmt)
     if active and tool_calls.keeps_special_tokens(fmt):
         req.skip_special_tokens = False   # Mistral's [TOOL_CALLS] is a special token

@@ -83,10 +83,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import keyword
 import math
 import re
 import uuid
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, NamedTuple
 
 from radixkv.server.errors import APIError
@@ -200,6 +201,29 @@ def grammar_shape(fmt: str, template: str | None = None) -> CallShape:
             return CallShape(MISTRAL_CALLS, "", separator="", name_first=MISTRAL_ARGS)
         return CallShape(MISTRAL_CALLS + " [", "]", separator=", ", around=True)
     return CallShape(CALL_OPEN, CALL_CLOSE)
+
+
+def check_names(fmt: str, names: Iterable[str], template: str | None = None) -> None:
+    """A 400 naming ``tools`` for a tool whose name the format cannot write so that it reads
+    back: in Qwen's XML calls a name ends at ``>`` (and holds no ``<`` or newline, nor space
+    at its ends), in a pythonic call it is a Python name (dotted parts allowed), and in
+    Mistral's ``name[ARGS]`` calls it is letters, digits, ``_``, ``.`` and ``-``. Such a
+    tool could be offered, but no call of it would ever come back as one."""
+    for name in names:
+        if fmt == QWEN3_XML:
+            ok = name == name.strip() and not _BAD_NAME.search(name) and ">" not in name
+        elif fmt == PYTHONIC:
+            ok = all(part.isidentifier() and not keyword.iskeyword(part)
+                     for part in name.split("."))
+        elif fmt == MISTRAL and grammar_shape(fmt, template).name_first is not None:
+            ok = bool(name) and _NAME_PREFIX.fullmatch(name) is not None
+        else:
+            ok = True
+        if not ok:
+            raise APIError(400, f"the tool name {name!r} cannot be written in this model's "
+                           f"tool-call format ({fmt}), so no call of it could be read back; "
+                           "use letters, digits and underscores", param="tools",
+                           code="invalid_value")
 
 
 def history_format(template: str | None, parser: str | None = None) -> str | None:
@@ -1432,6 +1456,6 @@ __all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTR
            "MISTRAL_CALLS", "PARSERS", "PYTHONIC", "PYTHON_END", "PYTHON_START", "PYTHON_TAG",
            "QWEN3_XML", "XML_FUNC", "XML_FUNC_END", "XML_PARAM", "XML_PARAM_END", "CallShape",
            "CallStream", "JSONCallStream", "MistralCallStream", "PythonicCallStream", "Reader",
-           "XMLCallStream", "call_id", "grammar_shape",
+           "XMLCallStream", "call_id", "check_names", "grammar_shape",
            "history_format", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
            "template_format", "template_messages", "typed_value"]

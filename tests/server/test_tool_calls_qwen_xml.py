@@ -416,3 +416,35 @@ def test_required_calls_stream_as_the_non_streamed_ones(srv: Server) -> None:
     content, calls, finish = _assemble(_chat(srv, stream=True, **auto))
     assert content.get(0) == whole.message.content or (
         not content.get(0) and whole.message.content is None)
+
+
+def test_names_the_format_cannot_write_are_refused() -> None:
+    """A tool whose name would not read back in the format (a call of it would come back
+    as content) is a 400 naming ``tools``, before anything is computed."""
+    from radixkv.server.errors import APIError
+    from radixkv.server.tools import MISTRAL, PYTHONIC, check_names
+    from tests.server.test_tool_calls_mistral import MISTRAL_TEMPLATE
+
+    cases = [(QWEN3_XML, None, ["get_weather", "a.b-c", "x y"], ["a>b", "a<b", " pad",
+                                                                   "two\nlines"]),
+             (PYTHONIC, None, ["get_weather", "tools.search", "_x1"], ["a-b", "1x", "class",
+                                                                        "a..b", "x y"]),
+             (MISTRAL, MISTRAL_TEMPLATE + "[ARGS]", ["get-weather", "a.b"], ["a b", "ü"]),
+             (MISTRAL, MISTRAL_TEMPLATE, ["a b", "ü"], []),   # the list form writes any name
+             ("hermes", None, ["a>b", "x y", 'q"'], [])]
+    for fmt, template, good, bad in cases:
+        check_names(fmt, good, template)
+        for name in bad:
+            with pytest.raises(APIError) as info:
+                check_names(fmt, ["ok", name], template)
+            assert info.value.param == "tools" and repr(name) in str(info.value), (fmt, name)
+
+
+@pytest.mark.model
+def test_a_name_the_format_cannot_write_is_a_400(srv: Server) -> None:
+    bad = {"type": "function", "function": {"name": "get>weather", "parameters": {}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(srv, messages=ASK, tools=[bad])
+    assert info.value.body["param"] == "tools" and "get>weather" in info.value.body["message"]
+    r = _chat(srv, messages=ASK, tools=[bad], tool_choice="none", max_tokens=2)
+    assert r.choices[0].finish_reason == "length"   # not offered: nothing to write
