@@ -366,7 +366,7 @@ def _qwen_xml(xgr: Any, schema: Any, whitespace: int | None) -> Any:
     holding plain-text strings or JSON values), valid against ``schema``, with ``whitespace``
     between tags (None: unbounded)."""
     fmt: dict[str, Any] = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
-    if whitespace is not None:
+    if whitespace is not None:   # (xgrammar refuses a bound of 0 in this form)
         fmt["max_whitespace_cnt"] = max(whitespace, 1)
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag",
                                                        "format": fmt}))

@@ -622,6 +622,8 @@ def _routes(api: FastAPI, state: ServerState,
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the body is not JSON: {exc}") from None
+        except RecursionError:   # (FastAPI's own parsing answers the other routes so too)
+            raise APIError(400, "the body is not JSON: nested too deep") from None
         if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
             raise APIError(400, "/invocations takes a chat completion (messages) or a "
                            "completion (prompt) request", param="messages")
@@ -1080,7 +1082,7 @@ async def _constraint_grammar(gc: Any, req: Any, found: tuple[str, str, Any],
         if kind == "json" and isinstance(value, str):   # vLLM takes the schema's text too
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise InvalidRequestError("the JSON schema is not JSON") from None
         spaces = not getattr(req.structured_outputs, "disable_any_whitespace", False)
         if compiled:

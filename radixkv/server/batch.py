@@ -67,6 +67,8 @@ def parse_line(text: str, seen: set[str]) -> tuple[dict[str, Any] | None, dict[s
         line = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, _line_error(None, "invalid_json", f"the line is not JSON: {exc}")
+    except RecursionError:
+        return None, _line_error(None, "invalid_json", "the line is not JSON: nested too deep")
     if not isinstance(line, dict):
         return None, _line_error(None, "invalid_request", "a line must be a JSON object")
     cid = line.get("custom_id")

@@ -264,7 +264,7 @@ def _json_flag(text: str, flag: str) -> Any:
     """A flag's JSON value; a ConfigError naming the flag when it is not JSON."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{flag} is not JSON: {exc}") from None
 
 

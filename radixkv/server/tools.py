@@ -84,7 +84,6 @@ import ast
 import dataclasses
 import json
 import keyword
-import math
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Set
@@ -306,17 +305,28 @@ def _call(body: str, names: Set[str]) -> dict[str, Any] | None:
     the tags), or None when it is not JSON or names no tool of ``names``."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if not _finite(args):   # 1e999 reads as inf, which json.dumps would write as Infinity
+    text = args if isinstance(args, str) else json_text(args)
+    if text is None:
         return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str)
-                         else json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": obj["name"], "arguments": text}}
+
+
+def json_text(value: Any) -> str | None:
+    """``value`` as JSON text (``json.dumps``, ``ensure_ascii=False``), or None where it has
+    none: a number beyond a double's range (``1e999`` reads as inf, which ``json.dumps``
+    would write as ``Infinity``, not JSON) or nesting deeper than Python's recursion limit
+    (which ``json.loads`` and ``json.dumps`` raise RecursionError for: a reply of 5,000
+    ``[`` is a few thousand tokens)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
 
 
 class _Content:
@@ -955,17 +965,17 @@ def _element_call(text: str, names: Set[str]) -> dict[str, Any] | None:
     if text.startswith("{"):
         try:
             obj = json.loads(text, parse_constant=_no_constant)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or set(obj) - {"name", "arguments", "parameters"} \
                 or obj.get("name") not in names:
             return None
         given = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(given, dict) or not _finite(given):   # (1e999 reads as inf)
+        arguments = json_text(given) if isinstance(given, dict) else None
+        if arguments is None:
             return None
         return {"id": call_id(PYTHONIC), "type": "function",
-                "function": {"name": obj["name"],
-                             "arguments": json.dumps(given, ensure_ascii=False)}}
+                "function": {"name": obj["name"], "arguments": arguments}}
     try:
         node = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -981,8 +991,10 @@ def _element_call(text: str, names: Set[str]) -> dict[str, Any] | None:
             if kw.arg is None:   # **kwargs
                 return None
             args[kw.arg] = _literal(kw.value)
-        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
+        return None
+    arguments = json_text(args)
+    if arguments is None:
         return None
     return {"id": call_id(PYTHONIC), "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -1270,8 +1282,10 @@ def typed_value(raw: str, schema: Any) -> Any:
     parsed: Any = _NO_JSON
     try:
         parsed = json.loads(text, parse_constant=_no_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
+    if parsed is not _NO_JSON and json_text(parsed) is None:   # 1e999, or nested too deep
+        parsed = _NO_JSON
     for kind in ("null", "integer", "number", "boolean", "object", "array", "string"):
         if kind not in allowed:
             continue
@@ -1283,8 +1297,7 @@ def typed_value(raw: str, schema: Any) -> Any:
             return text.lower() in ("true", "1")
         if parsed is _NO_JSON or isinstance(parsed, bool):
             continue
-        if kind in ("integer", "number") and isinstance(parsed, (int, float)) \
-                and math.isfinite(parsed):
+        if kind in ("integer", "number") and isinstance(parsed, (int, float)):
             if isinstance(parsed, float) and parsed.is_integer():
                 return int(parsed)
             if kind == "number" or isinstance(parsed, int):
@@ -1292,23 +1305,11 @@ def typed_value(raw: str, schema: Any) -> Any:
         if kind == "object" and isinstance(parsed, dict) \
                 or kind == "array" and isinstance(parsed, list):
             return parsed
-    if parsed is not _NO_JSON and _finite(parsed):
-        return parsed
-    return raw
+    return raw if parsed is _NO_JSON else parsed
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(name)   # NaN, Infinity: not JSON
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    return True
 
 
 _NO_JSON: Any = object()
@@ -1435,7 +1436,7 @@ def template_messages(messages: list[Any], fmt: str | None = None) -> list[dict[
                 if isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise APIError(400, "a tool call's arguments are not JSON",
                                        param="messages") from None
                 call = {**c, "function": fn}
@@ -1456,6 +1457,6 @@ __all__ = ["CALL_CLOSE", "CALL_OPEN", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTR
            "MISTRAL_CALLS", "PARSERS", "PYTHONIC", "PYTHON_END", "PYTHON_START", "PYTHON_TAG",
            "QWEN3_XML", "XML_FUNC", "XML_FUNC_END", "XML_PARAM", "XML_PARAM_END", "CallShape",
            "CallStream", "JSONCallStream", "MistralCallStream", "PythonicCallStream", "Reader",
-           "XMLCallStream", "call_id", "check_names", "grammar_shape",
-           "history_format", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
+           "XMLCallStream", "call_id", "check_names", "grammar_shape", "history_format",
+           "json_text", "keeps_special_tokens", "mistral_id", "parse", "stop_after",
            "template_format", "template_messages", "typed_value"]

@@ -167,3 +167,17 @@ def test_a_vllm_frontend_command_line_parses_into_the_options() -> None:
         allowed_methods=("POST",), allowed_headers=("*",), allow_credentials=True,
         root_path="/llm", log_requests=True, log_outputs=True, max_log_len=100,
         middleware=("json.JSONDecoder",), model_aliases=("alias-a", "alias-b"))
+
+
+def test_json_flags_nested_too_deep_are_usage_errors() -> None:
+    """A JSON flag nested deeper than Python's ``json`` goes (RecursionError) is the flag's
+    error, as any value that is not JSON, not a traceback."""
+    from radixkv.errors import ConfigError
+    from radixkv.server.frontend import parse_list
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--policy-options", deep])
+    assert info.value.code == 2
+    with pytest.raises(ConfigError, match="--allowed-origins is not JSON"):
+        parse_list(deep, "--allowed-origins")

@@ -290,6 +290,17 @@ def test_sagemaker_invocations_route_by_the_body_and_need_the_key(server: Server
     status, _, body = _http(server, "POST", "/invocations",
                             {"messages": HI, "temperature": "hot"})
     assert status == 400 and body["error"]["param"] == "temperature"
+    # a body nested deeper than json.loads goes (RecursionError): a 400, as on the other
+    # routes, where FastAPI reads the body (it was a 500 here)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", "/invocations", '{"prompt": ' + "[" * 100_000 + "]" * 100_000
+                     + "}", {"Content-Type": "application/json",
+                             "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        assert r.status == 400 and "nested too deep" in json.loads(r.read())["error"]["message"]
+    finally:
+        conn.close()
 
 
 def test_tokenizer_info_has_the_template_in_use(server: Server) -> None:

@@ -110,6 +110,8 @@ def test_lines_a_batch_cannot_answer_are_line_errors() -> None:
         assert words in err["error"]["message"]
     req, err = parse_line(line({"input": "x", "background": False}), set())
     assert err is None and req["body"]["background"] is False
+    req, err = parse_line("[" * 100_000 + "]" * 100_000, set())   # (RecursionError in json)
+    assert req is None and err["error"]["code"] == "invalid_json"
 
 
 @pytest.mark.model

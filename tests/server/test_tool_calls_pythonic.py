@@ -115,6 +115,31 @@ def test_replies_with_calls() -> None:
         content, calls = Reader(fmt, NAMES).parse(text)
         assert [c["function"]["arguments"] for c in calls] == ([want] if want else [])
         assert content == (None if want else text)
+    # nesting deeper than json.loads and json.dumps go (RecursionError; a few thousand tokens
+    # of "[") is no call either, in every format read whole, and a history holding such
+    # arguments is a 400, not a 500
+    deep = "[" * 5000 + "]" * 5000
+    for fmt, text in [
+            ("hermes", '<tool_call>{"arguments": {"a": %s}, "name": "get_time"}</tool_call>'),
+            ("llama3_json", '{"arguments": {"a": %s}, "name": "get_time"}'),
+            ("mistral", '[TOOL_CALLS] [{"arguments": {"a": %s}, "name": "get_time"}]'),
+            (PYTHONIC, '[{"name": "get_time", "arguments": {"a": %s}}]'),
+            (PYTHONIC, "[get_time(a=%s)]")]:
+        assert Reader(fmt, NAMES).parse(text % deep) == (text % deep, []), fmt
+    from radixkv.server.tools import QWEN3_XML, template_messages
+
+    _, calls = Reader(QWEN3_XML, NAMES, params={"get_time": {"properties": {
+        "a": {"type": "array"}}}}).parse(f"<function=get_time><parameter=a>{deep}"
+                                         "</parameter></function>")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": deep}   # kept as text
+    from radixkv.server.errors import APIError
+    from radixkv.server.protocol import ChatMessage
+
+    msg = ChatMessage(role="assistant", content=None, tool_calls=[{
+        "id": "c1", "type": "function", "function": {"name": "get_time", "arguments": deep}}])
+    with pytest.raises(APIError) as info:
+        template_messages([msg])
+    assert info.value.status == 400 and info.value.param == "messages"
     # after a call, what is not one is dropped with the rest; a cut list keeps its calls
     assert _calls(reader, "[get_time(zone='a'), nope()] rest") == (
         None, [("get_time", {"zone": "a"})])
