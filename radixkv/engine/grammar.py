@@ -52,6 +52,30 @@ def _xgr() -> Any:
 DEFAULT_MAX_WHITESPACE = 20
 
 
+#: How deep a JSON schema may nest (objects and lists, counted as JSON containers). xgrammar's
+#: compile time grows faster than the nesting: on the 2-core Zen 5 box a schema of objects
+#: nested 64 deep (128 containers) compiled in 0.03 s, 200 deep in 0.7 s and 450 deep (an
+#: 18 KB request) in 8.5 s of CPU; real schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 128
+
+
+def check_schema_depth(schema: Any, what: str = "the JSON schema") -> None:
+    """An :class:`InvalidRequestError` when ``schema`` nests deeper than
+    :data:`MAX_SCHEMA_DEPTH` (read without recursion, so any depth is measured)."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def check_max_whitespace(value: int | None) -> int | None:
     """``value`` when it is a usable whitespace bound (an int >= 1, or None: unbounded); a
     :class:`ConfigError` otherwise."""
@@ -245,6 +269,7 @@ class GrammarCompiler:
                 if not isinstance(value, dict):
                     raise InvalidRequestError(f"the JSON schema must be an object, got "
                                               f"{value!r}")
+                check_schema_depth(value)
                 try:
                     text = json.dumps(value)
                 except (TypeError, ValueError) as exc:
@@ -303,6 +328,8 @@ class GrammarCompiler:
         xgr = _xgr()
         if whitespace is _DEFAULT:
             whitespace = self.max_whitespace
+        for name, schema in tools:
+            check_schema_depth(schema, f"the parameters of tool {name!r}")
         alternative = None
         if otherwise is not None:
             alternative = self.source(otherwise[0], otherwise[1], whitespace=(
@@ -464,6 +491,7 @@ def accept(req: Any, seq: Any, token: int) -> None:
         raise RuntimeError(f"grammar {req.params.grammar!r} refused token {token} it allowed")
 
 
-__all__ = ["ACTIVE", "DEFAULT_MAX_WHITESPACE", "THINKING", "UNDECIDED", "Grammar",
-           "GrammarCompiler", "SeqGrammar", "Thinking", "accept", "check_max_whitespace",
-           "mask_rows", "matcher_for", "register_compiler"]
+__all__ = ["ACTIVE", "DEFAULT_MAX_WHITESPACE", "MAX_SCHEMA_DEPTH", "THINKING", "UNDECIDED",
+           "Grammar", "GrammarCompiler", "SeqGrammar", "Thinking", "accept",
+           "check_max_whitespace", "check_schema_depth", "mask_rows", "matcher_for",
+           "register_compiler"]

@@ -208,3 +208,26 @@ def test_a_whitespace_bound_is_a_positive_integer_or_none(bad: object) -> None:
     with pytest.raises(ConfigError):
         GrammarCompiler(tok, len(tok), max_whitespace=bad)   # type: ignore[arg-type]
     assert check_max_whitespace(None) is None and check_max_whitespace(1) == 1
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_compiles(gc: GrammarCompiler) -> None:
+    """xgrammar's compile time grows faster than a schema's nesting (450 objects deep, an
+    18 KB request, took 8.5 s): past MAX_SCHEMA_DEPTH containers a schema is refused at
+    once, as a response format and as a tool's parameters; at the limit it compiles."""
+    from radixkv.engine.grammar import MAX_SCHEMA_DEPTH
+    from radixkv.errors import InvalidRequestError
+
+    def nested(levels: int) -> dict:   # each level: an object schema and its properties
+        schema: dict = {"type": "string"}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+
+    gc.compile("json", nested(MAX_SCHEMA_DEPTH // 2 - 1))   # 2 containers a level, and 1
+    for schema in (nested(MAX_SCHEMA_DEPTH // 2), nested(5000)):
+        with pytest.raises(InvalidRequestError, match="deeper than"):
+            gc.compile("json", schema)
+        with pytest.raises(InvalidRequestError, match="parameters of tool 'f'"):
+            gc.tool_call([("f", schema)], "<a>", "</a>")
+        with pytest.raises(InvalidRequestError, match="deeper than"):
+            gc.compile("json", {"type": "array", "items": [[[[schema]]]]})
