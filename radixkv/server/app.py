@@ -1324,7 +1324,8 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
             if chat and state.reasoning_parser is not None:   # thinking apart, then the rest
                 from radixkv.server.reasoning import split
 
-                reasoning, rest = split(text, state.reasoning_parser)
+                reasoning, rest = split(text, state.reasoning_parser,
+                                        tools.ends_thinking if tools is not None else ())
                 text = rest or ""
             if chat and tools is not None:
                 content, calls = tools.parse(text)
@@ -1485,7 +1486,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     if chat and state.reasoning_parser is not None:
         from radixkv.server.reasoning import ReasoningStream
 
-        thinks = {i: ReasoningStream(state.reasoning_parser) for i in range(req.n)}
+        ends = tools.ends_thinking if tools is not None else ()
+        thinks = {i: ReasoningStream(state.reasoning_parser, ends) for i in range(req.n)}
 
     def parsed_part(c: Any, text: str) -> dict[str, Any] | None:
         """The chunk entry of choice ``c`` through its parsers: the thinking as ``reasoning``,

@@ -12,6 +12,11 @@ written against older vLLM, the same text in ``reasoning_content``) and the rest
   ``</think>`` (or its end); any other reply is all content (Qwen3 with
   ``enable_thinking: false`` writes no tags).
 
+``ends``: tags that also end the thinking, staying in the answer: with tools offered in a
+format whose calls open with ``<tool_call>``, a call the model starts while still thinking
+(without ``</think>``) ends the thinking there, as vLLM's Qwen3 parser reads it, so the call is
+read from the answer instead of lost in the reasoning.
+
 Streamed, :class:`ReasoningStream` sends each delta to the side it belongs to as it comes,
 holding back only text that may be the start of a tag; what a client assembles equals
 :func:`split` of the whole reply (a property test checks it for any split into deltas).
@@ -24,9 +29,10 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
 
-def split(text: str, parser: str) -> tuple[str | None, str | None]:
-    """``(reasoning, content)`` of a whole reply by ``parser``'s rule (module docstring); an
-    empty side is None."""
+def split(text: str, parser: str, ends: tuple[str, ...] = ()
+          ) -> tuple[str | None, str | None]:
+    """``(reasoning, content)`` of a whole reply by ``parser``'s rule (module docstring), the
+    thinking also ended by any of ``ends`` (kept in the content); an empty side is None."""
     if parser not in PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {parser!r}")
     head = text.lstrip()
@@ -34,8 +40,11 @@ def split(text: str, parser: str) -> tuple[str | None, str | None]:
         text = head[len(THINK_OPEN):]
     elif parser == "qwen3":
         return None, text or None
-    reasoning, closed, content = text.partition(THINK_CLOSE)
-    return reasoning or None, (content if closed else "") or None
+    at, tag = _first(text, (THINK_CLOSE, *ends))
+    if at < 0:
+        return text or None, None
+    content = text[at + len(tag):] if tag == THINK_CLOSE else text[at:]
+    return text[:at] or None, content or None
 
 
 class ReasoningStream:
@@ -44,11 +53,12 @@ class ReasoningStream:
     :meth:`feed` each delta and :meth:`finish` once; each returns ``(reasoning, content)``
     to send now."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, ends: tuple[str, ...] = ()) -> None:
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
                              f"got {parser!r}")
         self.parser = parser
+        self._ends = (THINK_CLOSE, *ends)   # what ends the thinking
         # "start": deciding how the reply begins; "think": in the reasoning; "answer": after
         self._state = "start"
         self._buf = ""   # text not yet sent (a possible tag start)
@@ -69,12 +79,13 @@ class ReasoningStream:
             else:
                 self._state = "answer"
         if self._state == "think":
-            end = buf.find(THINK_CLOSE)
+            end, tag = _first(buf, self._ends)
             if end < 0:
-                keep = _tag_prefix(buf)
+                keep = max(_tag_prefix(buf, t) for t in self._ends)
                 self._buf = buf[len(buf) - keep:]
                 return buf[:len(buf) - keep], ""
-            reasoning, buf = buf[:end], buf[end + len(THINK_CLOSE):]
+            reasoning = buf[:end]
+            buf = buf[end + len(tag):] if tag == THINK_CLOSE else buf[end:]
             self._state = "answer"
         self._buf = ""
         return reasoning, content + buf
@@ -87,12 +98,22 @@ class ReasoningStream:
         return "", text
 
 
-def _tag_prefix(text: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``</think>``."""
-    for n in range(min(len(text), len(THINK_CLOSE) - 1), 0, -1):
-        if THINK_CLOSE.startswith(text[-n:]):
+def _tag_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of ``tags`` occurs in ``text``, and which (``(-1, "")``: none)."""
+    best, found = -1, ""
+    for tag in tags:
+        at = text.find(tag)
+        if at >= 0 and (best < 0 or at < best):
+            best, found = at, tag
+    return best, found
 
 
 __all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "split"]

@@ -299,6 +299,13 @@ class Reader:
         sends, assembled (so a streamed reply and a non-streamed one agree by construction)."""
         return _assemble(self.stream(), text)
 
+    @property
+    def ends_thinking(self) -> tuple[str, ...]:
+        """Tags that end a reasoning model's thinking when written in it
+        (:mod:`radixkv.server.reasoning`, ``ends``): a call's opening tag where the format has
+        one (hermes, Qwen's XML), as vLLM's Qwen3 parser ends the reasoning at it."""
+        return (CALL_OPEN,) if self.format in (HERMES, QWEN3_XML) else ()
+
 
 def _call(body: str, names: Set[str]) -> dict[str, Any] | None:
     """The OpenAI tool call written by one ``<tool_call>`` block's ``body`` (the JSON between

@@ -11,23 +11,42 @@ from hypothesis import strategies as st
 from radixkv.server.reasoning import PARSERS, THINK_CLOSE, THINK_OPEN, ReasoningStream, split
 
 _PIECES = st.one_of(
-    st.text(alphabet="ab <>/thinkc\n", max_size=10),
-    st.sampled_from([THINK_OPEN, THINK_CLOSE, " ", "\n", "<th", "</thi", "<think", "</"]))
+    st.text(alphabet="ab <>/thinkc_ol\n", max_size=10),
+    st.sampled_from([THINK_OPEN, THINK_CLOSE, " ", "\n", "<th", "</thi", "<think", "</",
+                     "<tool_call>", "<tool_", "<t"]))
 
 
 @settings(max_examples=400)   # ~2 s: a pure function, cheap examples
-@given(st.sampled_from(PARSERS), st.lists(_PIECES, max_size=8), st.data())
+@given(st.sampled_from(PARSERS), st.lists(_PIECES, max_size=8),
+       st.sampled_from([(), ("<tool_call>",)]), st.data())
 def test_streamed_split_assembles_to_the_whole_split(parser: str, pieces: list[str],
+                                                     ends: tuple[str, ...],
                                                      data: st.DataObject) -> None:
+    """Also with ``<tool_call>`` ending the thinking (tools offered in a format that opens
+    calls with it)."""
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
-    stream = ReasoningStream(parser)
+    stream = ReasoningStream(parser, ends)
     reasoning = content = ""
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         r, c = stream.feed(text[a:b])
         reasoning, content = reasoning + r, content + c
     r, c = stream.finish()
-    assert ((reasoning + r) or None, (content + c) or None) == split(text, parser)
+    assert ((reasoning + r) or None, (content + c) or None) == split(text, parser, ends)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_call_opened_while_thinking_ends_the_thinking(parser: str) -> None:
+    """vLLM's Qwen3 parser ends the reasoning at a ``<tool_call>`` written before
+    ``</think>``; with ``ends`` so does radixkv, the tag staying in the answer (where the
+    call is read); without it the call is thinking."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ends = ("<tool_call>",)
+    assert split(f"<think>I should call f.\n{call}", parser, ends) == (
+        "I should call f.\n", call)
+    assert split(f"<think>plan</think>a {call}", parser, ends) == ("plan", f"a {call}")
+    assert split(f"<think>I should call f.\n{call}", parser) == (
+        f"I should call f.\n{call}", None)
 
 
 @pytest.mark.parametrize("text, r1, q3", [

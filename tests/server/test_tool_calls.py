@@ -447,6 +447,42 @@ def test_reasoning_parser_puts_the_thinking_apart(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_a_call_written_while_thinking_ends_the_thinking(srv: Server) -> None:
+    """With tools offered, a ``<tool_call>`` the model opens before ``</think>`` ends the
+    thinking (as vLLM's Qwen3 parser reads it): the call is read from the answer, streamed
+    or not, instead of being lost in the reasoning. The reply is forced by a regex (the
+    135M model does not think); with tools and a constraint the grammar is calls or the
+    constraint, and the model prefers calling, so a bias on the token after ``<`` in
+    ``<think>`` makes it take the constraint's branch."""
+    import re
+
+    from radixkv.models import load_tokenizer
+
+    think = load_tokenizer().encode("<think>", add_special_tokens=False)[1]
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+            '"unit": "celsius"}}\n</tool_call>')
+    form = r"<think>[a-z]{1,8}\n" + re.escape(call)
+    kw = {"messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 60,
+          "logit_bias": {str(think): 100},
+          "extra_body": {"structured_outputs": {"regex": form}}}
+    c = _chat(srv, **kw).choices[0]
+    assert re.fullmatch(r"[a-z]{1,8}\n", c.message.model_extra["reasoning"]), c
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (got,) = c.message.tool_calls
+    assert (got.function.name, json.loads(got.function.arguments)) == (
+        "get_weather", {"city": "Oslo", "unit": "celsius"})
+    reasoning = ""
+    chunks = list(_chat(srv, stream=True, **kw))
+    for ch in chunks:
+        for x in ch.choices:
+            reasoning += (x.delta.model_extra or {}).get("reasoning") or ""
+    content, calls, finish = _assemble(chunks)
+    assert reasoning == c.message.model_extra["reasoning"] and not content.get(0)
+    assert [(x["name"], x["arguments"]) for x in calls[0].values()] == [
+        (got.function.name, got.function.arguments)] and finish == {0: "tool_calls"}
+
+
+@pytest.mark.model
 def test_tokenize_renders_the_tools_as_the_chat_does(srv: Server) -> None:
     """vLLM's ``/tokenize`` with ``tools``: the chat request's prompt, token for token."""
     status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": ASK,
