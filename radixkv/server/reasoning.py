@@ -24,6 +24,8 @@ holding back only text that may be the start of a tag; what a client assembles e
 
 from __future__ import annotations
 
+from radixkv.server.tags import first_tag, tag_prefix
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 #: ``--reasoning-parser`` values
 PARSERS = ("deepseek_r1", "qwen3")
@@ -40,7 +42,7 @@ def split(text: str, parser: str, ends: tuple[str, ...] = ()
         text = head[len(THINK_OPEN):]
     elif parser == "qwen3":
         return None, text or None
-    at, tag = _first(text, (THINK_CLOSE, *ends))
+    at, tag = first_tag(text, (THINK_CLOSE, *ends))
     if at < 0:
         return text or None, None
     content = text[at + len(tag):] if tag == THINK_CLOSE else text[at:]
@@ -79,9 +81,9 @@ class ReasoningStream:
             else:
                 self._state = "answer"
         if self._state == "think":
-            end, tag = _first(buf, self._ends)
+            end, tag = first_tag(buf, self._ends)
             if end < 0:
-                keep = max(_tag_prefix(buf, t) for t in self._ends)
+                keep = max(tag_prefix(buf, t) for t in self._ends)
                 self._buf = buf[len(buf) - keep:]
                 return buf[:len(buf) - keep], ""
             reasoning = buf[:end]
@@ -96,24 +98,6 @@ class ReasoningStream:
         if self._state == "think" or (self._state == "start" and self.parser == "deepseek_r1"):
             return text, ""
         return "", text
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
-    """Where the first of ``tags`` occurs in ``text``, and which (``(-1, "")``: none)."""
-    best, found = -1, ""
-    for tag in tags:
-        at = text.find(tag)
-        if at >= 0 and (best < 0 or at < best):
-            best, found = at, tag
-    return best, found
 
 
 __all__ = ["PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningStream", "split"]

@@ -91,6 +91,7 @@ from typing import Any, NamedTuple
 
 from radixkv.server.errors import APIError
 from radixkv.server.json_stream import JSONCanon
+from radixkv.server.tags import first_tag, tag_prefix
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
@@ -393,7 +394,7 @@ class CallStream(_Content):
             if mode is None:
                 at = buf.find(CALL_OPEN)
                 if at < 0:
-                    keep = _tag_prefix(buf, CALL_OPEN)
+                    keep = tag_prefix(buf, CALL_OPEN)
                     out.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
@@ -444,7 +445,7 @@ class CallStream(_Content):
             else:   # "tail" / "broken": drop up to the closing tag
                 end = buf.find(CALL_CLOSE)
                 if end < 0:
-                    buf = buf[len(buf) - _tag_prefix(buf, CALL_CLOSE):]
+                    buf = buf[len(buf) - tag_prefix(buf, CALL_CLOSE):]
                     break
                 buf = buf[end + len(CALL_CLOSE):]
                 self._mode = None
@@ -685,7 +686,7 @@ class MistralCallStream(_ObjectCalls):
             if mode == "text":
                 at = buf.find(MISTRAL_CALLS)
                 if at < 0:
-                    keep = _tag_prefix(buf, MISTRAL_CALLS)
+                    keep = tag_prefix(buf, MISTRAL_CALLS)
                     out.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
@@ -706,7 +707,7 @@ class MistralCallStream(_ObjectCalls):
             elif mode == "name":
                 at = buf.find(MISTRAL_ARGS)
                 if at < 0:
-                    if _NAME_PREFIX.fullmatch(buf[:len(buf) - _tag_prefix(buf, MISTRAL_ARGS)]):
+                    if _NAME_PREFIX.fullmatch(buf[:len(buf) - tag_prefix(buf, MISTRAL_ARGS)]):
                         break   # a name being written
                     self._fail(out)
                     continue
@@ -1120,9 +1121,9 @@ class XMLCallStream(_Content):
         while buf:
             mode = self._mode
             if mode is None:
-                at, tag = _first_of(buf, (CALL_OPEN, XML_FUNC))
+                at, tag = first_tag(buf, (CALL_OPEN, XML_FUNC))
                 if at < 0:
-                    keep = max(_tag_prefix(buf, CALL_OPEN), _tag_prefix(buf, XML_FUNC))
+                    keep = max(tag_prefix(buf, CALL_OPEN), tag_prefix(buf, XML_FUNC))
                     out.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
@@ -1194,9 +1195,9 @@ class XMLCallStream(_Content):
                     if buf[0] == "\n":
                         buf = buf[1:]
                         continue
-                at, tag = _first_of(buf, _VALUE_ENDS)
+                at, tag = first_tag(buf, _VALUE_ENDS)
                 if at < 0:
-                    cut = len(buf) - max(_tag_prefix(buf, t) for t in _VALUE_ENDS)
+                    cut = len(buf) - max(tag_prefix(buf, t) for t in _VALUE_ENDS)
                     if cut > 0 and buf[cut - 1] == "\n":   # may be the markup before the end
                         cut -= 1
                     self._value(buf[:cut], deltas)
@@ -1239,16 +1240,6 @@ class XMLCallStream(_Content):
         elif mode == "tail":
             text = ""
         return self._content(text), deltas
-
-
-def _first_of(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
-    """Where the first of ``tags`` occurs in ``text`` and which: ``(-1, "")`` for none."""
-    best, found = -1, ""
-    for tag in tags:
-        at = text.find(tag)
-        if at >= 0 and (best < 0 or at < best):
-            best, found = at, tag
-    return best, found
 
 
 def _skip_space(text: str) -> str:
@@ -1406,14 +1397,6 @@ def _header(body: str) -> tuple[str, str | None, int]:
             return "no", None, 0
         i += len(word)
     return "yes", name, i
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def stop_after(parallel_tool_calls: bool | None, active: bool, forced: bool,
