@@ -1274,7 +1274,10 @@ def typed_value(raw: str, schema: Any) -> Any:
     """A parameter's text as the value its schema types it: the first of null, integer,
     number, boolean, object, array and string that the schema allows and the text reads as
     (``true``/``1``, ``false``/``0`` as booleans; an integral number as an integer), else the
-    text read as JSON, else the text (the order vLLM's Qwen3-Coder parser tries types in)."""
+    text read as JSON, else the text (the order vLLM's Qwen3-Coder parser tries types in).
+    Inside an object or array read so, a string where the sub-schema (``properties``,
+    ``items``) wants another type is typed the same way (``{"days": "3"}`` for an integer
+    ``days`` is ``{"days": 3}``), as vLLM's parser does."""
     allowed = _types(schema)
     text = raw.strip()
     parsed: Any = _NO_JSON
@@ -1302,8 +1305,29 @@ def typed_value(raw: str, schema: Any) -> Any:
                 return parsed
         if kind == "object" and isinstance(parsed, dict) \
                 or kind == "array" and isinstance(parsed, list):
-            return parsed
-    return raw if parsed is _NO_JSON else parsed
+            return _retyped(parsed, schema)
+    return raw if parsed is _NO_JSON else _retyped(parsed, schema)
+
+
+def _retyped(value: Any, schema: Any) -> Any:
+    """``value`` (read from JSON) with its strings typed by their sub-schemas
+    (:func:`typed_value`); as it is where that nests past Python's recursion limit."""
+    def walk(v: Any, sub: Any) -> Any:
+        if not isinstance(sub, dict):
+            return v
+        if isinstance(v, str):
+            return typed_value(v, sub) if _types(sub) != {"string"} else v
+        if isinstance(v, dict) and isinstance(sub.get("properties"), dict):
+            props = sub["properties"]
+            return {k: walk(x, props.get(k)) for k, x in v.items()}
+        if isinstance(v, list) and isinstance(sub.get("items"), dict):
+            return [walk(x, sub["items"]) for x in v]
+        return v
+
+    try:
+        return walk(value, schema)
+    except RecursionError:
+        return value
 
 
 def _no_constant(name: str) -> Any:

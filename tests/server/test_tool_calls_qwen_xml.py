@@ -130,6 +130,13 @@ def test_the_format_is_read_from_the_template_or_named() -> None:
     ("5", {"enum": [1, 5, 9]}, 5),                     # the enum's values give the type
     ("5", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 5),
     ("5", None, "5"),                                  # no schema: text
+    # inside an object or array, strings typed by their sub-schemas (vLLM's parser too)
+    ('{"days": "3", "name": "42", "x": "7", "tags": ["true", "0", 1]}',
+     {"type": "object", "properties": {"days": {"type": "integer"}, "name": {"type": "string"},
+                                       "tags": {"type": "array",
+                                                "items": {"type": "boolean"}}}},
+     {"days": 3, "name": "42", "x": "7", "tags": [True, False, 1]}),
+    ('["1", "2.5"]', {"type": "array", "items": {"type": "number"}}, [1, 2.5]),
 ])
 def test_values_are_typed_by_the_schema(raw: str, schema: Any, want: Any) -> None:
     got = typed_value(raw, schema)
