@@ -578,12 +578,8 @@ class JSONCallStream(_ObjectCalls):
         while buf:
             mode = self._mode
             if mode == "start":
-                rest = buf.lstrip()
-                if rest.startswith(PYTHON_TAG):
-                    rest = rest[len(PYTHON_TAG):].lstrip()
-                elif PYTHON_TAG.startswith(rest):   # whitespace, or the tag's start
-                    break
-                if not rest:
+                rest = _after_lead(buf, PYTHON_TAG)
+                if rest is None:
                     break
                 if rest[0] == "{":
                     self._lead, buf = buf[:len(buf) - len(rest)], rest
@@ -823,12 +819,8 @@ class PythonicCallStream(_Content):
         while self._buf:
             buf, mode = self._buf, self._mode
             if mode == "start":
-                rest = buf.lstrip()
-                if rest.startswith(PYTHON_START):
-                    rest = rest[len(PYTHON_START):].lstrip()
-                elif PYTHON_START.startswith(rest):   # whitespace, or the token's start
-                    break
-                if not rest:
+                rest = _after_lead(buf, PYTHON_START)
+                if rest is None:
                     break
                 if rest[0] != "[":
                     self._mode = "text"
@@ -1240,6 +1232,18 @@ class XMLCallStream(_Content):
         elif mode == "tail":
             text = ""
         return self._content(text), deltas
+
+
+def _after_lead(text: str, tag: str) -> str | None:
+    """What a reply that *is* its calls has after its leading whitespace and an optional
+    ``tag`` (Llama's ``<|python_tag|>``, Llama 4's ``<|python_start|>``), or None while the
+    text so far may still be only those (read on)."""
+    rest = text.lstrip()
+    if rest.startswith(tag):
+        rest = rest[len(tag):].lstrip()
+    elif tag.startswith(rest):   # whitespace, or the tag's start
+        return None
+    return rest or None
 
 
 def _skip_space(text: str) -> str:

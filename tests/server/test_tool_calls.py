@@ -167,6 +167,48 @@ def test_auto_and_none(srv: Server) -> None:
     assert status == 400 and err["error"]["param"] == "tool_choice"
 
 
+def check_required_and_auto(srv: Server, closing: tuple[str, ...] = ()) -> None:
+    """What the tool-call modules' servers check alike: ``required`` with the end tokens (and
+    ``closing``, the tokens that would end a list of calls) biased out writes calls until
+    ``max_tokens``, at least two, streamed as the non-streamed answer; with
+    ``parallel_tool_calls: false`` exactly one; ``auto`` streamed as not."""
+    from radixkv.models import load_tokenizer
+
+    tok = load_tokenizer()
+    bias = {"0": -100, "2": -100,
+            **{str(tok.convert_tokens_to_ids(t)): -100 for t in closing}}
+    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+          "max_tokens": 90, "logit_bias": bias}
+    whole = _chat(srv, **kw).choices[0]
+    assert len(whole.message.tool_calls) >= 2, whole
+    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
+    assert finish == {0: whole.finish_reason}
+    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert content.get(0) == whole.message.content or (
+        not content.get(0) and whole.message.content is None)
+    one = _chat(srv, **kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+    auto = {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 30}
+    whole = _chat(srv, **auto).choices[0]
+    content, calls, finish = _assemble(_chat(srv, stream=True, **auto))
+    assert content.get(0) == whole.message.content or (
+        not content.get(0) and whole.message.content is None)
+
+
+def rendered(srv: Server, messages: list[dict[str, Any]]) -> str:
+    """The prompt text the server's template makes of ``messages`` (``/tokenize``, then
+    ``/detokenize``): how a history's calls and results render back."""
+    status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": messages},
+                          key=None)
+    assert status == 200, tok
+    status, text = srv.raw("POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]},
+                           key=None)
+    assert status == 200, text
+    prompt: str = text["prompt"]
+    return prompt
+
+
 def _assemble(chunks: Any) -> tuple[dict[int, str], dict[int, dict[int, Any]], dict[int, str]]:
     """Per choice: the content, the tool calls by index (fields merged over deltas, the
     arguments concatenated, as OpenAI's stream helpers do) and the finish reason."""

@@ -28,7 +28,7 @@ from radixkv.server.tools import (MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, Reader, 
                                   template_format)
 from tests.server.test_openai_server import MODEL, Server  # noqa: E402
 from tests.server.test_tool_calls import (  # noqa: E402
-    ASK, TIME, WEATHER, _assemble, _chat, template_server)
+    ASK, TIME, WEATHER, _chat, check_required_and_auto, rendered, template_server)
 from tests.server.test_tool_calls_llama import _stream  # noqa: E402
 
 # A Mistral 7B v0.3-style template: the tools before the last user turn, a call in history
@@ -281,12 +281,7 @@ def test_a_named_call_is_a_list_and_its_result_goes_back(srv: Server) -> None:
                         {"role": "tool", "tool_call_id": cid, "content": "18 C"}]
         r2 = _chat(srv, messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=2)
         assert r2.choices[0].message.tool_calls is None
-        status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": follow},
-                              key=None)
-        assert status == 200, tok
-        status, text = srv.raw("POST", "/detokenize", {"model": MODEL,
-                                                       "tokens": tok["tokens"]}, key=None)
-        assert f'"call_id": "{mistral_id(cid)}"' in text["prompt"]
+        assert f'"call_id": "{mistral_id(cid)}"' in rendered(srv, follow)
 
 
 @pytest.mark.model
@@ -295,24 +290,4 @@ def test_required_calls_stream_as_the_non_streamed_ones(srv: Server) -> None:
     end tokens and on ``]``, ``}]``, ``]]``, `` ]``, the model writes calls until
     ``max_tokens``), streamed as the non-streamed answer; with ``parallel_tool_calls: false``
     the list holds one."""
-    from radixkv.models import load_tokenizer
-
-    tok = load_tokenizer()
-    closing = {str(tok.convert_tokens_to_ids(t)): -100 for t in ("]", "}]", "]]", "\u0120]")}
-    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
-          "max_tokens": 90, "logit_bias": {"0": -100, "2": -100, **closing}}
-    whole = _chat(srv, **kw).choices[0]
-    assert len(whole.message.tool_calls) >= 2, whole
-    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
-    assert finish == {0: whole.finish_reason}
-    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert content.get(0) == whole.message.content or (
-        not content.get(0) and whole.message.content is None)
-    one = _chat(srv, **kw, parallel_tool_calls=False).choices[0]
-    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
-    auto = {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 30}
-    whole = _chat(srv, **auto).choices[0]
-    content, calls, finish = _assemble(_chat(srv, stream=True, **auto))
-    assert content.get(0) == whole.message.content or (
-        not content.get(0) and whole.message.content is None)
+    check_required_and_auto(srv, ("]", "}]", "]]", "\u0120]"))

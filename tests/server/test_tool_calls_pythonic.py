@@ -21,9 +21,9 @@ openai = pytest.importorskip("openai")
 
 from radixkv.server.tools import (PARSERS, PYTHON_END, PYTHON_START, PYTHONIC,  # noqa: E402
                                   Reader, grammar_shape, template_format)
-from tests.server.test_openai_server import MODEL, Server  # noqa: E402
+from tests.server.test_openai_server import Server  # noqa: E402
 from tests.server.test_tool_calls import (  # noqa: E402
-    ASK, TIME, WEATHER, _assemble, _chat, template_server)
+    ASK, TIME, WEATHER, _chat, check_required_and_auto, rendered, template_server)
 from tests.server.test_tool_calls_llama import _stream  # noqa: E402
 
 # A Llama 3.2 pythonic-style template: the instruction with the list format, an assistant's
@@ -278,11 +278,7 @@ def test_a_named_call_and_its_result_go_back(srv: Server) -> None:
     follow = ASK + [{"role": "assistant", "content": None,
                      "tool_calls": [call.model_dump()]},
                     {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
-    status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": follow}, key=None)
-    assert status == 200, tok
-    status, text = srv.raw("POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]},
-                           key=None)
-    assert f"[get_weather(city={json.dumps(args['city'])}" in text["prompt"]
+    assert f"[get_weather(city={json.dumps(args['city'])}" in rendered(srv, follow)
 
 
 @pytest.mark.model
@@ -290,22 +286,4 @@ def test_required_calls_stream_as_the_non_streamed_ones(srv: Server) -> None:
     """``required``: one or more calls (the end tokens and ``]`` biased out, the model writes
     calls until ``max_tokens``), streamed as the non-streamed answer; with
     ``parallel_tool_calls: false`` one; ``auto`` streamed as not."""
-    from radixkv.models import load_tokenizer
-
-    tok = load_tokenizer()
-    closing = {str(tok.convert_tokens_to_ids(t)): -100 for t in ("]", "}]", "]]", "\u0120]")}
-    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
-          "max_tokens": 90, "logit_bias": {"0": -100, "2": -100, **closing}}
-    whole = _chat(srv, **kw).choices[0]
-    assert len(whole.message.tool_calls) >= 2, whole
-    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
-    assert finish == {0: whole.finish_reason}
-    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    one = _chat(srv, **kw, parallel_tool_calls=False).choices[0]
-    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
-    auto = {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 30}
-    whole = _chat(srv, **auto).choices[0]
-    content, calls, finish = _assemble(_chat(srv, stream=True, **auto))
-    assert content.get(0) == whole.message.content or (
-        not content.get(0) and whole.message.content is None)
+    check_required_and_auto(srv, ("]", "}]", "]]", "\u0120]"))

@@ -35,7 +35,7 @@ from radixkv.server.tools import (CALL_CLOSE, CALL_OPEN, PARSERS, QWEN3_XML,  # 
                                   grammar_shape, stop_after, template_format, typed_value)
 from tests.server.test_openai_server import MODEL, Server  # noqa: E402
 from tests.server.test_tool_calls import (  # noqa: E402
-    ASK, TIME, WEATHER, _assemble, _chat, template_server)
+    ASK, WEATHER, _chat, check_required_and_auto, rendered, template_server)
 from tests.server.test_tool_calls_llama import _stream  # noqa: E402
 
 # A Qwen3-Coder-style template: the tools in the system turn with the call format spelled out,
@@ -395,11 +395,7 @@ def test_a_named_call_is_typed_and_its_result_goes_back(srv: Server) -> None:
                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     r2 = _chat(srv, messages=follow, tools=[FORECAST], tool_choice="none", max_tokens=2)
     assert r2.choices[0].message.tool_calls is None
-    status, tok = srv.raw("POST", "/tokenize", {"model": MODEL, "messages": follow}, key=None)
-    assert status == 200, tok
-    status, text = srv.raw("POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]},
-                           key=None)
-    assert f"<parameter=days>\n{args['days']}\n</parameter>" in text["prompt"]
+    assert f"<parameter=days>\n{args['days']}\n</parameter>" in rendered(srv, follow)
 
 
 @pytest.mark.model
@@ -407,22 +403,7 @@ def test_required_calls_stream_as_the_non_streamed_ones(srv: Server) -> None:
     """``required``: one or more calls (kept from ending by a -100 bias on the end tokens, the
     model writes calls until ``max_tokens``), streamed as the non-streamed answer; with
     ``parallel_tool_calls: false`` one."""
-    kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
-          "max_tokens": 90, "logit_bias": {"0": -100, "2": -100}}
-    whole = _chat(srv, **kw).choices[0]
-    assert len(whole.message.tool_calls) >= 2, whole
-    content, calls, finish = _assemble(_chat(srv, stream=True, **kw))
-    assert finish == {0: whole.finish_reason}
-    assert [(c["name"], c["arguments"]) for c in calls[0].values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert not content.get(0) and whole.message.content is None
-    one = _chat(srv, **kw, parallel_tool_calls=False).choices[0]
-    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
-    auto = {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 30}
-    whole = _chat(srv, **auto).choices[0]
-    content, calls, finish = _assemble(_chat(srv, stream=True, **auto))
-    assert content.get(0) == whole.message.content or (
-        not content.get(0) and whole.message.content is None)
+    check_required_and_auto(srv)
 
 
 def test_names_the_format_cannot_write_are_refused() -> None:
