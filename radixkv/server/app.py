@@ -303,13 +303,18 @@ def _check_health(state: ServerState) -> None:
 
 def _request_defaults(state: ServerState, req: Any) -> None:
     """The server's defaults for what a request leaves unset (vLLM's frontend flags):
-    ``chat_template_kwargs`` over ``--default-chat-template-kwargs``, and
-    ``return_tokens_as_token_ids`` from ``--return-tokens-as-token-ids``. Idempotent."""
+    ``chat_template_kwargs`` over ``--default-chat-template-kwargs`` (and under the variables
+    of ``reasoning_effort``: :func:`_reasoning_effort`), and ``return_tokens_as_token_ids``
+    from ``--return-tokens-as-token-ids``. Idempotent."""
     frontend = state.frontend
     if getattr(req, "return_tokens_as_token_ids", False) is None:
         req.return_tokens_as_token_ids = frontend.return_tokens_as_token_ids
     if hasattr(req, "chat_template_kwargs"):
+        own = req.chat_template_kwargs or {}
         req.chat_template_kwargs = frontend.template_kwargs(req.chat_template_kwargs)
+        if getattr(req, "reasoning_effort", None) is not None:
+            req.chat_template_kwargs = {**(req.chat_template_kwargs or {}),
+                                        **_reasoning_effort(state, req, own)}
     template = getattr(req, "chat_template", None)
     if template is not None:
         if not frontend.trust_request_chat_template:
@@ -321,6 +326,28 @@ def _request_defaults(state: ServerState, req: Any) -> None:
         # tools) passes its template variables to apply_chat_template: the template rides there
         req.chat_template_kwargs = {**(req.chat_template_kwargs or {}),
                                     "chat_template": template}
+
+
+def _reasoning_effort(state: ServerState, req: Any, own: dict[str, Any]) -> dict[str, Any]:
+    """The template variables of a request's ``reasoning_effort``, as vLLM sets them: the value
+    as ``reasoning_effort`` (templates with effort levels read it), and ``enable_thinking``
+    false for ``none`` and true otherwise unless the request's own ``chat_template_kwargs``
+    (``own``) set it (Qwen3-style templates switch thinking with it; the request's effort wins
+    over ``--default-chat-template-kwargs``). Where vLLM renders a template that reads neither
+    and so ignores the effort, this is a 400 naming ``reasoning_effort``: the client asked for
+    something this model's template cannot do."""
+    template = getattr(req, "chat_template", None) or getattr(
+        state.ready_engine().chat_template.tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else str(template or "")
+    if "reasoning_effort" not in text and "enable_thinking" not in text:
+        raise APIError(400, "reasoning_effort: this model's chat template has no reasoning "
+                       "control (it reads neither reasoning_effort nor enable_thinking)",
+                       param="reasoning_effort", code="unsupported_parameter")
+    effort = req.reasoning_effort
+    out: dict[str, Any] = {"reasoning_effort": effort}
+    if "enable_thinking" not in own:
+        out["enable_thinking"] = effort != "none"
+    return out
 
 
 def _with_request_id(scope: dict[str, Any], send: Any) -> Any:

@@ -194,6 +194,8 @@ def chat_request(req: Any, history: Sequence[dict[str, Any]]) -> tuple[dict[str,
     elif req.top_logprobs:
         raise APIError(400, "top_logprobs needs include: [\"message.output_text.logprobs\"]",
                        param="top_logprobs")
+    if req.reasoning_effort() is not None:
+        body["reasoning_effort"] = req.reasoning_effort()
     for key, value in (("max_completion_tokens", req.max_output_tokens),
                        ("temperature", req.temperature), ("top_p", req.top_p),
                        ("tools", chat_tools(req.tools)),
@@ -311,7 +313,7 @@ def response_body(rid: str, req: Any, model: str, created: int, output: list[dic
         "model": model, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": req.store,
+        "reasoning": {"effort": req.reasoning_effort(), "summary": None}, "store": req.store,
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "top_p": req.top_p if req.top_p is not None else 1.0,

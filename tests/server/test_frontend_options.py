@@ -29,7 +29,10 @@ TEMPLATE = (
     "'<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    # a reasoning switch, as Qwen3's templates read it (only reasoning_effort's tests set it)
+    "{%- if enable_thinking is defined %}{{ '[thinking ' ~ enable_thinking ~ ' effort ' ~ "
+    "reasoning_effort ~ ']' }}{%- endif %}")
 HI = [{"role": "user", "content": "Say hi."}]
 KEY = "fe-key"
 ROOT = "/llm"          # --root-path
@@ -191,6 +194,54 @@ def test_a_trusted_request_template_renders_the_prompt(server: Server) -> None:
                            {"model": MODEL, "messages": HI, "max_tokens": 1,
                             "chat_template_kwargs": {"chat_template": mine}})
     assert status == 400 and err["error"]["param"] == "chat_template_kwargs"
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(server: Server) -> None:
+    """``reasoning_effort`` is the template's ``reasoning_effort`` variable and switches
+    ``enable_thinking`` (off for ``none``), unless the request's own ``chat_template_kwargs``
+    set that; the Responses API's ``reasoning.effort`` is the same. A template that reads
+    neither variable makes it a 400 naming the field (vLLM would render it and ignore it)."""
+    def shown(**extra: Any) -> str:
+        status, _, body = _http(server, "POST", "/v1/chat/completions",
+                                {"model": MODEL, "messages": HI, "max_tokens": 1,
+                                 "return_prompt_text": True, **extra})
+        assert status == 200, body
+        return body["prompt_text"]
+
+    assert "[thinking" not in shown()
+    assert shown(reasoning_effort="low").endswith("[thinking True effort low]")
+    assert shown(reasoning_effort="none").endswith("[thinking False effort none]")
+    assert shown(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}
+                 ).endswith("[thinking True effort none]")
+    # the field wins over a template variable of the same name, as in vLLM
+    assert shown(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+                 ).endswith("[thinking True effort high]")
+    status, _, err = _http(server, "POST", "/v1/chat/completions",
+                           {"model": MODEL, "messages": HI, "max_tokens": 1,
+                            "reasoning_effort": "maximal"})
+    assert status == 400 and err["error"]["param"] == "reasoning_effort", err
+    plain = "{%- for m in messages %}{{ m['content'] }}{%- endfor %}"
+    status, _, err = _http(server, "POST", "/v1/chat/completions",
+                           {"model": MODEL, "messages": HI, "max_tokens": 1,
+                            "reasoning_effort": "low", "chat_template": plain})
+    assert status == 400 and err["error"]["param"] == "reasoning_effort", err
+    assert "reads neither" in err["error"]["message"]
+    # the official client's own field, and the Responses API's reasoning.effort
+    api = _client(server)
+    r = api.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
+                                    reasoning_effort="none")
+    assert r.usage.prompt_tokens == _http(server, "POST", "/tokenize", {
+        "model": MODEL, "messages": HI,
+        "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "none"}}
+        )[2]["count"]
+    resp = api.responses.create(model=MODEL, input="Say hi.", max_output_tokens=1,
+                                reasoning={"effort": "none", "summary": "auto"})
+    assert resp.reasoning.effort == "none"
+    assert resp.usage.input_tokens == r.usage.prompt_tokens
+    for bad in ({"summary": "detailed"}, {"effort": "extreme"}, {"budget": 5}):
+        status, _, err = _http(server, "POST", "/v1/responses",
+                               {"model": MODEL, "input": "Hi", "reasoning": bad})
+        assert status == 400 and err["error"]["param"] == "reasoning", (bad, err)
 
 
 def test_the_reply_role_is_the_response_role(server: Server) -> None:
@@ -684,6 +735,30 @@ def test_a_requests_own_template_kwargs_win() -> None:
     assert FrontendOptions().template_kwargs({"c": 1}) == {"c": 1}
     assert FrontendOptions(**opts.as_dict()) == opts   # what the fleet's ingress rebuilds
     assert not FrontendOptions().trust_request_chat_template   # vLLM's default: refused
+
+
+def test_a_requests_reasoning_effort_wins_over_the_servers_template_defaults() -> None:
+    """``--default-chat-template-kwargs '{"enable_thinking": false}'`` (a common deployment)
+    does not turn off the thinking a request asks for with ``reasoning_effort``; without the
+    field the default holds. Idempotent, as ``_request_defaults`` must be."""
+    from types import SimpleNamespace
+
+    from radixkv.server.app import _request_defaults
+    from radixkv.server.protocol import ChatCompletionRequest
+
+    tok = SimpleNamespace(chat_template="{{ enable_thinking }}")
+    eng = SimpleNamespace(chat_template=SimpleNamespace(tokenizer=tok))
+    state = SimpleNamespace(ready_engine=lambda: eng, frontend=FrontendOptions(
+        default_chat_template_kwargs={"enable_thinking": False, "x": 1}))
+    req = ChatCompletionRequest(messages=HI, reasoning_effort="medium")
+    _request_defaults(state, req)
+    want = {"enable_thinking": True, "x": 1, "reasoning_effort": "medium"}
+    assert req.chat_template_kwargs == want
+    _request_defaults(state, req)
+    assert req.chat_template_kwargs == want
+    req = ChatCompletionRequest(messages=HI)
+    _request_defaults(state, req)
+    assert req.chat_template_kwargs == {"enable_thinking": False, "x": 1}
 
 
 def test_docs_are_served_by_default() -> None:

@@ -626,6 +626,21 @@ def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
         "model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
         "ignore_eos": True, "stop_token_ids": [third]})[1]["choices"][0]
     assert stopped["finish_reason"] == "stop" and len(stopped["text"]) < len(first)
+    # more stop strings than OpenAI's 4, as vLLM takes them (the one that matches is last);
+    # a bound on the count all the same (MAX_STOP_STRINGS), a 400 naming stop past it
+    from radixkv.server.protocol import MAX_STOP_STRINGS
+
+    word = first[len(first) // 2:len(first) // 2 + 3]
+    assert word.strip(), first
+    many = [f"<never {i}>" for i in range(19)] + [word]
+    cut = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "stop": many})[1]["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == first[:first.index(word)]
+    status, err = ready.raw("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 1,
+        "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+    assert status == 400 and err["error"]["param"] == "stop", err
     # a -100 bias bans a token greedy would pick
     first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
                                                   "max_tokens": 1, "temperature": 0,
@@ -1276,7 +1291,9 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
                ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                          "image_url": "x"}]}]}, "input"),
                ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
-               ({"reasoning": {"effort": "high"}}, "reasoning"),
+               # an effort is chat's reasoning_effort: this model's template has no switch
+               ({"reasoning": {"effort": "high"}}, "reasoning_effort"),
+               ({"reasoning": {"summary": "concise"}}, "reasoning"),
                ({"truncation": "some"}, "truncation"), ({"max_output_tokens": 0},
                                                         "max_output_tokens"),
                ({"max_tool_calls": -1}, "max_tool_calls"),
