@@ -628,13 +628,22 @@ def _routes(api: FastAPI, state: ServerState,
                            param="tokens")
         return {"prompt": await asyncio.to_thread(eng.decode, req.tokens, False)}
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created,
+                "owned_by": "radixkv", "root": state.model_name,
+                "max_model_len": state.ready_engine().max_model_len}
+
     @api.get("/v1/models")
     async def models() -> Any:
-        eng = state.ready_engine()
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": state.created, "owned_by": "radixkv",
-            "root": state.model_name, "max_model_len": eng.max_model_len}
-            for name in (state.model_name, *state.frontend.model_aliases)]}
+        return {"object": "list", "data": [
+            model_card(name) for name in (state.model_name, *state.frontend.model_aliases)]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(model: str) -> Any:
+        """OpenAI's retrieve (``client.models.retrieve``; vLLM serves only the list): one of
+        this server's names, else a 404 ``model_not_found``. A path: names hold ``/``."""
+        state.check_model(model)
+        return model_card(model)
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:

@@ -325,6 +325,16 @@ def test_served_model_aliases_and_a_left_out_model(server: Server) -> None:
     status, _, body = _http(server, "POST", "/v1/completions",
                             {"model": "alias-two", "prompt": "x", "max_tokens": 1})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+    # OpenAI's retrieve (vLLM has only the list): each served name, a 404 for others, the key
+    # required as on the list
+    for name in (MODEL, "alias-one"):
+        card = _client(server).models.retrieve(name)
+        assert card.id == name and card.model_extra["root"] == MODEL
+    with pytest.raises(openai.NotFoundError):
+        _client(server).models.retrieve("org/alias-two")
+    status, _, body = _http(server, "GET", "/v1/models/org/alias-two")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert _http(server, "GET", "/v1/models/alias-one", key=None)[0] == 401
 
 
 def test_sagemaker_invocations_route_by_the_body_and_need_the_key(server: Server) -> None:
