@@ -1298,7 +1298,7 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     salt = state.tenants.cache_salt(key, serving.request_salt(req))
     timing = serving.Timing(arrived=getattr(request.state, "arrived", time.perf_counter()))
     rid, eid = serving.response_ids("chatcmpl" if chat else "cmpl",
-                                    request.headers.get("x-request-id"))
+                                    request.headers.get("x-request-id"), req.request_id)
     seqs = len(prompts) * _num_seqs(req)
     state.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     if req.stream:

@@ -51,6 +51,17 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 #: stop strings after each token took ~31 us per sequence, 4 took ~1.3 us.
 MAX_STOP_STRINGS = 256
 
+#: Longest id a request may name its response with (``X-Request-Id``, or vLLM's ``request_id``
+#: field): the response's id is ``chatcmpl-<id>`` / ``cmpl-<id>``.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def usable_request_id(v: str | None) -> bool:
+    """Whether ``v`` can name a response: printable ASCII, 1 to ``MAX_REQUEST_ID_CHARS``."""
+    return (v is not None and 0 < len(v) <= MAX_REQUEST_ID_CHARS and v.isascii()
+            and v.isprintable())
+
+
 #: Most documents one request may blend (each is a cache entry the blend locks).
 MAX_DOCUMENTS = 256
 
@@ -185,6 +196,8 @@ class _SamplingFields(_PlacedDocuments):
     top_k: Optional[int] = Field(default=None, ge=-1)   # vLLM extension; -1 or 0 = off
     n: int = Field(default=1, ge=1, le=128)
     stop: Optional[Union[str, list[str]]] = None
+    #: vLLM's: the response's id is ``chatcmpl-<request_id>`` (an ``X-Request-Id`` header wins)
+    request_id: Optional[str] = None
     seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -285,6 +298,14 @@ class _SamplingFields(_PlacedDocuments):
                 raise ValueError(f"token id {tid} is negative")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"bias {b} for token {k} is outside [-100, 100]")
+        return v
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: Any) -> Any:
+        if v is not None and not usable_request_id(v):
+            raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+                             "characters (it names the response)")
         return v
 
     @field_validator("stop")
@@ -761,5 +782,5 @@ __all__ = ["FieldError", "MAX_DOCUMENTS", "check_documents", "TokenizeRequest",
            "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
            "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice", "ResponsesRequest",
            "RESPONSES_UNSUPPORTED", "RESPONSES_PASSTHROUGH", "REASONING_EFFORTS",
-           "MAX_STOP_STRINGS", "ConversationCreate", "ConversationUpdate",
-           "ConversationItemsCreate"]
+           "MAX_STOP_STRINGS", "MAX_REQUEST_ID_CHARS", "usable_request_id",
+           "ConversationCreate", "ConversationUpdate", "ConversationItemsCreate"]

@@ -20,7 +20,8 @@ from typing import Any
 from radixkv.api.metrics import TIER_NAMES
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server.errors import APIError
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     usable_request_id)
 
 # Seeds: sample i of n uses seed + i (radixkv.engine.sampling); keep the sum inside torch's range.
 MAX_SEED = 2**63 - 1 - 256
@@ -49,24 +50,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-#: An ``X-Request-Id`` names a response only when it is this short and printable ASCII (a
-#: trace id: W3C's ``traceparent`` is 55 characters); a longer or stranger one is still echoed
-#: by ``--enable-request-id-headers`` but the response keeps an id of its own, so that no
-#: header puts kilobytes or control characters into every streamed chunk.
-MAX_REQUEST_ID_CHARS = 128
-
-
-def response_ids(prefix: str, header: str | None) -> tuple[str, str]:
+def response_ids(prefix: str, header: str | None, field: str | None = None
+                 ) -> tuple[str, str]:
     """``(the response's id, the engine's request id)`` of a completion.
 
-    vLLM names a response after the request's ``X-Request-Id`` (``chatcmpl-<header>``), so a
-    proxy's trace id finds its answer in the client's logs; radixkv does too. The engine's id
-    stays unique (the header plus a random suffix), since two requests may carry the same
-    header (a retry, a client that sets a constant one) and the engine refuses an id in
-    flight. Without a usable header both are one new id, as before."""
-    if header and len(header) <= MAX_REQUEST_ID_CHARS and header.isascii() \
-            and header.isprintable():
-        rid = f"{prefix}-{header}"
+    vLLM names a response after the request's ``X-Request-Id`` (``chatcmpl-<header>``), else
+    after the body's ``request_id`` (``field``), so a proxy's trace id finds its answer in the
+    client's logs; radixkv does too. An id names a response only when it is short and
+    printable ASCII (``protocol.MAX_REQUEST_ID_CHARS``; a trace id: W3C's ``traceparent`` is 55
+    characters): a longer or stranger header is still echoed by
+    ``--enable-request-id-headers`` but the response keeps an id of its own, so that no header
+    puts kilobytes or control characters into every streamed chunk (such a ``request_id``
+    field is a 400: the body's validation). The engine's id stays unique (the name plus a
+    random suffix), since two requests may carry the same one (a retry, a client that sets a
+    constant one) and the engine refuses an id in flight. Without a usable name both are one
+    new id."""
+    name = header if usable_request_id(header) else field
+    if usable_request_id(name):
+        rid = f"{prefix}-{name}"
         return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
     rid = new_id(prefix)
     return rid, rid

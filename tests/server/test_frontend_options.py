@@ -152,6 +152,24 @@ def test_x_request_id_names_the_response_as_vllm_does(server: Server) -> None:
                                headers={"X-Request-Id": long_id})
     assert status == 200 and hdrs["x-request-id"] == long_id     # still echoed
     assert body["id"].startswith("chatcmpl-") and long_id not in body["id"]
+    # vLLM's request_id field names it when no header does (the header wins), streamed too;
+    # one that cannot name a response is a 400 naming it (not silently replaced)
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0,
+                                       extra_body={"request_id": "body-1"})
+    assert r.id == "chatcmpl-body-1"
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0,
+                                       extra_body={"request_id": "body-2"},
+                                       extra_headers={"X-Request-Id": "head-2"})
+    assert r.id == "chatcmpl-head-2"
+    ids = {chunk.id for chunk in client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True,
+        extra_body={"request_id": "body-3"})}
+    assert ids == {"cmpl-body-3"}
+    for bad in ("", "x" * 129, "tr\u00e4ce", "a\nb"):
+        status, _, err = _http(server, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "Hi", "max_tokens": 1,
+                                "request_id": bad})
+        assert status == 400 and err["error"]["param"] == "request_id", (bad, err)
 
 
 def test_default_template_kwargs_reach_the_template_and_a_request_overrides_them(
@@ -851,3 +869,7 @@ def test_response_ids_take_a_usable_x_request_id_and_keep_engine_ids_unique() ->
         rid, eid = serving.response_ids("cmpl", bad)
         assert rid == eid and rid.startswith("cmpl-") and len(rid) == len("cmpl-") + 24
     assert serving.response_ids("cmpl", "y" * 128)[0] == "cmpl-" + "y" * 128
+    # the body's request_id when the header cannot name it
+    assert serving.response_ids("cmpl", None, "f-1")[0] == "cmpl-f-1"
+    assert serving.response_ids("cmpl", "a\nb", "f-1")[0] == "cmpl-f-1"
+    assert serving.response_ids("cmpl", "h-1", "f-1")[0] == "cmpl-h-1"
