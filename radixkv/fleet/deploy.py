@@ -39,6 +39,15 @@ def bus_name(app_name: str = APP_NAME) -> str:
     return f"{app_name}-kv-event-bus"
 
 
+def graceful_shutdown_s(shutdown_timeout_s: float, cache_config: Any) -> float:
+    """Serve's ``graceful_shutdown_timeout_s`` for the engine replicas: the requests'
+    ``--shutdown-timeout``, the remote flush's bound (``--shutdown-flush``) and 5 s for the
+    rest of the close. Before 2026-12-07 it was the last two only, so a replica Serve stopped
+    by itself cut a stream after ~10 s whatever ``--shutdown-timeout`` said."""
+    return float(shutdown_timeout_s or 0.0) + 5.0 + float(cache_config.remote_shutdown_flush_s
+                                                           or 0.0)
+
+
 def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: str | None = None,
               gguf_file: str | None = None, threads: int | None = None, router: str = "kv",
               load_tokens: int | None = None, replica_cpus: float = 1.0,
@@ -52,7 +61,8 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
               stream_interval: int = 1,
               json_max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
               max_conversation_bytes: int | None = None,
-              frontend: dict[str, Any] | None = None, tokenizer: str | None = None) -> Any:
+              frontend: dict[str, Any] | None = None, tokenizer: str | None = None,
+              shutdown_timeout_s: float = 0.0) -> Any:
     """The Serve application (``serve.run`` it after :func:`start_bus`). ``frontend``:
     :class:`~radixkv.server.frontend.FrontendOptions` as a dict (``as_dict``), for the
     ingress's app. ``tokenizer``: ``--tokenizer``, for the replicas' engines and the ingress
@@ -79,8 +89,10 @@ def build_app(*, replicas: int, cache_config: Any, engine_config: Any, model: st
         # the engine batches: let Serve send it a full batch plus the server's queue
         max_ongoing_requests=engine_config.max_num_seqs + max_queued,
         health_check_period_s=2.0, health_check_timeout_s=30.0,
-        # room for the replica's remote-tier flush at close (EngineReplica.close)
-        graceful_shutdown_timeout_s=5.0 + (cache_config.remote_shutdown_flush_s or 0.0))
+        # a replica Serve stops on its own (a scale-down, an update of its options) may finish
+        # its requests for --shutdown-timeout, as the ingress's drain lets them, then has room
+        # for the remote-tier flush at close (EngineReplica.close); 5 s of slack for the rest
+        graceful_shutdown_timeout_s=graceful_shutdown_s(shutdown_timeout_s, cache_config))
     if router == "kv":
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class=KVAwareRouter,
@@ -169,6 +181,7 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
 
     app = build_app(replicas=replicas, cache_config=cache_config, engine_config=engine_config,
                     model=args.model, gguf_file=args.gguf_file, threads=threads,
+                    shutdown_timeout_s=args.shutdown_timeout or 0.0,
                     router=args.router, load_tokens=args.route_load_tokens,
                     replica_cpus=args.replica_cpus, model_name=model_name, api_keys=api_keys,
                     max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
@@ -212,4 +225,4 @@ def run(args: Any, cache_config: Any, engine_config: Any, api_keys: list[str],
     return 0
 
 
-__all__ = ["build_app", "run", "start_bus", "init_ray", "bus_name"]
+__all__ = ["build_app", "graceful_shutdown_s", "run", "start_bus", "init_ray", "bus_name"]

@@ -444,6 +444,25 @@ def test_fleet_flags_that_cannot_work_are_refused_before_ray_starts(capsys: Any)
     assert "--replicas must be >= 1" in capsys.readouterr().err
 
 
+def test_serve_gives_a_stopping_replica_the_drain_and_the_flush() -> None:
+    """A replica Serve stops by itself (a scale-down, an update) gets ``--shutdown-timeout``
+    for its requests plus the remote flush's bound plus slack before Serve kills it."""
+    import pytest
+
+    pytest.importorskip("ray.serve")
+    from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.fleet.deploy import build_app
+
+    for drain, flush in ((0.0, None), (120.0, 5.0), (30.0, 0.0)):
+        cc = CacheConfig() if flush is None else CacheConfig(remote_shutdown_flush_s=flush)
+        app = build_app(replicas=2, cache_config=cc, engine_config=EngineConfig(),
+                        shutdown_timeout_s=drain)
+        engines = app._bound_deployment.init_args[0]._bound_deployment   # ingress(engines)
+        assert engines.name == "RadixkvEngine"
+        want = drain + 5.0 + (cc.remote_shutdown_flush_s or 0.0)
+        assert engines._deployment_config.graceful_shutdown_timeout_s == want
+
+
 def test_blocks_installed_in_a_lower_tier_are_announced() -> None:
     """A block fetched from the remote tier (or restored from disk) into a lower tier is in the
     replica's cache: the router must hear of it like of a computed block."""
