@@ -135,7 +135,7 @@ case "$cmd" in
            # between two runs of the same commit (transformers 5.25 broke the suite so)
            "$VENV/bin/python" -c 'import importlib.metadata as m, platform
 names = ("torch", "transformers", "tokenizers", "kernels", "triton", "xgrammar", "ray",
-         "fastapi", "redis", "openai")
+         "fastapi", "redis", "openai", "anthropic")
 found = []
 for n in names:
     try:

@@ -227,13 +227,23 @@ class _Gate:
             send = _with_request_id(scope, send)
         path = frontend.route_path(scope)   # below --root-path: what the routes match
         if path.startswith("/v1/") or path in ("/reset_prefix_cache", "/invocations"):
-            auth = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                         if k == b"authorization"), None)
+            headers = scope.get("headers", [])
+            auth = next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
+                        None)
+            if auth is None:   # Anthropic's SDKs send the key as x-api-key
+                key_header = next((v.decode("latin-1") for k, v in headers
+                                   if k == b"x-api-key"), None)
+                auth = None if key_header is None else f"Bearer {key_header}"
             key = self.state.tenants.authenticate(auth)
             if key is None:
                 self.state.metrics.rejected.labels(self.state.model_name, "401").inc()
-                resp = APIError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                "<key>'", code="invalid_api_key").response()
+                why = APIError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                               "<key>' (or 'x-api-key: <key>')", code="invalid_api_key")
+                resp = why.response()
+                if path.startswith("/v1/messages"):   # Anthropic's error body there
+                    from radixkv.server.anthropic import error_body
+
+                    resp = JSONResponse(error_body(401, why.message), status_code=401)
                 return await resp(scope, receive, send)
             st["api_key"] = key
         if scope["method"] == "POST":
@@ -670,6 +680,15 @@ def _routes(api: FastAPI, state: ServerState,
         except ValidationError as exc:
             raise validation_error(RequestValidationError(exc.errors())) from None
 
+    @api.post("/v1/messages")
+    async def messages(request: Request) -> Any:
+        """Anthropic's Messages API over the chat path (radixkv/server/anthropic.py)."""
+        return await _messages(state, request)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Any:
+        return await _messages(state, request, count_only=True)
+
     @api.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Any:
         return await _responses(state, request, req)
@@ -971,6 +990,54 @@ async def _responses(state: ServerState, request: Request, req: ResponsesRequest
     finally:
         if not handed:
             release()
+
+
+async def _messages(state: ServerState, request: Request, count_only: bool = False) -> Any:
+    """``POST /v1/messages`` (``count_only``: ``/v1/messages/count_tokens``): the request as
+    a chat request (radixkv/server/anthropic.py), answered as a ``message`` or its event
+    stream (or ``{"input_tokens": N}``); every error in Anthropic's body."""
+    from radixkv.errors import InvalidRequestError
+    from radixkv.server import anthropic as am
+
+    try:
+        try:
+            data = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the body is not JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "the body is not JSON: nested too deep") from None
+        try:
+            req = (am.CountTokensRequest if count_only else am.MessagesRequest
+                   ).model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(RequestValidationError(exc.errors())) from None
+        try:
+            chat_req = ChatCompletionRequest.model_validate(am.chat_body(req, state.model_name))
+        except ValidationError as exc:
+            err = validation_error(RequestValidationError(exc.errors()))
+            err.param = am.chat_param(err.param)
+            raise err from None
+        if count_only:
+            n = await _chat(state, request, chat_req, count_only=True)
+            return JSONResponse({"input_tokens": int(n)})
+        answer = await _chat(state, request, chat_req)
+        mid = am.new_id()
+        stops = getattr(req, "stop_sequences", None)
+        if isinstance(answer, _Stream):
+            events = am.MessageStream(mid, state.model_name, stops)
+            return _Stream(events.adapt(answer.body_iterator), answer.on_close,
+                           state.frontend.sse_keep_alive_interval)
+        if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+            return answer   # the client went away (499)
+        chat = json.loads(bytes(answer.body))
+        return JSONResponse(am.message_body(mid, state.model_name, chat, stops))
+    except APIError as exc:
+        param = am.chat_param(exc.param)   # the Messages field the chat field came from
+        message = exc.message if param is None or param == exc.param \
+            else f"{param}: {exc.message}"
+        return JSONResponse(am.error_body(exc.status, message), status_code=exc.status)
+    except InvalidRequestError as exc:
+        return JSONResponse(am.error_body(400, str(exc)), status_code=400)
 
 
 def _as_chat(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -1352,7 +1419,9 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
                         decode, [*out.prompt_logprobs, *gen], 0,
                         [*out.prompt_token_ids, *(t.token_id for t in gen)], label)
             choice: dict[str, Any] = {"index": i * n + c.index, "finish_reason": c.finish_reason,
-                                      "logprobs": lps}
+                                      "logprobs": lps,
+                                      # vLLM's: the stop string or stop token id that ended it
+                                      "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None and not chat:
                 choice["prompt_logprobs"] = serving.vllm_prompt_logprobs(
                     label, out.prompt_logprobs)
@@ -1601,6 +1670,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                     if part is not None:
                         part["token_ids"] = ids
                 if part is not None:
+                    if c.finish_reason:   # vLLM's: the stop string or token id that ended it
+                        part["stop_reason"] = getattr(c, "stop_reason", None)
                     parts.append(part)
                 if c.finish_reason:
                     done.add(c.index)

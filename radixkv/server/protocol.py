@@ -9,6 +9,7 @@ Range checks live here so a bad value never reaches the engine; the error handle
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
@@ -45,11 +46,25 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 #: variable makes it a 400 (radixkv/server/app.py, ``_reasoning_effort``).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
-#: Most stop strings one request may give. OpenAI allows 4, vLLM does not count them (clients
-#: written for vLLM send more: evaluation harnesses, agent frameworks); the bound keeps the
-#: per-token search linear in something small: on the project's Zen 5 EPYC, looking for 256
-#: stop strings after each token took ~31 us per sequence, 4 took ~1.3 us.
-MAX_STOP_STRINGS = 256
+def stop_strings_limit(value: str | None) -> int:
+    """The most stop strings a request may give: ``$VLLM_MAX_STOP_STRINGS`` (``value``) as
+    vLLM 0.32 reads it, default 4 (OpenAI's and vLLM's); a deployment that raised it for its
+    clients (evaluation harnesses and agent frameworks send more) keeps that. The search after
+    each token is linear in it: on the project's Zen 5 EPYC 256 stop strings took ~31 us per
+    sequence and token, 4 took ~1.3 us. Not a positive int: ``ValueError``."""
+    if value is None or not value.strip():
+        return 4
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"VLLM_MAX_STOP_STRINGS must be an int >= 1, got {value!r}")
+    return n
+
+
+#: Most stop strings one request may give (:func:`stop_strings_limit`, read at start-up).
+MAX_STOP_STRINGS = stop_strings_limit(os.environ.get("VLLM_MAX_STOP_STRINGS"))
 
 #: Longest id a request may name its response with (``X-Request-Id``, or vLLM's ``request_id``
 #: field): the response's id is ``chatcmpl-<id>`` / ``cmpl-<id>``.
@@ -313,7 +328,8 @@ class _SamplingFields(_PlacedDocuments):
     def _stop_strings(cls, v: Any) -> Any:
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(items)}")
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(items)} "
+                             "(VLLM_MAX_STOP_STRINGS raises the limit, as for vLLM)")
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return v
@@ -782,5 +798,5 @@ __all__ = ["FieldError", "MAX_DOCUMENTS", "check_documents", "TokenizeRequest",
            "ResponseFormat", "CacheControl", "ChatCompletionRequest", "CompletionRequest",
            "ChatMessage", "StreamOptions", "ToolDef", "NamedToolChoice", "ResponsesRequest",
            "RESPONSES_UNSUPPORTED", "RESPONSES_PASSTHROUGH", "REASONING_EFFORTS",
-           "MAX_STOP_STRINGS", "MAX_REQUEST_ID_CHARS", "usable_request_id",
+           "MAX_STOP_STRINGS", "stop_strings_limit", "MAX_REQUEST_ID_CHARS", "usable_request_id",
            "ConversationCreate", "ConversationUpdate", "ConversationItemsCreate"]

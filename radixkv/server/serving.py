@@ -505,7 +505,8 @@ class Coalescer:
             self._held[c.index] = (text, lps, ids)
             return None
         self._sent.add(c.index)
-        return _Joined(c.index, c.finish_reason, text, lps, ids, c.text, c.token_ids)
+        return _Joined(c.index, c.finish_reason, text, lps, ids, c.text, c.token_ids,
+                       getattr(c, "stop_reason", None))
 
 
 @dataclass
@@ -519,6 +520,7 @@ class _Joined:
     delta_token_ids: list[int]
     text: str
     token_ids: Any
+    stop_reason: str | int | None = None
 
 
 #: vLLM's header for a request's scheduling priority; it overrides the body's ``priority``

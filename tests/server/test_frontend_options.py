@@ -755,6 +755,28 @@ def test_options_refuse_bad_values_at_start_up() -> None:
         parse_template_kwargs('"text"')
 
 
+def test_vllms_stop_string_limit_applies_and_its_variable_raises_it(monkeypatch) -> None:
+    """At most 4 stop strings, as vLLM 0.32 and OpenAI; ``VLLM_MAX_STOP_STRINGS`` (read at
+    start-up, as vLLM reads it) sets another limit; a value that is not a positive int is an
+    error, not a silent default."""
+    from pydantic import ValidationError
+
+    from radixkv.server import protocol
+
+    assert protocol.stop_strings_limit(None) == protocol.stop_strings_limit("") == 4
+    assert protocol.stop_strings_limit("32") == 32
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ValueError, match="VLLM_MAX_STOP_STRINGS"):
+            protocol.stop_strings_limit(bad)
+    five = [f"s{i}" for i in range(5)]
+    with pytest.raises(ValidationError, match="at most 4 stop sequences"):
+        protocol.CompletionRequest(prompt="x", stop=five)
+    monkeypatch.setattr(protocol, "MAX_STOP_STRINGS", 8)
+    assert protocol.CompletionRequest(prompt="x", stop=five).stop == five
+    with pytest.raises(ValidationError, match="at most 8"):
+        protocol.ChatCompletionRequest(messages=HI, stop=five * 2)
+
+
 def test_a_requests_own_template_kwargs_win() -> None:
     opts = FrontendOptions(default_chat_template_kwargs={"a": 1, "b": 2})
     assert opts.template_kwargs({"b": 3}) == {"a": 1, "b": 3}

@@ -626,20 +626,19 @@ def test_penalties_and_logit_bias_change_the_choice(ready: Server) -> None:
         "model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
         "ignore_eos": True, "stop_token_ids": [third]})[1]["choices"][0]
     assert stopped["finish_reason"] == "stop" and len(stopped["text"]) < len(first)
-    # more stop strings than OpenAI's 4, as vLLM takes them (the one that matches is last);
-    # a bound on the count all the same (MAX_STOP_STRINGS), a 400 naming stop past it
-    from radixkv.server.protocol import MAX_STOP_STRINGS
-
+    # the stop string that matched is vLLM's stop_reason (the last of four here); five are a
+    # 400 naming stop (vLLM's default VLLM_MAX_STOP_STRINGS)
     word = first[len(first) // 2:len(first) // 2 + 3]
     assert word.strip(), first
-    many = [f"<never {i}>" for i in range(19)] + [word]
+    many = [f"<never {i}>" for i in range(3)] + [word]
     cut = ready.raw("POST", "/v1/completions", {
         "model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
         "ignore_eos": True, "stop": many})[1]["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == first[:first.index(word)]
+    assert cut["stop_reason"] == word
+    assert stopped["stop_reason"] == third   # a stop token: its id
     status, err = ready.raw("POST", "/v1/completions", {
-        "model": MODEL, "prompt": "Hello", "max_tokens": 1,
-        "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+        "model": MODEL, "prompt": "Hello", "max_tokens": 1, "stop": many + ["x"]})
     assert status == 400 and err["error"]["param"] == "stop", err
     # a -100 bias bans a token greedy would pick
     first = ready.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
