@@ -43,8 +43,8 @@ What maps to what:
   the type from the status); an error after a stream began is an ``error`` event.
 
 The API key may come as ``x-api-key`` (Anthropic's documented header, what its older SDKs and
-its curl examples send) as well as ``Authorization: Bearer`` (what its newest SDK sends). The ``anthropic-version`` and ``anthropic-beta`` headers are not
-read. Pure Python, no torch.
+its curl examples send) as well as ``Authorization: Bearer`` (what its newest SDK sends). The
+``anthropic-version`` and ``anthropic-beta`` headers are not read. Pure Python, no torch.
 """
 
 from __future__ import annotations
