@@ -659,6 +659,11 @@ def _routes(api: FastAPI, state: ServerState,
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await _chat(state, request, req)
 
+    @api.post("/v1/chat/completions/batch")
+    async def chat_batch(request: Request) -> Any:
+        """vLLM's batched chat: ``messages`` is a list of conversations, one choice each."""
+        return await _chat_batch(state, request)
+
     @api.post("/invocations")
     async def invocations(request: Request) -> Any:
         """SageMaker's inference route, as vLLM serves it: a body with ``messages`` is a chat
@@ -878,6 +883,64 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
                         chat_echo=serving.chat_echo(req, messages),
                         chat_role=serving.chat_role(req, messages,
                                                     state.frontend.response_role))
+
+
+#: ``/v1/chat/completions/batch`` fields that must keep their default (vLLM's limits of it)
+_BATCH_FIXED: dict[str, tuple[Any, ...]] = {
+    "stream": (False, None), "tools": (None, []), "use_beam_search": (False, None),
+    "n": (1, None)}
+
+
+async def _chat_batch(state: ServerState, request: Request) -> Any:
+    """``POST /v1/chat/completions/batch`` (vLLM 0.32's): the fields of a chat request with
+    ``messages`` a list of conversations; the answer is one ``chat.completion`` with a choice
+    per conversation (``index`` its place) and the usage summed. As vLLM's: not streamed, no
+    tools, no beam search, ``n`` 1 (a 400 naming the field otherwise). Each conversation is
+    served as the chat request it would be alone (same template, cache, validation; the
+    prefix cache makes a shared system prompt or document computed once), all at once; the
+    batch is admitted as a whole (``--max-queued`` counts each conversation) and any refusal
+    refuses the batch, before or while the others run (they are cancelled)."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body is not JSON: nested too deep") from None
+    convs = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(convs, list) or not convs or not all(
+            isinstance(c, list) and c for c in convs):
+        raise APIError(400, "messages must be a non-empty list of conversations, each a "
+                       "non-empty list of messages", param="messages")
+    for name, allowed in _BATCH_FIXED.items():
+        if name in body and body[name] not in allowed:
+            raise APIError(400, f"{name} is not supported by the batched chat endpoint (use "
+                           "/v1/chat/completions)", param=name, code="unsupported_parameter")
+    reqs = []
+    for i, conv in enumerate(convs):
+        try:
+            reqs.append(ChatCompletionRequest.model_validate({**body, "messages": conv}))
+        except ValidationError as exc:
+            err = validation_error(RequestValidationError(exc.errors()))
+            if err.param == "messages":
+                err.message = f"conversation {i}: {err.message}"
+            raise err from None
+    state.check_model(reqs[0].model)
+    _admissible(state, len(reqs), reqs[0], "messages")
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(_chat(state, request, r)) for r in reqs]
+    answers = [t.result() for t in tasks]
+    for a in answers:
+        if not isinstance(a, JSONResponse) or a.status_code != 200:
+            return a   # the client went away (499)
+    bodies = [json.loads(bytes(a.body)) for a in answers]
+    choices = []
+    for i, b in enumerate(bodies):
+        for c in b["choices"]:
+            choices.append({**c, "index": i})
+    return JSONResponse({"id": serving.new_id("chatcmpl"), "object": "chat.completion",
+                         "created": int(time.time()), "model": state.model_name,
+                         "choices": choices,
+                         "usage": serving.sum_usage([b.get("usage") for b in bodies])})
 
 
 def _check_page(limit: int, order: str) -> None:

@@ -69,7 +69,7 @@ from radixkv.errors import ConfigError
 
 #: Paths whose requests ``GET /load`` counts (vLLM's load-aware routes that radixkv serves).
 LOAD_TRACKED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                "/invocations")
+                "/v1/chat/completions/batch", "/invocations")
 #: What ``--sse-keep-alive-interval`` sends: an SSE comment, which clients ignore and proxies
 #: count as traffic.
 KEEP_ALIVE = ": keep-alive\n\n"

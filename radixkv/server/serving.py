@@ -691,6 +691,33 @@ def usage(outs: Sequence[Any], timing: Timing,
     }
 
 
+def sum_usage(usages: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """One usage object for answers served together (the batched chat endpoint): the token
+    counts and the cache's per-tier counts added, the TTFT the latest."""
+    out: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+    tiers: dict[str, int] = {}
+    extra = {"cache_read_tokens": 0, "cache_write_tokens": 0}
+    ttfts: list[float] = []
+    for u in usages:
+        if not u:
+            continue
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            out[key] += u.get(key) or 0
+        out["prompt_tokens_details"]["cached_tokens"] += (
+            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        ext = u.get("radixkv") or {}
+        for tier, n in (ext.get("cached_tokens_per_tier") or {}).items():
+            tiers[tier] = tiers.get(tier, 0) + n
+        for key in extra:
+            extra[key] += ext.get(key) or 0
+        if ext.get("ttft_s") is not None:
+            ttfts.append(ext["ttft_s"])
+    out["radixkv"] = {"cached_tokens_per_tier": tiers, **extra,
+                      "ttft_s": max(ttfts) if ttfts else None}
+    return out
+
+
 def document_prompt(backend: Any, req: Any, messages: list[dict[str, Any]] | None = None,
                     text: str | None = None, add_special_tokens: bool = True,
                     template_kwargs: dict[str, Any] | None = None) -> Any:
@@ -740,4 +767,4 @@ SSE_DONE = "data: [DONE]\n\n"
 __all__ = ["cache_points", "RETENTION_TTL_S", "sampling_params", "logprobs_asked",
            "chat_logprobs", "completion_logprobs", "run", "submit", "usage", "sse", "SSE_DONE",
            "Timing", "abort",
-           "new_id", "request_salt", "check_text", "max_token_chars"]
+           "new_id", "request_salt", "check_text", "max_token_chars", "sum_usage"]

@@ -1779,3 +1779,40 @@ def test_responses_output_text_logprobs(ready: Server) -> None:
     status, err = ready.raw("POST", "/v1/responses", {"model": MODEL, "input": "hi",
                                                       "top_logprobs": 2})
     assert status == 400 and err["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.model
+def test_batched_chat_answers_each_conversation_as_alone(ready: Server) -> None:
+    """vLLM's ``/v1/chat/completions/batch``: a choice per conversation (``index`` its place),
+    each the answer the conversation gets alone (greedy), the usage summed; vLLM's limits
+    (no stream, tools, beam search or n > 1) and a bad conversation are 400s naming the
+    field, and nothing is served for them."""
+    system = {"role": "system", "content": "You answer in one short sentence."}
+    convs = [[system, {"role": "user", "content": "Name a fruit."}],
+             [system, {"role": "user", "content": "Name a river."}],
+             [{"role": "user", "content": "Say hi."}]]
+    status, batch = ready.raw("POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": convs, "max_tokens": 6, "temperature": 0})
+    assert status == 200, batch
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    alone = [ready.raw("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": conv, "max_tokens": 6, "temperature": 0})[1]
+        for conv in convs]
+    for got, want in zip(batch["choices"], alone):
+        assert got["message"] == want["choices"][0]["message"]
+        assert got["finish_reason"] == want["choices"][0]["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(a["usage"][key] for a in alone), key
+    for extra, param in (({"stream": True}, "stream"), ({"n": 2}, "n"),
+                         ({"use_beam_search": True}, "use_beam_search"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                          "tools"),
+                         ({"messages": [convs[0], []]}, "messages"),
+                         ({"messages": convs[0]}, "messages"),
+                         ({"messages": [convs[0], [{"role": "robot", "content": "x"}]]},
+                          "messages"),
+                         ({"model": "other"}, "model")):
+        status, err = ready.raw("POST", "/v1/chat/completions/batch", {
+            "model": MODEL, "messages": convs, "max_tokens": 2, **extra})
+        assert status in (400, 404) and err["error"]["param"] == param, (extra, err)
