@@ -24,6 +24,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,),
+    # OpenAI's (GPT-5 models): a shorter or longer answer than the model's own; no model here
+    # was trained to follow it (the Responses API refuses text.verbosity likewise)
+    "verbosity": (None, "medium"),
     # vLLM extensions with no radixkv equivalent yet
     "guided_whitespace_pattern": (None,),
     "add_generation_prompt": (None, True),

@@ -759,6 +759,7 @@ UNSUPPORTED = [
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}),
     ("guided_whitespace_pattern", " "), ("prediction", {"type": "content", "content": "x"}),
     ("vllm_xargs", {"a": 1}), ("add_special_tokens", True), ("prompt_embeds", "AAAA"),
+    ("verbosity", "low"),   # OpenAI's (GPT-5): shorter or longer answers; medium is the default
 ]
 
 
@@ -775,7 +776,8 @@ def test_unsupported_fields_are_a_400_naming_them(ready: Server, field: str, val
     # their "off" values are fine (clients send them by default)
     ok = ready.raw("POST", "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-        "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
+        "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+        "verbosity": "medium"})
     assert ok[0] == 200, ok
 
 
