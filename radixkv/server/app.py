@@ -1613,6 +1613,11 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     kind = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage) \
         or state.frontend.force_include_usage
+    # vLLM's continuous_usage_stats (and --enable-force-include-usage, which forces both as
+    # vLLM's does): every chunk carries the usage so far (prompt, tokens generated)
+    continuous = include_usage and (state.frontend.force_include_usage or bool(
+        req.stream_options and req.stream_options.continuous_usage_stats))
+    num_prompt = len(prompt_ids) if prompt_ids is not None else 0
     beam = params.use_beam_search
 
     # Every chunk is {"id", "object", "created", "model", "choices"[, "usage": null]}: the
@@ -1623,8 +1628,16 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     head = fixed[:fixed.rindex("}")] + ',"choices":'
     tail = (',"usage":null' if include_usage else "") + "}\n\n"
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        return head + json.dumps(choices, separators=(",", ":")) + tail
+    def usage_tail(generated: int) -> str:
+        if not continuous:
+            return tail
+        return ',"usage":' + json.dumps({"prompt_tokens": num_prompt,
+                                         "completion_tokens": generated,
+                                         "total_tokens": num_prompt + generated},
+                                        separators=(",", ":")) + "}\n\n"
+
+    def chunk(choices: list[dict[str, Any]], generated: int = 0) -> str:
+        return head + json.dumps(choices, separators=(",", ":")) + usage_tail(generated)
 
     offsets: dict[int, int] = {}   # completions' text_offset: characters of tokens sent
 
@@ -1703,7 +1716,7 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             extra += ',"prompt_text":' + json.dumps(
                 state.ready_engine().decode(list(prompt_ids), skip_special_tokens=False))
         if first:
-            yield head + json.dumps(first, separators=(",", ":")) + extra + tail
+            yield head + json.dumps(first, separators=(",", ":")) + extra + usage_tail(0)
         last, done = None, set()
         joined = serving.Coalescer(1 if beam else max(state.stream_interval,
                                                       req.stream_interval or 1))
@@ -1712,6 +1725,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
             last = out
             if beam and not out.finished:
                 continue   # beams reorder until the end: only the final best n are sent
+            if continuous and not num_prompt:
+                num_prompt = len(out.prompt_token_ids)
             parts = []
             for c in out.outputs:
                 if c.index in done:
@@ -1739,7 +1754,8 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 if c.finish_reason:
                     done.add(c.index)
             if parts:
-                yield chunk(parts)
+                yield chunk(parts, sum(len(c.token_ids) for c in out.outputs)
+                            if continuous else 0)
         if include_usage and last is not None:
             yield serving.sse({"id": rid, "object": kind, "created": created,
                                "model": state.model_name, "choices": [],

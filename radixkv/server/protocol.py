@@ -127,6 +127,8 @@ def check_documents(v: Any, texts: bool, spans: bool) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    #: vLLM's: (with ``include_usage``) every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _PlacedDocuments(BaseModel):

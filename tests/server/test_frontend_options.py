@@ -299,6 +299,10 @@ def test_a_stream_ends_with_usage_without_stream_options(server: Server) -> None
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 5 and not chunks[-1].choices
     assert usage.prompt_tokens_details.cached_tokens is not None
+    # forced, as vLLM forces it: every chunk carries the usage so far
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 5, counts
+    assert {c.usage.prompt_tokens for c in chunks} == {usage.prompt_tokens}
 
 
 def test_load_counts_generation_requests_in_flight(server: Server) -> None:

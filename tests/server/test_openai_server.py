@@ -1818,3 +1818,23 @@ def test_batched_chat_answers_each_conversation_as_alone(ready: Server) -> None:
         status, err = ready.raw("POST", "/v1/chat/completions/batch", {
             "model": MODEL, "messages": convs, "max_tokens": 2, **extra})
         assert status in (400, 404) and err["error"]["param"] == param, (extra, err)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(ready: Server) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk
+    has the prompt's tokens and those generated so far, the last usage chunk the whole usage;
+    without it only that last chunk has one (before 2026-12-07 the option was ignored)."""
+    def usages(**opts: Any) -> list[Any]:
+        return [c.usage for c in ready.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}],
+            max_tokens=6, temperature=0, stream=True, n=2,
+            stream_options={"include_usage": True, **opts})]
+
+    seen = usages(continuous_usage_stats=True)
+    assert all(u is not None for u in seen)
+    counts = [u.completion_tokens for u in seen]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 12, counts
+    assert {u.prompt_tokens for u in seen} == {seen[-1].prompt_tokens}
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in seen)
+    plain = usages()
+    assert all(u is None for u in plain[:-1]) and plain[-1].completion_tokens == 12
