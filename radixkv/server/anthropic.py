@@ -306,9 +306,9 @@ def chat_body(req: CountTokensRequest, model: str) -> dict[str, Any]:
                 body[key] = getattr(req, key)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-        if req.stream:
+        if req.stream:   # every chunk with the usage so far: message_start has the prompt's
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return body
 
 
@@ -453,14 +453,20 @@ class MessageStream:
 
     async def adapt(self, chat: AsyncIterable[Any]) -> AsyncIterator[str]:
         """The Messages events of the chat SSE stream ``chat`` (closed when this ends)."""
+        started = False
         try:
-            yield _sse("message_start", {"message": {
-                "id": self.mid, "type": "message", "role": "assistant", "model": self.model,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}})
             async for chunk in chat:
                 text = chunk.decode() if isinstance(chunk, bytes) else chunk
                 for data in _chat_events(text):
+                    if not started and data != "[DONE]" and "error" not in data:
+                        # at the chat stream's first chunk, which carries the prompt's length
+                        started = True
+                        prompt = (data.get("usage") or {}).get("prompt_tokens") or 0
+                        yield _sse("message_start", {"message": {
+                            "id": self.mid, "type": "message", "role": "assistant",
+                            "model": self.model, "content": [], "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": {"input_tokens": prompt, "output_tokens": 0}}})
                     if data == "[DONE]":
                         for e in self._close():
                             yield e

@@ -74,9 +74,12 @@ def test_a_message_is_the_chat_reply_streamed_or_not(srv: Server) -> None:
     assert r.usage.cache_creation_input_tokens > 0
     with _client(srv).messages.stream(model=MODEL, max_tokens=12, extra_body=GREEDY,
                                       system=system, messages=msgs) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    # the prompt's length from the start, as Anthropic's stream gives it
+    assert events[0].message.usage.input_tokens == chat.usage.prompt_tokens
     assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
     assert final.content[0].text == block.text and final.stop_reason == r.stop_reason
     assert _prompt_tokens(final.usage) == chat.usage.prompt_tokens
@@ -306,8 +309,8 @@ def test_the_answer_and_its_stream_are_anthropics() -> None:
                                "function": {"name": "f", "arguments": ""}}]},
               {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]},
               {"tool_calls": [{"index": 0, "function": {"arguments": "[1, 2]}"}}]}]
-    chunks = [sse({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
-              for d in deltas]
+    chunks = [sse({"choices": [{"index": 0, "delta": d, "finish_reason": None}],
+                   "usage": {"prompt_tokens": 40, "completion_tokens": 0}}) for d in deltas]
     chunks.append(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls",
                                     "stop_reason": "</tool_call>"}]}))
     chunks.append(sse({"choices": [], "usage": usage}) + "data: [DONE]\n\n")
@@ -325,6 +328,7 @@ def test_the_answer_and_its_stream_are_anthropics() -> None:
         return out
 
     events = asyncio.run(collect())
+    assert events[0]["message"]["usage"] == {"input_tokens": 40, "output_tokens": 0}
     assert [e["type"] for e in events] == [
         "message_start",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
