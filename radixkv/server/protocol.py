@@ -682,6 +682,11 @@ CompletionRequest.model_rebuild()
 RESPONSES_UNSUPPORTED = {
     "prompt": (None,),
     "n": (None, 1),
+    # vLLM's: its Responses id is the request's request_id; here an id keys the store that
+    # every tenant's responses share, so a client may not choose one
+    "request_id": (None,),
+    # vLLM's harmony-format (gpt-oss) message views
+    "enable_response_messages": (None, False), "previous_input_messages": (None,),
 }
 
 #: The one ``include`` value radixkv produces.
@@ -695,6 +700,11 @@ RESPONSES_PASSTHROUGH = (
     "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output", "priority",
     "cache_salt", "prompt_cache_key", "prompt_cache_retention", "session_id", "end_session",
     "chat_template_kwargs", "structured_outputs", "user", "thinking_token_budget",
+    # vLLM's include_reasoning (false: the reasoning item is left out), and the vLLM fields the
+    # chat request refuses (UNSUPPORTED), so that they are refused here too, not ignored
+    "include_reasoning", "vllm_xargs", "watermarking", "kv_transfer_params",
+    "ec_transfer_params", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
+    "return_mm_kwargs",
 )
 
 

@@ -1295,6 +1295,12 @@ def test_responses_structured_output_and_refusals(ready: Server) -> None:
                # an effort is chat's reasoning_effort: this model's template has no switch
                ({"reasoning": {"effort": "high"}}, "reasoning_effort"),
                ({"reasoning": {"summary": "concise"}}, "reasoning"),
+               # vLLM's fields: a chosen id (ids key the shared store), harmony views, and
+               # those the chat request refuses
+               ({"request_id": "resp_mine"}, "request_id"),
+               ({"enable_response_messages": True}, "enable_response_messages"),
+               ({"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+               ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params"),
                ({"truncation": "some"}, "truncation"), ({"max_output_tokens": 0},
                                                         "max_output_tokens"),
                ({"max_tool_calls": -1}, "max_tool_calls"),

@@ -682,3 +682,8 @@ def test_responses_reasoning_is_an_item_before_the_message(srv: Server) -> None:
         chat.content
     done = [e.item.type for e in events if e.type == "response.output_item.done"]
     assert done == ["reasoning", "message"]
+    # vLLM's include_reasoning: false leaves the reasoning item out, the message the same
+    hidden = _responses(srv).create(**{**kw, "extra_body": {**kw["extra_body"],
+                                                           "include_reasoning": False}})
+    assert [it.type for it in hidden.output] == ["message"]
+    assert hidden.output_text == chat.content
