@@ -58,6 +58,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from radixkv.server.errors import APIError
 
+#: vLLM's extensions of a Messages request: chat request fields, passed on when given.
+PASSTHROUGH = ("cache_salt", "chat_template_kwargs", "vllm_xargs", "watermarking",
+               "kv_transfer_params", "ec_transfer_params", "mm_payload", "return_mm_kwargs")
+
 #: Chat request field -> the Messages field a 400 names.
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
            "reasoning_effort": "thinking", "thinking_token_budget": "thinking",
@@ -92,6 +96,17 @@ class CountTokensRequest(BaseModel):
     output_config: Optional[dict[str, Any]] = None
     #: a breakpoint on the last message (Anthropic's automatic caching)
     cache_control: Optional[dict[str, Any]] = None
+    #: vLLM's extensions of this API, handed to the chat request as they are
+    #: (:data:`PASSTHROUGH`): the cache namespace, template variables, and fields the chat
+    #: request refuses (so that they are refused here too, not ignored)
+    cache_salt: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[Any] = None
+    watermarking: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    ec_transfer_params: Optional[Any] = None
+    mm_payload: Optional[Any] = None
+    return_mm_kwargs: Optional[Any] = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -294,6 +309,9 @@ def chat_body(req: CountTokensRequest, model: str) -> dict[str, Any]:
     if req.cache_control is not None and messages and "cache_control" not in messages[-1]:
         messages[-1]["cache_control"] = req.cache_control
     body: dict[str, Any] = {"model": req.model or model, "messages": messages}
+    for key in PASSTHROUGH:
+        if getattr(req, key) is not None:
+            body[key] = getattr(req, key)
     if req.tools:
         body["tools"] = _tools(req.tools)
     _tool_choice(req.tool_choice, body)

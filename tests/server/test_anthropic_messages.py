@@ -183,7 +183,8 @@ def test_errors_are_anthropics_and_the_key_may_be_x_api_key(srv: Server) -> None
                                           "name": "web_search"}]}, 400),
            ({"messages": ASK, "tool_choice": {"type": "sometimes"}}, 400),
            ({"messages": [{"role": "system", "content": "x"}]}, 400),
-           ({"messages": ASK, "model": "claude-nothing"}, 404)]
+           ({"messages": ASK, "model": "claude-nothing"}, 404),
+           ({"messages": ASK, "extra_body": {"vllm_xargs": {"a": 1}}}, 400)]
     for extra, status in bad:
         kw = {"model": MODEL, "max_tokens": 4, **extra}
         with pytest.raises(anthropic.APIStatusError) as info:
@@ -272,6 +273,11 @@ def test_the_request_becomes_the_chat_request() -> None:
                                                                 "content": "x"}]})
     assert am.chat_body(count, "server-model") == {
         "model": "server-model", "messages": [{"role": "user", "content": "x"}]}
+    # vLLM's extensions are the chat request's fields
+    ext = am.chat_body(am.CountTokensRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "cache_salt": "s1",
+        "chat_template_kwargs": {"enable_thinking": False}}), "m")
+    assert (ext["cache_salt"], ext["chat_template_kwargs"]) == ("s1", {"enable_thinking": False})
 
 
 def test_the_answer_and_its_stream_are_anthropics() -> None:
