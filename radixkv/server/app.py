@@ -926,12 +926,22 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
             raise err from None
     state.check_model(reqs[0].model)
     _admissible(state, len(reqs), reqs[0], "messages")
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(_chat(state, request, r)) for r in reqs]
-    answers = [t.result() for t in tasks]
+    # One watch for the client's disconnect, here: each conversation's request sees a receive
+    # that never returns (several concurrent readers of one ASGI receive channel is not a
+    # pattern every server supports: Ray Serve's proxy stalled on it)
+    inner = Request(request.scope, receive=_never)
+
+    async def all_of() -> list[Any]:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_chat(state, inner, r)) for r in reqs]
+        return [t.result() for t in tasks]
+
+    answers = await _unless_disconnected(request, all_of())
+    if answers is None:
+        return Response(status_code=499)   # the client went away: the work was cancelled
     for a in answers:
         if not isinstance(a, JSONResponse) or a.status_code != 200:
-            return a   # the client went away (499)
+            return a
     bodies = [json.loads(bytes(a.body)) for a in answers]
     choices = []
     for i, b in enumerate(bodies):
@@ -1584,6 +1594,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     except asyncio.CancelledError:
         pass
     return None
+
+
+async def _never() -> Any:
+    """An ASGI ``receive`` that never returns (the inner requests of a batched chat: the batch
+    watches the client itself)."""
+    await asyncio.Event().wait()
 
 
 async def _disconnected(request: Request) -> None:

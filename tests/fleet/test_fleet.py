@@ -287,6 +287,33 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
     assert exc.value.body["param"] == "priority"
 
 
+def test_anthropics_messages_and_the_batched_chat_through_the_fleet(fleet: Fleet) -> None:
+    """The ingress serves the single server's other APIs too: Anthropic's Messages API (its
+    official client, streamed and not: the chat reply's text) and vLLM's batched chat (a
+    choice per conversation, each its chat reply)."""
+    anthropic = pytest.importorskip("anthropic")
+    api = anthropic.Anthropic(base_url=fleet.base, api_key="none", max_retries=0,
+                              timeout=300, http_client=anthropic.DefaultHttpxClient(
+                                  verify=fleet.ctx, timeout=300))
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    chat = _chat(fleet.client(), msgs, max_tokens=5)
+    got = api.messages.create(model=MODEL, max_tokens=5, messages=msgs,
+                              extra_body={"temperature": 0})
+    assert got.content[0].text == chat.choices[0].message.content
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens + \
+        got.usage.cache_creation_input_tokens == chat.usage.prompt_tokens
+    with api.messages.stream(model=MODEL, max_tokens=5, messages=msgs,
+                             extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().content[0].text == got.content[0].text
+    req = urllib.request.Request(fleet.base + "/v1/chat/completions/batch", data=json.dumps({
+        "model": MODEL, "messages": [msgs, [{"role": "user", "content": "Say hi."}]],
+        "max_tokens": 5, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"})
+    with fleet.open(req) as r:
+        batch = json.loads(r.read())
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["choices"][0]["message"]["content"] == chat.choices[0].message.content
+
 
 def test_session_hints_reach_the_replica_that_serves_the_request(fleet: Fleet) -> None:
     """``session_id``/``end_session`` (radixkv's fields) travel through the router to the

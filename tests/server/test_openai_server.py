@@ -1844,3 +1844,22 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(ready: Serve
     assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in seen)
     plain = usages()
     assert all(u is None for u in plain[:-1]) and plain[-1].completion_tokens == 12
+
+
+def test_a_batched_chat_whose_client_left_is_aborted(ready: Server) -> None:
+    """The batched chat watches its client once for all its conversations: the client going
+    away aborts every conversation's request and frees their blocks."""
+    assert _held_blocks(ready.metrics()) == 0
+    conn = http.client.HTTPConnection("127.0.0.1", ready.port, timeout=120)
+    conv = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    conn.request("POST", "/v1/chat/completions/batch", json.dumps({
+        "model": MODEL, "messages": [conv, conv + [{"role": "user", "content": "Go on."}]],
+        "max_tokens": 2000, "temperature": 0, "ignore_eos": True}),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
+    deadline = time.monotonic() + 60
+    while _value(ready.metrics(), "radixkv_num_requests_running") < 2:
+        assert time.monotonic() < deadline, "the batch's requests did not start"
+        time.sleep(0.05)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    _released(ready, "the batch's client left", timeout=15)
