@@ -931,12 +931,22 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
     # pattern every server supports: Ray Serve's proxy stalled on it)
     inner = Request(request.scope, receive=_never)
 
+    async def one(i: int, r: ChatCompletionRequest) -> Any:
+        try:
+            return await _chat(state, inner, r)
+        except APIError as exc:   # (which conversation the refusal is about)
+            exc.message = f"conversation {i}: {exc.message}"
+            raise
+
     async def all_of() -> list[Any]:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_chat(state, inner, r)) for r in reqs]
+            tasks = [group.create_task(one(i, r)) for i, r in enumerate(reqs)]
         return [t.result() for t in tasks]
 
-    answers = await _unless_disconnected(request, all_of())
+    try:
+        answers = await _unless_disconnected(request, all_of())
+    except BaseExceptionGroup as group_error:   # a conversation refused: the batch is refused
+        raise _first_error(group_error) from None
     if answers is None:
         return Response(status_code=499)   # the client went away: the work was cancelled
     for a in answers:
@@ -951,6 +961,22 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
                          "created": int(time.time()), "model": state.model_name,
                          "choices": choices,
                          "usage": serving.sum_usage([b.get("usage") for b in bodies])})
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first exception in an exception group (nested groups opened), preferring a client's
+    error (``APIError``) to anything else: what a task group of requests answers with."""
+    leaves: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup) -> None:
+        for e in g.exceptions:
+            if isinstance(e, BaseExceptionGroup):
+                walk(e)
+            else:
+                leaves.append(e)
+
+    walk(group)
+    return next((e for e in leaves if isinstance(e, APIError)), leaves[0])
 
 
 def _check_page(limit: int, order: str) -> None:

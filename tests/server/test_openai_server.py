@@ -1824,6 +1824,12 @@ def test_batched_chat_answers_each_conversation_as_alone(ready: Server) -> None:
         status, err = ready.raw("POST", "/v1/chat/completions/batch", {
             "model": MODEL, "messages": convs, "max_tokens": 2, **extra})
         assert status in (400, 404) and err["error"]["param"] == param, (extra, err)
+    # a conversation refused while the others are served refuses the batch, naming it
+    huge = [{"role": "user", "content": "word " * 20_000}]
+    status, err = ready.raw("POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": [convs[0], huge], "max_tokens": 2})
+    assert status == 400 and err["error"]["message"].startswith("conversation 1: "), err
+    assert err["error"]["code"] == "context_length_exceeded", err
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(ready: Server) -> None:
