@@ -939,14 +939,18 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
             raise
 
     async def all_of() -> list[Any]:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(i, r)) for i, r in enumerate(reqs)]
-        return [t.result() for t in tasks]
+        """Every conversation's answer; the first refusal (or a cancel) cancels the rest and
+        is the batch's (a task group's semantics, without Python 3.11's TaskGroup)."""
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
-    try:
-        answers = await _unless_disconnected(request, all_of())
-    except BaseExceptionGroup as group_error:   # a conversation refused: the batch is refused
-        raise _first_error(group_error) from None
+    answers = await _unless_disconnected(request, all_of())
     if answers is None:
         return Response(status_code=499)   # the client went away: the work was cancelled
     for a in answers:
@@ -961,22 +965,6 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
                          "created": int(time.time()), "model": state.model_name,
                          "choices": choices,
                          "usage": serving.sum_usage([b.get("usage") for b in bodies])})
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first exception in an exception group (nested groups opened), preferring a client's
-    error (``APIError``) to anything else: what a task group of requests answers with."""
-    leaves: list[BaseException] = []
-
-    def walk(g: BaseExceptionGroup) -> None:
-        for e in g.exceptions:
-            if isinstance(e, BaseExceptionGroup):
-                walk(e)
-            else:
-                leaves.append(e)
-
-    walk(group)
-    return next((e for e in leaves if isinstance(e, APIError)), leaves[0])
 
 
 def _check_page(limit: int, order: str) -> None:
