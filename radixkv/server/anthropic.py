@@ -22,6 +22,8 @@ What maps to what:
   ``cache_control`` on a block (or on the system prompt) is a cache breakpoint on its message
   (docs/serve.md, "Cache breakpoints"); on a tool definition it is accepted and has nothing to
   do (every prefix is cached anyway). Images, documents and server tools are a 400.
+* A last message from the assistant (text, no tool use) is Anthropic's *prefill*: the reply
+  continues it (``continue_final_message``) and holds only what the model added.
 * ``tool_choice`` ``any`` is ``required``, ``tool`` a named call, and
   ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
 * ``thinking: {"type": "enabled", "budget_tokens": N}`` is a thinking budget of N tokens
@@ -308,10 +310,16 @@ def chat_body(req: CountTokensRequest, model: str) -> dict[str, Any]:
         messages.extend(_message(m, i))
     if req.cache_control is not None and messages and "cache_control" not in messages[-1]:
         messages[-1]["cache_control"] = req.cache_control
+    last = messages[-1] if messages else {}
+    prefill = last.get("role") == "assistant" and not last.get("tool_calls") \
+        and bool(last.get("content"))
     body: dict[str, Any] = {"model": req.model or model, "messages": messages}
     for key in PASSTHROUGH:
         if getattr(req, key) is not None:
             body[key] = getattr(req, key)
+    if prefill:   # Anthropic's prefill: the reply continues the last assistant message
+        body["add_generation_prompt"] = False
+        body["continue_final_message"] = True
     if req.tools:
         body["tools"] = _tools(req.tools)
     _tool_choice(req.tool_choice, body)

@@ -90,6 +90,22 @@ def test_a_message_is_the_chat_reply_streamed_or_not(srv: Server) -> None:
 
 
 @pytest.mark.model
+def test_a_last_assistant_message_is_continued(srv: Server) -> None:
+    """Anthropic's prefill: the reply continues the last assistant message (the chat request
+    with ``continue_final_message``), and holds only the continuation."""
+    msgs = [{"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "The best fruit is"}]
+    r = _client(srv).messages.create(model=MODEL, max_tokens=6, messages=msgs,
+                                     extra_body=GREEDY)
+    chat = _chat(srv, max_tokens=6, messages=msgs,
+                 extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.content[0].text == chat.choices[0].message.content
+    assert _prompt_tokens(r.usage) == chat.usage.prompt_tokens
+    plain = _chat(srv, max_tokens=6, messages=msgs)   # a new assistant turn: another prompt
+    assert plain.usage.prompt_tokens != chat.usage.prompt_tokens
+
+
+@pytest.mark.model
 def test_a_stop_sequence_ends_it_and_is_named(srv: Server) -> None:
     msgs = [{"role": "user", "content": "Tell me a story."}]
     whole = _client(srv).messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY,
