@@ -15,7 +15,9 @@ reason and usage, ``message_stop``). Every chat feature then behaves the same on
 
 What maps to what:
 
-* ``system`` (a string or text blocks) is the system message; a user message's
+* ``system`` (a string or text blocks) is the system message, without the block Claude Code
+  adds that starts with ``x-anthropic-billing-header`` (a per-request hash that would keep
+  every request from sharing a cached prefix; vLLM drops it too); a user message's
   ``tool_result`` blocks are ``tool`` messages (in order, before the message's text), an
   assistant's ``tool_use`` blocks its ``tool_calls`` (``input`` as the JSON arguments), its
   ``thinking`` blocks are dropped (chat templates leave earlier turns' thinking out);
@@ -140,8 +142,16 @@ def _refuse(what: str, param: str) -> APIError:
     return APIError(400, what, param=param, code="unsupported_parameter")
 
 
-def _text_of(content: Any, where: str) -> str:
-    """The text of a string or a list of ``text`` blocks (a tool result's content)."""
+#: How a system block of Claude Code's starts that carries a hash that changes with every
+#: request: left out, as vLLM leaves it out, or no request would share even its system prompt
+#: with the one before (the prefix cache would find nothing).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _text_of(content: Any, where: str, sep: str = "", skip: str | None = None) -> str:
+    """The text of a string or a list of ``text`` blocks, joined with ``sep`` (a tool
+    result's blocks with a newline, as vLLM joins them); blocks whose text starts with
+    ``skip`` are left out."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -152,8 +162,9 @@ def _text_of(content: Any, where: str) -> str:
                 or not isinstance(block.get("text"), str):
             raise _refuse(f"{where}: only text blocks are supported here, got "
                           f"{block.get('type') if isinstance(block, dict) else block!r}", where)
-        parts.append(block["text"])
-    return "".join(parts)
+        if skip is None or not block["text"].startswith(skip):
+            parts.append(block["text"])
+    return sep.join(parts)
 
 
 def _mark(blocks: Sequence[Any]) -> dict[str, Any] | None:
@@ -192,7 +203,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
                                "text", param="messages")
             result = {"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
                       "content": _text_of(block.get("content", ""),
-                                          f"messages.{i}.content.{j}.content")}
+                                          f"messages.{i}.content.{j}.content", "\n")}
             if block.get("cache_control") is not None:
                 result["cache_control"] = block["cache_control"]
             out.append(result)
@@ -301,7 +312,8 @@ def chat_body(req: CountTokensRequest, model: str) -> dict[str, Any]:
     ``model`` (when the request names none)."""
     messages: list[dict[str, Any]] = []
     if req.system is not None:
-        system: dict[str, Any] = {"role": "system", "content": _text_of(req.system, "system")}
+        system: dict[str, Any] = {"role": "system", "content": _text_of(
+            req.system, "system", skip=BILLING_HEADER)}
         mark = _mark(req.system) if isinstance(req.system, list) else None
         if mark is not None:
             system["cache_control"] = mark

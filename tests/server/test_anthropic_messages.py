@@ -285,6 +285,19 @@ def test_the_request_becomes_the_chat_request() -> None:
     assert out["reasoning_effort"] == "low" and "thinking_token_budget" not in out
     assert out["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "output", "schema": schema}}
+    # Claude Code's per-request billing block is left out of the system prompt (it would
+    # make every request's prefix its own); a tool result's text blocks join with a newline
+    billed = am.chat_body(am.MessagesRequest.model_validate({
+        "max_tokens": 2, "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0; cch=9f1e;"},
+            {"type": "text", "text": "You are an agent."}],
+        "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [
+                {"type": "text", "text": "line 1"}, {"type": "text", "text": "line 2"}]}]}]}),
+        "s")
+    assert billed["messages"] == [{"role": "system", "content": "You are an agent."},
+                                  {"role": "tool", "tool_call_id": "t",
+                                   "content": "line 1\nline 2"}]
     count = am.CountTokensRequest.model_validate({"messages": [{"role": "user",
                                                                 "content": "x"}]})
     assert am.chat_body(count, "server-model") == {
