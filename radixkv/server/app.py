@@ -669,12 +669,7 @@ def _routes(api: FastAPI, state: ServerState,
         """SageMaker's inference route, as vLLM serves it: a body with ``messages`` is a chat
         completion, one with ``prompt`` a completion (vLLM tries the request types in that
         order). Unlike vLLM's, it takes the API key like ``/v1/*`` (the gate)."""
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the body is not JSON: {exc}") from None
-        except RecursionError:   # (FastAPI's own parsing answers the other routes so too)
-            raise APIError(400, "the body is not JSON: nested too deep") from None
+        body = await _json_body(request)
         if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
             raise APIError(400, "/invocations takes a chat completion (messages) or a "
                            "completion (prompt) request", param="messages")
@@ -885,6 +880,19 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
                                                     state.frontend.response_role))
 
 
+async def _json_body(request: Request) -> Any:
+    """The body of a route that parses its own JSON (``/invocations``, the batched chat, the
+    Messages API), or a 400 saying why it is not JSON (nested too deep included: a
+    ``RecursionError``, not a ``ValueError``; FastAPI's own parsing answers the other routes so
+    too)."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body is not JSON: nested too deep") from None
+
+
 #: ``/v1/chat/completions/batch`` fields that must keep their default (vLLM's limits of it)
 _BATCH_FIXED: dict[str, tuple[Any, ...]] = {
     "stream": (False, None), "tools": (None, []), "use_beam_search": (False, None),
@@ -900,12 +908,7 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
     prefix cache makes a shared system prompt or document computed once), all at once; the
     batch is admitted as a whole (``--max-queued`` counts each conversation) and any refusal
     refuses the batch, before or while the others run (they are cancelled)."""
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not JSON: {exc}") from None
-    except RecursionError:
-        raise APIError(400, "the body is not JSON: nested too deep") from None
+    body = await _json_body(request)
     convs = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(convs, list) or not convs or not all(
             isinstance(c, list) and c for c in convs):
@@ -1087,12 +1090,7 @@ async def _messages(state: ServerState, request: Request, count_only: bool = Fal
     from radixkv.server import anthropic as am
 
     try:
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the body is not JSON: {exc}") from None
-        except RecursionError:
-            raise APIError(400, "the body is not JSON: nested too deep") from None
+        data = await _json_body(request)
         try:
             req = (am.CountTokensRequest if count_only else am.MessagesRequest
                    ).model_validate(data)

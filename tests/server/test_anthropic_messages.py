@@ -231,6 +231,17 @@ def test_errors_are_anthropics_and_the_key_may_be_x_api_key(srv: Server) -> None
 
     status, body = post({"x-api-key": KEY})
     assert status == 200 and body["type"] == "message", body
+    # a body nested past Python's json is a 400 in Anthropic's body (the shared parse helper)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/messages", "[" * 100_000 + "]" * 100_000,
+                     {"Content-Type": "application/json", "x-api-key": KEY})
+        r = conn.getresponse()
+        deep = (r.status, json.loads(r.read()))
+    finally:
+        conn.close()
+    assert deep[0] == 400 and "nested too deep" in deep[1]["error"]["message"], deep
+    assert deep[1]["type"] == "error"
     status, body = post({"x-api-key": "wrong"})
     assert status == 401 and body["error"]["type"] == "authentication_error", body
     assert post({})[0] == 401
