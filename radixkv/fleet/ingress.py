@@ -110,6 +110,8 @@ class _FleetHandle(RequestHandle):
 class FleetBackend(Backend):
     """:class:`~radixkv.server.backend.Backend` over the engine deployment's handle."""
 
+    serves_batched_chat = False   # (Backend's note: refused under --replicas for now)
+
     def __init__(self, handle: Any, tokenizer: Any, info: Mapping[str, Any], bus: Any) -> None:
         from radixkv.core.hashing import Namespace
 

@@ -288,9 +288,8 @@ def test_the_openai_client_works_unchanged(fleet: Fleet) -> None:
 
 
 def test_anthropics_messages_and_the_batched_chat_through_the_fleet(fleet: Fleet) -> None:
-    """The ingress serves the single server's other APIs too: Anthropic's Messages API (its
-    official client, streamed and not: the chat reply's text) and vLLM's batched chat (a
-    choice per conversation, each its chat reply)."""
+    """The ingress serves Anthropic's Messages API too (its official client, streamed and
+    not: the chat reply's text); vLLM's batched chat is a 400 there for now."""
     anthropic = pytest.importorskip("anthropic")
     api = anthropic.Anthropic(base_url=fleet.base, api_key="none", max_retries=0,
                               timeout=300, http_client=anthropic.DefaultHttpxClient(
@@ -309,10 +308,11 @@ def test_anthropics_messages_and_the_batched_chat_through_the_fleet(fleet: Fleet
         "model": MODEL, "messages": [msgs, [{"role": "user", "content": "Say hi."}]],
         "max_tokens": 5, "temperature": 0}).encode(),
         headers={"Content-Type": "application/json"})
-    with fleet.open(req) as r:
-        batch = json.loads(r.read())
-    assert [c["index"] for c in batch["choices"]] == [0, 1]
-    assert batch["choices"][0]["message"]["content"] == chat.choices[0].message.content
+    # refused under --replicas for now (it hung in one CI run: radixkv/server/backend.py)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        fleet.open(req)
+    assert info.value.code == 400
+    assert json.loads(info.value.read())["error"]["param"] == "messages"
 
 
 def test_session_hints_reach_the_replica_that_serves_the_request(fleet: Fleet) -> None:
