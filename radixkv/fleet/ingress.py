@@ -46,6 +46,31 @@ def _replica_failures() -> tuple[type[BaseException], ...]:
     return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
 
 
+def _own_serve_request_context() -> None:
+    """Give the calling task's Ray Serve request context an internal request id of its own.
+
+    Ray Serve copies the ingress request's context into every handle call made while serving
+    it, internal id included, and its request router indexes the calls it is routing by that
+    id (``_pending_requests_by_id``, ray 2.60): two concurrent calls from one HTTP request (the
+    conversations of a batched chat, the prompts of a multi-prompt completion) share it, the
+    second is taken for a retry of the first and is never assigned a replica, so the HTTP
+    request hangs. Each request's pump runs in its own task (its own copy of the context), so
+    the fresh id is that call's alone; the user-visible ``request_id`` (Serve's logs) stays.
+    Ray's cancel-with-parent bookkeeping, keyed by the same id, is not needed here: the server
+    aborts each request itself when its client goes away (:func:`serving.stream`)."""
+    import dataclasses
+
+    try:
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+    except ImportError:   # another Ray: its own behaviour
+        return
+    current = serve_context._serve_request_context.get()
+    if current is not None and hasattr(current, "_internal_request_id"):
+        serve_context._serve_request_context.set(dataclasses.replace(
+            current, _internal_request_id=generate_request_id()))
+
+
 class _FleetHandle(RequestHandle):
     """Pumps one request's stream from a replica into a queue; fails over while nothing was
     delivered."""
@@ -64,6 +89,7 @@ class _FleetHandle(RequestHandle):
         handle = self._backend.handle.options(stream=True)
         delivered = False
         for attempt in range(FAILOVER_ATTEMPTS + 1):
+            _own_serve_request_context()   # (before each call: a retry is a new call too)
             try:
                 gen = handle.generate.remote(*self._args, route=self._route)
                 async for out in gen:
@@ -109,8 +135,6 @@ class _FleetHandle(RequestHandle):
 
 class FleetBackend(Backend):
     """:class:`~radixkv.server.backend.Backend` over the engine deployment's handle."""
-
-    serves_batched_chat = False   # (Backend's note: refused under --replicas for now)
 
     def __init__(self, handle: Any, tokenizer: Any, info: Mapping[str, Any], bus: Any) -> None:
         from radixkv.core.hashing import Namespace

@@ -928,10 +928,6 @@ async def _chat_batch(state: ServerState, request: Request) -> Any:
                 err.message = f"conversation {i}: {err.message}"
             raise err from None
     state.check_model(reqs[0].model)
-    if not state.ready_engine().serves_batched_chat:
-        raise APIError(400, "the batched chat is not served by a fleet (--replicas) yet: send "
-                       "each conversation to /v1/chat/completions", param="messages",
-                       code="unsupported_parameter")
     _admissible(state, len(reqs), reqs[0], "messages")
     # One watch for the client's disconnect, here: each conversation's request sees a receive
     # that never returns (several concurrent readers of one ASGI receive channel is not a

@@ -47,10 +47,6 @@ class Backend(abc.ABC):
     max_num_seqs: int
     #: Tokens per KV block (chat ``documents`` are padded to whole blocks).
     block_size: int
-    #: Whether one HTTP request may run several chat requests at once (the batched chat).
-    #: False for the fleet: there the batched chat hung in one CI run of three (two requests
-    #: through Ray Serve handles from one ingress request; cause not found), so it is refused.
-    serves_batched_chat: bool = True
     #: Sampling defaults from the model's generation config for what a request leaves unset
     #: (``radixkv.models.generation_defaults``; empty with ``--generation-config vllm``).
     sampling_defaults: Mapping[str, Any] = MappingProxyType({})
