@@ -10,7 +10,9 @@ Needs a git checkout; returns None (and says why) without one.
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,8 @@ def load_core(commit: str) -> tuple[Any, str] | None:
         return None
     pkg = f"radixkv_core_{commit}"
     root = Path(tempfile.mkdtemp(prefix="radixkv-core-baseline-"))
+    # removed when the process ends, not before: the package imports its modules lazily
+    atexit.register(shutil.rmtree, root, True)
     (root / pkg).mkdir()
     for name in names.stdout.split():
         if not name.endswith(".py"):

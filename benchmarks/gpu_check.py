@@ -29,9 +29,11 @@ block-copy cases under the interpreter, the same engine benchmark code on a tiny
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         else Path(tempfile.mkdtemp(prefix="radixkv-gpu-check-")))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="radixkv-gpu-check-steps-"))
+    atexit.register(shutil.rmtree, work, True)   # the steps' scratch (their logs are copied)
     env = dict(os.environ, RADIXKV_RESULTS_DIR=str(work), PYTHONSAFEPATH="1")
     env.pop("RADIXKV_KERNEL_BACKEND", None)
     if cuda:

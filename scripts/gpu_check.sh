@@ -45,4 +45,5 @@ else:
     if os.path.realpath(os.path.dirname(kernels.__file__ or "")) == os.path.realpath(sys.argv[2]):
         raise SystemExit("the checkout is importable as top-level `kernels`: " + kernels.__file__)' \
     "$ROOT" "$REPO/kernels"
-exec "$PY" -m radixkv.benchmarks.gpu_check "$@"
+# not exec: the EXIT trap removes the import root afterwards
+"$PY" -m radixkv.benchmarks.gpu_check "$@"

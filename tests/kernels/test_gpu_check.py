@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
                     "check (minutes); the CPU self-check is what CI runs")
 def test_gpu_check_script_cpu_self_check(tmp_path):
     """The script's engine step on the tiny model (the same benchmark code as on CUDA) writes
-    its JSON with every figure labelled with the device, and exits 0."""
-    env = dict(os.environ, PYTHON=sys.executable)
+    its JSON with every figure labelled with the device, exits 0, and leaves no scratch
+    folder behind (its import root and the steps' folder: every CI run made two more)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHON=sys.executable, TMPDIR=str(scratch))
     for var in ("RADIXKV_KERNEL_BACKEND", "TRITON_INTERPRET", "RADIXKV_RESULTS_DIR"):
         env.pop(var, None)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--skip", "tests",
@@ -32,6 +35,7 @@ def test_gpu_check_script_cpu_self_check(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check: PASSED on cpu" in proc.stdout
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("radixkv-")]
     data = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
     eng = data["results"]["engine"]
     assert [r["batch"] for r in eng["decode"]] == [1, 4]
