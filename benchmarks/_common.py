@@ -41,6 +41,14 @@ def quick_results_dir() -> Path:
     return path
 
 
+def temp_results_unless_set(prefix: str = "radixkv-bench-") -> None:
+    """Point $RADIXKV_RESULTS_DIR at a new temporary folder unless it is set (a ``--quick``
+    run's results are not worth keeping). Not ``os.environ.setdefault(..., mkdtemp())``: that
+    makes the folder even when the variable is set, and every test run left empty ones."""
+    if not os.environ.get("RADIXKV_RESULTS_DIR"):
+        os.environ["RADIXKV_RESULTS_DIR"] = tempfile.mkdtemp(prefix=prefix)
+
+
 def is_quick(name: str, header: dict[str, Any]) -> bool:
     """Whether a result comes from a ``--quick`` run (its header says so, or its name)."""
     return bool(header.get("quick")) or re.search(r"[-_]quick\Z", name) is not None

@@ -29,10 +29,12 @@ Writes ``batch.json`` (``--quick``: a temp folder).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         args.docs, args.questions, args.doc_tokens, args.max_tokens, args.rounds = 2, 3, 64, 4, 1
         args.vllm_python = None
     work = Path(tempfile.mkdtemp(prefix="radixkv-bench-batch-"))
+    atexit.register(shutil.rmtree, work, True)   # the batch file and outputs: scratch
     src = work / "batch.jsonl"
     shape = build_file(src, args.docs, args.questions, args.doc_tokens, args.max_tokens,
                        args.seed)

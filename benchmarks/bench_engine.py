@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.benchmarks._common import (REPO_ROOT, is_quick, plain_doc, print_table,
-                                        run_header, write_results)
+                                        run_header, temp_results_unless_set, write_results)
 
 #: Issue 17's side-by-side figures (2-core machine, one thread each, another day).
 BASELINES = {
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.threads, args.dtypes, args.prefill = [1], ["bfloat16"], [256]
         args.decode_tokens, args.repeat = 16, 1
-        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-quick-"))
+        temp_results_unless_set("radixkv-quick-")
 
     import copy
 

@@ -38,7 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from radixkv.benchmarks._common import REPO_ROOT, print_table, run_header, write_results
+from radixkv.benchmarks._common import (REPO_ROOT, print_table, run_header,
+                                        temp_results_unless_set, write_results)
 from radixkv.benchmarks.bench_serve import (_free_port, _pct, conversations, run_clients,
                                              ttft_cdf)
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.max_tokens = 6, 2, 8
-        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
+        temp_results_unless_set("radixkv-bench-")
     convs = conversations(args.conversations, args.turns, args.max_chars)
     header = run_header(args.seed, benchmark="fleet",
                         **{k: v for k, v in vars(args).items() if k != "seed"})

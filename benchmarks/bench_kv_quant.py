@@ -51,13 +51,12 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
-from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
+from radixkv.benchmarks._common import (plain_doc, print_table, run_header,
+                                        temp_results_unless_set, write_results)
 
 DTYPES = ("auto", "int8", "fp8_e4m3")
 
@@ -585,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.extend:
             args.extend = "64+16"
         args.tiny_prompts, args.tiny_prompt_len, args.tiny_tokens = 2, 40, 16
-        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
+        temp_results_unless_set("radixkv-bench-")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
-from radixkv.benchmarks._common import plain_doc, print_table, run_header, write_results
+from radixkv.benchmarks._common import (plain_doc, print_table, run_header,
+                                        temp_results_unless_set, write_results)
 
 SYSTEM = "You are a helpful assistant."
 PAIRS = [
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.tokens = 4, 16
-        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-quick-"))
+        temp_results_unless_set("radixkv-quick-")
 
     import torch
 

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.benchmarks._common import (REPO_ROOT, import_root, print_table, run_header,
-                                        write_results)
+                                        temp_results_unless_set, write_results)
 
 
 def conversations(n: int, turns: int, max_chars: int) -> list[list[str]]:
@@ -1075,37 +1075,33 @@ def main(argv: list[str] | None = None) -> int:
             args.vs_threads, args.vllm_block_sizes = args.vs_threads[:1], \
                 args.vllm_block_sizes[:1]
             args.vs_settle = min(args.vs_settle, 0.1)
-            os.environ.setdefault("RADIXKV_RESULTS_DIR",
-                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+            temp_results_unless_set("radixkv-bench-")
         return run_vs_launch(args)
     if args.vs_vllm:
         if args.quick:
             args.conversations, args.turns, args.max_tokens, args.rounds = 2, 2, 4, 1
             args.rate, args.think, args.vs_clients = 100.0, 0.0, args.vs_clients[:1]
             args.vs_settle = min(args.vs_settle, 0.1)
-            os.environ.setdefault("RADIXKV_RESULTS_DIR",
-                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+            temp_results_unless_set("radixkv-bench-")
         return run_vs(args)
     if args.overhead:
         args.overhead_clients = list(dict.fromkeys(args.overhead_clients))
         if args.quick:
             args.conversations, args.turns, args.max_tokens = 2, 2, 4
             args.overhead_threads = args.overhead_threads[:1]
-            os.environ.setdefault("RADIXKV_RESULTS_DIR",
-                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+            temp_results_unless_set("radixkv-bench-")
         return run_overhead(args)
     if args.background_load is not None:
         if args.quick:
             args.requests, args.rounds, args.max_tokens = 2, 1, 8
             args.conversations, args.turns, args.rate, args.think = 2, 2, 100.0, 0.0
-            os.environ.setdefault("RADIXKV_RESULTS_DIR",
-                                  tempfile.mkdtemp(prefix="radixkv-bench-"))
+            temp_results_unless_set("radixkv-bench-")
         return run_contention(args)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 2) // 2)
     if args.quick:
         args.conversations, args.turns, args.max_tokens, args.rounds = 4, 2, 8, 1
-        os.environ.setdefault("RADIXKV_RESULTS_DIR", tempfile.mkdtemp(prefix="radixkv-bench-"))
+        temp_results_unless_set("radixkv-bench-")
     convs = conversations(args.conversations, args.turns, args.max_chars)
     header = run_header(args.seed, benchmark="serve",
                         **{k: v for k, v in vars(args).items() if k != "seed"})
