@@ -417,6 +417,13 @@ class EngineConfig:
             order, bounded); a decode row in a new turn's prefill step makes its TTFT longer.
             0: every step carries every running decode (vLLM's order). Four clients through
             ``radixkv serve``: mean later-turn TTFT 5-13% lower, same decode speed.
+        long_prefill_token_threshold: vLLM's ``--long-prefill-token-threshold``: in a step
+            shared with other requests (running or waiting), one request computes at most this
+            many prompt tokens, so a long prompt cannot hold short turns back for a whole
+            budget-sized step; alone it is not cut (``Scheduler``'s "Long prefills"). 0
+            (default, as vLLM's): no cap. Trades the long prompt's TTFT for the others'.
+        long_prefill_token_threshold_adaptive: vLLM's flag of that name: the cap is at least
+            ``max_num_batched_tokens`` divided by the requests running and waiting.
         pack_weights: CPU only: run the linear layers on copies of their weights packed once
             for oneDNN (``engine/packed_linear.py``): faster GEMMs (whole forwards of the
             embedded model 0.45-0.90x the time in float32 on an AVX2 EPYC; docs/benchmarks.md,
@@ -454,6 +461,8 @@ class EngineConfig:
     scheduling_max_wait_s: float = 2.0
     cuda_graphs: bool | None = None
     prefill_priority_steps: int = 4
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     pack_weights: bool | None = None
     warm_up: bool = True
     blend_ratio: float = 0.15
@@ -486,6 +495,13 @@ class EngineConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"EngineConfig.prefill_priority_steps must be an int >= 0, "
                               f"got {v!r}")
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"EngineConfig.long_prefill_token_threshold must be an int >= 0 "
+                              f"(0: no cap), got {v!r}")
+        if not isinstance(self.long_prefill_token_threshold_adaptive, bool):
+            raise ConfigError(f"EngineConfig.long_prefill_token_threshold_adaptive must be a "
+                              f"bool, got {self.long_prefill_token_threshold_adaptive!r}")
         if self.pack_weights is not None and not isinstance(self.pack_weights, bool):
             raise ConfigError(f"EngineConfig.pack_weights must be None (where this CPU packs "
                               f"the dtype), True or False, got {self.pack_weights!r}")

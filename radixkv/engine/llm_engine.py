@@ -203,7 +203,11 @@ class LLMEngine:
                                         engine_config.scheduling_policy, self._bm,
                                         engine_config.scheduling_window,
                                         engine_config.scheduling_max_wait_s),
-                                    prefill_priority_steps=engine_config.prefill_priority_steps)
+                                    prefill_priority_steps=engine_config.prefill_priority_steps,
+                                    long_prefill_token_threshold=(
+                                        engine_config.long_prefill_token_threshold),
+                                    long_prefill_adaptive=(
+                                        engine_config.long_prefill_token_threshold_adaptive))
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         #: session ends the client announced (``end_session``: a request's flag, or the call)

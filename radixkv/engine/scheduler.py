@@ -37,6 +37,15 @@ ms per token and throughput. It is SGLang's default (prefill batches first, unle
 ``--enable-mixed-chunk``), bounded; 0 gives vLLM's order (every running decode in every step).
 Only admissions count: the later chunks of a long prompt run beside the decodes.
 
+**Long prefills** (``long_prefill_token_threshold``, vLLM's flag of that name; 0, the default,
+is off): in a step where more than one request runs or waits, a request computes at most that
+many of its remaining prompt tokens, so one long prompt cannot take a step's whole budget while
+short turns wait behind it; alone it takes the whole budget (there is nobody to starve). With
+``long_prefill_adaptive`` the cap is at least the budget's fair share,
+``max_num_batched_tokens // (running + waiting)`` (vLLM's
+``--long-prefill-token-threshold-adaptive``). A request's decode, or its group's (n samples,
+beams: one token a sequence), is never cut: the cap is at least its live sequence count.
+
 A request with several live sequences (n samples or beams resumed after a preemption) is
 allocated *staged*: its first sequence alone, the others once the first has computed the
 blocks they share (otherwise each would need the whole prompt again, and a request that ran
@@ -102,7 +111,8 @@ class Scheduler:
                  max_num_batched_tokens: int, run_ops: RunOps | None = None,
                  loads: Loads | None = None, immediate: bool | None = None,
                  admission: AdmissionOrder | None = None,
-                 prefill_priority_steps: int = 0) -> None:
+                 prefill_priority_steps: int = 0, long_prefill_token_threshold: int = 0,
+                 long_prefill_adaptive: bool = False) -> None:
         self.bm = block_manager
         #: reorders the waiting queue before each step's admissions (FCFS: leaves it)
         self.admission: AdmissionOrder = FCFSOrder() if admission is None else admission
@@ -128,6 +138,11 @@ class Scheduler:
         #: (module docstring, "Prefill priority"); 0: every step carries every decode
         self.prefill_priority_steps = prefill_priority_steps
         self._deferrals = 0   # consecutive steps that left the decodes out
+        #: the most prompt tokens one request computes in a step shared with others (module
+        #: docstring, "Long prefills"; 0: no cap) and whether the fair share raises it
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_adaptive = long_prefill_adaptive
+        self._cap = 0   # this step's cap (0: none)
 
     def _decoding(self, req: Request) -> bool:
         """Every live sequence of ``req`` has its prompt computed and only its last sampled
@@ -221,6 +236,7 @@ class Scheduler:
         if self._staged:
             yield from self._join_staged(out)
         budget = self.max_num_batched_tokens
+        self._cap = self._step_cap()
         deferred: list[Request] = []
         # Prefill priority: while requests wait, decodes sit this step out if an admission
         # gets a chunk (else they run after all, in the same step).
@@ -255,6 +271,17 @@ class Scheduler:
             yield from self._flush(out)
         self.counters.loading_steps += len(self.loading)
         return out
+
+    def _step_cap(self) -> int:
+        """The step's cap on one request's tokens (module docstring, "Long prefills"), counted
+        as vLLM counts it: at the step's start, over the running and the waiting requests."""
+        cap = self.long_prefill_token_threshold
+        eligible = len(self.running) + len(self.waiting)
+        if cap <= 0 or eligible <= 1:
+            return 0
+        if self.long_prefill_adaptive:
+            cap = max(cap, self.max_num_batched_tokens // eligible)
+        return cap
 
     def _holds(self, req: Request, blocks: frozenset[int] | set[int]) -> bool:
         bm = self.bm
@@ -362,9 +389,13 @@ class Scheduler:
         req.cached_tokens_per_tier = ()
 
     def _schedule_tokens(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Add ``req``'s chunks within ``budget`` tokens; return the tokens used."""
+        """Add ``req``'s chunks within ``budget`` tokens (and this step's cap on one request,
+        never below its live sequence count: a group's decode is whole); return the tokens
+        used."""
         self._fresh.discard(req.request_id)
         staged = req.request_id in self._staged
+        if self._cap:
+            budget = min(budget, max(self._cap, len(req.seqs)))
         if len(req.seqs) == 1 and not staged:
             # one live sequence (the decode step's common case, once per sequence per step):
             # the same decision and counters as below, without the group's lists

@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps in a row that newly admitted prefills may run without the "
                         "running decodes (shorter time to first token under concurrency); 0: "
                         "every step carries every decode, as vLLM (default: EngineConfig's, 4)")
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="vLLM's: in a step shared with other requests, one request computes "
+                        "at most N prompt tokens (a long prompt cannot hold short turns back); "
+                        "alone it is not cut; 0: no cap (default: EngineConfig's, 0)")
+    e.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
+                   default=None,
+                   help="vLLM's: the cap is at least --max-num-batched-tokens divided by the "
+                        "requests running and waiting")
     e.add_argument("--blend-ratio", type=float, default=None, metavar="SHARE",
                    help="share of RAG document tokens recomputed when a request's "
                         "documents are blended (docs/rag.md; default: EngineConfig's, 0.15)")
@@ -455,6 +463,10 @@ def _scheduling(args: argparse.Namespace) -> dict[str, Any]:
         out["prefill_priority_steps"] = args.prefill_priority_steps
     if getattr(args, "blend_ratio", None) is not None:
         out["blend_ratio"] = args.blend_ratio
+    if getattr(args, "long_prefill_token_threshold", None) is not None:
+        out["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+    if getattr(args, "long_prefill_token_threshold_adaptive", None):
+        out["long_prefill_token_threshold_adaptive"] = True
     return out
 
 

@@ -43,12 +43,16 @@ PROMPTS = st.builds(lambda p, t: p + t, st.sampled_from(PREFIXES),
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
                 budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
-                priority=st.sampled_from([0, 1, 4]))
-    def setup(self, blocks, max_seqs, budget, policy, priority) -> None:
+                priority=st.sampled_from([0, 1, 4]), long_prefill=st.sampled_from([0, 1, 3]),
+                adaptive=st.booleans())
+    def setup(self, blocks, max_seqs, budget, policy, priority, long_prefill, adaptive
+              ) -> None:
         self.name = "scheduler+manager"
         STEPS.program(self.name)
         self.bm = BlockManager.create(blocks, block_size=BS, policy=policy)
-        self.s = Scheduler(self.bm, max_seqs, budget, prefill_priority_steps=priority)
+        self.s = Scheduler(self.bm, max_seqs, budget, prefill_priority_steps=priority,
+                           long_prefill_token_threshold=long_prefill,
+                           long_prefill_adaptive=adaptive)
         self.live: dict[str, Request] = {}      # added, not finished or aborted
         self.next = 0
 
@@ -95,6 +99,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         for op in out.kv_ops:
             if isinstance(op, MoveOp) and op.src_tier == DEVICE and not op.keep_src:
                 assert op.src_block_id not in in_use, f"{op}: block held by a live sequence evicted"
+        if self.s._cap:   # a long-prefill cap: no request computes more (a group: its decode)
+            per_req: dict[str, int] = {}
+            for c in out.chunks:
+                per_req[c.request.request_id] = per_req.get(c.request.request_id, 0) + \
+                    c.num_tokens
+            for c in out.chunks:
+                assert per_req[c.request.request_id] <= max(self.s._cap, len(c.request.seqs))
+            if any(c.num_tokens == self.s._cap and not c.wants_logits for c in out.chunks):
+                STEPS.event(self.name, "long prefill capped")
         if out.preempted:
             STEPS.event(self.name, "preempted", len(out.preempted))
             for r in out.preempted:

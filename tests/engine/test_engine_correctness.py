@@ -31,10 +31,11 @@ def hf_llama(make_tiny):
 
 
 def _engine(hf, num_blocks=128, block_size=4, max_num_seqs=8, max_tokens=256, tokenizer=None,
-            **cache_kw):
+            engine_kw=None, **cache_kw):
     return LLMEngine(copy.deepcopy(hf), tokenizer,
                      CacheConfig(block_size=block_size, num_device_blocks=num_blocks, **cache_kw),
-                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens),
+                     EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                                  **(engine_kw or {})),
                      model_id="tiny")
 
 
@@ -90,6 +91,17 @@ def test_chunked_prefill_matches_hf(hf_llama):
     for i, p in enumerate(prompts):
         assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 9)
     assert eng.stats()["prefill_tokens_computed"] == 35
+
+
+def test_long_prefill_threshold_chunks_and_matches_hf(hf_llama):
+    """vLLM's long_prefill_token_threshold: three prompts in flight, each computed 5 tokens a
+    step, and every reply still the model's own."""
+    prompts = _prompts([29, 17, 6])
+    eng = _engine(hf_llama, engine_kw={"long_prefill_token_threshold": 5})
+    out = _run(eng, [(f"r{i}", p, _greedy(7)) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 7)
+    assert eng.stats()["steps"] >= 29 // 5 + 7   # (uncapped: one prefill step for all)
 
 
 def test_preemption_resumes_with_identical_output(hf_llama):

@@ -203,6 +203,58 @@ def test_prefill_priority_runs_the_decodes_when_nothing_can_be_admitted():
     assert _chunks(_fake_step(s)) == [("a", 1)]
 
 
+def test_long_prefill_threshold_caps_a_prompt_only_while_others_run_or_wait():
+    """vLLM's long_prefill_token_threshold: with another request in the engine a prompt
+    computes at most N tokens a step (chunks without logits until its last), and the budget it
+    leaves goes to the others; alone it is not cut; decodes are never cut."""
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, long_prefill_token_threshold=8)
+    s.add(_req("long", 30, base=1))
+    assert _chunks(_fake_step(s)) == [("long", 30)]          # alone: the whole prompt
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, long_prefill_token_threshold=8)
+    s.add(_req("long", 30, base=1))
+    s.add(_req("short", 5, base=2))
+    out = _fake_step(s)
+    assert _chunks(out) == [("long", 8), ("short", 5)]        # short is not held back
+    assert [c.wants_logits for c in out.chunks] == [False, True]
+    assert _chunks(_fake_step(s)) == [("long", 8), ("short", 1)]
+    assert _chunks(_fake_step(s)) == [("long", 8), ("short", 1)]
+    out = _fake_step(s)
+    assert _chunks(out) == [("long", 6), ("short", 1)] and out.chunks[0].wants_logits
+    assert _chunks(_fake_step(s)) == [("long", 1), ("short", 1)]
+    # the same requests without the cap: the long prompt's step holds everything up
+    s = Scheduler(BlockManager.create(64, 4), 8, 64)
+    s.add(_req("long", 30, base=1))
+    s.add(_req("short", 5, base=2))
+    assert _chunks(_fake_step(s)) == [("long", 30), ("short", 5)]
+
+
+def test_long_prefill_threshold_adaptive_is_at_least_the_fair_share():
+    """With the adaptive flag the cap is max(N, budget // requests running and waiting)."""
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, long_prefill_token_threshold=4,
+                  long_prefill_adaptive=True)
+    s.add(_req("a", 40, base=1))
+    s.add(_req("b", 40, base=2))
+    assert _chunks(_fake_step(s)) == [("a", 32), ("b", 32)]   # 64 // 2 > 4
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, long_prefill_token_threshold=4)
+    s.add(_req("a", 40, base=1))
+    s.add(_req("b", 40, base=2))
+    assert _chunks(_fake_step(s)) == [("a", 4), ("b", 4)]
+
+
+def test_long_prefill_threshold_never_stalls_a_group_decode():
+    """A cap below a group's sequence count (n samples decode one token each, together) still
+    lets the group decode whole: it would never get its logits otherwise."""
+    s = Scheduler(BlockManager.create(64, 4), 8, 64, long_prefill_token_threshold=1)
+    r = _req("g", 6, base=1)
+    seq0 = r.seqs[0]
+    r.seqs.append(Sequence(next(_ids), 1, list(seq0.token_ids), 6, IncrementalDetokenizer(None)))
+    s.add(r)
+    s.add(_req("other", 3, base=2))
+    for _ in range(12):
+        _fake_step(s)
+    assert all(q.num_output_tokens >= 2 for q in r.seqs)
+
+
 def test_prefill_priority_off_mixes_every_decode_into_every_step():
     s = Scheduler(BlockManager.create(64, 4), 8, 64, prefill_priority_steps=0)
     s.add(_req("a", 5, base=1))

@@ -21,6 +21,12 @@ def test_scheduling_flags_reach_the_engine_config() -> None:
     assert ec.prefill_priority_steps == EngineConfig().prefill_priority_steps == 4
     _, ec = configs(p.parse_args(["--prefill-priority-steps", "0"]))
     assert ec.prefill_priority_steps == 0
+    assert (ec.long_prefill_token_threshold, ec.long_prefill_token_threshold_adaptive) == (
+        0, False)
+    _, ec = configs(p.parse_args(["--long-prefill-token-threshold", "256",
+                                  "--long-prefill-token-threshold-adaptive"]))
+    assert (ec.long_prefill_token_threshold, ec.long_prefill_token_threshold_adaptive) == (
+        256, True)
 
 
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
@@ -62,6 +68,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--scheduling-max-wait", "soon"], "invalid float"),
     (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
     (["--prefill-priority-steps", "2.5"], "invalid int"),
+    (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
     (["--max-conversation-bytes", "0"], "--max-conversation-bytes"),
     (["--stream-interval", "0"], "--stream-interval"),
