@@ -316,6 +316,14 @@ class LLMEngine:
         return self._scheduler
 
     # ------------------------------------------------------------------ requests
+    def is_prefilling(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in the engine and has not produced its first token yet
+        (waiting, or computing its prompt). Safe to call from any thread while another steps
+        the engine: it reads one dict entry and one attribute, which the step writes whole (a
+        server's ``--max-num-queued-tokens`` sums the prompts still in this phase)."""
+        req = self._requests.get(request_id)
+        return req is not None and req.first_token_time is None
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | Mapping[str, Any] | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,

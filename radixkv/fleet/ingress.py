@@ -81,6 +81,7 @@ class _FleetHandle(RequestHandle):
         self._backend, self._args, self._route = backend, args, route
         self._restartable = restartable
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._delivered = False   # an output came back (the replica is past the prompt)
         self._task = asyncio.get_running_loop().create_task(self._pump())
         backend.open_handles.add(self)
 
@@ -93,7 +94,7 @@ class _FleetHandle(RequestHandle):
             try:
                 gen = handle.generate.remote(*self._args, route=self._route)
                 async for out in gen:
-                    delivered = True
+                    delivered = self._delivered = True
                     self._queue.put_nowait(out)
                 return
             except asyncio.CancelledError:
@@ -113,6 +114,12 @@ class _FleetHandle(RequestHandle):
             except Exception as exc:  # noqa: BLE001 (any engine error goes to the caller, as in one server)
                 self._queue.put_nowait(exc)
                 return
+
+    @property
+    def prefilling(self) -> bool:
+        # until the replica's first output: a non-streamed request's only output is its
+        # last, so it counts until it ends (as conservative as vLLM's own count)
+        return not self._delivered and not self._task.done()
 
     async def aget(self) -> Any:
         item = await self._queue.get()

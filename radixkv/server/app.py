@@ -18,34 +18,39 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, check_max_whitespace
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server import conversations as cv
-from radixkv.server import heap
+from radixkv.server import heap, serving
 from radixkv.server import responses as rs
-from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers, validation_error
 from radixkv.server.frontend import LOAD_TRACKED, FrontendOptions, load_middleware
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     ConversationCreate, ConversationItemsCreate,
-                                     ConversationUpdate, DetokenizeRequest, ResponsesRequest,
-                                     TokenizeRequest)
+from radixkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from radixkv.server.tenants import Tenants
 from radixkv.server.tools import Reader
-
 
 #: ``--max-request-bytes`` by default: far above any prompt a context of 128k tokens holds as
 #: JSON text or token ids, far below what would take seconds to parse.
@@ -122,6 +127,10 @@ class ServerState:
         #: holds each as its own row, so admission counts them, not HTTP requests (event-loop
         #: thread only).
         self.in_flight = 0
+        #: prompt tokens of each submitted request while it is before its first token, for
+        #: ``--max-num-queued-tokens`` (filled only with that flag; a handle drops out when
+        #: collected)
+        self.prefill_tokens: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         #: a fleet's ingress draining at shutdown: new generation requests are a 503
         self.draining = False
         self.created = int(time.time())
@@ -152,6 +161,7 @@ class ServerState:
                            f"(--max-num-seqs {self.ready_engine().max_num_seqs} + --max-queued "
                            f"{self.max_queued}): split it", param=param,
                            code="too_many_sequences")
+        self._queue_limits(seqs)
         if self.in_flight + seqs > self.capacity:
             self.metrics.rejected.labels(self.model_name, "429").inc()
             raise APIError(429, f"the server is at capacity ({self.in_flight} sequences running "
@@ -161,6 +171,42 @@ class ServerState:
 
     def release(self, seqs: int) -> None:
         self.in_flight -= seqs
+
+    def _queue_limits(self, seqs: int) -> None:
+        """vLLM 0.32's admission valves, a 503 (retry on another instance) each:
+        ``--max-num-queued-reqs`` bounds the sequences in flight (each prompt x n, as vLLM
+        counts a request's n), ``--max-num-queued-tokens`` refuses while the prompts before
+        their first token add up to the limit or more (the new request's own not counted, as
+        vLLM's; whole prompts, cache hits included, as vLLM's)."""
+        fe, m = self.frontend, self.metrics
+        limit = fe.max_num_queued_reqs
+        if limit is not None and self.in_flight + seqs > limit:
+            m.rejected.labels(self.model_name, "503").inc()
+            m.admission_rejections.labels(self.model_name, "max_num_queued_reqs").inc()
+            raise APIError(503, f"the server is busy ({self.in_flight} sequences in flight, "
+                           f"this request needs {seqs}, --max-num-queued-reqs {limit}); retry "
+                           "later or on another instance", code="server_busy")
+        limit = fe.max_num_queued_tokens
+        if limit is not None:
+            backlog = self.prefill_backlog()
+            if backlog >= limit:
+                m.rejected.labels(self.model_name, "503").inc()
+                m.admission_rejections.labels(self.model_name, "max_num_queued_tokens").inc()
+                raise APIError(503, f"the server's prefill backlog is full ({backlog} prompt "
+                               f"tokens before their first token, --max-num-queued-tokens "
+                               f"{limit}); retry later or on another instance",
+                               code="server_busy")
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens of the requests submitted and not yet past their first token (those
+        past it leave the ledger)."""
+        total = 0
+        for handle, tokens in list(self.prefill_tokens.items()):
+            if handle.prefilling:
+                total += tokens
+            else:
+                del self.prefill_tokens[handle]
+        return total
 
     async def drain(self, timeout_s: float, settle_s: float = 10.0) -> dict[str, int]:
         """Stop admitting (503 ``shutting_down``), wait up to ``timeout_s`` for the sequences in

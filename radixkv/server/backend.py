@@ -34,6 +34,13 @@ class RequestHandle(abc.ABC):
     def abort(self) -> None:
         """Stop the request (fire and forget; called when the client is gone)."""
 
+    @property
+    @abc.abstractmethod
+    def prefilling(self) -> bool:
+        """True until the request produced its first token or ended: its prompt counts in the
+        server's prefill backlog (``--max-num-queued-tokens``) while this holds. Read on the
+        event loop; cheap."""
+
 
 class Backend(abc.ABC):
     """The compute behind the routes. Attributes are read-only facts of the served model."""
@@ -109,6 +116,12 @@ class _LocalHandle(RequestHandle):
     def __init__(self, loop: Any, stream: Any, request_id: str) -> None:
         self._loop, self._stream, self._rid = loop, stream, request_id
         self.submitted = stream.submitted
+
+    @property
+    def prefilling(self) -> bool:
+        # the engine's own record (a non-streamed request's outputs stay in the engine until
+        # it ends, so the handler cannot see its first token)
+        return bool(self._loop.core.is_prefilling(self._rid))
 
     async def aget(self) -> Any:
         return await self._stream.aget()

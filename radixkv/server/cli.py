@@ -248,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
+    v.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
+                   help="vLLM's: a request that would put more than N sequences (prompts x n) "
+                        "in flight is a 503, for a load balancer to retry elsewhere (default: "
+                        "none; --max-queued's 429 still applies)")
+    v.add_argument("--max-num-queued-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's: while the prompts not yet past their first token add up to "
+                        "N tokens or more, a new request is a 503 (a time-to-first-token "
+                        "valve; default: none)")
     # (tools.PARSERS' names; not imported here: tools needs the serve extra, and this parser
     # must work without it to say so; tests/server/test_cli_flags.py keeps the two equal)
     v.add_argument("--tool-call-parser",

@@ -43,6 +43,13 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
                                           is rendered instead of the model's (without it, a
                                           400: a template can take any CPU and memory to
                                           render, so only for clients the operator trusts)
+``--max-num-queued-reqs N``               a request that would put more than N sequences
+                                          (prompts x n) in flight is a 503, a load
+                                          balancer's cue to retry elsewhere (vLLM 0.32's
+                                          coarse capacity valve)
+``--max-num-queued-tokens N``             while the prompts not yet past their first token
+                                          add up to N tokens or more, a new request is a 503
+                                          (vLLM 0.32's TTFT valve)
 ``--tool-call-parser NAME``               the format tool calls are read in (``hermes``,
                                           ``mistral``, ``llama3_json``) for every template
                                           that declares
@@ -100,6 +107,8 @@ class FrontendOptions:
     model_aliases: tuple[str, ...] = ()
     tokenizer_info: bool = False
     tool_call_parser: str | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "middleware", tuple(self.middleware))
@@ -114,6 +123,10 @@ class FrontendOptions:
                                   f"{self.tool_call_parser!r}")
         if self.log_outputs and not self.log_requests:
             raise ConfigError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         every = self.sse_keep_alive_interval
@@ -175,7 +188,9 @@ class FrontendOptions:
                    middleware=tuple(args.middleware or ()),
                    model_aliases=tuple(getattr(args, "served_model_aliases", ())),
                    tokenizer_info=args.enable_tokenizer_info_endpoint,
-                   tool_call_parser=args.tool_call_parser)
+                   tool_call_parser=args.tool_call_parser,
+                   max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
+                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None))
 
     def route_path(self, scope: dict[str, Any]) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),

@@ -268,6 +268,13 @@ class ServerMetrics:
         self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
                                 "before reaching the engine, by HTTP status.",
                                 [*names, "status"], registry=reg)
+        #: --max-num-queued-reqs / --max-num-queued-tokens refusals (503), by the limit
+        self.admission_rejections = _Twin(Counter(
+            "radixkv_admission_rejections", "Requests refused by a queue limit "
+            "(--max-num-queued-reqs, --max-num-queued-tokens), by reason.",
+            [*names, "reason"], registry=reg), Counter(
+            "vllm:admission_rejections", "Number of admission attempts rejected by a queue "
+            "limit, by reason.", [*names, "reason"], registry=reg))
         #: CPython's cyclic GC (radixkv/server/heap.py; only where the server owns its
         #: process): each collection's pause, and the start-up objects frozen out of them
         self.gc_pauses = Histogram("radixkv_gc_pause_seconds", "Pauses of Python's cyclic "

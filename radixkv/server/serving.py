@@ -588,6 +588,8 @@ async def submit(state: Any, request_id: str, prompt_ids: list[int], params: Any
                                      restartable=restartable, **(hints or {}))
     timing.submitted = time.perf_counter()
     frontend = getattr(state, "frontend", None)
+    if frontend is not None and frontend.max_num_queued_tokens is not None:
+        state.prefill_tokens[handle] = len(prompt_ids)
     if frontend is not None and frontend.log_requests:   # --enable-log-requests
         from radixkv.server import request_log
 
