@@ -59,16 +59,16 @@ def _own_serve_request_context() -> None:
     Ray's cancel-with-parent bookkeeping, keyed by the same id, is not needed here: the server
     aborts each request itself when its client goes away (:func:`serving.stream`)."""
     import dataclasses
+    import uuid
 
     try:
         from ray.serve import context as serve_context
-        from ray.serve._private.utils import generate_request_id
     except ImportError:   # another Ray: its own behaviour
         return
     current = serve_context._serve_request_context.get()
     if current is not None and hasattr(current, "_internal_request_id"):
         serve_context._serve_request_context.set(dataclasses.replace(
-            current, _internal_request_id=generate_request_id()))
+            current, _internal_request_id=str(uuid.uuid4())))
 
 
 class _FleetHandle(RequestHandle):

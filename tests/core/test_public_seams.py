@@ -37,6 +37,11 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "torch: no public dispatch-mode query",
     ("engine/model_runner.py", "model.config._attn_implementation"): "transformers config field",
     ("engine/native_model.py", "cfg._attn_implementation"): "transformers config field",
+    # Ray Serve copies a request's context (its internal id included) into every handle call
+    # made while serving it and routes concurrent calls of one id as one: the fleet gives each
+    # call its own id (fleet/ingress.py's _own_serve_request_context); Serve has no public way
+    ("fleet/ingress.py", "serve_context._serve_request_context"):
+        "Ray Serve: no public way to give a handle call a request context of its own",
     ("engine/native_model.py", "cfg._name_or_path"):
         "transformers' config field, set on radixkv's own config so code that reads a "
         "transformers config (and `name_or_path`) finds it",
