@@ -7,7 +7,9 @@ thread (progress on stderr every few seconds); then 200, and the endpoints serve
 from __future__ import annotations
 
 import argparse
+import decimal
 import os
+import re
 import sys
 import threading
 import time
@@ -108,8 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "it whenever the weights change)")
     c = p.add_argument_group("cache (CacheConfig)")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    c.add_argument("--device-blocks", type=int, default=None, help="device pool size in blocks")
+    c.add_argument("--device-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="device pool size in blocks")
     c.add_argument("--device-memory", default=None, help="device pool size, e.g. 512MiB")
+    c.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                   metavar="BYTES",
+                   help="vLLM's: the device pool's size in bytes, written as vLLM's flags take "
+                        "it ('4G' = 4 GiB, '4g' = 4e9); the same as --device-memory")
     c.add_argument("--no-commit-kv-pool", action="store_true",
                    help="CPU: leave the device pool's pages uncommitted until blocks are first "
                         "written (resident memory grows with use) instead of writing them once "
@@ -166,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "that replaces this one finds them (default 5; 0: off)")
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="live sequences per step")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens computed per forward")
-    e.add_argument("--max-model-len", type=int, default=None, help="context limit")
+    e.add_argument("--max-num-batched-tokens", type=human_readable_int, default=2048,
+                   help="tokens computed per forward ('8k' as vLLM's: 8000; '8K': 8192)")
+    e.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
+                   help="context limit ('32k', '32K' as vLLM's; 'auto' or -1: the model's own, "
+                        "the default)")
     e.add_argument("--prefetch-requests", type=int, default=4,
                    help="waiting requests whose disk blocks are prefetched to host")
     e.add_argument("--no-async-loads", action="store_true",
@@ -429,12 +438,53 @@ def read_secret_file(path: str | None) -> bytes | None:
     return secret
 
 
+def human_readable_int(value: str) -> int:
+    """An int as vLLM's flags read one: digits, or a number with a suffix, decimal in lower
+    case (``k`` 1e3, ``m``, ``g``, ``t``; ``25.6k`` = 25600) and binary in upper case (``K``
+    1024, ``M``, ``G``, ``T``; whole numbers only). Deployment scripts written for vLLM pass
+    ``--max-model-len 32k``."""
+    text = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {value!r} (digits, or e.g. 32k / 32K)") from None
+    number, suffix = m.groups()
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        # (exact: float arithmetic makes 4.35k 4349)
+        return int(decimal.Decimal(number) * 1000 ** power)
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"invalid int value: {value!r}: a binary suffix ({suffix}) takes a whole number "
+            f"(did you mean {number}{suffix.lower()}?)")
+    return int(number) * (1 << (10 * power))
+
+
+def human_readable_int_or_auto(value: str) -> int | None:
+    """:func:`human_readable_int`, or None for ``auto`` / ``-1`` (vLLM's "find it out"; for
+    ``--max-model-len``, radixkv's default: the model's own limit)."""
+    if value.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(value)
+
+
 def configs(args: argparse.Namespace) -> tuple[Any, Any]:
     """(CacheConfig, EngineConfig) from the parsed flags (ConfigError on a bad combination)."""
     from radixkv.config import CacheConfig, EngineConfig
+    from radixkv.errors import ConfigError
 
+    device_memory = args.device_memory
+    by_bytes = getattr(args, "kv_cache_memory_bytes", None)
+    if by_bytes is not None:
+        if device_memory is not None:
+            raise ConfigError("--kv-cache-memory-bytes and --device-memory both size the "
+                              "device pool: give one")
+        device_memory = by_bytes
     cc = CacheConfig(block_size=args.block_size, num_device_blocks=args.device_blocks,
-                     device_memory=args.device_memory, host_blocks=args.host_blocks,
+                     device_memory=device_memory, host_blocks=args.host_blocks,
                      host_memory=args.host_memory, disk_dir=args.disk_dir,
                      disk_blocks=args.disk_blocks, disk_memory=args.disk_memory,
                      policy=args.policy, policy_options=args.policy_options,

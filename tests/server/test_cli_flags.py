@@ -29,6 +29,27 @@ def test_scheduling_flags_reach_the_engine_config() -> None:
         256, True)
 
 
+def test_vllms_human_readable_sizes_and_pool_aliases() -> None:
+    """vLLM's int flags take '32k' (decimal) and '32K' (binary), --max-model-len also 'auto' /
+    -1; --num-gpu-blocks-override and --kv-cache-memory-bytes size the pool as radixkv's own
+    flags do."""
+    from radixkv.server.cli import human_readable_int
+
+    assert [human_readable_int(v) for v in ("1k", "1K", "25.6k", "4.35k", "2M", "3g", "77")] \
+        == [1000, 1024, 25600, 4350, 2 * 2**20, 3 * 10**9, 77]
+    p = build_parser()
+    a = p.parse_args(["--max-model-len", "32k", "--max-num-batched-tokens", "8K",
+                      "--num-gpu-blocks-override", "100"])
+    cc, ec = configs(a)
+    assert (ec.max_model_len, ec.max_num_batched_tokens, cc.num_device_blocks) == (
+        32000, 8192, 100)
+    for auto in ("auto", "-1", "AUTO"):
+        assert configs(p.parse_args(["--max-model-len", auto]))[1].max_model_len is None
+    cc, _ = configs(p.parse_args(["--kv-cache-memory-bytes", "64M"]))
+    assert cc.device_memory == 64 * 2**20
+    assert configs(p.parse_args(["--device-memory", "64MiB"]))[0].device_memory == "64MiB"
+
+
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
     """vLLM's --enforce-eager: graphs off; without it EngineConfig decides (on where possible)."""
     p = build_parser()
@@ -69,6 +90,9 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--prefill-priority-steps", "-1"], "prefill_priority_steps"),
     (["--prefill-priority-steps", "2.5"], "invalid int"),
     (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold"),
+    (["--max-model-len", "2.5K"], "did you mean 2.5k"),
+    (["--max-num-batched-tokens", "lots"], "invalid int value"),
+    (["--kv-cache-memory-bytes", "1G", "--device-memory", "1GiB"], "give one"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
     (["--max-conversation-bytes", "0"], "--max-conversation-bytes"),
     (["--stream-interval", "0"], "--stream-interval"),
