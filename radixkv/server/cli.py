@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
+    v.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=("raw_logprobs", "processed_logprobs", "raw_logits",
+                            "processed_logits"),
+                   help="vLLM's: what logprobs report; radixkv reports raw_logprobs (the "
+                        "model's log-softmax before penalties, biases, temperature and top-k/p, "
+                        "vLLM's default) and refuses the others")
     v.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
                    help="vLLM's: a request that would put more than N sequences (prompts x n) "
                         "in flight is a 503, for a load balancer to retry elsewhere (default: "
@@ -831,6 +837,10 @@ def check_flags(args: argparse.Namespace) -> None:
                               f"{args.model!r}")
         args.model = args.model_tag
     hub_files(args)
+    if getattr(args, "logprobs_mode", "raw_logprobs") != "raw_logprobs":
+        raise ConfigError(f"--logprobs-mode {args.logprobs_mode}: radixkv reports raw_logprobs "
+                          "only (the model's log-probabilities before any processing, vLLM's "
+                          "default)")
     if args.enable_prefix_caching and args.no_prefix_caching:
         raise ConfigError("--enable-prefix-caching and --no-prefix-caching contradict")
     if args.kv_dtype == "fp8":
