@@ -30,7 +30,7 @@ ensure_redis_server() {
 }
 
 # The extras `setup` installs radixkv with (scripts/lock_deps.py locks the same set).
-EXTRAS="dev,bench,serve,remote,cluster,events,grammar"
+EXTRAS="dev,bench,serve,remote,cluster,events,grammar,tracing"
 
 # Whether scripts/constraints.txt was made for this venv's torch and Python (its header says).
 lock_fits() {

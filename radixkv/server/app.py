@@ -127,6 +127,8 @@ class ServerState:
         #: holds each as its own row, so admission counts them, not HTTP requests (event-loop
         #: thread only).
         self.in_flight = 0
+        #: ``--otlp-traces-endpoint``'s span recorder (radixkv/server/tracing.py), or None
+        self.tracer: Any = None
         #: prompt tokens of each submitted request while it is before its first token, for
         #: ``--max-num-queued-tokens`` (filled only with that flag; a handle drops out when
         #: collected)
@@ -474,6 +476,10 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
                         check_max_whitespace(json_max_whitespace), max_conversation_bytes,
                         frontend)
     state.freeze_heap = freeze_heap
+    if state.frontend.otlp_traces_endpoint is not None:
+        from radixkv.server.tracing import RequestTracer
+
+        state.tracer = RequestTracer(state.frontend.otlp_traces_endpoint)
     pauses = heap.PauseRecorder(state.metrics.gc_pause) if freeze_heap else None
 
     @asynccontextmanager
@@ -494,6 +500,8 @@ def create_app(engine: Any = None, *, load: Callable[[], Any] | None = None,
             await asyncio.wait(set(state.background), timeout=5)
         if state.engine is not None:
             state.engine.close()
+        if state.tracer is not None:   # the spans still batched go out now
+            await asyncio.to_thread(state.tracer.shutdown)
         if pauses is not None:
             pauses.remove()
 
@@ -1495,6 +1503,10 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     key = request.state.api_key if hasattr(request.state, "api_key") else ""
     salt = state.tenants.cache_salt(key, serving.request_salt(req))
     timing = serving.Timing(arrived=getattr(request.state, "arrived", time.perf_counter()))
+    if state.tracer is not None:
+        from radixkv.server.tracing import trace_headers
+
+        timing.trace_headers = trace_headers(request.headers)
     rid, eid = serving.response_ids("chatcmpl" if chat else "cmpl",
                                     request.headers.get("x-request-id"), req.request_id)
     seqs = len(prompts) * _num_seqs(req)

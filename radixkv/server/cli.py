@@ -263,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's: what logprobs report; radixkv reports raw_logprobs (the "
                         "model's log-softmax before penalties, biases, temperature and top-k/p, "
                         "vLLM's default) and refuses the others")
+    v.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="vLLM's: send a span per request (llm_request, vLLM's attributes) to "
+                        "this OTLP collector, over gRPC, or HTTP/protobuf with "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; needs the tracing "
+                        "extra")
     v.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
                    help="vLLM's: a request that would put more than N sequences (prompts x n) "
                         "in flight is a 503, for a load balancer to retry elsewhere (default: "

@@ -50,6 +50,9 @@ the same meaning (docs/serve.md, "vLLM compatibility"):
 ``--max-num-queued-tokens N``             while the prompts not yet past their first token
                                           add up to N tokens or more, a new request is a 503
                                           (vLLM 0.32's TTFT valve)
+``--otlp-traces-endpoint URL``            a span per request to this OTLP collector
+                                          (radixkv/server/tracing.py), continuing the caller's
+                                          W3C trace context
 ``--tool-call-parser NAME``               the format tool calls are read in (``hermes``,
                                           ``mistral``, ``llama3_json``) for every template
                                           that declares
@@ -82,6 +85,31 @@ LOAD_TRACKED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1
 KEEP_ALIVE = ": keep-alive\n\n"
 
 
+def check_tracing(endpoint: str) -> None:
+    """A ConfigError now (at start-up) for what would stop ``--otlp-traces-endpoint`` later: an
+    empty endpoint, OpenTelemetry not installed, an OTLP protocol radixkv does not send."""
+    import importlib.util
+    import os
+
+    from radixkv.server.tracing import PROTOCOLS
+
+    if not endpoint.strip():
+        raise ConfigError("--otlp-traces-endpoint must name a collector, e.g. "
+                          "http://127.0.0.1:4317")
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: radixkv sends "
+                          f"traces over {' or '.join(PROTOCOLS)}")
+    module = "opentelemetry.exporter.otlp.proto." + ("grpc" if protocol == "grpc" else "http")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:   # (a parent package is missing)
+        found = False
+    if not found:
+        raise ConfigError("--otlp-traces-endpoint needs OpenTelemetry's OTLP exporter: pip "
+                          "install 'radixkv[tracing]'")
+
+
 @dataclasses.dataclass(frozen=True)
 class FrontendOptions:
     """The OpenAI layer's vLLM options (module docstring); the defaults are vLLM's."""
@@ -109,6 +137,7 @@ class FrontendOptions:
     tool_call_parser: str | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "middleware", tuple(self.middleware))
@@ -121,6 +150,8 @@ class FrontendOptions:
             if self.tool_call_parser not in PARSERS:
                 raise ConfigError(f"--tool-call-parser must be one of {sorted(PARSERS)}, got "
                                   f"{self.tool_call_parser!r}")
+        if self.otlp_traces_endpoint is not None:
+            check_tracing(self.otlp_traces_endpoint)
         if self.log_outputs and not self.log_requests:
             raise ConfigError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -190,7 +221,8 @@ class FrontendOptions:
                    tokenizer_info=args.enable_tokenizer_info_endpoint,
                    tool_call_parser=args.tool_call_parser,
                    max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
-                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None))
+                   max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
+                   otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
 
     def route_path(self, scope: dict[str, Any]) -> str:
         """The path a request addresses below ``--root-path`` (the routes' own: ``/v1/...``),

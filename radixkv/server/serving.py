@@ -44,6 +44,8 @@ class Timing:
     finished: bool = False
     #: A prompt of the request was aborted before it finished.
     aborted: bool = False
+    #: The W3C trace context the HTTP request carried (``--otlp-traces-endpoint``; else None).
+    trace_headers: dict[str, str] | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -637,6 +639,11 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
             if finished:
                 timing.finished = True
                 state.observe_finished(out, timing)
+                tracer = getattr(state, "tracer", None)
+                if tracer is not None:   # --otlp-traces-endpoint: this request's span
+                    tracer.request(timing.trace_headers, log_id or request_id,
+                                   state.model_name, params, out, timing,
+                                   state.engine.output_tier_names)
                 frontend = getattr(state, "frontend", None)
                 if frontend is not None and frontend.log_outputs:   # --enable-log-outputs
                     from radixkv.server import request_log
