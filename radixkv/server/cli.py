@@ -13,6 +13,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE
@@ -45,8 +46,88 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+class VLLMArgumentParser(argparse.ArgumentParser):
+    """argparse with ``vllm serve``'s command-line conveniences, so a vLLM deployment's command
+    works unchanged: ``--config FILE.yaml`` (its keys as flags, the command line winning) and
+    underscores in option names (``--max_model_len`` is ``--max-model-len``)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        argv = sys.argv[1:] if args is None else list(args)
+        try:
+            argv = vllm_argv(argv, lambda flag: flag in self._option_string_actions)
+        except ValueError as exc:
+            self.error(str(exc))
+        return super().parse_known_args(argv, namespace)
+
+
+def vllm_argv(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]:
+    """``argv`` as vLLM's parser reads it: the flags of ``--config``'s YAML file first (so the
+    command line's own win), and option names with ``-`` for ``_``. The file's keys are flag
+    names; ``true`` is the flag, ``false`` its ``--no-`` form where there is one (else
+    nothing), a list the flag with each item, a mapping its JSON, anything else its text, as
+    vLLM flattens them (``has_flag``: whether the parser defines a flag). ValueError for a file
+    that cannot be read or is not a YAML mapping."""
+    out = list(argv)
+    where = [i for i, a in enumerate(out) if a == "--config" or a.startswith("--config=")]
+    if len(where) > 1:
+        raise ValueError("--config is given more than once")
+    if where:
+        i = where[0]
+        if out[i] == "--config":
+            if i + 1 >= len(out):
+                raise ValueError("--config needs a YAML file")
+            path, rest = out[i + 1], out[:i] + out[i + 2:]
+        else:
+            path, rest = out[i].split("=", 1)[1], out[:i] + out[i + 1:]
+        out = config_file_args(path, has_flag) + rest
+    named = []
+    for a in out:
+        if a.startswith("--") and len(a) > 2:
+            key, eq, value = a.partition("=")
+            a = "--" + key[2:].replace("_", "-") + eq + value
+        named.append(a)
+    return named
+
+
+def config_file_args(path: str, has_flag: Callable[[str], bool]) -> list[str]:
+    """The flags a vLLM ``--config`` YAML file stands for (see :func:`vllm_argv`)."""
+    import json
+
+    import yaml
+
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config {path!r}: a YAML file (.yaml or .yml), as vLLM's")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ValueError(f"--config {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path!r} is not YAML: {exc}") from None
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r}: the file must map flag names to values")
+    args: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                args.append(flag)
+            elif has_flag("--no-" + flag[2:]):
+                args.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            if value:
+                args += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = VLLMArgumentParser(
         prog="radixkv serve", description="OpenAI-compatible HTTP server over a radixkv engine "
         "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
     g = p.add_argument_group("server")
@@ -263,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's: what logprobs report; radixkv reports raw_logprobs (the "
                         "model's log-softmax before penalties, biases, temperature and top-k/p, "
                         "vLLM's default) and refuses the others")
+    v.add_argument("--config", metavar="FILE.yaml",
+                   help="vLLM's: flags from a YAML file (keys are flag names, with - or _; "
+                        "true is the flag, a list its values); the command line's own win")
     v.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="vLLM's: send a span per request (llm_request, vLLM's attributes) to "
                         "this OTLP collector, over gRPC, or HTTP/protobuf with "

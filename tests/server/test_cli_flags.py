@@ -50,6 +50,39 @@ def test_vllms_human_readable_sizes_and_pool_aliases() -> None:
     assert configs(p.parse_args(["--device-memory", "64MiB"]))[0].device_memory == "64MiB"
 
 
+def test_a_vllm_config_file_and_underscored_flags(tmp_path) -> None:
+    """vLLM's --config FILE.yaml (keys with - or _, true/false, lists, mappings as JSON; the
+    command line wins) and option names with underscores."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_model_len: 4096\nmax-num-seqs: 8\nenforce-eager: true\n"
+                   "enable-prefix-caching: false\n"
+                   "served-model-name: [main, alias]\n"
+                   "default-chat-template-kwargs: {enable_thinking: false}\nport: 9001\n")
+    p = build_parser()
+    a = p.parse_args(["--config", str(cfg), "--max_num_seqs", "4", "--port=9002"])
+    assert (a.max_model_len, a.max_num_seqs, a.enforce_eager, a.port) == (4096, 4, True, 9002)
+    assert a.served_model_name == ["main", "alias"]
+    assert a.default_chat_template_kwargs == '{"enable_thinking": false}'
+    assert p.parse_args([f"--config={cfg}"]).max_num_seqs == 8
+    assert p.parse_args(["some/model", "--config", str(cfg)]).model_tag == "some/model"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("- a\n- b\n", "must map flag names"),
+    ("max-model-len: [\n", "is not YAML"),
+    ("max-model-len: lots\n", "invalid int value"),
+    ("no-such-flag: 1\n", "unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_config_file_is_a_usage_error(tmp_path, capsys, text: str, words: str) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--config", str(cfg)])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", str(tmp_path / "serve.json")])
+
+
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
     """vLLM's --enforce-eager: graphs off; without it EngineConfig decides (on where possible)."""
     p = build_parser()
