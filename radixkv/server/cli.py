@@ -338,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is on for every "
                         "chat template that declares tools")
+    v.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
+                   help="vLLM's: auto or hf, radixkv's one mode (transformers' tokenizer, the "
+                        "fast one where there is one, and the model's chat template; vLLM's "
+                        "auto would take mistral_common's for Mistral models); others refused")
     v.add_argument("--logprobs-mode", default="raw_logprobs",
                    choices=("raw_logprobs", "processed_logprobs", "raw_logits",
                             "processed_logits"),
@@ -926,6 +930,9 @@ def check_flags(args: argparse.Namespace) -> None:
                               f"{args.model!r}")
         args.model = args.model_tag
     hub_files(args)
+    if getattr(args, "tokenizer_mode", "auto") not in ("auto", "hf"):
+        raise ConfigError(f"--tokenizer-mode {args.tokenizer_mode}: radixkv tokenizes with "
+                          "transformers' tokenizer and the model's chat template (auto or hf)")
     if getattr(args, "logprobs_mode", "raw_logprobs") != "raw_logprobs":
         raise ConfigError(f"--logprobs-mode {args.logprobs_mode}: radixkv reports raw_logprobs "
                           "only (the model's log-probabilities before any processing, vLLM's "

@@ -125,6 +125,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold"),
     (["--max-model-len", "2.5K"], "did you mean 2.5k"),
     (["--logprobs-mode", "processed_logits"], "raw_logprobs only"),
+    (["--tokenizer-mode", "mistral"], "auto or hf"),
     (["--max-num-batched-tokens", "lots"], "invalid int value"),
     (["--kv-cache-memory-bytes", "1G", "--device-memory", "1GiB"], "give one"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
