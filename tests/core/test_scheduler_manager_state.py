@@ -45,8 +45,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
                 priority=st.sampled_from([0, 1, 4]), long_prefill=st.sampled_from([0, 1, 3]),
                 adaptive=st.booleans())
-    def setup(self, blocks, max_seqs, budget, policy, priority, long_prefill, adaptive
-              ) -> None:
+    def setup(self, blocks, max_seqs, budget, policy, priority, long_prefill=0,
+              adaptive=False) -> None:
         self.name = "scheduler+manager"
         STEPS.program(self.name)
         self.bm = BlockManager.create(blocks, block_size=BS, policy=policy)

@@ -391,9 +391,10 @@ class LPMSchedulerMachine(sm.SchedulerMachine):
     @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
                 budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
                 window=st.integers(1, 4), max_wait=st.integers(0, 4),
-                priority=st.sampled_from([0, 4]))
-    def setup(self, blocks, max_seqs, budget, policy, window, max_wait, priority) -> None:
-        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority)
+                priority=st.sampled_from([0, 4]), long_prefill=st.sampled_from([0, 3]))
+    def setup(self, blocks, max_seqs, budget, policy, window, max_wait, priority,
+              long_prefill) -> None:
+        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority, long_prefill)
         s = self.s
         s.admission = LongestPrefixFirst(self.bm, window=window, max_wait_s=max_wait,
                                          clock=lambda: s.counters.steps)
@@ -427,9 +428,9 @@ class PrioritySchedulerMachine(sm.SchedulerMachine):
 
     @initialize(blocks=st.integers(4, 12), max_seqs=st.integers(1, 4),
                 budget=st.integers(3, 16), policy=st.sampled_from(["lru", "lfu"]),
-                priority=st.sampled_from([0, 4]))
-    def setup(self, blocks, max_seqs, budget, policy, priority) -> None:
-        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority)
+                priority=st.sampled_from([0, 4]), long_prefill=st.sampled_from([0, 3]))
+    def setup(self, blocks, max_seqs, budget, policy, priority, long_prefill) -> None:
+        sm.SchedulerMachine.setup(self, blocks, max_seqs, budget, policy, priority, long_prefill)
         s = self.s
         s.admission = PriorityOrder()
         plan = s.schedule
