@@ -496,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--allow-download", action="store_true",
                    help="let a Hugging Face hub id that is not in the local cache be "
                         "downloaded (default: load only what is on disk)")
+    v.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                   help="vLLM's: the Hugging Face token for --allow-download's downloads (a "
+                        "gated model); alone, the token huggingface-cli login stored (the "
+                        "default anyway)")
     v.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                    help="largest request body; larger ones get 413 before they are read "
                         "(default 16 MiB)")
@@ -930,6 +934,12 @@ def check_flags(args: argparse.Namespace) -> None:
                               f"{args.model!r}")
         args.model = args.model_tag
     hub_files(args)
+    token = getattr(args, "hf_token", None)
+    if isinstance(token, str):
+        if not token.strip():
+            raise ConfigError("--hf-token is empty")
+        # huggingface_hub reads HF_TOKEN at every call; the fleet's Ray processes inherit it
+        os.environ["HF_TOKEN"] = token
     if getattr(args, "tokenizer_mode", "auto") not in ("auto", "hf"):
         raise ConfigError(f"--tokenizer-mode {args.tokenizer_mode}: radixkv tokenizes with "
                           "transformers' tokenizer and the model's chat template (auto or hf)")

@@ -83,6 +83,22 @@ def test_a_bad_config_file_is_a_usage_error(tmp_path, capsys, text: str, words: 
         build_parser().parse_args(["--config", str(tmp_path / "serve.json")])
 
 
+def test_hf_token_reaches_huggingface_hub(monkeypatch) -> None:
+    """vLLM's --hf-token TOKEN: huggingface_hub's calls use it (HF_TOKEN, read at each call);
+    the bare flag keeps the stored login."""
+    from huggingface_hub import get_token
+
+    from radixkv.server.cli import check_flags
+
+    monkeypatch.setenv("HF_TOKEN", "")    # (recorded: what check_flags sets is undone after)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/token")   # no stored login here
+    check_flags(build_parser().parse_args(["--hf-token"]))
+    assert get_token() is None
+    check_flags(build_parser().parse_args(["--hf-token", "hf_test123"]))
+    assert get_token() == "hf_test123"
+
+
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
     """vLLM's --enforce-eager: graphs off; without it EngineConfig decides (on where possible)."""
     p = build_parser()
@@ -126,6 +142,7 @@ def test_a_vllm_tool_calling_command_line_parses() -> None:
     (["--max-model-len", "2.5K"], "did you mean 2.5k"),
     (["--logprobs-mode", "processed_logits"], "raw_logprobs only"),
     (["--tokenizer-mode", "mistral"], "auto or hf"),
+    (["--hf-token", " "], "--hf-token is empty"),
     (["--max-num-batched-tokens", "lots"], "invalid int value"),
     (["--kv-cache-memory-bytes", "1G", "--device-memory", "1GiB"], "give one"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
