@@ -25,32 +25,28 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from radixkv.engine.grammar import DEFAULT_MAX_WHITESPACE, check_max_whitespace
 from radixkv.engine.sampling import OUTPUT_FINAL_ONLY
 from radixkv.server import conversations as cv
-from radixkv.server import heap, serving
+from radixkv.server import heap
 from radixkv.server import responses as rs
+from radixkv.server import serving
 from radixkv.server.backend import Backend, LocalBackend
 from radixkv.server.errors import APIError, install_handlers, validation_error
 from radixkv.server.frontend import LOAD_TRACKED, FrontendOptions, load_middleware
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ConversationCreate,
-    ConversationItemsCreate,
-    ConversationUpdate,
-    DetokenizeRequest,
-    ResponsesRequest,
-    TokenizeRequest,
-)
+from radixkv.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     ConversationCreate, ConversationItemsCreate,
+                                     ConversationUpdate, DetokenizeRequest, ResponsesRequest,
+                                     TokenizeRequest)
 from radixkv.server.tenants import Tenants
 from radixkv.server.tools import Reader
+
 
 #: ``--max-request-bytes`` by default: far above any prompt a context of 128k tokens holds as
 #: JSON text or token ids, far below what would take seconds to parse.
