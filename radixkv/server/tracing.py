@@ -38,12 +38,15 @@ it shuts down. Needs the ``tracing`` extra (OpenTelemetry's SDK and exporters).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixkv.errors import ConfigError
+
+log = logging.getLogger("radixkv.server")
 
 #: W3C trace-context headers a request's span continues (vLLM's ``TRACE_HEADERS``).
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -96,7 +99,15 @@ class RequestTracer:
                 params: Any, out: Any, timing: Any, tier_names: Sequence[str]) -> None:
         """Record one finished engine request: ``out`` its final ``RequestOutput``, ``timing``
         the handler's :class:`~radixkv.server.serving.Timing`, ``headers`` the trace context
-        the HTTP request carried (or None)."""
+        the HTTP request carried (or None). Never raises: a span that cannot be made is
+        logged and dropped, the request's answer is not affected."""
+        try:
+            self._record(headers, request_id, model, params, out, timing, tier_names)
+        except Exception:  # noqa: BLE001 (telemetry must not fail a served request)
+            log.warning("radixkv: no trace span for request %s", request_id, exc_info=True)
+
+    def _record(self, headers: Mapping[str, str] | None, request_id: str, model: str,
+                params: Any, out: Any, timing: Any, tier_names: Sequence[str]) -> None:
         now = time.perf_counter()
         wall = time.time_ns()
 

@@ -218,6 +218,20 @@ def test_the_http_protobuf_transport_sends_the_same_span(monkeypatch: Any) -> No
     assert span["end"] - span["start"] == pytest.approx(0.5e9, rel=0.05)
 
 
+def test_a_span_that_cannot_be_made_does_not_fail_the_request(caplog: Any) -> None:
+    """Telemetry never fails a served request: an output the tracer cannot read is logged
+    and dropped."""
+    from radixkv.server.serving import Timing
+    from radixkv.server.tracing import RequestTracer
+
+    tracer = RequestTracer("http://127.0.0.1:9")   # (nothing is sent: the span fails first)
+    try:
+        tracer.request(None, "cmpl-bad", "m", None, object(), Timing(arrived=0.0), ())
+    finally:
+        tracer.shutdown()
+    assert "no trace span for request cmpl-bad" in caplog.text
+
+
 def test_a_bad_tracing_setup_is_refused_at_start_up(monkeypatch: Any) -> None:
     check_tracing("http://127.0.0.1:4317")   # installed here: fine
     with pytest.raises(ConfigError, match="must name a collector"):
