@@ -431,6 +431,19 @@ def _chat_events(text: str) -> list[Any]:
     return out
 
 
+def _starts(data: Any, chat_usage: dict[str, Any] | None) -> bool:
+    """Whether a chat stream's chunk is where the Messages stream starts: the usage has the
+    prompt's cache split (the first token is in), or the chunk carries more than the reply's
+    role (a chat stream without the split: start before its first content)."""
+    if (chat_usage or {}).get("prompt_tokens_details") is not None:
+        return True
+    for choice in data.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("finish_reason") or any(k != "role" and v for k, v in delta.items()):
+            return True
+    return False
+
+
 class MessageStream:
     """Turns one chat request's SSE chunks into Anthropic's stream: ``message_start``; per
     content block (``thinking`` from the reasoning deltas, ``text`` from the content,
@@ -496,15 +509,17 @@ class MessageStream:
             async for chunk in chat:
                 text = chunk.decode() if isinstance(chunk, bytes) else chunk
                 for data in _chat_events(text):
-                    if not started and data != "[DONE]" and "error" not in data:
-                        # at the chat stream's first chunk, which carries the prompt's length
+                    if data != "[DONE]" and "error" not in data and data.get("usage"):
+                        self.usage = data["usage"]
+                    if not started and "error" not in data and (
+                            data == "[DONE]" or _starts(data, self.usage)):
+                        # at the first token (the chat stream's usage then has the prompt's
+                        # cache split, as Anthropic's message_start does), or before the end
                         started = True
-                        prompt = (data.get("usage") or {}).get("prompt_tokens") or 0
                         yield _sse("message_start", {"message": {
                             "id": self.mid, "type": "message", "role": "assistant",
                             "model": self.model, "content": [], "stop_reason": None,
-                            "stop_sequence": None,
-                            "usage": {"input_tokens": prompt, "output_tokens": 0}}})
+                            "stop_sequence": None, "usage": usage(self.usage)}})
                     if data == "[DONE]":
                         for e in self._close():
                             yield e
@@ -521,8 +536,6 @@ class MessageStream:
                             "type": _STREAM_ERRORS.get(err.get("type"), "api_error"),
                             "message": err.get("message") or ""}})
                         return
-                    if data.get("usage"):
-                        self.usage = data["usage"]
                     for choice in data.get("choices") or ():
                         for e in self._choice(choice):
                             yield e

@@ -1710,12 +1710,18 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
     head = fixed[:fixed.rindex("}")] + ',"choices":'
     tail = (',"usage":null' if include_usage else "") + "}\n\n"
 
+    # once the first output is in, the continuous usage also has the prompt's cache split
+    # (the engine knows it at the first token): what the prompt read from the cache and wrote
+    # to it (Anthropic's message_start carries both; anthropic.MessageStream)
+    cache_split: dict[str, Any] = {}
+
     def usage_tail(generated: int) -> str:
         if not continuous:
             return tail
         return ',"usage":' + json.dumps({"prompt_tokens": num_prompt,
                                          "completion_tokens": generated,
-                                         "total_tokens": num_prompt + generated},
+                                         "total_tokens": num_prompt + generated,
+                                         **cache_split},
                                         separators=(",", ":")) + "}\n\n"
 
     def chunk(choices: list[dict[str, Any]], generated: int = 0) -> str:
@@ -1809,6 +1815,11 @@ async def _events(state: ServerState, req: Any, rid: str, handle: Any, params: A
                 continue   # beams reorder until the end: only the final best n are sent
             if continuous and not num_prompt:
                 num_prompt = len(out.prompt_token_ids)
+            if continuous and not cache_split:
+                cache_split.update({
+                    "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                    "radixkv": {"cache_read_tokens": out.num_cached_tokens,
+                                "cache_write_tokens": getattr(out, "cache_write_tokens", 0)}})
             parts = []
             for c in out.outputs:
                 if c.index in done:

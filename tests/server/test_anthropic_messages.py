@@ -78,13 +78,20 @@ def test_a_message_is_the_chat_reply_streamed_or_not(srv: Server) -> None:
         final = stream.get_final_message()
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
-    # the prompt's length from the start, as Anthropic's stream gives it
-    assert events[0].message.usage.input_tokens == chat.usage.prompt_tokens
+    # the prompt's length and its cache split from the start, as Anthropic's stream gives them
+    # (the same split as the final usage's)
+    start = events[0].message.usage
+    assert _prompt_tokens(start) == chat.usage.prompt_tokens
+    assert start.cache_read_input_tokens > 0   # (the message above computed this prompt)
     assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
     assert final.content[0].text == block.text and final.stop_reason == r.stop_reason
     assert _prompt_tokens(final.usage) == chat.usage.prompt_tokens
     assert final.usage.output_tokens == r.usage.output_tokens
     assert final.usage.cache_read_input_tokens >= r.usage.cache_creation_input_tokens
+    assert (start.input_tokens, start.cache_read_input_tokens,
+            start.cache_creation_input_tokens) == (final.usage.input_tokens,
+                                                   final.usage.cache_read_input_tokens,
+                                                   final.usage.cache_creation_input_tokens)
     assert _client(srv).messages.count_tokens(
         model=MODEL, system=system, messages=msgs).input_tokens == chat.usage.prompt_tokens
 
@@ -374,7 +381,10 @@ def test_the_answer_and_its_stream_are_anthropics() -> None:
         return out
 
     events = asyncio.run(collect())
-    assert events[0]["message"]["usage"] == {"input_tokens": 40, "output_tokens": 0}
+    # (these chunks' usage has no cache split: the stream starts at the first content)
+    assert events[0]["message"]["usage"] == {"input_tokens": 40, "output_tokens": 0,
+                                             "cache_read_input_tokens": 0,
+                                             "cache_creation_input_tokens": 0}
     assert [e["type"] for e in events] == [
         "message_start",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
@@ -401,3 +411,40 @@ def test_the_answer_and_its_stream_are_anthropics() -> None:
     assert blocks == msg["content"]
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[-2]["usage"] == msg["usage"]
+
+
+def test_the_stream_starts_with_the_prompts_cache_split() -> None:
+    """message_start waits for the chat stream's first token, whose usage has the prompt's
+    cache split (what it read, what it wrote), and carries it: the role-only first chunk
+    starts nothing; a stream that ends before any token still starts before it ends."""
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    bare = {"prompt_tokens": 40, "completion_tokens": 0, "total_tokens": 40}
+    split = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+             "prompt_tokens_details": {"cached_tokens": 32},
+             "radixkv": {"cache_read_tokens": 32, "cache_write_tokens": 0}}
+
+    async def events(chunks: list[str]) -> list[dict[str, Any]]:
+        async def gen() -> Any:
+            for c in chunks:
+                yield c
+        out = []
+        async for text in am.MessageStream("msg_1", "m", None).adapt(gen()):
+            out.append(json.loads(text.split("\n")[1][len("data: "):]))
+        return out
+
+    got = asyncio.run(events([
+        sse({"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
+             "usage": bare}),
+        sse({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}],
+             "usage": split}),
+        "data: [DONE]\n\n"]))
+    assert got[0]["type"] == "message_start" and got[1]["type"] == "content_block_start"
+    assert got[0]["message"]["usage"] == {"input_tokens": 8, "output_tokens": 1,
+                                          "cache_read_input_tokens": 32,
+                                          "cache_creation_input_tokens": 0}
+    got = asyncio.run(events([
+        sse({"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
+             "usage": bare}), "data: [DONE]\n\n"]))
+    assert [e["type"] for e in got] == ["message_start", "message_delta", "message_stop"]

@@ -1834,7 +1834,8 @@ def test_batched_chat_answers_each_conversation_as_alone(ready: Server) -> None:
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(ready: Server) -> None:
     """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk
-    has the prompt's tokens and those generated so far, the last usage chunk the whole usage;
+    has the prompt's tokens and those generated so far (and from the first token on its cache
+    split: ``prompt_tokens_details.cached_tokens``), the last usage chunk the whole usage;
     without it only that last chunk has one (before 2026-12-07 the option was ignored)."""
     def usages(**opts: Any) -> list[Any]:
         return [c.usage for c in ready.client().chat.completions.create(
@@ -1848,6 +1849,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(ready: Serve
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 12, counts
     assert {u.prompt_tokens for u in seen} == {seen[-1].prompt_tokens}
     assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in seen)
+    # from the first token on, the prompt's cache split too (the role chunk comes before it)
+    assert seen[0].prompt_tokens_details is None
+    assert {u.prompt_tokens_details.cached_tokens for u in seen[1:]} == {
+        seen[-1].prompt_tokens_details.cached_tokens}
     plain = usages()
     assert all(u is None for u in plain[:-1]) and plain[-1].completion_tokens == 12
 
