@@ -1528,9 +1528,12 @@ async def _serve(state: ServerState, request: Request, req: Any, prompts: list[l
     # Only the result is read: the engine builds, routes and wakes this loop for no snapshot
     # per step (final_only); TTFT comes from the engine's first-token reading (serving.run).
     params = [dataclasses.replace(sp, output_kind=OUTPUT_FINAL_ONLY) for sp in params]
+    # the name the request log and the trace span give each prompt: vLLM's (a chat's one
+    # prompt is the response's id, a completion's prompts ID-0, ID-1, ...)
+    names = [rid] if chat and len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     try:
         outs = await _unless_disconnected(request, asyncio.gather(*(
-            _final(state, f"{eid}-{i}", ids, sp, salt, timing, pts, hints, f"{rid}-{i}")
+            _final(state, f"{eid}-{i}", ids, sp, salt, timing, pts, hints, names[i])
             for i, (ids, sp, pts) in enumerate(zip(prompts, params, points)))))
     finally:
         state.release(seqs)

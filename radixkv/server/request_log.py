@@ -12,7 +12,8 @@ lines follow vLLM's, so log pipelines that parse them keep working:
 ID is the response's ``id`` (``chatcmpl-<X-Request-Id>`` when the request carries a usable
 header, as vLLM names it; the engine's own id adds a random suffix there, so two requests with
 one header both run, and the log keeps the name the client and its proxy know); a non-streamed
-request runs each prompt as ``ID-0``, ``ID-1``, ... (as vLLM names them). ``--max-log-len N``
+completion runs each prompt as ``ID-0``, ``ID-1``, ... and a chat is ``ID`` (as vLLM names
+them). ``--max-log-len N``
 cuts every prompt, output text and id list to N characters / ids. The lines go to the
 ``radixkv.requests`` logger, which ``radixkv serve`` sends to stderr at INFO (DEBUG with
 ``--log-level debug``) when the flag is on; off, nothing here runs (one attribute test a

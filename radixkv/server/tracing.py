@@ -10,8 +10,8 @@ vLLM's names (OpenTelemetry's ``gen_ai.*``) for what radixkv measures the same w
 =======================================  ========================================================
 ``gen_ai.response.model``                the served model's name
 ``gen_ai.request.id``                    the response's id (``chatcmpl-...``; ``-0``, ``-1``
-                                         per prompt of a non-streamed request), as the request
-                                         log names it
+                                         per prompt of a non-streamed completion), as the
+                                         request log names it
 ``gen_ai.request.temperature``,          the sampling parameters the engine ran with
 ``gen_ai.request.top_p``,
 ``gen_ai.request.max_tokens``,

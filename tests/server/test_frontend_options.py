@@ -574,14 +574,15 @@ def test_https_with_a_certificate_and_request_logs(tmp_path) -> None:
     logs = srv.proc.stdout.read()
     streamed = chunks[0].id
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    for rid in (r.id + "-0", streamed):   # a non-streamed request's prompts: ID-0, ID-1, ...
+    for rid in (r.id + "-0", streamed):   # a non-streamed completion's prompts: ID-0, ID-1, ...
         assert f"Received request {rid}: params: SamplingParams(" in logs, logs[-3000:]
         assert f"Request {rid} details: prompt: " in logs   # debug: the prompt too
     assert f"Generated response {r.id}-0: output: {r.choices[0].text[:8]!r}, " \
            f"finish_reason: length" in logs
     assert f"Generated response {streamed}: output: {text[:8]!r}" in logs
     assert "prompt_tokens: " in logs
-    for rid in ("chatcmpl-trace-log-1-0", "chatcmpl-trace-log-2"):
+    # a chat's one prompt is named as its response, as vLLM names it (ID-0 before 2026-12-08)
+    for rid in ("chatcmpl-trace-log-1", "chatcmpl-trace-log-2"):
         assert f"Received request {rid}: params: " in logs
         assert f"Generated response {rid}: output: " in logs
     assert "reloaded the TLS certificate" in logs

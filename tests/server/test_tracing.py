@@ -135,13 +135,13 @@ def test_a_span_per_request_continues_the_callers_trace(srv: Any,
     assert all(s["name"] == "llm_request" and s["kind"] == 2 for s in spans)   # SERVER
     assert all(s["resource"]["service.name"] == "radixkv" for s in spans)
     assert all(t0 <= s["start"] <= s["end"] <= t1 for s in spans)
-    # named as the request log names them: a non-streamed request's prompts ID-0, ID-1, ...
-    assert set(by_id) == {f"{first.id}-0", f"{again.id}-0", chunks[0].id, f"{two.id}-0",
-                          f"{two.id}-1"}
+    # named as the request log names them (vLLM's names): a chat by its response's id, a
+    # completion's prompts ID-0, ID-1, ...
+    assert set(by_id) == {first.id, again.id, chunks[0].id, f"{two.id}-0", f"{two.id}-1"}
     # the caller's trace context: the same trace, the caller's span as parent
-    a = by_id[f"{first.id}-0"]["attrs"]
-    assert by_id[f"{first.id}-0"]["trace_id"] == TRACE_ID
-    assert by_id[f"{first.id}-0"]["parent"] == PARENT_ID
+    a = by_id[first.id]["attrs"]
+    assert by_id[first.id]["trace_id"] == TRACE_ID
+    assert by_id[first.id]["parent"] == PARENT_ID
     assert a["gen_ai.response.model"] == MODEL
     assert a["gen_ai.usage.prompt_tokens"] == first.usage.prompt_tokens
     assert a["gen_ai.usage.completion_tokens"] == first.usage.completion_tokens
@@ -149,7 +149,7 @@ def test_a_span_per_request_continues_the_callers_trace(srv: Any,
     assert a["radixkv.usage.cached_tokens"] == first.usage.prompt_tokens_details.cached_tokens
     assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
     # without context: a trace of its own; n samples are one request; the cache is reported
-    b = by_id[f"{again.id}-0"]
+    b = by_id[again.id]
     assert b["trace_id"] != TRACE_ID and b["parent"] == ""
     assert b["attrs"]["gen_ai.request.n"] == 2 and b["attrs"]["gen_ai.request.top_p"] == \
         pytest.approx(0.9)
