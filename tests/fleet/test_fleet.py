@@ -34,6 +34,11 @@ from redis_server import RedisServer, free_port  # noqa: E402
 
 from tests.server.tls_cert import self_signed  # noqa: E402
 
+try:   # the tracing extra: the fleet's ingress sends its spans to a collector of the test's
+    from tests.server.otlp_collector import grpc_collector
+except ImportError:
+    grpc_collector = None   # type: ignore[assignment]
+
 pytestmark = [pytest.mark.fleet, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = ("You are a careful assistant for a test of a serving fleet. Answer briefly and "
@@ -101,7 +106,17 @@ def _wait_ready(fleet: Fleet, replicas: int = 2, timeout: float = 420) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def collector() -> Any:
+    """An OTLP collector for the fleet's spans (None without the tracing extra)."""
+    if grpc_collector is None:
+        yield None
+        return
+    with grpc_collector() as got:
+        yield got
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, collector: Any) -> Any:
     redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     port = free_port()
     where = tmp_path_factory.mktemp("fleet")
@@ -124,9 +139,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
            "--response-role", "fleet-helper", "--enable-tokenizer-info-endpoint",
            "--ssl-keyfile", str(keyfile), "--ssl-certfile", str(certfile),
            "--tokenizer", str(where / "tokenizer"), "--shutdown-timeout", "120"]
+    if collector is not None:   # vLLM's --otlp-traces-endpoint, sent by the ingress
+        cmd += ["--otlp-traces-endpoint", collector.url]
+    env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY="100")   # ms between span batches (5 s)
+    env.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
     with open(log, "w") as fh:   # a file, not a pipe: Ray's output must never block the fleet
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     f = Fleet(port, proc, log, certfile)
     try:
         _wait_ready(f)
@@ -330,6 +349,21 @@ def test_a_request_of_several_prompts_is_served_whole(fleet: Fleet) -> None:
         got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4,
                                         temperature=0)
         assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == alone
+
+
+def test_the_ingress_sends_a_span_per_request_in_the_callers_trace(fleet: Fleet,
+                                                                   collector: Any) -> None:
+    """--otlp-traces-endpoint under --replicas: the ingress (the app that answers) sends each
+    request's span, in the caller's W3C trace, with the usage the client got."""
+    if collector is None:
+        pytest.skip("the tracing extra is not installed")
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    r = _chat(fleet.client(), [{"role": "user", "content": "Name a tree."}], max_tokens=4,
+              extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    span = collector.find(r.id)
+    assert (span["name"], span["trace_id"], span["parent"]) == ("llm_request", trace_id, parent)
+    assert span["attrs"]["gen_ai.usage.prompt_tokens"] == r.usage.prompt_tokens
+    assert span["attrs"]["gen_ai.usage.completion_tokens"] == r.usage.completion_tokens
 
 
 def test_session_hints_reach_the_replica_that_serves_the_request(fleet: Fleet) -> None:

@@ -13,7 +13,6 @@ import http.server
 import os
 import threading
 import time
-from concurrent import futures
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,70 +24,22 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
-from opentelemetry.proto.collector.trace.v1 import (  # noqa: E402
-    trace_service_pb2,
-    trace_service_pb2_grpc,
-)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 from radixkv.errors import ConfigError  # noqa: E402
 from radixkv.server.frontend import check_tracing  # noqa: E402
+from tests.server import otlp_collector  # noqa: E402
+from tests.server.otlp_collector import Collector  # noqa: E402
 from tests.server.test_openai_server import MODEL, running_server  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
 
-class Collector:
-    """The spans an OTLP exporter sent, flattened: one dict per span."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-
-    def add(self, req: Any) -> None:
-        for rs in req.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for sp in ss.spans:
-                    with self.lock:
-                        self.spans.append({
-                            "name": sp.name, "kind": sp.kind, "trace_id": sp.trace_id.hex(),
-                            "parent": sp.parent_span_id.hex(), "start": sp.start_time_unix_nano,
-                            "end": sp.end_time_unix_nano, "resource": resource,
-                            "attrs": {a.key: _value(a.value) for a in sp.attributes}})
-
-    def wait(self, n: int, timeout: float = 30) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while len(self.spans) < n:
-            assert time.monotonic() < deadline, f"{len(self.spans)} of {n} spans arrived"
-            time.sleep(0.05)
-        with self.lock:
-            return list(self.spans)
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind)
-
-
 @pytest.fixture(scope="module")
 def grpc_collector() -> Any:
-    got = Collector()
-
-    class Service(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the proto's name)
-            got.add(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    got.url = f"http://127.0.0.1:{port}"   # type: ignore[attr-defined]
-    yield got
-    server.stop(0)
+    with otlp_collector.grpc_collector() as got:
+        yield got
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +51,7 @@ def srv(grpc_collector: Collector) -> Any:
     try:
         with running_server(["--threads", "1", "--device", "cpu", "--dtype", "float32",
                              "--device-blocks", "256", "--otlp-traces-endpoint",
-                             grpc_collector.url]) as server:   # type: ignore[attr-defined]
+                             grpc_collector.url]) as server:
             yield server
     finally:
         for k, v in old.items():
