@@ -81,6 +81,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         cached_tokens_per_tier: the same split by tier (0 = device, 1 = host, 2 = disk).
         ttft: seconds from ``add_request`` to the first generated token (None before it).
+        queue_time: seconds from ``add_request`` to the scheduler's first admission of it
+            (None before it): vLLM's time in the waiting phase.
         num_preemptions: times the request was preempted (and recomputed) so far.
         cache_write_tokens: prompt tokens the request's prefill added to the cache (full blocks
             that were not cached before it); with ``num_cached_tokens`` (read), what hosted
@@ -100,6 +102,7 @@ class RequestOutput:
     num_preemptions: int = 0
     cache_write_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    queue_time: float | None = None
 
     @property
     def cache_read_tokens(self) -> int:
@@ -191,10 +194,12 @@ def request_output(req: Any, finished: bool, tokenizer: Any, remote_host_tier: i
     plp = req.prompt_logprobs
     if plp is not None and len(plp) < len(prompt):
         plp = None   # still being computed (chunked prefill)
+    scheduled = req.scheduled_time
     return RequestOutput(req.request_id, prompt, comps, finished, req.num_cached_tokens,
                          per_tier, None if first is None else first - req.arrival_time,
                          req.num_preemptions,
-                         req.cache_write_tokens, plp)
+                         req.cache_write_tokens, plp,
+                         None if scheduled is None else scheduled - req.arrival_time)
 
 
 def _index(seq: Any) -> int:

@@ -87,6 +87,7 @@ Pure Python: imports no torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 
@@ -600,6 +601,8 @@ class Scheduler:
             self._staged[req.request_id] = staged
         if not req.admitted:
             req.admitted = True
+            if req.scheduled_time is None:   # (a request sent back and re-admitted keeps it)
+                req.scheduled_time = time.perf_counter()
             first_per_tier = self._first_tiers.pop(req.request_id, None) or first_per_tier
             per_tier = _prefix_per_tier(first_per_tier, a.num_cached_tokens)
             req.num_cached_tokens = a.num_cached_tokens

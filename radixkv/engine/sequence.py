@@ -96,6 +96,8 @@ class Request:
         self.namespace = namespace
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        #: when the scheduler first admitted it (its time waiting is this minus arrival)
+        self.scheduled_time: float | None = None
         self.status = RequestStatus.WAITING
         self.seqs: list[Sequence] = []
         self.done: list[Sequence] = []

@@ -237,16 +237,37 @@ class ServerState:
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     # ------------------------------------------------------------------ metrics
-    def observe_finished(self, out: Any, timing: serving.Timing) -> None:
+    def observe_finished(self, out: Any, timing: serving.Timing, params: Any = None) -> None:
+        """Record a finished engine request (``out`` its final output, ``params`` its
+        ``SamplingParams``) in the metrics: latencies, tokens, finish reason, and the
+        per-request histograms vLLM's dashboards chart (tokens, parameters, phase times)."""
         m, lab = self.metrics, self.model_name
+        now = time.perf_counter()
         if out.ttft is not None:
             m.ttft.labels(lab).observe(out.ttft)
-        m.e2e.labels(lab).observe(time.perf_counter() - timing.arrived)
+        m.e2e.labels(lab).observe(now - timing.arrived)
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        m.request_prompt_tokens.labels(lab).observe(len(out.prompt_token_ids))
+        m.request_generation_tokens.labels(lab).observe(generated)
+        if params is not None:
+            m.request_params_n.labels(lab).observe(getattr(params, "n", 1) or 1)
+            max_tokens = getattr(params, "max_tokens", None)
+            if max_tokens is not None:
+                m.request_params_max_tokens.labels(lab).observe(max_tokens)
+                m.request_max_num_generation_tokens.labels(lab).observe(max_tokens)
+        queue = getattr(out, "queue_time", None)
+        if queue is not None:   # phases on the engine's clock (its submission, first
+            m.request_queue_time.labels(lab).observe(queue)   # admission, first token), the
+            if out.ttft is not None and timing.submitted:     # end as this handler saw it
+                last = now - timing.submitted
+                m.request_prefill_time.labels(lab).observe(max(0.0, out.ttft - queue))
+                m.request_decode_time.labels(lab).observe(max(0.0, last - out.ttft))
+                m.request_inference_time.labels(lab).observe(max(0.0, last - queue))
         itl = m.itl.labels(lab)
         for gap in timing.gaps:
             itl.observe(gap)
         m.prompt_tokens.labels(lab).inc(len(out.prompt_token_ids))
-        m.generation_tokens.labels(lab).inc(sum(len(c.token_ids) for c in out.outputs))
+        m.generation_tokens.labels(lab).inc(generated)
         # one request, however many choices (n) it has: the first choice's reason
         reason = out.outputs[0].finish_reason if out.outputs else None
         m.success.labels(lab, reason or "unknown").inc()

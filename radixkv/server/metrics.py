@@ -37,6 +37,11 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+#: Token counts per request, vLLM's 1-2-5 series (vLLM stops it at the model's context; the
+#: server's metrics exist before the model is loaded, so it runs to a million here).
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5)) + (1_000_000,)
+#: A request's ``n`` (vLLM's buckets).
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector:
@@ -265,6 +270,35 @@ class ServerMetrics:
             "vllm:prompt_tokens", "Prompt tokens.", names, registry=reg))
         self.generation_tokens = _Twin(generation_tokens, Counter(
             "vllm:generation_tokens", "Generated tokens.", names, registry=reg))
+        # Per finished request, as vLLM's dashboards chart them (its Grafana example's heatmaps
+        # and phase panels): token counts and parameters, and the time in each phase.
+        def twin(name: str, doc: str, buckets: tuple[float, ...]) -> _Twin:
+            return _Twin(Histogram(f"radixkv_{name}", doc, names, buckets=buckets, registry=reg),
+                         Histogram(f"vllm:{name}", doc, names, buckets=buckets, registry=reg))
+
+        self.request_prompt_tokens = twin(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = twin(
+            "request_generation_tokens", "Tokens a finished request generated (every choice).",
+            TOKEN_BUCKETS)
+        self.request_max_num_generation_tokens = twin(
+            "request_max_num_generation_tokens", "The most tokens a request could generate "
+            "(its max_tokens, or the context left).", TOKEN_BUCKETS)
+        self.request_params_n = twin("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = twin(
+            "request_params_max_tokens", "The max_tokens request parameter.", TOKEN_BUCKETS)
+        self.request_queue_time = twin(
+            "request_queue_time_seconds", "Time from submission to the engine to the "
+            "scheduler's first admission (waiting).", E2E_BUCKETS)
+        self.request_prefill_time = twin(
+            "request_prefill_time_seconds", "Time from first admission to the first token.",
+            E2E_BUCKETS)
+        self.request_decode_time = twin(
+            "request_decode_time_seconds", "Time from the first token to the last output.",
+            E2E_BUCKETS)
+        self.request_inference_time = twin(
+            "request_inference_time_seconds", "Time from first admission to the last output "
+            "(prefill + decode).", E2E_BUCKETS)
         self.rejected = Counter("radixkv_request_rejected", "Requests answered with an error "
                                 "before reaching the engine, by HTTP status.",
                                 [*names, "status"], registry=reg)

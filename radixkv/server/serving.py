@@ -638,7 +638,7 @@ async def run(state: Any, request_id: str, prompt_ids: list[int], params: Any,
             finished = bool(out.finished)
             if finished:
                 timing.finished = True
-                state.observe_finished(out, timing)
+                state.observe_finished(out, timing, params)
                 tracer = getattr(state, "tracer", None)
                 if tracer is not None:   # --otlp-traces-endpoint: this request's span
                     tracer.request(timing.trace_headers, log_id or request_id,

@@ -101,6 +101,8 @@ def test_long_prefill_threshold_chunks_and_matches_hf(hf_llama):
     out = _run(eng, [(f"r{i}", p, _greedy(7)) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert out[f"r{i}"].outputs[0].token_ids == _hf(hf_llama, p, 7)
+        # the time waiting (submission to first admission) is part of the time to first token
+        assert 0 <= out[f"r{i}"].queue_time <= out[f"r{i}"].ttft
     assert eng.stats()["steps"] >= 29 // 5 + 7   # (uncapped: one prefill step for all)
 
 

@@ -1124,7 +1124,7 @@ def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
     assert ready.raw("GET", "/ping", key=None)[0] == 200
 
     before = ready.metrics()
-    _chat(ready.client(), msgs, temperature=0, max_tokens=2, n=3)
+    reply = _chat(ready.client(), msgs, temperature=0, max_tokens=2, n=3)
     fams = ready.metrics()
     for vname, rname in (("vllm:prefix_cache_queries", "radixkv_prefix_cache_queries"),
                          ("vllm:prefix_cache_hits", "radixkv_prefix_cache_hits"),
@@ -1148,6 +1148,26 @@ def test_vllm_endpoints_and_metric_names(ready: Server, engine: Any) -> None:
     assert total - total_before == 1
     assert sum(_value(fams, "vllm:request_success", finished_reason=r)
                for r in ("stop", "length")) == total
+
+    # the per-request histograms vLLM's dashboards chart: this request's tokens, n, max_tokens
+    # and one observation of each phase (twins under both names)
+    def grew(name: str, suffix: str) -> float:
+        def get(f: dict) -> float:
+            return sum(x.value for x in f[name].samples if x.name == name + suffix)
+        return get(fams) - get(before)
+
+    for prefix in ("vllm:", "radixkv_"):
+        assert grew(prefix + "request_prompt_tokens", "_sum") == reply.usage.prompt_tokens
+        assert grew(prefix + "request_generation_tokens", "_sum") == \
+            reply.usage.completion_tokens
+        assert grew(prefix + "request_params_n", "_sum") == 3
+        assert grew(prefix + "request_params_max_tokens", "_sum") == 2
+        assert grew(prefix + "request_max_num_generation_tokens", "_sum") == 2
+        for phase in ("queue", "prefill", "decode", "inference"):
+            name = f"{prefix}request_{phase}_time_seconds"
+            assert grew(name, "_count") == 1 and grew(name, "_sum") >= 0, name
+        assert grew(f"{prefix}request_inference_time_seconds", "_sum") >= \
+            grew(f"{prefix}request_prefill_time_seconds", "_sum")
 
 
 def test_reset_prefix_cache_drops_what_no_request_holds(ready: Server) -> None:

@@ -45,7 +45,7 @@ def _state(handles: list[_Handle]) -> Any:
 
     return SimpleNamespace(engine=SimpleNamespace(open=open_), model_name="m",
                            metrics=SimpleNamespace(success=_Counter()),
-                           observe_finished=lambda out, timing: None)
+                           observe_finished=lambda out, timing, params=None: None)
 
 
 async def _read(gen: Any, items: int) -> None:

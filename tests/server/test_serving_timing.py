@@ -32,7 +32,7 @@ class _Handle:
 
 def _drain(handles: list[_Handle], params: Any, timing: serving.Timing) -> list[Any]:
     finished: list[Any] = []
-    state = SimpleNamespace(observe_finished=lambda out, t: finished.append(out))
+    state = SimpleNamespace(observe_finished=lambda out, t, params=None: finished.append(out))
 
     async def main() -> None:
         for i, h in enumerate(handles):
