@@ -249,12 +249,13 @@ class ServerState:
         generated = sum(len(c.token_ids) for c in out.outputs)
         m.request_prompt_tokens.labels(lab).observe(len(out.prompt_token_ids))
         m.request_generation_tokens.labels(lab).observe(generated)
+        m.request_max_num_generation_tokens.labels(lab).observe(
+            max((len(c.token_ids) for c in out.outputs), default=0))
         if params is not None:
             m.request_params_n.labels(lab).observe(getattr(params, "n", 1) or 1)
             max_tokens = getattr(params, "max_tokens", None)
             if max_tokens is not None:
                 m.request_params_max_tokens.labels(lab).observe(max_tokens)
-                m.request_max_num_generation_tokens.labels(lab).observe(max_tokens)
         queue = getattr(out, "queue_time", None)
         if queue is not None:   # phases on the engine's clock (its submission, first
             m.request_queue_time.labels(lab).observe(queue)   # admission, first token), the

@@ -282,8 +282,8 @@ class ServerMetrics:
             "request_generation_tokens", "Tokens a finished request generated (every choice).",
             TOKEN_BUCKETS)
         self.request_max_num_generation_tokens = twin(
-            "request_max_num_generation_tokens", "The most tokens a request could generate "
-            "(its max_tokens, or the context left).", TOKEN_BUCKETS)
+            "request_max_num_generation_tokens", "The most tokens one sample of a finished "
+            "request generated (its longest of n).", TOKEN_BUCKETS)
         self.request_params_n = twin("request_params_n", "The n request parameter.", N_BUCKETS)
         self.request_params_max_tokens = twin(
             "request_params_max_tokens", "The max_tokens request parameter.", TOKEN_BUCKETS)
